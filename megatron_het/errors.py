@@ -1,0 +1,34 @@
+"""User-facing errors.
+
+A ``UserError`` is something the user can fix (a bad flag, a missing file, a plan that does not
+fit). Entry points catch it through :func:`run_cli` and print one line, exiting non-zero without a
+traceback. Bugs raise any other exception and keep their traceback.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, NoReturn
+
+
+class UserError(Exception):
+    """An error caused by user input; its message is one line that says how to fix it."""
+
+
+EXIT_USER_ERROR = 2
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``error: message`` to stderr and exit with status 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_USER_ERROR)
+
+
+def run_cli(main: Callable[[], object]) -> None:
+    """Run an entry point, turning a UserError into one line on stderr and exit status 2."""
+    try:
+        main()
+    except UserError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create or reuse a virtualenv and install megatron_het with its pinned dependencies.
+#   VENV=path   where the virtualenv lives (default: .venv in the repository)
+#   PYTHON=exe  interpreter used to create it (default: python3)
+# A torch already importable in the environment (a CUDA or ROCm build, say) is kept;
+# otherwise torch==2.13.0 is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_PIN="torch==2.13.0"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating virtualenv $VENV"
+    # system site-packages stay visible so that a torch the user already has is reused
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+fi
+PY="$VENV/bin/python"
+STAMP="$VENV/.megatron_het_installed"
+WANT="$(cat requirements.txt setup.py pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$PY" -c "import torch, megatron_het" 2>/dev/null; then
+    exit 0
+fi
+PIP=("$PY" -m pip install --disable-pip-version-check -q)
+if "$PY" -c "import torch" 2>/dev/null; then
+    echo "[setup] keeping torch $("$PY" -c 'import torch; print(torch.__version__)')"
+else
+    echo "[setup] installing $TORCH_PIN"
+    "${PIP[@]}" "$TORCH_PIN"
+fi
+echo "[setup] installing pinned dependencies"
+"${PIP[@]}" -r requirements.txt
+"${PIP[@]}" --no-deps --no-build-isolation -e .
+echo "$WANT" > "$STAMP"
+echo "[setup] ready: $VENV"

@@ -1,0 +1,9 @@
+"""Pipeline parallelism: schedules written as data, checked without processes."""
+from __future__ import annotations
+
+from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PBatch,
+                                             ScheduleError, ScheduleReport, Step, build_schedule,
+                                             check_schedule, gpipe, one_f_one_b)
+
+__all__ = ["SCHEDULES", "Action", "ActionKind", "P2PBatch", "ScheduleError", "ScheduleReport",
+           "Step", "build_schedule", "check_schedule", "gpipe", "one_f_one_b"]

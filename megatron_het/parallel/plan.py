@@ -1,0 +1,366 @@
+"""The parallel plan: which ranks run which layers, with which TP degree, on which accelerator.
+
+A plan is a list of pipelines. Each pipeline is one data-parallel (DP) replica of the whole model
+with its own share of the micro-batches of every iteration; its stages run in order, each holding
+a half-open range ``[start, end)`` of global decoder-layer indices. The embedding sits on the
+first stage of every pipeline and the output head on the last. The ranks of a stage are its
+tensor-parallel (TP) group, listed in tp_rank order, so ``ranks[t]`` has tp_rank ``t``.
+
+JSON form ("megatron_het.plan/1")::
+
+    {"format": "megatron_het.plan/1", "micro_batch_size": 2,
+     "pipelines": [{"micro_batches": 4, "stages": [
+         {"accelerator": "emu-fast", "tp": 2, "layers": [0, 1], "ranks": [0, 1]},
+         {"accelerator": "emu-slow", "tp": 1, "layers": [1, 3], "ranks": [2]},
+         {"accelerator": "emu-slow", "tp": 1, "layers": [3, 4], "ranks": [3]}]}]}
+
+Optional keys: ``description``, ``dtype`` (fp32 | bf16 | fp16) and ``use_distributed_optimizer``
+on the plan (absent: the command line decides), ``recompute`` on a stage. Unknown keys are refused.
+
+Loading checks types only; :func:`megatron_het.parallel.plan_validation.validate` checks that the
+plan is consistent and fits a model and a cluster. The queries below assume a validated plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+from megatron_het.errors import UserError
+
+if TYPE_CHECKING:
+    from megatron_het.cluster import ClusterSpec
+    from megatron_het.config import ModelConfig
+
+PLAN_FORMAT = "megatron_het.plan/1"
+PLAN_DTYPES = ("fp32", "bf16", "fp16")
+_PLAN_KEYS = ("format", "micro_batch_size", "pipelines", "description", "dtype",
+              "use_distributed_optimizer")
+_PIPELINE_KEYS = ("micro_batches", "stages")
+_STAGE_KEYS = ("accelerator", "tp", "layers", "ranks", "recompute")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: ``tp`` ranks of one accelerator kind holding layers ``[start, end)``.
+
+    ``ranks`` is the stage's TP group in tp_rank order. ``has_embedding`` / ``has_head`` follow
+    the stage's position: :class:`PipelinePlan` sets them for its first and last stage.
+    """
+
+    accelerator: str
+    tp: int
+    layers: tuple[int, int]
+    ranks: tuple[int, ...]
+    has_embedding: bool = False
+    has_head: bool = False
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    @property
+    def layer_indices(self) -> range:
+        """The global indices of this stage's decoder layers."""
+        return range(self.layers[0], self.layers[1])
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """One DP replica: ``micro_batches`` micro-batches per iteration through ``stages`` in order.
+
+    Construction sets ``has_embedding`` on the first stage and ``has_head`` on the last (and
+    clears them elsewhere), so the flags always match the positions.
+    """
+
+    micro_batches: int
+    stages: tuple[StagePlan, ...]
+
+    def __post_init__(self) -> None:
+        last = len(self.stages) - 1
+        stages = tuple(dataclasses.replace(stage, has_embedding=i == 0, has_head=i == last)
+                       for i, stage in enumerate(self.stages))
+        object.__setattr__(self, "stages", stages)
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.stages)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank of this pipeline, stage by stage, each stage in tp_rank order."""
+        return tuple(rank for stage in self.stages for rank in stage.ranks)
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """What one rank does: its pipeline (DP replica), stage, tp_rank and the stage's plan."""
+
+    pipeline: int
+    stage: int
+    tp_rank: int
+    stage_plan: StagePlan
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_plan.has_embedding
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_plan.has_head
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The whole plan: micro-batch size and the pipelines (DP replicas).
+
+    ``dtype`` and ``use_distributed_optimizer`` are None when the plan leaves them to the
+    command line. The global batch is ``micro_batch_size`` times the sum of the pipelines'
+    micro-batch counts.
+    """
+
+    micro_batch_size: int
+    pipelines: tuple[PipelinePlan, ...]
+    dtype: Optional[str] = None
+    use_distributed_optimizer: Optional[bool] = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pipelines", tuple(self.pipelines))
+
+    # ---- sizes ----------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the plan places (each rank once in a valid plan)."""
+        return sum(len(p.ranks) for p in self.pipelines)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.pipelines)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per iteration over all pipelines."""
+        return self.micro_batch_size * sum(p.micro_batches for p in self.pipelines)
+
+    def pp_size(self, pipeline: int = 0) -> int:
+        return self.pipelines[pipeline].pp_size
+
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank the plan places, ascending."""
+        return tuple(sorted(rank for p in self.pipelines for rank in p.ranks))
+
+    def validate(self, model: "ModelConfig", cluster: Optional["ClusterSpec"] = None,
+                 global_batch_size: Optional[int] = None) -> None:
+        """Raise UserError for the first problem; see :func:`plan_validation.validate`."""
+        from megatron_het.parallel.plan_validation import validate  # imports this module
+        validate(self, model, cluster, global_batch_size)
+
+    # ---- rank queries ---------------------------------------------------------------------
+    def rank_role(self, rank: int) -> RankRole:
+        """The pipeline, stage and tp_rank of ``rank``; UserError if the plan does not place it."""
+        for p, pipeline in enumerate(self.pipelines):
+            for s, stage in enumerate(pipeline.stages):
+                if rank in stage.ranks:
+                    return RankRole(p, s, stage.ranks.index(rank), stage)
+        raise UserError(f"rank {rank} is on no stage of the plan; add it to a stage's ranks or "
+                        f"launch {self.world_size} ranks")
+
+    def ranks_of_stage(self, pipeline: int, stage: int) -> tuple[int, ...]:
+        """The TP group of one stage, in tp_rank order."""
+        return self.pipelines[pipeline].stages[stage].ranks
+
+    def dp_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks holding the same layers and tp_rank as ``rank`` in every pipeline (itself
+        included), in pipeline order: the group over which its gradients are averaged."""
+        role = self.rank_role(rank)
+        group = []
+        for p, pipeline in enumerate(self.pipelines):
+            match = [s for s in pipeline.stages
+                     if s.layers == role.stage_plan.layers and s.tp == role.stage_plan.tp]
+            if not match:
+                raise ValueError(f"pipeline {p} has no stage with layers {role.stage_plan.layers}"
+                                 f" and tp={role.stage_plan.tp}; validate the plan first")
+            group.append(match[0].ranks[role.tp_rank])
+        return tuple(group)
+
+    def dp_peers(self, rank: int) -> tuple[int, ...]:
+        """:meth:`dp_group` without ``rank`` itself."""
+        return tuple(r for r in self.dp_group(rank) if r != rank)
+
+    def first_stage_ranks(self, pipeline: Optional[int] = None) -> tuple[int, ...]:
+        """Ranks of the first stage (the embedding) of one pipeline, or of all, ascending."""
+        return self._end_stage_ranks(pipeline, 0)
+
+    def last_stage_ranks(self, pipeline: Optional[int] = None) -> tuple[int, ...]:
+        """Ranks of the last stage (the head and the loss) of one pipeline, or of all."""
+        return self._end_stage_ranks(pipeline, -1)
+
+    def _end_stage_ranks(self, pipeline: Optional[int], index: int) -> tuple[int, ...]:
+        chosen = self.pipelines if pipeline is None else [self.pipelines[pipeline]]
+        return tuple(sorted(r for p in chosen for r in p.stages[index].ranks))
+
+    def describe(self) -> str:
+        """A few human-readable lines: one per stage, with its ranks and layers."""
+        lines = [f"plan: dp={self.dp_size} micro_batch_size={self.micro_batch_size} "
+                 f"global_batch_size={self.global_batch_size}"]
+        for p, pipeline in enumerate(self.pipelines):
+            lines.append(f"  pipeline {p}: {pipeline.micro_batches} micro-batches")
+            for s, st in enumerate(pipeline.stages):
+                extras = "".join([" +embedding" if st.has_embedding else "",
+                                  " +head" if st.has_head else "",
+                                  " recompute" if st.recompute else ""])
+                lines.append(f"    stage {s}: {st.accelerator} tp={st.tp} ranks="
+                             f"{list(st.ranks)} layers [{st.layers[0]}, {st.layers[1]}){extras}")
+        return "\n".join(lines)
+
+    # ---- JSON -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form; optional keys appear only when set."""
+        out: dict[str, Any] = {"format": PLAN_FORMAT}
+        if self.description:
+            out["description"] = self.description
+        out["micro_batch_size"] = self.micro_batch_size
+        if self.dtype is not None:
+            out["dtype"] = self.dtype
+        if self.use_distributed_optimizer is not None:
+            out["use_distributed_optimizer"] = self.use_distributed_optimizer
+        out["pipelines"] = [{"micro_batches": p.micro_batches,
+                             "stages": [_stage_to_dict(s) for s in p.stages]}
+                            for p in self.pipelines]
+        return out
+
+    def save(self, path: str | Path) -> None:
+        """Write the JSON form to ``path`` (overwrites)."""
+        Path(path).write_text(dumps_plan(self) + "\n")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ParallelPlan":
+        """Parse the JSON form; wrong keys or types raise a one-line UserError."""
+        return _parse_plan(d)
+
+    @classmethod
+    def load(cls, source: str | Path | Mapping[str, Any]) -> "ParallelPlan":
+        """Load a plan from a JSON file path or from an already-parsed mapping."""
+        if isinstance(source, Mapping):
+            return _parse_plan(source)
+        path = Path(source)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise UserError(f"plan file {path} not found; pass an existing --plan path") from None
+        except OSError as exc:
+            raise UserError(f"cannot read plan file {path}: {exc.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"plan file {path} is not valid JSON: {exc.msg} at line "
+                            f"{exc.lineno} column {exc.colno}") from None
+        try:
+            return _parse_plan(data)
+        except UserError as exc:
+            raise UserError(f"{path}: {exc}") from None
+
+
+def dumps_plan(plan: ParallelPlan) -> str:
+    """The JSON text of a plan: one key or stage per line (diff-friendly)."""
+    d = plan.to_dict()
+    pipelines = d.pop("pipelines")
+    lines = [f"  {json.dumps(key)}: {json.dumps(value)}," for key, value in d.items()]
+    blocks = []
+    for p in pipelines:
+        stages = ",\n      ".join(json.dumps(s) for s in p["stages"])
+        blocks.append(f'{{"micro_batches": {p["micro_batches"]}, "stages": [\n      {stages}]}}')
+    lines.append('  "pipelines": [\n    ' + ",\n    ".join(blocks) + "]")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
+    out: dict[str, Any] = {"accelerator": stage.accelerator, "tp": stage.tp,
+                           "layers": list(stage.layers), "ranks": list(stage.ranks)}
+    if stage.recompute:
+        out["recompute"] = True
+    return out
+
+
+# ---- parsing (types and keys only) -------------------------------------------------------
+def _check_keys(where: str, d: Any, known: Sequence[str], required: Sequence[str]) -> None:
+    if not isinstance(d, Mapping):
+        raise UserError(f"{where}: expected a JSON object with keys {', '.join(required)}")
+    unknown = [str(k) for k in d if k not in known]
+    if unknown:
+        raise UserError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(known)}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise UserError(f"{where}: missing key {missing[0]!r}")
+
+
+def _int(where: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{where}: {key} must be an integer, got {value!r}")
+    return value
+
+
+def _bool(where: str, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise UserError(f"{where}: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _parse_stage(where: str, d: Any) -> StagePlan:
+    _check_keys(where, d, _STAGE_KEYS, ("accelerator", "tp", "layers", "ranks"))
+    if not isinstance(d["accelerator"], str) or not d["accelerator"]:
+        raise UserError(f"{where}: accelerator must be a kind name such as \"H100\", "
+                        f"got {d['accelerator']!r}")
+    layers = d["layers"]
+    if not isinstance(layers, list) or len(layers) != 2:
+        raise UserError(f"{where}: layers must be [first, end) as two integers, got {layers!r}")
+    ranks = d["ranks"]
+    if not isinstance(ranks, list):
+        raise UserError(f"{where}: ranks must be a list of integers, got {ranks!r}")
+    return StagePlan(accelerator=d["accelerator"], tp=_int(where, "tp", d["tp"]),
+                     layers=(_int(where, "layers", layers[0]), _int(where, "layers", layers[1])),
+                     ranks=tuple(_int(where, "ranks", r) for r in ranks),
+                     recompute=_bool(where, "recompute", d.get("recompute", False)))
+
+
+def _parse_pipeline(index: int, d: Any) -> PipelinePlan:
+    where = f"pipeline {index}"
+    _check_keys(where, d, _PIPELINE_KEYS, _PIPELINE_KEYS)
+    stages = d["stages"]
+    if not isinstance(stages, list) or not stages:
+        raise UserError(f"{where}: stages must be a non-empty list of stages")
+    return PipelinePlan(
+        micro_batches=_int(where, "micro_batches", d["micro_batches"]),
+        stages=tuple(_parse_stage(f"stage {s} of {where}", st) for s, st in enumerate(stages)))
+
+
+def _parse_plan(d: Any) -> ParallelPlan:
+    _check_keys("plan", d, _PLAN_KEYS, ("format", "micro_batch_size", "pipelines"))
+    if d["format"] != PLAN_FORMAT:
+        raise UserError(f"plan: format must be {PLAN_FORMAT!r}, got {d['format']!r}")
+    pipelines = d["pipelines"]
+    if not isinstance(pipelines, list) or not pipelines:
+        raise UserError("plan: pipelines must be a non-empty list (one per data-parallel "
+                        "replica)")
+    dtype = d.get("dtype")
+    if dtype is not None and dtype not in PLAN_DTYPES:
+        raise UserError(f"plan: dtype must be one of {', '.join(PLAN_DTYPES)}, got {dtype!r}")
+    distributed = d.get("use_distributed_optimizer")
+    description = d.get("description", "")
+    if not isinstance(description, str):
+        raise UserError(f"plan: description must be a string, got {description!r}")
+    return ParallelPlan(
+        micro_batch_size=_int("plan", "micro_batch_size", d["micro_batch_size"]),
+        pipelines=tuple(_parse_pipeline(i, p) for i, p in enumerate(pipelines)),
+        dtype=dtype,
+        use_distributed_optimizer=(None if distributed is None
+                                   else _bool("plan", "use_distributed_optimizer", distributed)),
+        description=description)

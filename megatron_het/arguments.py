@@ -1,0 +1,291 @@
+"""Megatron-style command line -> frozen configs (the only module that parses argv).
+
+Flag names follow Megatron-LM where it has one. The model shape comes from ``--model PRESET``
+with explicit shape flags overriding the preset's fields, or from the shape flags alone. The
+vocabulary is only known once the tokenizer is loaded, so parsing yields a :class:`ModelSpec` and
+:func:`resolve_model_config` turns it into a :class:`ModelConfig`.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Optional, Sequence
+
+from megatron_het.config import (MODEL_PRESETS, DataConfig, ModelConfig, OptimizerConfig,
+                                 TrainConfig, model_preset)
+from megatron_het.errors import UserError
+from megatron_het.optim.lr_schedule import DECAY_STYLES, LRSchedule
+
+PROG = "pretrain_llama.py"
+
+# Shape flags (argparse dest) -> ModelConfig field; None means "not given on the command line".
+_SHAPE_FLAGS = {
+    "num_layers": "num_layers", "hidden_size": "hidden_size",
+    "ffn_hidden_size": "ffn_hidden_size", "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_query_groups",
+    "max_position_embeddings": "max_position_embeddings", "rotary_base": "rope_theta",
+    "norm_epsilon": "norm_eps", "init_method_std": "init_method_std",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as the command line describes it, before the vocabulary is known.
+
+    ``overrides`` maps ModelConfig fields to values given explicitly by shape flags.
+    ``vocab_size`` is the exact model vocabulary (``--vocab-size`` with a tokenizer other than
+    NullTokenizer), else None: the preset's, or the tokenizer's padded to a multiple of
+    ``make_vocab_size_divisible_by``.
+    """
+
+    preset: Optional[str]
+    overrides: dict[str, Any] = field(default_factory=dict)
+    make_vocab_size_divisible_by: int = 128
+    vocab_size: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one pretraining run is configured with."""
+
+    model: ModelSpec
+    data: DataConfig
+    optimizer: OptimizerConfig
+    train: TrainConfig
+    argv: tuple[str, ...] = ()
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as a UserError (one line, exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message}; see {PROG} --help")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, metavar="PRESET",
+                   help=f"model preset ({', '.join(sorted(MODEL_PRESETS))}); shape flags "
+                        "given explicitly override its fields")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--ffn-hidden-size", type=int, help="default without a preset: 4 * hidden")
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--num-query-groups", type=int,
+                   help="key/value heads (GQA); default without a preset: attention heads")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="accepted for Megatron compatibility; --num-query-groups always applies")
+    g.add_argument("--max-position-embeddings", type=int,
+                   help="default without a preset: --seq-length")
+    g.add_argument("--rotary-base", type=float, help="RoPE theta (default 10000)")
+    g.add_argument("--norm-epsilon", type=float, help="RMSNorm epsilon (default 1e-5)")
+    g.add_argument("--init-method-std", type=float, help="weight init std (default 0.02)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output matrix; without it a preset decides, and a model "
+                        "built from shape flags alone is tied (Megatron's default)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the tokenizer's vocabulary up to a multiple of this (default 128)")
+
+
+def _add_training_flags(p: argparse.ArgumentParser) -> None:
+    t, o = TrainConfig(), OptimizerConfig()
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration; a multiple of --micro-batch-size (the rest is "
+                        "gradient accumulation); default: --micro-batch-size")
+    g.add_argument("--train-iters", type=int, default=t.train_iters)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, with --save) once the iteration is a multiple")
+    g.add_argument("--seed", type=int, default=t.seed)
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast, fp32 master weights")
+    g.add_argument("--fp16", action="store_true", help="not supported; use --bf16 or fp32")
+    g.add_argument("--lr", type=float, default=o.lr)
+    g.add_argument("--min-lr", type=float, default=o.min_lr)
+    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default=o.lr_decay_style)
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="iteration at which the LR reaches --min-lr (default --train-iters)")
+    g.add_argument("--lr-warmup-iters", type=int, default=o.lr_warmup_iters)
+    g.add_argument("--weight-decay", type=float, default=o.weight_decay,
+                   help="AdamW decay on >= 2-D weights; norms (1-D) get none")
+    g.add_argument("--adam-beta1", type=float, default=o.adam_beta1)
+    g.add_argument("--adam-beta2", type=float, default=o.adam_beta2)
+    g.add_argument("--adam-eps", type=float, default=o.adam_eps)
+    g.add_argument("--clip-grad", type=float, default=o.clip_grad,
+                   help="global gradient-norm limit; 0 disables clipping")
+
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+    d = DataConfig()
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="dataset prefixes (PREFIX.bin/.idx), or weight prefix pairs to blend")
+    g.add_argument("--mock-data", action="store_true",
+                   help="synthetic uniformly random tokens instead of --data-path")
+    g.add_argument("--split", default=d.split, help="train,valid,test document proportions")
+    g.add_argument("--seq-length", type=int, default=d.seq_length)
+    g.add_argument("--tokenizer-type", default=d.tokenizer_type,
+                   help="SentencePieceTokenizer (needs --tokenizer-model) or NullTokenizer "
+                        "(needs --vocab-size)")
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer: token ids in the data (its eod id is this value); other "
+                        "tokenizers: the model's exact vocabulary (>= the tokenizer's)")
+
+
+def _add_io_flags(p: argparse.ArgumentParser) -> None:
+    t = TrainConfig()
+    g = p.add_argument_group("checkpoints and logging")
+    g.add_argument("--save", default=None, help="checkpoint directory to write")
+    g.add_argument("--load", default=None,
+                   help="checkpoint to resume from: a --save directory (its latest iteration) "
+                        "or one iter_XXXXXXX directory. A model-only checkpoint (e.g. converted "
+                        "weights) starts a fresh optimizer at iteration 0. When --load equals "
+                        "--save and holds no checkpoint yet, training starts from scratch")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--eval-interval", type=int, default=t.eval_interval)
+    g.add_argument("--eval-iters", type=int, default=t.eval_iters,
+                   help="global batches of the valid split per evaluation (the same ones "
+                        "every time); 0 disables evaluation")
+    g.add_argument("--log-interval", type=int, default=t.log_interval)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--metrics-file", default=None, metavar="PATH",
+                   help="JSON lines: one per iteration (split 'train') and one per evaluation "
+                        "(split 'valid'). Truncated at a fresh start; on resume, lines past the "
+                        "loaded iteration are dropped and new ones appended")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pretrain_llama.py`` parser; its errors raise UserError instead of exiting."""
+    p = _OneLineParser(prog=PROG, description="Pretrain a Llama model (Megatron-style flags).")
+    for add in (_add_model_flags, _add_training_flags, _add_data_flags, _add_io_flags):
+        add(p)
+    return p
+
+
+def _check_positive(args: argparse.Namespace, names: Sequence[str], minimum: int = 1) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} must be at least {minimum}, got {value}")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    _check_positive(args, ("micro_batch_size", "global_batch_size", "train_iters", "seq_length",
+                           "log_interval", "eval_interval", "save_interval", "exit_interval",
+                           "make_vocab_size_divisible_by", *_SHAPE_FLAGS.keys() - {
+                               "rotary_base", "norm_epsilon", "init_method_std"}))
+    _check_positive(args, ("eval_iters", "lr_warmup_iters"), minimum=0)
+    if args.global_batch_size % args.micro_batch_size:
+        raise UserError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                        f"--micro-batch-size {args.micro_batch_size}; use a multiple of it")
+    if args.fp16:
+        raise UserError("--fp16 is not supported (it needs loss scaling); use --bf16, or drop "
+                        "the flag for fp32")
+    if not args.mock_data and not args.data_path:
+        raise UserError("no training data: pass --data-path PREFIX [PREFIX ...] or --mock-data")
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None:
+            raise UserError("--tokenizer-type NullTokenizer needs --vocab-size N")
+    elif not args.tokenizer_model:
+        raise UserError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model PATH")
+    if args.save_interval is not None and not args.save:
+        raise UserError("--save-interval needs --save DIR")
+
+
+def _model_spec(args: argparse.Namespace) -> ModelSpec:
+    overrides = {field_name: getattr(args, dest) for dest, field_name in _SHAPE_FLAGS.items()
+                 if getattr(args, dest) is not None}
+    if args.untie_embeddings_and_output_weights:
+        overrides["tie_embeddings"] = False
+    exact_vocab = args.vocab_size if args.tokenizer_type != "NullTokenizer" else None
+    return ModelSpec(preset=args.model, overrides=overrides, vocab_size=exact_vocab,
+                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+
+
+def parse_run_config(argv: Sequence[str]) -> RunConfig:
+    """Parse ``argv`` (without the program name) into a validated :class:`RunConfig`.
+
+    Checks everything that needs no file: flag values, batch divisibility, the model shape
+    (with a placeholder vocabulary) against ``--seq-length``, and the LR schedule. Raises
+    UserError with one line on any problem.
+    """
+    args = build_parser().parse_args(list(argv))
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size
+    _validate(args)
+    spec = _model_spec(args)
+    resolve_model_config(spec, tokenizer_vocab_size=1, seq_length=args.seq_length)
+    data = DataConfig(data_path=tuple(args.data_path or ()), split=args.split,
+                      seq_length=args.seq_length, tokenizer_type=args.tokenizer_type,
+                      tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+                      seed=args.seed, mock_data=args.mock_data)
+    optimizer = OptimizerConfig(
+        lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=args.lr_decay_iters, lr_warmup_iters=args.lr_warmup_iters,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, clip_grad=args.clip_grad)
+    LRSchedule.from_config(optimizer, args.train_iters)  # validates the schedule
+    train = TrainConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters, exit_interval=args.exit_interval, bf16=args.bf16,
+        seed=args.seed, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        log_interval=args.log_interval, save=args.save, load=args.load,
+        save_interval=args.save_interval, tensorboard_dir=args.tensorboard_dir,
+        metrics_file=args.metrics_file)
+    return RunConfig(model=spec, data=data, optimizer=optimizer, train=train, argv=tuple(argv))
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple`` (Megatron's vocab padding)."""
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _base_fields(spec: ModelSpec) -> dict[str, Any]:
+    if spec.preset is not None:
+        return model_preset(spec.preset).to_dict()
+    missing = [flag for flag, name in (("--num-layers", "num_layers"),
+                                       ("--hidden-size", "hidden_size"),
+                                       ("--num-attention-heads", "num_attention_heads"))
+               if name not in spec.overrides]
+    if missing:
+        raise UserError(f"no model shape: pass --model PRESET or {', '.join(missing)}")
+    hidden = spec.overrides["hidden_size"]
+    return {"name": "custom", "ffn_hidden_size": 4 * hidden, "tie_embeddings": True,
+            "num_query_groups": spec.overrides["num_attention_heads"]}
+
+
+def resolve_model_config(spec: ModelSpec, tokenizer_vocab_size: int,
+                         seq_length: int) -> ModelConfig:
+    """The ModelConfig for ``spec`` once the tokenizer's vocabulary size is known.
+
+    Vocabulary: ``spec.vocab_size`` if set, else the preset's, else the tokenizer's padded to
+    ``spec.make_vocab_size_divisible_by``; it must hold every tokenizer id. Without a preset,
+    ``max_position_embeddings`` defaults to ``seq_length``. Raises UserError for a shape that
+    does not work or a ``seq_length`` beyond the model's positions.
+    """
+    fields = _base_fields(spec)
+    fields.update(spec.overrides)
+    fields.setdefault("max_position_embeddings", seq_length)
+    if spec.vocab_size is not None:
+        vocab, source = spec.vocab_size, f"--vocab-size {spec.vocab_size}"
+    elif spec.preset is not None:
+        vocab, source = fields["vocab_size"], f"--model {spec.preset}"
+    else:
+        vocab = padded_vocab_size(tokenizer_vocab_size, spec.make_vocab_size_divisible_by)
+        source = "padded tokenizer vocabulary"
+    if vocab < tokenizer_vocab_size:
+        hint = ("pass --vocab-size of at least that" if spec.preset is not None
+                and spec.vocab_size is None else "raise --vocab-size")
+        raise UserError(f"{source} gives a {vocab}-token model vocabulary but the tokenizer has "
+                        f"{tokenizer_vocab_size} tokens; {hint}, or use a model whose "
+                        "vocabulary holds the tokenizer's")
+    fields["vocab_size"] = vocab
+    config = ModelConfig.from_dict(fields)
+    if seq_length > config.max_position_embeddings:
+        raise UserError(f"--seq-length {seq_length} exceeds the model's "
+                        f"--max-position-embeddings {config.max_position_embeddings}; lower "
+                        "--seq-length or raise --max-position-embeddings")
+    return config

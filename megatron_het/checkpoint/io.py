@@ -1,0 +1,335 @@
+"""Checkpoint files on disk: sharded model tensors, training state, atomic commit.
+
+Layout of a ``--save`` directory::
+
+    SAVE/latest_checkpointed_iteration.txt      the committed iteration (written last)
+    SAVE/iter_0000012/metadata.json             model config, shard counts, run metadata
+    SAVE/iter_0000012/model_shard_00000.pt      tensors under GLOBAL names + their placement
+    SAVE/iter_0000012/train_state_00000.pt      optimizer (by name), schedule, RNG, counters
+
+A model shard holds, per tensor, the piece it stores, the tensor's global shape and the offset of
+the piece along every dimension. A single process writes one shard of full tensors; a parallel run
+writes one shard per rank and :func:`load_model_state` assembles full tensors from all of them.
+
+An iteration is written into a hidden staging directory in SAVE, fsync'ed, renamed into place and
+only then recorded in the tracker file, so a crash mid-save leaves the previous checkpoint the
+one that loads; stale staging directories are removed by the next save.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import pathlib
+import shutil
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from megatron_het.config import ModelConfig
+from megatron_het.errors import UserError
+
+PathLike = Union[str, os.PathLike]
+FORMAT_VERSION = 1
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+METADATA_FILE = "metadata.json"
+_STAGING_PREFIX = ".staging_iter_"
+_TRASH_PREFIX = ".trash_iter_"
+
+
+def iteration_dir_name(iteration: int) -> str:
+    """``iter_0000012`` for iteration 12."""
+    return f"iter_{iteration:07d}"
+
+
+def model_shard_name(shard_index: int) -> str:
+    """``model_shard_00003.pt`` for shard 3 (one shard per saving rank)."""
+    return f"model_shard_{shard_index:05d}.pt"
+
+
+def train_state_name(shard_index: int) -> str:
+    """``train_state_00003.pt`` for shard 3."""
+    return f"train_state_{shard_index:05d}.pt"
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """A piece of a global tensor: ``tensor`` sits at ``offsets`` inside ``global_shape``."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def full(cls, tensor: torch.Tensor) -> "TensorPiece":
+        """The whole tensor as its own single piece."""
+        return cls(tensor, tuple(tensor.shape), (0,) * tensor.dim())
+
+
+# ---- writing ---------------------------------------------------------------------------------
+def _fsync_dir(directory: pathlib.Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_torch(obj: Any, path: pathlib.Path) -> None:
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _write_json(obj: Any, path: pathlib.Path) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(obj, handle, indent=2, sort_keys=True, default=str)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor owning exactly its elements (torch.save writes a view's whole storage)."""
+    tensor = tensor.detach().cpu()
+    if (not tensor.is_contiguous()
+            or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()):
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def write_model_shard(directory: PathLike, shard_index: int,
+                      pieces: dict[str, TensorPiece]) -> pathlib.Path:
+    """Write one model shard (CPU copies of the pieces) into ``directory``; returns its path."""
+    path = pathlib.Path(directory) / model_shard_name(shard_index)
+    payload = {"format_version": FORMAT_VERSION,
+               "tensors": {n: _compact(p.tensor) for n, p in pieces.items()},
+               "global_shapes": {n: list(p.global_shape) for n, p in pieces.items()},
+               "offsets": {n: list(p.offsets) for n, p in pieces.items()}}
+    _save_torch(payload, path)
+    return path
+
+
+def write_train_state(directory: PathLike, shard_index: int, train_state: dict) -> pathlib.Path:
+    """Write one training-state file into ``directory``; returns its path."""
+    path = pathlib.Path(directory) / train_state_name(shard_index)
+    _save_torch(train_state, path)
+    return path
+
+
+def remove_stale_staging(save_dir: PathLike) -> None:
+    """Delete staging/trash directories left behind by an interrupted save."""
+    root = pathlib.Path(save_dir)
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if entry.is_dir() and entry.name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def begin_checkpoint(save_dir: PathLike, iteration: int) -> pathlib.Path:
+    """Create (empty) and return the staging directory for ``iteration`` inside ``save_dir``."""
+    root = pathlib.Path(save_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(root)
+    staging = root / f"{_STAGING_PREFIX}{iteration:07d}_{os.getpid()}"
+    staging.mkdir()
+    return staging
+
+
+def commit_checkpoint(staging: pathlib.Path, save_dir: PathLike, iteration: int,
+                      metadata: dict[str, Any]) -> pathlib.Path:
+    """Write metadata.json, move ``staging`` to ``iter_XXXXXXX`` and point the tracker at it.
+
+    Side effects: replaces an existing directory of the same iteration; the tracker file is
+    replaced atomically last.
+    """
+    root = pathlib.Path(save_dir)
+    _write_json(metadata, staging / METADATA_FILE)
+    _fsync_dir(staging)
+    final = root / iteration_dir_name(iteration)
+    trash = None
+    if final.exists():
+        trash = root / f"{_TRASH_PREFIX}{iteration:07d}_{os.getpid()}"
+        os.replace(final, trash)
+    os.replace(staging, final)
+    _fsync_dir(root)
+    tracker_tmp = root / f".{TRACKER_FILE}.tmp"
+    with open(tracker_tmp, "w", encoding="utf-8") as handle:
+        handle.write(f"{iteration}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tracker_tmp, root / TRACKER_FILE)
+    _fsync_dir(root)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    return final
+
+
+def save_checkpoint(save_dir: PathLike, iteration: int, model_config: ModelConfig,
+                    model_state: dict[str, torch.Tensor], train_state: Optional[dict] = None,
+                    metadata: Optional[dict] = None) -> pathlib.Path:
+    """Save full (unsharded) model tensors and optional training state as ``iteration``.
+
+    ``model_state`` maps global parameter names to full tensors (any device; CPU copies are
+    written). ``train_state`` is any ``torch.save``-able dict of tensors and plain values (None
+    for a model-only checkpoint, e.g. converted weights). ``metadata`` (JSON-able; other values
+    are written with ``str``) is merged into metadata.json. Returns the iteration directory.
+    """
+    staging = begin_checkpoint(save_dir, iteration)
+    try:
+        write_model_shard(staging, 0, {n: TensorPiece.full(t) for n, t in model_state.items()})
+        if train_state is not None:
+            write_train_state(staging, 0, train_state)
+        info = dict(metadata or {})
+        info.update({"format_version": FORMAT_VERSION, "iteration": int(iteration),
+                     "model_config": model_config.to_dict(), "num_model_shards": 1,
+                     "num_train_state_shards": 0 if train_state is None else 1})
+        return commit_checkpoint(staging, save_dir, iteration, info)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+# ---- reading ---------------------------------------------------------------------------------
+def read_latest_iteration(save_dir: PathLike) -> Optional[int]:
+    """The iteration recorded in ``save_dir``'s tracker file, or None when there is none."""
+    tracker = pathlib.Path(save_dir) / TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text(encoding="utf-8").strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"{tracker} holds {text[:40]!r} instead of an iteration number; "
+                        "fix or delete that file") from None
+
+
+def resolve_checkpoint_dir(path: PathLike, iteration: Optional[int] = None) -> pathlib.Path:
+    """The ``iter_XXXXXXX`` directory meant by ``path``.
+
+    ``path`` is either an iteration directory (holding metadata.json) or a save directory; in the
+    latter, ``iteration`` picks one, else the tracker's latest. Raises UserError when nothing
+    loadable is there.
+    """
+    root = pathlib.Path(path)
+    if not root.exists():
+        raise UserError(f"checkpoint path {root} does not exist; pass a --save directory or "
+                        "one of its iter_XXXXXXX directories")
+    if (root / METADATA_FILE).is_file():
+        return root
+    if iteration is None:
+        iteration = read_latest_iteration(root)
+        if iteration is None:
+            raise UserError(f"no checkpoint in {root}: it has neither {TRACKER_FILE} nor "
+                            f"{METADATA_FILE}; pass a --save directory or an iter_XXXXXXX "
+                            "directory")
+    directory = root / iteration_dir_name(iteration)
+    if not (directory / METADATA_FILE).is_file():
+        raise UserError(f"checkpoint {directory} is missing or incomplete (no {METADATA_FILE}); "
+                        "pick another iteration or save directory")
+    return directory
+
+
+def load_checkpoint_metadata(path: PathLike, iteration: Optional[int] = None) -> dict[str, Any]:
+    """metadata.json of the checkpoint at ``path`` (see :func:`resolve_checkpoint_dir`).
+
+    Always holds ``iteration``, ``model_config`` (a ModelConfig dict), ``num_model_shards`` and
+    ``num_train_state_shards``, plus whatever the saver added.
+    """
+    directory = resolve_checkpoint_dir(path, iteration)
+    try:
+        with open(directory / METADATA_FILE, encoding="utf-8") as handle:
+            metadata = json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read {directory / METADATA_FILE} ({exc}); the checkpoint is "
+                        "damaged, load another one") from None
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{directory} has checkpoint format {metadata.get('format_version')!r}, "
+                        f"this version reads format {FORMAT_VERSION}")
+    return metadata
+
+
+def _load_file(path: pathlib.Path, map_location: Any) -> Any:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, "
+                        "load another one") from None
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"cannot read checkpoint file {path} ({first_line}); "
+                        "the checkpoint is damaged, load another one") from None
+
+
+class _Assembler:
+    """Collects the pieces of one global tensor and checks that together they cover it."""
+
+    def __init__(self, name: str, global_shape: Sequence[int]) -> None:
+        self.name = name
+        self.global_shape = tuple(global_shape)
+        self.full: Optional[torch.Tensor] = None
+        self.covered: Optional[torch.Tensor] = None  # None once a whole-tensor piece arrived
+
+    def add(self, piece: torch.Tensor, offsets: Sequence[int]) -> None:
+        if len(offsets) != len(self.global_shape) or piece.dim() != len(offsets) or any(
+                o < 0 or o + s > g for o, s, g in zip(offsets, piece.shape, self.global_shape)):
+            raise UserError(f"checkpoint tensor {self.name}: a piece of shape "
+                            f"{tuple(piece.shape)} at {tuple(offsets)} lies outside "
+                            f"{self.global_shape}; the checkpoint is damaged")
+        if tuple(piece.shape) == self.global_shape:
+            if self.full is None:  # the common case: a whole tensor, kept without a copy
+                self.full = piece
+            elif self.covered is not None:
+                self.full.copy_(piece)
+            self.covered = None
+            return
+        if self.full is None:
+            self.full = torch.zeros(self.global_shape, dtype=piece.dtype, device=piece.device)
+            self.covered = torch.zeros(self.global_shape, dtype=torch.bool)
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
+        self.full[index] = piece  # a replica of a whole tensor already held is harmless here
+        if self.covered is not None:
+            self.covered[index] = True
+
+    def result(self) -> torch.Tensor:
+        assert self.full is not None
+        if self.covered is not None and not bool(self.covered.all()):
+            raise UserError(f"checkpoint tensor {self.name} is only partly covered by its "
+                            "shards; the checkpoint is incomplete, load another one")
+        return self.full
+
+
+def load_model_state(path: PathLike, iteration: Optional[int] = None, map_location: Any = "cpu"
+                     ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model config and FULL tensors (by global name) of the checkpoint at ``path``.
+
+    Reads every ``model_shard_*.pt`` listed by the metadata and assembles each tensor from its
+    pieces, whatever the parallel layout that wrote them; raises UserError if a piece is missing.
+    """
+    directory = resolve_checkpoint_dir(path, iteration)
+    metadata = load_checkpoint_metadata(directory)
+    assemblers: dict[str, _Assembler] = {}
+    for shard_index in range(int(metadata["num_model_shards"])):
+        payload = _load_file(directory / model_shard_name(shard_index), map_location)
+        for name, piece in payload["tensors"].items():
+            shape = payload["global_shapes"][name]
+            assembler = assemblers.setdefault(name, _Assembler(name, shape))
+            if assembler.global_shape != tuple(shape):
+                raise UserError(f"checkpoint tensor {name} has global shape {tuple(shape)} in "
+                                f"shard {shard_index} but {assembler.global_shape} elsewhere; "
+                                "the checkpoint is damaged")
+            assembler.add(piece, payload["offsets"][name])
+    config = ModelConfig.from_dict(metadata["model_config"])
+    return config, {name: assembler.result() for name, assembler in assemblers.items()}
+
+
+def load_train_state(path: PathLike, iteration: Optional[int] = None) -> Optional[dict]:
+    """The training state saved with the checkpoint, or None for a model-only checkpoint."""
+    directory = resolve_checkpoint_dir(path, iteration)
+    metadata = load_checkpoint_metadata(directory)
+    if int(metadata.get("num_train_state_shards", 0)) == 0:
+        return None
+    return _load_file(directory / train_state_name(0), "cpu")

@@ -1,0 +1,135 @@
+"""Training logs: Megatron-style lines on stdout, tensorboard scalars and a JSON-lines file.
+
+Every iteration goes to the metrics file and tensorboard; stdout gets one line per
+``--log-interval`` iterations with the interval's mean loss and time per iteration.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Any, Optional, TextIO
+
+from megatron_het.config import ModelConfig, TrainConfig
+
+
+def _rewrite_metrics_upto(path: pathlib.Path, last_iteration: int) -> None:
+    """Keep only the lines of iterations ``<= last_iteration`` (those of the loaded checkpoint)."""
+    if not path.exists():
+        return
+    kept = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if int(record.get("iteration", 0)) <= last_iteration:
+                kept.append(json.dumps(record))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class TrainingLogger:
+    """Writes the per-iteration and evaluation metrics of one run.
+
+    Side effects on construction: truncates ``--metrics-file`` at a fresh start
+    (``start_iteration == 0``) or drops its lines past ``start_iteration`` on resume, and opens a
+    tensorboard writer in ``--tensorboard-dir``. ``num_devices`` divides the TFLOP/s.
+    """
+
+    def __init__(self, train: TrainConfig, model_config: ModelConfig, seq_length: int,
+                 start_iteration: int, num_devices: int = 1, out: TextIO = sys.stdout) -> None:
+        self.train = train
+        self.out = out
+        self.tokens_per_iteration = train.global_batch_size * seq_length
+        self.flops_per_iteration = model_config.flops_per_token(seq_length) * (
+            self.tokens_per_iteration)
+        self.num_devices = num_devices
+        self._interval: list[tuple[float, float]] = []  # (loss, seconds) since the last line
+        self._metrics: Optional[TextIO] = None
+        if train.metrics_file:
+            path = pathlib.Path(train.metrics_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if start_iteration > 0:
+                _rewrite_metrics_upto(path, start_iteration)
+            self._metrics = open(path, "a" if start_iteration > 0 else "w", encoding="utf-8")
+        self._writer = None
+        if train.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=train.tensorboard_dir)
+
+    def print(self, message: str) -> None:
+        """One line (or block) of the run's log on ``out``, flushed at once."""
+        print(message, file=self.out, flush=True)
+
+    def _write_record(self, record: dict[str, Any]) -> None:
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()
+
+    def _scalars(self, iteration: int, values: dict[str, float]) -> None:
+        if self._writer is not None:
+            for tag, value in values.items():
+                self._writer.add_scalar(tag, value, iteration)
+
+    def log_train(self, iteration: int, consumed_samples: int, loss: float, lr: float,
+                  grad_norm: float, iteration_time_s: float) -> None:
+        """Record one iteration; prints the interval summary when ``iteration`` closes one."""
+        iteration_time_s = max(iteration_time_s, 1e-9)
+        tokens_per_s = self.tokens_per_iteration / iteration_time_s
+        tflops = self.flops_per_iteration / iteration_time_s / self.num_devices / 1e12
+        self._write_record({"split": "train", "iteration": iteration,
+                            "consumed_samples": consumed_samples, "loss": loss, "lr": lr,
+                            "grad_norm": grad_norm, "iteration_time_s": iteration_time_s,
+                            "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+                            "global_batch_size": self.train.global_batch_size})
+        self._scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
+                                  "iteration-time": iteration_time_s,
+                                  "tokens-per-second": tokens_per_s,
+                                  "tflops-per-device": tflops})
+        self._interval.append((loss, iteration_time_s))
+        if iteration % self.train.log_interval == 0 or iteration == self.train.train_iters:
+            self._print_interval(iteration, consumed_samples, lr, grad_norm)
+
+    def _print_interval(self, iteration: int, consumed_samples: int, lr: float,
+                        grad_norm: float) -> None:
+        count = len(self._interval)
+        mean_loss = sum(loss for loss, _ in self._interval) / count
+        mean_time = sum(seconds for _, seconds in self._interval) / count
+        self._interval.clear()
+        tflops = self.flops_per_iteration / mean_time / self.num_devices / 1e12
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.print(
+            f" [{stamp}] iteration {iteration:8d}/{self.train.train_iters:8d} |"
+            f" consumed samples: {consumed_samples:12d} |"
+            f" elapsed time per iteration (ms): {mean_time * 1000:.1f} |"
+            f" learning rate: {lr:.6E} | global batch size: {self.train.global_batch_size:5d} |"
+            f" lm loss: {mean_loss:.6E} | grad norm: {grad_norm:.3f} |"
+            f" tokens per second: {self.tokens_per_iteration / mean_time:.1f} |"
+            f" throughput per device (TFLOP/s/device): {tflops:.4g} |")
+
+    def log_eval(self, iteration: int, consumed_samples: int, loss: float) -> None:
+        """Record one evaluation of the valid split."""
+        ppl = math.exp(min(loss, 20.0))
+        self._write_record({"split": "valid", "iteration": iteration,
+                            "consumed_samples": consumed_samples, "loss": loss, "ppl": ppl})
+        self._scalars(iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl})
+        text = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+                f" lm loss PPL: {ppl:.6E} |")
+        rule = "-" * (len(text) + 1)
+        self.print(f"{rule}\n{text}\n{rule}")
+
+    def close(self) -> None:
+        """Flush and close the metrics file and the tensorboard writer."""
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,211 @@
+"""Compute cost of one decoder layer, the embedding and the head: FLOPs, bytes and roofline time.
+
+All figures are per tensor-parallel rank and per micro-batch of ``micro_batch`` sequences of
+``seq`` tokens, with Megatron's TP layout and no sequence parallelism: QKV and the MLP's gate/up
+are column-parallel, the attention projection and MLP down are row-parallel, the norms and
+residual adds are replicated on every TP rank, the embedding and the head are vocab-parallel.
+
+A GEMM of ``[m, k] x [k, n]`` costs ``2 m n k`` FLOPs and moves ``(m k + k n + m n)`` elements; its
+roofline time is ``max(flops / (peak * gemm), bytes / (bandwidth * memory))`` with the
+efficiency factors of :class:`Efficiency`. Attention is a flash-style kernel with its own
+factor; norms, RoPE, SwiGLU and residual adds are memory-bound. Backward costs twice the
+forward for GEMMs (input and weight gradients) and for memory-bound ops.
+
+Emulated kinds: their spec figures are the host CPU's divided by the slowdown (see
+:mod:`megatron_het.cluster.accelerators`), so the estimate is made for the host (figures times
+the slowdown) and then multiplied by the slowdown, as an emulated run waits that much longer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from megatron_het.cluster import AcceleratorSpec
+from megatron_het.config import ModelConfig
+from megatron_het.errors import UserError
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP32_BYTES = 4
+
+# Large bf16/fp16 GEMMs on current GPUs reach about 60-75% of the dense datasheet peak
+# (cuBLAS/hipBLASLt on the layer shapes of multi-billion models); 0.6 is the low end.
+GEMM_EFFICIENCY = 0.6
+# Flash attention forward reaches roughly 35-50% of peak on H100-class parts; its backward less.
+ATTENTION_EFFICIENCY = 0.4
+# Streaming kernels (norms, elementwise, optimizer) reach about 80% of the HBM bandwidth.
+MEMORY_EFFICIENCY = 0.8
+# A causal kernel skips the masked half of the S x S scores; model FLOPs still count all of it.
+CAUSAL_ATTENTION_WORK = 0.5
+# Flash attention's backward recomputes the scores: about 2.5x the forward work (not 2x).
+ATTENTION_BACKWARD_FACTOR = 2.5
+# Adam step, bytes moved per parameter with bf16/fp16 weights: read+write the fp32 master
+# weight, exp_avg and exp_avg_sq (24), read the fp32 main grad (4), write the low-precision
+# weight (2), zero the grad buffer (4). With fp32 weights there is no separate master (32).
+OPTIMIZER_BYTES_PER_PARAM = {"bf16": 34, "fp16": 34, "fp32": 32}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the datasheet figures that kernels reach; see the module constants."""
+
+    gemm: float = GEMM_EFFICIENCY
+    attention: float = ATTENTION_EFFICIENCY
+    memory: float = MEMORY_EFFICIENCY
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What a decoder layer's cost depends on: the model's widths and the per-rank work."""
+
+    hidden: int
+    ffn: int
+    heads: int
+    kv_groups: int
+    seq: int
+    micro_batch: int
+    tp: int
+
+    @classmethod
+    def of(cls, model: ModelConfig, seq: int, micro_batch: int, tp: int) -> "LayerShape":
+        return cls(model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
+                   model.num_query_groups, seq, micro_batch, tp)
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.micro_batch
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class Op:
+    """One kernel: ``flops`` and ``elements`` moved; ``kind`` is gemm, attention or memory.
+
+    ``elements`` counts values of the compute dtype; ``extra_bytes`` adds fp32 traffic.
+    """
+
+    name: str
+    kind: str
+    flops: float
+    elements: float
+    extra_bytes: float = 0.0
+
+    def bytes(self, dtype: str) -> float:
+        return self.elements * dtype_bytes(dtype) + self.extra_bytes
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (bf16, fp16, fp32)."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise UserError(f"unknown dtype {dtype!r}; use bf16, fp16 or fp32") from None
+
+
+def gemm(name: str, m: float, n: float, k: float) -> Op:
+    return Op(name, "gemm", 2.0 * m * n * k, m * k + k * n + m * n)
+
+
+def layer_forward_ops(shape: LayerShape) -> list[Op]:
+    """The kernels of one layer's forward on one TP rank."""
+    t, h, tp = shape.tokens, shape.hidden, shape.tp
+    q = shape.heads * shape.head_dim // tp
+    kv = shape.kv_groups * shape.head_dim // tp
+    f = shape.ffn // tp
+    # Scores Q K^T and their product with V: 2 GEMM-like products of S x S x D per head.
+    attn_flops = 4.0 * shape.micro_batch * shape.seq * shape.seq * q
+    return [
+        gemm("qkv", t, q + 2 * kv, h),
+        Op("attention", "attention", attn_flops, t * (2 * q + 2 * kv)),
+        gemm("proj", t, h, q),
+        gemm("gate_up", t, 2 * f, h),
+        gemm("down", t, h, f),
+        # 2 RMSNorms (read+write h), RoPE on q and k, SwiGLU (read 2f, write f), 2 residual adds.
+        Op("elementwise", "memory", 0.0, t * (4 * h + 2 * (q + kv) + 3 * f + 6 * h)),
+    ]
+
+
+def layer_forward_flops(shape: LayerShape) -> float:
+    """Model FLOPs of one layer's forward on one TP rank (attention counted in full)."""
+    return sum(op.flops for op in layer_forward_ops(shape))
+
+
+def head_forward_ops(shape: LayerShape, vocab: int) -> list[Op]:
+    """Final norm, the vocab-parallel output GEMM and the cross-entropy (fp32 softmax)."""
+    t, h, v = shape.tokens, shape.hidden, vocab / shape.tp
+    return [Op("final_norm", "memory", 0.0, 2 * t * h),
+            gemm("output", t, v, h),
+            Op("cross_entropy", "memory", 0.0, t * v, extra_bytes=2 * FP32_BYTES * t * v)]
+
+
+def head_forward_flops(shape: LayerShape, vocab: int) -> float:
+    """Model FLOPs of the head's forward on one TP rank (the output GEMM)."""
+    return 2.0 * shape.tokens * shape.hidden * vocab / shape.tp
+
+
+def embedding_forward_ops(shape: LayerShape) -> list[Op]:
+    """The embedding lookup: read a row and write it, per token (memory-bound)."""
+    return [Op("embedding", "memory", 0.0, 2 * shape.tokens * shape.hidden)]
+
+
+def emulation_factor(spec: AcceleratorSpec) -> float:
+    """The slowdown of an emulated kind (its figures are the host's divided by it), else 1."""
+    return spec.slowdown if spec.emulated else 1.0
+
+
+def op_time(op: Op, spec: AcceleratorSpec, dtype: str,
+            efficiency: Efficiency = DEFAULT_EFFICIENCY, backward: bool = False) -> float:
+    """Roofline seconds of ``op`` (or of its backward) on one device of ``spec``."""
+    slowdown = emulation_factor(spec)  # host figures, then the emulated wait
+    peak = spec.peak_tflops(dtype) * 1e12 * slowdown
+    bandwidth = spec.memory_bandwidth_gbps * 1e9 * slowdown * efficiency.memory
+    flops, nbytes = op.flops, op.bytes(dtype)
+    if op.kind == "attention":
+        flops *= CAUSAL_ATTENTION_WORK * (ATTENTION_BACKWARD_FACTOR if backward else 1.0)
+        nbytes *= 2.0 if backward else 1.0
+        compute = flops / (peak * efficiency.attention)
+    else:
+        if backward:
+            flops, nbytes = 2.0 * flops, 2.0 * nbytes
+        compute = flops / (peak * efficiency.gemm) if flops else 0.0
+    return max(compute, nbytes / bandwidth) * slowdown
+
+
+def ops_time(ops: Iterable[Op], spec: AcceleratorSpec, dtype: str,
+             efficiency: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, float]:
+    """(forward, backward) roofline seconds of a list of kernels."""
+    ops = list(ops)
+    return (sum(op_time(op, spec, dtype, efficiency) for op in ops),
+            sum(op_time(op, spec, dtype, efficiency, backward=True) for op in ops))
+
+
+def layer_activation_bytes(shape: LayerShape, dtype: str) -> float:
+    """Bytes one layer keeps for its backward per micro-batch on one TP rank (no recompute).
+
+    Saved tensors: both norms' inputs and outputs (4h, replicated under TP), Q/K/V after RoPE,
+    the attention output (also the projection's input), the fp32 log-sum-exp of the softmax,
+    the gate and up outputs and the SwiGLU output (the down projection's input).
+    """
+    t, h, tp = shape.tokens, shape.hidden, shape.tp
+    q = shape.heads * shape.head_dim // tp
+    kv = shape.kv_groups * shape.head_dim // tp
+    f = shape.ffn // tp
+    elements = t * (4 * h + q + 2 * kv + q + 3 * f)
+    return elements * dtype_bytes(dtype) + t * (shape.heads // tp) * FP32_BYTES
+
+
+def layer_input_bytes(shape: LayerShape, dtype: str) -> float:
+    """Bytes of one layer's input per micro-batch: all recompute keeps of a layer."""
+    return shape.tokens * shape.hidden * dtype_bytes(dtype)
+
+
+def head_activation_bytes(shape: LayerShape, vocab: int, dtype: str) -> float:
+    """Final norm input/output and the logits with their fp32 softmax, per micro-batch."""
+    v = vocab / shape.tp
+    return (shape.tokens * (2 * shape.hidden + v) * dtype_bytes(dtype)
+            + shape.tokens * v * FP32_BYTES)

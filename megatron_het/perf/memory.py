@@ -1,0 +1,152 @@
+"""Peak memory of one device of a pipeline stage, and whether a prediction fits the cluster.
+
+Terms, per TP rank of a stage (Megatron's mixed-precision layout):
+
+- weights: the stage's parameters in the compute dtype;
+- gradients: fp32 main gradients, one per parameter (Megatron accumulates and reduces bf16/fp16
+  training's gradients in fp32);
+- optimizer: Adam's exp_avg and exp_avg_sq in fp32, plus an fp32 master copy of the weights
+  unless they are fp32 already; ZeRO-1 (distributed optimizer) divides it by the DP size;
+- activations: one micro-batch's saved activations times the micro-batches in flight under 1F1B,
+  ``min(pp - stage, micro_batches)``; with recompute only each layer's input is kept, and one
+  layer's full activations exist again while its backward runs (the transient term).
+
+Not counted: the CUDA/ROCm context, allocator fragmentation and communication buffers;
+:func:`fits` keeps :data:`RESERVED_FRACTION` of the device free for them.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from megatron_het.cluster import AcceleratorSpec, ClusterSpec
+from megatron_het.config import ModelConfig
+from megatron_het.errors import UserError
+from megatron_het.parallel.plan import StagePlan
+from megatron_het.perf.cost_model import FP32_BYTES, dtype_bytes
+
+if TYPE_CHECKING:
+    from megatron_het.perf.predictor import Prediction, StagePrediction
+
+GIB = 1024 ** 3
+# Kept free of the predicted peak: runtime context (~0.5-1 GiB on GPUs), fragmentation and
+# NCCL buffers, which the terms above leave out.
+RESERVED_FRACTION = 0.05
+ADAM_STATES = 2
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one device of a stage; ``total_bytes`` is the predicted peak."""
+
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    transient_bytes: float = 0.0
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+                + self.activation_bytes + self.transient_bytes)
+
+    def to_dict(self) -> dict[str, float]:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+
+def layer_parameters(model: ModelConfig, tp: int) -> int:
+    """Parameters of one decoder layer held by one TP rank (norms are replicated)."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    return (h * (q + 2 * kv) + q * h + 3 * h * f) // tp + 2 * h
+
+
+def stage_parameters(model: ModelConfig, stage: StagePlan) -> int:
+    """Parameters one TP rank of ``stage`` holds: its layers, the vocab-parallel embedding on
+    the first stage, the final norm and output layer on the last (with tied embeddings a last
+    stage without the embedding holds its own copy of it)."""
+    tp, h, v = stage.tp, model.hidden_size, model.vocab_size
+    params = stage.num_layers * layer_parameters(model, tp)
+    if stage.has_embedding:
+        params += v * h // tp
+    if stage.has_head:
+        params += h
+        if not (model.tie_embeddings and stage.has_embedding):
+            params += v * h // tp
+    return params
+
+
+def in_flight_micro_batches(pp_size: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B."""
+    return min(pp_size - stage, micro_batches)
+
+
+def stage_memory(params: int, dtype: str, zero1_dp: int, activation_per_micro_batch: float,
+                 in_flight: int, transient_bytes: float = 0.0) -> MemoryBreakdown:
+    """The breakdown for a rank holding ``params`` parameters; ``zero1_dp`` is the DP size the
+    optimizer state is sharded over (1 without ZeRO-1)."""
+    master = 0 if dtype == "fp32" else FP32_BYTES
+    return MemoryBreakdown(
+        weights_bytes=float(params * dtype_bytes(dtype)),
+        grads_bytes=float(params * FP32_BYTES),
+        optimizer_bytes=params * (ADAM_STATES * FP32_BYTES + master) / max(1, zero1_dp),
+        activation_bytes=activation_per_micro_batch * in_flight,
+        transient_bytes=transient_bytes)
+
+
+def device_capacity_bytes(spec: AcceleratorSpec) -> float:
+    """What one device of ``spec`` holds: the memory cap of an emulated kind, else memory_gib."""
+    if spec.emulated and spec.memory_cap_gib is not None:
+        return spec.memory_cap_gib * GIB
+    return spec.memory_gib * GIB
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """The result of :func:`fits`: ``headroom_bytes`` is the smallest headroom of any device
+    (negative: it does not fit), ``worst`` the stage with it, ``message`` one line."""
+
+    ok: bool
+    headroom_bytes: float
+    worst: Optional["StagePrediction"]
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "headroom_bytes": self.headroom_bytes, "message": self.message}
+
+
+def fits(prediction: "Prediction", cluster: ClusterSpec,
+         reserved_fraction: float = RESERVED_FRACTION) -> MemoryFit:
+    """Compare every stage's predicted peak with its devices' usable memory.
+
+    Usable memory is the capacity (:func:`device_capacity_bytes`) less ``reserved_fraction``.
+    """
+    worst, worst_room = None, float("inf")
+    for stage in prediction.stages:
+        usable = device_capacity_bytes(cluster.accelerator_of(stage.ranks[0])) * (
+            1.0 - reserved_fraction)
+        room = usable - stage.memory.total_bytes
+        if room < worst_room:
+            worst, worst_room = stage, room
+    if worst is None:
+        return MemoryFit(True, float("inf"), None, "no stages")
+    spec = cluster.accelerator_of(worst.ranks[0])
+    where = (f"stage {worst.stage} of pipeline {worst.pipeline} ({spec.label}, tp={worst.tp}, "
+             f"layers [{worst.layers[0]}, {worst.layers[1]}))")
+    need = worst.memory.total_bytes / GIB
+    have = device_capacity_bytes(spec) * (1.0 - reserved_fraction) / GIB
+    if worst_room >= 0:
+        return MemoryFit(True, worst_room, worst, f"fits: the tightest device is {where} at "
+                         f"{need:.1f} of {have:.1f} GiB usable")
+    return MemoryFit(False, worst_room, worst, (
+        f"{where} needs {need:.1f} GiB per device but {have:.1f} GiB is usable; give it fewer "
+        f"layers, a larger tp, recompute, ZeRO-1 or fewer micro-batches in flight"))
+
+
+def check_fits(prediction: "Prediction", cluster: ClusterSpec) -> None:
+    """Raise a UserError with :func:`fits`'s message if any device would run out of memory."""
+    result = fits(prediction, cluster)
+    if not result.ok:
+        raise UserError(result.message)

@@ -1,0 +1,117 @@
+"""Compute time and saved activations of one pipeline stage per micro-batch, from a profile or
+from roofline estimates.
+
+Profile selection for an accelerator kind: the profile under the kind's own name is used as
+measured; an emulated kind without one uses the host's profile (:data:`HOST_PROFILE`) times its
+slowdown; otherwise, and for any entry a profile lacks, roofline estimates
+(:mod:`megatron_het.perf.cost_model`). Profiled times are compute only: TP communication is
+always added by the caller from the communication model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from megatron_het.cluster import AcceleratorSpec
+from megatron_het.config import ModelConfig
+from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM,
+                                          Efficiency, LayerShape, Op, embedding_forward_ops,
+                                          head_activation_bytes, head_forward_ops,
+                                          layer_activation_bytes, layer_forward_ops,
+                                          layer_input_bytes, op_time, ops_time)
+from megatron_het.perf.profile import Measured, Profile
+
+HOST_PROFILE = "cpu"  # the profile of the host CPU, which emulated kinds run on
+
+
+@dataclass(frozen=True)
+class StageCompute:
+    """Per micro-batch on one TP rank, without TP communication.
+
+    ``forward_s`` / ``backward_s``: compute (backward includes the recomputed forward);
+    ``activation_bytes``: kept per micro-batch in flight; ``transient_bytes``: extra while a
+    backward runs (a recomputed layer); ``source``: where the figures came from.
+    """
+
+    forward_s: float
+    backward_s: float
+    activation_bytes: float
+    transient_bytes: float
+    source: str
+
+
+@dataclass(frozen=True)
+class ProfileChoice:
+    """The profile to use for a kind and the factor to scale its times by (None: roofline)."""
+
+    profile: Optional[Profile]
+    time_factor: float = 1.0
+
+
+def choose_profile(spec: AcceleratorSpec,
+                   profiles: Optional[Mapping[str, Profile]]) -> ProfileChoice:
+    if not profiles:
+        return ProfileChoice(None)
+    if spec.name in profiles:
+        return ProfileChoice(profiles[spec.name])
+    if spec.emulated and HOST_PROFILE in profiles:
+        return ProfileChoice(profiles[HOST_PROFILE], spec.slowdown)
+    return ProfileChoice(None)
+
+
+def _scaled(m: Optional[Measured], factor: float) -> Optional[Measured]:
+    if m is None or factor == 1.0:
+        return m
+    return Measured(m.forward_s * factor, m.backward_s * factor, m.activation_bytes,
+                    f"{m.source} x{factor:g} (emulated slowdown)")
+
+
+def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, num_layers: int,
+                  has_embedding: bool, has_head: bool, recompute: bool, dtype: str,
+                  choice: ProfileChoice,
+                  efficiency: Efficiency = DEFAULT_EFFICIENCY) -> StageCompute:
+    """The compute of a stage with ``num_layers`` layers of ``shape`` on one device of ``spec``."""
+    profile, factor = choice.profile, choice.time_factor
+    sources = []
+    layer = _scaled(profile.layer(shape, dtype), factor) if profile else None
+    if layer is None:
+        fwd, bwd = ops_time(layer_forward_ops(shape), spec, dtype, efficiency)
+        layer = Measured(fwd, bwd, layer_activation_bytes(shape, dtype), f"roofline {spec.label}")
+    sources.append(f"layers: {layer.source}")
+    act = layer.activation_bytes
+    if act is None:
+        act = layer_activation_bytes(shape, dtype)
+    forward = num_layers * layer.forward_s
+    backward = num_layers * (layer.backward_s + (layer.forward_s if recompute else 0.0))
+    kept = num_layers * (layer_input_bytes(shape, dtype) if recompute else act)
+    transient = act if recompute and num_layers else 0.0
+    for part, present, ops in (("embedding", has_embedding, embedding_forward_ops(shape)),
+                               ("head", has_head, head_forward_ops(shape, model.vocab_size))):
+        if not present:
+            continue
+        m = _scaled(profile.end(part, shape, model.vocab_size, dtype), factor) if profile \
+            else None
+        if m is None:
+            fwd, bwd = ops_time(ops, spec, dtype, efficiency)
+            m = Measured(fwd, bwd, None, f"roofline {spec.label}")
+        sources.append(f"{part}: {m.source}")
+        forward += m.forward_s
+        backward += m.backward_s
+    if has_head:
+        kept += head_activation_bytes(shape, model.vocab_size, dtype)
+    return StageCompute(forward, backward, kept, transient, "; ".join(sources))
+
+
+def optimizer_time(spec: AcceleratorSpec, params: float, dtype: str, choice: ProfileChoice,
+                   efficiency: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Adam step over ``params`` parameters on one device: measured per-parameter time if the
+    profile has it, else memory-bound roofline (OPTIMIZER_BYTES_PER_PARAM per parameter)."""
+    profile = choice.profile
+    if profile is not None and profile.optimizer_step_s_per_param is not None:
+        return profile.optimizer_step_s_per_param * params * choice.time_factor
+    op = Op("adam", "memory", 0.0, 0.0, extra_bytes=params * OPTIMIZER_BYTES_PER_PARAM[dtype])
+    return op_time(op, spec, dtype, efficiency)
+
+
+__all__ = ["HOST_PROFILE", "ProfileChoice", "StageCompute", "choose_profile", "optimizer_time",
+           "stage_compute"]

@@ -1,0 +1,72 @@
+"""Memory terms: parameter counts per stage, Megatron's mixed-precision bytes, 1F1B in flight."""
+import pytest
+
+from megatron_het.config import model_preset
+from megatron_het.parallel.plan import PipelinePlan, StagePlan
+from megatron_het.perf.memory import (MemoryBreakdown, in_flight_micro_batches,
+                                      layer_parameters, stage_memory, stage_parameters)
+
+
+def pipeline(model, splits, tp=1):
+    stages = tuple(StagePlan("cpu", tp, layers, tuple(range(tp))) for layers in splits)
+    return PipelinePlan(1, stages)
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama2-7b", "llama-140b"])
+def test_stage_parameters_add_up_to_the_model(name):
+    model = model_preset(name)
+    L = model.num_layers
+    one = pipeline(model, [(0, L)])
+    assert stage_parameters(model, one.stages[0]) == model.num_parameters()
+    split = pipeline(model, [(0, L // 4), (L // 4, L // 2), (L // 2, L)])
+    assert sum(stage_parameters(model, s) for s in split.stages) == model.num_parameters()
+
+
+def test_tied_embeddings_keep_a_copy_on_the_last_stage():
+    model = model_preset("tiny-tied")
+    assert stage_parameters(model, pipeline(model, [(0, 4)]).stages[0]) == \
+        model.num_parameters()
+    split = pipeline(model, [(0, 2), (2, 4)])
+    copy = model.vocab_size * model.hidden_size
+    assert sum(stage_parameters(model, s) for s in split.stages) == \
+        model.num_parameters() + copy
+
+
+def test_tp_shards_everything_but_the_norms():
+    model = model_preset("llama2-7b")
+    h = model.hidden_size
+    assert 4 * layer_parameters(model, 4) == layer_parameters(model, 1) + 3 * 2 * h
+
+
+def test_memory_terms_for_a_known_config():
+    params = 1_000_000
+    bf16 = stage_memory(params, "bf16", zero1_dp=1, activation_per_micro_batch=1000,
+                        in_flight=3)
+    assert bf16 == MemoryBreakdown(2e6, 4e6, 12e6, 3000.0)
+    assert bf16.total_bytes == 2e6 + 4e6 + 12e6 + 3000
+    zero = stage_memory(params, "bf16", zero1_dp=4, activation_per_micro_batch=1000,
+                        in_flight=3, transient_bytes=7)
+    assert zero.optimizer_bytes == 3e6 and zero.transient_bytes == 7
+    fp32 = stage_memory(params, "fp32", 1, 0, 1)
+    assert (fp32.weights_bytes, fp32.grads_bytes, fp32.optimizer_bytes) == (4e6, 4e6, 8e6)
+
+
+def test_micro_batches_in_flight_under_1f1b():
+    assert [in_flight_micro_batches(4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_micro_batches(4, s, 2) for s in range(4)] == [2, 2, 2, 1]
+
+
+@pytest.mark.parametrize("pp,m", [(1, 3), (3, 2), (4, 8)])
+def test_in_flight_matches_the_schedule(pp, m):
+    from megatron_het.pipeline.schedules import build_schedule, check_schedule
+    report = check_schedule(build_schedule("1f1b", pp, m), m)
+    assert list(report.peak_in_flight) == [in_flight_micro_batches(pp, s, m) for s in range(pp)]
+
+
+def test_capacity_is_the_memory_cap_of_an_emulated_kind():
+    from megatron_het.cluster import AcceleratorRegistry
+    from megatron_het.perf.memory import GIB, device_capacity_bytes
+    kinds = AcceleratorRegistry.builtin()
+    assert device_capacity_bytes(kinds.get("H100")) == 80 * GIB
+    capped = kinds.get("emu-slow").replace(memory_cap_gib=1.5)
+    assert device_capacity_bytes(capped) == 1.5 * GIB

@@ -1,0 +1,211 @@
+"""Hugging Face Llama interop: config and state-dict conversion, pure functions on dicts.
+
+Name mapping (Hugging Face ``LlamaForCausalLM`` -> megatron_het, see ``model/llama.py``):
+
+    model.embed_tokens.weight                     -> embedding.weight
+    model.layers.{i}.input_layernorm.weight       -> layers.{i}.input_norm.weight
+    model.layers.{i}.self_attn.{q,k,v}_proj.weight -> layers.{i}.attention.qkv.weight (grouped)
+    model.layers.{i}.self_attn.o_proj.weight      -> layers.{i}.attention.proj.weight
+    model.layers.{i}.post_attention_layernorm.weight -> layers.{i}.post_attention_norm.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight -> layers.{i}.mlp.{gate,up,down}.weight
+    model.norm.weight                             -> final_norm.weight
+    lm_head.weight                                -> output.weight (untied only)
+
+Both sides use the rotate-half RoPE convention, so q/k rows need no permutation; only the
+q, k, v matrices are regrouped into the fused group-major ``qkv`` layout.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from megatron_het.config import ModelConfig, RopeScaling
+from megatron_het.errors import UserError
+
+_LAYER_RENAMES = {
+    "input_layernorm.weight": "input_norm.weight",
+    "self_attn.o_proj.weight": "attention.proj.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "mlp.gate_proj.weight": "mlp.gate.weight",
+    "mlp.up_proj.weight": "mlp.up.weight",
+    "mlp.down_proj.weight": "mlp.down.weight",
+}
+_GLOBAL_RENAMES = {
+    "model.embed_tokens.weight": "embedding.weight",
+    "model.norm.weight": "final_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_QKV_AND_RENAMES = frozenset(_LAYER_RENAMES) | {f"self_attn.{p}_proj.weight" for p in "qkv"}
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _rope_fields(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either the legacy or the ``rope_parameters`` config layout."""
+    params = dict(hf.get("rope_scaling") or {})
+    params.update(hf.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise UserError(f"Hugging Face config has rope_type {rope_type!r}; only 'default' and "
+                        f"'llama3' RoPE are supported")
+    scaling = RopeScaling(
+        factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    return theta, scaling
+
+
+def hf_config_to_model_config(hf_config: dict[str, Any]) -> ModelConfig:
+    """A :class:`ModelConfig` from a ``LlamaForCausalLM`` ``config.json`` dict.
+
+    Raises UserError for configs this model cannot represent (biases, another activation, a
+    head dimension other than hidden / heads, unsupported RoPE types).
+    """
+    if hf_config.get("model_type", "llama") != "llama":
+        raise UserError(f"config.json has model_type {hf_config.get('model_type')!r}; only "
+                        f"'llama' checkpoints can be converted")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf_config.get(flag):
+            raise UserError(f"config.json sets {flag}=true; megatron_het Llama has no biases")
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise UserError(f"config.json has hidden_act {hf_config['hidden_act']!r}; only 'silu' "
+                        f"(SwiGLU) is supported")
+    hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
+    head_dim = hf_config.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise UserError(f"config.json has head_dim {head_dim} but hidden_size / "
+                        f"num_attention_heads = {hidden // heads}; only the latter is supported")
+    theta, scaling = _rope_fields(hf_config)
+    return ModelConfig(
+        num_layers=int(hf_config["num_hidden_layers"]), hidden_size=hidden,
+        ffn_hidden_size=int(hf_config["intermediate_size"]), num_attention_heads=heads,
+        num_query_groups=int(hf_config.get("num_key_value_heads") or heads),
+        vocab_size=int(hf_config["vocab_size"]),
+        max_position_embeddings=int(hf_config.get("max_position_embeddings", 4096)),
+        rope_theta=theta, rope_scaling=scaling,
+        norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        init_method_std=float(hf_config.get("initializer_range", 0.02)),
+        name=str(hf_config.get("_name_or_path") or "custom"))
+
+
+def model_config_to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """A ``config.json`` dict for ``LlamaForCausalLM``.
+
+    RoPE is written both in the legacy keys (``rope_theta``, ``rope_scaling``), which older
+    transformers read, and as ``rope_parameters``, which transformers 5 reads. ``dtype`` is
+    the weights' dtype name ("float32", "bfloat16", "float16").
+    """
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    rope_scaling = None
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope_scaling = {"rope_type": "llama3", "type": "llama3", "factor": s.factor,
+                        "low_freq_factor": s.low_freq_factor,
+                        "high_freq_factor": s.high_freq_factor,
+                        "original_max_position_embeddings": s.original_max_position_embeddings}
+        rope_parameters = {k: v for k, v in rope_scaling.items() if k != "type"}
+        rope_parameters["rope_theta"] = cfg.rope_theta
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.kv_channels,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+        "initializer_range": cfg.init_method_std, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling, "rope_parameters": rope_parameters,
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "torch_dtype": dtype, "dtype": dtype, "use_cache": True,
+    }
+
+
+def _group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cfg: ModelConfig) -> torch.Tensor:
+    """Separate q ``[nh*d, H]``, k, v ``[ng*d, H]`` -> grouped qkv ``[(nh+2ng)*d, H]``."""
+    ng, d = cfg.num_query_groups, cfg.kv_channels
+    hidden = q.shape[1]
+    grouped = torch.cat((q.reshape(ng, -1, hidden), k.reshape(ng, d, hidden),
+                         v.reshape(ng, d, hidden)), dim=1)
+    return grouped.reshape(-1, hidden)
+
+
+def _ungroup_qkv(qkv: torch.Tensor,
+                 cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_group_qkv`; returns contiguous q, k, v."""
+    ng, d = cfg.num_query_groups, cfg.kv_channels
+    per_group = cfg.num_attention_heads // ng
+    grouped = qkv.reshape(ng, (per_group + 2) * d, qkv.shape[1])
+    q, k, v = grouped.split((per_group * d, d, d), dim=1)
+    return (q.reshape(-1, qkv.shape[1]).contiguous(), k.reshape(-1, qkv.shape[1]).contiguous(),
+            v.reshape(-1, qkv.shape[1]).contiguous())
+
+
+def _take(state: dict[str, torch.Tensor], key: str, source: str = "Hugging Face") -> torch.Tensor:
+    if key not in state:
+        raise UserError(f"{source} checkpoint lacks {key}; is it a complete Llama checkpoint "
+                        f"matching its config?")
+    return state[key]
+
+
+def hf_to_megatron_het_state(hf_state: dict[str, torch.Tensor],
+                             cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename and regroup a ``LlamaForCausalLM`` state dict into megatron_het names.
+
+    Tensors keep their dtype; renamed ones are shared with the input, not copied. ``lm_head``
+    is dropped for tied models; rotary ``inv_freq`` buffers are ignored. Raises UserError for
+    missing or unexpected keys.
+    """
+    out = {"embedding.weight": _take(hf_state, "model.embed_tokens.weight"),
+           "final_norm.weight": _take(hf_state, "model.norm.weight")}
+    if not cfg.tie_embeddings:
+        out["output.weight"] = _take(hf_state, "lm_head.weight")
+    for i in range(cfg.num_layers):
+        prefix = f"model.layers.{i}."
+        for hf_name, name in _LAYER_RENAMES.items():
+            out[f"layers.{i}.{name}"] = _take(hf_state, prefix + hf_name)
+        q, k, v = (_take(hf_state, f"{prefix}self_attn.{p}_proj.weight") for p in "qkv")
+        out[f"layers.{i}.attention.qkv.weight"] = _group_qkv(q, k, v, cfg)
+    _check_no_extra_keys(hf_state, cfg)
+    return out
+
+
+def _check_no_extra_keys(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    for key in hf_state:
+        if key in _GLOBAL_RENAMES or key.endswith("rotary_emb.inv_freq"):
+            continue
+        match = _LAYER_KEY.fullmatch(key)
+        if match and int(match.group(1)) < cfg.num_layers and match.group(2) in _QKV_AND_RENAMES:
+            continue
+        raise UserError(f"Hugging Face checkpoint has unexpected tensor {key}; its config.json "
+                        f"does not describe it (num_hidden_layers={cfg.num_layers})")
+
+
+def megatron_het_to_hf_state(state: dict[str, torch.Tensor],
+                             cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename and split a megatron_het state dict into ``LlamaForCausalLM`` names.
+
+    The result has no shared tensors (``lm_head.weight`` is omitted when tied, as
+    ``save_pretrained`` does), so it can be written with ``safetensors.torch.save_file``.
+    """
+    def take(key: str) -> torch.Tensor:
+        return _take(state, key, "megatron_het")
+
+    out = {"model.embed_tokens.weight": take("embedding.weight"),
+           "model.norm.weight": take("final_norm.weight")}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = take("output.weight")
+    for i in range(cfg.num_layers):
+        prefix = f"model.layers.{i}."
+        for hf_name, name in _LAYER_RENAMES.items():
+            out[prefix + hf_name] = take(f"layers.{i}.{name}")
+        q, k, v = _ungroup_qkv(take(f"layers.{i}.attention.qkv.weight"), cfg)
+        out[prefix + "self_attn.q_proj.weight"] = q
+        out[prefix + "self_attn.k_proj.weight"] = k
+        out[prefix + "self_attn.v_proj.weight"] = v
+    return out

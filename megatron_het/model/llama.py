@@ -1,0 +1,219 @@
+"""The Llama decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+
+A :class:`LlamaModel` may hold a contiguous slice of the layers (a pipeline stage) with or
+without the embedding and the head. Parameter names are GLOBAL and do not depend on the
+parallel plan; checkpoints, initialisation and tensor-parallel code rely on them.
+
+Parameter names and layouts (nh query heads, ng kv groups, r = nh/ng, d head dim, H hidden,
+F ffn hidden, V vocabulary). All linear weights are ``[out, in]`` and there are no biases.
+
+    embedding.weight                          [V, H]
+    layers.{i}.input_norm.weight              [H]
+    layers.{i}.attention.qkv.weight           [(nh + 2*ng) * d, H]
+    layers.{i}.attention.proj.weight          [H, nh * d]
+    layers.{i}.post_attention_norm.weight     [H]
+    layers.{i}.mlp.gate.weight                [F, H]
+    layers.{i}.mlp.up.weight                  [F, H]
+    layers.{i}.mlp.down.weight                [H, F]
+    final_norm.weight                         [H]
+    output.weight                             [V, H]   (absent when embeddings are tied)
+
+The fused ``qkv`` rows are GROUPED by kv group: for g = 0 .. ng-1, the r query heads of group g
+(query heads g*r .. g*r + r - 1), then group g's key head, then its value head, d rows each. A
+tensor-parallel split by kv groups is therefore a contiguous slice of rows. Query head j attends
+with kv head j // r, as in Hugging Face's GQA. ``attention.proj`` columns follow query-head order.
+
+Tied embeddings: the head multiplies by ``embedding.weight``. When a stage has the head but not
+the embedding, it holds its own copy under the same name ``embedding.weight`` (same initial
+values, since initialisation is seeded by name); the pipeline code keeps the two copies equal by
+summing their gradients across the first and last stages, as Megatron does.
+
+Shape legend: B batch, S sequence, H hidden, N heads, D head dim, V vocabulary.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron_het.config import ModelConfig
+from megatron_het.errors import UserError
+from megatron_het.model.init import init_weights
+from megatron_het.model.loss import linear_cross_entropy
+from megatron_het.model.rope import RotaryEmbedding, apply_rope
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Mixed dtypes: normalise in float32, cast back, then scale (Hugging Face's order).
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with a fused, group-major ``qkv`` projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_groups = config.num_query_groups
+        self.head_dim = config.kv_channels
+        rows = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        self.qkv = nn.Linear(config.hidden_size, rows, bias=False)
+        self.proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x[B, S, H] -> [B, S, H]``; ``cos``/``sin`` are ``[S, 1, D/2]`` RoPE tables."""
+        B, S, _ = x_BSH.shape
+        per_group = self.num_heads // self.num_groups
+        qkv = self.qkv(x_BSH).view(B, S, self.num_groups, per_group + 2, self.head_dim)
+        # One split (not three slices): its backward is a single concatenation instead of a
+        # zero-filled full-size gradient per slice. RoPE writes fresh contiguous tensors, so
+        # q and k need no copy of their own; v stays a strided view, which SDPA accepts.
+        q, k, v = qkv.split((per_group, 1, 1), dim=3)
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None]).view(B, S, self.num_heads, -1)
+        k = apply_rope(k.squeeze(3), cos, sin)  # [B, S, ng, D]
+        v = v.squeeze(3)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, enable_gqa=per_group > 1)  # [B, N, S, D]
+        return self.proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.up = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.down = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attention = Attention(config)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos, sin)
+        return x_BSH + self.mlp(self.post_attention_norm(x_BSH))
+
+
+class LlamaModel(nn.Module):
+    """A Llama decoder, or the slice of it that one pipeline stage holds.
+
+    Args:
+        config: model shape.
+        layer_range: ``(start, stop)`` global layer indices held here; ``None`` means all.
+        has_embedding: holds the token embedding; ``forward`` then takes tokens.
+        has_head: holds the final norm and output projection; ``forward`` then returns logits.
+        recompute: recompute each layer's activations in backward (activation checkpointing)
+            while training, trading compute for memory.
+
+    Layers live in ``self.layers``, an ``nn.ModuleDict`` keyed by the global layer index as a
+    string, so a stage holding layers [3, 5) has keys "3" and "4". Parameters are created with
+    PyTorch's default initialisation; call :func:`megatron_het.model.init.init_weights` for the
+    layout-independent one.
+    """
+
+    def __init__(self, config: ModelConfig, layer_range: Optional[tuple[int, int]] = None,
+                 has_embedding: bool = True, has_head: bool = True,
+                 recompute: bool = False) -> None:
+        super().__init__()
+        start, stop = (0, config.num_layers) if layer_range is None else layer_range
+        if not 0 <= start <= stop <= config.num_layers:
+            raise UserError(f"layer range [{start}, {stop}) does not fit a model of "
+                            f"{config.num_layers} layers; use 0 <= start <= stop <= "
+                            f"{config.num_layers}")
+        self.config = config
+        self.layer_range = (start, stop)
+        self.has_embedding = has_embedding
+        self.has_head = has_head
+        self.recompute = recompute
+        self.rotary = RotaryEmbedding(config)
+        needs_embedding = has_embedding or (has_head and config.tie_embeddings)
+        self.embedding = (nn.Embedding(config.vocab_size, config.hidden_size)
+                          if needs_embedding else None)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(start, stop)})
+        self.final_norm = RMSNorm(config.hidden_size, config.norm_eps) if has_head else None
+        self.output = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                       if has_head and not config.tie_embeddings else None)
+
+    def output_weight(self) -> torch.Tensor:
+        """The ``[V, H]`` matrix the head multiplies by (``embedding.weight`` when tied)."""
+        if not self.has_head:
+            raise RuntimeError("this stage has no head")
+        if self.config.tie_embeddings:
+            return self.embedding.weight
+        return self.output.weight
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run this stage.
+
+        ``x`` is tokens ``LongTensor[B, S]`` when the stage has the embedding, otherwise hidden
+        states ``[B, S, H]``. Returns logits ``[B, S, V]`` when the stage has the head, otherwise
+        hidden states ``[B, S, H]``. Attention is causal over positions ``0 .. S-1``.
+
+        With ``labels[B, S]`` (head stages only) it returns instead the float32 scalar loss
+        ``sum(loss_weights * cross_entropy)`` from the fused, chunked
+        :func:`~megatron_het.model.loss.linear_cross_entropy`, which never materialises the
+        full logits; ``loss_weights`` defaults to the mean over tokens whose label is not -100.
+        """
+        hidden = self.embedding(x) if self.has_embedding else x
+        device_type = hidden.device.type
+        # Under autocast q and k come out of the qkv GEMM in the autocast dtype.
+        rope_dtype = (torch.get_autocast_dtype(device_type)
+                      if torch.is_autocast_enabled(device_type) else hidden.dtype)
+        cos, sin = self.rotary.cos_sin(hidden.shape[1], hidden.device, rope_dtype)
+        use_recompute = self.recompute and self.training and torch.is_grad_enabled()
+        for layer in self.layers.values():
+            if use_recompute:
+                hidden = checkpoint(layer, hidden, cos, sin, use_reentrant=False)
+            else:
+                hidden = layer(hidden, cos, sin)
+        if not self.has_head:
+            if labels is not None:
+                raise RuntimeError("labels given to a stage without the head")
+            return hidden
+        if labels is not None:
+            return linear_cross_entropy(self.final_norm(hidden), self.output_weight(), labels,
+                                        loss_weights)
+        return F.linear(self.final_norm(hidden), self.output_weight())
+
+
+def build_model(config: ModelConfig, seed: int, layer_range: Optional[tuple[int, int]] = None,
+                has_embedding: bool = True, has_head: bool = True, recompute: bool = False,
+                device: torch.device | str = "cpu") -> LlamaModel:
+    """A :class:`LlamaModel` on ``device`` with the layout-independent initialisation.
+
+    Parameters are allocated directly on ``device`` (built on "meta" first, so PyTorch's
+    default initialisation is skipped) and then filled by
+    :func:`~megatron_het.model.init.init_weights` from ``seed``.
+    """
+    with torch.device("meta"):
+        model = LlamaModel(config, layer_range, has_embedding, has_head, recompute)
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    return model

@@ -1,0 +1,146 @@
+"""Convert Llama checkpoints between Hugging Face and megatron_het formats.
+
+    python tools/convert_checkpoint.py --source-format hf --target-format megatron_het \\
+        --load-dir HF_DIR --save-dir OUT [--dtype bf16]
+    python tools/convert_checkpoint.py --source-format megatron_het --target-format hf \\
+        --load-dir SAVE_DIR [--iteration N] --save-dir HF_OUT
+
+A Hugging Face directory holds config.json and model.safetensors (or sharded *.safetensors
+with model.safetensors.index.json); one model.safetensors is written. A converted Hugging Face
+model is saved as megatron_het iteration 0 without training state.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_het.checkpoint.hf import (hf_config_to_model_config,  # noqa: E402
+                                        hf_to_megatron_het_state, megatron_het_to_hf_state,
+                                        model_config_to_hf_config)
+from megatron_het.checkpoint.io import load_model_state, save_checkpoint  # noqa: E402
+from megatron_het.errors import UserError, run_cli  # noqa: E402
+
+FORMATS = ("hf", "megatron_het")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags; a ``--mode`` chooses the operation so later ones (e.g. resharding) can join."""
+    parser = argparse.ArgumentParser(description="Convert Llama checkpoints between formats.")
+    parser.add_argument("--mode", choices=("convert",), default="convert",
+                        help="operation; 'convert' changes the checkpoint format")
+    parser.add_argument("--source-format", choices=FORMATS, required=True)
+    parser.add_argument("--target-format", choices=FORMATS, required=True)
+    parser.add_argument("--load-dir", required=True, help="checkpoint to read")
+    parser.add_argument("--save-dir", required=True, help="directory to write")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="megatron_het source: iteration to read (default: latest)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="cast floating-point tensors (default: keep their dtype)")
+    return parser
+
+
+def read_hf_dir(load_dir: pathlib.Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(config.json dict, state)`` of a Hugging Face model directory (single or sharded)."""
+    from safetensors.torch import load_file
+
+    if not load_dir.is_dir():
+        raise UserError(f"--load-dir {load_dir} is not a directory; pass a Hugging Face model "
+                        "directory holding config.json and *.safetensors")
+    config_path = load_dir / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{load_dir} has no config.json; pass a Hugging Face model directory")
+    try:
+        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{config_path} is not valid JSON ({exc}); fix or re-download it") from None
+    index_path = load_dir / SAFETENSORS_INDEX
+    if (load_dir / SAFETENSORS_FILE).is_file():
+        files = [load_dir / SAFETENSORS_FILE]
+    elif index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"{index_path} is not a safetensors index (no weight_map); "
+                            "fix or re-download it") from None
+        files = [load_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        raise UserError(f"{load_dir} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}; "
+                        "save the model with safe_serialization=True")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        if not path.is_file():
+            raise UserError(f"{index_path} lists {path.name}, which is missing; re-download it")
+        try:
+            state.update(load_file(str(path)))
+        except Exception as exc:  # safetensors raises its own error type for damaged files
+            raise UserError(f"cannot read {path} ({str(exc).splitlines()[0][:120]}); "
+                            "re-download or re-save it") from None
+    return hf_config, state
+
+
+def write_hf_dir(save_dir: pathlib.Path, hf_config: dict,
+                 state: dict[str, torch.Tensor]) -> None:
+    """Write config.json and one model.safetensors into ``save_dir``."""
+    from safetensors.torch import save_file
+
+    save_dir.mkdir(parents=True, exist_ok=True)
+    (save_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n",
+                                          encoding="utf-8")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(save_dir / SAFETENSORS_FILE),
+              metadata={"format": "pt"})
+
+
+def cast(state: dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    """Floating-point tensors cast to ``dtype`` (None keeps them)."""
+    if dtype is None:
+        return state
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def state_dtype_name(state: dict[str, torch.Tensor]) -> str:
+    floating = [v.dtype for v in state.values() if v.is_floating_point()]
+    return DTYPE_NAMES.get(floating[0], "float32") if floating else "float32"
+
+
+def hf_to_megatron_het(args: argparse.Namespace) -> pathlib.Path:
+    hf_config, hf_state = read_hf_dir(pathlib.Path(args.load_dir))
+    cfg = hf_config_to_model_config(hf_config)
+    state = cast(hf_to_megatron_het_state(hf_state, cfg), DTYPES.get(args.dtype))
+    return save_checkpoint(args.save_dir, 0, cfg, state, train_state=None,
+                           metadata={"converted_from": "hf", "source": str(args.load_dir)})
+
+
+def megatron_het_to_hf(args: argparse.Namespace) -> pathlib.Path:
+    cfg, state = load_model_state(args.load_dir, iteration=args.iteration)
+    hf_state = cast(megatron_het_to_hf_state(state, cfg), DTYPES.get(args.dtype))
+    save_dir = pathlib.Path(args.save_dir)
+    write_hf_dir(save_dir, model_config_to_hf_config(cfg, state_dtype_name(hf_state)), hf_state)
+    return save_dir
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    conversions = {("hf", "megatron_het"): hf_to_megatron_het,
+                   ("megatron_het", "hf"): megatron_het_to_hf}
+    conversion = conversions.get((args.source_format, args.target_format))
+    if conversion is None:
+        raise UserError(f"--source-format {args.source_format} and --target-format "
+                        f"{args.target_format} are the same; pick two different formats")
+    written = conversion(args)
+    print(f"wrote {args.target_format} checkpoint to {written}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -19,7 +19,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_het.config import TrainConfig
@@ -76,7 +75,8 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[MicroBatch], bf16
                      forward_only: bool = False) -> torch.Tensor:
     """Run every micro-batch forward (and backward unless ``forward_only``).
 
-    Each micro-batch's token-mean cross-entropy (computed in fp32) is divided by the number of
+    Each micro-batch's token-mean cross-entropy (computed in fp32 by the model's fused head) is
+    divided by the number of
     micro-batches before backward, so the accumulated ``.grad`` is the gradient of the mean loss
     over the whole global batch (all micro-batches hold the same number of tokens). Returns that
     mean loss as a detached scalar tensor. Side effect: adds into the parameters' ``.grad``.
@@ -86,8 +86,8 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[MicroBatch], bf16
     total = torch.zeros((), dtype=torch.float32, device=device)
     for tokens, labels in micro_batches:
         with _autocast(device, bf16):
-            logits = model(tokens)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            # The model's fused head + cross-entropy (fp32, chunked) never holds full logits.
+            loss = model(tokens, labels=labels)
         if not forward_only:
             (loss / count).backward()
         total += loss.detach()

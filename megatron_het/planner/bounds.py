@@ -1,0 +1,115 @@
+"""Cheap lower bounds on a layout's time and memory, to skip layouts before probing them.
+
+Per (kind, tp, micro-batch size, recompute), one stage of ``tp`` devices of that kind is
+predicted alone with 1 and 2 layers (:class:`KindCosts`): the differences are the per-layer
+compute + TP communication time and the per-layer memory terms. Since the embedding, the head,
+p2p, DP sync and the optimizer only add time, and the transient and end-stage memory only add
+bytes, a layout's closed-form iteration time is at least :func:`time_lower_bound` and its split
+needs at least :func:`memory_feasible`'s per-layer bytes on every stage. The search probes
+layouts in order of the time bound and stops where the bound passes the best times found.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import ModelConfig
+from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.perf import Profile, SimulationCache, predict
+from megatron_het.perf.memory import RESERVED_FRACTION, device_capacity_bytes
+from megatron_het.planner.space import KindBlock, Layout, Placement
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Per decoder layer on one device of a stage: compute + TP communication seconds per
+    micro-batch (forward + backward), and bytes: ``static`` (weights and gradients),
+    ``optimizer`` (unsharded Adam state) and ``activation`` (per micro-batch in flight)."""
+
+    seconds: float
+    static_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    usable_bytes: float
+
+    def bytes_per_layer(self, zero1_dp: int, in_flight: int) -> float:
+        return (self.static_bytes + self.optimizer_bytes / zero1_dp
+                + self.activation_bytes * in_flight)
+
+
+class KindCosts:
+    """:class:`LayerCost` per (kind, tp, micro-batch size, recompute), predicted on demand."""
+
+    def __init__(self, model: ModelConfig, cluster: ClusterSpec, placement: Placement,
+                 seq_length: int, profiles: Optional[Mapping[str, Profile]], dtype: str,
+                 cache: SimulationCache) -> None:
+        self.model, self.cluster, self.placement = model, cluster, placement
+        self.seq, self.profiles, self.dtype, self.cache = seq_length, profiles, dtype, cache
+        self._costs: dict[tuple[str, int, int, bool], LayerCost] = {}
+
+    def get(self, block: KindBlock, micro_batch_size: int) -> LayerCost:
+        key = (block.kind, block.tp, micro_batch_size, block.recompute)
+        if key not in self._costs:
+            self._costs[key] = self._probe(block, micro_batch_size)
+        return self._costs[key]
+
+    def _probe(self, block: KindBlock, micro_batch_size: int) -> LayerCost:
+        ranks = tuple(self.placement.ranks_of[block.kind][:block.tp])
+        rows = []
+        for layers in (1, 2):
+            stage = StagePlan(block.kind, block.tp, (0, layers), ranks, recompute=block.recompute)
+            plan = ParallelPlan(micro_batch_size, (PipelinePlan(1, (stage,)),), self.dtype,
+                                use_distributed_optimizer=False)
+            rows.append(predict(self.model, plan, self.cluster, self.seq, self.profiles,
+                                self.dtype, pipeline_model="closed_form", cache=self.cache,
+                                validate=False).stages[0])
+        one, two = rows
+        spec = self.cluster.accelerator_of(ranks[0])
+        return LayerCost(
+            seconds=(two.forward_s + two.backward_s) - (one.forward_s + one.backward_s),
+            static_bytes=(two.memory.weights_bytes + two.memory.grads_bytes
+                          - one.memory.weights_bytes - one.memory.grads_bytes),
+            optimizer_bytes=two.memory.optimizer_bytes - one.memory.optimizer_bytes,
+            activation_bytes=two.memory.activation_bytes - one.memory.activation_bytes,
+            usable_bytes=device_capacity_bytes(spec) * (1.0 - RESERVED_FRACTION))
+
+
+def time_lower_bound(layout: Layout, costs: KindCosts, num_layers: int) -> float:
+    """No split of ``layout`` has a closed-form iteration time below this.
+
+    With per-layer stage work ``w_s`` and no fixed costs, the 1F1B time is at least
+    ``L min_s w_s + (m - 1) max_s w_s l_s`` and ``max_s w_s l_s >= L / sum_s (1 / w_s)``.
+    """
+    work = [costs.get(b, layout.micro_batch_size).seconds for b in layout.stage_kinds()]
+    if min(work) <= 0:
+        return 0.0
+    bottleneck = num_layers / sum(1.0 / w for w in work)
+    return num_layers * min(work) + (layout.micro_batches - 1) * bottleneck
+
+
+def _layer_room(layout: Layout, costs: KindCosts) -> list[float]:
+    """Per stage: how many layers its usable memory holds by the per-layer bytes alone."""
+    zero1_dp = layout.dp if layout.zero1 else 1
+    p, room = layout.num_stages, []
+    for s, block in enumerate(layout.stage_kinds()):
+        cost = costs.get(block, layout.micro_batch_size)
+        per_layer = cost.bytes_per_layer(zero1_dp, min(p - s, layout.micro_batches))
+        room.append(cost.usable_bytes / per_layer if per_layer > 0 else float("inf"))
+    return room
+
+
+def memory_feasible(layout: Layout, costs: KindCosts, num_layers: int) -> bool:
+    """False when even the per-layer bytes alone cannot hold the layers on the stages."""
+    caps = [int(r) for r in _layer_room(layout, costs)]
+    return min(caps) >= 1 and sum(caps) >= num_layers
+
+
+def memory_pressure(layout: Layout, costs: KindCosts, num_layers: int) -> float:
+    """Layers to hold over the layers the stages' memory holds (above 1: cannot fit); orders
+    layouts that do not fit by how far they are from fitting."""
+    room = _layer_room(layout, costs)
+    return max(num_layers / sum(room), max(1.0 / r for r in room))
+
+
+__all__ = ["KindCosts", "LayerCost", "memory_feasible", "memory_pressure", "time_lower_bound"]

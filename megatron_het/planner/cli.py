@@ -1,0 +1,140 @@
+"""Command line of ``tools/plan.py``: search a plan (or evaluate one) and write the outputs.
+
+    python tools/plan.py --cluster scripts/clusters/hethub_llama140b.yaml --model llama-140b \\
+        --global-batch-size 1024 --seq-length 4096 --out plan.json --report plan.md \\
+        --chart plan.png --json
+
+Without ``--evaluate`` the planner searches every layout and writes the best plan (``--out``,
+ready for ``pretrain_llama.py --plan``); with ``--evaluate plan.json`` it predicts that plan
+(what-if). Both report the theoretical upper bound and the efficiency. ``--json`` prints one
+JSON line last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import NoReturn, Optional, Sequence
+
+from megatron_het.arguments import ModelSpec, resolve_model_config
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import MODEL_PRESETS, ModelConfig
+from megatron_het.errors import UserError
+from megatron_het.parallel.plan import PLAN_DTYPES, ParallelPlan
+from megatron_het.perf import Profile, load_profiles
+from megatron_het.planner.chart import save_chart
+from megatron_het.planner.evaluate import evaluate_plan
+from megatron_het.planner.report import markdown_report, summary_dict, text_summary
+from megatron_het.planner.search import SearchResult, search_plan
+
+PROG = "tools/plan.py"
+DEFAULT_VOCAB = 32000
+_SHAPE_FLAGS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
+                "ffn_hidden_size": "ffn_hidden_size",
+                "num_attention_heads": "num_attention_heads",
+                "num_query_groups": "num_query_groups"}
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as a UserError (one line, exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message}; see {PROG} --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog=PROG, description="Search (or evaluate) a parallel plan for a "
+                       "Llama model on a mixed cluster with the performance predictor.")
+    p.add_argument("--cluster", required=True, metavar="CLUSTER.yaml")
+    p.add_argument("--model", metavar="PRESET",
+                   help=f"model preset ({', '.join(sorted(MODEL_PRESETS))}); shape flags "
+                        "override its fields")
+    for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+                 "--num-query-groups"):
+        p.add_argument(flag, type=int)
+    p.add_argument("--vocab-size", type=int,
+                   help=f"vocabulary (default: the preset's, else {DEFAULT_VOCAB})")
+    p.add_argument("--global-batch-size", type=int,
+                   help="sequences per iteration (required unless --evaluate)")
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--dtype", choices=PLAN_DTYPES, default="bf16")
+    p.add_argument("--profile-dir", metavar="DIR",
+                   help="measured profiles (*.json, one per accelerator kind); roofline "
+                        "estimates for kinds without one")
+    p.add_argument("--out", metavar="plan.json", help="write the best plan here")
+    p.add_argument("--report", metavar="report.md", help="write a markdown report here")
+    p.add_argument("--chart", metavar="plan.png", help="draw the timeline and allocation here")
+    p.add_argument("--top", type=int, default=5, metavar="K",
+                   help="simulate and list the best K candidates (default 5)")
+    p.add_argument("--evaluate", metavar="plan.json", help="predict this plan, no search")
+    p.add_argument("--no-upper-bound", action="store_true",
+                   help="skip the per-kind searches of the upper bound")
+    p.add_argument("--json", action="store_true", help="print a JSON summary line last")
+    return p
+
+
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The preset and/or the shape flags -> a validated ModelConfig."""
+    overrides = {name: getattr(args, dest) for dest, name in _SHAPE_FLAGS.items()
+                 if getattr(args, dest) is not None}
+    vocab = args.vocab_size if args.vocab_size is not None else (
+        None if args.model else DEFAULT_VOCAB)
+    spec = ModelSpec(preset=args.model, overrides=overrides, vocab_size=vocab)
+    return resolve_model_config(spec, tokenizer_vocab_size=1, seq_length=args.seq_length)
+
+
+def load_profile_dir(directory: Optional[str]) -> Optional[dict[str, Profile]]:
+    if directory is None:
+        return None
+    path = Path(directory)
+    if not path.is_dir():
+        raise UserError(f"--profile-dir {directory} is not a directory; pass the folder that "
+                        f"holds the profiles written by tools/profile_device.py")
+    files = sorted(path.glob("*.json"))
+    if not files:
+        raise UserError(f"--profile-dir {directory} holds no *.json profiles")
+    return load_profiles(files)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for flag, value in (("--seq-length", args.seq_length), ("--top", args.top),
+                        ("--global-batch-size", args.global_batch_size)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    if args.evaluate is None and args.global_batch_size is None:
+        raise UserError("--global-batch-size is required to search a plan (or pass --evaluate "
+                        "plan.json)")
+
+
+def run(argv: Sequence[str]) -> SearchResult:
+    """Parse ``argv``, search or evaluate, write the requested files and print the summary."""
+    args = build_parser().parse_args(list(argv))
+    _check_numbers(args)
+    model = model_from_args(args)
+    cluster = ClusterSpec.load(args.cluster)
+    profiles = load_profile_dir(args.profile_dir)
+    if args.evaluate is not None:
+        plan = ParallelPlan.load(args.evaluate)
+        result = evaluate_plan(model, cluster, plan, args.seq_length, profiles, args.dtype,
+                               args.global_batch_size, not args.no_upper_bound)
+    else:
+        result = search_plan(model, cluster, args.global_batch_size, args.seq_length, profiles,
+                             args.dtype, top_k=args.top,
+                             with_upper_bound=not args.no_upper_bound)
+    if args.out:
+        result.plan.save(args.out)
+    if args.report:
+        Path(args.report).write_text(markdown_report(
+            result, cluster, "What-if" if args.evaluate else "Planned"))
+    if args.chart:
+        save_chart(result.prediction, cluster, args.chart)
+    print(text_summary(result, cluster))
+    for what, path in (("plan", args.out), ("report", args.report), ("chart", args.chart)):
+        if path:
+            print(f"wrote {what} to {path}")
+    if args.json:
+        print(json.dumps(summary_dict(result, cluster)))
+    return result
+
+
+__all__ = ["build_parser", "load_profile_dir", "model_from_args", "run"]

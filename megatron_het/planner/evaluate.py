@@ -1,0 +1,34 @@
+"""What-if: predict a given plan as the planner would report it, without searching."""
+from __future__ import annotations
+
+import time
+from typing import Mapping, Optional
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import ModelConfig
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.perf import Profile, predict
+from megatron_het.planner.search import SearchResult
+from megatron_het.planner.upper_bound import upper_bound
+
+
+def evaluate_plan(model: ModelConfig, cluster: ClusterSpec, plan: ParallelPlan, seq_length: int,
+                  profiles: Optional[Mapping[str, Profile]] = None, dtype: str = "bf16",
+                  global_batch_size: Optional[int] = None,
+                  with_upper_bound: bool = True) -> SearchResult:
+    """Validate ``plan`` against the model and the cluster (and ``global_batch_size`` when
+    given; a mismatch raises the validator's UserError), predict it with the 1F1B simulation
+    and, with ``with_upper_bound``, compute the bound for its batch. Memory is not enforced:
+    the caller reports :func:`megatron_het.perf.fits`."""
+    start = time.perf_counter()
+    plan.validate(model, cluster, global_batch_size)
+    prediction = predict(model, plan, cluster, seq_length, profiles, dtype, validate=False)
+    result = SearchResult(plan, prediction, (), 0, time.perf_counter() - start)
+    if with_upper_bound:
+        bound = upper_bound(model, cluster, plan.global_batch_size, seq_length, profiles,
+                            plan.dtype or dtype)
+        result = SearchResult(plan, prediction, (), 0, time.perf_counter() - start, bound)
+    return result
+
+
+__all__ = ["evaluate_plan"]

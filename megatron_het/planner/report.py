@@ -1,0 +1,168 @@
+"""What the planner tells the user: a markdown report, a short text summary and a JSON line.
+
+All three read a :class:`~megatron_het.planner.search.SearchResult` (a searched plan, or a given
+plan predicted by ``--evaluate``) and do no prediction of their own except the per-stage idle
+share, which re-runs the 1F1B simulation of the slowest pipeline with the predicted times.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.perf import Prediction, fits, simulate_1f1b
+from megatron_het.perf.memory import GIB
+from megatron_het.planner.search import SearchResult
+
+
+def stage_idle_fractions(prediction: Prediction) -> list[float]:
+    """Per stage of the slowest pipeline: the share of its 1F1B time spent idle (its bubble)."""
+    slowest = max(prediction.pipelines, key=lambda p: p.time_s)
+    rows = [s for s in prediction.stages if s.pipeline == slowest.pipeline]
+    sim = simulate_1f1b([r.forward_s for r in rows], [r.backward_s for r in rows],
+                        slowest.micro_batches, [r.p2p_forward_s for r in rows[:-1]],
+                        [r.p2p_backward_s for r in rows[:-1]], record_timeline=False)
+    return [1.0 - busy / sim.makespan_s for busy in sim.busy_s]
+
+
+def peak_memory_gib(prediction: Prediction) -> list[float]:
+    """Peak memory per device of each stage (of pipeline 0; DP replicas are the same)."""
+    return [s.memory.total_bytes / GIB for s in prediction.stages if s.pipeline == 0]
+
+
+def summary_dict(result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
+    """The JSON summary: throughput, bound, efficiency, timing, memory per stage, the plan."""
+    p = result.prediction
+    bound = result.upper_bound
+    memory = fits(p, cluster)
+    return {
+        "efficiency": result.efficiency,
+        "upper_bound_tokens_per_s": None if bound is None else bound.tokens_per_s,
+        "tokens_per_s": p.tokens_per_s,
+        "iteration_time_s": p.iteration_time_s,
+        "pipeline_time_s": p.pipeline_time_s,
+        "dp_sync_s": p.dp_sync_s,
+        "optimizer_s": p.optimizer_s,
+        "bubble_fraction": p.bubble_fraction,
+        "mfu": p.mfu,
+        "search_time_s": result.search_time_s,
+        "upper_bound_search_time_s": None if bound is None else bound.search_time_s,
+        "layouts_evaluated": result.layouts_evaluated,
+        "peak_memory_gib": peak_memory_gib(p),
+        "fits": memory.ok,
+        "memory_message": memory.message,
+        "upper_bound": None if bound is None else bound.to_dict(),
+        "plan": result.plan.to_dict(),
+    }
+
+
+def text_summary(result: SearchResult, cluster: ClusterSpec) -> str:
+    """A few lines for the terminal: the plan, the per-stage table and the headline figures."""
+    p = result.prediction
+    header = ["stage", "accelerator", "tp", "layers", "fwd ms", "bwd ms", "tp ms", "p2p ms",
+              "dp ms", "opt ms", "idle", "mem GiB"]
+    rows = [header] + _stage_rows(p)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [_short_describe(result.plan), "", "pipeline 0 (DP replicas are the same):"]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.append(_headline(result))
+    memory = fits(p, cluster)
+    if not memory.ok:
+        lines.append(f"warning: {memory.message}")
+    return "\n".join(lines)
+
+
+def _short_describe(plan: ParallelPlan) -> str:
+    """:meth:`ParallelPlan.describe` up to the first pipeline; the others differ only in ranks
+    (the full plan is in the report and the plan file)."""
+    lines = plan.describe().splitlines()
+    cut = next((i for i, line in enumerate(lines) if line.startswith("  pipeline 1:")), None)
+    if cut is None:
+        return "\n".join(lines)
+    return "\n".join(lines[:cut] + [f"  pipelines 1-{plan.dp_size - 1}: the same stages on "
+                                    f"their own ranks"])
+
+
+def _headline(result: SearchResult) -> str:
+    p = result.prediction
+    text = f"predicted {p.tokens_per_s:,.0f} tokens/s, iteration {p.iteration_time_s:.3f} s"
+    if result.upper_bound is not None:
+        text += (f"; upper bound {result.upper_bound.tokens_per_s:,.0f} tokens/s, efficiency "
+                 f"{result.efficiency:.4f}")
+    if result.layouts_evaluated:
+        text += (f"; searched {result.layouts_evaluated} layouts in "
+                 f"{result.search_time_s:.2f} s")
+    if result.upper_bound is not None:
+        text += f" (+ {result.upper_bound.search_time_s:.2f} s for the bound)"
+    return text
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+def _stage_rows(prediction: Prediction) -> list[list[str]]:
+    idle = stage_idle_fractions(prediction)
+    rows = []
+    for s in (s for s in prediction.stages if s.pipeline == 0):
+        ms = [f"{1e3 * v:.2f}" for v in (s.forward_s, s.backward_s, s.tp_comm_s,
+                                           s.p2p_forward_s, s.dp_sync_s, s.optimizer_s)]
+        rows.append([str(s.stage), s.accelerator, str(s.tp), f"[{s.layers[0]}, {s.layers[1]})",
+                     *ms, f"{100 * idle[s.stage]:.1f}%",
+                     f"{s.memory.total_bytes / GIB:.1f} / {s.capacity_bytes / GIB:.0f}"])
+    return rows
+
+
+def markdown_report(result: SearchResult, cluster: ClusterSpec, title: Optional[str] = None
+                    ) -> str:
+    """The report: headline figures, upper bound and efficiency, the per-stage table (times,
+    idle share, memory), the plan, and the runner-up candidates of a search."""
+    p = result.prediction
+    lines = [f"# {title or 'Parallel plan'}: {p.model} on {cluster.name}", ""]
+    figures = [["tokens/s", f"{p.tokens_per_s:,.0f}"],
+               ["iteration time", f"{p.iteration_time_s:.3f} s (pipeline "
+                f"{p.pipeline_time_s:.3f} + DP sync {p.dp_sync_s:.3f} + optimizer "
+                f"{p.optimizer_s:.3f})"],
+               ["pipeline bubble", f"{100 * p.bubble_fraction:.1f}%"],
+               ["MFU (heterogeneity-aware)", f"{100 * p.mfu:.1f}%"],
+               ["devices", str(p.num_devices)],
+               ["batch", f"{p.global_batch_size} x {p.seq_length} tokens, micro-batch "
+                f"{p.micro_batch_size}, dtype {p.dtype}"]]
+    if result.upper_bound is not None:
+        figures += [["upper bound", f"{result.upper_bound.tokens_per_s:,.0f} tokens/s"],
+                     ["efficiency", f"{result.efficiency:.4f}"]]
+    if result.layouts_evaluated:
+        figures.append(["search", f"{result.layouts_evaluated} layouts in "
+                        f"{result.search_time_s:.2f} s"])
+    if result.upper_bound is not None:
+        figures.append(["upper bound searches", f"{result.upper_bound.search_time_s:.2f} s"])
+    lines += _table(["figure", "value"], figures) + ["", "## Stages (pipeline 0)", ""]
+    lines += _table(["stage", "accelerator", "tp", "layers", "fwd ms", "bwd ms", "tp comm ms",
+                     "p2p ms", "dp sync ms", "optimizer ms", "idle", "memory GiB"],
+                    _stage_rows(p))
+    lines += ["", f"Memory: {fits(p, cluster).message}.", ""]
+    if result.upper_bound is not None:
+        lines += ["## Upper bound", "", "Sum over accelerator kinds of devices x per-device "
+                  "tokens/s of the best plan for that kind alone.", ""]
+        lines += _table(["kind", "devices", "tokens/s per device", "best homogeneous plan"],
+                        [[k.kind, str(k.devices), f"{k.tokens_per_s_per_device:,.1f}",
+                          k.plan_summary + (" (memory ignored: the kind cannot hold the model "
+                                            "alone)" if k.memory_ignored else "")]
+                         for k in result.upper_bound.kinds])
+        lines.append("")
+    lines += ["## Plan", "", "```", result.plan.describe(), "```", ""]
+    if len(result.candidates) > 1:
+        lines += ["## Candidates (simulated)", ""]
+        lines += _table(["rank", "layout", "layers", "iteration s", "tokens/s"],
+                        [[str(i), c.layout.describe(), " ".join(map(str, c.layers)),
+                          f"{c.prediction.iteration_time_s:.4f}",
+                          f"{c.prediction.tokens_per_s:,.0f}"]
+                         for i, c in enumerate(result.candidates)])
+        lines.append("")
+    return "\n".join(lines)
+
+
+__all__ = ["markdown_report", "peak_memory_gib", "stage_idle_fractions", "summary_dict",
+           "text_summary"]

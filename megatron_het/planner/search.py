@@ -1,0 +1,280 @@
+"""The automatic parallel planner: search layouts, balance layers, rank by the predictor.
+
+Search order (all predictions are pure computations, no processes):
+
+1. enumerate layouts (:mod:`megatron_het.planner.space`): DP degree, the order of the
+   accelerator kinds along the pipeline, TP and stage count per kind, micro-batch size and
+   recompute per kind; ZeRO-1 is on whenever dp > 1 (it never adds time in the cost model) and
+   the best layouts are retried without it. Layouts whose per-layer bytes cannot fit are
+   dropped, the rest ordered by a lower bound on their time (:mod:`megatron_het.planner.bounds`);
+2. layouts are probed in that order (branch and bound) until the bound passes the ``top_k``-th
+   best time found: two closed-form predictions give affine per-stage costs
+   (:func:`~megatron_het.planner.stage_model.probe_stage_model`) and the layer split is balanced
+   on them under every device's memory. Recompute is skipped where the same layout without it
+   was not limited by memory (it only adds time);
+3. the best ``refine`` splits get a local search, the best ``top_k`` are predicted with the
+   event-driven pipeline simulation (small ones polished under it), and the fastest is the plan.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Mapping, Optional
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import ModelConfig
+from megatron_het.errors import UserError
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.perf import Prediction, Profile, SimulationCache, fits, predict
+from megatron_het.perf.memory import GIB
+from megatron_het.planner.bounds import (KindCosts, memory_feasible, memory_pressure,
+                                         time_lower_bound)
+from megatron_het.planner.space import (Layout, Placement, build_plan,
+                                        micro_batch_sizes, pipeline_shapes)
+from megatron_het.planner.stage_model import (StageModel, balance_layers, layer_caps,
+                                              polish_split, probe_stage_model)
+
+if TYPE_CHECKING:
+    from megatron_het.planner.upper_bound import UpperBound
+
+
+# The best layouts retried without ZeRO-1 (it never adds time in the cost model, so this only
+# confirms the choice; a cheap check against a change of the model).
+ZERO1_RETRIES = 3
+
+
+# When nothing fits, the layouts closest to fitting by the per-layer bound that are probed to
+# report the smallest memory shortfall.
+SHORTFALL_PROBES = 16
+
+# Splits of the finalists are also polished under the 1F1B simulation when it is cheap (about
+# stages^2 moves of stages x micro-batches steps each); with many micro-batches the closed form
+# and the simulation agree closely anyway.
+SIMULATED_POLISH_LIMIT = 200_000
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A searched plan: its layout, layer split, closed-form time and (for the top ones) the
+    simulated prediction."""
+
+    layout: Layout
+    layers: tuple[int, ...]
+    closed_form_s: float
+    plan: ParallelPlan
+    prediction: Optional[Prediction] = None
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best plan and how it was found. ``search_time_s`` is the plan search alone;
+    ``upper_bound`` (None unless asked) carries the time of its own searches."""
+
+    plan: ParallelPlan
+    prediction: Prediction
+    candidates: tuple[Candidate, ...]
+    layouts_evaluated: int
+    search_time_s: float
+    upper_bound: Optional["UpperBound"] = None
+
+    @property
+    def efficiency(self) -> Optional[float]:
+        """Predicted tokens/s over the theoretical upper bound (None without a bound)."""
+        if self.upper_bound is None:
+            return None
+        return self.prediction.tokens_per_s / self.upper_bound.tokens_per_s
+
+
+@dataclass
+class _Search:
+    """The inputs and running state of one search."""
+
+    model: ModelConfig
+    cluster: ClusterSpec
+    global_batch_size: int
+    seq_length: int
+    profiles: Optional[Mapping[str, Profile]]
+    dtype: str
+    check_memory: bool
+    top_k: int
+    placement: Placement = field(init=False)
+    costs: KindCosts = field(init=False)
+    cache: SimulationCache = field(default_factory=SimulationCache)
+    scored: list[tuple[float, StageModel, list[int]]] = field(default_factory=list)
+    shortfall: Optional[tuple[float, StageModel, int]] = None
+    unbound: set = field(default_factory=set)  # layouts whose split memory did not limit
+    too_big: list[tuple[float, Layout]] = field(default_factory=list)  # pruned by memory
+    evaluated: int = 0
+
+    def __post_init__(self) -> None:
+        self.placement = Placement(self.cluster)
+        self.costs = KindCosts(self.model, self.cluster, self.placement, self.seq_length,
+                               self.profiles, self.dtype, self.cache)
+
+    def stage_model(self, layout: Layout) -> StageModel:
+        self.evaluated += 1
+        return probe_stage_model(self.model, layout, self.placement, self.cluster,
+                                 self.seq_length, self.profiles, self.dtype, self.cache)
+
+    def score(self, layout: Layout) -> None:
+        """Probe and balance one layout; remember its time, or its memory shortfall."""
+        sm = self.stage_model(layout)
+        layers = balance_layers(sm, self.model.num_layers, polish=False,
+                                check_memory=self.check_memory)
+        if layers is None:
+            short, stage = sm.memory_shortfall(self.model.num_layers)
+            if self.shortfall is None or short < self.shortfall[0]:
+                self.shortfall = (short, sm, stage)
+            return
+        t = sm.iteration_time(layers)
+        self.scored.append((t, sm, layers))
+        free = balance_layers(sm, self.model.num_layers, polish=False, check_memory=False)
+        if free is not None and sm.iteration_time(free) >= t * (1 - 1e-9):
+            self.unbound.add(_without_recompute(layout))
+
+    def layouts(self, max_micro_batch_size: int) -> list[tuple[float, Layout]]:
+        """Every layout (recompute per kind included) that may fit, with its time bound."""
+        out = []
+        for dp, blocks in pipeline_shapes(self.model, self.placement):
+            for mbs in micro_batch_sizes(self.global_batch_size, dp, max_micro_batch_size):
+                m = self.global_batch_size // (dp * mbs)
+                for mask in range(1 << len(blocks)):
+                    chosen = tuple(replace(b, recompute=bool(mask >> i & 1))
+                                   for i, b in enumerate(blocks))
+                    layout = Layout(dp, chosen, mbs, m, dp > 1)
+                    if self.check_memory and not memory_feasible(layout, self.costs,
+                                                                 self.model.num_layers):
+                        self.too_big.append((memory_pressure(layout, self.costs,
+                                                             self.model.num_layers), layout))
+                        continue
+                    out.append((time_lower_bound(layout, self.costs, self.model.num_layers),
+                                layout))
+        out.sort(key=lambda item: item[0])
+        return out
+
+    def run(self, max_micro_batch_size: int) -> None:
+        """Probe layouts by increasing bound until the bound passes the top_k-th best time;
+        skip recompute where the same layout without it was not limited by memory."""
+        times: list[float] = []
+        for bound, layout in self.layouts(max_micro_batch_size):
+            if len(times) >= self.top_k and bound * (1 - 1e-6) >= times[self.top_k - 1]:
+                break
+            if any(b.recompute for b in layout.blocks) and (
+                    _without_recompute(layout) in self.unbound):
+                continue
+            before = len(self.scored)
+            self.score(layout)
+            if len(self.scored) > before:
+                times.append(self.scored[-1][0])
+                times.sort()
+        if not self.scored:  # nothing fits: measure how far the closest layouts are
+            for _, layout in sorted(self.too_big, key=lambda item: item[0])[:SHORTFALL_PROBES]:
+                self.score(layout)
+
+
+def _without_recompute(layout: Layout) -> Layout:
+    return replace(layout, blocks=tuple(replace(b, recompute=False) for b in layout.blocks))
+
+
+def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int,
+                seq_length: int, profiles: Optional[Mapping[str, Profile]] = None,
+                dtype: str = "bf16", *, top_k: int = 5, refine: int = 16,
+                max_micro_batch_size: int = 16, check_memory: bool = True,
+                with_upper_bound: bool = True) -> SearchResult:
+    """Search the best plan for ``model`` on every device of ``cluster``.
+
+    Returns the fastest plan by the simulated prediction among the ``top_k`` best closed-form
+    candidates (each checked with :func:`megatron_het.perf.fits`; ``refine`` is how many get a
+    local search of their split first), and with ``with_upper_bound`` the theoretical upper
+    bound (one more search per accelerator kind). Micro-batch sizes go up to
+    ``max_micro_batch_size``.
+    ``check_memory=False`` ignores device memory (used for the bound of a kind that cannot hold
+    the model alone). Raises UserError when no plan fits, with the smallest shortfall.
+    """
+    if global_batch_size < 1 or seq_length < 1:
+        raise UserError(f"--global-batch-size ({global_batch_size}) and --seq-length "
+                        f"({seq_length}) must be at least 1")
+    start = time.perf_counter()
+    search = _Search(model, cluster, global_batch_size, seq_length, profiles, dtype,
+                     check_memory, max(1, top_k))
+    search.run(max_micro_batch_size)
+    if not search.scored:
+        raise UserError(_no_fit_message(search))
+    candidates = _finalists(search, top_k, refine)
+    best = candidates[0]
+    result = SearchResult(best.plan, best.prediction, tuple(candidates), search.evaluated,
+                          time.perf_counter() - start)
+    if with_upper_bound:
+        from megatron_het.planner.upper_bound import upper_bound  # imports this module
+        bound = upper_bound(model, cluster, global_batch_size, seq_length, profiles, dtype,
+                            max_micro_batch_size=max_micro_batch_size)
+        result = replace(result, upper_bound=bound)
+    return result
+
+
+def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
+    """Polish the best ``refine`` splits (and try them without ZeRO-1), simulate the best
+    ``top_k``, and order them by simulated iteration time."""
+    search.scored.sort(key=lambda item: item[0])
+    polished: list[tuple[float, StageModel, list[int]]] = []
+    for rank, (_, sm, layers) in enumerate(search.scored[:refine]):
+        polished.append(_polish(search, sm, layers))
+        if sm.layout.zero1 and rank < ZERO1_RETRIES:
+            plain = search.stage_model(replace(sm.layout, zero1=False))
+            split = balance_layers(plain, search.model.num_layers,
+                                   check_memory=search.check_memory)
+            if split is not None:
+                polished.append((plain.iteration_time(split), plain, split))
+    polished.sort(key=lambda item: item[0])
+    out = []
+    for _, sm, layers in polished[:max(1, top_k)]:
+        if sm.num_stages ** 3 * sm.layout.micro_batches <= SIMULATED_POLISH_LIMIT:
+            caps = layer_caps(sm, search.model.num_layers, search.check_memory)
+            layers = polish_split(sm, layers, caps,
+                                  lambda split: sm.simulated_time(split, search.cache))
+        plan = build_plan(sm.layout, layers, search.placement, search.dtype,
+                          description=f"megatron_het planner: {sm.layout.describe()}")
+        prediction = predict(search.model, plan, search.cluster, search.seq_length,
+                             search.profiles, search.dtype, cache=search.cache)
+        if search.check_memory and not fits(prediction, search.cluster).ok:
+            raise AssertionError(f"planner produced a plan that does not fit: "
+                                 f"{fits(prediction, search.cluster).message}")
+        out.append(Candidate(sm.layout, tuple(layers), sm.iteration_time(layers), plan,
+                             prediction))
+    out.sort(key=lambda c: c.prediction.iteration_time_s)
+    return out
+
+
+def _polish(search: _Search, sm: StageModel, layers: list[int]
+            ) -> tuple[float, StageModel, list[int]]:
+    caps = layer_caps(sm, search.model.num_layers, search.check_memory)
+    better = polish_split(sm, layers, caps)
+    return sm.iteration_time(better), sm, better
+
+
+def _no_fit_message(search: _Search) -> str:
+    cluster, model = search.cluster, search.model
+    counts = ", ".join(f"{n} {k}" for k, n in cluster.accelerator_counts().items())
+    if search.shortfall is None:
+        return (f"no layout of {model.name} fits cluster {cluster.name} ({counts}): every "
+                f"pipeline would need more stages than the model's {model.num_layers} layers or "
+                f"a TP degree that divides no node; use a cluster whose kinds' device counts "
+                f"share a divisor and fit the model")
+    short, sm, stage = search.shortfall
+    block = sm.layout.stage_kinds()[stage]
+    usable = sm.usable_bytes[stage]
+    ratio = (usable + short) / usable
+    return (f"cluster {cluster.name} ({counts}) cannot hold {model.name}: the closest plan "
+            f"({_knobs(sm.layout)}) lacks {short / GIB:.1f} GiB per {block.kind} device "
+            f"(needs {(usable + short) / GIB:.1f} of {usable / GIB:.1f} GiB usable); add devices "
+            f"(about {ratio:.1f}x as many) or use a smaller model, since recompute and ZeRO-1 "
+            f"were already tried")
+
+
+def _knobs(layout: Layout) -> str:
+    rc = [b.kind for b in layout.blocks if b.recompute]
+    return (f"{layout.describe()}, recompute {'on ' + '/'.join(rc) if rc else 'off'}, "
+            f"ZeRO-1 {'on' if layout.zero1 else 'off (dp=1)'}")
+
+
+__all__ = ["Candidate", "SearchResult", "search_plan"]

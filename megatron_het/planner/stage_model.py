@@ -1,0 +1,236 @@
+"""Per-stage costs of a layout as affine functions of the stage's layer count, and the split.
+
+Every figure the predictor gives per stage is affine in that stage's number of decoder layers
+``l >= 1`` once the layout is fixed: compute and TP communication per micro-batch, the DP
+gradient sync (bytes grow with the parameters), the optimizer step and the peak memory; the p2p
+times do not depend on ``l``. :func:`probe_stage_model` reads the slopes and intercepts from two
+closed-form predictions of the layout (every stage with 1 layer, then with 2), so the layer split
+can be optimised without calling the predictor again: :meth:`StageModel.iteration_time` is the
+predictor's closed-form iteration time of any split.
+
+:func:`balance_layers` finds the split: the smallest 1F1B cycle bottleneck that fits the layers
+under every stage's memory (bisection), excess layers taken from the stages slowest per layer,
+then single-layer moves while they lower the iteration time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import ModelConfig
+from megatron_het.perf import Prediction, Profile, SimulationCache, predict
+from megatron_het.perf.memory import RESERVED_FRACTION, device_capacity_bytes
+from megatron_het.planner.space import Layout, Placement, build_plan
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``intercept + slope * l``."""
+
+    intercept: float
+    slope: float
+
+    def __call__(self, layers: float) -> float:
+        return self.intercept + self.slope * layers
+
+
+@dataclass(frozen=True)
+class StageModel:
+    """One layout's per-stage costs; index ``s`` is the stage in pipeline order.
+
+    ``p2p`` holds one (forward, backward) boundary-time pair of lists per distinct pipeline
+    (pipelines differ only in which node boundaries they cross); ``usable_bytes`` is what
+    :func:`megatron_het.perf.fits` allows on the stage's devices.
+    """
+
+    layout: Layout
+    forward: tuple[Affine, ...]
+    backward: tuple[Affine, ...]
+    dp_sync: tuple[Affine, ...]
+    optimizer: tuple[Affine, ...]
+    memory: tuple[Affine, ...]
+    usable_bytes: tuple[float, ...]
+    p2p: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward)
+
+    def steady_p2p(self) -> list[list[float]]:
+        """Per distinct pipeline, per stage: the p2p time in its steady-state 1F1B cycle."""
+        out = []
+        p = self.num_stages
+        for cf, cb in self.p2p:
+            out.append([(max(cf[s], cb[s]) if s < p - 1 else 0.0)
+                        + (max(cf[s - 1], cb[s - 1]) if s > 0 else 0.0) for s in range(p)])
+        return out
+
+    def iteration_time(self, layers: Sequence[int]) -> float:
+        """The closed-form iteration time (pipeline + DP sync + optimizer) of a split; equal to
+        ``predict(..., pipeline_model="closed_form").iteration_time_s`` of its plan."""
+        m = self.layout.micro_batches
+        work = [self.forward[s](n) + self.backward[s](n) for s, n in enumerate(layers)]
+        pipeline = 0.0
+        for (cf, cb), steady in zip(self.p2p, self.steady_p2p()):
+            cycle = max(w + k for w, k in zip(work, steady))
+            pipeline = max(pipeline, sum(cf) + sum(cb) + (m - 1) * cycle)
+        return (sum(work) + pipeline + max(a(n) for a, n in zip(self.dp_sync, layers))
+                + max(a(n) for a, n in zip(self.optimizer, layers)))
+
+    def simulated_time(self, layers: Sequence[int], cache: SimulationCache) -> float:
+        """Like :meth:`iteration_time` with the event-driven 1F1B simulation for the pipeline
+        (what ``predict`` reports by default)."""
+        m = self.layout.micro_batches
+        forward = [a(n) for a, n in zip(self.forward, layers)]
+        backward = [a(n) for a, n in zip(self.backward, layers)]
+        pipeline = max(cache.makespan(forward, backward, m, cf, cb) for cf, cb in self.p2p)
+        return (pipeline + max(a(n) for a, n in zip(self.dp_sync, layers))
+                + max(a(n) for a, n in zip(self.optimizer, layers)))
+
+    def memory_caps(self, extra_bytes: float = 0.0) -> list[int]:
+        """The most layers each stage holds within its usable memory (plus ``extra_bytes``)."""
+        caps = []
+        for mem, usable in zip(self.memory, self.usable_bytes):
+            room = usable + extra_bytes - mem.intercept
+            caps.append(math.floor(room / mem.slope - 1e-9) if mem.slope > 0 else
+                        (1 << 30 if room >= 0 else 0))
+        return caps
+
+    def memory_shortfall(self, num_layers: int) -> tuple[float, int]:
+        """The least, over splits, of the largest memory overrun of any device (bytes; <= 0
+        when a split fits), and the stage with it at that split."""
+        lo, hi = -max(self.usable_bytes), max(m(num_layers) for m in self.memory)
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            if _fits_layers(self.memory_caps(mid), num_layers):
+                hi = mid
+            else:
+                lo = mid
+        caps = self.memory_caps(hi)
+        worst = max(range(self.num_stages),
+                    key=lambda s: self.memory[s](min(caps[s], num_layers)) - self.usable_bytes[s])
+        return hi, worst
+
+
+def _fits_layers(caps: Sequence[int], num_layers: int) -> bool:
+    return min(caps) >= 1 and sum(caps) >= num_layers
+
+
+def _affine(one: float, two: float) -> Affine:
+    return Affine(2 * one - two, two - one)
+
+
+def probe_stage_model(model: ModelConfig, layout: Layout, placement: Placement,
+                      cluster: ClusterSpec, seq_length: int,
+                      profiles: Optional[Mapping[str, Profile]], dtype: str,
+                      cache: SimulationCache) -> StageModel:
+    """Two closed-form predictions of ``layout`` (1 and 2 layers per stage) -> its StageModel."""
+    probes: list[Prediction] = []
+    for layers in (1, 2):
+        plan = build_plan(layout, [layers] * layout.num_stages, placement, dtype)
+        probes.append(predict(model, plan, cluster, seq_length, profiles, dtype,
+                              pipeline_model="closed_form", cache=cache, validate=False))
+    p = layout.num_stages
+    one, two = probes[0].stages[:p], probes[1].stages[:p]
+    pairs = list(zip(one, two))
+    usable = tuple(device_capacity_bytes(cluster.accelerator_of(a.ranks[0]))
+                   * (1.0 - RESERVED_FRACTION) for a in one)
+    p2p = []
+    for d in range(layout.dp):
+        rows = probes[0].stages[d * p:(d + 1) * p]
+        pair = (tuple(r.p2p_forward_s for r in rows[:-1]),
+                tuple(r.p2p_backward_s for r in rows[:-1]))
+        if pair not in p2p:
+            p2p.append(pair)
+    return StageModel(
+        layout,
+        forward=tuple(_affine(a.forward_s, b.forward_s) for a, b in pairs),
+        backward=tuple(_affine(a.backward_s, b.backward_s) for a, b in pairs),
+        dp_sync=tuple(_affine(a.dp_sync_s, b.dp_sync_s) for a, b in pairs),
+        optimizer=tuple(_affine(a.optimizer_s, b.optimizer_s) for a, b in pairs),
+        memory=tuple(_affine(a.memory.total_bytes, b.memory.total_bytes) for a, b in pairs),
+        usable_bytes=usable, p2p=tuple(p2p))
+
+
+def layer_caps(stage_model: StageModel, num_layers: int, check_memory: bool = True) -> list[int]:
+    """The most layers each stage may take: leave one for every other stage, and (with
+    ``check_memory``) stay within the stage's usable memory."""
+    most = num_layers - (stage_model.num_stages - 1)
+    if not check_memory:
+        return [most] * stage_model.num_stages
+    return [min(c, most) for c in stage_model.memory_caps()]
+
+
+def balance_layers(stage_model: StageModel, num_layers: int, polish: bool = True,
+                   check_memory: bool = True) -> Optional[list[int]]:
+    """The layer count of every stage (sum ``num_layers``, each >= 1, within memory unless
+    ``check_memory`` is False) that minimises :meth:`StageModel.iteration_time` (bisection on
+    the cycle bottleneck, then :func:`polish_split`); None if no split fits in memory."""
+    p = stage_model.num_stages
+    caps = layer_caps(stage_model, num_layers, check_memory)
+    if not _fits_layers(caps, num_layers):
+        return None
+    steady = [max(k) for k in zip(*stage_model.steady_p2p())]
+    slope = [stage_model.forward[s].slope + stage_model.backward[s].slope for s in range(p)]
+    base = [stage_model.forward[s].intercept + stage_model.backward[s].intercept + steady[s]
+            for s in range(p)]
+
+    def units(cycle: float) -> list[int]:
+        return [min(caps[s], math.floor((cycle - base[s]) / slope[s] + 1e-9)) if slope[s] > 0
+                else caps[s] for s in range(p)]
+
+    lo = max(base[s] + slope[s] for s in range(p))
+    hi = max(base[s] + slope[s] * caps[s] for s in range(p))
+    if sum(units(lo)) < num_layers:
+        for _ in range(64):
+            mid = 0.5 * (lo + hi)
+            if sum(units(mid)) >= num_layers:
+                hi = mid
+            else:
+                lo = mid
+        lo = hi
+    layers = [max(1, u) for u in units(lo)]
+    excess = sum(layers) - num_layers
+    for s in sorted(range(p), key=lambda s: -slope[s]):
+        take = min(excess, layers[s] - 1)
+        layers[s] -= take
+        excess -= take
+    if polish:
+        layers = polish_split(stage_model, layers, caps)
+    return layers
+
+
+def polish_split(stage_model: StageModel, layers: list[int], caps: Sequence[int],
+                 time_of: Optional[Callable[[Sequence[int]], float]] = None) -> list[int]:
+    """Move one layer at a time between stages while ``time_of`` (default: the closed-form
+    :meth:`StageModel.iteration_time`) drops, best move first; returns the improved split."""
+    time_of = time_of or stage_model.iteration_time
+    layers = list(layers)
+    best = time_of(layers)
+    p = len(layers)
+    while True:
+        move, move_time = None, best
+        for i in range(p):
+            if layers[i] <= 1:
+                continue
+            for j in range(p):
+                if j == i or layers[j] >= caps[j]:
+                    continue
+                layers[i] -= 1
+                layers[j] += 1
+                t = time_of(layers)
+                layers[i] += 1
+                layers[j] -= 1
+                if t < move_time * (1 - 1e-12):
+                    move, move_time = (i, j), t
+        if move is None:
+            return layers
+        layers[move[0]] -= 1
+        layers[move[1]] += 1
+        best = move_time
+
+
+__all__ = ["Affine", "StageModel", "balance_layers", "layer_caps", "polish_split",
+           "probe_stage_model"]

@@ -1,0 +1,134 @@
+"""The planner against an independent brute force on small mixed clusters.
+
+The brute force enumerates every plan of the plan format's space with identical DP replicas:
+any sequence of stages (one accelerator kind and a TP degree each, kinds in any order and even
+interleaved, TP groups inside a node), every split of the layers, every micro-batch size,
+recompute on or off, ZeRO-1 on or off; ranks are handed out in cluster rank order (pipeline d
+takes the d-th block of each kind's ranks, in stage order). Each plan is predicted with the
+event-driven simulation and kept if it fits in memory. The planner's plan must be within 1% of
+the best.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Iterator
+
+import pytest
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import ModelConfig
+from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.perf import SimulationCache, fits, predict
+from megatron_het.planner.search import search_plan
+
+SEQ = 1024
+MODEL = ModelConfig(name="bf-6l", num_layers=6, hidden_size=2048, ffn_hidden_size=5632,
+                    num_attention_heads=16, num_query_groups=4, vocab_size=32000)
+
+
+def _group(name: str, kind: str, nodes: int, per_node: int, nic_gbit: float = 400) -> dict:
+    return {"name": name, "accelerator": kind, "nodes": nodes, "devices_per_node": per_node,
+            "nic_bandwidth_gbit_per_s": nic_gbit}
+
+
+CLUSTERS = {
+    "h100+a100": ({"name": "bf2", "node_groups": [_group("h", "H100", 1, 4),
+                                                  _group("a", "A100-80G", 1, 4)]}, 8),
+    "h100+mi250x+a100": ({"name": "bf3", "node_groups": [
+        _group("h", "H100", 1, 2), _group("m", "MI250X", 1, 2),
+        _group("a", "A100-40G", 2, 2)]}, 8),
+    "tight memory": ({"name": "bft", "accelerators": {
+        "small-a": {"base": "A100-80G", "memory_gib": 1.3},
+        "small-b": {"base": "MI250X", "memory_gib": 1.5}},
+        "node_groups": [_group("a", "small-a", 2, 2), _group("b", "small-b", 1, 2)]}, 4),
+}
+
+
+def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def _stage_sequences(per_pipeline: dict[str, int], tps: list[int], max_stages: int
+                     ) -> Iterator[tuple[tuple[str, int], ...]]:
+    """Every ordered sequence of (kind, tp) stages using exactly ``per_pipeline`` devices."""
+    if not any(per_pipeline.values()):
+        yield ()
+        return
+    if max_stages == 0:
+        return
+    for kind, left in per_pipeline.items():
+        for tp in tps:
+            if tp <= left:
+                rest = dict(per_pipeline, **{kind: left - tp})
+                for tail in _stage_sequences(rest, tps, max_stages - 1):
+                    yield ((kind, tp), *tail)
+
+
+def _ranks(cluster: ClusterSpec, dp: int, sequence) -> list[list[tuple[int, ...]]] | None:
+    by_kind: dict[str, list[int]] = {}
+    for info in cluster.rank_map():
+        by_kind.setdefault(info.accelerator.name, []).append(info.rank)
+    out = []
+    for d in range(dp):
+        taken = {k: d * len(v) // dp for k, v in by_kind.items()}
+        stages = []
+        for kind, tp in sequence:
+            group = tuple(by_kind[kind][taken[kind]:taken[kind] + tp])
+            taken[kind] += tp
+            if len({cluster.rank_info(r).node for r in group}) > 1:
+                return None  # TP groups stay inside a node
+            stages.append(group)
+        out.append(stages)
+    return out
+
+
+def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
+                     ) -> tuple[float, ParallelPlan | None]:
+    """The least simulated iteration time of every plan that fits (see the module docstring),
+    and that plan."""
+    counts = cluster.accelerator_counts()
+    tps = [t for t in (1, 2, 4, 8) if model.num_attention_heads % t == 0
+           and model.num_query_groups % t == 0 and model.ffn_hidden_size % t == 0]
+    cache, best, best_plan = SimulationCache(), float("inf"), None
+    for dp in range(1, cluster.world_size + 1):
+        if any(n % dp for n in counts.values()) or global_batch_size % dp:
+            continue
+        share = global_batch_size // dp
+        per_pipeline = {k: n // dp for k, n in counts.items()}
+        for sequence in _stage_sequences(per_pipeline, tps, model.num_layers):
+            ranks = _ranks(cluster, dp, sequence)
+            if ranks is None:
+                continue
+            for split, mbs, recompute, zero1 in itertools.product(
+                    _compositions(model.num_layers, len(sequence)),
+                    [b for b in range(1, share + 1) if share % b == 0], (False, True),
+                    (False, True) if dp > 1 else (False,)):
+                pipelines = []
+                for d in range(dp):
+                    start, stages = 0, []
+                    for (kind, tp), n, group in zip(sequence, split, ranks[d]):
+                        stages.append(StagePlan(kind, tp, (start, start + n), group,
+                                                recompute=recompute))
+                        start += n
+                    pipelines.append(PipelinePlan(share // mbs, tuple(stages)))
+                plan = ParallelPlan(mbs, tuple(pipelines), "bf16", zero1)
+                prediction = predict(model, plan, cluster, SEQ, cache=cache, validate=False)
+                if prediction.iteration_time_s < best and fits(prediction, cluster).ok:
+                    best, best_plan = prediction.iteration_time_s, plan
+    return best, best_plan
+
+
+@pytest.mark.parametrize("name", list(CLUSTERS))
+def test_planner_within_one_percent_of_brute_force(name: str) -> None:
+    spec, global_batch_size = CLUSTERS[name]
+    cluster = ClusterSpec.from_dict(spec)
+    result = search_plan(MODEL, cluster, global_batch_size, SEQ, with_upper_bound=False)
+    result.plan.validate(MODEL, cluster, global_batch_size)
+    assert fits(result.prediction, cluster).ok
+    best, best_plan = brute_force_best(MODEL, cluster, global_batch_size)
+    assert best_plan is not None
+    assert result.prediction.iteration_time_s <= best * 1.01, (
+        f"planner {result.prediction.iteration_time_s:.6f} s:\n{result.plan.describe()}\n"
+        f"brute force {best:.6f} s:\n{best_plan.describe()}")

@@ -1,0 +1,158 @@
+"""The planner's parts against the predictor: affine stage costs, the split, bounds, results."""
+from __future__ import annotations
+
+import itertools
+import pathlib
+import random
+
+import pytest
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import ModelConfig, model_preset
+from megatron_het.errors import UserError
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.perf import SimulationCache, fits, predict
+from megatron_het.planner import evaluate_plan, kind_subcluster, search_plan
+from megatron_het.planner.bounds import KindCosts, memory_feasible, time_lower_bound
+from megatron_het.planner.space import KindBlock, Layout, Placement, build_plan
+from megatron_het.planner.stage_model import balance_layers, layer_caps, probe_stage_model
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SEQ = 1024
+MODEL = ModelConfig(name="t-12l", num_layers=12, hidden_size=2048, ffn_hidden_size=5632,
+                    num_attention_heads=16, num_query_groups=4, vocab_size=32000)
+CLUSTER = {"name": "mix", "node_groups": [
+    {"name": "h", "accelerator": "H100", "nodes": 2, "devices_per_node": 2,
+     "nic_bandwidth_gbit_per_s": 400},
+    {"name": "m", "accelerator": "MI250X", "nodes": 2, "devices_per_node": 4,
+     "nic_bandwidth_gbit_per_s": 200}]}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> ClusterSpec:
+    return ClusterSpec.from_dict(CLUSTER)
+
+
+def _layout(dp: int, blocks: tuple[KindBlock, ...], gbs: int = 16, mbs: int = 1,
+            zero1: bool = True) -> Layout:
+    return Layout(dp, blocks, mbs, gbs // (dp * mbs), zero1 and dp > 1)
+
+
+LAYOUTS = [
+    _layout(2, (KindBlock("H100", 1, 2), KindBlock("MI250X", 2, 2))),
+    _layout(2, (KindBlock("MI250X", 4, 1, recompute=True), KindBlock("H100", 2, 1)), mbs=2),
+    _layout(1, (KindBlock("H100", 2, 2), KindBlock("MI250X", 1, 8)), zero1=False),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.describe())
+def test_stage_model_reproduces_the_closed_form_prediction(cluster, layout) -> None:
+    placement, cache = Placement(cluster), SimulationCache()
+    sm = probe_stage_model(MODEL, layout, placement, cluster, SEQ, None, "bf16", cache)
+    rng = random.Random(0)
+    for _ in range(5):
+        cuts = sorted(rng.sample(range(1, MODEL.num_layers), layout.num_stages - 1))
+        split = [b - a for a, b in zip([0, *cuts], [*cuts, MODEL.num_layers])]
+        plan = build_plan(layout, split, placement, "bf16")
+        plan.validate(MODEL, cluster, 16)
+        closed = predict(MODEL, plan, cluster, SEQ, pipeline_model="closed_form")
+        assert sm.iteration_time(split) == pytest.approx(closed.iteration_time_s, rel=1e-9)
+        simulated = predict(MODEL, plan, cluster, SEQ, cache=cache)
+        assert sm.simulated_time(split, cache) == pytest.approx(simulated.iteration_time_s,
+                                                                rel=1e-9)
+        for s, row in enumerate(closed.stages[:layout.num_stages]):
+            assert sm.memory[s](split[s]) == pytest.approx(row.memory.total_bytes, rel=1e-9)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.describe())
+def test_balanced_split_is_the_best_split_of_the_layout(cluster, layout) -> None:
+    placement = Placement(cluster)
+    sm = probe_stage_model(MODEL, layout, placement, cluster, SEQ, None, "bf16",
+                           SimulationCache())
+    split = balance_layers(sm, MODEL.num_layers)
+    caps = layer_caps(sm, MODEL.num_layers)
+    best = min(sm.iteration_time(c) for c in itertools.product(
+        *(range(1, cap + 1) for cap in caps)) if sum(c) == MODEL.num_layers)
+    assert split is not None and sum(split) == MODEL.num_layers
+    assert sm.iteration_time(split) <= best * 1.001
+
+
+def test_lower_bounds_hold(cluster) -> None:
+    placement, cache = Placement(cluster), SimulationCache()
+    costs = KindCosts(MODEL, cluster, placement, SEQ, None, "bf16", cache)
+    for layout in LAYOUTS:
+        sm = probe_stage_model(MODEL, layout, placement, cluster, SEQ, None, "bf16", cache)
+        split = balance_layers(sm, MODEL.num_layers)
+        assert memory_feasible(layout, costs, MODEL.num_layers)
+        assert time_lower_bound(layout, costs, MODEL.num_layers) <= sm.iteration_time(split)
+    tiny = ClusterSpec.from_dict({**CLUSTER, "accelerators": {
+        "H100": {"memory_gib": 0.5}, "MI250X": {"memory_gib": 0.5}}})
+    tiny_costs = KindCosts(MODEL, tiny, Placement(tiny), SEQ, None, "bf16", cache)
+    assert not memory_feasible(LAYOUTS[0], tiny_costs, MODEL.num_layers)
+
+
+def test_search_result_is_valid_node_local_and_balanced_by_speed(cluster) -> None:
+    result = search_plan(MODEL, cluster, 16, SEQ, top_k=3)
+    plan = result.plan
+    plan.validate(MODEL, cluster, 16)
+    assert fits(result.prediction, cluster).ok
+    assert ParallelPlan.from_dict(plan.to_dict()) == plan
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            assert len({cluster.rank_info(r).node for r in stage.ranks}) == 1
+    times = [c.prediction.iteration_time_s for c in result.candidates]
+    assert times == sorted(times) and result.prediction is result.candidates[0].prediction
+    assert result.efficiency == pytest.approx(
+        result.prediction.tokens_per_s / result.upper_bound.tokens_per_s)
+
+
+def test_homogeneous_cluster_is_its_own_upper_bound() -> None:
+    cluster = ClusterSpec.from_dict({"name": "h", "node_groups": [
+        {"name": "h", "accelerator": "H100", "nodes": 2, "devices_per_node": 4,
+         "nic_bandwidth_gbit_per_s": 400}]})
+    result = search_plan(MODEL, cluster, 32, SEQ)
+    assert result.efficiency == pytest.approx(1.0, rel=1e-9)
+
+
+def test_kind_subcluster_keeps_one_kind_and_uncolocates() -> None:
+    cluster = ClusterSpec.load(REPO / "scripts/clusters/cpu_emulated.yaml")
+    slow = kind_subcluster(cluster, "emu-slow")
+    assert slow.accelerator_counts() == {"emu-slow": 2} and slow.num_nodes == 1
+    fast = kind_subcluster(cluster, "emu-fast")
+    assert fast.accelerator_counts() == {"emu-fast": 2}
+
+
+def test_hethub_mix_is_efficient() -> None:
+    cluster = ClusterSpec.load(REPO / "scripts/clusters/hethub_llama140b.yaml")
+    result = search_plan(model_preset("llama-140b"), cluster, 1024, 4096, top_k=2)
+    assert result.efficiency >= 0.975
+    kinds = {s.accelerator for s in result.plan.pipelines[0].stages}
+    assert kinds == {"MI250X", "accelerator-a"}
+    # Layers follow speed: no stage's 1F1B work is far above the typical stage's.
+    work = sorted(s.forward_s + s.backward_s for s in result.prediction.stages)
+    assert work[-1] <= 1.05 * work[len(work) // 2]
+
+
+def test_cluster_that_cannot_hold_the_model_says_the_shortfall() -> None:
+    cluster = ClusterSpec.from_dict({"name": "small", "node_groups": [
+        {"name": "a", "accelerator": "A100-40G", "nodes": 1, "devices_per_node": 2,
+         "nic_bandwidth_gbit_per_s": 200},
+        {"name": "m", "accelerator": "MI250X", "nodes": 1, "devices_per_node": 2,
+         "nic_bandwidth_gbit_per_s": 200}]})
+    with pytest.raises(UserError) as info:
+        search_plan(model_preset("llama2-70b"), cluster, 8, 4096)
+    message = str(info.value)
+    assert "\n" not in message and "cannot hold llama2-70b" in message
+    assert "GiB per" in message and "add devices" in message and "recompute" in message
+
+
+def test_evaluate_refuses_a_plan_for_another_cluster(cluster) -> None:
+    other = ClusterSpec.from_dict({"name": "h", "node_groups": [
+        {"name": "h", "accelerator": "H100", "nodes": 1, "devices_per_node": 4,
+         "nic_bandwidth_gbit_per_s": 400}]})
+    plan = search_plan(MODEL, other, 8, SEQ, with_upper_bound=False).plan
+    with pytest.raises(UserError, match="are on no stage"):
+        evaluate_plan(MODEL, cluster, plan, SEQ)
+    again = evaluate_plan(MODEL, other, plan, SEQ, with_upper_bound=False)
+    assert again.prediction.iteration_time_s == pytest.approx(
+        predict(MODEL, plan, other, SEQ).iteration_time_s)

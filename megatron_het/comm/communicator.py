@@ -1,0 +1,182 @@
+"""``UnifiedCommunicator``: the one entry point the rest of the project uses to communicate.
+
+It is built after ``torch.distributed`` is initialised (by the launcher; this module never reads
+argv or the environment) from the accelerator kind of every rank. It owns ``world`` (all ranks)
+and makes further :class:`UnifiedGroup` objects with :meth:`new_group`. Rank, world size,
+barrier and point-to-point transfers over the world are exposed here too, so no other module
+needs to call ``torch.distributed`` directly.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_het.comm.groups import UnifiedGroup
+from megatron_het.comm.layout import GroupLayout
+from megatron_het.comm.p2p import P2PHandle, P2POp
+from megatron_het.comm.relay import Bridge
+from megatron_het.comm.wire import BridgeLinks
+from megatron_het.emulation import EmulatedLink
+from megatron_het.errors import UserError
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def native_backend_available(backend: str) -> bool:
+    """Whether this torch build can create groups of ``backend``."""
+    if backend == "gloo":
+        return dist.is_gloo_available()
+    if backend == "nccl":  # also RCCL: ROCm builds of torch expose it as "nccl"
+        return dist.is_nccl_available()
+    return backend.upper() in dist.Backend._plugins or hasattr(dist.Backend, backend.upper())
+
+
+def validate_kinds(rank_kinds: Sequence[str], native_backends: Mapping[str, str],
+                   device_types: Mapping[str, str], world_size: int) -> None:
+    """Raise UserError when the kinds do not describe this world."""
+    if len(rank_kinds) != world_size:
+        raise UserError(f"the cluster describes {len(rank_kinds)} ranks but {world_size} were "
+                        f"launched; launch {len(rank_kinds)} processes or fix the cluster file")
+    for kind in dict.fromkeys(rank_kinds):
+        if kind not in native_backends or kind not in device_types:
+            raise UserError(f"accelerator kind {kind!r} has no native backend or device type; "
+                            "add it to the cluster's accelerator table")
+
+
+def emulated_bridge_links(cluster: Any) -> dict[frozenset[str], EmulatedLink]:
+    """The emulated links between kinds of ``cluster`` (first rank of each kind as witness)."""
+    first: dict[str, int] = {}
+    for info in sorted(cluster.rank_map(), key=lambda info: info.rank):
+        first.setdefault(info.accelerator.name, info.rank)
+    links = {}
+    for a, b in itertools.combinations(first, 2):
+        link = cluster.link_between(first[a], first[b])
+        if link.emulated:
+            links[frozenset((a, b))] = link.emulated_link()
+    return links
+
+
+class UnifiedCommunicator:
+    """Collectives and transfers over ranks of mixed accelerator types.
+
+    ``rank_kinds[r]`` is the accelerator kind of global rank r; ``native_backends[kind]`` and
+    ``device_types[kind]`` give its backend ("nccl", "hccl", "gloo") and device type ("cuda",
+    "npu", "cpu"). ``bridge`` is "relay" (host staging + gloo) or "direct" (``direct_backend``
+    spans every kind). Every backend group is created with ``timeout``; an operation whose peer
+    died or hung raises :class:`~megatron_het.comm.faults.CommError` after it. ``debug`` checks
+    shapes and dtypes across ranks before every collective. ``emulated_links`` (CPU emulation
+    only) slows traffic between a pair of kinds to a modelled link (see ``comm/wire.py``).
+
+    Construction is collective over all ranks (it builds ``world``).
+    """
+
+    def __init__(self, rank_kinds: Sequence[str], native_backends: Mapping[str, str],
+                 device_types: Mapping[str, str], bridge: str = "relay",
+                 timeout: datetime.timedelta = DEFAULT_TIMEOUT, debug: bool = False,
+                 direct_backend: str = "gloo",
+                 emulated_links: BridgeLinks | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("initialise torch.distributed before building the communicator")
+        validate_kinds(rank_kinds, native_backends, device_types, dist.get_world_size())
+        self.rank_kinds = tuple(rank_kinds)
+        self.native_backends = dict(native_backends)
+        self.device_types = dict(device_types)
+        self.bridge = Bridge(bridge, direct_backend, emulated_links)
+        self._emulated_links = emulated_links
+        self.timeout = timeout
+        self.debug = debug
+        self._rank = dist.get_rank()
+        self._count = 0
+        self.world = self.new_group(range(len(self.rank_kinds)), name="world")
+
+    @classmethod
+    def from_cluster(cls, cluster: Any, bridge: str = "relay",
+                     timeout: datetime.timedelta = DEFAULT_TIMEOUT, debug: bool = False,
+                     direct_backend: str = "gloo",
+                     emulate_links: bool = True) -> "UnifiedCommunicator":
+        """Build from a ``ClusterSpec`` (its ``rank_map()`` gives every rank's accelerator).
+
+        With ``emulate_links``, links the cluster marks as emulated slow down the traffic
+        between their kinds (see :func:`emulated_bridge_links`).
+        """
+        infos = sorted(cluster.rank_map(), key=lambda info: info.rank)
+        kinds = [info.accelerator.name for info in infos]
+        backends = {info.accelerator.name: info.accelerator.native_backend for info in infos}
+        devices = {info.accelerator.name: info.accelerator.device_type for info in infos}
+        links = emulated_bridge_links(cluster) if emulate_links else None
+        return cls(kinds, backends, devices, bridge=bridge, timeout=timeout, debug=debug,
+                   direct_backend=direct_backend, emulated_links=links)
+
+    # -- facts -------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.rank_kinds)
+
+    @property
+    def kind(self) -> str:
+        """This rank's accelerator kind."""
+        return self.rank_kinds[self._rank]
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank's tensors live on (``cuda``/``npu`` use the current index)."""
+        device_type = self.device_types[self.kind]
+        if device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(device_type)
+
+    # -- groups ------------------------------------------------------------------------------
+    def new_group(self, ranks: Sequence[int], name: str | None = None) -> UnifiedGroup:
+        """A unified group over ``ranks`` (any subset, kinds may mix).
+
+        Collective over ALL ranks, like ``dist.new_group``: every rank must call it, in the same
+        order, with the same ranks. Ranks outside get a handle whose operations raise.
+        """
+        self._count += 1
+        name = name or f"group{self._count}"
+        layout = GroupLayout.build(list(ranks), self.rank_kinds)
+        for kind in layout.kinds:
+            backend = self.native_backends[kind]
+            if self.rank_kinds[self._rank] == kind and not native_backend_available(backend):
+                raise UserError(f"native backend {backend!r} of {kind!r} is not available in "
+                                "this torch build; install the vendor's torch build")
+        return UnifiedGroup(layout, self._rank, name, self.bridge, self.native_backends,
+                            self._new_backend_group, self.debug)
+
+    def _new_backend_group(self, ranks: tuple[int, ...], backend: str) -> Any:
+        return dist.new_group(list(ranks), timeout=self.timeout, backend=backend)
+
+    def register_torch_backend(self) -> None:
+        """Register the "unified" torch.distributed backend with this communicator's settings,
+        so ``dist.new_group(ranks, backend="unified")`` (and DDP on it) spans the kinds."""
+        from megatron_het.comm.backend import register_unified_backend
+
+        register_unified_backend(self.rank_kinds, self.native_backends, self.bridge.mode,
+                                 self.debug, self.bridge.backend, self._emulated_links)
+
+    # -- world shortcuts ---------------------------------------------------------------------
+    def barrier(self) -> None:
+        self.world.barrier()
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.world.send(tensor, dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self.world.recv(tensor, src, tag)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PHandle:
+        return self.world.isend(tensor, dst, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> P2PHandle:
+        return self.world.irecv(tensor, src, tag)
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[P2PHandle]:
+        return self.world.batch_isend_irecv(ops)

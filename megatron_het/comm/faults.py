@@ -1,0 +1,43 @@
+"""Errors raised by the unified communicator.
+
+A failed collective (a dead or hung peer, a broken connection) surfaces as :class:`CommError`
+naming the unified group, the operation and the backend group it was running on, instead of a
+bare backend message or a hang. The timeout is the one given to the communicator; every backend
+group it creates is created with it.
+"""
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class CommError(RuntimeError):
+    """A collective or transfer failed; ``group`` and ``op`` say which."""
+
+    def __init__(self, group: str, op: str, detail: str) -> None:
+        super().__init__(f"unified group '{group}': {op} failed: {detail}")
+        self.group = group
+        self.op = op
+
+
+class CollectiveMismatchError(CommError):
+    """Debug mode found that ranks called an operation with different shapes or dtypes."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception message (backend messages run long)."""
+    for line in str(exc).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__
+
+
+def guarded(group: str, op: str, where: str, fn: Callable[[], T]) -> T:
+    """Run ``fn``; turn a backend ``RuntimeError`` into a :class:`CommError` naming group and op."""
+    try:
+        return fn()
+    except CommError:
+        raise
+    except RuntimeError as exc:
+        raise CommError(group, op, f"{where}: {first_line(exc)}") from exc

@@ -1,0 +1,183 @@
+"""A ``Link``: one backend group (native, bridge or channel) over a fixed set of global ranks.
+
+A link wraps either a ``ProcessGroup`` made by ``dist.new_group`` or a backend object built
+straight from a store (the registered ``unified`` backend does that, because it may only talk to
+its own members). Both expose the same c10d methods, which the link calls directly with option
+objects, so the algorithms above do not care how the link was made. Every call is guarded: a
+backend failure becomes a :class:`CommError` naming the unified group, the op and this link.
+
+Peers and roots are given as *global* ranks; the link maps them to its own group ranks (its ranks
+are kept sorted, as ``dist.new_group`` orders them).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+from megatron_het.comm.faults import CommError, guarded
+from megatron_het.comm.wire import EmulatedWire
+
+_NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Work:
+    """Handle of an asynchronous link operation; ``wait()`` raises a :class:`CommError`.
+
+    ``settle`` (an emulated wire's wait) runs once the backend has finished, then ``then``
+    (e.g. the copy of a staged receive back to the device)."""
+
+    def __init__(self, work: Any, group: str, op: str, where: str,
+                 then: Callable[[], None] | None = None,
+                 settle: Callable[[], None] | None = None, watch: bool = False) -> None:
+        self._work, self._group, self._op, self._where = work, group, op, where
+        self._then, self._settle, self._done = then, settle, False
+        self._error: BaseException | None = None
+        self._watcher: threading.Thread | None = None
+        if watch:  # gloo p2p works report completion only once waited on: wait in a thread
+            self._watcher = threading.Thread(target=self._watch, daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        try:
+            self._work.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the caller's thread
+            self._error = exc
+
+    def _backend_wait(self) -> None:
+        if self._watcher is None:
+            self._work.wait()
+            return
+        self._watcher.join()
+        if self._error is not None:
+            raise self._error
+
+    def wait(self) -> None:
+        """Block until the operation (and any copy back to the device) has finished."""
+        if self._done:
+            return
+        guarded(self._group, self._op, self._where, self._backend_wait)
+        if self._settle is not None:
+            self._settle()
+        if self._then is not None:
+            self._then()
+        self._done = True
+
+    def is_completed(self) -> bool:
+        """True once finished; completes the copy back to the device when the transfer is done."""
+        if not self._done:
+            finished = (not self._watcher.is_alive() if self._watcher is not None
+                        else self._work.is_completed())
+            if finished:
+                self.wait()
+        return self._done
+
+
+class Link:
+    """A backend group over ``ranks`` (global); ``me`` is this process's global rank.
+
+    ``wire`` (CPU emulation only) delays every operation by the modelled time of the bytes this
+    rank moves, counted as a ring would move them: all-reduce 2(n-1)/n of the buffer,
+    all-gather and reduce-scatter (n-1)/n of the full buffer, broadcast and p2p the buffer.
+    """
+
+    def __init__(self, pg: Any, ranks: Sequence[int], me: int, backend: str, label: str,
+                 group_name: str, wire: EmulatedWire | None = None) -> None:
+        self.pg = pg
+        self.ranks = tuple(sorted(ranks))
+        self.me = me
+        self.backend = backend
+        self.label = label
+        self.group_name = group_name
+        self.wire = wire
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(me)
+
+    @property
+    def where(self) -> str:
+        return f"{self.label} ({self.backend} over ranks {list(self.ranks)})"
+
+    def _start(self, op: str, fn: Callable[[], Any], nbytes: float = 0,
+               then: Callable[[], None] | None = None, direction: str = "tx",
+               watch: bool = False) -> Work:
+        settle = self.wire.book(int(nbytes), direction) if self.wire is not None else None
+        work = guarded(self.group_name, op, self.where, fn)
+        return Work(work, self.group_name, op, self.where, then, settle, watch)
+
+    def _ring_bytes(self, tensor: torch.Tensor, factor: float) -> float:
+        return tensor.numel() * tensor.element_size() * factor * (self.size - 1) / self.size
+
+    def to_group_rank(self, rank: int) -> int:
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} is not in {self.where}")
+        return self.ranks.index(rank)
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str, name: str = "all_reduce") -> Work:
+        """Start an in-place all-reduce (``op`` in sum/max/min)."""
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = _NATIVE_OPS[op]
+        return self._start(name, lambda: self.pg.allreduce([tensor], opts),
+                           self._ring_bytes(tensor, 2))
+
+    def all_reduce(self, tensor: torch.Tensor, op: str, name: str = "all_reduce") -> None:
+        self.all_reduce_async(tensor, op, name).wait()
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str,
+                              name: str = "reduce_scatter") -> None:
+        """``input`` holds ``size`` equal blocks; block ``rank`` summed over ranks lands in output."""
+        opts = c10d.ReduceScatterOptions()
+        opts.reduceOp = _NATIVE_OPS[op]
+        self._start(name, lambda: self.pg._reduce_scatter_base(output, input, opts),
+                    self._ring_bytes(input, 1)).wait()
+
+    def all_gather_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                          name: str = "all_gather") -> None:
+        """``output`` receives ``size`` blocks shaped like ``input``, in link-rank order."""
+        opts = c10d.AllgatherOptions()
+        self._start(name, lambda: self.pg._allgather_base(output, input, opts),
+                    self._ring_bytes(output, 1)).wait()
+
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str = "broadcast") -> None:
+        """Broadcast in place from global rank ``root``."""
+        opts = c10d.BroadcastOptions()
+        opts.rootRank = self.to_group_rank(root)
+        opts.rootTensor = 0
+        self._start(name, lambda: self.pg.broadcast([tensor], opts),
+                    tensor.numel() * tensor.element_size()).wait()
+
+    def barrier(self, name: str = "barrier") -> None:
+        if self.backend == "gloo":
+            self._start(name, lambda: self.pg.barrier(c10d.BarrierOptions())).wait()
+        else:  # a one-element all-reduce works on every backend without a device id
+            self.all_reduce(torch.zeros(1, device=_device_of(self.backend)), "sum", name)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, name: str = "send",
+              pollable: bool = False) -> Work:
+        """Start sending to global rank ``dst``. ``pollable`` makes ``is_completed()`` work on
+        gloo (a watcher thread per transfer; internal rings leave it off)."""
+        peer = self.to_group_rank(dst)
+        return self._start(f"{name} to rank {dst}", lambda: self.pg.send([tensor], peer, tag),
+                           tensor.numel() * tensor.element_size(),
+                           watch=pollable and self.backend == "gloo")
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, name: str = "recv",
+              then: Callable[[], None] | None = None, pollable: bool = False) -> Work:
+        """Start receiving from global rank ``src``; ``then`` runs once the data is in."""
+        peer = self.to_group_rank(src)
+        return self._start(f"{name} from rank {src}", lambda: self.pg.recv([tensor], peer, tag),
+                           tensor.numel() * tensor.element_size(), then, direction="rx",
+                           watch=pollable and self.backend == "gloo")
+
+
+def _device_of(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "hccl":
+        return torch.device("npu")
+    return torch.device("cpu")
+
+
+__all__ = ["Link", "Work", "CommError"]

@@ -1,0 +1,72 @@
+"""The bridge between accelerator types.
+
+Two modes:
+
+- ``relay``: a device tensor is copied into a host buffer (pinned where CUDA is present, so the
+  copy is a DMA), moved by the CPU backend (gloo over TCP) and copied back onto the device. Works
+  between any two vendors, since only host memory and sockets are involved.
+- ``direct``: the site has one backend that spans the vendors; tensors go to it unstaged and a
+  mixed group's operations run flat on one group of that backend.
+
+On CPU ranks staging is free: a contiguous CPU tensor is its own host buffer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megatron_het.comm.wire import BridgeLinks, WireSet
+from megatron_het.errors import UserError
+
+BRIDGE_MODES = ("relay", "direct")
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A host view of a device tensor; ``finish()`` copies received data back to the device."""
+
+    host: torch.Tensor
+    device: torch.Tensor
+
+    def finish(self) -> None:
+        if self.host is not self.device:
+            self.device.copy_(self.host)
+
+
+class Bridge:
+    """How cross-type traffic moves: ``mode`` is "relay" or "direct"; ``backend`` carries it.
+
+    ``emulated_links`` (CPU emulation) maps a pair of kinds to the link that traffic between
+    them is slowed to; see :mod:`megatron_het.comm.wire`."""
+
+    def __init__(self, mode: str, backend: str = "gloo",
+                 emulated_links: BridgeLinks | None = None) -> None:
+        if mode not in BRIDGE_MODES:
+            raise UserError(f"unknown bridge mode {mode!r}; use one of {', '.join(BRIDGE_MODES)}")
+        self.mode = mode
+        self.backend = backend if mode == "direct" else "gloo"
+        self.wires = WireSet(emulated_links)
+
+    @property
+    def stages(self) -> bool:
+        """True when tensors pass through host memory on their way across types."""
+        return self.mode == "relay"
+
+    def stage(self, tensor: torch.Tensor, copy_in: bool = True) -> Staged:
+        """Host buffer for ``tensor`` (the tensor itself on CPU or in direct mode).
+
+        ``copy_in=False`` skips copying the device data in (for receive buffers).
+        """
+        if not self.stages or (tensor.device.type == "cpu" and tensor.is_contiguous()):
+            return Staged(tensor, tensor)
+        pin = tensor.device.type == "cuda"
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+        if copy_in:
+            host.copy_(tensor)
+        return Staged(host, tensor)
+
+    def then_finish(self, staged: Staged) -> Callable[[], None] | None:
+        """Callback that copies a staged receive back to the device, or None when not needed."""
+        return None if staged.host is staged.device else staged.finish

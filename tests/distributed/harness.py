@@ -1,0 +1,126 @@
+"""The project's multi-process test harness.
+
+``run_ranks(fn, world_size)`` forks ``world_size`` workers on this machine, gives each one thread
+and a torch.distributed process group on a free loopback port, runs ``fn(rank, world_size, ...)``
+in every worker and returns the per-rank return values. A worker's exception is re-raised in the
+parent with the rank and the worker's traceback; a hang is killed at the timeout and reported.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import socket
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+# After the first failure, how long the other ranks get to report their own error before they are
+# killed (their error often names the real cause, e.g. the peer that hung up).
+_GRACE_AFTER_FAILURE_S = 3.0
+
+
+class RankFailure(RuntimeError):
+    """One or more workers raised, died, or did not finish within the timeout."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free when this ran (bind to port 0, read it, release)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(conn: Connection, fn: Callable[..., Any], rank: int, world_size: int, port: int,
+            backend: str, timeout: float, args: tuple, kwargs: dict) -> None:
+    torch.set_num_threads(1)
+    status, payload = "ok", None
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout))
+        try:
+            payload = fn(rank, world_size, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        status, payload = "error", traceback.format_exc()
+    try:
+        # Plain pickle copies tensor storage into the message; multiprocessing's own pickler
+        # would pass shared-memory handles that die with this process.
+        data = pickle.dumps((status, payload))
+    except Exception:  # noqa: BLE001 - e.g. an unpicklable return value
+        data = pickle.dumps(("error", f"result could not be pickled:\n{traceback.format_exc()}"))
+    conn.send_bytes(data)
+    conn.close()
+    # Skip the parent's atexit handlers and buffered state inherited through fork.
+    os._exit(0)
+
+
+def _collect(procs: list, conns: list[Connection], deadline: float
+             ) -> tuple[dict[int, Any], dict[int, str]]:
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    pending = {conn: rank for rank, conn in enumerate(conns)}
+    while pending:
+        now = time.monotonic()
+        if now >= deadline:
+            break
+        for conn in wait(list(pending), timeout=min(0.2, deadline - now)):
+            rank = pending.pop(conn)
+            try:
+                status, payload = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                status, payload = "error", (
+                    f"worker exited with code {procs[rank].exitcode} without a result")
+            (results if status == "ok" else errors)[rank] = payload
+        if errors:
+            deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
+    return results, errors
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60,
+              backend: str = "gloo", **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` forked workers.
+
+    Each worker sets one intra-op thread, then joins a process group of ``backend`` over
+    ``tcp://127.0.0.1:<free port>`` whose collective timeout is ``timeout`` seconds, and destroys
+    it after ``fn`` returns. ``fn`` must be defined at module level or be a closure (fork start,
+    nothing is pickled on the way in); its return value must be picklable.
+
+    Returns the return values ordered by rank. Raises :class:`RankFailure` naming every rank that
+    raised (with its traceback) or that had not finished after ``timeout`` seconds (those are
+    killed).
+    """
+    ctx = multiprocessing.get_context("fork")
+    port = free_port()
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_worker, daemon=True, args=(
+            child_conn, fn, rank, world_size, port, backend, timeout, args, kwargs))
+        proc.start()
+        child_conn.close()
+        procs.append(proc)
+        conns.append(parent_conn)
+    try:
+        results, errors = _collect(procs, conns, time.monotonic() + timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        for conn in conns:
+            conn.close()
+    missing = [r for r in range(world_size) if r not in results and r not in errors]
+    if errors or missing:
+        parts = [f"rank {rank} failed:\n{text}" for rank, text in sorted(errors.items())]
+        if missing:
+            parts.append(f"rank(s) {missing} did not finish within {timeout:g} s and were killed")
+        raise RankFailure("\n".join(parts))
+    return [results[rank] for rank in range(world_size)]

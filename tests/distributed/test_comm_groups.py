@@ -1,0 +1,98 @@
+"""Building the communicator from a cluster file; group membership; user errors."""
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import torch
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.comm import UnifiedCommunicator
+from megatron_het.emulation import EmulatedLink
+from megatron_het.errors import UserError
+from tests.distributed.harness import run_ranks
+
+CLUSTER = Path(__file__).resolve().parents[2] / "scripts" / "clusters" / "cpu_emulated.yaml"
+
+
+def from_cluster_file(rank: int, world_size: int) -> dict:
+    comm = UnifiedCommunicator.from_cluster(ClusterSpec.load(CLUSTER),
+                                            timeout=datetime.timedelta(seconds=30))
+    out: dict = {"kind": comm.kind, "rank": comm.rank, "world_size": comm.world_size,
+                 "world_mixed": comm.world.is_mixed, "device": str(comm.device)}
+    fast = comm.new_group([0, 1], name="fast-tp")
+    cross = comm.new_group([1, 2], name="stage-boundary")
+    if rank in (0, 1):
+        t = torch.tensor([float(rank + 1)])
+        fast.all_reduce(t)
+        out["fast_sum"] = t.item()
+        out["fast_group_rank"] = fast.rank
+    else:
+        try:
+            fast.all_reduce(torch.ones(1))
+        except ValueError as exc:
+            out["not_member"] = str(exc)
+    if rank == 1:
+        comm.send(torch.arange(4.0), 2)  # world p2p across kinds
+        cross.send(torch.full((3,), 7.0), 2)
+    elif rank == 2:
+        got = torch.empty(4)
+        comm.recv(got, 1)
+        again = torch.empty(3)
+        cross.recv(again, 1)
+        out["p2p"] = got.tolist() + again.tolist()
+    comm.barrier()
+    return out
+
+
+def test_from_cluster_file_groups_and_membership() -> None:
+    results = run_ranks(from_cluster_file, 4, timeout=60)
+    assert [r["kind"] for r in results] == ["emu-fast", "emu-fast", "emu-slow", "emu-slow"]
+    assert all(r["world_mixed"] and r["world_size"] == 4 and r["device"] == "cpu"
+               for r in results)
+    assert [results[r]["fast_sum"] for r in (0, 1)] == [3.0, 3.0]
+    assert [results[r]["fast_group_rank"] for r in (0, 1)] == [0, 1]
+    for r in (2, 3):
+        assert results[r]["not_member"] == (f"rank {r} is not a member of unified group "
+                                            "'fast-tp' (ranks [0, 1])")
+    assert results[2]["p2p"] == [0.0, 1.0, 2.0, 3.0, 7.0, 7.0, 7.0]
+
+
+def wrong_world(rank: int, world_size: int) -> str:
+    try:
+        UnifiedCommunicator(["a", "b", "b"], {"a": "gloo", "b": "gloo"},
+                            {"a": "cpu", "b": "cpu"})
+    except UserError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_cluster_that_does_not_match_the_launch_is_a_user_error() -> None:
+    results = run_ranks(wrong_world, 2, timeout=30)
+    assert results[0] == ("the cluster describes 3 ranks but 2 were launched; launch 3 "
+                          "processes or fix the cluster file")
+
+
+def emulated_bridge(rank: int, world_size: int) -> dict:
+    slept: list[float] = []
+    link = EmulatedLink(bandwidth_gbps=1e-6, latency_s=1e-3, sleep=slept.append)
+    kinds = ["fast", "fast", "slow", "slow"]
+    comm = UnifiedCommunicator(kinds, {k: "gloo" for k in kinds}, {k: "cpu" for k in kinds},
+                               emulated_links={frozenset(kinds): link})
+    fast = comm.new_group([0, 1])
+    before = link.bytes_sent
+    if rank < 2:
+        fast.all_reduce(torch.ones(64))  # one kind: never touches the bridge
+    native_bytes = link.bytes_sent - before
+    before = link.bytes_sent
+    comm.world.all_reduce(torch.ones(1000))  # float32: each rank's channel piece is 2000 B
+    return {"native": native_bytes, "bridge": link.bytes_sent - before,
+            "slept": sum(slept), "modelled": link.delay(2000)}
+
+
+def test_emulated_bridge_slows_only_cross_kind_traffic() -> None:
+    for r in run_ranks(emulated_bridge, 4, timeout=60):
+        assert r["native"] == 0
+        assert r["bridge"] == 2000  # a 2-rank all-reduce of 2000 B moves 2 x 1/2 x 2000 B
+        # the sleep (recorded, not slept) covers the modelled transfer minus its real duration
+        assert 0.5 * r["modelled"] < r["slept"] <= r["modelled"]

@@ -1,0 +1,48 @@
+"""The multi-process test harness itself: results, failures, hangs."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.harness import RankFailure, run_ranks
+
+
+def gather_ranks(rank: int, world_size: int, scale: int, offset: int = 0) -> tuple:
+    t = torch.tensor([rank * scale + offset])
+    out = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(out, t)
+    return rank, torch.get_num_threads(), torch.cat(out)
+
+
+def test_results_come_back_in_rank_order() -> None:
+    results = run_ranks(gather_ranks, 3, 10, offset=1)
+    assert [r[0] for r in results] == [0, 1, 2]
+    assert all(r[1] == 1 for r in results)  # one intra-op thread per worker
+    assert all(torch.equal(r[2], torch.tensor([1, 11, 21])) for r in results)
+
+
+def fails_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise KeyError("boom on purpose")
+
+
+def hangs_on_rank_zero(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(60)
+
+
+def test_worker_exception_names_rank_and_traceback() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(fails_on_rank_one, 2, timeout=20)
+    text = str(info.value)
+    assert "rank 1 failed" in text and "KeyError: 'boom on purpose'" in text
+    assert "fails_on_rank_one" in text  # the worker's traceback, not the parent's
+    assert "rank 0 failed" not in text
+
+
+def test_hang_is_killed_at_the_timeout() -> None:
+    with pytest.raises(RankFailure, match=r"rank\(s\) \[0\] did not finish within 3 s"):
+        run_ranks(hangs_on_rank_zero, 2, timeout=3)

@@ -76,6 +76,7 @@ def _collect(procs: list, conns: list[Connection], deadline: float
             try:
                 status, payload = pickle.loads(conn.recv_bytes())
             except EOFError:
+                procs[rank].join(timeout=5)  # the pipe closes before the exit status is reaped
                 status, payload = "error", (
                     f"worker exited with code {procs[rank].exitcode} without a result")
             (results if status == "ok" else errors)[rank] = payload

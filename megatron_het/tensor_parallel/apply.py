@@ -1,0 +1,171 @@
+"""``apply_tp``: turn a single-process Llama model (or pipeline stage) into its TP-sharded form.
+
+The model code knows nothing of tensor parallelism. ``apply_tp`` replaces, in place, each
+layer's ``attention.qkv``/``attention.proj`` with column/row-parallel linears, each ``mlp`` with
+a :class:`ParallelMLP`, the embedding with a :class:`VocabParallelEmbedding` and the untied
+output projection with a vocabulary-sharded weight, all holding this rank's slice of the full
+weights (:mod:`megatron_het.tensor_parallel.sharding`). Parameter names stay global. The model's
+class becomes :class:`TensorParallelLlamaModel`, whose head computes the vocabulary-parallel loss
+without full-vocabulary logits.
+
+Per rank, attention runs ``nh/tp`` query heads and ``ng/tp`` kv groups (contiguous in the
+grouped ``qkv`` layout) and the MLP ``F/tp`` hidden units. Each layer communicates two
+all-reduces of ``[B, S, H]`` in forward (after ``proj`` and ``down``) and two in backward (before
+``qkv`` and before ``gate``/``up``); the embedding adds one in forward, the head one in backward
+plus the loss statistics.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron_het.comm.groups import UnifiedGroup
+from megatron_het.config import ModelConfig
+from megatron_het.model.init import initial_value
+from megatron_het.model.llama import LlamaModel
+from megatron_het.tensor_parallel.cross_entropy import (gather_vocab_parallel_logits,
+                                                        vocab_parallel_linear_cross_entropy)
+from megatron_het.tensor_parallel.layers import (ColumnParallelLinear, ParallelMLP,
+                                                 RowParallelLinear, VocabParallelEmbedding)
+from megatron_het.tensor_parallel.mappings import copy_to_tp
+from megatron_het.tensor_parallel.sharding import (check_tp_size, shard_tensor, vocab_range,
+                                                   vocab_sizes)
+
+
+class TensorParallelLlamaModel(LlamaModel):
+    """A :class:`LlamaModel` after :func:`apply_tp` (never constructed directly).
+
+    ``tp_group`` is its tensor-parallel group; ``vocab_range`` the token ids whose embedding and
+    output rows this rank holds. ``forward`` has the single-process signature and results:
+    activations between layers are replicated over the group, logits come back full
+    ``[B, S, V]`` (all-gathered) and the loss is the same float32 scalar on every rank.
+    """
+
+    tp_group: UnifiedGroup
+    vocab_range: tuple[int, int]
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As :meth:`LlamaModel.forward`, with the head split by vocabulary over ``tp_group``."""
+        hidden = self.embedding(x) if self.has_embedding else x
+        device_type = hidden.device.type
+        rope_dtype = (torch.get_autocast_dtype(device_type)
+                      if torch.is_autocast_enabled(device_type) else hidden.dtype)
+        cos, sin = self.rotary.cos_sin(hidden.shape[1], hidden.device, rope_dtype)
+        use_recompute = self.recompute and self.training and torch.is_grad_enabled()
+        for layer in self.layers.values():
+            if use_recompute:
+                hidden = checkpoint(layer, hidden, cos, sin, use_reentrant=False)
+            else:
+                hidden = layer(hidden, cos, sin)
+        if not self.has_head:
+            if labels is not None:
+                raise RuntimeError("labels given to a stage without the head")
+            return hidden
+        normed = self.final_norm(hidden)
+        if labels is not None:
+            return vocab_parallel_linear_cross_entropy(
+                normed, self.output_weight(), labels, self.tp_group, self.vocab_range[0],
+                loss_weights)
+        return self.vocab_parallel_logits(normed, gather=True)
+
+    def vocab_parallel_logits(self, normed: torch.Tensor, gather: bool = False) -> torch.Tensor:
+        """Logits of final-normed hidden states ``[..., H]``: this rank's ``[..., Vr]`` columns
+        (token ids ``vocab_range``), or with ``gather`` the full ``[..., V]`` on every rank."""
+        group = self.tp_group
+        local = F.linear(copy_to_tp(normed, group), self.output_weight())
+        if not gather:
+            return local
+        return gather_vocab_parallel_logits(local, group,
+                                            vocab_sizes(self.config.vocab_size, group.size))
+
+
+def _shard(model: nn.Module, name: str, config: ModelConfig, tp: int, tp_rank: int,
+           seed: Optional[int]) -> torch.Tensor:
+    """This rank's shard of parameter ``name``: sliced from the model's current full value, or
+    from the layout-independent initial value when ``seed`` is given."""
+    param = model.get_parameter(name)
+    if seed is None:
+        if param.is_meta:
+            raise ValueError(f"{name} is on the meta device; pass seed= to initialise the shards")
+        full = param.detach()
+    else:
+        full = initial_value(name, param.shape, config, seed)
+    device = torch.device("cpu") if param.is_meta else param.device
+    return shard_tensor(name, full, config, tp, tp_rank).to(device=device, dtype=param.dtype)
+
+
+@torch.no_grad()
+def apply_tp(model: LlamaModel, group: UnifiedGroup, config: ModelConfig,
+             seed: Optional[int] = None) -> LlamaModel:
+    """Shard ``model`` over the tensor-parallel ``group`` in place and return it.
+
+    Args:
+        model: a single-process :class:`LlamaModel` or stage (any layer range, with or without
+            embedding and head), with full-size weights; not yet wrapped or given to an
+            optimizer (its parameters are replaced).
+        group: the stage's TP group; this rank's slice is ``group.rank`` of ``group.size``.
+        config: the model's config (heads, kv groups and FFN must be divisible by the TP size).
+        seed: when given, shards are drawn from :func:`~megatron_het.model.init.initial_value`
+            instead of sliced from the current weights (which may then be on the meta device;
+            shards go to the parameters' device, CPU for meta). Either way a shard equals the
+            matching slice of the single-process model built with that seed.
+
+    With ``group.size == 1`` the model is returned unchanged (``seed`` is then not used; build
+    it with :func:`~megatron_het.model.llama.build_model`). Otherwise every parameter keeps
+    its global name and holds this rank's slice (:func:`~megatron_het.tensor_parallel.sharding.
+    shard_spec`); norms stay replicated. Collective-free: only the layers' forward and backward
+    communicate.
+    """
+    tp, tp_rank = group.size, group.rank
+    if tp == 1:
+        return model
+    if isinstance(model, TensorParallelLlamaModel):
+        raise ValueError("apply_tp was already applied to this model")
+    if config != model.config:
+        raise ValueError("config differs from the model's own config")
+    check_tp_size(config, tp)
+
+    def shard(name: str) -> torch.Tensor:
+        return _shard(model, name, config, tp, tp_rank, seed)
+
+    for index, layer in model.layers.items():
+        prefix = f"layers.{index}."
+        attention = layer.attention
+        qkv, proj = shard(prefix + "attention.qkv.weight"), shard(prefix + "attention.proj.weight")
+        attention.qkv = ColumnParallelLinear(qkv, group)
+        attention.proj = RowParallelLinear(proj, group)
+        attention.num_heads = config.num_attention_heads // tp
+        attention.num_groups = config.num_query_groups // tp
+        layer.mlp = ParallelMLP(shard(prefix + "mlp.gate.weight"), shard(prefix + "mlp.up.weight"),
+                                shard(prefix + "mlp.down.weight"), group)
+        for norm in ("input_norm.weight", "post_attention_norm.weight"):
+            _replace_replicated(model, prefix + norm, seed, config)
+    start, stop = vocab_range(config.vocab_size, tp, tp_rank)
+    if model.embedding is not None:
+        model.embedding = VocabParallelEmbedding(shard("embedding.weight"), start, group)
+    if model.output is not None:
+        model.output.weight = nn.Parameter(shard("output.weight"))
+        model.output.out_features = model.output.weight.shape[0]
+    if model.final_norm is not None:
+        _replace_replicated(model, "final_norm.weight", seed, config)
+    model.__class__ = TensorParallelLlamaModel
+    model.tp_group = group
+    model.vocab_range = (start, stop)
+    return model
+
+
+def _replace_replicated(model: nn.Module, name: str, seed: Optional[int],
+                        config: ModelConfig) -> None:
+    """Give a replicated parameter its initial value when shards are drawn from ``seed``."""
+    if seed is None:
+        return
+    module_name, _, attr = name.rpartition(".")
+    param = model.get_parameter(name)
+    device = torch.device("cpu") if param.is_meta else param.device
+    value = initial_value(name, param.shape, config, seed).to(device=device, dtype=param.dtype)
+    setattr(model.get_submodule(module_name), attr, nn.Parameter(value))

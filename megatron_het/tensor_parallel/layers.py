@@ -1,0 +1,129 @@
+"""Tensor-parallel layers built from this rank's shard of a weight (no biases).
+
+Each layer holds its shard as ``weight`` so that, put in place of a single-process module, the
+parameter keeps its global name (``layers.3.mlp.up.weight``). The shard comes from
+:func:`~megatron_het.tensor_parallel.sharding.shard_tensor`, so it equals the matching slice of
+the single-process weights. Communication goes through the mappings of
+:mod:`megatron_het.tensor_parallel.mappings` on the group given at construction.
+
+Shape legend: H hidden (input features), O output features, tp the group size, V vocabulary,
+Vr this rank's vocabulary rows.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_het.comm.groups import UnifiedGroup
+from megatron_het.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W.T`` with W's OUTPUT rows split: this rank computes ``y[..., O/tp]``.
+
+    Args:
+        weight: this rank's rows ``[O/tp, H]`` (becomes the parameter ``weight``).
+        group: the tensor-parallel group.
+        copy_input: wrap the input in :func:`copy_to_tp`, whose backward all-reduces the input
+            gradient over ``group``. Turn it off when the caller already did that for the same
+            input (several column-parallel layers reading one tensor need only one all-reduce).
+
+    Input ``[..., H]`` replicated on every rank; output ``[..., O/tp]`` sharded, not gathered.
+    """
+
+    def __init__(self, weight: torch.Tensor, group: UnifiedGroup, copy_input: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.group = group
+        self.copy_input = copy_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input:
+            x = copy_to_tp(x, self.group)
+        return F.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        rows, cols = self.weight.shape
+        return f"in={cols}, out={rows}x{self.group.size} (column-parallel)"
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ W.T`` with W's INPUT columns split: partial products summed over the group.
+
+    Args:
+        weight: this rank's columns ``[O, H/tp]``.
+        group: the tensor-parallel group.
+
+    Input ``[..., H/tp]`` sharded (the output of a column-parallel layer); output ``[..., O]``
+    replicated, after one all-reduce in forward (none in backward).
+    """
+
+    def __init__(self, weight: torch.Tensor, group: UnifiedGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(F.linear(x, self.weight), self.group)
+
+    def extra_repr(self) -> str:
+        rows, cols = self.weight.shape
+        return f"in={cols}x{self.group.size}, out={rows} (row-parallel)"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose vocabulary rows are split over the group.
+
+    Args:
+        weight: rows ``[vocab_start, vocab_start + Vr)`` of the ``[V, H]`` table, shape ``[Vr, H]``.
+        vocab_start: first token id held here.
+        group: the tensor-parallel group.
+
+    ``forward(ids[...]) -> [..., H]``, replicated: each rank looks up the ids it holds (zeros
+    for the others) and one all-reduce sums the ranks' contributions. The weight gradient of
+    each rank is exactly its rows of the single-process gradient.
+    """
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group: UnifiedGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.vocab_start = vocab_start
+        self.group = group
+
+    @property
+    def vocab_stop(self) -> int:
+        return self.vocab_start + self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        here = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(here, local, 0), self.weight)
+        # Zero (not just skip) the foreign rows, so row 0 gets no gradient from them either.
+        rows = rows * here.unsqueeze(-1).to(rows.dtype)
+        return reduce_from_tp(rows, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"vocab=[{self.vocab_start}, {self.vocab_stop}) of {self.group.size} ranks, "
+                f"hidden={self.weight.shape[1]}")
+
+
+class ParallelMLP(nn.Module):
+    """SwiGLU ``down(silu(gate(x)) * up(x))`` with gate/up column- and down row-parallel.
+
+    The children keep the names ``gate``, ``up`` and ``down``. The input enters the parallel
+    region once (one backward all-reduce for gate and up together); the output is all-reduced
+    once by ``down``. Input and output ``[..., H]`` replicated.
+    """
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 group: UnifiedGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.gate = ColumnParallelLinear(gate, group, copy_input=False)
+        self.up = ColumnParallelLinear(up, group, copy_input=False)
+        self.down = RowParallelLinear(down, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.group)
+        return self.down(F.silu(self.gate(x)) * self.up(x))

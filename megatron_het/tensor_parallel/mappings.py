@@ -1,0 +1,119 @@
+"""Tensor-parallel communication ops, each beside its backward twin and the group it uses.
+
+Every op is an ``autograd.Function`` that takes the tensor-parallel group explicitly (a
+:class:`~megatron_het.comm.UnifiedGroup`; nothing here looks a group up). Collectives are
+synchronous and run on the group's own links, so a TP group of one accelerator kind stays on its
+native backend.
+
+    op               forward                          backward
+    copy_to_tp       identity                         all-reduce (sum)
+    reduce_from_tp   all-reduce (sum)                 identity
+    gather_from_tp   all-gather along the last dim    keep this rank's slice of the last dim
+    scatter_to_tp    keep this rank's slice           all-gather along the last dim
+
+Slices along the last dimension are equal, contiguous and in group-rank order: rank r holds
+columns ``[r * c, (r + 1) * c)`` of a ``[..., size * c]`` tensor.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_het.comm.groups import UnifiedGroup
+
+
+def _all_reduce(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    """Sum of ``x`` over the group in a fresh contiguous tensor (``x`` is left untouched)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    group.all_reduce(out, op="sum")
+    return out
+
+
+def _all_gather_last_dim(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    """``[..., c]`` on every rank -> ``[..., size * c]``, rank r's block at columns r*c."""
+    size = group.size
+    stacked = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
+    group.all_gather_into_tensor(stacked, x.contiguous())
+    # [size, ..., c] -> [..., size, c] -> [..., size * c]
+    return stacked.movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
+
+
+def _split_last_dim(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    """This rank's contiguous block of the last dimension (which ``group.size`` must divide)."""
+    size, last = group.size, x.shape[-1]
+    if last % size:
+        raise ValueError(f"last dimension {last} is not divisible by the TP size {size}")
+    width = last // size
+    return x.narrow(-1, group.rank * width, width).contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Enter a tensor-parallel region whose ranks each use the whole (replicated) input."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Leave a tensor-parallel region by summing the ranks' partial results."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Concatenate the ranks' last-dimension slices into the full tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last_dim(grad, ctx.group), None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Keep this rank's last-dimension slice of a replicated tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+        ctx.group = group
+        return _split_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_last_dim(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    """Identity forward; backward all-reduces (sums) the gradient over ``group``."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    """Forward sums ``x`` over ``group`` (a new tensor); backward passes the gradient through."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    """``[..., c] -> [..., size * c]`` by all-gather; backward keeps this rank's ``c`` columns."""
+    return _GatherFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    """``[..., size * c] -> [..., c]`` (this rank's columns); backward all-gathers the gradient."""
+    return _ScatterToTP.apply(x, group)

@@ -170,7 +170,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Run this stage.
+        """Run this stage: :meth:`hidden_states`, then :meth:`head` when the stage has it.
 
         ``x`` is tokens ``LongTensor[B, S]`` when the stage has the embedding, otherwise hidden
         states ``[B, S, H]``. Returns logits ``[B, S, V]`` when the stage has the head, otherwise
@@ -181,6 +181,16 @@ class LlamaModel(nn.Module):
         :func:`~megatron_het.model.loss.linear_cross_entropy`, which never materialises the
         full logits; ``loss_weights`` defaults to the mean over tokens whose label is not -100.
         """
+        hidden = self.hidden_states(x)
+        if not self.has_head:
+            if labels is not None:
+                raise RuntimeError("labels given to a stage without the head")
+            return hidden
+        return self.head(hidden, labels, loss_weights)
+
+    def hidden_states(self, x: torch.Tensor) -> torch.Tensor:
+        """The embedding (if held) and this stage's decoder layers: tokens ``[B, S]`` or hidden
+        states ``[B, S, H]`` in, hidden states ``[B, S, H]`` out (before the final norm)."""
         hidden = self.embedding(x) if self.has_embedding else x
         device_type = hidden.device.type
         # Under autocast q and k come out of the qkv GEMM in the autocast dtype.
@@ -193,15 +203,19 @@ class LlamaModel(nn.Module):
                 hidden = checkpoint(layer, hidden, cos, sin, use_reentrant=False)
             else:
                 hidden = layer(hidden, cos, sin)
+        return hidden
+
+    def head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None,
+             loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final norm and output projection of hidden states ``[B, S, H]`` (head stages only):
+        logits ``[B, S, V]``, or with ``labels`` the fused float32 scalar loss (see
+        :meth:`forward`)."""
         if not self.has_head:
-            if labels is not None:
-                raise RuntimeError("labels given to a stage without the head")
-            return hidden
+            raise RuntimeError("this stage has no head")
         if labels is not None:
             return linear_cross_entropy(self.final_norm(hidden), self.output_weight(), labels,
                                         loss_weights)
         return F.linear(self.final_norm(hidden), self.output_weight())
-
 
 def build_model(config: ModelConfig, seed: int, layer_range: Optional[tuple[int, int]] = None,
                 has_embedding: bool = True, has_head: bool = True, recompute: bool = False,

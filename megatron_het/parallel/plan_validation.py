@@ -110,6 +110,10 @@ def _check_stage_tp(where: str, stage: StagePlan, model: ModelConfig) -> None:
         raise UserError(f"{where} has tp={stage.tp} but lists {_plural(len(stage.ranks), 'rank')} "
                         f"{list(stage.ranks)}; list exactly {stage.tp} (its TP group in tp_rank "
                         f"order)")
+    if list(stage.ranks) != sorted(stage.ranks):
+        raise UserError(f"{where} lists ranks {list(stage.ranks)} out of order; list a stage's "
+                        f"ranks in ascending order ({sorted(stage.ranks)}): tp_rank follows the "
+                        f"global rank order inside a TP group")
     sizes = ((model.num_attention_heads, f"{model.num_attention_heads} attention heads"),
              (model.num_query_groups, f"{model.num_query_groups} query groups (kv heads)"),
              (model.ffn_hidden_size, f"ffn_hidden_size {model.ffn_hidden_size}"))

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: schedules written as data, checked without processes."""
+"""Pipeline parallelism: schedules written as data (checked without processes), the executor
+that runs them over the unified communicator, and stage building."""
 from __future__ import annotations
 
 from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PBatch,

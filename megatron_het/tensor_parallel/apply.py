@@ -21,7 +21,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.config import ModelConfig
@@ -40,7 +39,8 @@ class TensorParallelLlamaModel(LlamaModel):
     """A :class:`LlamaModel` after :func:`apply_tp` (never constructed directly).
 
     ``tp_group`` is its tensor-parallel group; ``vocab_range`` the token ids whose embedding and
-    output rows this rank holds. ``forward`` has the single-process signature and results:
+    output rows this rank holds. Only :meth:`head` is overridden (the layers and embedding are
+    parallel modules already). ``forward`` has the single-process signature and results:
     activations between layers are replicated over the group, logits come back full
     ``[B, S, V]`` (all-gathered) and the loss is the same float32 scalar on every rank.
     """
@@ -48,24 +48,12 @@ class TensorParallelLlamaModel(LlamaModel):
     tp_group: UnifiedGroup
     vocab_range: tuple[int, int]
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """As :meth:`LlamaModel.forward`, with the head split by vocabulary over ``tp_group``."""
-        hidden = self.embedding(x) if self.has_embedding else x
-        device_type = hidden.device.type
-        rope_dtype = (torch.get_autocast_dtype(device_type)
-                      if torch.is_autocast_enabled(device_type) else hidden.dtype)
-        cos, sin = self.rotary.cos_sin(hidden.shape[1], hidden.device, rope_dtype)
-        use_recompute = self.recompute and self.training and torch.is_grad_enabled()
-        for layer in self.layers.values():
-            if use_recompute:
-                hidden = checkpoint(layer, hidden, cos, sin, use_reentrant=False)
-            else:
-                hidden = layer(hidden, cos, sin)
+    def head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None,
+             loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As :meth:`LlamaModel.head`, with the output projection split by vocabulary over
+        ``tp_group``: the loss never forms full-vocabulary logits; logits are all-gathered."""
         if not self.has_head:
-            if labels is not None:
-                raise RuntimeError("labels given to a stage without the head")
-            return hidden
+            raise RuntimeError("this stage has no head")
         normed = self.final_norm(hidden)
         if labels is not None:
             return vocab_parallel_linear_cross_entropy(

@@ -277,3 +277,13 @@ def test_flags_on_the_emulated_cluster(cluster):
     named = plan_from_megatron_flags(TINY, 4, 2, 2, 1, 4,
                                      accelerator_of=lambda r: cluster.accelerator_of(r))
     assert [s.accelerator for s in named.pipelines[0].stages] == ["emu-fast", "emu-slow"]
+
+
+def test_stage_ranks_must_be_ascending(cluster):
+    def swap(d):
+        d["pipelines"][0]["stages"][0]["ranks"] = [1, 0]
+
+    message = user_error(validate, edited(EXAMPLE, swap), TINY, cluster)
+    assert message == ("stage 0 of pipeline 0 lists ranks [1, 0] out of order; list a stage's ranks "
+                       "in ascending order ([0, 1]): tp_rank follows the global rank order inside "
+                       "a TP group")

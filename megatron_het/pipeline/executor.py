@@ -1,0 +1,274 @@
+"""Run one rank's pipeline schedule: forwards, backwards and stage-boundary transfers.
+
+The schedule (:mod:`megatron_het.pipeline.schedules`, 1F1B by default) is a list of steps per
+stage; every TP rank of a stage runs its stage's list, so their TP collectives line up. A
+compute step runs the stage's forward or backward for one micro-batch; a transfer step (a single
+transfer or a :class:`~megatron_het.pipeline.schedules.P2PBatch`) posts all its point-to-point
+ops in ONE ``batch_isend_irecv`` over the pipeline's group and waits for all of them before the
+next step. Who exchanges with whom across a TP change, the wire dtype and the receive-buffer pool
+are described in :mod:`megatron_het.pipeline.p2p`.
+
+Numerics: the last stage scales each micro-batch's token-mean loss by ``loss_scale`` (1/total
+micro-batches over all pipelines, per the numerics contract) before backward, so gradients
+accumulate into ``.grad`` exactly as in single-process accumulation. After the last backward,
+:meth:`PipelineExecutor.run` sums the tied-embedding gradient copies of the first and last stage
+(:func:`sync_tied_embedding_grads`, exchanging only the gradient this call added, so several
+calls may accumulate into ``.grad``); the data-parallel gradient sum is left to the optimizer.
+
+Timing (per rank, per call): ``compute_s`` covers the forward and backward regions (including
+the wait that emulates a slower accelerator kind, via ``emulator.timed_region()``),
+``p2p_wait_s`` the transfer steps (posting and waiting), ``bubble_s = wall - compute - p2p``
+(bookkeeping between steps). A rank cannot tell a slow link from a peer stage that has not
+reached the matching step yet, so the pipeline's fill/drain idle time (the classic "bubble")
+is spent blocked in transfers and lands in ``p2p_wait_s``; compare ``p2p_wait_s + bubble_s``
+with a model's p2p + bubble time. On GPUs each timed region ends with a device synchronise, so
+the host clock sees the queued work (at the cost of the overlap across region boundaries).
+
+Shape legend: b micro-batch size, s sequence length, H hidden size.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from megatron_het.config import ModelConfig
+from megatron_het.emulation import Emulator
+from megatron_het.parallel.groups import ProcessGroups
+from megatron_het.pipeline.p2p import (BufferPool, boundary_peers, sync_tied_embedding_grads,
+                                       tied_embedding_weight, transfer_ops)
+from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PBatch, Step,
+                                             gpipe)
+
+__all__ = ["PipelineExecutor", "StageStats", "sync_tied_embedding_grads"]
+
+_FORWARD_KINDS = (ActionKind.RECV_FORWARD, ActionKind.FORWARD, ActionKind.SEND_FORWARD)
+MicroBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """What one :meth:`PipelineExecutor.run` did on this rank.
+
+    ``loss_sum``: sum over micro-batches of their token-mean loss (unscaled), on every TP rank
+    of the last stage; 0.0 on other stages. Times in seconds (see the module docstring);
+    ``wall_s`` is the schedule's wall time (= compute + p2p + bubble), ``embedding_sync_s`` the
+    tied-embedding gradient sum after it (not part of ``wall_s``).
+    """
+
+    loss_sum: float
+    compute_s: float
+    p2p_wait_s: float
+    bubble_s: float
+    num_micro_batches: int
+    wall_s: float = 0.0
+    embedding_sync_s: float = 0.0
+
+
+@dataclass
+class _Run:
+    """Per-call state: tensors of micro-batches in flight and accumulated times."""
+
+    micro_batches: Sequence[MicroBatch]
+    loss_scale: float
+    forward_only: bool
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)          # stage inputs
+    input_buffers: dict[int, torch.Tensor] = field(default_factory=dict)   # their storage
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)         # hidden or loss
+    output_grads: dict[int, torch.Tensor] = field(default_factory=dict)    # received buffers
+    input_grads: dict[int, torch.Tensor] = field(default_factory=dict)     # to send back
+    loss_sum: Optional[torch.Tensor] = None
+    compute_s: float = 0.0
+    p2p_s: float = 0.0
+
+
+class PipelineExecutor:
+    """Runs the schedule of one rank's stage over the micro-batches of its pipeline.
+
+    Args:
+        stage: this rank's stage (:func:`~megatron_het.pipeline.stage.build_stage`).
+        groups: this rank's process groups (transfers use ``groups.pipeline``).
+        model_config: the model's shape (for the hidden size of the transfers).
+        seq_length, micro_batch_size: every micro-batch is ``[micro_batch_size, seq_length]``;
+            boundary tensors are ``[b, s, H]``.
+        bf16: run forwards under bfloat16 autocast (and send bf16 over stage boundaries).
+        emulator: slows every compute region to the emulated accelerator kind (None: none).
+        schedule: a name of :data:`~megatron_het.pipeline.schedules.SCHEDULES` ("1f1b",
+            "gpipe").
+    """
+
+    def __init__(self, stage: nn.Module, groups: ProcessGroups, model_config: ModelConfig,
+                 seq_length: int, micro_batch_size: int, bf16: bool = False,
+                 emulator: Optional[Emulator] = None, schedule: str = "1f1b") -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}; known: "
+                             f"{', '.join(SCHEDULES)}")
+        self.stage, self.groups, self.config = stage, groups, model_config
+        self.bf16, self.emulator, self.schedule = bf16, emulator, schedule
+        role = groups.role
+        self.stage_index = role.stage
+        self.num_stages = groups.plan.pipelines[role.pipeline].pp_size
+        self.is_first, self.is_last = role.is_first_stage, role.is_last_stage
+        self.peers = boundary_peers(groups.plan, groups.rank)
+        first_param = next(stage.parameters())
+        self.device, self.param_dtype = first_param.device, first_param.dtype
+        self.wire_dtype = torch.bfloat16 if bf16 else self.param_dtype
+        self.boundary_shape = (micro_batch_size, seq_length, model_config.hidden_size)
+        self.pool = BufferPool(self.device)
+
+    # -- public -----------------------------------------------------------------------------
+    def steps(self, num_micro_batches: int, forward_only: bool = False) -> list[Step]:
+        """This stage's steps: the named schedule, or only the forward half of GPipe."""
+        if forward_only:
+            return [s for s in gpipe(self.num_stages, num_micro_batches, self.stage_index)
+                    if isinstance(s, Action) and s.kind in _FORWARD_KINDS]
+        return SCHEDULES[self.schedule](self.num_stages, num_micro_batches, self.stage_index)
+
+    def run(self, micro_batches: Sequence[MicroBatch], loss_scale: float,
+            forward_only: bool = False) -> StageStats:
+        """Run every micro-batch of this pipeline through this stage.
+
+        ``micro_batches``: ``(tokens[b, s], labels[b, s])`` pairs, the same list on every rank
+        of the pipeline (the first stage reads tokens, the last labels). Side effects: adds
+        into the parameters' ``.grad`` (unless ``forward_only``; never zeroes them) and, with
+        tied embeddings, sums the two embedding copies' gradients over ``groups.embedding``.
+        Collective over the pipeline (and the embedding group): all its ranks must call it.
+        """
+        if not micro_batches:
+            raise ValueError("run needs at least one micro-batch")
+        self._check_shapes(micro_batches)
+        run = _Run(micro_batches, loss_scale, forward_only)
+        tied = tied_embedding_weight(self.stage, self.groups)
+        # Gradient already in .grad was summed by an earlier run: exchange only this run's part.
+        baseline = None if tied is None or tied.grad is None else tied.grad.clone()
+        start = time.perf_counter()
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            for step in self.steps(len(micro_batches), forward_only):
+                if isinstance(step, Action) and step.kind is ActionKind.FORWARD:
+                    self._forward(run, step.micro_batch)
+                elif isinstance(step, Action) and step.kind is ActionKind.BACKWARD:
+                    self._backward(run, step.micro_batch)
+                else:
+                    self._transfer(run, step)
+        wall = time.perf_counter() - start
+        sync_s = 0.0
+        if not forward_only:
+            sync_start = time.perf_counter()
+            sync_tied_embedding_grads(self.stage, self.groups, baseline)
+            sync_s = time.perf_counter() - sync_start
+        loss = 0.0 if run.loss_sum is None else float(run.loss_sum)
+        return StageStats(loss_sum=loss, compute_s=run.compute_s, p2p_wait_s=run.p2p_s,
+                          bubble_s=max(0.0, wall - run.compute_s - run.p2p_s),
+                          num_micro_batches=len(micro_batches), wall_s=wall,
+                          embedding_sync_s=sync_s)
+
+    # -- steps ------------------------------------------------------------------------------
+    def _check_shapes(self, micro_batches: Sequence[MicroBatch]) -> None:
+        want = self.boundary_shape[:2]
+        for i, (tokens, labels) in enumerate(micro_batches):
+            used = ([tokens] if self.is_first else []) + ([labels] if self.is_last else [])
+            for tensor in used:
+                if tuple(tensor.shape) != want:
+                    raise ValueError(f"micro-batch {i} has shape {tuple(tensor.shape)}; this "
+                                     f"executor expects [micro_batch_size, seq_length] = "
+                                     f"{list(want)}")
+
+    @contextlib.contextmanager
+    def _compute_region(self, run: _Run) -> Iterator[None]:
+        start = time.perf_counter()
+        region = self.emulator.timed_region() if self.emulator else contextlib.nullcontext()
+        with region:
+            yield
+            self._synchronize()
+        run.compute_s += time.perf_counter() - start
+
+    def _synchronize(self) -> None:
+        """Wait for queued device work, so the host clock measures it (CUDA and ROCm)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def _forward(self, run: _Run, mb: int) -> None:
+        tokens, labels = run.micro_batches[mb]
+        with self._compute_region(run):
+            if self.is_first:
+                x = tokens.to(self.device)
+            else:
+                x = self._stage_input(run, mb)
+            with self._autocast():
+                if self.is_last:
+                    out = self.stage(x, labels=labels.to(self.device))
+                else:
+                    out = self.stage(x)
+            if self.is_last:
+                loss = out.detach().float()
+                run.loss_sum = loss if run.loss_sum is None else run.loss_sum + loss
+                out = out * run.loss_scale
+            run.outputs[mb] = out
+        if run.forward_only and not self.is_first:  # no backward will need the input
+            del run.inputs[mb]
+            if mb in run.input_buffers:
+                self.pool.release(run.input_buffers.pop(mb))
+
+    def _stage_input(self, run: _Run, mb: int) -> torch.Tensor:
+        """The received activations of ``mb`` as a leaf in the parameters' dtype."""
+        buffer = run.input_buffers.pop(mb)
+        if buffer.dtype == self.param_dtype:
+            run.input_buffers[mb] = buffer  # the input shares its storage until backward
+            x = buffer.detach()
+        else:
+            x = buffer.to(self.param_dtype)
+            self.pool.release(buffer)
+        x.requires_grad_(not run.forward_only)
+        run.inputs[mb] = x
+        return x
+
+    def _backward(self, run: _Run, mb: int) -> None:
+        with self._compute_region(run):
+            out = run.outputs.pop(mb)
+            if self.is_last:
+                torch.autograd.backward(out)
+            else:
+                grad_buffer = run.output_grads.pop(mb)
+                torch.autograd.backward(out, grad_buffer.to(out.dtype))
+                self.pool.release(grad_buffer)
+            if not self.is_first:
+                x = run.inputs.pop(mb)
+                run.input_grads[mb] = x.grad
+                if mb in run.input_buffers:
+                    self.pool.release(run.input_buffers.pop(mb))
+
+    def _transfer(self, run: _Run, step: Step) -> None:
+        actions = step.actions if isinstance(step, P2PBatch) else (step,)
+        ops, received = [], []
+        for action in actions:
+            mb, payload, buffer = action.micro_batch, None, None
+            if action.kind is ActionKind.SEND_FORWARD:
+                payload = run.outputs[mb].detach().to(self.wire_dtype).contiguous()
+                if run.forward_only:
+                    del run.outputs[mb]
+            elif action.kind is ActionKind.SEND_BACKWARD:
+                payload = run.input_grads.pop(mb).to(self.wire_dtype).contiguous()
+            else:
+                buffer = self.pool.acquire(self.boundary_shape, self.wire_dtype)
+                received.append((action, buffer))
+            ops += transfer_ops(action, self.peers, payload, buffer)
+        start = time.perf_counter()
+        if ops:
+            for handle in self.groups.pipeline.batch_isend_irecv(ops):
+                handle.wait()
+            self._synchronize()
+        run.p2p_s += time.perf_counter() - start
+        for action, buffer in received:
+            if action.kind is ActionKind.RECV_FORWARD:
+                run.input_buffers[action.micro_batch] = buffer
+            else:
+                run.output_grads[action.micro_batch] = buffer

@@ -1,0 +1,51 @@
+"""Build the part of the model that one rank holds: its stage's layers, sharded over its TP group.
+
+The stage is a :class:`~megatron_het.model.llama.LlamaModel` restricted to the stage's layer
+range (with the embedding on the first stage and the head on the last, as the plan says), built
+on the meta device and then given its values: each parameter (or TP shard of it) is drawn from
+the layout-independent initialisation, so it equals the matching slice of the single-process
+model of the same seed, whatever the plan. Nothing here communicates.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_het.config import ModelConfig
+from megatron_het.model.init import init_weights
+from megatron_het.model.llama import LlamaModel
+from megatron_het.parallel.groups import ProcessGroups
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.tensor_parallel.apply import apply_tp
+
+
+def build_stage(model_config: ModelConfig, plan: ParallelPlan, groups: ProcessGroups, seed: int,
+                device: torch.device | str = "cpu") -> LlamaModel:
+    """This rank's stage: layers ``role.stage_plan.layers`` with TP applied over ``groups.tp``.
+
+    Args:
+        model_config: the whole model's shape.
+        plan: the parallel plan (the stage comes from ``plan.rank_role(groups.rank)``).
+        groups: this rank's groups; ``groups.tp`` must be the stage's TP group.
+        seed: the run seed of the layout-independent initialisation.
+        device: where the parameters live (float32; autocast handles lower precision).
+
+    Returns a :class:`LlamaModel` (a ``TensorParallelLlamaModel`` when the stage's tp > 1)
+    with global parameter names; with tied embeddings the last stage holds its own copy of
+    (its TP slice of) ``embedding.weight``, kept equal to the first stage's copy by
+    :func:`megatron_het.pipeline.p2p.sync_tied_embedding_grads`.
+    """
+    role = plan.rank_role(groups.rank)
+    stage = role.stage_plan
+    if groups.tp.size != stage.tp or tuple(groups.tp.ranks) != tuple(sorted(stage.ranks)):
+        raise ValueError(f"groups.tp has ranks {list(groups.tp.ranks)} but stage {role.stage} "
+                         f"of pipeline {role.pipeline} has ranks {list(stage.ranks)}")
+    with torch.device("meta"):
+        model = LlamaModel(model_config, stage.layers, has_embedding=stage.has_embedding,
+                           has_head=stage.has_head, recompute=stage.recompute)
+    if stage.tp == 1:
+        model.to_empty(device=device)
+        init_weights(model, seed)
+        return model
+    # Shards drawn from the seed land on the CPU (the meta model has no device of its own).
+    apply_tp(model, groups.tp, model_config, seed=seed)
+    return model.to(device)

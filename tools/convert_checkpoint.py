@@ -1,13 +1,20 @@
-"""Convert Llama checkpoints between Hugging Face and megatron_het formats.
+"""Convert Llama checkpoints between Hugging Face and megatron_het formats, or reshard them.
 
     python tools/convert_checkpoint.py --source-format hf --target-format megatron_het \\
         --load-dir HF_DIR --save-dir OUT [--dtype bf16]
     python tools/convert_checkpoint.py --source-format megatron_het --target-format hf \\
         --load-dir SAVE_DIR [--iteration N] --save-dir HF_OUT
+    python tools/convert_checkpoint.py --mode reshard --load-dir SAVE_DIR [--iteration N] \\
+        --save-dir OUT --target-plan plan.json
 
 A Hugging Face directory holds config.json and model.safetensors (or sharded *.safetensors
 with model.safetensors.index.json); one model.safetensors is written. A converted Hugging Face
-model is saved as megatron_het iteration 0 without training state.
+model is saved as megatron_het iteration 0 without training state. A megatron_het source may
+have been saved by any parallel plan or by a single process.
+
+``--mode reshard`` rewrites a megatron_het checkpoint (of any plan) offline, in one process, as
+the target plan would have saved it: per-rank model and optimizer shards cut to that plan's
+stages and TP slices, the same iteration and training state, metadata recording the plan.
 """
 from __future__ import annotations
 
@@ -26,7 +33,9 @@ from megatron_het.checkpoint.hf import (hf_config_to_model_config,  # noqa: E402
                                         hf_to_megatron_het_state, megatron_het_to_hf_state,
                                         model_config_to_hf_config)
 from megatron_het.checkpoint.io import load_model_state, save_checkpoint  # noqa: E402
+from megatron_het.checkpoint.sharded import reshard_checkpoint  # noqa: E402
 from megatron_het.errors import UserError, run_cli  # noqa: E402
+from megatron_het.parallel.plan import ParallelPlan  # noqa: E402
 
 FORMATS = ("hf", "megatron_het")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,12 +45,18 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Flags; a ``--mode`` chooses the operation so later ones (e.g. resharding) can join."""
-    parser = argparse.ArgumentParser(description="Convert Llama checkpoints between formats.")
-    parser.add_argument("--mode", choices=("convert",), default="convert",
-                        help="operation; 'convert' changes the checkpoint format")
-    parser.add_argument("--source-format", choices=FORMATS, required=True)
-    parser.add_argument("--target-format", choices=FORMATS, required=True)
+    """Flags; ``--mode`` chooses the operation (format conversion or resharding)."""
+    parser = argparse.ArgumentParser(description="Convert or reshard Llama checkpoints.")
+    parser.add_argument("--mode", choices=("convert", "reshard"), default="convert",
+                        help="'convert' changes the checkpoint format; 'reshard' lays a "
+                             "megatron_het checkpoint out for --target-plan")
+    parser.add_argument("--source-format", choices=FORMATS, default=None,
+                        help="convert: format of --load-dir (default: the one that is not "
+                             "--target-format)")
+    parser.add_argument("--target-format", choices=FORMATS, default=None,
+                        help="convert: format to write")
+    parser.add_argument("--target-plan", default=None,
+                        help="reshard: parallel plan JSON the checkpoint is laid out for")
     parser.add_argument("--load-dir", required=True, help="checkpoint to read")
     parser.add_argument("--save-dir", required=True, help="directory to write")
     parser.add_argument("--iteration", type=int, default=None,
@@ -130,16 +145,40 @@ def megatron_het_to_hf(args: argparse.Namespace) -> pathlib.Path:
     return save_dir
 
 
+def reshard(args: argparse.Namespace) -> pathlib.Path:
+    if args.target_plan is None:
+        raise UserError("--mode reshard needs --target-plan PLAN.json (the plan to lay the "
+                        "checkpoint out for)")
+    if args.dtype is not None:
+        raise UserError("--dtype applies to --mode convert only; drop it when resharding")
+    plan = ParallelPlan.load(args.target_plan)
+    return reshard_checkpoint(args.load_dir, args.save_dir, plan, iteration=args.iteration)
+
+
+def _formats(args: argparse.Namespace) -> tuple[str, str]:
+    source, target = args.source_format, args.target_format
+    if target is None:
+        raise UserError("--mode convert needs --target-format (hf or megatron_het)")
+    if source is None:
+        source = FORMATS[1 - FORMATS.index(target)]
+    return source, target
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.mode == "reshard":
+        written = reshard(args)
+        print(f"wrote megatron_het checkpoint for plan {args.target_plan} to {written}")
+        return
+    source_format, target_format = _formats(args)
     conversions = {("hf", "megatron_het"): hf_to_megatron_het,
                    ("megatron_het", "hf"): megatron_het_to_hf}
-    conversion = conversions.get((args.source_format, args.target_format))
+    conversion = conversions.get((source_format, target_format))
     if conversion is None:
-        raise UserError(f"--source-format {args.source_format} and --target-format "
-                        f"{args.target_format} are the same; pick two different formats")
+        raise UserError(f"--source-format {source_format} and --target-format "
+                        f"{target_format} are the same; pick two different formats")
     written = conversion(args)
-    print(f"wrote {args.target_format} checkpoint to {written}")
+    print(f"wrote {target_format} checkpoint to {written}")
 
 
 if __name__ == "__main__":

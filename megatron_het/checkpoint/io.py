@@ -6,10 +6,14 @@ Layout of a ``--save`` directory::
     SAVE/iter_0000012/metadata.json             model config, shard counts, run metadata
     SAVE/iter_0000012/model_shard_00000.pt      tensors under GLOBAL names + their placement
     SAVE/iter_0000012/train_state_00000.pt      optimizer (by name), schedule, RNG, counters
+    SAVE/iter_0000012/optim_shard_00000.pt      (parallel saves) optimizer state pieces by name
 
 A model shard holds, per tensor, the piece it stores, the tensor's global shape and the offset of
 the piece along every dimension. A single process writes one shard of full tensors; a parallel run
 writes one shard per rank and :func:`load_model_state` assembles full tensors from all of them.
+A parallel save (:mod:`megatron_het.checkpoint.sharded`) also writes per rank an optimizer shard
+(Adam moments sliced like their parameter) and a training-state file without the optimizer;
+:func:`load_train_state` then assembles the full optimizer state from the optimizer shards.
 
 An iteration is written into a hidden staging directory in SAVE, fsync'ed, renamed into place and
 only then recorded in the tracker file, so a crash mid-save leaves the previous checkpoint the
@@ -53,6 +57,11 @@ def train_state_name(shard_index: int) -> str:
     return f"train_state_{shard_index:05d}.pt"
 
 
+def optimizer_shard_name(shard_index: int) -> str:
+    """``optim_shard_00003.pt`` for shard 3 (parallel saves: one per rank)."""
+    return f"optim_shard_{shard_index:05d}.pt"
+
+
 @dataclass(frozen=True)
 class TensorPiece:
     """A piece of a global tensor: ``tensor`` sits at ``offsets`` inside ``global_shape``."""
@@ -65,6 +74,17 @@ class TensorPiece:
     def full(cls, tensor: torch.Tensor) -> "TensorPiece":
         """The whole tensor as its own single piece."""
         return cls(tensor, tuple(tensor.shape), (0,) * tensor.dim())
+
+
+@dataclass(frozen=True)
+class OptimizerPiece:
+    """Adam state of a piece of one parameter, sliced exactly like the parameter's piece."""
+
+    step: int
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
 
 
 # ---- writing ---------------------------------------------------------------------------------
@@ -112,6 +132,28 @@ def write_model_shard(directory: PathLike, shard_index: int,
     return path
 
 
+def write_optimizer_shard(directory: PathLike, shard_index: int,
+                          pieces: dict[str, OptimizerPiece]) -> pathlib.Path:
+    """Write one optimizer shard (CPU copies of the moments) into ``directory``; returns its path.
+
+    Payload: ``state[name] = {"step", "exp_avg", "exp_avg_sq"}`` plus ``global_shapes`` and
+    ``offsets`` by name, as in a model shard.
+    """
+    path = pathlib.Path(directory) / optimizer_shard_name(shard_index)
+    payload = {"format_version": FORMAT_VERSION,
+               "state": {n: {"step": int(p.step), "exp_avg": _compact(p.exp_avg),
+                             "exp_avg_sq": _compact(p.exp_avg_sq)} for n, p in pieces.items()},
+               "global_shapes": {n: list(p.global_shape) for n, p in pieces.items()},
+               "offsets": {n: list(p.offsets) for n, p in pieces.items()}}
+    _save_torch(payload, path)
+    return path
+
+
+def write_json_file(obj: Any, path: PathLike) -> None:
+    """Write ``obj`` as JSON to ``path`` and fsync it."""
+    _write_json(obj, pathlib.Path(path))
+
+
 def write_train_state(directory: PathLike, shard_index: int, train_state: dict) -> pathlib.Path:
     """Write one training-state file into ``directory``; returns its path."""
     path = pathlib.Path(directory) / train_state_name(shard_index)
@@ -129,12 +171,24 @@ def remove_stale_staging(save_dir: PathLike) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def begin_checkpoint(save_dir: PathLike, iteration: int) -> pathlib.Path:
-    """Create (empty) and return the staging directory for ``iteration`` inside ``save_dir``."""
+def staging_dir(save_dir: PathLike, iteration: int, tag: Optional[str] = None) -> pathlib.Path:
+    """The staging directory path of ``iteration``; ``tag`` (default: this process id) names
+    it, so ranks of a parallel save agree on one directory by passing the same tag."""
+    tag = str(os.getpid()) if tag is None else tag
+    return pathlib.Path(save_dir) / f"{_STAGING_PREFIX}{iteration:07d}_{tag}"
+
+
+def begin_checkpoint(save_dir: PathLike, iteration: int,
+                     tag: Optional[str] = None) -> pathlib.Path:
+    """Create (empty) and return the staging directory for ``iteration`` inside ``save_dir``.
+
+    Side effect: removes staging directories left by interrupted saves. See :func:`staging_dir`
+    for ``tag``.
+    """
     root = pathlib.Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(root)
-    staging = root / f"{_STAGING_PREFIX}{iteration:07d}_{os.getpid()}"
+    staging = staging_dir(root, iteration, tag)
     staging.mkdir()
     return staging
 
@@ -252,9 +306,18 @@ def load_checkpoint_metadata(path: PathLike, iteration: Optional[int] = None) ->
     return metadata
 
 
-def _load_file(path: pathlib.Path, map_location: Any) -> Any:
+def read_checkpoint_file(path: PathLike, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """``torch.load`` of one checkpoint file (tensors and plain values only).
+
+    With ``mmap`` the file is memory-mapped, so only the tensors used are read from disk.
+    Raises UserError when the file is missing or damaged.
+    """
+    return _load_file(pathlib.Path(path), map_location, mmap)
+
+
+def _load_file(path: pathlib.Path, map_location: Any, mmap: bool = False) -> Any:
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, "
                         "load another one") from None
@@ -327,9 +390,19 @@ def load_model_state(path: PathLike, iteration: Optional[int] = None, map_locati
 
 
 def load_train_state(path: PathLike, iteration: Optional[int] = None) -> Optional[dict]:
-    """The training state saved with the checkpoint, or None for a model-only checkpoint."""
+    """The training state saved with the checkpoint, or None for a model-only checkpoint.
+
+    For a parallel save this is rank 0's state (counters, schedule, RNG) with ``optimizer``
+    holding the FULL per-parameter state assembled from every rank's optimizer shard
+    (``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": []}``), as a
+    single-process run saves it.
+    """
     directory = resolve_checkpoint_dir(path, iteration)
     metadata = load_checkpoint_metadata(directory)
     if int(metadata.get("num_train_state_shards", 0)) == 0:
         return None
-    return _load_file(directory / train_state_name(0), "cpu")
+    state = _load_file(directory / train_state_name(0), "cpu")
+    if int(metadata.get("num_optimizer_shards", 0)) > 0:
+        from megatron_het.checkpoint.sharded import full_optimizer_state  # imports this module
+        state["optimizer"] = full_optimizer_state(directory)
+    return state

@@ -1,0 +1,186 @@
+"""ParallelOptimizer: norm counting rules, state by global name, resume, errors (gloo, 4 ranks).
+
+Same kinds and layouts as test_data_parallel.py, plus, in Megatron rank order, PP 2 x TP 2 and
+PP 2 x DP 2 with tied embeddings (the head stage holds a copy of the embedding). Gradients are
+set to known values so the expected global norm is exact: each distinct element of the
+single-process model counted once. PP 2 x DP 2 trains through the pipeline executor with the
+DP reduction overlapped with backward and must match the single-process run.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from megatron_het.errors import UserError
+from megatron_het.model.llama import build_model
+from megatron_het.optim.parallel_optimizer import build_parallel_optimizer
+from megatron_het.tensor_parallel import apply_tp, parameter_shape, shard_tensor
+from tests.distributed.harness import run_ranks
+from megatron_het.parallel.groups import ProcessGroups
+from megatron_het.pipeline.executor import PipelineExecutor
+from megatron_het.pipeline.stage import build_stage as build_pipeline_stage
+from tests.distributed.test_data_parallel import (BUCKET_MB, CLIP, CONFIG, ITERS, LR, MICRO_BATCH,
+                                                  OPT, SEED, SEQ, TOTAL_MICRO_BATCHES, WORLD,
+                                                  build_stage, check_against_reference,
+                                                  check_replicas_identical, global_batch,
+                                                  make_groups, reference_run, rel_err,
+                                                  train_iteration)
+
+TIED = CONFIG.replace(tie_embeddings=True, name="dp-test-tied")
+
+
+def known_grad(name: str, config=CONFIG) -> torch.Tensor:
+    """A full-size gradient for ``name``, different in scale per parameter."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    scale = 1.0 + zlib.crc32(name.encode()) % 7
+    return torch.randn(parameter_shape(name, config), generator=gen) * scale
+
+
+def set_known_grads(stage, optimizer, groups: ProcessGroups, config) -> None:
+    """Give DP replica d the share (d + 1) / sum of the known gradient's TP shard, so the DP
+    sum is exactly the known gradient up to rounding."""
+    optimizer.zero_grad()
+    dp, d = groups.dp.size, groups.dp.rank
+    share = (d + 1) / (dp * (dp + 1) / 2)
+    for name, param in stage.named_parameters():
+        full = known_grad(name, config)
+        param.grad.copy_(shard_tensor(name, full, config, groups.tp.size, groups.tp.rank) * share)
+
+
+def expected_norm(config, names) -> float:
+    return float(torch.stack([known_grad(n, config).square().sum() for n in names]).sum().sqrt())
+
+
+def _check_norm_counting(rank: int, layouts: dict[str, ProcessGroups]) -> None:
+    all_names = [n for n, _ in build_model(CONFIG, SEED).named_parameters()]
+    for layout in ("dp4", "dp2xtp2"):
+        for zero in (False, True):
+            groups = layouts[layout]
+            stage = build_stage(groups)
+            optimizer = build_parallel_optimizer(stage, groups, OPT, zero, bucket_size_mb=BUCKET_MB)
+            set_known_grads(stage, optimizer, groups, CONFIG)
+            optimizer.sync_grads()
+            got, want = optimizer.grad_norm(), expected_norm(CONFIG, all_names)
+            assert abs(got - want) <= 1e-5 * want, f"{layout} zero={zero}: norm {got} vs {want}"
+    # PP 2 x TP 2, tied embeddings: the head stage's embedding copy is not counted again.
+    groups = layouts["pp2xtp2"]
+    stage_plan = groups.role.stage_plan
+    assert groups.dp.size == 1 and groups.tp.size == 2
+    stage = build_model(TIED, SEED, layer_range=(stage_plan.layers[0], stage_plan.layers[1]),
+                        has_embedding=stage_plan.has_embedding, has_head=stage_plan.has_head)
+    apply_tp(stage, groups.tp, TIED)
+    assert "embedding.weight" in dict(stage.named_parameters())
+    optimizer = build_parallel_optimizer(stage, groups, OPT, False)
+    set_known_grads(stage, optimizer, groups, TIED)
+    tied_names = [n for n, _ in build_model(TIED, SEED).named_parameters()]
+    got, want = optimizer.grad_norm(), expected_norm(TIED, tied_names)
+    assert abs(got - want) <= 1e-5 * want, f"pp2xtp2 tied: norm {got} vs {want}"
+
+
+def _resume(rank: int, groups: ProcessGroups) -> None:
+    """Train 3 iterations, save, train 3 more; a fresh optimizer loading the saved state (in
+    either ZeRO mode) must continue to the same weights."""
+    finals, saved = {}, {}
+    for zero in (False, True):
+        stage = build_stage(groups)
+        optimizer = build_parallel_optimizer(stage, groups, OPT, zero, bucket_size_mb=BUCKET_MB)
+        for it in range(3):
+            train_iteration(stage, optimizer, groups, it)
+        state = optimizer.state_dict()
+        params = {n: p.detach().clone() for n, p in stage.named_parameters()}
+        for name, param in stage.named_parameters():
+            assert state[name]["step"] == 3
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert state[name][key].shape == param.shape, f"{name} {key} not TP-shard shaped"
+        for it in range(3, 6):
+            train_iteration(stage, optimizer, groups, it)
+        finals[zero] = {n: p.detach().clone() for n, p in stage.named_parameters()}
+        saved[zero] = (params, state)
+    for name in saved[False][1]:  # both modes hold the same state, name for name
+        for key in ("exp_avg", "exp_avg_sq"):
+            err = rel_err(saved[True][1][name][key], saved[False][1][name][key])
+            assert err <= 1e-5, f"ZeRO and plain state differ for {name} {key}: {err:.1e}"
+    for saved_zero in (False, True):
+        for zero in (False, True):
+            params, state = saved[saved_zero]
+            stage = build_stage(groups)
+            with torch.no_grad():
+                for name, param in stage.named_parameters():
+                    param.copy_(params[name])
+            optimizer = build_parallel_optimizer(stage, groups, OPT, zero, bucket_size_mb=BUCKET_MB)
+            optimizer.load_state_dict(state)
+            for it in range(3, 6):
+                train_iteration(stage, optimizer, groups, it)
+            for name, param in stage.named_parameters():
+                err = rel_err(param.detach(), finals[saved_zero][name])
+                limit = 0.0 if zero == saved_zero else 1e-5
+                assert err <= limit, (f"resume saved zero={saved_zero} into zero={zero}: {name} "
+                                      f"off by {err:.1e}")
+
+
+def _errors(rank: int, groups: ProcessGroups) -> None:
+    stage = build_stage(groups)
+    optimizer = build_parallel_optimizer(stage, groups, OPT, True, bucket_size_mb=BUCKET_MB)
+    state = optimizer.state_dict()
+    name = next(iter(state))
+    with pytest.raises(UserError, match="missing: " + name.replace(".", r"\.")):
+        optimizer.load_state_dict({n: v for n, v in state.items() if n != name})
+    bad = dict(state, **{name: dict(state[name], exp_avg=torch.zeros(3))})
+    with pytest.raises(UserError, match="reshard"):
+        optimizer.load_state_dict(bad)
+    # A non-finite gradient on one rank: every rank refuses to step, weights stay as they were.
+    before = {n: p.detach().clone() for n, p in stage.named_parameters()}
+    set_known_grads(stage, optimizer, groups, CONFIG)
+    if rank == 3:
+        next(stage.parameters()).grad.view(-1)[0] = float("nan")
+    optimizer.sync_grads()
+    with pytest.raises(UserError, match="gradient norm is nan"):
+        optimizer.clip_and_step(1e-2, 1.0)
+    for n, p in stage.named_parameters():
+        assert torch.equal(p.detach(), before[n]), f"{n} changed despite the non-finite norm"
+
+
+def _pipeline_with_overlap(rank: int, groups: ProcessGroups) -> None:
+    """PP 2 x DP 2, tied embeddings, through the pipeline executor, with overlapped DP
+    reduction: the embedding bucket waits for the executor's cross-stage sum, the rest start
+    from backward hooks. Must match the single-process run."""
+    ref = reference_run(TIED)
+    plan = groups.plan
+    role = groups.role
+    per_pipeline = plan.pipelines[role.pipeline].micro_batches
+    first_mb = sum(p.micro_batches for p in plan.pipelines[:role.pipeline])
+    for zero in (False, True):
+        what = f"pp2xdp2 tied zero={zero} overlap rank {rank}"
+        stage = build_pipeline_stage(TIED, plan, groups, SEED)
+        optimizer = build_parallel_optimizer(stage, groups, OPT, zero, bucket_size_mb=BUCKET_MB,
+                                             overlap_grad_reduce=True)
+        executor = PipelineExecutor(stage, groups, TIED, SEQ, MICRO_BATCH)
+        losses, norms = [], []
+        for it in range(ITERS):
+            optimizer.zero_grad(num_micro_batches=per_pipeline)
+            mine = global_batch(it)[first_mb:first_mb + per_pipeline]
+            stats = executor.run(mine, loss_scale=1.0 / TOTAL_MICRO_BATCHES)
+            optimizer.sync_grads()
+            norms.append(optimizer.clip_and_step(LR, CLIP))
+            loss = torch.tensor(stats.loss_sum)
+            groups.world.all_reduce(loss, "sum")
+            losses.append(float(loss) / TOTAL_MICRO_BATCHES)
+        held_back = 1 if "embedding.weight" in dict(stage.named_parameters()) else 0
+        assert optimizer.buckets.launched_early == len(optimizer.buckets.buckets) - held_back
+        optimizer.close()
+        check_against_reference(stage, groups, ref, losses, norms, what, TIED)
+        check_replicas_identical(stage, groups, what)
+
+
+def _all_checks(rank: int, world_size: int) -> None:
+    layouts = make_groups(world_size)
+    _pipeline_with_overlap(rank, layouts["pp2xdp2"])
+    _check_norm_counting(rank, layouts)
+    _resume(rank, layouts["dp2xtp2"])
+    _errors(rank, layouts["dp2xtp2"])
+
+
+def test_norm_counting_state_resume_and_errors() -> None:
+    run_ranks(_all_checks, WORLD, timeout=120)

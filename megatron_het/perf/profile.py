@@ -4,7 +4,7 @@ JSON form ("megatron_het.profile/1"), one file per accelerator kind; times in se
 
     {"format": "megatron_het.profile/1", "accelerator": "H100",
      "conditions": {"device_name": "NVIDIA H100 80GB HBM3", "torch_version": "2.5.1",
-                    "threads": 8, "date": "2026-11-30"},
+                    "threads": 8, "date": "2026-11-30", "dtype": "bf16", "host": "node17"},
      "layers": [{"hidden": 4096, "ffn": 14336, "heads": 32, "kv_groups": 8, "seq": 4096,
                  "micro_batch": 1, "tp": 2, "dtype": "bf16", "forward_s": 0.0061,
                  "backward_s": 0.0125, "activation_bytes": 419430400}],
@@ -46,12 +46,14 @@ LINK_KINDS = ("intra_node", "inter_node", "bridge")
 
 @dataclass(frozen=True)
 class ProfileConditions:
-    """Where and how a profile was measured."""
+    """Where and how a profile was measured (``dtype`` and ``host`` may be left out)."""
 
     device_name: str
     torch_version: str
     threads: int
     date: str
+    dtype: str = ""
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,33 @@ class Profile:
             raise UserError(f"{path}: {exc}") from None
 
 
+def merge_profiles(old: Profile, new: Profile) -> Profile:
+    """``old`` with every entry of ``new`` added, replacing entries about the same thing (same
+    dtype, widths, seq, micro-batch and tp; same op and link for comm). The conditions are
+    ``new``'s; so is the optimizer figure unless ``new`` has none."""
+    if old.accelerator != new.accelerator:
+        raise UserError(f"cannot merge a profile of {new.accelerator!r} into one of "
+                        f"{old.accelerator!r}; write it to its own file")
+
+    def merged(a: Sequence[Any], b: Sequence[Any]) -> tuple:
+        out = {_entry_key(e): e for e in a}
+        out.update({_entry_key(e): e for e in b})
+        return tuple(out.values())
+
+    step = (new.optimizer_step_s_per_param if new.optimizer_step_s_per_param is not None
+            else old.optimizer_step_s_per_param)
+    return dataclasses.replace(
+        new, layers=merged(old.layers, new.layers), embedding=merged(old.embedding, new.embedding),
+        head=merged(old.head, new.head), optimizer_step_s_per_param=step,
+        comm=merged(old.comm, new.comm))
+
+
+def _entry_key(entry: Any) -> tuple:
+    """What an entry is about: its fields other than the measured figures."""
+    return tuple(getattr(entry, f.name) for f in dataclasses.fields(entry)
+                 if not f.name.endswith(("_s", "_bytes", "_gbps")))
+
+
 def load_profiles(paths: Sequence[str | Path]) -> dict[str, Profile]:
     """Profiles keyed by accelerator kind name; two files for one kind is an error."""
     out: dict[str, Profile] = {}
@@ -278,14 +307,17 @@ _TOP_KEYS = ("format", "accelerator", "conditions", "layers", "embedding", "head
 
 def _record(cls: type, where: str, d: Any) -> Any:
     fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
     if not isinstance(d, Mapping):
         raise UserError(f"{where}: expected an object with keys {', '.join(fields)}")
     unknown = [k for k in d if k not in fields]
-    missing = [k for k in fields if k not in d]
+    missing = [k for k in fields if k not in d and k not in optional]
     if unknown or missing:
         what = f"unknown key {unknown[0]!r}" if unknown else f"missing key {missing[0]!r}"
         raise UserError(f"{where}: {what}; keys are {', '.join(fields)}")
     for name, kind in fields.items():
+        if name not in d:
+            continue
         value = d[name]
         ok = (isinstance(value, str) if kind == "str" else
               not isinstance(value, bool) and isinstance(value, int) if kind == "int" else

@@ -1,0 +1,45 @@
+"""``tools/profile_device.py`` in subprocesses: a profile the predictor loads, one-line errors."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from megatron_het.perf.profile import Profile
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = str(REPO / "tools" / "profile_device.py")
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+
+
+def test_writes_a_profile_of_the_sweep(tmp_path: pathlib.Path) -> None:
+    proc = run_tool("--model", "tiny", "--seq-lengths", "16,32", "--micro-batch-sizes", "1",
+                    "--tp", "2", "--warmup", "0", "--iters", "1", "--threads", "1",
+                    "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    profile = Profile.load(tmp_path / "cpu.json")
+    assert profile.accelerator == "cpu"
+    assert sorted((e.tp, e.micro_batch, e.seq) for e in profile.layers) == [(2, 1, 16),
+                                                                            (2, 1, 32)]
+    assert profile.conditions.threads == 1 and profile.conditions.dtype == "fp32"
+    assert f"wrote {tmp_path / 'cpu.json'}" in proc.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--model", "no-such-model"], "unknown --model 'no-such-model'"),
+    (["--model", "tiny", "--micro-batch-sizes", "1,two"], "--micro-batch-sizes"),
+    (["--model", "tiny", "--accelerator", "emu-slow"], "--accelerator cpu"),
+])
+def test_user_errors_are_one_line(tmp_path: pathlib.Path, args: list, fragment: str) -> None:
+    proc = run_tool(*args, "--out", str(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert fragment in lines[0]
+    assert not (tmp_path / "cpu.json").exists()

@@ -1,0 +1,178 @@
+"""Measure the local accelerator for the performance predictor and write DIR/<accelerator>.json.
+
+    python tools/profile_device.py --model small --seq-lengths 128,256 \\
+        --micro-batch-sizes 1,2,4 --tp 1,2 --dtype fp32 --out profiles/ --comm
+
+Then ``tools/plan.py --profile-dir profiles/`` predicts with the measured figures. See
+:mod:`megatron_het.perf.profiler` for what is measured and how.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron_het.arguments import ModelSpec, resolve_model_config  # noqa: E402
+from megatron_het.cluster.accelerators import AcceleratorRegistry  # noqa: E402
+from megatron_het.config import MODEL_PRESETS, ModelConfig  # noqa: E402
+from megatron_het.errors import UserError, run_cli  # noqa: E402
+from megatron_het.perf.profile import Profile, merge_profiles  # noqa: E402
+from megatron_het.perf.profiler import (PROFILE_DTYPES, Sweep, default_accelerator,  # noqa: E402
+                                        profile_device)
+
+PROG = "tools/profile_device.py"
+DEFAULT_VOCAB = 32000
+_SHAPE_FLAGS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
+                "ffn_hidden_size": "ffn_hidden_size",
+                "num_attention_heads": "num_attention_heads",
+                "num_query_groups": "num_query_groups"}
+DESCRIPTION = """\
+Measure per-layer forward/backward time and activation memory, the embedding and the head, the
+optimizer step per parameter and (--comm) the communicator's p2p and all-reduce figures on this
+machine's accelerator, for one TP rank's shard of every --tp size (TP communication is left
+out; the predictor adds it). Writes OUT/<accelerator>.json, merged into an existing file of that
+kind (entries of the same shape are replaced).
+
+CPU-emulated kinds (emu-fast, emu-slow, ...) are not profiled themselves: profile the host as
+"cpu" and the predictor multiplies the host's times by each emulated kind's slowdown."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as a UserError (one line, exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message}; see {PROG} --help")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """"128,256" -> (128, 256); anything else is a one-line error."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers (e.g. 1,2,4)") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be at least 1")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog=PROG, description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", metavar="PRESET",
+                   help=f"model preset ({', '.join(sorted(MODEL_PRESETS))}); shape flags "
+                        "override its fields")
+    for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+                 "--num-query-groups", "--vocab-size"):
+        p.add_argument(flag, type=int)
+    p.add_argument("--seq-lengths", type=int_list, default=(128, 256), metavar="S,S")
+    p.add_argument("--micro-batch-sizes", type=int_list, default=(1, 2, 4), metavar="B,B")
+    p.add_argument("--tp", type=int_list, default=(1, 2), metavar="T,T",
+                   help="tensor-parallel sizes; one rank's shard of each is measured")
+    p.add_argument("--dtype", choices=sorted(PROFILE_DTYPES), default="fp32",
+                   help="bf16: bf16 autocast with fp32 weights, as training runs it")
+    p.add_argument("--accelerator", metavar="NAME",
+                   help='the kind the profile is for (default: "cpu" on a CPU; on a GPU the '
+                        "registry kind of its name, else the name itself)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to measure (auto: the GPU when there is one)")
+    p.add_argument("--out", required=True, metavar="DIR", help="writes DIR/<accelerator>.json")
+    p.add_argument("--warmup", type=int, default=2, help="untimed passes (default 2)")
+    p.add_argument("--iters", type=int, default=5, help="timed passes; the median counts")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")
+    p.add_argument("--comm", action="store_true",
+                   help="also measure the communicator between 2 local gloo ranks (CPU runs "
+                        "only; recorded as the intra_node link of the kind)")
+    p.add_argument("--seed", type=int, default=1234)
+    return p
+
+
+def model_from_args(args: argparse.Namespace) -> ModelConfig:
+    overrides = {name: getattr(args, dest) for dest, name in _SHAPE_FLAGS.items()
+                 if getattr(args, dest) is not None}
+    vocab = args.vocab_size if args.vocab_size is not None else (
+        None if args.model else DEFAULT_VOCAB)
+    spec = ModelSpec(preset=args.model, overrides=overrides, vocab_size=vocab)
+    return resolve_model_config(spec, tokenizer_vocab_size=1, seq_length=1)
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda but torch sees no GPU; use --device cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_accelerator(name: str, device: torch.device) -> None:
+    """Emulated kinds and kinds of another device type are refused (custom names pass)."""
+    registry = AcceleratorRegistry.builtin()
+    if name not in registry:
+        return
+    spec = registry.get(name)
+    if spec.emulated:
+        raise UserError(f"{name} is a CPU-emulated kind; profile the host with --accelerator "
+                        "cpu, the predictor scales its times by the kind's slowdown")
+    if spec.device_type != device.type:
+        raise UserError(f"--accelerator {name} is a {spec.device_type} kind but this run "
+                        f"measures the {device.type}; run it on that device or name the kind "
+                        "you measure")
+
+
+def layer_table(profile: Profile) -> str:
+    """The profile's layer entries as text (times in ms, activations in MiB)."""
+    rows = ["hidden  dtype  tp   mb   seq    fwd ms    bwd ms   act MiB"]
+    for e in sorted(profile.layers, key=lambda e: (e.hidden, e.dtype, e.tp, e.micro_batch,
+                                                   e.seq)):
+        rows.append(f"{e.hidden:>6} {e.dtype:>6} {e.tp:>3} {e.micro_batch:>4} {e.seq:>5} "
+                    f"{e.forward_s * 1e3:>9.3f} {e.backward_s * 1e3:>9.3f} "
+                    f"{e.activation_bytes / 2**20:>9.2f}")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str]) -> Path:
+    args = build_parser().parse_args(list(argv))
+    for flag, value, low in (("--warmup", args.warmup, 0), ("--iters", args.iters, 1),
+                             ("--threads", args.threads or 1, 1)):
+        if value < low:
+            raise UserError(f"{flag} must be at least {low}, got {value}")
+    model = model_from_args(args)
+    sweep = Sweep(args.seq_lengths, args.micro_batch_sizes, args.tp, args.dtype, args.warmup,
+                  args.iters, args.seed)
+    sweep.check_model(model)
+    device = pick_device(args.device)
+    if args.comm and device.type != "cpu":
+        raise UserError("--comm measures gloo between two CPU ranks, which describes the cpu "
+                        "kind only; run it with --device cpu --accelerator cpu")
+    accelerator = args.accelerator or default_accelerator(device)
+    check_accelerator(accelerator, device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; pass a directory")
+    path = out / f"{accelerator}.json"
+    old = Profile.load(path) if path.exists() else None
+    print(f"profiling {model.name} on {device} as {accelerator!r}, {args.dtype}, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    start = time.perf_counter()
+    profile = profile_device(model, sweep, accelerator, device, args.comm,
+                             progress=lambda line: print(line, flush=True))
+    if old is not None:
+        profile = merge_profiles(old, profile)
+    out.mkdir(parents=True, exist_ok=True)
+    profile.save(path)
+    print(layer_table(profile))
+    print(f"wrote {path} in {time.perf_counter() - start:.1f} s")
+    return path
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main(sys.argv[1:]))

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
+from megatron_het.kernels import rms_norm
 from megatron_het.model.init import init_weights
 from megatron_het.model.loss import linear_cross_entropy
 from megatron_het.model.rope import RotaryEmbedding, apply_rope
@@ -56,7 +57,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
         # Mixed dtypes: normalise in float32, cast back, then scale (Hugging Face's order).
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
         return self.weight * normed

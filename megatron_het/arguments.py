@@ -45,6 +45,41 @@ class ModelSpec:
     vocab_size: Optional[int] = None
 
 
+BRIDGES = ("relay", "direct")
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """How the run is spread over ranks, as the command line says it.
+
+    ``plan`` is a plan file path, "auto" (search one at start-up) or None (Megatron's
+    ``tensor/pipeline_model_parallel_size`` flags, data parallelism implied by the world size).
+    ``cluster`` is a cluster YAML path; None means every rank is of kind "cpu".
+    ``batch_given`` records whether --micro-batch-size / --global-batch-size were on the
+    command line (a plan file supplies them otherwise).
+    """
+
+    cluster: Optional[str] = None
+    plan: Optional[str] = None
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    use_distributed_optimizer: bool = False
+    bridge: str = "relay"
+    dry_run: bool = False
+    batch_given: tuple[bool, bool] = (False, False)
+
+    @property
+    def requested(self) -> bool:
+        """True when a flag asks for the multi-rank driver (any world size)."""
+        return bool(self.cluster or self.plan or self.dry_run or self.use_distributed_optimizer
+                    or self.tensor_model_parallel_size > 1
+                    or self.pipeline_model_parallel_size > 1
+                    or self.decoder_first_pipeline_num_layers is not None
+                    or self.decoder_last_pipeline_num_layers is not None)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything one pretraining run is configured with."""
@@ -54,6 +89,7 @@ class RunConfig:
     optimizer: OptimizerConfig
     train: TrainConfig
     argv: tuple[str, ...] = ()
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -91,10 +127,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 def _add_training_flags(p: argparse.ArgumentParser) -> None:
     t, o = TrainConfig(), OptimizerConfig()
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size)
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help=f"sequences per micro-batch (default: a --plan file's, else "
+                        f"{t.micro_batch_size})")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per iteration; a multiple of --micro-batch-size (the rest is "
-                        "gradient accumulation); default: --micro-batch-size")
+                        "gradient accumulation); default: a --plan file's, else "
+                        "--micro-batch-size")
     g.add_argument("--train-iters", type=int, default=t.train_iters)
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, with --save) once the iteration is a multiple")
@@ -156,10 +195,36 @@ def _add_io_flags(p: argparse.ArgumentParser) -> None:
                         "loaded iteration are dropped and new ones appended")
 
 
+def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (launch with torchrun; see --dry-run)")
+    g.add_argument("--cluster", default=None, metavar="YAML",
+                   help="cluster description (accelerator of every rank); default: every rank "
+                        "is a plain CPU")
+    g.add_argument("--plan", default=None, metavar="PLAN.json|auto",
+                   help="parallel plan file, or 'auto' to search the fastest plan for the "
+                        "cluster at start-up; excludes the Megatron parallel-size flags")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="TP",
+                   help="uniform plan: TP degree of every stage (data parallelism is the world "
+                        "size / (TP x PP))")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="PP")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
+                   help="uniform plan: layers of the first stage (the rest split evenly)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
+                   help="uniform plan: layers of the last stage")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state over data-parallel replicas (ZeRO-1)")
+    g.add_argument("--bridge", choices=BRIDGES, default="relay",
+                   help="traffic between accelerator kinds: relay (host staging) or direct")
+    g.add_argument("--dry-run", action="store_true",
+                   help="check plan, cluster, model and batch together, print the plan and its "
+                        "predicted iteration time, and exit without starting processes")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pretrain_llama.py`` parser; its errors raise UserError instead of exiting."""
     p = _OneLineParser(prog=PROG, description="Pretrain a Llama model (Megatron-style flags).")
-    for add in (_add_model_flags, _add_training_flags, _add_data_flags, _add_io_flags):
+    for add in (_add_model_flags, _add_training_flags, _add_data_flags, _add_io_flags,
+                _add_parallel_flags):
         add(p)
     return p
 
@@ -213,9 +278,13 @@ def parse_run_config(argv: Sequence[str]) -> RunConfig:
     UserError with one line on any problem.
     """
     args = build_parser().parse_args(list(argv))
+    batch_given = (args.micro_batch_size is not None, args.global_batch_size is not None)
+    if args.micro_batch_size is None:
+        args.micro_batch_size = TrainConfig().micro_batch_size
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size
     _validate(args)
+    parallel = _parallel_spec(args, batch_given)
     spec = _model_spec(args)
     resolve_model_config(spec, tokenizer_vocab_size=1, seq_length=args.seq_length)
     data = DataConfig(data_path=tuple(args.data_path or ()), split=args.split,
@@ -235,7 +304,31 @@ def parse_run_config(argv: Sequence[str]) -> RunConfig:
         log_interval=args.log_interval, save=args.save, load=args.load,
         save_interval=args.save_interval, tensorboard_dir=args.tensorboard_dir,
         metrics_file=args.metrics_file)
-    return RunConfig(model=spec, data=data, optimizer=optimizer, train=train, argv=tuple(argv))
+    return RunConfig(model=spec, data=data, optimizer=optimizer, train=train, argv=tuple(argv),
+                     parallel=parallel)
+
+
+def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> ParallelSpec:
+    _check_positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    _check_positive(args, ("decoder_first_pipeline_num_layers",
+                           "decoder_last_pipeline_num_layers"), minimum=0)
+    megatron_flags = [flag for flag, value in (
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size != 1),
+        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size != 1),
+        ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers is not None),
+        ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers is not None))
+        if value]
+    if args.plan is not None and megatron_flags:
+        raise UserError(f"--plan and {megatron_flags[0]} both describe the layout; the plan "
+                        f"file already fixes TP and PP, so drop {megatron_flags[0]}")
+    return ParallelSpec(
+        cluster=args.cluster, plan=args.plan,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        use_distributed_optimizer=args.use_distributed_optimizer, bridge=args.bridge,
+        dry_run=args.dry_run, batch_given=batch_given)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:

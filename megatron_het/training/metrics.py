@@ -1,7 +1,9 @@
 """Training logs: Megatron-style lines on stdout, tensorboard scalars and a JSON-lines file.
 
 Every iteration goes to the metrics file and tensorboard; stdout gets one line per
-``--log-interval`` iterations with the interval's mean loss and time per iteration.
+``--log-interval`` iterations with the interval's mean loss and time per iteration. A parallel run
+has one logger, on its logging rank, and adds its own fields (per-stage times, TFLOP/s per
+accelerator kind, MFU) to the same lines.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, Mapping, Optional, TextIO
 
 from megatron_het.config import ModelConfig, TrainConfig
 
@@ -79,8 +81,14 @@ class TrainingLogger:
                 self._writer.add_scalar(tag, value, iteration)
 
     def log_train(self, iteration: int, consumed_samples: int, loss: float, lr: float,
-                  grad_norm: float, iteration_time_s: float) -> None:
-        """Record one iteration; prints the interval summary when ``iteration`` closes one."""
+                  grad_norm: float, iteration_time_s: float,
+                  extra: Optional[Mapping[str, Any]] = None,
+                  extra_scalars: Optional[Mapping[str, float]] = None, note: str = "") -> None:
+        """Record one iteration; prints the interval summary when ``iteration`` closes one.
+
+        A parallel run adds ``extra`` fields to the metrics line (after the common keys),
+        ``extra_scalars`` to tensorboard, and ``note`` to the end of a printed line.
+        """
         iteration_time_s = max(iteration_time_s, 1e-9)
         tokens_per_s = self.tokens_per_iteration / iteration_time_s
         tflops = self.flops_per_iteration / iteration_time_s / self.num_devices / 1e12
@@ -88,17 +96,18 @@ class TrainingLogger:
                             "consumed_samples": consumed_samples, "loss": loss, "lr": lr,
                             "grad_norm": grad_norm, "iteration_time_s": iteration_time_s,
                             "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
-                            "global_batch_size": self.train.global_batch_size})
+                            "global_batch_size": self.train.global_batch_size,
+                            **(extra or {})})
         self._scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
                                   "iteration-time": iteration_time_s,
                                   "tokens-per-second": tokens_per_s,
-                                  "tflops-per-device": tflops})
+                                  "tflops-per-device": tflops, **(extra_scalars or {})})
         self._interval.append((loss, iteration_time_s))
         if iteration % self.train.log_interval == 0 or iteration == self.train.train_iters:
-            self._print_interval(iteration, consumed_samples, lr, grad_norm)
+            self._print_interval(iteration, consumed_samples, lr, grad_norm, note)
 
     def _print_interval(self, iteration: int, consumed_samples: int, lr: float,
-                        grad_norm: float) -> None:
+                        grad_norm: float, note: str = "") -> None:
         count = len(self._interval)
         mean_loss = sum(loss for loss, _ in self._interval) / count
         mean_time = sum(seconds for _, seconds in self._interval) / count
@@ -112,7 +121,7 @@ class TrainingLogger:
             f" learning rate: {lr:.6E} | global batch size: {self.train.global_batch_size:5d} |"
             f" lm loss: {mean_loss:.6E} | grad norm: {grad_norm:.3f} |"
             f" tokens per second: {self.tokens_per_iteration / mean_time:.1f} |"
-            f" throughput per device (TFLOP/s/device): {tflops:.4g} |")
+            f" throughput per device (TFLOP/s/device): {tflops:.4g} |{note}")
 
     def log_eval(self, iteration: int, consumed_samples: int, loss: float) -> None:
         """Record one evaluation of the valid split."""

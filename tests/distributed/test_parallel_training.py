@@ -1,0 +1,223 @@
+"""The distributed driver against the single-process run: same data, seed and losses.
+
+Every parallel run here goes through :func:`pretrain_distributed` in ``run_ranks`` workers (4
+ranks, gloo) and writes its metrics file from the logging rank; the reference is
+:func:`pretrain` in this process. Per-iteration losses and gradient norms must agree within
+2e-4 relative (fp32). Tensor parallelism sums partial products in another order than one
+process does, so gradient elements that are themselves tiny (|g| ~ 1e-8, sums of cancelling
+terms) differ in their last bits; Adam with eps 1e-8 turns that into lr-sized weight changes.
+The runs therefore use ``--adam-eps 1e-6``, which keeps those elements' updates small, so the
+comparison measures the parallel code and not the amplified rounding.
+"""
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+from typing import Any, Callable, Optional
+
+import pytest
+
+from megatron_het.arguments import parse_run_config
+from megatron_het.checkpoint.io import read_latest_iteration
+from megatron_het.training.loop import StopRequest
+from tests.distributed.harness import RankFailure, run_ranks
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CLUSTER = str(REPO / "scripts" / "clusters" / "cpu_emulated.yaml")
+PLANS = REPO / "scripts" / "plans"
+TRAIN_ITERS = 8
+RTOL = 2e-4
+
+BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--train-iters", str(TRAIN_ITERS), "--lr", "3e-3", "--min-lr", "3e-4",
+        "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
+        "--clip-grad", "1.0", "--adam-eps", "1e-6", "--seed", "7", "--eval-interval", "4",
+        "--eval-iters", "1", "--log-interval", "4"]
+
+# name -> (model preset, layout flags). Tied presets exercise the first/last-stage embedding sync.
+CASES = {
+    "pp3_tp211_layers121": ("tiny-tied", ["--cluster", CLUSTER,
+                                          "--plan", str(PLANS / "cpu_emulated_3stage.json")]),
+    "tp2_dp2": ("tiny", ["--tensor-model-parallel-size", "2"]),
+    "pp2_dp2_zero1_uneven": ("tiny-tied", [
+        "--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_dp2_fast_heavy.json"),
+        "--use-distributed-optimizer", "--bridge", "direct"]),
+    "tp2_pp2": ("tiny", ["--tensor-model-parallel-size", "2",
+                         "--pipeline-model-parallel-size", "2"]),
+}
+# (pipeline, stage) of every stage, as the metrics lines list them.
+STAGES = {"pp3_tp211_layers121": [(0, 0), (0, 1), (0, 2)], "tp2_dp2": [(0, 0), (1, 0)],
+          "pp2_dp2_zero1_uneven": [(0, 0), (0, 1), (1, 0), (1, 1)],
+          "tp2_pp2": [(0, 0), (0, 1)]}
+
+
+def records(path: pathlib.Path, split: str) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in rows if r["split"] == split]
+
+
+class StopAtIteration:
+    """A stop request that reads as set from the ``n``-th check on: a SIGTERM arriving on one
+    rank during iteration ``n``."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.checks, self.reason = n, 0, "SIGTERM"
+
+    @property
+    def requested(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.n
+
+
+def _train_worker(rank: int, world_size: int, argv: list[str],
+                  stop_rank: Optional[int] = None, stop_at: int = 0) -> tuple[int, str]:
+    from megatron_het.training.distributed import pretrain_distributed
+
+    stop = StopAtIteration(stop_at) if rank == stop_rank else StopRequest()
+    out = io.StringIO()
+    progress = pretrain_distributed(parse_run_config(argv), world_size, stop=stop, out=out)
+    return progress.iteration, out.getvalue()
+
+
+def run_parallel(argv: list[str], **kwargs: Any) -> list[tuple[int, str]]:
+    return run_ranks(_train_worker, 4, argv, timeout=120, **kwargs)
+
+
+def run_single(argv: list[str]) -> str:
+    from megatron_het.training.pretrain import pretrain
+
+    out = io.StringIO()
+    pretrain(parse_run_config(argv), out=out)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("parallel")
+
+
+@pytest.fixture(scope="module")
+def reference(workdir: pathlib.Path) -> Callable[[str], pathlib.Path]:
+    """model preset -> metrics file of its single-process run (run once per preset)."""
+    done: dict[str, pathlib.Path] = {}
+
+    def get(model: str) -> pathlib.Path:
+        if model not in done:
+            path = workdir / f"single-{model}.jsonl"
+            run_single(["--model", model, *BASE, "--metrics-file", str(path)])
+            done[model] = path
+        return done[model]
+    return get
+
+
+@pytest.fixture(scope="module")
+def parallel(workdir: pathlib.Path) -> Callable[[str], tuple[pathlib.Path, str]]:
+    """case name -> (metrics file, logging rank's output) of its uninterrupted parallel run."""
+    done: dict[str, tuple[pathlib.Path, str]] = {}
+
+    def get(name: str) -> tuple[pathlib.Path, str]:
+        if name not in done:
+            model, layout = CASES[name]
+            path = workdir / f"parallel-{name}.jsonl"
+            results = run_parallel(["--model", model, *BASE, *layout, "--metrics-file",
+                                    str(path)])
+            assert [iteration for iteration, _ in results] == [TRAIN_ITERS] * 4
+            done[name] = (path, "".join(text for _, text in results))
+        return done[name]
+    return get
+
+
+def assert_close(expected: list[dict], got: list[dict], keys: tuple[str, ...]) -> None:
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in expected]
+    for key in keys:
+        want, have = [r[key] for r in expected], [r[key] for r in got]
+        assert have == pytest.approx(want, rel=RTOL), key
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_single_process(name: str, reference: Callable, parallel: Callable) -> None:
+    model, layout = CASES[name]
+    expected_path = reference(model)
+    path, text = parallel(name)
+    single, got = records(expected_path, "train"), records(path, "train")
+    assert_close(single, got, ("loss", "grad_norm", "lr"))
+    assert [r["consumed_samples"] for r in got] == [r["consumed_samples"] for r in single]
+    assert_close(records(expected_path, "valid"), records(path, "valid"), ("loss",))
+    # The same keys as single-process, plus the parallel fields.
+    assert set(single[0]) <= set(got[0])
+    assert {"stages", "mfu", "tflops_per_accelerator", "world_size"} <= set(got[0])
+    stages = got[0]["stages"]
+    assert [(s["pipeline"], s["stage"]) for s in stages] == STAGES[name]
+    assert all(s["compute_s"] > 0 and s["bubble_s"] >= 0 for s in stages)
+    assert 0 < got[0]["mfu"] < 1
+    if "--cluster" in layout:  # emulated kinds are labelled wherever they are named
+        assert set(got[0]["tflops_per_accelerator"]) == {"emu-fast (emulated)",
+                                                         "emu-slow (emulated)"}
+        assert "emu-slow (emulated)" in text and "emu-slow," not in text
+    assert text.count("validation loss at iteration") == 2  # exactly one rank logs
+
+
+@pytest.fixture(scope="module")
+def stopped_checkpoint(workdir: pathlib.Path) -> pathlib.Path:
+    """tp2_pp2 run where only rank 1 gets a SIGTERM during iteration 4; all ranks save it."""
+    model, layout = CASES["tp2_pp2"]
+    save = workdir / "ckpt-tp2_pp2"
+    results = run_parallel(["--model", model, *BASE, *layout, "--save", str(save),
+                            "--metrics-file", str(workdir / "stopped.jsonl")],
+                           stop_rank=1, stop_at=4)
+    assert [iteration for iteration, _ in results] == [4] * 4
+    log = "".join(text for _, text in results)
+    assert "stopping after iteration 4 (stop requested by another rank)" in log
+    assert read_latest_iteration(save) == 4
+    return save
+
+
+def test_resume_same_plan_is_exact(workdir: pathlib.Path, parallel: Callable,
+                                   stopped_checkpoint: pathlib.Path) -> None:
+    model, layout = CASES["tp2_pp2"]
+    path = workdir / "resumed.jsonl"
+    results = run_parallel(["--model", model, *BASE, *layout, "--load", str(stopped_checkpoint),
+                            "--metrics-file", str(path)])
+    assert [iteration for iteration, _ in results] == [TRAIN_ITERS] * 4
+    full = records(parallel("tp2_pp2")[0], "train")[4:]
+    got = records(path, "train")
+    assert [r["iteration"] for r in got] == list(range(5, TRAIN_ITERS + 1))
+    for key in ("loss", "grad_norm", "lr", "consumed_samples"):
+        assert [r[key] for r in got] == [r[key] for r in full], key
+
+
+def test_load_under_another_plan_continues_like_single_process(
+        workdir: pathlib.Path, reference: Callable, stopped_checkpoint: pathlib.Path) -> None:
+    # Saved by tp=2 x pp=2 without ZeRO; loaded by tp=2 x dp=2 with ZeRO-1 (its Adam state
+    # sharded over the replicas).
+    model, layout = CASES["tp2_dp2"]
+    path = workdir / "resharded.jsonl"
+    run_parallel(["--model", model, *BASE, *layout, "--use-distributed-optimizer",
+                  "--load", str(stopped_checkpoint), "--metrics-file", str(path)])
+    single = records(reference(model), "train")[4:]
+    assert_close(single, records(path, "train"), ("loss", "grad_norm", "lr"))
+
+
+def test_single_process_loads_a_parallel_checkpoint(
+        workdir: pathlib.Path, reference: Callable, stopped_checkpoint: pathlib.Path) -> None:
+    path = workdir / "single-from-parallel.jsonl"
+    run_single(["--model", "tiny", *BASE, "--load", str(stopped_checkpoint),
+                "--metrics-file", str(path)])
+    single = records(reference("tiny"), "train")[4:]
+    assert_close(single, records(path, "train"), ("loss", "grad_norm", "lr"))
+
+
+def _disagreeing_worker(rank: int, world_size: int) -> None:
+    from megatron_het.training.distributed import pretrain_distributed
+
+    lr = "3e-3" if rank == 0 else "1e-3"  # rank 1 launched with another flag
+    argv = ["--model", "tiny", *BASE, "--pipeline-model-parallel-size", "2", "--lr", lr]
+    pretrain_distributed(parse_run_config(argv), world_size, out=io.StringIO())
+
+
+def test_ranks_launched_with_different_flags_refuse_to_start() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_disagreeing_worker, 2, timeout=60)
+    assert "resolved a different plan, model or training setup" in str(info.value)

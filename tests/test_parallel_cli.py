@@ -1,0 +1,119 @@
+"""The parallel command line: torchrun end to end, --dry-run, and one-line errors."""
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from megatron_het.arguments import parse_run_config
+from megatron_het.errors import UserError
+from megatron_het.training.launch import read_launch_env
+from megatron_het.training.parallel_setup import dry_run, prepare_parallel_run
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CLUSTER = str(REPO / "scripts" / "clusters" / "cpu_emulated.yaml")
+PLANS = REPO / "scripts" / "plans"
+COMMON = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
+          "--vocab-size", "300", "--seq-length", "32"]
+
+
+def test_torchrun_trains_on_the_emulated_cluster(tmp_path: pathlib.Path) -> None:
+    metrics, save = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "4", "pretrain_llama.py", *COMMON, "--cluster", CLUSTER,
+           "--plan", str(PLANS / "cpu_emulated_pp4.json"), "--train-iters", "3",
+           "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
+           "--metrics-file", str(metrics), "--save", str(save)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in lines] == [1, 2, 3]
+    assert lines[0]["global_batch_size"] == 8  # from the plan: 2 x 4 micro-batches
+    assert set(lines[0]["tflops_per_accelerator"]) == {"emu-fast (emulated)",
+                                                       "emu-slow (emulated)"}
+    assert [s["accelerator"] for s in lines[0]["stages"]] == [
+        "emu-fast (emulated)"] * 2 + ["emu-slow (emulated)"] * 2
+    assert proc.stdout.count(" iteration        3/       3 |") == 1  # one rank logs
+    assert "MFU:" in proc.stdout
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_dry_run_prints_plan_and_prediction() -> None:
+    out = io.StringIO()
+    dry_run(parse_run_config([*COMMON, "--cluster", CLUSTER, "--plan",
+                              str(PLANS / "cpu_emulated_3stage.json"), "--dry-run"]), out)
+    text = out.getvalue()
+    assert "stage 0: emu-fast (emulated), tp=2, 1 layer [0, 1) +embedding, ranks [0, 1]" in text
+    assert "stage 1: emu-slow (emulated), tp=1, 2 layers [1, 3), ranks [2]" in text
+    assert "global batch 8 = 2 x 4 micro-batches" in text
+    assert "> predicted iteration time:" in text
+
+
+def test_dry_run_megatron_flags_without_cluster_use_cpu_ranks() -> None:
+    psetup = prepare_parallel_run(parse_run_config(
+        [*COMMON, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
+         "3", "--global-batch-size", "4", "--dry-run"]), world_size=None)
+    assert [s.layers for s in psetup.plan.pipelines[0].stages] == [(0, 3), (3, 4)]
+    assert psetup.cluster.world_size == 2 and psetup.accelerator(1).name == "cpu"
+
+
+def test_auto_plan_fills_the_cluster() -> None:
+    psetup = prepare_parallel_run(parse_run_config(
+        [*COMMON, "--cluster", CLUSTER, "--plan", "auto", "--global-batch-size", "8"]), 4)
+    assert psetup.plan.world_size == 4 and psetup.plan.global_batch_size == 8
+    assert psetup.run.train.micro_batch_size == psetup.plan.micro_batch_size
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_3stage.json"),
+      "--global-batch-size", "6"], "--global-batch-size 6 differs from the plan's 8"),
+    (["--plan", str(PLANS / "cpu_emulated_3stage.json")],
+     "stage 0 of pipeline 0 says emu-fast but rank 0 is cpu"),
+    (["--plan", str(PLANS / "cpu_emulated_3stage.json"), "--tensor-model-parallel-size", "2"],
+     "--plan and --tensor-model-parallel-size both describe the layout"),
+    (["--cluster", CLUSTER, "--tensor-model-parallel-size", "2",
+      "--pipeline-model-parallel-size", "3"], "is not divisible by"),
+    (["--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_tp2_pp2.json"),
+      "--micro-batch-size", "4"], "--micro-batch-size 4 differs from the plan's"),
+    (["--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_tp2_pp2.json"),
+      "--num-attention-heads", "3", "--num-query-groups", "3", "--hidden-size", "48"],
+     "has tp=2, which does not divide"),
+])
+def test_mismatches_are_one_line_errors(flags: list[str], message: str) -> None:
+    with pytest.raises(UserError) as info:
+        prepare_parallel_run(parse_run_config([*COMMON, *flags]), world_size=None)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_launched_world_must_match_the_cluster() -> None:
+    with pytest.raises(UserError, match="2 ranks were launched but cluster cpu_emulated has 4"):
+        prepare_parallel_run(parse_run_config([*COMMON, "--cluster", CLUSTER]), world_size=2)
+
+
+def test_dry_run_exit_status_and_error_line() -> None:
+    base = [sys.executable, "pretrain_llama.py", *COMMON, "--cluster", CLUSTER, "--plan",
+            str(PLANS / "cpu_emulated_tp2_pp2.json"), "--dry-run"]
+    ok = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert "emu-slow (emulated), tp=2, 2 layers [2, 4) +head, ranks [2, 3]" in ok.stdout
+    bad = subprocess.run(base + ["--global-batch-size", "16"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: --global-batch-size 16 differs from the plan's 8")
+    assert bad.stderr.count("\n") == 1
+
+
+def test_launch_env_needs_torchrun_variables() -> None:
+    env = read_launch_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    assert (env.rank, env.world_size, env.local_rank) == (1, 4, 1)
+    assert env.init_method == "tcp://127.0.0.1:29500"
+    with pytest.raises(UserError, match="MASTER_ADDR, MASTER_PORT not set"):
+        read_launch_env({"RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(UserError, match="outside WORLD_SIZE"):
+        read_launch_env({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
+                         "MASTER_PORT": "1"})

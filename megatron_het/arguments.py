@@ -66,6 +66,7 @@ class ParallelSpec:
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
     bridge: str = "relay"
     dry_run: bool = False
     batch_given: tuple[bool, bool] = (False, False)
@@ -213,6 +214,9 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="uniform plan: layers of the last stage")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state over data-parallel replicas (ZeRO-1)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each gradient bucket's data-parallel reduction on a background "
+                        "thread as soon as its last gradient of the iteration is in")
     g.add_argument("--bridge", choices=BRIDGES, default="relay",
                    help="traffic between accelerator kinds: relay (host staging) or direct")
     g.add_argument("--dry-run", action="store_true",
@@ -327,7 +331,8 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
-        use_distributed_optimizer=args.use_distributed_optimizer, bridge=args.bridge,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce, bridge=args.bridge,
         dry_run=args.dry_run, batch_given=batch_given)
 
 

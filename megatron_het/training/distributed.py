@@ -57,7 +57,8 @@ def build_parallel_trainer(psetup: ParallelSetup, out: TextIO) -> ParallelTraine
     device = comm.device
     stage = build_stage(config, plan, groups, run.train.seed, device)
     optimizer = build_parallel_optimizer(stage, groups, run.optimizer,
-                                         psetup.use_distributed_optimizer)
+                                         psetup.use_distributed_optimizer,
+                                         overlap_grad_reduce=run.parallel.overlap_grad_reduce)
     emulator = Emulator.from_spec(psetup.accelerator(comm.rank))
     executor = PipelineExecutor(stage, groups, config, run.data.seq_length,
                                 plan.micro_batch_size, bf16=psetup.dtype == "bf16",

@@ -102,7 +102,11 @@ def train_iteration(trainer: ParallelTrainer, stop: StopRequest) -> bool:
     run, progress = trainer.psetup.run, trainer.progress
     start = time.perf_counter()
     iteration = progress.iteration + 1
-    trainer.optimizer.zero_grad()
+    # With --overlap-grad-reduce the optimizer counts this pipeline's backward passes to start
+    # each bucket's DP reduction as soon as its gradients are final.
+    pipeline = trainer.psetup.plan.pipelines[trainer.groups.role.pipeline]
+    trainer.optimizer.zero_grad(num_micro_batches=pipeline.micro_batches
+                                if run.parallel.overlap_grad_reduce else None)
     loss, stopping, table = _run_global_batch(trainer, trainer.psetup.setup.train_data,
                                               progress.consumed_samples, False, stop.requested)
     if not math.isfinite(loss):

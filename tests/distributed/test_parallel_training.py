@@ -40,7 +40,7 @@ BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300
 CASES = {
     "pp3_tp211_layers121": ("tiny-tied", ["--cluster", CLUSTER,
                                           "--plan", str(PLANS / "cpu_emulated_3stage.json")]),
-    "tp2_dp2": ("tiny", ["--tensor-model-parallel-size", "2"]),
+    "tp2_dp2": ("tiny", ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"]),
     "pp2_dp2_zero1_uneven": ("tiny-tied", [
         "--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_dp2_fast_heavy.json"),
         "--use-distributed-optimizer", "--bridge", "direct"]),

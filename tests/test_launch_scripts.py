@@ -1,0 +1,206 @@
+"""The per-mix launch scripts: syntax, dry runs against their plans, per-vendor node settings.
+
+Every scripts/<mix>/pretrain_llama_<size>.sh must pass ``bash -n`` and its dry run
+(``DRY_RUN=1``: pretrain_llama.py --dry-run validates plan, cluster, model and batch together);
+an edited, broken copy of a plan must make the dry run fail with one ``error:`` line.
+``--print-only`` shows what a node would run, which checks the vendor settings chosen by the
+node's group and the torchrun/Slurm commands without any process being started.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(REPO.glob("scripts/*/pretrain_llama_*.sh"))
+MIXES = sorted(p.stem for p in (REPO / "scripts" / "clusters").glob("*.yaml")
+               if p.stem != "cpu_emulated")
+# Variables the scripts read or export: the tests start from an environment without them.
+_SCRUB_PREFIXES = ("NCCL_", "HSA_", "HCCL_", "ASCEND_", "SLURM_", "HET_", "TORCH_NCCL_")
+_SCRUB = {"NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DATA_PATH", "TOKENIZER_MODEL",
+          "CHECKPOINT_DIR", "LOG_DIR", "TENSORBOARD_DIR", "CLUSTER", "PLAN", "BRIDGE", "LAUNCHER",
+          "DRY_RUN", "PRINT_ONLY", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "TRAIN_ITERS",
+          "NULL_VOCAB_SIZE", "PYTHON", "OMP_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS"}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in _SCRUB and not k.startswith(_SCRUB_PREFIXES)}
+    env["PYTHON"] = sys.executable
+    env.update(extra)
+    return env
+
+
+def _run(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), *args], cwd=REPO, env=_env(**env),
+                          capture_output=True, text=True, timeout=120)
+
+
+def _script(mix: str) -> Path:
+    found = sorted((REPO / "scripts" / mix).glob("pretrain_llama_*.sh"))
+    assert found, f"no launch script for mix {mix}"
+    return found[0]
+
+
+def _dry_run_available() -> bool:
+    from megatron_het.arguments import build_parser
+
+    return "--dry-run" in build_parser().format_help()
+
+
+def test_every_mix_has_a_script_and_plan() -> None:
+    assert len(MIXES) >= 7
+    for mix in MIXES:
+        script = _script(mix)
+        size = script.stem.removeprefix("pretrain_llama_")
+        assert (REPO / "scripts" / mix / f"plan_{size}.json").is_file()
+        assert os.access(script, os.X_OK), f"{script} is not executable"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.parent.name)
+def test_bash_syntax_and_strict_mode(script: Path) -> None:
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "set -euo pipefail" in script.read_text()
+
+
+def test_common_helpers_bash_syntax() -> None:
+    for helper in sorted((REPO / "scripts" / "common").glob("*.sh")):
+        result = subprocess.run(["bash", "-n", str(helper)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{helper}: {result.stderr}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.parent.name)
+def test_dry_run_validates_plan_cluster_and_model(script: Path) -> None:
+    if not _dry_run_available():
+        pytest.skip("pretrain_llama.py has no --dry-run yet")
+    result = _run(script, DRY_RUN="1")
+    assert result.returncode == 0, result.stderr
+    assert "plan, cluster, model and batch are consistent" in result.stdout
+    assert f"on cluster {script.parent.name}" in result.stdout
+
+
+def _drop_last_layer(plan: dict) -> None:
+    for pipeline in plan["pipelines"]:
+        pipeline["stages"][-1]["layers"][1] -= 1
+
+
+def _drop_a_pipeline(plan: dict) -> None:
+    plan["pipelines"].pop()
+
+
+@pytest.mark.parametrize("break_plan, expected", [
+    (_drop_last_layer, "on no stage"), (_drop_a_pipeline, "give every rank")])
+def test_broken_plan_fails_with_one_error_line(tmp_path: Path,
+                                              break_plan: Callable[[dict], None],
+                                              expected: str) -> None:
+    if not _dry_run_available():
+        pytest.skip("pretrain_llama.py has no --dry-run yet")
+    script = _script("h100_mi300x")
+    plan = json.loads(next(script.parent.glob("plan_*.json")).read_text())
+    break_plan(plan)
+    broken = tmp_path / "broken_plan.json"
+    broken.write_text(json.dumps(plan))
+    result = _run(script, "--dry-run", PLAN=str(broken))
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+def _print_only(mix: str, *args: str, **env: str) -> tuple[dict[str, str], str]:
+    """(exported variables, command line) that the script prints with PRINT_ONLY=1."""
+    base = {"DATA_PATH": "/data/corpus_text_document", "CHECKPOINT_DIR": "/ckpt",
+            "MASTER_ADDR": "node0", "PRINT_ONLY": "1"}
+    base.update(env)
+    result = _run(_script(mix), *args, **base)
+    assert result.returncode == 0, result.stderr
+    exported, command = {}, ""
+    for line in result.stdout.splitlines():
+        if line.startswith("declare -x ") and "=" in line:
+            name, _, value = line[len("declare -x "):].partition("=")
+            exported[name] = value.strip('"')
+        elif line.startswith("+ "):
+            command = line
+    return exported, command
+
+
+def test_vendor_settings_follow_the_node_group() -> None:
+    nvidia, cmd = _print_only("a100_mi250x", NODE_RANK="0")
+    assert nvidia["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert "NCCL_IB_TIMEOUT" in nvidia and not any(k.startswith("HSA_") for k in nvidia)
+    assert "--nnodes 8 --nproc_per_node 8 --node_rank 0 --master_addr node0" in cmd
+    amd, cmd = _print_only("a100_mi250x", NODE_RANK="5")
+    assert amd["HIP_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" and amd["HSA_NO_SCRATCH_RECLAIM"]
+    assert "CUDA_VISIBLE_DEVICES" not in amd and "--node_rank 5" in cmd
+    ascend, _ = _print_only("a100_ascend910b", NODE_RANK="11")
+    assert ascend["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert "HCCL_CONNECT_TIMEOUT" in ascend and "NCCL_IB_TIMEOUT" not in ascend
+    site, _ = _print_only("h100_mi300x", NODE_RANK="4", HET_SOCKET_IFNAME="ib0",
+                          NCCL_IB_GID_INDEX="5")
+    assert site["NCCL_SOCKET_IFNAME"] == "ib0" and site["GLOO_SOCKET_IFNAME"] == "ib0"
+    # A site's own value is kept: the script does not change it (changes are what it lists).
+    assert "NCCL_IB_GID_INDEX" not in site
+
+
+def test_training_command_carries_the_megatron_flags() -> None:
+    _, cmd = _print_only("h200_mi300x", "--train-iters", "20", NODE_RANK="2",
+                         TOKENIZER_MODEL="/tok/tokenizer.model")
+    for flag in ("--plan scripts/h200_mi300x/plan_70b.json", "--cluster scripts/clusters/"
+                 "h200_mi300x.yaml", "--data-path /data/corpus_text_document",
+                 "--tokenizer-model /tok/tokenizer.model", "--save /ckpt", "--load /ckpt",
+                 "--lr-decay-style cosine", "--tensorboard-dir /ckpt/logs/tensorboard",
+                 "--metrics-file /ckpt/logs/metrics.jsonl", "--bridge relay"):
+        assert flag in cmd, flag
+    assert cmd.endswith("--train-iters 20")
+    _, cmd = _print_only("h100_a100", NODE_RANK="0")
+    assert "--bridge direct" in cmd  # one vendor: NCCL spans both kinds
+
+
+def test_slurm_fans_out_one_task_per_node_then_runs_torchrun() -> None:
+    slurm = {"LAUNCHER": "slurm", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "6"}
+    _, cmd = _print_only("h200_mi300x", **slurm)
+    assert cmd.startswith("+ srun --nodes=6 --ntasks=6 --ntasks-per-node=1")
+    assert cmd.endswith("scripts/h200_mi300x/pretrain_llama_70b.sh")
+    env, cmd = _print_only("h200_mi300x", HET_SLURM_NODE="1", SLURM_NODEID="3", **slurm)
+    assert "--nnodes 6 --nproc_per_node 8 --node_rank 3" in cmd and "HIP_VISIBLE_DEVICES" in env
+
+
+_NODE = {"NODE_RANK": "0", "MASTER_ADDR": "n0", "DATA_PATH": "/d", "CHECKPOINT_DIR": "/c"}
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "3"}, "needs 6"),
+    ({"LAUNCHER": "slurm"}, "Slurm allocation"),
+    ({"LAUNCHER": "mpirun"}, "torchrun or slurm"),
+    ({"NODE_RANK": "6"}, "NODE_RANK 6 is outside"),
+    ({"DATA_PATH": ""}, "DATA_PATH is not set"),
+    ({"CHECKPOINT_DIR": ""}, "CHECKPOINT_DIR is not set"),
+    ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
+    ({"NODE_RANK": ""}, "NODE_RANK is not set"),
+    ({"PLAN": "/nonexistent/plan.json"}, "plan file"),
+])
+def test_launch_mistakes_fail_with_one_error_line(env: dict[str, str], expected: str) -> None:
+    result = _run(_script("h200_mi300x"), **{**_NODE, "PRINT_ONLY": "1", **env})
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+def test_help_lists_the_modes() -> None:
+    result = _run(_script("hethub_llama140b"), "--help")
+    assert result.returncode == 0 and "DRY_RUN=1" in result.stdout and "sbatch" in result.stdout
+
+
+def test_scripts_do_not_depend_on_the_working_directory(tmp_path: Path) -> None:
+    copy = tmp_path / "elsewhere"
+    copy.mkdir()
+    result = subprocess.run(["bash", str(_script("h100_mi300x")), "--print-only", "--dry-run"],
+                            cwd=copy, env=_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "pretrain_llama.py" in result.stdout and "--dry-run" in result.stdout

@@ -6,7 +6,10 @@ collective over ``k`` ranks runs at the pace of its slowest neighbour path: all-
 
 Link figures come from :meth:`ClusterSpec.link_between` times :data:`LINK_EFFICIENCY`, or from a
 profile's measured communicator figures for that op and link kind (the slower of the two kinds'
-measurements when both sides have one). NIC sharing: an inter-node or bridge link's bandwidth is
+measurements when both sides have one). A CPU-emulated kind without a profile of its own talks
+through the host's gloo, so the host profile (``cpu``) gives its figures; an emulated link
+(:class:`~megatron_het.emulation.EmulatedLink`) takes the longer of the host's transfer and the
+link's own figures. NIC sharing: an inter-node or bridge link's bandwidth is
 per node, and the gradient sync of every stage and TP rank runs at the same time after the last
 backward (no overlap with compute is modelled), so a ring that crosses a node shares its NIC with
 the other groups crossing it (``nproc / members of this group on the node``), and a step where
@@ -20,10 +23,11 @@ is a gather across kinds then a native gather with equal kind sizes, else one fl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from megatron_het.cluster import AcceleratorSpec, ClusterSpec
 from megatron_het.perf.profile import Profile
+from megatron_het.perf.stage_cost import choose_profile
 
 # NCCL/RCCL bus bandwidth for large messages is about 80% of the nominal link figure.
 LINK_EFFICIENCY = 0.8
@@ -93,23 +97,46 @@ class CommCost:
     def spec_of(self, rank: int) -> AcceleratorSpec:
         return self._spec_of[rank]
 
+    def _profile_of(self, rank: int) -> Optional[Profile]:
+        """The profile describing ``rank``'s communicator: its kind's own, or for an emulated
+        kind without one the host CPU's (an emulated rank is a host process talking gloo)."""
+        return choose_profile(self._spec_of[rank], self.profiles).profile
+
     def _link(self, a: int, b: int, op: str) -> tuple[float, float, str]:
         key = (min(a, b), max(a, b), op)
         found = self._links.get(key)
         if found is None:
             link = self.cluster.link_between(a, b)
-            measured = [p.comm_figures(op, link.kind) for p in
-                        (self.profiles.get(self._kind_of[a]), self.profiles.get(self._kind_of[b]))
-                        if p is not None]
-            measured = [m for m in measured if m is not None]
-            if measured:
-                found = (min(m.bandwidth_gbps for m in measured) * 1e9,
-                         max(m.latency_s for m in measured), link.kind)
-            else:
+            found = self._measured(a, b, op, link.kind)
+            if link.emulated:
+                found = self._emulated(a, b, op, link)
+            elif found is None:
                 found = (link.bandwidth_gbps * 1e9 * self.link_efficiency, link.latency_s,
                          link.kind)
             self._links[key] = found
         return found
+
+    def _measured(self, a: int, b: int, op: str,
+                  link_kind: str) -> Optional[tuple[float, float, str]]:
+        """The profiles' figures of ``op`` over ``link_kind`` (the slower side's), if any."""
+        measured = [p.comm_figures(op, link_kind) for p in
+                    (self._profile_of(a), self._profile_of(b)) if p is not None]
+        measured = [m for m in measured if m is not None]
+        if not measured:
+            return None
+        return (min(m.bandwidth_gbps for m in measured) * 1e9,
+                max(m.latency_s for m in measured), link_kind)
+
+    def _emulated(self, a: int, b: int, op: str, link: Any) -> tuple[float, float, str]:
+        """An emulated link: the relay moves the bytes over the host's gloo (the measured
+        intra-node figures) and then waits out the rest of the link's own figures, so the
+        transfer takes the longer of the two: the lower bandwidth and the higher latency. The
+        wait is exact, so the link's figures take no efficiency factor."""
+        host = self._measured(a, b, op, link.kind) or self._measured(a, b, op, "intra_node")
+        bandwidth, latency = link.bandwidth_gbps * 1e9, link.latency_s
+        if host is not None:
+            bandwidth, latency = min(bandwidth, host[0]), max(latency, host[1])
+        return bandwidth, latency, link.kind
 
     def path(self, a: int, b: int, op: str = "collective", share: float = 1.0) -> PathFigures:
         """Figures of a -> b; a NIC or bridge link is divided by ``share`` concurrent streams."""

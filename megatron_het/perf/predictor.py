@@ -14,9 +14,15 @@ sends and the receiving stage broadcasts it within its TP group.
 The pipeline time is the event-driven simulation of the 1F1B step lists
 (:mod:`megatron_het.perf.simulator`); the closed form and the lower bound are reported beside it
 as checks. ``pipeline_model="closed_form"`` skips the simulation (for fast searches).
+
+Ranks that share a host CPU (every rank of a CPU-emulated kind, with host-sharing figures in the
+host profile): the pipelines are simulated together on the shared cores, the DP sync and the
+optimizer step (at host speed) share them too, and the driver's per-iteration world collectives
+are added (:mod:`megatron_het.perf.shared_host`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
@@ -30,6 +36,7 @@ from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, DTYPE_BYTES, FP32_
 from megatron_het.perf.memory import (MemoryBreakdown, device_capacity_bytes,
                                       in_flight_micro_batches, stage_memory, stage_parameters)
 from megatron_het.perf.profile import Profile
+from megatron_het.perf.shared_host import shared_host_times
 from megatron_het.perf.simulator import (SimulationCache, bubble_fraction, closed_form_1f1b,
                                          lower_bound_1f1b)
 from megatron_het.perf.stage_cost import (StageCompute, choose_profile, optimizer_time,
@@ -115,6 +122,7 @@ class Prediction:
     num_devices: int
     peak_flops_sum: float
     bubble_fraction: float
+    overhead_s: float = 0.0  # per-iteration work outside pipeline, sync and step (shared host)
 
     @property
     def achieved_tflops_per_device(self) -> float:
@@ -153,7 +161,8 @@ class Prediction:
         lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
         lines.append(f"iteration {self.iteration_time_s:.3f} s = pipeline "
                      f"{self.pipeline_time_s:.3f} + dp sync {self.dp_sync_s:.3f} + optimizer "
-                     f"{self.optimizer_s:.3f}; {self.tokens_per_s:,.0f} tokens/s, "
+                     f"{self.optimizer_s:.3f} + other {self.overhead_s:.3f}; "
+                     f"{self.tokens_per_s:,.0f} tokens/s, "
                      f"{self.achieved_tflops_per_device:.1f} TFLOP/s per device, MFU "
                      f"{100 * self.mfu:.1f}%, bubble {100 * self.bubble_fraction:.1f}%")
         return "\n".join(lines)
@@ -190,6 +199,14 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
         rows = ctx.pipeline_rows(p, pipeline)
         stages += rows
         pipelines.append(_pipeline_time(p, pipeline.micro_batches, rows, pipeline_model, cache))
+    shared = shared_host_times(ctx, stages) if pipeline_model == "simulate" else None
+    if shared is not None:
+        pipelines = [dataclasses.replace(pp, time_s=t, bubble_fraction=bubble_fraction(
+            t, [r.forward_s for r in stages if r.pipeline == pp.pipeline],
+            [r.backward_s for r in stages if r.pipeline == pp.pipeline], pp.micro_batches))
+            for pp, t in zip(pipelines, shared.pipelines_s)]
+        return _assemble(ctx, stages, pipelines, pipeline_model, shared.optimizer_s,
+                         shared.overhead_s, shared.dp_sync_s)
     return _assemble(ctx, stages, pipelines, pipeline_model)
 
 
@@ -311,12 +328,16 @@ def _pipeline_time(p: int, micro_batches: int, rows: list[StagePrediction], pipe
 
 
 def _assemble(ctx: _Context, stages: list[StagePrediction],
-              pipelines: list[PipelinePrediction], pipeline_model: str) -> Prediction:
+              pipelines: list[PipelinePrediction], pipeline_model: str,
+              optimizer: Optional[float] = None, overhead: float = 0.0,
+              dp_sync: Optional[float] = None) -> Prediction:
     plan, model = ctx.plan, ctx.model
     slowest = max(pipelines, key=lambda pp: pp.time_s)
-    dp_sync = max(s.dp_sync_s for s in stages)
-    optimizer = max(s.optimizer_s for s in stages)
-    iteration = slowest.time_s + dp_sync + optimizer
+    if dp_sync is None:
+        dp_sync = max(s.dp_sync_s for s in stages)
+    if optimizer is None:
+        optimizer = max(s.optimizer_s for s in stages)
+    iteration = slowest.time_s + dp_sync + optimizer + overhead
     tokens = plan.global_batch_size * ctx.seq
     flops = model.flops_per_token(ctx.seq) * tokens
     ranks = plan.ranks()
@@ -334,7 +355,8 @@ def _assemble(ctx: _Context, stages: list[StagePrediction],
         stages=tuple(stages), pipelines=tuple(pipelines), pipeline_time_s=slowest.time_s,
         dp_sync_s=dp_sync, optimizer_s=optimizer, iteration_time_s=iteration,
         tokens_per_s=tokens / iteration, model_flops_per_iteration=flops,
-        num_devices=len(ranks), peak_flops_sum=peak, bubble_fraction=slowest.bubble_fraction)
+        num_devices=len(ranks), peak_flops_sum=peak, bubble_fraction=slowest.bubble_fraction,
+        overhead_s=overhead)
 
 
 __all__ = ["PIPELINE_MODELS", "PipelinePrediction", "Prediction",

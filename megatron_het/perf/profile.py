@@ -15,7 +15,9 @@ JSON form ("megatron_het.profile/1"), one file per accelerator kind; times in se
      "comm": [{"op": "p2p", "link_kind": "intra_node", "bandwidth_gbps": 310.0,
                "latency_s": 8e-6},
               {"op": "collective", "link_kind": "inter_node", "bandwidth_gbps": 42.0,
-               "latency_s": 2.5e-5}]}
+               "latency_s": 2.5e-5}],
+     "host_sharing": [1.0, 1.02, 1.51, 2.03],   # optional, CPU hosts: see below
+     "host_collective_s": [2.4e-3, 1.2e-3]}
 
 A layer entry is for one TP rank and one micro-batch. Lookup (:meth:`Profile.layer` and
 friends) returns the figures and says how they were found: ``exact``; ``interpolated`` /
@@ -24,6 +26,14 @@ friends) returns the figures and says how they were found: ``exact``; ``interpol
 entry of the same dtype whose shape is closest (sum of |log ratios|), scaled by the ratio of
 roofline work (FLOPs for layers and the head, bytes for the embedding). No entry of the dtype:
 None, and the caller falls back to roofline estimates.
+
+``host_sharing`` (CPU hosts, where several ranks run as processes of one machine, as CPU-emulated
+kinds do): entry ``n - 1`` is how many times longer a single-threaded compute pass takes when
+``n`` processes compute at once on the host than the profile's own times (about 1.0 for
+``n = 1``; about ``n / cores`` once the cores are full). ``host_collective_s`` (same hosts):
+[wall, CPU] seconds of one TP all-reduce of the profiled activations between two processes
+that compute between their collectives, as TP ranks do. Both measured by
+:mod:`megatron_het.perf.host_sharing`.
 """
 from __future__ import annotations
 
@@ -123,6 +133,8 @@ class Profile:
     head: tuple[EndEntry, ...] = ()
     optimizer_step_s_per_param: Optional[float] = None
     comm: tuple[CommEntry, ...] = ()
+    host_sharing: tuple[float, ...] = ()
+    host_collective_s: tuple[float, ...] = ()
 
     # ---- lookup ---------------------------------------------------------------------------
     def layer(self, shape: LayerShape, dtype: str) -> Optional[Measured]:
@@ -209,7 +221,7 @@ class Profile:
 def merge_profiles(old: Profile, new: Profile) -> Profile:
     """``old`` with every entry of ``new`` added, replacing entries about the same thing (same
     dtype, widths, seq, micro-batch and tp; same op and link for comm). The conditions are
-    ``new``'s; so is the optimizer figure unless ``new`` has none."""
+    ``new``'s; so are the optimizer and host figures unless ``new`` has none."""
     if old.accelerator != new.accelerator:
         raise UserError(f"cannot merge a profile of {new.accelerator!r} into one of "
                         f"{old.accelerator!r}; write it to its own file")
@@ -224,7 +236,8 @@ def merge_profiles(old: Profile, new: Profile) -> Profile:
     return dataclasses.replace(
         new, layers=merged(old.layers, new.layers), embedding=merged(old.embedding, new.embedding),
         head=merged(old.head, new.head), optimizer_step_s_per_param=step,
-        comm=merged(old.comm, new.comm))
+        comm=merged(old.comm, new.comm), host_sharing=new.host_sharing or old.host_sharing,
+        host_collective_s=new.host_collective_s or old.host_collective_s)
 
 
 def _entry_key(entry: Any) -> tuple:
@@ -302,7 +315,8 @@ def _describe(c: Candidate) -> str:
 
 # ---- parsing ------------------------------------------------------------------------------
 _TOP_KEYS = ("format", "accelerator", "conditions", "layers", "embedding", "head",
-             "optimizer_step_s_per_param", "comm")
+             "optimizer_step_s_per_param", "comm", "host_sharing",
+             "host_collective_s")
 
 
 def _record(cls: type, where: str, d: Any) -> Any:
@@ -343,6 +357,19 @@ def _parse(d: Any) -> Profile:
     if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))):
         raise UserError(f"profile: optimizer_step_s_per_param must be a number, got {step!r}")
     comm = tuple(_record(CommEntry, f"comm #{i}", c) for i, c in enumerate(d.get("comm", [])))
+    host = {}
+    for key, what in (("host_sharing", "slowdown with 1, 2, ... processes computing at once"),
+                      ("host_collective_s", "[wall, CPU] seconds of one TP collective")):
+        values = d.get(key, [])
+        if not isinstance(values, list) or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
+                for v in values):
+            raise UserError(f"profile: {key} must be a list of positive numbers ({what}), "
+                            f"got {values!r}")
+        host[key] = tuple(float(v) for v in values)
+    if host["host_collective_s"] and len(host["host_collective_s"]) != 2:
+        raise UserError("profile: host_collective_s must be [wall, CPU] seconds of one TP "
+                        f"collective, got {list(host['host_collective_s'])}")
     for c in comm:
         if c.op not in COMM_OPS or c.link_kind not in LINK_KINDS or c.bandwidth_gbps <= 0:
             raise UserError(f"profile comm entry {c}: op must be one of {COMM_OPS}, link_kind "
@@ -359,4 +386,4 @@ def _parse(d: Any) -> Profile:
         accelerator=d["accelerator"],
         conditions=_record(ProfileConditions, "conditions", d.get("conditions")),
         optimizer_step_s_per_param=None if step is None else float(step),
-        comm=comm, **entries)
+        comm=comm, **host, **entries)

@@ -1,0 +1,218 @@
+"""Check the performance predictor against real runs on the CPU-emulated cluster.
+
+    .venv/bin/python bench/predictor_accuracy.py [--model small --seq-length 256 --iters 6]
+
+EMULATION: scripts/clusters/cpu_emulated.yaml (2 emu-fast + 2 emu-slow ranks on this machine).
+
+1. Profiles this machine as the "cpu" kind (one thread, as every torchrun rank runs): per-layer,
+   embedding, head and optimizer times (:func:`megatron_het.perf.profiler.profile_device`) and
+   the communicator's gloo figures. Just before and just after each run it measures the
+   host-sharing figures (:func:`megatron_het.perf.host_sharing.measure_host_sharing`: how much
+   slower a compute pass runs with 1..4 processes computing at once than the profile says) and
+   predicts with their mean, because a shared machine's load from other work changes; just
+   before each run also the wall and CPU time of one TP collective between computing peers
+   (:func:`megatron_het.perf.host_sharing.measure_host_collective`).
+2. Runs every plan (the 4 of scripts/plans/ and more, written to a temporary directory) through
+   ``torchrun --nproc_per_node 4 pretrain_llama.py --mock-data`` in fp32 and takes the median
+   iteration time after the warm-up iterations from the metrics file.
+3. Predicts each plan with :func:`megatron_het.perf.predict` and that profile.
+
+Run it on an otherwise idle machine: other work lands in the figures. Prints one line per plan (stderr), then one
+JSON line last: per-plan {plan, predicted_s, measured_s,
+error} with error = (predicted - measured) / measured, median_abs_error, max_abs_error and the
+conditions. Nothing is fitted to the runs: the prediction uses the profile only.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from megatron_het.cluster import ClusterSpec  # noqa: E402
+from megatron_het.config import model_preset  # noqa: E402
+from megatron_het.parallel.plan import ParallelPlan  # noqa: E402
+from megatron_het.perf import Profile, predict  # noqa: E402
+from megatron_het.perf.host_sharing import (measure_host_collective,  # noqa: E402
+                                            measure_host_sharing)
+from megatron_het.perf.cost_model import LayerShape  # noqa: E402
+from megatron_het.perf.profiler import Sweep, measure_comm, profile_device  # noqa: E402
+
+CLUSTER = ROOT / "scripts" / "clusters" / "cpu_emulated.yaml"
+# Repetitions of the measurements; medians are taken (the machine may carry other load).
+COMM_ITERS = 21
+SHARING_PASSES = 4
+SHARING_ROUNDS = 1
+COLLECTIVE_PASSES = 8
+SCRIPT_PLANS = ("cpu_emulated_3stage", "cpu_emulated_dp2_fast_heavy", "cpu_emulated_pp4",
+                "cpu_emulated_tp2_pp2")
+
+
+def _stage(kind: str, tp: int, layers: tuple[int, int], ranks: list[int]) -> dict:
+    return {"accelerator": kind, "tp": tp, "layers": list(layers), "ranks": ranks}
+
+
+def extra_plans() -> dict[str, dict]:
+    """More plans for the 4-layer presets: pure DP over both kinds with more micro-batches on
+    the fast pair, TP=2 x PP=2 with a non-uniform split, DP=2 x PP=2 uniform, PP=2 x DP=2
+    with the slow kind first."""
+    def plan(description: str, pipelines: list[tuple[int, list[dict]]]) -> dict:
+        return {"format": "megatron_het.plan/1", "description": f"EMULATION: {description}",
+                "micro_batch_size": 2,
+                "pipelines": [{"micro_batches": m, "stages": s} for m, s in pipelines]}
+    return {
+        "dp4_fast3_slow1": plan("dp=4, 3 micro-batches per emu-fast rank, 1 per emu-slow", [
+            (3, [_stage("emu-fast", 1, (0, 4), [0])]), (3, [_stage("emu-fast", 1, (0, 4), [1])]),
+            (1, [_stage("emu-slow", 1, (0, 4), [2])]), (1, [_stage("emu-slow", 1, (0, 4), [3])])]),
+        "tp2_pp2_fast3": plan("tp=2 x pp=2, 3 layers on the emu-fast pair, 1 on emu-slow", [
+            (4, [_stage("emu-fast", 2, (0, 3), [0, 1]), _stage("emu-slow", 2, (3, 4), [2, 3])])]),
+        "dp2_pp2_uniform": plan("dp=2 x pp=2, 2 layers per stage", [
+            (2, [_stage("emu-fast", 1, (0, 2), [0]), _stage("emu-slow", 1, (2, 4), [2])]),
+            (2, [_stage("emu-fast", 1, (0, 2), [1]), _stage("emu-slow", 1, (2, 4), [3])])]),
+        "pp2_slow_first_tp2": plan("pp=2, the emu-slow pair first (tp=2, 1 layer), emu-fast "
+                                   "pair second (tp=2, 3 layers)", [
+            (3, [_stage("emu-slow", 2, (0, 1), [2, 3]), _stage("emu-fast", 2, (1, 4), [0, 1])])]),
+    }
+
+
+def make_profile(model_name: str, seq: int, micro_batches: tuple[int, ...], out: Path,
+                 log) -> Profile:
+    """The host's "cpu" profile with communicator figures (one thread, as a rank runs)."""
+    torch.set_num_threads(1)
+    model = model_preset(model_name)
+    sweep = Sweep(seq_lengths=(seq,), micro_batch_sizes=micro_batches, tp_sizes=(1, 2),
+                  dtype="fp32", warmup=2, iters=9)
+    comm = measure_comm(warmup=3, iters=COMM_ITERS)
+    for entry in comm:
+        log(f"  profile: comm {entry.op}: {entry.bandwidth_gbps:.3f} GB/s, "
+            f"{entry.latency_s * 1e6:.1f} us")
+    profile = profile_device(model, sweep, "cpu", torch.device("cpu"), comm=False,
+                             progress=lambda line: log(f"  profile: {line}"))
+    profile = dataclasses.replace(profile, comm=comm)
+    profile.save(out)
+    return profile
+
+
+def host_sharing_now(profile: Profile, model_name: str, seq: int,
+                     micro_batch: int) -> tuple[float, ...]:
+    """Host-sharing figures measured now (1..4 processes computing), against the profile's own
+    forward + backward time of that layer, so a change in the machine's load since the profile
+    was measured is part of them."""
+    model = model_preset(model_name)
+    layer = profile.layer(LayerShape.of(model, seq, micro_batch, 1), "fp32")
+    return measure_host_sharing(model, seq, micro_batch, tp=1, max_processes=4,
+                                passes=SHARING_PASSES, rounds=SHARING_ROUNDS,
+                                reference_s=layer.forward_s + layer.backward_s)
+
+
+def run_plan(plan_path: Path, plan: ParallelPlan, args: argparse.Namespace, work: Path,
+             name: str) -> tuple[float, list[float]]:
+    """Median iteration time (s) after the warm-up iterations, and all of them."""
+    metrics = work / f"{name}.metrics.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "4", str(ROOT / "pretrain_llama.py"), "--model", args.model, "--seq-length",
+           str(args.seq_length), "--mock-data", "--tokenizer-type", "NullTokenizer",
+           "--vocab-size", str(model_preset(args.model).vocab_size - 1), "--cluster",
+           str(CLUSTER), "--plan", str(plan_path), "--global-batch-size",
+           str(plan.global_batch_size), "--train-iters", str(args.warmup + args.iters),
+           "--eval-iters", "0", "--log-interval", "1000", "--metrics-file", str(metrics)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=args.timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: the run failed ({done.returncode}):\n"
+                           f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    times = [r["iteration_time_s"] for r in map(json.loads, metrics.read_text().splitlines())
+             if r.get("split") == "train"]
+    return statistics.median(times[args.warmup:]), times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="small", choices=("tiny", "small"))
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2, help="iterations left out of the median")
+    p.add_argument("--iters", type=int, default=10, help="iterations in the median")
+    p.add_argument("--profile", help="reuse this cpu profile instead of measuring one")
+    p.add_argument("--plans", help="comma-separated plan names (default: all)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    args = p.parse_args()
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="predictor_accuracy_"))
+    plans = {name: ROOT / "scripts" / "plans" / f"{name}.json" for name in SCRIPT_PLANS}
+    for name, d in extra_plans().items():
+        plans[name] = work / f"{name}.json"
+        plans[name].write_text(json.dumps(d, indent=1))
+    if args.plans:
+        plans = {n: plans[n] for n in args.plans.split(",")}
+    loaded = {n: ParallelPlan.load(path) for n, path in plans.items()}
+    micro = tuple(sorted({pl.micro_batch_size for pl in loaded.values()}))
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:
+        log("profiling this machine as 'cpu' (1 thread)")
+        profile = make_profile(args.model, args.seq_length, micro, work / "cpu.json", log)
+    cluster = ClusterSpec.load(CLUSTER)
+    model = model_preset(args.model)
+    rows = []
+    for name, plan in loaded.items():
+        # The machine's other load drifts over a run: measure the host just before and just
+        # after it and take the mean of the two.
+        before = host_sharing_now(profile, args.model, args.seq_length, plan.micro_batch_size)
+        collective = measure_host_collective(model, args.seq_length, plan.micro_batch_size,
+                                             passes=COLLECTIVE_PASSES, rounds=2)
+        measured, times = run_plan(plans[name], plan, args, work, name)
+        after = host_sharing_now(profile, args.model, args.seq_length, plan.micro_batch_size)
+        sharing = tuple((a + b) / 2 for a, b in zip(before, after))
+        host = dataclasses.replace(profile, host_sharing=sharing, host_collective_s=collective)
+        predicted = predict(model, plan, cluster, args.seq_length, {"cpu": host},
+                            dtype="fp32").iteration_time_s
+        error = (predicted - measured) / measured
+        shown = [round(v, 3) for v in sharing]
+        rows.append({"plan": name, "predicted_s": round(predicted, 4),
+                     "measured_s": round(measured, 4), "error": round(error, 4),
+                     "host_sharing": shown,
+                     "tp_collective_wall_cpu_ms": [round(1e3 * v, 3) for v in collective]})
+        log(f"{name:>28}: predicted {predicted:.3f} s, measured {measured:.3f} s "
+            f"(iterations {[round(t, 3) for t in times]}), error {100 * error:+.1f}%, "
+            f"host sharing {[round(v, 2) for v in before]} before, "
+            f"{[round(v, 2) for v in after]} after, TP collective wall/CPU ms "
+            f"{[round(1e3 * v, 2) for v in collective]}")
+    errors = [abs(r["error"]) for r in rows]
+    print(json.dumps({
+        "benchmark": "predictor_accuracy", "plans": rows,
+        "median_abs_error": round(statistics.median(errors), 4),
+        "max_abs_error": round(max(errors), 4),
+        "conditions": {
+            "emulation": True, "cluster": str(CLUSTER.relative_to(ROOT)), "ranks": 4,
+            "cpu_cores": len(os.sched_getaffinity(0)), "threads_per_rank": 1,
+            "model": args.model, "seq_length": args.seq_length, "dtype": "fp32",
+            "data": "mock", "warmup_iterations": args.warmup, "measured_iterations": args.iters,
+            "host_sharing": "per plan: mean of the figures measured just before and just after "
+                            "its run (1..4 processes computing, against the profile's layer "
+                            "time)",
+            "comm": [dataclasses.asdict(c) for c in profile.comm],
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+            "device": profile.conditions.device_name, "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "wall_s": round(time.perf_counter() - start, 1)}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""How a CPU host's compute slows down when several of its processes compute at once.
+
+CPU-emulated kinds run every rank as a single-threaded process of one machine, often more
+processes than cores. A profile measured by one process alone on an idle core does not describe
+that: while ``n`` ranks compute, each gets about ``cores / n`` of a core (less where they also
+contend for caches and memory bandwidth). An emulated rank's injected wait (its slowdown) and a
+rank blocked in a transfer use no core, so how many ranks compute at once changes along the
+schedule; :mod:`megatron_het.perf.host_sim` simulates that with the figures measured here.
+
+:func:`measure_host_sharing` runs one decoder layer's forward + backward (one TP rank's shard,
+as :mod:`megatron_het.perf.profiler` times it) in ``n = 1, 2, ..., max_processes`` forked
+processes at once, one thread each, started together behind a barrier, and returns the median
+time of a pass with ``n`` processes over the median alone (the :attr:`Profile.host_sharing`
+figures). :func:`measure_host_collective` times one TP collective between two computing
+processes, wall and CPU (:attr:`Profile.host_collective_s`): gloo's copies and reductions run
+on the same cores as the compute. All processes start in sessions of their own, as torchrun
+starts ranks (see :func:`_worker`). :class:`HostSharing` turns the sharing figures into the
+progress rate of one computing process.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megatron_het.config import ModelConfig
+from megatron_het.errors import UserError
+
+
+@dataclass(frozen=True)
+class HostSharing:
+    """``slowdown[n - 1]``: how many times longer a compute pass takes with ``n`` processes
+    computing at once on the host than the profile's times say (``slowdown[0]`` is 1 when
+    measured against the host's own single process; see :func:`measure_host_sharing`)."""
+
+    slowdown: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.slowdown or any(v <= 0 for v in self.slowdown):
+            raise UserError(f"host sharing figures must be positive numbers, got "
+                            f"{list(self.slowdown)}; measure them with measure_host_sharing")
+
+    def factor(self, processes: float) -> float:
+        """The slowdown with ``processes`` computing (interpolated between whole counts; past
+        the measured counts, in proportion to the count, as for full cores)."""
+        if processes <= 1.0:
+            return self.slowdown[0]
+        n = len(self.slowdown)
+        if processes >= n:
+            return self.slowdown[-1] * processes / n
+        low = int(processes)
+        w = processes - low
+        return (1 - w) * self.slowdown[low - 1] + w * self.slowdown[low]
+
+    def rate(self, processes: float) -> float:
+        """Work seconds (as measured alone) one computing process does per wall second."""
+        return 1.0 / self.factor(processes)
+
+    def finish_time(self, works: Sequence[float]) -> float:
+        """Wall seconds until the last of ``works`` (single-process seconds each, one process
+        per work, all starting together) is done, sharing the host (processor sharing)."""
+        left = sorted(w for w in works if w > 0)
+        now, done = 0.0, 0.0
+        for i, w in enumerate(left):  # the smallest remaining work finishes first
+            now += (w - done) * self.factor(len(left) - i)
+            done = w
+        return now
+
+
+# ---- measurement -----------------------------------------------------------------------------
+def measure_host_sharing(config: ModelConfig, seq: int, micro_batch: int, tp: int = 1,
+                         max_processes: int = 4, passes: int = 6, warmup: int = 1,
+                         rounds: int = 2, reference_s: Optional[float] = None,
+                         timeout_s: float = 300.0) -> tuple[float, ...]:
+    """The :attr:`Profile.host_sharing` figures of this host for 1 .. ``max_processes``.
+
+    Per ``rounds`` (the counts go round, so a drift in outside load falls on all of them):
+    ``n`` forked processes (one thread each) build one TP rank's layer of ``config``, run
+    ``warmup`` passes, meet at a barrier and time ``passes`` forward + backward passes of a
+    ``[micro_batch, seq]`` input. The figure for ``n`` is the median pass time over all its
+    processes and rounds divided by ``reference_s``: by default the median of ``n = 1``;
+    given the profile's own forward + backward time of that layer shape, the figures also
+    carry how much slower (or faster) the host computes now than when the profile was
+    measured (a host whose load from other work changes). Side effects: starts processes.
+    """
+    if max_processes < 1 or passes < 1 or rounds < 1:
+        raise UserError(f"need max_processes, passes and rounds >= 1, got {max_processes}, "
+                        f"{passes}, {rounds}")
+    times: dict[int, list[float]] = {n: [] for n in range(1, max_processes + 1)}
+    for _ in range(rounds):
+        for n in times:
+            times[n] += _concurrent_passes(config, seq, micro_batch, tp, n, passes, warmup,
+                                           timeout_s)
+    alone = statistics.median(times[1]) if reference_s is None else reference_s
+    return tuple(statistics.median(times[n]) / alone for n in sorted(times))
+
+
+def measure_host_collective(config: ModelConfig, seq: int, micro_batch: int, passes: int = 8,
+                            rounds: int = 1, timeout_s: float = 300.0) -> tuple[float, float]:
+    """The :attr:`Profile.host_collective_s` figures: (wall, CPU) seconds of one TP collective
+    between two processes computing between their collectives, as TP ranks do.
+
+    Two forked processes (own sessions, one thread each) form a gloo pair through the unified
+    communicator and run one decoder layer's forward + backward as a real TP=2 pair (its 4
+    all-reduces of the ``[micro_batch, seq, hidden]`` activations) and, alternating with it,
+    the same shard with the collectives skipped (:class:`~megatron_het.perf.profiler.
+    ComputeOnlyGroup`, as the profile times it). One collective's wall time is the difference
+    of the median pass times over 4 (the transfer, and the wait for a peer that finished its
+    compute later); its CPU time the difference of the processes' CPU times over 4 (gloo's
+    copies and reductions, which on a shared host compete with compute). Medians over
+    ``rounds``. Side effects: starts processes and opens a loopback port.
+    """
+    if passes < 1 or rounds < 1:
+        raise UserError(f"need passes and rounds >= 1, got {passes} and {rounds}")
+    walls, cpus = [], []
+    for _ in range(rounds):
+        wall, cpu = _collective_round(config, seq, micro_batch, passes, timeout_s)
+        walls.append(wall)
+        cpus.append(cpu)
+    wall = max(statistics.median(walls), 1e-9)
+    return wall, min(max(statistics.median(cpus), 1e-9), wall)
+
+
+def _collective_round(config: ModelConfig, seq: int, micro_batch: int, passes: int,
+                      timeout_s: float) -> tuple[float, float]:
+    ctx = multiprocessing.get_context("fork")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    parent, child = ctx.Pipe(duplex=False)
+    pair = [ctx.Process(target=_pair_worker, daemon=True,
+                        args=(config, seq, micro_batch, rank, port, passes,
+                              child if rank == 0 else None, timeout_s)) for rank in range(2)]
+    for w in pair:
+        w.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise RuntimeError(f"host collective measurement did not finish in {timeout_s} s")
+        status, payload = parent.recv()
+        if status != "ok":
+            raise RuntimeError(f"host collective measurement failed:\n{payload}")
+    finally:
+        for w in pair:
+            w.join(10.0)
+            if w.is_alive():
+                w.kill()
+                w.join()
+    return payload
+
+
+LAYER_TP_COLLECTIVES = 4  # a decoder layer's all-reduces at TP > 1: 2 forward, 2 backward
+
+
+def _pair_worker(config: ModelConfig, seq: int, micro_batch: int, rank: int, port: int,
+                 passes: int, conn: Any, timeout_s: float) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_het.comm.communicator import UnifiedCommunicator
+    from megatron_het.perf.profiler import ComputeOnlyGroup, layer_case
+    from megatron_het.model.llama import build_model
+    from megatron_het.tensor_parallel import apply_tp
+
+    os.setsid()
+    torch.set_num_threads(1)
+    result: tuple[str, Any]
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2, timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            comm = UnifiedCommunicator(["cpu", "cpu"], {"cpu": "gloo"}, {"cpu": "cpu"})
+            device = torch.device("cpu")
+            cases = []
+            for group in (comm.world, ComputeOnlyGroup(2, rank)):
+                stage = build_model(config, 1234, (0, 1), False, False, device=device)
+                apply_tp(stage, group, config)
+                cases.append(layer_case(stage, seq, micro_batch, 2, "fp32", device))
+            times: list[list[float]] = [[], []]
+            cpu = [0.0, 0.0]
+            for i in range(passes + 1):
+                for j, case in enumerate(cases):
+                    comm.barrier()
+                    start, start_cpu = time.perf_counter(), time.process_time()
+                    case.backward(case.forward())
+                    if i:
+                        times[j].append(time.perf_counter() - start)
+                        cpu[j] += time.process_time() - start_cpu
+            extra = statistics.median(times[0]) - statistics.median(times[1])
+            extra_cpu = (cpu[0] - cpu[1]) / passes
+            result = ("ok", (extra / LAYER_TP_COLLECTIVES, extra_cpu / LAYER_TP_COLLECTIVES))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    if conn is not None:
+        conn.send(result)
+        conn.close()
+
+
+def _concurrent_passes(config: ModelConfig, seq: int, micro_batch: int, tp: int, n: int,
+                       passes: int, warmup: int, timeout_s: float) -> list[float]:
+    """Pass times (seconds) of ``n`` processes computing at once, all of them."""
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(n)
+    parent, child = ctx.Pipe(duplex=False)
+    workers = [ctx.Process(target=_worker, daemon=True,
+                           args=(config, seq, micro_batch, tp, passes, warmup, barrier, child,
+                                 timeout_s)) for _ in range(n)]
+    for w in workers:
+        w.start()
+    child.close()
+    out: list[float] = []
+    try:
+        for _ in range(n):
+            if not parent.poll(timeout_s):
+                raise RuntimeError(f"host sharing: {n} processes did not finish in "
+                                   f"{timeout_s} s")
+            status, payload = parent.recv()
+            if status != "ok":
+                raise RuntimeError(f"host sharing measurement failed:\n{payload}")
+            out += payload
+    finally:
+        for w in workers:
+            w.join(5.0)
+            if w.is_alive():
+                w.kill()
+                w.join()
+    return out
+
+
+def _worker(config: ModelConfig, seq: int, micro_batch: int, tp: int, passes: int, warmup: int,
+            barrier: Any, conn: Any, timeout_s: float) -> None:
+    from megatron_het.perf.profiler import layer_case, rank_stage
+
+    # Each in its own session, as torchrun starts ranks: under Linux's autogroup scheduling a
+    # session is one scheduling group, so the workers compete with each other and with other
+    # load exactly as the ranks of a run do.
+    os.setsid()
+    torch.set_num_threads(1)
+    try:
+        device = torch.device("cpu")
+        stage = rank_stage(config, tp, (0, 1), False, False, device, seed=1234)
+        case = layer_case(stage, seq, micro_batch, tp, "fp32", device)
+        for _ in range(warmup):
+            case.backward(case.forward())
+        barrier.wait(timeout_s)
+        times = []
+        for _ in range(passes):
+            start = time.perf_counter()
+            case.backward(case.forward())
+            times.append(time.perf_counter() - start)
+        result: tuple[str, Any] = ("ok", times)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    conn.send(result)
+    conn.close()
+
+
+__all__ = ["HostSharing", "measure_host_collective", "measure_host_sharing"]

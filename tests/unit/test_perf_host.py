@@ -1,0 +1,179 @@
+"""Ranks sharing a host CPU: sharing figures, the shared-host simulation against the pipeline
+simulator and by hand, the emulated ranks' communicator figures, and predict() on that path."""
+import dataclasses
+import random
+
+import pytest
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import model_preset
+from megatron_het.errors import UserError
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.perf import Profile, ProfileConditions, predict
+from megatron_het.perf.comm_cost import CommCost
+from megatron_het.perf.host_sharing import (HostSharing, measure_host_collective,
+                                            measure_host_sharing)
+from megatron_het.perf.host_sim import HostStage, simulate_shared_host
+from megatron_het.perf.profile import CommEntry, LayerEntry
+from megatron_het.perf.shared_host import tp_collectives
+from megatron_het.perf.simulator import simulate_1f1b
+
+CONDITIONS = ProfileConditions("test cpu", "2.x", 1, "2026-01-01", "fp32")
+GB = 1e9
+
+
+def test_sharing_factor_interpolates_and_extrapolates_like_full_cores():
+    sharing = HostSharing((1.0, 1.1, 1.6, 2.2))
+    assert sharing.factor(1) == 1.0 and sharing.factor(3) == 1.6
+    assert sharing.factor(2.5) == pytest.approx(1.35)
+    assert sharing.factor(8) == pytest.approx(4.4)  # past the measured counts: n / 4 of 2.2
+    assert sharing.rate(2) == pytest.approx(1 / 1.1)
+    with pytest.raises(UserError):
+        HostSharing(())
+
+
+def test_finish_time_is_processor_sharing_by_hand():
+    # One core's worth: two processes take twice as long each while both run.
+    sharing = HostSharing((1.0, 2.0, 3.0))
+    # works 1, 2, 4: all three at 1/3 until 1 is done (t=3), then two at 1/2 (t=5), then alone.
+    assert sharing.finish_time([4.0, 1.0, 2.0]) == pytest.approx(3 + 2 + 2)
+    assert sharing.finish_time([]) == 0.0
+
+
+def test_without_sharing_the_host_simulation_is_the_pipeline_simulation():
+    rng = random.Random(7)
+    for _ in range(30):
+        p, m = rng.randint(1, 4), rng.randint(1, 6)
+        f = [rng.uniform(0.1, 1) for _ in range(p)]
+        b = [rng.uniform(0.1, 2) for _ in range(p)]
+        cf = [rng.uniform(0, 0.3) for _ in range(p - 1)]
+        cb = [rng.uniform(0, 0.3) for _ in range(p - 1)]
+        stages = [HostStage(0, 1, 1.0, f[s], b[s], 0.0, 0.0, (cf + [0])[s], (cb + [0])[s])
+                  for s in range(p)]
+        got = simulate_shared_host([stages], [m], {}).makespans_s[0]
+        assert got == pytest.approx(simulate_1f1b(f, b, m, cf, cb).makespan_s, rel=1e-9)
+
+
+def test_an_emulated_wait_frees_the_core_by_hand():
+    # A host that is one core: two computing processes each progress at half speed.
+    host = {0: HostSharing((1.0, 2.0))}
+    fast = [HostStage(0, 1, 1.0, 1.0, 0.0)]  # 2 micro-batches of 1 s forward
+    slow = [HostStage(0, 1, 3.0, 1.0, 0.0)]  # 1 micro-batch, slowdown x3
+    # 0-2 s: both compute at half speed; then the slow rank waits 2 x 2 s without the core,
+    # and the fast rank's second micro-batch runs alone (2-3 s).
+    result = simulate_shared_host([fast, slow], [2, 1], host)
+    assert result.makespans_s == pytest.approx([3.0, 6.0])
+    assert result.compute_s == (pytest.approx((3.0,)), pytest.approx((6.0,)))
+    # With a core each, the slow rank's region is 1 s, padded to 3 s.
+    assert simulate_shared_host([fast, slow], [2, 1], {}).makespans_s == pytest.approx([2.0, 3.0])
+
+
+def test_waits_inside_the_region_are_slowed_with_it():
+    stage = [HostStage(0, 2, 2.0, 1.0, 0.0, wait_forward_s=0.5)]
+    # TP=2 on a host of one core: 1 s of work at half speed + 0.5 s all-reduce, doubled.
+    result = simulate_shared_host([stage], [1], {0: HostSharing((1.0, 2.0))})
+    assert result.makespans_s == pytest.approx([(2.0 + 0.5) * 2])
+
+
+def host_profile(sharing=(), comm=()):
+    """A cpu profile for the tiny model at seq 64, micro-batch 2, tp 1."""
+    model = model_preset("tiny")
+    layer = LayerEntry(model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
+                       model.num_query_groups, 64, 2, 1, "fp32", 0.004, 0.008, 1e6)
+    return Profile("cpu", CONDITIONS, layers=(layer,), optimizer_step_s_per_param=2e-9,
+                   comm=comm, host_sharing=tuple(sharing))
+
+
+def test_host_sharing_round_trips_and_is_checked():
+    profile = host_profile((1.0, 1.5, 2.5))
+    assert Profile.from_dict(profile.to_dict()) == profile
+    bad = profile.to_dict()
+    bad["host_sharing"] = [1.0, -2]
+    with pytest.raises(UserError, match="host_sharing"):
+        Profile.from_dict(bad)
+
+
+def test_emulated_ranks_use_the_host_profile_communicator_figures():
+    cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
+    gloo = (CommEntry("p2p", "intra_node", 1.5, 2e-4), CommEntry("collective", "intra_node",
+                                                                 0.5, 1e-4))
+    comm = CommCost(cluster, {"cpu": host_profile(comm=gloo)})
+    inside = comm.path(0, 1, "p2p")  # two emu-fast ranks: the host's gloo as measured
+    assert (inside.bandwidth, inside.latency_s) == (1.5 * GB, 2e-4)
+    assert comm.path(2, 3, "collective").bandwidth == 0.5 * GB
+    # The emulated bridge (2 GB/s, 50 us) relays through the host's gloo: the slower of both.
+    bridge = comm.path(1, 2, "p2p")
+    assert (bridge.bandwidth, bridge.latency_s) == (1.5 * GB, 2e-4)
+    # No profile: the bridge's own figures, exact (an emulated wait has no efficiency loss).
+    plain = CommCost(cluster).path(1, 2, "p2p")
+    assert (plain.bandwidth, plain.latency_s) == (2 * GB, 50e-6)
+
+
+def test_predict_on_a_shared_host():
+    cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
+    plan = ParallelPlan.load("scripts/plans/cpu_emulated_pp4.json")
+    model = model_preset("tiny")
+    alone = predict(model, plan, cluster, 64, {"cpu": host_profile()}, dtype="fp32")
+    free = predict(model, plan, cluster, 64, {"cpu": host_profile((1.0,) * 4)}, dtype="fp32")
+    # Cores for everyone and tp=1 (no waits in the regions): the same pipeline as alone.
+    assert free.pipeline_time_s == pytest.approx(alone.pipeline_time_s, rel=1e-9)
+    # The optimizer runs at host speed (the emulator slows only pipeline compute).
+    per_rank = [s.optimizer_s / (2.0 if "slow" in s.accelerator else 1.0) for s in free.stages]
+    assert free.optimizer_s == pytest.approx(max(per_rank))
+    assert free.overhead_s > 0
+    shared = predict(model, plan, cluster, 64, {"cpu": host_profile((1.0, 2.0, 3.0, 4.0))},
+                     dtype="fp32")
+    assert shared.pipeline_time_s > 1.2 * free.pipeline_time_s
+    # A profile without sharing figures keeps the one-device-per-rank model.
+    assert dataclasses.replace(alone, stages=()) == dataclasses.replace(
+        predict(model, plan, cluster, 64, {"cpu": host_profile()}, dtype="fp32"), stages=())
+
+
+def test_tp_collective_counts():
+    stage = ParallelPlan.load("scripts/plans/cpu_emulated_tp2_pp2.json").pipelines[0].stages
+    assert tp_collectives(stage[0], False) == (2 * 2 + 1, 2 * 2)  # 2 layers + embedding
+    assert tp_collectives(stage[1], True) == (2 * 2 + 2, 2 * 2 * 2 + 1)  # + head, recompute
+    profile = dataclasses.replace(host_profile((1.0, 2.0)), host_collective_s=(2e-3, 1e-3))
+    assert Profile.from_dict(profile.to_dict()) == profile
+    bad = profile.to_dict()
+    bad["host_collective_s"] = [1e-3]
+    with pytest.raises(UserError, match="wall, CPU"):
+        Profile.from_dict(bad)
+
+
+def test_host_measurements_run_on_this_machine():
+    model = model_preset("tiny")
+    sharing = measure_host_sharing(model, 32, 1, max_processes=2, passes=2, warmup=1)
+    assert len(sharing) == 2 and sharing[0] == 1.0 and sharing[1] > 0
+    wall, cpu = measure_host_collective(model, 32, 1, passes=2)
+    assert 0 < cpu <= wall
+
+
+def test_dp_sync_on_a_shared_host_shares_the_cores():
+    cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
+    plan = ParallelPlan.load("scripts/plans/cpu_emulated_dp2_fast_heavy.json")
+    model = model_preset("tiny")
+    shared = predict(model, plan, cluster, 64, {"cpu": host_profile((1.0, 1.0, 1.5, 2.0))},
+                     dtype="fp32")
+    # All 4 ranks sync their stage's gradients at once: the link model's time x slowdown(4).
+    assert shared.dp_sync_s == pytest.approx(2.0 * max(s.dp_sync_s for s in shared.stages))
+    assert shared.iteration_time_s == pytest.approx(
+        shared.pipeline_time_s + shared.dp_sync_s + shared.optimizer_s + shared.overhead_s)
+
+
+def test_tp_collectives_on_a_shared_host_are_cpu_work_and_a_wait():
+    cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
+    plan = ParallelPlan.load("scripts/plans/cpu_emulated_tp2_pp2.json")
+    model = model_preset("tiny")
+    base = host_profile((1.0,) * 4)
+    tp_layer = dataclasses.replace(base.layers[0], tp=2)
+    base = dataclasses.replace(base, layers=base.layers + (tp_layer,))
+    timed = dataclasses.replace(base, host_collective_s=(2e-3, 1e-3))
+    plain = predict(model, plan, cluster, 64, {"cpu": base}, dtype="fp32")
+    measured = predict(model, plan, cluster, 64, {"cpu": timed}, dtype="fp32")
+    # Each collective costs 2 ms instead of the link model's much smaller all-reduce.
+    assert measured.pipeline_time_s > plain.pipeline_time_s
+    # Sharing figures of 1: CPU work and waits add up, so 2 ms per collective either way.
+    half = dataclasses.replace(base, host_collective_s=(2e-3, 2e-3))
+    assert predict(model, plan, cluster, 64, {"cpu": half}, dtype="fp32").pipeline_time_s == \
+        pytest.approx(measured.pipeline_time_s)

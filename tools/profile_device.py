@@ -19,20 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_het.arguments import ModelSpec, resolve_model_config  # noqa: E402
 from megatron_het.cluster.accelerators import AcceleratorRegistry  # noqa: E402
-from megatron_het.config import MODEL_PRESETS, ModelConfig  # noqa: E402
 from megatron_het.errors import UserError, run_cli  # noqa: E402
+from megatron_het.model_args import add_model_shape_args, model_config_from_args  # noqa: E402
 from megatron_het.perf.profile import Profile, merge_profiles  # noqa: E402
 from megatron_het.perf.profiler import (PROFILE_DTYPES, Sweep, default_accelerator,  # noqa: E402
                                         profile_device)
 
 PROG = "tools/profile_device.py"
-DEFAULT_VOCAB = 32000
-_SHAPE_FLAGS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
-                "ffn_hidden_size": "ffn_hidden_size",
-                "num_attention_heads": "num_attention_heads",
-                "num_query_groups": "num_query_groups"}
 DESCRIPTION = """\
 Measure per-layer forward/backward time and activation memory, the embedding and the head, the
 optimizer step per parameter and (--comm) the communicator's p2p and all-reduce figures on this
@@ -66,12 +60,7 @@ def int_list(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog=PROG, description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", metavar="PRESET",
-                   help=f"model preset ({', '.join(sorted(MODEL_PRESETS))}); shape flags "
-                        "override its fields")
-    for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
-                 "--num-query-groups", "--vocab-size"):
-        p.add_argument(flag, type=int)
+    add_model_shape_args(p)
     p.add_argument("--seq-lengths", type=int_list, default=(128, 256), metavar="S,S")
     p.add_argument("--micro-batch-sizes", type=int_list, default=(1, 2, 4), metavar="B,B")
     p.add_argument("--tp", type=int_list, default=(1, 2), metavar="T,T",
@@ -92,15 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "only; recorded as the intra_node link of the kind)")
     p.add_argument("--seed", type=int, default=1234)
     return p
-
-
-def model_from_args(args: argparse.Namespace) -> ModelConfig:
-    overrides = {name: getattr(args, dest) for dest, name in _SHAPE_FLAGS.items()
-                 if getattr(args, dest) is not None}
-    vocab = args.vocab_size if args.vocab_size is not None else (
-        None if args.model else DEFAULT_VOCAB)
-    spec = ModelSpec(preset=args.model, overrides=overrides, vocab_size=vocab)
-    return resolve_model_config(spec, tokenizer_vocab_size=1, seq_length=1)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -143,7 +123,7 @@ def main(argv: Sequence[str]) -> Path:
                              ("--threads", args.threads or 1, 1)):
         if value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}")
-    model = model_from_args(args)
+    model = model_config_from_args(args, seq_length=1)
     sweep = Sweep(args.seq_lengths, args.micro_batch_sizes, args.tp, args.dtype, args.warmup,
                   args.iters, args.seed)
     sweep.check_model(model)

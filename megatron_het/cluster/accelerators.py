@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
-import yaml
-
 from megatron_het.errors import UserError
+from megatron_het.fileio import read_yaml_mapping
 
 VENDORS = ("nvidia", "amd", "huawei", "cpu", "other")
 GBIT_PER_GBYTE = 8.0
@@ -283,26 +282,6 @@ def _merge_entry(registry: AcceleratorRegistry, name: str, fields: Any) -> Accel
         base = {"name": name}
     base.update(fields)
     return AcceleratorSpec(**base)
-
-
-def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
-    """Parse a YAML file whose top level is a mapping; missing or malformed files are UserErrors."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise UserError(f"{what} {str(path)!r} not found; check the path") from None
-    except OSError as exc:
-        raise UserError(f"cannot read {what} {str(path)!r}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{what} {str(path)!r} is not valid YAML{line}; fix the syntax") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{what} {str(path)!r} must hold a mapping at the top level")
-    return data
 
 
 def get_accelerator(name: str, registry: Optional[AcceleratorRegistry] = None) -> AcceleratorSpec:

@@ -1,33 +1,11 @@
 """A heterogeneous cluster: node groups of one accelerator kind each, the links between groups, and
 the map from global rank to (node, local rank, accelerator).
 
-Bandwidths are GB/s (gigabytes per second) unless a key says ``gbit``; see
-:mod:`megatron_het.cluster.accelerators` for the units. The YAML schema::
-
-    name: my_cluster                 # optional
-    accelerators_file: kinds.yaml    # optional, relative to this file; merged onto the built-ins
-    accelerators:                    # optional; new kinds or overrides of built-in ones
-      H100: {memory_gib: 94}
-    node_groups:
-      - name: h100                   # unique
-        accelerator: H100            # a known kind, any case
-        nodes: 2
-        devices_per_node: 8
-        nic_bandwidth_gbit_per_s: 3200   # per node, all NICs together (or nic_bandwidth_gbps)
-        nic_latency_us: 5            # optional (default 5)
-        intra_node_bandwidth_gbps: 900   # optional override of the kind's NVLink/IF/HCCS figure
-        colocate_with: other_group   # optional: share that group's nodes (CPU emulation)
-    links:                           # between node groups
-      - groups: [h100, mi300x]
-        bandwidth_gbit_per_s: 400    # or bandwidth_gbps
-        latency_us: 10               # optional (default 5)
-        emulated: false              # optional; true delays bridge traffic on CPU emulation
-    rank_order: [h100, mi300x]       # optional; default: file order
-
-A link's bandwidth is what one node of each group gets between them (a pair of ranks alone sees
-all of it). A pair of groups with no link gets a default one: the slower of the two NICs and the
-larger of their latencies, since traffic between the groups crosses both NICs. ``describe()``
-marks it "(default)".
+The YAML schema and its units are described in :mod:`megatron_het.cluster.cluster_yaml`; the
+parts (:class:`NodeGroup`, :class:`GroupLink`, :class:`Link`, :class:`RankInfo`,
+:class:`NodeInfo`) live in :mod:`megatron_het.cluster.nodes`. A pair of groups with no link
+gets a default one: the slower of the two NICs and the larger of their latencies, since traffic
+between the groups crosses both NICs. ``describe()`` marks it "(default)".
 
 Rank order is node-major: the nodes of the first group in ``rank_order`` come first, then the next
 group's; on each node, local ranks count that node's devices (a colocated group's devices follow
@@ -38,107 +16,17 @@ and ``--node_rank`` (ranks are the cumulative sum of the nodes' local world size
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from megatron_het.cluster.accelerators import (GBIT_PER_GBYTE, AcceleratorRegistry,
-                                               AcceleratorSpec, read_yaml_mapping)
-from megatron_het.emulation import EmulatedLink
+from megatron_het.cluster.accelerators import AcceleratorRegistry, AcceleratorSpec
+from megatron_het.cluster.cluster_yaml import parse_cluster
+# The parts are re-exported: callers import them from here or from megatron_het.cluster.
+from megatron_het.cluster.nodes import (DEFAULT_NIC_LATENCY_US,  # noqa: F401
+                                        INTRA_NODE_LATENCY_US, LINK_KINDS, GroupLink, Link,
+                                        NodeGroup, NodeInfo, RankInfo)
 from megatron_het.errors import UserError
-
-DEFAULT_NIC_LATENCY_US = 5.0
-INTRA_NODE_LATENCY_US = 1.0
-LINK_KINDS = ("intra_node", "inter_node", "bridge")
-
-_CLUSTER_KEYS = ("name", "accelerators_file", "accelerators", "node_groups", "links", "rank_order")
-_GROUP_KEYS = ("name", "accelerator", "nodes", "devices_per_node", "nic_bandwidth_gbps",
-               "nic_bandwidth_gbit_per_s", "nic_latency_us", "intra_node_bandwidth_gbps",
-               "colocate_with")
-_LINK_KEYS = ("groups", "bandwidth_gbps", "bandwidth_gbit_per_s", "latency_us", "emulated")
-
-
-@dataclass(frozen=True)
-class NodeGroup:
-    """``nodes`` nodes with ``devices_per_node`` devices of one accelerator kind each."""
-
-    name: str
-    accelerator: AcceleratorSpec
-    nodes: int
-    devices_per_node: int
-    nic_bandwidth_gbps: float  # per node, GB/s
-    nic_latency_us: float = DEFAULT_NIC_LATENCY_US
-    intra_node_bandwidth_gbps: Optional[float] = None  # None: the accelerator's figure
-    colocate_with: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        for key in ("nodes", "devices_per_node"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise UserError(f"node group {self.name!r}: {key} must be a positive integer, "
-                                f"got {value!r}")
-
-    @property
-    def num_devices(self) -> int:
-        return self.nodes * self.devices_per_node
-
-    @property
-    def intra_bandwidth_gbps(self) -> float:
-        """Device-to-device bandwidth inside one node of this group (GB/s)."""
-        if self.intra_node_bandwidth_gbps is not None:
-            return self.intra_node_bandwidth_gbps
-        return self.accelerator.intra_node_bandwidth_gbps
-
-
-@dataclass(frozen=True)
-class GroupLink:
-    """The network path between two node groups; ``explicit`` is False for a defaulted link."""
-
-    groups: tuple[str, str]
-    bandwidth_gbps: float
-    latency_us: float = DEFAULT_NIC_LATENCY_US
-    emulated: bool = False
-    explicit: bool = True
-
-
-@dataclass(frozen=True)
-class Link:
-    """The path between two ranks. ``bandwidth_gbps`` is GB/s for that pair alone; concurrent
-    transfers over the same NIC or bridge share it."""
-
-    bandwidth_gbps: float
-    latency_s: float
-    kind: str  # "intra_node" | "inter_node" | "bridge"
-    emulated: bool = False
-
-    def transfer_time_s(self, nbytes: int) -> float:
-        """Latency plus ``nbytes`` at full bandwidth."""
-        return self.latency_s + nbytes / (self.bandwidth_gbps * 1e9)
-
-    def emulated_link(self) -> EmulatedLink:
-        """An :class:`EmulatedLink` with this link's figures (for an emulated bridge)."""
-        return EmulatedLink(self.bandwidth_gbps, self.latency_s)
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where one global rank runs. ``node`` is the global node index (torchrun's node_rank)."""
-
-    rank: int
-    group: str
-    node: int
-    local_rank: int
-    accelerator: AcceleratorSpec
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    """One physical node: its index, the groups it holds, its device count and first rank."""
-
-    node: int
-    groups: tuple[str, ...]
-    nproc: int
-    first_rank: int
+from megatron_het.fileio import read_yaml_mapping
 
 
 class ClusterSpec:
@@ -176,28 +64,11 @@ class ClusterSpec:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], registry: Optional[AcceleratorRegistry] = None,
                   base_dir: Optional[str | Path] = None) -> "ClusterSpec":
-        """Build from the YAML schema above (plain data); any mistake is a one-line UserError."""
-        if not isinstance(d, Mapping):
-            raise UserError("cluster: expected a mapping with node_groups")
-        _check_keys("cluster", d, _CLUSTER_KEYS)
-        registry = registry or AcceleratorRegistry.builtin()
-        if d.get("accelerators_file") is not None:
-            registry = registry.load_overrides(Path(base_dir or ".") / str(d["accelerators_file"]))
-        if d.get("accelerators") is not None:
-            registry = registry.with_overrides(d["accelerators"])
-        raw_groups = d.get("node_groups")
-        if not isinstance(raw_groups, list) or not raw_groups:
-            raise UserError("cluster: node_groups must list at least one node group")
-        groups = [_parse_group(i, g, registry) for i, g in enumerate(raw_groups)]
-        raw_links = d.get("links") or []
-        if not isinstance(raw_links, list):
-            raise UserError("cluster: links must be a list of "
-                            "{groups: [a, b], bandwidth_gbps: ...}")
-        links = [_parse_link(i, link) for i, link in enumerate(raw_links)]
-        rank_order = d.get("rank_order")
-        if rank_order is not None and not isinstance(rank_order, list):
-            raise UserError("cluster: rank_order must be a list of node group names")
-        return cls(groups, links, rank_order, name=str(d.get("name") or "cluster"))
+        """Build from the plain-data form of the YAML schema
+        (:mod:`megatron_het.cluster.cluster_yaml`); any mistake is a one-line UserError."""
+        groups, links, rank_order, name = parse_cluster(
+            d, registry or AcceleratorRegistry.builtin(), base_dir)
+        return cls(groups, links, rank_order, name=name)
 
     def _check_rank_order(self, rank_order: Optional[Sequence[str]]) -> tuple[str, ...]:
         names = [g.name for g in self.node_groups]
@@ -404,74 +275,6 @@ class ClusterSpec:
     def __repr__(self) -> str:
         return (f"ClusterSpec({self.name!r}, world_size={self.world_size}, "
                 f"groups={[g.name for g in self.node_groups]})")
-
-
-def _check_keys(where: str, d: Mapping[str, Any], known: Sequence[str]) -> None:
-    unknown = [str(k) for k in d if k not in known]
-    if unknown:
-        raise UserError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(known)}")
-
-
-def _number(where: str, d: Mapping[str, Any], key: str, positive: bool = True) -> float:
-    value = d[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-            positive and value == 0):
-        rule = "positive" if positive else "zero or more"
-        raise UserError(f"{where}: {key} must be {rule}, got {value!r}")
-    return float(value)
-
-
-def _bandwidth(where: str, d: Mapping[str, Any], prefix: str) -> float:
-    """GB/s from ``<prefix>_gbps`` (GB/s) or ``<prefix>_gbit_per_s`` (Gb/s); exactly one given."""
-    gbyte, gbit = f"{prefix}_gbps", f"{prefix}_gbit_per_s"
-    if gbyte in d and gbit in d:
-        raise UserError(f"{where}: give {gbyte} (GB/s) or {gbit} (Gb/s), not both")
-    if gbit in d:
-        return _number(where, d, gbit) / GBIT_PER_GBYTE
-    if gbyte not in d:
-        raise UserError(f"{where}: missing key {gbyte!r} (GB/s; or {gbit} in Gb/s)")
-    return _number(where, d, gbyte)
-
-
-def _parse_group(index: int, d: Any, registry: AcceleratorRegistry) -> NodeGroup:
-    if not isinstance(d, Mapping) or not isinstance(d.get("name"), str) or not d["name"]:
-        raise UserError(f"node group #{index}: needs a mapping with a non-empty name")
-    where = f"node group {d['name']!r}"
-    _check_keys(where, d, _GROUP_KEYS)
-    for key in ("accelerator", "nodes", "devices_per_node"):
-        if key not in d:
-            raise UserError(f"{where}: missing key {key!r}")
-    try:
-        accelerator = registry.get(str(d["accelerator"]))
-    except UserError as exc:
-        raise UserError(f"{where}: {exc}") from None
-    intra = d.get("intra_node_bandwidth_gbps")
-    colocate = d.get("colocate_with")
-    return NodeGroup(
-        name=d["name"], accelerator=accelerator, nodes=d["nodes"],
-        devices_per_node=d["devices_per_node"],
-        nic_bandwidth_gbps=_bandwidth(where, d, "nic_bandwidth"),
-        nic_latency_us=(_number(where, d, "nic_latency_us", positive=False)
-                        if "nic_latency_us" in d else DEFAULT_NIC_LATENCY_US),
-        intra_node_bandwidth_gbps=(None if intra is None
-                                   else _number(where, d, "intra_node_bandwidth_gbps")),
-        colocate_with=None if colocate is None else str(colocate))
-
-
-def _parse_link(index: int, d: Any) -> GroupLink:
-    groups = d.get("groups") if isinstance(d, Mapping) else None
-    if (not isinstance(groups, list) or len(groups) != 2 or groups[0] == groups[1]
-            or not all(isinstance(g, str) for g in groups)):
-        raise UserError(f"link #{index}: groups must name two different node groups, "
-                        f"got {groups!r}")
-    where = f"link {groups[0]} <-> {groups[1]}"
-    _check_keys(where, d, _LINK_KEYS)
-    emulated = d.get("emulated", False)
-    if not isinstance(emulated, bool):
-        raise UserError(f"{where}: emulated must be true or false, got {emulated!r}")
-    latency = (_number(where, d, "latency_us", positive=False) if "latency_us" in d
-               else DEFAULT_NIC_LATENCY_US)
-    return GroupLink((groups[0], groups[1]), _bandwidth(where, d, "bandwidth"), latency, emulated)
 
 
 def _count(n: int, noun: str) -> str:

@@ -111,12 +111,29 @@ def linear_cross_entropy(hidden: torch.Tensor, weight_VH: torch.Tensor, labels: 
     """
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
     labels_N = labels.reshape(-1)
+    weights_N = token_loss_weights(labels_N, loss_weights)
+    labels_N = torch.where(labels_N != IGNORE_INDEX, labels_N, 0)
+    chunk_tokens, need_grads, compute_dtype = fused_head_settings(hidden, weight_VH, chunk_tokens)
+    return _LinearCrossEntropy.apply(hidden_NH, weight_VH, labels_N, weights_N, chunk_tokens,
+                                     need_grads, compute_dtype)
+
+
+def token_loss_weights(labels_N: torch.Tensor,
+                       loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Float32 ``[N]`` weight of each token's loss: ``loss_weights`` (any shape of ``N``
+    elements), else the mean over tokens; 0 where ``labels_N`` is ``IGNORE_INDEX``."""
     keep = labels_N != IGNORE_INDEX
     if loss_weights is None:
-        weights_N = keep.float() / keep.sum().clamp(min=1)
-    else:
-        weights_N = loss_weights.reshape(-1).float() * keep
-    labels_N = torch.where(keep, labels_N, 0)
+        return keep.float() / keep.sum().clamp(min=1)
+    return loss_weights.reshape(-1).float() * keep
+
+
+def fused_head_settings(hidden: torch.Tensor, weight_VH: torch.Tensor,
+                        chunk_tokens: Optional[int] = None) -> tuple[int, bool, torch.dtype]:
+    """``(chunk_tokens, need_grads, compute_dtype)`` of a fused output layer + loss over the
+    ``[V, H]`` (or one rank's ``[Vr, H]``) ``weight_VH``: the given chunk, else about 1M logits
+    per chunk; whether autograd needs the gradients; the autocast dtype when autocast is on,
+    else the inputs' common dtype."""
     if chunk_tokens is None:
         chunk_tokens = max(1, _CHUNK_LOGITS // weight_VH.shape[0])
     need_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight_VH.requires_grad)
@@ -125,5 +142,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight_VH: torch.Tensor, labels: 
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight_VH.dtype)
-    return _LinearCrossEntropy.apply(hidden_NH, weight_VH, labels_N, weights_N, chunk_tokens,
-                                     need_grads, compute_dtype)
+    return chunk_tokens, need_grads, compute_dtype

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from megatron_het.errors import UserError
+from megatron_het.fileio import read_json_file
 
 if TYPE_CHECKING:
     from megatron_het.cluster import ClusterSpec
@@ -252,17 +253,7 @@ class ParallelPlan:
         if isinstance(source, Mapping):
             return _parse_plan(source)
         path = Path(source)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise UserError(f"plan file {path} not found; pass an existing --plan path") from None
-        except OSError as exc:
-            raise UserError(f"cannot read plan file {path}: {exc.strerror}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"plan file {path} is not valid JSON: {exc.msg} at line "
-                            f"{exc.lineno} column {exc.colno}") from None
+        data = read_json_file(path, f"plan file {path}", "pass an existing --plan path")
         try:
             return _parse_plan(data)
         except UserError as exc:

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import statistics
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -32,6 +30,8 @@ import torch
 
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
+from megatron_het.perf.measure_procs import (free_loopback_port, gloo_pair, report_to_parent,
+                                             run_measurement_processes)
 
 
 @dataclass(frozen=True)
@@ -130,29 +130,12 @@ def measure_host_collective(config: ModelConfig, seq: int, micro_batch: int, pas
 
 def _collective_round(config: ModelConfig, seq: int, micro_batch: int, passes: int,
                       timeout_s: float) -> tuple[float, float]:
-    ctx = multiprocessing.get_context("fork")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    parent, child = ctx.Pipe(duplex=False)
-    pair = [ctx.Process(target=_pair_worker, daemon=True,
-                        args=(config, seq, micro_batch, rank, port, passes,
-                              child if rank == 0 else None, timeout_s)) for rank in range(2)]
-    for w in pair:
-        w.start()
-    child.close()
-    try:
-        if not parent.poll(timeout_s):
-            raise RuntimeError(f"host collective measurement did not finish in {timeout_s} s")
-        status, payload = parent.recv()
-        if status != "ok":
-            raise RuntimeError(f"host collective measurement failed:\n{payload}")
-    finally:
-        for w in pair:
-            w.join(10.0)
-            if w.is_alive():
-                w.kill()
-                w.join()
+    port = free_loopback_port()
+    (payload,) = run_measurement_processes(
+        multiprocessing.get_context("fork"), _pair_worker,
+        [(config, seq, micro_batch, rank, port, passes, timeout_s) for rank in range(2)], 1,
+        timeout_s, f"host collective measurement did not finish in {timeout_s} s",
+        "host collective measurement failed", join_s=10.0)
     return payload
 
 
@@ -160,50 +143,43 @@ LAYER_TP_COLLECTIVES = 4  # a decoder layer's all-reduces at TP > 1: 2 forward, 
 
 
 def _pair_worker(config: ModelConfig, seq: int, micro_batch: int, rank: int, port: int,
-                 passes: int, conn: Any, timeout_s: float) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    from megatron_het.comm.communicator import UnifiedCommunicator
-    from megatron_het.perf.profiler import ComputeOnlyGroup, layer_case
-    from megatron_het.model.llama import build_model
-    from megatron_het.tensor_parallel import apply_tp
-
+                 passes: int, timeout_s: float, conn: Any) -> None:
     os.setsid()
     torch.set_num_threads(1)
-    result: tuple[str, Any]
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            comm = UnifiedCommunicator(["cpu", "cpu"], {"cpu": "gloo"}, {"cpu": "cpu"})
-            device = torch.device("cpu")
-            cases = []
-            for group in (comm.world, ComputeOnlyGroup(2, rank)):
-                stage = build_model(config, 1234, (0, 1), False, False, device=device)
-                apply_tp(stage, group, config)
-                cases.append(layer_case(stage, seq, micro_batch, 2, "fp32", device))
-            times: list[list[float]] = [[], []]
-            cpu = [0.0, 0.0]
-            for i in range(passes + 1):
-                for j, case in enumerate(cases):
-                    comm.barrier()
-                    start, start_cpu = time.perf_counter(), time.process_time()
-                    case.backward(case.forward())
-                    if i:
-                        times[j].append(time.perf_counter() - start)
-                        cpu[j] += time.process_time() - start_cpu
-            extra = statistics.median(times[0]) - statistics.median(times[1])
-            extra_cpu = (cpu[0] - cpu[1]) / passes
-            result = ("ok", (extra / LAYER_TP_COLLECTIVES, extra_cpu / LAYER_TP_COLLECTIVES))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = ("error", traceback.format_exc())
-    if conn is not None:
-        conn.send(result)
-        conn.close()
+
+    def measure() -> tuple[float, float]:
+        with gloo_pair(rank, port, timeout_s) as comm:
+            return _collective_times(comm, config, seq, micro_batch, rank, passes)
+
+    report_to_parent(conn, measure)
+
+
+def _collective_times(comm: Any, config: ModelConfig, seq: int, micro_batch: int, rank: int,
+                      passes: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of one TP collective, from passes with and without them."""
+    from megatron_het.model.llama import build_model
+    from megatron_het.perf.profiler import ComputeOnlyGroup, layer_case
+    from megatron_het.tensor_parallel import apply_tp
+
+    device = torch.device("cpu")
+    cases = []
+    for group in (comm.world, ComputeOnlyGroup(2, rank)):
+        stage = build_model(config, 1234, (0, 1), False, False, device=device)
+        apply_tp(stage, group, config)
+        cases.append(layer_case(stage, seq, micro_batch, 2, "fp32", device))
+    times: list[list[float]] = [[], []]
+    cpu = [0.0, 0.0]
+    for i in range(passes + 1):
+        for j, case in enumerate(cases):
+            comm.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            case.backward(case.forward())
+            if i:
+                times[j].append(time.perf_counter() - start)
+                cpu[j] += time.process_time() - start_cpu
+    extra = statistics.median(times[0]) - statistics.median(times[1])
+    extra_cpu = (cpu[0] - cpu[1]) / passes
+    return extra / LAYER_TP_COLLECTIVES, extra_cpu / LAYER_TP_COLLECTIVES
 
 
 def _concurrent_passes(config: ModelConfig, seq: int, micro_batch: int, tp: int, n: int,
@@ -211,34 +187,15 @@ def _concurrent_passes(config: ModelConfig, seq: int, micro_batch: int, tp: int,
     """Pass times (seconds) of ``n`` processes computing at once, all of them."""
     ctx = multiprocessing.get_context("fork")
     barrier = ctx.Barrier(n)
-    parent, child = ctx.Pipe(duplex=False)
-    workers = [ctx.Process(target=_worker, daemon=True,
-                           args=(config, seq, micro_batch, tp, passes, warmup, barrier, child,
-                                 timeout_s)) for _ in range(n)]
-    for w in workers:
-        w.start()
-    child.close()
-    out: list[float] = []
-    try:
-        for _ in range(n):
-            if not parent.poll(timeout_s):
-                raise RuntimeError(f"host sharing: {n} processes did not finish in "
-                                   f"{timeout_s} s")
-            status, payload = parent.recv()
-            if status != "ok":
-                raise RuntimeError(f"host sharing measurement failed:\n{payload}")
-            out += payload
-    finally:
-        for w in workers:
-            w.join(5.0)
-            if w.is_alive():
-                w.kill()
-                w.join()
-    return out
+    reports = run_measurement_processes(
+        ctx, _worker, [(config, seq, micro_batch, tp, passes, warmup, barrier, timeout_s)] * n,
+        n, timeout_s, f"host sharing: {n} processes did not finish in {timeout_s} s",
+        "host sharing measurement failed")
+    return [t for times in reports for t in times]
 
 
 def _worker(config: ModelConfig, seq: int, micro_batch: int, tp: int, passes: int, warmup: int,
-            barrier: Any, conn: Any, timeout_s: float) -> None:
+            barrier: Any, timeout_s: float, conn: Any) -> None:
     from megatron_het.perf.profiler import layer_case, rank_stage
 
     # Each in its own session, as torchrun starts ranks: under Linux's autogroup scheduling a
@@ -246,7 +203,8 @@ def _worker(config: ModelConfig, seq: int, micro_batch: int, tp: int, passes: in
     # load exactly as the ranks of a run do.
     os.setsid()
     torch.set_num_threads(1)
-    try:
+
+    def measure() -> list[float]:
         device = torch.device("cpu")
         stage = rank_stage(config, tp, (0, 1), False, False, device, seed=1234)
         case = layer_case(stage, seq, micro_batch, tp, "fp32", device)
@@ -258,11 +216,9 @@ def _worker(config: ModelConfig, seq: int, micro_batch: int, tp: int, passes: in
             start = time.perf_counter()
             case.backward(case.forward())
             times.append(time.perf_counter() - start)
-        result: tuple[str, Any] = ("ok", times)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = ("error", traceback.format_exc())
-    conn.send(result)
-    conn.close()
+        return times
+
+    report_to_parent(conn, measure)
 
 
 __all__ = ["HostSharing", "measure_host_collective", "measure_host_sharing"]

@@ -44,14 +44,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from megatron_het.cluster.nodes import LINK_KINDS  # a profile's links are the cluster's kinds
 from megatron_het.errors import UserError
+from megatron_het.fileio import read_json_file
 from megatron_het.perf.cost_model import (DTYPE_BYTES, LayerShape, embedding_forward_ops,
                                           head_forward_flops, layer_activation_bytes,
                                           layer_forward_flops)
 
 PROFILE_FORMAT = "megatron_het.profile/1"
 COMM_OPS = ("p2p", "collective")
-LINK_KINDS = ("intra_node", "inter_node", "bridge")
 
 
 @dataclass(frozen=True)
@@ -204,14 +205,8 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"profile {path} not found; write it with tools/profile_device.py "
-                            f"or leave it out to use roofline estimates") from None
-        except json.JSONDecodeError as exc:
-            raise UserError(f"profile {path} is not valid JSON: {exc.msg} at line "
-                            f"{exc.lineno}") from None
+        data = read_json_file(path, f"profile {path}", "write it with tools/profile_device.py "
+                              "or leave it out to use roofline estimates")
         try:
             return _parse(data)
         except UserError as exc:

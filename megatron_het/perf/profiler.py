@@ -14,8 +14,8 @@ rank's shard (``heads/tp`` query heads, ``kv_groups/tp`` kv heads, ``ffn/tp`` ML
 TP communication is left out on purpose: the shard runs with a :class:`ComputeOnlyGroup`, whose
 collectives do nothing, and the predictor adds TP communication from its link model. Also
 measured once: the optimizer step (gradient clipping + AdamW) per parameter, and optionally
-(:func:`measure_comm`) the communicator's p2p and all-reduce figures between two local gloo
-ranks.
+(:func:`measure_comm`, in :mod:`megatron_het.perf.comm_profiler`) the communicator's p2p and
+all-reduce figures between two local gloo ranks.
 
 Activation bytes are what autograd keeps for the backward of one layer: the distinct storages
 of the tensors it saves (counted through ``torch.autograd.graph.saved_tensors_hooks``), leaving
@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import multiprocessing
-import platform
-import re
 import socket
 import statistics
 import time
@@ -41,12 +38,16 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.config import ModelConfig, OptimizerConfig
 from megatron_het.errors import UserError
 from megatron_het.model.llama import LlamaModel, build_model
 from megatron_het.optim.clip_grad import clip_grad_norm
 from megatron_het.optim.optimizer import build_optimizer
+# Re-exported: this module is where callers find the whole profiling API.
+from megatron_het.perf.comm_profiler import (COMM_SIZES, _fit_alpha_beta,  # noqa: F401
+                                             measure_comm)
+from megatron_het.perf.device_kind import (accelerator_for_device,  # noqa: F401
+                                           default_accelerator, device_name)
 from megatron_het.perf.profile import (CommEntry, EndEntry, LayerEntry, Profile,
                                        ProfileConditions)
 from megatron_het.tensor_parallel import apply_tp, check_tp_size, vocab_sizes
@@ -390,166 +391,6 @@ def conditions(device: torch.device, dtype: str) -> ProfileConditions:
     return ProfileConditions(device_name(device), torch.__version__, torch.get_num_threads(),
                              datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
                              dtype, socket.gethostname())
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's model name."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "cpu"
-
-
-def accelerator_for_device(name: str, memory_gib: Optional[float] = None,
-                           registry: Optional[AcceleratorRegistry] = None) -> Optional[str]:
-    """The registry kind a device name stands for ("NVIDIA H100 80GB HBM3" -> "H100"), or None.
-
-    A kind matches when a word of the name starts with the kind's model ("A100" of
-    "A100-80G"); between several, the one whose memory is closest to ``memory_gib`` (else to
-    the name's "<N>GB"), else the first.
-    """
-    registry = registry or AcceleratorRegistry.builtin()
-    words = re.findall(r"[A-Z0-9]+", name.upper())
-    matches = [spec for spec in registry
-               if spec.vendor != "cpu" and not spec.emulated
-               and any(w.startswith(spec.name.split("-")[0].upper()) for w in words)]
-    if not matches:
-        return None
-    if memory_gib is None:
-        sizes = [int(w[:-2]) for w in words if re.fullmatch(r"\d+GB", w)]
-        memory_gib = float(sizes[0]) if sizes else None
-    if memory_gib is None:
-        return matches[0].name
-    return min(matches, key=lambda spec: abs(spec.memory_gib - memory_gib)).name
-
-
-def default_accelerator(device: torch.device) -> str:
-    """"cpu" on a CPU; on a GPU its registry kind, else its name with non-word characters
-    replaced by "_"."""
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device)
-    memory = torch.cuda.get_device_properties(device).total_memory / 2**30
-    return accelerator_for_device(name, memory) or re.sub(r"\W+", "_", name).strip("_")
-
-
-# ---- communicator figures ----------------------------------------------------------------------
-COMM_SIZES = tuple(4 ** k * 1024 for k in range(7))  # 1 KiB .. 4 MiB
-
-
-def measure_comm(sizes: tuple[int, ...] = COMM_SIZES, warmup: int = 2, iters: int = 5,
-                 timeout_s: float = 120.0) -> tuple[CommEntry, ...]:
-    """p2p and all-reduce figures of the communicator between 2 gloo ranks on this host.
-
-    Starts two worker processes (one thread each) on a free loopback port; each builds a
-    :class:`~megatron_het.comm.communicator.UnifiedCommunicator` of two "cpu" ranks. p2p is
-    timed as half a ping-pong, the all-reduce directly (median over ``iters``, per message
-    size in bytes). ``time = latency + bytes / bandwidth`` is fitted to p2p and ``time =
-    2 latency + bytes / bandwidth`` to the all-reduce (the predictor's 2-rank ring), through
-    the smallest and the largest size. Returned with link kind "intra_node".
-    """
-    method = "spawn" if torch.cuda.is_initialized() else "fork"
-    ctx = multiprocessing.get_context(method)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    parent, child = ctx.Pipe(duplex=False)
-    workers = [ctx.Process(target=_comm_worker, daemon=True,
-                           args=(rank, port, sizes, warmup, iters, timeout_s,
-                                 child if rank == 0 else None)) for rank in range(2)]
-    for w in workers:
-        w.start()
-    child.close()
-    try:
-        if not parent.poll(timeout_s):
-            raise RuntimeError(f"the communicator measurement did not finish in {timeout_s} s")
-        status, payload = parent.recv()
-    except EOFError:
-        raise RuntimeError("a communicator measurement worker died before reporting") from None
-    finally:
-        for w in workers:
-            w.join(5.0)
-            if w.is_alive():
-                w.kill()
-                w.join()
-    if status != "ok":
-        raise RuntimeError(f"communicator measurement failed:\n{payload}")
-    p2p, reduce = payload
-    entries = []
-    for op, times, latencies in (("p2p", p2p, 1), ("collective", reduce, 2)):
-        latency, seconds_per_byte = _fit_alpha_beta(sizes, times)
-        entries.append(CommEntry(op, "intra_node", 1e-9 / seconds_per_byte,
-                                 latency / latencies))
-    return tuple(entries)
-
-
-def _fit_alpha_beta(sizes: tuple[int, ...], times: list[float]) -> tuple[float, float]:
-    """``(a, b)`` of ``t = a + b n`` through the smallest and the largest message (robust to a
-    noisy middle); ``b`` from the largest message alone when the two do not grow."""
-    (n0, t0), (n1, t1) = (sizes[0], times[0]), (sizes[-1], times[-1])
-    if n1 > n0 and t1 > t0:
-        b = (t1 - t0) / (n1 - n0)
-        return max(t0 - b * n0, 0.0), b
-    return min(t0, t1), t1 / n1
-
-
-def _comm_worker(rank: int, port: int, sizes: tuple[int, ...], warmup: int, iters: int,
-                 timeout_s: float, conn: Any) -> None:
-    import traceback
-
-    import torch.distributed as dist
-
-    from megatron_het.comm.communicator import UnifiedCommunicator
-
-    torch.set_num_threads(1)
-    result: tuple[str, Any]
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            comm = UnifiedCommunicator(["cpu", "cpu"], {"cpu": "gloo"}, {"cpu": "cpu"})
-            result = ("ok", _comm_times(comm, sizes, warmup, iters))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = ("error", traceback.format_exc())
-    if conn is not None:
-        conn.send(result)
-        conn.close()
-
-
-def _comm_times(comm: Any, sizes: tuple[int, ...], warmup: int,
-                iters: int) -> tuple[list[float], list[float]]:
-    """Median one-way p2p and all-reduce seconds per size, as rank 0 sees them."""
-    p2p, reduce = [], []
-    peer = 1 - comm.rank
-    for nbytes in sizes:
-        buf = torch.zeros(max(1, nbytes // 4))
-        one_way, collective = [], []
-        for i in range(warmup + iters):
-            comm.barrier()
-            start = time.perf_counter()
-            if comm.rank == 0:
-                comm.send(buf, peer)
-                comm.recv(buf, peer)
-            else:
-                comm.recv(buf, peer)
-                comm.send(buf, peer)
-            middle = time.perf_counter()
-            comm.barrier()
-            before = time.perf_counter()
-            comm.world.all_reduce(buf)
-            end = time.perf_counter()
-            if i >= warmup:
-                one_way.append((middle - start) / 2)
-                collective.append(end - before)
-        p2p.append(statistics.median(one_way))
-        reduce.append(statistics.median(collective))
-    return p2p, reduce
 
 
 __all__ = ["COMM_SIZES", "PROFILE_DTYPES", "Case", "ComputeOnlyGroup", "SavedActivations",

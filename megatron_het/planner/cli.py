@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
-from megatron_het.arguments import ModelSpec, resolve_model_config
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import MODEL_PRESETS, ModelConfig
+from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
+from megatron_het.model_args import DEFAULT_VOCAB, add_model_shape_args, model_config_from_args
 from megatron_het.parallel.plan import PLAN_DTYPES, ParallelPlan
 from megatron_het.perf import Profile, load_profiles
 from megatron_het.planner.chart import save_chart
@@ -28,11 +28,6 @@ from megatron_het.planner.report import markdown_report, summary_dict, text_summ
 from megatron_het.planner.search import SearchResult, search_plan
 
 PROG = "tools/plan.py"
-DEFAULT_VOCAB = 32000
-_SHAPE_FLAGS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
-                "ffn_hidden_size": "ffn_hidden_size",
-                "num_attention_heads": "num_attention_heads",
-                "num_query_groups": "num_query_groups"}
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -46,14 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog=PROG, description="Search (or evaluate) a parallel plan for a "
                        "Llama model on a mixed cluster with the performance predictor.")
     p.add_argument("--cluster", required=True, metavar="CLUSTER.yaml")
-    p.add_argument("--model", metavar="PRESET",
-                   help=f"model preset ({', '.join(sorted(MODEL_PRESETS))}); shape flags "
-                        "override its fields")
-    for flag in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
-                 "--num-query-groups"):
-        p.add_argument(flag, type=int)
-    p.add_argument("--vocab-size", type=int,
-                   help=f"vocabulary (default: the preset's, else {DEFAULT_VOCAB})")
+    add_model_shape_args(p, vocab_help=f"vocabulary (default: the preset's, else "
+                                       f"{DEFAULT_VOCAB})")
     p.add_argument("--global-batch-size", type=int,
                    help="sequences per iteration (required unless --evaluate)")
     p.add_argument("--seq-length", type=int, required=True)
@@ -75,12 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
     """The preset and/or the shape flags -> a validated ModelConfig."""
-    overrides = {name: getattr(args, dest) for dest, name in _SHAPE_FLAGS.items()
-                 if getattr(args, dest) is not None}
-    vocab = args.vocab_size if args.vocab_size is not None else (
-        None if args.model else DEFAULT_VOCAB)
-    spec = ModelSpec(preset=args.model, overrides=overrides, vocab_size=vocab)
-    return resolve_model_config(spec, tokenizer_vocab_size=1, seq_length=args.seq_length)
+    return model_config_from_args(args, seq_length=args.seq_length)
 
 
 def load_profile_dir(directory: Optional[str]) -> Optional[dict[str, Profile]]:

@@ -18,11 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_het.comm.groups import UnifiedGroup
-from megatron_het.model.loss import IGNORE_INDEX
+from megatron_het.model.loss import IGNORE_INDEX, fused_head_settings, token_loss_weights
 from megatron_het.tensor_parallel.mappings import copy_to_tp, gather_from_tp
-
-# Token chunk of the fused head: about 1M local logits per chunk, as in model/loss.py.
-_CHUNK_LOGITS = 1 << 20
 
 
 def _local_stats(logits_NV: torch.Tensor, labels_N: torch.Tensor, vocab_start: int
@@ -174,19 +171,8 @@ def vocab_parallel_linear_cross_entropy(
     hidden = copy_to_tp(hidden, group)
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
     labels_N = labels.reshape(-1)
-    keep = labels_N != IGNORE_INDEX
-    if loss_weights is None:
-        weights_N = keep.float() / keep.sum().clamp(min=1)
-    else:
-        weights_N = loss_weights.reshape(-1).float() * keep
-    if chunk_tokens is None:
-        chunk_tokens = max(1, _CHUNK_LOGITS // weight_VH.shape[0])
-    need_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight_VH.requires_grad)
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight_VH.dtype)
+    weights_N = token_loss_weights(labels_N, loss_weights)
+    chunk_tokens, need_grads, compute_dtype = fused_head_settings(hidden, weight_VH, chunk_tokens)
     return _VocabParallelLinearCrossEntropy.apply(
         hidden_NH, weight_VH, labels_N, weights_N, group, vocab_start, chunk_tokens, need_grads,
         compute_dtype)

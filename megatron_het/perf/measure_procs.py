@@ -1,0 +1,101 @@
+"""Running a measurement in worker processes of this host and collecting their results.
+
+The profiler's communicator figures (:mod:`megatron_het.perf.comm_profiler`) and the host
+sharing figures (:mod:`megatron_het.perf.host_sharing`) time code in forked (or spawned)
+processes. Each worker reports once through a one-way pipe: ``("ok", result)`` or ``("error",
+traceback text)``; :func:`run_measurement_processes` starts them, waits for the reports and
+cleans up, and :func:`report_to_parent` is the worker's side. :func:`gloo_pair` joins two
+workers into a 2-rank gloo group behind the unified communicator.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+import traceback
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+
+def free_loopback_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (for a gloo rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_measurement_processes(ctx: Any, target: Callable[..., None],
+                              worker_args: Sequence[tuple], reporters: int, timeout_s: float,
+                              timeout_message: str, failure_message: str,
+                              join_s: float = 5.0,
+                              died_message: Optional[str] = None) -> list[Any]:
+    """Start one daemon process of ``ctx`` per ``worker_args`` entry, running ``target(*args,
+    conn)``, and return the results of the ``reporters`` first ones, in the order they report.
+
+    ``conn`` is the sending end of a pipe for the first ``reporters`` workers and None for the
+    others (which must not report). Raises RuntimeError with ``timeout_message`` when a report
+    does not come within ``timeout_s`` s, with ``"{failure_message}:\\n{traceback}"`` when a
+    worker reports an error, and with ``died_message`` (when given) when the pipe closes before
+    a report. Side effects: starts processes; joins them (killing those still alive after
+    ``join_s`` s) before returning or raising.
+    """
+    parent, child = ctx.Pipe(duplex=False)
+    workers = [ctx.Process(target=target, daemon=True,
+                           args=(*args, child if i < reporters else None))
+               for i, args in enumerate(worker_args)]
+    for w in workers:
+        w.start()
+    child.close()
+    results: list[Any] = []
+    try:
+        for _ in range(reporters):
+            if not parent.poll(timeout_s):
+                raise RuntimeError(timeout_message)
+            try:
+                status, payload = parent.recv()
+            except EOFError:
+                if died_message is None:
+                    raise
+                raise RuntimeError(died_message) from None
+            if status != "ok":
+                raise RuntimeError(f"{failure_message}:\n{payload}")
+            results.append(payload)
+    finally:
+        for w in workers:
+            w.join(join_s)
+            if w.is_alive():
+                w.kill()
+                w.join()
+    return results
+
+
+def report_to_parent(conn: Any, measure: Callable[[], Any]) -> None:
+    """Run ``measure()`` and send ``("ok", its result)``, or ``("error", the traceback)`` when
+    it raises, through ``conn`` (nothing is sent when ``conn`` is None); closes ``conn``."""
+    result: tuple[str, Any]
+    try:
+        result = ("ok", measure())
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    if conn is not None:
+        conn.send(result)
+        conn.close()
+
+
+@contextlib.contextmanager
+def gloo_pair(rank: int, port: int, timeout_s: float) -> Iterator[Any]:
+    """Join a 2-rank gloo process group on ``127.0.0.1:port`` as ``rank`` and yield a
+    :class:`~megatron_het.comm.communicator.UnifiedCommunicator` of two "cpu" ranks over it.
+    Side effects: initialises the default process group; destroys it on exit."""
+    import torch.distributed as dist
+
+    from megatron_het.comm.communicator import UnifiedCommunicator
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield UnifiedCommunicator(["cpu", "cpu"], {"cpu": "gloo"}, {"cpu": "cpu"})
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["free_loopback_port", "gloo_pair", "report_to_parent", "run_measurement_processes"]

@@ -15,7 +15,7 @@ import contextlib
 import math
 import signal
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -140,3 +140,38 @@ def evaluate(model: nn.Module, dataset: SampleDataset, train: TrainConfig,
                                               forward_only=True)))
     model.train()
     return sum(losses) / len(losses)
+
+
+def run_iterations(train: TrainConfig, iteration: Callable[[], int], step: Callable[[], str],
+                   evaluate: Callable[[], None], save: Callable[[], bool],
+                   say: Callable[[str], None]) -> str:
+    """The run's cadence, shared by the single-process and the parallel loop.
+
+    Runs ``step()`` (one training iteration; returns a stop reason, "" to go on) until
+    ``iteration()`` reaches ``--train-iters``. Evaluates every ``--eval-interval`` and at the end;
+    saves (``save()`` returns False without ``--save``) every ``--save-interval``, on
+    ``--exit-interval``, on a stop reason and at the end, each iteration at most once. Returns
+    why it stopped: "done", "exit-interval" or the step's reason.
+    """
+    evaluated = saved = -1
+    while iteration() < train.train_iters:
+        stop_reason = step()
+        current = iteration()
+        if current % train.eval_interval == 0:
+            evaluate()
+            evaluated = current
+        if train.save_interval and current % train.save_interval == 0:
+            save()
+            saved = current
+        reason = ("exit-interval" if train.exit_interval and current % train.exit_interval == 0
+                  else stop_reason)
+        if reason:
+            if saved != current and not save():
+                say(" no --save directory: stopping without a checkpoint")
+            say(f" stopping after iteration {current} ({reason})")
+            return reason
+    if evaluated != iteration():
+        evaluate()
+    if saved != iteration():
+        save()
+    return "done"

@@ -22,7 +22,8 @@ import torch
 
 from megatron_het.errors import UserError
 from megatron_het.optim.lr_schedule import LRSchedule
-from megatron_het.training.loop import MicroBatch, StopRequest, get_micro_batches
+from megatron_het.training.loop import (MicroBatch, StopRequest, get_micro_batches,
+                                        run_iterations)
 from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.parallel_metrics import (ParallelMetrics, column, gather_rows,
                                                     scalars_of, summary_of)
@@ -151,30 +152,13 @@ def _save(trainer: ParallelTrainer) -> bool:
 def train_loop_parallel(trainer: ParallelTrainer, stop: StopRequest) -> str:
     """Iterate to ``--train-iters`` on every rank; returns why it stopped.
 
-    Same cadence as the single-process loop: evaluate every ``--eval-interval`` and at the end;
-    save every ``--save-interval``, on ``--exit-interval``, on an agreed stop request and at
-    the end (each iteration at most once). All decisions are identical on every rank.
+    Same cadence as the single-process loop (:func:`run_iterations`), with the stop request
+    agreed across ranks, so every decision is identical on every rank.
     """
-    train = trainer.psetup.run.train
-    evaluated = saved = -1
-    while trainer.progress.iteration < train.train_iters:
+    def step() -> str:
         stopping = train_iteration(trainer, stop)
-        iteration = trainer.progress.iteration
-        if iteration % train.eval_interval == 0:
-            evaluate_parallel(trainer)
-            evaluated = iteration
-        if train.save_interval and iteration % train.save_interval == 0:
-            _save(trainer)
-            saved = iteration
-        reason = ("exit-interval" if train.exit_interval and iteration % train.exit_interval == 0
-                  else (stop.reason or "stop requested by another rank") if stopping else "")
-        if reason:
-            if saved != iteration and not _save(trainer):
-                trainer.print(" no --save directory: stopping without a checkpoint")
-            trainer.print(f" stopping after iteration {iteration} ({reason})")
-            return reason
-    if evaluated != trainer.progress.iteration:
-        evaluate_parallel(trainer)
-    if saved != trainer.progress.iteration:
-        _save(trainer)
-    return "done"
+        return (stop.reason or "stop requested by another rank") if stopping else ""
+
+    return run_iterations(trainer.psetup.run.train, lambda: trainer.progress.iteration, step,
+                          lambda: evaluate_parallel(trainer), lambda: _save(trainer),
+                          trainer.print)

@@ -23,7 +23,8 @@ from megatron_het.model.init import init_weights
 from megatron_het.model.llama import LlamaModel
 from megatron_het.optim.lr_schedule import LRSchedule
 from megatron_het.optim.optimizer import build_optimizer
-from megatron_het.training.loop import StopRequest, evaluate, get_micro_batches, train_step
+from megatron_het.training.loop import (StopRequest, evaluate, get_micro_batches, run_iterations,
+                                        train_step)
 from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.setup import RunSetup, prepare_run
 from megatron_het.training.state import (Progress, capture_train_state, restore_train_state,
@@ -121,29 +122,13 @@ def train_loop(trainer: Trainer, stop: StopRequest) -> str:
     Evaluates every ``--eval-interval`` and at the end; saves every ``--save-interval``, on
     ``--exit-interval``, on a stop request and at the end (each iteration at most once).
     """
-    train = trainer.setup.run.train
-    evaluated = saved = -1
-    while trainer.progress.iteration < train.train_iters:
+    def step() -> str:
         _one_iteration(trainer)
-        iteration = trainer.progress.iteration
-        if iteration % train.eval_interval == 0:
-            _evaluate_and_log(trainer)
-            evaluated = iteration
-        if train.save_interval and iteration % train.save_interval == 0:
-            save(trainer)
-            saved = iteration
-        reason = ("exit-interval" if train.exit_interval and iteration % train.exit_interval == 0
-                  else stop.reason if stop.requested else "")
-        if reason:
-            if saved != iteration and save(trainer) is None:
-                trainer.logger.print(" no --save directory: stopping without a checkpoint")
-            trainer.logger.print(f" stopping after iteration {iteration} ({reason})")
-            return reason
-    if evaluated != trainer.progress.iteration:
-        _evaluate_and_log(trainer)
-    if saved != trainer.progress.iteration:
-        save(trainer)
-    return "done"
+        return stop.reason if stop.requested else ""
+
+    return run_iterations(trainer.setup.run.train, lambda: trainer.progress.iteration, step,
+                          lambda: _evaluate_and_log(trainer),
+                          lambda: save(trainer) is not None, trainer.logger.print)
 
 
 def _describe(config: ModelConfig, trainer: Trainer) -> str:

@@ -1,11 +1,14 @@
 """Heterogeneous-training efficiency on the CPU-emulated mixed cluster (EMULATION, not hardware).
 
 scripts/clusters/cpu_emulated.yaml has 4 ranks on this machine: ranks 0-1 of kind emu-fast and
-ranks 2-3 of kind emu-slow (half the speed: each compute region is followed by a sleep as long
-as the region). Every configuration trains through ``pretrain_llama.py`` under torchrun
-(``python -m torch.distributed.run --standalone --nproc_per_node N``) on mock data, and its
-tokens/s is the median, over the iterations after the warm-up ones, of the metrics file's
-``tokens_per_s``:
+ranks 2-3 of kind emu-slow (half the speed). Each compute region of an emulated rank is padded
+to its kind's slowdown x the region's CPU time (the least seen for that stage's forward or
+backward, see :mod:`megatron_het.emulation`). Every configuration trains through
+``pretrain_llama.py`` under torchrun (``python -m torch.distributed.run --standalone
+--nproc_per_node N``) on mock data, and its tokens/s is the median, over the iterations after
+the warm-up ones, of the metrics file's ``tokens_per_s``. The planner plans every configuration
+with a profile of this host (measured first, about ten seconds; ``--profile`` reuses one,
+``--roofline`` plans with the kinds' roofline estimates):
 
     (a) fast  the two emu-fast ranks alone (a 2-rank cluster of that group), the planner's plan
     (b) slow  the two emu-slow ranks alone, the planner's plan
@@ -14,13 +17,22 @@ tokens/s is the median, over the iterations after the warm-up ones, of the metri
 
     efficiency = d / (a + b)      uniform_efficiency = c / (a + b)
 
+(a) and (b) are two separate jobs, run at the same time by default (``--baselines together``),
+as the two halves of a real cluster would train side by side, so the host carries four emulated
+devices in every measurement. The fast job runs ``slowdown ratio`` x as many iterations as the
+slow one so that both run for about the same time. ``--baselines apart`` runs them one after
+the other, each with the host to itself.
+
 ``--dilation F`` multiplies both kinds' slowdown by F (ratio kept at 2): the four emulated
 devices then need 1.5 / F of the host's cores on average instead of 3 at F = 1, so that a host
-with fewer cores than emulated devices does not decide the result. The configurations run in
-``--rounds`` interleaved rounds (a, b, c, d, a, b, ...) so that a change in the host's load hits
-them alike. The last line printed is one JSON object with the figures and the conditions.
+with fewer cores than emulated devices does not decide the result (padding to slowdown x the
+CPU time absorbs sharing up to the slowdown). F = 2 is the default. The defaults (23 layers,
+global batch 128, sequence 256) give the planner's pipeline 32 micro-batches and a layer split
+fine enough to balance the kinds. The configurations run in ``--rounds`` interleaved rounds
+(a + b, c, d, a + b, ...; about 13 minutes each on 2 cores) so that a change in the host's load
+hits them alike. The last line printed is one JSON object with the figures and the conditions.
 
-    .venv/bin/python bench/hetero_efficiency.py --rounds 2
+    .venv/bin/python bench/hetero_efficiency.py
 """
 from __future__ import annotations
 
@@ -35,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +55,11 @@ sys.path.insert(0, str(REPO))
 
 from megatron_het.cluster import ClusterSpec  # noqa: E402
 from megatron_het.config import ModelConfig, model_preset  # noqa: E402
+from megatron_het.perf import Profile  # noqa: E402
+from megatron_het.perf.profiler import Sweep, profile_device  # noqa: E402
 from megatron_het.planner import search_plan  # noqa: E402
+
+from emulated_cluster import dilated_cluster  # noqa: E402
 
 CONFIGS = ("fast", "slow", "uniform", "planned")
 BASE_CLUSTER = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
@@ -51,18 +68,25 @@ BASE_CLUSTER = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small", help="model preset")
-    p.add_argument("--num-layers", type=int, default=15,
+    p.add_argument("--num-layers", type=int, default=23,
                    help="layers (overrides the preset's; more layers give the split a finer "
                         "grain)")
     p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--global-batch-size", type=int, default=64,
+    p.add_argument("--global-batch-size", type=int, default=128,
                    help="sequences per iteration, the same for every configuration")
     p.add_argument("--iters", type=int, default=5, help="training iterations per run")
     p.add_argument("--warmup", type=int, default=2, help="first iterations left out")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the 4 runs")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the 4 runs")
     p.add_argument("--dilation", type=float, default=2.0,
                    help="multiply both kinds' slowdown by this (>= 1; see the module doc)")
+    p.add_argument("--baselines", choices=("together", "apart"), default="together",
+                   help="run the fast-only and slow-only jobs at the same time (default) or "
+                        "one after the other")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--profile", help="the host's cpu profile for the planner (default: "
+                                     "measure one first, about a minute)")
+    p.add_argument("--roofline", action="store_true",
+                   help="plan with the kinds' roofline estimates instead of a profile")
     p.add_argument("--work-dir", default=None, help="keep clusters, plans and metrics here")
     args = p.parse_args()
     if args.iters <= args.warmup:
@@ -75,20 +99,13 @@ def parse_args() -> argparse.Namespace:
 def cluster_dicts(dilation: float) -> dict[str, dict[str, Any]]:
     """The 4-rank cluster (cpu_emulated.yaml, slowdowns x ``dilation``) and its two 2-rank
     halves, as cluster-file mappings keyed by configuration group ("mixed", "fast", "slow")."""
-    base = yaml.safe_load(BASE_CLUSTER.read_text())
-    full = ClusterSpec.load(BASE_CLUSTER)
-    groups = {g["name"]: dict(g) for g in base["node_groups"]}
-    overrides = {}
-    if dilation != 1.0:
-        for group in groups.values():
-            kind = full.accelerator_of(full.ranks_of_accelerator(group["accelerator"])[0])
-            overrides[kind.name] = {"slowdown": kind.slowdown * dilation}
-    extra = {"accelerators": overrides} if overrides else {}
-    mixed = {**base, **extra, "name": "cpu_emulated" + (f"_x{dilation:g}" if extra else "")}
+    mixed = dilated_cluster(BASE_CLUSTER, dilation)
+    extra = {"accelerators": mixed["accelerators"]} if "accelerators" in mixed else {}
     halves = {}
-    for name, group in groups.items():
+    for group in mixed["node_groups"]:
         alone = {k: v for k, v in group.items() if k != "colocate_with"}
-        halves[name] = {"name": f"{mixed['name']}_{name}_only", "node_groups": [alone], **extra}
+        halves[group["name"]] = {"name": f"{mixed['name']}_{group['name']}_only",
+                                 "node_groups": [alone], **extra}
     return {"mixed": mixed, **halves}
 
 
@@ -108,12 +125,34 @@ def uniform_split(plan: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return out
 
 
+def host_profile(model: ModelConfig, args: argparse.Namespace, work: Path) -> Optional[Profile]:
+    """The "cpu" profile the planner uses (``--profile``, else measured now on one thread, as
+    a rank computes; emulated kinds are this host times their slowdown); None with
+    ``--roofline``."""
+    if args.roofline:
+        return None
+    if args.profile:
+        return Profile.load(args.profile)
+    torch.set_num_threads(1)
+    sweep = Sweep(seq_lengths=(args.seq_length,), micro_batch_sizes=(1, 2, 4), tp_sizes=(1, 2),
+                  dtype="fp32", warmup=2, iters=7)
+    print("[bench] profiling this host as 'cpu' (1 thread) for the planner", file=sys.stderr,
+          flush=True)
+    profile = profile_device(model, sweep, "cpu", torch.device("cpu"))
+    profile.save(work / "cpu.json")
+    return profile
+
+
 def searched_plan(model: ModelConfig, cluster_file: Path, args: argparse.Namespace,
-                  distributed_optimizer: Optional[bool]) -> dict[str, Any]:
-    """The planner's best fp32 plan for the cluster (roofline estimates of the kinds), with
-    ``use_distributed_optimizer`` forced to ``distributed_optimizer`` when given."""
+                  distributed_optimizer: Optional[bool],
+                  profile: Optional[Profile]) -> dict[str, Any]:
+    """The planner's best fp32 plan for the cluster (with the host profile, else roofline
+    estimates of the kinds), with ``use_distributed_optimizer`` forced to
+    ``distributed_optimizer`` when given."""
+    profiles = {"cpu": profile} if profile is not None else None
     result = search_plan(model, ClusterSpec.load(cluster_file), args.global_batch_size,
-                         args.seq_length, dtype="fp32", with_upper_bound=False)
+                         args.seq_length, profiles=profiles, dtype="fp32",
+                         with_upper_bound=False)
     plan = result.plan.to_dict()
     if distributed_optimizer is not None:
         plan["use_distributed_optimizer"] = distributed_optimizer
@@ -138,11 +177,12 @@ def write_inputs(work: Path, model: ModelConfig,
         path = work / f"cluster_{key}.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         clusters[key] = path
-    planned = searched_plan(model, clusters["mixed"], args, None)
+    profile = host_profile(model, args, work)
+    planned = searched_plan(model, clusters["mixed"], args, None, profile)
     zero1 = bool(planned.get("use_distributed_optimizer"))
     plans = {"planned": planned, "uniform": uniform_split(planned, model.num_layers),
-             "fast": searched_plan(model, clusters["fast"], args, zero1),
-             "slow": searched_plan(model, clusters["slow"], args, zero1)}
+             "fast": searched_plan(model, clusters["fast"], args, zero1, profile),
+             "slow": searched_plan(model, clusters["slow"], args, zero1, profile)}
     inputs = {}
     for name, plan in plans.items():
         path = work / f"plan_{name}.json"
@@ -153,34 +193,60 @@ def write_inputs(work: Path, model: ModelConfig,
     return inputs
 
 
-def run_once(name: str, cluster: Path, plan: Path, ranks: int, metrics: Path,
-             args: argparse.Namespace, model: ModelConfig) -> list[dict[str, Any]]:
-    """Train one configuration under torchrun; its metrics-file lines of split "train"."""
+def launch(name: str, cluster: Path, plan: Path, ranks: int, iters: int, metrics: Path,
+           args: argparse.Namespace, model: ModelConfig) -> subprocess.Popen:
+    """Start one configuration's training under torchrun (stdout and stderr to a log file)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(ranks), str(REPO / "pretrain_llama.py"),
            "--model", args.model, "--num-layers", str(model.num_layers),
            "--seq-length", str(args.seq_length), "--cluster", str(cluster), "--plan", str(plan),
            "--mock-data", "--tokenizer-type", "NullTokenizer",
            "--vocab-size", str(model.vocab_size - 1),  # + its eod id = the model's vocabulary
-           "--train-iters", str(args.iters), "--lr", "1e-4", "--lr-warmup-iters", "0",
+           "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "0",
            "--eval-iters", "0", "--log-interval", "1", "--metrics-file", str(metrics)]
     # One thread per rank: the ranks share the host's cores, and more threads only contend.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=args.timeout)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise SystemExit(f"error: run {name} failed (exit {proc.returncode}):\n{tail}")
+    log = metrics.with_suffix(".log").open("w")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def finish(name: str, proc: subprocess.Popen, metrics: Path, iters: int, start: float,
+           args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Wait for a launched run; its metrics-file lines of split "train"."""
+    try:
+        code = proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - start)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise SystemExit(f"error: run {name} did not finish in {args.timeout:g} s")
+    if code != 0:
+        lines = metrics.with_suffix(".log").read_text().strip().splitlines()
+        tail = "\n".join(lines[-15:])
+        raise SystemExit(f"error: run {name} failed (exit {code}):\n{tail}")
     lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [line for line in lines if line.get("split") == "train"]
     print(f"[bench] {name}: {len(train)} iterations in {time.perf_counter() - start:.1f} s, "
           f"tokens/s {[round(t['tokens_per_s'], 1) for t in train]}", file=sys.stderr,
           flush=True)
-    if len(train) != args.iters:
-        raise SystemExit(f"error: run {name} logged {len(train)} iterations, expected "
-                         f"{args.iters}")
+    if len(train) != iters:
+        raise SystemExit(f"error: run {name} logged {len(train)} iterations, expected {iters}")
     return train
+
+
+def slowdown_ratio() -> float:
+    """emu-slow's slowdown over emu-fast's in the cluster file (2 in cpu_emulated.yaml)."""
+    cluster = ClusterSpec.load(BASE_CLUSTER)
+    kinds = {cluster.accelerator_of(r).name: cluster.accelerator_of(r).slowdown
+             for r in range(cluster.world_size)}
+    return kinds["emu-slow"] / kinds["emu-fast"]
+
+
+def iterations(name: str, args: argparse.Namespace) -> int:
+    """Training iterations of a configuration: the fast-only job runs longer when it runs next
+    to the slow-only one (by the kinds' slowdown ratio, so about the same wall time)."""
+    if name == "fast" and args.baselines == "together":
+        return args.warmup + round(slowdown_ratio() * (args.iters - args.warmup))
+    return args.iters
 
 
 def measure(inputs: dict[str, tuple[Path, Path, int]], work: Path, args: argparse.Namespace,
@@ -190,15 +256,24 @@ def measure(inputs: dict[str, tuple[Path, Path, int]], work: Path, args: argpars
     samples: dict[str, dict[str, list[float]]] = {
         name: {"tokens_per_s": [], "iteration_time_s": [], "round_medians": []}
         for name in CONFIGS}
+    batches = ([("fast", "slow")] if args.baselines == "together" else [("fast",), ("slow",)])
+    batches += [("uniform",), ("planned",)]
     for round_index in range(args.rounds):
-        for name in CONFIGS:
-            cluster, plan, ranks = inputs[name]
-            metrics = work / f"metrics_{name}_r{round_index}.jsonl"
-            kept = run_once(name, cluster, plan, ranks, metrics, args, model)[args.warmup:]
-            tokens = [line["tokens_per_s"] for line in kept]
-            samples[name]["tokens_per_s"] += tokens
-            samples[name]["iteration_time_s"] += [line["iteration_time_s"] for line in kept]
-            samples[name]["round_medians"].append(statistics.median(tokens))
+        for batch in batches:
+            start = time.perf_counter()
+            running = {}
+            for name in batch:
+                cluster, plan, ranks = inputs[name]
+                metrics = work / f"metrics_{name}_r{round_index}.jsonl"
+                running[name] = (launch(name, cluster, plan, ranks, iterations(name, args),
+                                        metrics, args, model), metrics)
+            for name, (proc, metrics) in running.items():
+                train = finish(name, proc, metrics, iterations(name, args), start, args)
+                kept = train[args.warmup:]
+                tokens = [line["tokens_per_s"] for line in kept]
+                samples[name]["tokens_per_s"] += tokens
+                samples[name]["iteration_time_s"] += [line["iteration_time_s"] for line in kept]
+                samples[name]["round_medians"].append(statistics.median(tokens))
     return samples
 
 
@@ -212,8 +287,8 @@ def summary(samples: dict[str, dict[str, list[float]]], inputs: dict[str, tuple[
                  for r in range(args.rounds)]
     return {
         "benchmark": "hetero_efficiency",
-        "emulation": ("CPU emulation: emu-slow is emu-fast plus injected sleep; not a "
-                      "measurement of real accelerators"),
+        "emulation": ("CPU emulation: each kind is a CPU process padded to its slowdown x "
+                      "the CPU time of its compute; not a measurement of real accelerators"),
         "tokens_per_s": {"a_fast_only": tps["fast"], "b_slow_only": tps["slow"],
                          "c_uniform_split": tps["uniform"], "d_planned_split": tps["planned"]},
         "efficiency": tps["planned"] / both,
@@ -227,6 +302,11 @@ def summary(samples: dict[str, dict[str, list[float]]], inputs: dict[str, tuple[
             "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
             "iterations": args.iters, "warmup_iterations": args.warmup, "rounds": args.rounds,
             "dtype": "fp32", "data": "mock", "dilation": args.dilation,
+            "baselines": args.baselines,
+            "planner_costs": ("roofline" if args.roofline else
+                              f"profile {args.profile}" if args.profile else
+                              "profile of this host measured by the bench"),
+            "fast_only_iterations": iterations("fast", args),
             "slowdowns": {"emu-fast": args.dilation, "emu-slow": 2.0 * args.dilation},
             "host_cpus": os.cpu_count(), "threads_per_rank": 1,
             "load_average_before": load_before, "load_average_after": os.getloadavg(),
@@ -240,9 +320,9 @@ def main() -> None:
     args = parse_args()
     model = model_preset(args.model).replace(num_layers=args.num_layers)
     load_before = os.getloadavg()
-    print("[bench] EMULATION on this CPU host: emu-slow ranks are emu-fast ranks that sleep after "
-          "each compute region; the figures describe the system, not real accelerators",
-          file=sys.stderr)
+    print("[bench] EMULATION on this CPU host: emulated ranks are CPU processes that wait after "
+          "each compute region until it has lasted their kind's slowdown x its CPU time; the "
+          "figures describe the system, not real accelerators", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="hetero_eff_") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/predictor_accuracy.py [--model small --seq-length 256 --iters 6]
 
-EMULATION: scripts/clusters/cpu_emulated.yaml (2 emu-fast + 2 emu-slow ranks on this machine).
+EMULATION: scripts/clusters/cpu_emulated.yaml (2 emu-fast + 2 emu-slow ranks on this machine),
+with both kinds' slowdowns x ``--dilation`` (1: as in the file).
 
 1. Profiles this machine as the "cpu" kind (one thread, as every torchrun rank runs): per-layer,
    embedding, head and optimizer times (:func:`megatron_het.perf.profiler.profile_device`) and
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from megatron_het.cluster import ClusterSpec  # noqa: E402
 from megatron_het.config import model_preset  # noqa: E402
@@ -49,6 +51,8 @@ from megatron_het.perf.host_sharing import (measure_host_collective,  # noqa: E4
                                             measure_host_sharing)
 from megatron_het.perf.cost_model import LayerShape  # noqa: E402
 from megatron_het.perf.profiler import Sweep, measure_comm, profile_device  # noqa: E402
+
+from emulated_cluster import dilated_cluster  # noqa: E402
 
 CLUSTER = ROOT / "scripts" / "clusters" / "cpu_emulated.yaml"
 # Repetitions of the measurements; medians are taken (the machine may carry other load).
@@ -118,14 +122,14 @@ def host_sharing_now(profile: Profile, model_name: str, seq: int,
 
 
 def run_plan(plan_path: Path, plan: ParallelPlan, args: argparse.Namespace, work: Path,
-             name: str) -> tuple[float, list[float]]:
+             name: str, cluster: Path) -> tuple[float, list[float]]:
     """Median iteration time (s) after the warm-up iterations, and all of them."""
     metrics = work / f"{name}.metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "4", str(ROOT / "pretrain_llama.py"), "--model", args.model, "--seq-length",
            str(args.seq_length), "--mock-data", "--tokenizer-type", "NullTokenizer",
            "--vocab-size", str(model_preset(args.model).vocab_size - 1), "--cluster",
-           str(CLUSTER), "--plan", str(plan_path), "--global-batch-size",
+           str(cluster), "--plan", str(plan_path), "--global-batch-size",
            str(plan.global_batch_size), "--train-iters", str(args.warmup + args.iters),
            "--eval-iters", "0", "--log-interval", "1000", "--metrics-file", str(metrics)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -148,7 +152,12 @@ def main() -> None:
     p.add_argument("--profile", help="reuse this cpu profile instead of measuring one")
     p.add_argument("--plans", help="comma-separated plan names (default: all)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    p.add_argument("--dilation", type=float, default=2.0,
+                   help="multiply both emulated kinds' slowdown by this (>= 1): each emulated "
+                        "device then needs less of a host core")
     args = p.parse_args()
+    if args.dilation < 1:
+        p.error("--dilation must be >= 1")
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -168,7 +177,10 @@ def main() -> None:
     else:
         log("profiling this machine as 'cpu' (1 thread)")
         profile = make_profile(args.model, args.seq_length, micro, work / "cpu.json", log)
-    cluster = ClusterSpec.load(CLUSTER)
+    cluster_path = work / "cluster.yaml"
+    cluster_path.write_text(yaml.safe_dump(dilated_cluster(CLUSTER, args.dilation),
+                                           sort_keys=False))
+    cluster = ClusterSpec.load(cluster_path)
     model = model_preset(args.model)
     rows = []
     for name, plan in loaded.items():
@@ -177,7 +189,7 @@ def main() -> None:
         before = host_sharing_now(profile, args.model, args.seq_length, plan.micro_batch_size)
         collective = measure_host_collective(model, args.seq_length, plan.micro_batch_size,
                                              passes=COLLECTIVE_PASSES, rounds=2)
-        measured, times = run_plan(plans[name], plan, args, work, name)
+        measured, times = run_plan(plans[name], plan, args, work, name, cluster_path)
         after = host_sharing_now(profile, args.model, args.seq_length, plan.micro_batch_size)
         sharing = tuple((a + b) / 2 for a, b in zip(before, after))
         host = dataclasses.replace(profile, host_sharing=sharing, host_collective_s=collective)
@@ -201,6 +213,7 @@ def main() -> None:
         "max_abs_error": round(max(errors), 4),
         "conditions": {
             "emulation": True, "cluster": str(CLUSTER.relative_to(ROOT)), "ranks": 4,
+            "dilation": args.dilation,
             "cpu_cores": len(os.sched_getaffinity(0)), "threads_per_rank": 1,
             "model": args.model, "seq_length": args.seq_length, "dtype": "fp32",
             "data": "mock", "warmup_iterations": args.warmup, "measured_iterations": args.iters,

@@ -1,8 +1,18 @@
 """CPU emulation of slower accelerator kinds and of slow links, for dry runs of a mixed cluster.
 
-An emulated kind is a CPU rank with a slowdown factor: after each timed compute region the
-:class:`Emulator` waits ``(slowdown - 1)`` times the region's measured wall time, so the region
-appears ``slowdown`` times slower. An :class:`EmulatedLink` delays a transfer to what it would take
+An emulated kind is a CPU rank with a slowdown factor: each timed compute region is made to last
+``slowdown`` times what it would take on a core of its own. With a single-threaded rank that time
+is the thread's CPU time, and the :class:`Emulator` waits until ``slowdown x CPU time`` has passed
+since the region began: a region slowed by other processes sharing the host (more emulated ranks
+than cores) still lasts what the emulated device would take, as long as the sharing costs less
+than the slowdown (regions where it costs more are counted as ``late``). Regions given the same
+``key`` do the same work (a pipeline stage's forward of one micro-batch, say); for them the CPU
+time is the least seen so far, since what a host adds to it (caches a rank finds cold after
+waiting while other ranks ran, preemption) is a property of the host and not of the kind. With
+several threads per rank the basis is the region's wall time and the wait ``(slowdown - 1)``
+times it.
+
+An :class:`EmulatedLink` delays a transfer to what it would take
 on a link of the given bandwidth and latency. Both keep their own counters (no global state) and
 take ``clock``/``sleep`` callables so tests can drive them with a fake clock.
 
@@ -13,7 +23,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Optional, TypeVar
 
 from megatron_het.errors import UserError
 
@@ -30,11 +40,16 @@ class EmulatedOutOfMemory(UserError):
 
 @dataclass(frozen=True)
 class EmulationStats:
-    """Accounted time of an Emulator: ``measured_s`` really ran, ``injected_s`` was waited."""
+    """Accounted time of an Emulator: ``measured_s`` really ran (wall), ``injected_s`` was
+    waited; ``cpu_s`` is the regions' CPU time on the CPU basis (else their wall time) and
+    ``late`` counts regions that already took longer than ``slowdown x cpu_s`` (the host was
+    too busy to emulate the kind there)."""
 
     regions: int
     measured_s: float
     injected_s: float
+    cpu_s: float = 0.0
+    late: int = 0
 
     @property
     def emulated_s(self) -> float:
@@ -45,14 +60,17 @@ class EmulationStats:
 class Emulator:
     """Slows compute regions of one CPU rank by ``slowdown`` and enforces an optional memory cap.
 
-    ``clock`` returns seconds (default ``time.perf_counter``); ``sleep`` waits seconds (default
-    ``time.sleep``). The emulator is not thread-safe: use one per rank.
+    ``clock`` returns wall seconds (default ``time.perf_counter``); ``sleep`` waits seconds
+    (default ``time.sleep``); ``cpu_clock`` returns the CPU seconds of the calling thread
+    (``time.thread_time``) for the CPU basis, or None for the wall basis (see the module doc).
+    The emulator is not thread-safe: use one per rank.
     """
 
     def __init__(self, slowdown: float, memory_cap_gib: Optional[float] = None,
                  name: str = "emulated",
                  clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], Any] = time.sleep) -> None:
+                 sleep: Callable[[float], Any] = time.sleep,
+                 cpu_clock: Optional[Callable[[], float]] = None) -> None:
         if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or slowdown < 1.0:
             raise UserError(f"{name}: slowdown must be a number >= 1.0 (an emulated kind can only "
                             f"be slower than the host CPU), got {slowdown!r}")
@@ -63,28 +81,59 @@ class Emulator:
         self.name = name
         self._clock = clock
         self._sleep = sleep
-        self._regions = 0
-        self._measured_s = 0.0
-        self._injected_s = 0.0
+        self._cpu_clock = cpu_clock
+        self.reset()
+
+    @property
+    def basis(self) -> str:
+        """"cpu" (the thread's CPU time sets the region's length) or "wall"."""
+        return "wall" if self._cpu_clock is None else "cpu"
 
     @classmethod
     def from_spec(cls, spec: "AcceleratorSpec", clock: Callable[[], float] = time.perf_counter,
-                  sleep: Callable[[float], Any] = time.sleep) -> "Emulator":
-        """The emulator of an accelerator kind; a real kind gets slowdown 1 (no waiting)."""
-        return cls(spec.slowdown, spec.memory_cap_gib, name=spec.label, clock=clock, sleep=sleep)
+                  sleep: Callable[[float], Any] = time.sleep,
+                  cpu_clock: Optional[Callable[[], float]] = None,
+                  threads: Optional[int] = None) -> "Emulator":
+        """The emulator of an accelerator kind; a real kind gets slowdown 1 (no waiting).
+        Without ``cpu_clock`` the CPU basis (``time.thread_time``) is used when the rank computes
+        on one thread (``threads``, default ``torch.get_num_threads()``), else the wall basis."""
+        if cpu_clock is None:
+            if threads is None:
+                import torch
+                threads = torch.get_num_threads()
+            cpu_clock = time.thread_time if threads == 1 else None
+        return cls(spec.slowdown, spec.memory_cap_gib, name=spec.label, clock=clock, sleep=sleep,
+                   cpu_clock=cpu_clock)
 
     @contextmanager
-    def timed_region(self) -> Iterator[None]:
-        """Time the body, then wait ``(slowdown - 1)`` x its time. A body that raises is neither
-        accounted nor padded."""
+    def timed_region(self, key: Optional[Hashable] = None) -> Iterator[None]:
+        """Time the body, then wait until it has lasted ``slowdown`` x its CPU time (CPU basis;
+        with a ``key``, the least CPU time of the regions of that key so far) or wait
+        ``(slowdown - 1)`` x its wall time (wall basis). A body that raises is neither accounted
+        nor padded."""
+        cpu_start = self._cpu_clock() if self._cpu_clock is not None else 0.0
         start = self._clock()
         yield
         measured = max(0.0, self._clock() - start)
-        injected = (self.slowdown - 1.0) * measured
+        if self._cpu_clock is None:
+            cpu = measured
+            injected = (self.slowdown - 1.0) * measured
+        else:
+            cpu = max(0.0, self._cpu_clock() - cpu_start)
+            work = cpu
+            if key is not None:
+                work = min(cpu, self._least_cpu.get(key, cpu))
+                self._least_cpu[key] = work
+            injected = self.slowdown * work - measured
+            if injected < 0:
+                if self.slowdown > 1.0:
+                    self._late += 1
+                injected = 0.0
         if injected > 0:
             self._sleep(injected)
         self._regions += 1
         self._measured_s += measured
+        self._cpu_s += cpu
         self._injected_s += injected
 
     def compute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -102,11 +151,14 @@ class Emulator:
             f"tp or recompute) or raise memory_cap_gib")
 
     def stats(self) -> EmulationStats:
-        return EmulationStats(self._regions, self._measured_s, self._injected_s)
+        return EmulationStats(self._regions, self._measured_s, self._injected_s, self._cpu_s,
+                              self._late)
 
     def reset(self) -> None:
         """Zero the counters."""
         self._regions, self._measured_s, self._injected_s = 0, 0.0, 0.0
+        self._cpu_s, self._late = 0.0, 0
+        self._least_cpu: dict[Hashable, float] = {}
 
 
 class EmulatedLink:

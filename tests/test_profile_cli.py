@@ -31,10 +31,23 @@ def test_writes_a_profile_of_the_sweep(tmp_path: pathlib.Path) -> None:
     assert f"wrote {tmp_path / 'cpu.json'}" in proc.stdout
 
 
+def test_host_sharing_figures_go_into_the_profile(tmp_path: pathlib.Path) -> None:
+    proc = run_tool("--model", "tiny", "--seq-lengths", "16", "--micro-batch-sizes", "1",
+                    "--tp", "1", "--warmup", "0", "--iters", "2", "--threads", "1",
+                    "--host-sharing", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    profile = Profile.load(tmp_path / "cpu.json")
+    assert len(profile.host_sharing) == 2 and all(v > 0 for v in profile.host_sharing)
+    wall, cpu = profile.host_collective_s
+    assert 0 < cpu <= wall
+    assert "host sharing: 1: x" in proc.stdout and "host TP collective: wall" in proc.stdout
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--model", "no-such-model"], "unknown --model 'no-such-model'"),
     (["--model", "tiny", "--micro-batch-sizes", "1,two"], "--micro-batch-sizes"),
     (["--model", "tiny", "--accelerator", "emu-slow"], "--accelerator cpu"),
+    (["--model", "tiny", "--host-sharing", "-1"], "--host-sharing must be at least 0"),
 ])
 def test_user_errors_are_one_line(tmp_path: pathlib.Path, args: list, fragment: str) -> None:
     proc = run_tool(*args, "--out", str(tmp_path))

@@ -9,11 +9,12 @@ Then ``tools/plan.py --profile-dir profiles/`` predicts with the measured figure
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,6 +23,10 @@ import torch  # noqa: E402
 from megatron_het.cluster.accelerators import AcceleratorRegistry  # noqa: E402
 from megatron_het.errors import UserError, run_cli  # noqa: E402
 from megatron_het.model_args import add_model_shape_args, model_config_from_args  # noqa: E402
+from megatron_het.parallel.plan_validation import valid_tp_sizes  # noqa: E402
+from megatron_het.perf.cost_model import LayerShape  # noqa: E402
+from megatron_het.perf.host_sharing import (measure_host_collective,  # noqa: E402
+                                            measure_host_sharing)
 from megatron_het.perf.profile import Profile, merge_profiles  # noqa: E402
 from megatron_het.perf.profiler import (PROFILE_DTYPES, Sweep, default_accelerator,  # noqa: E402
                                         profile_device)
@@ -79,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comm", action="store_true",
                    help="also measure the communicator between 2 local gloo ranks (CPU runs "
                         "only; recorded as the intra_node link of the kind)")
+    p.add_argument("--host-sharing", type=int, default=0, metavar="N",
+                   help="also measure how a pass slows with 1..N single-threaded processes "
+                        "computing at once on this host, and one TP collective's wall and CPU "
+                        "time between two computing processes (CPU runs only; for "
+                        "CPU-emulated clusters, where ranks share the host)")
     p.add_argument("--seed", type=int, default=1234)
     return p
 
@@ -117,6 +127,28 @@ def layer_table(profile: Profile) -> str:
     return "\n".join(rows)
 
 
+def with_host_figures(profile: Profile, model: Any, args: argparse.Namespace) -> Profile:
+    """``profile`` with the host-sharing figures (1..--host-sharing processes, one TP=1 layer
+    at the sweep's first sequence length and micro-batch size, against the profile's own time
+    of that layer) and, when model's heads split in two, one TP=2 collective's (wall, CPU)."""
+    seq, micro_batch = args.seq_lengths[0], args.micro_batch_sizes[0]
+    entry = profile.layer(LayerShape.of(model, seq, micro_batch, 1), args.dtype)
+    reference = None if entry is None else entry.forward_s + entry.backward_s
+    print(f"host sharing: 1..{args.host_sharing} processes, seq {seq}, micro-batch "
+          f"{micro_batch}", flush=True)
+    sharing = measure_host_sharing(model, seq, micro_batch, tp=1,
+                                   max_processes=args.host_sharing, passes=max(2, args.iters),
+                                   warmup=args.warmup, reference_s=reference)
+    print("host sharing: " + ", ".join(f"{n + 1}: x{v:.2f}" for n, v in enumerate(sharing)),
+          flush=True)
+    collective = profile.host_collective_s
+    if 2 in valid_tp_sizes(model):
+        collective = measure_host_collective(model, seq, micro_batch, passes=max(2, args.iters))
+        print(f"host TP collective: wall {collective[0] * 1e3:.3f} ms, CPU "
+              f"{collective[1] * 1e3:.3f} ms", flush=True)
+    return dataclasses.replace(profile, host_sharing=sharing, host_collective_s=collective)
+
+
 def main(argv: Sequence[str]) -> Path:
     args = build_parser().parse_args(list(argv))
     for flag, value, low in (("--warmup", args.warmup, 0), ("--iters", args.iters, 1),
@@ -128,6 +160,11 @@ def main(argv: Sequence[str]) -> Path:
                   args.iters, args.seed)
     sweep.check_model(model)
     device = pick_device(args.device)
+    if args.host_sharing < 0:
+        raise UserError(f"--host-sharing must be at least 0, got {args.host_sharing}")
+    if args.host_sharing and device.type != "cpu":
+        raise UserError("--host-sharing measures processes sharing this host's CPUs, which "
+                        "describes the cpu kind only; run it with --device cpu")
     if args.comm and device.type != "cpu":
         raise UserError("--comm measures gloo between two CPU ranks, which describes the cpu "
                         "kind only; run it with --device cpu --accelerator cpu")
@@ -145,6 +182,8 @@ def main(argv: Sequence[str]) -> Path:
     start = time.perf_counter()
     profile = profile_device(model, sweep, accelerator, device, args.comm,
                              progress=lambda line: print(line, flush=True))
+    if args.host_sharing:
+        profile = with_host_figures(profile, model, args)
     if old is not None:
         profile = merge_profiles(old, profile)
     out.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,10 @@ a compute step on a stage's ``tp`` identical processes:
 1. CPU work (seconds as measured alone): progresses at :meth:`HostSharing.rate` of the number of
    processes of that node computing at that moment (processor sharing);
 2. in-region waits (the TP all-reduces): wall time, no core;
-3. the emulated slowdown's injected wait: ``(slowdown - 1) x`` the region's wall time (phases 1
-   and 2, as :class:`~megatron_het.emulation.Emulator` measures it), no core.
+3. the emulated slowdown's injected wait, no core: the region lasts until ``slowdown x`` its CPU
+   work on the rank's thread (phase 1 without gloo's share) has passed since it began, or ends now if phases 1 and 2 took longer (the
+   CPU basis of :class:`~megatron_het.emulation.Emulator`, which single-threaded ranks use; the
+   CPU time of the work is taken as its time measured alone).
 
 Transfers start when both sides have posted them and last the boundary's p2p time (no core).
 A step ends when all its transfers have ended.
@@ -17,7 +19,7 @@ A step ends when all its transfers have ended.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from megatron_het.perf.host_sharing import HostSharing
 from megatron_het.pipeline.schedules import (Action, ActionKind, P2PBatch, ScheduleError, Step,
@@ -35,7 +37,9 @@ class HostStage:
 
     ``work_*_s``: CPU seconds of one process measured alone; ``wait_*_s``: waits inside the
     compute region (TP communication); ``p2p_*_s``: the transfer to the next stage (0 on the
-    last). ``processes``: its TP ranks; ``node``: the host they run on.
+    last). ``processes``: its TP ranks; ``node``: the host they run on. ``slowed_*_s``: the part
+    of the work on the rank's own thread, whose CPU time the emulator multiplies by the slowdown
+    (None: all of it; gloo's copies and reductions run on its own threads and are not slowed).
     """
 
     node: int
@@ -47,6 +51,8 @@ class HostStage:
     wait_backward_s: float = 0.0
     p2p_forward_s: float = 0.0
     p2p_backward_s: float = 0.0
+    slowed_forward_s: Optional[float] = None
+    slowed_backward_s: Optional[float] = None
 
 
 class _Agent:
@@ -55,6 +61,7 @@ class _Agent:
     def __init__(self, pipeline: int, stage: int, spec: HostStage, steps: Sequence[Step]) -> None:
         self.pipeline, self.stage, self.spec, self.steps = pipeline, stage, spec, steps
         self.pc, self.phase, self.left, self.until, self.region_start = 0, "next", 0.0, 0.0, 0.0
+        self.region_work = 0.0
         self.pending, self.wait_s = 0, 0.0
         self.end, self.compute_s = 0.0, 0.0
 
@@ -123,7 +130,8 @@ def _advance(a: _Agent, now: float, pipelines: Sequence[Sequence[HostStage]],
         elif a.phase == "wait":
             if a.until > now + _EPS:
                 return
-            a.phase, a.until = "sleep", now + (a.spec.slowdown - 1.0) * (now - a.region_start)
+            a.phase = "sleep"
+            a.until = max(now, a.region_start + a.spec.slowdown * a.region_work)
         elif a.phase in ("sleep", "xfer"):
             if a.pending or a.until > now + _EPS:
                 return
@@ -146,10 +154,14 @@ def _start_step(a: _Agent, now: float, pipelines: Sequence[Sequence[HostStage]],
     if isinstance(step, Action) and step.kind is ActionKind.FORWARD:
         a.phase, a.left, a.wait_s = "cpu", spec.work_forward_s, spec.wait_forward_s
         a.region_start = now
+        a.region_work = (spec.work_forward_s if spec.slowed_forward_s is None
+                         else spec.slowed_forward_s)
         return
     if isinstance(step, Action) and step.kind is ActionKind.BACKWARD:
         a.phase, a.left, a.wait_s = "cpu", spec.work_backward_s, spec.wait_backward_s
         a.region_start = now
+        a.region_work = (spec.work_backward_s if spec.slowed_backward_s is None
+                         else spec.slowed_backward_s)
         return
     actions = step.actions if isinstance(step, P2PBatch) else (step,)
     a.phase, a.pending, a.until = "xfer", len(actions), now

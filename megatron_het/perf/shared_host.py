@@ -12,8 +12,9 @@ What changes against the one-device-per-rank model, each from a measured figure:
   measured wall and CPU time of one collective between computing peers: its CPU time as work
   on the shared cores, the rest as a wait; else the link model's all-reduce as a wait), each
   stage-boundary transfer's measured gloo time as CPU work at both ends, and the slowdown as
-  the injected wait after the region, which frees the core (the executor's
-  :class:`~megatron_het.emulation.Emulator` does that);
+  the injected wait after the region, which frees the core: the executor's
+  :class:`~megatron_het.emulation.Emulator` (CPU basis) pads a region to ``slowdown x`` the
+  CPU time of the rank's own thread, the stage's compute without gloo's share;
 - DP gradient sync: the link model's time, slowed by the host sharing of the ranks that sync
   at once (gloo copies and reduces on the CPU);
 - optimizer step: every rank steps at once after the gradient sync; the emulator slows only the
@@ -98,8 +99,8 @@ def shared_host_times(ctx: Any, rows: Sequence["StagePrediction"]) -> Optional[S
             recompute = stage.recompute if ctx.recompute is None else ctx.recompute
             forward_count, backward_count = tp_collectives(stage, recompute)
             node = ctx.comm.node_of(stage.ranks[0])
-            work_forward = compute.forward_s / spec.slowdown
-            work_backward = compute.backward_s / spec.slowdown
+            work_forward = slowed_forward = compute.forward_s / spec.slowdown
+            work_backward = slowed_backward = compute.backward_s / spec.slowdown
             host = choose_profile(spec, ctx.profiles).profile
             if stage.tp > 1 and host.host_collective_s:
                 # Measured per collective: its CPU share is work on the shared cores, the rest
@@ -118,7 +119,8 @@ def shared_host_times(ctx: Any, rows: Sequence["StagePrediction"]) -> Optional[S
                 slowdown=spec.slowdown, work_forward_s=work_forward,
                 work_backward_s=work_backward, wait_forward_s=tp_forward,
                 wait_backward_s=tp_backward, p2p_forward_s=row.p2p_forward_s,
-                p2p_backward_s=row.p2p_backward_s))
+                p2p_backward_s=row.p2p_backward_s, slowed_forward_s=slowed_forward,
+                slowed_backward_s=slowed_backward))
         pipelines.append(stages)
     result = simulate_shared_host(pipelines, [pp.micro_batches for pp in ctx.plan.pipelines],
                                   sharing)

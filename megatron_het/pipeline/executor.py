@@ -178,9 +178,11 @@ class PipelineExecutor:
                                      f"{list(want)}")
 
     @contextlib.contextmanager
-    def _compute_region(self, run: _Run) -> Iterator[None]:
+    def _compute_region(self, run: _Run, kind: str) -> Iterator[None]:
         start = time.perf_counter()
-        region = self.emulator.timed_region() if self.emulator else contextlib.nullcontext()
+        # Every micro-batch's forward (backward) of this stage is the same work: one key each.
+        key = (kind, run.forward_only)
+        region = self.emulator.timed_region(key) if self.emulator else contextlib.nullcontext()
         with region:
             yield
             self._synchronize()
@@ -198,7 +200,7 @@ class PipelineExecutor:
 
     def _forward(self, run: _Run, mb: int) -> None:
         tokens, labels = run.micro_batches[mb]
-        with self._compute_region(run):
+        with self._compute_region(run, "forward"):
             if self.is_first:
                 x = tokens.to(self.device)
             else:
@@ -232,7 +234,7 @@ class PipelineExecutor:
         return x
 
     def _backward(self, run: _Run, mb: int) -> None:
-        with self._compute_region(run):
+        with self._compute_region(run, "backward"):
             out = run.outputs.pop(mb)
             if self.is_last:
                 torch.autograd.backward(out)

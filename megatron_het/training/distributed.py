@@ -152,6 +152,19 @@ def _describe(trainer: ParallelTrainer) -> str:
             f"{psetup.run.data.seq_length}, from sample {trainer.progress.consumed_samples}")
 
 
+def _warn_late_regions(trainer: Any) -> None:
+    """An emulated rank whose compute regions outran its kind's time (the host's cores were
+    too shared to emulate it there) says so on stderr: its figures are slower than the kind."""
+    emulator = trainer.executor.emulator
+    stats = emulator.stats() if emulator is not None else None
+    if stats is None or not stats.late:
+        return
+    print(f"warning: rank {trainer.groups.comm.rank} ({emulator.name}): {stats.late} of "
+          f"{stats.regions} compute regions took longer than {emulator.slowdown:g} x their CPU "
+          f"time (EMULATION: the host's cores are shared by too many ranks); its times are "
+          f"slower than the emulated kind", file=sys.stderr, flush=True)
+
+
 def pretrain_distributed(run: RunConfig, world_size: int, stop: Optional[StopRequest] = None,
                          out: TextIO = sys.stdout) -> Progress:
     """Run ``run`` on this rank of an initialised ``world_size``-rank world; returns progress.
@@ -177,6 +190,7 @@ def pretrain_distributed(run: RunConfig, world_size: int, stop: Optional[StopReq
                           "--train-iters to train further")
             return trainer.progress
         train_loop_parallel(trainer, stop)
+        _warn_late_regions(trainer)
     finally:
         if trainer.logger is not None:
             trainer.logger.close()

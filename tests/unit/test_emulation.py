@@ -81,6 +81,83 @@ def test_real_clock_ratio_is_accounted_exactly():
     assert sum(slept) == pytest.approx(stats.injected_s)
 
 
+class FakeCpuClock:
+    """CPU seconds of the calling thread: moves only while it computes."""
+
+    def __init__(self):
+        self.now = 7.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_cpu_basis_pads_to_slowdown_times_cpu_time():
+    clock, cpu = FakeClock(), FakeCpuClock()
+    emulator = Emulator(3.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu)
+    assert emulator.basis == "cpu"
+    start = clock.now
+    with emulator.timed_region():  # 1 s of CPU work that took 2 s: a shared core
+        clock.work(2.0)
+        cpu.now += 1.0
+    assert clock.sleeps == pytest.approx([1.0])  # 3 x 1 s in all, not 3 x 2 s
+    assert clock.now - start == pytest.approx(3.0)
+    with emulator.timed_region():  # a crowded host: 4 s for 1 s of CPU, past 3 x 1 s
+        clock.work(4.0)
+        cpu.now += 1.0
+    stats = emulator.stats()
+    assert clock.sleeps == pytest.approx([1.0])
+    assert stats == EmulationStats(2, pytest.approx(6.0), pytest.approx(1.0), pytest.approx(2.0),
+                                   1)
+    assert stats.emulated_s == pytest.approx(7.0)
+
+
+def test_keyed_regions_pad_to_the_least_cpu_time_of_their_key():
+    clock, cpu = FakeClock(), FakeCpuClock()
+    emulator = Emulator(4.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu)
+
+    def region(key, cpu_s):
+        start = clock.now
+        with emulator.timed_region(key):
+            clock.work(cpu_s)
+            cpu.now += cpu_s
+        return clock.now - start
+
+    assert region("forward", 1.5) == pytest.approx(6.0)  # first of its key: its own time
+    assert region("forward", 1.0) == pytest.approx(4.0)
+    # A host hiccup (cold caches after a wait) does not make the emulated kind slower.
+    assert region("forward", 1.25) == pytest.approx(4.0)
+    assert region("backward", 2.0) == pytest.approx(8.0)  # another key, its own history
+    assert region(None, 1.25) == pytest.approx(5.0)  # no key: this region's own time
+    assert emulator.stats().cpu_s == pytest.approx(7.0)  # what really ran is still accounted
+
+
+def test_cpu_basis_slowdown_one_never_waits_nor_counts_late():
+    clock, cpu = FakeClock(), FakeCpuClock()
+    emulator = Emulator(1.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu)
+    with emulator.timed_region():
+        clock.work(2.0)
+        cpu.now += 1.0
+    assert clock.sleeps == [] and emulator.stats().late == 0
+
+
+def test_from_spec_picks_the_basis_by_threads():
+    spec = get_accelerator("emu-slow")
+    assert Emulator.from_spec(spec, threads=1).basis == "cpu"
+    assert Emulator.from_spec(spec, threads=4).basis == "wall"
+    assert Emulator(2.0).basis == "wall"
+
+
+def test_real_cpu_clock_pads_a_busy_region_to_the_slowdown():
+    slept = []
+    emulator = Emulator(2.0, sleep=slept.append, cpu_clock=time.thread_time)
+    with emulator.timed_region():
+        sum(i * i for i in range(200000))
+    stats = emulator.stats()
+    assert stats.cpu_s > 0 and stats.regions == 1
+    assert stats.measured_s + sum(slept) == pytest.approx(2.0 * stats.cpu_s, rel=1e-6) or (
+        stats.late == 1 and slept == [])
+
+
 def test_from_spec_uses_the_kind():
     clock = FakeClock()
     slow = Emulator.from_spec(get_accelerator("emu-slow"), clock=clock, sleep=clock.sleep)
@@ -138,3 +215,28 @@ def test_default_clock_and_sleep_are_real():
     with emulator.timed_region():
         time.sleep(0)
     assert emulator.stats().regions == 1 and emulator.stats().injected_s == 0.0
+
+
+def test_a_rank_with_late_regions_warns(capsys):
+    from types import SimpleNamespace
+
+    from megatron_het.training.distributed import _warn_late_regions
+
+    clock, cpu = FakeClock(), FakeCpuClock()
+    emulator = Emulator(2.0, name="emu-slow (emulated)", clock=clock, sleep=clock.sleep,
+                        cpu_clock=cpu)
+    trainer = SimpleNamespace(executor=SimpleNamespace(emulator=emulator),
+                              groups=SimpleNamespace(comm=SimpleNamespace(rank=3)))
+    with emulator.timed_region():
+        clock.work(1.0)
+        cpu.now += 1.0
+    _warn_late_regions(trainer)
+    assert capsys.readouterr().err == ""
+    with emulator.timed_region():
+        clock.work(3.0)
+        cpu.now += 1.0
+    _warn_late_regions(trainer)
+    assert capsys.readouterr().err == (
+        "warning: rank 3 (emu-slow (emulated)): 1 of 2 compute regions took longer than 2 x "
+        "their CPU time (EMULATION: the host's cores are shared by too many ranks); its times "
+        "are slower than the emulated kind\n")

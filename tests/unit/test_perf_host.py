@@ -59,20 +59,27 @@ def test_an_emulated_wait_frees_the_core_by_hand():
     host = {0: HostSharing((1.0, 2.0))}
     fast = [HostStage(0, 1, 1.0, 1.0, 0.0)]  # 2 micro-batches of 1 s forward
     slow = [HostStage(0, 1, 3.0, 1.0, 0.0)]  # 1 micro-batch, slowdown x3
-    # 0-2 s: both compute at half speed; then the slow rank waits 2 x 2 s without the core,
-    # and the fast rank's second micro-batch runs alone (2-3 s).
+    # 0-2 s: both compute at half speed; the slow rank's region lasts 3 x its 1 s of CPU work
+    # (it waits 2-3 s without the core), and the fast rank's second micro-batch runs alone.
     result = simulate_shared_host([fast, slow], [2, 1], host)
-    assert result.makespans_s == pytest.approx([3.0, 6.0])
-    assert result.compute_s == (pytest.approx((3.0,)), pytest.approx((6.0,)))
+    assert result.makespans_s == pytest.approx([3.0, 3.0])
+    assert result.compute_s == (pytest.approx((3.0,)), pytest.approx((3.0,)))
     # With a core each, the slow rank's region is 1 s, padded to 3 s.
     assert simulate_shared_host([fast, slow], [2, 1], {}).makespans_s == pytest.approx([2.0, 3.0])
+    # Sharing that costs more than the slowdown leaves nothing to wait: the region is late.
+    crowded = {0: HostSharing((1.0, 4.0))}
+    assert simulate_shared_host([fast, slow], [2, 1], crowded).makespans_s == pytest.approx(
+        [5.0, 4.0])
 
 
-def test_waits_inside_the_region_are_slowed_with_it():
+def test_waits_inside_the_region_count_toward_its_emulated_length():
+    # TP=2 on a host of one core: 1 s of work at half speed + a 0.5 s all-reduce.
     stage = [HostStage(0, 2, 2.0, 1.0, 0.0, wait_forward_s=0.5)]
-    # TP=2 on a host of one core: 1 s of work at half speed + 0.5 s all-reduce, doubled.
     result = simulate_shared_host([stage], [1], {0: HostSharing((1.0, 2.0))})
-    assert result.makespans_s == pytest.approx([(2.0 + 0.5) * 2])
+    assert result.makespans_s == pytest.approx([2.5])  # past the 2 x 1 s the kind would take
+    stage = [HostStage(0, 2, 4.0, 1.0, 0.0, wait_forward_s=0.5)]
+    result = simulate_shared_host([stage], [1], {0: HostSharing((1.0, 2.0))})
+    assert result.makespans_s == pytest.approx([4.0])  # padded to 4 x 1 s of CPU work
 
 
 def host_profile(sharing=(), comm=()):

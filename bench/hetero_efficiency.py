@@ -29,7 +29,7 @@ with fewer cores than emulated devices does not decide the result (padding to sl
 CPU time absorbs sharing up to the slowdown). F = 2 is the default. The defaults (23 layers,
 global batch 128, sequence 256) give the planner's pipeline 32 micro-batches and a layer split
 fine enough to balance the kinds. The configurations run in ``--rounds`` interleaved rounds
-(a + b, c, d, a + b, ...; about 13 minutes each on 2 cores) so that a change in the host's load
+(a + b, c, d, a + b, ...; about 17 minutes each on 2 cores) so that a change in the host's load
 hits them alike. The last line printed is one JSON object with the figures and the conditions.
 
     .venv/bin/python bench/hetero_efficiency.py
@@ -74,8 +74,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--global-batch-size", type=int, default=128,
                    help="sequences per iteration, the same for every configuration")
-    p.add_argument("--iters", type=int, default=5, help="training iterations per run")
-    p.add_argument("--warmup", type=int, default=2, help="first iterations left out")
+    p.add_argument("--iters", type=int, default=7, help="training iterations per run")
+    p.add_argument("--warmup", type=int, default=3, help="first iterations left out")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the 4 runs")
     p.add_argument("--dilation", type=float, default=2.0,
                    help="multiply both kinds' slowdown by this (>= 1; see the module doc)")

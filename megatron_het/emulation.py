@@ -12,9 +12,9 @@ waiting while other ranks ran, preemption) is a property of the host and not of 
 several threads per rank the basis is the region's wall time and the wait ``(slowdown - 1)``
 times it.
 
-An :class:`EmulatedLink` delays a transfer to what it would take
-on a link of the given bandwidth and latency. Both keep their own counters (no global state) and
-take ``clock``/``sleep`` callables so tests can drive them with a fake clock.
+An :class:`EmulatedLink` delays a transfer to what it would take on a link of the given bandwidth
+and latency. Both keep their own counters (no global state) and take ``clock``/``sleep``
+callables so tests can drive them with a fake clock.
 
 Everything here is emulation; callers label its results as such.
 """
@@ -42,8 +42,8 @@ class EmulatedOutOfMemory(UserError):
 class EmulationStats:
     """Accounted time of an Emulator: ``measured_s`` really ran (wall), ``injected_s`` was
     waited; ``cpu_s`` is the regions' CPU time on the CPU basis (else their wall time) and
-    ``late`` counts regions that already took longer than ``slowdown x cpu_s`` (the host was
-    too busy to emulate the kind there)."""
+    ``late`` counts regions that already took longer than the length they were to be padded to
+    (the host was too busy to emulate the kind there)."""
 
     regions: int
     measured_s: float

@@ -9,9 +9,10 @@ a compute step on a stage's ``tp`` identical processes:
    processes of that node computing at that moment (processor sharing);
 2. in-region waits (the TP all-reduces): wall time, no core;
 3. the emulated slowdown's injected wait, no core: the region lasts until ``slowdown x`` its CPU
-   work on the rank's thread (phase 1 without gloo's share) has passed since it began, or ends now if phases 1 and 2 took longer (the
-   CPU basis of :class:`~megatron_het.emulation.Emulator`, which single-threaded ranks use; the
-   CPU time of the work is taken as its time measured alone).
+   work on the rank's thread (phase 1 without gloo's share) has passed since it began, or ends
+   at once if phases 1 and 2 took longer (the CPU basis of
+   :class:`~megatron_het.emulation.Emulator`, which single-threaded ranks use; the CPU time of
+   the work is taken as its time measured alone).
 
 Transfers start when both sides have posted them and last the boundary's p2p time (no core).
 A step ends when all its transfers have ended.

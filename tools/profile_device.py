@@ -14,13 +14,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import NoReturn, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 from megatron_het.cluster.accelerators import AcceleratorRegistry  # noqa: E402
+from megatron_het.config import ModelConfig  # noqa: E402
 from megatron_het.errors import UserError, run_cli  # noqa: E402
 from megatron_het.model_args import add_model_shape_args, model_config_from_args  # noqa: E402
 from megatron_het.parallel.plan_validation import valid_tp_sizes  # noqa: E402
@@ -127,7 +128,8 @@ def layer_table(profile: Profile) -> str:
     return "\n".join(rows)
 
 
-def with_host_figures(profile: Profile, model: Any, args: argparse.Namespace) -> Profile:
+def with_host_figures(profile: Profile, model: ModelConfig,
+                      args: argparse.Namespace) -> Profile:
     """``profile`` with the host-sharing figures (1..--host-sharing processes, one TP=1 layer
     at the sweep's first sequence length and micro-batch size, against the profile's own time
     of that layer) and, when model's heads split in two, one TP=2 collective's (wall, CPU)."""

@@ -2,9 +2,9 @@
 
 scripts/clusters/cpu_emulated.yaml has 4 ranks on this machine: ranks 0-1 of kind emu-fast and
 ranks 2-3 of kind emu-slow (half the speed). Each compute region of an emulated rank is padded
-to its kind's slowdown x the region's CPU time (the least seen for that stage's forward or
-backward, see :mod:`megatron_het.emulation`). Every configuration trains through
-``pretrain_llama.py`` under torchrun (``python -m torch.distributed.run --standalone
+to its kind's slowdown x the region's CPU time (for a stage's forward or backward, the least
+of its recent ones, see :mod:`megatron_het.emulation`). Every configuration trains
+through ``pretrain_llama.py`` under torchrun (``python -m torch.distributed.run --standalone
 --nproc_per_node N``) on mock data, and its tokens/s is the median, over the iterations after
 the warm-up ones, of the metrics file's ``tokens_per_s``. The planner plans every configuration
 with a profile of this host (measured first, about ten seconds; ``--profile`` reuses one,
@@ -26,11 +26,16 @@ the other, each with the host to itself.
 ``--dilation F`` multiplies both kinds' slowdown by F (ratio kept at 2): the four emulated
 devices then need 1.5 / F of the host's cores on average instead of 3 at F = 1, so that a host
 with fewer cores than emulated devices does not decide the result (padding to slowdown x the
-CPU time absorbs sharing up to the slowdown). F = 2 is the default. The defaults (23 layers,
-global batch 128, sequence 256) give the planner's pipeline 32 micro-batches and a layer split
-fine enough to balance the kinds. The configurations run in ``--rounds`` interleaved rounds
-(a + b, c, d, a + b, ...; about 17 minutes each on 2 cores) so that a change in the host's load
-hits them alike. The last line printed is one JSON object with the figures and the conditions.
+CPU time absorbs sharing up to the slowdown). F = 2 is the default. The defaults (11 layers,
+global batch 256, sequence 256) give the planner's pipeline 64 micro-batches, so that its
+fill-and-drain bubble (1/(m + 1) of an iteration at 2 stages) is small as in pretraining, where
+micro-batches far outnumber stages, and a layer split (4 + embedding | 7 + head) that balances
+the kinds. The configurations run in ``--rounds`` interleaved rounds, every other one in
+reverse order (a + b, c, d, d, c, a + b, ...; about 12 minutes each on 2 cores, 2 rounds by
+default): this host's speed drifts by several percent over minutes (one run's tokens/s rose
+4-12% between its early and late iterations in the runs we looked at), so a single round
+compares configurations measured at different host speeds; ``efficiency_per_round`` shows the
+spread. The last line printed is one JSON object with the figures and the conditions.
 
     .venv/bin/python bench/hetero_efficiency.py
 """
@@ -68,15 +73,15 @@ BASE_CLUSTER = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small", help="model preset")
-    p.add_argument("--num-layers", type=int, default=23,
+    p.add_argument("--num-layers", type=int, default=11,
                    help="layers (overrides the preset's; more layers give the split a finer "
                         "grain)")
     p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--global-batch-size", type=int, default=128,
+    p.add_argument("--global-batch-size", type=int, default=256,
                    help="sequences per iteration, the same for every configuration")
-    p.add_argument("--iters", type=int, default=7, help="training iterations per run")
-    p.add_argument("--warmup", type=int, default=3, help="first iterations left out")
-    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the 4 runs")
+    p.add_argument("--iters", type=int, default=5, help="training iterations per run")
+    p.add_argument("--warmup", type=int, default=2, help="first iterations left out")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the 4 runs")
     p.add_argument("--dilation", type=float, default=2.0,
                    help="multiply both kinds' slowdown by this (>= 1; see the module doc)")
     p.add_argument("--baselines", choices=("together", "apart"), default="together",
@@ -251,15 +256,16 @@ def iterations(name: str, args: argparse.Namespace) -> int:
 
 def measure(inputs: dict[str, tuple[Path, Path, int]], work: Path, args: argparse.Namespace,
             model: ModelConfig) -> dict[str, dict[str, Any]]:
-    """Run the configurations in interleaved rounds; per configuration, the post-warm-up
-    tokens/s and iteration times of every round."""
+    """Run the configurations in interleaved rounds, every other round in reverse order (a
+    host speed drifting steadily then favours no configuration over two rounds); per
+    configuration, the post-warm-up tokens/s and iteration times of every round."""
     samples: dict[str, dict[str, list[float]]] = {
         name: {"tokens_per_s": [], "iteration_time_s": [], "round_medians": []}
         for name in CONFIGS}
     batches = ([("fast", "slow")] if args.baselines == "together" else [("fast",), ("slow",)])
     batches += [("uniform",), ("planned",)]
     for round_index in range(args.rounds):
-        for batch in batches:
+        for batch in (batches if round_index % 2 == 0 else batches[::-1]):
             start = time.perf_counter()
             running = {}
             for name in batch:

@@ -4,7 +4,8 @@ import time
 import pytest
 
 from megatron_het.cluster import get_accelerator
-from megatron_het.emulation import EmulatedLink, EmulatedOutOfMemory, EmulationStats, Emulator
+from megatron_het.emulation import (REFERENCE_QUANTILE, REFERENCE_WINDOW, EmulatedLink,
+                                    EmulatedOutOfMemory, EmulationStats, Emulator)
 from megatron_het.errors import UserError
 
 GIB = 1024 ** 3
@@ -111,9 +112,10 @@ def test_cpu_basis_pads_to_slowdown_times_cpu_time():
     assert stats.emulated_s == pytest.approx(7.0)
 
 
-def test_keyed_regions_pad_to_the_least_cpu_time_of_their_key():
+def test_keyed_regions_pad_to_a_low_quantile_of_their_key():
     clock, cpu = FakeClock(), FakeCpuClock()
-    emulator = Emulator(4.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu)
+    emulator = Emulator(4.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu,
+                        reference_window=4, reference_quantile=0.25)
 
     def region(key, cpu_s):
         start = clock.now
@@ -123,12 +125,69 @@ def test_keyed_regions_pad_to_the_least_cpu_time_of_their_key():
         return clock.now - start
 
     assert region("forward", 1.5) == pytest.approx(6.0)  # first of its key: its own time
-    assert region("forward", 1.0) == pytest.approx(4.0)
+    assert region("forward", 1.0) == pytest.approx(4.0)  # the lesser of 2 (index 0)
     # A host hiccup (cold caches after a wait) does not make the emulated kind slower.
     assert region("forward", 1.25) == pytest.approx(4.0)
     assert region("backward", 2.0) == pytest.approx(8.0)  # another key, its own history
     assert region(None, 1.25) == pytest.approx(5.0)  # no key: this region's own time
-    assert emulator.stats().cpu_s == pytest.approx(7.0)  # what really ran is still accounted
+    # 4 in the window: the reference is the 2nd least, so one lucky region does not set it,
+    # and it pads to the reference like every region of its key.
+    assert region("forward", 0.5) == pytest.approx(4.0)  # window 1.5 1.0 1.25 0.5
+    # The window keeps the last 4 regions.
+    assert region("forward", 1.25) == pytest.approx(4.0)  # window 1.0 1.25 0.5 1.25
+    assert region("forward", 1.25) == pytest.approx(5.0)  # window 1.25 0.5 1.25 1.25
+    assert emulator.stats().cpu_s == pytest.approx(10.0)  # what really ran is accounted
+
+
+@pytest.mark.parametrize("quantile, settled_s, lucky_min_s", [
+    (0.0, 2.0, 1.0),   # the least of the last 20: 1.0 (the default rule); with the lucky 0.5
+                       # in the window the regions are late and last their own CPU time
+    (0.25, 2.4, 2.4),  # their 6th least: 1.2, which one lucky region does not move
+])
+def test_keyed_reference_does_not_drift_with_the_number_of_regions(quantile, settled_s,
+                                                                   lucky_min_s):
+    """A running least would fall with every lucky region and never come back (the emulated
+    kind speeding up the longer it runs); the reference over a window forgets one."""
+    clock, cpu = FakeClock(), FakeCpuClock()
+    emulator = Emulator(2.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu,
+                        reference_window=20, reference_quantile=quantile)
+    cycle = [1.0 + 0.1 * i for i in range(10)]  # the host's spread of one region's CPU time
+    lengths = []
+    for n in range(200):
+        start = clock.now
+        with emulator.timed_region("forward"):
+            work = 0.5 if n == 50 else cycle[(3 * n) % 10]  # one lucky region at n = 50
+            clock.work(work)
+            cpu.now += work
+        lengths.append(clock.now - start)
+    # Every region alike (2 x the reference of a window holding two of each value), before the
+    # lucky region and again once it has left the window.
+    settled = lengths[20:50] + lengths[70:]
+    assert settled == pytest.approx([settled_s] * len(settled))
+    assert min(lengths[50:70]) == pytest.approx(lucky_min_s)
+    assert max(lengths[50:70]) <= settled_s + 1e-9
+
+
+def test_default_reference_is_the_least_of_a_window():
+    clock, cpu = FakeClock(), FakeCpuClock()
+    emulator = Emulator(2.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu)
+    for work in [1.0] + [1.5] * REFERENCE_WINDOW:
+        with emulator.timed_region("forward"):
+            clock.work(work)
+            cpu.now += work
+    start = clock.now
+    with emulator.timed_region("forward"):  # 1.0 has left the window: the least is 1.5 now
+        clock.work(1.5)
+        cpu.now += 1.5
+    assert clock.now - start == pytest.approx(3.0)
+    assert REFERENCE_QUANTILE == 0.0
+
+
+def test_reference_settings_are_checked():
+    with pytest.raises(ValueError, match="reference_window"):
+        Emulator(2.0, reference_window=0)
+    with pytest.raises(ValueError, match="reference_quantile"):
+        Emulator(2.0, reference_quantile=1.0)
 
 
 def test_cpu_basis_slowdown_one_never_waits_nor_counts_late():

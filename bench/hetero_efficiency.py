@@ -89,7 +89,7 @@ def parse_args() -> argparse.Namespace:
                         "one after the other")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--profile", help="the host's cpu profile for the planner (default: "
-                                     "measure one first, about a minute)")
+                                     "measure one first, about ten seconds)")
     p.add_argument("--roofline", action="store_true",
                    help="plan with the kinds' roofline estimates instead of a profile")
     p.add_argument("--work-dir", default=None, help="keep clusters, plans and metrics here")
@@ -211,9 +211,9 @@ def launch(name: str, cluster: Path, plan: Path, ranks: int, iters: int, metrics
            "--eval-iters", "0", "--log-interval", "1", "--metrics-file", str(metrics)]
     # One thread per rank: the ranks share the host's cores, and more threads only contend.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = metrics.with_suffix(".log").open("w")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            text=True)
+    with metrics.with_suffix(".log").open("w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                text=True)
 
 
 def finish(name: str, proc: subprocess.Popen, metrics: Path, iters: int, start: float,

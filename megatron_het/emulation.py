@@ -195,7 +195,7 @@ class Emulator:
                               self._late)
 
     def reset(self) -> None:
-        """Zero the counters."""
+        """Zero the counters and forget every key's reference CPU times."""
         self._regions, self._measured_s, self._injected_s = 0, 0.0, 0.0
         self._cpu_s, self._late = 0.0, 0
         self._history: dict[Hashable, _KeyHistory] = {}

@@ -2,8 +2,14 @@
 
 scripts/clusters/cpu_emulated.yaml has 4 ranks on this machine: ranks 0-1 of kind emu-fast and
 ranks 2-3 of kind emu-slow (half the speed). Each compute region of an emulated rank is padded
-to its kind's slowdown x the region's CPU time (for a stage's forward or backward, the least
-of its recent ones, see :mod:`megatron_het.emulation`). Every configuration trains
+to its kind's slowdown x a reference time of its work. With ``--device-time profile`` (the
+default) a stage's forward and backward take their slowdown x the stage's figures in the
+host profile the bench measures first (``--emulation-profile`` of ``pretrain_llama.py``), so
+each emulated kind keeps one speed for the whole benchmark, as a real device would, while the
+host's own speed drifts; ``--device-time measured`` pads to slowdown x the region's measured
+CPU time instead (for a stage's forward or backward, the least of its recent ones, see
+:mod:`megatron_het.emulation`), which carries the host's drift and the CPU-time cost of
+sharing its cores into the kinds' speeds. Every configuration trains
 through ``pretrain_llama.py`` under torchrun (``python -m torch.distributed.run --standalone
 --nproc_per_node N``) on mock data, and its tokens/s is the median, over the iterations after
 the warm-up ones, of the metrics file's ``tokens_per_s``. The planner plans every configuration
@@ -44,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -60,13 +67,15 @@ sys.path.insert(0, str(REPO))
 
 from megatron_het.cluster import ClusterSpec  # noqa: E402
 from megatron_het.config import ModelConfig, model_preset  # noqa: E402
-from megatron_het.perf import Profile  # noqa: E402
+from megatron_het.parallel.plan import ParallelPlan  # noqa: E402
+from megatron_het.perf import Profile, predict  # noqa: E402
 from megatron_het.perf.profiler import Sweep, profile_device  # noqa: E402
 from megatron_het.planner import search_plan  # noqa: E402
 
 from emulated_cluster import dilated_cluster  # noqa: E402
 
 CONFIGS = ("fast", "slow", "uniform", "planned")
+LATE_WARNING = re.compile(r"(\d+) of (\d+) compute regions took longer than")
 BASE_CLUSTER = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
 
 
@@ -90,6 +99,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--profile", help="the host's cpu profile for the planner (default: "
                                      "measure one first, about ten seconds)")
+    p.add_argument("--device-time", choices=("profile", "measured"), default="profile",
+                   help="what an emulated stage's forward and backward last: slowdown x the "
+                        "host profile's figures (default) or x their measured CPU time")
     p.add_argument("--roofline", action="store_true",
                    help="plan with the kinds' roofline estimates instead of a profile")
     p.add_argument("--work-dir", default=None, help="keep clusters, plans and metrics here")
@@ -130,22 +142,28 @@ def uniform_split(plan: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return out
 
 
-def host_profile(model: ModelConfig, args: argparse.Namespace, work: Path) -> Optional[Profile]:
-    """The "cpu" profile the planner uses (``--profile``, else measured now on one thread, as
-    a rank computes; emulated kinds are this host times their slowdown); None with
-    ``--roofline``."""
-    if args.roofline:
-        return None
+def host_profile(model: ModelConfig, args: argparse.Namespace,
+                 work: Path) -> tuple[Optional[Profile], Optional[Path]]:
+    """The "cpu" profile the planner uses (None with ``--roofline``) and the profile file that
+    times the emulated stages (None with ``--device-time measured``): ``--profile``, else one
+    measured now on one thread, as a rank computes (emulated kinds are this host times their
+    slowdown)."""
+    if args.roofline and args.device_time == "measured":
+        return None, None
     if args.profile:
-        return Profile.load(args.profile)
-    torch.set_num_threads(1)
-    sweep = Sweep(seq_lengths=(args.seq_length,), micro_batch_sizes=(1, 2, 4), tp_sizes=(1, 2),
-                  dtype="fp32", warmup=2, iters=7)
-    print("[bench] profiling this host as 'cpu' (1 thread) for the planner", file=sys.stderr,
-          flush=True)
-    profile = profile_device(model, sweep, "cpu", torch.device("cpu"))
-    profile.save(work / "cpu.json")
-    return profile
+        path = Path(args.profile)
+        profile = Profile.load(path)
+    else:
+        torch.set_num_threads(1)
+        sweep = Sweep(seq_lengths=(args.seq_length,), micro_batch_sizes=(1, 2, 4),
+                      tp_sizes=(1, 2), dtype="fp32", warmup=2, iters=7)
+        print("[bench] profiling this host as 'cpu' (1 thread) for the planner and the "
+              "emulated device times", file=sys.stderr, flush=True)
+        profile = profile_device(model, sweep, "cpu", torch.device("cpu"))
+        path = work / "cpu.json"
+        profile.save(path)
+    return (None if args.roofline else profile,
+            path.resolve() if args.device_time == "profile" else None)
 
 
 def searched_plan(model: ModelConfig, cluster_file: Path, args: argparse.Namespace,
@@ -174,15 +192,18 @@ def describe(plan: dict[str, Any]) -> str:
     return f"mbs={plan['micro_batch_size']}; " + "; ".join(parts)
 
 
-def write_inputs(work: Path, model: ModelConfig,
-                 args: argparse.Namespace) -> dict[str, tuple[Path, Path, int]]:
-    """Cluster and plan files of every configuration: name -> (cluster, plan, ranks)."""
+def write_inputs(work: Path, model: ModelConfig, args: argparse.Namespace
+                 ) -> tuple[dict[str, tuple[Path, Path, int]], Optional[Path],
+                            dict[str, float]]:
+    """Cluster and plan files of every configuration: name -> (cluster, plan, ranks); the
+    profile that times the emulated stages (None: measured CPU time); and each
+    configuration's tokens/s as the predictor gives it with the planner's costs."""
     clusters = {}
     for key, data in cluster_dicts(args.dilation).items():
         path = work / f"cluster_{key}.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         clusters[key] = path
-    profile = host_profile(model, args, work)
+    profile, device_profile = host_profile(model, args, work)
     planned = searched_plan(model, clusters["mixed"], args, None, profile)
     zero1 = bool(planned.get("use_distributed_optimizer"))
     plans = {"planned": planned, "uniform": uniform_split(planned, model.num_layers),
@@ -195,12 +216,18 @@ def write_inputs(work: Path, model: ModelConfig,
         cluster = clusters["mixed"] if name in ("planned", "uniform") else clusters[name]
         ranks = sum(len(s["ranks"]) for p in plan["pipelines"] for s in p["stages"])
         inputs[name] = (cluster, path, ranks)
-    return inputs
+    profiles = {"cpu": profile} if profile is not None else None
+    predicted = {name: predict(model, ParallelPlan.load(path), ClusterSpec.load(cluster),
+                               args.seq_length, profiles, dtype="fp32").tokens_per_s
+                 for name, (cluster, path, _) in inputs.items()}
+    return inputs, device_profile, predicted
 
 
 def launch(name: str, cluster: Path, plan: Path, ranks: int, iters: int, metrics: Path,
-           args: argparse.Namespace, model: ModelConfig) -> subprocess.Popen:
-    """Start one configuration's training under torchrun (stdout and stderr to a log file)."""
+           args: argparse.Namespace, model: ModelConfig,
+           device_profile: Optional[Path]) -> subprocess.Popen:
+    """Start one configuration's training under torchrun (stdout and stderr to a log file);
+    ``device_profile`` times the emulated stages (None: their measured CPU time)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(ranks), str(REPO / "pretrain_llama.py"),
            "--model", args.model, "--num-layers", str(model.num_layers),
@@ -209,6 +236,8 @@ def launch(name: str, cluster: Path, plan: Path, ranks: int, iters: int, metrics
            "--vocab-size", str(model.vocab_size - 1),  # + its eod id = the model's vocabulary
            "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "0",
            "--eval-iters", "0", "--log-interval", "1", "--metrics-file", str(metrics)]
+    if device_profile is not None:
+        cmd += ["--emulation-profile", str(device_profile)]
     # One thread per rank: the ranks share the host's cores, and more threads only contend.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with metrics.with_suffix(".log").open("w") as log:  # the child keeps its own descriptor
@@ -216,9 +245,20 @@ def launch(name: str, cluster: Path, plan: Path, ranks: int, iters: int, metrics
                                 text=True)
 
 
+def late_regions(log: str) -> tuple[int, int]:
+    """(late, of) compute regions summed over the ranks that reported late ones in a run's
+    log (an emulated region is late when the host could not run it within its kind's time)."""
+    late = of = 0
+    for match in LATE_WARNING.finditer(log):
+        late += int(match.group(1))
+        of += int(match.group(2))
+    return late, of
+
+
 def finish(name: str, proc: subprocess.Popen, metrics: Path, iters: int, start: float,
-           args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Wait for a launched run; its metrics-file lines of split "train"."""
+           args: argparse.Namespace) -> tuple[list[dict[str, Any]], tuple[int, int]]:
+    """Wait for a launched run; its metrics-file lines of split "train" and its
+    :func:`late_regions`."""
     try:
         code = proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - start)))
     except subprocess.TimeoutExpired:
@@ -235,7 +275,7 @@ def finish(name: str, proc: subprocess.Popen, metrics: Path, iters: int, start: 
           flush=True)
     if len(train) != iters:
         raise SystemExit(f"error: run {name} logged {len(train)} iterations, expected {iters}")
-    return train
+    return train, late_regions(metrics.with_suffix(".log").read_text())
 
 
 def slowdown_ratio() -> float:
@@ -255,12 +295,13 @@ def iterations(name: str, args: argparse.Namespace) -> int:
 
 
 def measure(inputs: dict[str, tuple[Path, Path, int]], work: Path, args: argparse.Namespace,
-            model: ModelConfig) -> dict[str, dict[str, Any]]:
+            model: ModelConfig, device_profile: Optional[Path]) -> dict[str, dict[str, Any]]:
     """Run the configurations in interleaved rounds, every other round in reverse order (a
     host speed drifting steadily then favours no configuration over two rounds); per
-    configuration, the post-warm-up tokens/s and iteration times of every round."""
-    samples: dict[str, dict[str, list[float]]] = {
-        name: {"tokens_per_s": [], "iteration_time_s": [], "round_medians": []}
+    configuration, the post-warm-up tokens/s and iteration times of every round, and the late
+    regions its ranks reported (summed over rounds)."""
+    samples: dict[str, dict[str, Any]] = {
+        name: {"tokens_per_s": [], "iteration_time_s": [], "round_medians": [], "late": [0, 0]}
         for name in CONFIGS}
     batches = ([("fast", "slow")] if args.baselines == "together" else [("fast",), ("slow",)])
     batches += [("uniform",), ("planned",)]
@@ -272,9 +313,12 @@ def measure(inputs: dict[str, tuple[Path, Path, int]], work: Path, args: argpars
                 cluster, plan, ranks = inputs[name]
                 metrics = work / f"metrics_{name}_r{round_index}.jsonl"
                 running[name] = (launch(name, cluster, plan, ranks, iterations(name, args),
-                                        metrics, args, model), metrics)
+                                        metrics, args, model, device_profile), metrics)
             for name, (proc, metrics) in running.items():
-                train = finish(name, proc, metrics, iterations(name, args), start, args)
+                train, (late, of) = finish(name, proc, metrics, iterations(name, args), start,
+                                           args)
+                samples[name]["late"][0] += late
+                samples[name]["late"][1] += of
                 kept = train[args.warmup:]
                 tokens = [line["tokens_per_s"] for line in kept]
                 samples[name]["tokens_per_s"] += tokens
@@ -283,32 +327,40 @@ def measure(inputs: dict[str, tuple[Path, Path, int]], work: Path, args: argpars
     return samples
 
 
-def summary(samples: dict[str, dict[str, list[float]]], inputs: dict[str, tuple[Path, Path, int]],
-            model: ModelConfig, args: argparse.Namespace,
+def summary(samples: dict[str, dict[str, Any]], inputs: dict[str, tuple[Path, Path, int]],
+            predicted: dict[str, float], model: ModelConfig, args: argparse.Namespace,
             load_before: tuple[float, ...]) -> dict[str, Any]:
     tps = {name: statistics.median(samples[name]["tokens_per_s"]) for name in CONFIGS}
     both = tps["fast"] + tps["slow"]
+    timing = ("its slowdown x the host profile's time for the work (--device-time profile)"
+              if args.device_time == "profile" else
+              "its slowdown x the measured CPU time of the work (--device-time measured)")
     per_round = [samples["planned"]["round_medians"][r]
                  / (samples["fast"]["round_medians"][r] + samples["slow"]["round_medians"][r])
                  for r in range(args.rounds)]
     return {
         "benchmark": "hetero_efficiency",
-        "emulation": ("CPU emulation: each kind is a CPU process padded to its slowdown x "
-                      "the CPU time of its compute; not a measurement of real accelerators"),
+        "emulation": (f"CPU emulation: each kind is a CPU process whose compute regions are "
+                      f"padded to {timing}; not a measurement of real accelerators"),
         "tokens_per_s": {"a_fast_only": tps["fast"], "b_slow_only": tps["slow"],
                          "c_uniform_split": tps["uniform"], "d_planned_split": tps["planned"]},
         "efficiency": tps["planned"] / both,
         "uniform_efficiency": tps["uniform"] / both,
         "efficiency_per_round": per_round,
+        "predicted_efficiency": predicted["planned"] / (predicted["fast"] + predicted["slow"]),
+        "predicted_tokens_per_s": predicted,
         "iteration_time_s": {name: statistics.median(samples[name]["iteration_time_s"])
                              for name in CONFIGS},
+        "late_regions": {name: {"late": samples[name]["late"][0],
+                                "of_regions_on_reporting_ranks": samples[name]["late"][1]}
+                         for name in CONFIGS},
         "conditions": {
             "model": args.model, "num_layers": model.num_layers,
             "parameters_m": round(model.num_parameters() / 1e6, 2),
             "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
             "iterations": args.iters, "warmup_iterations": args.warmup, "rounds": args.rounds,
             "dtype": "fp32", "data": "mock", "dilation": args.dilation,
-            "baselines": args.baselines,
+            "baselines": args.baselines, "device_time": args.device_time,
             "planner_costs": ("roofline" if args.roofline else
                               f"profile {args.profile}" if args.profile else
                               "profile of this host measured by the bench"),
@@ -327,17 +379,18 @@ def main() -> None:
     model = model_preset(args.model).replace(num_layers=args.num_layers)
     load_before = os.getloadavg()
     print("[bench] EMULATION on this CPU host: emulated ranks are CPU processes that wait after "
-          "each compute region until it has lasted their kind's slowdown x its CPU time; the "
-          "figures describe the system, not real accelerators", file=sys.stderr)
+          "each compute region until it has lasted their kind's slowdown x its reference time "
+          f"({args.device_time}); the figures describe the system, not real accelerators",
+          file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="hetero_eff_") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        inputs = write_inputs(work, model, args)
+        inputs, device_profile, predicted = write_inputs(work, model, args)
         for name in CONFIGS:
             print(f"[bench] plan {name}: {describe(json.loads(inputs[name][1].read_text()))}",
                   file=sys.stderr)
-        samples = measure(inputs, work, args, model)
-        result = summary(samples, inputs, model, args, load_before)
+        samples = measure(inputs, work, args, model, device_profile)
+        result = summary(samples, inputs, predicted, model, args, load_before)
     print(json.dumps(result), flush=True)
 
 

@@ -68,6 +68,7 @@ class ParallelSpec:
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     bridge: str = "relay"
+    emulation_profile: Optional[str] = None
     dry_run: bool = False
     batch_given: tuple[bool, bool] = (False, False)
 
@@ -75,6 +76,7 @@ class ParallelSpec:
     def requested(self) -> bool:
         """True when a flag asks for the multi-rank driver (any world size)."""
         return bool(self.cluster or self.plan or self.dry_run or self.use_distributed_optimizer
+                    or self.emulation_profile
                     or self.tensor_model_parallel_size > 1
                     or self.pipeline_model_parallel_size > 1
                     or self.decoder_first_pipeline_num_layers is not None
@@ -219,6 +221,12 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
                         "thread as soon as its last gradient of the iteration is in")
     g.add_argument("--bridge", choices=BRIDGES, default="relay",
                    help="traffic between accelerator kinds: relay (host staging) or direct")
+    g.add_argument("--emulation-profile", default=None, metavar="PROFILE.json",
+                   help="EMULATION: emulated ranks time each stage forward and backward as "
+                        "their slowdown x this profile's figures for the stage (a one-thread "
+                        "profile of this host from tools/profile_device.py --threads 1) "
+                        "instead of x the measured CPU time, so emulated kinds keep one speed "
+                        "while the host's drifts")
     g.add_argument("--dry-run", action="store_true",
                    help="check plan, cluster, model and batch together, print the plan and its "
                         "predicted iteration time, and exit without starting processes")
@@ -333,7 +341,8 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_grad_reduce=args.overlap_grad_reduce, bridge=args.bridge,
-        dry_run=args.dry_run, batch_given=batch_given)
+        emulation_profile=args.emulation_profile, dry_run=args.dry_run,
+        batch_given=batch_given)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:

@@ -17,6 +17,12 @@ kind would speed up the longer it ran and a long run would look faster than a sh
 same work. With several threads per rank the basis is the region's wall time and the wait
 ``(slowdown - 1)`` times it.
 
+Keys given a fixed reference (``fixed_reference_s``, for instance a stage's forward and backward
+from a profile of this host, see ``--emulation-profile``) skip the measurement: such a region
+lasts ``slowdown x`` its fixed CPU time whatever the host does meanwhile, so the emulated kind
+keeps one speed while the host's own speed drifts (by 4-12% over minutes on a shared 2-core
+host), as a real device would. A region whose own time already exceeds that is counted late.
+
 An :class:`EmulatedLink` delays a transfer to what it would take on a link of the given bandwidth
 and latency. Both keep their own counters (no global state) and take ``clock``/``sleep``
 callables so tests can drive them with a fake clock.
@@ -30,7 +36,8 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Optional, TypeVar
+from typing import (TYPE_CHECKING, Any, Callable, Hashable, Iterator, Mapping, Optional,
+                    TypeVar)
 
 from megatron_het.errors import UserError
 
@@ -94,7 +101,8 @@ class Emulator:
     ``clock`` returns wall seconds (default ``time.perf_counter``); ``sleep`` waits seconds
     (default ``time.sleep``); ``cpu_clock`` returns the CPU seconds of the calling thread
     (``time.thread_time``) for the CPU basis, or None for the wall basis (see the module doc).
-    ``reference_window`` and ``reference_quantile`` set the reference CPU time of keyed regions.
+    ``reference_window`` and ``reference_quantile`` set the reference CPU time of keyed regions;
+    ``fixed_reference_s`` maps keys to a fixed reference CPU time instead (CPU basis only).
     The emulator is not thread-safe: use one per rank.
     """
 
@@ -104,7 +112,8 @@ class Emulator:
                  sleep: Callable[[float], Any] = time.sleep,
                  cpu_clock: Optional[Callable[[], float]] = None,
                  reference_window: int = REFERENCE_WINDOW,
-                 reference_quantile: float = REFERENCE_QUANTILE) -> None:
+                 reference_quantile: float = REFERENCE_QUANTILE,
+                 fixed_reference_s: Optional[Mapping[Hashable, float]] = None) -> None:
         if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or slowdown < 1.0:
             raise UserError(f"{name}: slowdown must be a number >= 1.0 (an emulated kind can only "
                             f"be slower than the host CPU), got {slowdown!r}")
@@ -120,6 +129,15 @@ class Emulator:
             raise ValueError(f"need reference_window >= 1 and 0 <= reference_quantile < 1, got "
                              f"{reference_window} and {reference_quantile}")
         self._reference = (reference_window, reference_quantile)
+        fixed = dict(fixed_reference_s or {})
+        if fixed and cpu_clock is None:
+            raise ValueError("fixed reference CPU times need the CPU basis (a cpu_clock)")
+        for key, seconds in fixed.items():
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                    or not seconds > 0:
+                raise ValueError(f"fixed reference CPU time of {key!r} must be positive, got "
+                                 f"{seconds!r}")
+        self._fixed = {key: float(seconds) for key, seconds in fixed.items()}
         self.reset()
 
     @property
@@ -131,24 +149,34 @@ class Emulator:
     def from_spec(cls, spec: "AcceleratorSpec", clock: Callable[[], float] = time.perf_counter,
                   sleep: Callable[[float], Any] = time.sleep,
                   cpu_clock: Optional[Callable[[], float]] = None,
-                  threads: Optional[int] = None) -> "Emulator":
+                  threads: Optional[int] = None,
+                  fixed_reference_s: Optional[Mapping[Hashable, float]] = None) -> "Emulator":
         """The emulator of an accelerator kind; a real kind gets slowdown 1 (no waiting).
         Without ``cpu_clock`` the CPU basis (``time.thread_time``) is used when the rank computes
-        on one thread (``threads``, default ``torch.get_num_threads()``), else the wall basis."""
+        on one thread (``threads``, default ``torch.get_num_threads()``), else the wall basis.
+        ``fixed_reference_s`` (CPU basis only) fixes the reference CPU time of those keys."""
         if cpu_clock is None:
             if threads is None:
                 import torch
                 threads = torch.get_num_threads()
             cpu_clock = time.thread_time if threads == 1 else None
+        if fixed_reference_s and cpu_clock is None:
+            raise UserError(f"{spec.label}: device times from a profile need one compute thread "
+                            f"per rank (OMP_NUM_THREADS=1); this rank has {threads}")
         return cls(spec.slowdown, spec.memory_cap_gib, name=spec.label, clock=clock, sleep=sleep,
-                   cpu_clock=cpu_clock)
+                   cpu_clock=cpu_clock, fixed_reference_s=fixed_reference_s)
+
+    @property
+    def fixed_reference_s(self) -> dict[Hashable, float]:
+        """The keys whose reference CPU time is fixed, and those times."""
+        return dict(self._fixed)
 
     @contextmanager
     def timed_region(self, key: Optional[Hashable] = None) -> Iterator[None]:
         """Time the body, then wait until it has lasted ``slowdown`` x its CPU time (CPU basis;
         with a ``key``, the key's reference CPU time, this region included) or wait
-        ``(slowdown - 1)`` x its wall time (wall basis). A body that raises is neither accounted
-        nor padded."""
+        ``(slowdown - 1)`` x its wall time (wall basis); a key with a fixed reference is padded
+        to ``slowdown`` x that. A body that raises is neither accounted nor padded."""
         cpu_start = self._cpu_clock() if self._cpu_clock is not None else 0.0
         start = self._clock()
         yield
@@ -158,15 +186,17 @@ class Emulator:
             injected = (self.slowdown - 1.0) * measured
         else:
             cpu = max(0.0, self._cpu_clock() - cpu_start)
-            work = cpu
-            if key is not None:
+            work, fixed = cpu, key is not None and key in self._fixed
+            if fixed:
+                work = self._fixed[key]
+            elif key is not None:
                 history = self._history.get(key)
                 if history is None:
                     history = self._history[key] = _KeyHistory(*self._reference)
                 work = history.add(cpu)
             injected = self.slowdown * work - measured
             if injected < 0:
-                if self.slowdown > 1.0:
+                if self.slowdown > 1.0 or fixed:
                     self._late += 1
                 injected = 0.0
         if injected > 0:

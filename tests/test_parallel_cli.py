@@ -107,6 +107,54 @@ def test_dry_run_exit_status_and_error_line() -> None:
     assert bad.stderr.count("\n") == 1
 
 
+def _host_profile(path: pathlib.Path, vocab: int, dtype: str = "fp32") -> str:
+    """A "cpu" profile of the tiny model at seq 32, micro-batch 2, TP 1 and 2: a layer takes
+    (10, 20) ms, the embedding (1, 2) ms and the head (3, 4) ms, divided by TP."""
+    from megatron_het.perf.profile import EndEntry, LayerEntry, Profile, ProfileConditions
+
+    def ends(fwd: float, bwd: float) -> tuple:
+        return tuple(EndEntry(64, vocab, 32, 2, tp, dtype, fwd / tp, bwd / tp) for tp in (1, 2))
+
+    layers = tuple(LayerEntry(64, 176, 4, 2, 32, 2, tp, dtype, 0.010 / tp, 0.020 / tp, 1e5)
+                   for tp in (1, 2))
+    Profile("cpu", ProfileConditions("host", "2.13", 1, "2026-11-30"), layers=layers,
+            embedding=ends(0.001, 0.002), head=ends(0.003, 0.004)).save(path)
+    return str(path)
+
+
+def test_emulation_profile_times_each_emulated_stage(tmp_path: pathlib.Path) -> None:
+    flags = [*COMMON, "--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_3stage.json")]
+    vocab = prepare_parallel_run(parse_run_config(flags), None).setup.model_config.vocab_size
+    profile = _host_profile(tmp_path / "cpu.json", vocab)
+    run = parse_run_config([*flags, "--emulation-profile", profile, "--dry-run"])
+    times = prepare_parallel_run(run, None).emulated_device_s
+    # Stage 0: tp=2, 1 layer + embedding; stage 1: 2 layers; stage 2: 1 layer + head.
+    assert times == {0: pytest.approx((0.0055, 0.011)), 1: pytest.approx((0.0055, 0.011)),
+                     2: pytest.approx((0.020, 0.040)), 3: pytest.approx((0.013, 0.024))}
+    out = io.StringIO()
+    dry_run(run, out)
+    assert (f"> EMULATION: stage compute of emulated ranks timed from profile {profile} "
+            f"(slowdown x forward + backward per micro-batch): rank 0 1 x (5.5 + 11.0) ms; "
+            f"rank 1 1 x (5.5 + 11.0) ms; rank 2 2 x (20.0 + 40.0) ms; rank 3 2 x (13.0 + "
+            f"24.0) ms") in out.getvalue()
+
+
+def test_emulation_profile_errors_are_one_line(tmp_path: pathlib.Path) -> None:
+    flags = [*COMMON, "--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_3stage.json")]
+    vocab = prepare_parallel_run(parse_run_config(flags), None).setup.model_config.vocab_size
+    bf16_only = _host_profile(tmp_path / "bf16.json", vocab, dtype="bf16")
+    with pytest.raises(UserError, match="no fp32 figures for the stage on ranks \\[0, 1\\]"):
+        prepare_parallel_run(parse_run_config([*flags, "--emulation-profile", bf16_only]), None)
+    profile = _host_profile(tmp_path / "cpu.json", vocab)
+    with pytest.raises(UserError, match="cluster cpu has none; drop the flag"):
+        prepare_parallel_run(parse_run_config(
+            [*COMMON, "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+             "--emulation-profile", profile]), None)
+    with pytest.raises(UserError, match="missing.json"):
+        prepare_parallel_run(parse_run_config(
+            [*flags, "--emulation-profile", str(tmp_path / "missing.json")]), None)
+
+
 def test_launch_env_needs_torchrun_variables() -> None:
     env = read_launch_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})

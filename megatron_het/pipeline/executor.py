@@ -44,10 +44,17 @@ from megatron_het.pipeline.p2p import (BufferPool, boundary_peers, sync_tied_emb
 from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PBatch, Step,
                                              gpipe)
 
-__all__ = ["PipelineExecutor", "StageStats", "sync_tied_embedding_grads"]
+__all__ = ["PipelineExecutor", "StageStats", "compute_region_key", "sync_tied_embedding_grads"]
 
 _FORWARD_KINDS = (ActionKind.RECV_FORWARD, ActionKind.FORWARD, ActionKind.SEND_FORWARD)
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+def compute_region_key(kind: str, forward_only: bool) -> tuple[str, bool]:
+    """The emulator key of a stage's ``kind`` ("forward" or "backward") region: every
+    micro-batch's forward (backward) of a stage is the same work, and so is every evaluation
+    forward (``forward_only``)."""
+    return (kind, forward_only)
 
 
 @dataclass(frozen=True)
@@ -180,8 +187,7 @@ class PipelineExecutor:
     @contextlib.contextmanager
     def _compute_region(self, run: _Run, kind: str) -> Iterator[None]:
         start = time.perf_counter()
-        # Every micro-batch's forward (backward) of this stage is the same work: one key each.
-        key = (kind, run.forward_only)
+        key = compute_region_key(kind, run.forward_only)
         region = self.emulator.timed_region(key) if self.emulator else contextlib.nullcontext()
         with region:
             yield

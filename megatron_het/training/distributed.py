@@ -30,8 +30,8 @@ from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.parallel_loop import (ParallelTrainer, logging_rank,
                                                  train_loop_parallel)
 from megatron_het.training.parallel_metrics import ParallelMetrics
-from megatron_het.training.parallel_setup import (ParallelSetup, describe_plan,
-                                                  prepare_parallel_run)
+from megatron_het.training.parallel_setup import (ParallelSetup, describe_device_times,
+                                                  describe_plan, prepare_parallel_run)
 from megatron_het.training.state import Progress, rng_state, seed_everything, set_rng_state
 
 if TYPE_CHECKING:
@@ -59,7 +59,8 @@ def build_parallel_trainer(psetup: ParallelSetup, out: TextIO) -> ParallelTraine
     optimizer = build_parallel_optimizer(stage, groups, run.optimizer,
                                          psetup.use_distributed_optimizer,
                                          overlap_grad_reduce=run.parallel.overlap_grad_reduce)
-    emulator = Emulator.from_spec(psetup.accelerator(comm.rank))
+    emulator = Emulator.from_spec(psetup.accelerator(comm.rank),
+                                  fixed_reference_s=_device_times(psetup, comm.rank))
     executor = PipelineExecutor(stage, groups, config, run.data.seq_length,
                                 plan.micro_batch_size, bf16=psetup.dtype == "bf16",
                                 emulator=emulator)
@@ -74,6 +75,19 @@ def build_parallel_trainer(psetup: ParallelSetup, out: TextIO) -> ParallelTraine
                                         start_iteration=trainer.progress.iteration,
                                         num_devices=plan.world_size, out=out)
     return trainer
+
+
+def _device_times(psetup: ParallelSetup, rank: int) -> Optional[dict[tuple[str, bool], float]]:
+    """The emulator's fixed reference CPU times of this rank's stage regions (None: measured)."""
+    from megatron_het.pipeline.executor import compute_region_key
+
+    times = psetup.emulated_device_s.get(rank)
+    if times is None:
+        return None
+    forward, backward = times
+    return {compute_region_key("forward", False): forward,
+            compute_region_key("forward", True): forward,
+            compute_region_key("backward", False): backward}
 
 
 def _check_ranks_agree(psetup: ParallelSetup, comm: Any) -> None:
@@ -139,17 +153,22 @@ def _describe(trainer: ParallelTrainer) -> str:
     config, train, plan = psetup.setup.model_config, psetup.run.train, psetup.plan
     kinds = ", ".join(f"{count} x {label}"
                       for label, count in trainer.metrics.devices_per_label.items())
-    return (f"> model {config.name}: {config.num_layers} layers, hidden {config.hidden_size}, "
-            f"heads {config.num_attention_heads}/{config.num_query_groups} kv, vocab "
-            f"{config.vocab_size}, {config.num_parameters() / 1e6:.2f}M parameters\n"
-            f"> parallel run on cluster {psetup.cluster.name}: {plan.world_size} ranks ({kinds}),"
-            f" {psetup.dtype}, dp={plan.dp_size}, distributed optimizer "
-            f"{'on' if psetup.use_distributed_optimizer else 'off'}, bridge "
-            f"{psetup.run.parallel.bridge}\n{describe_plan(psetup)}\n"
-            f"> iterations {trainer.progress.iteration + 1}..{train.train_iters}, global batch "
-            f"{train.global_batch_size} = {train.micro_batch_size} x "
-            f"{train.global_batch_size // train.micro_batch_size} micro-batches, seq "
-            f"{psetup.run.data.seq_length}, from sample {trainer.progress.consumed_samples}")
+    lines = [f"> model {config.name}: {config.num_layers} layers, hidden {config.hidden_size}, "
+             f"heads {config.num_attention_heads}/{config.num_query_groups} kv, vocab "
+             f"{config.vocab_size}, {config.num_parameters() / 1e6:.2f}M parameters",
+             f"> parallel run on cluster {psetup.cluster.name}: {plan.world_size} ranks "
+             f"({kinds}), {psetup.dtype}, dp={plan.dp_size}, distributed optimizer "
+             f"{'on' if psetup.use_distributed_optimizer else 'off'}, bridge "
+             f"{psetup.run.parallel.bridge}",
+             describe_plan(psetup)]
+    if psetup.emulated_device_s:
+        lines.append(describe_device_times(psetup))
+    lines.append(f"> iterations {trainer.progress.iteration + 1}..{train.train_iters}, global "
+                 f"batch {train.global_batch_size} = {train.micro_batch_size} x "
+                 f"{train.global_batch_size // train.micro_batch_size} micro-batches, seq "
+                 f"{psetup.run.data.seq_length}, from sample "
+                 f"{trainer.progress.consumed_samples}")
+    return "\n".join(lines)
 
 
 def _warn_late_regions(trainer: Any) -> None:
@@ -159,10 +178,11 @@ def _warn_late_regions(trainer: Any) -> None:
     stats = emulator.stats() if emulator is not None else None
     if stats is None or not stats.late:
         return
+    basis = "profiled" if emulator.fixed_reference_s else "CPU"
     print(f"warning: rank {trainer.groups.comm.rank} ({emulator.name}): {stats.late} of "
-          f"{stats.regions} compute regions took longer than {emulator.slowdown:g} x their CPU "
-          f"time (EMULATION: the host's cores are shared by too many ranks); its times are "
-          f"slower than the emulated kind", file=sys.stderr, flush=True)
+          f"{stats.regions} compute regions took longer than {emulator.slowdown:g} x their "
+          f"{basis} time (EMULATION: the host's cores are shared by too many ranks); its times "
+          f"are slower than the emulated kind", file=sys.stderr, flush=True)
 
 
 def pretrain_distributed(run: RunConfig, world_size: int, stop: Optional[StopRequest] = None,

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, TextIO
+from typing import Mapping, Optional, TextIO
 
 from megatron_het.arguments import ParallelSpec, RunConfig
 from megatron_het.cluster import AcceleratorSpec, ClusterSpec
+from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_builders import plan_from_megatron_flags
@@ -27,7 +28,9 @@ class ParallelSetup:
 
     ``setup.run`` carries the batch sizes actually used (a plan file's where the command line
     gave none). ``dtype`` is "bf16" or "fp32"; ``use_distributed_optimizer`` is the plan's
-    choice where it makes one, else the flag's.
+    choice where it makes one, else the flag's. ``emulated_device_s`` maps each emulated rank
+    to its stage's (forward, backward) seconds per micro-batch on this host from
+    ``--emulation-profile`` (empty without the flag).
     """
 
     setup: RunSetup
@@ -35,6 +38,8 @@ class ParallelSetup:
     plan: ParallelPlan
     dtype: str
     use_distributed_optimizer: bool
+    emulated_device_s: Mapping[int, tuple[float, float]] = dataclasses.field(
+        default_factory=dict)
 
     @property
     def run(self) -> RunConfig:
@@ -132,7 +137,46 @@ def prepare_parallel_run(run: RunConfig, world_size: Optional[int]) -> ParallelS
     validate(plan, setup.model_config, cluster, setup.run.train.global_batch_size)
     distributed = (plan.use_distributed_optimizer if plan.use_distributed_optimizer is not None
                    else spec.use_distributed_optimizer)
-    return ParallelSetup(setup, cluster, plan, dtype, distributed)
+    device_s = emulated_device_times(spec.emulation_profile, setup.model_config, plan, cluster,
+                                     setup.run.data.seq_length, dtype)
+    return ParallelSetup(setup, cluster, plan, dtype, distributed, device_s)
+
+
+def emulated_device_times(profile_path: Optional[str], model: ModelConfig, plan: ParallelPlan,
+                          cluster: ClusterSpec, seq_length: int,
+                          dtype: str) -> dict[int, tuple[float, float]]:
+    """EMULATION: each emulated rank's stage (forward, backward) seconds per micro-batch on
+    this host from the profile at ``profile_path`` (the predictor's figures for the stage, TP
+    communication excluded); empty without a profile. UserError when the cluster has no emulated
+    rank or the profile lacks the stage's shape or dtype."""
+    if profile_path is None:
+        return {}
+    from megatron_het.perf.cost_model import LayerShape
+    from megatron_het.perf.profile import Profile
+    from megatron_het.perf.stage_cost import ProfileChoice, stage_compute
+
+    profile = Profile.load(profile_path)
+    times: dict[int, tuple[float, float]] = {}
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            spec = cluster.accelerator_of(stage.ranks[0])
+            if not spec.emulated:
+                continue
+            shape = LayerShape.of(model, seq_length, plan.micro_batch_size, stage.tp)
+            compute = stage_compute(model, spec, shape, stage.num_layers, stage.has_embedding,
+                                    stage.has_head, stage.recompute, dtype,
+                                    ProfileChoice(profile))
+            if "roofline" in compute.source:
+                raise UserError(f"--emulation-profile {profile_path}: no {dtype} figures for "
+                                f"the stage on ranks {list(stage.ranks)} ({compute.source}); "
+                                f"profile this model's shape with tools/profile_device.py "
+                                f"--threads 1 --dtype {dtype}")
+            for rank in stage.ranks:
+                times[rank] = (compute.forward_s, compute.backward_s)
+    if not times:
+        raise UserError(f"--emulation-profile times emulated accelerator kinds, and cluster "
+                        f"{cluster.name} has none; drop the flag")
+    return times
 
 
 def describe_plan(psetup: ParallelSetup) -> str:
@@ -153,6 +197,16 @@ def describe_plan(psetup: ParallelSetup) -> str:
     return "\n".join(lines)
 
 
+def describe_device_times(psetup: ParallelSetup) -> str:
+    """One line: the profile that times the emulated ranks, and each rank's figures."""
+    ranks = "; ".join(f"rank {rank} {psetup.accelerator(rank).slowdown:g} x "
+                      f"({fwd * 1e3:.1f} + {bwd * 1e3:.1f}) ms"
+                      for rank, (fwd, bwd) in sorted(psetup.emulated_device_s.items()))
+    return (f"> EMULATION: stage compute of emulated ranks timed from profile "
+            f"{psetup.run.parallel.emulation_profile} (slowdown x forward + backward per "
+            f"micro-batch): {ranks}")
+
+
 def dry_run(run: RunConfig, out: TextIO) -> None:
     """Validate everything without processes; print the plan and its predicted iteration time."""
     from megatron_het.perf import predict
@@ -168,6 +222,8 @@ def dry_run(run: RunConfig, out: TextIO) -> None:
           f"{train.global_batch_size} = {train.micro_batch_size} x "
           f"{train.global_batch_size // train.micro_batch_size} micro-batches", file=out)
     print(describe_plan(psetup), file=out)
+    if psetup.emulated_device_s:
+        print(describe_device_times(psetup), file=out)
     print("> predicted (roofline/profile estimate):", file=out)
     print(prediction.table(), file=out)
     print(f"> predicted iteration time: {prediction.iteration_time_s:.4f} s; plan, cluster, "

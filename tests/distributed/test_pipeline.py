@@ -10,6 +10,7 @@ cross kinds (the communicator's bridge).
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from megatron_het.emulation import Emulator
 from megatron_het.model.llama import build_model
 from megatron_het.parallel.groups import build_process_groups
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
-from megatron_het.pipeline.executor import PipelineExecutor
+from megatron_het.pipeline.executor import PipelineExecutor, compute_region_key
 from megatron_het.pipeline.p2p import boundary_peers
 from megatron_het.pipeline.stage import build_stage
 from megatron_het.tensor_parallel import unshard
@@ -121,6 +122,16 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         emulator = Emulator(2.0, sleep=lambda s: None)
         results["emulated"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", emulator=emulator)
         results["emulated"]["regions"] = emulator.stats().regions
+        # Stage times fixed per region key (--emulation-profile): every region waits for its
+        # key's slowdown x fixed time, whatever it measured.
+        slept: list[float] = []
+        fixed = {compute_region_key("forward", False): 5.0,
+                 compute_region_key("backward", False): 7.0,
+                 compute_region_key("forward", True): 3.0}
+        emulator = Emulator(2.0, sleep=slept.append, cpu_clock=time.thread_time,
+                            fixed_reference_s=fixed)
+        results["fixed"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", emulator=emulator)
+        results["fixed"]["slept"] = slept
         results["bf16"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", bf16=True)
     return results
 
@@ -195,6 +206,10 @@ def test_emulated_slowdown_and_bf16(outcomes: dict, references: dict) -> None:
         # One timed region per forward and per backward, then the forward-only run's forwards.
         assert r["emulated"]["regions"] == 3 * NUM_MB
     _check_against_reference([r["emulated"] for r in per_rank], UNTIED, references["untied"])
+    _check_against_reference([r["fixed"] for r in per_rank], UNTIED, references["untied"])
+    for r in per_rank:  # 2 x 5 s per forward, 2 x 7 s per backward, 2 x 3 s per eval forward
+        slept = sorted(round(s) for s in r["fixed"]["slept"])
+        assert slept == [6] * NUM_MB + [10] * NUM_MB + [14] * NUM_MB
     bf16 = _reference(UNTIED, bf16=True)
     last = [r["bf16"]["stats"].loss_sum for r in per_rank if r["bf16"]["last"]]
     assert last and all(abs(loss - bf16["loss_sum"]) <= 1e-2 * bf16["loss_sum"] for loss in last)

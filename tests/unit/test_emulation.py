@@ -183,6 +183,58 @@ def test_default_reference_is_the_least_of_a_window():
     assert REFERENCE_QUANTILE == 0.0
 
 
+def test_fixed_reference_keys_keep_one_speed_whatever_the_host_does():
+    clock, cpu = FakeClock(), FakeCpuClock()
+    emulator = Emulator(2.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu,
+                        fixed_reference_s={"forward": 0.5})
+    assert emulator.fixed_reference_s == {"forward": 0.5}
+
+    def region(key, cpu_s, wall_s=None):
+        start = clock.now
+        with emulator.timed_region(key):
+            clock.work(cpu_s if wall_s is None else wall_s)
+            cpu.now += cpu_s
+        return clock.now - start
+
+    # A faster or slower host (less or more CPU time for the same work) changes nothing.
+    assert region("forward", 0.25) == pytest.approx(1.0)
+    assert region("forward", 0.75) == pytest.approx(1.0)
+    assert region("forward", 0.4, wall_s=0.9) == pytest.approx(1.0)  # shared core, in time
+    assert emulator.stats().late == 0
+    assert region("forward", 0.5, wall_s=1.5) == pytest.approx(1.5)  # past 2 x 0.5 s: late
+    assert emulator.stats().late == 1
+    # Keys without a fixed time keep the measured reference.
+    assert region("backward", 0.75) == pytest.approx(1.5)
+    assert region("backward", 1.0) == pytest.approx(1.5)
+
+
+def test_fixed_reference_counts_late_regions_at_slowdown_one():
+    clock, cpu = FakeClock(), FakeCpuClock()
+    emulator = Emulator(1.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu,
+                        fixed_reference_s={"forward": 1.0})
+    with emulator.timed_region("forward"):
+        clock.work(0.5)
+        cpu.now += 0.5
+    assert clock.sleeps == pytest.approx([0.5]) and emulator.stats().late == 0
+    with emulator.timed_region("forward"):
+        clock.work(1.5)
+        cpu.now += 1.5
+    assert emulator.stats().late == 1
+
+
+def test_fixed_reference_settings_are_checked():
+    with pytest.raises(ValueError, match="CPU basis"):
+        Emulator(2.0, fixed_reference_s={"forward": 1.0})
+    with pytest.raises(ValueError, match="must be positive"):
+        Emulator(2.0, cpu_clock=time.thread_time, fixed_reference_s={"forward": 0.0})
+    with pytest.raises(UserError, match="one compute thread per rank"):
+        Emulator.from_spec(get_accelerator("emu-slow"), threads=4,
+                           fixed_reference_s={"forward": 1.0})
+    fixed = Emulator.from_spec(get_accelerator("emu-slow"), threads=1,
+                               fixed_reference_s={"forward": 1.0})
+    assert fixed.basis == "cpu" and fixed.fixed_reference_s == {"forward": 1.0}
+
+
 def test_reference_settings_are_checked():
     with pytest.raises(ValueError, match="reference_window"):
         Emulator(2.0, reference_window=0)
@@ -299,3 +351,34 @@ def test_a_rank_with_late_regions_warns(capsys):
         "warning: rank 3 (emu-slow (emulated)): 1 of 2 compute regions took longer than 2 x "
         "their CPU time (EMULATION: the host's cores are shared by too many ranks); its times "
         "are slower than the emulated kind\n")
+
+
+def test_bench_counts_the_late_region_warnings(capsys):
+    """bench/hetero_efficiency.py reads the warning back from each run's log."""
+    import pathlib
+    import sys
+    from types import SimpleNamespace
+
+    from megatron_het.training.distributed import _warn_late_regions
+
+    bench = pathlib.Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        from hetero_efficiency import late_regions
+    finally:
+        sys.path.remove(str(bench))
+    log = []
+    for rank, walls in ((0, (3.0, 1.0, 3.0)), (2, (1.0, 3.0))):
+        clock, cpu = FakeClock(), FakeCpuClock()
+        emulator = Emulator(2.0, name="emu-fast (emulated)", clock=clock, sleep=clock.sleep,
+                            cpu_clock=cpu, fixed_reference_s={"forward": 1.0})
+        for wall in walls:
+            with emulator.timed_region("forward"):
+                clock.work(wall)
+                cpu.now += 1.0
+        _warn_late_regions(SimpleNamespace(executor=SimpleNamespace(emulator=emulator),
+                                           groups=SimpleNamespace(comm=SimpleNamespace(rank=rank))))
+        log.append(capsys.readouterr().err)
+    assert "2 x their profiled time" in log[0]
+    assert late_regions("iteration 1 ...\n" + "".join(log)) == (3, 5)
+    assert late_regions("no warnings\n") == (0, 0)

@@ -41,7 +41,10 @@ reverse order (a + b, c, d, d, c, a + b, ...; about 12 minutes each on 2 cores, 
 default): this host's speed drifts by several percent over minutes (one run's tokens/s rose
 4-12% between its early and late iterations in the runs we looked at), so a single round
 compares configurations measured at different host speeds; ``efficiency_per_round`` shows the
-spread. The last line printed is one JSON object with the figures and the conditions.
+spread. The last line printed is one JSON object with the figures and the conditions, next
+to ``predicted_efficiency`` (the predictor's figures for the four plans, with the planner's
+costs) and ``late_regions`` (regions the host could not finish within their kind's time: they
+make a kind slower than its nominal speed).
 
     .venv/bin/python bench/hetero_efficiency.py
 """

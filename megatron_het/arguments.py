@@ -226,7 +226,8 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
                         "their slowdown x this profile's figures for the stage (a one-thread "
                         "profile of this host from tools/profile_device.py --threads 1) "
                         "instead of x the measured CPU time, so emulated kinds keep one speed "
-                        "while the host's drifts")
+                        "while the host's drifts; --plan auto and --dry-run's prediction use "
+                        "the same figures")
     g.add_argument("--dry-run", action="store_true",
                    help="check plan, cluster, model and batch together, print the plan and its "
                         "predicted iteration time, and exit without starting processes")

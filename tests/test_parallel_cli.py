@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -137,6 +138,12 @@ def test_emulation_profile_times_each_emulated_stage(tmp_path: pathlib.Path) -> 
             f"(slowdown x forward + backward per micro-batch): rank 0 1 x (5.5 + 11.0) ms; "
             f"rank 1 1 x (5.5 + 11.0) ms; rank 2 2 x (20.0 + 40.0) ms; rank 3 2 x (13.0 + "
             f"24.0) ms") in out.getvalue()
+    # The prediction uses the same figures (x the kind's slowdown): stage 1 is 2 emu-slow layers.
+    assert re.search(r"emu-slow \(emulated\) +1 +1-3 +40\.00 +80\.00 ", out.getvalue())
+    auto = prepare_parallel_run(parse_run_config(
+        [*COMMON, "--cluster", CLUSTER, "--plan", "auto", "--global-batch-size", "8",
+         "--emulation-profile", profile]), 4)
+    assert sorted(auto.emulated_device_s) == [0, 1, 2, 3]
 
 
 def test_emulation_profile_errors_are_one_line(tmp_path: pathlib.Path) -> None:

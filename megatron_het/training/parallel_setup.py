@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping, Optional, TextIO
+from typing import TYPE_CHECKING, Mapping, Optional, TextIO
 
 from megatron_het.arguments import ParallelSpec, RunConfig
 from megatron_het.cluster import AcceleratorSpec, ClusterSpec
@@ -20,6 +20,9 @@ from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_builders import plan_from_megatron_flags
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.training.setup import RunSetup, prepare_run
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_het.perf.profile import Profile
 
 
 @dataclass(frozen=True)
@@ -97,13 +100,26 @@ def _load_cluster(spec: ParallelSpec, world_size: Optional[int],
     return cpu_cluster(world_size)
 
 
+def host_profiles(spec: ParallelSpec) -> Optional[dict[str, "Profile"]]:
+    """The ``--emulation-profile`` as the host's profile for the planner and the predictor
+    (emulated kinds: the host's times x their slowdown), so that an automatic plan and the dry
+    run's prediction use the speeds the emulated ranks will run at; None without the flag."""
+    if spec.emulation_profile is None:
+        return None
+    from megatron_het.perf.profile import Profile
+    from megatron_het.perf.stage_cost import HOST_PROFILE
+
+    return {HOST_PROFILE: Profile.load(spec.emulation_profile)}
+
+
 def _build_plan(setup: RunSetup, cluster: ClusterSpec, dtype: str) -> ParallelPlan:
     spec, train = setup.run.parallel, setup.run.train
     if spec.plan == "auto":
         from megatron_het.planner import search_plan
 
         result = search_plan(setup.model_config, cluster, train.global_batch_size,
-                             setup.run.data.seq_length, dtype=dtype, with_upper_bound=False)
+                             setup.run.data.seq_length, host_profiles(spec), dtype=dtype,
+                             with_upper_bound=False)
         return result.plan
     return plan_from_megatron_flags(
         setup.model_config, cluster.world_size, spec.tensor_model_parallel_size,
@@ -214,7 +230,7 @@ def dry_run(run: RunConfig, out: TextIO) -> None:
     psetup = prepare_parallel_run(run, world_size=None)
     config, train = psetup.setup.model_config, psetup.run.train
     prediction = predict(config, psetup.plan, psetup.cluster, psetup.run.data.seq_length,
-                         dtype=psetup.dtype,
+                         host_profiles(psetup.run.parallel), dtype=psetup.dtype,
                          use_distributed_optimizer=psetup.use_distributed_optimizer)
     print(f"> dry run: model {config.name} ({config.num_parameters() / 1e6:.2f}M parameters, "
           f"{config.num_layers} layers) on cluster {psetup.cluster.name} "

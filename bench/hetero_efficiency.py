@@ -171,11 +171,10 @@ def host_profile(model: ModelConfig, args: argparse.Namespace,
 
 def searched_plan(model: ModelConfig, cluster_file: Path, args: argparse.Namespace,
                   distributed_optimizer: Optional[bool],
-                  profile: Optional[Profile]) -> dict[str, Any]:
+                  profiles: Optional[dict[str, Profile]]) -> dict[str, Any]:
     """The planner's best fp32 plan for the cluster (with the host profile, else roofline
     estimates of the kinds), with ``use_distributed_optimizer`` forced to
     ``distributed_optimizer`` when given."""
-    profiles = {"cpu": profile} if profile is not None else None
     result = search_plan(model, ClusterSpec.load(cluster_file), args.global_batch_size,
                          args.seq_length, profiles=profiles, dtype="fp32",
                          with_upper_bound=False)
@@ -207,11 +206,12 @@ def write_inputs(work: Path, model: ModelConfig, args: argparse.Namespace
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         clusters[key] = path
     profile, device_profile = host_profile(model, args, work)
-    planned = searched_plan(model, clusters["mixed"], args, None, profile)
+    profiles = {"cpu": profile} if profile is not None else None
+    planned = searched_plan(model, clusters["mixed"], args, None, profiles)
     zero1 = bool(planned.get("use_distributed_optimizer"))
     plans = {"planned": planned, "uniform": uniform_split(planned, model.num_layers),
-             "fast": searched_plan(model, clusters["fast"], args, zero1, profile),
-             "slow": searched_plan(model, clusters["slow"], args, zero1, profile)}
+             "fast": searched_plan(model, clusters["fast"], args, zero1, profiles),
+             "slow": searched_plan(model, clusters["slow"], args, zero1, profiles)}
     inputs = {}
     for name, plan in plans.items():
         path = work / f"plan_{name}.json"
@@ -219,7 +219,6 @@ def write_inputs(work: Path, model: ModelConfig, args: argparse.Namespace
         cluster = clusters["mixed"] if name in ("planned", "uniform") else clusters[name]
         ranks = sum(len(s["ranks"]) for p in plan["pipelines"] for s in p["stages"])
         inputs[name] = (cluster, path, ranks)
-    profiles = {"cpu": profile} if profile is not None else None
     predicted = {name: predict(model, ParallelPlan.load(path), ClusterSpec.load(cluster),
                                args.seq_length, profiles, dtype="fp32").tokens_per_s
                  for name, (cluster, path, _) in inputs.items()}

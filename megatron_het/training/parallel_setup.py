@@ -33,7 +33,8 @@ class ParallelSetup:
     gave none). ``dtype`` is "bf16" or "fp32"; ``use_distributed_optimizer`` is the plan's
     choice where it makes one, else the flag's. ``emulated_device_s`` maps each emulated rank
     to its stage's (forward, backward) seconds per micro-batch on this host from
-    ``--emulation-profile`` (empty without the flag).
+    ``--emulation-profile`` (empty without the flag), and ``host_profiles`` is that profile as
+    :func:`host_profiles` loads it (None without the flag).
     """
 
     setup: RunSetup
@@ -43,6 +44,7 @@ class ParallelSetup:
     use_distributed_optimizer: bool
     emulated_device_s: Mapping[int, tuple[float, float]] = dataclasses.field(
         default_factory=dict)
+    host_profiles: Optional[Mapping[str, "Profile"]] = None
 
     @property
     def run(self) -> RunConfig:
@@ -112,13 +114,14 @@ def host_profiles(spec: ParallelSpec) -> Optional[dict[str, "Profile"]]:
     return {HOST_PROFILE: Profile.load(spec.emulation_profile)}
 
 
-def _build_plan(setup: RunSetup, cluster: ClusterSpec, dtype: str) -> ParallelPlan:
+def _build_plan(setup: RunSetup, cluster: ClusterSpec, dtype: str,
+                profiles: Optional[Mapping[str, "Profile"]]) -> ParallelPlan:
     spec, train = setup.run.parallel, setup.run.train
     if spec.plan == "auto":
         from megatron_het.planner import search_plan
 
         result = search_plan(setup.model_config, cluster, train.global_batch_size,
-                             setup.run.data.seq_length, host_profiles(spec), dtype=dtype,
+                             setup.run.data.seq_length, profiles, dtype=dtype,
                              with_upper_bound=False)
         return result.plan
     return plan_from_megatron_flags(
@@ -143,7 +146,8 @@ def prepare_parallel_run(run: RunConfig, world_size: Optional[int]) -> ParallelS
     cluster = _load_cluster(spec, world_size, plan_file)
     setup = prepare_run(run)
     dtype = _run_dtype(run, plan_file) if plan_file else ("bf16" if run.train.bf16 else "fp32")
-    plan = plan_file or _build_plan(setup, cluster, dtype)
+    profiles = host_profiles(spec)
+    plan = plan_file or _build_plan(setup, cluster, dtype, profiles)
     if spec.plan == "auto" and plan.micro_batch_size != run.train.micro_batch_size:
         train = dataclasses.replace(run.train, micro_batch_size=plan.micro_batch_size)
         setup = dataclasses.replace(setup, run=dataclasses.replace(run, train=train))
@@ -153,25 +157,25 @@ def prepare_parallel_run(run: RunConfig, world_size: Optional[int]) -> ParallelS
     validate(plan, setup.model_config, cluster, setup.run.train.global_batch_size)
     distributed = (plan.use_distributed_optimizer if plan.use_distributed_optimizer is not None
                    else spec.use_distributed_optimizer)
-    device_s = emulated_device_times(spec.emulation_profile, setup.model_config, plan, cluster,
-                                     setup.run.data.seq_length, dtype)
-    return ParallelSetup(setup, cluster, plan, dtype, distributed, device_s)
+    device_s = emulated_device_times(profiles, spec.emulation_profile, setup.model_config,
+                                     plan, cluster, setup.run.data.seq_length, dtype)
+    return ParallelSetup(setup, cluster, plan, dtype, distributed, device_s, profiles)
 
 
-def emulated_device_times(profile_path: Optional[str], model: ModelConfig, plan: ParallelPlan,
+def emulated_device_times(profiles: Optional[Mapping[str, "Profile"]],
+                          profile_path: Optional[str], model: ModelConfig, plan: ParallelPlan,
                           cluster: ClusterSpec, seq_length: int,
                           dtype: str) -> dict[int, tuple[float, float]]:
     """EMULATION: each emulated rank's stage (forward, backward) seconds per micro-batch on
-    this host from the profile at ``profile_path`` (the predictor's figures for the stage, TP
-    communication excluded); empty without a profile. UserError when the cluster has no emulated
-    rank or the profile lacks the stage's shape or dtype."""
-    if profile_path is None:
+    this host from :func:`host_profiles` (read from ``profile_path``; the predictor's figures
+    for the stage, TP communication excluded); empty without a profile. UserError when the
+    cluster has no emulated rank or the profile lacks the stage's shape or dtype."""
+    if not profiles:
         return {}
     from megatron_het.perf.cost_model import LayerShape
-    from megatron_het.perf.profile import Profile
-    from megatron_het.perf.stage_cost import ProfileChoice, stage_compute
+    from megatron_het.perf.stage_cost import HOST_PROFILE, ProfileChoice, stage_compute
 
-    profile = Profile.load(profile_path)
+    profile = profiles[HOST_PROFILE]
     times: dict[int, tuple[float, float]] = {}
     for pipeline in plan.pipelines:
         for stage in pipeline.stages:
@@ -230,7 +234,7 @@ def dry_run(run: RunConfig, out: TextIO) -> None:
     psetup = prepare_parallel_run(run, world_size=None)
     config, train = psetup.setup.model_config, psetup.run.train
     prediction = predict(config, psetup.plan, psetup.cluster, psetup.run.data.seq_length,
-                         host_profiles(psetup.run.parallel), dtype=psetup.dtype,
+                         psetup.host_profiles, dtype=psetup.dtype,
                          use_distributed_optimizer=psetup.use_distributed_optimizer)
     print(f"> dry run: model {config.name} ({config.num_parameters() / 1e6:.2f}M parameters, "
           f"{config.num_layers} layers) on cluster {psetup.cluster.name} "

@@ -1,10 +1,11 @@
 # Two entry points; each sets up (or reuses) the virtualenv first.
 #   make demo   train a small Llama on the bundled corpus (emulated CPU cluster)
 #   make test   run the whole test suite
+#   make test-fast  unit tests and in-process CLI checks (no slow or multi-process tests)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-fast
 
 setup:
 	@VENV=$(VENV) bash scripts/setup_env.sh
@@ -14,3 +15,6 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not distributed and not gpu" $(PYTEST_ARGS)

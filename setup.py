@@ -13,6 +13,7 @@ setup(
         "tensorboard",
         "pyyaml",
         "tqdm",
+        "matplotlib",
     ],
     extras_require={"hf": ["transformers", "safetensors"], "test": ["pytest"]},
 )

@@ -1,31 +1,7 @@
-"""The CPU-emulated cluster with its kinds' slowdowns scaled, for the benchmarks (EMULATION).
-
-Scaling every emulated kind's slowdown by a factor F keeps their speed ratios and makes each
-emulated device need 1 / F of a host core per unit of its own time, so a host with fewer cores
-than emulated devices does not decide the figures (see :mod:`megatron_het.emulation`).
-"""
+"""The CPU-emulated cluster with its kinds' slowdowns scaled, for the benchmarks (EMULATION);
+see :mod:`megatron_het.emulation.dilation`."""
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from megatron_het.emulation.dilation import dilated_cluster
 
-import yaml
-
-from megatron_het.cluster import ClusterSpec
-
-
-def dilated_cluster(path: Path, dilation: float) -> dict[str, Any]:
-    """The cluster file at ``path`` as a mapping, every group's kind with its slowdown x
-    ``dilation`` (an ``accelerators:`` override; the name gets an ``_x<F>`` suffix)."""
-    if dilation < 1:
-        raise ValueError(f"dilation must be >= 1, got {dilation}")
-    data = yaml.safe_load(Path(path).read_text())
-    if dilation == 1.0:
-        return data
-    spec = ClusterSpec.load(path)
-    overrides = dict(data.get("accelerators") or {})
-    for group in data["node_groups"]:
-        kind = spec.accelerator_of(spec.ranks_of_accelerator(group["accelerator"])[0])
-        overrides[kind.name] = {**overrides.get(kind.name, {}),
-                                "slowdown": kind.slowdown * dilation}
-    return {**data, "accelerators": overrides, "name": f"{data['name']}_x{dilation:g}"}
+__all__ = ["dilated_cluster"]

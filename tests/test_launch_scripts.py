@@ -1,6 +1,7 @@
-"""The per-mix launch scripts: syntax, dry runs against their plans, per-vendor node settings.
+"""The per-mix launch scripts: shape, syntax, dry runs against their plans, per-vendor settings.
 
-Every scripts/<mix>/pretrain_llama_<size>.sh must pass ``bash -n`` and its dry run
+Every scripts/<mix>/pretrain_llama_<size>.sh is a short file of the mix's settings that sources
+the shared body (scripts/common/launch.sh); it must pass ``bash -n`` and its dry run
 (``DRY_RUN=1``: pretrain_llama.py --dry-run validates plan, cluster, model and batch together);
 an edited, broken copy of a plan must make the dry run fail with one ``error:`` line.
 ``--print-only`` shows what a node would run, which checks the vendor settings chosen by the
@@ -63,6 +64,36 @@ def test_every_mix_has_a_script_and_plan() -> None:
         assert os.access(script, os.X_OK), f"{script} is not executable"
 
 
+# What a mix script sets before it sources the shared body.
+SETTINGS = ("HET_MIX", "HET_SIZE", "HET_CLUSTER", "HET_PLAN", "HET_MODEL", "HET_SEQ_LENGTH",
+            "HET_NULL_VOCAB", "HET_BRIDGE", "HET_LR", "HET_MIN_LR", "HET_WARMUP_ITERS")
+
+
+def _settings(script: Path) -> dict[str, str]:
+    out = {}
+    for line in script.read_text().splitlines():
+        name, eq, value = line.partition("=")
+        if eq and name in SETTINGS:
+            out[name] = value.split("#")[0].strip()
+    return out
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.parent.name)
+def test_mix_script_is_its_settings_and_the_shared_body(script: Path) -> None:
+    from megatron_het.cluster import ClusterSpec
+
+    text = script.read_text()
+    assert len(text.splitlines()) <= 40 and "het_main \"$@\"" in text
+    assert "common/launch.sh" in text and "het_env_" not in text and "HET_ARGS" not in text
+    settings = _settings(script)
+    assert set(settings) == set(SETTINGS), set(SETTINGS) - set(settings)
+    assert script == REPO / "scripts" / settings["HET_MIX"] / (
+        f"pretrain_llama_{settings['HET_SIZE']}.sh")
+    assert (REPO / settings["HET_PLAN"]).is_file()
+    cluster = ClusterSpec.load(REPO / settings["HET_CLUSTER"])
+    assert f"#SBATCH --nodes={cluster.num_nodes}\n" in text
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.parent.name)
 def test_bash_syntax_and_strict_mode(script: Path) -> None:
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -77,6 +108,7 @@ def test_common_helpers_bash_syntax() -> None:
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.parent.name)
+@pytest.mark.slow
 def test_dry_run_validates_plan_cluster_and_model(script: Path) -> None:
     if not _dry_run_available():
         pytest.skip("pretrain_llama.py has no --dry-run yet")
@@ -97,6 +129,7 @@ def _drop_a_pipeline(plan: dict) -> None:
 
 @pytest.mark.parametrize("break_plan, expected", [
     (_drop_last_layer, "on no stage"), (_drop_a_pipeline, "give every rank")])
+@pytest.mark.slow
 def test_broken_plan_fails_with_one_error_line(tmp_path: Path,
                                               break_plan: Callable[[dict], None],
                                               expected: str) -> None:
@@ -195,6 +228,8 @@ def test_launch_mistakes_fail_with_one_error_line(env: dict[str, str], expected:
 def test_help_lists_the_modes() -> None:
     result = _run(_script("hethub_llama140b"), "--help")
     assert result.returncode == 0 and "DRY_RUN=1" in result.stdout and "sbatch" in result.stdout
+    assert "llama-140b on the hethub_llama140b mix" in result.stdout  # the mix's own lines
+    assert "Slurm (96 nodes" in result.stdout and "HET_EXTRA_ENV" in result.stdout
 
 
 def test_scripts_do_not_depend_on_the_working_directory(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ import pytest
 from megatron_het.arguments import parse_run_config
 from megatron_het.errors import UserError
 from megatron_het.training.launch import read_launch_env
-from megatron_het.training.parallel_setup import dry_run, prepare_parallel_run
+from megatron_het.training.dry_run import dry_run
+from megatron_het.training.setup import prepare_run
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CLUSTER = str(REPO / "scripts" / "clusters" / "cpu_emulated.yaml")
@@ -22,6 +23,7 @@ COMMON = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
           "--vocab-size", "300", "--seq-length", "32"]
 
 
+@pytest.mark.slow
 def test_torchrun_trains_on_the_emulated_cluster(tmp_path: pathlib.Path) -> None:
     metrics, save = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
@@ -55,18 +57,18 @@ def test_dry_run_prints_plan_and_prediction() -> None:
 
 
 def test_dry_run_megatron_flags_without_cluster_use_cpu_ranks() -> None:
-    psetup = prepare_parallel_run(parse_run_config(
+    setup = prepare_run(parse_run_config(
         [*COMMON, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
          "3", "--global-batch-size", "4", "--dry-run"]), world_size=None)
-    assert [s.layers for s in psetup.plan.pipelines[0].stages] == [(0, 3), (3, 4)]
-    assert psetup.cluster.world_size == 2 and psetup.accelerator(1).name == "cpu"
+    assert [s.layers for s in setup.plan.pipelines[0].stages] == [(0, 3), (3, 4)]
+    assert setup.cluster.world_size == 2 and setup.accelerator(1).name == "cpu"
 
 
 def test_auto_plan_fills_the_cluster() -> None:
-    psetup = prepare_parallel_run(parse_run_config(
+    setup = prepare_run(parse_run_config(
         [*COMMON, "--cluster", CLUSTER, "--plan", "auto", "--global-batch-size", "8"]), 4)
-    assert psetup.plan.world_size == 4 and psetup.plan.global_batch_size == 8
-    assert psetup.run.train.micro_batch_size == psetup.plan.micro_batch_size
+    assert setup.plan.world_size == 4 and setup.plan.global_batch_size == 8
+    assert setup.train.micro_batch_size == setup.plan.micro_batch_size
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -86,15 +88,16 @@ def test_auto_plan_fills_the_cluster() -> None:
 ])
 def test_mismatches_are_one_line_errors(flags: list[str], message: str) -> None:
     with pytest.raises(UserError) as info:
-        prepare_parallel_run(parse_run_config([*COMMON, *flags]), world_size=None)
+        prepare_run(parse_run_config([*COMMON, *flags]), world_size=None)
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
 def test_launched_world_must_match_the_cluster() -> None:
     with pytest.raises(UserError, match="2 ranks were launched but cluster cpu_emulated has 4"):
-        prepare_parallel_run(parse_run_config([*COMMON, "--cluster", CLUSTER]), world_size=2)
+        prepare_run(parse_run_config([*COMMON, "--cluster", CLUSTER]), world_size=2)
 
 
+@pytest.mark.slow
 def test_dry_run_exit_status_and_error_line() -> None:
     base = [sys.executable, "pretrain_llama.py", *COMMON, "--cluster", CLUSTER, "--plan",
             str(PLANS / "cpu_emulated_tp2_pp2.json"), "--dry-run"]
@@ -106,6 +109,13 @@ def test_dry_run_exit_status_and_error_line() -> None:
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: --global-batch-size 16 differs from the plan's 8")
     assert bad.stderr.count("\n") == 1
+
+
+def device_times(setup) -> dict:
+    """EMULATION: every emulated rank's (forward, backward) seconds from the run's profile."""
+    from megatron_het.training.run import rank_emulation
+
+    return rank_emulation(setup, rank=0, threads=1).device_times
 
 
 def _host_profile(path: pathlib.Path, vocab: int, dtype: str = "fp32") -> str:
@@ -125,10 +135,10 @@ def _host_profile(path: pathlib.Path, vocab: int, dtype: str = "fp32") -> str:
 
 def test_emulation_profile_times_each_emulated_stage(tmp_path: pathlib.Path) -> None:
     flags = [*COMMON, "--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_3stage.json")]
-    vocab = prepare_parallel_run(parse_run_config(flags), None).setup.model_config.vocab_size
+    vocab = prepare_run(parse_run_config(flags), None).model_config.vocab_size
     profile = _host_profile(tmp_path / "cpu.json", vocab)
     run = parse_run_config([*flags, "--emulation-profile", profile, "--dry-run"])
-    times = prepare_parallel_run(run, None).emulated_device_s
+    times = device_times(prepare_run(run, None))
     # Stage 0: tp=2, 1 layer + embedding; stage 1: 2 layers; stage 2: 1 layer + head.
     assert times == {0: pytest.approx((0.0055, 0.011)), 1: pytest.approx((0.0055, 0.011)),
                      2: pytest.approx((0.020, 0.040)), 3: pytest.approx((0.013, 0.024))}
@@ -140,25 +150,26 @@ def test_emulation_profile_times_each_emulated_stage(tmp_path: pathlib.Path) -> 
             f"24.0) ms") in out.getvalue()
     # The prediction uses the same figures (x the kind's slowdown): stage 1 is 2 emu-slow layers.
     assert re.search(r"emu-slow \(emulated\) +1 +1-3 +40\.00 +80\.00 ", out.getvalue())
-    auto = prepare_parallel_run(parse_run_config(
+    auto = prepare_run(parse_run_config(
         [*COMMON, "--cluster", CLUSTER, "--plan", "auto", "--global-batch-size", "8",
          "--emulation-profile", profile]), 4)
-    assert sorted(auto.emulated_device_s) == [0, 1, 2, 3]
+    assert sorted(device_times(auto)) == [0, 1, 2, 3]
 
 
 def test_emulation_profile_errors_are_one_line(tmp_path: pathlib.Path) -> None:
     flags = [*COMMON, "--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_3stage.json")]
-    vocab = prepare_parallel_run(parse_run_config(flags), None).setup.model_config.vocab_size
+    vocab = prepare_run(parse_run_config(flags), None).model_config.vocab_size
     bf16_only = _host_profile(tmp_path / "bf16.json", vocab, dtype="bf16")
     with pytest.raises(UserError, match="no fp32 figures for the stage on ranks \\[0, 1\\]"):
-        prepare_parallel_run(parse_run_config([*flags, "--emulation-profile", bf16_only]), None)
+        device_times(prepare_run(parse_run_config([*flags, "--emulation-profile", bf16_only]),
+                                 None))
     profile = _host_profile(tmp_path / "cpu.json", vocab)
     with pytest.raises(UserError, match="cluster cpu has none; drop the flag"):
-        prepare_parallel_run(parse_run_config(
+        device_times(prepare_run(parse_run_config(
             [*COMMON, "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
-             "--emulation-profile", profile]), None)
+             "--emulation-profile", profile]), None))
     with pytest.raises(UserError, match="missing.json"):
-        prepare_parallel_run(parse_run_config(
+        prepare_run(parse_run_config(
             [*flags, "--emulation-profile", str(tmp_path / "missing.json")]), None)
 
 

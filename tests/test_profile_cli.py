@@ -1,4 +1,5 @@
-"""``tools/profile_device.py`` in subprocesses: a profile the predictor loads, one-line errors."""
+"""``tools/profile_device.py``: a profile the predictor loads (in subprocesses), one-line errors
+(in this process)."""
 from __future__ import annotations
 
 import pathlib
@@ -7,10 +8,13 @@ import sys
 
 import pytest
 
+from megatron_het.errors import run_cli
 from megatron_het.perf.profile import Profile
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "tools" / "profile_device.py")
+sys.path.insert(0, str(REPO / "tools"))
+import profile_device  # noqa: E402
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
@@ -18,6 +22,7 @@ def run_tool(*args: str) -> subprocess.CompletedProcess:
                           timeout=120, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_writes_a_profile_of_the_sweep(tmp_path: pathlib.Path) -> None:
     proc = run_tool("--model", "tiny", "--seq-lengths", "16,32", "--micro-batch-sizes", "1",
                     "--tp", "2", "--warmup", "0", "--iters", "1", "--threads", "1",
@@ -31,6 +36,7 @@ def test_writes_a_profile_of_the_sweep(tmp_path: pathlib.Path) -> None:
     assert f"wrote {tmp_path / 'cpu.json'}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_host_sharing_figures_go_into_the_profile(tmp_path: pathlib.Path) -> None:
     proc = run_tool("--model", "tiny", "--seq-lengths", "16", "--micro-batch-sizes", "1",
                     "--tp", "1", "--warmup", "0", "--iters", "2", "--threads", "1",
@@ -49,10 +55,12 @@ def test_host_sharing_figures_go_into_the_profile(tmp_path: pathlib.Path) -> Non
     (["--model", "tiny", "--accelerator", "emu-slow"], "--accelerator cpu"),
     (["--model", "tiny", "--host-sharing", "-1"], "--host-sharing must be at least 0"),
 ])
-def test_user_errors_are_one_line(tmp_path: pathlib.Path, args: list, fragment: str) -> None:
-    proc = run_tool(*args, "--out", str(tmp_path))
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+def test_user_errors_are_one_line(tmp_path: pathlib.Path, args: list, fragment: str,
+                                  capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: profile_device.main([*args, "--out", str(tmp_path)]))
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert fragment in lines[0]
     assert not (tmp_path / "cpu.json").exists()

@@ -29,8 +29,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_het.cli_args import ArgParser  # noqa: E402
 from megatron_het.cluster import ClusterSpec  # noqa: E402
 from megatron_het.comm.communicator import UnifiedCommunicator  # noqa: E402
+from megatron_het.emulation.links import emulated_wires  # noqa: E402
 from megatron_het.errors import UserError, run_cli  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -155,7 +157,7 @@ def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="tools/comm_bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--cluster", required=True, help="cluster YAML (its ranks = the launch)")
     p.add_argument("--json", help="write the records to this file (rank 0)")
     p.add_argument("--min-bytes", default="1K")
@@ -189,8 +191,9 @@ def main() -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=args.timeout_s)
     dist.init_process_group("gloo", timeout=timeout)  # torchrun's environment gives rank/world
+    hooks = emulated_wires(cluster) if args.emulate_bridge else None  # EMULATION
     comm = UnifiedCommunicator.from_cluster(cluster, bridge=args.bridge, timeout=timeout,
-                                            emulate_links=args.emulate_bridge)
+                                            wire_hooks=hooks)
     flat = dist.new_group(list(range(comm.world_size)), backend="gloo", timeout=timeout)
     records = []
     if comm.rank == 0:

@@ -3,7 +3,7 @@
     python tools/convert_checkpoint.py --source-format hf --target-format megatron_het \\
         --load-dir HF_DIR --save-dir OUT [--dtype bf16]
     python tools/convert_checkpoint.py --source-format megatron_het --target-format hf \\
-        --load-dir SAVE_DIR [--iteration N] --save-dir HF_OUT
+        --load-dir SAVE_DIR [--iteration N] --save-dir HF_OUT [--tokenizer-model M.model]
     python tools/convert_checkpoint.py --mode reshard --load-dir SAVE_DIR [--iteration N] \\
         --save-dir OUT --target-plan plan.json
 
@@ -11,6 +11,12 @@ A Hugging Face directory holds config.json and model.safetensors (or sharded *.s
 with model.safetensors.index.json); one model.safetensors is written. A converted Hugging Face
 model is saved as megatron_het iteration 0 without training state. A megatron_het source may
 have been saved by any parallel plan or by a single process.
+
+``--target-format hf`` also writes the run's tokenizer (tokenizer.json, tokenizer_config.json
+and the SentencePiece tokenizer.model), so ``AutoTokenizer.from_pretrained(HF_OUT)`` loads next
+to ``AutoModelForCausalLM.from_pretrained(HF_OUT)``. The tokenizer is the ``--tokenizer-model``
+the checkpoint's run recorded in its metadata, or the one passed here (which takes precedence);
+a run without one (NullTokenizer, converted weights) gets the weights only, with a note.
 
 ``--mode reshard`` rewrites a megatron_het checkpoint (of any plan) offline, in one process, as
 the target plan would have saved it: per-rank model and optimizer shards cut to that plan's
@@ -31,9 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_het.checkpoint.hf import (hf_config_to_model_config,  # noqa: E402
                                         hf_to_megatron_het_state, megatron_het_to_hf_state,
-                                        model_config_to_hf_config)
-from megatron_het.checkpoint.io import load_model_state, save_checkpoint  # noqa: E402
+                                        model_config_to_hf_config, write_hf_tokenizer)
+from megatron_het.checkpoint.io import load_checkpoint_metadata, save_checkpoint  # noqa: E402
+from megatron_het.checkpoint.reader import load_model_state  # noqa: E402
 from megatron_het.checkpoint.sharded import reshard_checkpoint  # noqa: E402
+from megatron_het.cli_args import ArgParser  # noqa: E402
 from megatron_het.errors import UserError, run_cli  # noqa: E402
 from megatron_het.parallel.plan import ParallelPlan  # noqa: E402
 
@@ -46,7 +54,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags; ``--mode`` chooses the operation (format conversion or resharding)."""
-    parser = argparse.ArgumentParser(description="Convert or reshard Llama checkpoints.")
+    parser = ArgParser(prog="tools/convert_checkpoint.py",
+                       description="Convert or reshard Llama checkpoints.")
     parser.add_argument("--mode", choices=("convert", "reshard"), default="convert",
                         help="'convert' changes the checkpoint format; 'reshard' lays a "
                              "megatron_het checkpoint out for --target-plan")
@@ -63,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="megatron_het source: iteration to read (default: latest)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="cast floating-point tensors (default: keep their dtype)")
+    parser.add_argument("--tokenizer-model", default=None, metavar="M.model",
+                        help="--target-format hf: the run's SentencePiece model to write as the "
+                             "Hugging Face tokenizer (default: the one the checkpoint's "
+                             "metadata records)")
     return parser
 
 
@@ -137,11 +150,50 @@ def hf_to_megatron_het(args: argparse.Namespace) -> pathlib.Path:
                            metadata={"converted_from": "hf", "source": str(args.load_dir)})
 
 
+def recorded_tokenizer_model(metadata: dict) -> Optional[str]:
+    """The SentencePiece ``--tokenizer-model`` a training run recorded in its checkpoint's
+    metadata (its run_config, else its argv); None for NullTokenizer runs and converted
+    weights."""
+    run_config = metadata.get("run_config")
+    if isinstance(run_config, dict):
+        data = run_config.get("data") or {}
+        if data.get("tokenizer_type", "SentencePieceTokenizer") != "SentencePieceTokenizer":
+            return None
+        return data.get("tokenizer_model") or None
+    argv = [str(a) for a in metadata.get("argv") or ()]
+    for i, arg in enumerate(argv):
+        if arg == "--tokenizer-model" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--tokenizer-model="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _tokenizer_model(args: argparse.Namespace) -> Optional[str]:
+    """--tokenizer-model, else the checkpoint's; a recorded path that is gone is a UserError."""
+    if args.tokenizer_model is not None:
+        return args.tokenizer_model
+    recorded = recorded_tokenizer_model(load_checkpoint_metadata(args.load_dir, args.iteration))
+    if recorded is not None and not pathlib.Path(recorded).is_file():
+        raise UserError(f"the checkpoint's run used tokenizer model {recorded}, which does not "
+                        f"exist here (a relative path is the run's); pass --tokenizer-model PATH "
+                        f"to that SentencePiece .model")
+    return recorded
+
+
 def megatron_het_to_hf(args: argparse.Namespace) -> pathlib.Path:
     cfg, state = load_model_state(args.load_dir, iteration=args.iteration)
+    tokenizer_model = _tokenizer_model(args)
     hf_state = cast(megatron_het_to_hf_state(state, cfg), DTYPES.get(args.dtype))
     save_dir = pathlib.Path(args.save_dir)
-    write_hf_dir(save_dir, model_config_to_hf_config(cfg, state_dtype_name(hf_state)), hf_state)
+    special_ids = None
+    if tokenizer_model is not None:
+        special_ids = write_hf_tokenizer(tokenizer_model, save_dir, cfg.vocab_size)
+    else:
+        print("note: no tokenizer written: the checkpoint records no SentencePiece "
+              "--tokenizer-model; pass --tokenizer-model M.model to add one", file=sys.stderr)
+    write_hf_dir(save_dir, model_config_to_hf_config(cfg, state_dtype_name(hf_state),
+                                                     special_ids), hf_state)
     return save_dir
 
 
@@ -151,6 +203,9 @@ def reshard(args: argparse.Namespace) -> pathlib.Path:
                         "checkpoint out for)")
     if args.dtype is not None:
         raise UserError("--dtype applies to --mode convert only; drop it when resharding")
+    if args.tokenizer_model is not None:
+        raise UserError("--tokenizer-model applies to --target-format hf only; drop it when "
+                        "resharding")
     plan = ParallelPlan.load(args.target_plan)
     return reshard_checkpoint(args.load_dir, args.save_dir, plan, iteration=args.iteration)
 
@@ -177,6 +232,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if conversion is None:
         raise UserError(f"--source-format {source_format} and --target-format "
                         f"{target_format} are the same; pick two different formats")
+    if args.tokenizer_model is not None and target_format != "hf":
+        raise UserError("--tokenizer-model applies to --target-format hf only; drop it")
     written = conversion(args)
     print(f"wrote {target_format} checkpoint to {written}")
 

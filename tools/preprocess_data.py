@@ -10,19 +10,19 @@ writes ``data/corpus_text_document.bin`` and ``.idx`` (one pair per ``--json-key
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_het.cli_args import ArgParser  # noqa: E402
 from megatron_het.data.preprocess import PreprocessConfig, preprocess_jsonl  # noqa: E402
 from megatron_het.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
 from megatron_het.errors import UserError, run_cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> PreprocessConfig:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgParser(prog="tools/preprocess_data.py", description=__doc__.splitlines()[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     group.add_argument("--json-keys", nargs="+", default=["text"],

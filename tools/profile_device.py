@@ -14,20 +14,21 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_het.cli_args import ArgParser  # noqa: E402
 from megatron_het.cluster.accelerators import AcceleratorRegistry  # noqa: E402
 from megatron_het.config import ModelConfig  # noqa: E402
+from megatron_het.emulation.host_measure import (measure_host_collective,  # noqa: E402
+                                                 measure_host_sharing)
 from megatron_het.errors import UserError, run_cli  # noqa: E402
 from megatron_het.model_args import add_model_shape_args, model_config_from_args  # noqa: E402
 from megatron_het.parallel.plan_validation import valid_tp_sizes  # noqa: E402
 from megatron_het.perf.cost_model import LayerShape  # noqa: E402
-from megatron_het.perf.host_sharing import (measure_host_collective,  # noqa: E402
-                                            measure_host_sharing)
 from megatron_het.perf.profile import Profile, merge_profiles  # noqa: E402
 from megatron_het.perf.profiler import (PROFILE_DTYPES, Sweep, default_accelerator,  # noqa: E402
                                         profile_device)
@@ -44,13 +45,6 @@ CPU-emulated kinds (emu-fast, emu-slow, ...) are not profiled themselves: profil
 "cpu" and the predictor multiplies the host's times by each emulated kind's slowdown."""
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as a UserError (one line, exit 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UserError(f"{message}; see {PROG} --help")
-
-
 def int_list(text: str) -> tuple[int, ...]:
     """"128,256" -> (128, 256); anything else is a one-line error."""
     try:
@@ -64,8 +58,8 @@ def int_list(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog=PROG, description=DESCRIPTION,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgParser(prog=PROG, description=DESCRIPTION,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_shape_args(p)
     p.add_argument("--seq-lengths", type=int_list, default=(128, 256), metavar="S,S")
     p.add_argument("--micro-batch-sizes", type=int_list, default=(1, 2, 4), metavar="B,B")

@@ -1,4 +1,5 @@
-"""Hugging Face Llama interop: config and state-dict conversion, pure functions on dicts.
+"""Hugging Face Llama interop: config and state-dict conversion (pure functions on dicts) and
+the tokenizer files that let ``transformers.AutoTokenizer`` load a run's SentencePiece model.
 
 Name mapping (Hugging Face ``LlamaForCausalLM`` -> megatron_het, see ``model/llama.py``):
 
@@ -17,7 +18,10 @@ q, k, v matrices are regrouped into the fused group-major ``qkv`` layout.
 from __future__ import annotations
 
 import re
-from typing import Any
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -93,12 +97,16 @@ def hf_config_to_model_config(hf_config: dict[str, Any]) -> ModelConfig:
         name=str(hf_config.get("_name_or_path") or "custom"))
 
 
-def model_config_to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+def model_config_to_hf_config(cfg: ModelConfig, dtype: str = "float32",
+                              special_ids: Optional[dict[str, Optional[int]]] = None
+                              ) -> dict[str, Any]:
     """A ``config.json`` dict for ``LlamaForCausalLM``.
 
     RoPE is written both in the legacy keys (``rope_theta``, ``rope_scaling``), which older
     transformers read, and as ``rope_parameters``, which transformers 5 reads. ``dtype`` is
-    the weights' dtype name ("float32", "bfloat16", "float16").
+    the weights' dtype name ("float32", "bfloat16", "float16"). ``special_ids``
+    (``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``, as :func:`write_hf_tokenizer`
+    returns) are added when given, so ``generate`` stops at the tokenizer's end of sequence.
     """
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     rope_scaling = None
@@ -122,7 +130,44 @@ def model_config_to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[
         "rope_scaling": rope_scaling, "rope_parameters": rope_parameters,
         "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
         "torch_dtype": dtype, "dtype": dtype, "use_cache": True,
+        **{k: v for k, v in (special_ids or {}).items() if v is not None},
     }
+
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def write_hf_tokenizer(tokenizer_model: str | Path, save_dir: str | Path,
+                       vocab_size: Optional[int] = None) -> dict[str, Optional[int]]:
+    """Write a run's SentencePiece ``tokenizer_model`` into ``save_dir`` for transformers.
+
+    transformers builds ``tokenizer.json`` from the model's own settings (BPE or unigram,
+    normalizer, byte fallback), so ``AutoTokenizer.from_pretrained(save_dir)`` encodes a text
+    to the ids ``SentencePieceProcessor.encode`` gives, adding no BOS/EOS, as the training data
+    was tokenized. ``tokenizer_config.json`` and a copy of the ``.model`` go beside it.
+    ``vocab_size`` (the model's) must hold every piece. Returns the special ids for
+    ``config.json``. A missing or unreadable model, or one larger than ``vocab_size``, raises
+    UserError.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_het.data.tokenizer import SentencePieceTokenizer
+
+    source = SentencePieceTokenizer(str(tokenizer_model))  # validates the file
+    if vocab_size is not None and source.vocab_size > vocab_size:
+        raise UserError(f"tokenizer model {tokenizer_model} has {source.vocab_size} pieces but "
+                        f"the checkpoint's vocabulary is {vocab_size}; pass the run's own "
+                        f"--tokenizer-model")
+    out = Path(save_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        # transformers converts a SentencePiece model it finds as tokenizer.model in a folder.
+        shutil.copyfile(tokenizer_model, Path(tmp) / "tokenizer.model")
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp)
+    tokenizer.save_pretrained(str(out))
+    shutil.copyfile(tokenizer_model, out / "tokenizer.model")
+    return {"bos_token_id": source.bos, "eos_token_id": source.eod,
+            "pad_token_id": source.pad}
 
 
 def _group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Checkpoint files on disk: sharded model tensors, training state, atomic commit.
+"""Checkpoint files on disk: their layout, writing them, atomic commit, and metadata.
 
 Layout of a ``--save`` directory::
 
@@ -10,10 +10,9 @@ Layout of a ``--save`` directory::
 
 A model shard holds, per tensor, the piece it stores, the tensor's global shape and the offset of
 the piece along every dimension. A single process writes one shard of full tensors; a parallel run
-writes one shard per rank and :func:`load_model_state` assembles full tensors from all of them.
-A parallel save (:mod:`megatron_het.checkpoint.sharded`) also writes per rank an optimizer shard
-(Adam moments sliced like their parameter) and a training-state file without the optimizer;
-:func:`load_train_state` then assembles the full optimizer state from the optimizer shards.
+writes one shard per rank. A parallel save (:mod:`megatron_het.checkpoint.sharded`) also writes
+per rank an optimizer shard (Adam moments sliced like their parameter) and a training-state file
+without the optimizer. Reading pieces back is :mod:`megatron_het.checkpoint.reader`'s job.
 
 An iteration is written into a hidden staging directory in SAVE, fsync'ed, renamed into place and
 only then recorded in the tracker file, so a crash mid-save leaves the previous checkpoint the
@@ -27,7 +26,7 @@ import pickle
 import pathlib
 import shutil
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -325,84 +324,3 @@ def _load_file(path: pathlib.Path, map_location: Any, mmap: bool = False) -> Any
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"cannot read checkpoint file {path} ({first_line}); "
                         "the checkpoint is damaged, load another one") from None
-
-
-class _Assembler:
-    """Collects the pieces of one global tensor and checks that together they cover it."""
-
-    def __init__(self, name: str, global_shape: Sequence[int]) -> None:
-        self.name = name
-        self.global_shape = tuple(global_shape)
-        self.full: Optional[torch.Tensor] = None
-        self.covered: Optional[torch.Tensor] = None  # None once a whole-tensor piece arrived
-
-    def add(self, piece: torch.Tensor, offsets: Sequence[int]) -> None:
-        if len(offsets) != len(self.global_shape) or piece.dim() != len(offsets) or any(
-                o < 0 or o + s > g for o, s, g in zip(offsets, piece.shape, self.global_shape)):
-            raise UserError(f"checkpoint tensor {self.name}: a piece of shape "
-                            f"{tuple(piece.shape)} at {tuple(offsets)} lies outside "
-                            f"{self.global_shape}; the checkpoint is damaged")
-        if tuple(piece.shape) == self.global_shape:
-            if self.full is None:  # the common case: a whole tensor, kept without a copy
-                self.full = piece
-            elif self.covered is not None:
-                self.full.copy_(piece)
-            self.covered = None
-            return
-        if self.full is None:
-            self.full = torch.zeros(self.global_shape, dtype=piece.dtype, device=piece.device)
-            self.covered = torch.zeros(self.global_shape, dtype=torch.bool)
-        index = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
-        self.full[index] = piece  # a replica of a whole tensor already held is harmless here
-        if self.covered is not None:
-            self.covered[index] = True
-
-    def result(self) -> torch.Tensor:
-        assert self.full is not None
-        if self.covered is not None and not bool(self.covered.all()):
-            raise UserError(f"checkpoint tensor {self.name} is only partly covered by its "
-                            "shards; the checkpoint is incomplete, load another one")
-        return self.full
-
-
-def load_model_state(path: PathLike, iteration: Optional[int] = None, map_location: Any = "cpu"
-                     ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The model config and FULL tensors (by global name) of the checkpoint at ``path``.
-
-    Reads every ``model_shard_*.pt`` listed by the metadata and assembles each tensor from its
-    pieces, whatever the parallel layout that wrote them; raises UserError if a piece is missing.
-    """
-    directory = resolve_checkpoint_dir(path, iteration)
-    metadata = load_checkpoint_metadata(directory)
-    assemblers: dict[str, _Assembler] = {}
-    for shard_index in range(int(metadata["num_model_shards"])):
-        payload = _load_file(directory / model_shard_name(shard_index), map_location)
-        for name, piece in payload["tensors"].items():
-            shape = payload["global_shapes"][name]
-            assembler = assemblers.setdefault(name, _Assembler(name, shape))
-            if assembler.global_shape != tuple(shape):
-                raise UserError(f"checkpoint tensor {name} has global shape {tuple(shape)} in "
-                                f"shard {shard_index} but {assembler.global_shape} elsewhere; "
-                                "the checkpoint is damaged")
-            assembler.add(piece, payload["offsets"][name])
-    config = ModelConfig.from_dict(metadata["model_config"])
-    return config, {name: assembler.result() for name, assembler in assemblers.items()}
-
-
-def load_train_state(path: PathLike, iteration: Optional[int] = None) -> Optional[dict]:
-    """The training state saved with the checkpoint, or None for a model-only checkpoint.
-
-    For a parallel save this is rank 0's state (counters, schedule, RNG) with ``optimizer``
-    holding the FULL per-parameter state assembled from every rank's optimizer shard
-    (``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": []}``), as a
-    single-process run saves it.
-    """
-    directory = resolve_checkpoint_dir(path, iteration)
-    metadata = load_checkpoint_metadata(directory)
-    if int(metadata.get("num_train_state_shards", 0)) == 0:
-        return None
-    state = _load_file(directory / train_state_name(0), "cpu")
-    if int(metadata.get("num_optimizer_shards", 0)) > 0:
-        from megatron_het.checkpoint.sharded import full_optimizer_state  # imports this module
-        state["optimizer"] = full_optimizer_state(directory)
-    return state

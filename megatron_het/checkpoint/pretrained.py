@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_het.checkpoint.io import load_model_state
+from megatron_het.checkpoint.reader import load_model_state
 from megatron_het.errors import UserError
 from megatron_het.model.llama import LlamaModel
 

@@ -16,9 +16,8 @@ to every rank (a shared filesystem on multi-node clusters).
 Loading (:func:`load_sharded`) works from a checkpoint of ANY plan or of a single process: each
 parameter's box for this rank (its TP slice under the new plan) is assembled from the saved
 pieces that overlap it (:mod:`megatron_het.checkpoint.reshard`); files are memory-mapped, so a
-rank reads only the pieces it needs. Single-process code reads a parallel checkpoint through
-:func:`~megatron_het.checkpoint.io.load_model_state` / ``load_train_state`` (the latter uses
-:func:`full_optimizer_state` here).
+rank reads only the pieces it needs (:class:`~megatron_het.checkpoint.reader.CheckpointReader`,
+the one reader of the on-disk format).
 """
 from __future__ import annotations
 
@@ -32,16 +31,15 @@ from torch import nn
 
 from megatron_het.checkpoint.io import (FORMAT_VERSION, OptimizerPiece, PathLike, TensorPiece,
                                         begin_checkpoint, commit_checkpoint, iteration_dir_name,
-                                        load_checkpoint_metadata, model_shard_name,
-                                        optimizer_shard_name, read_checkpoint_file,
-                                        resolve_checkpoint_dir, staging_dir, train_state_name,
-                                        write_json_file, write_model_shard,
-                                        write_optimizer_shard, write_train_state)
-from megatron_het.checkpoint.reshard import (Box, SavedPiece, assemble_slice, covering_pieces,
-                                             is_written_by, rank_writes, target_slice)
+                                        resolve_checkpoint_dir, staging_dir, write_json_file,
+                                        write_model_shard, write_optimizer_shard,
+                                        write_train_state)
+from megatron_het.checkpoint.reader import CheckpointReader
+from megatron_het.checkpoint.reshard import is_written_by, rank_writes, target_slice
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, RankRole
+from megatron_het.parallel.plan_validation import validate
 from megatron_het.tensor_parallel.sharding import parameter_shape
 
 SHARED_STAGING_TAG = "sharded"
@@ -221,112 +219,6 @@ def save_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
 
 
 # ---- reading --------------------------------------------------------------------------------
-class CheckpointReader:
-    """Random access to the pieces of one checkpoint directory, whatever plan wrote it.
-
-    Files are opened lazily (shards memory-mapped) and kept open for the reader's lifetime.
-    """
-
-    def __init__(self, directory: PathLike) -> None:
-        self.directory = pathlib.Path(directory)
-        self.metadata = load_checkpoint_metadata(self.directory)
-        self.config = ModelConfig.from_dict(self.metadata["model_config"])
-        self._files: dict[tuple[str, int], Any] = {}
-        sharded = self.metadata.get("sharded")
-        self.saved_plan: Optional[dict] = sharded["plan"] if sharded else None
-        if sharded:
-            self.model_index = _parse_index(sharded.get("model", {}), "model")
-            self.optimizer_index = _parse_index(sharded.get("optimizer", {}), "optim")
-        else:
-            self.model_index = self._scan_model_shards()
-            self.optimizer_index = self._single_process_optimizer_index()
-        self.has_optimizer = (int(self.metadata.get("num_optimizer_shards", 0)) > 0
-                              or bool(self.optimizer_index))
-
-    @property
-    def opened_files(self) -> list[tuple[str, int]]:
-        """``(kind, shard index)`` of every file read so far (kind: model | optim |
-        train_state)."""
-        return sorted(self._files)
-
-    def _file(self, kind: str, index: int) -> Any:
-        key = (kind, index)
-        if key not in self._files:
-            names = {"model": model_shard_name, "optim": optimizer_shard_name,
-                     "train_state": train_state_name}
-            self._files[key] = read_checkpoint_file(self.directory / names[kind](index),
-                                                    mmap=kind != "train_state")
-        return self._files[key]
-
-    def _scan_model_shards(self) -> dict[str, tuple[tuple[int, ...], list[SavedPiece]]]:
-        index: dict[str, tuple[tuple[int, ...], list[SavedPiece]]] = {}
-        for shard in range(int(self.metadata["num_model_shards"])):
-            payload = self._file("model", shard)
-            for name, tensor in payload["tensors"].items():
-                shape = tuple(payload["global_shapes"][name])
-                piece = SavedPiece(tuple(payload["offsets"][name]), tuple(tensor.shape),
-                                   ("model", shard))
-                index.setdefault(name, (shape, []))[1].append(piece)
-        return index
-
-    def _single_process_optimizer_index(self) -> dict[str, tuple[tuple[int, ...], list]]:
-        if int(self.metadata.get("num_train_state_shards", 0)) == 0:
-            return {}
-        state = self._file("train_state", 0).get("optimizer", {}).get("state", {})
-        return {name: (tuple(entry["exp_avg"].shape),
-                       [SavedPiece((0,) * entry["exp_avg"].dim(), tuple(entry["exp_avg"].shape),
-                                   ("train_state", 0))])
-                for name, entry in state.items()}
-
-    def _entry(self, source: tuple[str, int], name: str) -> Any:
-        payload = self._file(*source)
-        if source[0] == "model":
-            return payload["tensors"][name]
-        if source[0] == "optim":
-            return payload["state"][name]
-        return payload["optimizer"]["state"][name]
-
-    def _pieces(self, index: dict, name: str, box: Box, what: str
-                ) -> tuple[tuple[int, ...], list[SavedPiece]]:
-        if name not in index:
-            raise UserError(f"checkpoint {self.directory} has no {what} for {name}; load a "
-                            "checkpoint of this model")
-        global_shape, pieces = index[name]
-        return global_shape, covering_pieces(pieces, *box)
-
-    def model_slice(self, name: str, box: Box) -> torch.Tensor:
-        """The box ``(offsets, shape)`` of parameter ``name`` (a new CPU tensor)."""
-        global_shape, pieces = self._pieces(self.model_index, name, box, "weights")
-        tensors = [(self._entry(p.source, name), p.offsets) for p in pieces]
-        return assemble_slice(name, global_shape, *box, tensors)
-
-    def optimizer_slice(self, name: str, box: Box) -> dict[str, Any]:
-        """``{"step": int, "exp_avg", "exp_avg_sq"}`` of the box of parameter ``name``."""
-        global_shape, pieces = self._pieces(self.optimizer_index, name, box, "optimizer state")
-        entries = [(self._entry(p.source, name), p.offsets) for p in pieces]
-        out: dict[str, Any] = {"step": int(entries[0][0]["step"]) if entries else 0}
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[key] = assemble_slice(f"{name} {key}", global_shape, *box,
-                                      [(e[key], o) for e, o in entries])
-        return out
-
-    def train_state(self, rank: int) -> Optional[dict]:
-        """The saved training state of ``rank`` (rank 0's when that rank was not saved), without
-        the optimizer; None for a model-only checkpoint."""
-        shards = int(self.metadata.get("num_train_state_shards", 0))
-        if shards == 0:
-            return None
-        state = dict(self._file("train_state", rank if rank < shards else 0))
-        state.pop("optimizer", None)
-        return state
-
-
-def _parse_index(entries: dict, kind: str) -> dict[str, tuple[tuple[int, ...], list]]:
-    return {name: (tuple(e["global_shape"]),
-                   [SavedPiece(tuple(o), tuple(s), (kind, int(r))) for r, o, s in e["pieces"]])
-            for name, e in entries.items()}
-
-
 @torch.no_grad()
 def load_sharded(load_dir: PathLike, model_config: ModelConfig, plan: ParallelPlan,
                  groups: Any, stage: nn.Module, iteration: Optional[int] = None,
@@ -363,18 +255,6 @@ def load_sharded(load_dir: PathLike, model_config: ModelConfig, plan: ParallelPl
     return optimizer, train_state
 
 
-def full_optimizer_state(directory: PathLike) -> dict[str, Any]:
-    """The FULL optimizer state of a checkpoint, in single-process form:
-    ``{"state": {name: {"step": tensor, "exp_avg", "exp_avg_sq"}}, "param_groups": []}``."""
-    reader = CheckpointReader(directory)
-    state = {}
-    for name, (global_shape, _) in reader.optimizer_index.items():
-        entry = reader.optimizer_slice(name, ((0,) * len(global_shape), global_shape))
-        entry["step"] = torch.tensor(float(entry["step"]))  # torch.optim.AdamW's own form
-        state[name] = entry
-    return {"state": state, "param_groups": []}
-
-
 # ---- offline resharding ---------------------------------------------------------------------
 def reshard_checkpoint(load_dir: PathLike, save_dir: PathLike, target_plan: ParallelPlan,
                        iteration: Optional[int] = None) -> pathlib.Path:
@@ -387,7 +267,7 @@ def reshard_checkpoint(load_dir: PathLike, save_dir: PathLike, target_plan: Para
     """
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir, iteration))
     config = reader.config
-    target_plan.validate(config)
+    validate(target_plan, config)
     saved_iteration = int(reader.metadata["iteration"])
     train_state = reader.train_state(0)
     staging = begin_checkpoint(save_dir, saved_iteration)

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_het.cluster.accelerators import AcceleratorSpec
-from megatron_het.emulation import EmulatedLink
 from megatron_het.errors import UserError
 
 DEFAULT_NIC_LATENCY_US = 5.0
@@ -63,7 +62,8 @@ class GroupLink:
 @dataclass(frozen=True)
 class Link:
     """The path between two ranks. ``bandwidth_gbps`` is GB/s for that pair alone; concurrent
-    transfers over the same NIC or bridge share it."""
+    transfers over the same NIC or bridge share it. ``emulated`` only marks the link: CPU
+    emulation (:mod:`megatron_het.emulation.links`) paces its traffic to these figures."""
 
     bandwidth_gbps: float
     latency_s: float
@@ -73,10 +73,6 @@ class Link:
     def transfer_time_s(self, nbytes: int) -> float:
         """Latency plus ``nbytes`` at full bandwidth."""
         return self.latency_s + nbytes / (self.bandwidth_gbps * 1e9)
-
-    def emulated_link(self) -> EmulatedLink:
-        """An :class:`EmulatedLink` with this link's figures (for an emulated bridge)."""
-        return EmulatedLink(self.bandwidth_gbps, self.latency_s)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.comm.layout import GroupLayout
 from megatron_het.comm.relay import Bridge
-from megatron_het.comm.wire import BridgeLinks
+from megatron_het.comm.wire import WireHooks
 from megatron_het.errors import UserError
 
 BACKEND_NAME = "unified"
@@ -166,17 +166,17 @@ class _StoreLinkFactory:
 def register_unified_backend(rank_kinds: Sequence[str], native_backends: Mapping[str, str],
                              bridge: str = "relay", debug: bool = False,
                              direct_backend: str = "gloo",
-                             emulated_links: BridgeLinks | None = None) -> None:
+                             wire_hooks: WireHooks | None = None) -> None:
     """Register (or re-register) the "unified" backend with torch.distributed.
 
     ``rank_kinds``/``native_backends`` are those of the communicator; ``bridge``, ``debug``,
-    ``direct_backend`` and ``emulated_links`` apply to every group made with
-    ``backend="unified"`` (``UnifiedCommunicator.register_torch_backend()`` passes its own). Side effect: an
-    entry in torch.distributed's backend registry of this process (torch keeps it globally).
+    ``direct_backend`` and ``wire_hooks`` apply to every group made with ``backend="unified"``
+    (``UnifiedCommunicator.register_torch_backend()`` passes its own). Side effect: an entry in
+    torch.distributed's backend registry of this process (torch keeps it globally).
     """
     kinds = tuple(rank_kinds)
     backends = dict(native_backends)
-    bridge_obj = Bridge(bridge, direct_backend, emulated_links)
+    bridge_obj = Bridge(bridge, direct_backend, wire_hooks)
 
     def create(opts: Any, _backend_options: Any) -> UnifiedProcessGroup:
         ranks = sorted(opts.global_ranks_in_group) or list(range(len(kinds)))

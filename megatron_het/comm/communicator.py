@@ -9,8 +9,7 @@ needs to call ``torch.distributed`` directly.
 from __future__ import annotations
 
 import datetime
-import itertools
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,8 +18,7 @@ from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.comm.layout import GroupLayout
 from megatron_het.comm.p2p import P2PHandle, P2POp
 from megatron_het.comm.relay import Bridge
-from megatron_het.comm.wire import BridgeLinks
-from megatron_het.emulation import EmulatedLink
+from megatron_het.comm.wire import WireHooks
 from megatron_het.errors import UserError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -47,19 +45,6 @@ def validate_kinds(rank_kinds: Sequence[str], native_backends: Mapping[str, str]
                             "add it to the cluster's accelerator table")
 
 
-def emulated_bridge_links(cluster: Any) -> dict[frozenset[str], EmulatedLink]:
-    """The emulated links between kinds of ``cluster`` (first rank of each kind as witness)."""
-    first: dict[str, int] = {}
-    for info in sorted(cluster.rank_map(), key=lambda info: info.rank):
-        first.setdefault(info.accelerator.name, info.rank)
-    links = {}
-    for a, b in itertools.combinations(first, 2):
-        link = cluster.link_between(first[a], first[b])
-        if link.emulated:
-            links[frozenset((a, b))] = link.emulated_link()
-    return links
-
-
 class UnifiedCommunicator:
     """Collectives and transfers over ranks of mixed accelerator types.
 
@@ -68,8 +53,9 @@ class UnifiedCommunicator:
     "npu", "cpu"). ``bridge`` is "relay" (host staging + gloo) or "direct" (``direct_backend``
     spans every kind). Every backend group is created with ``timeout``; an operation whose peer
     died or hung raises :class:`~megatron_het.comm.faults.CommError` after it. ``debug`` checks
-    shapes and dtypes across ranks before every collective. ``emulated_links`` (CPU emulation
-    only) slows traffic between a pair of kinds to a modelled link (see ``comm/wire.py``).
+    shapes and dtypes across ranks before every collective. ``wire_hooks`` give every backend
+    link that spans several kinds a wire it books its transfers on (see ``comm/wire.py``; CPU
+    emulation uses it to slow an emulated bridge); None: links run at their backend's speed.
 
     Construction is collective over all ranks (it builds ``world``).
     """
@@ -78,15 +64,14 @@ class UnifiedCommunicator:
                  device_types: Mapping[str, str], bridge: str = "relay",
                  timeout: datetime.timedelta = DEFAULT_TIMEOUT, debug: bool = False,
                  direct_backend: str = "gloo",
-                 emulated_links: BridgeLinks | None = None) -> None:
+                 wire_hooks: Optional[WireHooks] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed before building the communicator")
         validate_kinds(rank_kinds, native_backends, device_types, dist.get_world_size())
         self.rank_kinds = tuple(rank_kinds)
         self.native_backends = dict(native_backends)
         self.device_types = dict(device_types)
-        self.bridge = Bridge(bridge, direct_backend, emulated_links)
-        self._emulated_links = emulated_links
+        self.bridge = Bridge(bridge, direct_backend, wire_hooks)
         self.timeout = timeout
         self.debug = debug
         self._rank = dist.get_rank()
@@ -97,19 +82,19 @@ class UnifiedCommunicator:
     def from_cluster(cls, cluster: Any, bridge: str = "relay",
                      timeout: datetime.timedelta = DEFAULT_TIMEOUT, debug: bool = False,
                      direct_backend: str = "gloo",
-                     emulate_links: bool = True) -> "UnifiedCommunicator":
+                     wire_hooks: Optional[WireHooks] = None) -> "UnifiedCommunicator":
         """Build from a ``ClusterSpec`` (its ``rank_map()`` gives every rank's accelerator).
 
-        With ``emulate_links``, links the cluster marks as emulated slow down the traffic
-        between their kinds (see :func:`emulated_bridge_links`).
+        ``wire_hooks`` as for the constructor: links the cluster marks as emulated are slowed
+        only when the caller passes the emulation's hooks
+        (:func:`megatron_het.emulation.links.emulated_wires`).
         """
         infos = sorted(cluster.rank_map(), key=lambda info: info.rank)
         kinds = [info.accelerator.name for info in infos]
         backends = {info.accelerator.name: info.accelerator.native_backend for info in infos}
         devices = {info.accelerator.name: info.accelerator.device_type for info in infos}
-        links = emulated_bridge_links(cluster) if emulate_links else None
         return cls(kinds, backends, devices, bridge=bridge, timeout=timeout, debug=debug,
-                   direct_backend=direct_backend, emulated_links=links)
+                   direct_backend=direct_backend, wire_hooks=wire_hooks)
 
     # -- facts -------------------------------------------------------------------------------
     @property
@@ -160,7 +145,7 @@ class UnifiedCommunicator:
         from megatron_het.comm.backend import register_unified_backend
 
         register_unified_backend(self.rank_kinds, self.native_backends, self.bridge.mode,
-                                 self.debug, self.bridge.backend, self._emulated_links)
+                                 self.debug, self.bridge.backend, self.bridge.wire_hooks)
 
     # -- world shortcuts ---------------------------------------------------------------------
     def barrier(self) -> None:

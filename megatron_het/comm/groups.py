@@ -68,7 +68,8 @@ class UnifiedGroup:
         def make(label: str, ranks: tuple[int, ...], backend: str) -> None:
             pg = factory(tuple(sorted(ranks)), backend)
             if pg is not None and me in ranks:
-                wire = bridge.wires.for_kinds({layout.kinds[layout.kind_index(r)] for r in ranks})
+                wire = bridge.wire_for(frozenset(layout.kinds[layout.kind_index(r)]
+                                                 for r in ranks))
                 links[(label, tuple(sorted(ranks)))] = Link(pg, ranks, me, backend, label, name,
                                                             wire)
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from megatron_het.comm.faults import CommError, guarded
-from megatron_het.comm.wire import EmulatedWire
+from megatron_het.comm.wire import Settle, Wire
 
 _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -27,12 +27,12 @@ _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 class Work:
     """Handle of an asynchronous link operation; ``wait()`` raises a :class:`CommError`.
 
-    ``settle`` (an emulated wire's wait) runs once the backend has finished, then ``then``
-    (e.g. the copy of a staged receive back to the device)."""
+    ``settle`` (what the link's wire booking returned) runs once the backend has finished, then
+    ``then`` (e.g. the copy of a staged receive back to the device)."""
 
     def __init__(self, work: Any, group: str, op: str, where: str,
                  then: Callable[[], None] | None = None,
-                 settle: Callable[[], None] | None = None, watch: bool = False) -> None:
+                 settle: Settle | None = None, watch: bool = False) -> None:
         self._work, self._group, self._op, self._where = work, group, op, where
         self._then, self._settle, self._done = then, settle, False
         self._error: BaseException | None = None
@@ -79,13 +79,14 @@ class Work:
 class Link:
     """A backend group over ``ranks`` (global); ``me`` is this process's global rank.
 
-    ``wire`` (CPU emulation only) delays every operation by the modelled time of the bytes this
-    rank moves, counted as a ring would move them: all-reduce 2(n-1)/n of the buffer,
-    all-gather and reduce-scatter (n-1)/n of the full buffer, broadcast and p2p the buffer.
+    ``wire`` (the wire hook, :mod:`megatron_het.comm.wire`) is booked once per operation with
+    the bytes this rank moves, counted as a ring would move them: all-reduce 2(n-1)/n of the
+    buffer, all-gather and reduce-scatter (n-1)/n of the full buffer, broadcast and p2p the
+    buffer.
     """
 
     def __init__(self, pg: Any, ranks: Sequence[int], me: int, backend: str, label: str,
-                 group_name: str, wire: EmulatedWire | None = None) -> None:
+                 group_name: str, wire: Wire | None = None) -> None:
         self.pg = pg
         self.ranks = tuple(sorted(ranks))
         self.me = me

@@ -13,11 +13,11 @@ On CPU ranks staging is free: a contiguous CPU tensor is its own host buffer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-from megatron_het.comm.wire import BridgeLinks, WireSet
+from megatron_het.comm.wire import Wire, WireHooks
 from megatron_het.errors import UserError
 
 BRIDGE_MODES = ("relay", "direct")
@@ -38,16 +38,22 @@ class Staged:
 class Bridge:
     """How cross-type traffic moves: ``mode`` is "relay" or "direct"; ``backend`` carries it.
 
-    ``emulated_links`` (CPU emulation) maps a pair of kinds to the link that traffic between
-    them is slowed to; see :mod:`megatron_het.comm.wire`."""
+    ``wire_hooks`` give the wire that links spanning several kinds book their transfers on (see
+    :mod:`megatron_het.comm.wire`; None: no booking)."""
 
     def __init__(self, mode: str, backend: str = "gloo",
-                 emulated_links: BridgeLinks | None = None) -> None:
+                 wire_hooks: Optional[WireHooks] = None) -> None:
         if mode not in BRIDGE_MODES:
             raise UserError(f"unknown bridge mode {mode!r}; use one of {', '.join(BRIDGE_MODES)}")
         self.mode = mode
         self.backend = backend if mode == "direct" else "gloo"
-        self.wires = WireSet(emulated_links)
+        self.wire_hooks = wire_hooks
+
+    def wire_for(self, kinds: frozenset[str]) -> Optional[Wire]:
+        """The wire of a backend link over ranks of ``kinds`` (None: none, or a single kind)."""
+        if self.wire_hooks is None or len(kinds) < 2:
+            return None
+        return self.wire_hooks.wire_for(kinds)
 
     @property
     def stages(self) -> bool:

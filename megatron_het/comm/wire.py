@@ -1,65 +1,34 @@
-"""Emulated bridge wires: cross-type traffic slowed to a modelled link (CPU emulation only).
+"""The wire hook: what a backend link calls per transfer, so a wire model can pace its traffic.
 
-On an emulated cluster every rank is a CPU process on one machine, so traffic between kinds
-would cross loopback at memory speed. When the cluster marks the link between two kinds as
-emulated, the communicator gives every backend link that spans those kinds an
-:class:`EmulatedWire`: each transfer is booked on a per-process virtual clock (transfers queue
-behind each other, at the link's bandwidth plus its latency) and the rank waits, when the
-transfer completes, until the booked finish time. The sleeping and its accounting are done by
-:class:`megatron_het.emulation.EmulatedLink`.
-
-Approximation: each rank books its own traffic; ranks sharing a node do not share the modelled
-bandwidth with each other. Everything here is emulation.
+The communicator knows nothing of how a wire is modelled. It takes an optional
+:class:`WireHooks` (``UnifiedCommunicator(..., wire_hooks=...)``) and asks it, for every backend
+link it builds, for the :class:`Wire` of the accelerator kinds that link spans (None: the link
+runs at the backend's own speed). The link then books every operation on that wire before it
+starts (:meth:`Wire.book`) and calls what the booking returned once the backend has finished.
+CPU emulation plugs in here (:mod:`megatron_het.emulation.links` slows cross-kind traffic to an
+emulated bridge link); without hooks nothing is booked.
 """
 from __future__ import annotations
 
-import time
-from typing import Callable, Mapping
+from typing import Callable, Optional, Protocol
 
-from megatron_het.emulation import EmulatedLink
-
-# Kinds pair -> the emulated link between them (absent: not emulated).
-BridgeLinks = Mapping[frozenset[str], EmulatedLink]
+# Called once the backend has finished the booked transfer; may block (e.g. to pace the link).
+Settle = Callable[[], None]
 
 
-class EmulatedWire:
-    """Virtual clocks (one per direction) in front of one :class:`EmulatedLink`."""
+class Wire(Protocol):
+    """The wire of one backend link, booked once per operation."""
 
-    def __init__(self, link: EmulatedLink, clock: Callable[[], float] = time.perf_counter
-                 ) -> None:
-        self.link = link
-        self._clock = clock
-        self._free_at = {"tx": 0.0, "rx": 0.0}
-
-    def book(self, nbytes: int, direction: str = "tx") -> Callable[[], None]:
-        """Book a transfer of ``nbytes`` starting now; returns the wait to call once it is done.
-
-        The wire is full duplex: sends ("tx") and receives ("rx") queue separately. Collectives
-        book what this rank sends; a ring receives as much at the same time.
-        """
-        start = max(self._clock(), self._free_at[direction])
-        finish = start + self.link.delay(nbytes)
-        self._free_at[direction] = finish
-
-        def settle() -> None:
-            remaining = finish - self._clock()
-            # EmulatedLink sleeps delay - elapsed; pass the elapsed that leaves `remaining`
-            self.link.wait(nbytes, elapsed_s=self.link.delay(nbytes) - remaining)
-
-        return settle
+    def book(self, nbytes: int, direction: str = "tx") -> Settle:
+        """Book a transfer of ``nbytes`` this rank starts now; ``direction`` is "tx" (sent) or
+        "rx" (received). Returns what to call once the backend has finished it."""
 
 
-class WireSet:
-    """The wires of one process, keyed by the set of kinds a backend link spans."""
+class WireHooks(Protocol):
+    """Gives the wire of a backend link from the accelerator kinds it spans."""
 
-    def __init__(self, links: BridgeLinks | None) -> None:
-        self._links = dict(links or {})
-        self._wires: dict[int, EmulatedWire] = {}
+    def wire_for(self, kinds: frozenset[str]) -> Optional[Wire]:
+        """The wire of a link over ranks of ``kinds``, or None (no booking)."""
 
-    def for_kinds(self, kinds: set[str]) -> EmulatedWire | None:
-        """The wire of the slowest emulated link between any two of ``kinds`` (or None)."""
-        found = [link for pair, link in self._links.items() if pair <= kinds and len(pair) == 2]
-        if len(kinds) < 2 or not found:
-            return None
-        slowest = min(found, key=lambda link: (link.bandwidth_gbps, -link.latency_s))
-        return self._wires.setdefault(id(slowest), EmulatedWire(slowest))
+
+__all__ = ["Settle", "Wire", "WireHooks"]

@@ -26,14 +26,10 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from megatron_het.errors import UserError
 from megatron_het.fileio import read_json_file
-
-if TYPE_CHECKING:
-    from megatron_het.cluster import ClusterSpec
-    from megatron_het.config import ModelConfig
 
 PLAN_FORMAT = "megatron_het.plan/1"
 PLAN_DTYPES = ("fp32", "bf16", "fp16")
@@ -158,12 +154,6 @@ class ParallelPlan:
         """Every rank the plan places, ascending."""
         return tuple(sorted(rank for p in self.pipelines for rank in p.ranks))
 
-    def validate(self, model: "ModelConfig", cluster: Optional["ClusterSpec"] = None,
-                 global_batch_size: Optional[int] = None) -> None:
-        """Raise UserError for the first problem; see :func:`plan_validation.validate`."""
-        from megatron_het.parallel.plan_validation import validate  # imports this module
-        validate(self, model, cluster, global_batch_size)
-
     # ---- rank queries ---------------------------------------------------------------------
     def rank_role(self, rank: int) -> RankRole:
         """The pipeline, stage and tp_rank of ``rank``; UserError if the plan does not place it."""
@@ -173,40 +163,6 @@ class ParallelPlan:
                     return RankRole(p, s, stage.ranks.index(rank), stage)
         raise UserError(f"rank {rank} is on no stage of the plan; add it to a stage's ranks or "
                         f"launch {self.world_size} ranks")
-
-    def ranks_of_stage(self, pipeline: int, stage: int) -> tuple[int, ...]:
-        """The TP group of one stage, in tp_rank order."""
-        return self.pipelines[pipeline].stages[stage].ranks
-
-    def dp_group(self, rank: int) -> tuple[int, ...]:
-        """The ranks holding the same layers and tp_rank as ``rank`` in every pipeline (itself
-        included), in pipeline order: the group over which its gradients are averaged."""
-        role = self.rank_role(rank)
-        group = []
-        for p, pipeline in enumerate(self.pipelines):
-            match = [s for s in pipeline.stages
-                     if s.layers == role.stage_plan.layers and s.tp == role.stage_plan.tp]
-            if not match:
-                raise ValueError(f"pipeline {p} has no stage with layers {role.stage_plan.layers}"
-                                 f" and tp={role.stage_plan.tp}; validate the plan first")
-            group.append(match[0].ranks[role.tp_rank])
-        return tuple(group)
-
-    def dp_peers(self, rank: int) -> tuple[int, ...]:
-        """:meth:`dp_group` without ``rank`` itself."""
-        return tuple(r for r in self.dp_group(rank) if r != rank)
-
-    def first_stage_ranks(self, pipeline: Optional[int] = None) -> tuple[int, ...]:
-        """Ranks of the first stage (the embedding) of one pipeline, or of all, ascending."""
-        return self._end_stage_ranks(pipeline, 0)
-
-    def last_stage_ranks(self, pipeline: Optional[int] = None) -> tuple[int, ...]:
-        """Ranks of the last stage (the head and the loss) of one pipeline, or of all."""
-        return self._end_stage_ranks(pipeline, -1)
-
-    def _end_stage_ranks(self, pipeline: Optional[int], index: int) -> tuple[int, ...]:
-        chosen = self.pipelines if pipeline is None else [self.pipelines[pipeline]]
-        return tuple(sorted(r for p in chosen for r in p.stages[index].ranks))
 
     def describe(self) -> str:
         """A few human-readable lines: one per stage, with its ranks and layers."""

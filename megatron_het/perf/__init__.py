@@ -2,16 +2,21 @@
 
 :func:`predict` estimates a plan's iteration time, throughput and memory per device from
 profiles (:class:`Profile`, measured per accelerator kind) or roofline estimates of the cluster's
-accelerator specs; :func:`fits` checks the memory against the devices.
+accelerator specs; :func:`fits` checks the memory against the devices. An optional
+:class:`RateModel` models ranks that share their compute (CPU emulation provides one).
 """
-from megatron_het.perf.memory import MemoryBreakdown, MemoryFit, check_fits, fits
-from megatron_het.perf.predictor import (PipelinePrediction, Prediction, StagePrediction,
-                                         predict)
+from megatron_het.perf.fit import MemoryFit, check_fits, fits
+from megatron_het.perf.memory import MemoryBreakdown
+from megatron_het.perf.prediction import PipelinePrediction, Prediction, StagePrediction
+from megatron_het.perf.predictor import predict
 from megatron_het.perf.profile import Profile, ProfileConditions, load_profiles
-from megatron_het.perf.simulator import (SimulationCache, SimulationResult, closed_form_1f1b,
-                                         simulate, simulate_1f1b)
+from megatron_het.perf.rate_model import RateModel, SharedIteration
+from megatron_het.perf.simulator import (CoreSharing, Region, SimulationCache, SimulationResult,
+                                         StageTiming, closed_form_1f1b, simulate,
+                                         simulate_1f1b, simulate_pipelines)
 
-__all__ = ["MemoryBreakdown", "MemoryFit", "PipelinePrediction", "Prediction", "Profile",
-           "ProfileConditions", "SimulationCache", "SimulationResult", "StagePrediction",
+__all__ = ["CoreSharing", "MemoryBreakdown", "MemoryFit", "PipelinePrediction", "Prediction",
+           "Profile", "ProfileConditions", "RateModel", "Region", "SharedIteration",
+           "SimulationCache", "SimulationResult", "StagePrediction", "StageTiming",
            "check_fits", "closed_form_1f1b", "fits", "load_profiles", "predict", "simulate",
-           "simulate_1f1b"]
+           "simulate_1f1b", "simulate_pipelines"]

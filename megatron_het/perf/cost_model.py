@@ -153,6 +153,41 @@ def embedding_forward_ops(shape: LayerShape) -> list[Op]:
     return [Op("embedding", "memory", 0.0, 2 * shape.tokens * shape.hidden)]
 
 
+# The vocab-parallel cross-entropy's small all-reduces in its forward (the maximum, then the
+# sums), of a few numbers per token rather than activations.
+CROSS_ENTROPY_COLLECTIVES = 2
+
+
+@dataclass(frozen=True)
+class TPCollectives:
+    """The TP collectives of one micro-batch on a stage: ``forward`` and ``backward``
+    all-reduces of the ``[micro_batch, seq, hidden]`` activations, and ``cross_entropy`` small
+    ones in the forward (the head's)."""
+
+    forward: int
+    backward: int
+    cross_entropy: int = 0
+
+    @property
+    def forward_all(self) -> int:
+        """Every collective of the forward, small ones included."""
+        return self.forward + self.cross_entropy
+
+
+def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,
+                   has_head: bool = False, recompute: bool = False) -> TPCollectives:
+    """The TP collectives per micro-batch of a stage of ``tp`` ranks (none at tp=1): each
+    layer's 2 all-reduces forward (attention and MLP outputs) and 2 backward (their input
+    gradients), 2 more backward under recompute (the recomputed forward), the vocab-parallel
+    embedding's forward one, and the head's input-gradient one and its cross-entropy's 2 small
+    ones in the forward."""
+    if tp == 1:
+        return TPCollectives(0, 0)
+    forward = 2 * num_layers + (1 if has_embedding else 0)
+    backward = 2 * num_layers * (2 if recompute else 1) + (1 if has_head else 0)
+    return TPCollectives(forward, backward, CROSS_ENTROPY_COLLECTIVES if has_head else 0)
+
+
 def emulation_factor(spec: AcceleratorSpec) -> float:
     """The slowdown of an emulated kind (its figures are the host's divided by it), else 1."""
     return spec.slowdown if spec.emulated else 1.0

@@ -1,9 +1,9 @@
 """Running a measurement in worker processes of this host and collecting their results.
 
-The profiler's communicator figures (:mod:`megatron_het.perf.comm_profiler`) and the host
-sharing figures (:mod:`megatron_het.perf.host_sharing`) time code in forked (or spawned)
-processes. Each worker reports once through a one-way pipe: ``("ok", result)`` or ``("error",
-traceback text)``; :func:`run_measurement_processes` starts them, waits for the reports and
+The profiler's communicator figures (:mod:`megatron_het.perf.comm_profiler`) and CPU
+emulation's host-sharing figures (:mod:`megatron_het.emulation.host_measure`) time code in
+forked (or spawned) processes. Each worker reports once through a one-way pipe: ``("ok",
+result)`` or ``("error", traceback text)``; :func:`run_measurement_processes` starts them, waits for the reports and
 cleans up, and :func:`report_to_parent` is the worker's side. :func:`gloo_pair` joins two
 workers into a 2-rank gloo group behind the unified communicator.
 """

@@ -12,21 +12,16 @@ Terms, per TP rank of a stage (Megatron's mixed-precision layout):
   layer's full activations exist again while its backward runs (the transient term).
 
 Not counted: the CUDA/ROCm context, allocator fragmentation and communication buffers;
-:func:`fits` keeps :data:`RESERVED_FRACTION` of the device free for them.
+:func:`~megatron_het.perf.fit.fits` keeps :data:`RESERVED_FRACTION` of the device free for them.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_het.cluster import AcceleratorSpec, ClusterSpec
+from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
-from megatron_het.errors import UserError
 from megatron_het.parallel.plan import StagePlan
 from megatron_het.perf.cost_model import FP32_BYTES, dtype_bytes
-
-if TYPE_CHECKING:
-    from megatron_het.perf.predictor import Prediction, StagePrediction
 
 GIB = 1024 ** 3
 # Kept free of the predicted peak: runtime context (~0.5-1 GiB on GPUs), fragmentation and
@@ -101,52 +96,3 @@ def device_capacity_bytes(spec: AcceleratorSpec) -> float:
     if spec.emulated and spec.memory_cap_gib is not None:
         return spec.memory_cap_gib * GIB
     return spec.memory_gib * GIB
-
-
-@dataclass(frozen=True)
-class MemoryFit:
-    """The result of :func:`fits`: ``headroom_bytes`` is the smallest headroom of any device
-    (negative: it does not fit), ``worst`` the stage with it, ``message`` one line."""
-
-    ok: bool
-    headroom_bytes: float
-    worst: Optional["StagePrediction"]
-    message: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "headroom_bytes": self.headroom_bytes, "message": self.message}
-
-
-def fits(prediction: "Prediction", cluster: ClusterSpec,
-         reserved_fraction: float = RESERVED_FRACTION) -> MemoryFit:
-    """Compare every stage's predicted peak with its devices' usable memory.
-
-    Usable memory is the capacity (:func:`device_capacity_bytes`) less ``reserved_fraction``.
-    """
-    worst, worst_room = None, float("inf")
-    for stage in prediction.stages:
-        usable = device_capacity_bytes(cluster.accelerator_of(stage.ranks[0])) * (
-            1.0 - reserved_fraction)
-        room = usable - stage.memory.total_bytes
-        if room < worst_room:
-            worst, worst_room = stage, room
-    if worst is None:
-        return MemoryFit(True, float("inf"), None, "no stages")
-    spec = cluster.accelerator_of(worst.ranks[0])
-    where = (f"stage {worst.stage} of pipeline {worst.pipeline} ({spec.label}, tp={worst.tp}, "
-             f"layers [{worst.layers[0]}, {worst.layers[1]}))")
-    need = worst.memory.total_bytes / GIB
-    have = device_capacity_bytes(spec) * (1.0 - reserved_fraction) / GIB
-    if worst_room >= 0:
-        return MemoryFit(True, worst_room, worst, f"fits: the tightest device is {where} at "
-                         f"{need:.1f} of {have:.1f} GiB usable")
-    return MemoryFit(False, worst_room, worst, (
-        f"{where} needs {need:.1f} GiB per device but {have:.1f} GiB is usable; give it fewer "
-        f"layers, a larger tp, recompute, ZeRO-1 or fewer micro-batches in flight"))
-
-
-def check_fits(prediction: "Prediction", cluster: ClusterSpec) -> None:
-    """Raise a UserError with :func:`fits`'s message if any device would run out of memory."""
-    result = fits(prediction, cluster)
-    if not result.ok:
-        raise UserError(result.message)

@@ -6,7 +6,8 @@ slowest stage's sync counts), then the optimizer step (the slowest device's). Pe
 micro-batch: compute from a profile or roofline (:mod:`megatron_het.perf.stage_cost`) plus TP
 communication (2 all-reduces of the ``[micro_batch, seq, hidden]`` activations per layer forward
 and 2 backward within the stage's TP group, 2 more per layer in backward under recompute, one
-for the vocab-parallel embedding forward and one for the head's input gradient). Between stages,
+for the vocab-parallel embedding forward and one for the head's input gradient; counted by
+:func:`~megatron_het.perf.cost_model.tp_collectives`). Between stages,
 without sequence parallelism every TP rank holds the whole activation: with equal TP degrees each
 rank sends it to its peer (concurrent streams share a NIC); with different degrees one rank
 sends and the receiving stage broadcasts it within its TP group.
@@ -15,171 +16,53 @@ The pipeline time is the event-driven simulation of the 1F1B step lists
 (:mod:`megatron_het.perf.simulator`); the closed form and the lower bound are reported beside it
 as checks. ``pipeline_model="closed_form"`` skips the simulation (for fast searches).
 
-Ranks that share a host CPU (every rank of a CPU-emulated kind, with host-sharing figures in the
-host profile): the pipelines are simulated together on the shared cores, the DP sync and the
-optimizer step (at host speed) share them too, and the driver's per-iteration world collectives
-are added (:mod:`megatron_het.perf.shared_host`).
+Every rank owns its device unless an optional rate model (:mod:`megatron_het.perf.rate_model`)
+says otherwise: ranks that share a host's cores (CPU emulation's
+:class:`~megatron_het.emulation.host_model.SharedHostModel`) then have all their pipelines
+simulated together on the shared cores, with the model's DP sync, optimizer step and other
+per-iteration time.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan
+from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan_validation import validate as validate_plan
 from megatron_het.perf.comm_cost import CommCost, broadcast_time, p2p_time
 from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, DTYPE_BYTES, FP32_BYTES,
-                                          Efficiency, LayerShape, dtype_bytes)
-from megatron_het.perf.memory import (MemoryBreakdown, device_capacity_bytes,
-                                      in_flight_micro_batches, stage_memory, stage_parameters)
+                                          Efficiency, LayerShape, dtype_bytes, tp_collectives)
+from megatron_het.perf.memory import (device_capacity_bytes, in_flight_micro_batches,
+                                      stage_memory, stage_parameters)
+from megatron_het.perf.prediction import PipelinePrediction, Prediction, StagePrediction
 from megatron_het.perf.profile import Profile
-from megatron_het.perf.shared_host import shared_host_times
+from megatron_het.perf.rate_model import RateModel, SharedIteration
 from megatron_het.perf.simulator import (SimulationCache, bubble_fraction, closed_form_1f1b,
-                                         lower_bound_1f1b)
+                                         lower_bound_1f1b, simulate_pipelines)
 from megatron_het.perf.stage_cost import (StageCompute, choose_profile, optimizer_time,
                                           stage_compute)
 
 PIPELINE_MODELS = ("simulate", "closed_form")
 
 
-@dataclass(frozen=True)
-class StagePrediction:
-    """One stage of one pipeline; times per micro-batch unless named otherwise.
-
-    ``forward_s`` / ``backward_s`` include TP communication (``tp_comm_s`` is its forward +
-    backward share) and recompute; ``p2p_*_s`` is the boundary to the next stage (0 on the
-    last); ``dp_sync_s`` and ``optimizer_s`` are per iteration; ``memory`` is one device's.
-    """
-
-    pipeline: int
-    stage: int
-    accelerator: str
-    tp: int
-    layers: tuple[int, int]
-    ranks: tuple[int, ...]
-    forward_s: float
-    backward_s: float
-    tp_comm_s: float
-    p2p_forward_s: float
-    p2p_backward_s: float
-    dp_sync_s: float
-    dp_algorithm: str
-    optimizer_s: float
-    parameters: int
-    in_flight: int
-    memory: MemoryBreakdown
-    capacity_bytes: float
-    source: str
-
-    @property
-    def headroom_bytes(self) -> float:
-        return self.capacity_bytes - self.memory.total_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["layers"], d["ranks"] = list(self.layers), list(self.ranks)
-        d["memory"] = self.memory.to_dict()
-        return d
-
-
-@dataclass(frozen=True)
-class PipelinePrediction:
-    """One DP replica: its 1F1B time (simulated or closed form) and the analytic checks."""
-
-    pipeline: int
-    micro_batches: int
-    time_s: float
-    closed_form_s: float
-    lower_bound_s: float
-    bubble_fraction: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """Everything :func:`predict` estimates for one iteration; ``stages`` is the per-stage table."""
-
-    model: str
-    seq_length: int
-    dtype: str
-    use_distributed_optimizer: bool
-    micro_batch_size: int
-    global_batch_size: int
-    pipeline_model: str
-    stages: tuple[StagePrediction, ...]
-    pipelines: tuple[PipelinePrediction, ...]
-    pipeline_time_s: float
-    dp_sync_s: float
-    optimizer_s: float
-    iteration_time_s: float
-    tokens_per_s: float
-    model_flops_per_iteration: float
-    num_devices: int
-    peak_flops_sum: float
-    bubble_fraction: float
-    overhead_s: float = 0.0  # per-iteration work outside pipeline, sync and step (shared host)
-
-    @property
-    def achieved_tflops_per_device(self) -> float:
-        """Model FLOP/s per device in use, in TFLOP/s."""
-        return self.model_flops_per_iteration / self.iteration_time_s / self.num_devices / 1e12
-
-    @property
-    def mfu(self) -> float:
-        """Heterogeneity-aware MFU: model FLOP/s over the sum of the devices' peak FLOP/s."""
-        return self.model_flops_per_iteration / self.iteration_time_s / self.peak_flops_sum
-
-    @property
-    def peak_memory_bytes(self) -> float:
-        return max(s.memory.total_bytes for s in self.stages)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able: scalars, the derived figures and the per-stage and per-pipeline tables."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("stages", "pipelines")}
-        d.update(achieved_tflops_per_device=self.achieved_tflops_per_device, mfu=self.mfu,
-                 peak_memory_bytes=self.peak_memory_bytes,
-                 stages=[s.to_dict() for s in self.stages],
-                 pipelines=[p.to_dict() for p in self.pipelines])
-        return d
-
-    def table(self) -> str:
-        """The per-stage table as text, one row per stage of every pipeline."""
-        rows = [("pipe", "stage", "accelerator", "tp", "layers", "fwd ms", "bwd ms", "tp ms",
-                 "p2p ms", "dp ms", "opt ms", "mem GiB", "cap GiB")]
-        for s in self.stages:
-            rows.append((str(s.pipeline), str(s.stage), s.accelerator, str(s.tp),
-                         f"{s.layers[0]}-{s.layers[1]}", *(f"{1e3 * v:.2f}" for v in (
-                             s.forward_s, s.backward_s, s.tp_comm_s, s.p2p_forward_s,
-                             s.dp_sync_s, s.optimizer_s)),
-                         f"{s.memory.total_bytes / 2**30:.1f}", f"{s.capacity_bytes / 2**30:.0f}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.append(f"iteration {self.iteration_time_s:.3f} s = pipeline "
-                     f"{self.pipeline_time_s:.3f} + dp sync {self.dp_sync_s:.3f} + optimizer "
-                     f"{self.optimizer_s:.3f} + other {self.overhead_s:.3f}; "
-                     f"{self.tokens_per_s:,.0f} tokens/s, "
-                     f"{self.achieved_tflops_per_device:.1f} TFLOP/s per device, MFU "
-                     f"{100 * self.mfu:.1f}%, bubble {100 * self.bubble_fraction:.1f}%")
-        return "\n".join(lines)
-
-
 def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_length: int,
             profiles: Optional[Mapping[str, Profile]] = None, dtype: str = "bf16",
             use_distributed_optimizer: bool = False, recompute: Optional[bool] = None, *,
             efficiency: Efficiency = DEFAULT_EFFICIENCY, pipeline_model: str = "simulate",
-            cache: Optional[SimulationCache] = None, validate: bool = True) -> Prediction:
+            cache: Optional[SimulationCache] = None, validate: bool = True,
+            rate_model: Optional[RateModel] = None) -> Prediction:
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
     ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
     ``recompute`` None keeps each stage's own flag, True/False overrides every stage.
     ``profiles`` maps accelerator kind names to measured profiles (roofline where absent).
     ``cache`` reuses built schedules across calls (a planner's loop); ``validate=False`` skips
-    the plan check for plans known to be valid. Pure: no processes, no I/O.
+    the plan check for plans known to be valid. ``rate_model`` (with ``pipeline_model``
+    "simulate") models ranks that share their compute where it applies. Pure: no processes,
+    no I/O.
     """
     if seq_length < 1:
         raise UserError(f"seq_length must be at least 1, got {seq_length}")
@@ -190,28 +73,41 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     zero1 = (plan.use_distributed_optimizer if plan.use_distributed_optimizer is not None
              else use_distributed_optimizer)
     if validate:
-        plan.validate(model, cluster)
-    ctx = _Context(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
-                   efficiency, CommCost(cluster, profiles))
+        validate_plan(plan, model, cluster)
+    ctx = PredictionContext(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
+                            efficiency, CommCost(cluster, profiles))
     cache = cache or SimulationCache()
     stages, pipelines = [], []
     for p, pipeline in enumerate(plan.pipelines):
         rows = ctx.pipeline_rows(p, pipeline)
         stages += rows
         pipelines.append(_pipeline_time(p, pipeline.micro_batches, rows, pipeline_model, cache))
-    shared = shared_host_times(ctx, stages) if pipeline_model == "simulate" else None
+    shared = None
+    if rate_model is not None and pipeline_model == "simulate":
+        shared = rate_model.shared_iteration(ctx, stages)
     if shared is not None:
-        pipelines = [dataclasses.replace(pp, time_s=t, bubble_fraction=bubble_fraction(
-            t, [r.forward_s for r in stages if r.pipeline == pp.pipeline],
-            [r.backward_s for r in stages if r.pipeline == pp.pipeline], pp.micro_batches))
-            for pp, t in zip(pipelines, shared.pipelines_s)]
+        pipelines = _shared_pipelines(plan, stages, pipelines, shared, cache)
         return _assemble(ctx, stages, pipelines, pipeline_model, shared.optimizer_s,
                          shared.overhead_s, shared.dp_sync_s)
     return _assemble(ctx, stages, pipelines, pipeline_model)
 
 
-class _Context:
-    """The inputs of one prediction and its per-call memo of stage computes."""
+def _shared_pipelines(plan: ParallelPlan, rows: list[StagePrediction],
+                      pipelines: list[PipelinePrediction], shared: SharedIteration,
+                      cache: SimulationCache) -> list[PipelinePrediction]:
+    """Every pipeline's time when all run at once on the rate model's shared cores."""
+    schedules = [cache.schedule(pp.pp_size, pp.micro_batches) for pp in plan.pipelines]
+    result = simulate_pipelines(schedules, shared.stages, shared.sharing)
+    return [dataclasses.replace(pp, time_s=t, bubble_fraction=bubble_fraction(
+        t, [r.forward_s for r in rows if r.pipeline == pp.pipeline],
+        [r.backward_s for r in rows if r.pipeline == pp.pipeline], pp.micro_batches))
+        for pp, t in zip(pipelines, result.makespans_s)]
+
+
+class PredictionContext:
+    """The inputs of one prediction and its per-call memo of stage computes (what a
+    :class:`~megatron_het.perf.rate_model.RateModel` reads, as
+    :class:`~megatron_het.perf.rate_model.PredictionInputs`)."""
 
     def __init__(self, model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec,
                  seq_length: int, profiles: Optional[Mapping[str, Profile]], dtype: str,
@@ -241,10 +137,13 @@ class _Context:
             out.append(counts)
         return out
 
+    def recompute_of(self, stage: StagePlan) -> bool:
+        return stage.recompute if self.recompute is None else self.recompute
+
     def compute(self, stage_index: int, pipeline: PipelinePlan) -> StageCompute:
         stage = pipeline.stages[stage_index]
         spec = self.comm.spec_of(stage.ranks[0])
-        recompute = stage.recompute if self.recompute is None else self.recompute
+        recompute = self.recompute_of(stage)
         key = (spec.name, stage.tp, stage.num_layers, stage.has_embedding, stage.has_head,
                recompute)
         if key not in self._computes:
@@ -259,11 +158,11 @@ class _Context:
         stage = pipeline.stages[stage_index]
         if stage.tp == 1:
             return 0.0, 0.0
-        recompute = stage.recompute if self.recompute is None else self.recompute
+        # The cross-entropy's small all-reduces are left out: a few numbers per token.
+        counts = tp_collectives(stage.tp, stage.num_layers, stage.has_embedding,
+                                stage.has_head, self.recompute_of(stage))
         one = self.comm.tp_all_reduce(stage.ranks, self.act_bytes)
-        forward = 2 * stage.num_layers + (1 if stage.has_embedding else 0)
-        backward = 2 * stage.num_layers * (2 if recompute else 1) + (1 if stage.has_head else 0)
-        return forward * one, backward * one
+        return counts.forward * one, counts.backward * one
 
     def p2p(self, b: int, pipeline: PipelinePlan) -> tuple[float, float]:
         """(forward, backward) seconds over boundary ``b`` (stage b to b + 1) per micro-batch."""
@@ -327,7 +226,7 @@ def _pipeline_time(p: int, micro_batches: int, rows: list[StagePrediction], pipe
                               micro_batches), bubble_fraction(time, f, b, micro_batches))
 
 
-def _assemble(ctx: _Context, stages: list[StagePrediction],
+def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
               pipelines: list[PipelinePrediction], pipeline_model: str,
               optimizer: Optional[float] = None, overhead: float = 0.0,
               dp_sync: Optional[float] = None) -> Prediction:
@@ -359,5 +258,5 @@ def _assemble(ctx: _Context, stages: list[StagePrediction],
         overhead_s=overhead)
 
 
-__all__ = ["PIPELINE_MODELS", "PipelinePrediction", "Prediction",
+__all__ = ["PIPELINE_MODELS", "PipelinePrediction", "Prediction", "PredictionContext",
            "StagePrediction", "predict"]

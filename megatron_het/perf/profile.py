@@ -33,7 +33,8 @@ kinds do): entry ``n - 1`` is how many times longer a single-threaded compute pa
 ``n = 1``; about ``n / cores`` once the cores are full). ``host_collective_s`` (same hosts):
 [wall, CPU] seconds of one TP all-reduce of the profiled activations between two processes
 that compute between their collectives, as TP ranks do. Both measured by
-:mod:`megatron_het.perf.host_sharing`.
+:mod:`megatron_het.emulation.host_measure` and read only by emulation's rate model (the
+predictor ignores them unless given it).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Event-driven simulation of a pipeline schedule with per-stage compute and per-boundary p2p times.
+"""Event-driven simulation of pipeline schedules: per-stage compute regions, per-boundary p2p.
 
 It executes the per-stage step lists of :mod:`megatron_het.pipeline.schedules` with the same
 rendezvous semantics as :func:`~megatron_het.pipeline.schedules.check_schedule` and the executor:
@@ -6,13 +6,23 @@ a compute step runs when the stage reaches it; a transfer starts once both sides
 step holding it and lasts that boundary's p2p time; a step (a single transfer or a P2PBatch)
 ends when all its transfers have ended, and the stage waits for that (blocking transfers).
 
+:func:`simulate_pipelines` runs several pipelines at once. A compute step is a :class:`Region`:
+CPU work, then a wait without a core, lasting at least a floor. With a :class:`CoreSharing`
+rate model (processes of one node sharing its cores, as the ranks of a CPU-emulated cluster do)
+the work of every process computing on a node progresses at the rate the model gives for their
+number at that moment (processor sharing), so the regions of all pipelines interact; without
+one every region lasts ``max(work + wait, floor)`` and each stage runs on its own clock.
+:func:`simulate` and :func:`simulate_1f1b` are the one-pipeline, fixed-time forms.
+
 :func:`closed_form_1f1b` is the analytic model the simulation checks (see its docstring for the
 formula and when it is exact).
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 from megatron_het.pipeline.schedules import (Action, ActionKind, P2PBatch, ScheduleError, Step,
                                              build_schedule)
@@ -20,6 +30,7 @@ from megatron_het.pipeline.schedules import (Action, ActionKind, P2PBatch, Sched
 _DIRECTION = {  # transfer kind -> (channel, boundary offset from the stage)
     ActionKind.SEND_FORWARD: ("forward", 0), ActionKind.RECV_FORWARD: ("forward", -1),
     ActionKind.SEND_BACKWARD: ("backward", -1), ActionKind.RECV_BACKWARD: ("backward", 0)}
+_COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 
 
 @dataclass(frozen=True)
@@ -44,84 +55,291 @@ class SimulationResult:
     timeline: tuple[tuple[TimelineEvent, ...], ...]
 
 
-class _Stage:
-    __slots__ = ("steps", "pc", "clock", "posted", "waiting", "step_end", "events")
+@dataclass(frozen=True)
+class Region:
+    """One compute step, in seconds: ``work_s`` of one process's CPU work as measured alone
+    (it progresses at its node's :class:`CoreSharing` rate; at 1 without one), then ``wait_s``
+    without a core (e.g. a collective's wait); the region lasts at least ``floor_s`` from its
+    start (e.g. an emulated kind's padding). Alone it lasts ``max(work_s + wait_s, floor_s)``."""
 
-    def __init__(self, steps: Sequence[Step]) -> None:
-        self.steps, self.pc, self.clock = steps, 0, 0.0
-        self.posted, self.waiting, self.step_end = False, 0, 0.0
-        self.events: list[TimelineEvent] = []
+    work_s: float
+    wait_s: float = 0.0
+    floor_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """One stage of one pipeline: its ``forward`` and ``backward`` region per micro-batch, the
+    transfer to the next stage each way (0 on the last), and the ``node`` its ``processes``
+    (its TP ranks, computing together) run on."""
+
+    forward: Region
+    backward: Region
+    p2p_forward_s: float = 0.0
+    p2p_backward_s: float = 0.0
+    node: int = 0
+    processes: int = 1
+
+
+class CoreSharing(Protocol):
+    """A rate model: how fast compute progresses where processes share a node's cores."""
+
+    def rate(self, node: int, computing: int) -> float:
+        """Work seconds (as measured alone) that one computing process of ``node`` does per
+        wall second while ``computing`` processes of that node compute (> 0)."""
+
+
+@dataclass(frozen=True)
+class PipelinesResult:
+    """:func:`simulate_pipelines`: per pipeline p, ``makespans_s[p]``, and per stage s
+    ``stage_end_s[p][s]``, ``busy_s[p][s]`` (wall time in compute regions, waits included) and
+    ``timeline[p][s]`` (empty unless recorded)."""
+
+    makespans_s: tuple[float, ...]
+    stage_end_s: tuple[tuple[float, ...], ...]
+    busy_s: tuple[tuple[float, ...], ...]
+    timeline: tuple[tuple[tuple[TimelineEvent, ...], ...], ...]
+
+
+def simulate_pipelines(schedules: Sequence[Sequence[Sequence[Step]]],
+                       stages: Sequence[Sequence[StageTiming]],
+                       sharing: Optional[CoreSharing] = None,
+                       record_timeline: bool = False) -> PipelinesResult:
+    """Run every pipeline's step lists at once: ``schedules[p][s]`` is stage s of pipeline p's
+    step list and ``stages[p][s]`` its timing; ``sharing`` (None: every process has a core of
+    its own) is the rate of compute on shared nodes. Raises ScheduleError on a deadlock."""
+    engine = _Engine(schedules, stages, sharing, record_timeline)
+    engine.run()
+    shape = [len(pipeline) for pipeline in stages]
+    it = iter(engine.agents)
+    rows = [[next(it) for _ in range(n)] for n in shape]
+    return PipelinesResult(
+        tuple(max((a.clock for a in row), default=0.0) for row in rows),
+        tuple(tuple(a.clock for a in row) for row in rows),
+        tuple(tuple(a.busy for a in row) for row in rows),
+        tuple(tuple(tuple(a.events) for a in row) for row in rows))
 
 
 def simulate(per_stage_steps: Sequence[Sequence[Step]], forward_s: Sequence[float],
              backward_s: Sequence[float], p2p_forward_s: Optional[Sequence[float]] = None,
              p2p_backward_s: Optional[Sequence[float]] = None,
              record_timeline: bool = True) -> SimulationResult:
-    """Run the stages' step lists; ``forward_s[s]`` / ``backward_s[s]`` is stage s's compute
+    """Run one pipeline's step lists; ``forward_s[s]`` / ``backward_s[s]`` is stage s's compute
     per micro-batch, ``p2p_*_s[b]`` the transfer time over boundary b (stage b to b + 1) in
     each direction (default 0). Raises ScheduleError on a deadlock."""
     p = len(per_stage_steps)
-    durations = {"forward": list(p2p_forward_s or [0.0] * (p - 1)),
-                 "backward": list(p2p_backward_s or [0.0] * (p - 1))}
-    compute = {ActionKind.FORWARD: forward_s, ActionKind.BACKWARD: backward_s}
-    stages = [_Stage(steps) for steps in per_stage_steps]
-    posted: dict[tuple[str, int, int], tuple[int, float]] = {}
-    busy = [0.0] * p
-    progress = True
-    while progress:
-        progress = False
-        for s, st in enumerate(stages):
-            while st.pc < len(st.steps):
-                if st.posted:
-                    if st.waiting:
-                        break
-                    st.clock, st.posted = st.step_end, False
-                    st.pc += 1
-                    progress = True
+    cf = list(p2p_forward_s or [0.0] * (p - 1)) + [0.0]
+    cb = list(p2p_backward_s or [0.0] * (p - 1)) + [0.0]
+    timings = [StageTiming(Region(forward_s[s]), Region(backward_s[s]), cf[s], cb[s])
+               for s in range(p)]
+    result = simulate_pipelines([per_stage_steps], [timings], None, record_timeline)
+    return SimulationResult(result.makespans_s[0], result.stage_end_s[0], result.busy_s[0],
+                            result.timeline[0])
+
+
+class _Agent:
+    """One stage of one pipeline while it runs its step list. ``state``: "run" (takes its next
+    step at ``clock``), "cpu" / "tail" (in a region's work / wait and floor), "xfer" (in a
+    transfer step), "done"."""
+
+    __slots__ = ("pipeline", "stage", "timing", "steps", "pc", "clock", "state", "region",
+                 "start", "left", "waiting", "step_end", "busy", "events", "version")
+
+    def __init__(self, pipeline: int, stage: int, timing: StageTiming,
+                 steps: Sequence[Step]) -> None:
+        self.pipeline, self.stage, self.timing, self.steps = pipeline, stage, timing, steps
+        self.pc, self.clock, self.state = 0, 0.0, "run"
+        self.region, self.start, self.left = timing.forward, 0.0, 0.0
+        self.waiting, self.step_end, self.busy = 0, 0.0, 0.0
+        self.events: list[TimelineEvent] = []
+        self.version = 0
+
+
+class _Node:
+    """The processes computing on one node: since when ``rate`` holds for them."""
+
+    __slots__ = ("members", "computing", "rate", "since")
+
+    def __init__(self) -> None:
+        self.members: list[_Agent] = []
+        self.computing, self.rate, self.since = 0, 1.0, 0.0
+
+
+class _Engine:
+    """Agents woken in time order from a heap. Without a rate model an agent runs ahead on its
+    own clock until a transfer blocks it (nothing else depends on the time); with one every
+    phase boundary is an event, so the nodes' rates are known at every moment."""
+
+    def __init__(self, schedules: Sequence[Sequence[Sequence[Step]]],
+                 stages: Sequence[Sequence[StageTiming]], sharing: Optional[CoreSharing],
+                 record: bool) -> None:
+        if len(schedules) != len(stages) or any(
+                len(steps) != len(timings) for steps, timings in zip(schedules, stages)):
+            raise ValueError("need one step list and one StageTiming per stage of each pipeline")
+        self.stages, self.sharing, self.record = stages, sharing, record
+        self.agents = [_Agent(p, s, timing, steps[s])
+                       for p, (steps, timings) in enumerate(zip(schedules, stages))
+                       for s, timing in enumerate(timings)]
+        self.heap: list[tuple[float, int, int, _Agent]] = []
+        self.order = itertools.count()
+        self.posted: dict[tuple[int, str, int, int], tuple[_Agent, float]] = {}
+        self.nodes: dict[int, _Node] = {}
+
+    def run(self) -> None:
+        for agent in self.agents:
+            self._steps(agent)
+        while self.heap:
+            time, _, version, agent = heapq.heappop(self.heap)
+            if version == agent.version:
+                self._wake(agent, time)
+        stuck = [a for a in self.agents if a.state != "done"]
+        if stuck:
+            where = (lambda a: f"stage {a.stage}") if len(self.stages) == 1 else (
+                lambda a: f"pipeline {a.pipeline} stage {a.stage}")
+            raise ScheduleError("deadlock in simulation: " + ", ".join(
+                f"{where(a)} at step {a.pc}" for a in stuck))
+
+    def _schedule(self, agent: _Agent, time: float) -> None:
+        agent.version += 1
+        heapq.heappush(self.heap, (time, next(self.order), agent.version, agent))
+
+    def _wake(self, agent: _Agent, now: float) -> None:
+        if agent.state == "cpu":  # its work is done
+            self._leave(agent, now)
+            region = agent.region
+            end = max(now + region.wait_s, agent.start + region.floor_s)
+            if end > now:
+                agent.state = "tail"
+                self._schedule(agent, end)
+                return
+            self._end_region(agent, now)
+        elif agent.state == "tail":
+            self._end_region(agent, now)
+        elif agent.state == "xfer":
+            agent.clock = agent.step_end
+            agent.pc += 1
+        agent.state = "run"
+        self._steps(agent)
+
+    def _steps(self, agent: _Agent) -> None:
+        """Take steps from ``agent.clock`` until one has to wait for an event."""
+        steps = agent.steps
+        while agent.pc < len(steps):
+            step = steps[agent.pc]
+            if isinstance(step, Action) and step.kind in _COMPUTE:
+                region = (agent.timing.forward if step.kind is ActionKind.FORWARD
+                          else agent.timing.backward)
+                if self.sharing is None:
+                    self._fixed_region(agent, step, region)
                     continue
-                step = st.steps[st.pc]
-                if isinstance(step, Action) and step.kind in compute:
-                    duration = compute[step.kind][s]
-                    if record_timeline:
-                        st.events.append(TimelineEvent(s, step.kind.value, step.micro_batch,
-                                                       st.clock, st.clock + duration))
-                    st.clock += duration
-                    busy[s] += duration
-                    st.pc += 1
-                else:
-                    _post(s, step, stages, posted, durations, record_timeline)
-                progress = True
-    stuck = [f"stage {s} at step {st.pc}" for s, st in enumerate(stages) if st.pc < len(st.steps)]
-    if stuck:
-        raise ScheduleError(f"deadlock in simulation: {', '.join(stuck)}")
-    ends = tuple(st.clock for st in stages)
-    return SimulationResult(max(ends), ends, tuple(busy),
-                            tuple(tuple(st.events) for st in stages))
+                agent.region, agent.start = region, agent.clock
+                if region.work_s > 0:
+                    agent.state = "cpu"
+                    self._enter(agent, agent.clock)
+                    return
+                end = max(agent.clock + region.wait_s, agent.clock + region.floor_s)
+                if end > agent.clock:
+                    agent.state = "tail"
+                    self._schedule(agent, end)
+                    return
+                self._end_region(agent, agent.clock)
+                continue
+            agent.state = "xfer"
+            if not self._post(agent, step):
+                return  # the peer's post wakes it
+            if self.sharing is not None and agent.step_end > agent.clock:
+                self._schedule(agent, agent.step_end)
+                return
+            agent.clock = agent.step_end
+            agent.pc += 1
+            agent.state = "run"
+        agent.state = "done"
 
+    def _fixed_region(self, agent: _Agent, step: Action, region: Region) -> None:
+        duration = max(region.work_s + region.wait_s, region.floor_s)
+        if self.record:
+            agent.events.append(TimelineEvent(agent.stage, step.kind.value, step.micro_batch,
+                                              agent.clock, agent.clock + duration))
+        agent.clock += duration
+        agent.busy += duration
+        agent.pc += 1
 
-def _post(s: int, step: Step, stages: list[_Stage],
-          posted: dict[tuple[str, int, int], tuple[int, float]],
-          durations: dict[str, list[float]], record: bool) -> None:
-    """Post a transfer step of stage ``s``; match each transfer with a posted peer."""
-    st = stages[s]
-    actions = step.actions if isinstance(step, P2PBatch) else (step,)
-    st.posted, st.waiting, st.step_end = True, len(actions), st.clock
-    for a in actions:
-        channel, offset = _DIRECTION[a.kind]
-        key = (channel, s + offset, a.micro_batch)
-        peer = posted.pop(key, None)
-        if peer is None:
-            posted[key] = (s, st.clock)
-            continue
-        other = stages[peer[0]]
-        start = max(st.clock, peer[1])
-        end = start + durations[channel][key[1]]
-        for who, stage_index in ((st, s), (other, peer[0])):
-            who.waiting -= 1
-            who.step_end = max(who.step_end, end)
-            if record:
-                who.events.append(TimelineEvent(stage_index, f"{channel} p2p", a.micro_batch,
-                                                start, end))
+    def _end_region(self, agent: _Agent, now: float) -> None:
+        if self.record:
+            step = agent.steps[agent.pc]
+            agent.events.append(TimelineEvent(agent.stage, step.kind.value, step.micro_batch,
+                                              agent.start, now))
+        agent.busy += now - agent.start
+        agent.clock = now
+        agent.pc += 1
+
+    def _post(self, agent: _Agent, step: Step) -> bool:
+        """Post a transfer step at ``agent.clock``; match each transfer with a posted peer.
+        True when every transfer of the step is matched (it ends at ``agent.step_end``)."""
+        actions = step.actions if isinstance(step, P2PBatch) else (step,)
+        agent.waiting, agent.step_end = len(actions), agent.clock
+        timings = self.stages[agent.pipeline]
+        for action in actions:
+            channel, offset = _DIRECTION[action.kind]
+            boundary = agent.stage + offset
+            key = (agent.pipeline, channel, boundary, action.micro_batch)
+            peer = self.posted.pop(key, None)
+            if peer is None:
+                self.posted[key] = (agent, agent.clock)
+                continue
+            other, posted_at = peer
+            start = max(agent.clock, posted_at)
+            sender = timings[boundary]
+            end = start + (sender.p2p_forward_s if channel == "forward"
+                           else sender.p2p_backward_s)
+            for who in (agent, other):
+                who.waiting -= 1
+                who.step_end = max(who.step_end, end)
+                if self.record:
+                    who.events.append(TimelineEvent(who.stage, f"{channel} p2p",
+                                                    action.micro_batch, start, end))
+            if other.waiting == 0:
+                self._schedule(other, other.step_end)
+        return agent.waiting == 0
+
+    # ---- shared cores ---------------------------------------------------------------------
+    def _node(self, agent: _Agent) -> tuple[int, _Node]:
+        node = agent.timing.node
+        if node not in self.nodes:
+            self.nodes[node] = _Node()
+        return node, self.nodes[node]
+
+    def _enter(self, agent: _Agent, now: float) -> None:
+        index, node = self._node(agent)
+        self._settle(node, now)
+        agent.left = agent.region.work_s
+        node.members.append(agent)
+        node.computing += agent.timing.processes
+        self._reschedule(index, node, now)
+
+    def _leave(self, agent: _Agent, now: float) -> None:
+        index, node = self._node(agent)
+        self._settle(node, now)
+        node.members.remove(agent)
+        node.computing -= agent.timing.processes
+        self._reschedule(index, node, now)
+
+    @staticmethod
+    def _settle(node: _Node, now: float) -> None:
+        elapsed = now - node.since
+        if elapsed > 0:
+            for member in node.members:
+                member.left -= node.rate * elapsed
+        node.since = now
+
+    def _reschedule(self, index: int, node: _Node, now: float) -> None:
+        assert self.sharing is not None
+        node.rate = self.sharing.rate(index, node.computing) if node.computing else 1.0
+        if not node.rate > 0:
+            raise ValueError(f"the rate of node {index} with {node.computing} processes "
+                             f"computing must be positive, got {node.rate!r}")
+        for member in node.members:
+            self._schedule(member, now + max(0.0, member.left) / node.rate)
 
 
 def simulate_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],

@@ -16,7 +16,9 @@ accumulate into ``.grad`` exactly as in single-process accumulation. After the l
 calls may accumulate into ``.grad``); the data-parallel gradient sum is left to the optimizer.
 
 Timing (per rank, per call): ``compute_s`` covers the forward and backward regions (including
-the wait that emulates a slower accelerator kind, via ``emulator.timed_region()``),
+whatever the optional region timer adds: the executor enters ``region_timer.timed_region(key)``
+around every compute region, with the region's :func:`compute_region_key`; see
+:class:`RegionTimer`),
 ``p2p_wait_s`` the transfer steps (posting and waiting), ``bubble_s = wall - compute - p2p``
 (bookkeeping between steps). A rank cannot tell a slow link from a peer stage that has not
 reached the matching step yet, so the pipeline's fill/drain idle time (the classic "bubble")
@@ -31,30 +33,40 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import ContextManager, Hashable, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from megatron_het.config import ModelConfig
-from megatron_het.emulation import Emulator
 from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.pipeline.p2p import (BufferPool, boundary_peers, sync_tied_embedding_grads,
                                        tied_embedding_weight, transfer_ops)
 from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PBatch, Step,
                                              gpipe)
 
-__all__ = ["PipelineExecutor", "StageStats", "compute_region_key", "sync_tied_embedding_grads"]
+__all__ = ["PipelineExecutor", "RegionTimer", "StageStats", "compute_region_key",
+           "sync_tied_embedding_grads"]
 
 _FORWARD_KINDS = (ActionKind.RECV_FORWARD, ActionKind.FORWARD, ActionKind.SEND_FORWARD)
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
 
 def compute_region_key(kind: str, forward_only: bool) -> tuple[str, bool]:
-    """The emulator key of a stage's ``kind`` ("forward" or "backward") region: every
+    """The region timer's key of a stage's ``kind`` ("forward" or "backward") region: every
     micro-batch's forward (backward) of a stage is the same work, and so is every evaluation
     forward (``forward_only``)."""
     return (kind, forward_only)
+
+
+class RegionTimer(Protocol):
+    """A hook around every compute region of the executor (CPU emulation pads regions to an
+    emulated kind's time with one). The region's work runs inside the returned context and the
+    device is synchronised before it exits; the time the context takes counts as compute."""
+
+    def timed_region(self, key: Hashable) -> ContextManager[None]:
+        """A context around one compute region; ``key`` (:func:`compute_region_key`) is the
+        same for regions that do the same work."""
 
 
 @dataclass(frozen=True)
@@ -103,19 +115,25 @@ class PipelineExecutor:
         seq_length, micro_batch_size: every micro-batch is ``[micro_batch_size, seq_length]``;
             boundary tensors are ``[b, s, H]``.
         bf16: run forwards under bfloat16 autocast (and send bf16 over stage boundaries).
-        emulator: slows every compute region to the emulated accelerator kind (None: none).
+        region_timer: entered around every compute region (:class:`RegionTimer`; None: none).
         schedule: a name of :data:`~megatron_het.pipeline.schedules.SCHEDULES` ("1f1b",
             "gpipe").
+        emulator: deprecated name of ``region_timer``.
     """
 
     def __init__(self, stage: nn.Module, groups: ProcessGroups, model_config: ModelConfig,
                  seq_length: int, micro_batch_size: int, bf16: bool = False,
-                 emulator: Optional[Emulator] = None, schedule: str = "1f1b") -> None:
+                 region_timer: Optional[RegionTimer] = None, schedule: str = "1f1b", *,
+                 emulator: Optional[RegionTimer] = None) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; known: "
                              f"{', '.join(SCHEDULES)}")
+        if emulator is not None:
+            if region_timer is not None:
+                raise ValueError("pass region_timer only (emulator is its deprecated name)")
+            region_timer = emulator
         self.stage, self.groups, self.config = stage, groups, model_config
-        self.bf16, self.emulator, self.schedule = bf16, emulator, schedule
+        self.bf16, self.region_timer, self.schedule = bf16, region_timer, schedule
         role = groups.role
         self.stage_index = role.stage
         self.num_stages = groups.plan.pipelines[role.pipeline].pp_size
@@ -126,6 +144,11 @@ class PipelineExecutor:
         self.wire_dtype = torch.bfloat16 if bf16 else self.param_dtype
         self.boundary_shape = (micro_batch_size, seq_length, model_config.hidden_size)
         self.pool = BufferPool(self.device)
+
+    @property
+    def emulator(self) -> Optional[RegionTimer]:
+        """Deprecated name of :attr:`region_timer`."""
+        return self.region_timer
 
     # -- public -----------------------------------------------------------------------------
     def steps(self, num_micro_batches: int, forward_only: bool = False) -> list[Step]:
@@ -188,7 +211,8 @@ class PipelineExecutor:
     def _compute_region(self, run: _Run, kind: str) -> Iterator[None]:
         start = time.perf_counter()
         key = compute_region_key(kind, run.forward_only)
-        region = self.emulator.timed_region(key) if self.emulator else contextlib.nullcontext()
+        region = (self.region_timer.timed_region(key) if self.region_timer is not None
+                  else contextlib.nullcontext())
         with region:
             yield
             self._synchronize()

@@ -1,122 +1,208 @@
-"""A PNG of a predicted plan: the 1F1B timeline per stage and the cluster's allocation.
+"""Charts of a predicted plan, drawn with matplotlib (Agg, imported only when a chart is drawn).
 
-Top: one row per stage of the slowest pipeline, its forward (light) and backward (dark) steps
-as simulated by :func:`megatron_het.perf.simulate_1f1b` with the predicted per-stage times, p2p
-transfers as a thin grey strip, then the DP gradient sync and the optimizer step; the white gaps
-are the bubble. Bottom: every node of the cluster as a row of device cells, coloured by the
-stage the device runs (the same colour for that stage in every DP replica).
+- Timeline: one row per stage of the slowest pipeline, its forward (light) and backward (dark)
+  steps as simulated by :func:`megatron_het.perf.simulate_1f1b` with the predicted per-stage
+  times, p2p transfers as a thin grey strip, then the DP gradient sync and the optimizer step;
+  the gaps are the bubble. The x axis is time in seconds.
+- Allocation: every node of the cluster as a block of device cells, labelled with its index and
+  accelerator kinds; a cell's colour and number are the stage its device runs (the same in every
+  DP replica), the strip under it is the device's kind.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.perf import Prediction, simulate_1f1b
-from megatron_het.planner.png import Canvas, Color, text_width
+from megatron_het.perf import Prediction, StagePrediction, simulate_1f1b
 
-WIDTH = 1200
-MARGIN = 10
-ROW = 14
-CELL = 7
-KIND_COLORS: tuple[Color, ...] = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189),
-                                  (255, 127, 14), (140, 86, 75))
-STAGE_COLORS: tuple[Color, ...] = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40),
-                                   (148, 103, 189), (140, 86, 75), (227, 119, 194),
-                                   (127, 127, 127), (188, 189, 34), (23, 190, 207))
-GREY, DARK, SYNC, OPT = (170, 170, 170), (40, 40, 40), (90, 90, 90), (0, 0, 0)
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
-
-def _lighter(color: Color) -> Color:
-    return tuple(c + (255 - c) * 55 // 100 for c in color)  # type: ignore[return-value]
+# Accelerator kinds (timeline bars, allocation strips) and stages (allocation cells).
+KIND_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+STAGE_COLORS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2", "#edc948",
+                "#ff9da7", "#9c755f", "#bab0ac", "#86bcb6", "#d4a6c8")
+P2P, SYNC, OPT, IDLE = "#9e9e9e", "#555555", "#000000", "#dddddd"
+WIDTH_IN = 12.0
+CELLS_PER_LINE = 64  # allocation: device cells per line of nodes before wrapping
+MICRO_BATCH_LABELS = 400  # number the forward bars (wide enough ones) up to this many
 
 
-def _slowest_rows(prediction: Prediction) -> list:
-    slowest = max(prediction.pipelines, key=lambda p: p.time_s).pipeline
-    return [s for s in prediction.stages if s.pipeline == slowest]
+def _figure(height_in: float) -> "Figure":
+    """A figure on the Agg canvas, outside pyplot (no global figure or backend state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(WIDTH_IN, height_in), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
 
 
-def _node_rows(cluster: ClusterSpec) -> list[list[int]]:
-    nodes: dict[int, list[int]] = {}
-    for info in cluster.rank_map():
-        nodes.setdefault(info.node, []).append(info.rank)
-    return [nodes[n] for n in sorted(nodes)]
+def _save(fig: "Figure", path: str | Path) -> Path:
+    out = Path(path)
+    fig.savefig(out, format="png")
+    return out
 
 
-def render_chart(prediction: Prediction, cluster: ClusterSpec, title: str = "") -> Canvas:
-    """Draw the timeline and the allocation (see the module docstring)."""
-    rows = _slowest_rows(prediction)
-    kinds = list(dict.fromkeys(r.accelerator for r in rows))
-    labels = [f"S{r.stage} {r.accelerator} TP{r.tp} L{r.layers[0]}-{r.layers[1]}" for r in rows]
-    label_w = max(text_width(s) for s in labels) + 2 * MARGIN
-    nodes = _node_rows(cluster)
-    per_line = max(1, (WIDTH - 2 * MARGIN) // (max(len(n) for n in nodes) * CELL + 2 * CELL))
-    node_lines = -(-len(nodes) // per_line)
-    timeline_top = 3 * ROW
-    alloc_top = timeline_top + ROW * len(rows) + 3 * ROW
-    height = alloc_top + node_lines * (CELL + 3) + 2 * ROW + ROW * (-(-len(rows) // 6))
-    canvas = Canvas(WIDTH, height)
-    canvas.text(MARGIN, MARGIN, title or (
-        f"predicted 1F1B timeline: iteration {prediction.iteration_time_s:.3f} s, "
-        f"bubble {100 * prediction.bubble_fraction:.1f}%, {prediction.tokens_per_s:,.0f} tokens/s"
-    ).replace(",", " "))
-    _draw_timeline(canvas, prediction, rows, kinds, labels, label_w, timeline_top)
-    canvas.text(MARGIN, alloc_top - 2 * ROW + 3, "allocation: one row per node, one cell per "
-                "device, colour = stage")
-    _draw_allocation(canvas, prediction, nodes, per_line, alloc_top)
-    legend_top = alloc_top + node_lines * (CELL + 3) + ROW
-    for i, r in enumerate(rows):
-        x, y = MARGIN + (i % 6) * 195, legend_top + (i // 6) * ROW
-        canvas.rect(x, y, x + CELL, y + CELL, STAGE_COLORS[r.stage % len(STAGE_COLORS)])
-        canvas.text(x + CELL + 4, y, f"S{r.stage} {r.accelerator}")
-    return canvas
+def _lighter(color: str, amount: float = 0.55) -> tuple[float, float, float]:
+    from matplotlib.colors import to_rgb
+
+    return tuple(c + (1.0 - c) * amount for c in to_rgb(color))  # type: ignore[return-value]
 
 
-def _draw_timeline(canvas: Canvas, prediction: Prediction, rows: list, kinds: list[str],
-                   labels: list[str], label_w: int, top: int) -> None:
-    sim = simulate_1f1b([r.forward_s for r in rows], [r.backward_s for r in rows],
-                        prediction.pipelines[0].micro_batches,
+def _slowest_rows(prediction: Prediction) -> tuple[list[StagePrediction], int]:
+    """The stages of the slowest pipeline and its micro-batch count."""
+    slowest = max(prediction.pipelines, key=lambda p: p.time_s)
+    return [s for s in prediction.stages if s.pipeline == slowest.pipeline], slowest.micro_batches
+
+
+def _kind_colors(prediction: Prediction, more: tuple[str, ...] = ()) -> dict[str, str]:
+    """A colour per accelerator label, in the order the plan's stages name them (so the
+    timeline and the allocation agree), then ``more`` (devices the plan leaves idle)."""
+    kinds = dict.fromkeys([s.accelerator for s in prediction.stages] + list(more))
+    return {k: KIND_COLORS[i % len(KIND_COLORS)] for i, k in enumerate(kinds)}
+
+
+def _timeline_title(prediction: Prediction) -> str:
+    return (f"predicted 1F1B timeline of {prediction.model}: iteration "
+            f"{prediction.iteration_time_s:.3f} s, bubble {100 * prediction.bubble_fraction:.1f}%,"
+            f" {prediction.tokens_per_s:,.0f} tokens/s")
+
+
+def draw_timeline(ax: "Axes", prediction: Prediction, title: Optional[str] = None) -> None:
+    """Draw the 1F1B timeline of the slowest pipeline on ``ax`` (see the module docstring)."""
+    from matplotlib.patches import Patch
+
+    rows, micro_batches = _slowest_rows(prediction)
+    colors = _kind_colors(prediction)
+    colors = {k: c for k, c in colors.items() if any(r.accelerator == k for r in rows)}
+    sim = simulate_1f1b([r.forward_s for r in rows], [r.backward_s for r in rows], micro_batches,
                         [r.p2p_forward_s for r in rows[:-1]],
                         [r.p2p_backward_s for r in rows[:-1]])
-    total = sim.makespan_s + prediction.dp_sync_s + prediction.optimizer_s
-    scale = (WIDTH - label_w - MARGIN) / total
-    for s, (r, label) in enumerate(zip(rows, labels)):
-        y = top + s * ROW
-        base = KIND_COLORS[kinds.index(r.accelerator) % len(KIND_COLORS)]
-        canvas.text(MARGIN, y + 2, label)
+    total_s = sim.makespan_s + prediction.dp_sync_s + prediction.optimizer_s
+    numbered = len(rows) * micro_batches <= MICRO_BATCH_LABELS
+    for s, row in enumerate(rows):
+        spans: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": [], "p2p": []}
         for e in sim.timeline[s]:
-            x0, x1 = label_w + e.start_s * scale, label_w + e.end_s * scale
-            if e.kind == "forward":
-                canvas.rect(x0, y, x1, y + ROW - 2, _lighter(base))
-            elif e.kind == "backward":
-                canvas.rect(x0, y, x1, y + ROW - 2, base)
-            else:
-                canvas.rect(x0, y + ROW - 5, x1, y + ROW - 2, GREY)
-        end = label_w + sim.makespan_s * scale
-        canvas.rect(end, y, end + r.dp_sync_s * scale, y + ROW - 2, SYNC)
-        start = end + prediction.dp_sync_s * scale
-        canvas.rect(start, y, start + r.optimizer_s * scale, y + ROW - 2, OPT)
-    y = top + len(rows) * ROW + 3
-    x = canvas.text(label_w, y, "light: forward  dark: backward  grey: p2p  ", DARK)
-    canvas.text(x, y, f"then dp sync {prediction.dp_sync_s:.3f} s and optimizer "
-                f"{prediction.optimizer_s:.3f} s; white: bubble", DARK)
+            spans[e.kind if e.kind in spans else "p2p"].append((e.start_s, e.end_s - e.start_s))
+            if numbered and e.kind == "forward" and e.end_s - e.start_s > 0.015 * total_s:
+                ax.text(e.start_s + (e.end_s - e.start_s) / 2, s, str(e.micro_batch),
+                        ha="center", va="center", fontsize=6, clip_on=True)
+        base = colors[row.accelerator]
+        ax.broken_barh(spans["forward"], (s - 0.4, 0.8), facecolors=_lighter(base))
+        ax.broken_barh(spans["backward"], (s - 0.4, 0.8), facecolors=base)
+        ax.broken_barh(spans["p2p"], (s + 0.25, 0.15), facecolors=P2P)
+        ax.broken_barh([(sim.makespan_s, row.dp_sync_s),
+                        (sim.makespan_s + prediction.dp_sync_s, row.optimizer_s)],
+                       (s - 0.4, 0.8), facecolors=(SYNC, OPT))
+    ax.set_yticks(range(len(rows)),
+                  [f"S{r.stage} {r.accelerator} TP{r.tp} L{r.layers[0]}-{r.layers[1]}"
+                   for r in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # stage 0 on top
+    ax.set_xlim(0, total_s)
+    ax.set_xlabel("time (s)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title or _timeline_title(prediction), fontsize=10)
+    handles = [Patch(color=_lighter(c), label=f"forward {k}") for k, c in colors.items()]
+    handles += [Patch(color=c, label=f"backward {k}") for k, c in colors.items()]
+    handles += [Patch(color=P2P, label="p2p"),
+                Patch(color=SYNC, label=f"DP sync {prediction.dp_sync_s:.3f} s"),
+                Patch(color=OPT, label=f"optimizer {prediction.optimizer_s:.3f} s")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+              frameon=False)
 
 
-def _draw_allocation(canvas: Canvas, prediction: Prediction, nodes: list[list[int]],
-                     per_line: int, top: int) -> None:
+def _allocation_grid(cluster: ClusterSpec) -> tuple[int, int, float, float]:
+    """(nodes per line, lines, width, height) of the allocation grid, in cell units."""
+    widest = max(n.nproc for n in cluster.nodes())
+    per_line = max(1, min(len(cluster.nodes()), CELLS_PER_LINE // (widest + 1)))
+    lines = -(-len(cluster.nodes()) // per_line)
+    return per_line, lines, max(per_line * (widest + 1), 16), lines * 2.2 + 0.8
+
+
+def draw_allocation(ax: "Axes", prediction: Prediction, cluster: ClusterSpec,
+                    title: str = "allocation: devices by node") -> None:
+    """Draw every node's devices on ``ax``: cell colour and number = stage, strip = kind."""
+    from matplotlib.collections import PatchCollection
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch, Rectangle
+
     stage_of = {rank: s.stage for s in prediction.stages for rank in s.ranks}
-    width = max(len(n) for n in nodes) * CELL + 2 * CELL
-    for i, ranks in enumerate(nodes):
-        x0 = MARGIN + (i % per_line) * width
-        y0 = top + (i // per_line) * (CELL + 3)
-        for j, rank in enumerate(ranks):
+    kinds = {info.rank: info.accelerator.label for info in cluster.rank_map()}
+    colors = _kind_colors(prediction, tuple(kinds.values()))
+    nodes = cluster.nodes()
+    widest = max(n.nproc for n in nodes)
+    per_line, _, width, height = _allocation_grid(cluster)
+    cells, strips = [], []
+    cell_colors, strip_colors = [], []
+    for i, node in enumerate(nodes):
+        x0, y0 = (i % per_line) * (widest + 1), (i // per_line) * 2.2
+        node_kinds = " + ".join(dict.fromkeys(kinds[r] for r in range(
+            node.first_rank, node.first_rank + node.nproc)))
+        ax.text(x0, y0 - 0.15, f"node {node.node}: {node_kinds}", fontsize=6, va="bottom")
+        for j in range(node.nproc):
+            rank = node.first_rank + j
             stage = stage_of.get(rank)
-            color = GREY if stage is None else STAGE_COLORS[stage % len(STAGE_COLORS)]
-            canvas.rect(x0 + j * CELL, y0, x0 + (j + 1) * CELL - 1, y0 + CELL, color)
+            face = IDLE if stage is None else STAGE_COLORS[stage % len(STAGE_COLORS)]
+            cells.append(Rectangle((x0 + j, y0), 0.92, 1.0))
+            cell_colors.append(face)
+            strips.append(Rectangle((x0 + j, y0 + 1.05), 0.92, 0.3))
+            strip_colors.append(colors[kinds[rank]])
+            dark = sum(to_rgb(face)) < 1.5
+            ax.text(x0 + j + 0.46, y0 + 0.5, "-" if stage is None else str(stage),
+                    ha="center", va="center", fontsize=6, color="white" if dark else "black")
+    ax.add_collection(PatchCollection(cells, facecolors=cell_colors, edgecolors="none"))
+    ax.add_collection(PatchCollection(strips, facecolors=strip_colors, edgecolors="none"))
+    ax.set_xlim(-0.2, width - 0.2)
+    ax.set_ylim(height - 0.8, -0.8)
+    ax.set_aspect("equal")
+    ax.set_anchor("W")
+    ax.axis("off")
+    ax.set_title(f"{title} (cell: stage it runs, in every DP replica; strip: accelerator kind)",
+                 fontsize=10, loc="left")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False, title="kind",
+              title_fontsize=8)
 
 
-def save_chart(prediction: Prediction, cluster: ClusterSpec, path: str | Path) -> None:
-    """Render and write the PNG to ``path`` (overwrites)."""
-    render_chart(prediction, cluster).save(path)
+def _timeline_height(prediction: Prediction) -> float:
+    return 1.8 + 0.32 * len(_slowest_rows(prediction)[0])
 
 
-__all__ = ["render_chart", "save_chart"]
+def _allocation_height(cluster: ClusterSpec) -> float:
+    """Inches for the grid at the width the axes get (the figure less labels and legend)."""
+    _, _, width, height = _allocation_grid(cluster)
+    return 0.9 + (WIDTH_IN - 3.6) * height / width
+
+
+def save_timeline_chart(prediction: Prediction, path: str | Path,
+                        title: Optional[str] = None) -> Path:
+    """Write the 1F1B timeline of ``prediction`` alone as a PNG at ``path`` (overwrites)."""
+    fig = _figure(_timeline_height(prediction))
+    draw_timeline(fig.add_subplot(), prediction, title)
+    return _save(fig, path)
+
+
+def save_allocation_chart(prediction: Prediction, cluster: ClusterSpec,
+                          path: str | Path) -> Path:
+    """Write the allocation of ``prediction``'s plan on ``cluster`` alone as a PNG at ``path``."""
+    fig = _figure(_allocation_height(cluster))
+    draw_allocation(fig.add_subplot(), prediction, cluster)
+    return _save(fig, path)
+
+
+def save_chart(prediction: Prediction, cluster: ClusterSpec, path: str | Path) -> Path:
+    """Write the timeline above the allocation as one PNG at ``path`` (``tools/plan.py
+    --chart``; overwrites)."""
+    top, bottom = _timeline_height(prediction), _allocation_height(cluster)
+    fig = _figure(top + bottom)
+    grid: Any = fig.add_gridspec(2, 1, height_ratios=(top, bottom))
+    draw_timeline(fig.add_subplot(grid[0]), prediction)
+    draw_allocation(fig.add_subplot(grid[1]), prediction, cluster)
+    return _save(fig, path)
+
+
+__all__ = ["KIND_COLORS", "STAGE_COLORS", "draw_allocation", "draw_timeline",
+           "save_allocation_chart", "save_chart", "save_timeline_chart"]

@@ -7,15 +7,17 @@
 Without ``--evaluate`` the planner searches every layout and writes the best plan (``--out``,
 ready for ``pretrain_llama.py --plan``); with ``--evaluate plan.json`` it predicts that plan
 (what-if). Both report the theoretical upper bound and the efficiency. ``--json`` prints one
-JSON line last.
+JSON line last: the predicted figures and the plan in short (stage groups with their pipeline
+and rank counts); the full plan is what ``--out`` writes.
 """
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import Optional, Sequence
 
+from megatron_het.cli_args import ArgParser
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
@@ -25,20 +27,15 @@ from megatron_het.perf import Profile, load_profiles
 from megatron_het.planner.chart import save_chart
 from megatron_het.planner.evaluate import evaluate_plan
 from megatron_het.planner.report import markdown_report, summary_dict, text_summary
-from megatron_het.planner.search import SearchResult, search_plan
+from megatron_het.planner.result import SearchResult
+from megatron_het.planner.search import search_plan
+from megatron_het.planner.upper_bound import upper_bound
 
 PROG = "tools/plan.py"
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as a UserError (one line, exit 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UserError(f"{message}; see {PROG} --help")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog=PROG, description="Search (or evaluate) a parallel plan for a "
+    p = ArgParser(prog=PROG, description="Search (or evaluate) a parallel plan for a "
                        "Llama model on a mixed cluster with the performance predictor.")
     p.add_argument("--cluster", required=True, metavar="CLUSTER.yaml")
     add_model_shape_args(p, vocab_help=f"vocabulary (default: the preset's, else "
@@ -103,8 +100,10 @@ def run(argv: Sequence[str]) -> SearchResult:
                                args.global_batch_size, not args.no_upper_bound)
     else:
         result = search_plan(model, cluster, args.global_batch_size, args.seq_length, profiles,
-                             args.dtype, top_k=args.top,
-                             with_upper_bound=not args.no_upper_bound)
+                             args.dtype, top_k=args.top)
+        if not args.no_upper_bound:
+            result = result.with_upper_bound(upper_bound(
+                model, cluster, args.global_batch_size, args.seq_length, profiles, args.dtype))
     if args.out:
         result.plan.save(args.out)
     if args.report:
@@ -117,7 +116,7 @@ def run(argv: Sequence[str]) -> SearchResult:
         if path:
             print(f"wrote {what} to {path}")
     if args.json:
-        print(json.dumps(summary_dict(result, cluster)))
+        print(json.dumps({**summary_dict(result, cluster), "plan_file": args.out}))
     return result
 
 

@@ -7,8 +7,9 @@ from typing import Mapping, Optional
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import Profile, predict
-from megatron_het.planner.search import SearchResult
+from megatron_het.planner.result import SearchResult
 from megatron_het.planner.upper_bound import upper_bound
 
 
@@ -21,13 +22,12 @@ def evaluate_plan(model: ModelConfig, cluster: ClusterSpec, plan: ParallelPlan, 
     and, with ``with_upper_bound``, compute the bound for its batch. Memory is not enforced:
     the caller reports :func:`megatron_het.perf.fits`."""
     start = time.perf_counter()
-    plan.validate(model, cluster, global_batch_size)
+    validate(plan, model, cluster, global_batch_size)
     prediction = predict(model, plan, cluster, seq_length, profiles, dtype, validate=False)
     result = SearchResult(plan, prediction, (), 0, time.perf_counter() - start)
     if with_upper_bound:
-        bound = upper_bound(model, cluster, plan.global_batch_size, seq_length, profiles,
-                            plan.dtype or dtype)
-        result = SearchResult(plan, prediction, (), 0, time.perf_counter() - start, bound)
+        result = result.with_upper_bound(upper_bound(model, cluster, plan.global_batch_size,
+                                                     seq_length, profiles, plan.dtype or dtype))
     return result
 
 

@@ -1,8 +1,9 @@
 """What the planner tells the user: a markdown report, a short text summary and a JSON line.
 
-All three read a :class:`~megatron_het.planner.search.SearchResult` (a searched plan, or a given
+All three read a :class:`~megatron_het.planner.result.SearchResult` (a searched plan, or a given
 plan predicted by ``--evaluate``) and do no prediction of their own except the per-stage idle
-share, which re-runs the 1F1B simulation of the slowest pipeline with the predicted times.
+share, which re-runs the 1F1B simulation of the slowest pipeline with the predicted times. The
+JSON line stays short on any cluster: it gives the plan as stage groups, not rank lists.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Prediction, fits, simulate_1f1b
 from megatron_het.perf.memory import GIB
-from megatron_het.planner.search import SearchResult
+from megatron_het.planner.result import SearchResult
 
 
 def stage_idle_fractions(prediction: Prediction) -> list[float]:
@@ -30,8 +31,30 @@ def peak_memory_gib(prediction: Prediction) -> list[float]:
     return [s.memory.total_bytes / GIB for s in prediction.stages if s.pipeline == 0]
 
 
+def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
+    """The plan in a few lines: DP, batch and one entry per stage group (the same stage,
+    accelerator, TP, layers, recompute and micro-batch count in several pipelines), with how
+    many pipelines and ranks it covers. The ranks themselves are in the plan file."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for pipeline in plan.pipelines:
+        for s, st in enumerate(pipeline.stages):
+            key = (s, st.accelerator, st.tp, st.layers, st.recompute, pipeline.micro_batches)
+            group = groups.setdefault(key, {
+                "stage": s, "accelerator": st.accelerator, "tp": st.tp,
+                "layers": list(st.layers), "recompute": st.recompute,
+                "micro_batches": pipeline.micro_batches, "pipelines": 0, "ranks": 0})
+            group["pipelines"] += 1
+            group["ranks"] += len(st.ranks)
+    return {"dp": plan.dp_size, "pp": sorted({p.pp_size for p in plan.pipelines}),
+            "world_size": plan.world_size, "micro_batch_size": plan.micro_batch_size,
+            "global_batch_size": plan.global_batch_size, "dtype": plan.dtype,
+            "use_distributed_optimizer": plan.use_distributed_optimizer,
+            "stage_groups": sorted(groups.values(), key=lambda g: (g["stage"], -g["pipelines"]))}
+
+
 def summary_dict(result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
-    """The JSON summary: throughput, bound, efficiency, timing, memory per stage, the plan."""
+    """The JSON summary: throughput, bound, efficiency, timing, memory per stage and the plan
+    in short (:func:`plan_summary`; the full plan is what ``--out`` writes)."""
     p = result.prediction
     bound = result.upper_bound
     memory = fits(p, cluster)
@@ -52,7 +75,7 @@ def summary_dict(result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
         "fits": memory.ok,
         "memory_message": memory.message,
         "upper_bound": None if bound is None else bound.to_dict(),
-        "plan": result.plan.to_dict(),
+        "plan": plan_summary(result.plan),
     }
 
 
@@ -164,5 +187,5 @@ def markdown_report(result: SearchResult, cluster: ClusterSpec, title: Optional[
     return "\n".join(lines)
 
 
-__all__ = ["markdown_report", "peak_memory_gib", "stage_idle_fractions", "summary_dict",
-           "text_summary"]
+__all__ = ["markdown_report", "peak_memory_gib", "plan_summary", "stage_idle_fractions",
+           "summary_dict", "text_summary"]

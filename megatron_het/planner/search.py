@@ -19,23 +19,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import Mapping, Optional
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
-from megatron_het.parallel.plan import ParallelPlan
-from megatron_het.perf import Prediction, Profile, SimulationCache, fits, predict
+from megatron_het.perf import Profile, SimulationCache, fits, predict
 from megatron_het.perf.memory import GIB
 from megatron_het.planner.bounds import (KindCosts, memory_feasible, memory_pressure,
                                          time_lower_bound)
+from megatron_het.planner.result import Candidate, SearchResult
 from megatron_het.planner.space import (Layout, Placement, build_plan,
                                         micro_batch_sizes, pipeline_shapes)
 from megatron_het.planner.stage_model import (StageModel, balance_layers, layer_caps,
                                               polish_split, probe_stage_model)
-
-if TYPE_CHECKING:
-    from megatron_het.planner.upper_bound import UpperBound
 
 
 # The best layouts retried without ZeRO-1 (it never adds time in the cost model, so this only
@@ -51,38 +48,6 @@ SHORTFALL_PROBES = 16
 # stages^2 moves of stages x micro-batches steps each); with many micro-batches the closed form
 # and the simulation agree closely anyway.
 SIMULATED_POLISH_LIMIT = 200_000
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A searched plan: its layout, layer split, closed-form time and (for the top ones) the
-    simulated prediction."""
-
-    layout: Layout
-    layers: tuple[int, ...]
-    closed_form_s: float
-    plan: ParallelPlan
-    prediction: Optional[Prediction] = None
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """The best plan and how it was found. ``search_time_s`` is the plan search alone;
-    ``upper_bound`` (None unless asked) carries the time of its own searches."""
-
-    plan: ParallelPlan
-    prediction: Prediction
-    candidates: tuple[Candidate, ...]
-    layouts_evaluated: int
-    search_time_s: float
-    upper_bound: Optional["UpperBound"] = None
-
-    @property
-    def efficiency(self) -> Optional[float]:
-        """Predicted tokens/s over the theoretical upper bound (None without a bound)."""
-        if self.upper_bound is None:
-            return None
-        return self.prediction.tokens_per_s / self.upper_bound.tokens_per_s
 
 
 @dataclass
@@ -179,15 +144,14 @@ def _without_recompute(layout: Layout) -> Layout:
 def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int,
                 seq_length: int, profiles: Optional[Mapping[str, Profile]] = None,
                 dtype: str = "bf16", *, top_k: int = 5, refine: int = 16,
-                max_micro_batch_size: int = 16, check_memory: bool = True,
-                with_upper_bound: bool = True) -> SearchResult:
+                max_micro_batch_size: int = 16, check_memory: bool = True) -> SearchResult:
     """Search the best plan for ``model`` on every device of ``cluster``.
 
     Returns the fastest plan by the simulated prediction among the ``top_k`` best closed-form
     candidates (each checked with :func:`megatron_het.perf.fits`; ``refine`` is how many get a
-    local search of their split first), and with ``with_upper_bound`` the theoretical upper
-    bound (one more search per accelerator kind). Micro-batch sizes go up to
-    ``max_micro_batch_size``.
+    local search of their split first), without an upper bound: a caller that wants the
+    efficiency attaches :func:`~megatron_het.planner.upper_bound.upper_bound` with
+    :meth:`SearchResult.with_upper_bound`. Micro-batch sizes go up to ``max_micro_batch_size``.
     ``check_memory=False`` ignores device memory (used for the bound of a kind that cannot hold
     the model alone). Raises UserError when no plan fits, with the smallest shortfall.
     """
@@ -202,14 +166,8 @@ def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
         raise UserError(_no_fit_message(search))
     candidates = _finalists(search, top_k, refine)
     best = candidates[0]
-    result = SearchResult(best.plan, best.prediction, tuple(candidates), search.evaluated,
-                          time.perf_counter() - start)
-    if with_upper_bound:
-        from megatron_het.planner.upper_bound import upper_bound  # imports this module
-        bound = upper_bound(model, cluster, global_batch_size, seq_length, profiles, dtype,
-                            max_micro_batch_size=max_micro_batch_size)
-        result = replace(result, upper_bound=bound)
-    return result
+    return SearchResult(best.plan, best.prediction, tuple(candidates), search.evaluated,
+                        time.perf_counter() - start)
 
 
 def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
@@ -277,4 +235,4 @@ def _knobs(layout: Layout) -> str:
             f"ZeRO-1 {'on' if layout.zero1 else 'off (dp=1)'}")
 
 
-__all__ = ["Candidate", "SearchResult", "search_plan"]
+__all__ = ["search_plan"]

@@ -9,51 +9,15 @@ layer balance), so efficiency = predicted tokens/s / bound is at most about 1.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.perf import Profile
-
-
-@dataclass(frozen=True)
-class KindBound:
-    """One kind's share of the bound: its best homogeneous plan's throughput per device.
-
-    ``memory_ignored`` is True when the kind cannot hold the model alone, so its plan was
-    searched without the memory limit (an optimistic figure for that kind).
-    """
-
-    kind: str
-    devices: int
-    tokens_per_s_per_device: float
-    plan_summary: str
-    memory_ignored: bool = False
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.devices * self.tokens_per_s_per_device
-
-
-@dataclass(frozen=True)
-class UpperBound:
-    """The bound in tokens/s, its per-kind terms and the time its searches took."""
-
-    kinds: tuple[KindBound, ...]
-    search_time_s: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return sum(k.tokens_per_s for k in self.kinds)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"tokens_per_s": self.tokens_per_s, "search_time_s": self.search_time_s,
-                "kinds": [{"kind": k.kind, "devices": k.devices,
-                           "tokens_per_s_per_device": k.tokens_per_s_per_device,
-                           "plan": k.plan_summary, "memory_ignored": k.memory_ignored}
-                          for k in self.kinds]}
+from megatron_het.planner.result import KindBound, UpperBound
+from megatron_het.planner.search import search_plan
 
 
 def kind_subcluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:
@@ -76,8 +40,8 @@ def kind_subcluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:
 def upper_bound(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int,
                 seq_length: int, profiles: Optional[Mapping[str, Profile]] = None,
                 dtype: str = "bf16", **search_options: Any) -> UpperBound:
-    """Search each kind alone (:func:`search_plan` without a bound) and sum the devices' rates."""
-    from megatron_het.planner.search import search_plan  # imports this module
+    """Search each kind alone (:func:`search_plan`, options as given) and sum the devices'
+    rates."""
     start = time.perf_counter()
     kinds = []
     for kind, devices in cluster.accelerator_counts().items():
@@ -85,11 +49,11 @@ def upper_bound(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
         ignored = False
         try:
             found = search_plan(model, sub, global_batch_size, seq_length, profiles, dtype,
-                                with_upper_bound=False, **search_options)
+                                **search_options)
         except UserError:
             ignored = True
             found = search_plan(model, sub, global_batch_size, seq_length, profiles, dtype,
-                                with_upper_bound=False, check_memory=False, **search_options)
+                                check_memory=False, **search_options)
         kinds.append(KindBound(kind, devices, found.prediction.tokens_per_s / devices,
                                found.candidates[0].layout.describe(), ignored))
     return UpperBound(tuple(kinds), time.perf_counter() - start)

@@ -1,8 +1,9 @@
-"""torchrun's environment -> the world process group.
+"""torchrun's environment (or a single process) -> the world process group.
 
-The only library module that reads environment variables: the entry point hands it
-``os.environ`` and gets a :class:`LaunchEnv` back. Everything after the world group is built
-goes through the unified communicator.
+The entry point hands :func:`read_launch_env` ``os.environ`` and gets a :class:`LaunchEnv` back;
+library code reads no environment variable. A single process gets a world of one rank in this
+process (:func:`init_world` without an env), so it runs the same trainer as a launched job.
+Everything after the world group is built goes through the unified communicator.
 """
 from __future__ import annotations
 
@@ -56,21 +57,52 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
                      values["MASTER_PORT"])
 
 
-def init_world(env: LaunchEnv, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_TIMEOUT,
                device_type: Optional[str] = None) -> None:
-    """Initialise torch.distributed's default (world) group: gloo, over ``env.init_method``.
+    """Initialise torch.distributed's default (world) group with gloo: over
+    ``env.init_method``, or, without an env, a world of this one process (an in-memory store).
 
     The world group only bootstraps the unified communicator, which builds each kind's native
     groups itself; gloo works for every kind. On a CUDA/ROCm rank (``device_type == "cuda"``)
-    the local device is selected first. Side effect: global torch.distributed state.
+    the local device is selected first. Side effect: global torch.distributed state; raises
+    RuntimeError when a world is already initialised.
     """
     import torch
     import torch.distributed as dist
 
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised; train on that world with "
+                           "megatron_het.training.pretrain_on_world")
+    local_rank = env.local_rank if env is not None else 0
     if device_type == "cuda" and torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if env is None:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
     dist.init_process_group("gloo", init_method=env.init_method, rank=env.rank,
                             world_size=env.world_size, timeout=timeout)
+
+
+def local_accelerator() -> str:
+    """The accelerator kind of this machine's devices for a run without ``--cluster``: the
+    built-in kind whose name the first CUDA/ROCm device's name contains, else "cpu". UserError
+    for a GPU the accelerator table does not know (describe it in a cluster file)."""
+    import torch
+
+    from megatron_het.cluster.accelerators import AcceleratorRegistry
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    device_name = torch.cuda.get_device_name(0)
+    memory_gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    flat = device_name.upper().replace(" ", "").replace("-", "")
+    matches = [spec for spec in AcceleratorRegistry.builtin()
+               if spec.device_type == "cuda" and spec.name.upper().split("-")[0] in flat]
+    if matches:  # A100-40G or A100-80G: the nearest memory size
+        return min(matches, key=lambda spec: abs(spec.memory_gib - memory_gib)).name
+    raise UserError(f"this machine's GPU {device_name!r} is not in the accelerator table; pass "
+                    "--cluster with a node group of its kind (see scripts/clusters/)")
 
 
 def shutdown_world() -> None:

@@ -1,9 +1,13 @@
 """Training logs: Megatron-style lines on stdout, tensorboard scalars and a JSON-lines file.
 
 Every iteration goes to the metrics file and tensorboard; stdout gets one line per
-``--log-interval`` iterations with the interval's mean loss and time per iteration. A parallel run
-has one logger, on its logging rank, and adds its own fields (per-stage times, TFLOP/s per
-accelerator kind, MFU) to the same lines.
+``--log-interval`` iterations with the interval's mean loss and time per iteration, and a compact
+second line with each stage's mean compute, p2p wait and bubble seconds. A run has one logger,
+on its logging rank. Every throughput figure of a printed line divides by the same mean
+iteration time: "throughput per device" is the model's FLOPs over all devices of the run, the
+figure per kind is the FLOPs of that kind's stages over the devices of that kind (so the
+device-weighted mean of the kinds' figures is the per-device figure), and MFU is the model's
+FLOP/s over the summed peak of all devices.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import time
 from typing import Any, Mapping, Optional, TextIO
 
 from megatron_het.config import ModelConfig, TrainConfig
+from megatron_het.training.throughput import ThroughputMetrics
 
 
 def _rewrite_metrics_upto(path: pathlib.Path, last_iteration: int) -> None:
@@ -45,9 +50,12 @@ class TrainingLogger:
     """
 
     def __init__(self, train: TrainConfig, model_config: ModelConfig, seq_length: int,
-                 start_iteration: int, num_devices: int = 1, out: TextIO = sys.stdout) -> None:
+                 start_iteration: int, num_devices: int = 1, out: Optional[TextIO] = None,
+                 throughput: Optional[ThroughputMetrics] = None) -> None:
         self.train = train
-        self.out = out
+        self.out = out or sys.stdout
+        self.throughput = throughput
+        self._stage_rows: list[list[dict[str, Any]]] = []  # per iteration of the interval
         self.tokens_per_iteration = train.global_batch_size * seq_length
         self.flops_per_iteration = model_config.flops_per_token(seq_length) * (
             self.tokens_per_iteration)
@@ -83,11 +91,11 @@ class TrainingLogger:
     def log_train(self, iteration: int, consumed_samples: int, loss: float, lr: float,
                   grad_norm: float, iteration_time_s: float,
                   extra: Optional[Mapping[str, Any]] = None,
-                  extra_scalars: Optional[Mapping[str, float]] = None, note: str = "") -> None:
+                  extra_scalars: Optional[Mapping[str, float]] = None) -> None:
         """Record one iteration; prints the interval summary when ``iteration`` closes one.
 
-        A parallel run adds ``extra`` fields to the metrics line (after the common keys),
-        ``extra_scalars`` to tensorboard, and ``note`` to the end of a printed line.
+        ``extra`` fields go to the metrics line (after the common keys; its ``stages`` rows
+        feed the printed stage line) and ``extra_scalars`` to tensorboard.
         """
         iteration_time_s = max(iteration_time_s, 1e-9)
         tokens_per_s = self.tokens_per_iteration / iteration_time_s
@@ -103,16 +111,43 @@ class TrainingLogger:
                                   "tokens-per-second": tokens_per_s,
                                   "tflops-per-device": tflops, **(extra_scalars or {})})
         self._interval.append((loss, iteration_time_s))
+        if extra and "stages" in extra:
+            self._stage_rows.append(list(extra["stages"]))
         if iteration % self.train.log_interval == 0 or iteration == self.train.train_iters:
-            self._print_interval(iteration, consumed_samples, lr, grad_norm, note)
+            self._print_interval(iteration, consumed_samples, lr, grad_norm)
+
+    def _kinds_note(self, mean_time: float) -> str:
+        if self.throughput is None:
+            return ""
+        kinds = ", ".join(f"{label} {value:.4g}" for label, value in
+                          self.throughput.tflops_per_accelerator(mean_time).items())
+        return (f" MFU: {100 * self.throughput.mfu(mean_time):.2f}% | TFLOP/s per device of "
+                f"each kind: {kinds} |")
+
+    def _stage_line(self) -> str:
+        """Each stage's compute / p2p wait / bubble seconds, averaged over the interval."""
+        if not self._stage_rows:
+            return ""
+        count = len(self._stage_rows)
+        parts = []
+        for i, row in enumerate(self._stage_rows[-1]):
+            mean = {name: sum(rows[i][name] for rows in self._stage_rows) / count
+                    for name in ("compute_s", "p2p_wait_s", "bubble_s")}
+            parts.append(f"p{row['pipeline']}s{row['stage']} {row['accelerator']} "
+                         f"{mean['compute_s']:.3f}/{mean['p2p_wait_s']:.3f}/"
+                         f"{mean['bubble_s']:.3f}")
+        self._stage_rows.clear()
+        return "   stages, compute/p2p wait/bubble s: " + " | ".join(parts)
 
     def _print_interval(self, iteration: int, consumed_samples: int, lr: float,
-                        grad_norm: float, note: str = "") -> None:
+                        grad_norm: float) -> None:
         count = len(self._interval)
         mean_loss = sum(loss for loss, _ in self._interval) / count
         mean_time = sum(seconds for _, seconds in self._interval) / count
         self._interval.clear()
         tflops = self.flops_per_iteration / mean_time / self.num_devices / 1e12
+        note = self._kinds_note(mean_time)
+        stages = self._stage_line()
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         self.print(
             f" [{stamp}] iteration {iteration:8d}/{self.train.train_iters:8d} |"
@@ -121,7 +156,8 @@ class TrainingLogger:
             f" learning rate: {lr:.6E} | global batch size: {self.train.global_batch_size:5d} |"
             f" lm loss: {mean_loss:.6E} | grad norm: {grad_norm:.3f} |"
             f" tokens per second: {self.tokens_per_iteration / mean_time:.1f} |"
-            f" throughput per device (TFLOP/s/device): {tflops:.4g} |{note}")
+            f" throughput per device (TFLOP/s/device): {tflops:.4g} |{note}"
+            + (f"\n{stages}" if stages else ""))
 
     def log_eval(self, iteration: int, consumed_samples: int, loss: float) -> None:
         """Record one evaluation of the valid split."""

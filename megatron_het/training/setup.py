@@ -1,25 +1,32 @@
-"""Everything a run checks and builds before it writes anything.
+"""Everything a run checks and resolves before it starts: tokenizer, model, plan, data, checkpoint.
 
-:func:`prepare_run` loads the tokenizer, resolves the model config, checks the data against the
-tokenizer, builds the datasets and finds the checkpoint to resume from. It only reads files, so a
-bad command line fails here with one line and leaves ``--save``, the metrics file and the
-tensorboard directory untouched.
+:func:`prepare_run` loads the tokenizer, resolves the model config (completed from the checkpoint
+to resume from), chooses the cluster and plan (:mod:`megatron_het.training.plan_setup`), checks
+the data against the tokenizer and builds the datasets. It only reads files, so a bad command
+line fails here with one line, on every rank alike, and leaves ``--save``, the metrics file and
+the tensorboard directory untouched. A single process and a launched world go through it the same
+way: only the world size differs.
 """
 from __future__ import annotations
 
 import pathlib
-from dataclasses import dataclass
-from typing import Any, Optional, Protocol
-
-import numpy as np
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from megatron_het.arguments import RunConfig, resolve_model_config
 from megatron_het.checkpoint.io import (TRACKER_FILE, load_checkpoint_metadata,
                                         resolve_checkpoint_dir)
-from megatron_het.config import ModelConfig
+from megatron_het.cluster import AcceleratorSpec, ClusterSpec
+from megatron_het.config import ModelConfig, TrainConfig
 from megatron_het.data import (IndexedDataset, build_tokenizer, build_train_valid_test_datasets,
                                max_token_id, parse_data_path)
+from megatron_het.data.mock_dataset import MockDataset, SampleDataset
 from megatron_het.errors import UserError
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.training.plan_setup import choose_plan, host_profiles
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_het.perf.profile import Profile
 
 # ModelConfig fields that do not change what a checkpoint's weights mean.
 _FIELDS_FREE_ON_LOAD = ("name", "init_method_std")
@@ -27,50 +34,33 @@ _FIELDS_FREE_ON_LOAD = ("name", "init_method_std")
 _FIELDS_FROM_CHECKPOINT = ("rope_scaling",)
 
 
-class SampleDataset(Protocol):
-    """What the loop needs from a dataset: ``ds[i]`` is ``np.int64[seq_length + 1]``."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int) -> np.ndarray: ...
-
-
-class MockDataset:
-    """Synthetic samples: uniformly random ids in ``[0, vocab_size)``, a pure function of
-    ``(seed, split_id, index)``; for smoke tests and throughput runs without data files."""
-
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int,
-                 split_id: int) -> None:
-        self.num_samples = num_samples
-        self.seq_length = seq_length
-        self.vocab_size = vocab_size
-        self.seed = seed
-        self.split_id = split_id
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"mock sample {index} outside [0, {self.num_samples})")
-        rng = np.random.default_rng([self.seed, self.split_id, int(index)])
-        return rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)
-
-
 @dataclass(frozen=True)
 class RunSetup:
     """The checked inputs of a run.
 
-    ``load_dir`` is the iteration directory to resume from (None: start from scratch);
-    ``valid_data`` is None when the split gives validation no documents or ``--eval-iters 0``.
+    ``train`` is the command line's TrainConfig with the plan's batch sizes (what the run
+    uses; ``run.train`` keeps what was asked). ``load_dir`` is the iteration directory to
+    resume from (None: start from scratch); ``valid_data`` is None when the split gives
+    validation no documents or ``--eval-iters 0``. ``host_profiles`` is the
+    ``--emulation-profile`` keyed for the predictor (None without the flag).
     """
 
     run: RunConfig
     model_config: ModelConfig
     tokenizer: Any
+    cluster: ClusterSpec
+    plan: ParallelPlan
+    train: TrainConfig
+    dtype: str
+    use_distributed_optimizer: bool
     train_data: SampleDataset
     valid_data: Optional[SampleDataset]
     load_dir: Optional[pathlib.Path]
+    host_profiles: Optional[Mapping[str, "Profile"]] = field(default=None)
+
+    def accelerator(self, rank: int) -> AcceleratorSpec:
+        """The accelerator kind of global ``rank``."""
+        return self.cluster.accelerator_of(rank)
 
 
 def check_data_vocab(data_path: tuple[str, ...], tokenizer_vocab_size: int) -> None:
@@ -84,9 +74,9 @@ def check_data_vocab(data_path: tuple[str, ...], tokenizer_vocab_size: int) -> N
                             "made with (or a larger --vocab-size)")
 
 
-def _build_datasets(run: RunConfig, vocab_size: int
-                    ) -> tuple[SampleDataset, Optional[SampleDataset]]:
-    train = run.train
+def build_datasets(run: RunConfig, train: TrainConfig, vocab_size: int
+                   ) -> tuple[SampleDataset, Optional[SampleDataset]]:
+    """Train and valid datasets sized for ``train``'s iterations and global batch."""
     num_train = train.train_iters * train.global_batch_size
     num_valid = train.eval_iters * train.global_batch_size
     if run.data.mock_data:
@@ -101,13 +91,13 @@ def _build_datasets(run: RunConfig, vocab_size: int
     return train_data, valid_data
 
 
-def _checkpoint_to_load(run: RunConfig) -> Optional[pathlib.Path]:
-    load = run.train.load
-    if load is None:
+def checkpoint_to_load(train: TrainConfig) -> Optional[pathlib.Path]:
+    """The iteration directory ``--load`` names (None: nothing to load yet)."""
+    if train.load is None:
         return None
-    path = pathlib.Path(load)
-    same_as_save = run.train.save is not None and path.resolve() == pathlib.Path(
-        run.train.save).resolve()
+    path = pathlib.Path(train.load)
+    same_as_save = train.save is not None and path.resolve() == pathlib.Path(
+        train.save).resolve()
     if same_as_save and not (path / TRACKER_FILE).exists() and not (
             path / "metadata.json").exists():
         return None  # the usual restartable job: --save and --load name one directory
@@ -132,16 +122,27 @@ def check_checkpoint_model(load_dir: pathlib.Path, model_config: ModelConfig) ->
     return model_config
 
 
-def prepare_run(run: RunConfig) -> RunSetup:
-    """Check the run's inputs and build tokenizer, model config and datasets (reads only)."""
+def prepare_run(run: RunConfig, world_size: Optional[int] = 1,
+                accelerator: str = "cpu") -> RunSetup:
+    """Check the run's inputs and resolve model, plan and data (reads files only).
+
+    ``world_size`` is the launched world: 1 for a single process, None for ``--dry-run`` (the
+    cluster's, or the plan's without one). ``accelerator`` is the kind of every rank when there
+    is no ``--cluster``.
+    """
     data = run.data
     tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size)
     model_config = resolve_model_config(run.model, tokenizer.vocab_size, data.seq_length)
-    if not data.mock_data:
-        check_data_vocab(data.data_path, tokenizer.vocab_size)
-    load_dir = _checkpoint_to_load(run)
+    load_dir = checkpoint_to_load(run.train)
     if load_dir is not None:
         model_config = check_checkpoint_model(load_dir, model_config)
-    train_data, valid_data = _build_datasets(run, tokenizer.vocab_size)
+    profiles = host_profiles(run.parallel)
+    choice = choose_plan(run, model_config, world_size, profiles, accelerator)
+    if not data.mock_data:
+        check_data_vocab(data.data_path, tokenizer.vocab_size)
+    train_data, valid_data = build_datasets(run, choice.train, tokenizer.vocab_size)
     return RunSetup(run=run, model_config=model_config, tokenizer=tokenizer,
-                    train_data=train_data, valid_data=valid_data, load_dir=load_dir)
+                    cluster=choice.cluster, plan=choice.plan, train=choice.train,
+                    dtype=choice.dtype, use_distributed_optimizer=choice.use_distributed_optimizer,
+                    train_data=train_data, valid_data=valid_data, load_dir=load_dir,
+                    host_profiles=profiles)

@@ -1,4 +1,4 @@
-"""The training state a checkpoint carries besides the weights, and restoring it.
+"""Where training stands and the random generators' state, as a checkpoint carries them.
 
 Stored with ``torch.save`` and read with ``weights_only=True``, so it holds only tensors and plain
 Python values: numpy's RNG key is kept as a tensor.
@@ -11,11 +11,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from megatron_het.optim.lr_schedule import LRSchedule
-from megatron_het.optim.optimizer import load_optimizer_state_by_name, optimizer_state_by_name
-
-TRAIN_STATE_VERSION = 1
 
 
 @dataclass
@@ -64,24 +59,3 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def capture_train_state(optimizer: torch.optim.Optimizer, schedule: LRSchedule,
-                        progress: Progress) -> dict[str, Any]:
-    """Everything but the weights needed to continue exactly where training stands."""
-    return {"version": TRAIN_STATE_VERSION, "iteration": progress.iteration,
-            "consumed_samples": progress.consumed_samples,
-            "optimizer": optimizer_state_by_name(optimizer),
-            "lr_schedule": schedule.state_dict(), "rng": rng_state()}
-
-
-def restore_train_state(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> Progress:
-    """Load optimizer and RNG state in place; returns the saved progress.
-
-    The LR schedule is not restored: it is a pure function of the iteration and the command
-    line's schedule flags apply.
-    """
-    load_optimizer_state_by_name(optimizer, state["optimizer"])
-    set_rng_state(state["rng"])
-    return Progress(iteration=int(state["iteration"]),
-                    consumed_samples=int(state["consumed_samples"]))

@@ -1,47 +1,133 @@
-# Shared launch logic of scripts/<mix>/pretrain_llama_<size>.sh (sourced, not run directly).
+# The shared body of every launch script (sourced by scripts/<mix>/pretrain_llama_<size>.sh, not
+# run directly): flags and modes, per-vendor node environment, the pretrain_llama.py command line,
+# and torchrun or Slurm. `<script> --help` prints the usage (het_usage below).
 #
-# A mix script sets HET_MIX, HET_SIZE, HET_MODEL, HET_SEQ_LENGTH, HET_NULL_VOCAB (the
-# NullTokenizer --vocab-size whose padded vocabulary is the model's), HET_BRIDGE, HET_TRAIN_ARGS
-# (an array of Megatron-style hyperparameter flags), then calls `het_main "$@"`.
+# A mix script is its settings and two lines: it sets
+#   HET_MIX, HET_SIZE      the mix's name and model size (the script is scripts/$HET_MIX/
+#                          pretrain_llama_$HET_SIZE.sh; Slurm's node tasks re-enter it)
+#   HET_CLUSTER, HET_PLAN  its cluster YAML and plan JSON (paths from the repository root)
+#   HET_MODEL, HET_SEQ_LENGTH
+#   HET_NULL_VOCAB         NullTokenizer --vocab-size whose vocabulary (+ eod) is the model's
+#   HET_BRIDGE             relay | direct
+#   HET_LR, HET_MIN_LR, HET_WARMUP_ITERS   its learning-rate schedule
+# then sources this file and calls `het_main "$@"`.
 #
-# Modes (flag or environment variable):
-#   --dry-run            | DRY_RUN=1       validate plan + cluster + model + batch on this machine
-#                                          (python pretrain_llama.py ... --dry-run), no processes
-#   --launcher torchrun  | LAUNCHER=torchrun  (default) run this node's ranks with torchrun; start
-#                                          the script once on every node with NODE_RANK set
-#   --launcher slurm     | LAUNCHER=slurm  inside sbatch/salloc: srun starts one torchrun per node
-#   --print-only         | PRINT_ONLY=1    print the node's environment and the command, run nothing
-# Any other argument is passed on to pretrain_llama.py (e.g. --train-iters 10).
-#
-# Environment (placeholders a site fills in):
-#   DATA_PATH        dataset prefix(es) (PREFIX.bin/.idx, or "W1 P1 W2 P2" to blend); required
-#                    for training, a dry run without it uses --mock-data
-#   TOKENIZER_MODEL  SentencePiece model; without it NullTokenizer over pre-tokenized ids
-#   NULL_VOCAB_SIZE  NullTokenizer --vocab-size (default: the model's vocabulary minus its eod id)
-#   CHECKPOINT_DIR   --save/--load directory (resumes from its latest checkpoint); required for
-#                    training
-#   LOG_DIR          metrics.jsonl and tensorboard/ (default $CHECKPOINT_DIR/logs)
-#   TENSORBOARD_DIR  overrides $LOG_DIR/tensorboard
-#   MASTER_ADDR, MASTER_PORT  rendezvous host (node 0) and port (default 29500)
-#   NODE_RANK        this node's index in the cluster file's node order (torchrun launcher)
-#   CLUSTER, PLAN    override the mix's cluster YAML / plan JSON
-#   BRIDGE           relay | direct (default: the mix's)
-#   PYTHON           interpreter (default: the repository's .venv, else python3)
-#   HET_SOCKET_IFNAME, HET_IB_HCA, HET_EXTRA_ENV   site network / extra settings (vendor_env.sh)
+# The node settings below use ${VAR:-default}: a site sets its own value by exporting the
+# variable before calling the script, and --print-only lists only what the script changed.
 
-# The repository root: next to this file, or (a copy run by sbatch) the submission directory.
-het_repo_root() {
-    local here
-    here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-    if [ -f "$here/pretrain_llama.py" ]; then
-        printf '%s' "$here"
-    elif [ -n "${SLURM_SUBMIT_DIR:-}" ] && [ -f "$SLURM_SUBMIT_DIR/pretrain_llama.py" ]; then
-        printf '%s' "$SLURM_SUBMIT_DIR"
-    else
-        echo "error: cannot find the repository root; run the script from its checkout or sbatch it from the repository root" >&2
-        return 2
+# ---- per-vendor node environment -------------------------------------------------------------
+
+# The first NPROC device indices, comma separated: 0,1,...,NPROC-1.
+het_device_list() {
+    local n="$1" i list=""
+    for ((i = 0; i < n; i++)); do list+="${list:+,}$i"; done
+    printf '%s' "$list"
+}
+
+# Settings every node needs whatever its vendor.
+het_env_common() {
+    # The relay bridge between kinds stages through host memory and gloo over TCP: pin gloo to
+    # the fast host interface when the site names one.
+    if [ -n "${HET_SOCKET_IFNAME:-}" ]; then
+        export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$HET_SOCKET_IFNAME}"
+    fi
+    # One OpenMP thread per rank for host-side work (data loading, relay copies): the
+    # accelerator does the math, and oversubscribed host threads only add jitter.
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+}
+
+# NCCL's (and RCCL's, which reads the same names) site network: bootstrap interface, IB adapters.
+het_env_nccl_network() {
+    if [ -n "${HET_SOCKET_IFNAME:-}" ]; then
+        export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$HET_SOCKET_IFNAME}"
+    fi
+    if [ -n "${HET_IB_HCA:-}" ]; then
+        export NCCL_IB_HCA="${NCCL_IB_HCA:-$HET_IB_HCA}"
     fi
 }
+
+# NVIDIA GPUs: torch's nccl backend runs NCCL.
+het_env_nvidia() {
+    # One hardware work queue, so a tensor-parallel collective is issued before the compute that
+    # follows it (Megatron's ordering assumption for overlapping TP communication).
+    export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+    # Expose exactly this node's ranks' GPUs; local rank i drives GPU i.
+    export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-$(het_device_list "$1")}"
+    # A failed or hung collective aborts the process (and the job) instead of hanging forever.
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+    # Longer InfiniBand retry timeout (4.096 us * 2^22): large fabrics see transient stalls.
+    export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
+    # Warnings only; set NCCL_DEBUG=INFO to see the rings/trees NCCL builds.
+    export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+    het_env_nccl_network
+}
+
+# AMD Instinct GPUs (ROCm): torch's nccl backend runs RCCL.
+het_env_amd() {
+    # Expose exactly this node's ranks' GPUs (GCDs on MI250X); local rank i drives device i.
+    export HIP_VISIBLE_DEVICES="${HIP_VISIBLE_DEVICES:-$(het_device_list "$1")}"
+    # Same ordering assumption as on NVIDIA (ROCm's torch honours the CUDA name).
+    export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+    # Fine-grained host memory over PCIe, which RCCL's peer-to-peer and network paths need.
+    export HSA_FORCE_FINE_GRAIN_PCIE="${HSA_FORCE_FINE_GRAIN_PCIE:-1}"
+    # Keep scratch memory allocated between kernels: reclaiming it stalls long training runs.
+    export HSA_NO_SCRATCH_RECLAIM="${HSA_NO_SCRATCH_RECLAIM:-1}"
+    # RoCE v2 fabrics usually expose the routable (IPv4-mapped) GID at index 3.
+    export NCCL_IB_GID_INDEX="${NCCL_IB_GID_INDEX:-3}"
+    # Abort on a failed collective instead of hanging (RCCL through torch's nccl backend).
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+    export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+    het_env_nccl_network
+}
+
+# Huawei Ascend NPUs: torch_npu's hccl backend runs HCCL.
+het_env_huawei() {
+    # The CANN toolkit's own environment (library paths, ASCEND_HOME_PATH, ...). Its script is
+    # not written for `set -u`, so relax that while it runs.
+    local cann_env="${ASCEND_TOOLKIT_HOME:-/usr/local/Ascend/ascend-toolkit/latest}/../set_env.sh"
+    if [ -f "$cann_env" ]; then
+        set +u
+        # shellcheck disable=SC1090
+        source "$cann_env"
+        set -u
+    fi
+    # Expose exactly this node's ranks' NPUs; local rank i drives NPU i.
+    export ASCEND_RT_VISIBLE_DEVICES="${ASCEND_RT_VISIBLE_DEVICES:-$(het_device_list "$1")}"
+    # Seconds HCCL waits for every rank to join a communicator: hundreds of ranks need minutes.
+    export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1200}"
+    # Seconds a collective may block before HCCL reports it as hung.
+    export HCCL_EXEC_TIMEOUT="${HCCL_EXEC_TIMEOUT:-1800}"
+    # Per-communicator buffer in MB: room for the large DP gradient buckets.
+    export HCCL_BUFFSIZE="${HCCL_BUFFSIZE:-200}"
+    # CANN logs errors only (0 debug .. 3 error); plog files otherwise grow quickly.
+    export ASCEND_GLOBAL_LOG_LEVEL="${ASCEND_GLOBAL_LOG_LEVEL:-3}"
+    # torch_npu's asynchronous task queue: launches overlap host-side operator dispatch.
+    export TASK_QUEUE_ENABLE="${TASK_QUEUE_ENABLE:-1}"
+    # Expandable allocator segments: less fragmentation with changing activation sizes.
+    export PYTORCH_NPU_ALLOC_CONF="${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}"
+    if [ -n "${HET_SOCKET_IFNAME:-}" ]; then
+        export HCCL_SOCKET_IFNAME="${HCCL_SOCKET_IFNAME:-$HET_SOCKET_IFNAME}"
+    fi
+}
+
+# Export the settings of VENDOR (the cluster files' names) for a node running NPROC ranks.
+# Another vendor's accelerators get nothing beyond the abort-on-failure setting: put the
+# vendor's own variables in the file named by HET_EXTRA_ENV. CPU ranks (plain or emulated
+# kinds) run gloo only.
+het_vendor_env() {
+    local vendor="$1" nproc="$2"
+    case "$vendor" in
+        nvidia) het_env_nvidia "$nproc" ;;
+        amd) het_env_amd "$nproc" ;;
+        huawei) het_env_huawei "$nproc" ;;
+        other) export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}" ;;
+        cpu) ;;
+        *) echo "error: unknown vendor '$vendor' in the cluster file; use nvidia, amd, huawei, cpu or other" >&2
+           return 2 ;;
+    esac
+}
+
+# ---- command line and launch -----------------------------------------------------------------
 
 het_die() {
     echo "error: $*" >&2
@@ -49,8 +135,47 @@ het_die() {
 }
 
 het_usage() {
-    sed -n '2,/^set -euo/p' "$HET_REPO/scripts/$HET_MIX/pretrain_llama_$HET_SIZE.sh" \
-        | grep '^#' | grep -v '^#!' | grep -v '^#SBATCH' | sed 's/^# \{0,1\}//'
+    local script="scripts/$HET_MIX/pretrain_llama_$HET_SIZE.sh" nodes
+    nodes="$(sed -n 's/^#SBATCH --nodes=//p' "$HET_REPO/$script")"
+    sed -n '2,/^#SBATCH/p' "$HET_REPO/$script" | grep '^#' | grep -v '^#SBATCH\|^# Modes, flags' \
+        | sed 's/^# \{0,1\}//'
+    cat <<EOF
+
+Usage:
+  DRY_RUN=1 $script      # validate plan, cluster, model and batch here
+  # on every node (torchrun):
+  NODE_RANK=<n> MASTER_ADDR=<node 0> DATA_PATH=... TOKENIZER_MODEL=... CHECKPOINT_DIR=... \\
+      $script
+  # Slurm ($nodes nodes, listed in the cluster file's order; from the repository root):
+  LAUNCHER=slurm DATA_PATH=... TOKENIZER_MODEL=... CHECKPOINT_DIR=... sbatch $script
+
+Flags (or variables):
+  --dry-run (DRY_RUN=1)          pretrain_llama.py --dry-run with the mix's settings
+  --launcher torchrun|slurm (LAUNCHER)  torchrun: start the script on every node with NODE_RANK;
+                                 slurm: inside sbatch/salloc, srun starts one torchrun per node
+  --print-only (PRINT_ONLY=1)    print the node's environment changes and the command, run nothing
+  other arguments go to pretrain_llama.py (e.g. --train-iters 10)
+
+Variables:
+  DATA_PATH        dataset prefix(es) (PREFIX.bin/.idx, or "W1 P1 W2 P2" to blend); required for
+                   training, a dry run without it uses --mock-data
+  TOKENIZER_MODEL  SentencePiece model; without it NullTokenizer over pre-tokenized ids
+  NULL_VOCAB_SIZE  NullTokenizer --vocab-size (default $HET_NULL_VOCAB: the model's vocabulary
+                   minus its eod id)
+  CHECKPOINT_DIR   --save/--load directory (resumes from its latest checkpoint); required for
+                   training; SAVE_INTERVAL (default 500)
+  LOG_DIR          metrics.jsonl and tensorboard/ (default \$CHECKPOINT_DIR/logs);
+                   TENSORBOARD_DIR overrides \$LOG_DIR/tensorboard
+  MASTER_ADDR, MASTER_PORT  rendezvous host (node 0) and port (default 29500)
+  NODE_RANK        this node's index in the cluster file's node order (node 0: the first node
+                   of its first node group)
+  CLUSTER, PLAN    override $HET_CLUSTER / $HET_PLAN
+  BRIDGE           relay | direct (default $HET_BRIDGE)
+  TRAIN_ITERS, LR_WARMUP_ITERS, SEED, SPLIT   run length, warm-up, seed, data split
+  PYTHON           interpreter (default: the repository's .venv, else python3)
+  HET_SOCKET_IFNAME, HET_IB_HCA  site network interface and IB/RoCE adapters
+  HET_EXTRA_ENV    a file sourced last on every node (another vendor's variables, site tweaks)
+EOF
 }
 
 # Parse the script's own flags into DRY_RUN/LAUNCHER/PRINT_ONLY; the rest goes to HET_EXTRA.
@@ -75,12 +200,17 @@ het_parse_flags() {
     esac
 }
 
-# The pretrain_llama.py arguments of this run, into HET_ARGS.
+# The pretrain_llama.py arguments of this run, into HET_ARGS (DRY=1 for a dry run).
 het_build_args() {
-    local dry="$1"
+    local dry="$1" iters="${TRAIN_ITERS:-500000}"
+    # Batch sizes come from the plan.
     HET_ARGS=(pretrain_llama.py --model "$HET_MODEL" --seq-length "$HET_SEQ_LENGTH"
               --cluster "$CLUSTER" --plan "$PLAN" --bridge "$BRIDGE"
-              --use-distributed-optimizer --bf16 "${HET_TRAIN_ARGS[@]}")
+              --use-distributed-optimizer --bf16 --train-iters "$iters"
+              --lr "$HET_LR" --min-lr "$HET_MIN_LR" --lr-decay-style cosine
+              --lr-warmup-iters "${LR_WARMUP_ITERS:-$HET_WARMUP_ITERS}" --lr-decay-iters "$iters"
+              --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8
+              --clip-grad 1.0 --eval-interval 1000 --eval-iters 10 --seed "${SEED:-1234}")
     if [ -n "${DATA_PATH:-}" ]; then
         local -a prefixes
         read -r -a prefixes <<< "$DATA_PATH"
@@ -109,12 +239,17 @@ het_build_args() {
     HET_ARGS+=("${HET_EXTRA[@]}")
 }
 
-# Export the environment of node NODE_RANK (its vendors' settings) and set the HET_NODE_* facts.
-het_node_env() {
-    local node_rank="$1" facts
+# The HET_* facts of node NODE (scripts/common/node_info.py reads the cluster file).
+het_node_facts() {
+    local facts
     facts="$("$PYTHON" "$HET_REPO/scripts/common/node_info.py" --cluster "$CLUSTER" \
-             --node-rank "$node_rank")" || exit 2
+             --node-rank "$1")" || exit 2
     eval "$facts"
+}
+
+# Export the environment of node NODE (its vendors' settings).
+het_node_env() {
+    het_node_facts "$1"
     het_env_common
     local vendor
     for vendor in $HET_NODE_VENDORS; do
@@ -136,12 +271,10 @@ het_exec() {
     exec "$@"
 }
 
-# Slurm, in the batch step: one task per node, each re-entering this script as a node task.
+# Slurm, in the batch step: one task per node, each re-entering the mix script as a node task.
 het_slurm_fanout() {
     [ -n "${SLURM_JOB_ID:-}" ] || het_die "LAUNCHER=slurm needs a Slurm allocation; submit with sbatch or run inside salloc"
-    local facts
-    facts="$("$PYTHON" "$HET_REPO/scripts/common/node_info.py" --cluster "$CLUSTER" --node-rank 0)" || exit 2
-    eval "$facts"
+    het_node_facts 0
     if [ -n "${SLURM_JOB_NUM_NODES:-}" ] && [ "$SLURM_JOB_NUM_NODES" != "$HET_NNODES" ]; then
         het_die "the allocation has $SLURM_JOB_NUM_NODES nodes but cluster $(basename "$CLUSTER") needs $HET_NNODES; use sbatch --nodes=$HET_NNODES"
     fi
@@ -150,13 +283,23 @@ het_slurm_fanout() {
         bash "$HET_REPO/scripts/$HET_MIX/pretrain_llama_$HET_SIZE.sh" "$@"
 }
 
+# The repository root: two levels above this file, or (sbatch runs a copy of the mix script,
+# which then sources this file from the submission directory) that directory.
+het_repo_root() {
+    local here
+    here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+    [ -f "$here/pretrain_llama.py" ] \
+        || het_die "cannot find the repository root; run the script from its checkout or sbatch it from the repository root"
+    printf '%s' "$here"
+}
+
 het_main() {
     HET_ENV_BEFORE="$(export -p | sort)"
     HET_REPO="$(het_repo_root)" || exit 2
     cd "$HET_REPO"
     het_parse_flags "$@"
-    CLUSTER="${CLUSTER:-scripts/clusters/$HET_MIX.yaml}"
-    PLAN="${PLAN:-scripts/$HET_MIX/plan_$HET_SIZE.json}"
+    CLUSTER="${CLUSTER:-$HET_CLUSTER}"
+    PLAN="${PLAN:-$HET_PLAN}"
     BRIDGE="${BRIDGE:-$HET_BRIDGE}"
     if [ -z "${PYTHON:-}" ]; then
         if [ -x "$HET_REPO/.venv/bin/python" ]; then PYTHON="$HET_REPO/.venv/bin/python"; else PYTHON=python3; fi

@@ -8,7 +8,7 @@ import torch
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.comm import UnifiedCommunicator
-from megatron_het.emulation import EmulatedLink
+from megatron_het.emulation.links import EmulatedLink, EmulatedWires, emulated_wires
 from megatron_het.errors import UserError
 from tests.distributed.harness import run_ranks
 
@@ -78,7 +78,7 @@ def emulated_bridge(rank: int, world_size: int) -> dict:
     link = EmulatedLink(bandwidth_gbps=1e-6, latency_s=1e-3, sleep=slept.append)
     kinds = ["fast", "fast", "slow", "slow"]
     comm = UnifiedCommunicator(kinds, {k: "gloo" for k in kinds}, {k: "cpu" for k in kinds},
-                               emulated_links={frozenset(kinds): link})
+                               wire_hooks=EmulatedWires({frozenset(kinds): link}))
     fast = comm.new_group([0, 1])
     before = link.bytes_sent
     if rank < 2:
@@ -96,3 +96,23 @@ def test_emulated_bridge_slows_only_cross_kind_traffic() -> None:
         assert r["bridge"] == 2000  # a 2-rank all-reduce of 2000 B moves 2 x 1/2 x 2000 B
         # the sleep (recorded, not slept) covers the modelled transfer minus its real duration
         assert 0.5 * r["modelled"] < r["slept"] <= r["modelled"]
+
+
+def cluster_wires(rank: int, world_size: int) -> dict:
+    cluster = ClusterSpec.load(CLUSTER)
+    hooks = emulated_wires(cluster)
+    timeout = datetime.timedelta(seconds=30)
+    paced = UnifiedCommunicator.from_cluster(cluster, timeout=timeout, wire_hooks=hooks)
+    plain = UnifiedCommunicator.from_cluster(cluster, timeout=timeout)
+    link = hooks.links[frozenset(("emu-fast", "emu-slow"))]
+    paced.world.all_reduce(torch.ones(1000))
+    plain.world.all_reduce(torch.ones(1000))
+    return {"paced_bytes": link.bytes_sent, "plain_wire": plain.world.flat.wire,
+            "native_wire": paced.world.native.wire, "links": repr(hooks)}
+
+
+def test_the_cluster_emulated_links_pace_only_with_the_hooks() -> None:
+    for r in run_ranks(cluster_wires, 4, timeout=60):
+        assert r["paced_bytes"] == 2000  # one bridge channel piece, as above
+        assert r["plain_wire"] is None and r["native_wire"] is None
+        assert r["links"] == "EmulatedWires(emu-fast <-> emu-slow 2 GB/s, 50 us) (emulated)"

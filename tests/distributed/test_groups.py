@@ -113,7 +113,9 @@ def test_groups_of_example_plans(per_rank: list[dict], name: str) -> None:
         assert got["role"] == (role.pipeline, role.stage, role.tp_rank)
         assert got["tp_rank"] == role.tp_rank  # group rank order = the plan's tp_rank order
         assert got["world"] == (0, 1, 2, 3)
-        assert got["members"][1] == plan.dp_group(rank)
+        same_shard = tuple(r for r in plan.ranks() if plan.rank_role(r).tp_rank == role.tp_rank
+                           and plan.rank_role(r).stage_plan.layers == role.stage_plan.layers)
+        assert got["members"][1] == same_shard
 
 
 def test_untied_and_refused_plans(per_rank: list[dict]) -> None:

@@ -1,6 +1,6 @@
 """The distributed driver against the single-process run: same data, seed and losses.
 
-Every parallel run here goes through :func:`pretrain_distributed` in ``run_ranks`` workers (4
+Every parallel run here goes through :func:`pretrain_on_world` in ``run_ranks`` workers (4
 ranks, gloo) and writes its metrics file from the logging rank; the reference is
 :func:`pretrain` in this process. Per-iteration losses and gradient norms must agree within
 2e-4 relative (fp32). Tensor parallelism sums partial products in another order than one
@@ -20,7 +20,7 @@ import pytest
 
 from megatron_het.arguments import parse_run_config
 from megatron_het.checkpoint.io import read_latest_iteration
-from megatron_het.training.loop import StopRequest
+from megatron_het.training.stop import StopRequest
 from tests.distributed.harness import RankFailure, run_ranks
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -73,11 +73,11 @@ class StopAtIteration:
 
 def _train_worker(rank: int, world_size: int, argv: list[str],
                   stop_rank: Optional[int] = None, stop_at: int = 0) -> tuple[int, str]:
-    from megatron_het.training.distributed import pretrain_distributed
+    from megatron_het.training import pretrain_on_world
 
     stop = StopAtIteration(stop_at) if rank == stop_rank else StopRequest()
     out = io.StringIO()
-    progress = pretrain_distributed(parse_run_config(argv), world_size, stop=stop, out=out)
+    progress = pretrain_on_world(parse_run_config(argv), world_size, stop=stop, out=out)
     return progress.iteration, out.getvalue()
 
 
@@ -86,7 +86,7 @@ def run_parallel(argv: list[str], **kwargs: Any) -> list[tuple[int, str]]:
 
 
 def run_single(argv: list[str]) -> str:
-    from megatron_het.training.pretrain import pretrain
+    from megatron_het.training.run import pretrain
 
     out = io.StringIO()
     pretrain(parse_run_config(argv), out=out)
@@ -210,11 +210,11 @@ def test_single_process_loads_a_parallel_checkpoint(
 
 
 def _disagreeing_worker(rank: int, world_size: int) -> None:
-    from megatron_het.training.distributed import pretrain_distributed
+    from megatron_het.training import pretrain_on_world
 
     lr = "3e-3" if rank == 0 else "1e-3"  # rank 1 launched with another flag
     argv = ["--model", "tiny", *BASE, "--pipeline-model-parallel-size", "2", "--lr", lr]
-    pretrain_distributed(parse_run_config(argv), world_size, out=io.StringIO())
+    pretrain_on_world(parse_run_config(argv), world_size, out=io.StringIO())
 
 
 def test_ranks_launched_with_different_flags_refuse_to_start() -> None:

@@ -18,7 +18,7 @@ import torch
 
 from megatron_het.comm import UnifiedCommunicator
 from megatron_het.config import ModelConfig
-from megatron_het.emulation import Emulator
+from megatron_het.emulation.emulator import Emulator
 from megatron_het.model.llama import build_model
 from megatron_het.parallel.groups import build_process_groups
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
@@ -120,7 +120,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     if world_size == 3:
         # Emulated slowdown with a recording sleep (no real waiting), and bf16 autocast.
         emulator = Emulator(2.0, sleep=lambda s: None)
-        results["emulated"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", emulator=emulator)
+        results["emulated"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", region_timer=emulator)
         results["emulated"]["regions"] = emulator.stats().regions
         # Stage times fixed per region key (--emulation-profile): every region waits for its
         # key's slowdown x fixed time, whatever it measured.
@@ -130,6 +130,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
                  compute_region_key("forward", True): 3.0}
         emulator = Emulator(2.0, sleep=slept.append, cpu_clock=time.thread_time,
                             fixed_reference_s=fixed)
+        # ``emulator=`` is the deprecated name of ``region_timer=``.
         results["fixed"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", emulator=emulator)
         results["fixed"]["slept"] = slept
         results["bf16"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", bf16=True)

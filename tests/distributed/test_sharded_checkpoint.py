@@ -17,8 +17,8 @@ import torch
 
 from megatron_het.checkpoint import io, sharded
 from megatron_het.checkpoint.reshard import take_slice, target_slice
-from megatron_het.checkpoint.sharded import (CheckpointReader, load_sharded, reshard_checkpoint,
-                                             save_sharded)
+from megatron_het.checkpoint.reader import CheckpointReader, load_model_state, load_train_state
+from megatron_het.checkpoint.sharded import load_sharded, reshard_checkpoint, save_sharded
 from megatron_het.comm import UnifiedCommunicator
 from megatron_het.config import ModelConfig, OptimizerConfig
 from megatron_het.model.llama import build_model
@@ -28,8 +28,9 @@ from megatron_het.parallel.groups import build_process_groups
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.pipeline.stage import build_stage
 from megatron_het.tensor_parallel.sharding import parameter_shape
-from megatron_het.training.state import restore_train_state, rng_state
+from megatron_het.training.state import rng_state
 from tests.distributed.harness import run_ranks
+from tests.reference import restore_train_state
 
 CONFIG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                      num_query_groups=2, vocab_size=61, tie_embeddings=True, name="ckpt-tied")
@@ -220,12 +221,12 @@ def test_sharded_checkpoints_across_plans(tmp_path: pathlib.Path) -> None:
 
     # Single-process loading of a plan's checkpoint: full weights and full optimizer state.
     for source in ("a", "b1", "zero"):
-        config, state = io.load_model_state(dirs[source])
+        config, state = load_model_state(dirs[source])
         assert config == CONFIG
         assert sorted(state) == sorted(n for n, _ in build_model(CONFIG, 0).named_parameters())
         for name, value in state.items():
             assert torch.equal(value, reference(name, "param")), (source, name)
-        train = io.load_train_state(dirs[source])
+        train = load_train_state(dirs[source])
         assert train["consumed_samples"] == 40
         for name, entry in train["optimizer"]["state"].items():
             assert float(entry["step"]) == STEP

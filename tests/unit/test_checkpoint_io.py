@@ -9,10 +9,9 @@ import torch
 
 from megatron_het.checkpoint import io
 from megatron_het.checkpoint.io import (TensorPiece, begin_checkpoint, commit_checkpoint,
-                                        load_checkpoint_metadata, load_model_state,
-                                        load_train_state, read_latest_iteration,
-                                        resolve_checkpoint_dir, save_checkpoint,
-                                        write_model_shard)
+                                        load_checkpoint_metadata, read_latest_iteration,
+                                        resolve_checkpoint_dir, save_checkpoint, write_model_shard)
+from megatron_het.checkpoint.reader import load_model_state, load_train_state
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from megatron_het.cluster import AcceleratorRegistry, ClusterSpec
+from megatron_het.emulation.links import emulated_link
 from megatron_het.errors import UserError
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "scripts" / "clusters"
@@ -83,7 +84,7 @@ def test_cpu_emulated_layout():
     bridge = cluster.link_between(1, 2)
     assert (bridge.kind, bridge.bandwidth_gbps, bridge.latency_s, bridge.emulated) == (
         "bridge", 2.0, 50e-6, True)
-    assert bridge.emulated_link().delay(2_000_000) == pytest.approx(50e-6 + 1e-3)
+    assert emulated_link(bridge).delay(2_000_000) == pytest.approx(50e-6 + 1e-3)
     assert cluster.link_between(0, 1).kind == "intra_node"
     text = cluster.describe()
     assert text.splitlines()[0] == ("cluster cpu_emulated (emulation): 4 ranks on 1 node, "

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from megatron_het import load_pretrained  # noqa: E402
-from megatron_het.checkpoint.io import load_model_state  # noqa: E402
+from megatron_het.checkpoint.reader import load_model_state  # noqa: E402
 from megatron_het.errors import UserError  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -44,6 +44,7 @@ def run_tool(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_round_trip_matches_hf(tmp_path: pathlib.Path) -> None:
     hf = make_hf(tied=False)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)

@@ -16,15 +16,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_het.checkpoint.io import (load_checkpoint_metadata, load_model_state,
-                                        load_train_state, save_checkpoint)
+from megatron_het.checkpoint.io import load_checkpoint_metadata, save_checkpoint
+from megatron_het.checkpoint.reader import load_model_state, load_train_state
 from megatron_het.config import ModelConfig, OptimizerConfig
 from megatron_het.errors import UserError
 from megatron_het.model.llama import build_model
 from megatron_het.optim.lr_schedule import LRSchedule
 from megatron_het.optim.optimizer import build_optimizer
-from megatron_het.training.loop import forward_backward, optimizer_step
-from megatron_het.training.state import Progress, capture_train_state, restore_train_state
+from megatron_het.training.state import Progress
+from tests.reference import (capture_train_state, forward_backward, optimizer_step,
+                             restore_train_state)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "convert_checkpoint.py"

@@ -5,7 +5,7 @@ import pytest
 
 from megatron_het.cluster import get_accelerator
 from megatron_het.emulation import (REFERENCE_QUANTILE, REFERENCE_WINDOW, EmulatedLink,
-                                    EmulatedOutOfMemory, EmulationStats, Emulator)
+                                    EmulatedOutOfMemory, EmulationStats, Emulator, RankEmulation)
 from megatron_het.errors import UserError
 
 GIB = 1024 ** 3
@@ -328,38 +328,29 @@ def test_default_clock_and_sleep_are_real():
     assert emulator.stats().regions == 1 and emulator.stats().injected_s == 0.0
 
 
-def test_a_rank_with_late_regions_warns(capsys):
-    from types import SimpleNamespace
-
-    from megatron_het.training.distributed import _warn_late_regions
-
+def test_a_rank_with_late_regions_warns():
     clock, cpu = FakeClock(), FakeCpuClock()
     emulator = Emulator(2.0, name="emu-slow (emulated)", clock=clock, sleep=clock.sleep,
                         cpu_clock=cpu)
-    trainer = SimpleNamespace(executor=SimpleNamespace(emulator=emulator),
-                              groups=SimpleNamespace(comm=SimpleNamespace(rank=3)))
+    emulation = RankEmulation(3, emulator, None)
     with emulator.timed_region():
         clock.work(1.0)
         cpu.now += 1.0
-    _warn_late_regions(trainer)
-    assert capsys.readouterr().err == ""
+    assert emulation.late_warning() is None
     with emulator.timed_region():
         clock.work(3.0)
         cpu.now += 1.0
-    _warn_late_regions(trainer)
-    assert capsys.readouterr().err == (
+    assert emulation.late_warning() == (
         "warning: rank 3 (emu-slow (emulated)): 1 of 2 compute regions took longer than 2 x "
         "their CPU time (EMULATION: the host's cores are shared by too many ranks); its times "
-        "are slower than the emulated kind\n")
+        "are slower than the emulated kind")
+    assert RankEmulation(0, None, None).late_warning() is None  # not an emulated kind
 
 
-def test_bench_counts_the_late_region_warnings(capsys):
+def test_bench_counts_the_late_region_warnings():
     """bench/hetero_efficiency.py reads the warning back from each run's log."""
     import pathlib
     import sys
-    from types import SimpleNamespace
-
-    from megatron_het.training.distributed import _warn_late_regions
 
     bench = pathlib.Path(__file__).resolve().parents[2] / "bench"
     sys.path.insert(0, str(bench))
@@ -376,9 +367,7 @@ def test_bench_counts_the_late_region_warnings(capsys):
             with emulator.timed_region("forward"):
                 clock.work(wall)
                 cpu.now += 1.0
-        _warn_late_regions(SimpleNamespace(executor=SimpleNamespace(emulator=emulator),
-                                           groups=SimpleNamespace(comm=SimpleNamespace(rank=rank))))
-        log.append(capsys.readouterr().err)
+        log.append(RankEmulation(rank, emulator, None).late_warning() + "\n")
     assert "2 x their profiled time" in log[0]
     assert late_regions("iteration 1 ...\n" + "".join(log)) == (3, 5)
     assert late_regions("no warnings\n") == (0, 0)

@@ -208,3 +208,42 @@ def test_llama_140b_on_the_hethub_cluster_is_plausible():
     assert 5 * 2**30 < pred.peak_memory_bytes < 60 * 2**30
     for p in pred.pipelines:
         assert p.lower_bound_s <= p.time_s <= p.closed_form_s
+
+
+class FixedRates:
+    """A rate model that gives every stage 1 s of forward and 2 s of backward work, and fixed
+    sync, step and other times; None for plans of other shapes."""
+
+    def __init__(self, sharing=None):
+        self.sharing = sharing
+        self.seen = []
+
+    def shared_iteration(self, inputs, rows):
+        from megatron_het.perf import Region, SharedIteration, StageTiming
+
+        self.seen.append((inputs.plan, len(rows), inputs.act_bytes))
+        if inputs.plan.dp_size != 1:
+            return None
+        stages = tuple(tuple(StageTiming(Region(1.0), Region(2.0), 0.0, 0.0, 0, st.tp)
+                             for st in pipeline.stages) for pipeline in inputs.plan.pipelines)
+        return SharedIteration(stages, self.sharing or Cores(), 0.5, 0.25, 0.125)
+
+
+class Cores:
+    def rate(self, node, computing):
+        return 1.0
+
+
+def test_a_rate_model_replaces_the_iteration_where_it_applies(emulated, three_stage):
+    model = FixedRates()
+    shared = predict(TINY, three_stage, emulated, SEQ, rate_model=model)
+    m = three_stage.pipelines[0].micro_batches
+    assert shared.pipeline_time_s == pytest.approx((m + 3 - 1) * 3.0)  # uniform stages of 3 s
+    assert (shared.dp_sync_s, shared.optimizer_s, shared.overhead_s) == (0.5, 0.25, 0.125)
+    assert shared.iteration_time_s == pytest.approx(shared.pipeline_time_s + 0.875)
+    plain = predict(TINY, three_stage, emulated, SEQ)
+    assert shared.stages == plain.stages  # the per-stage table stays the device model's
+    assert model.seen[0][1] == 3 and model.seen[0][2] == 2 * SEQ * TINY.hidden_size * 2
+    # Where the model does not apply the prediction is the one-device-per-rank one.
+    assert predict(TINY, two_pipelines(), emulated, SEQ, rate_model=model) == predict(
+        TINY, two_pipelines(), emulated, SEQ)

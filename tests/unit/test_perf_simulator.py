@@ -4,8 +4,9 @@ import random
 import pytest
 
 from megatron_het.pipeline.schedules import ActionKind, build_schedule, ScheduleError, Action
-from megatron_het.perf.simulator import (SimulationCache, bubble_fraction, closed_form_1f1b,
-                                         lower_bound_1f1b, simulate, simulate_1f1b)
+from megatron_het.perf.simulator import (Region, SimulationCache, StageTiming, bubble_fraction,
+                                         closed_form_1f1b, lower_bound_1f1b, simulate,
+                                         simulate_1f1b, simulate_pipelines)
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -97,3 +98,64 @@ def test_cache_gives_the_same_makespan():
     first = cache.makespan(f, b, 6, [0.1], [0.2])
     assert first == simulate_1f1b(f, b, 6, [0.1], [0.2]).makespan_s
     assert cache.makespan(f, b, 6, [0.1], [0.2]) == first
+
+
+def test_pipelines_without_a_rate_model_run_on_their_own_clocks():
+    f, b, m = [1.0, 1.5], [2.0, 2.5], 3
+    alone = simulate_1f1b(f, b, m, [0.25], [0.5])
+    stages = [StageTiming(Region(f[0]), Region(b[0]), 0.25, 0.5), StageTiming(Region(f[1]),
+                                                                             Region(b[1]))]
+    steps = build_schedule("1f1b", 2, m)
+    both = simulate_pipelines([steps, steps], [stages, stages], record_timeline=True)
+    assert both.makespans_s == (alone.makespan_s, alone.makespan_s)
+    assert both.busy_s[1] == alone.busy_s and both.timeline[0] == alone.timeline
+
+
+def test_a_region_waits_and_lasts_at_least_its_floor():
+    steps = build_schedule("1f1b", 1, 2)
+    waits = simulate_pipelines([steps], [[StageTiming(Region(1.0, 0.5), Region(2.0, 0.0, 3.0))]])
+    assert waits.makespans_s == (pytest.approx(2 * (1.5 + 3.0)),)
+
+
+class OneCore:
+    """A node with one core: n processes computing each progress at 1/n."""
+
+    def rate(self, node, computing):
+        return 1.0 / computing
+
+
+def test_a_rate_model_shares_the_cores_of_a_node():
+    steps = build_schedule("1f1b", 1, 1)
+    one = [StageTiming(Region(1.0), Region(1.0))]
+    other_node = [StageTiming(Region(1.0), Region(1.0), node=1)]
+    assert simulate_pipelines([steps, steps], [one, one], OneCore()).makespans_s == (
+        pytest.approx(4.0), pytest.approx(4.0))
+    assert simulate_pipelines([steps, steps], [one, other_node], OneCore()).makespans_s == (
+        pytest.approx(2.0), pytest.approx(2.0))
+    # A wait or a floor frees the core: the other pipeline computes alone meanwhile.
+    padded = [StageTiming(Region(1.0, 0.0, 5.0), Region(0.0))]
+    assert simulate_pipelines([steps, steps], [padded, one], OneCore()).makespans_s == (
+        pytest.approx(5.0), pytest.approx(3.0))
+    # Without the rate model every process has a core of its own.
+    assert simulate_pipelines([steps, steps], [one, one]).makespans_s == (2.0, 2.0)
+
+
+def test_a_rate_model_must_give_positive_rates():
+    class Stalled:
+        def rate(self, node, computing):
+            return 0.0
+
+    steps = build_schedule("1f1b", 1, 1)
+    one = [StageTiming(Region(1.0), Region(1.0))]
+    with pytest.raises(ValueError, match="must be positive"):
+        simulate_pipelines([steps], [one], Stalled())
+
+
+def test_a_deadlock_among_pipelines_names_the_stuck_stages():
+    first, last = build_schedule("1f1b", 2, 1)
+    last = [s for s in last if not (isinstance(s, Action) and s.kind is ActionKind.RECV_FORWARD)]
+    stages = [StageTiming(Region(1.0), Region(1.0))] * 2
+    with pytest.raises(ScheduleError, match=r"^deadlock in simulation: pipeline 1 stage 0 at "
+                                            r"step 1, pipeline 1 stage 1 at step 2$"):
+        simulate_pipelines([build_schedule("1f1b", 1, 1), [first, last]],
+                           [stages[:1], stages], OneCore())

@@ -11,6 +11,8 @@ from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.parallel import (ParallelPlan, PipelinePlan, StagePlan, megatron_layer_split,
                                    plan_from_megatron_flags, valid_tp_sizes, validate)
+from megatron_het.parallel.groups import dp_members
+from megatron_het.parallel.plan_validation import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = ROOT / "scripts" / "plans"
@@ -108,22 +110,19 @@ def test_queries_of_the_example_plan():
     assert roles[1].stage_plan.layers == (0, 1) and roles[2].stage_plan.layers == (1, 3)
     assert [(x.is_first_stage, x.is_last_stage) for x in roles.values()] == [
         (True, False), (True, False), (False, False), (False, True)]
-    assert plan.ranks_of_stage(0, 0) == (0, 1)
-    assert plan.first_stage_ranks() == (0, 1) and plan.last_stage_ranks() == (3,)
-    assert plan.dp_group(2) == (2,) and plan.dp_peers(2) == ()
+    assert plan.pipelines[0].stages[0].ranks == (0, 1)
+    assert dp_members(plan, 1, 0) == (2,)
     assert "rank 7 is on no stage" in user_error(plan.rank_role, 7)
 
 
-def test_dp_peers_hold_the_same_layers_and_tp_rank():
+def test_dp_members_hold_the_same_layers_and_tp_rank():
     plan = ParallelPlan.load(DP2)
     assert plan.dp_size == 2 and plan.global_batch_size == 8
     for rank in range(4):
         mine = plan.rank_role(rank)
         expected = tuple(r for r in range(4) if plan.rank_role(r).stage_plan.layers
                          == mine.stage_plan.layers and plan.rank_role(r).tp_rank == mine.tp_rank)
-        assert plan.dp_group(rank) == expected
-        assert plan.dp_peers(rank) == tuple(r for r in expected if r != rank)
-    assert plan.first_stage_ranks() == (0, 1) and plan.last_stage_ranks(1) == (3,)
+        assert dp_members(plan, mine.stage, mine.tp_rank) == expected
 
 
 def test_embedding_and_head_follow_stage_position():
@@ -201,7 +200,7 @@ def test_tp_must_divide_heads_groups_and_ffn(tp, bad):
 
 
 def test_pipelines_with_different_layouts_are_refused(cluster):
-    ParallelPlan.load(DP2).validate(TINY, cluster, 8)
+    validate(ParallelPlan.load(DP2), TINY, cluster, 8)
     plan = edited(DP2, lambda d: d["pipelines"][1]["stages"][0].update(layers=[0, 2]) or
                   d["pipelines"][1]["stages"][1].update(layers=[2, 4]))
     assert ("pipeline 1 splits the model as [0, 2) tp=1 | [2, 4) tp=1 but pipeline 0 as "
@@ -230,7 +229,7 @@ def test_megatron_rank_order_matches_a_tp_dp_pp_grid(world, tp, pp):
     for d in range(dp):
         assert plan.pipelines[d].micro_batches == 2
         for p in range(pp):
-            assert plan.ranks_of_stage(d, p) == tuple(grid[p, d].tolist())
+            assert plan.pipelines[d].stages[p].ranks == tuple(grid[p, d].tolist())
             assert plan.pipelines[d].stages[p].layers == (p * 8 // pp, (p + 1) * 8 // pp)
 
 
@@ -273,7 +272,7 @@ def test_flags_on_the_emulated_cluster(cluster):
                                     accelerator_of=cluster)
     assert [s.accelerator for p in plan.pipelines for s in p.stages] == [
         "emu-fast", "emu-slow", "emu-fast", "emu-slow"]
-    assert plan.dp_group(0) == (0, 1) and plan.dp_group(2) == (2, 3)
+    assert dp_members(plan, 0, 0) == (0, 1) and dp_members(plan, 1, 0) == (2, 3)
     named = plan_from_megatron_flags(TINY, 4, 2, 2, 1, 4,
                                      accelerator_of=lambda r: cluster.accelerator_of(r))
     assert [s.accelerator for s in named.pipelines[0].stages] == ["emu-fast", "emu-slow"]

@@ -11,8 +11,9 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig, model_preset
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import SimulationCache, fits, predict
-from megatron_het.planner import evaluate_plan, kind_subcluster, search_plan
+from megatron_het.planner import evaluate_plan, kind_subcluster, search_plan, upper_bound
 from megatron_het.planner.bounds import KindCosts, memory_feasible, time_lower_bound
 from megatron_het.planner.space import KindBlock, Layout, Placement, build_plan
 from megatron_het.planner.stage_model import balance_layers, layer_caps, probe_stage_model
@@ -54,7 +55,7 @@ def test_stage_model_reproduces_the_closed_form_prediction(cluster, layout) -> N
         cuts = sorted(rng.sample(range(1, MODEL.num_layers), layout.num_stages - 1))
         split = [b - a for a, b in zip([0, *cuts], [*cuts, MODEL.num_layers])]
         plan = build_plan(layout, split, placement, "bf16")
-        plan.validate(MODEL, cluster, 16)
+        validate(plan, MODEL, cluster, 16)
         closed = predict(MODEL, plan, cluster, SEQ, pipeline_model="closed_form")
         assert sm.iteration_time(split) == pytest.approx(closed.iteration_time_s, rel=1e-9)
         simulated = predict(MODEL, plan, cluster, SEQ, cache=cache)
@@ -93,8 +94,10 @@ def test_lower_bounds_hold(cluster) -> None:
 
 def test_search_result_is_valid_node_local_and_balanced_by_speed(cluster) -> None:
     result = search_plan(MODEL, cluster, 16, SEQ, top_k=3)
+    assert result.upper_bound is None and result.efficiency is None
+    result = result.with_upper_bound(upper_bound(MODEL, cluster, 16, SEQ))
     plan = result.plan
-    plan.validate(MODEL, cluster, 16)
+    validate(plan, MODEL, cluster, 16)
     assert fits(result.prediction, cluster).ok
     assert ParallelPlan.from_dict(plan.to_dict()) == plan
     for pipeline in plan.pipelines:
@@ -111,6 +114,7 @@ def test_homogeneous_cluster_is_its_own_upper_bound() -> None:
         {"name": "h", "accelerator": "H100", "nodes": 2, "devices_per_node": 4,
          "nic_bandwidth_gbit_per_s": 400}]})
     result = search_plan(MODEL, cluster, 32, SEQ)
+    result = result.with_upper_bound(upper_bound(MODEL, cluster, 32, SEQ))
     assert result.efficiency == pytest.approx(1.0, rel=1e-9)
 
 
@@ -122,9 +126,12 @@ def test_kind_subcluster_keeps_one_kind_and_uncolocates() -> None:
     assert fast.accelerator_counts() == {"emu-fast": 2}
 
 
+@pytest.mark.slow
 def test_hethub_mix_is_efficient() -> None:
     cluster = ClusterSpec.load(REPO / "scripts/clusters/hethub_llama140b.yaml")
-    result = search_plan(model_preset("llama-140b"), cluster, 1024, 4096, top_k=2)
+    model = model_preset("llama-140b")
+    result = search_plan(model, cluster, 1024, 4096, top_k=2)
+    result = result.with_upper_bound(upper_bound(model, cluster, 1024, 4096))
     assert result.efficiency >= 0.975
     kinds = {s.accelerator for s in result.plan.pipelines[0].stages}
     assert kinds == {"MI250X", "accelerator-a"}
@@ -150,7 +157,7 @@ def test_evaluate_refuses_a_plan_for_another_cluster(cluster) -> None:
     other = ClusterSpec.from_dict({"name": "h", "node_groups": [
         {"name": "h", "accelerator": "H100", "nodes": 1, "devices_per_node": 4,
          "nic_bandwidth_gbit_per_s": 400}]})
-    plan = search_plan(MODEL, other, 8, SEQ, with_upper_bound=False).plan
+    plan = search_plan(MODEL, other, 8, SEQ).plan
     with pytest.raises(UserError, match="are on no stage"):
         evaluate_plan(MODEL, cluster, plan, SEQ)
     again = evaluate_plan(MODEL, other, plan, SEQ, with_upper_bound=False)

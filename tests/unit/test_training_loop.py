@@ -18,9 +18,13 @@ from megatron_het.errors import UserError
 from megatron_het.model.init import init_weights
 from megatron_het.model.llama import LlamaModel
 from megatron_het.optim.optimizer import build_optimizer
-from megatron_het.training import (evaluate, forward_backward, get_micro_batches, pretrain,
-                                   train_step)
-from megatron_het.training.setup import MockDataset, check_checkpoint_model, prepare_run
+from megatron_het.data.mock_dataset import MockDataset
+from megatron_het.optim.lr_schedule import LRSchedule
+from megatron_het.training import pretrain
+from megatron_het.training.batches import get_micro_batches
+from megatron_het.training.setup import check_checkpoint_model, prepare_run
+from megatron_het.training.state import Progress
+from tests.reference import capture_train_state, evaluate, forward_backward, train_step
 
 CONFIG = model_preset("tiny").replace(num_layers=2)
 SEQ = 16
@@ -47,7 +51,7 @@ def grads(m: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_micro_batches_follow_consumed_samples() -> None:
-    batches = get_micro_batches(Rows(), 40, global_batch_size=6, micro_batch_size=2,
+    batches = get_micro_batches(Rows(), 40, num_samples=6, micro_batch_size=2,
                                 device=torch.device("cpu"))
     assert len(batches) == 3
     for m, (tokens, labels) in enumerate(batches):
@@ -96,7 +100,7 @@ def test_non_finite_loss_stops_before_stepping() -> None:
         m.final_norm.weight.fill_(float("nan"))
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
     optimizer = build_optimizer(m, OptimizerConfig())
-    with pytest.raises(UserError, match="iteration 4: the loss is nan"):
+    with pytest.raises(UserError, match="iteration 4: the loss is nan"):  # the reference's own
         train_step(m, optimizer, get_micro_batches(Rows(), 0, 2, 2, torch.device("cpu")),
                    lr=1e-3, clip_grad=1.0, bf16=False, iteration=4)
     for n, p in m.named_parameters():
@@ -154,3 +158,101 @@ def test_checkpoint_model_check_names_fields_and_adopts_rope_scaling(
     with pytest.raises(UserError, match=r"in num_query_groups \(checkpoint 2, configured 4\), "
                                         r"rope_theta \(checkpoint 10000.0, configured 5.0\);"):
         check_checkpoint_model(tmp_path, configured.replace(num_query_groups=4, rope_theta=5.0))
+
+
+RUN_FLAGS = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "300", "--seq-length", str(SEQ), "--micro-batch-size", "2",
+             "--global-batch-size", "6", "--train-iters", "6", "--lr", "3e-3", "--min-lr",
+             "3e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--weight-decay",
+             "0.1", "--clip-grad", "0.5", "--seed", "7", "--eval-interval", "3",
+             "--eval-iters", "1", "--log-interval", "3"]
+
+
+def test_single_process_trainer_equals_the_plain_model_reference(
+        tmp_path: pathlib.Path) -> None:
+    """One process runs the one-stage, one-rank plan through the pipeline executor and the
+    parallel optimizer; it must train exactly as the plain LlamaModel with torch's AdamW."""
+    metrics = tmp_path / "metrics.jsonl"
+    run = parse_run_config([*RUN_FLAGS, "--metrics-file", str(metrics)])
+    out = io.StringIO()
+    pretrain(run, out=out)
+    assert "> run on cluster cpu: 1 rank (1 x cpu), fp32, dp=1" in out.getvalue()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    valid_rows = [r for r in rows if r["split"] == "valid"]
+
+    setup = prepare_run(run)
+    reference = LlamaModel(setup.model_config)
+    init_weights(reference, seed=7)
+    optimizer = build_optimizer(reference, run.optimizer)
+    schedule = LRSchedule.from_config(run.optimizer, run.train.train_iters)
+    cpu = torch.device("cpu")
+    expected_valid = []
+    for iteration in range(1, 7):
+        batches = get_micro_batches(setup.train_data, 6 * (iteration - 1), 6, 2, cpu)
+        result = train_step(reference, optimizer, batches, schedule.lr_at(iteration),
+                            run.optimizer.clip_grad, bf16=False, iteration=iteration)
+        row = train_rows[iteration - 1]
+        assert row["loss"] == pytest.approx(result.loss, rel=1e-6)
+        assert row["grad_norm"] == pytest.approx(result.grad_norm, rel=1e-5)
+        assert row["lr"] == result.lr
+        if iteration % 3 == 0:
+            expected_valid.append(evaluate(reference, setup.valid_data, setup.train, cpu))
+    assert [r["loss"] for r in valid_rows] == pytest.approx(expected_valid, rel=1e-5)
+
+
+def test_single_process_resume_is_bitwise_exact(tmp_path: pathlib.Path) -> None:
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    pretrain(parse_run_config([*RUN_FLAGS, "--metrics-file", str(whole)]), out=io.StringIO())
+    save = str(tmp_path / "ckpt")
+    first = parse_run_config([*RUN_FLAGS, "--save", save, "--load", save, "--exit-interval", "4",
+                              "--metrics-file", str(resumed)])
+    assert pretrain(first, out=io.StringIO()).iteration == 4
+    out = io.StringIO()
+    rest = parse_run_config([*RUN_FLAGS, "--save", save, "--load", save,
+                             "--metrics-file", str(resumed)])
+    assert pretrain(rest, out=out).iteration == 6
+    assert "> loaded" in out.getvalue()
+    assert _figures(resumed) == _figures(whole)  # exact floats: bitwise the same training
+
+
+def _figures(path: pathlib.Path) -> list[dict]:
+    keys = ("split", "iteration", "loss", "grad_norm", "lr", "consumed_samples")
+    return [{k: r.get(k) for k in keys} for r in map(json.loads, path.read_text().splitlines())]
+
+
+def test_non_finite_loss_stops_the_run_with_one_line(tmp_path: pathlib.Path) -> None:
+    run = parse_run_config([*RUN_FLAGS, "--lr", "1e30", "--min-lr", "1e29", "--clip-grad", "0"])
+    with pytest.raises(UserError, match=r"^iteration \d+: the (loss|gradient norm) is"):
+        pretrain(run, out=io.StringIO())
+
+
+def test_a_checkpoint_in_the_earlier_single_process_format_resumes(
+        tmp_path: pathlib.Path) -> None:
+    """Checkpoints written by single-process runs before every run became a plan (full
+    tensors, the optimizer state by name inside the training state) load and continue."""
+    run = parse_run_config(RUN_FLAGS)
+    setup = prepare_run(run)
+    reference = LlamaModel(setup.model_config)
+    init_weights(reference, seed=7)
+    optimizer = build_optimizer(reference, run.optimizer)
+    schedule = LRSchedule.from_config(run.optimizer, run.train.train_iters)
+    cpu = torch.device("cpu")
+    results = []
+    for iteration in range(1, 7):
+        if iteration == 5:
+            state = capture_train_state(optimizer, schedule, Progress(4, 24))
+            save_checkpoint(tmp_path / "old", 4, setup.model_config, reference.state_dict(),
+                            state, {"argv": RUN_FLAGS})
+        batches = get_micro_batches(setup.train_data, 6 * (iteration - 1), 6, 2, cpu)
+        results.append(train_step(reference, optimizer, batches, schedule.lr_at(iteration),
+                                  run.optimizer.clip_grad, bf16=False, iteration=iteration))
+    metrics = tmp_path / "resumed.jsonl"
+    resumed = parse_run_config([*RUN_FLAGS, "--load", str(tmp_path / "old"),
+                                "--metrics-file", str(metrics)])
+    assert pretrain(resumed, out=io.StringIO()).iteration == 6
+    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["split"] == "train"]
+    assert [r["iteration"] for r in rows] == [5, 6]
+    for row, result in zip(rows, results[4:]):
+        assert row["loss"] == pytest.approx(result.loss, rel=1e-6)
+        assert row["grad_norm"] == pytest.approx(result.grad_norm, rel=1e-5)

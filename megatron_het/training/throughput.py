@@ -57,8 +57,8 @@ class StageShare:
     flops_per_iteration: float  # the whole stage (all its TP ranks)
 
 
-class ParallelMetrics:
-    """Turns gathered per-rank rows into the parallel fields of a metrics line."""
+class ThroughputMetrics:
+    """Turns gathered per-rank rows into the throughput fields of a metrics line."""
 
     def __init__(self, model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec,
                  seq_length: int, dtype: str) -> None:
@@ -125,10 +125,3 @@ def scalars_of(fields: Mapping[str, Any]) -> dict[str, float]:
         for name in ("compute_s", "p2p_wait_s", "bubble_s"):
             out[f"{name}/{where}"] = float(row[name])
     return out
-
-
-def summary_of(fields: Mapping[str, Any]) -> str:
-    """A short text for the log line: MFU and TFLOP/s per accelerator kind."""
-    kinds = ", ".join(f"{label} {value:.4g}"
-                      for label, value in fields["tflops_per_accelerator"].items())
-    return f" MFU: {100 * fields['mfu']:.2f}% | TFLOP/s per device by kind: {kinds} |"

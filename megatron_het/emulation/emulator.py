@@ -1,4 +1,4 @@
-"""CPU emulation of slower accelerator kinds and of slow links, for dry runs of a mixed cluster.
+"""The emulator of a slower accelerator kind: a CPU rank's compute regions padded to its time.
 
 An emulated kind is a CPU rank with a slowdown factor: each timed compute region is made to last
 ``slowdown`` times what it would take on a core of its own. With a single-threaded rank that time
@@ -23,9 +23,9 @@ lasts ``slowdown x`` its fixed CPU time whatever the host does meanwhile, so the
 keeps one speed while the host's own speed drifts (by 4-12% over minutes on a shared 2-core
 host), as a real device would. A region whose own time already exceeds that is counted late.
 
-An :class:`EmulatedLink` delays a transfer to what it would take on a link of the given bandwidth
-and latency. Both keep their own counters (no global state) and take ``clock``/``sleep``
-callables so tests can drive them with a fake clock.
+The emulator keeps its own counters (no global state) and takes ``clock``/``sleep``/``cpu_clock``
+callables so tests can drive it with a fake clock. It is the pipeline executor's region timer
+(:class:`~megatron_het.pipeline.executor.RegionTimer`).
 
 Everything here is emulation; callers label its results as such.
 """
@@ -231,55 +231,5 @@ class Emulator:
         self._history: dict[Hashable, _KeyHistory] = {}
 
 
-class EmulatedLink:
-    """A link of ``bandwidth_gbps`` GB/s (gigabytes per second) and ``latency_s`` seconds.
-
-    ``delay(nbytes)`` is the modelled transfer time; ``wait(nbytes, elapsed_s)`` sleeps whatever of
-    it the real transfer (``elapsed_s``) did not already take, and accounts it.
-    """
-
-    def __init__(self, bandwidth_gbps: float, latency_s: float,
-                 sleep: Callable[[float], Any] = time.sleep) -> None:
-        if isinstance(bandwidth_gbps, bool) or not bandwidth_gbps > 0:
-            raise UserError(f"emulated link: bandwidth_gbps must be positive, got "
-                            f"{bandwidth_gbps!r}")
-        if isinstance(latency_s, bool) or not latency_s >= 0:
-            raise UserError(f"emulated link: latency_s must be zero or more, got {latency_s!r}")
-        self.bandwidth_gbps = float(bandwidth_gbps)
-        self.latency_s = float(latency_s)
-        self._sleep = sleep
-        self._transfers = 0
-        self._bytes = 0
-        self._injected_s = 0.0
-
-    def delay(self, nbytes: int) -> float:
-        """Seconds a transfer of ``nbytes`` takes on this link."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        return self.latency_s + nbytes / (self.bandwidth_gbps * 1e9)
-
-    def wait(self, nbytes: int, elapsed_s: float = 0.0) -> float:
-        """Sleep ``delay(nbytes) - elapsed_s`` (if positive) and return the seconds slept."""
-        injected = max(0.0, self.delay(nbytes) - max(0.0, elapsed_s))
-        if injected > 0:
-            self._sleep(injected)
-        self._transfers += 1
-        self._bytes += nbytes
-        self._injected_s += injected
-        return injected
-
-    @property
-    def injected_s(self) -> float:
-        return self._injected_s
-
-    @property
-    def bytes_sent(self) -> int:
-        return self._bytes
-
-    @property
-    def transfers(self) -> int:
-        return self._transfers
-
-    def __repr__(self) -> str:
-        return (f"EmulatedLink(bandwidth_gbps={self.bandwidth_gbps:g}, "
-                f"latency_s={self.latency_s:g}) (emulated)")
+__all__ = ["REFERENCE_QUANTILE", "REFERENCE_WINDOW", "EmulatedOutOfMemory", "EmulationStats",
+           "Emulator"]

@@ -1,5 +1,6 @@
-"""Ranks sharing a host CPU: sharing figures, the shared-host simulation against the pipeline
-simulator and by hand, the emulated ranks' communicator figures, and predict() on that path."""
+"""Ranks sharing a host CPU (EMULATION): sharing figures, the simulator with the shared cores'
+rate model against its fixed-time form and by hand, the emulated ranks' communicator figures,
+and predict() with the shared-host rate model."""
 import dataclasses
 import random
 
@@ -9,17 +10,34 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.emulation.host_measure import (LAYER_TP_COLLECTIVES, measure_host_collective,
+                                                 measure_host_sharing)
+from megatron_het.emulation.host_model import SharedHostModel
+from megatron_het.emulation.host_sharing import HostCores, HostSharing
 from megatron_het.perf import Profile, ProfileConditions, predict
 from megatron_het.perf.comm_cost import CommCost
-from megatron_het.perf.host_sharing import (HostSharing, measure_host_collective,
-                                            measure_host_sharing)
-from megatron_het.perf.host_sim import HostStage, simulate_shared_host
+from megatron_het.perf.cost_model import tp_collectives
 from megatron_het.perf.profile import CommEntry, LayerEntry
-from megatron_het.perf.shared_host import tp_collectives
-from megatron_het.perf.simulator import simulate_1f1b
+from megatron_het.perf.simulator import Region, StageTiming, simulate_1f1b, simulate_pipelines
+from megatron_het.pipeline.schedules import build_schedule
 
 CONDITIONS = ProfileConditions("test cpu", "2.x", 1, "2026-01-01", "fp32")
 GB = 1e9
+SHARED = SharedHostModel()
+
+
+def host_stage(node, processes, slowdown, work_forward, work_backward, wait_forward_s=0.0,
+               wait_backward_s=0.0, p2p_forward_s=0.0, p2p_backward_s=0.0):
+    """A stage whose regions are padded to slowdown x their work, as the emulator pads them."""
+    return StageTiming(Region(work_forward, wait_forward_s, slowdown * work_forward),
+                       Region(work_backward, wait_backward_s, slowdown * work_backward),
+                       p2p_forward_s, p2p_backward_s, node, processes)
+
+
+def simulate_shared_host(pipelines, micro_batches, sharing):
+    schedules = [build_schedule("1f1b", len(stages), m)
+                 for stages, m in zip(pipelines, micro_batches)]
+    return simulate_pipelines(schedules, pipelines, HostCores(sharing))
 
 
 def test_sharing_factor_interpolates_and_extrapolates_like_full_cores():
@@ -48,7 +66,7 @@ def test_without_sharing_the_host_simulation_is_the_pipeline_simulation():
         b = [rng.uniform(0.1, 2) for _ in range(p)]
         cf = [rng.uniform(0, 0.3) for _ in range(p - 1)]
         cb = [rng.uniform(0, 0.3) for _ in range(p - 1)]
-        stages = [HostStage(0, 1, 1.0, f[s], b[s], 0.0, 0.0, (cf + [0])[s], (cb + [0])[s])
+        stages = [host_stage(0, 1, 1.0, f[s], b[s], 0.0, 0.0, (cf + [0])[s], (cb + [0])[s])
                   for s in range(p)]
         got = simulate_shared_host([stages], [m], {}).makespans_s[0]
         assert got == pytest.approx(simulate_1f1b(f, b, m, cf, cb).makespan_s, rel=1e-9)
@@ -57,13 +75,13 @@ def test_without_sharing_the_host_simulation_is_the_pipeline_simulation():
 def test_an_emulated_wait_frees_the_core_by_hand():
     # A host that is one core: two computing processes each progress at half speed.
     host = {0: HostSharing((1.0, 2.0))}
-    fast = [HostStage(0, 1, 1.0, 1.0, 0.0)]  # 2 micro-batches of 1 s forward
-    slow = [HostStage(0, 1, 3.0, 1.0, 0.0)]  # 1 micro-batch, slowdown x3
+    fast = [host_stage(0, 1, 1.0, 1.0, 0.0)]  # 2 micro-batches of 1 s forward
+    slow = [host_stage(0, 1, 3.0, 1.0, 0.0)]  # 1 micro-batch, slowdown x3
     # 0-2 s: both compute at half speed; the slow rank's region lasts 3 x its 1 s of CPU work
     # (it waits 2-3 s without the core), and the fast rank's second micro-batch runs alone.
     result = simulate_shared_host([fast, slow], [2, 1], host)
     assert result.makespans_s == pytest.approx([3.0, 3.0])
-    assert result.compute_s == (pytest.approx((3.0,)), pytest.approx((3.0,)))
+    assert result.busy_s == (pytest.approx((3.0,)), pytest.approx((3.0,)))
     # With a core each, the slow rank's region is 1 s, padded to 3 s.
     assert simulate_shared_host([fast, slow], [2, 1], {}).makespans_s == pytest.approx([2.0, 3.0])
     # Sharing that costs more than the slowdown leaves nothing to wait: the region is late.
@@ -74,10 +92,10 @@ def test_an_emulated_wait_frees_the_core_by_hand():
 
 def test_waits_inside_the_region_count_toward_its_emulated_length():
     # TP=2 on a host of one core: 1 s of work at half speed + a 0.5 s all-reduce.
-    stage = [HostStage(0, 2, 2.0, 1.0, 0.0, wait_forward_s=0.5)]
+    stage = [host_stage(0, 2, 2.0, 1.0, 0.0, wait_forward_s=0.5)]
     result = simulate_shared_host([stage], [1], {0: HostSharing((1.0, 2.0))})
     assert result.makespans_s == pytest.approx([2.5])  # past the 2 x 1 s the kind would take
-    stage = [HostStage(0, 2, 4.0, 1.0, 0.0, wait_forward_s=0.5)]
+    stage = [host_stage(0, 2, 4.0, 1.0, 0.0, wait_forward_s=0.5)]
     result = simulate_shared_host([stage], [1], {0: HostSharing((1.0, 2.0))})
     assert result.makespans_s == pytest.approx([4.0])  # padded to 4 x 1 s of CPU work
 
@@ -121,25 +139,41 @@ def test_predict_on_a_shared_host():
     plan = ParallelPlan.load("scripts/plans/cpu_emulated_pp4.json")
     model = model_preset("tiny")
     alone = predict(model, plan, cluster, 64, {"cpu": host_profile()}, dtype="fp32")
-    free = predict(model, plan, cluster, 64, {"cpu": host_profile((1.0,) * 4)}, dtype="fp32")
+    free = predict(model, plan, cluster, 64, {"cpu": host_profile((1.0,) * 4)}, dtype="fp32",
+                   rate_model=SHARED)
     # Cores for everyone and tp=1 (no waits in the regions): the same pipeline as alone.
     assert free.pipeline_time_s == pytest.approx(alone.pipeline_time_s, rel=1e-9)
     # The optimizer runs at host speed (the emulator slows only pipeline compute).
     per_rank = [s.optimizer_s / (2.0 if "slow" in s.accelerator else 1.0) for s in free.stages]
     assert free.optimizer_s == pytest.approx(max(per_rank))
     assert free.overhead_s > 0
-    shared = predict(model, plan, cluster, 64, {"cpu": host_profile((1.0, 2.0, 3.0, 4.0))},
-                     dtype="fp32")
+    crowded = {"cpu": host_profile((1.0, 2.0, 3.0, 4.0))}
+    shared = predict(model, plan, cluster, 64, crowded, dtype="fp32", rate_model=SHARED)
     assert shared.pipeline_time_s > 1.2 * free.pipeline_time_s
-    # A profile without sharing figures keeps the one-device-per-rank model.
-    assert dataclasses.replace(alone, stages=()) == dataclasses.replace(
-        predict(model, plan, cluster, 64, {"cpu": host_profile()}, dtype="fp32"), stages=())
+    # A profile without sharing figures keeps the one-device-per-rank model, and so does a
+    # prediction without the rate model.
+    for profile, rate_model in (({"cpu": host_profile()}, SHARED), (crowded, None)):
+        assert dataclasses.replace(alone, stages=()) == dataclasses.replace(
+            predict(model, plan, cluster, 64, profile, dtype="fp32", rate_model=rate_model),
+            stages=())
+    # The closed form never uses the rate model.
+    closed = predict(model, plan, cluster, 64, crowded, dtype="fp32", rate_model=SHARED,
+                     pipeline_model="closed_form")
+    assert closed.overhead_s == 0.0
 
 
 def test_tp_collective_counts():
     stage = ParallelPlan.load("scripts/plans/cpu_emulated_tp2_pp2.json").pipelines[0].stages
-    assert tp_collectives(stage[0], False) == (2 * 2 + 1, 2 * 2)  # 2 layers + embedding
-    assert tp_collectives(stage[1], True) == (2 * 2 + 2, 2 * 2 * 2 + 1)  # + head, recompute
+    first = tp_collectives(stage[0].tp, stage[0].num_layers, stage[0].has_embedding,
+                           stage[0].has_head, False)
+    assert (first.forward_all, first.backward) == (2 * 2 + 1, 2 * 2)  # 2 layers + embedding
+    last = tp_collectives(stage[1].tp, stage[1].num_layers, stage[1].has_embedding,
+                          stage[1].has_head, True)
+    assert (last.forward, last.cross_entropy, last.backward) == (2 * 2, 2, 2 * 2 * 2 + 1)
+    assert last.forward_all == 2 * 2 + 2  # + the head's cross-entropy, recompute backward
+    alone = tp_collectives(1, 8, True, True, True)  # tp=1: no collectives
+    assert (alone.forward_all, alone.backward) == (0, 0)
+    assert LAYER_TP_COLLECTIVES == 4  # what the host collective measurement divides by
     profile = dataclasses.replace(host_profile((1.0, 2.0)), host_collective_s=(2e-3, 1e-3))
     assert Profile.from_dict(profile.to_dict()) == profile
     bad = profile.to_dict()
@@ -161,7 +195,7 @@ def test_dp_sync_on_a_shared_host_shares_the_cores():
     plan = ParallelPlan.load("scripts/plans/cpu_emulated_dp2_fast_heavy.json")
     model = model_preset("tiny")
     shared = predict(model, plan, cluster, 64, {"cpu": host_profile((1.0, 1.0, 1.5, 2.0))},
-                     dtype="fp32")
+                     dtype="fp32", rate_model=SHARED)
     # All 4 ranks sync their stage's gradients at once: the link model's time x slowdown(4).
     assert shared.dp_sync_s == pytest.approx(2.0 * max(s.dp_sync_s for s in shared.stages))
     assert shared.iteration_time_s == pytest.approx(
@@ -176,11 +210,12 @@ def test_tp_collectives_on_a_shared_host_are_cpu_work_and_a_wait():
     tp_layer = dataclasses.replace(base.layers[0], tp=2)
     base = dataclasses.replace(base, layers=base.layers + (tp_layer,))
     timed = dataclasses.replace(base, host_collective_s=(2e-3, 1e-3))
-    plain = predict(model, plan, cluster, 64, {"cpu": base}, dtype="fp32")
-    measured = predict(model, plan, cluster, 64, {"cpu": timed}, dtype="fp32")
+    plain = predict(model, plan, cluster, 64, {"cpu": base}, dtype="fp32", rate_model=SHARED)
+    measured = predict(model, plan, cluster, 64, {"cpu": timed}, dtype="fp32",
+                       rate_model=SHARED)
     # Each collective costs 2 ms instead of the link model's much smaller all-reduce.
     assert measured.pipeline_time_s > plain.pipeline_time_s
     # Sharing figures of 1: CPU work and waits add up, so 2 ms per collective either way.
     half = dataclasses.replace(base, host_collective_s=(2e-3, 2e-3))
-    assert predict(model, plan, cluster, 64, {"cpu": half}, dtype="fp32").pipeline_time_s == \
-        pytest.approx(measured.pipeline_time_s)
+    assert predict(model, plan, cluster, 64, {"cpu": half}, dtype="fp32",
+                   rate_model=SHARED).pipeline_time_s == pytest.approx(measured.pipeline_time_s)

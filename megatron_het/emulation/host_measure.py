@@ -1,21 +1,16 @@
-"""How a CPU host's compute slows down when several of its processes compute at once.
-
-CPU-emulated kinds run every rank as a single-threaded process of one machine, often more
-processes than cores. A profile measured by one process alone on an idle core does not describe
-that: while ``n`` ranks compute, each gets about ``cores / n`` of a core (less where they also
-contend for caches and memory bandwidth). An emulated rank's injected wait (its slowdown) and a
-rank blocked in a transfer use no core, so how many ranks compute at once changes along the
-schedule; :mod:`megatron_het.perf.host_sim` simulates that with the figures measured here.
+"""Measuring how a CPU host's processes slow each other: the host-sharing figures of a profile.
 
 :func:`measure_host_sharing` runs one decoder layer's forward + backward (one TP rank's shard,
 as :mod:`megatron_het.perf.profiler` times it) in ``n = 1, 2, ..., max_processes`` forked
 processes at once, one thread each, started together behind a barrier, and returns the median
-time of a pass with ``n`` processes over the median alone (the :attr:`Profile.host_sharing`
-figures). :func:`measure_host_collective` times one TP collective between two computing
-processes, wall and CPU (:attr:`Profile.host_collective_s`): gloo's copies and reductions run
-on the same cores as the compute. All processes start in sessions of their own, as torchrun
-starts ranks (see :func:`_worker`). :class:`HostSharing` turns the sharing figures into the
-progress rate of one computing process.
+time of a pass with ``n`` processes over the median alone (the
+:attr:`~megatron_het.perf.profile.Profile.host_sharing` figures, which
+:class:`~megatron_het.emulation.host_sharing.HostSharing` reads). :func:`measure_host_collective`
+times one TP collective between two computing processes, wall and CPU
+(:attr:`~megatron_het.perf.profile.Profile.host_collective_s`): gloo's copies and reductions
+run on the same cores as the compute. All processes start in sessions of their own, as torchrun
+starts ranks (see :func:`_worker`). These figures exist for CPU emulation, where ranks share a
+host's cores.
 """
 from __future__ import annotations
 
@@ -23,58 +18,17 @@ import multiprocessing
 import os
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
+from megatron_het.perf.cost_model import tp_collectives
 from megatron_het.perf.measure_procs import (free_loopback_port, gloo_pair, report_to_parent,
                                              run_measurement_processes)
 
 
-@dataclass(frozen=True)
-class HostSharing:
-    """``slowdown[n - 1]``: how many times longer a compute pass takes with ``n`` processes
-    computing at once on the host than the profile's times say (``slowdown[0]`` is 1 when
-    measured against the host's own single process; see :func:`measure_host_sharing`)."""
-
-    slowdown: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if not self.slowdown or any(v <= 0 for v in self.slowdown):
-            raise UserError(f"host sharing figures must be positive numbers, got "
-                            f"{list(self.slowdown)}; measure them with measure_host_sharing")
-
-    def factor(self, processes: float) -> float:
-        """The slowdown with ``processes`` computing (interpolated between whole counts; past
-        the measured counts, in proportion to the count, as for full cores)."""
-        if processes <= 1.0:
-            return self.slowdown[0]
-        n = len(self.slowdown)
-        if processes >= n:
-            return self.slowdown[-1] * processes / n
-        low = int(processes)
-        w = processes - low
-        return (1 - w) * self.slowdown[low - 1] + w * self.slowdown[low]
-
-    def rate(self, processes: float) -> float:
-        """Work seconds (as measured alone) one computing process does per wall second."""
-        return 1.0 / self.factor(processes)
-
-    def finish_time(self, works: Sequence[float]) -> float:
-        """Wall seconds until the last of ``works`` (single-process seconds each, one process
-        per work, all starting together) is done, sharing the host (processor sharing)."""
-        left = sorted(w for w in works if w > 0)
-        now, done = 0.0, 0.0
-        for i, w in enumerate(left):  # the smallest remaining work finishes first
-            now += (w - done) * self.factor(len(left) - i)
-            done = w
-        return now
-
-
-# ---- measurement -----------------------------------------------------------------------------
 def measure_host_sharing(config: ModelConfig, seq: int, micro_batch: int, tp: int = 1,
                          max_processes: int = 4, passes: int = 6, warmup: int = 1,
                          rounds: int = 2, reference_s: Optional[float] = None,
@@ -139,7 +93,9 @@ def _collective_round(config: ModelConfig, seq: int, micro_batch: int, passes: i
     return payload
 
 
-LAYER_TP_COLLECTIVES = 4  # a decoder layer's all-reduces at TP > 1: 2 forward, 2 backward
+# A decoder layer's all-reduces at TP > 1 (2 forward, 2 backward), as the cost model counts them.
+_LAYER = tp_collectives(2, 1)
+LAYER_TP_COLLECTIVES = _LAYER.forward + _LAYER.backward
 
 
 def _pair_worker(config: ModelConfig, seq: int, micro_batch: int, rank: int, port: int,
@@ -221,4 +177,4 @@ def _worker(config: ModelConfig, seq: int, micro_batch: int, tp: int, passes: in
     report_to_parent(conn, measure)
 
 
-__all__ = ["HostSharing", "measure_host_collective", "measure_host_sharing"]
+__all__ = ["LAYER_TP_COLLECTIVES", "measure_host_collective", "measure_host_sharing"]

@@ -1,0 +1,83 @@
+"""Fixed device times of emulated stages from a host profile (``--emulation-profile``).
+
+With a one-thread profile of the host, an emulated rank's stage forward and backward last
+``slowdown x`` the profile's figures for that stage (the predictor's figures, TP communication
+excluded) instead of ``slowdown x`` their measured CPU time, so the emulated kind keeps one speed
+while the host's own speed drifts. :func:`emulated_device_times` gives every emulated rank's
+figures; :func:`fixed_reference_times` turns one rank's into the emulator's fixed reference CPU
+times per region key of the pipeline executor. Everything here is emulation.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import ModelConfig
+from megatron_het.errors import UserError
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.perf.cost_model import LayerShape
+from megatron_het.perf.profile import Profile
+from megatron_het.perf.stage_cost import HOST_PROFILE, ProfileChoice, stage_compute
+from megatron_het.pipeline.executor import compute_region_key
+
+RegionKey = tuple[str, bool]
+
+
+def emulated_device_times(profiles: Optional[Mapping[str, Profile]],
+                          profile_source: Optional[str], model: ModelConfig, plan: ParallelPlan,
+                          cluster: ClusterSpec, seq_length: int,
+                          dtype: str) -> dict[int, tuple[float, float]]:
+    """EMULATION: each emulated rank's stage (forward, backward) seconds per micro-batch on
+    this host from the host profile ``profiles[HOST_PROFILE]`` (read from ``profile_source``,
+    named in errors); empty without a profile. UserError when the cluster has no emulated rank
+    or the profile lacks the stage's shape or dtype."""
+    if not profiles:
+        return {}
+    profile = profiles[HOST_PROFILE]
+    times: dict[int, tuple[float, float]] = {}
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            spec = cluster.accelerator_of(stage.ranks[0])
+            if not spec.emulated:
+                continue
+            shape = LayerShape.of(model, seq_length, plan.micro_batch_size, stage.tp)
+            compute = stage_compute(model, spec, shape, stage.num_layers, stage.has_embedding,
+                                    stage.has_head, stage.recompute, dtype,
+                                    ProfileChoice(profile))
+            if "roofline" in compute.source:
+                raise UserError(f"--emulation-profile {profile_source}: no {dtype} figures for "
+                                f"the stage on ranks {list(stage.ranks)} ({compute.source}); "
+                                f"profile this model's shape with tools/profile_device.py "
+                                f"--threads 1 --dtype {dtype}")
+            for rank in stage.ranks:
+                times[rank] = (compute.forward_s, compute.backward_s)
+    if not times:
+        raise UserError(f"--emulation-profile times emulated accelerator kinds, and cluster "
+                        f"{cluster.name} has none; drop the flag")
+    return times
+
+
+def fixed_reference_times(times: Optional[tuple[float, float]]
+                          ) -> Optional[dict[RegionKey, float]]:
+    """The emulator's fixed reference CPU times of a rank's stage regions from its (forward,
+    backward) seconds (None: measured): training forward and backward, and evaluation
+    forward (the same work as the training forward)."""
+    if times is None:
+        return None
+    forward, backward = times
+    return {compute_region_key("forward", False): forward,
+            compute_region_key("forward", True): forward,
+            compute_region_key("backward", False): backward}
+
+
+def describe_device_times(times: Mapping[int, tuple[float, float]], cluster: ClusterSpec,
+                          profile_source: Optional[str]) -> str:
+    """One line: the profile that times the emulated ranks, and each rank's figures."""
+    ranks = "; ".join(f"rank {rank} {cluster.accelerator_of(rank).slowdown:g} x "
+                      f"({fwd * 1e3:.1f} + {bwd * 1e3:.1f}) ms"
+                      for rank, (fwd, bwd) in sorted(times.items()))
+    return (f"> EMULATION: stage compute of emulated ranks timed from profile "
+            f"{profile_source} (slowdown x forward + backward per micro-batch): {ranks}")
+
+
+__all__ = ["describe_device_times", "emulated_device_times", "fixed_reference_times"]

@@ -1,0 +1,164 @@
+"""The iteration of a plan whose ranks are processes sharing host CPUs (CPU-emulated kinds).
+
+:class:`SharedHostModel` is the predictor's rate model for emulated clusters
+(:class:`~megatron_het.perf.rate_model.RateModel`: ``predict(..., rate_model=SharedHostModel())``).
+It applies when every rank of the plan is of an emulated kind and the host profile of each has
+:attr:`~megatron_het.perf.profile.Profile.host_sharing` figures; otherwise it returns None and
+each rank is taken to own its device.
+
+What changes against the one-device-per-rank model, each from a measured figure:
+
+- pipeline: every pipeline runs at once in the predictor's simulator on the shared cores
+  (:class:`~megatron_het.emulation.host_sharing.HostCores`) with the stage's compute as host CPU
+  seconds (the profile's times without the slowdown), the TP collectives inside the compute
+  region (with :attr:`Profile.host_collective_s`, the measured wall and CPU time of one
+  collective between computing peers: its CPU time as work on the shared cores, the rest as a
+  wait; else the link model's all-reduce as a wait), each stage-boundary transfer's measured
+  gloo time as CPU work at both ends, and the slowdown as the region's floor, a wait that frees
+  the core: the executor's :class:`~megatron_het.emulation.emulator.Emulator` (CPU basis) pads
+  a region to ``slowdown x`` the CPU time of the rank's own thread, the stage's compute without
+  gloo's share;
+- DP gradient sync: the link model's time, slowed by the host sharing of the ranks that sync
+  at once (gloo copies and reduces on the CPU);
+- optimizer step: every rank steps at once after the gradient sync; the emulator slows only the
+  pipeline's compute regions, so the step runs at host speed, sharing the host
+  (:meth:`HostSharing.finish_time` of the measured per-parameter time);
+- per-iteration overhead: the driver's two world collectives of a few numbers per iteration (the
+  gathered loss/timing table and the global gradient norm), each costed as a mixed-kind
+  all-reduce of a few bytes with the measured gloo latency.
+
+Everything here is emulation.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from megatron_het.emulation.host_sharing import HostCores, HostSharing
+from megatron_het.parallel.plan import PipelinePlan
+from megatron_het.perf.cost_model import tp_collectives
+from megatron_het.perf.prediction import StagePrediction
+from megatron_het.perf.rate_model import PredictionInputs, SharedIteration
+from megatron_het.perf.simulator import Region, StageTiming
+from megatron_het.perf.stage_cost import choose_profile
+
+# The world collectives the driver runs per iteration besides the pipeline's and the DP sync's:
+# the all-gather of every rank's loss/stop/timing row and the global gradient-norm all-reduce.
+WORLD_COLLECTIVES_PER_ITERATION = 2
+WORLD_COLLECTIVE_BYTES = 64
+
+
+def host_sharing_by_node(inputs: PredictionInputs) -> Optional[dict[int, HostSharing]]:
+    """Per node, the host figures when every rank of the plan is emulated and its host profile
+    has them; None otherwise."""
+    out: dict[int, HostSharing] = {}
+    for rank in inputs.plan.ranks():
+        spec = inputs.comm.spec_of(rank)
+        profile = choose_profile(spec, inputs.profiles).profile
+        if not spec.emulated or profile is None or not profile.host_sharing:
+            return None
+        out.setdefault(inputs.comm.node_of(rank), HostSharing(profile.host_sharing))
+    return out
+
+
+class SharedHostModel:
+    """The rate model of ranks sharing host cores (see the module docstring)."""
+
+    def shared_iteration(self, inputs: PredictionInputs,
+                         rows: Sequence[StagePrediction]) -> Optional[SharedIteration]:
+        sharing = host_sharing_by_node(inputs)
+        if sharing is None:
+            return None
+        cores = HostCores(sharing)
+        row_of = {(r.pipeline, r.stage): r for r in rows}
+        transfer = _transfer_cpu_s(inputs)
+        stages = tuple(tuple(_stage_timing(inputs, p, s, pipeline, row_of[(p, s)], transfer)
+                             for s in range(pipeline.pp_size))
+                       for p, pipeline in enumerate(inputs.plan.pipelines))
+        return SharedIteration(stages, cores, _dp_sync(inputs, rows, cores),
+                               _optimizer(inputs, rows, cores), _overhead(inputs))
+
+    def __repr__(self) -> str:
+        return "SharedHostModel() (emulation)"
+
+
+def _stage_timing(inputs: PredictionInputs, p: int, s: int, pipeline: PipelinePlan,
+                  row: StagePrediction, transfer: float) -> StageTiming:
+    """Stage ``s`` of pipeline ``p`` on its host: CPU work, in-region waits and the floor."""
+    stage = pipeline.stages[s]
+    spec = inputs.comm.spec_of(stage.ranks[0])
+    compute = inputs.compute(s, pipeline)
+    tp_forward, tp_backward = inputs.tp_comm(s, pipeline)
+    counts = tp_collectives(stage.tp, stage.num_layers, stage.has_embedding, stage.has_head,
+                            inputs.recompute_of(stage))
+    work_forward = slowed_forward = compute.forward_s / spec.slowdown
+    work_backward = slowed_backward = compute.backward_s / spec.slowdown
+    host = choose_profile(spec, inputs.profiles).profile
+    if stage.tp > 1 and host is not None and host.host_collective_s:
+        # Measured per collective: its CPU share is work on the shared cores, the rest a wait;
+        # both replace the link model's all-reduce.
+        wall, cpu = host.host_collective_s
+        work_forward += counts.forward_all * cpu
+        work_backward += counts.backward * cpu
+        tp_forward, tp_backward = counts.forward_all * (wall - cpu), counts.backward * (wall - cpu)
+    # Each way, a micro-batch is received from the stage before and sent to the next.
+    transfers = (s > 0) + (s < pipeline.pp_size - 1)
+    work_forward += transfers * transfer
+    work_backward += transfers * transfer
+    return StageTiming(
+        Region(work_forward, tp_forward, spec.slowdown * slowed_forward),
+        Region(work_backward, tp_backward, spec.slowdown * slowed_backward),
+        row.p2p_forward_s, row.p2p_backward_s, inputs.comm.node_of(stage.ranks[0]), stage.tp)
+
+
+def _transfer_cpu_s(inputs: PredictionInputs) -> float:
+    """CPU seconds one end spends on a stage-boundary transfer: the host's measured gloo p2p
+    time of the activations (a loopback copy runs on the CPUs of both ends); 0 unmeasured."""
+    rank = inputs.plan.ranks()[0]
+    profile = choose_profile(inputs.comm.spec_of(rank), inputs.profiles).profile
+    entry = None if profile is None else profile.comm_figures("p2p", "intra_node")
+    if entry is None:
+        return 0.0
+    return entry.latency_s + inputs.act_bytes / (entry.bandwidth_gbps * 1e9)
+
+
+def _dp_sync(inputs: PredictionInputs, rows: Sequence[StagePrediction],
+             cores: HostCores) -> float:
+    """The slowest stage's gradient sync, slowed as CPU work: gloo copies and reduces on the
+    host's cores, and every rank of a stage with dp > 1 syncs at once."""
+    syncing: dict[int, int] = {}
+    for row in rows:
+        if row.dp_sync_s > 0:
+            for rank in row.ranks:
+                node = inputs.comm.node_of(rank)
+                syncing[node] = syncing.get(node, 0) + 1
+    if not syncing:
+        return 0.0
+    slowest = max(cores.factor(node, count) for node, count in syncing.items())
+    return max(row.dp_sync_s for row in rows) * slowest
+
+
+def _optimizer(inputs: PredictionInputs, rows: Sequence[StagePrediction],
+               cores: HostCores) -> float:
+    """Every rank's step at host speed, all at once, sharing each node."""
+    works: dict[int, list[float]] = {}
+    for row in rows:
+        spec = inputs.comm.spec_of(row.ranks[0])
+        slowdown = spec.slowdown if spec.emulated else 1.0
+        # row.optimizer_s carries the kind's slowdown; the emulated run does not wait it out.
+        per_rank = row.optimizer_s / slowdown
+        for rank in row.ranks:
+            works.setdefault(inputs.comm.node_of(rank), []).append(per_rank)
+    return max(cores.sharing[node].finish_time(w) if node in cores.sharing else max(w)
+               for node, w in works.items())
+
+
+def _overhead(inputs: PredictionInputs) -> float:
+    ranks = list(inputs.plan.ranks())
+    if len(ranks) <= 1:
+        return 0.0
+    one = inputs.comm.dp_sync(ranks, WORLD_COLLECTIVE_BYTES).time_s
+    return WORLD_COLLECTIVES_PER_ITERATION * one
+
+
+__all__ = ["SharedHostModel", "WORLD_COLLECTIVES_PER_ITERATION", "WORLD_COLLECTIVE_BYTES",
+           "host_sharing_by_node"]

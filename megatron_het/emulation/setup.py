@@ -1,0 +1,115 @@
+"""The emulation of one rank, built once from cluster, plan and profile by the run's composition
+root, and handed to the product through its two hooks.
+
+:func:`build_emulation` gives a :class:`RankEmulation`: the pipeline executor's region timer
+(an :class:`~megatron_het.emulation.emulator.Emulator`, None when this rank's kind is not
+emulated), the communicator's wire hooks (:func:`~megatron_het.emulation.links.emulated_wires`,
+None without emulated links), the fixed device times from a host profile, a one-line
+description for the log and, after the run, the warning about compute regions that outran the
+emulated kind. A composition root wires it as::
+
+    emulation = build_emulation(cluster, plan, rank, model, seq_length, dtype, profiles, path)
+    comm = UnifiedCommunicator.from_cluster(cluster, wire_hooks=emulation.wire_hooks)
+    executor = PipelineExecutor(..., region_timer=emulation.region_timer)
+
+Everything here is emulation, and its outputs say so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Union
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import ModelConfig
+from megatron_het.emulation.device_times import (describe_device_times, emulated_device_times,
+                                                 fixed_reference_times)
+from megatron_het.emulation.emulator import Emulator
+from megatron_het.emulation.links import EmulatedWires, emulated_wires
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.perf.profile import Profile
+from megatron_het.perf.stage_cost import HOST_PROFILE
+
+
+@dataclass(frozen=True)
+class RankEmulation:
+    """What emulation adds to one rank of a run (see the module docstring).
+
+    ``device_times`` maps every emulated rank to its stage's (forward, backward) seconds from
+    the host profile (empty without one); ``description`` is one log line about the run's
+    emulation, the same on every rank ("" when nothing is emulated)."""
+
+    rank: int
+    region_timer: Optional[Emulator]
+    wire_hooks: Optional[EmulatedWires]
+    device_times: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    description: str = ""
+
+    @property
+    def emulated(self) -> bool:
+        """Whether this rank's kind is emulated."""
+        return self.region_timer is not None
+
+    def late_warning(self) -> Optional[str]:
+        """After the run: a warning when this rank's compute regions outran its kind's time
+        (the host's cores were too shared to emulate it there), else None."""
+        emulator = self.region_timer
+        stats = emulator.stats() if emulator is not None else None
+        if stats is None or not stats.late:
+            return None
+        basis = "profiled" if emulator.fixed_reference_s else "CPU"
+        return (f"warning: rank {self.rank} ({emulator.name}): {stats.late} of "
+                f"{stats.regions} compute regions took longer than {emulator.slowdown:g} x "
+                f"their {basis} time (EMULATION: the host's cores are shared by too many "
+                f"ranks); its times are slower than the emulated kind")
+
+
+def build_emulation(cluster: ClusterSpec, plan: ParallelPlan, rank: int,
+                    model_config: ModelConfig, seq_length: int, dtype: str,
+                    profile: Union[Profile, Mapping[str, Profile], None] = None,
+                    profile_source: Optional[str] = None,
+                    threads: Optional[int] = None) -> RankEmulation:
+    """The emulation of global ``rank`` of a run of ``plan`` on ``cluster``.
+
+    ``profile`` is the host profile of ``--emulation-profile`` (a :class:`Profile`, or the
+    predictor's profile map with it under ``"cpu"``), read from ``profile_source`` (named in
+    messages); with it every emulated stage's regions last ``slowdown x`` its figures. Raises
+    UserError when the profile lacks a stage's shape or dtype, when the cluster has no emulated
+    kind for it to time, or when this rank computes on more than one thread (``threads``,
+    default ``torch.get_num_threads()``) with a profile. Reads nothing, starts nothing."""
+    profiles = {HOST_PROFILE: profile} if isinstance(profile, Profile) else profile
+    times = emulated_device_times(profiles, profile_source, model_config, plan, cluster,
+                                  seq_length, dtype)
+    spec = cluster.accelerator_of(rank)
+    timer = None
+    if spec.emulated:
+        timer = Emulator.from_spec(spec, threads=threads,
+                                   fixed_reference_s=fixed_reference_times(times.get(rank)))
+    wires = emulated_wires(cluster)
+    return RankEmulation(rank, timer, wires, times,
+                         _describe(cluster, plan, times, wires, profile_source))
+
+
+def _describe(cluster: ClusterSpec, plan: ParallelPlan, times: Mapping[int, tuple[float, float]],
+              wires: Optional[EmulatedWires], profile_source: Optional[str]) -> str:
+    """One line about the run's emulation ("" when no rank is emulated)."""
+    if times:
+        line = describe_device_times(times, cluster, profile_source)
+    else:
+        kinds: dict[str, list[int]] = {}
+        for rank in plan.ranks():
+            spec = cluster.accelerator_of(rank)
+            if spec.emulated:
+                kinds.setdefault(spec.name, []).append(rank)
+        if not kinds:
+            return ""
+        line = ("> EMULATION: emulated ranks pad each compute region to slowdown x its CPU "
+                "time: " + ", ".join(
+                    f"{cluster.accelerator_of(ranks[0]).label} x"
+                    f"{cluster.accelerator_of(ranks[0]).slowdown:g} on ranks {sorted(ranks)}"
+                    for ranks in kinds.values()))
+    if wires is not None:
+        line += f"; emulated links: {wires.describe()}"
+    return line
+
+
+__all__ = ["RankEmulation", "build_emulation"]

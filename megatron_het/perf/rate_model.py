@@ -1,0 +1,67 @@
+"""The predictor's optional rate model: ranks that do not own their device.
+
+By default :func:`~megatron_het.perf.predictor.predict` takes every rank to own its device. A
+:class:`RateModel` passed to it (``predict(..., rate_model=...)``) may replace that for a plan
+whose ranks share a host's cores: from the prediction's inputs and its per-stage rows it gives
+every stage's compute regions as CPU work, waits and floors, the rate at which work progresses
+on a shared node (:class:`~megatron_het.perf.simulator.CoreSharing`), and the iteration's DP
+sync, optimizer step and other per-iteration time on those hosts. The predictor then runs all
+pipelines at once in its one simulator (:func:`~megatron_het.perf.simulator.simulate_pipelines`).
+CPU emulation implements it (:class:`megatron_het.emulation.host_model.SharedHostModel`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Protocol, Sequence
+
+from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.perf.comm_cost import CommCost
+from megatron_het.perf.prediction import StagePrediction
+from megatron_het.perf.profile import Profile
+from megatron_het.perf.simulator import CoreSharing, StageTiming
+from megatron_het.perf.stage_cost import StageCompute
+
+
+class PredictionInputs(Protocol):
+    """What a rate model may read of one prediction (the predictor's context).
+
+    ``act_bytes`` is one micro-batch's ``[micro_batch, seq, hidden]`` activations in the
+    compute dtype; ``comm`` the prediction's communication model over the cluster."""
+
+    plan: ParallelPlan
+    profiles: Optional[Mapping[str, Profile]]
+    comm: CommCost
+    act_bytes: float
+
+    def recompute_of(self, stage: StagePlan) -> bool:
+        """Whether ``stage`` recomputes its forward in backward in this prediction."""
+
+    def compute(self, stage_index: int, pipeline: PipelinePlan) -> StageCompute:
+        """The stage's compute per micro-batch on one TP rank, TP communication excluded."""
+
+    def tp_comm(self, stage_index: int, pipeline: PipelinePlan) -> tuple[float, float]:
+        """The stage's (forward, backward) TP communication seconds per micro-batch."""
+
+
+@dataclass(frozen=True)
+class SharedIteration:
+    """One iteration as a rate model sees it: ``stages[p][s]`` is stage s of pipeline p,
+    ``sharing`` the rate of compute on shared nodes; the rest in seconds per iteration."""
+
+    stages: tuple[tuple[StageTiming, ...], ...]
+    sharing: CoreSharing
+    dp_sync_s: float
+    optimizer_s: float
+    overhead_s: float = 0.0
+
+
+class RateModel(Protocol):
+    """An optional model of ranks that share their compute (see the module docstring)."""
+
+    def shared_iteration(self, inputs: PredictionInputs,
+                         rows: Sequence[StagePrediction]) -> Optional[SharedIteration]:
+        """The iteration on shared hosts, or None where the model does not apply (the
+        predictor then keeps one device per rank)."""
+
+
+__all__ = ["PredictionInputs", "RateModel", "SharedIteration"]

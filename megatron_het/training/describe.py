@@ -1,0 +1,60 @@
+"""The start-of-run text: model, cluster, plan and iterations, as the logging rank prints them."""
+from __future__ import annotations
+
+from megatron_het.config import ModelConfig
+from megatron_het.training.setup import RunSetup
+from megatron_het.training.state import Progress
+
+
+def describe_model(config: ModelConfig) -> str:
+    """One line: the model's shape and parameter count."""
+    return (f"> model {config.name}: {config.num_layers} layers, hidden {config.hidden_size}, "
+            f"heads {config.num_attention_heads}/{config.num_query_groups} kv, vocab "
+            f"{config.vocab_size}, {config.num_parameters() / 1e6:.2f}M parameters")
+
+
+def devices_by_label(setup: RunSetup) -> dict[str, int]:
+    """Number of devices of each accelerator label (emulated kinds say so), in rank order."""
+    counts: dict[str, int] = {}
+    for rank in range(setup.cluster.world_size):
+        label = setup.accelerator(rank).label
+        counts[label] = counts.get(label, 0) + 1
+    return counts
+
+
+def describe_cluster(setup: RunSetup) -> str:
+    """One line: where the run trains (ranks by kind), precision, DP and optimizer layout."""
+    plan = setup.plan
+    kinds = ", ".join(f"{count} x {label}" for label, count in devices_by_label(setup).items())
+    ranks = f"{plan.world_size} rank{'s' if plan.world_size != 1 else ''}"
+    return (f"> run on cluster {setup.cluster.name}: {ranks} ({kinds}), {setup.dtype}, "
+            f"dp={plan.dp_size}, distributed optimizer "
+            f"{'on' if setup.use_distributed_optimizer else 'off'}, bridge "
+            f"{setup.run.parallel.bridge}")
+
+
+def describe_plan(setup: RunSetup) -> str:
+    """The plan, one line per stage: accelerator (labelled), TP, layers, ranks."""
+    plan = setup.plan
+    lines = [f"> plan: dp={plan.dp_size}, micro_batch_size={plan.micro_batch_size}, global "
+             f"batch {plan.global_batch_size}"]
+    for p, pipeline in enumerate(plan.pipelines):
+        lines.append(f"  pipeline {p}: {pipeline.micro_batches} micro-batches per iteration")
+        for s, stage in enumerate(pipeline.stages):
+            label = setup.accelerator(stage.ranks[0]).label
+            extras = "".join([" +embedding" if stage.has_embedding else "",
+                              " +head" if stage.has_head else ""])
+            lines.append(f"    stage {s}: {label}, tp={stage.tp}, "
+                         f"{stage.num_layers} layer{'s' if stage.num_layers != 1 else ''} "
+                         f"[{stage.layers[0]}, {stage.layers[1]})"
+                         f"{extras}, ranks {list(stage.ranks)}")
+    return "\n".join(lines)
+
+
+def describe_iterations(setup: RunSetup, progress: Progress) -> str:
+    """One line: the iterations to run, the batch and where in the data they start."""
+    train = setup.train
+    return (f"> iterations {progress.iteration + 1}..{train.train_iters}, global batch "
+            f"{train.global_batch_size} = {train.micro_batch_size} x "
+            f"{train.global_batch_size // train.micro_batch_size} micro-batches, seq "
+            f"{setup.run.data.seq_length}, from sample {progress.consumed_samples}")

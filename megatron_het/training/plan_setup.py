@@ -1,0 +1,150 @@
+"""The cluster and the plan of a run: a plan file, ``auto`` from the planner, or Megatron's flags.
+
+Every run has a plan. A single process is the one-stage, one-rank plan that Megatron's default
+flags (tp = pp = 1) describe on a one-rank cluster; a launched world of N ranks spreads as the
+plan says. Everything here only reads files, so ``--dry-run`` and every rank of a real run fail
+the same way with one line before anything is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Optional
+
+from megatron_het.arguments import ParallelSpec, RunConfig
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import ModelConfig, TrainConfig
+from megatron_het.errors import UserError
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.plan_builders import plan_from_megatron_flags
+from megatron_het.parallel.plan_validation import validate
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_het.perf.profile import Profile
+
+
+def local_cluster(world_size: int, accelerator: str = "cpu") -> ClusterSpec:
+    """One node of ``world_size`` ranks of kind ``accelerator`` (the default without
+    ``--cluster``: "cpu", or the local GPU's kind where the launcher found one)."""
+    name = accelerator.lower()
+    return ClusterSpec.from_dict({"name": name, "node_groups": [
+        {"name": name, "accelerator": accelerator, "nodes": 1, "devices_per_node": world_size,
+         "nic_bandwidth_gbit_per_s": 10}]})
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The layout of a run and the batch and precision it implies.
+
+    ``train`` is the run's TrainConfig with the plan's micro/global batch sizes (a plan file
+    may supply them); ``dtype`` is "bf16" or "fp32"; ``use_distributed_optimizer`` is the
+    plan's choice where it makes one, else the flag's.
+    """
+
+    cluster: ClusterSpec
+    plan: ParallelPlan
+    train: TrainConfig
+    dtype: str
+    use_distributed_optimizer: bool
+
+
+def read_plan_file(run: RunConfig) -> Optional[ParallelPlan]:
+    """The ``--plan`` file (None for ``auto`` or no plan)."""
+    spec = run.parallel
+    if spec.plan is None or spec.plan == "auto":
+        return None
+    return ParallelPlan.load(spec.plan)
+
+
+def plan_batch(train: TrainConfig, spec: ParallelSpec, plan: ParallelPlan) -> TrainConfig:
+    """``train`` with the plan's batch sizes; UserError where the command line says otherwise."""
+    mbs_given, gbs_given = spec.batch_given
+    if mbs_given and train.micro_batch_size != plan.micro_batch_size and spec.plan != "auto":
+        raise UserError(f"--micro-batch-size {train.micro_batch_size} differs from the plan's "
+                        f"micro_batch_size {plan.micro_batch_size}; drop the flag or edit the plan")
+    if gbs_given and train.global_batch_size != plan.global_batch_size:
+        raise UserError(f"--global-batch-size {train.global_batch_size} differs from the plan's "
+                        f"{plan.global_batch_size} (micro_batch_size x the pipelines' "
+                        f"micro_batches); drop the flag or edit the plan's micro_batches")
+    return dataclasses.replace(train, micro_batch_size=plan.micro_batch_size,
+                               global_batch_size=plan.global_batch_size)
+
+
+def run_dtype(run: RunConfig, plan_file: Optional[ParallelPlan]) -> str:
+    """"bf16" or "fp32" from ``--bf16`` and the plan file's dtype."""
+    if plan_file is None or plan_file.dtype is None:
+        return "bf16" if run.train.bf16 else "fp32"
+    if plan_file.dtype == "fp16":
+        raise UserError("the plan's dtype fp16 is not supported (it needs loss scaling); set "
+                        "\"dtype\": \"bf16\" or \"fp32\" in the plan")
+    if plan_file.dtype == "fp32" and run.train.bf16:
+        raise UserError("--bf16 contradicts the plan's dtype fp32; drop --bf16 or set "
+                        "\"dtype\": \"bf16\" in the plan")
+    return "bf16" if run.train.bf16 or plan_file.dtype == "bf16" else "fp32"
+
+
+def load_cluster(spec: ParallelSpec, world_size: Optional[int],
+                 plan_file: Optional[ParallelPlan], accelerator: str = "cpu") -> ClusterSpec:
+    """The ``--cluster`` file, else :func:`local_cluster` of the launched world (of the plan's
+    or the TP x PP layout's size for a dry run)."""
+    if spec.cluster is not None:
+        cluster = ClusterSpec.load(spec.cluster)
+        if world_size is not None and world_size != cluster.world_size:
+            raise UserError(f"{world_size} ranks were launched but cluster {cluster.name} has "
+                            f"{cluster.world_size}; launch {cluster.world_size} ranks "
+                            f"(--nproc_per_node) or fix the cluster file")
+        return cluster
+    if world_size is None:  # a dry run without a cluster: the layout decides
+        world_size = (plan_file.world_size if plan_file is not None else
+                      spec.tensor_model_parallel_size * spec.pipeline_model_parallel_size)
+    return local_cluster(world_size, accelerator)
+
+
+def host_profiles(spec: ParallelSpec) -> Optional[dict[str, "Profile"]]:
+    """The ``--emulation-profile`` as the host's profile for the planner and the predictor
+    (emulated kinds: the host's times x their slowdown), so that an automatic plan and the dry
+    run's prediction use the speeds the emulated ranks will run at; None without the flag."""
+    if spec.emulation_profile is None:
+        return None
+    from megatron_het.perf.profile import Profile
+    from megatron_het.perf.stage_cost import HOST_PROFILE
+
+    return {HOST_PROFILE: Profile.load(spec.emulation_profile)}
+
+
+def _search_or_flags(run: RunConfig, model: ModelConfig, cluster: ClusterSpec, dtype: str,
+                     profiles: Optional[Mapping[str, "Profile"]]) -> ParallelPlan:
+    spec, train = run.parallel, run.train
+    if spec.plan == "auto":
+        from megatron_het.planner import search_plan
+
+        return search_plan(model, cluster, train.global_batch_size, run.data.seq_length,
+                           profiles, dtype=dtype).plan
+    return plan_from_megatron_flags(
+        model, cluster.world_size, spec.tensor_model_parallel_size,
+        spec.pipeline_model_parallel_size, train.micro_batch_size, train.global_batch_size,
+        spec.decoder_first_pipeline_num_layers, spec.decoder_last_pipeline_num_layers,
+        accelerator_of=cluster)
+
+
+def choose_plan(run: RunConfig, model: ModelConfig, world_size: Optional[int],
+                profiles: Optional[Mapping[str, "Profile"]] = None,
+                accelerator: str = "cpu") -> PlanChoice:
+    """Resolve and validate the run's cluster and plan (reads files only).
+
+    ``world_size`` is the launched world (None for ``--dry-run``). Raises UserError with one
+    line on any mismatch between plan, cluster, model, batch and world size.
+    """
+    spec = run.parallel
+    plan_file = read_plan_file(run)
+    cluster = load_cluster(spec, world_size, plan_file, accelerator)
+    dtype = run_dtype(run, plan_file)
+    plan = plan_file or _search_or_flags(run, model, cluster, dtype, profiles)
+    train = plan_batch(run.train, spec, plan)
+    if plan.world_size != cluster.world_size:
+        raise UserError(f"the plan places {plan.world_size} ranks but cluster {cluster.name} has "
+                        f"{cluster.world_size}; give every rank of the cluster a stage")
+    validate(plan, model, cluster, train.global_batch_size)
+    distributed = (plan.use_distributed_optimizer if plan.use_distributed_optimizer is not None
+                   else spec.use_distributed_optimizer)
+    return PlanChoice(cluster, plan, train, dtype, distributed)

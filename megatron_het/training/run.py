@@ -1,0 +1,152 @@
+"""A whole pretraining run: check, initialise the world, build, resume, train, summarise.
+
+The composition root of a run: the only training module that wires emulation (an emulated
+kind's compute timer and link delays) into the product's hooks. Per rank, in order: check the
+run (:func:`~megatron_het.training.setup.prepare_run`: tokenizer, model, plan, cluster, data,
+checkpoint; nothing is written if it fails), build the unified communicator over the cluster,
+the trainer (groups, stage, optimizer, executor), load a checkpoint (any plan's, resharded) when
+asked, train, and print the closing summary. Only the logging rank writes the log, the metrics
+file and tensorboard; every rank writes its checkpoint pieces.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING, Optional, TextIO
+
+from megatron_het.arguments import RunConfig
+from megatron_het.training.checkpointing import load
+from megatron_het.training.describe import (describe_cluster, describe_iterations,
+                                            describe_model, describe_plan)
+from megatron_het.training.launch import LaunchEnv, init_world, shutdown_world
+from megatron_het.training.metrics import TrainingLogger
+from megatron_het.training.setup import RunSetup, prepare_run
+from megatron_het.training.state import Progress
+from megatron_het.training.stop import StopRequest
+from megatron_het.training.summary import closing_summary
+from megatron_het.training.loop import train
+from megatron_het.training.trainer import Trainer, build_trainer, logging_rank
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_het.emulation import RankEmulation
+
+
+def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
+             stop: Optional[StopRequest] = None, out: Optional[TextIO] = None,
+             accelerator: str = "cpu") -> Progress:
+    """Train ``run`` on torchrun's world ``env``, or on a one-rank world in this process
+    without one; returns this rank's progress.
+
+    ``accelerator`` is every rank's kind when the run has no ``--cluster``. Every input is
+    checked before the world is built, so a bad command line fails with one UserError and
+    leaves ``--save``, the metrics file and tensorboard untouched.
+    """
+    setup = prepare_run(run, env.world_size if env is not None else 1, accelerator)
+    rank = env.rank if env is not None else 0
+    init_world(env, device_type=setup.accelerator(rank).device_type)
+    try:
+        return train_prepared(setup, stop, out)
+    finally:
+        shutdown_world()
+
+
+def pretrain_on_world(run: RunConfig, world_size: int, stop: Optional[StopRequest] = None,
+                      out: Optional[TextIO] = None) -> Progress:
+    """Train ``run`` on an initialised ``world_size``-rank world (collective: every rank calls
+    it with the same ``run``); returns this rank's progress."""
+    return train_prepared(prepare_run(run, world_size), stop, out)
+
+
+def rank_emulation(setup: RunSetup, rank: int,
+                   threads: Optional[int] = None) -> "RankEmulation":
+    """EMULATION: the emulation of ``rank`` (its compute-region timer, the communicator's wire
+    hooks, the start-up line and the end-of-run warning), after checking every emulated kind's
+    memory cap against the plan's stages (one UserError line naming the stage and the GiB)."""
+    from megatron_het.emulation import build_emulation, check_memory_caps
+
+    check_memory_caps(setup.model_config, setup.plan, setup.cluster, setup.run.data.seq_length,
+                      setup.dtype, use_distributed_optimizer=setup.use_distributed_optimizer,
+                      profiles=setup.host_profiles)
+    return build_emulation(setup.cluster, setup.plan, rank, setup.model_config,
+                           setup.run.data.seq_length, setup.dtype, setup.host_profiles,
+                           setup.run.parallel.emulation_profile, threads=threads)
+
+
+def predicted_iteration_s(setup: RunSetup) -> Optional[float]:
+    """The predictor's iteration time for the run's plan, with the host-sharing model where the
+    ranks are emulated on a shared host whose profile has the figures; None if the predictor
+    cannot price the plan."""
+    from megatron_het.emulation import SharedHostModel
+    from megatron_het.errors import UserError
+    from megatron_het.perf import predict
+
+    try:
+        return predict(setup.model_config, setup.plan, setup.cluster, setup.run.data.seq_length,
+                       setup.host_profiles, dtype=setup.dtype,
+                       use_distributed_optimizer=setup.use_distributed_optimizer,
+                       rate_model=SharedHostModel()).iteration_time_s
+    except UserError:
+        return None
+
+
+def train_prepared(setup: RunSetup, stop: Optional[StopRequest] = None,
+                   out: Optional[TextIO] = None) -> Progress:
+    """Build this rank's trainer from a checked ``setup`` and train it (collective)."""
+    from megatron_het.comm import UnifiedCommunicator
+
+    stop = stop or StopRequest()
+    out = out or sys.stdout  # looked up per call: a caller may have redirected it
+    run = setup.run
+    world_rank = _world_rank()
+    emulation = rank_emulation(setup, world_rank)
+    comm = UnifiedCommunicator.from_cluster(setup.cluster, bridge=run.parallel.bridge,
+                                            wire_hooks=emulation.wire_hooks)
+    trainer = build_trainer(setup, comm, region_timer=emulation.region_timer)
+    if setup.load_dir is not None:
+        load(trainer)
+    if comm.rank == logging_rank(setup.plan):
+        trainer.logger = TrainingLogger(setup.train, setup.model_config, run.data.seq_length,
+                                        start_iteration=trainer.progress.iteration,
+                                        num_devices=setup.plan.world_size, out=out,
+                                        throughput=trainer.metrics)
+    try:
+        _print_start(trainer, emulation)
+        if trainer.progress.iteration >= setup.train.train_iters:
+            trainer.print(f" already at iteration {trainer.progress.iteration}; raise "
+                          "--train-iters to train further")
+            return trainer.progress
+        start = time.perf_counter()
+        train(trainer, stop)
+        warning = emulation.late_warning()
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+        if trainer.logger is not None:
+            trainer.print(closing_summary(trainer, time.perf_counter() - start,
+                                          predicted_iteration_s(setup)))
+    finally:
+        trainer.optimizer.close()
+        if trainer.logger is not None:
+            trainer.logger.close()
+    return trainer.progress
+
+
+def _world_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def _print_start(trainer: Trainer, emulation: "RankEmulation") -> None:
+    setup = trainer.setup
+    if setup.load_dir is not None:
+        trainer.print(f"> loaded {setup.load_dir} (iteration {trainer.progress.iteration}, "
+                      f"consumed samples {trainer.progress.consumed_samples})")
+    elif setup.train.load is not None:
+        trainer.print(f"> no checkpoint in {setup.train.load} yet; starting from scratch")
+    if setup.run.parallel.plan == "auto":
+        trainer.print("> plan chosen by the planner (--plan auto)")
+    lines = [describe_model(setup.model_config), describe_cluster(setup), describe_plan(setup)]
+    if emulation.description:
+        lines.append(emulation.description)
+    lines.append(describe_iterations(setup, trainer.progress))
+    trainer.print("\n".join(lines))

@@ -1,0 +1,202 @@
+"""The trainer: one rank's share of every iteration of a run over (plan, groups).
+
+Every run is a plan: a single process is the one-stage, one-rank plan and runs exactly this code
+(the pipeline executor, the parallel optimizer, sharded checkpoints, the same metrics), with
+groups of one rank.
+
+Numerics (what makes every plan equal the single-device computation): iteration ``k`` reads
+samples ``consumed_samples + i`` (:mod:`megatron_het.training.batches`); its micro-batch ``j``
+(0 .. total-1, ``total`` = micro-batches of all pipelines) goes to pipeline ``p`` in consecutive
+blocks. Every micro-batch's mean loss is scaled by ``1 / total`` before backward and the
+data-parallel gradient sync sums, so the summed gradient is the gradient of the global-batch
+mean loss. The reported loss is the sum over all micro-batches of their mean loss over ``total``:
+tp_rank 0 of each last stage contributes its pipeline's sum to a world all-gather that every rank
+reads the same way. The stop request (SIGTERM) rides in the same all-gather: the run stops when
+any rank was asked to, so every rank saves the same iteration and exits together.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from megatron_het.comm import UnifiedCommunicator
+from megatron_het.data.mock_dataset import SampleDataset
+from megatron_het.errors import UserError
+from megatron_het.optim.lr_schedule import LRSchedule
+from megatron_het.optim.parallel_optimizer import ParallelOptimizer, build_parallel_optimizer
+from megatron_het.parallel.groups import ProcessGroups, build_process_groups
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.pipeline.executor import PipelineExecutor
+from megatron_het.pipeline.stage import build_stage
+from megatron_het.training.batches import pipeline_micro_batches
+from megatron_het.training.metrics import TrainingLogger
+from megatron_het.training.setup import RunSetup
+from megatron_het.training.state import Progress, seed_everything
+from megatron_het.training.throughput import (ThroughputMetrics, column, gather_rows,
+                                              scalars_of)
+
+
+@dataclass
+class Trainer:
+    """The live objects of one rank of a run.
+
+    ``groups`` is this rank's ProcessGroups, ``stage`` its slice of the model (TP applied),
+    ``optimizer`` its ParallelOptimizer and ``executor`` its PipelineExecutor. ``logger`` is set
+    on the logging rank only (:func:`logging_rank`). ``last_eval_loss`` and ``iteration_times``
+    feed the closing summary.
+    """
+
+    setup: RunSetup
+    groups: ProcessGroups
+    stage: nn.Module
+    optimizer: ParallelOptimizer
+    executor: PipelineExecutor
+    schedule: LRSchedule
+    metrics: ThroughputMetrics
+    progress: Progress = field(default_factory=Progress)
+    logger: Optional[TrainingLogger] = None
+    last_loss: Optional[float] = None
+    last_eval_loss: Optional[float] = None
+    iteration_times: list[float] = field(default_factory=list)
+
+    @property
+    def device(self) -> torch.device:
+        return self.groups.comm.device
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.groups.rank == logging_rank(self.setup.plan)
+
+    def print(self, message: str) -> None:
+        """A log line, printed by the logging rank only."""
+        if self.logger is not None:
+            self.logger.print(message)
+
+
+def logging_rank(plan: ParallelPlan) -> int:
+    """The rank that logs: the first rank of the last stage of pipeline 0 (it has the loss)."""
+    return plan.pipelines[0].stages[-1].ranks[0]
+
+
+def check_ranks_agree(setup: RunSetup, comm: UnifiedCommunicator) -> None:
+    """UserError on every rank unless all ranks resolved the same plan, model and training
+    settings (e.g. nodes launched with different flags or files). Collective over the world."""
+    settings = json.dumps({"plan": setup.plan.to_dict(), "model": setup.model_config.to_dict(),
+                           "train": dataclasses.asdict(setup.train),
+                           "optimizer": dataclasses.asdict(setup.run.optimizer)},
+                          sort_keys=True, default=str)
+    digest = int(hashlib.sha256(settings.encode()).hexdigest()[:12], 16)  # exact in float64
+    mine = torch.tensor([float(digest)], dtype=torch.float64, device=comm.device)
+    every = torch.zeros(comm.world_size, dtype=torch.float64, device=comm.device)
+    comm.world.all_gather_into_tensor(every, mine)
+    differing = [rank for rank, value in enumerate(every.tolist()) if value != float(digest)]
+    if differing:
+        raise UserError(f"ranks {differing} resolved a different plan, model or training setup "
+                        f"than rank {comm.rank}; launch every rank with the same flags and files")
+
+
+def build_trainer(setup: RunSetup, comm: UnifiedCommunicator,
+                  region_timer: Any = None) -> Trainer:
+    """Groups, stage, optimizer and executor of this rank (collective over the world).
+
+    Every rank must call it with the same ``setup``. ``region_timer`` times the executor's
+    compute regions (an emulated kind's, see :mod:`megatron_het.emulation`; None: wall clock).
+    """
+    run, plan, config = setup.run, setup.plan, setup.model_config
+    check_ranks_agree(setup, comm)
+    groups = build_process_groups(comm, plan)
+    seed_everything(run.train.seed)
+    stage = build_stage(config, plan, groups, run.train.seed, comm.device)
+    optimizer = build_parallel_optimizer(stage, groups, run.optimizer,
+                                         setup.use_distributed_optimizer,
+                                         overlap_grad_reduce=run.parallel.overlap_grad_reduce)
+    executor = PipelineExecutor(stage, groups, config, run.data.seq_length,
+                                plan.micro_batch_size, bf16=setup.dtype == "bf16",
+                                region_timer=region_timer)
+    metrics = ThroughputMetrics(config, plan, setup.cluster, run.data.seq_length, setup.dtype)
+    schedule = LRSchedule.from_config(run.optimizer, setup.train.train_iters)
+    return Trainer(setup, groups, stage, optimizer, executor, schedule, metrics)
+
+
+def _run_global_batch(trainer: Trainer, dataset: SampleDataset, first_sample: int,
+                      forward_only: bool, stop: bool) -> tuple[float, bool, torch.Tensor]:
+    """Run this rank's pipeline over its block; gather loss, stop flag and timings.
+
+    Returns (global-batch mean loss, whether any rank asked to stop, the gathered table).
+    """
+    plan, role = trainer.setup.plan, trainer.groups.role
+    total = sum(p.micro_batches for p in plan.pipelines)
+    batches = pipeline_micro_batches(dataset, first_sample, plan, role.pipeline, trainer.device)
+    stats = trainer.executor.run(batches, loss_scale=1.0 / total, forward_only=forward_only)
+    contributes = role.is_last_stage and role.tp_rank == 0
+    table = gather_rows(trainer.groups.world, {
+        "loss_sum": stats.loss_sum if contributes else 0.0, "stop": float(stop),
+        "compute_s": stats.compute_s, "p2p_wait_s": stats.p2p_wait_s,
+        "bubble_s": stats.bubble_s}, trainer.device)
+    loss = float(column(table, "loss_sum").sum()) / total
+    return loss, bool(column(table, "stop").max() > 0), table
+
+
+def train_step(trainer: Trainer, stop_requested: bool) -> bool:
+    """One iteration on this rank: pipeline forward/backward, DP sync, clip, step, log.
+
+    Returns True when some rank has asked the run to stop. Raises UserError on every rank
+    (before stepping) when the loss or the gradient norm is not finite.
+    """
+    setup, progress = trainer.setup, trainer.progress
+    start = time.perf_counter()
+    iteration = progress.iteration + 1
+    # With --overlap-grad-reduce the optimizer counts this pipeline's backward passes to start
+    # each bucket's DP reduction as soon as its gradients are final.
+    pipeline = setup.plan.pipelines[trainer.groups.role.pipeline]
+    trainer.optimizer.zero_grad(num_micro_batches=pipeline.micro_batches
+                                if setup.run.parallel.overlap_grad_reduce else None)
+    loss, stopping, table = _run_global_batch(trainer, setup.train_data,
+                                              progress.consumed_samples, False, stop_requested)
+    if not math.isfinite(loss):
+        raise UserError(f"iteration {iteration}: the loss is {loss}; lower --lr (or use "
+                        "--clip-grad) and resume from the last checkpoint")
+    trainer.optimizer.sync_grads()
+    lr = trainer.schedule.lr_at(iteration)
+    try:
+        grad_norm = trainer.optimizer.clip_and_step(lr, setup.run.optimizer.clip_grad)
+    except UserError as error:
+        raise UserError(f"iteration {iteration}: {error}") from None
+    progress.iteration = iteration
+    progress.consumed_samples += setup.train.global_batch_size
+    elapsed = time.perf_counter() - start
+    trainer.last_loss = loss
+    trainer.iteration_times.append(elapsed)
+    if trainer.logger is not None:
+        fields = trainer.metrics.fields(table, elapsed)
+        trainer.logger.log_train(iteration, progress.consumed_samples, loss, lr, grad_norm,
+                                 elapsed, extra=fields, extra_scalars=scalars_of(fields))
+    return stopping
+
+
+@torch.no_grad()
+def evaluate(trainer: Trainer) -> Optional[float]:
+    """Mean loss over the first ``eval_iters`` global batches of the valid split, through the
+    pipeline (forward only); None when there is no validation data. Collective."""
+    setup = trainer.setup
+    train = setup.train
+    if setup.valid_data is None or train.eval_iters == 0:
+        return None
+    trainer.stage.eval()
+    losses = [_run_global_batch(trainer, setup.valid_data, step * train.global_batch_size,
+                                True, False)[0] for step in range(train.eval_iters)]
+    trainer.stage.train()
+    loss = sum(losses) / len(losses)
+    trainer.last_eval_loss = loss
+    if trainer.logger is not None:
+        trainer.logger.log_eval(trainer.progress.iteration, trainer.progress.consumed_samples,
+                                loss)
+    return loss

@@ -1,0 +1,130 @@
+"""tools/convert_checkpoint.py --target-format hf writes the run's tokenizer for transformers."""
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+import random
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import sentencepiece  # noqa: E402
+
+from megatron_het.checkpoint.hf import hf_config_to_model_config  # noqa: E402
+from megatron_het.checkpoint.hf import hf_to_megatron_het_state  # noqa: E402
+from megatron_het.checkpoint.io import save_checkpoint  # noqa: E402
+from megatron_het.errors import UserError  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import convert_checkpoint  # noqa: E402
+
+WORDS = ("the quick brown fox jumps over a lazy dog while data flows through every stage of "
+         "the pipeline; Zürich 42!").split()
+TEXTS = ["the quick brown fox", "  two  spaces and\na newline", "Zürich 42! unseen XYZ words",
+         "pipeline stage"]
+VOCAB = 64
+
+
+def train_tokenizer(path: pathlib.Path, model_type: str) -> pathlib.Path:
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(300)]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=50, model_type=model_type,
+        character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    path.write_bytes(model.getvalue())
+    return path
+
+
+def tiny_checkpoint(save_dir: pathlib.Path, metadata: dict,
+                    vocab_size: int = VOCAB) -> "transformers.LlamaForCausalLM":
+    """A tiny Llama saved as a megatron_het checkpoint with ``metadata``; returns the HF twin."""
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    cfg = hf_config_to_model_config(json.loads(config.to_json_string()))
+    save_checkpoint(save_dir, 5, cfg, hf_to_megatron_het_state(hf.state_dict(), cfg),
+                    metadata=metadata)
+    return hf
+
+
+def run_metadata(tokenizer_model: pathlib.Path) -> dict:
+    """What a training run records: its argv and run_config (data part)."""
+    return {"argv": ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                     str(tokenizer_model)],
+            "run_config": {"data": {"tokenizer_type": "SentencePieceTokenizer",
+                                    "tokenizer_model": str(tokenizer_model)}}}
+
+
+def to_hf(load_dir: pathlib.Path, save_dir: pathlib.Path, *extra: str) -> None:
+    convert_checkpoint.main(["--source-format", "megatron_het", "--target-format", "hf",
+                             "--load-dir", str(load_dir), "--save-dir", str(save_dir), *extra])
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_recorded_tokenizer_loads_with_auto_classes(tmp_path, model_type) -> None:
+    spm = train_tokenizer(tmp_path / "tok.model", model_type)
+    hf = tiny_checkpoint(tmp_path / "ckpt", run_metadata(spm))
+    to_hf(tmp_path / "ckpt", tmp_path / "out")
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(spm))
+    for text in TEXTS:  # the ids the training data was tokenized to: no BOS/EOS added
+        assert tokenizer(text)["input_ids"] == processor.encode(text), text
+    assert tokenizer.eos_token_id == processor.eos_id() == model.config.eos_token_id
+    assert tokenizer.decode(processor.encode(TEXTS[0])) == TEXTS[0]
+    ids = tokenizer(TEXTS[2], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
+    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == spm.read_bytes()
+
+
+def test_flag_supplies_a_tokenizer_the_metadata_lacks(tmp_path, capsys) -> None:
+    tiny_checkpoint(tmp_path / "ckpt", {"converted_from": "hf"})
+    to_hf(tmp_path / "ckpt", tmp_path / "bare")
+    assert "no tokenizer written" in capsys.readouterr().err
+    assert not (tmp_path / "bare" / "tokenizer.json").exists()
+    assert (tmp_path / "bare" / "config.json").is_file()
+
+    spm = train_tokenizer(tmp_path / "tok.model", "bpe")
+    to_hf(tmp_path / "ckpt", tmp_path / "out", "--tokenizer-model", str(spm))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tokenizer("the lazy dog")["input_ids"] == sentencepiece.SentencePieceProcessor(
+        model_file=str(spm)).encode("the lazy dog")
+
+
+def test_flag_overrides_a_recorded_tokenizer_that_is_gone(tmp_path) -> None:
+    tiny_checkpoint(tmp_path / "ckpt", run_metadata(tmp_path / "moved.model"))
+    with pytest.raises(UserError, match="moved.model.*--tokenizer-model"):
+        to_hf(tmp_path / "ckpt", tmp_path / "out")
+    spm = train_tokenizer(tmp_path / "tok.model", "bpe")
+    to_hf(tmp_path / "ckpt", tmp_path / "out", "--tokenizer-model", str(spm))
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").eos_token == "</s>"
+
+
+def test_null_tokenizer_runs_record_no_tokenizer() -> None:
+    assert convert_checkpoint.recorded_tokenizer_model(
+        {"run_config": {"data": {"tokenizer_type": "NullTokenizer", "tokenizer_model": None}},
+         "argv": ["--tokenizer-type", "NullTokenizer"]}) is None
+    assert convert_checkpoint.recorded_tokenizer_model(
+        {"argv": ["--tokenizer-model=/t/tok.model"]}) == "/t/tok.model"
+
+
+@pytest.mark.parametrize("setup, message", [
+    ("not_spm", "cannot read tokenizer model"),
+    ("too_big", "has 50 pieces but the checkpoint's vocabulary is 40"),
+])
+def test_bad_tokenizer_models_are_user_errors(tmp_path, setup, message) -> None:
+    spm = train_tokenizer(tmp_path / "tok.model", "bpe")
+    if setup == "not_spm":
+        spm.write_bytes(b"not a sentencepiece model")
+    tiny_checkpoint(tmp_path / "ckpt", run_metadata(spm), 40 if setup == "too_big" else VOCAB)
+    with pytest.raises(UserError, match=message):
+        to_hf(tmp_path / "ckpt", tmp_path / "out")

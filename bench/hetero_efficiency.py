@@ -78,7 +78,7 @@ from megatron_het.planner import search_plan  # noqa: E402
 from emulated_cluster import dilated_cluster  # noqa: E402
 
 CONFIGS = ("fast", "slow", "uniform", "planned")
-LATE_WARNING = re.compile(r"(\d+) of (\d+) compute regions took longer than")
+LATE_WARNING = re.compile(r"(\d+) of (\d+) compute regions (?:took longer than|overran)")
 BASE_CLUSTER = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
 
 

@@ -183,3 +183,21 @@ def test_launch_env_needs_torchrun_variables() -> None:
     with pytest.raises(UserError, match="outside WORLD_SIZE"):
         read_launch_env({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
                          "MASTER_PORT": "1"})
+
+
+def test_a_stage_over_its_emulated_memory_cap_fails_at_start(tmp_path: pathlib.Path) -> None:
+    """The cap is enforced where a run starts (dry run and every rank alike), in one line."""
+    import yaml
+
+    data = yaml.safe_load(pathlib.Path(CLUSTER).read_text())
+    data["accelerators"] = {"emu-slow": {"memory_cap_gib": 1e-4}}
+    capped = tmp_path / "capped.yaml"
+    capped.write_text(yaml.safe_dump(data))
+    run = parse_run_config([*COMMON, "--cluster", str(capped), "--plan",
+                            str(PLANS / "cpu_emulated_3stage.json"), "--dry-run"])
+    with pytest.raises(UserError) as info:
+        dry_run(run, io.StringIO())
+    message = str(info.value)
+    assert message.startswith("pipeline 0 stage 1 (emu-slow (emulated), tp=1, ranks [2]) needs")
+    assert "GiB per device but the emulated memory cap of emu-slow is 0.0001 GiB" in message
+    assert "\n" not in message

@@ -164,9 +164,9 @@ def preprocess_jsonl(config: PreprocessConfig) -> PreprocessStats:
             if config.log_interval > 0 and stats.lines % config.log_interval == 0:
                 bar.set_postfix_str(f"{stats.documents} documents, {stats.tokens} tokens",
                                     refresh=False)
-        # The final counts, so the bar's last state agrees with the summary line.
+        # The final counts (drawn when the bar closes) agree with the summary line.
         bar.set_postfix_str(f"{stats.documents} documents, {stats.tokens} tokens",
-                            refresh=True)
+                            refresh=False)
         for key, builder in builders.items():
             builder.finalize(temporary[key][1])
     except BaseException:

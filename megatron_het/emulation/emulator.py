@@ -21,7 +21,11 @@ Keys given a fixed reference (``fixed_reference_s``, for instance a stage's forw
 from a profile of this host, see ``--emulation-profile``) skip the measurement: such a region
 lasts ``slowdown x`` its fixed CPU time whatever the host does meanwhile, so the emulated kind
 keeps one speed while the host's own speed drifts (by 4-12% over minutes on a shared 2-core
-host), as a real device would. A region whose own time already exceeds that is counted late.
+host), as a real device would. A region whose own time already exceeds that (the host stalled
+it: preemption, or CPU time inflated by a busy sibling core, up to 4x for single regions on a
+shared 2-core host) is counted late, and its overrun is made up by padding the following
+fixed regions that much less: the kind's schedule, not each region, is what is kept. What is
+still owed at the end (``behind_s``) is how much slower than the kind the rank's figures are.
 
 The emulator keeps its own counters (no global state) and takes ``clock``/``sleep``/``cpu_clock``
 callables so tests can drive it with a fake clock. It is the pipeline executor's region timer
@@ -81,13 +85,16 @@ class EmulationStats:
     """Accounted time of an Emulator: ``measured_s`` really ran (wall), ``injected_s`` was
     waited; ``cpu_s`` is the regions' CPU time on the CPU basis (else their wall time) and
     ``late`` counts regions that already took longer than the length they were to be padded to
-    (the host was too busy to emulate the kind there)."""
+    (the host was too busy to emulate the kind there); ``behind_s`` of the fixed regions'
+    overrun was not made up by shorter padding after it, out of ``scheduled_s``."""
 
     regions: int
     measured_s: float
     injected_s: float
     cpu_s: float = 0.0
     late: int = 0
+    behind_s: float = 0.0  # fixed regions' overrun not made up by the regions after them
+    scheduled_s: float = 0.0  # what the fixed regions were to last on the emulated kind
 
     @property
     def emulated_s(self) -> float:
@@ -189,6 +196,7 @@ class Emulator:
             work, fixed = cpu, key is not None and key in self._fixed
             if fixed:
                 work = self._fixed[key]
+                self._scheduled_s += self.slowdown * work
             elif key is not None:
                 history = self._history.get(key)
                 if history is None:
@@ -198,7 +206,13 @@ class Emulator:
             if injected < 0:
                 if self.slowdown > 1.0 or fixed:
                     self._late += 1
+                if fixed:  # owed: the next fixed regions are padded that much less
+                    self._behind_s -= injected
                 injected = 0.0
+            elif fixed and self._behind_s > 0:
+                repaid = min(self._behind_s, injected)
+                self._behind_s -= repaid
+                injected -= repaid
         if injected > 0:
             self._sleep(injected)
         self._regions += 1
@@ -222,12 +236,13 @@ class Emulator:
 
     def stats(self) -> EmulationStats:
         return EmulationStats(self._regions, self._measured_s, self._injected_s, self._cpu_s,
-                              self._late)
+                              self._late, self._behind_s, self._scheduled_s)
 
     def reset(self) -> None:
         """Zero the counters and forget every key's reference CPU times."""
         self._regions, self._measured_s, self._injected_s = 0, 0.0, 0.0
         self._cpu_s, self._late = 0.0, 0
+        self._behind_s, self._scheduled_s = 0.0, 0.0
         self._history: dict[Hashable, _KeyHistory] = {}
 
 

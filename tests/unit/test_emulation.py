@@ -343,7 +343,8 @@ def test_a_rank_with_late_regions_warns():
     assert emulation.late_warning() == (
         "warning: rank 3 (emu-slow (emulated)): 1 of 2 compute regions took longer than 2 x "
         "their CPU time (EMULATION: the host's cores are shared by too many ranks); its times "
-        "are slower than the emulated kind")
+        "are slower than the emulated kind; raise the emulated kinds' slowdowns (the demo's "
+        "--dilation), launch fewer ranks per host core, or use a host with more cores")
     assert RankEmulation(0, None, None).late_warning() is None  # not an emulated kind
 
 
@@ -368,6 +369,30 @@ def test_bench_counts_the_late_region_warnings():
                 clock.work(wall)
                 cpu.now += 1.0
         log.append(RankEmulation(rank, emulator, None).late_warning() + "\n")
-    assert "2 x their profiled time" in log[0]
+    assert "2 of 3 compute regions overran 2 x their profiled time and 1.00 s (16.7% of" in log[0]
     assert late_regions("iteration 1 ...\n" + "".join(log)) == (3, 5)
     assert late_regions("no warnings\n") == (0, 0)
+
+
+def test_fixed_regions_make_up_an_overrun_and_owe_only_the_rest():
+    """A profiled region the host stalled is made up by padding the next ones less: the kind's
+    schedule is kept, and only what cannot be made up counts against the rank."""
+    clock, cpu = FakeClock(), FakeCpuClock()
+    emulator = Emulator(2.0, name="emu-fast (emulated)", clock=clock, sleep=clock.sleep,
+                        cpu_clock=cpu, fixed_reference_s={"forward": 1.0})
+    emulation = RankEmulation(0, emulator, None)
+    start = clock.now
+    for wall in (3.5, 1.0, 1.0, 1.0):  # 1.5 s over the first region's 2 s, then 1 s slack each
+        with emulator.timed_region("forward"):
+            clock.work(wall)
+            cpu.now += 1.0
+    stats = emulator.stats()
+    assert clock.now - start == pytest.approx(8.0)  # four regions of 2 s: on the kind's schedule
+    assert (stats.late, stats.behind_s, stats.scheduled_s) == (1, pytest.approx(0.0), 8.0)
+    assert emulation.late_warning() is None
+    with emulator.timed_region("forward"):
+        clock.work(2.5)
+        cpu.now += 1.0
+    assert emulator.stats().behind_s == pytest.approx(0.5)
+    assert "0.50 s (5.0% of the kind's compute time) could not be made up" in (
+        emulation.late_warning())

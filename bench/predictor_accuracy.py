@@ -15,7 +15,13 @@ with both kinds' slowdowns x ``--dilation`` (1: as in the file).
    (:func:`megatron_het.emulation.host_measure.measure_host_collective`).
 2. Runs every plan (the 4 of scripts/plans/ and more, written to a temporary directory) through
    ``torchrun --nproc_per_node 4 pretrain_llama.py --mock-data`` in fp32 and takes the median
-   iteration time after the warm-up iterations from the metrics file.
+   iteration time after the warm-up iterations from the metrics file. With ``--device-time
+   profile`` (the default) the runs time each emulated stage from the same profile
+   (``--emulation-profile``): every emulated kind then has the speed the predictor is given,
+   as a real device's would be known, and what is compared is the model of the run (pipeline,
+   transfers, DP sync, optimizer, ranks sharing the host) rather than how far the host's own
+   speed drifted since it was profiled (up to 10% between reruns of this bench in measured
+   mode). ``--device-time measured`` pads each region to slowdown x its measured CPU time.
 3. Predicts each plan with :func:`megatron_het.perf.predict`, that profile and the shared-host
    rate model (:class:`megatron_het.emulation.host_model.SharedHostModel`).
 
@@ -37,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -124,8 +131,10 @@ def host_sharing_now(profile: Profile, model_name: str, seq: int,
 
 
 def run_plan(plan_path: Path, plan: ParallelPlan, args: argparse.Namespace, work: Path,
-             name: str, cluster: Path) -> tuple[float, list[float]]:
-    """Median iteration time (s) after the warm-up iterations, and all of them."""
+             name: str, cluster: Path,
+             device_profile: Optional[Path]) -> tuple[float, list[float]]:
+    """Median iteration time (s) after the warm-up iterations, and all of them; the emulated
+    stages timed from ``device_profile`` (None: from their measured CPU time)."""
     metrics = work / f"{name}.metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "4", str(ROOT / "pretrain_llama.py"), "--model", args.model, "--seq-length",
@@ -134,6 +143,8 @@ def run_plan(plan_path: Path, plan: ParallelPlan, args: argparse.Namespace, work
            str(cluster), "--plan", str(plan_path), "--global-batch-size",
            str(plan.global_batch_size), "--train-iters", str(args.warmup + args.iters),
            "--eval-iters", "0", "--log-interval", "1000", "--metrics-file", str(metrics)]
+    if device_profile is not None:
+        cmd += ["--emulation-profile", str(device_profile)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=args.timeout)
@@ -154,6 +165,9 @@ def main() -> None:
     p.add_argument("--profile", help="reuse this cpu profile instead of measuring one")
     p.add_argument("--plans", help="comma-separated plan names (default: all)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    p.add_argument("--device-time", choices=("profile", "measured"), default="profile",
+                   help="emulated stages last slowdown x the bench's host profile (profile) or "
+                        "x their measured CPU time (measured)")
     p.add_argument("--dilation", type=float, default=2.0,
                    help="multiply both emulated kinds' slowdown by this (>= 1): each emulated "
                         "device then needs less of a host core")
@@ -175,10 +189,12 @@ def main() -> None:
     loaded = {n: ParallelPlan.load(path) for n, path in plans.items()}
     micro = tuple(sorted({pl.micro_batch_size for pl in loaded.values()}))
     if args.profile:
-        profile = Profile.load(args.profile)
+        profile, profile_path = Profile.load(args.profile), Path(args.profile)
     else:
         log("profiling this machine as 'cpu' (1 thread)")
-        profile = make_profile(args.model, args.seq_length, micro, work / "cpu.json", log)
+        profile_path = work / "cpu.json"
+        profile = make_profile(args.model, args.seq_length, micro, profile_path, log)
+    device_profile = profile_path if args.device_time == "profile" else None
     cluster_path = work / "cluster.yaml"
     cluster_path.write_text(yaml.safe_dump(dilated_cluster(CLUSTER, args.dilation),
                                            sort_keys=False))
@@ -191,7 +207,8 @@ def main() -> None:
         before = host_sharing_now(profile, args.model, args.seq_length, plan.micro_batch_size)
         collective = measure_host_collective(model, args.seq_length, plan.micro_batch_size,
                                              passes=COLLECTIVE_PASSES, rounds=2)
-        measured, times = run_plan(plans[name], plan, args, work, name, cluster_path)
+        measured, times = run_plan(plans[name], plan, args, work, name, cluster_path,
+                                   device_profile)
         after = host_sharing_now(profile, args.model, args.seq_length, plan.micro_batch_size)
         sharing = tuple((a + b) / 2 for a, b in zip(before, after))
         host = dataclasses.replace(profile, host_sharing=sharing, host_collective_s=collective)
@@ -215,7 +232,7 @@ def main() -> None:
         "max_abs_error": round(max(errors), 4),
         "conditions": {
             "emulation": True, "cluster": str(CLUSTER.relative_to(ROOT)), "ranks": 4,
-            "dilation": args.dilation,
+            "dilation": args.dilation, "device_time": args.device_time,
             "cpu_cores": len(os.sched_getaffinity(0)), "threads_per_rank": 1,
             "model": args.model, "seq_length": args.seq_length, "dtype": "fp32",
             "data": "mock", "warmup_iterations": args.warmup, "measured_iterations": args.iters,

@@ -46,7 +46,8 @@ class ParallelSpec:
 
     ``plan`` is a plan file path, "auto" (search one at start-up) or None (Megatron's
     ``tensor/pipeline_model_parallel_size`` flags, data parallelism implied by the world size).
-    ``cluster`` is a cluster YAML path; None means every rank is of kind "cpu".
+    ``cluster`` is a cluster YAML path; None means one node of this machine's kind ("cpu", or
+    the built-in kind of its GPU).
     ``batch_given`` records whether --micro-batch-size / --global-batch-size were on the
     command line (a plan file supplies them otherwise).
     """
@@ -63,16 +64,6 @@ class ParallelSpec:
     emulation_profile: Optional[str] = None
     dry_run: bool = False
     batch_given: tuple[bool, bool] = (False, False)
-
-    @property
-    def requested(self) -> bool:
-        """True when a flag asks for the multi-rank driver (any world size)."""
-        return bool(self.cluster or self.plan or self.dry_run or self.use_distributed_optimizer
-                    or self.emulation_profile
-                    or self.tensor_model_parallel_size > 1
-                    or self.pipeline_model_parallel_size > 1
-                    or self.decoder_first_pipeline_num_layers is not None
-                    or self.decoder_last_pipeline_num_layers is not None)
 
 
 @dataclass(frozen=True)
@@ -176,8 +167,8 @@ def _add_io_flags(p: argparse.ArgumentParser) -> None:
 def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism (launch with torchrun; see --dry-run)")
     g.add_argument("--cluster", default=None, metavar="YAML",
-                   help="cluster description (accelerator of every rank); default: every rank "
-                        "is a plain CPU")
+                   help="cluster description (accelerator of every rank); default: one node "
+                        "of this machine's kind (cpu, or its GPU's built-in kind)")
     g.add_argument("--plan", default=None, metavar="PLAN.json|auto",
                    help="parallel plan file, or 'auto' to search the fastest plan for the "
                         "cluster at start-up; excludes the Megatron parallel-size flags")

@@ -18,8 +18,12 @@ What changes against the one-device-per-rank model, each from a measured figure:
   the core: the executor's :class:`~megatron_het.emulation.emulator.Emulator` (CPU basis) pads
   a region to ``slowdown x`` the CPU time of the rank's own thread, the stage's compute without
   gloo's share;
-- DP gradient sync: the link model's time, slowed by the host sharing of the ranks that sync
-  at once (gloo copies and reduces on the CPU);
+- DP gradient sync: the host's part of it (the sync over the host's own gloo figures, the
+  emulated links' pace left out) is CPU work slowed by the host sharing of the ranks that sync
+  at once only for its CPU share (gloo copies and reduces on the CPU, and waits on its
+  peers and the loopback for the rest: the share the measured TP collective spends on CPU,
+  :attr:`Profile.host_collective_s`, else all of it); an emulated link's pace is a wait that
+  frees the core, so the sync takes the longer of that and the link model's time;
 - optimizer step: every rank steps at once after the gradient sync; the emulator slows only the
   pipeline's compute regions, so the step runs at host speed, sharing the host
   (:meth:`HostSharing.finish_time` of the measured per-parameter time);
@@ -35,6 +39,7 @@ from typing import Optional, Sequence
 
 from megatron_het.emulation.host_sharing import HostCores, HostSharing
 from megatron_het.parallel.plan import PipelinePlan
+from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.cost_model import tp_collectives
 from megatron_het.perf.prediction import StagePrediction
 from megatron_het.perf.rate_model import PredictionInputs, SharedIteration
@@ -123,8 +128,9 @@ def _transfer_cpu_s(inputs: PredictionInputs) -> float:
 
 def _dp_sync(inputs: PredictionInputs, rows: Sequence[StagePrediction],
              cores: HostCores) -> float:
-    """The slowest stage's gradient sync, slowed as CPU work: gloo copies and reduces on the
-    host's cores, and every rank of a stage with dp > 1 syncs at once."""
+    """The slowest stage's gradient sync: its host part (gloo copies and reduces) slowed as CPU
+    work on the host's cores, where every rank of a stage with dp > 1 syncs at once, or the
+    link model's time where an emulated link's pace (a wait) takes longer."""
     syncing: dict[int, int] = {}
     for row in rows:
         if row.dp_sync_s > 0:
@@ -134,7 +140,22 @@ def _dp_sync(inputs: PredictionInputs, rows: Sequence[StagePrediction],
     if not syncing:
         return 0.0
     slowest = max(cores.factor(node, count) for node, count in syncing.items())
-    return max(row.dp_sync_s for row in rows) * slowest
+    cpu_share = _collective_cpu_share(inputs)
+    slowed = cpu_share * slowest + (1.0 - cpu_share)
+    host = CommCost(inputs.comm.cluster, inputs.profiles, paced_links=False)
+    return max(max(row.dp_sync_s, inputs.dp_sync_over(host, row.stage).time_s * slowed)
+               for row in rows if row.dp_sync_s > 0)
+
+
+def _collective_cpu_share(inputs: PredictionInputs) -> float:
+    """The share of a host collective's wall time spent on the CPU (the measured TP
+    collective's CPU / wall time; 1 where unmeasured)."""
+    rank = inputs.plan.ranks()[0]
+    profile = choose_profile(inputs.comm.spec_of(rank), inputs.profiles).profile
+    if profile is None or not profile.host_collective_s:
+        return 1.0
+    wall, cpu = profile.host_collective_s
+    return min(1.0, cpu / wall) if wall > 0 else 1.0
 
 
 def _optimizer(inputs: PredictionInputs, rows: Sequence[StagePrediction],

@@ -76,10 +76,14 @@ class CommCost:
     """Path figures between ranks of one cluster; one object per prediction (it caches links)."""
 
     def __init__(self, cluster: ClusterSpec, profiles: Optional[Mapping[str, Profile]] = None,
-                 link_efficiency: float = LINK_EFFICIENCY) -> None:
+                 link_efficiency: float = LINK_EFFICIENCY, paced_links: bool = True) -> None:
+        """``paced_links=False`` costs a link the cluster marks emulated at what the host's own
+        transfer takes (its measured figures), without the link's pace: the CPU work of a
+        transfer whose rest is a wait."""
         self.cluster = cluster
         self.profiles = dict(profiles or {})
         self.link_efficiency = link_efficiency
+        self.paced_links = paced_links
         ranks = cluster.rank_map()
         self._node_of = [r.node for r in ranks]
         self._spec_of = [r.accelerator for r in ranks]
@@ -134,6 +138,8 @@ class CommCost:
         wait is exact, so the link's figures take no efficiency factor."""
         host = self._measured(a, b, op, link.kind) or self._measured(a, b, op, "intra_node")
         bandwidth, latency = link.bandwidth_gbps * 1e9, link.latency_s
+        if host is not None and not self.paced_links:
+            return host[0], host[1], link.kind
         if host is not None:
             bandwidth, latency = min(bandwidth, host[0]), max(latency, host[1])
         return bandwidth, latency, link.kind

@@ -32,7 +32,7 @@ from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.parallel.plan_validation import validate as validate_plan
-from megatron_het.perf.comm_cost import CommCost, broadcast_time, p2p_time
+from megatron_het.perf.comm_cost import CommCost, SyncCost, broadcast_time, p2p_time
 from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, DTYPE_BYTES, FP32_BYTES,
                                           Efficiency, LayerShape, dtype_bytes, tp_collectives)
 from megatron_het.perf.memory import (device_capacity_bytes, in_flight_micro_batches,
@@ -183,12 +183,17 @@ class PredictionContext:
 
     def dp_sync(self, stage_index: int) -> tuple[float, str]:
         if stage_index not in self._dp:
-            group = [p.stages[stage_index].ranks[0] for p in self.plan.pipelines]
-            params = stage_parameters(self.model, self.plan.pipelines[0].stages[stage_index])
-            param_bytes = params * DTYPE_BYTES[self.dtype] if self.zero1 else None
-            cost = self.comm.dp_sync(group, params * FP32_BYTES, param_bytes)
+            cost = self.dp_sync_over(self.comm, stage_index)
             self._dp[stage_index] = (cost.time_s, cost.algorithm)
         return self._dp[stage_index]
+
+    def dp_sync_over(self, comm: CommCost, stage_index: int) -> SyncCost:
+        """The gradient (and ZeRO-1 parameter) sync of stage ``stage_index`` costed by
+        ``comm``."""
+        group = [p.stages[stage_index].ranks[0] for p in self.plan.pipelines]
+        params = stage_parameters(self.model, self.plan.pipelines[0].stages[stage_index])
+        param_bytes = params * DTYPE_BYTES[self.dtype] if self.zero1 else None
+        return comm.dp_sync(group, params * FP32_BYTES, param_bytes)
 
     def pipeline_rows(self, p: int, pipeline: PipelinePlan) -> list[StagePrediction]:
         rows = []

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol, Sequence
 
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
-from megatron_het.perf.comm_cost import CommCost
+from megatron_het.perf.comm_cost import CommCost, SyncCost
 from megatron_het.perf.prediction import StagePrediction
 from megatron_het.perf.profile import Profile
 from megatron_het.perf.simulator import CoreSharing, StageTiming
@@ -41,6 +41,9 @@ class PredictionInputs(Protocol):
 
     def tp_comm(self, stage_index: int, pipeline: PipelinePlan) -> tuple[float, float]:
         """The stage's (forward, backward) TP communication seconds per micro-batch."""
+
+    def dp_sync_over(self, comm: CommCost, stage_index: int) -> SyncCost:
+        """The DP sync of stage ``stage_index`` costed by another communication model."""
 
 
 @dataclass(frozen=True)

@@ -118,20 +118,14 @@ class PipelineExecutor:
         region_timer: entered around every compute region (:class:`RegionTimer`; None: none).
         schedule: a name of :data:`~megatron_het.pipeline.schedules.SCHEDULES` ("1f1b",
             "gpipe").
-        emulator: deprecated name of ``region_timer``.
     """
 
     def __init__(self, stage: nn.Module, groups: ProcessGroups, model_config: ModelConfig,
                  seq_length: int, micro_batch_size: int, bf16: bool = False,
-                 region_timer: Optional[RegionTimer] = None, schedule: str = "1f1b", *,
-                 emulator: Optional[RegionTimer] = None) -> None:
+                 region_timer: Optional[RegionTimer] = None, schedule: str = "1f1b") -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; known: "
                              f"{', '.join(SCHEDULES)}")
-        if emulator is not None:
-            if region_timer is not None:
-                raise ValueError("pass region_timer only (emulator is its deprecated name)")
-            region_timer = emulator
         self.stage, self.groups, self.config = stage, groups, model_config
         self.bf16, self.region_timer, self.schedule = bf16, region_timer, schedule
         role = groups.role
@@ -144,11 +138,6 @@ class PipelineExecutor:
         self.wire_dtype = torch.bfloat16 if bf16 else self.param_dtype
         self.boundary_shape = (micro_batch_size, seq_length, model_config.hidden_size)
         self.pool = BufferPool(self.device)
-
-    @property
-    def emulator(self) -> Optional[RegionTimer]:
-        """Deprecated name of :attr:`region_timer`."""
-        return self.region_timer
 
     # -- public -----------------------------------------------------------------------------
     def steps(self, num_micro_batches: int, forward_only: bool = False) -> list[Step]:

@@ -130,8 +130,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
                  compute_region_key("forward", True): 3.0}
         emulator = Emulator(2.0, sleep=slept.append, cpu_clock=time.thread_time,
                             fixed_reference_s=fixed)
-        # ``emulator=`` is the deprecated name of ``region_timer=``.
-        results["fixed"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", emulator=emulator)
+        results["fixed"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", region_timer=emulator)
         results["fixed"]["slept"] = slept
         results["bf16"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", bf16=True)
     return results

@@ -202,6 +202,33 @@ def test_dp_sync_on_a_shared_host_shares_the_cores():
         shared.pipeline_time_s + shared.dp_sync_s + shared.optimizer_s + shared.overhead_s)
 
 
+def test_dp_sync_slows_only_its_cpu_share_and_keeps_an_emulated_links_pace():
+    cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
+    plan = ParallelPlan.load("scripts/plans/cpu_emulated_dp2_fast_heavy.json")
+    model = model_preset("tiny")
+    sharing = (1.0, 1.0, 1.5, 2.0)
+    half_cpu = dataclasses.replace(host_profile(sharing), host_collective_s=(2e-3, 1e-3))
+    shared = predict(model, plan, cluster, 64, {"cpu": half_cpu}, dtype="fp32",
+                     rate_model=SHARED)
+    # Half of a collective's time is CPU work (x2.0 with 4 ranks syncing), half a wait.
+    link = max(s.dp_sync_s for s in shared.stages)
+    assert shared.dp_sync_s == pytest.approx((0.5 * 2.0 + 0.5) * link)
+    # DP over both kinds crosses the emulated bridge. With the host's own gloo far faster than
+    # the bridge, the bridge's pace (a wait that frees the core) is what the sync takes,
+    # however shared the cores are.
+    across = ParallelPlan.from_dict({"format": "megatron_het.plan/1", "micro_batch_size": 2,
+                                     "pipelines": [{"micro_batches": 1, "stages": [
+                                         {"accelerator": kind, "tp": 1, "layers": [0, 4],
+                                          "ranks": [rank]}]}
+                                         for rank, kind in enumerate(["emu-fast"] * 2
+                                                                     + ["emu-slow"] * 2)]})
+    fast_gloo = tuple(CommEntry(op, "intra_node", 500.0, 1e-7) for op in ("p2p", "collective"))
+    paced = predict(model, across, cluster, 64, {"cpu": host_profile(sharing, fast_gloo)},
+                    dtype="fp32", rate_model=SHARED)
+    assert paced.dp_sync_s == pytest.approx(max(s.dp_sync_s for s in paced.stages))
+    assert paced.dp_sync_s > 1e-4  # the bridge's 2 GB/s, not the host's 500
+
+
 def test_tp_collectives_on_a_shared_host_are_cpu_work_and_a_wait():
     cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
     plan = ParallelPlan.load("scripts/plans/cpu_emulated_tp2_pp2.json")

@@ -1,6 +1,7 @@
 """The "unified" torch.distributed backend: plain dist.* calls and DDP over mixed groups."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -43,6 +44,7 @@ def ddp_steps(rank: int, world_size: int, kinds: list[str]) -> list[list[torch.T
     return grads
 
 
+@pytest.mark.slow
 def test_ddp_over_mixed_group_matches_single_process() -> None:
     kinds = ["fast", "fast", "slow", "slow"]
     results = run_ranks(ddp_steps, 4, kinds, timeout=60)

@@ -45,6 +45,7 @@ def dead_peer(rank: int, world_size: int) -> None:
     group.broadcast(torch.ones(100), src=3)
 
 
+@pytest.mark.slow
 def test_hung_peer_raises_naming_group_and_op() -> None:
     results = run_ranks(hung_peer, 4, timeout=60)
     for rank in range(3):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import pytest
 import torch
 
 from megatron_het.comm import UnifiedCommunicator
@@ -155,6 +156,7 @@ def _train_and_compare(rank: int, world_size: int) -> dict[str, int]:
     return state_bytes
 
 
+@pytest.mark.slow
 def test_data_parallel_matches_single_process_and_zero1_shards_state() -> None:
     per_rank = run_ranks(_train_and_compare, WORLD, timeout=120)
     # ZeRO-1 keeps ~1/dp of the Adam state per rank; the shards add up to the full state.

@@ -182,5 +182,6 @@ def _all_checks(rank: int, world_size: int) -> None:
     _errors(rank, layouts["dp2xtp2"])
 
 
+@pytest.mark.slow
 def test_norm_counting_state_resume_and_errors() -> None:
     run_ranks(_all_checks, WORLD, timeout=120)

@@ -168,6 +168,17 @@ RUN_FLAGS = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenize
              "--eval-iters", "1", "--log-interval", "3"]
 
 
+def plain_reference(run) -> tuple:
+    """The run's setup, and the plain LlamaModel with torch's AdamW and the run's schedule,
+    initialised as the run is (seed 7)."""
+    setup = prepare_run(run)
+    reference = LlamaModel(setup.model_config)
+    init_weights(reference, seed=7)
+    optimizer = build_optimizer(reference, run.optimizer)
+    return setup, reference, optimizer, LRSchedule.from_config(run.optimizer,
+                                                               run.train.train_iters)
+
+
 def test_single_process_trainer_equals_the_plain_model_reference(
         tmp_path: pathlib.Path) -> None:
     """One process runs the one-stage, one-rank plan through the pipeline executor and the
@@ -181,11 +192,7 @@ def test_single_process_trainer_equals_the_plain_model_reference(
     train_rows = [r for r in rows if r["split"] == "train"]
     valid_rows = [r for r in rows if r["split"] == "valid"]
 
-    setup = prepare_run(run)
-    reference = LlamaModel(setup.model_config)
-    init_weights(reference, seed=7)
-    optimizer = build_optimizer(reference, run.optimizer)
-    schedule = LRSchedule.from_config(run.optimizer, run.train.train_iters)
+    setup, reference, optimizer, schedule = plain_reference(run)
     cpu = torch.device("cpu")
     expected_valid = []
     for iteration in range(1, 7):
@@ -232,11 +239,7 @@ def test_a_checkpoint_in_the_earlier_single_process_format_resumes(
     """Checkpoints written by single-process runs before every run became a plan (full
     tensors, the optimizer state by name inside the training state) load and continue."""
     run = parse_run_config(RUN_FLAGS)
-    setup = prepare_run(run)
-    reference = LlamaModel(setup.model_config)
-    init_weights(reference, seed=7)
-    optimizer = build_optimizer(reference, run.optimizer)
-    schedule = LRSchedule.from_config(run.optimizer, run.train.train_iters)
+    setup, reference, optimizer, schedule = plain_reference(run)
     cpu = torch.device("cpu")
     results = []
     for iteration in range(1, 7):

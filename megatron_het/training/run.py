@@ -19,12 +19,12 @@ from megatron_het.training.checkpointing import load
 from megatron_het.training.describe import (describe_cluster, describe_iterations,
                                             describe_model, describe_plan)
 from megatron_het.training.launch import LaunchEnv, init_world, shutdown_world
+from megatron_het.training.loop import train
 from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.setup import RunSetup, prepare_run
 from megatron_het.training.state import Progress
 from megatron_het.training.stop import StopRequest
 from megatron_het.training.summary import closing_summary
-from megatron_het.training.loop import train
 from megatron_het.training.trainer import Trainer, build_trainer, logging_rank
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -252,13 +252,11 @@ def draw_charts(workdir: Path, argv: list[str]) -> list[Path]:
     """The loss curve of the metrics file and the plan's predicted pipeline timeline."""
     from megatron_het.arguments import parse_run_config
     from megatron_het.loss_chart import save_loss_chart
-    from megatron_het.perf import predict
     from megatron_het.planner.chart import save_timeline_chart
+    from megatron_het.training.run import predict_run
     from megatron_het.training.setup import prepare_run
 
-    setup = prepare_run(parse_run_config(argv), world_size=None)
-    prediction = predict(setup.model_config, setup.plan, setup.cluster,
-                         setup.run.data.seq_length, setup.host_profiles, dtype=setup.dtype)
+    prediction = predict_run(prepare_run(parse_run_config(argv), world_size=None))
     return [save_loss_chart(workdir / "metrics.jsonl", workdir / "loss.png",
                             title="demo: lm loss (EMULATED cluster)"),
             save_timeline_chart(prediction, workdir / "timeline.png")]

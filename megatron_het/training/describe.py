@@ -4,6 +4,7 @@ from __future__ import annotations
 from megatron_het.config import ModelConfig
 from megatron_het.training.setup import RunSetup
 from megatron_het.training.state import Progress
+from megatron_het.training.throughput import devices_per_label
 
 
 def describe_model(config: ModelConfig) -> str:
@@ -13,19 +14,10 @@ def describe_model(config: ModelConfig) -> str:
             f"{config.vocab_size}, {config.num_parameters() / 1e6:.2f}M parameters")
 
 
-def devices_by_label(setup: RunSetup) -> dict[str, int]:
-    """Number of devices of each accelerator label (emulated kinds say so), in rank order."""
-    counts: dict[str, int] = {}
-    for rank in range(setup.cluster.world_size):
-        label = setup.accelerator(rank).label
-        counts[label] = counts.get(label, 0) + 1
-    return counts
-
-
 def describe_cluster(setup: RunSetup) -> str:
     """One line: where the run trains (ranks by kind), precision, DP and optimizer layout."""
     plan = setup.plan
-    kinds = ", ".join(f"{count} x {label}" for label, count in devices_by_label(setup).items())
+    kinds = ", ".join(f"{count} x {label}" for label, count in devices_per_label(setup.cluster).items())
     ranks = f"{plan.world_size} rank{'s' if plan.world_size != 1 else ''}"
     return (f"> run on cluster {setup.cluster.name}: {ranks} ({kinds}), {setup.dtype}, "
             f"dp={plan.dp_size}, distributed optimizer "

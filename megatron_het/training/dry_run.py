@@ -12,18 +12,13 @@ from megatron_het.training.setup import prepare_run
 def dry_run(run: RunConfig, out: TextIO, accelerator: str = "cpu") -> None:
     """Validate everything a run checks at start (no world, nothing written) and print the
     plan and its predicted iteration time; UserError with one line on any mismatch."""
-    from megatron_het.emulation import SharedHostModel
-    from megatron_het.perf import predict
-    from megatron_het.training.run import rank_emulation
+    from megatron_het.training.run import predict_run, rank_emulation
 
     setup = prepare_run(run, world_size=None, accelerator=accelerator)
     config, train = setup.model_config, setup.train
     # Every rank runs on one thread under torchrun; the dry run checks the ranks' emulation so.
     device_times = rank_emulation(setup, rank=0, threads=1).description
-    prediction = predict(config, setup.plan, setup.cluster, run.data.seq_length,
-                         setup.host_profiles, dtype=setup.dtype,
-                         use_distributed_optimizer=setup.use_distributed_optimizer,
-                         rate_model=SharedHostModel())
+    prediction = predict_run(setup)
     print(f"> dry run: model {config.name} ({config.num_parameters() / 1e6:.2f}M parameters, "
           f"{config.num_layers} layers) on cluster {setup.cluster.name} "
           f"({setup.cluster.world_size} ranks), {setup.dtype}, global batch "

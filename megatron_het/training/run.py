@@ -29,6 +29,7 @@ from megatron_het.training.trainer import Trainer, build_trainer, logging_rank
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_het.emulation import RankEmulation
+    from megatron_het.perf import Prediction
 
 
 def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
@@ -72,19 +73,25 @@ def rank_emulation(setup: RunSetup, rank: int,
                            setup.run.parallel.emulation_profile, threads=threads)
 
 
-def predicted_iteration_s(setup: RunSetup) -> Optional[float]:
-    """The predictor's iteration time for the run's plan, with the host-sharing model where the
-    ranks are emulated on a shared host whose profile has the figures; None if the predictor
-    cannot price the plan."""
+def predict_run(setup: RunSetup) -> "Prediction":
+    """The predictor on the run's plan (the dry run's, the summary's and the demo's chart's),
+    with the host-sharing model where the ranks are emulated on a shared host whose profile
+    has the figures. UserError if the predictor cannot price the plan."""
     from megatron_het.emulation import SharedHostModel
-    from megatron_het.errors import UserError
     from megatron_het.perf import predict
 
+    return predict(setup.model_config, setup.plan, setup.cluster, setup.run.data.seq_length,
+                   setup.host_profiles, dtype=setup.dtype,
+                   use_distributed_optimizer=setup.use_distributed_optimizer,
+                   rate_model=SharedHostModel())
+
+
+def predicted_iteration_s(setup: RunSetup) -> Optional[float]:
+    """:func:`predict_run`'s iteration time; None if the predictor cannot price the plan."""
+    from megatron_het.errors import UserError
+
     try:
-        return predict(setup.model_config, setup.plan, setup.cluster, setup.run.data.seq_length,
-                       setup.host_profiles, dtype=setup.dtype,
-                       use_distributed_optimizer=setup.use_distributed_optimizer,
-                       rate_model=SharedHostModel()).iteration_time_s
+        return predict_run(setup).iteration_time_s
     except UserError:
         return None
 

@@ -46,6 +46,15 @@ def column(table: torch.Tensor, name: str) -> torch.Tensor:
     return table[:, ROW_FIELDS.index(name)]
 
 
+def devices_per_label(cluster: ClusterSpec) -> dict[str, int]:
+    """Number of devices of each accelerator label (emulated kinds say so), in rank order."""
+    counts: dict[str, int] = {}
+    for rank in range(cluster.world_size):
+        label = cluster.accelerator_of(rank).label
+        counts[label] = counts.get(label, 0) + 1
+    return counts
+
+
 @dataclass(frozen=True)
 class StageShare:
     """One stage's place in the FLOP accounting."""
@@ -75,12 +84,9 @@ class ThroughputMetrics:
                     head_per_token if stage.has_head else 0.0)
                 label = cluster.accelerator_of(stage.ranks[0]).label
                 self.stages.append(StageShare(p, s, label, stage.ranks, per_token * tokens))
-        self.devices_per_label: dict[str, int] = {}
-        self.peak_flops_sum = 0.0
-        for rank in range(cluster.world_size):
-            spec = cluster.accelerator_of(rank)
-            self.devices_per_label[spec.label] = self.devices_per_label.get(spec.label, 0) + 1
-            self.peak_flops_sum += spec.peak_tflops(dtype) * 1e12
+        self.devices_per_label = devices_per_label(cluster)
+        self.peak_flops_sum = sum(cluster.accelerator_of(rank).peak_tflops(dtype) * 1e12
+                                  for rank in range(cluster.world_size))
         self.num_devices = cluster.world_size
 
     def tflops_per_accelerator(self, iteration_time_s: float) -> dict[str, float]:

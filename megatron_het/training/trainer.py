@@ -71,10 +71,6 @@ class Trainer:
     def device(self) -> torch.device:
         return self.groups.comm.device
 
-    @property
-    def is_logging_rank(self) -> bool:
-        return self.groups.rank == logging_rank(self.setup.plan)
-
     def print(self, message: str) -> None:
         """A log line, printed by the logging rank only."""
         if self.logger is not None:

@@ -2,10 +2,11 @@
 #   make demo   train a small Llama on the bundled corpus (emulated CPU cluster)
 #   make test   run the whole test suite
 #   make test-fast  unit tests and in-process CLI checks (no slow or multi-process tests)
+#   make gpu-check  the prepared GPU check (scripts/gpu_check.sh; GPU rows SKIP without one)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast
+.PHONY: setup demo test test-fast gpu-check
 
 setup:
 	@VENV=$(VENV) bash scripts/setup_env.sh
@@ -18,3 +19,6 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not distributed and not gpu" $(PYTEST_ARGS)
+
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)

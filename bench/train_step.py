@@ -7,7 +7,14 @@ logits. The two are timed alternately over several rounds. The last line printed
 object with both tokens/s figures (medians), ``ratio_vs_hf`` (ours / theirs, the median of the
 per-round ratios, see :func:`measure`) and the conditions.
 
+``--compile`` compiles our decoder layers with :func:`megatron_het.model.compile.compile_layers`
+(Hugging Face's model stays eager). Compilation happens in the first step, which is timed on its
+own and reported as ``first_step_s`` and ``compile_s`` (first step minus the median step); it
+never enters the medians, nor do the ``--warmup`` steps.
+
     .venv/bin/python bench/train_step.py --model small --micro-batch-size 8 --seq-length 256
+    .venv/bin/python bench/train_step.py --model small --micro-batch-size 8 --seq-length 256 \
+        --compile
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +35,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_het.checkpoint.hf import (megatron_het_to_hf_state,  # noqa: E402
                                         model_config_to_hf_config)
 from megatron_het.config import model_preset  # noqa: E402
+from megatron_het.model.compile import compile_layers  # noqa: E402
 from megatron_het.model.llama import build_model  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small", help="a ModelConfig preset name")
     p.add_argument("--micro-batch-size", type=int, default=8)
@@ -47,8 +55,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--loss", choices=("native", "logits"), default="native",
                    help="native: each library's own loss path; logits: one shared "
                         "cross-entropy on both models' logits")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile our decoder layers (compile_layers); HF stays eager")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode with --compile (default: inductor's default)")
     p.add_argument("--seed", type=int, default=1234)
-    return p.parse_args()
+    args = p.parse_args(argv)
+    if args.compile_mode is not None and not args.compile:
+        p.error("--compile-mode needs --compile")
+    for name in ("micro_batch_size", "seq_length", "threads", "rounds", "iters"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be at least 0")
+    return args
 
 
 def make_step(model: torch.nn.Module,
@@ -92,13 +112,17 @@ def timed(step: Callable[[], float], iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def build_pair(args: argparse.Namespace) -> tuple[dict[str, Callable[[], float]], str]:
-    """Both models with identical weights and one batch; ``({name: step}, model name)``."""
+def build_pair(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
+    """Both models with identical weights and one batch: ``{"ours": step, "hf": step}``.
+
+    With ``args.compile`` our layers are compiled (lazily: the first step compiles)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dtype = DTYPES[args.dtype]
     cfg = model_preset(args.model)
     ours = build_model(cfg, seed=args.seed).to(dtype).train()
+    if args.compile:
+        compile_layers(ours, mode=args.compile_mode)
     hf_config = LlamaConfig.from_dict(model_config_to_hf_config(cfg),
                                       attn_implementation=args.hf_attn)
     theirs = LlamaForCausalLM(hf_config).to(dtype).train()
@@ -109,7 +133,7 @@ def build_pair(args: argparse.Namespace) -> tuple[dict[str, Callable[[], float]]
                          generator=generator)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     ours_loss, hf_loss = loss_functions(ours, theirs, tokens, labels, args.loss)
-    return {"ours": make_step(ours, ours_loss), "hf": make_step(theirs, hf_loss)}, cfg.name
+    return {"ours": make_step(ours, ours_loss), "hf": make_step(theirs, hf_loss)}
 
 
 def measure(steps: dict[str, Callable[[], float]], args: argparse.Namespace
@@ -133,32 +157,67 @@ def measure(steps: dict[str, Callable[[], float]], args: argparse.Namespace
     return seconds, ratios
 
 
-def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(args.threads)
-    import transformers
+def first_steps(steps: dict[str, Callable[[], float]]
+                ) -> tuple[dict[str, float], dict[str, float]]:
+    """Run each model's first step (where compilation happens): ``(loss, seconds)`` by name."""
+    losses, seconds = {}, {}
+    for name, step in steps.items():
+        start = time.perf_counter()
+        losses[name] = step()
+        seconds[name] = time.perf_counter() - start
+    return losses, seconds
 
-    steps, model_name = build_pair(args)
-    first_loss = {name: step() for name, step in steps.items()}
-    seconds, ratios = measure(steps, args)
+
+def report(args: argparse.Namespace, seconds: dict[str, list[float]], ratios: list[float],
+           first_loss: dict[str, float], first_seconds: dict[str, float]) -> dict[str, Any]:
+    """The JSON record: figures (medians over rounds; first step and warm-up excluded) and the
+    conditions they were measured under."""
+    cfg = model_preset(args.model)
     tokens_per_step = args.micro_batch_size * args.seq_length
-    tps = {name: tokens_per_step / statistics.median(s) for name, s in seconds.items()}
-    print(json.dumps({
-        "benchmark": "train_step", "model": model_name,
-        "params": model_preset(args.model).num_parameters(),
+    median_s = {name: statistics.median(s) for name, s in seconds.items()}
+    tps = {name: tokens_per_step / s for name, s in median_s.items()}
+    compile_s = (round(first_seconds["ours"] - median_s["ours"], 3) if args.compile else None)
+    return {
+        "benchmark": "train_step", "model": cfg.name, "params": cfg.num_parameters(),
+        "config": cfg.to_dict(),
         "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length,
         "dtype": args.dtype, "threads": torch.get_num_threads(), "rounds": args.rounds,
-        "iters_per_round": args.iters, "hf_attn_implementation": args.hf_attn,
-        "loss": args.loss, "step": "forward + cross-entropy + backward + AdamW",
+        "iters_per_round": args.iters, "warmup_steps": args.warmup,
+        "hf_attn_implementation": args.hf_attn, "loss": args.loss,
+        "compile": args.compile, "compile_mode": args.compile_mode,
+        "step": "forward + cross-entropy + backward + AdamW",
         "ours_tokens_per_s": round(tps["ours"], 1), "hf_tokens_per_s": round(tps["hf"], 1),
         "ratio_vs_hf": round(statistics.median(ratios), 3),
         "ratio_of_medians": round(tps["ours"] / tps["hf"], 3),
         "round_ratios": [round(r, 3) for r in ratios],
+        "median_step_s": {k: round(v, 5) for k, v in median_s.items()},
+        "first_step_s": {k: round(v, 3) for k, v in first_seconds.items()},
+        "compile_s": compile_s,
         "first_step_loss": {k: round(v, 5) for k, v in first_loss.items()},
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch": torch.__version__, "transformers": _transformers_version(),
         "python": platform.python_version(), "machine": platform.machine(),
-    }))
+    }
+
+
+def _transformers_version() -> Optional[str]:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    steps = build_pair(args)
+    first_loss, first_seconds = first_steps(steps)
+    seconds, ratios = measure(steps, args)
+    record = report(args, seconds, ratios, first_loss, first_seconds)
+    print(json.dumps(record), flush=True)
+    return record
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_het.errors import run_cli
+    run_cli(main)

@@ -60,6 +60,7 @@ class ParallelSpec:
     decoder_last_pipeline_num_layers: Optional[int] = None
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    grad_reduce_in_bf16: bool = False
     bridge: str = "relay"
     emulation_profile: Optional[str] = None
     dry_run: bool = False
@@ -107,8 +108,25 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, with --save) once the iteration is a multiple")
     g.add_argument("--seed", type=int, default=t.seed)
-    g.add_argument("--bf16", action="store_true", help="bf16 autocast, fp32 master weights")
-    g.add_argument("--fp16", action="store_true", help="not supported; use --bf16 or fp32")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 weights and activations; fp32 main gradients, master weights and "
+                        "Adam state in the optimizer (Megatron's mixed precision)")
+    g.add_argument("--compile", action="store_true",
+                   help="compile each decoder layer with torch.compile (fused kernels; the "
+                        "first iterations pay the compile time)")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 weights and activations with loss scaling; fp32 main gradients, "
+                        "master weights and Adam state (as --bf16)")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="fp16: a fixed loss scale (default: dynamic scaling)")
+    g.add_argument("--initial-loss-scale", type=float, default=t.initial_loss_scale,
+                   help="fp16: the dynamic loss scale to start from")
+    g.add_argument("--min-loss-scale", type=float, default=t.min_loss_scale,
+                   help="fp16: the smallest dynamic loss scale")
+    g.add_argument("--loss-scale-window", type=int, default=t.loss_scale_window,
+                   help="fp16: steps without overflow before the dynamic scale doubles")
+    g.add_argument("--hysteresis", type=int, default=t.hysteresis,
+                   help="fp16: overflowing steps that halve the dynamic scale once")
     g.add_argument("--lr", type=float, default=o.lr)
     g.add_argument("--min-lr", type=float, default=o.min_lr)
     g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default=o.lr_decay_style)
@@ -183,8 +201,12 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state over data-parallel replicas (ZeRO-1)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="start each gradient bucket's data-parallel reduction on a background "
-                        "thread as soon as its last gradient of the iteration is in")
+                   help="start each gradient bucket's data-parallel reduction (asynchronously) "
+                        "as soon as its last gradient of the iteration is in, while backward "
+                        "goes on")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: reduce gradients over data-parallel replicas in bf16 "
+                        "(half the bytes) instead of fp32; accumulation stays fp32")
     g.add_argument("--bridge", choices=BRIDGES, default="relay",
                    help="traffic between accelerator kinds: relay (host staging) or direct")
     g.add_argument("--emulation-profile", default=None, metavar="PROFILE.json",
@@ -224,9 +246,8 @@ def _validate(args: argparse.Namespace) -> None:
     if args.global_batch_size % args.micro_batch_size:
         raise UserError(f"--global-batch-size {args.global_batch_size} is not divisible by "
                         f"--micro-batch-size {args.micro_batch_size}; use a multiple of it")
-    if args.fp16:
-        raise UserError("--fp16 is not supported (it needs loss scaling); use --bf16, or drop "
-                        "the flag for fp32")
+    if args.fp16 and args.bf16:
+        raise UserError("--fp16 and --bf16 both set the training dtype; keep one")
     if not args.mock_data and not args.data_path:
         raise UserError("no training data: pass --data-path PREFIX [PREFIX ...] or --mock-data")
     if args.tokenizer_type == "NullTokenizer":
@@ -277,6 +298,9 @@ def parse_run_config(argv: Sequence[str]) -> RunConfig:
     train = TrainConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, exit_interval=args.exit_interval, bf16=args.bf16,
+        fp16=args.fp16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis, compile=args.compile,
         seed=args.seed, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         log_interval=args.log_interval, save=args.save, load=args.load,
         save_interval=args.save_interval, tensorboard_dir=args.tensorboard_dir,
@@ -305,7 +329,8 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_grad_reduce=args.overlap_grad_reduce, bridge=args.bridge,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16, bridge=args.bridge,
         emulation_profile=args.emulation_profile, dry_run=args.dry_run,
         batch_given=batch_given)
 

@@ -200,6 +200,14 @@ class TrainConfig:
     train_iters: int = 100
     exit_interval: Optional[int] = None
     bf16: bool = False
+    fp16: bool = False
+    # fp16 loss scaling (Megatron's flags): a fixed --loss-scale, else dynamic from the initial.
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    compile: bool = False
     seed: int = 1234
     eval_interval: int = 1000
     eval_iters: int = 10

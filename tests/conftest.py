@@ -1,23 +1,36 @@
 import os
 import pathlib
 
-import pytest
-import torch
+# Where some code still asks torch.cuda.is_available(), torch answers from NVML (it reads this
+# variable at every call), which leaves the CUDA driver uninitialised in this process, so the
+# workers forked later can still use CUDA. The GPU probe below does not rely on it.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.gpu import device_present  # noqa: E402
 
 # Keep the suite deterministic and light on a 2-core machine.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-DISTRIBUTED = pathlib.Path(__file__).resolve().parent / "distributed"
+TESTS = pathlib.Path(__file__).resolve().parent
+DISTRIBUTED, GPU = TESTS / "distributed", TESTS / "gpu"
 
 
 def pytest_collection_modifyitems(config, items):
-    # Multi-process tests (forked gloo workers) are left out of the fast loop.
     for item in items:
-        if DISTRIBUTED in pathlib.Path(str(item.fspath)).resolve().parents:
+        parents = pathlib.Path(str(item.fspath)).resolve().parents
+        # Multi-process tests (forked gloo workers) are left out of the fast loop.
+        if DISTRIBUTED in parents:
             item.add_marker(pytest.mark.distributed)
-    if torch.cuda.is_available():
+        if GPU in parents:  # everything under tests/gpu/ needs a device
+            item.add_marker(pytest.mark.gpu)
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    # Decided without initialising CUDA here (see tests/gpu/__init__.py); asked only when a
+    # selected test needs a device.
+    if not gpu_items or device_present():
         return
     skip_gpu = pytest.mark.skip(reason="no CUDA/ROCm device present")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    for item in gpu_items:
+        item.add_marker(skip_gpu)

@@ -101,12 +101,12 @@ def capture_train_state(optimizer: torch.optim.Optimizer, schedule: LRSchedule,
     return {"version": 1, "iteration": progress.iteration,
             "consumed_samples": progress.consumed_samples,
             "optimizer": optimizer_state_by_name(optimizer),
-            "lr_schedule": schedule.state_dict(), "rng": rng_state()}
+            "lr_schedule": schedule.state_dict(), "rng": rng_state("cpu")}
 
 
 def restore_train_state(state: dict, optimizer: torch.optim.Optimizer) -> Progress:
     """Load a :func:`capture_train_state`-shaped state into ``optimizer``; the saved progress."""
     load_optimizer_state_by_name(optimizer, state["optimizer"])
-    set_rng_state(state["rng"])
+    set_rng_state(state["rng"], "cpu")
     return Progress(iteration=int(state["iteration"]),
                     consumed_samples=int(state["consumed_samples"]))

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -50,15 +52,21 @@ def base_args(data_prefix: str) -> list[str]:
             "--eval-interval", "4", "--eval-iters", "2", "--log-interval", "3"]
 
 
+# The runs here are CPU runs, on a GPU host too: the children see no GPU, and the in-process
+# runs take this machine's kind as "cpu".
+CPU_ONLY_ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
 def run_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=CPU_ONLY_ENV)
 
 
 def run_in_process(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
     """``pretrain_llama.py args`` in this process: (exit status, stdout, stderr)."""
     try:
-        errors.run_cli(lambda: main(args, {}))
+        with mock.patch("megatron_het.training.launch.local_accelerator", return_value="cpu"):
+            errors.run_cli(lambda: main(args, {}))
         status = 0
     except SystemExit as exit_:
         status = int(exit_.code or 0)
@@ -129,7 +137,7 @@ def test_sigterm_saves_then_resumes_exactly(tmp_path: pathlib.Path, data_prefix:
     slow = base_args(data_prefix) + ["--save", str(save), "--metrics-file", str(metrics),
                                      "--eval-interval", "1", "--eval-iters", "15"]
     proc = subprocess.Popen([sys.executable, SCRIPT, *slow], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=CPU_ONLY_ENV)
     deadline = time.monotonic() + 60
     while not (metrics.exists() and metrics.read_text().strip()):
         assert proc.poll() is None and time.monotonic() < deadline, "no metrics line appeared"
@@ -181,7 +189,8 @@ BAD_INPUTS = {
                                             "512-token model vocabulary but the tokenizer has"),
     "seq beyond positions": (lambda a, t: a + ["--seq-length", "300"],
                              "--seq-length 300 exceeds the model's --max-position-embeddings"),
-    "fp16": (lambda a, t: a + ["--fp16"], "--fp16 is not supported"),
+    "fp16 and bf16": (lambda a, t: a + ["--fp16", "--bf16"],
+                      "--fp16 and --bf16 both set the training dtype"),
     "load of another shape": (
         lambda a, t: a + ["--load", _other_checkpoint(t)],
         "differs from the configured one in num_layers (checkpoint 2, configured 4), "

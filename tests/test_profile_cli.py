@@ -1,15 +1,19 @@
-"""``tools/profile_device.py``: a profile the predictor loads (in subprocesses), one-line errors
-(in this process)."""
+"""``tools/profile_device.py``: a profile the predictor loads (in subprocesses), the roofline
+comparison of its table and JSON line, one-line errors (in this process). Every run names
+``--device cpu``: on a GPU host the default would measure the GPU (and initialise CUDA here)."""
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.errors import run_cli
-from megatron_het.perf.profile import Profile
+from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time
+from megatron_het.perf.profile import LayerEntry, Profile, ProfileConditions
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "tools" / "profile_device.py")
@@ -18,8 +22,8 @@ import profile_device  # noqa: E402
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+    return subprocess.run([sys.executable, SCRIPT, "--device", "cpu", *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 @pytest.mark.slow
@@ -58,9 +62,57 @@ def test_host_sharing_figures_go_into_the_profile(tmp_path: pathlib.Path) -> Non
 def test_user_errors_are_one_line(tmp_path: pathlib.Path, args: list, fragment: str,
                                   capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_:
-        run_cli(lambda: profile_device.main([*args, "--out", str(tmp_path)]))
+        run_cli(lambda: profile_device.main([*args, "--device", "cpu", "--out", str(tmp_path)]))
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert fragment in lines[0]
     assert not (tmp_path / "cpu.json").exists()
+
+
+def layer_entry(seq: int, dtype: str, forward_s: float) -> LayerEntry:
+    return LayerEntry(256, 688, 8, 4, seq, 2, 1, dtype, forward_s, 2 * forward_s,
+                      3 * 2**20)
+
+
+@pytest.mark.parametrize("accelerator", ["H100", "cpu"])
+def test_roofline_rows_set_the_cost_model_next_to_the_measurement(accelerator: str) -> None:
+    entries = (layer_entry(256, "bf16", 4e-3), layer_entry(128, "bf16", 1e-3))
+    profile = Profile(accelerator, ProfileConditions("dev", "2", 1, "d"), layers=entries)
+    rows = profile_device.roofline_rows(profile)
+    assert [r["seq"] for r in rows] == [128, 256]  # the table's order
+    spec = AcceleratorRegistry.builtin().get(accelerator)
+    for row, entry in zip(rows, entries[::-1]):
+        shape = LayerShape(256, 688, 8, 4, entry.seq, 2, 1)
+        forward, backward = ops_time(layer_forward_ops(shape), spec, "bf16")
+        assert (row["roofline_forward_s"], row["roofline_backward_s"]) == (forward, backward)
+        assert row["forward_ratio"] == pytest.approx(entry.forward_s / forward)
+        assert row["backward_ratio"] == pytest.approx(entry.backward_s / backward)
+        assert row["forward_s"] == entry.forward_s
+    table = profile_device.layer_table(rows).splitlines()
+    assert "roof ms" in table[0] and "ratio" in table[0]
+    assert f"{rows[0]['roofline_forward_s'] * 1e3:.3f}" in table[1]
+    assert f"x{rows[0]['backward_ratio']:.2f}" in table[1]
+
+
+def test_a_kind_without_figures_has_no_roofline() -> None:
+    profile = Profile("my_gpu", ProfileConditions("dev", "2", 1, "d"),
+                      layers=(layer_entry(128, "fp32", 1e-3),))
+    (row,) = profile_device.roofline_rows(profile)
+    assert row["roofline_forward_s"] is None and row["forward_ratio"] is None
+    assert profile_device.layer_table([row]).splitlines()[1].split()[6:8] == ["-", "-"]
+
+
+def test_json_line_carries_the_roofline_comparison(tmp_path: pathlib.Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    path = profile_device.main(["--model", "tiny", "--seq-lengths", "16", "--micro-batch-sizes",
+                                "1", "--tp", "1", "--warmup", "0", "--iters", "1", "--device",
+                                "cpu", "--out", str(tmp_path), "--json"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["profile"] == str(path) and summary["accelerator"] == "cpu"
+    assert summary["conditions"]["dtype"] == "fp32" and summary["device"] == "cpu"
+    (row,) = summary["layers"]
+    assert (row["seq"], row["micro_batch"], row["tp"]) == (16, 1, 1)
+    assert row["forward_ratio"] == pytest.approx(row["forward_s"] / row["roofline_forward_s"])
+    assert any(line.lstrip().startswith("64 ") and "x" in line for line in lines)  # the table

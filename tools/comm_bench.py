@@ -34,6 +34,7 @@ from megatron_het.cluster import ClusterSpec  # noqa: E402
 from megatron_het.comm.communicator import UnifiedCommunicator  # noqa: E402
 from megatron_het.emulation.links import emulated_wires  # noqa: E402
 from megatron_het.errors import UserError, run_cli  # noqa: E402
+from megatron_het.training.launch import select_local_device  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 IMPLS = ("flat", "unified")
@@ -67,11 +68,12 @@ class Case:
         per = max(1, nbytes // esize // (n if op in ("all_gather",) else 1))
         per = -(-per // n) * n if op in ("reduce_scatter", "all_to_all") else per
         self.numel = per
-        self.base = (torch.arange(per) % 251).to(dtype)
+        self.device = comm.device  # the rank's accelerator (its native backend needs it there)
+        self.base = (torch.arange(per, device=self.device) % 251).to(dtype)
         self.input = self.base + me
         self.src = n - 1
         size_out = {"all_gather": per * n, "reduce_scatter": per // n}.get(op, per)
-        self.output = torch.empty(size_out, dtype=dtype)
+        self.output = torch.empty(size_out, dtype=dtype, device=self.device)
         self.bytes = {"all_gather": per * n}.get(op, per) * esize
         w = comm.world
         m = per // n
@@ -96,6 +98,12 @@ class Case:
         """Refill the in-place buffers with this rank's input."""
         if self.op in ("all_reduce", "broadcast"):
             self.output.copy_(self.input)
+        self.sync()
+
+    def sync(self) -> None:
+        """Wait for the device's queued work, so timers measure finished operations."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def expected(self) -> torch.Tensor:
         n, me, base = self.n, self.me, self.base
@@ -128,6 +136,7 @@ def time_cases(case: Case, impls: list[str], warmup: int, iters: int,
             dist.barrier(group=flat)
             start = time.perf_counter()
             case.run[impl]()
+            case.sync()
             times[k, it] = time.perf_counter() - start
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=flat)
     records = []
@@ -167,7 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
     p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--bridge", default="relay", choices=("relay", "direct"))
+    p.add_argument("--bridge", default="relay", choices=("relay", "direct"),
+                   help="direct: the one native backend all kinds share (error if none)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--emulate-bridge", action="store_true",
@@ -190,10 +200,17 @@ def main() -> None:
     cluster = ClusterSpec.load(args.cluster)
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=args.timeout_s)
-    dist.init_process_group("gloo", timeout=timeout)  # torchrun's environment gives rank/world
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's environment gives rank/world
+    accelerator = {info.rank: info.accelerator for info in cluster.rank_map()}.get(rank)
+    if accelerator is not None:  # a CPU rank leaves torch.cuda alone
+        select_local_device(accelerator.device_type, int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("gloo", timeout=timeout)
     hooks = emulated_wires(cluster) if args.emulate_bridge else None  # EMULATION
     comm = UnifiedCommunicator.from_cluster(cluster, bridge=args.bridge, timeout=timeout,
                                             wire_hooks=hooks)
+    if "flat" in args.impls and comm.device.type != "cpu":
+        raise UserError(f"--impls flat runs plain gloo on CPU tensors, but this rank's tensors "
+                        f"live on {comm.device.type}; use --impls unified")
     flat = dist.new_group(list(range(comm.world_size)), backend="gloo", timeout=timeout)
     records = []
     if comm.rank == 0:

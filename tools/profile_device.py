@@ -4,17 +4,20 @@
         --micro-batch-sizes 1,2,4 --tp 1,2 --dtype fp32 --out profiles/ --comm
 
 Then ``tools/plan.py --profile-dir profiles/`` predicts with the measured figures. See
-:mod:`megatron_het.perf.profiler` for what is measured and how.
+:mod:`megatron_het.perf.profiler` for what is measured and how. The closing table (and, with
+``--json``, a JSON line) sets every layer entry's measured times next to the cost model's
+roofline times for the kind's datasheet figures, with their ratio.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,7 +31,7 @@ from megatron_het.emulation.host_measure import (measure_host_collective,  # noq
 from megatron_het.errors import UserError, run_cli  # noqa: E402
 from megatron_het.model_args import add_model_shape_args, model_config_from_args  # noqa: E402
 from megatron_het.parallel.plan_validation import valid_tp_sizes  # noqa: E402
-from megatron_het.perf.cost_model import LayerShape  # noqa: E402
+from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time  # noqa: E402
 from megatron_het.perf.profile import Profile, merge_profiles  # noqa: E402
 from megatron_het.perf.profiler import (PROFILE_DTYPES, Sweep, default_accelerator,  # noqa: E402
                                         profile_device)
@@ -42,7 +45,11 @@ out; the predictor adds it). Writes OUT/<accelerator>.json, merged into an exist
 kind (entries of the same shape are replaced).
 
 CPU-emulated kinds (emu-fast, emu-slow, ...) are not profiled themselves: profile the host as
-"cpu" and the predictor multiplies the host's times by each emulated kind's slowdown."""
+"cpu" and the predictor multiplies the host's times by each emulated kind's slowdown.
+
+The closing table compares each layer entry with the roofline of the kind's figures in the
+accelerator table (measured / roofline: how far from the datasheet the layer runs; none for a
+kind the table does not know)."""
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -66,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int_list, default=(1, 2), metavar="T,T",
                    help="tensor-parallel sizes; one rank's shard of each is measured")
     p.add_argument("--dtype", choices=sorted(PROFILE_DTYPES), default="fp32",
-                   help="bf16: bf16 autocast with fp32 weights, as training runs it")
+                   help="bf16: bf16 weights and activations without autocast, as training "
+                        "runs it")
     p.add_argument("--accelerator", metavar="NAME",
                    help='the kind the profile is for (default: "cpu" on a CPU; on a GPU the '
                         "registry kind of its name, else the name itself)")
@@ -85,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "time between two computing processes (CPU runs only; for "
                         "CPU-emulated clusters, where ranks share the host)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON summary line last (conditions, measured and roofline "
+                        "times of every layer entry)")
     return p
 
 
@@ -111,15 +122,47 @@ def check_accelerator(name: str, device: torch.device) -> None:
                         "you measure")
 
 
-def layer_table(profile: Profile) -> str:
-    """The profile's layer entries as text (times in ms, activations in MiB)."""
-    rows = ["hidden  dtype  tp   mb   seq    fwd ms    bwd ms   act MiB"]
+def roofline_rows(profile: Profile,
+                  registry: Optional[AcceleratorRegistry] = None) -> list[dict[str, Any]]:
+    """The profile's layer entries (sorted by shape), each with its cost-model roofline times
+    (:func:`~megatron_het.perf.cost_model.ops_time` of the layer's kernels on the profile's
+    kind, with the cost model's default efficiency factors: the predictor's estimate without a
+    profile) and measured / roofline ratios; None for a kind ``registry`` does not know."""
+    registry = registry or AcceleratorRegistry.builtin()
+    spec = registry.get(profile.accelerator) if profile.accelerator in registry else None
+    rows = []
     for e in sorted(profile.layers, key=lambda e: (e.hidden, e.dtype, e.tp, e.micro_batch,
                                                    e.seq)):
-        rows.append(f"{e.hidden:>6} {e.dtype:>6} {e.tp:>3} {e.micro_batch:>4} {e.seq:>5} "
-                    f"{e.forward_s * 1e3:>9.3f} {e.backward_s * 1e3:>9.3f} "
-                    f"{e.activation_bytes / 2**20:>9.2f}")
-    return "\n".join(rows)
+        row: dict[str, Any] = {**dataclasses.asdict(e), "roofline_forward_s": None,
+                               "roofline_backward_s": None, "forward_ratio": None,
+                               "backward_ratio": None}
+        if spec is not None:
+            forward, backward = ops_time(layer_forward_ops(e.shape()), spec, e.dtype)
+            row.update(roofline_forward_s=forward, roofline_backward_s=backward,
+                       forward_ratio=e.forward_s / forward, backward_ratio=e.backward_s / backward)
+        rows.append(row)
+    return rows
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"x{value:.2f}"
+
+
+def layer_table(rows: list[dict[str, Any]]) -> str:
+    """:func:`roofline_rows` as text: times in ms, measured / roofline, activations in MiB."""
+    lines = ["hidden  dtype  tp   mb   seq    fwd ms  roof ms    ratio    bwd ms  roof ms    ratio"
+             "   act MiB"]
+    for r in rows:
+        lines.append(f"{r['hidden']:>6} {r['dtype']:>6} {r['tp']:>3} {r['micro_batch']:>4} "
+                     f"{r['seq']:>5} {_ms(r['forward_s']):>9} {_ms(r['roofline_forward_s']):>8} "
+                     f"{_ratio(r['forward_ratio']):>8} {_ms(r['backward_s']):>9} "
+                     f"{_ms(r['roofline_backward_s']):>8} {_ratio(r['backward_ratio']):>8} "
+                     f"{r['activation_bytes'] / 2**20:>9.2f}")
+    return "\n".join(lines)
 
 
 def with_host_figures(profile: Profile, model: ModelConfig,
@@ -155,9 +198,9 @@ def main(argv: Sequence[str]) -> Path:
     sweep = Sweep(args.seq_lengths, args.micro_batch_sizes, args.tp, args.dtype, args.warmup,
                   args.iters, args.seed)
     sweep.check_model(model)
-    device = pick_device(args.device)
     if args.host_sharing < 0:
         raise UserError(f"--host-sharing must be at least 0, got {args.host_sharing}")
+    device = pick_device(args.device)
     if args.host_sharing and device.type != "cpu":
         raise UserError("--host-sharing measures processes sharing this host's CPUs, which "
                         "describes the cpu kind only; run it with --device cpu")
@@ -184,8 +227,14 @@ def main(argv: Sequence[str]) -> Path:
         profile = merge_profiles(old, profile)
     out.mkdir(parents=True, exist_ok=True)
     profile.save(path)
-    print(layer_table(profile))
+    rows = roofline_rows(profile)
+    print(layer_table(rows))
     print(f"wrote {path} in {time.perf_counter() - start:.1f} s")
+    if args.json:
+        print(json.dumps({"profile": str(path), "accelerator": accelerator,
+                          "device": str(device),
+                          "conditions": dataclasses.asdict(profile.conditions),
+                          "layers": rows}), flush=True)
     return path
 
 

@@ -48,10 +48,15 @@ OptimizerState = dict[str, dict[str, Any]]  # global name -> {"step", "exp_avg",
 
 
 # ---- what a rank writes -----------------------------------------------------------------------
-def model_pieces(stage: nn.Module, config: ModelConfig, role: RankRole) -> dict[str, TensorPiece]:
-    """This rank's model pieces: its TP slice of each parameter it writes (see module doc)."""
+def model_pieces(stage: nn.Module, config: ModelConfig, role: RankRole,
+                 weights: Optional[dict[str, torch.Tensor]] = None) -> dict[str, TensorPiece]:
+    """This rank's model pieces: its TP slice of each parameter it writes (see module doc),
+    taken from ``weights`` by name where given (the float32 masters of low-precision
+    parameters), else from the parameter."""
     pieces = {}
     for name, param in stage.named_parameters():
+        if weights is not None and name in weights:
+            param = weights[name]
         if not is_written_by(name, config, role.stage_plan, role.tp_rank):
             continue
         offsets, shape = target_slice(name, config, role.stage_plan.tp, role.tp_rank)
@@ -168,7 +173,8 @@ def _attempt(action: Callable[[], Any]) -> tuple[Any, Optional[BaseException]]:
 def save_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
                  plan: ParallelPlan, groups: Any, stage: nn.Module,
                  optimizer_state: Optional[OptimizerState], train_state: Optional[dict],
-                 metadata: Optional[dict] = None) -> pathlib.Path:
+                 metadata: Optional[dict] = None,
+                 weights: Optional[dict[str, torch.Tensor]] = None) -> pathlib.Path:
     """Save this rank's share of the model, optimizer state and training state; collective.
 
     Args:
@@ -180,6 +186,9 @@ def save_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
         train_state: this rank's ``{"iteration", "consumed_samples", "lr_schedule", "rng", ...}``
             (single-process runs resume from rank 0's); None for none.
         metadata: JSON-able extras merged into metadata.json (rank 0's are used).
+        weights: the full-precision values to write instead of the parameters', by global
+            name (``ParallelOptimizer.master_weights()`` under mixed precision), so the
+            checkpoint holds the float32 weights training continues from.
 
     Communication: an all-gather over ``groups.dp`` (who writes which optimizer state) and three
     all-reduces over ``groups.world`` used as barriers (after creating the staging directory,
@@ -200,7 +209,7 @@ def save_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
         names = _first_holders(groups.dp, candidates, set(optimizer_state), device)
 
     def write() -> None:
-        model = model_pieces(stage, model_config, role) if groups.dp.rank == 0 else {}
+        model = model_pieces(stage, model_config, role, weights) if groups.dp.rank == 0 else {}
         optimizer = (None if names is None else optimizer_pieces(
             names, optimizer_state, model_config, stage_plan.tp, role.tp_rank))
         write_rank_files(staging, rank, model, optimizer, train_state)
@@ -222,11 +231,15 @@ def save_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
 @torch.no_grad()
 def load_sharded(load_dir: PathLike, model_config: ModelConfig, plan: ParallelPlan,
                  groups: Any, stage: nn.Module, iteration: Optional[int] = None,
-                 map_location: Any = "cpu") -> tuple[Optional[OptimizerState], Optional[dict]]:
+                 map_location: Any = "cpu",
+                 weights: Optional[dict[str, torch.Tensor]] = None
+                 ) -> tuple[Optional[OptimizerState], Optional[dict]]:
     """Load this rank's slices from a checkpoint of any plan (or a single process) into ``stage``.
 
     Every parameter of ``stage`` is overwritten with its box under ``plan`` (this rank's TP
     slice, from ``groups.role``). Collective-free; reads only the files holding needed pieces.
+    ``weights``, when given, also receives every parameter's saved slice by name at the saved
+    precision (float32 checkpoints stay exact for master weights of low-precision parameters).
 
     Returns ``(optimizer_state, train_state)``: the optimizer state by global name for EVERY
     parameter of ``stage`` (TP-slice shaped, tensors on ``map_location``; a ZeRO-1 optimizer
@@ -244,7 +257,10 @@ def load_sharded(load_dir: PathLike, model_config: ModelConfig, plan: ParallelPl
             raise UserError(f"checkpoint tensor {name} has shape {saved_shape} but the model "
                             f"needs {parameter_shape(name, model_config)}; load a checkpoint "
                             "of this model")
-        param.copy_(reader.model_slice(name, box))
+        value = reader.model_slice(name, box)
+        param.copy_(value)
+        if weights is not None:
+            weights[name] = value
         if optimizer is not None:
             entry = reader.optimizer_slice(name, box)
             optimizer[name] = {"step": entry["step"],

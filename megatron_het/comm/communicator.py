@@ -9,11 +9,13 @@ needs to call ``torch.distributed`` directly.
 from __future__ import annotations
 
 import datetime
+import inspect
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_het.comm.direct import choose_direct_backend
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.comm.layout import GroupLayout
 from megatron_het.comm.p2p import P2PHandle, P2POp
@@ -45,13 +47,21 @@ def validate_kinds(rank_kinds: Sequence[str], native_backends: Mapping[str, str]
                             "add it to the cluster's accelerator table")
 
 
+def _new_group_takes_device() -> bool:
+    return "device_id" in inspect.signature(dist.new_group).parameters
+
+
 class UnifiedCommunicator:
     """Collectives and transfers over ranks of mixed accelerator types.
 
     ``rank_kinds[r]`` is the accelerator kind of global rank r; ``native_backends[kind]`` and
     ``device_types[kind]`` give its backend ("nccl", "hccl", "gloo") and device type ("cuda",
-    "npu", "cpu"). ``bridge`` is "relay" (host staging + gloo) or "direct" (``direct_backend``
-    spans every kind). Every backend group is created with ``timeout``; an operation whose peer
+    "npu", "cpu"); ``collective_libraries[kind]`` (optional) the library behind the backend
+    ("nccl", "rccl"), which tells a CUDA build's NCCL from a ROCm build's RCCL. ``bridge`` is
+    "relay" (host staging + gloo) or "direct": one backend group spans every kind;
+    ``direct_backend`` names it, or None chooses the native backend all kinds share
+    (:func:`~megatron_het.comm.direct.choose_direct_backend`; a UserError when there is none).
+    Every backend group is created with ``timeout``; an operation whose peer
     died or hung raises :class:`~megatron_het.comm.faults.CommError` after it. ``debug`` checks
     shapes and dtypes across ranks before every collective. ``wire_hooks`` give every backend
     link that spans several kinds a wire it books its transfers on (see ``comm/wire.py``; CPU
@@ -63,15 +73,20 @@ class UnifiedCommunicator:
     def __init__(self, rank_kinds: Sequence[str], native_backends: Mapping[str, str],
                  device_types: Mapping[str, str], bridge: str = "relay",
                  timeout: datetime.timedelta = DEFAULT_TIMEOUT, debug: bool = False,
-                 direct_backend: str = "gloo",
-                 wire_hooks: Optional[WireHooks] = None) -> None:
+                 direct_backend: Optional[str] = None,
+                 wire_hooks: Optional[WireHooks] = None,
+                 collective_libraries: Optional[Mapping[str, str]] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed before building the communicator")
         validate_kinds(rank_kinds, native_backends, device_types, dist.get_world_size())
         self.rank_kinds = tuple(rank_kinds)
         self.native_backends = dict(native_backends)
         self.device_types = dict(device_types)
-        self.bridge = Bridge(bridge, direct_backend, wire_hooks)
+        if bridge == "direct" and direct_backend is None:
+            direct_backend = choose_direct_backend(self.rank_kinds, self.native_backends,
+                                                   self.device_types, collective_libraries)
+        host_only = all(self.device_types[k] == "cpu" for k in self.rank_kinds)
+        self.bridge = Bridge(bridge, direct_backend or "gloo", wire_hooks, host_only=host_only)
         self.timeout = timeout
         self.debug = debug
         self._rank = dist.get_rank()
@@ -81,20 +96,24 @@ class UnifiedCommunicator:
     @classmethod
     def from_cluster(cls, cluster: Any, bridge: str = "relay",
                      timeout: datetime.timedelta = DEFAULT_TIMEOUT, debug: bool = False,
-                     direct_backend: str = "gloo",
+                     direct_backend: Optional[str] = None,
                      wire_hooks: Optional[WireHooks] = None) -> "UnifiedCommunicator":
         """Build from a ``ClusterSpec`` (its ``rank_map()`` gives every rank's accelerator).
 
-        ``wire_hooks`` as for the constructor: links the cluster marks as emulated are slowed
-        only when the caller passes the emulation's hooks
-        (:func:`megatron_het.emulation.links.emulated_wires`).
+        With ``bridge="direct"`` and no ``direct_backend``, the backend is chosen from the
+        accelerators' backends, device types and collective libraries. ``wire_hooks`` as for
+        the constructor: links the cluster marks as emulated are slowed only when the caller
+        passes the emulation's hooks (:func:`megatron_het.emulation.links.emulated_wires`).
         """
         infos = sorted(cluster.rank_map(), key=lambda info: info.rank)
         kinds = [info.accelerator.name for info in infos]
-        backends = {info.accelerator.name: info.accelerator.native_backend for info in infos}
-        devices = {info.accelerator.name: info.accelerator.device_type for info in infos}
+        accels = {info.accelerator.name: info.accelerator for info in infos}
+        backends = {k: a.native_backend for k, a in accels.items()}
+        devices = {k: a.device_type for k, a in accels.items()}
+        libraries = {k: a.collective_library for k, a in accels.items()}
         return cls(kinds, backends, devices, bridge=bridge, timeout=timeout, debug=debug,
-                   direct_backend=direct_backend, wire_hooks=wire_hooks)
+                   direct_backend=direct_backend, wire_hooks=wire_hooks,
+                   collective_libraries=libraries)
 
     # -- facts -------------------------------------------------------------------------------
     @property
@@ -130,14 +149,24 @@ class UnifiedCommunicator:
         layout = GroupLayout.build(list(ranks), self.rank_kinds)
         for kind in layout.kinds:
             backend = self.native_backends[kind]
-            if self.rank_kinds[self._rank] == kind and not native_backend_available(backend):
+            if self.rank_kinds[self._rank] == kind and not self._backend_available(backend):
                 raise UserError(f"native backend {backend!r} of {kind!r} is not available in "
                                 "this torch build; install the vendor's torch build")
         return UnifiedGroup(layout, self._rank, name, self.bridge, self.native_backends,
                             self._new_backend_group, self.debug)
 
+    def _backend_available(self, backend: str) -> bool:
+        return native_backend_available(backend)
+
     def _new_backend_group(self, ranks: tuple[int, ...], backend: str) -> Any:
-        return dist.new_group(list(ranks), timeout=self.timeout, backend=backend)
+        """``dist.new_group`` (collective over all ranks). A member of an NCCL group passes its
+        device, where this torch takes one, so the communicator is created right away."""
+        kwargs: dict[str, Any] = {}
+        if (backend == "nccl" and self._rank in ranks
+                and self.device_types[self.kind] == "cuda" and _new_group_takes_device()
+                and getattr(dist.group.WORLD, "bound_device_id", None) is None):
+            kwargs["device_id"] = self.device
+        return dist.new_group(list(ranks), timeout=self.timeout, backend=backend, **kwargs)
 
     def register_torch_backend(self) -> None:
         """Register the "unified" torch.distributed backend with this communicator's settings,

@@ -12,7 +12,12 @@ A unified group is made of backend links, created in the same order on every ran
 A group of a single kind runs every collective on its native link (no bridge). A mixed group
 runs the hierarchical algorithms of :mod:`megatron_het.comm.hierarchical` in relay mode.
 
-Operations are synchronous and in place; tensors live on the rank's device. Reduce ops: "sum",
+Operations are in place; tensors live on the rank's device. They are synchronous unless
+``async_op=True`` (all_reduce, reduce_scatter_tensor, all_gather_into_tensor), which returns a
+handle with ``wait()``/``is_completed()`` (see :mod:`megatron_het.comm.async_ops` for what runs
+when on single-kind and mixed groups). Device-backend links (everything but gloo) are connected
+when the group is built, so later batches of point-to-point transfers may involve any subset of
+the members. Reduce ops: "sum",
 "avg" (floating dtypes), "max", "min", or the matching ``dist.ReduceOp``. Float sums over a mixed
 group add in a different order than a flat ring, so they agree with torch.distributed to
 rounding; integer results and max/min agree bitwise.
@@ -26,9 +31,10 @@ import torch.distributed as dist
 
 from megatron_het.comm import hierarchical as hier
 from megatron_het.comm import p2p, ring
+from megatron_het.comm.async_ops import DONE, CollectiveHandle, FinishQueue, WorkHandle
 from megatron_het.comm.debug import REDUCE_OPS, check_matching
 from megatron_het.comm.layout import GroupLayout
-from megatron_het.comm.links import Link
+from megatron_het.comm.links import Link, Work
 from megatron_het.comm.relay import Bridge
 from megatron_het.comm.ring import Scratch
 
@@ -70,8 +76,10 @@ class UnifiedGroup:
             if pg is not None and me in ranks:
                 wire = bridge.wire_for(frozenset(layout.kinds[layout.kind_index(r)]
                                                  for r in ranks))
-                links[(label, tuple(sorted(ranks)))] = Link(pg, ranks, me, backend, label, name,
-                                                            wire)
+                link = Link(pg, ranks, me, backend, label, name, wire)
+                if link.is_native_device_link:
+                    link.warm_up()  # connect now (collective over the link's members)
+                links[(label, tuple(sorted(ranks)))] = link
 
         make("bridge", layout.ranks, bridge.backend)
         if bridge.backend != "gloo":  # debug descriptors and barriers stay on the host
@@ -82,6 +90,8 @@ class UnifiedGroup:
             make("channel", owners, bridge.backend)
         self._links = links
         self.scratch = Scratch()  # reusable buffers of the hierarchical algorithms
+        self._spare_scratch: list[Scratch] = []  # lent to pending asynchronous operations
+        self._pending = FinishQueue()
         if self.is_member:
             self.flat = links[("bridge", layout.ranks)]
             self.control = links.get(("control", layout.ranks), self.flat)
@@ -108,6 +118,11 @@ class UnifiedGroup:
     def is_mixed(self) -> bool:
         return self.layout.is_mixed
 
+    def p2p_link(self, peer: int) -> Link:
+        """The link a transfer with global rank ``peer`` goes over (native or bridge)."""
+        self._member()
+        return p2p.route(self, peer)[0]
+
     def channel(self, owners: tuple[int, ...]) -> Link:
         """The bridge channel over ``owners`` (this rank must be one of them)."""
         return self._links[("channel", tuple(sorted(owners)))]
@@ -129,39 +144,57 @@ class UnifiedGroup:
         return "flat" if self.bridge.mode == "direct" else "hierarchical"
 
     # -- collectives -------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> None:
-        """In-place reduction of ``tensor`` over the group (every rank gets the result)."""
+    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum",
+                   async_op: bool = False) -> CollectiveHandle | None:
+        """In-place reduction of ``tensor`` over the group (every rank gets the result).
+
+        ``async_op``: return a handle at once (the result is in place after ``wait()``)."""
         name = reduce_op_name(op)
         self._check("all_reduce", tensor, REDUCE_OPS.index(name), "op")
         base = "sum" if name == "avg" else name
         _check_avg(name, tensor)
-        with _flat_view(tensor) as flat:
-            path = self._path()
-            if path == "native":
-                self.native.all_reduce(flat, base)
-            elif path == "flat":
-                hier.flat_all_reduce(self.flat, self.bridge, flat, base)
-            else:
-                hier.all_reduce(self, flat, base)
+        view = FlatView(tensor)
+        flat = view.flat
+
+        def done() -> None:
             if name == "avg":
                 flat.div_(self.size)
+            view.write_back()
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        path = self._path()
+        if path == "native":
+            return self._native(self.native.all_reduce_async(flat, base, then=done), async_op)
+        if path == "hierarchical":
+            return self._phased(lambda s: hier.start_all_reduce(self, flat, base, s), done,
+                                async_op)
+        hier.flat_all_reduce(self.flat, self.bridge, flat, base)
+        done()
+        return DONE if async_op else None
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                               async_op: bool = False) -> CollectiveHandle | None:
         """``output`` (``size * input.numel()`` elements, e.g. ``[size*d0, ...]``) receives every
-        rank's ``input`` in group-rank order."""
+        rank's ``input`` in group-rank order. ``async_op``: return a handle at once; on a mixed
+        group the gather has already run when it returns."""
         self._check("all_gather", input)
         if output.numel() != self.size * input.numel():
             raise ValueError(f"all_gather output has {output.numel()} elements, expected "
                              f"{self.size} x {input.numel()}")
         source = input.contiguous().view(-1)
-        with _flat_view(output, copy_in=False) as out:
-            path = self._path()
-            if path == "native":
-                ring.gather_on(self.native, out, source, "all_gather")
-            elif path == "flat":
-                hier.flat_all_gather(self.flat, self.bridge, out, source)
-            else:
-                hier.all_gather(self, out, source)
+        view = FlatView(output, copy_in=False)
+        out = view.flat
+        path = self._path()
+        if path == "native" and (async_op or self.native.backend != "gloo"):
+            work = self.native.all_gather_tensor_async(out, source, then=view.write_back)
+            return self._native(work, async_op)
+        if path == "native":  # gloo: the ring is faster than gloo's own gather (see ring.py)
+            ring.all_gather(self.native, out, source, "all_gather")
+        elif path == "flat":
+            hier.flat_all_gather(self.flat, self.bridge, out, source)
+        else:
+            hier.all_gather(self, out, source)
+        view.write_back()
+        return DONE if async_op else None
 
     def all_gather(self, tensor_list: Sequence[torch.Tensor], tensor: torch.Tensor) -> None:
         """``tensor_list[i]`` receives group rank i's ``tensor`` (all the same shape)."""
@@ -171,9 +204,10 @@ class UnifiedGroup:
             dst.copy_(out[i * tensor.numel():(i + 1) * tensor.numel()].view(tensor.shape))
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
-                              op: Any = "sum") -> None:
+                              op: Any = "sum", async_op: bool = False
+                              ) -> CollectiveHandle | None:
         """``input`` holds ``size`` blocks shaped like ``output``; block i reduced over the group
-        lands in group rank i's ``output``."""
+        lands in group rank i's ``output``. ``async_op``: return a handle at once."""
         name = reduce_op_name(op)
         self._check("reduce_scatter", input, REDUCE_OPS.index(name), "op")
         if input.numel() != self.size * output.numel():
@@ -182,18 +216,62 @@ class UnifiedGroup:
         base = "sum" if name == "avg" else name
         _check_avg(name, input)
         source = input.contiguous().view(-1)
-        with _flat_view(output, copy_in=False) as out:
-            path = self._path()
-            if path == "native":
-                ring.reduce_scatter_on(self.native, out, source, base, self.scratch,
-                                       "reduce_scatter")
-            elif path == "flat":
-                hier.flat_reduce_scatter(self.flat, self.bridge, out, source, base,
-                                         self.scratch)
-            else:
-                hier.reduce_scatter(self, out, source, base)
+        view = FlatView(output, copy_in=False)
+        out = view.flat
+
+        def done() -> None:
             if name == "avg":
                 out.div_(self.size)
+            view.write_back()
+
+        path = self._path()
+        if path == "native" and (async_op or self.native.backend != "gloo"):
+            work = self.native.reduce_scatter_tensor_async(out, source, base, then=done)
+            return self._native(work, async_op)
+        if path == "hierarchical":
+            return self._phased(lambda s: hier.start_reduce_scatter(self, out, source, base, s),
+                                done, async_op)
+        if path == "native":  # gloo: the ring is faster than gloo's own (see ring.py)
+            ring.reduce_scatter(self.native, out, source, base, self.scratch, "reduce_scatter")
+        else:
+            hier.flat_reduce_scatter(self.flat, self.bridge, out, source, base, self.scratch)
+        done()
+        return DONE if async_op else None
+
+    def _native(self, work: Work, async_op: bool) -> CollectiveHandle | None:
+        if async_op:
+            return WorkHandle(work)
+        work.wait()
+        return None
+
+    def _phased(self, start: Callable[[Scratch], Callable[[], None]], done: Callable[[], None],
+                async_op: bool) -> CollectiveHandle | None:
+        """Run a hierarchical collective: ``start(scratch)`` runs its first phases and returns
+        its last one. Synchronous calls run both now on the group's scratch; asynchronous ones
+        get scratch of their own and finish in ``wait()``, in the order they were started."""
+        if not async_op:
+            start(self.scratch)()
+            done()
+            return None
+        scratch = self._spare_scratch.pop() if self._spare_scratch else Scratch()
+        try:
+            finish = start(scratch)
+        except BaseException:
+            self._spare_scratch.append(scratch)
+            raise
+
+        def last_phase() -> None:
+            try:
+                finish()
+                done()
+            finally:
+                self._spare_scratch.append(scratch)
+
+        return self._pending.add(last_phase)
+
+    def wait_all(self) -> None:
+        """Finish every asynchronous operation of this group that has not been waited on."""
+        self._pending.finish_all()
 
     def reduce_scatter(self, output: torch.Tensor, input_list: Sequence[torch.Tensor],
                        op: Any = "sum") -> None:
@@ -207,14 +285,15 @@ class UnifiedGroup:
         self._check("broadcast", tensor, src, "src")
         if src not in self.ranks:
             raise ValueError(f"broadcast source {src} is not in unified group '{self.name}'")
-        with _flat_view(tensor, copy_in=self.me == src) as flat:
-            path = self._path()
-            if path == "native":
-                self.native.broadcast(flat, src)
-            elif path == "flat":
-                hier.flat_broadcast(self.flat, self.bridge, flat, src)
-            else:
-                hier.broadcast(self, flat, src)
+        view = FlatView(tensor, copy_in=self.me == src)
+        path = self._path()
+        if path == "native":
+            self.native.broadcast(view.flat, src)
+        elif path == "flat":
+            hier.flat_broadcast(self.flat, self.bridge, view.flat, src)
+        else:
+            hier.broadcast(self, view.flat, src)
+        view.write_back()
 
     def all_to_all(self, output_list: Sequence[torch.Tensor],
                    input_list: Sequence[torch.Tensor]) -> None:
@@ -253,22 +332,20 @@ def _check_avg(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"reduce op avg needs a floating dtype, got {tensor.dtype}")
 
 
-class _flat_view:
-    """Context manager yielding a 1-D contiguous view of ``tensor``; writes a temporary copy
-    back on exit when ``tensor`` is not contiguous."""
+class FlatView:
+    """A 1-D contiguous view of ``tensor`` (the tensor's own memory when it is contiguous, else
+    a temporary, filled from it when ``copy_in``); ``write_back()`` copies a temporary back."""
 
     def __init__(self, tensor: torch.Tensor, copy_in: bool = True) -> None:
         self.tensor = tensor
-        if tensor.is_contiguous():
+        self.is_view = tensor.is_contiguous()
+        if self.is_view:
             self.flat = tensor.view(-1)
         elif copy_in:
             self.flat = tensor.contiguous().view(-1)
         else:
             self.flat = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
 
-    def __enter__(self) -> torch.Tensor:
-        return self.flat
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is None and not self.tensor.is_contiguous():
+    def write_back(self) -> None:
+        if not self.is_view:
             self.tensor.copy_(self.flat.view(self.tensor.shape))

@@ -20,6 +20,12 @@ group), plus ``parts.bridge`` for host staging.
   that natively; with uneven sizes it falls back to one flat gather on the bridge.
 - reduce_scatter: the first two phases of the all-reduce, then each rank collects its output
   block from the shards of its own kind's members (native point-to-point).
+
+all_reduce and reduce_scatter come in two parts (``start_*``): the call runs the reduction
+inside the kind and starts the cross-kind transfers, which then proceed in the bridge backend's
+threads; the returned function finishes the rest. An asynchronous collective of a group calls
+the second part in ``wait()`` (see :mod:`megatron_het.comm.async_ops`). Device tensors cross on
+host buffers from the bridge's pool, copied on side streams (:mod:`megatron_het.comm.staging`).
 """
 from __future__ import annotations
 
@@ -50,33 +56,47 @@ class MixedParts(Protocol):
     def channel(self, owners: tuple[int, ...]) -> Link: ...
 
 
+def start_all_reduce(parts: MixedParts, flat: torch.Tensor, op: str,
+                     scratch: Scratch) -> Callable[[], None]:
+    """In-place all-reduce of a 1-D contiguous tensor (``op`` in sum/max/min), in two parts:
+    this call reduces inside the kind and starts the cross-kind transfers; the returned
+    function finishes them, all-gathers inside the kind and leaves the result in ``flat``.
+
+    ``scratch`` holds the padded buffer and the shard until then (one per pending call)."""
+    if flat.numel() == 0:
+        return lambda: None
+    buf = _padded(flat, parts.layout.units, scratch)
+    shard, stream = _reduce_shards(parts, buf, op, scratch)
+
+    def finish() -> None:
+        if parts.native.size > 1:
+            native_all_gather(parts, buf, shard, stream.wait_below)
+        stream.wait_below(0, shard.numel())
+        if buf is not flat:
+            flat.copy_(buf[:flat.numel()])
+
+    return finish
+
+
 def all_reduce(parts: MixedParts, flat: torch.Tensor, op: str) -> None:
     """In-place all-reduce of a 1-D contiguous tensor (``op`` in sum/max/min)."""
-    if flat.numel() == 0:
-        return
-    buf = _padded(parts, flat)
-    shard, stream = _reduce_shards(parts, buf, op)
-    if parts.native.size > 1:
-        native_all_gather(parts, buf, shard, stream.wait_below)
-    stream.wait_below(0, shard.numel())
-    if buf is not flat:
-        flat.copy_(buf[:flat.numel()])
+    start_all_reduce(parts, flat, op, parts.scratch)()
 
 
-def _padded(parts: MixedParts, flat: torch.Tensor) -> torch.Tensor:
-    """``flat`` itself, or a scratch copy padded to a multiple of ``layout.units``; the pad takes
+def _padded(flat: torch.Tensor, units: int, scratch: Scratch) -> torch.Tensor:
+    """``flat`` itself, or a scratch copy padded to a multiple of ``units``; the pad takes
     part in the reduction but is dropped afterwards."""
-    units, numel = parts.layout.units, flat.numel()
+    numel = flat.numel()
     padded = -(-numel // units) * units
     if padded == numel:
         return flat
-    buf = parts.scratch.get(PAD_SLOT, padded, flat)
+    buf = scratch.get(PAD_SLOT, padded, flat)
     buf[:numel].copy_(flat)
     buf[numel:].zero_()
     return buf
 
 
-def _reduce_shards(parts: MixedParts, buf: torch.Tensor, op: str
+def _reduce_shards(parts: MixedParts, buf: torch.Tensor, op: str, scratch: Scratch
                    ) -> tuple[torch.Tensor, "_ChannelStream"]:
     """Reduce-scatter inside the kind, then (streamed) reduce each shard piece across kinds.
 
@@ -88,7 +108,7 @@ def _reduce_shards(parts: MixedParts, buf: torch.Tensor, op: str
     u0, u1 = lay.shard_units(me)
     shard = buf[u0 * chunk:u1 * chunk]
     if parts.native.size > 1 and parts.native.backend != "gloo":
-        shard = parts.scratch.get(SHARD_SLOT, (u1 - u0) * chunk, buf)
+        shard = scratch.get(SHARD_SLOT, (u1 - u0) * chunk, buf)
     stream = _ChannelStream(parts, shard, [
         ((seg.start - u0) * chunk, (seg.stop - u0) * chunk, seg.owners)
         for seg in lay.segments() if me in seg.owners], op)
@@ -126,7 +146,7 @@ class _ChannelStream:
         while self.done < len(self.launched) and self.launched[self.done][0] < stop:
             _, work, staged = self.launched[self.done]
             work.wait()
-            staged.finish()
+            staged.finish()  # back to the device (side stream), buffer back to the pool
             self.done += 1
 
 
@@ -155,11 +175,16 @@ def broadcast(parts: MixedParts, tensor: torch.Tensor, src: int) -> None:
     lay, me = parts.layout, parts.me
     channel = lay.entry_channel(lay.local_index(src))
     if me in channel:
-        staged = parts.bridge.stage(tensor, copy_in=me == src)
-        parts.channel(channel).broadcast(staged.host, src)
-        staged.finish()
+        relay_broadcast(parts.channel(channel), parts.bridge, tensor.view(-1), src)
     if parts.native.size > 1:
         parts.native.broadcast(tensor, channel[lay.kind_index(me)])
+
+
+def relay_broadcast(link: Link, bridge: Bridge, flat: torch.Tensor, src: int) -> None:
+    """Broadcast a 1-D tensor on a bridge link, chunk by chunk through host buffers."""
+    is_src = link.me == src
+    bridge.relay(flat, ring.chunks(flat.numel()), lambda host: link.broadcast_async(host, src),
+                 copy_in=is_src, copy_out=not is_src)
 
 
 def all_gather(parts: MixedParts, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -175,6 +200,7 @@ def all_gather(parts: MixedParts, output: torch.Tensor, input: torch.Tensor) -> 
     staged_out = parts.bridge.stage(gathered, copy_in=False)
     ring.gather_on(link, staged_out.host, staged_in.host, "all_gather")
     staged_out.finish()
+    staged_in.release()
     if parts.native.size > 1:
         everything = torch.empty(per_kind * gathered.numel(), dtype=input.dtype,
                                  device=input.device)
@@ -188,22 +214,38 @@ def all_gather(parts: MixedParts, output: torch.Tensor, input: torch.Tensor) -> 
             out[lay.group_rank(rank)].copy_(blocks[j, c])
 
 
-def reduce_scatter(parts: MixedParts, output: torch.Tensor, input: torch.Tensor,
-                   op: str) -> None:
+def start_reduce_scatter(parts: MixedParts, output: torch.Tensor, input: torch.Tensor, op: str,
+                         scratch: Scratch) -> Callable[[], None]:
     """``input`` (1-D, ``size`` blocks) is reduced over the group; block ``group rank`` lands in
-    ``output``.
+    ``output``. This call runs the first two phases of the all-reduce (the reduction inside the
+    kind and the start of the cross-kind one); the returned function finishes them.
 
-    The first two phases of the all-reduce leave every kind holding the full reduction, cut
-    into its members' shards; instead of all-gathering, each member then sends the parts of
-    its shard that fall in another member's output block to that member (native p2p)."""
-    lay, me, m = parts.layout, parts.me, output.numel()
-    units, numel = lay.units, input.numel()
-    buf = parts.scratch.get(PAD_SLOT, -(-numel // units) * units, input)  # works in place
+    Those phases leave every kind holding the full reduction, cut into its members' shards;
+    instead of all-gathering, each member then sends the parts of its shard that fall in
+    another member's output block to that member (native p2p)."""
+    lay, units, numel = parts.layout, parts.layout.units, input.numel()
+    buf = scratch.get(PAD_SLOT, -(-numel // units) * units, input)  # works in place
     buf[:numel].copy_(input)
     buf[numel:].zero_()
-    shard, stream = _reduce_shards(parts, buf, op)
-    stream.wait_below(0, shard.numel())
-    chunk = buf.numel() // lay.units
+    shard, stream = _reduce_shards(parts, buf, op, scratch)
+
+    def finish() -> None:
+        stream.wait_below(0, shard.numel())
+        _exchange_blocks(parts, output, shard, buf.numel() // lay.units)
+
+    return finish
+
+
+def reduce_scatter(parts: MixedParts, output: torch.Tensor, input: torch.Tensor,
+                   op: str) -> None:
+    """Synchronous :func:`start_reduce_scatter`."""
+    start_reduce_scatter(parts, output, input, op, parts.scratch)()
+
+
+def _exchange_blocks(parts: MixedParts, output: torch.Tensor, shard: torch.Tensor,
+                     chunk: int) -> None:
+    """Move the pieces of every member's shard into the member whose output block they are."""
+    lay, me, m = parts.layout, parts.me, output.numel()
     members = lay.members[lay.kind_index(me)]
 
     def span(rank: int) -> tuple[int, int, int, int]:  # shard [s0, s1) and output block [b0, b1)
@@ -232,23 +274,21 @@ def reduce_scatter(parts: MixedParts, output: torch.Tensor, input: torch.Tensor,
 
 def flat_all_gather(link: Link, bridge: Bridge, output: torch.Tensor,
                     input: torch.Tensor) -> None:
-    """One all-gather on ``link`` (staged through the host in relay mode)."""
+    """One all-gather on ``link`` (staged through the host when its backend is gloo)."""
     staged_in = bridge.stage(input)
     staged_out = bridge.stage(output, copy_in=False)
     ring.gather_on(link, staged_out.host, staged_in.host, "all_gather")
     staged_out.finish()
+    staged_in.release()
 
 
 def flat_all_reduce(link: Link, bridge: Bridge, flat: torch.Tensor, op: str) -> None:
-    staged = bridge.stage(flat)
-    link.all_reduce(staged.host, op)
-    staged.finish()
+    """All-reduce a 1-D tensor on one link, chunk by chunk through host buffers if needed."""
+    bridge.relay(flat, ring.chunks(flat.numel()), lambda host: link.all_reduce_async(host, op))
 
 
 def flat_broadcast(link: Link, bridge: Bridge, tensor: torch.Tensor, src: int) -> None:
-    staged = bridge.stage(tensor, copy_in=link.me == src)
-    link.broadcast(staged.host, src)
-    staged.finish()
+    relay_broadcast(link, bridge, tensor.view(-1), src)
 
 
 def flat_reduce_scatter(link: Link, bridge: Bridge, output: torch.Tensor, input: torch.Tensor,
@@ -257,3 +297,4 @@ def flat_reduce_scatter(link: Link, bridge: Bridge, output: torch.Tensor, input:
     staged_out = bridge.stage(output, copy_in=False)
     ring.reduce_scatter_on(link, staged_out.host, staged_in.host, op, scratch, "reduce_scatter")
     staged_out.finish()
+    staged_in.release()

@@ -116,38 +116,65 @@ class Link:
             raise ValueError(f"rank {rank} is not in {self.where}")
         return self.ranks.index(rank)
 
-    def all_reduce_async(self, tensor: torch.Tensor, op: str, name: str = "all_reduce") -> Work:
-        """Start an in-place all-reduce (``op`` in sum/max/min)."""
+    def all_reduce_async(self, tensor: torch.Tensor, op: str, name: str = "all_reduce",
+                         then: Callable[[], None] | None = None) -> Work:
+        """Start an in-place all-reduce (``op`` in sum/max/min); ``then`` runs once it is done."""
         opts = c10d.AllreduceOptions()
         opts.reduceOp = _NATIVE_OPS[op]
         return self._start(name, lambda: self.pg.allreduce([tensor], opts),
-                           self._ring_bytes(tensor, 2))
+                           self._ring_bytes(tensor, 2), then)
 
     def all_reduce(self, tensor: torch.Tensor, op: str, name: str = "all_reduce") -> None:
         self.all_reduce_async(tensor, op, name).wait()
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str,
-                              name: str = "reduce_scatter") -> None:
-        """``input`` holds ``size`` equal blocks; block ``rank`` summed over ranks lands in output."""
+    def reduce_scatter_tensor_async(self, output: torch.Tensor, input: torch.Tensor, op: str,
+                                    name: str = "reduce_scatter",
+                                    then: Callable[[], None] | None = None) -> Work:
+        """Start: ``input`` holds ``size`` equal blocks; block ``rank`` reduced over the ranks
+        lands in ``output``."""
         opts = c10d.ReduceScatterOptions()
         opts.reduceOp = _NATIVE_OPS[op]
-        self._start(name, lambda: self.pg._reduce_scatter_base(output, input, opts),
-                    self._ring_bytes(input, 1)).wait()
+        return self._start(name, lambda: self.pg._reduce_scatter_base(output, input, opts),
+                           self._ring_bytes(input, 1), then)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str,
+                              name: str = "reduce_scatter") -> None:
+        self.reduce_scatter_tensor_async(output, input, op, name).wait()
+
+    def all_gather_tensor_async(self, output: torch.Tensor, input: torch.Tensor,
+                                name: str = "all_gather",
+                                then: Callable[[], None] | None = None) -> Work:
+        """Start: ``output`` receives ``size`` blocks shaped like ``input``, in link-rank order."""
+        opts = c10d.AllgatherOptions()
+        return self._start(name, lambda: self.pg._allgather_base(output, input, opts),
+                           self._ring_bytes(output, 1), then)
 
     def all_gather_tensor(self, output: torch.Tensor, input: torch.Tensor,
                           name: str = "all_gather") -> None:
-        """``output`` receives ``size`` blocks shaped like ``input``, in link-rank order."""
-        opts = c10d.AllgatherOptions()
-        self._start(name, lambda: self.pg._allgather_base(output, input, opts),
-                    self._ring_bytes(output, 1)).wait()
+        self.all_gather_tensor_async(output, input, name).wait()
 
-    def broadcast(self, tensor: torch.Tensor, root: int, name: str = "broadcast") -> None:
-        """Broadcast in place from global rank ``root``."""
+    def broadcast_async(self, tensor: torch.Tensor, root: int, name: str = "broadcast") -> Work:
+        """Start a broadcast in place from global rank ``root``."""
         opts = c10d.BroadcastOptions()
         opts.rootRank = self.to_group_rank(root)
         opts.rootTensor = 0
-        self._start(name, lambda: self.pg.broadcast([tensor], opts),
-                    tensor.numel() * tensor.element_size()).wait()
+        return self._start(name, lambda: self.pg.broadcast([tensor], opts),
+                           tensor.numel() * tensor.element_size())
+
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str = "broadcast") -> None:
+        self.broadcast_async(tensor, root, name).wait()
+
+    @property
+    def is_native_device_link(self) -> bool:
+        """True for a device backend (nccl, hccl, ...): everything but gloo."""
+        return self.backend != "gloo"
+
+    def warm_up(self) -> None:
+        """Initialise the backend's communicator now, with one tiny all-reduce on this rank's
+        device (collective over the link). Device backends such as NCCL otherwise create it on
+        the first operation, for the whole link: a batch of point-to-point transfers that not
+        every member joins would then hang."""
+        self.all_reduce(torch.zeros(1, device=_device_of(self.backend)), "sum", "connect")
 
     def barrier(self, name: str = "barrier") -> None:
         if self.backend == "gloo":
@@ -156,12 +183,13 @@ class Link:
             self.all_reduce(torch.zeros(1, device=_device_of(self.backend)), "sum", name)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, name: str = "send",
-              pollable: bool = False) -> Work:
-        """Start sending to global rank ``dst``. ``pollable`` makes ``is_completed()`` work on
-        gloo (a watcher thread per transfer; internal rings leave it off)."""
+              pollable: bool = False, then: Callable[[], None] | None = None) -> Work:
+        """Start sending to global rank ``dst``; ``then`` runs once it has gone. ``pollable``
+        makes ``is_completed()`` work on gloo (a watcher thread per transfer; internal rings
+        leave it off)."""
         peer = self.to_group_rank(dst)
         return self._start(f"{name} to rank {dst}", lambda: self.pg.send([tensor], peer, tag),
-                           tensor.numel() * tensor.element_size(),
+                           tensor.numel() * tensor.element_size(), then,
                            watch=pollable and self.backend == "gloo")
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, name: str = "recv",

@@ -8,7 +8,7 @@ so it accepts uneven block shapes (the receive buffers say how much arrives from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ class P2POp:
             raise ValueError(f"P2POp op must be 'isend' or 'irecv', got {self.op!r}")
 
 
-def _route(parts: P2PParts, peer: int) -> tuple[Link, bool]:
+def route(parts: P2PParts, peer: int) -> tuple[Link, bool]:
     """The link to ``peer`` and whether it crosses kinds (and so uses the bridge)."""
     lay = parts.layout
     if peer == parts.me:
@@ -76,16 +76,19 @@ def _contiguous(tensor: torch.Tensor, what: str) -> None:
 def isend(parts: P2PParts, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PHandle:
     """Start sending ``tensor`` (contiguous, unchanged until ``wait()``) to global rank ``dst``."""
     _contiguous(tensor, "send")
-    link, crosses = _route(parts, dst)
-    staged = parts.bridge.stage(tensor) if crosses else None
-    work = link.isend(staged.host if staged else tensor, dst, tag, pollable=True)
+    link, crosses = route(parts, dst)
+    if not crosses:
+        return P2PHandle(link.isend(tensor, dst, tag, pollable=True))
+    staged = parts.bridge.stage(tensor)
+    work = link.isend(staged.host, dst, tag, then=parts.bridge.then_release(staged),
+                      pollable=True)
     return P2PHandle(work, staged)
 
 
 def irecv(parts: P2PParts, tensor: torch.Tensor, src: int, tag: int = 0) -> P2PHandle:
     """Start receiving into ``tensor`` (contiguous) from global rank ``src``."""
     _contiguous(tensor, "recv")
-    link, crosses = _route(parts, src)
+    link, crosses = route(parts, src)
     if not crosses:
         return P2PHandle(link.irecv(tensor, src, tag, pollable=True))
     staged = parts.bridge.stage(tensor, copy_in=False)
@@ -112,19 +115,20 @@ def batch_isend_irecv(parts: P2PParts, ops: Sequence[P2POp]) -> list[P2PHandle]:
     """Start every op of ``ops``; returns one handle per op, in order.
 
     Transfers on a gloo link are independent, so sends are posted first and receives after.
-    NCCL transfers of one batch must be issued as one coalesced group (a ring of blocking
-    sends would otherwise deadlock), so same-kind ops on an nccl link go through
-    ``dist.batch_isend_irecv`` together.
+    Transfers on a device backend's link (NCCL, HCCL: the native link of this rank's kind, or
+    a direct bridge) must be issued as one coalesced group per link, or a ring of blocking
+    sends would deadlock; those get one shared handle per link.
     """
     starters: dict[str, Callable[..., P2PHandle]] = {"isend": isend, "irecv": irecv}
-    lay = parts.layout
-    coalesce = parts.native.backend == "nccl"
-    native_ops = [i for i, op in enumerate(ops) if coalesce and op.peer in lay.ranks
-                  and op.peer != parts.me and lay.kind_index(op.peer) == lay.kind_index(parts.me)]
     handles: list[P2PHandle | None] = [None] * len(ops)
-    if native_ops:
-        shared = P2PHandle(_AllOf(_coalesced(parts.native, [ops[i] for i in native_ops])))
-        for i in native_ops:
+    by_link: dict[int, tuple[Link, list[int]]] = {}
+    for i, op in enumerate(ops):
+        link, _ = route(parts, op.peer)
+        if link.backend != "gloo":
+            by_link.setdefault(id(link), (link, []))[1].append(i)
+    for link, indices in by_link.values():
+        shared = P2PHandle(_AllOf(coalesced(link, [ops[i] for i in indices])))
+        for i in indices:
             handles[i] = shared
     order = sorted((i for i in range(len(ops)) if handles[i] is None),
                    key=lambda i: ops[i].op != "isend")
@@ -134,13 +138,34 @@ def batch_isend_irecv(parts: P2PParts, ops: Sequence[P2POp]) -> list[P2PHandle]:
     return [h for h in handles if h is not None]
 
 
-def _coalesced(link: Link, ops: Sequence[P2POp]) -> list[Work]:
+def coalesced(link: Link, ops: Sequence[P2POp]) -> list[Work]:
+    """Issue ``ops`` (peers are global ranks) as one coalesced batch on ``link``'s backend.
+
+    Calls the backend object itself (start coalescing, send/recv with link ranks, end), so it
+    works on a backend that torch.distributed never registered (the "unified" backend builds
+    its links straight from a store) as well as on a ``ProcessGroup``.
+    """
     for op in ops:
         _contiguous(op.tensor, op.op)
-    batch = [dist.P2POp(dist.isend if op.op == "isend" else dist.irecv, op.tensor, op.peer,
-                        group=link.pg, tag=op.tag) for op in ops]
-    works = guarded(link.group_name, "batch_isend_irecv", link.where,
-                    lambda: dist.batch_isend_irecv(batch))
+    if not ops:
+        return []
+    pg, device = link.pg, ops[0].tensor.device
+    is_group = isinstance(pg, dist.ProcessGroup)
+
+    def issue() -> list[Any]:
+        if is_group:
+            pg._start_coalescing(device)
+        else:
+            pg._start_coalescing()
+        works = []
+        for op in ops:
+            peer = link.to_group_rank(op.peer)
+            call = pg.send if op.op == "isend" else pg.recv
+            works.append(call([op.tensor], peer, op.tag))
+        end = pg._end_coalescing(device) if is_group else pg._end_coalescing()
+        return [end] if end is not None else [w for w in works if w is not None]
+
+    works = guarded(link.group_name, "batch_isend_irecv", link.where, issue)
     return [Work(w, link.group_name, "batch_isend_irecv", link.where) for w in works]
 
 

@@ -14,7 +14,6 @@ host's cores.
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import statistics
 import time
@@ -25,8 +24,8 @@ import torch
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.perf.cost_model import tp_collectives
-from megatron_het.perf.measure_procs import (free_loopback_port, gloo_pair, report_to_parent,
-                                             run_measurement_processes)
+from megatron_het.perf.measure_procs import (free_loopback_port, gloo_pair, process_context,
+                                             report_to_parent, run_measurement_processes)
 
 
 def measure_host_sharing(config: ModelConfig, seq: int, micro_batch: int, tp: int = 1,
@@ -86,7 +85,7 @@ def _collective_round(config: ModelConfig, seq: int, micro_batch: int, passes: i
                       timeout_s: float) -> tuple[float, float]:
     port = free_loopback_port()
     (payload,) = run_measurement_processes(
-        multiprocessing.get_context("fork"), _pair_worker,
+        process_context(), _pair_worker,
         [(config, seq, micro_batch, rank, port, passes, timeout_s) for rank in range(2)], 1,
         timeout_s, f"host collective measurement did not finish in {timeout_s} s",
         "host collective measurement failed", join_s=10.0)
@@ -141,7 +140,7 @@ def _collective_times(comm: Any, config: ModelConfig, seq: int, micro_batch: int
 def _concurrent_passes(config: ModelConfig, seq: int, micro_batch: int, tp: int, n: int,
                        passes: int, warmup: int, timeout_s: float) -> list[float]:
     """Pass times (seconds) of ``n`` processes computing at once, all of them."""
-    ctx = multiprocessing.get_context("fork")
+    ctx = process_context()
     barrier = ctx.Barrier(n)
     reports = run_measurement_processes(
         ctx, _worker, [(config, seq, micro_batch, tp, passes, warmup, barrier, timeout_s)] * n,

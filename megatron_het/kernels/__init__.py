@@ -1,9 +1,17 @@
 """Fused ops with pure-torch fallbacks.
 
-apex is optional: where it is installed and the tensors are on a CUDA/ROCm device, its fused
-kernels are used; everywhere else the torch implementation runs. ``csrc/`` will add our own
-kernels behind the same functions.
+apex, liger-kernel and flash-attn are optional: each is looked up once (its compiled parts
+included) and, where installed and the tensors are on a CUDA/ROCm device, its fused kernels are
+used; everywhere else the torch implementation runs. Attention picks its kernel deliberately
+(:mod:`megatron_het.kernels.attention`). ``csrc/`` will add our own kernels behind the same
+functions.
 """
+from megatron_het.kernels.attention import (AttentionKernel, causal_attention,
+                                            choose_attention_kernel, reference_attention)
+from megatron_het.kernels.liger import LIGER, LigerKernels
 from megatron_het.kernels.norms import apex_rms_norm_available, rms_norm
+from megatron_het.kernels.swiglu import swiglu
 
-__all__ = ["apex_rms_norm_available", "rms_norm"]
+__all__ = ["AttentionKernel", "LIGER", "LigerKernels", "apex_rms_norm_available",
+           "causal_attention", "choose_attention_kernel", "reference_attention", "rms_norm",
+           "swiglu"]

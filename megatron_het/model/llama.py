@@ -41,14 +41,18 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
-from megatron_het.kernels import rms_norm
+from megatron_het.kernels import causal_attention, rms_norm, swiglu
 from megatron_het.model.init import init_weights
 from megatron_het.model.loss import linear_cross_entropy
-from megatron_het.model.rope import RotaryEmbedding, apply_rope
+from megatron_het.model.rope import RotaryEmbedding, apply_rope, rope_table_dtype
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension.
+
+    Normalises in float32 and returns ``x``'s dtype whatever the weight's dtype and autocast
+    (:func:`~megatron_het.kernels.norms.rms_norm`, which also picks apex's or liger's fused
+    kernel on CUDA/ROCm where installed)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -56,15 +60,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype:
-            return rms_norm(x, self.weight, self.eps)
-        # Mixed dtypes: normalise in float32, cast back, then scale (Hugging Face's order).
-        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
-        return self.weight * normed
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with a fused, group-major ``qkv`` projection."""
+    """Causal grouped-query self-attention with a fused, group-major ``qkv`` projection.
+
+    The attention kernel is chosen per call from the device, dtype and what is installed
+    (:mod:`megatron_het.kernels.attention`): flash attention for bf16/fp16 on CUDA/ROCm, the
+    memory-efficient kernel for fp32 on CUDA, the CPU flash kernel on CPU; none of them builds
+    the ``S x S`` score matrix."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -82,15 +87,13 @@ class Attention(nn.Module):
         qkv = self.qkv(x_BSH).view(B, S, self.num_groups, per_group + 2, self.head_dim)
         # One split (not three slices): its backward is a single concatenation instead of a
         # zero-filled full-size gradient per slice. RoPE writes fresh contiguous tensors, so
-        # q and k need no copy of their own; v stays a strided view, which SDPA accepts.
+        # q and k need no copy of their own; v gets one, since a view of the qkv output saved
+        # for backward would keep all of it (q and k too) alive until then.
         q, k, v = qkv.split((per_group, 1, 1), dim=3)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None]).view(B, S, self.num_heads, -1)
         k = apply_rope(k.squeeze(3), cos, sin)  # [B, S, ng, D]
-        v = v.squeeze(3)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=per_group > 1)  # [B, N, S, D]
-        return self.proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+        out = causal_attention(q, k, v.squeeze(3).contiguous())  # [B, S, N, D]
+        return self.proj(out.reshape(B, S, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -103,7 +106,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(swiglu(self.gate(x), self.up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -193,11 +196,8 @@ class LlamaModel(nn.Module):
         """The embedding (if held) and this stage's decoder layers: tokens ``[B, S]`` or hidden
         states ``[B, S, H]`` in, hidden states ``[B, S, H]`` out (before the final norm)."""
         hidden = self.embedding(x) if self.has_embedding else x
-        device_type = hidden.device.type
-        # Under autocast q and k come out of the qkv GEMM in the autocast dtype.
-        rope_dtype = (torch.get_autocast_dtype(device_type)
-                      if torch.is_autocast_enabled(device_type) else hidden.dtype)
-        cos, sin = self.rotary.cos_sin(hidden.shape[1], hidden.device, rope_dtype)
+        cos, sin = self.rotary.cos_sin(hidden.shape[1], hidden.device,
+                                       rope_table_dtype(hidden))
         use_recompute = self.recompute and self.training and torch.is_grad_enabled()
         for layer in self.layers.values():
             if use_recompute:

@@ -6,42 +6,197 @@ weight, then dropped. Peak extra memory is one chunk of logits instead of all of
 logits of a 128k vocabulary dominate activation memory otherwise), and the softmax gradient is
 formed in place instead of by separate log-softmax and NLL backward passes.
 
-Shape legend: N tokens, H hidden, V vocabulary.
+Precision: GEMM operands are in the compute dtype (the autocast dtype, else the inputs'),
+logits, softmax and loss in float32, and the weight gradient is summed over chunks in float32
+(:mod:`megatron_het.kernels.gemm`); the token weights enter it as a float32 scale applied at the
+end (:func:`split_token_weights`), so with the default mean loss the only rounding is that of
+the softmax gradient to the operand dtype. That float32 gradient is never rounded to a bf16
+weight's dtype: when the weight carries a ``main_grad`` (:mod:`megatron_het.kernels.main_grad`),
+backward adds it, times the incoming scale, into ``main_grad`` and returns no gradient for the
+weight; otherwise the gradient goes to autograd in the weight's dtype, as for any layer.
+
+Chunks hold a fixed number of BYTES of float32 logits (:func:`default_chunk_tokens`), so the
+GEMMs keep a useful M whatever the vocabulary. The chunk loop does no host synchronisation: no
+boolean-mask indexing, no ``.item()``, no data-dependent shapes.
+
+Where liger-kernel is installed, a CUDA head with the default mean loss and a weight without a
+``main_grad`` runs liger's fused linear cross-entropy instead (it rounds the weight gradient
+to the weight's dtype, so a ``main_grad`` weight keeps ours).
+
+Shape legend: N tokens, Nc tokens of a chunk, H hidden, V vocabulary.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
 
+from megatron_het.kernels.autocast import autocast_dtype, autocast_off
+from megatron_het.kernels.gemm import addmm_fp32_out_, gemm_operand_dtype, mm_fp32_out
+from megatron_het.kernels.liger import LIGER, LigerKernels
+from megatron_het.kernels.main_grad import add_to_main_grad, has_main_grad
+
 IGNORE_INDEX = -100
 
-# About 1M logits (4 MB in float32) per chunk: large enough for efficient GEMMs, small enough
-# to stay cache- and memory-friendly.
-_CHUNK_LOGITS = 1 << 20
+# Chunk budgets, in bytes of float32 logits (4 bytes per logit). On an accelerator a chunk's
+# tokens are the M of the three GEMMs of the head (logits, and the two gradient products):
+# 256 MiB gives M = 2048 at a 32k vocabulary and 512 at 128k, enough for full tensor-core
+# tiles, while the chunk's transient memory (its float32 logits and a low-precision copy of the
+# softmax gradient, ~1.5x the budget) stays small next to a layer's activations.
+CHUNK_LOGIT_BYTES_ACCELERATOR = 256 << 20
+# On CPU the chunk is written by the GEMM and read back by the softmax passes and both gradient
+# GEMMs, so it should stay in the last-level cache: 8 MiB does on typical hosts (L3 of 16 MB and
+# more) and still gives M = 64 at a 32k vocabulary.
+CHUNK_LOGIT_BYTES_CPU = 8 << 20
+# Chunks of at least this many tokens are rounded down to a multiple of it (whole GEMM tiles).
+_TILE_TOKENS = 64
 
 
-def _chunk_grads(logits: torch.Tensor, labels: torch.Tensor, hidden: torch.Tensor,
-                 weights: torch.Tensor, weight_VH: torch.Tensor,
-                 grad_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss of one chunk; softmax gradient formed in place of ``logits``.
+def default_chunk_tokens(vocab_rows: int, device_type: str) -> int:
+    """Tokens per chunk so that a chunk's float32 logits ``[Nc, vocab_rows]`` fill the
+    device's budget (:data:`CHUNK_LOGIT_BYTES_CPU` on CPU, else
+    :data:`CHUNK_LOGIT_BYTES_ACCELERATOR`); ``vocab_rows`` is V, or one rank's Vr under TP."""
+    budget = CHUNK_LOGIT_BYTES_CPU if device_type == "cpu" else CHUNK_LOGIT_BYTES_ACCELERATOR
+    tokens = max(1, budget // (4 * max(1, vocab_rows)))
+    return tokens - tokens % _TILE_TOKENS if tokens >= _TILE_TOKENS else tokens
 
-    Returns ``(loss[Nc] float32, grad_hidden[Nc, H])`` and accumulates into ``grad_weight``.
-    """
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    rows = torch.arange(labels.shape[0], device=labels.device)
-    loss = -log_probs[rows, labels]
-    probs = log_probs.exp_()
-    probs[rows, labels] -= 1.0  # d(CE)/d(logits) = softmax - onehot
-    probs = probs.to(weight_VH.dtype)
-    # Scaling by the token weights is folded into the thin [Nc, H] operands, not the logits.
-    grad_hidden = (probs @ weight_VH) * weights[:, None].to(weight_VH.dtype)
-    scaled_hidden = hidden * weights[:, None].to(hidden.dtype)
-    if grad_weight.dtype == probs.dtype:
-        grad_weight.addmm_(probs.t(), scaled_hidden)
-    else:  # low-precision GEMM, float32 accumulation across chunks
-        grad_weight.add_(probs.t() @ scaled_hidden)
-    return loss, grad_hidden
+
+@dataclasses.dataclass(frozen=True)
+class HeadSettings:
+    """How a fused head runs: ``chunk_tokens`` per chunk, which gradients autograd needs, and
+    ``compute_dtype`` (the autocast dtype when autocast is on, else the inputs' common dtype)."""
+
+    chunk_tokens: int
+    hidden_grad: bool
+    weight_grad: bool
+    compute_dtype: torch.dtype
+
+    @property
+    def need_grads(self) -> bool:
+        return self.hidden_grad or self.weight_grad
+
+
+def fused_head_settings(hidden: torch.Tensor, weight_VH: torch.Tensor,
+                        chunk_tokens: Optional[int] = None) -> HeadSettings:
+    """:class:`HeadSettings` of a fused output layer + loss over the ``[V, H]`` (or one rank's
+    ``[Vr, H]``) ``weight_VH``: ``chunk_tokens`` when given, else :func:`default_chunk_tokens`."""
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(weight_VH.shape[0], hidden.device.type)
+    grad_on = torch.is_grad_enabled()
+    compute_dtype = (autocast_dtype(hidden.device.type)
+                     or torch.promote_types(hidden.dtype, weight_VH.dtype))
+    return HeadSettings(max(1, chunk_tokens), grad_on and hidden.requires_grad,
+                        grad_on and weight_VH.requires_grad, compute_dtype)
+
+
+def head_operands(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, settings: HeadSettings
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden`` and ``weight`` in the dtype the head's GEMMs take (see
+    :func:`~megatron_het.kernels.gemm.gemm_operand_dtype`)."""
+    dtype = gemm_operand_dtype(settings.compute_dtype, hidden_NH.device)
+    return hidden_NH.to(dtype), weight_VH.to(dtype)
+
+
+def chunk_logits(h_NcH: torch.Tensor, weight_VH: torch.Tensor) -> torch.Tensor:
+    """Float32 logits ``[Nc, V]`` of one chunk (operands from :func:`head_operands`)."""
+    return mm_fp32_out(h_NcH, weight_VH.t())
+
+
+def split_token_weights(weights_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, unit_N)`` with ``weights_N == scale * unit_N``, ``scale = max |weights_N|``
+    (a float32 0-dim tensor; 1 when every weight is 0).
+
+    The weight gradient is ``scale * sum_i unit_i * dlogits_i^T h_i``: the GEMM operand is
+    ``h * unit``, which for the usual weights (a loss mask over a token count) is ``h`` or 0,
+    exact in bf16, and ``scale`` is applied once in float32 at the end. Rounding ``h * w`` to
+    bf16 instead would add an error of the size of rounding the whole gradient."""
+    scale = weights_N.abs().amax()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, weights_N / scale
+
+
+def project_logit_grads(dlogits_NcV: torch.Tensor, h_NcH: torch.Tensor,
+                        weight_VH: torch.Tensor, weights_Nc: torch.Tensor,
+                        units_Nc: torch.Tensor, grad_hidden_NcH: Optional[torch.Tensor],
+                        grad_weight_VH: Optional[torch.Tensor]) -> None:
+    """From one chunk's float32 ``d CE_i / d logits`` (unweighted), write the chunk's hidden
+    gradient, scaled by the token weights, into ``grad_hidden_NcH`` and add its weight gradient,
+    scaled by the unit weights of :func:`split_token_weights` (the caller multiplies by the
+    scale at the end), into the float32 ``grad_weight_VH``. Either output may be None."""
+    dlogits = dlogits_NcV.to(weight_VH.dtype)
+    # Token weights scale the thin [Nc, H] operands, not the [Nc, V] logits.
+    if grad_hidden_NcH is not None:
+        grad_hidden_NcH.copy_(mm_fp32_out(dlogits, weight_VH) * weights_Nc[:, None])
+    if grad_weight_VH is not None:
+        scaled_h = (h_NcH * units_Nc[:, None]).to(h_NcH.dtype)
+        addmm_fp32_out_(grad_weight_VH, dlogits.t(), scaled_h)
+
+
+def save_head_grads(ctx: Any, hidden: torch.Tensor, weight_VH: torch.Tensor,
+                    grad_hidden: Optional[torch.Tensor],
+                    grad_weight_fp32: Optional[torch.Tensor]) -> None:
+    """Keep a head's gradients for :func:`head_backward`: the hidden gradient in ``hidden``'s
+    dtype; the weight gradient in float32 when ``weight_VH`` has a ``main_grad`` (it is added
+    there in backward), else in the weight's dtype."""
+    ctx.main_grad_weight = None
+    if grad_weight_fp32 is not None and has_main_grad(weight_VH):
+        ctx.main_grad_weight = weight_VH
+    elif grad_weight_fp32 is not None:
+        grad_weight_fp32 = grad_weight_fp32.to(weight_VH.dtype)
+    ctx.save_for_backward(None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+                          grad_weight_fp32)
+
+
+def head_backward(ctx: Any, grad_total: torch.Tensor
+                  ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(grad_hidden, grad_weight)`` of a head whose gradients :func:`save_head_grads` kept,
+    scaled by ``grad_total``; a ``main_grad`` weight gets its float32 gradient added into
+    ``main_grad`` here (the optimizer is notified) and None is returned for it."""
+    grad_hidden, grad_weight = ctx.saved_tensors
+    if grad_hidden is not None:
+        grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+    if grad_weight is None:
+        return grad_hidden, None
+    weight = ctx.main_grad_weight
+    if weight is None:
+        return grad_hidden, grad_weight * grad_total.to(grad_weight.dtype)
+    # In place: the float32 [V, H] gradient is not needed again (a second backward through
+    # the same graph fails autograd's saved-tensor version check instead of double-counting).
+    scaled = grad_weight.mul_(grad_total.float())
+    if add_to_main_grad(weight, scaled):
+        return grad_hidden, None
+    return grad_hidden, scaled.to(weight.dtype)  # main_grad was removed since forward
+
+
+def _run_chunks(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor,
+                weights_N: torch.Tensor, settings: HeadSettings
+                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
+    """``(grad_hidden, grad_weight float32, loss)`` of the single-rank head; grads None where
+    not needed."""
+    h_all, weight = head_operands(hidden_NH, weight_VH, settings)
+    N, chunk = h_all.shape[0], settings.chunk_tokens
+    total = torch.zeros((), dtype=torch.float32, device=h_all.device)
+    grad_hidden = torch.empty_like(hidden_NH) if settings.hidden_grad else None
+    grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                   if settings.weight_grad else None)
+    minus_one = torch.full((min(chunk, N), 1), -1.0, dtype=torch.float32, device=h_all.device)
+    scale, units_N = split_token_weights(weights_N)
+    for start in range(0, N, chunk):
+        part = slice(start, start + chunk)
+        h, y, w = h_all[part], labels_N[part, None], weights_N[part]
+        logits = chunk_logits(h, weight)  # float32 [Nc, V]
+        lse = torch.logsumexp(logits, dim=-1)
+        total += ((lse - logits.gather(1, y).squeeze(1)) * w).sum()
+        if settings.need_grads:
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            probs.scatter_add_(1, y, minus_one[:h.shape[0]].to(probs.dtype))  # minus one-hot
+            project_logit_grads(probs, h, weight, w, units_N[part],
+                                None if grad_hidden is None else grad_hidden[part],
+                                grad_weight)
+    if grad_weight is not None:
+        grad_weight.mul_(scale)
+    return grad_hidden, grad_weight, total
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -49,50 +204,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor,
-                labels_N: torch.Tensor, weights_N: torch.Tensor, chunk_tokens: int,
-                need_grads: bool, compute_dtype: torch.dtype) -> torch.Tensor:
-        with torch.autocast(hidden_NH.device.type, enabled=False):
-            grad_hidden, grad_weight, total = _LinearCrossEntropy._run(
-                hidden_NH.to(compute_dtype), weight_VH.to(compute_dtype), labels_N, weights_N,
-                chunk_tokens, need_grads)
-        if need_grads:
-            ctx.save_for_backward(grad_hidden.to(hidden_NH.dtype),
-                                  grad_weight.to(weight_VH.dtype))
+                labels_N: torch.Tensor, weights_N: torch.Tensor,
+                settings: HeadSettings) -> torch.Tensor:
+        with autocast_off(hidden_NH.device.type):
+            grad_hidden, grad_weight, total = _run_chunks(hidden_NH, weight_VH, labels_N,
+                                                          weights_N, settings)
+        save_head_grads(ctx, hidden_NH, weight_VH, grad_hidden, grad_weight)
         return total
 
     @staticmethod
-    def _run(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor,
-             weights_N: torch.Tensor, chunk_tokens: int, need_grads: bool
-             ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
-        """``(grad_hidden, grad_weight float32, loss)``; the grads are None without need_grads."""
-        total = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
-        grad_hidden = torch.empty_like(hidden_NH) if need_grads else None
-        grad_weight = (torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device)
-                       if need_grads else None)
-        for start in range(0, hidden_NH.shape[0], chunk_tokens):
-            h = hidden_NH[start:start + chunk_tokens]
-            y = labels_N[start:start + chunk_tokens]
-            w = weights_N[start:start + chunk_tokens]
-            logits = h @ weight_VH.t()
-            if need_grads:
-                loss, grad_hidden[start:start + chunk_tokens] = _chunk_grads(
-                    logits, y, h, w, weight_VH, grad_weight)
-            else:
-                loss = torch.logsumexp(logits.float(), dim=-1) - logits.gather(
-                    1, y[:, None]).squeeze(1).float()
-            total += (loss * w).sum()
-        return grad_hidden, grad_weight, total
-
-    @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_total.to(grad_hidden.dtype),
-                grad_weight * grad_total.to(grad_weight.dtype), None, None, None, None, None)
+        return (*head_backward(ctx, grad_total), None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight_VH: torch.Tensor, labels: torch.Tensor,
                          loss_weights: Optional[torch.Tensor] = None,
-                         chunk_tokens: Optional[int] = None) -> torch.Tensor:
+                         chunk_tokens: Optional[int] = None,
+                         liger: Optional[LigerKernels] = None) -> torch.Tensor:
     """``sum_i loss_weights[i] * CE(hidden[i] @ weight.T, labels[i])`` as a float32 scalar.
 
     Args:
@@ -101,21 +229,35 @@ def linear_cross_entropy(hidden: torch.Tensor, weight_VH: torch.Tensor, labels: 
         labels: ``[...]`` target ids; ``IGNORE_INDEX`` (-100) marks tokens without a loss.
         loss_weights: ``[...]`` per-token weights (a loss mask divided by the token count, for
             instance). Default: the mean over tokens whose label is not ignored.
-        chunk_tokens: tokens per chunk; default keeps a chunk near 1M logits.
+        chunk_tokens: tokens per chunk; default :func:`default_chunk_tokens`.
+        liger: replaces the installed liger kernels (tests inject fakes).
 
-    Gradients of ``hidden`` and ``weight_VH`` are computed during the forward pass (only when
-    autograd needs them) and kept until backward, so this costs no extra GEMM over the unfused
-    computation. GEMMs run in the autocast dtype when autocast is on (else in the inputs'
-    common dtype); the softmax, the loss and the weight-gradient accumulation run in float32.
-    Matches ``F.cross_entropy`` on the full logits within float rounding.
+    Gradients of ``hidden`` and ``weight_VH`` are computed during the forward pass (only those
+    autograd needs) and kept until backward, so this costs no extra GEMM over the unfused
+    computation. See the module docstring for precision and ``main_grad``. Matches
+    ``F.cross_entropy`` on the full logits within float rounding. No host synchronisation.
     """
+    fused = _liger_head(hidden, weight_VH, loss_weights, chunk_tokens, liger)
+    if fused is not None:
+        return fused(hidden.reshape(-1, hidden.shape[-1]), weight_VH, labels.reshape(-1))
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
     labels_N = labels.reshape(-1)
     weights_N = token_loss_weights(labels_N, loss_weights)
     labels_N = torch.where(labels_N != IGNORE_INDEX, labels_N, 0)
-    chunk_tokens, need_grads, compute_dtype = fused_head_settings(hidden, weight_VH, chunk_tokens)
-    return _LinearCrossEntropy.apply(hidden_NH, weight_VH, labels_N, weights_N, chunk_tokens,
-                                     need_grads, compute_dtype)
+    settings = fused_head_settings(hidden, weight_VH, chunk_tokens)
+    return _LinearCrossEntropy.apply(hidden_NH, weight_VH, labels_N, weights_N, settings)
+
+
+def _liger_head(hidden: torch.Tensor, weight_VH: torch.Tensor,
+                loss_weights: Optional[torch.Tensor], chunk_tokens: Optional[int],
+                liger: Optional[LigerKernels]) -> Optional[Any]:
+    """liger's fused linear cross-entropy when it may stand in for ours: installed, on its
+    device, the default mean loss, no chunk override and no ``main_grad`` on the weight."""
+    kernels = LIGER if liger is None else liger
+    if (loss_weights is not None or chunk_tokens is not None or has_main_grad(weight_VH)
+            or not kernels.usable(kernels.linear_cross_entropy, hidden.device.type)):
+        return None
+    return kernels.linear_cross_entropy
 
 
 def token_loss_weights(labels_N: torch.Tensor,
@@ -126,20 +268,3 @@ def token_loss_weights(labels_N: torch.Tensor,
     if loss_weights is None:
         return keep.float() / keep.sum().clamp(min=1)
     return loss_weights.reshape(-1).float() * keep
-
-
-def fused_head_settings(hidden: torch.Tensor, weight_VH: torch.Tensor,
-                        chunk_tokens: Optional[int] = None) -> tuple[int, bool, torch.dtype]:
-    """``(chunk_tokens, need_grads, compute_dtype)`` of a fused output layer + loss over the
-    ``[V, H]`` (or one rank's ``[Vr, H]``) ``weight_VH``: the given chunk, else about 1M logits
-    per chunk; whether autograd needs the gradients; the autocast dtype when autocast is on,
-    else the inputs' common dtype."""
-    if chunk_tokens is None:
-        chunk_tokens = max(1, _CHUNK_LOGITS // weight_VH.shape[0])
-    need_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight_VH.requires_grad)
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight_VH.dtype)
-    return chunk_tokens, need_grads, compute_dtype

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megatron_het.config import ModelConfig, RopeScaling
+from megatron_het.kernels.autocast import autocast_dtype
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float,
@@ -40,6 +41,13 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(in_band, blended, scaled)
+
+
+def rope_table_dtype(activations: torch.Tensor) -> torch.dtype:
+    """The dtype q and k have when they reach RoPE, so the tables need no cast per layer: the
+    autocast dtype when autocast is on for the activations' device (the qkv GEMM then outputs
+    it), else the activations' own dtype (bf16 with bf16 parameters, float32 in fp32 runs)."""
+    return autocast_dtype(activations.device.type) or activations.dtype
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,4 +1,4 @@
-"""Data-parallel gradient sync: gradients flattened into fp32 buckets, one collective per bucket.
+"""Data-parallel gradient sync: float32 main gradients in buckets, one collective per bucket.
 
 A :class:`GradBuckets` lays a stage's trainable parameters out in flat float32 buffers
 ("buckets") of about ``bucket_size_mb`` each, in REVERSE registration order (roughly the order in
@@ -6,38 +6,47 @@ which backward produces the gradients, as Megatron-LM does). Each bucket is padd
 of the data-parallel size so it splits into ``dp`` equal contiguous ranges; DP rank ``r`` owns
 range ``r`` (used by the distributed optimizer, ZeRO-1).
 
-Between :meth:`GradBuckets.zero_grad` and the sync, every float32 parameter's ``.grad`` IS a view
-of its bucket, so autograd accumulates micro-batch gradients straight into the buffer (autograd
-adds in place into an existing ``.grad``). Gradients that arrive another way (``.grad`` set to
-None and recreated, or non-float32 parameters) are copied in at sync time, so the sync is correct
-either way.
+Main gradients (Megatron's mixed precision): every parameter's gradient is accumulated over the
+micro-batches of an iteration in float32, in its slice of a bucket:
 
-Sync over the DP group (``groups.dp`` of :mod:`megatron_het.parallel.groups`), SUM reduction:
+* a float32 parameter's ``.grad`` IS that slice, so autograd adds into it in place;
+* a low-precision (bf16/fp16) parameter carries ``param.main_grad``, a float32 view of the slice
+  (:mod:`megatron_het.kernels.main_grad`). A post-accumulate-grad hook adds each backward pass's
+  low-precision ``.grad`` into it and frees ``.grad``; kernels that compute a weight gradient in
+  float32 add it into ``main_grad`` directly.
 
-* :meth:`all_reduce`: one ``all_reduce`` per bucket; afterwards every ``.grad`` holds the DP sum.
+Gradients of float32 parameters that arrive another way (``.grad`` set to None and recreated)
+are copied in at sync time, so the sync is correct either way.
+
+Sync over the DP group (``groups.dp`` of :mod:`megatron_het.parallel.groups`), SUM reduction, in
+float32 or (``reduce_dtype=torch.bfloat16``, Megatron's ``--grad-reduce-in-bf16``) on a bf16 copy
+of the bucket:
+
+* :meth:`all_reduce`: one ``all_reduce`` per bucket; afterwards every gradient holds the DP sum.
 * :meth:`reduce_scatter`: one ``reduce_scatter_tensor`` per bucket; afterwards only THIS rank's
   owned range of each bucket holds the DP sum (the rest of the buffer is stale local data).
 
-Both are skipped when the DP group has one rank.
+Both are skipped when the DP group has one rank. Every collective is issued asynchronously
+(``async_op=True``) from the thread running backward, in bucket order, and waited for at the
+sync, so bucket transfers overlap each other and, with overlap, the backward pass.
 
-Overlap with backward (:meth:`GradBuckets.enable_overlap`, opt-in): the unified communicator's
-collectives are synchronous, so a reduction called from a backward hook would stall the backward
-pass for the whole transfer and overlap nothing. Instead, post-accumulate-grad hooks count the
-backward passes each parameter has received; once every parameter of a bucket has its last
-expected one (the count is given per iteration, :meth:`GradBuckets.start_iteration`), the
-bucket's collective is queued on ONE background thread, which blocks in the collective while the
-main thread continues backward. The sync then waits for those and reduces the remaining buckets
-in order. Without a count, or for buckets held back (a tied embedding whose cross-stage sum
-happens after the pipeline's last backward), everything is reduced at sync time.
+Overlap with backward (:meth:`GradBuckets.enable_overlap`, opt-in): the hooks count the gradient
+events each parameter has received; once every parameter of a bucket has its last expected one
+(the count per iteration is given to :meth:`GradBuckets.start_iteration`), the bucket's
+collective is started right there, so it runs while backward continues. Every DP rank has the
+same stage layout and backward graph, so every rank starts the same collectives in the same
+order on the one thread that runs backward. Buckets held back (a tied embedding whose
+cross-stage sum happens after the pipeline's last backward) are reduced at sync time.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
+
+from megatron_het.kernels.main_grad import MAIN_GRAD, ON_MAIN_GRAD_ADDED
 
 _FP32_BYTES = 4
 
@@ -102,30 +111,42 @@ def plan_buckets(named_params: Sequence[tuple[str, nn.Parameter]], bucket_size_m
     return buckets
 
 
+@dataclass
+class _Pending:
+    """A started bucket collective: its handle and what to do once it is done."""
+
+    handle: Any
+    finish: Callable[[], None]
+
+
 class GradBuckets:
-    """The bucketed gradients of ``named_params`` (trainable, distinct) on one rank.
+    """The bucketed float32 gradients of ``named_params`` (trainable, distinct) on one rank.
 
     ``dp_group`` is the data-parallel group (a ``UnifiedGroup``: ``size``, ``rank``,
-    ``all_reduce``, ``reduce_scatter_tensor``); every member must build its ``GradBuckets`` from
-    parameters of the same names, shapes and order (validated plans share stage layouts), so
-    the buckets line up element for element.
+    ``all_reduce`` and ``reduce_scatter_tensor`` with ``async_op``); every member must build its
+    ``GradBuckets`` from parameters of the same names, shapes and order (validated plans share
+    stage layouts), so the buckets line up element for element. ``reduce_dtype`` is the dtype
+    the collectives carry (float32, or bfloat16 for half the bytes).
 
-    With :meth:`enable_overlap`, a bucket's reduction starts on a background thread as soon as
-    the last expected backward pass has accumulated every gradient in it (see the module
-    docstring); :meth:`all_reduce` / :meth:`reduce_scatter` then wait for those and reduce the
-    remaining buckets.
+    Side effect: registers a post-accumulate-grad hook on every parameter (removed by
+    :meth:`close`); low-precision parameters get ``main_grad`` at :meth:`zero_grad`.
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], dp_group: Any,
-                 bucket_size_mb: float = 25.0) -> None:
+                 bucket_size_mb: float = 25.0,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = dp_group.size, dp_group.rank
+        self.reduce_dtype = reduce_dtype
         self.buckets = plan_buckets(named_params, bucket_size_mb, self.dp_size)
         device = named_params[0][1].device if named_params else torch.device("cpu")
         for bucket in self.buckets:
             bucket.grad = torch.zeros(bucket.numel, dtype=torch.float32, device=device)
         self.slots = [slot for bucket in self.buckets for slot in bucket.slots]
-        self._overlap: _Overlap | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._overlap: Optional[_Overlap] = None
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(
+            lambda _param, slot=slot: self._on_accumulated(slot)) for slot in self.slots]
 
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
         """The slice of the bucket buffer holding ``slot``'s gradient, shaped like the param."""
@@ -136,21 +157,41 @@ class GradBuckets:
         """This rank's ``(start, stop)`` in ``bucket``."""
         return bucket.shard_range(self.dp_rank, self.dp_size)
 
+    # -- backward ----------------------------------------------------------------------------
+    def _on_accumulated(self, slot: ParamSlot) -> None:
+        param = slot.param
+        if param.dtype != torch.float32 and param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        self._gradient_event(slot)
+
+    def _gradient_event(self, slot: ParamSlot) -> None:
+        if self._overlap is not None:
+            ready = self._overlap.count(slot)
+            if ready:
+                self._launch(self.buckets[slot.bucket], self._overlap.mode)
+
     # -- overlap -----------------------------------------------------------------------------
-    def enable_overlap(self, held_back: Collection[str] = ()) -> None:
-        """Register post-accumulate-grad hooks that start a bucket's reduction on a background
-        thread once its gradients of the iteration's last backward pass are in.
+    def enable_overlap(self, held_back: Collection[str] = (),
+                       events_per_backward: Optional[Mapping[str, int]] = None) -> None:
+        """Start a bucket's reduction from the backward hooks once its gradients of the
+        iteration's last backward pass are in.
 
         Buckets holding a parameter named in ``held_back`` (e.g. a tied embedding whose copies
-        are summed across stages after the pipeline has run) are reduced only at sync time. A
-        no-op when the DP group has one rank. Side effect: one worker thread per instance.
+        are summed across stages after the pipeline has run) are reduced only at sync time.
+        ``events_per_backward[name]``: how many gradient events parameter ``name`` sees per
+        backward pass (default 1; 2 for a low-precision tied embedding whose head adds its
+        float32 gradient into ``main_grad`` directly besides the lookup's ``.grad``). A no-op
+        when the DP group has one rank.
         """
         if self.dp_size > 1 and self._overlap is None:
-            self._overlap = _Overlap(self, set(held_back))
+            self._overlap = _Overlap(self, set(held_back), dict(events_per_backward or {}))
 
-    def start_iteration(self, num_backward: int | None, mode: str) -> None:
+    def start_iteration(self, num_backward: Optional[int], mode: str) -> None:
         """Expect ``num_backward`` backward passes (micro-batches) before the next sync, whose
         kind is ``mode`` ("all_reduce" or "reduce_scatter"). None: no early launches."""
+        if self._pending:
+            raise RuntimeError("start_iteration called before the previous sync finished")
         if self._overlap is not None:
             self._overlap.start(num_backward, mode)
 
@@ -160,73 +201,96 @@ class GradBuckets:
         return self._overlap.launched_early if self._overlap is not None else 0
 
     def close(self) -> None:
-        """Remove the hooks and stop the worker thread (if overlap was enabled)."""
-        if self._overlap is not None:
-            self._overlap.close()
-            self._overlap = None
+        """Wait for started collectives, remove the hooks and the parameters' main-gradient
+        attributes (which would keep this object, and its group, alive through them)."""
+        for pending in self._pending.values():
+            pending.handle.wait()
+        self._pending = {}
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._overlap = None
+        for slot in self.slots:
+            for name in (MAIN_GRAD, ON_MAIN_GRAD_ADDED):
+                if hasattr(slot.param, name):
+                    delattr(slot.param, name)
 
     # -- sync --------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        """Zero every bucket and point each float32 parameter's ``.grad`` at its slice (others
-        get ``.grad = None``)."""
+        """Zero every bucket; float32 parameters' ``.grad`` become views of it, low-precision
+        ones get ``.grad = None`` and ``main_grad`` (a float32 view)."""
         for bucket in self.buckets:
             bucket.grad.zero_()
         for slot in self.slots:
-            if slot.param.dtype == torch.float32:
-                slot.param.grad = self.grad_view(slot)
+            param = slot.param
+            if param.dtype == torch.float32:
+                param.grad = self.grad_view(slot)
             else:
-                slot.param.grad = None
+                param.grad = None
+                setattr(param, MAIN_GRAD, self.grad_view(slot))
+                setattr(param, ON_MAIN_GRAD_ADDED,
+                        lambda slot=slot: self._gradient_event(slot))
 
     def _is_view(self, slot: ParamSlot) -> bool:
         grad = slot.param.grad
         return grad is not None and grad.data_ptr() == self.grad_view(slot).data_ptr()
 
     def pack(self, bucket: Bucket) -> None:
-        """Copy gradients of ``bucket`` that do not already live in it into it (None: zeros)."""
+        """Copy float32 gradients of ``bucket`` that do not already live in it into it (None:
+        zeros); add a low-precision ``.grad`` still pending (no hook ran) into main_grad."""
         for slot in bucket.slots:
+            param = slot.param
+            if param.dtype != torch.float32:
+                if param.grad is not None:
+                    self.grad_view(slot).add_(param.grad)
+                    param.grad = None
+                continue
             if self._is_view(slot):
                 continue
             view = self.grad_view(slot)
-            if slot.param.grad is None:
+            if param.grad is None:
                 view.zero_()
             else:
-                view.copy_(slot.param.grad)
+                view.copy_(param.grad)
 
     def _unpack(self) -> None:
         for slot in self.slots:
-            if self._is_view(slot):
-                continue
-            if slot.param.dtype == torch.float32:
+            if slot.param.dtype == torch.float32 and not self._is_view(slot):
                 slot.param.grad = self.grad_view(slot)
-            elif slot.param.grad is None:
-                slot.param.grad = self.grad_view(slot).to(slot.param.dtype)
-            else:
-                slot.param.grad.copy_(self.grad_view(slot))
 
-    def reduce_bucket(self, bucket: Bucket, mode: str) -> None:
-        """Pack ``bucket`` and run its collective over the DP group (``mode``: "all_reduce" or
-        "reduce_scatter"; see :meth:`all_reduce` / :meth:`reduce_scatter`)."""
+    def _launch(self, bucket: Bucket, mode: str) -> None:
+        """Pack ``bucket`` and start its collective (nothing to start with one DP rank)."""
         self.pack(bucket)
         if self.dp_size == 1:
             return
+        low = self.reduce_dtype != torch.float32
+        send = bucket.grad.to(self.reduce_dtype) if low else bucket.grad
         if mode == "all_reduce":
-            self.dp_group.all_reduce(bucket.grad, "sum")
-            return
-        start, stop = self.owned_range(bucket)
-        # The output must not alias the input the collective is still reading.
-        out = torch.empty(stop - start, dtype=bucket.grad.dtype, device=bucket.grad.device)
-        self.dp_group.reduce_scatter_tensor(out, bucket.grad, "sum")
-        bucket.grad[start:stop].copy_(out)
+            handle = self.dp_group.all_reduce(send, "sum", async_op=True)
+            finish = (lambda: bucket.grad.copy_(send)) if low else (lambda: None)
+        else:
+            start, stop = self.owned_range(bucket)
+            # The output must not alias the input the collective is still reading.
+            out = torch.empty(stop - start, dtype=send.dtype, device=send.device)
+            handle = self.dp_group.reduce_scatter_tensor(out, send, "sum", async_op=True)
+            finish = lambda: bucket.grad[start:stop].copy_(out)  # noqa: E731
+        self._pending[bucket.index] = _Pending(handle, finish)
 
     def _sync(self, mode: str) -> None:
-        done = self._overlap.finish() if self._overlap is not None else set()
+        early = set(self._pending)
+        if self._overlap is not None:
+            self._overlap.finish(len(early))
         for bucket in self.buckets:
-            if bucket.index not in done:
-                self.reduce_bucket(bucket, mode)
+            if bucket.index not in early:
+                self._launch(bucket, mode)
+        pending, self._pending = self._pending, {}
+        for index in sorted(pending):
+            pending[index].handle.wait()
+            pending[index].finish()
 
     def all_reduce(self) -> None:
         """Sum every gradient over the DP group (one collective per bucket); every rank's
-        ``.grad`` then holds the sum. No communication when the group has one rank."""
+        gradients then hold the sum. No communication when the group has one rank."""
         self._sync("all_reduce")
         self._unpack()
 
@@ -238,56 +302,38 @@ class GradBuckets:
 
 
 class _Overlap:
-    """Backward hooks + one worker thread that reduce buckets while backward continues.
+    """Counts gradient events per bucket; says when a bucket's last expected one is in."""
 
-    The worker runs buckets in the order they became ready, which is the same on every DP rank
-    (same stage layout, same backward graph), so the collectives line up across the group.
-    """
-
-    def __init__(self, buckets: GradBuckets, held_back: set[str]) -> None:
-        self.buckets = buckets
+    def __init__(self, buckets: GradBuckets, held_back: set[str],
+                 events_per_backward: dict[str, int]) -> None:
         self.eligible = [not any(s.name in held_back for s in b.slots) for b in buckets.buckets]
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-grad-sync")
-        self.handles = [slot.param.register_post_accumulate_grad_hook(
-            lambda _param, slot=slot: self.on_grad_ready(slot)) for slot in buckets.slots]
-        self.expected: int | None = None
+        self.per_backward = [sum(events_per_backward.get(s.name, 1) for s in b.slots)
+                             for b in buckets.buckets]
+        self.expected: Optional[int] = None
         self.mode = "all_reduce"
         self.counts = [0] * len(buckets.buckets)
-        self.futures: dict[int, Future] = {}
         self.launched_early = 0
         self.error = ""
 
-    def start(self, num_backward: int | None, mode: str) -> None:
-        if self.futures:
-            raise RuntimeError("start_iteration called before the previous sync finished")
+    def start(self, num_backward: Optional[int], mode: str) -> None:
         self.expected, self.mode = num_backward, mode
         self.counts = [0] * len(self.counts)
         self.error = ""
 
-    def on_grad_ready(self, slot: ParamSlot) -> None:
+    def count(self, slot: ParamSlot) -> bool:
+        """Record one gradient event of ``slot``; True when its bucket is now complete."""
         if self.expected is None or not self.eligible[slot.bucket]:
-            return
-        bucket = self.buckets.buckets[slot.bucket]
+            return False
         self.counts[slot.bucket] += 1
-        needed = self.expected * len(bucket.slots)
-        if self.counts[slot.bucket] == needed:
-            self.futures[bucket.index] = self.pool.submit(self.buckets.reduce_bucket, bucket,
-                                                          self.mode)
-        elif self.counts[slot.bucket] > needed:
+        needed = self.expected * self.per_backward[slot.bucket]
+        if self.counts[slot.bucket] > needed:
             self.error = (f"{slot.name} received more backward passes than the "
                           f"{self.expected} announced to start_iteration")
+        return self.counts[slot.bucket] == needed
 
-    def finish(self) -> set[int]:
-        """Wait for the early reductions (re-raising their errors); their bucket indices."""
-        futures, self.futures, self.expected = self.futures, {}, None
-        for future in futures.values():
-            future.result()
+    def finish(self, launched: int) -> None:
+        """End the iteration's counting (raising what went wrong during it)."""
+        self.expected = None
+        self.launched_early = launched
         if self.error:
             raise RuntimeError(self.error)
-        self.launched_early = len(futures)
-        return set(futures)
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.pool.shutdown(wait=True)

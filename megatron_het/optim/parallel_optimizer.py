@@ -1,4 +1,5 @@
-"""AdamW for one rank of a hybrid (TP x PP x DP) run, optionally with ZeRO-1 sharded state.
+"""AdamW for one rank of a hybrid (TP x PP x DP) run, with Megatron's mixed precision and
+optional ZeRO-1 sharded state.
 
 One iteration on every rank::
 
@@ -8,17 +9,19 @@ One iteration on every rank::
     opt.sync_grads()                      # DP SUM over groups.dp, bucketed (data_parallel.py)
     grad_norm = opt.clip_and_step(lr, clip_grad)
 
-Numerics equal the single-process optimizer (:func:`megatron_het.optim.optimizer.build_optimizer`:
-``torch.optim.AdamW``, no weight decay on 1-D parameters, the same clip coefficient).
+Precision: the stage is built in float32; the optimizer moves its parameters into flat buffers
+of the training dtype (``param_dtype``: bf16 for ``--bf16``, else float32) laid out like the
+gradient buckets (:mod:`megatron_het.optim.flat_params`). Gradients accumulate in float32 main
+gradients (the buckets), AdamW steps float32 master weights with float32 moments, and the
+updated masters are rounded into the parameters. In float32 the master is the parameter itself,
+and the numerics equal the single-process ``torch.optim.AdamW`` (no weight decay on 1-D
+parameters, the same clip coefficient).
 
-Without the distributed optimizer every DP replica holds the full AdamW state of its stage and
-steps all its parameters after an all-reduce of the gradients. With it (ZeRO-1), the gradient
-buckets are reduce-scattered: DP rank r owns range r of every bucket, keeps Adam state only for
-the parameter elements in it (~1/dp of the state), steps those elements, and the updated
-parameters are all-gathered back over the DP group. For that the parameters' storage is moved
-into flat float32 buffers laid out like the gradient buckets (``param.data`` becomes a view);
-only float32 parameters are supported there (the project keeps fp32 parameters and uses bf16
-autocast).
+Without the distributed optimizer every DP replica owns all of each bucket: it holds the full
+AdamW state and masters of its stage and steps everything after an all-reduce of the gradients.
+With it (ZeRO-1), the buckets are reduce-scattered: DP rank r owns range r of every bucket,
+keeps moments and masters only for the parameter elements in it (~1/dp), steps those, and the
+updated parameters are all-gathered back over the DP group in the training dtype.
 
 Global gradient norm: each distinct parameter element of the whole model counted once: every TP
 rank's shard of split parameters, TP-replicated parameters (norm weights) only on tp rank 0, DP
@@ -29,8 +32,7 @@ a tied embedding held by the last stage not at all. The squared sums are added o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -38,8 +40,9 @@ from torch import nn
 from megatron_het.config import OptimizerConfig
 from megatron_het.errors import UserError
 from megatron_het.optim.clip_grad import clip_coefficient, scale_, tensors_norm_squared
-from megatron_het.optim.data_parallel import GradBuckets, ParamSlot
-from megatron_het.optim.optimizer import param_groups
+from megatron_het.optim.data_parallel import GradBuckets
+from megatron_het.optim.flat_params import FlatParams
+from megatron_het.optim.loss_scaler import LossScaler
 from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.tensor_parallel.sharding import shard_spec
 
@@ -53,22 +56,21 @@ def counts_in_norm(name: str, stage: nn.Module, tp_size: int, tp_rank: int) -> b
     return tp_rank == 0 or not shard_spec(name, stage.config, tp_size).replicated
 
 
-@dataclass
-class _Shard:
-    """The part ``[lo, hi)`` (flat, within the parameter) of ``slot`` that this rank owns."""
-
-    slot: ParamSlot
-    lo: int
-    hi: int
-    param: nn.Parameter  # view of the bucket's parameter buffer
-    grad: torch.Tensor  # view of the bucket's gradient buffer
-
-
 def _adamw(groups: list[dict[str, Any]], config: OptimizerConfig,
            on_cuda: bool) -> torch.optim.AdamW:
     kind = {"fused": True} if on_cuda else {"foreach": True}
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                              eps=config.adam_eps, **kind)
+
+
+def _events_per_backward(stage: nn.Module, low_precision: bool) -> dict[str, int]:
+    """Gradient events per backward pass that differ from one: a low-precision tied embedding
+    used by both ends of one stage gets the lookup's ``.grad`` and the fused head's float32
+    ``main_grad`` addition (see :mod:`megatron_het.kernels.main_grad`)."""
+    both_ends = getattr(stage, "has_embedding", False) and getattr(stage, "has_head", False)
+    if low_precision and both_ends and getattr(stage.config, "tie_embeddings", False):
+        return {"embedding.weight": 2}
+    return {}
 
 
 class ParallelOptimizer:
@@ -81,70 +83,49 @@ class ParallelOptimizer:
 
     def __init__(self, stage: nn.Module, groups: ProcessGroups, config: OptimizerConfig,
                  use_distributed_optimizer: bool, bucket_size_mb: float = 25.0,
-                 overlap_grad_reduce: bool = False) -> None:
+                 overlap_grad_reduce: bool = False, param_dtype: torch.dtype = torch.float32,
+                 grad_reduce_dtype: torch.dtype = torch.float32,
+                 loss_scaler: Optional[LossScaler] = None) -> None:
         self.stage, self.groups, self.config = stage, groups, config
+        self.loss_scaler = loss_scaler
+        self.skipped_iterations = 0
         self.distributed = use_distributed_optimizer
         self.named = [(n, p) for n, p in stage.named_parameters() if p.requires_grad]
-        self.buckets = GradBuckets(self.named, groups.dp, bucket_size_mb)
+        self.buckets = GradBuckets(self.named, groups.dp, bucket_size_mb, grad_reduce_dtype)
+        self.flat = FlatParams(self.buckets, use_distributed_optimizer, param_dtype)
         tp_size, tp_rank = groups.tp.size, groups.tp.rank
         self.counted = {n: counts_in_norm(n, stage, tp_size, tp_rank) for n, _ in self.named}
         self.device = self.named[0][1].device if self.named else torch.device("cpu")
         self.steps = 0
-        on_cuda = self.device.type == "cuda"
-        if use_distributed_optimizer:
-            self.param_buffers = self._move_params_into_buffers()
-            self.shards = self._owned_shards()
-            decay = [s.param for s in self.shards if s.slot.param.ndim > 1]
-            no_decay = [s.param for s in self.shards if s.slot.param.ndim <= 1]
-            adam_groups = [{"params": ps, "weight_decay": wd}
-                           for ps, wd in ((decay, config.weight_decay), (no_decay, 0.0)) if ps]
-        else:
-            adam_groups = param_groups(stage, config.weight_decay)
+        decay = [s.master for s in self.flat.shards if s.slot.param.ndim > 1]
+        no_decay = [s.master for s in self.flat.shards if s.slot.param.ndim <= 1]
+        adam_groups = [{"params": ps, "weight_decay": wd}
+                       for ps, wd in ((decay, config.weight_decay), (no_decay, 0.0)) if ps]
         # AdamW refuses an empty parameter list; a rank owning nothing keeps no optimizer.
-        self.optimizer = _adamw(adam_groups, config, on_cuda) if adam_groups else None
+        self.optimizer = (_adamw(adam_groups, config, self.device.type == "cuda")
+                          if adam_groups else None)
         if overlap_grad_reduce:
             tied_across_stages = (getattr(stage.config, "tie_embeddings", False)
                                   and getattr(groups, "embedding", None) is not None)
             # The pipeline sums the two embedding copies after its last backward; the DP
             # reduction of that bucket must come after, so it waits for sync_grads.
-            self.buckets.enable_overlap({"embedding.weight"} if tied_across_stages else ())
+            self.buckets.enable_overlap({"embedding.weight"} if tied_across_stages else (),
+                                        _events_per_backward(stage, self.flat.low_precision))
         self.zero_grad()
 
-    # -- layout (ZeRO-1) ---------------------------------------------------------------------
-    def _move_params_into_buffers(self) -> list[torch.Tensor]:
-        buffers = []
-        for bucket in self.buckets.buckets:
-            buffer = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
-            for slot in bucket.slots:
-                if slot.param.dtype != torch.float32:
-                    raise ValueError(f"{slot.name}: the distributed optimizer needs float32 "
-                                     f"parameters, got {slot.param.dtype}")
-                view = buffer[slot.start:slot.stop]
-                view.copy_(slot.param.detach().reshape(-1))
-                slot.param.data = view.view(slot.param.shape)
-            buffers.append(buffer)
-        return buffers
-
-    def _owned_shards(self) -> list[_Shard]:
-        shards = []
-        for bucket, buffer in zip(self.buckets.buckets, self.param_buffers):
-            start, stop = self.buckets.owned_range(bucket)
-            for slot in bucket.slots:
-                a, b = max(slot.start, start), min(slot.stop, stop)
-                if a < b:
-                    shards.append(_Shard(slot, a - slot.start, b - slot.start,
-                                         nn.Parameter(buffer[a:b]), bucket.grad[a:b]))
-        for shard in shards:
-            shard.param.grad = shard.grad
-        return shards
+    @property
+    def shards(self) -> list:
+        """The owned parts of the parameters (:class:`~megatron_het.optim.flat_params.Shard`)."""
+        return self.flat.shards
 
     # -- iteration ---------------------------------------------------------------------------
-    def zero_grad(self, num_micro_batches: int | None = None) -> None:
-        """Zero the gradient buckets; float32 parameters' ``.grad`` become views of them.
+    def zero_grad(self, num_micro_batches: Optional[int] = None) -> None:
+        """Zero the float32 main gradients (float32 parameters' ``.grad`` become views of them,
+        low-precision ones get ``main_grad``).
 
         With ``overlap_grad_reduce``, ``num_micro_batches`` (this rank's backward passes before
-        the next :meth:`sync_grads`) lets each bucket's DP reduction start on a background
-        thread as soon as its last gradient is in; None reduces everything in sync_grads.
+        the next :meth:`sync_grads`) lets each bucket's DP reduction start from the backward
+        hooks as soon as its last gradient is in; None reduces everything in sync_grads.
         """
         self.buckets.zero_grad()
         mode = "reduce_scatter" if self.distributed else "all_reduce"
@@ -159,54 +140,50 @@ class ParallelOptimizer:
         else:
             self.buckets.all_reduce()
 
-    def _stepped_grads(self) -> list[torch.Tensor]:
-        if self.distributed:
-            return [s.grad for s in self.shards]
-        return [p.grad for _, p in self.named if p.grad is not None]
-
     def grad_norm(self) -> float:
         """Global L2 norm of the synced gradients (collective over ``groups.world``)."""
-        if self.distributed:
-            counted = [s.grad for s in self.shards if self.counted[s.slot.name]]
-        elif self.buckets.dp_rank == 0:
-            counted = [p.grad for n, p in self.named if self.counted[n] and p.grad is not None]
-        else:
-            counted = []
+        counting = self.distributed or self.buckets.dp_rank == 0
+        counted = [s.grad for s in self.flat.shards
+                   if counting and self.counted[s.slot.name]]
         squared = tensors_norm_squared(counted, self.device)
         if self.groups.world.size > 1:
             self.groups.world.all_reduce(squared, "sum")
         return float(squared.sqrt())
 
     def clip_and_step(self, lr: float, clip_grad: float) -> float:
-        """Clip to global norm ``clip_grad`` (``<= 0``: no clipping), set ``lr``, step AdamW and,
-        with ZeRO-1, all-gather the updated parameters over ``groups.dp``.
+        """Clip to global norm ``clip_grad`` (``<= 0``: no clipping), set ``lr``, step AdamW on
+        the masters, round them into the parameters and, with ZeRO-1, all-gather the updated
+        parameters over ``groups.dp``.
 
-        Returns the pre-clip global gradient norm. Raises UserError without stepping when it
-        is not finite (the same on every rank, so all ranks raise).
+        With a loss scaler (fp16) the gradients are first divided by its scale; a non-finite
+        norm then means an overflow: the step is skipped (``skipped_iterations`` counts it)
+        and the scaler backs off. Returns the pre-clip global gradient norm. Without a
+        scaler, raises UserError without stepping when the norm is not finite (the same on
+        every rank, so all ranks raise).
         """
+        if self.loss_scaler is not None:
+            scale_([s.grad for s in self.flat.shards], 1.0 / self.loss_scaler.scale)
         norm = self.grad_norm()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=not math.isfinite(norm))
+            if not math.isfinite(norm):
+                self.skipped_iterations += 1
+                return norm
         if not math.isfinite(norm):
             raise UserError(f"the gradient norm is {norm}; lower --lr (or use --clip-grad) and "
                             "resume from the last checkpoint")
-        scale_(self._stepped_grads(), clip_coefficient(norm, clip_grad))
+        scale_([s.grad for s in self.flat.shards], clip_coefficient(norm, clip_grad))
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
         self.steps += 1
-        if self.distributed:
-            self._all_gather_params()
+        self.flat.copy_masters_to_params()
+        self.flat.all_gather_params()
         return norm
 
-    def _all_gather_params(self) -> None:
-        if self.buckets.dp_size == 1:
-            return
-        for bucket, buffer in zip(self.buckets.buckets, self.param_buffers):
-            start, stop = self.buckets.owned_range(bucket)
-            self.buckets.dp_group.all_gather_into_tensor(buffer, buffer[start:stop].clone())
-
     def close(self) -> None:
-        """Stop the overlap worker thread and remove the backward hooks (if any)."""
+        """Wait for started reductions and remove the backward hooks."""
         self.buckets.close()
 
     def state_bytes(self) -> int:
@@ -220,43 +197,36 @@ class ParallelOptimizer:
     # -- state by global name ------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """``{global name: {"step": int, "exp_avg": T, "exp_avg_sq": T}}`` for every parameter
-        of this stage, each tensor a CPU copy shaped like this rank's TP shard.
+        of this stage, each tensor a float32 CPU copy shaped like this rank's TP shard.
 
         With ZeRO-1 the owned ranges are all-gathered over ``groups.dp`` first (collective:
         every DP rank must call it), so every DP replica returns the same full state. Before
         the first step the moments are zeros and ``step`` is 0.
         """
-        if self.distributed:
-            return self._gathered_state()
-        state: dict[str, dict[str, Any]] = {}
-        for name, param in self.named:
-            entry = self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
-            state[name] = {"step": int(entry["step"]) if "step" in entry else 0}
-            for key in _STATE_KEYS:
-                value = entry.get(key)
-                state[name][key] = (value.detach().cpu().clone() if value is not None else
-                                    torch.zeros(param.shape, dtype=torch.float32))
-        return state
-
-    def _gathered_state(self) -> dict[str, dict[str, Any]]:
         state: dict[str, dict[str, Any]] = {name: {"step": self.steps} for name, _ in self.named}
         for key in _STATE_KEYS:
-            for bucket in self.buckets.buckets:
-                start, stop = self.buckets.owned_range(bucket)
-                local = torch.zeros(stop - start, dtype=torch.float32, device=self.device)
-                for shard in self.shards:
-                    value = self.optimizer.state.get(shard.param, {}).get(key)
-                    if shard.slot.bucket == bucket.index and value is not None:
-                        offset = shard.slot.start + shard.lo - start
-                        local[offset:offset + shard.hi - shard.lo].copy_(value)
-                full = local
-                if self.buckets.dp_size > 1:
-                    full = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
-                    self.buckets.dp_group.all_gather_into_tensor(full, local)
-                for slot in bucket.slots:
-                    state[slot.name][key] = (full[slot.start:slot.stop].view(slot.param.shape)
-                                             .cpu().clone())
+            values = self.flat.gather(lambda shard: self._moment(shard, key))
+            for name, value in values.items():
+                state[name][key] = value
         return state
+
+    def _moment(self, shard: Any, key: str) -> Optional[torch.Tensor]:
+        if self.optimizer is None:
+            return None
+        return self.optimizer.state.get(shard.master, {}).get(key)
+
+    def master_weights(self) -> Optional[dict[str, torch.Tensor]]:
+        """``{global name: float32 CPU tensor}`` of the master weights (this rank's TP-shard
+        shapes) when they differ from the parameters (low-precision training), else None.
+        Collective over ``groups.dp`` with ZeRO-1."""
+        if not self.flat.low_precision:
+            return None
+        return self.flat.gather(lambda shard: shard.master.detach())
+
+    def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Set parameters and masters from full-precision ``weights`` by global name (every
+        parameter of this stage, TP-shard shapes). No communication."""
+        self.flat.load_weights(weights)
 
     def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
         """Load a :meth:`state_dict`-shaped state (per global name, this rank's TP-shard shape;
@@ -266,16 +236,13 @@ class ParallelOptimizer:
         self.steps = max((int(entry["step"]) for entry in state.values()), default=0)
         if self.optimizer is None:
             return
-        if self.distributed:
-            entries = [(s.param, state[s.slot.name], slice(s.lo, s.hi)) for s in self.shards]
-        else:
-            entries = [(p, state[n], slice(None)) for n, p in self.named]
         order = [p for group in self.optimizer.param_groups for p in group["params"]]
         index = {id(p): i for i, p in enumerate(order)}
         loaded = {}
-        for param, entry, part in entries:
-            loaded[index[id(param)]] = {"step": torch.tensor(float(entry["step"])), **{
-                key: torch.as_tensor(entry[key]).reshape(-1)[part].reshape(param.shape).clone()
+        for shard in self.flat.shards:
+            entry, part = state[shard.slot.name], slice(shard.lo, shard.hi)
+            loaded[index[id(shard.master)]] = {"step": torch.tensor(float(entry["step"])), **{
+                key: torch.as_tensor(entry[key]).reshape(-1)[part].clone()
                 for key in _STATE_KEYS}}
         self.optimizer.load_state_dict({
             "state": loaded, "param_groups": self.optimizer.state_dict()["param_groups"]})
@@ -305,15 +272,23 @@ class ParallelOptimizer:
 def build_parallel_optimizer(stage: nn.Module, groups: ProcessGroups,
                              optimizer_config: OptimizerConfig,
                              use_distributed_optimizer: bool, bucket_size_mb: float = 25.0,
-                             overlap_grad_reduce: bool = False) -> ParallelOptimizer:
-    """The AdamW optimizer of this rank's ``stage`` (a TP-applied :class:`LlamaModel` slice).
+                             overlap_grad_reduce: bool = False,
+                             param_dtype: torch.dtype = torch.float32,
+                             grad_reduce_dtype: torch.dtype = torch.float32,
+                             loss_scaler: Optional[LossScaler] = None) -> ParallelOptimizer:
+    """The AdamW optimizer of this rank's ``stage`` (a TP-applied :class:`LlamaModel` slice,
+    built in float32).
 
     ``groups`` is this rank's :class:`~megatron_het.parallel.groups.ProcessGroups` (``dp``,
-    ``tp`` and ``world`` are used). With ``use_distributed_optimizer`` (ZeRO-1) the Adam state is
-    sharded over ``groups.dp`` and the parameters' storage moves into flat buckets (build it
-    before anything else keeps references to ``param.data``). ``overlap_grad_reduce`` starts
-    bucket reductions from backward hooks on a worker thread (pass the micro-batch count to
-    :meth:`ParallelOptimizer.zero_grad`). Collective-free.
+    ``tp`` and ``world`` are used). The parameters' storage moves into flat buffers of
+    ``param_dtype`` (bf16 for mixed precision; build the optimizer before anything else keeps
+    references to ``param.data``). ``use_distributed_optimizer`` (ZeRO-1) shards masters and
+    Adam state over ``groups.dp``; ``overlap_grad_reduce`` starts bucket reductions from the
+    backward hooks (pass the micro-batch count to :meth:`ParallelOptimizer.zero_grad`);
+    ``grad_reduce_dtype`` is the dtype of the DP collectives (accumulation is float32);
+    ``loss_scaler`` (fp16) unscales the gradients and skips overflowing steps.
+    Collective-free.
     """
     return ParallelOptimizer(stage, groups, optimizer_config, use_distributed_optimizer,
-                             bucket_size_mb, overlap_grad_reduce)
+                             bucket_size_mb, overlap_grad_reduce, param_dtype, grad_reduce_dtype,
+                             loss_scaler)

@@ -220,18 +220,22 @@ def ops_time(ops: Iterable[Op], spec: AcceleratorSpec, dtype: str,
 
 
 def layer_activation_bytes(shape: LayerShape, dtype: str) -> float:
-    """Bytes one layer keeps for its backward per micro-batch on one TP rank (no recompute).
+    """Bytes one layer keeps for its backward per micro-batch on one TP rank (no recompute):
+    what :class:`~megatron_het.model.llama.DecoderLayer` saves, tensor for tensor.
 
-    Saved tensors: both norms' inputs and outputs (4h, replicated under TP), Q/K/V after RoPE,
-    the attention output (also the projection's input), the fp32 log-sum-exp of the softmax,
-    the gate and up outputs and the SwiGLU output (the down projection's input).
+    Saved tensors: both norms' inputs (with their float32 ``1/rms``) and outputs (4h,
+    replicated under TP), Q/K/V after RoPE (v copied out of the qkv output so that it does not
+    keep the rest alive), the attention output (also the projection's input), the float32
+    log-sum-exp of the softmax, the gate and up outputs and the SwiGLU output (the down
+    projection's input).
     """
     t, h, tp = shape.tokens, shape.hidden, shape.tp
     q = shape.heads * shape.head_dim // tp
     kv = shape.kv_groups * shape.head_dim // tp
     f = shape.ffn // tp
     elements = t * (4 * h + q + 2 * kv + q + 3 * f)
-    return elements * dtype_bytes(dtype) + t * (shape.heads // tp) * FP32_BYTES
+    floats = t * (shape.heads // tp) + 2 * t  # log-sum-exp per head, 1/rms per norm
+    return elements * dtype_bytes(dtype) + floats * FP32_BYTES
 
 
 def layer_input_bytes(shape: LayerShape, dtype: str) -> float:
@@ -240,7 +244,21 @@ def layer_input_bytes(shape: LayerShape, dtype: str) -> float:
 
 
 def head_activation_bytes(shape: LayerShape, vocab: int, dtype: str) -> float:
-    """Final norm input/output and the logits with their fp32 softmax, per micro-batch."""
-    v = vocab / shape.tp
-    return (shape.tokens * (2 * shape.hidden + v) * dtype_bytes(dtype)
-            + shape.tokens * v * FP32_BYTES)
+    """What the fused head (final norm + output layer + cross-entropy,
+    :mod:`megatron_het.model.loss`) keeps per micro-batch until its backward: the final norm's
+    input with its float32 ``1/rms``, and the gradients the fused loss computes in its forward,
+    of the hidden states (``[tokens, hidden]``) and of the output weight (float32,
+    ``[vocab / tp, hidden]``: it is added into the float32 main gradient in backward)."""
+    t, h = shape.tokens, shape.hidden
+    return 2 * t * h * dtype_bytes(dtype) + (t + vocab / shape.tp * h) * FP32_BYTES
+
+
+def head_chunk_bytes(shape: LayerShape, vocab: int, device_type: str) -> float:
+    """Transient bytes of the fused head's forward: one chunk's float32 logits and a
+    low-precision copy of its softmax gradient (~1.5x the chunk; the chunk fills the device's
+    budget of :mod:`megatron_het.model.loss` or holds every token)."""
+    from megatron_het.model.loss import default_chunk_tokens
+
+    rows = vocab / shape.tp
+    tokens = min(shape.tokens, default_chunk_tokens(int(rows), device_type))
+    return 1.5 * tokens * rows * FP32_BYTES

@@ -3,14 +3,16 @@
 The profiler's communicator figures (:mod:`megatron_het.perf.comm_profiler`) and CPU
 emulation's host-sharing figures (:mod:`megatron_het.emulation.host_measure`) time code in
 forked (or spawned) processes. Each worker reports once through a one-way pipe: ``("ok",
-result)`` or ``("error", traceback text)``; :func:`run_measurement_processes` starts them, waits for the reports and
-cleans up, and :func:`report_to_parent` is the worker's side. :func:`gloo_pair` joins two
-workers into a 2-rank gloo group behind the unified communicator.
+result)`` or ``("error", traceback text)``; :func:`run_measurement_processes` starts them,
+waits for the reports and cleans up, and :func:`report_to_parent` is the worker's side. :func:`gloo_pair` joins two
+workers into a 2-rank gloo group behind the unified communicator. :func:`process_context` forks
+unless this process has initialised CUDA, whose forked children could not use it.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import multiprocessing
 import socket
 import traceback
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -23,13 +25,24 @@ def free_loopback_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_measurement_processes(ctx: Any, target: Callable[..., None],
+def process_context() -> Any:
+    """multiprocessing's "fork" context, or its "spawn" context once this process has
+    initialised CUDA (a forked child could not use CUDA then; spawned workers need a
+    module-level target and picklable arguments). ``torch.cuda.is_initialized`` never
+    initialises CUDA itself, so asking is safe on a GPU host."""
+    import torch
+
+    return multiprocessing.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+
+
+def run_measurement_processes(ctx: Optional[Any], target: Callable[..., None],
                               worker_args: Sequence[tuple], reporters: int, timeout_s: float,
                               timeout_message: str, failure_message: str,
                               join_s: float = 5.0,
                               died_message: Optional[str] = None) -> list[Any]:
-    """Start one daemon process of ``ctx`` per ``worker_args`` entry, running ``target(*args,
-    conn)``, and return the results of the ``reporters`` first ones, in the order they report.
+    """Start one daemon process of ``ctx`` (None: :func:`process_context`) per ``worker_args``
+    entry, running ``target(*args, conn)``, and return the results of the ``reporters`` first
+    ones, in the order they report.
 
     ``conn`` is the sending end of a pipe for the first ``reporters`` workers and None for the
     others (which must not report). Raises RuntimeError with ``timeout_message`` when a report
@@ -38,6 +51,7 @@ def run_measurement_processes(ctx: Any, target: Callable[..., None],
     a report. Side effects: starts processes; joins them (killing those still alive after
     ``join_s`` s) before returning or raising.
     """
+    ctx = ctx if ctx is not None else process_context()
     parent, child = ctx.Pipe(duplex=False)
     workers = [ctx.Process(target=target, daemon=True,
                            args=(*args, child if i < reporters else None))
@@ -98,4 +112,5 @@ def gloo_pair(rank: int, port: int, timeout_s: float) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-__all__ = ["free_loopback_port", "gloo_pair", "report_to_parent", "run_measurement_processes"]
+__all__ = ["free_loopback_port", "gloo_pair", "process_context", "report_to_parent",
+           "run_measurement_processes"]

@@ -1,18 +1,26 @@
 """Peak memory of one device of a pipeline stage, and whether a prediction fits the cluster.
 
-Terms, per TP rank of a stage (Megatron's mixed-precision layout):
+Terms, per TP rank of a stage: Megatron's mixed-precision layout, which is what the runtime
+holds (``tests/unit/test_mixed_precision.py`` and ``tests/unit/test_perf_memory.py`` compare
+them with the runtime's tensors byte for byte):
 
-- weights: the stage's parameters in the compute dtype;
-- gradients: fp32 main gradients, one per parameter (Megatron accumulates and reduces bf16/fp16
-  training's gradients in fp32);
-- optimizer: Adam's exp_avg and exp_avg_sq in fp32, plus an fp32 master copy of the weights
-  unless they are fp32 already; ZeRO-1 (distributed optimizer) divides it by the DP size;
-- activations: one micro-batch's saved activations times the micro-batches in flight under 1F1B,
-  ``min(pp - stage, micro_batches)``; with recompute only each layer's input is kept, and one
-  layer's full activations exist again while its backward runs (the transient term).
+- weights: the stage's parameters in the training dtype (the optimizer's flat parameter
+  buffers, :mod:`megatron_het.optim.flat_params`);
+- gradients: float32 main gradients, one per parameter (the gradient buckets; micro-batches
+  accumulate into them and the DP reduction reads them);
+- optimizer: Adam's exp_avg and exp_avg_sq in float32, plus a float32 master copy of the
+  weights unless they are float32 already; ZeRO-1 (distributed optimizer) divides it by the
+  DP size;
+- activations: one micro-batch's saved tensors (:func:`~megatron_het.perf.cost_model.
+  layer_activation_bytes`, the fused head's gradients) times the micro-batches in flight under
+  1F1B, ``min(pp - stage, micro_batches)``; with recompute only each layer's input is kept, and
+  one layer's full activations exist again while its backward runs; the transient term is the
+  largest such extra (that layer, or the fused head's chunk of logits).
 
-Not counted: the CUDA/ROCm context, allocator fragmentation and communication buffers;
-:func:`~megatron_het.perf.fit.fits` keeps :data:`RESERVED_FRACTION` of the device free for them.
+Not counted: the CUDA/ROCm context, allocator fragmentation, communication buffers, the
+buckets' padding to a multiple of the DP size (under ``dp`` elements per bucket) and the cached
+RoPE tables (``seq x head_dim`` elements per stage); :func:`~megatron_het.perf.fit.fits` keeps
+:data:`RESERVED_FRACTION` of the device free for them.
 """
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ rank's shard (``heads/tp`` query heads, ``kv_groups/tp`` kv heads, ``ffn/tp`` ML
 ``vocab/tp`` slice of the embedding and the output layer, exactly as
 :func:`megatron_het.tensor_parallel.apply_tp` shards them):
 
-- one decoder layer's forward and backward time (median over iterations, the device
-  synchronised around each pass; the timed passes go round all shapes of a TP size, so a burst
-  of load from elsewhere does not land on one shape only) and its activation bytes;
+- one decoder layer's forward and backward time (median over iterations; the timed passes go
+  round all shapes of a TP size, so a burst of load from elsewhere does not land on one shape
+  only) and its activation bytes;
 - the embedding's and the head's (final norm + output layer + loss) forward and backward time.
 
 TP communication is left out on purpose: the shard runs with a :class:`ComputeOnlyGroup`, whose
@@ -17,14 +17,19 @@ measured once: the optimizer step (gradient clipping + AdamW) per parameter, and
 (:func:`measure_comm`, in :mod:`megatron_het.perf.comm_profiler`) the communicator's p2p and
 all-reduce figures between two local gloo ranks.
 
+Timing follows the work (:func:`pass_timer`): on an accelerator, whose kernels the host only
+enqueues, device events are recorded around each pass's forward and backward and read after a
+single synchronisation at the end of the timed passes; on the CPU, the host clock.
+
 Activation bytes are what autograd keeps for the backward of one layer: the distinct storages
 of the tensors it saves (counted through ``torch.autograd.graph.saved_tensors_hooks``), leaving
-out the parameters, their low-precision copies made by autocast and the RoPE tables the layers
-of a stage share. On CUDA the caching allocator is asked instead: the bytes still allocated
-after the forward (its output included, which stands for the layer's own saved input) minus the
-parameter copies.
+out the parameters and the RoPE tables the layers of a stage share. On CUDA the caching
+allocator is asked instead: the bytes still allocated after the forward (its output included,
+which stands for the layer's own saved input).
 
-With ``dtype="bf16"`` passes run under bf16 autocast with fp32 parameters, as training does.
+With ``dtype="bf16"`` the shard's parameters are bf16 and the passes run on bf16 inputs without
+autocast, as training runs it (Megatron's mixed precision: bf16 weights, with the fp32 master
+weights and main gradients in the optimizer, whose step is measured on its own).
 """
 from __future__ import annotations
 
@@ -118,46 +123,26 @@ class SavedActivations:
     """Context manager counting the bytes autograd saves for backward inside the block.
 
     Distinct storages are counted once (a saved view keeps its whole storage alive). Left out:
-    the storages of ``parameters`` and of ``shared`` tensors, and tensors computed from a single
-    parameter alone (autocast's low-precision weight copies), whose bytes go to
-    ``parameter_copy_bytes`` instead. The graph must stay alive until the counts are read.
+    the storages of ``parameters`` and of ``shared`` tensors. The parameters are used as they
+    are (no autocast, so no low-precision weight copies are saved). The graph must stay alive
+    until the count is read.
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor],
                  shared: Iterable[torch.Tensor] = ()) -> None:
-        self._params = {_storage_key(p) for p in parameters}
-        self._skip = self._params | {_storage_key(t) for t in shared}
+        self._skip = {_storage_key(t) for t in (*parameters, *shared)}
         self._activations: dict[tuple, int] = {}
-        self._copies: dict[tuple, int] = {}
         self._hooks: Optional[contextlib.AbstractContextManager] = None
 
     @property
     def nbytes(self) -> int:
         return sum(self._activations.values())
 
-    @property
-    def parameter_copy_bytes(self) -> int:
-        return sum(self._copies.values())
-
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
         if key not in self._skip:
-            target = self._copies if self._from_parameter(tensor) else self._activations
-            target[key] = tensor.untyped_storage().nbytes()
+            self._activations[key] = tensor.untyped_storage().nbytes()
         return tensor
-
-    def _from_parameter(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is computed from one parameter through single-input ops."""
-        fn = tensor.grad_fn
-        while fn is not None:
-            variable = getattr(fn, "variable", None)  # AccumulateGrad: a leaf
-            if variable is not None:
-                return _storage_key(variable) in self._params
-            inputs = [f for f, _ in fn.next_functions if f is not None]
-            if len(inputs) != 1:
-                return False
-            fn = inputs[0]
-        return False
 
     def __enter__(self) -> "SavedActivations":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -178,10 +163,58 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=PROFILE_DTYPES[dtype])
+class HostTimer:
+    """Marks of the host clock, for CPU work (done by the time the call that issues it returns).
+    ``elapsed_s(start, end)`` is the seconds between two marks."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+
+    def mark(self) -> float:
+        return self._clock()
+
+    def finish(self) -> None:
+        """Nothing to wait for."""
+
+    def elapsed_s(self, start: float, end: float) -> float:
+        return end - start
+
+
+class EventTimer:
+    """Marks that are device events, for accelerator work the host only enqueues: ``mark()``
+    records a new timing event (``make_event()``) on the current stream, ``finish()``
+    synchronises the device once (``synchronize()``), after which ``elapsed_s(start, end)``
+    reads the device time between two events (their ``elapsed_time``, in ms)."""
+
+    def __init__(self, make_event: Callable[[], Any], synchronize: Callable[[], None]) -> None:
+        self._make_event, self._synchronize = make_event, synchronize
+        self._pending = False
+
+    def mark(self) -> Any:
+        event = self._make_event()
+        event.record()
+        self._pending = True
+        return event
+
+    def finish(self) -> None:
+        self._synchronize()
+        self._pending = False
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        if self._pending:
+            raise RuntimeError("device events read before finish() synchronised the device")
+        return start.elapsed_time(end) / 1e3
+
+
+def pass_timer(device: torch.device) -> "HostTimer | EventTimer":
+    """The host clock on the CPU; the device's timing events elsewhere (``torch.cuda`` for CUDA
+    and ROCm, ``torch.npu`` with torch_npu: any module of that name with ``Event`` and
+    ``synchronize``). Creates nothing on the device until the first mark."""
+    if device.type == "cpu":
+        return HostTimer()
+    module = getattr(torch, device.type)
+    return EventTimer(lambda: module.Event(enable_timing=True),
+                      lambda: module.synchronize(device))
 
 
 @dataclass
@@ -195,29 +228,33 @@ class Case:
     saved: Optional[Callable[[], float]] = None
 
 
-def _one_pass(case: Case, device: torch.device) -> tuple[float, float]:
-    _sync(device)
-    start = time.perf_counter()
+def _one_pass(case: Case, timer: "HostTimer | EventTimer") -> tuple[Any, Any, Any]:
+    """Marks before the forward, between forward and backward, and after the backward."""
+    start = timer.mark()
     out = case.forward()
-    _sync(device)
-    middle = time.perf_counter()
+    middle = timer.mark()
     case.backward(out)
-    _sync(device)
-    return middle - start, time.perf_counter() - middle
+    return start, middle, timer.mark()
 
 
-def run_cases(cases: list[Case], device: torch.device, warmup: int, iters: int) -> list[Any]:
+def run_cases(cases: list[Case], device: torch.device, warmup: int, iters: int,
+              timer: "HostTimer | EventTimer | None" = None) -> list[Any]:
     """Each case's entry from the medians of ``iters`` timed passes after ``warmup`` untimed
-    ones, the device synchronised around every pass. The timed passes go round the cases
-    (one pass of each per round), so a burst of load from elsewhere falls on all of them."""
+    ones, timed by ``timer`` (default :func:`pass_timer` of ``device``: on an accelerator, read
+    after one synchronisation once every timed pass is enqueued). The timed passes go round the
+    cases (one pass of each per round), so a burst of load from elsewhere falls on all of
+    them."""
     for case in cases:
         for _ in range(warmup):
-            _one_pass(case, device)
+            case.backward(case.forward())
     saved = [case.saved() if case.saved else 0.0 for case in cases]
-    times: list[list[tuple[float, float]]] = [[] for _ in cases]
+    timer = timer or pass_timer(device)
+    marks: list[list[tuple[Any, Any, Any]]] = [[] for _ in cases]
     for _ in range(iters):
-        for case, out in zip(cases, times):
-            out.append(_one_pass(case, device))
+        for case, out in zip(cases, marks):
+            out.append(_one_pass(case, timer))
+    timer.finish()
+    times = [[(timer.elapsed_s(a, b), timer.elapsed_s(b, c)) for a, b, c in m] for m in marks]
     return [case.entry(statistics.median(f for f, _ in t), statistics.median(b for _, b in t),
                        s) for case, t, s in zip(cases, times, saved)]
 
@@ -233,7 +270,7 @@ def activation_bytes(forward: Callable[[], torch.Tensor], parameters: list[torch
         out = forward()
     if device.type == "cuda":
         _sync(device)
-        kept = torch.cuda.memory_allocated(device) - before - counter.parameter_copy_bytes
+        kept = torch.cuda.memory_allocated(device) - before
         del out
         return max(0, kept)
     del out
@@ -242,32 +279,45 @@ def activation_bytes(forward: Callable[[], torch.Tensor], parameters: list[torch
 
 # ---- one TP rank's shard ----------------------------------------------------------------------
 def rank_stage(config: ModelConfig, tp: int, layer_range: tuple[int, int], has_embedding: bool,
-               has_head: bool, device: torch.device, seed: int) -> LlamaModel:
-    """One TP rank's (rank 0's) shard of a stage, built on ``device``, with TP collectives
-    replaced by :class:`ComputeOnlyGroup`'s no-ops."""
+               has_head: bool, device: torch.device, seed: int,
+               dtype: str = "fp32") -> LlamaModel:
+    """One TP rank's (rank 0's) shard of a stage, built on ``device`` with parameters in
+    ``dtype`` (a profile dtype; initialised in fp32, then cast), with TP collectives replaced
+    by :class:`ComputeOnlyGroup`'s no-ops."""
     check_tp_size(config, tp)
     vocab_sizes(config.vocab_size, tp)
     stage = build_model(config, seed, layer_range, has_embedding, has_head, device=device)
     if tp > 1:
         apply_tp(stage, ComputeOnlyGroup(tp), config)
-    return stage
+    return stage.to(dtype=PROFILE_DTYPES[dtype])
+
+
+def _check_dtype(module: torch.nn.Module, dtype: str) -> torch.dtype:
+    """The torch dtype of ``dtype``; ValueError unless ``module``'s parameters have it."""
+    want = PROFILE_DTYPES[dtype]
+    found = {p.dtype for p in module.parameters()}
+    if found - {want}:
+        raise ValueError(f"a {dtype} case needs {want} parameters, the stage has "
+                         f"{sorted(map(str, found))}; build it with rank_stage(..., "
+                         f"dtype={dtype!r})")
+    return want
 
 
 def layer_case(stage: LlamaModel, seq: int, micro_batch: int, tp: int, dtype: str,
                device: torch.device) -> Case:
-    """The first decoder layer of ``stage`` (a :func:`rank_stage` shard) on a
-    ``[micro_batch, seq, hidden]`` fp32 input (the residual stream stays fp32 under autocast);
-    makes a :class:`LayerEntry` with its activation bytes."""
+    """The first decoder layer of ``stage`` (a :func:`rank_stage` shard of ``dtype``) on a
+    ``[micro_batch, seq, hidden]`` input of ``dtype`` (the residual stream's dtype in
+    training); makes a :class:`LayerEntry` with its activation bytes."""
     config = stage.config
     layer = next(iter(stage.layers.values()))
-    x = torch.randn(micro_batch, seq, config.hidden_size, device=device, requires_grad=True)
+    torch_dtype = _check_dtype(layer, dtype)
+    x = torch.randn(micro_batch, seq, config.hidden_size, device=device, dtype=torch_dtype,
+                    requires_grad=True)
     grad = torch.randn_like(x)
-    table_dtype = torch.float32 if dtype == "fp32" else PROFILE_DTYPES[dtype]
-    cos, sin = stage.rotary.cos_sin(seq, device, table_dtype)
+    cos, sin = stage.rotary.cos_sin(seq, device, torch_dtype)
 
     def forward() -> torch.Tensor:
-        with _autocast(device, dtype):
-            return layer(x, cos, sin)
+        return layer(x, cos, sin)
 
     def backward(out: torch.Tensor) -> None:
         out.backward(grad)
@@ -287,11 +337,11 @@ def embedding_case(stage: LlamaModel, seq: int, micro_batch: int, tp: int, dtype
     """The (vocab-parallel) embedding lookup of ``[micro_batch, seq]`` random token ids."""
     config = stage.config
     tokens = torch.randint(0, config.vocab_size, (micro_batch, seq), device=device)
-    grad = torch.randn(micro_batch, seq, config.hidden_size, device=device)
+    grad = torch.randn(micro_batch, seq, config.hidden_size, device=device,
+                       dtype=_check_dtype(stage.embedding, dtype))
 
     def forward() -> torch.Tensor:
-        with _autocast(device, dtype):
-            return stage.embedding(tokens)
+        return stage.embedding(tokens)
 
     return Case(forward, lambda out: out.backward(grad), lambda f, b, _: EndEntry(
         config.hidden_size, config.vocab_size, seq, micro_batch, tp, dtype, f, b))
@@ -303,12 +353,11 @@ def head_case(stage: LlamaModel, seq: int, micro_batch: int, tp: int, dtype: str
     most gradients in its forward, so the split follows the implementation)."""
     config = stage.config
     hidden = torch.randn(micro_batch, seq, config.hidden_size, device=device,
-                         requires_grad=True)
+                         dtype=_check_dtype(stage, dtype), requires_grad=True)
     labels = torch.randint(0, config.vocab_size, (micro_batch, seq), device=device)
 
     def forward() -> torch.Tensor:
-        with _autocast(device, dtype):
-            return stage(hidden, labels=labels)
+        return stage(hidden, labels=labels)
 
     def backward(loss: torch.Tensor) -> None:
         loss.backward()
@@ -357,9 +406,11 @@ def profile_device(config: ModelConfig, sweep: Sweep, accelerator: str, device: 
     layers, embedding, head = [], [], []
     n = config.num_layers
     for tp in sorted(set(sweep.tp_sizes)):
-        stages = (rank_stage(config, tp, (0, 1), False, False, device, sweep.seed),
-                  rank_stage(config, tp, (0, 0), True, False, device, sweep.seed),
-                  rank_stage(config, tp, (n, n), False, True, device, sweep.seed))
+        stages = tuple(rank_stage(config, tp, layers, embedding, head, device, sweep.seed,
+                                  sweep.dtype)
+                       for layers, embedding, head in (((0, 1), False, False),
+                                                       ((0, 0), True, False),
+                                                       ((n, n), False, True)))
         shapes = [(seq, mb) for mb in sorted(set(sweep.micro_batch_sizes))
                   for seq in sorted(set(sweep.seq_lengths))]
         cases = [make(stage, seq, mb, tp, sweep.dtype, device)
@@ -393,8 +444,8 @@ def conditions(device: torch.device, dtype: str) -> ProfileConditions:
                              dtype, socket.gethostname())
 
 
-__all__ = ["COMM_SIZES", "PROFILE_DTYPES", "Case", "ComputeOnlyGroup", "SavedActivations",
-           "Sweep", "accelerator_for_device", "activation_bytes", "conditions",
-           "default_accelerator", "device_name", "embedding_case", "head_case", "layer_case",
-           "measure_comm", "measure_optimizer_step", "profile_device", "rank_stage",
-           "run_cases"]
+__all__ = ["COMM_SIZES", "PROFILE_DTYPES", "Case", "ComputeOnlyGroup", "EventTimer", "HostTimer",
+           "SavedActivations", "Sweep", "accelerator_for_device", "activation_bytes",
+           "conditions", "default_accelerator", "device_name", "embedding_case", "head_case",
+           "layer_case", "measure_comm", "measure_optimizer_step", "pass_timer",
+           "profile_device", "rank_stage", "run_cases"]

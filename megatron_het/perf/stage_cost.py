@@ -16,7 +16,8 @@ from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
 from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM,
                                           Efficiency, LayerShape, Op, embedding_forward_ops,
-                                          head_activation_bytes, head_forward_ops,
+                                          head_activation_bytes, head_chunk_bytes,
+                                          head_forward_ops,
                                           layer_activation_bytes, layer_forward_ops,
                                           layer_input_bytes, op_time, ops_time)
 from megatron_het.perf.profile import Measured, Profile
@@ -29,8 +30,9 @@ class StageCompute:
     """Per micro-batch on one TP rank, without TP communication.
 
     ``forward_s`` / ``backward_s``: compute (backward includes the recomputed forward);
-    ``activation_bytes``: kept per micro-batch in flight; ``transient_bytes``: extra while a
-    backward runs (a recomputed layer); ``source``: where the figures came from.
+    ``activation_bytes``: kept per micro-batch in flight; ``transient_bytes``: the largest
+    extra a single pass needs on top (a recomputed layer while its backward runs, the fused
+    head's chunk of logits); ``source``: where the figures came from.
     """
 
     forward_s: float
@@ -99,6 +101,7 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
         backward += m.backward_s
     if has_head:
         kept += head_activation_bytes(shape, model.vocab_size, dtype)
+        transient = max(transient, head_chunk_bytes(shape, model.vocab_size, spec.device_type))
     return StageCompute(forward, backward, kept, transient, "; ".join(sources))
 
 

@@ -23,8 +23,12 @@ around every compute region, with the region's :func:`compute_region_key`; see
 (bookkeeping between steps). A rank cannot tell a slow link from a peer stage that has not
 reached the matching step yet, so the pipeline's fill/drain idle time (the classic "bubble")
 is spent blocked in transfers and lands in ``p2p_wait_s``; compare ``p2p_wait_s + bubble_s``
-with a model's p2p + bubble time. On GPUs each timed region ends with a device synchronise, so
-the host clock sees the queued work (at the cost of the overlap across region boundaries).
+with a model's p2p + bubble time. On GPUs the regions are timed by CUDA events read once per
+call (:mod:`megatron_het.pipeline.timing`), so no region waits for the device; a region timer
+(CPU emulation) gets a synchronised device instead.
+
+Precision: the stage computes in its parameters' dtype (bf16 under mixed precision: the
+optimizer holds the float32 masters and main gradients), and boundary tensors travel in it.
 
 Shape legend: b micro-batch size, s sequence length, H hidden size.
 """
@@ -42,8 +46,10 @@ from megatron_het.config import ModelConfig
 from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.pipeline.p2p import (BufferPool, boundary_peers, sync_tied_embedding_grads,
                                        tied_embedding_weight, transfer_ops)
+from megatron_het.kernels.main_grad import accumulated_grad
 from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PBatch, Step,
                                              gpipe)
+from megatron_het.pipeline.timing import RegionClock
 
 __all__ = ["PipelineExecutor", "RegionTimer", "StageStats", "compute_region_key",
            "sync_tied_embedding_grads"]
@@ -101,8 +107,6 @@ class _Run:
     output_grads: dict[int, torch.Tensor] = field(default_factory=dict)    # received buffers
     input_grads: dict[int, torch.Tensor] = field(default_factory=dict)     # to send back
     loss_sum: Optional[torch.Tensor] = None
-    compute_s: float = 0.0
-    p2p_s: float = 0.0
 
 
 class PipelineExecutor:
@@ -113,31 +117,36 @@ class PipelineExecutor:
         groups: this rank's process groups (transfers use ``groups.pipeline``).
         model_config: the model's shape (for the hidden size of the transfers).
         seq_length, micro_batch_size: every micro-batch is ``[micro_batch_size, seq_length]``;
-            boundary tensors are ``[b, s, H]``.
-        bf16: run forwards under bfloat16 autocast (and send bf16 over stage boundaries).
+            boundary tensors are ``[b, s, H]`` in the parameters' dtype.
         region_timer: entered around every compute region (:class:`RegionTimer`; None: none).
         schedule: a name of :data:`~megatron_het.pipeline.schedules.SCHEDULES` ("1f1b",
             "gpipe").
     """
 
     def __init__(self, stage: nn.Module, groups: ProcessGroups, model_config: ModelConfig,
-                 seq_length: int, micro_batch_size: int, bf16: bool = False,
+                 seq_length: int, micro_batch_size: int,
                  region_timer: Optional[RegionTimer] = None, schedule: str = "1f1b") -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; known: "
                              f"{', '.join(SCHEDULES)}")
         self.stage, self.groups, self.config = stage, groups, model_config
-        self.bf16, self.region_timer, self.schedule = bf16, region_timer, schedule
+        self.region_timer, self.schedule = region_timer, schedule
         role = groups.role
         self.stage_index = role.stage
         self.num_stages = groups.plan.pipelines[role.pipeline].pp_size
         self.is_first, self.is_last = role.is_first_stage, role.is_last_stage
         self.peers = boundary_peers(groups.plan, groups.rank)
         first_param = next(stage.parameters())
-        self.device, self.param_dtype = first_param.device, first_param.dtype
-        self.wire_dtype = torch.bfloat16 if bf16 else self.param_dtype
+        self.device = first_param.device
         self.boundary_shape = (micro_batch_size, seq_length, model_config.hidden_size)
         self.pool = BufferPool(self.device)
+        self.clock = RegionClock(self.device)
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype of boundary tensors: the stage's parameters' (read per call, since the
+        optimizer moves the parameters into its training-dtype buffers)."""
+        return next(self.stage.parameters()).dtype
 
     # -- public -----------------------------------------------------------------------------
     def steps(self, num_micro_batches: int, forward_only: bool = False) -> list[Step]:
@@ -163,8 +172,10 @@ class PipelineExecutor:
         run = _Run(micro_batches, loss_scale, forward_only)
         tied = tied_embedding_weight(self.stage, self.groups)
         # Gradient already in .grad was summed by an earlier run: exchange only this run's part.
-        baseline = None if tied is None or tied.grad is None else tied.grad.clone()
-        start = time.perf_counter()
+        grad = None if tied is None else accumulated_grad(tied)
+        baseline = None if grad is None else grad.clone()
+        self.clock = RegionClock(self.device)
+        self.clock.start()
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             for step in self.steps(len(micro_batches), forward_only):
                 if isinstance(step, Action) and step.kind is ActionKind.FORWARD:
@@ -173,15 +184,16 @@ class PipelineExecutor:
                     self._backward(run, step.micro_batch)
                 else:
                     self._transfer(run, step)
-        wall = time.perf_counter() - start
+        times, wall = self.clock.totals()
+        compute_s, p2p_s = times.get("compute", 0.0), times.get("p2p", 0.0)
         sync_s = 0.0
         if not forward_only:
             sync_start = time.perf_counter()
             sync_tied_embedding_grads(self.stage, self.groups, baseline)
             sync_s = time.perf_counter() - sync_start
         loss = 0.0 if run.loss_sum is None else float(run.loss_sum)
-        return StageStats(loss_sum=loss, compute_s=run.compute_s, p2p_wait_s=run.p2p_s,
-                          bubble_s=max(0.0, wall - run.compute_s - run.p2p_s),
+        return StageStats(loss_sum=loss, compute_s=compute_s, p2p_wait_s=p2p_s,
+                          bubble_s=max(0.0, wall - compute_s - p2p_s),
                           num_micro_batches=len(micro_batches), wall_s=wall,
                           embedding_sync_s=sync_s)
 
@@ -198,24 +210,15 @@ class PipelineExecutor:
 
     @contextlib.contextmanager
     def _compute_region(self, run: _Run, kind: str) -> Iterator[None]:
-        start = time.perf_counter()
+        if self.region_timer is None:
+            with self.clock.region("compute"):
+                yield
+            return
         key = compute_region_key(kind, run.forward_only)
-        region = (self.region_timer.timed_region(key) if self.region_timer is not None
-                  else contextlib.nullcontext())
-        with region:
+        with self.clock.region("compute"), self.region_timer.timed_region(key):
             yield
-            self._synchronize()
-        run.compute_s += time.perf_counter() - start
-
-    def _synchronize(self) -> None:
-        """Wait for queued device work, so the host clock measures it (CUDA and ROCm)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if self.device.type == "cuda":  # the timer reads the host clock
+                torch.cuda.synchronize(self.device)
 
     def _forward(self, run: _Run, mb: int) -> None:
         tokens, labels = run.micro_batches[mb]
@@ -224,11 +227,10 @@ class PipelineExecutor:
                 x = tokens.to(self.device)
             else:
                 x = self._stage_input(run, mb)
-            with self._autocast():
-                if self.is_last:
-                    out = self.stage(x, labels=labels.to(self.device))
-                else:
-                    out = self.stage(x)
+            if self.is_last:
+                out = self.stage(x, labels=labels.to(self.device))
+            else:
+                out = self.stage(x)
             if self.is_last:
                 loss = out.detach().float()
                 run.loss_sum = loss if run.loss_sum is None else run.loss_sum + loss
@@ -240,14 +242,10 @@ class PipelineExecutor:
                 self.pool.release(run.input_buffers.pop(mb))
 
     def _stage_input(self, run: _Run, mb: int) -> torch.Tensor:
-        """The received activations of ``mb`` as a leaf in the parameters' dtype."""
-        buffer = run.input_buffers.pop(mb)
-        if buffer.dtype == self.param_dtype:
-            run.input_buffers[mb] = buffer  # the input shares its storage until backward
-            x = buffer.detach()
-        else:
-            x = buffer.to(self.param_dtype)
-            self.pool.release(buffer)
+        """The received activations of ``mb`` as a leaf (sharing the buffer's storage until
+        backward)."""
+        buffer = run.input_buffers[mb]
+        x = buffer.detach()
         x.requires_grad_(not run.forward_only)
         run.inputs[mb] = x
         return x
@@ -273,21 +271,19 @@ class PipelineExecutor:
         for action in actions:
             mb, payload, buffer = action.micro_batch, None, None
             if action.kind is ActionKind.SEND_FORWARD:
-                payload = run.outputs[mb].detach().to(self.wire_dtype).contiguous()
+                payload = run.outputs[mb].detach().contiguous()
                 if run.forward_only:
                     del run.outputs[mb]
             elif action.kind is ActionKind.SEND_BACKWARD:
-                payload = run.input_grads.pop(mb).to(self.wire_dtype).contiguous()
+                payload = run.input_grads.pop(mb).contiguous()
             else:
                 buffer = self.pool.acquire(self.boundary_shape, self.wire_dtype)
                 received.append((action, buffer))
             ops += transfer_ops(action, self.peers, payload, buffer)
-        start = time.perf_counter()
-        if ops:
-            for handle in self.groups.pipeline.batch_isend_irecv(ops):
-                handle.wait()
-            self._synchronize()
-        run.p2p_s += time.perf_counter() - start
+        with self.clock.region("p2p"):
+            if ops:
+                for handle in self.groups.pipeline.batch_isend_irecv(ops):
+                    handle.wait()
         for action, buffer in received:
             if action.kind is ActionKind.RECV_FORWARD:
                 run.input_buffers[action.micro_batch] = buffer

@@ -16,10 +16,8 @@ Every rank thus receives exactly one message per transfer and the traffic per bo
 ``max(tp_k, tp_(k+1))`` messages. Transfers go over the pipeline's group, so ranks of different
 accelerator kinds meet on the communicator's bridge.
 
-Wire dtype: the compute dtype, i.e. bfloat16 when the stages run under bf16 autocast (half the
-bytes, as the predictor models), else the parameters' dtype. The receiver casts back to the
-parameters' dtype, so the residual stream keeps its precision inside a stage; under bf16 the
-activations and gradients are rounded to bf16 once per boundary.
+Wire dtype: the parameters' dtype, which is the activations' (bf16 under mixed precision, half
+the bytes of fp32, as the predictor models).
 
 Also here: :func:`sync_tied_embedding_grads`, the first/last-stage gradient sum of tied
 embeddings.
@@ -32,6 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_het.comm.p2p import P2POp
+from megatron_het.kernels.main_grad import accumulated_grad
 from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.pipeline.schedules import Action, ActionKind
@@ -143,7 +142,8 @@ def sync_tied_embedding_grads(stage: torch.nn.Module, groups: ProcessGroups,
     members must call it. Afterwards both copies hold the gradient of the single-process
     (shared) weight, restricted to each rank's vocabulary rows. ``baseline``: the part of
     ``.grad`` that was already summed (equal on both copies, e.g. from an earlier call during
-    gradient accumulation); only the rest is exchanged, so nothing is counted twice.
+    gradient accumulation); only the rest is exchanged, so nothing is counted twice. The
+    gradient is the float32 ``main_grad`` of a low-precision weight, else ``.grad``.
 
     Equal TP degrees on both ends: one all-reduce of the ``[V/tp, H]`` shard between the two
     ranks holding the same rows. Different degrees: each member places its rows into a zero
@@ -153,9 +153,9 @@ def sync_tied_embedding_grads(stage: torch.nn.Module, groups: ProcessGroups,
     weight = tied_embedding_weight(stage, groups)
     if weight is None:
         return
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    grad = weight.grad
+    grad = accumulated_grad(weight)
+    if grad is None:
+        weight.grad = grad = torch.zeros_like(weight)
     delta = grad if baseline is None else grad - baseline
     if groups.embedding_pairs:
         groups.embedding.all_reduce(delta, "sum")

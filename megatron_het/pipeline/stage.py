@@ -27,7 +27,8 @@ def build_stage(model_config: ModelConfig, plan: ParallelPlan, groups: ProcessGr
         plan: the parallel plan (the stage comes from ``plan.rank_role(groups.rank)``).
         groups: this rank's groups; ``groups.tp`` must be the stage's TP group.
         seed: the run seed of the layout-independent initialisation.
-        device: where the parameters live (float32; autocast handles lower precision).
+        device: where the parameters live (float32: the optimizer keeps these values as
+            master weights and casts the parameters to the training dtype).
 
     Returns a :class:`LlamaModel` (a ``TensorParallelLlamaModel`` when the stage's tp > 1)
     with global parameter names; with tied embeddings the last stage holds its own copy of

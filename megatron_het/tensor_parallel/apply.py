@@ -65,7 +65,7 @@ class TensorParallelLlamaModel(LlamaModel):
         """Logits of final-normed hidden states ``[..., H]``: this rank's ``[..., Vr]`` columns
         (token ids ``vocab_range``), or with ``gather`` the full ``[..., V]`` on every rank."""
         group = self.tp_group
-        local = F.linear(copy_to_tp(normed, group), self.output_weight())
+        local = F.linear(copy_to_tp(normed, group, inplace_grad=True), self.output_weight())
         if not gather:
             return local
         return gather_vocab_parallel_logits(local, group,

@@ -7,6 +7,9 @@ of each rank's ``sum(exp(logit - local max))`` rescaled to the global max togeth
 target logit (zero on ranks that do not hold the target). All of it runs in float32.
 
 Labels equal to -100 (``IGNORE_INDEX``) carry no loss and no gradient, as in ``F.cross_entropy``.
+Nothing here synchronises with the host: the target is found by masked arithmetic, gather and
+scatter (no boolean-mask indexing, no ``.item()``, no data-dependent shapes), so the only waits
+are the collectives themselves.
 
 Shape legend: N tokens, H hidden, V vocabulary, Vr this rank's vocabulary rows.
 """
@@ -18,7 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_het.comm.groups import UnifiedGroup
-from megatron_het.model.loss import IGNORE_INDEX, fused_head_settings, token_loss_weights
+from megatron_het.kernels.autocast import autocast_off
+from megatron_het.model.loss import (IGNORE_INDEX, HeadSettings, chunk_logits,
+                                     fused_head_settings, head_backward, head_operands,
+                                     project_logit_grads, save_head_grads, split_token_weights,
+                                     token_loss_weights)
 from megatron_het.tensor_parallel.mappings import copy_to_tp, gather_from_tp
 
 
@@ -47,10 +54,13 @@ def _global_lse(local_max: torch.Tensor, sum_exp: torch.Tensor, target: torch.Te
 
 def _softmax_minus_onehot(logits_NV: torch.Tensor, lse_N: torch.Tensor, here_N: torch.Tensor,
                           local_N: torch.Tensor) -> torch.Tensor:
-    """``d CE / d logits`` for this rank's columns, float32 ``[N, Vr]``."""
+    """``d CE / d logits`` for this rank's columns, float32 ``[N, Vr]``.
+
+    The one-hot is subtracted by a scatter of ``-here`` (0 on ranks without the target,
+    whose ``local`` is a dummy 0), not by boolean-mask indexing, which would synchronise with
+    the host to size its result."""
     grad = torch.exp(logits_NV.float() - lse_N[:, None])
-    rows = torch.arange(grad.shape[0], device=grad.device)
-    grad[rows[here_N], local_N[here_N]] -= 1.0
+    grad.scatter_add_(1, local_N[:, None], -here_N[:, None].to(grad.dtype))
     return grad
 
 
@@ -98,50 +108,48 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor,
                 labels_N: torch.Tensor, weights_N: torch.Tensor, group: UnifiedGroup,
-                vocab_start: int, chunk_tokens: int, need_grads: bool,
-                compute_dtype: torch.dtype) -> torch.Tensor:
-        with torch.autocast(hidden_NH.device.type, enabled=False):
-            hidden = hidden_NH.to(compute_dtype)
-            weight = weight_VH.to(compute_dtype)
-            chunks = range(0, hidden.shape[0], chunk_tokens)
+                vocab_start: int, settings: HeadSettings) -> torch.Tensor:
+        with autocast_off(hidden_NH.device.type):
+            hidden, weight = head_operands(hidden_NH, weight_VH, settings)
+            chunk = settings.chunk_tokens
             stats, kept = [], []
-            for start in chunks:
-                logits = hidden[start:start + chunk_tokens] @ weight.t()
-                stats.append(_local_stats(logits, labels_N[start:start + chunk_tokens],
-                                          vocab_start))
-                if need_grads:  # reused for the gradients once the global lse is known
-                    kept.append(logits)
+            for start in range(0, hidden.shape[0], chunk):
+                logits = chunk_logits(hidden[start:start + chunk], weight)  # float32
+                stats.append(_local_stats(logits, labels_N[start:start + chunk], vocab_start))
+                if settings.need_grads:  # reused for the gradients once the global lse is known
+                    kept.append(logits.to(hidden.dtype))
             local_max, sum_exp, target, here, local = (torch.cat(s) for s in zip(*stats))
             lse, target = _global_lse(local_max, sum_exp, target, group)
             total = ((lse - target) * weights_N).sum()
-            if need_grads:
-                grad_hidden, grad_weight = _head_grads(kept, hidden, weight, weights_N, lse,
-                                                       here, local, chunk_tokens)
-                ctx.save_for_backward(grad_hidden.to(hidden_NH.dtype),
-                                      grad_weight.to(weight_VH.dtype))
+            grad_hidden, grad_weight = (
+                _head_grads(kept, hidden, weight, weights_N, lse, here, local, settings)
+                if settings.need_grads else (None, None))
+        save_head_grads(ctx, hidden_NH, weight_VH, grad_hidden, grad_weight)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_total.to(grad_hidden.dtype),
-                grad_weight * grad_total.to(grad_weight.dtype),
-                None, None, None, None, None, None, None)
+        return (*head_backward(ctx, grad_total), None, None, None, None, None)
 
 
 def _head_grads(kept: Sequence[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
                 weights_N: torch.Tensor, lse: torch.Tensor, here: torch.Tensor,
-                local: torch.Tensor, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_hidden [N, H] partial over this rank's vocabulary, grad_weight [Vr, H] fp32)``."""
-    grad_hidden = torch.empty_like(hidden)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                local: torch.Tensor, settings: HeadSettings
+                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(grad_hidden [N, H] partial over this rank's vocabulary, grad_weight [Vr, H] fp32)``;
+    None for a gradient autograd does not need."""
+    grad_hidden = torch.empty_like(hidden) if settings.hidden_grad else None
+    grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                   if settings.weight_grad else None)
+    chunk = settings.chunk_tokens
+    scale, units_N = split_token_weights(weights_N)
     for i, logits in enumerate(kept):
-        part = slice(i * chunk_tokens, i * chunk_tokens + logits.shape[0])
-        probs = _softmax_minus_onehot(logits, lse[part], here[part], local[part]).to(weight.dtype)
-        w = weights_N[part, None].to(weight.dtype)
-        # Token weights scale the thin [Nc, H] operands, not the [Nc, Vr] logits.
-        grad_hidden[part] = (probs @ weight) * w
-        grad_weight.add_(probs.t() @ (hidden[part] * w))
+        part = slice(i * chunk, i * chunk + logits.shape[0])
+        dlogits = _softmax_minus_onehot(logits, lse[part], here[part], local[part])
+        project_logit_grads(dlogits, hidden[part], weight, weights_N[part], units_N[part],
+                            None if grad_hidden is None else grad_hidden[part], grad_weight)
+    if grad_weight is not None:
+        grad_weight.mul_(scale)
     return grad_hidden, grad_weight
 
 
@@ -159,23 +167,25 @@ def vocab_parallel_linear_cross_entropy(
         group: the tensor-parallel group.
         vocab_start: first token id of this rank's rows.
         loss_weights: ``[...]`` per-token weights; default the mean over non-ignored tokens.
-        chunk_tokens: tokens per GEMM chunk; default keeps a chunk near 1M local logits.
+        chunk_tokens: tokens per GEMM chunk; default
+            :func:`~megatron_het.model.loss.default_chunk_tokens` of ``Vr``.
 
     Returns the float32 scalar loss, equal on every rank to the single-process
     :func:`~megatron_het.model.loss.linear_cross_entropy`. No rank ever holds full-vocabulary
-    logits: each computes its ``[N, Vr]`` columns chunk by chunk, keeping them (when gradients
-    are needed) only until the gradients are formed at the end of forward. Communication: two
-    all-reduces of ``[N]``/``[2, N]`` float32 in forward, and in backward the all-reduce of the
-    ``[N, H]`` hidden gradient (the input passes through :func:`copy_to_tp`).
+    logits: each computes its ``[N, Vr]`` columns chunk by chunk in float32 and keeps them (in
+    the GEMM operand dtype, bf16 in a bf16 run on an accelerator, when gradients are needed)
+    only until the gradients are formed at the end of forward. Precision and ``main_grad``
+    handling are those of the single-process head; no host synchronisation. Communication: two all-reduces of ``[N]``/``[2, N]`` float32 in
+    forward, and in backward the all-reduce of the ``[N, H]`` hidden gradient (the input passes
+    through :func:`copy_to_tp`).
     """
     hidden = copy_to_tp(hidden, group)
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
     labels_N = labels.reshape(-1)
     weights_N = token_loss_weights(labels_N, loss_weights)
-    chunk_tokens, need_grads, compute_dtype = fused_head_settings(hidden, weight_VH, chunk_tokens)
+    settings = fused_head_settings(hidden, weight_VH, chunk_tokens)
     return _VocabParallelLinearCrossEntropy.apply(
-        hidden_NH, weight_VH, labels_N, weights_N, group, vocab_start, chunk_tokens, need_grads,
-        compute_dtype)
+        hidden_NH, weight_VH, labels_N, weights_N, group, vocab_start, settings)
 
 
 def gather_vocab_parallel_logits(logits: torch.Tensor, group: UnifiedGroup,

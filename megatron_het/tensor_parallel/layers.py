@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_het.comm.groups import UnifiedGroup
+from megatron_het.kernels import swiglu
 from megatron_het.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
 
 
@@ -40,7 +41,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
-            x = copy_to_tp(x, self.group)
+            x = copy_to_tp(x, self.group, inplace_grad=True)
         return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
@@ -65,7 +66,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, self.weight), self.group)
+        return reduce_from_tp(F.linear(x, self.weight), self.group, inplace=True)
 
     def extra_repr(self) -> str:
         rows, cols = self.weight.shape
@@ -101,7 +102,7 @@ class VocabParallelEmbedding(nn.Module):
         rows = F.embedding(torch.where(here, local, 0), self.weight)
         # Zero (not just skip) the foreign rows, so row 0 gets no gradient from them either.
         rows = rows * here.unsqueeze(-1).to(rows.dtype)
-        return reduce_from_tp(rows, self.group)
+        return reduce_from_tp(rows, self.group, inplace=True)
 
     def extra_repr(self) -> str:
         return (f"vocab=[{self.vocab_start}, {self.vocab_stop}) of {self.group.size} ranks, "
@@ -125,5 +126,5 @@ class ParallelMLP(nn.Module):
         self.down = RowParallelLinear(down, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.group)
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        x = copy_to_tp(x, self.group, inplace_grad=True)
+        return self.down(swiglu(self.gate(x), self.up(x)))

@@ -13,6 +13,14 @@ native backend.
 
 Slices along the last dimension are equal, contiguous and in group-rank order: rank r holds
 columns ``[r * c, (r + 1) * c)`` of a ``[..., size * c]`` tensor.
+
+All-reduces work in place, so by default they first copy their input. Two opt-ins skip that
+copy when the tensor is contiguous: ``reduce_from_tp(x, group, inplace=True)`` sums ``x``
+itself (marked dirty for autograd, so a use of the partial values that autograd saved raises
+instead of reading the sum); ``copy_to_tp(x, group, inplace_grad=True)`` sums the incoming
+gradient itself, which is right when the op after ``copy_to_tp`` makes a fresh input gradient
+that nothing else holds (a linear layer does; an addition, which hands one gradient to both
+operands, does not). Results are the same either way.
 """
 from __future__ import annotations
 
@@ -23,9 +31,10 @@ import torch
 from megatron_het.comm.groups import UnifiedGroup
 
 
-def _all_reduce(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
-    """Sum of ``x`` over the group in a fresh contiguous tensor (``x`` is left untouched)."""
-    out = x.clone(memory_format=torch.contiguous_format)
+def _all_reduce(x: torch.Tensor, group: UnifiedGroup, inplace: bool = False) -> torch.Tensor:
+    """Sum of ``x`` over the group: ``x`` itself when ``inplace`` and ``x`` is contiguous, else
+    a fresh contiguous tensor (``x`` is left untouched)."""
+    out = x if inplace and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
     group.all_reduce(out, op="sum")
     return out
 
@@ -52,25 +61,30 @@ class _CopyToTP(torch.autograd.Function):
     """Enter a tensor-parallel region whose ranks each use the whole (replicated) input."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup,
+                inplace_grad: bool) -> torch.Tensor:
+        ctx.group, ctx.inplace_grad = group, inplace_grad
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_reduce(grad, ctx.group, ctx.inplace_grad), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """Leave a tensor-parallel region by summing the ranks' partial results."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
-        return _all_reduce(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup, inplace: bool) -> torch.Tensor:
+        # a view changed in place would need autograd to rebase it: copy those as before
+        out = _all_reduce(x, group, inplace and x._base is None)
+        if out is x:
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -99,14 +113,16 @@ class _ScatterToTP(torch.autograd.Function):
         return _all_gather_last_dim(grad, ctx.group), None
 
 
-def copy_to_tp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
-    """Identity forward; backward all-reduces (sums) the gradient over ``group``."""
-    return _CopyToTP.apply(x, group)
+def copy_to_tp(x: torch.Tensor, group: UnifiedGroup, inplace_grad: bool = False) -> torch.Tensor:
+    """Identity forward; backward all-reduces (sums) the gradient over ``group`` (in the
+    incoming gradient itself with ``inplace_grad``, see the module docstring)."""
+    return _CopyToTP.apply(x, group, inplace_grad)
 
 
-def reduce_from_tp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
-    """Forward sums ``x`` over ``group`` (a new tensor); backward passes the gradient through."""
-    return _ReduceFromTP.apply(x, group)
+def reduce_from_tp(x: torch.Tensor, group: UnifiedGroup, inplace: bool = False) -> torch.Tensor:
+    """Forward sums ``x`` over ``group`` (a new tensor; ``x`` itself with ``inplace`` when it
+    is contiguous and not a view); backward passes the gradient through."""
+    return _ReduceFromTP.apply(x, group, inplace)
 
 
 def gather_from_tp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:

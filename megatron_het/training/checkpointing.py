@@ -27,13 +27,18 @@ def save(trainer: "Trainer") -> Optional[pathlib.Path]:
         return None
     start = time.perf_counter()
     train_state = {"iteration": progress.iteration, "consumed_samples": progress.consumed_samples,
-                   "lr_schedule": trainer.schedule.state_dict(), "rng": rng_state()}
+                   "lr_schedule": trainer.schedule.state_dict(),
+                   "rng": rng_state(trainer.device.type)}
+    scaler = trainer.optimizer.loss_scaler
+    if scaler is not None:
+        train_state["loss_scaler"] = scaler.state_dict()
+        train_state["skipped_iterations"] = trainer.optimizer.skipped_iterations
     metadata = {"argv": list(run.argv), "consumed_samples": progress.consumed_samples,
                 "run_config": dataclasses.asdict(run), "plan": setup.plan.to_dict(),
                 "cluster": setup.cluster.name}
     path = save_sharded(run.train.save, progress.iteration, setup.model_config, setup.plan,
                         trainer.groups, trainer.stage, trainer.optimizer.state_dict(),
-                        train_state, metadata)
+                        train_state, metadata, weights=trainer.optimizer.master_weights())
     trainer.print(f" saved checkpoint at iteration {progress.iteration} to {path} "
                   f"({time.perf_counter() - start:.2f} s)")
     return path
@@ -44,14 +49,21 @@ def load(trainer: "Trainer") -> None:
     state; a model-only checkpoint (e.g. converted weights) starts a fresh optimizer at 0."""
     setup = trainer.setup
     assert setup.load_dir is not None
+    weights: dict = {}
     optimizer_state, train_state = load_sharded(
         setup.load_dir, setup.model_config, setup.plan, trainer.groups, trainer.stage,
-        map_location=trainer.device)
+        map_location=trainer.device, weights=weights)
+    # Under mixed precision the parameters took the rounded values; the masters the exact ones.
+    trainer.optimizer.load_master_weights(weights)
     if train_state is None:
         return
     if optimizer_state is not None:
         trainer.optimizer.load_state_dict(optimizer_state)
+    scaler = trainer.optimizer.loss_scaler
+    if scaler is not None and train_state.get("loss_scaler") is not None:
+        scaler.load_state_dict(train_state["loss_scaler"])
+        trainer.optimizer.skipped_iterations = int(train_state.get("skipped_iterations", 0))
     if train_state.get("rng") is not None:
-        set_rng_state(train_state["rng"])
+        set_rng_state(train_state["rng"], trainer.device.type)
     trainer.progress = Progress(iteration=int(train_state["iteration"]),
                                 consumed_samples=int(train_state["consumed_samples"]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from megatron_het.errors import UserError
 
@@ -63,25 +63,53 @@ def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_T
     ``env.init_method``, or, without an env, a world of this one process (an in-memory store).
 
     The world group only bootstraps the unified communicator, which builds each kind's native
-    groups itself; gloo works for every kind. On a CUDA/ROCm rank (``device_type == "cuda"``)
-    the local device is selected first. Side effect: global torch.distributed state; raises
-    RuntimeError when a world is already initialised.
+    groups itself; gloo works for every kind. The rank's local device is selected first (see
+    :func:`select_local_device`; a "cpu" rank leaves torch.cuda alone). Side effect: global
+    torch.distributed state; raises RuntimeError when a world is already initialised.
     """
-    import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised; train on that world with "
                            "megatron_het.training.pretrain_on_world")
-    local_rank = env.local_rank if env is not None else 0
-    if device_type == "cuda" and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    select_local_device(device_type, env.local_rank if env is not None else 0)
     if env is None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
     dist.init_process_group("gloo", init_method=env.init_method, rank=env.rank,
                             world_size=env.world_size, timeout=timeout)
+
+
+def npu_module() -> Optional[Any]:
+    """``torch.npu`` when Ascend's torch_npu is importable (importing it registers the module),
+    else None."""
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return None
+    import torch
+
+    return getattr(torch, "npu", None)
+
+
+def select_local_device(device_type: Optional[str], local_rank: int) -> None:
+    """Make device ``local_rank`` (modulo the visible devices) this process's current one: on a
+    "cuda" rank (CUDA and ROCm) through ``torch.cuda.set_device``, on an "npu" rank (Ascend)
+    through ``torch.npu.set_device`` when torch_npu is importable. Nothing where no device is
+    visible, and for any other device type ("cpu" included), which never touches torch.cuda:
+    a CPU rank on a GPU host creates no CUDA context."""
+    if device_type == "cuda":
+        import torch
+
+        module: Optional[Any] = torch.cuda
+    elif device_type == "npu":
+        module = npu_module()
+    else:
+        return
+    count = module.device_count() if module is not None else 0
+    if count > 0:
+        module.set_device(local_rank % count)
 
 
 def local_accelerator() -> str:

@@ -71,16 +71,14 @@ def plan_batch(train: TrainConfig, spec: ParallelSpec, plan: ParallelPlan) -> Tr
 
 
 def run_dtype(run: RunConfig, plan_file: Optional[ParallelPlan]) -> str:
-    """"bf16" or "fp32" from ``--bf16`` and the plan file's dtype."""
+    """"bf16", "fp16" or "fp32" from ``--bf16`` / ``--fp16`` and the plan file's dtype."""
+    flag = "bf16" if run.train.bf16 else "fp16" if run.train.fp16 else None
     if plan_file is None or plan_file.dtype is None:
-        return "bf16" if run.train.bf16 else "fp32"
-    if plan_file.dtype == "fp16":
-        raise UserError("the plan's dtype fp16 is not supported (it needs loss scaling); set "
-                        "\"dtype\": \"bf16\" or \"fp32\" in the plan")
-    if plan_file.dtype == "fp32" and run.train.bf16:
-        raise UserError("--bf16 contradicts the plan's dtype fp32; drop --bf16 or set "
-                        "\"dtype\": \"bf16\" in the plan")
-    return "bf16" if run.train.bf16 or plan_file.dtype == "bf16" else "fp32"
+        return flag or "fp32"
+    if flag is not None and flag != plan_file.dtype:
+        raise UserError(f"--{flag} contradicts the plan's dtype {plan_file.dtype}; drop "
+                        f"--{flag} or set \"dtype\": \"{flag}\" in the plan")
+    return plan_file.dtype
 
 
 def load_cluster(spec: ParallelSpec, world_size: Optional[int],

@@ -138,6 +138,9 @@ def prepare_run(run: RunConfig, world_size: Optional[int] = 1,
         model_config = check_checkpoint_model(load_dir, model_config)
     profiles = host_profiles(run.parallel)
     choice = choose_plan(run, model_config, world_size, profiles, accelerator)
+    if run.parallel.grad_reduce_in_bf16 and choice.dtype != "bf16":
+        raise UserError("--grad-reduce-in-bf16 needs bf16 training; add --bf16 (or set "
+                        "\"dtype\": \"bf16\" in the plan) or drop the flag")
     if not data.mock_data:
         check_data_vocab(data.data_path, tokenizer.vocab_size)
     train_data, valid_data = build_datasets(run, choice.train, tokenizer.vocab_size)

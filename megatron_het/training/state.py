@@ -2,12 +2,18 @@
 
 Stored with ``torch.save`` and read with ``weights_only=True``, so it holds only tensors and plain
 Python values: numpy's RNG key is kept as a tensor.
+
+The accelerator's generators (one state per device, by index, under the key "cuda" or "npu")
+are those of the rank's device type. A "cpu" rank never calls torch.cuda (a CPU rank on a GPU
+host must not create a CUDA context); without a device type, only an accelerator this process
+has already initialised is asked, so the call never initialises one either.
 """
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -26,14 +32,38 @@ class Progress:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python's, numpy's and torch's global generators (all devices)."""
+    """Seed Python's, numpy's and torch's global generators (all devices; torch defers the
+    accelerators' seeds until they are initialised, so this creates no device context)."""
     random.seed(seed)
     np.random.seed(seed % (2 ** 32))
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict[str, Any]:
-    """Python, numpy, torch CPU and (when present) CUDA generator states."""
+def _accelerator_generators(device_type: Optional[str]) -> Optional[tuple[str, Any]]:
+    """(state key, torch module) of the accelerator generators a rank of ``device_type``
+    keeps, or None (a "cpu" rank, an "npu" rank without torch_npu, or, with ``device_type``
+    None, no accelerator initialised in this process)."""
+    from megatron_het.training.launch import npu_module
+
+    if device_type == "cuda":
+        return "cuda", torch.cuda
+    if device_type == "npu":
+        npu = npu_module()
+        return ("npu", npu) if npu is not None else None
+    if device_type is not None:
+        return None
+    if torch.cuda.is_initialized():
+        return "cuda", torch.cuda
+    npu = npu_module() if "torch_npu" in sys.modules else None  # never imported here first
+    if npu is not None and npu.is_initialized():
+        return "npu", npu
+    return None
+
+
+def rng_state(device_type: Optional[str] = None) -> dict[str, Any]:
+    """Python, numpy and torch CPU generator states, and those of every visible device of the
+    rank's accelerator (``device_type`` "cuda" or "npu"; see the module docstring for "cpu" and
+    None)."""
     np_state = np.random.get_state(legacy=False)
     state: dict[str, Any] = {
         "python": random.getstate(),
@@ -43,13 +73,18 @@ def rng_state() -> dict[str, Any]:
                   "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    generators = _accelerator_generators(device_type)
+    if generators is not None:
+        key, module = generators
+        state[key] = module.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore generator states saved by :func:`rng_state` (CUDA only where present both times)."""
+def set_rng_state(state: dict[str, Any], device_type: Optional[str] = None) -> None:
+    """Restore generator states saved by :func:`rng_state`. The accelerator's are restored for
+    the devices that exist now, by index (a run resumed with fewer visible devices than it saved
+    restores the first ones; devices beyond the saved ones keep their state); a state without
+    this rank's accelerator, or a "cpu" rank, restores none."""
     random.setstate(state["python"])
     np_state = state["numpy"]
     np.random.set_state({"bit_generator": np_state["bit_generator"],
@@ -57,5 +92,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
                                    "pos": np_state["pos"]},
                          "has_gauss": np_state["has_gauss"], "gauss": np_state["gauss"]})
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    generators = _accelerator_generators(device_type)
+    if generators is None or generators[0] not in state:
+        return
+    key, module = generators
+    saved = list(state[key])
+    for index, device_state in enumerate(saved[:module.device_count()]):
+        module.set_rng_state(device_state, index)

@@ -29,7 +29,9 @@ from torch import nn
 
 from megatron_het.comm import UnifiedCommunicator
 from megatron_het.data.mock_dataset import SampleDataset
+from megatron_het.model.compile import compile_layers
 from megatron_het.errors import UserError
+from megatron_het.optim.loss_scaler import LossScaler
 from megatron_het.optim.lr_schedule import LRSchedule
 from megatron_het.optim.parallel_optimizer import ParallelOptimizer, build_parallel_optimizer
 from megatron_het.parallel.groups import ProcessGroups, build_process_groups
@@ -111,15 +113,46 @@ def build_trainer(setup: RunSetup, comm: UnifiedCommunicator,
     groups = build_process_groups(comm, plan)
     seed_everything(run.train.seed)
     stage = build_stage(config, plan, groups, run.train.seed, comm.device)
+    # Built in float32; the optimizer keeps those values as masters and casts the parameters.
     optimizer = build_parallel_optimizer(stage, groups, run.optimizer,
                                          setup.use_distributed_optimizer,
-                                         overlap_grad_reduce=run.parallel.overlap_grad_reduce)
+                                         overlap_grad_reduce=run.parallel.overlap_grad_reduce,
+                                         param_dtype=TRAINING_DTYPES[setup.dtype],
+                                         grad_reduce_dtype=grad_reduce_dtype(setup),
+                                         loss_scaler=loss_scaler(setup))
+    if run.train.compile:
+        compile_layers(stage)
     executor = PipelineExecutor(stage, groups, config, run.data.seq_length,
-                                plan.micro_batch_size, bf16=setup.dtype == "bf16",
-                                region_timer=region_timer)
+                                plan.micro_batch_size, region_timer=region_timer)
     metrics = ThroughputMetrics(config, plan, setup.cluster, run.data.seq_length, setup.dtype)
     schedule = LRSchedule.from_config(run.optimizer, setup.train.train_iters)
     return Trainer(setup, groups, stage, optimizer, executor, schedule, metrics)
+
+
+TRAINING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def loss_scaler(setup: RunSetup) -> Optional[LossScaler]:
+    """fp16's loss scaler from the run's flags (None for bf16 and fp32)."""
+    if setup.dtype != "fp16":
+        return None
+    train = setup.run.train
+    if train.loss_scale is not None:
+        return LossScaler(scale=train.loss_scale, dynamic=False)
+    return LossScaler(scale=train.initial_loss_scale, min_scale=train.min_loss_scale,
+                      growth_interval=train.loss_scale_window, hysteresis=train.hysteresis,
+                      hysteresis_left=train.hysteresis)
+
+
+def grad_reduce_dtype(setup: RunSetup) -> torch.dtype:
+    """The dtype of the data-parallel gradient reduction: bf16 with --grad-reduce-in-bf16."""
+    return torch.bfloat16 if setup.run.parallel.grad_reduce_in_bf16 else torch.float32
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (the optimizer's kernels) before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _run_global_batch(trainer: Trainer, dataset: SampleDataset, first_sample: int,
@@ -131,7 +164,9 @@ def _run_global_batch(trainer: Trainer, dataset: SampleDataset, first_sample: in
     plan, role = trainer.setup.plan, trainer.groups.role
     total = sum(p.micro_batches for p in plan.pipelines)
     batches = pipeline_micro_batches(dataset, first_sample, plan, role.pipeline, trainer.device)
-    stats = trainer.executor.run(batches, loss_scale=1.0 / total, forward_only=forward_only)
+    scaler = trainer.optimizer.loss_scaler
+    scale = 1.0 if scaler is None or forward_only else scaler.scale
+    stats = trainer.executor.run(batches, loss_scale=scale / total, forward_only=forward_only)
     contributes = role.is_last_stage and role.tp_rank == 0
     table = gather_rows(trainer.groups.world, {
         "loss_sum": stats.loss_sum if contributes else 0.0, "stop": float(stop),
@@ -168,11 +203,15 @@ def train_step(trainer: Trainer, stop_requested: bool) -> bool:
         raise UserError(f"iteration {iteration}: {error}") from None
     progress.iteration = iteration
     progress.consumed_samples += setup.train.global_batch_size
+    _synchronize(trainer.device)
     elapsed = time.perf_counter() - start
     trainer.last_loss = loss
     trainer.iteration_times.append(elapsed)
     if trainer.logger is not None:
         fields = trainer.metrics.fields(table, elapsed)
+        if trainer.optimizer.loss_scaler is not None:
+            fields.update(loss_scale=trainer.optimizer.loss_scaler.scale,
+                          skipped_iterations=trainer.optimizer.skipped_iterations)
         trainer.logger.log_train(iteration, progress.consumed_samples, loss, lr, grad_norm,
                                  elapsed, extra=fields, extra_scalars=scalars_of(fields))
     return stopping

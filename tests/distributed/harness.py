@@ -4,10 +4,15 @@
 and a torch.distributed process group on a free loopback port, runs ``fn(rank, world_size, ...)``
 in every worker and returns the per-rank return values. A worker's exception is re-raised in the
 parent with the rank and the worker's traceback; a hang is killed at the timeout and reported.
+
+Workers are forked, unless CUDA is already initialised in this process: a forked child cannot
+use CUDA then (and a GPU test's workers need it), so they are spawned instead, which needs a
+picklable ``fn`` and arguments; a closure is refused there with an error that says so.
 """
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing
 import os
 import pickle
@@ -34,6 +39,24 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def start_method() -> str:
+    """"fork", or "spawn" when this process has initialised CUDA (``torch.cuda.is_initialized``
+    never initialises it itself, so the check is safe before a fork)."""
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def _check_spawnable(fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    try:
+        pickle.dumps((fn, args, kwargs))
+    except Exception as exc:  # noqa: BLE001 - pickling raises several kinds
+        raise RuntimeError(
+            "CUDA is initialised in this process, so run_ranks cannot fork its workers (a "
+            "forked child cannot use CUDA) and spawns them instead, which needs fn and its "
+            f"arguments to be picklable: {exc}. Make {getattr(fn, '__qualname__', fn)!r} a "
+            "module-level function, or run the test before anything in this process "
+            "initialises CUDA") from None
 
 
 def _worker(conn: Connection, fn: Callable[..., Any], rank: int, world_size: int, port: int,
@@ -91,24 +114,38 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
     Each worker sets one intra-op thread, then joins a process group of ``backend`` over
     ``tcp://127.0.0.1:<free port>`` whose collective timeout is ``timeout`` seconds, and destroys
-    it after ``fn`` returns. ``fn`` must be defined at module level or be a closure (fork start,
-    nothing is pickled on the way in); its return value must be picklable.
+    it after ``fn`` returns. ``fn`` may be a closure (fork start, nothing is pickled on the way
+    in), except where this process has initialised CUDA: the workers are spawned then and ``fn``
+    and its arguments must be picklable (RuntimeError before any worker starts otherwise). Its
+    return value must be picklable.
 
     Returns the return values ordered by rank. Raises :class:`RankFailure` naming every rank that
     raised (with its traceback) or that had not finished after ``timeout`` seconds (those are
     killed).
     """
-    ctx = multiprocessing.get_context("fork")
+    method = start_method()
+    if method == "spawn":
+        _check_spawnable(fn, args, kwargs)
+    ctx = multiprocessing.get_context(method)
     port = free_port()
     procs, conns = [], []
-    for rank in range(world_size):
-        parent_conn, child_conn = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_worker, daemon=True, args=(
-            child_conn, fn, rank, world_size, port, backend, timeout, args, kwargs))
-        proc.start()
-        child_conn.close()
-        procs.append(proc)
-        conns.append(parent_conn)
+    # Objects this process no longer reaches may still hold backend groups (a run in this
+    # process left a reference cycle). Collected in a forked child, their destructors would
+    # wait for backend threads that only exist here: collect them here, and keep the child's
+    # collector off everything inherited.
+    gc.collect()
+    gc.freeze()
+    try:
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker, daemon=True, args=(
+                child_conn, fn, rank, world_size, port, backend, timeout, args, kwargs))
+            proc.start()
+            child_conn.close()
+            procs.append(proc)
+            conns.append(parent_conn)
+    finally:
+        gc.unfreeze()
     try:
         results, errors = _collect(procs, conns, time.monotonic() + timeout)
     finally:

@@ -120,3 +120,76 @@ def plain_dist_calls(rank: int, world_size: int, kinds: list[str]) -> list[str]:
 def test_plain_dist_calls_over_unified_backend() -> None:
     results = run_ranks(plain_dist_calls, 4, ["fast", "fast", "slow", "slow"], timeout=60)
     assert results == [[], [], [], []]
+
+
+def fake_device_links(store, rank: int, size: int, timeout, backend: str):
+    """Link builder whose "fakenccl" links are gloo behaving like a device backend."""
+    from megatron_het.comm.backend import build_backend
+    from tests.distributed.test_comm_device_links import FAKE, CoalescingGloo
+
+    if backend == FAKE:
+        return CoalescingGloo(build_backend(store, rank, size, timeout, "gloo"))
+    return build_backend(store, rank, size, timeout, backend)
+
+
+def p2p_and_scatters(rank: int, world_size: int, native: str) -> list[str]:
+    """batch_isend_irecv, reduce_scatter and all_to_all through the unified backend, on the
+    world (2 + 2 ranks) and on a group of 2 ranks of one kind, against plain gloo groups."""
+    kinds = ["fast", "fast", "slow", "slow"]
+    builder = fake_device_links if native != "gloo" else None
+    register_unified_backend(kinds, {"fast": native, "slow": "gloo"},
+                             **({"link_builder": builder} if builder else {}))
+    groups = [(list(range(4)), dist.new_group(list(range(4)), backend="unified"),
+               dist.new_group(list(range(4)), backend="gloo"))]
+    for ranks in ([0, 1], [2, 3]):
+        pair = (ranks, dist.new_group(ranks, backend="unified"),
+                dist.new_group(ranks, backend="gloo"))
+        if rank in ranks:
+            groups.append(pair)
+    bad = []
+    for ranks, unified, ref in groups:
+        n, me = len(ranks), ranks.index(rank)
+        where = f"{ranks}"
+        nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
+        x = torch.arange(5, dtype=torch.int64) + 10 * rank
+        got_next, got_prev = torch.empty_like(x), torch.empty_like(x)
+        ops = [dist.P2POp(dist.irecv, got_prev, prv, unified),  # receives listed first
+               dist.P2POp(dist.isend, x, nxt, unified),
+               dist.P2POp(dist.isend, x + 1, prv, unified),
+               dist.P2POp(dist.irecv, got_next, nxt, unified)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        ok = (torch.equal(got_prev, torch.arange(5) + 10 * prv)
+              and torch.equal(got_next, torch.arange(5) + 10 * nxt + 1))
+        bad += [] if ok else [f"{where} batch_isend_irecv"]
+        inputs = [torch.arange(3, dtype=torch.int64) * (i + 1) + rank for i in range(n)]
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+            got, want = torch.empty(3, dtype=torch.int64), torch.empty(3, dtype=torch.int64)
+            dist.reduce_scatter(got, inputs, op=op, group=unified)
+            dist.reduce_scatter(want, inputs, op=op, group=ref)
+            bad += [] if torch.equal(got, want) else [f"{where} reduce_scatter {op}"]
+        got, want = torch.empty(3, dtype=torch.int64), torch.empty(3, dtype=torch.int64)
+        dist.reduce_scatter_tensor(got, torch.cat(inputs), group=unified)
+        dist.reduce_scatter_tensor(want, torch.cat(inputs), group=ref)
+        bad += [] if torch.equal(got, want) else [f"{where} reduce_scatter_tensor"]
+        ins = [torch.full((2,), 100 * rank + i, dtype=torch.int64) for i in range(n)]
+        got = [torch.empty(2, dtype=torch.int64) for _ in range(n)]
+        want = [torch.empty(2, dtype=torch.int64) for _ in range(n)]
+        dist.all_to_all(got, ins, group=unified)
+        dist.all_to_all(want, ins, group=ref)
+        bad += [] if all(map(torch.equal, got, want)) else [f"{where} all_to_all"]
+        one, one_ref = torch.empty(2 * n, dtype=torch.int64), torch.empty(2 * n, dtype=torch.int64)
+        dist.all_to_all_single(one, torch.cat(ins), group=unified)
+        dist.all_to_all_single(one_ref, torch.cat(ins), group=ref)
+        bad += [] if torch.equal(one, one_ref) else [f"{where} all_to_all_single"]
+        if native != "gloo" and rank < 2:  # this rank's device link saw only coalesced p2p
+            link = unified.group.native.pg
+            if link.single_p2p or not link.batches:
+                bad.append(f"{where} device link: {link.single_p2p} single p2p, "
+                           f"{link.batches} batches")
+    return bad
+
+
+@pytest.mark.parametrize("native", ["gloo", "fakenccl"])
+def test_p2p_batches_reduce_scatter_and_all_to_all_over_unified_backend(native: str) -> None:
+    assert run_ranks(p2p_and_scatters, 4, native, timeout=60) == [[]] * 4

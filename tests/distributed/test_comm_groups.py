@@ -116,3 +116,25 @@ def test_the_cluster_emulated_links_pace_only_with_the_hooks() -> None:
         assert r["paced_bytes"] == 2000  # one bridge channel piece, as above
         assert r["plain_wire"] is None and r["native_wire"] is None
         assert r["links"] == "EmulatedWires(emu-fast <-> emu-slow 2 GB/s, 50 us) (emulated)"
+
+
+def direct_choice(rank: int, world_size: int) -> list[str]:
+    kinds = ["fast", "slow"]
+    comm = UnifiedCommunicator(kinds, {k: "gloo" for k in kinds}, {k: "cpu" for k in kinds},
+                               bridge="direct")
+    out = [comm.bridge.backend]
+    try:  # a GPU kind and a CPU kind share no backend: every rank says so, before any group
+        UnifiedCommunicator(["gpu", "cpu"], {"gpu": "nccl", "cpu": "gloo"},
+                            {"gpu": "cuda", "cpu": "cpu"}, bridge="direct")
+    except UserError as exc:
+        out.append(str(exc))
+    comm.world.barrier()  # the failed construction left the ranks in step
+    return out
+
+
+def test_direct_bridge_chooses_the_shared_backend_or_says_to_relay() -> None:
+    for backend, message in run_ranks(direct_choice, 2, timeout=30):
+        assert backend == "gloo"
+        assert message == ("bridge 'direct' needs one backend that spans every accelerator "
+                           "kind, but gpu uses nccl on cuda and cpu uses gloo on cpu; use "
+                           "--bridge relay")

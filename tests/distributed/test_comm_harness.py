@@ -1,4 +1,5 @@
-"""The multi-process test harness itself: results, failures, hangs."""
+"""The multi-process test harness itself: results, failures, hangs, and its start method on a
+GPU host (fork, or spawn once CUDA is initialised in the parent; faked here)."""
 from __future__ import annotations
 
 import time
@@ -46,3 +47,45 @@ def test_worker_exception_names_rank_and_traceback() -> None:
 def test_hang_is_killed_at_the_timeout() -> None:
     with pytest.raises(RankFailure, match=r"rank\(s\) \[0\] did not finish within 3 s"):
         run_ranks(hangs_on_rank_zero, 2, timeout=3)
+
+
+# Read by the workers: a forked worker sees the parent's value of the moment, a spawned one the
+# value its fresh import of this module sets.
+START_MARK = "as imported"
+
+
+def report_start_mark(rank: int, world_size: int) -> str:
+    return START_MARK
+
+
+def cuda_untouchable(monkeypatch: pytest.MonkeyPatch, initialised: bool) -> None:
+    """``torch.cuda.is_initialized`` answers ``initialised``; any call that could initialise
+    CUDA (is_available, device_count, init) fails the test."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the harness touched CUDA before starting its workers")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialised)
+    for name in ("is_available", "device_count", "init", "current_device"):
+        monkeypatch.setattr(torch.cuda, name, forbidden)
+
+
+def test_workers_are_forked_while_cuda_is_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda_untouchable(monkeypatch, initialised=False)
+    monkeypatch.setattr(f"{__name__}.START_MARK", "set by the parent")
+    assert run_ranks(report_start_mark, 2, timeout=20) == ["set by the parent"] * 2
+
+
+@pytest.mark.slow  # a spawned worker imports torch and this module afresh
+def test_workers_are_spawned_once_cuda_is_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda_untouchable(monkeypatch, initialised=True)
+    monkeypatch.setattr(f"{__name__}.START_MARK", "set by the parent")
+    assert run_ranks(report_start_mark, 1, timeout=60) == ["as imported"]
+
+
+def test_a_closure_is_refused_once_cuda_is_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda_untouchable(monkeypatch, initialised=True)
+
+    def closure(rank: int, world_size: int) -> int:
+        return rank
+
+    with pytest.raises(RuntimeError, match=r"cannot fork .* module-level function"):
+        run_ranks(closure, 2, timeout=20)

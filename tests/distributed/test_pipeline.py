@@ -75,20 +75,22 @@ def _micro_batches(config: ModelConfig, count: int = NUM_MB
 
 def _reference(config: ModelConfig, bf16: bool = False, count: int = NUM_MB) -> dict[str, Any]:
     model = build_model(config, SEED)
+    if bf16:  # bf16 weights and activations, as mixed-precision training runs the model
+        model.to(torch.bfloat16)
     loss_sum = 0.0
     for tokens, labels in _micro_batches(config, count):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(tokens, labels=labels)
+        loss = model(tokens, labels=labels)
         (loss / count).backward()
         loss_sum += loss.item()
     return {"loss_sum": loss_sum,
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+            "grads": {n: p.grad.float() for n, p in model.named_parameters()}}
 
 
 def _run_case(comm: UnifiedCommunicator, plan: ParallelPlan, config: ModelConfig,
-              schedule: str, repeat: int = 1, **executor_args: Any) -> dict[str, Any]:
+              schedule: str, repeat: int = 1, dtype: torch.dtype = torch.float32,
+              **executor_args: Any) -> dict[str, Any]:
     groups = build_process_groups(comm, plan)
-    stage = build_stage(config, plan, groups, SEED)
+    stage = build_stage(config, plan, groups, SEED).to(dtype)
     executor = PipelineExecutor(stage, groups, config, SEQ, MBS, schedule=schedule,
                                 **executor_args)
     # Pipeline p takes the p-th block of NUM_MB micro-batches of the global batch.
@@ -101,9 +103,9 @@ def _run_case(comm: UnifiedCommunicator, plan: ParallelPlan, config: ModelConfig
     role = groups.role
     return {"pipeline": pipeline, "stage": role.stage, "tp_rank": role.tp_rank, "tp": role.stage_plan.tp,
             "last": role.is_last_stage, "stats": stats, "allocated": allocated,
-            "grads": {n: p.grad.clone() for n, p in stage.named_parameters()},
+            "grads": {n: p.grad.float() for n, p in stage.named_parameters()},
             "forward_only": executor.run(micro_batches, 1.0 / total, True),
-            "grads_after_forward_only": {n: p.grad.clone()
+            "grads_after_forward_only": {n: p.grad.float()
                                          for n, p in stage.named_parameters()}}
 
 
@@ -118,7 +120,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     if world_size == 4:  # two pipelines (DP replicas) of two stages
         results["dp2"] = _run_case(comm, DP2_PP2, TIED, "1f1b")
     if world_size == 3:
-        # Emulated slowdown with a recording sleep (no real waiting), and bf16 autocast.
+        # Emulated slowdown with a recording sleep (no real waiting), and bf16 weights.
         emulator = Emulator(2.0, sleep=lambda s: None)
         results["emulated"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", region_timer=emulator)
         results["emulated"]["regions"] = emulator.stats().regions
@@ -132,7 +134,8 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
                             fixed_reference_s=fixed)
         results["fixed"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", region_timer=emulator)
         results["fixed"]["slept"] = slept
-        results["bf16"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b", bf16=True)
+        results["bf16"] = _run_case(comm, PP2_TP12, UNTIED, "1f1b",
+                                    dtype=torch.bfloat16)
     return results
 
 

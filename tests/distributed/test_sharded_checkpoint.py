@@ -98,7 +98,7 @@ def _phases(rank: int, world_size: int, dirs: dict[str, str]) -> dict:
                                timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(100 + rank)
     train_state = {"version": 1, "iteration": ITERATION, "consumed_samples": 40,
-                   "lr_schedule": {}, "rng": rng_state()}
+                   "lr_schedule": {}, "rng": rng_state("cpu")}
     _save_resume_and_crash(comm, rank, dirs, train_state)
     _reshard_on_load(comm, rank, dirs, train_state)
     return _real_optimizer(comm, rank, dirs, train_state)
@@ -190,7 +190,7 @@ def _single_process_checkpoint(directory: pathlib.Path) -> None:
                  "param_groups": []}
     io.save_checkpoint(directory, ITERATION, CONFIG, state,
                        {"version": 1, "iteration": ITERATION, "consumed_samples": 40,
-                        "lr_schedule": {}, "optimizer": optimizer, "rng": rng_state()})
+                        "lr_schedule": {}, "optimizer": optimizer, "rng": rng_state("cpu")})
 
 
 def _shard_payloads(directory: pathlib.Path) -> list:

@@ -104,7 +104,7 @@ def test_preset_vocabulary_smaller_than_the_tokenizer() -> None:
      "--global-batch-size 8 is not divisible by --micro-batch-size 3"),
     (["--model", "tiny", "--seq-length", "512"],
      "--seq-length 512 exceeds the model's --max-position-embeddings 256"),
-    (["--model", "tiny", "--fp16"], "--fp16 is not supported"),
+    (["--model", "tiny", "--fp16", "--bf16"], "--fp16 and --bf16 both set the training dtype"),
     (["--model", "tiny", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
     (["--model", "tiny", "--save-interval", "5"], "--save-interval needs --save"),
     (["--model", "tiny", "--lr-warmup-iters", "20", "--train-iters", "10"],

@@ -12,7 +12,7 @@ from megatron_het.errors import UserError
 from megatron_het.model.init import init_weights, initial_value
 from megatron_het.model.llama import LlamaModel, build_model
 from megatron_het.model.loss import linear_cross_entropy
-from megatron_het.model.rope import apply_rope, rope_inverse_frequencies
+from megatron_het.model.rope import apply_rope, rope_inverse_frequencies, rope_table_dtype
 
 TINY = ModelConfig(num_layers=3, hidden_size=48, ffn_hidden_size=80, num_attention_heads=6,
                    num_query_groups=2, vocab_size=61, rope_theta=1000.0, norm_eps=1e-5)
@@ -243,3 +243,28 @@ def test_rope_matches_rotate_half_formula_and_gradcheck() -> None:
     torch.testing.assert_close(apply_rope(strided, cos, sin), expected)
     assert torch.autograd.gradcheck(lambda t: apply_rope(t.transpose(1, 2), cos, sin),
                                     (x.transpose(1, 2).contiguous().requires_grad_(),))
+
+
+def test_bf16_parameters_keep_bf16_activations_and_a_float32_loss() -> None:
+    """Megatron-style bf16: bf16 parameters, no autocast. Norms return bf16, RoPE tables and
+    attention run in bf16, the loss is float32."""
+    model = build_model(TINY, seed=5).to(torch.bfloat16)
+    seen: dict[str, torch.dtype] = {}
+
+    def record(name: str):
+        def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+            seen[name] = out.dtype
+        return hook
+
+    for name, module in model.named_modules():
+        if name.endswith(("norm", "attention")):
+            module.register_forward_hook(record(name))
+    tokens = torch.randint(0, TINY.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    loss = model(tokens, tokens.roll(-1, dims=1))
+    assert loss.dtype == torch.float32
+    assert seen and set(seen.values()) == {torch.bfloat16}
+    hidden = model.embedding(tokens)
+    assert rope_table_dtype(hidden) == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert rope_table_dtype(hidden.float()) == torch.bfloat16
+    assert rope_table_dtype(hidden.float()) == torch.float32

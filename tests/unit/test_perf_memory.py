@@ -70,3 +70,48 @@ def test_capacity_is_the_memory_cap_of_an_emulated_kind():
     assert device_capacity_bytes(kinds.get("H100")) == 80 * GIB
     capped = kinds.get("emu-slow").replace(memory_cap_gib=1.5)
     assert device_capacity_bytes(capped) == 1.5 * GIB
+
+
+def _saved_bytes(run, exclude) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``run()`` executes,
+    leaving out the storages in ``exclude`` (parameters, cached tables)."""
+    import torch
+
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(n for ptr, n in storages.items() if ptr not in exclude)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_activation_terms_are_the_tensors_the_model_saves(dtype):
+    """The memory model's per-micro-batch activations equal, byte for byte, what a decoder
+    layer and the fused head hand to autograd (tensor accounting on CPU)."""
+    import torch
+
+    from megatron_het.model.llama import build_model
+    from megatron_het.perf.cost_model import (LayerShape, head_activation_bytes,
+                                              layer_activation_bytes)
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    config = model_preset("tiny")
+    model = build_model(config, seed=1).to(torch_dtype)
+    if dtype == "bf16":  # as the optimizer leaves them: float32 main gradients
+        for param in model.parameters():
+            param.main_grad = torch.zeros(param.shape)
+    batch, seq = 2, 64
+    tokens = torch.randint(0, config.vocab_size, (batch, seq))
+    x = model.embedding(tokens).detach().requires_grad_()
+    cos, sin = model.rotary.cos_sin(seq, x.device, torch_dtype)
+    exclude = {t.untyped_storage().data_ptr() for t in (*model.parameters(), cos, sin)}
+    shape = LayerShape.of(config, seq=seq, micro_batch=batch, tp=1)
+    layer = _saved_bytes(lambda: model.layers["0"](x, cos, sin), exclude)
+    assert layer == layer_activation_bytes(shape, dtype)
+    head = _saved_bytes(lambda: model.head(x, labels=tokens), exclude)
+    assert head == head_activation_bytes(shape, config.vocab_size, dtype)

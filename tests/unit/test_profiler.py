@@ -1,12 +1,14 @@
-"""The device profiler: activation counting against independent counts, timing that follows the
-work, a profile the predictor uses as measured, communicator figures, naming and merging."""
+"""The device profiler: activation counting against independent counts, bf16 weights without
+autocast, timing that follows the work (host clock on the CPU, device events elsewhere, with a
+fake event class), a profile the predictor uses as measured, communicator figures, naming and
+merging."""
 from __future__ import annotations
 
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import model_preset
@@ -14,9 +16,10 @@ from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import predict
 from megatron_het.perf.profile import LayerEntry, Profile, ProfileConditions, merge_profiles
-from megatron_het.perf.profiler import (PROFILE_DTYPES, SavedActivations, Sweep,
-                                        accelerator_for_device, activation_bytes, layer_case,
-                                        measure_comm, profile_device, rank_stage, run_cases)
+from megatron_het.perf.profiler import (PROFILE_DTYPES, Case, EventTimer, HostTimer,
+                                        SavedActivations, Sweep, accelerator_for_device,
+                                        activation_bytes, layer_case, measure_comm, pass_timer,
+                                        profile_device, rank_stage, run_cases)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -43,12 +46,13 @@ def graph_saved_bytes(out: torch.Tensor, skip: set) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in skip)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_layer_activations_match_a_walk_of_the_graph(tp):
-    stage = rank_stage(TINY, tp, (0, 1), False, False, CPU, seed=3)
+def test_layer_activations_match_a_walk_of_the_graph(tp, dtype):
+    stage = rank_stage(TINY, tp, (0, 1), False, False, CPU, seed=3, dtype=dtype)
     layer = stage.layers["0"]
-    x = torch.randn(2, 16, TINY.hidden_size, requires_grad=True)
-    cos, sin = stage.rotary.cos_sin(16, CPU, torch.float32)
+    x = torch.randn(2, 16, TINY.hidden_size, dtype=PROFILE_DTYPES[dtype], requires_grad=True)
+    cos, sin = stage.rotary.cos_sin(16, CPU, PROFILE_DTYPES[dtype])
     measured = activation_bytes(lambda: layer(x, cos, sin), list(layer.parameters()),
                                 (cos, sin), CPU)
     skip = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), cos, sin)}
@@ -57,25 +61,107 @@ def test_layer_activations_match_a_walk_of_the_graph(tp):
     assert layer.mlp.gate.weight.shape[0] == TINY.ffn_hidden_size // tp
 
 
-def test_mlp_activations_match_a_count_by_hand():
-    mlp = rank_stage(TINY, 1, (0, 1), False, False, CPU, seed=3).layers["0"].mlp
+@pytest.mark.parametrize("dtype, nbytes", [("fp32", 4), ("bf16", 2)])
+def test_mlp_activations_match_a_count_by_hand(dtype, nbytes):
+    mlp = rank_stage(TINY, 1, (0, 1), False, False, CPU, seed=3, dtype=dtype).layers["0"].mlp
     tokens, h, f = 2 * 16, TINY.hidden_size, TINY.ffn_hidden_size
-    x = torch.randn(2, 16, h, requires_grad=True)
-    # gate/up save x once; silu saves gate(x); the product saves silu(.) and up(x); down saves
-    # the product: 4 tensors of f and 1 of h per token, fp32.
-    expected = 4 * tokens * (h + 4 * f)
+    x = torch.randn(2, 16, h, dtype=PROFILE_DTYPES[dtype], requires_grad=True)
+    # gate/up save x once; SwiGLU saves gate(x) and up(x) (silu is recomputed); down saves
+    # the product: 3 tensors of f and 1 of h per token, in the parameters' dtype.
+    expected = nbytes * tokens * (h + 3 * f)
     assert activation_bytes(lambda: mlp(x), list(mlp.parameters()), (), CPU) == expected
 
 
-def test_autocast_weight_copies_are_not_activations():
-    linear = nn.Linear(8, 16, bias=False)
-    x = torch.randn(4, 8, requires_grad=True)
-    with SavedActivations(linear.parameters()) as counter, \
-            torch.autocast("cpu", dtype=torch.bfloat16):
-        out = linear(x)
-    assert counter.nbytes == 4 * 8 * 2  # the bf16 copy of the input
-    assert counter.parameter_copy_bytes == 16 * 8 * 2  # the bf16 copy of the weight
-    del out
+def test_bf16_cases_run_bf16_weights_without_autocast():
+    stage = rank_stage(TINY, 2, (0, 1), False, False, CPU, seed=3, dtype="bf16")
+    assert {p.dtype for p in stage.parameters()} == {torch.bfloat16}
+    seen = []
+    stage.layers["0"].register_forward_pre_hook(
+        lambda module, inputs: seen.append((torch.is_autocast_enabled("cpu"), inputs[0].dtype)))
+    case = layer_case(stage, 16, 2, 2, "bf16", CPU)
+    out = case.forward()
+    assert seen == [(False, torch.bfloat16)] and out.dtype == torch.bfloat16
+    case.backward(out)
+    assert all(p.grad.dtype == torch.bfloat16 for p in stage.parameters())
+    fp32_stage = rank_stage(TINY, 2, (0, 1), False, False, CPU, seed=3)
+    with pytest.raises(ValueError, match="bf16 case needs torch.bfloat16 parameters"):
+        layer_case(fp32_stage, 16, 2, 2, "bf16", CPU)
+
+
+class FakeDevice:
+    """A device that runs what the host enqueues: fake cases advance its clock (ms), fake
+    events read it when recorded. Counts synchronisations; an event read before the device
+    was synchronised after its recording fails."""
+
+    def __init__(self) -> None:
+        self.now_ms, self.recorded, self.synced_upto, self.syncs = 0.0, 0, 0, 0
+
+    def synchronize(self, device=None) -> None:
+        self.syncs += 1
+        self.synced_upto = self.recorded
+
+    def case(self, forward_ms: list, backward_ms: list) -> Case:
+        """A case whose passes take ``forward_ms[i]`` and ``backward_ms[i]`` in turn."""
+        passes = iter(zip(forward_ms, backward_ms))
+        current = {}
+
+        def forward():
+            current["f"], current["b"] = next(passes)
+            self.now_ms += current["f"]
+            return torch.zeros(())
+
+        def backward(out):
+            self.now_ms += current["b"]
+        return Case(forward, backward, lambda f, b, saved: (f, b))
+
+
+class FakeEvent:
+    def __init__(self, device: FakeDevice, enable_timing: bool = False) -> None:
+        assert enable_timing, "elapsed_time needs timing events"
+        self.device, self.order, self.at_ms = device, None, None
+
+    def record(self) -> None:
+        self.device.recorded += 1
+        self.order, self.at_ms = self.device.recorded, self.device.now_ms
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        assert max(self.order, end.order) <= self.device.synced_upto, "read before a sync"
+        return end.at_ms - self.at_ms
+
+
+def test_accelerator_passes_are_timed_by_device_events(monkeypatch):
+    device = FakeDevice()
+    fake_cuda = SimpleNamespace(
+        Event=lambda enable_timing=False: FakeEvent(device, enable_timing),
+        synchronize=device.synchronize)
+    monkeypatch.setattr(torch, "cuda", fake_cuda)
+    cases = [device.case([9, 3, 5, 4], [20, 8, 7, 6]), device.case([1, 2, 1, 3], [2, 4, 2, 6])]
+    # One warm-up pass each (untimed), then the medians of three timed ones.
+    entries = run_cases(cases, torch.device("cuda", 0), warmup=1, iters=3)
+    assert entries[0] == (pytest.approx(4e-3), pytest.approx(7e-3))
+    assert entries[1] == (pytest.approx(2e-3), pytest.approx(4e-3))
+    assert device.syncs == 1  # once, after every timed pass was enqueued
+    assert isinstance(pass_timer(torch.device("cuda", 0)), EventTimer)
+
+
+def test_event_timer_refuses_a_read_before_the_sync():
+    device = FakeDevice()
+    timer = EventTimer(lambda: FakeEvent(device, True), device.synchronize)
+    start, end = timer.mark(), timer.mark()
+    with pytest.raises(RuntimeError, match="before finish"):
+        timer.elapsed_s(start, end)
+    timer.finish()
+    assert timer.elapsed_s(start, end) == 0.0
+
+
+def test_cpu_passes_are_timed_by_the_host_clock():
+    assert isinstance(pass_timer(CPU), HostTimer)
+    device = FakeDevice()  # its clock stands in for the host's
+    timer = HostTimer(clock=lambda: device.now_ms / 1e3)
+    entries = run_cases([device.case([5, 1, 3], [2, 6, 4])], CPU, warmup=0, iters=3,
+                        timer=timer)
+    assert entries == [(pytest.approx(3e-3), pytest.approx(4e-3))]
+    assert device.syncs == 0
 
 
 @pytest.fixture
@@ -117,6 +203,19 @@ def test_profile_holds_every_shape_and_the_conditions(tiny_profile):
     assert p.layers[1].activation_bytes < p.layers[0].activation_bytes  # a tp=2 shard
     assert p.optimizer_step_s_per_param > 0
     assert p.conditions.dtype == "fp32" and p.conditions.host and p.conditions.threads >= 1
+
+
+def test_a_bf16_profile_measures_bf16_weights(tiny_profile):
+    sweep = Sweep(seq_lengths=(32,), micro_batch_sizes=(2,), tp_sizes=(1,), dtype="bf16",
+                  warmup=0, iters=1)
+    p = profile_device(TINY, sweep, "cpu", CPU)
+    assert p.conditions.dtype == "bf16"
+    assert {e.dtype for e in (*p.layers, *p.embedding, *p.head)} == {"bf16"}
+    assert all(e.forward_s > 0 and e.backward_s > 0 for e in (*p.layers, *p.embedding, *p.head))
+    # The fp32 profile's first entry has the same shape: most saved tensors are now bf16 (the
+    # norms still keep float32 copies of their input), none is a weight copy.
+    fp32 = tiny_profile.layers[0].activation_bytes
+    assert 0.45 * fp32 < p.layers[0].activation_bytes < 0.7 * fp32
 
 
 def test_predict_uses_the_profile_as_measured(tiny_profile):
@@ -194,21 +293,3 @@ def test_sweep_rejects_what_cannot_be_measured():
         Sweep(tp_sizes=(3,)).check_model(TINY)
     with pytest.raises(UserError, match="positions"):
         Sweep(seq_lengths=(4096,)).check_model(TINY)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_gpu_allocator_activations_agree_with_the_saved_tensor_count(dtype):
-    device = torch.device("cuda", torch.cuda.current_device())
-    stage = rank_stage(TINY, 2, (0, 1), False, False, device, seed=3)
-    layer = stage.layers["0"]
-    entry = run_cases([layer_case(stage, 64, 2, 2, dtype, device)], device, 1, 2)[0]
-    x = torch.randn(2, 64, TINY.hidden_size, device=device, requires_grad=True)
-    cos, sin = stage.rotary.cos_sin(64, device, PROFILE_DTYPES[dtype])
-    with SavedActivations(layer.parameters(), (cos, sin)) as counter, \
-            torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-        out = layer(x, cos, sin)
-    # The allocator also holds the output (in place of the saved input) and rounds blocks up.
-    assert entry.activation_bytes == pytest.approx(counter.nbytes, rel=0.25)
-    assert entry.forward_s > 0 and entry.backward_s > 0
-    del out

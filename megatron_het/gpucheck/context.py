@@ -1,0 +1,67 @@
+"""What a check process gets: where to write rows and files, how long it has, the options."""
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+from megatron_het.gpucheck.report import RowWriter
+from megatron_het.gpucheck.runner import CommandResult, run_command
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DATA_DIR = REPO / "scripts" / "gpu_check"
+
+
+@dataclass(frozen=True)
+class Options:
+    """The command line's settings that checks read.
+
+    ``cpu_only``: the GPU is hidden on purpose, so a missing device is a SKIP, not a FAIL.
+    ``pair_kind`` is the accelerator of the pair's first rank (H200 on the GPU host; "cpu" runs
+    the pair's logic without a GPU, for development). ``mfu_micro_batch`` is the first
+    micro-batch size the MFU run tries (halved on out-of-memory); ``mfu_flags`` are extra
+    ``pretrain_llama.py`` flags for it (e.g. flags that are added later).
+    """
+
+    cpu_only: bool = False
+    pair_kind: str = "H200"
+    mfu_micro_batch: int = 4
+    mfu_iters: int = 10
+    mfu_flags: tuple[str, ...] = ()
+
+
+@dataclass
+class CheckContext:
+    """One check's process: ``rows`` records results, ``work`` holds its files, ``deadline``
+    is the monotonic time its budget ends (the runner kills it then)."""
+
+    rows: RowWriter
+    work: pathlib.Path
+    deadline: float
+    options: Options = field(default_factory=Options)
+    python: str = sys.executable
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+    def remaining(self) -> float:
+        """Seconds left of this check's budget."""
+        return self.deadline - time.monotonic()
+
+    def sub_timeout(self, wanted_s: float, reserve_s: float = 5.0) -> float:
+        """A sub-run's timeout: ``wanted_s``, cut to what the budget leaves after ``reserve_s``
+        (time to compare and report)."""
+        return max(1.0, min(wanted_s, self.remaining() - reserve_s))
+
+    def run(self, argv: Sequence[str], wanted_s: float, log_name: str,
+            env: Optional[Mapping[str, str]] = None) -> CommandResult:
+        """Run a sub-command in the repository root under :meth:`sub_timeout`; its log is
+        ``work/log_name``."""
+        return run_command(argv, self.sub_timeout(wanted_s), self.work / log_name,
+                           env=self.env if env is None else env, cwd=str(REPO))
+
+    def torchrun(self, nproc: int) -> list[str]:
+        """The launcher prefix for ``nproc`` local ranks (a free port of its own)."""
+        return [self.python, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(nproc)]

@@ -1,0 +1,235 @@
+"""In-process checks of the device: what the software stack offers (``probe``) and whether the
+model computes the same on CUDA as on the CPU (``numerics``).
+
+Thresholds. fp32 on CUDA runs with TF32 off, so CUDA and CPU differ only in summation order:
+the tiny model's loss and every gradient tensor (max |difference| over max |value|) agree
+within 1e-4. bf16 parameters (``model.to(torch.bfloat16)``, no autocast) keep ~3 significant
+digits, and the loss over ~128 tokens averages their rounding: within 2e-2 of fp32. The fused
+head + loss against ``F.cross_entropy`` on the full logits: 1e-5 (loss) and 1e-4 (gradients)
+in fp32; 1e-3 and 2e-2 in bf16, whose GEMMs round the logits and the softmax gradient (on the
+same bf16-rounded inputs the loss averages the logits' rounding over 4096 tokens).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatron_het.config import model_preset
+from megatron_het.errors import UserError
+from megatron_het.gpucheck.context import CheckContext
+from megatron_het.gpucheck.report import FAIL, PASS, SKIP, status_of
+from megatron_het.model.llama import build_model
+from megatron_het.model.loss import IGNORE_INDEX, linear_cross_entropy
+from megatron_het.training.launch import local_accelerator
+
+SEED = 1234
+NO_GPU = "no CUDA device"
+# name -> (required: FAIL when unusable, else SKIP), for bf16 causal attention.
+SDPA_BACKENDS = {"flash": True, "mem_efficient": True, "cudnn": False}
+OPTIONAL_PACKAGES = ("flash_attn", "apex", "liger_kernel")
+
+
+def skip_all(ctx: CheckContext, names: tuple[str, ...], why: str = NO_GPU) -> None:
+    for name in names:
+        ctx.rows.add(name, SKIP, why)
+
+
+# ---- probe ---------------------------------------------------------------------------------
+def check_probe(ctx: CheckContext) -> None:
+    """Rows ``probe.torch``, ``probe.device``, ``probe.sdpa.<backend>``, ``probe.<package>``."""
+    cuda = torch.cuda.is_available()
+    nccl = _nccl_version() if cuda else "n/a"
+    status = PASS if cuda else (SKIP if ctx.options.cpu_only else FAIL)
+    ctx.rows.add("probe.torch", status, f"torch {torch.__version__}, CUDA "
+                 f"{torch.version.cuda}, NCCL {nccl}", "a CUDA device is visible",
+                 hip=torch.version.hip, tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+                 tf32_cudnn=torch.backends.cudnn.allow_tf32)
+    if not cuda:
+        skip_all(ctx, ("probe.device", *(f"probe.sdpa.{b}" for b in SDPA_BACKENDS),
+                       *(f"probe.{p}" for p in OPTIONAL_PACKAGES)))
+        return
+    _probe_device(ctx)
+    for backend, required in SDPA_BACKENDS.items():
+        ok, value, details = sdpa_usable(backend)
+        status = PASS if ok else (FAIL if required else SKIP)
+        ctx.rows.add(f"probe.sdpa.{backend}", status, value,
+                     "bf16 causal fwd+bwd, vs math <= 2e-2 rel" + ("" if required
+                                                                     else " (optional)"),
+                     **details)
+    for package in OPTIONAL_PACKAGES:
+        _probe_package(ctx, package)
+
+
+def _nccl_version() -> str:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception as exc:  # a build without NCCL raises from deep inside torch
+        return f"unavailable ({type(exc).__name__})"
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _probe_device(ctx: CheckContext) -> None:
+    props = torch.cuda.get_device_properties(0)
+    shape = (f"{props.name}, {props.total_memory / 2**30:.1f} GiB, sm_{props.major}"
+             f"{props.minor}, {props.multi_processor_count} SMs")
+    try:
+        kind = local_accelerator()
+    except UserError as exc:
+        ctx.rows.add("probe.device", FAIL, f"{shape}; {exc}", "a kind of the accelerator table")
+        return
+    ctx.rows.add("probe.device", PASS, f"{shape} -> kind {kind}",
+                 "a kind of the accelerator table", devices=torch.cuda.device_count())
+
+
+def sdpa_usable(backend: str, device: str = "cuda",
+                seq: int = 1024) -> tuple[bool, str, dict[str, Any]]:
+    """Whether SDPA runs bf16 causal attention forward and backward on ``backend``, with
+    plain and grouped-query heads (16 query heads of 128, 4 kv heads), and agrees with the math
+    backend (max |difference| over max |output|: one bf16 ulp of the largest outputs is ~4e-3
+    of them). Returns (usable, table text, per-variant error or reason)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "mem_efficient":
+              SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    generator = torch.Generator(device=device).manual_seed(SEED)
+    details: dict[str, Any] = {}
+    for label, kv_heads in (("mha", 16), ("gqa", 4)):
+        q, k, v = (torch.randn(2, heads, seq, 128, device=device, dtype=torch.bfloat16,
+                               generator=generator) for heads in (16, kv_heads, kv_heads))
+        try:
+            with sdpa_kernel([chosen]):
+                out = _attention(q, k, v)
+            with sdpa_kernel([SDPBackend.MATH]):
+                ref = _attention(q, k, v)
+            details[label] = max_rel_error(out, ref)
+        except RuntimeError as exc:
+            details[label] = f"unusable: {str(exc).splitlines()[0][:80]}"
+    ok = isinstance(details["mha"], float) and details["mha"] <= 2e-2
+    value = ", ".join(f"{k} " + (f"rel diff {v:.1e}" if isinstance(v, float) else v)
+                      for k, v in details.items())
+    return ok, value, details
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    out.float().square().mean().backward()
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    return out.detach()
+
+
+def _probe_package(ctx: CheckContext, package: str) -> None:
+    name = f"probe.{package}"
+    if importlib.util.find_spec(package) is None:
+        ctx.rows.add(name, SKIP, "not installed", "imports (optional)")
+        return
+    try:
+        importlib.import_module(package)
+        if package == "apex":  # apex's Python parts install without the CUDA extensions
+            importlib.import_module("fused_layer_norm_cuda")
+    except Exception as exc:  # a broken install fails in many ways; say which
+        ctx.rows.add(name, FAIL, f"{type(exc).__name__}: {str(exc)[:160]}", "imports (optional)")
+        return
+    version = _version(package)
+    extra = ""
+    if package == "apex":
+        from megatron_het.kernels import apex_rms_norm_available
+
+        extra = f", fused_layer_norm_cuda ok, RMSNorm uses it: {apex_rms_norm_available()}"
+    ctx.rows.add(name, PASS, f"{version}{extra}", "imports (optional)")
+
+
+def _version(package: str) -> str:
+    for dist_name in (package, package.replace("_", "-")):
+        try:
+            return importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "version unknown"
+
+
+# ---- numerics ------------------------------------------------------------------------------
+NUMERICS_ROWS = ("numerics.fp32-loss", "numerics.fp32-grads", "numerics.bf16-loss",
+                 "numerics.fused-loss-fp32", "numerics.fused-loss-bf16")
+
+
+def check_numerics(ctx: CheckContext) -> None:
+    """The tiny model on CUDA vs the CPU (fp32), bf16 parameters vs fp32, and the fused loss
+    vs ``F.cross_entropy`` on CUDA (thresholds in the module docstring)."""
+    if not torch.cuda.is_available():
+        skip_all(ctx, NUMERICS_ROWS)
+        return
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cpu_loss, cpu_grads = tiny_loss_and_grads("cpu", torch.float32)
+    gpu_loss, gpu_grads = tiny_loss_and_grads("cuda", torch.float32)
+    rel = abs(gpu_loss - cpu_loss) / abs(cpu_loss)
+    ctx.rows.add("numerics.fp32-loss", status_of(rel <= 1e-4), f"rel diff {rel:.2e} (cpu "
+                 f"{cpu_loss:.6f}, cuda {gpu_loss:.6f})", "<= 1e-4 rel")
+    worst, name = max((max_rel_error(gpu_grads[n], cpu_grads[n]), n) for n in cpu_grads)
+    ctx.rows.add("numerics.fp32-grads", status_of(worst <= 1e-4), f"max rel diff {worst:.2e} "
+                 f"({name})", "<= 1e-4 of each tensor's max")
+    bf16_loss, bf16_grads = tiny_loss_and_grads("cuda", torch.bfloat16)
+    rel = abs(bf16_loss - gpu_loss) / abs(gpu_loss)
+    finite = all(bool(torch.isfinite(g).all()) for g in bf16_grads.values())
+    ctx.rows.add("numerics.bf16-loss", status_of(rel <= 2e-2 and finite), f"rel diff {rel:.2e} "
+                 f"vs fp32 ({bf16_loss:.5f}), gradients finite: {finite}", "<= 2e-2 rel")
+    for dtype, loss_tol, grad_tol in ((torch.float32, 1e-5, 1e-4), (torch.bfloat16, 1e-3, 2e-2)):
+        loss_rel, grad_rel = fused_loss_errors("cuda", dtype)
+        ok = loss_rel <= loss_tol and grad_rel <= grad_tol
+        label = "fp32" if dtype == torch.float32 else "bf16"
+        ctx.rows.add(f"numerics.fused-loss-{label}", status_of(ok), f"loss {loss_rel:.2e}, "
+                     f"grads {grad_rel:.2e} rel", f"loss <= {loss_tol:g}, grads <= {grad_tol:g}")
+
+
+def tiny_loss_and_grads(device: str, dtype: torch.dtype) -> tuple[float, dict[str, torch.Tensor]]:
+    """The "tiny" preset's fused loss on a fixed batch of 2 x 64 tokens and its parameter
+    gradients (float32, on the CPU), with the parameters in ``dtype`` on ``device``."""
+    config = model_preset("tiny")
+    tokens = torch.randint(0, config.vocab_size, (2, 65),
+                           generator=torch.Generator().manual_seed(SEED))
+    model = build_model(config, SEED, device=device)
+    if dtype != torch.float32:
+        model.to(dtype)
+    loss = model(tokens[:, :-1].to(device), tokens[:, 1:].to(device))
+    loss.backward()
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+    return float(loss.detach()), grads
+
+
+def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected| (a scale-free error of a whole tensor)."""
+    scale = float(expected.abs().max())
+    return float((actual.float() - expected.float()).abs().max()) / max(scale, 1e-30)
+
+
+def fused_loss_errors(device: str, dtype: torch.dtype, tokens: int = 4096, hidden: int = 256,
+                      vocab: int = 32000) -> tuple[float, float]:
+    """(loss, worst gradient) relative errors of the fused head + loss in ``dtype`` against
+    ``F.cross_entropy`` over the full float32 logits of the same (rounded) inputs; every
+    17th label is ignored."""
+    generator = torch.Generator().manual_seed(SEED)
+    h = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    w = (0.02 * torch.randn(vocab, hidden, generator=generator)).to(dtype)
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    labels[::17] = IGNORE_INDEX
+    labels = labels.to(device)
+
+    def run(fn: Callable[..., torch.Tensor], cast: torch.dtype) -> tuple[float, list]:
+        leaves = [t.to(device=device, dtype=cast, copy=True).requires_grad_() for t in (h, w)]
+        loss = fn(*leaves)
+        loss.backward()
+        return float(loss.detach()), [t.grad.float().cpu() for t in leaves]
+
+    fused, fused_grads = run(lambda a, b: linear_cross_entropy(a, b, labels), dtype)
+    ref, ref_grads = run(lambda a, b: F.cross_entropy(a @ b.t(), labels,
+                                                      ignore_index=IGNORE_INDEX), torch.float32)
+    grad_rel = max(max_rel_error(a, b) for a, b in zip(fused_grads, ref_grads))
+    return abs(fused - ref) / abs(ref), grad_rel

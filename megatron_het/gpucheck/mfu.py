@@ -1,0 +1,159 @@
+"""Single-GPU MFU and peak memory of a ~1B Llama (TinyLlama's shape): bf16, seq 2048, mock data.
+
+The run is ``pretrain_llama.py``'s own path (:func:`prepare_run`, :func:`train_prepared`) in a
+driver process (``python -m megatron_het.gpucheck.mfu --result R.json -- FLAGS``) that also
+asks the predictor for the plan's peak memory and MFU (what ``--dry-run`` prints) and reads
+``torch.cuda.max_memory_allocated`` after training, which the run itself does not report.
+MFU is the metrics file's ``mfu`` (model FLOPs by Megatron's formula, full S x S attention,
+over the kind's dense bf16 peak from the accelerator table), the median of the iterations after
+the first two. A micro-batch that runs out of memory is halved and the run tried again.
+
+Thresholds: MFU >= 40%; measured peak within 25% of the memory model's prediction (which
+leaves out the CUDA context and allocator fragmentation, as ``max_memory_allocated`` does).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Any, Sequence
+
+import torch
+
+from megatron_het.arguments import parse_run_config
+from megatron_het.errors import UserError, run_cli
+from megatron_het.gpucheck.context import CheckContext
+from megatron_het.gpucheck.device_checks import skip_all
+from megatron_het.gpucheck.metrics_file import median_field, train_records
+from megatron_het.gpucheck.report import FAIL, status_of
+from megatron_het.training.launch import init_world, local_accelerator, shutdown_world
+from megatron_het.training.run import predict_run, train_prepared
+from megatron_het.training.setup import RunSetup, prepare_run
+
+MFU_MIN = 0.40
+MEMORY_RTOL = 0.25
+MICRO_BATCHES = 4  # per iteration (gradient accumulation): global batch = 4 x micro-batch
+WARMUP_ITERS = 2
+RUN_S = 110.0
+GIB = 2 ** 30
+# TinyLlama-1.1B's shape: 1123M parameters with an untied 32000-token head.
+MODEL_FLAGS = ["--num-layers", "22", "--hidden-size", "2048", "--ffn-hidden-size", "5632",
+               "--num-attention-heads", "16", "--num-query-groups", "4",
+               "--untie-embeddings-and-output-weights", "--max-position-embeddings", "2048",
+               "--seq-length", "2048", "--mock-data", "--tokenizer-type", "NullTokenizer",
+               "--vocab-size", "31999"]
+ROWS = ("mfu.mfu", "mfu.memory")
+
+
+def train_flags(micro_batch: int, iters: int, metrics: pathlib.Path,
+                extra: Sequence[str] = ()) -> list[str]:
+    """``pretrain_llama.py`` flags of one MFU run: ``--bf16`` as training defines it (bf16
+    weights and activations, fp32 main gradients, master weights and Adam state), eager
+    (``extra`` may add ``--compile``), one global batch of 4 micro-batches per iteration."""
+    return [*MODEL_FLAGS, "--bf16", "--micro-batch-size", str(micro_batch),
+            "--global-batch-size", str(MICRO_BATCHES * micro_batch), "--train-iters", str(iters),
+            "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "2", "--seed", "1234",
+            "--eval-iters", "0", "--log-interval", "1", "--metrics-file", str(metrics), *extra]
+
+
+def check_mfu(ctx: CheckContext) -> None:
+    """Rows ``mfu.mfu`` and ``mfu.memory`` (see the module docstring)."""
+    if not torch.cuda.is_available():
+        skip_all(ctx, ROWS)
+        return
+    micro_batch, tried = ctx.options.mfu_micro_batch, []
+    while micro_batch >= 1:
+        metrics = ctx.work / f"metrics_mb{micro_batch}.jsonl"
+        result_path = ctx.work / f"result_mb{micro_batch}.json"
+        flags = train_flags(micro_batch, ctx.options.mfu_iters, metrics, ctx.options.mfu_flags)
+        run = ctx.run([ctx.python, "-m", "megatron_het.gpucheck.mfu", "--result",
+                       str(result_path), "--", *flags], RUN_S, f"mfu_mb{micro_batch}.log")
+        result = json.loads(result_path.read_text()) if result_path.exists() else {}
+        tried.append(micro_batch)
+        if result.get("oom") and micro_batch > 1:
+            micro_batch //= 2
+            continue
+        break
+    if not run.ok or "peak_bytes" not in result:
+        why = "out of memory" if result.get("oom") else run.why()
+        for name in ROWS:
+            ctx.rows.add(name, FAIL, f"micro-batch {micro_batch}: {why}", "run finishes",
+                         tried=tried, log_tail=run.tail())
+        return
+    _report(ctx, micro_batch, tried, train_records(metrics), result)
+
+
+def _report(ctx: CheckContext, micro_batch: int, tried: list[int],
+            records: list[dict[str, Any]], result: dict[str, Any]) -> None:
+    mfu = median_field(records, "mfu", WARMUP_ITERS)
+    tokens = median_field(records, "tokens_per_s", WARMUP_ITERS)
+    tflops = median_field(records, "tflops_per_device", WARMUP_ITERS)
+    predicted = result.get("predicted_mfu")
+    if mfu is None:
+        ctx.rows.add("mfu.mfu", FAIL, "the metrics file has no mfu", f">= {MFU_MIN:.0%}")
+    else:
+        ctx.rows.add("mfu.mfu", status_of(mfu >= MFU_MIN),
+                     f"{mfu:.1%} ({tflops:.0f} TFLOP/s, {tokens:,.0f} tokens/s, micro-batch "
+                     f"{micro_batch} x {MICRO_BATCHES}; predicted "
+                     + (f"{predicted:.1%})" if predicted is not None else "n/a)"),
+                     f">= {MFU_MIN:.0%} of {result['accelerator']} bf16 dense peak",
+                     mfu=mfu, tokens_per_s=tokens, tflops_per_device=tflops, tried=tried,
+                     iteration_s=[r.get("iteration_time_s") for r in records],
+                     predicted_mfu=predicted, flags=result.get("flags"))
+    peak, want = result["peak_bytes"], result.get("predicted_peak_bytes")
+    if not want:
+        ctx.rows.add("mfu.memory", FAIL, f"peak {peak / GIB:.1f} GiB; the predictor gave no "
+                     f"figure: {result.get('prediction_error')}", f"within {MEMORY_RTOL:.0%}")
+        return
+    ratio = peak / want
+    ctx.rows.add("mfu.memory", status_of(abs(ratio - 1) <= MEMORY_RTOL),
+                 f"peak {peak / GIB:.1f} GiB allocated ({result['peak_reserved_bytes'] / GIB:.1f}"
+                 f" reserved) vs predicted {want / GIB:.1f} GiB (x{ratio:.2f})",
+                 f"within {MEMORY_RTOL:.0%} of the prediction", ratio=ratio,
+                 breakdown=result.get("predicted_memory"))
+
+
+# ---- the driver process ----------------------------------------------------------------------
+def driver_main(argv: Sequence[str]) -> int:
+    """Predict, train and measure one run; writes ``--result`` JSON. Exit 3 on out-of-memory."""
+    parser = argparse.ArgumentParser(prog="python -m megatron_het.gpucheck.mfu")
+    parser.add_argument("--result", required=True)
+    parser.add_argument("flags", nargs=argparse.REMAINDER)
+    args = parser.parse_args(list(argv))
+    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    setup = prepare_run(parse_run_config(flags), 1, local_accelerator())
+    result: dict[str, Any] = {"accelerator": setup.accelerator(0).name, "flags": flags}
+    result.update(_prediction(setup))
+    path = pathlib.Path(args.result)
+    cuda = setup.accelerator(0).device_type == "cuda"
+    init_world(None, device_type=setup.accelerator(0).device_type)
+    try:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        train_prepared(setup, out=sys.stdout)
+        if cuda:  # a CPU run (development) has no allocator figures
+            result["peak_bytes"] = torch.cuda.max_memory_allocated()
+            result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    except torch.cuda.OutOfMemoryError as exc:
+        result["oom"] = str(exc).splitlines()[0][:300]
+    finally:
+        shutdown_world()
+        path.write_text(json.dumps(result) + "\n")
+    return 3 if "oom" in result else 0
+
+
+def _prediction(setup: RunSetup) -> dict[str, Any]:
+    """The predictor's peak memory (the dry run's), MFU and iteration time for ``setup``."""
+    try:
+        prediction = predict_run(setup)
+    except UserError as exc:
+        return {"prediction_error": str(exc)}
+    stage = max(prediction.stages, key=lambda s: s.memory.total_bytes)
+    return {"predicted_peak_bytes": prediction.peak_memory_bytes,
+            "predicted_memory": stage.memory.to_dict(), "predicted_mfu": prediction.mfu,
+            "predicted_iteration_s": prediction.iteration_time_s}
+
+
+if __name__ == "__main__":
+    run_cli(lambda: sys.exit(driver_main(sys.argv[1:])))

@@ -1,0 +1,153 @@
+"""The real mixed pair: ``pretrain_llama.py`` under torchrun on one H200 rank and one CPU rank,
+against single-process runs of the same model, seed and batch.
+
+Runs (each under its own timeout; independent ones at the same time):
+
+- ``ref_gpu``, ``ref_cpu``: one process on the GPU, and on the CPU (``CUDA_VISIBLE_DEVICES=``);
+- ``pp_full``: the pp=2 plan for 2N iterations; ``pp_half`` + ``pp_resume``: the same run
+  saved and stopped at N, then resumed from the checkpoint to 2N;
+- ``dp``: the dp=2 plan (one pipeline per kind) with ``--use-distributed-optimizer`` and
+  ``--overlap-grad-reduce``.
+
+Tolerances. The CPU and the GPU sum in different orders (blocked GEMMs, SDPA kernels), so the
+fp32 losses of a pair cannot be expected to equal a one-device run bit for bit: a forward pass
+differs in the ~1e-7 relative range, and training with Adam lets such differences grow. As in
+the project's parallel tests, ``--adam-eps 1e-6`` keeps Adam from turning rounding in near-zero
+gradient elements into lr-sized steps, and the losses must agree within 1e-4 relative over 2N
+iterations. The ``ref_gpu`` / ``ref_cpu`` row measures the same effect without any parallelism
+(the floor a pair cannot beat). A resume runs the same kernels on the same devices, so it must
+agree far closer (1e-5; equal unless a kernel is non-deterministic).
+"""
+from __future__ import annotations
+
+import shutil
+from typing import Callable, Optional
+
+import torch
+
+from megatron_het.arguments import parse_run_config, resolve_model_config
+from megatron_het.config import ModelConfig
+from megatron_het.data.tokenizer import build_tokenizer
+from megatron_het.errors import UserError
+from megatron_het.gpucheck.context import REPO, CheckContext
+from megatron_het.gpucheck.device_checks import skip_all
+from megatron_het.gpucheck.metrics_file import compare_losses, losses
+from megatron_het.gpucheck.pair_files import (GLOBAL_BATCH, MICRO_BATCH, PairFiles,
+                                              load_and_validate, pair_files)
+from megatron_het.gpucheck.report import FAIL, PASS, status_of
+from megatron_het.gpucheck.runner import CommandResult, run_parallel
+
+HALF = 4  # N: the resume run stops at N and resumes to 2N
+LOSS_RTOL = 1e-4
+RESUME_RTOL = 1e-5
+RUN_S = 75.0  # per sub-run
+THREADS = "2"  # CPU threads per process: up to 7 processes share the host's cores
+
+MODEL_FLAGS = ["--model", "small", "--seq-length", "128", "--mock-data",
+               "--tokenizer-type", "NullTokenizer", "--vocab-size", "4000"]
+TRAIN_FLAGS = ["--train-iters", str(2 * HALF), "--lr", "1e-3", "--min-lr", "1e-4",
+               "--lr-warmup-iters", "2", "--weight-decay", "0.1", "--clip-grad", "1.0",
+               "--adam-eps", "1e-6", "--seed", "1234", "--eval-iters", "0",
+               "--log-interval", "1"]
+
+
+def pair_model_config() -> ModelConfig:
+    """The model the pair trains, resolved as ``pretrain_llama.py`` resolves its flags."""
+    run = parse_run_config([*MODEL_FLAGS, *TRAIN_FLAGS])
+    data = run.data
+    tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size)
+    return resolve_model_config(run.model, tokenizer.vocab_size, data.seq_length)
+
+
+def check_mixed_pair(ctx: CheckContext) -> None:
+    """Rows ``mixed.files``, ``mixed.reference``, ``mixed.pp``, ``mixed.resume``, ``mixed.dp``."""
+    kind = ctx.options.pair_kind
+    files = pair_files(kind, ctx.work / "files")
+    try:
+        load_and_validate(files, pair_model_config())
+    except UserError as exc:
+        ctx.rows.add("mixed.files", FAIL, str(exc), "cluster and plans load and validate")
+        return
+    ctx.rows.add("mixed.files", PASS, f"{files.cluster.name}, {files.pp_plan.name}, "
+                 f"{files.dp_plan.name}", "cluster and plans load and validate")
+    if kind.lower() != "cpu" and not torch.cuda.is_available():
+        skip_all(ctx, RUN_ROWS)
+        return
+    with_cpu_ref = kind.lower() != "cpu"  # else ref_gpu already runs on the CPU
+    results = _run_all(ctx, files, with_cpu_ref)
+    metrics = {name: losses(ctx.work / f"{name}.jsonl") for name in _METRICS}
+    ref = metrics["ref_gpu"]
+    if with_cpu_ref:
+        _compare(ctx, "mixed.reference", "single process GPU vs CPU", metrics["ref_cpu"], ref,
+                 [results["ref_cpu"], results["ref_gpu"]], LOSS_RTOL)
+    _compare(ctx, "mixed.pp", f"pp=2 {kind}+cpu vs single process", metrics["pp_full"], ref,
+             [results["pp_full"], results["ref_gpu"]], LOSS_RTOL)
+    _compare(ctx, "mixed.resume", f"save at {HALF}, resume to {2 * HALF} vs uninterrupted",
+             metrics["pp_resume"], metrics["pp_full"],
+             [results["pp_half"], results["pp_resume"], results["pp_full"]], RESUME_RTOL)
+    _compare(ctx, "mixed.dp", "dp=2 across kinds, ZeRO-1 + overlapped grad reduce vs single",
+             metrics["dp"], ref, [results["dp"], results["ref_gpu"]], LOSS_RTOL)
+
+
+RUN_ROWS = ("mixed.reference", "mixed.pp", "mixed.resume", "mixed.dp")
+_METRICS = ("ref_gpu", "ref_cpu", "pp_full", "pp_resume", "dp")  # metrics files, work/NAME.jsonl
+
+
+def _run_all(ctx: CheckContext, files: PairFiles,
+             with_cpu_ref: bool) -> dict[str, Optional[CommandResult]]:
+    """Launch the sub-runs (module docstring) in two waves; name -> result (None: not run,
+    because the run it continues failed)."""
+    env = {**ctx.env, "OMP_NUM_THREADS": THREADS}
+    metrics = {name: str(ctx.work / f"{name}.jsonl") for name in _METRICS}
+    single = [ctx.python, str(REPO / "pretrain_llama.py"), *MODEL_FLAGS, *TRAIN_FLAGS,
+              "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH)]
+    pair = [*ctx.torchrun(2), str(REPO / "pretrain_llama.py"), *MODEL_FLAGS, *TRAIN_FLAGS,
+            "--cluster", str(files.cluster)]
+    pp = [*pair, "--plan", str(files.pp_plan)]
+    ckpt = str(ctx.work / "ckpt")
+    shutil.rmtree(ckpt, ignore_errors=True)  # a --work directory used before
+    runs = {
+        "ref_gpu": ([*single, "--metrics-file", metrics["ref_gpu"]], env),
+        "pp_full": ([*pp, "--metrics-file", metrics["pp_full"]], env),
+        "pp_half": ([*pp, "--metrics-file", metrics["pp_resume"], "--save", ckpt,
+                     "--save-interval", str(HALF), "--exit-interval", str(HALF)], env),
+        "ref_cpu": ([*single, "--metrics-file", metrics["ref_cpu"]],
+                    {**env, "CUDA_VISIBLE_DEVICES": ""}),
+        "pp_resume": ([*pp, "--metrics-file", metrics["pp_resume"], "--load", ckpt,
+                       "--save", ckpt], env),
+        "dp": ([*pair, "--plan", str(files.dp_plan), "--use-distributed-optimizer",
+                "--overlap-grad-reduce", "--metrics-file", metrics["dp"]], env),
+    }
+    first = ["ref_gpu", "pp_full", "pp_half"] + (["ref_cpu"] if with_cpu_ref else [])
+    results: dict[str, Optional[CommandResult]] = _wave(ctx, runs, first)
+    second = (["pp_resume"] if results["pp_half"].ok else []) + ["dp"]
+    results.update(_wave(ctx, runs, second))
+    results.setdefault("pp_resume", None)
+    return results
+
+
+def _wave(ctx: CheckContext, runs: dict[str, tuple[list[str], dict]],
+          names: list[str]) -> dict[str, CommandResult]:
+    def job(name: str) -> Callable[[], CommandResult]:
+        argv, env = runs[name]
+        return lambda: ctx.run(argv, RUN_S, f"{name}.log", env)
+
+    return dict(zip(names, run_parallel([job(name) for name in names], len(names))))
+
+
+def _compare(ctx: CheckContext, check: str, what: str, run: dict[int, float],
+             reference: dict[int, float], results: list, rtol: float) -> None:
+    """One row: FAIL naming the sub-run that did not finish, else the loss comparison."""
+    for result in results:
+        if result is None:
+            ctx.rows.add(check, FAIL, "not run: the run it continues failed", f"<= {rtol:g} rel")
+            return
+        if not result.ok:
+            ctx.rows.add(check, FAIL, f"{result.log_path.stem} {result.why()}",
+                         f"<= {rtol:g} rel", log_tail=result.tail())
+            return
+    comparison = compare_losses(run, reference)
+    ctx.rows.add(check, status_of(comparison.within(rtol)), comparison.describe(),
+                 f"<= {rtol:g} rel", what=what, max_rel=comparison.max_rel,
+                 losses=[list(t) for t in comparison.per_iteration],
+                 seconds=[round(r.seconds, 1) for r in results])

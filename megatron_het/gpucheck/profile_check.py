@@ -1,0 +1,91 @@
+"""``tools/profile_device.py`` on CUDA for the MFU model's shape (bf16), each measured layer
+against its roofline.
+
+The peak roofline of a layer entry is :func:`megatron_het.perf.cost_model.ops_time` of its
+kernels at 100% of the kind's datasheet peak and bandwidth (causal attention counted at half its
+S x S work, as the cost model does); a row shows roofline time / measured time ("40% of
+roofline"). The cost model's estimate is the same with its default efficiency factors (what the
+predictor uses without a profile, and the roofline column the tool prints); measured / estimate
+("x1.30 est.") says how far the predictor is off. The rows are a record (PASS when the tool ran
+and wrote entries); the tool's printed layer table is kept in the details.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import torch
+
+from megatron_het.cluster.accelerators import AcceleratorRegistry, AcceleratorSpec
+from megatron_het.errors import UserError
+from megatron_het.gpucheck.context import REPO, CheckContext
+from megatron_het.gpucheck.device_checks import skip_all
+from megatron_het.gpucheck.report import FAIL, PASS
+from megatron_het.perf.cost_model import DEFAULT_EFFICIENCY, Efficiency, layer_forward_ops, ops_time
+from megatron_het.perf.profile import LayerEntry, Profile
+
+RUN_S = 45.0
+PEAK = Efficiency(gemm=1.0, attention=1.0, memory=1.0)
+SHAPE_FLAGS = ["--num-layers", "22", "--hidden-size", "2048", "--ffn-hidden-size", "5632",
+               "--num-attention-heads", "16", "--num-query-groups", "4", "--vocab-size", "32000"]
+SWEEP_FLAGS = ["--seq-lengths", "2048", "--micro-batch-sizes", "1,4", "--tp", "1",
+               "--dtype", "bf16", "--warmup", "2", "--iters", "5"]
+
+
+def check_profile(ctx: CheckContext) -> None:
+    """Row ``profile.run`` and one ``profile.layer.s<seq>-b<mb>-tp<tp>`` per layer entry."""
+    if not torch.cuda.is_available():
+        skip_all(ctx, ("profile.run",))
+        return
+    out = ctx.work / "profiles"
+    run = ctx.run([ctx.python, str(REPO / "tools" / "profile_device.py"), *SHAPE_FLAGS,
+                   *SWEEP_FLAGS, "--device", "cuda", "--out", str(out)], RUN_S, "profile.log")
+    files = sorted(out.glob("*.json"))
+    if not run.ok or not files:
+        ctx.rows.add("profile.run", FAIL, f"profile_device.py {run.why()}",
+                     "writes a profile", log_tail=run.tail())
+        return
+    profile = Profile.load(files[0])
+    ctx.rows.add("profile.run", PASS, f"{files[0].name}: {len(profile.layers)} layer entries",
+                 "writes a profile", printed_table=_printed_table(run.log_path))
+    try:
+        spec = AcceleratorRegistry.builtin().get(profile.accelerator)
+    except UserError as exc:
+        ctx.rows.add("profile.roofline", FAIL, str(exc), "a kind of the accelerator table")
+        return
+    for entry in profile.layers:
+        name, value, details = roofline_row(entry, spec)
+        ctx.rows.add(name, PASS, value, "recorded", **details)
+
+
+def roofline_row(entry: LayerEntry, spec: AcceleratorSpec) -> tuple[str, str, dict[str, Any]]:
+    """(row name, table text, details) of one measured layer against its roofline on
+    ``spec`` at full peak, with the predictor's estimate beside it."""
+    ops = layer_forward_ops(entry.shape())
+    roof_f, roof_b = ops_time(ops, spec, entry.dtype, PEAK)
+    model_f, model_b = ops_time(ops, spec, entry.dtype, DEFAULT_EFFICIENCY)
+    name = f"profile.layer.s{entry.seq}-b{entry.micro_batch}-tp{entry.tp}"
+    value = "; ".join(
+        f"{part} {measured * 1e3:.3g} ms ({roof / measured:.0%} of roofline {roof * 1e3:.3g}, "
+        f"x{measured / model:.2f} est.)"
+        for part, measured, roof, model in (("fwd", entry.forward_s, roof_f, model_f),
+                                            ("bwd", entry.backward_s, roof_b, model_b)))
+    details = {"forward_s": entry.forward_s, "backward_s": entry.backward_s,
+               "roofline_forward_s": roof_f, "roofline_backward_s": roof_b,
+               "predicted_forward_s": model_f, "predicted_backward_s": model_b,
+               "activation_bytes": entry.activation_bytes, "dtype": entry.dtype}
+    return name, value, details
+
+
+def _printed_table(log: pathlib.Path) -> str:
+    """The layer table profile_device.py printed (from its header line to 'wrote ...')."""
+    lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("hidden")), None)
+    if start is None:
+        return ""
+    table = []
+    for line in lines[start:]:
+        if line.startswith("wrote "):
+            break
+        table.append(line)
+    return "\n".join(table)

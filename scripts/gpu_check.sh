@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU check: everything in the project that needs a GPU, on one NVIDIA H200 host (16 cores),
+# in under 8 minutes. Each check runs in its own process with its own time budget, so one that
+# fails or hangs cannot stop the others:
+#
+#   probe     40 s   torch/CUDA/NCCL, the device and its kind, SDPA backends, flash-attn/apex/liger
+#   numerics  45 s   tiny model CUDA vs CPU (fp32), bf16 parameters vs fp32, fused loss vs torch's
+#   relay     50 s   relay bridge round trip of a CUDA tensor (staging; H200 rank <-> CPU rank)
+#   mixed    150 s   torchrun pair (1 x H200 + 1 x cpu): pp=2 vs 1 process, resume, dp=2 ZeRO-1
+#   mfu      125 s   ~1B Llama (TinyLlama's shape), bf16, seq 2048: MFU, peak memory vs predicted
+#   profile   50 s   tools/profile_device.py on CUDA, each layer against its roofline
+#
+# No check starts after 465 s. Prints a table (check, status, value, threshold) and writes
+# gpu_check.json, gpu_check_table.txt and gpu_check_logs.txt to --out, else $OUT, else
+# ./gpu_check_out. Exit status 0 when no check failed, 1 otherwise.
+#
+#   scripts/gpu_check.sh                      # all checks
+#   scripts/gpu_check.sh --only probe,mfu     # a subset
+#   scripts/gpu_check.sh --cpu-only           # no GPU: every check reports SKIP
+#   PYTHON=/path/to/python scripts/gpu_check.sh
+#
+# The Python is $PYTHON, else the first of .venv/bin/python, python3, python whose torch sees a
+# GPU, else the first that imports torch. The repository is put on PYTHONPATH, so the package
+# need not be installed.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+pick_python() {
+    local first="" candidate
+    for candidate in "$REPO/.venv/bin/python" python3 python; do
+        command -v "$candidate" >/dev/null 2>&1 || continue
+        if "$candidate" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" \
+                >/dev/null 2>&1; then
+            echo "$candidate"
+            return
+        elif [ $? -eq 3 ] && [ -z "$first" ]; then
+            first="$candidate"
+        fi
+    done
+    [ -n "$first" ] || { echo "error: no Python with torch found; set PYTHON" >&2; exit 2; }
+    echo "$first"
+}
+
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    case " $* " in
+        *" --cpu-only "*) PY="$(CUDA_VISIBLE_DEVICES= pick_python)" ;;
+        *) PY="$(pick_python)" ;;
+    esac
+fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+exec "$PY" -m megatron_het.gpucheck "$@"

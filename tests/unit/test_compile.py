@@ -1,0 +1,210 @@
+"""compile_layers (torch.compile per decoder layer) and the train-step benchmark's --compile.
+
+Compiling costs seconds to tens of seconds per graph on a cold inductor cache, so every test
+that runs a compiled layer is marked slow; the fast ones check names, options and errors
+without compiling (a model on the meta device skips the inductor probe).
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+
+from megatron_het.config import model_preset
+from megatron_het.errors import UserError
+from megatron_het.model import compile as compile_module
+from megatron_het.model.compile import (_traceable_apply_rope, compile_available,
+                                        compile_layers, is_compiled)
+from megatron_het.model.llama import LlamaModel, build_model
+from megatron_het.model.rope import RotaryEmbedding, apply_rope
+
+TWO_LAYERS = model_preset("tiny").replace(num_layers=2)
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "train_step.py"
+
+
+def meta_model(layer_range: tuple[int, int] = (0, 2)) -> LlamaModel:
+    with torch.device("meta"):
+        return LlamaModel(TWO_LAYERS, layer_range)
+
+
+def test_compile_keeps_names_keys_and_parameters() -> None:
+    model = meta_model((1, 2))
+    names = [name for name, _ in model.named_parameters()]
+    params = list(model.parameters())
+    keys = list(model.state_dict())
+    assert not any(is_compiled(layer) for layer in model.layers.values())
+    compile_layers(model)
+    assert all(is_compiled(layer) for layer in model.layers.values())
+    assert list(model.layers) == ["1"]
+    assert [name for name, _ in model.named_parameters()] == names
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert list(model.state_dict()) == keys
+    assert "layers.1.attention.qkv.weight" in keys
+
+
+def test_compile_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kwargs: calls.append((type(self).__name__, kwargs)))
+    compile_layers(meta_model(), mode="max-autotune-no-cudagraphs")
+    assert calls == [("DecoderLayer", {"mode": "max-autotune-no-cudagraphs", "fullgraph": True,
+                                       "dynamic": False})] * 2
+    calls.clear()
+    compile_layers(meta_model((2, 2)))  # a stage without layers (embedding and head only)
+    assert calls == []
+
+
+def test_tensor_parallel_stage_is_a_user_error() -> None:
+    model = meta_model()
+    model.tp_group = type("Group", (), {"size": 2})()  # as apply_tp leaves it
+    with pytest.raises(UserError, match="tensor-parallel.*tp=2"):
+        compile_layers(model)
+    assert not any(is_compiled(layer) for layer in model.layers.values())
+    model.tp_group.size = 1
+    compile_layers(model)
+    assert all(is_compiled(layer) for layer in model.layers.values())
+
+
+def test_unknown_mode_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="unknown torch.compile mode 'fastest'.*default"):
+        compile_layers(meta_model(), mode="fastest")
+
+
+def test_unavailable_compiler_is_a_one_line_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compile_module, "compile_available",
+                        lambda device_type: (False, "InvalidCxxCompiler: no working C++ compiler"))
+    model = LlamaModel(TWO_LAYERS)  # real CPU parameters: the probe is consulted
+    with pytest.raises(UserError) as caught:
+        compile_layers(model)
+    message = str(caught.value)
+    assert "\n" not in message and "cpu" in message and "no working C++ compiler" in message
+    assert not any(is_compiled(layer) for layer in model.layers.values())
+
+
+def test_compile_available_reports_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("inductor is broken here\nsecond line")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    # __wrapped__: the uncached probe, so the real answer cached for this process is untouched.
+    assert compile_available.__wrapped__("cpu") == (False, "RuntimeError: inductor is broken here")
+
+
+def test_compile_available_on_this_machine() -> None:
+    ok, reason = compile_available("cpu")
+    assert ok, reason
+    assert reason == ""
+
+
+def test_traceable_rope_matches_the_fused_one() -> None:
+    """The form dynamo traces in place of apply_rope: same values and same gradient."""
+    rotary = RotaryEmbedding(TWO_LAYERS)
+    cos, sin = rotary.cos_sin(8, torch.device("cpu"), torch.float32)
+    x = torch.randn(2, 8, 3, 16, dtype=torch.float32, requires_grad=True)
+    strided = x[:, :, 1:]  # a strided view, as the qkv split gives
+    grad_out = torch.randn(2, 8, 2, 16)
+    fused = apply_rope(strided, cos, sin)
+    (fused_grad,) = torch.autograd.grad(fused, x, grad_out)
+    plain = _traceable_apply_rope(strided, cos, sin)
+    (plain_grad,) = torch.autograd.grad(plain, x, grad_out)
+    torch.testing.assert_close(plain, fused, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(plain_grad, fused_grad, rtol=1e-6, atol=1e-6)
+    assert fused_grad[:, :, 0].abs().max() == 0 and plain_grad[:, :, 1:].abs().min() > 0
+
+
+def loss_and_grads(model: LlamaModel, tokens: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(tokens, tokens)
+    loss.backward()
+    return loss.detach().double(), {name: p.grad.double()
+                                    for name, p in model.named_parameters()}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_compiled_layers_match_eager(dtype: torch.dtype, recompute: bool) -> None:
+    from torch._dynamo.utils import counters
+
+    tokens = torch.randint(0, TWO_LAYERS.vocab_size, (2, 16),
+                           generator=torch.Generator().manual_seed(0))
+    eager = build_model(TWO_LAYERS, seed=3, recompute=recompute).to(dtype).train()
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()  # compile afresh (inductor's disk cache keeps it quick)
+    counters.clear()
+    compile_layers(compiled)
+    compiled_loss, compiled_grads = loss_and_grads(compiled, tokens)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    eager_loss, eager_grads = loss_and_grads(eager, tokens)
+    assert list(compiled_grads) == list(eager_grads)
+    if dtype == torch.float32:
+        assert relative_error(compiled_loss, eager_loss) < 1e-5
+        for name, grad in eager_grads.items():
+            assert relative_error(compiled_grads[name], grad) < 1e-5, name
+        return
+    # bf16: fusion rounds differently; the compiled step must be no further from a float32
+    # reference than the eager bf16 step is (plus a margin of bf16 resolution).
+    reference = build_model(TWO_LAYERS, seed=3).train()
+    reference_loss, reference_grads = loss_and_grads(reference, tokens)
+    assert abs(compiled_loss - reference_loss) <= 2 * abs(eager_loss - reference_loss) + 1e-2
+    for name, grad in reference_grads.items():
+        eager_error = relative_error(eager_grads[name], grad)
+        assert relative_error(compiled_grads[name], grad) <= 2 * eager_error + 1e-2, name
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("train_step_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_arguments() -> None:
+    bench = load_bench()
+    args = bench.parse_args(["--model", "tiny", "--compile", "--compile-mode", "default"])
+    assert args.compile and args.compile_mode == "default" and args.model == "tiny"
+    assert not bench.parse_args([]).compile
+    for bad in (["--compile-mode", "default"], ["--rounds", "0"], ["--warmup", "-1"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_bench_report_shape() -> None:
+    bench = load_bench()
+    args = bench.parse_args(["--model", "tiny", "--micro-batch-size", "2", "--seq-length", "8",
+                             "--rounds", "3", "--compile"])
+    seconds = {"ours": [0.5, 0.1, 0.2], "hf": [0.3, 0.3, 0.4]}
+    ratios = [0.6, 3.0, 2.0]
+    record = bench.report(args, seconds, ratios, {"ours": 6.1, "hf": 6.1},
+                          {"ours": 4.2, "hf": 0.5})
+    assert json.loads(json.dumps(record)) == record
+    assert record["ratio_vs_hf"] == 2.0 and record["median_step_s"] == {"ours": 0.2, "hf": 0.3}
+    assert record["ours_tokens_per_s"] == 80.0 and record["hf_tokens_per_s"] == round(16 / 0.3, 1)
+    assert record["compile"] is True and record["compile_s"] == 4.0
+    assert record["first_step_s"] == {"ours": 4.2, "hf": 0.5}
+    assert record["config"]["hidden_size"] == 64 and record["threads"] == torch.get_num_threads()
+    assert record["torch"] == torch.__version__
+    args.compile = False
+    assert bench.report(args, seconds, ratios, {}, {"ours": 1.0, "hf": 1.0})["compile_s"] is None
+
+
+@pytest.mark.slow
+def test_bench_runs_compiled_on_a_tiny_config(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    bench = load_bench()
+    record = bench.main(["--model", "tiny", "--micro-batch-size", "1", "--seq-length", "16",
+                         "--rounds", "2", "--iters", "1", "--warmup", "1", "--threads", "1",
+                         "--loss", "logits", "--compile"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record
+    assert record["compile"] is True and len(record["round_ratios"]) == 2
+    # Same weights, batch and loss function: the compiled model's first loss is Hugging Face's.
+    assert abs(record["first_step_loss"]["ours"] - record["first_step_loss"]["hf"]) < 1e-4
+    assert record["ours_tokens_per_s"] > 0 and record["hf_tokens_per_s"] > 0

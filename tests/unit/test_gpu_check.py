@@ -1,0 +1,489 @@
+"""The GPU check's device-free parts: rows, table and JSON summary; the runner's timeouts and
+failure isolation; metrics files; the mixed pair's cluster and plan files against the project's
+loaders and validation; the flags its runs use; the checks' CPU-side arithmetic; and the whole
+script in --cpu-only mode, where every GPU check reports SKIP."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_het.arguments import parse_run_config
+from megatron_het.cluster import ClusterSpec
+from megatron_het.cluster.accelerators import AcceleratorRegistry
+from megatron_het.errors import UserError
+from megatron_het.gpucheck import cli, mfu, mixed_pair, profile_check, runner
+from megatron_het.gpucheck.context import CheckContext, Options
+from megatron_het.gpucheck.device_checks import (fused_loss_errors, max_rel_error,
+                                                 sdpa_usable, tiny_loss_and_grads)
+from megatron_het.gpucheck.metrics_file import (compare_losses, losses, median_field,
+                                                train_records)
+from megatron_het.gpucheck.pair_files import (CLUSTER_FILE, GLOBAL_BATCH, load_and_validate,
+                                              pair_files)
+from megatron_het.gpucheck.relay_check import relay_round_trip
+from megatron_het.gpucheck.report import (FAIL, PASS, SKIP, Row, RowWriter, all_passed,
+                                          format_table, read_rows, write_summary)
+from megatron_het.gpucheck.runner import Check, run_checks, run_command
+from megatron_het.parallel.plan_validation import validate
+from megatron_het.perf.profile import LayerEntry
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+
+def ctx_at(tmp_path: pathlib.Path, **options: object) -> CheckContext:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return CheckContext(RowWriter(tmp_path / "rows.jsonl"), tmp_path, time.monotonic() + 60,
+                        Options(**options))
+
+
+# ---- rows, table, summary --------------------------------------------------------------------
+def test_rows_round_trip_through_the_rows_file_and_a_cut_line_is_dropped(tmp_path):
+    writer = RowWriter(tmp_path / "rows.jsonl")
+    writer.add("a.one", PASS, 0.000123456, "<= 1e-4", figures=[1.0, float("nan")])
+    writer.add("a.two", FAIL, "broke", path=tmp_path)
+    with open(tmp_path / "rows.jsonl", "a") as handle:
+        handle.write('{"check": "a.three", "stat')  # a check killed mid-write
+    rows = read_rows(tmp_path / "rows.jsonl")
+    assert [(r.check, r.status, r.value) for r in rows] == [("a.one", PASS, "0.0001235"),
+                                                           ("a.two", FAIL, "broke")]
+    assert rows[0].details["figures"] == [1.0, "nan"] and rows[1].details["path"] == str(tmp_path)
+    assert read_rows(tmp_path / "absent.jsonl") == []
+
+
+def test_a_row_refuses_an_unknown_status():
+    with pytest.raises(ValueError, match="status"):
+        Row("x", "OK")
+
+
+def test_table_aligns_columns_and_clips_long_values():
+    rows = [Row("probe.torch", PASS, "torch 2.x", "CUDA"), Row("m", FAIL, "v" * 300, "t")]
+    lines = format_table(rows).splitlines()
+    assert lines[0].split() == ["check", "status", "value", "threshold"]
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    assert lines[2].index("PASS") == lines[3].index("FAIL") == lines[0].index("status")
+    assert "..." in lines[3] and len(lines[3]) < 200
+
+
+def test_summary_json_counts_statuses_and_skip_is_not_a_failure(tmp_path):
+    rows = [Row("a", PASS), Row("b", SKIP, "no CUDA device")]
+    path = write_summary(tmp_path / "out", rows, {"host": "h", "elapsed_s": 1.5})
+    data = json.loads(path.read_text())
+    assert data["all_passed"] is True and data["counts"] == {PASS: 1, FAIL: 0, SKIP: 1}
+    assert data["host"] == "h" and [r["check"] for r in data["rows"]] == ["a", "b"]
+    assert (tmp_path / "out" / "gpu_check_table.txt").read_text().startswith("check")
+    assert not all_passed(rows + [Row("c", FAIL)])
+
+
+# ---- runner: timeouts and failure isolation --------------------------------------------------
+def _script(code: str) -> tuple[str, ...]:
+    """A check command: Python code that gets --rows FILE --work DIR --budget S as argv."""
+    prelude = ("import json, sys, time, os, signal\n"
+               "rows = sys.argv[sys.argv.index('--rows') + 1]\n"
+               "def row(name, status):\n"
+               "    open(rows, 'a').write(json.dumps({'check': name, 'status': status}) + '\\n')\n")
+    return (PY, "-c", prelude + code)
+
+
+@pytest.mark.slow
+def test_a_hanging_or_crashing_check_does_not_stop_the_others(tmp_path):
+    checks = [Check("hangs", 1.5, _script("row('hangs.first', 'PASS'); time.sleep(60)")),
+              Check("crashes", 10, _script("row('crashes.part', 'PASS'); sys.exit(3)")),
+              Check("silent", 10, _script("pass")),
+              Check("fine", 10, _script("row('fine.one', 'PASS')"))]
+    start = time.monotonic()
+    rows, runs = run_checks(checks, tmp_path, deadline_s=60)
+    assert time.monotonic() - start < 30
+    got = [(r.check, r.status) for r in rows]
+    assert got == [("hangs.first", PASS), ("hangs", FAIL), ("crashes.part", PASS),
+                   ("crashes", FAIL), ("silent", FAIL), ("fine.one", PASS)]
+    by_name = {r.check: r for r in rows}
+    assert by_name["hangs"].value.startswith("timed out") and "1 rows" in by_name["hangs"].value
+    assert "status 3" in by_name["crashes"].value
+    assert by_name["silent"].value == "reported no result"
+    assert [run.timed_out for run in runs] == [True, False, False, False]
+
+
+@pytest.mark.slow
+def test_checks_past_the_deadline_are_skipped_not_started(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "MIN_START_S", 0.5)
+    checks = [Check("slow", 60, _script("time.sleep(60)")), Check("late", 10, _script("pass"))]
+    rows, runs = run_checks(checks, tmp_path, deadline_s=1.5)
+    assert [(r.check, r.status) for r in rows] == [("slow", FAIL), ("late", SKIP)]
+    assert [run.name for run in runs] == ["slow"] and "budget is spent" in rows[1].value
+
+
+def test_a_check_is_told_its_budget_and_where_to_write(tmp_path):
+    code = ("budget = float(sys.argv[sys.argv.index('--budget') + 1])\n"
+            "row('told.%g' % budget, 'PASS')\n"
+            "assert os.path.isdir(sys.argv[sys.argv.index('--work') + 1])\n")
+    checks = [Check("told", 7, _script(code))]
+    rows, _ = run_checks(checks, tmp_path, deadline_s=60)
+    assert [r.check for r in rows] == ["told.7"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.slow
+def test_a_command_ignoring_sigterm_is_killed_and_so_are_its_leftovers(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = ("import signal, subprocess, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+            "time.sleep(60)\n")
+    result = run_command([PY, "-c", code], 2.0, tmp_path / "log.txt", grace_s=0.5)
+    assert result.timed_out and not result.ok and result.seconds < 10
+    assert "timed out" in result.why()
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.slow
+def test_a_timed_out_command_takes_its_own_session_children_along(tmp_path):
+    # As torchrun does: a worker in a session of its own, which a signal to the launcher's
+    # session does not reach.
+    pid_file = tmp_path / "worker.pid"
+    code = ("import subprocess, sys, time\n"
+            "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+            "start_new_session=True)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+            "time.sleep(60)\n")
+    result = run_command([PY, "-c", code], 2.0, tmp_path / "log.txt", grace_s=0.5)
+    assert result.timed_out
+    worker = int(pid_file.read_text())
+    for _ in range(50):
+        if not _alive(worker):
+            break
+        time.sleep(0.1)
+    assert not _alive(worker)
+
+
+def test_descendants_finds_children_and_grandchildren():
+    child = subprocess.Popen([PY, "-c", "import subprocess, sys, time; subprocess.Popen("
+                              "[sys.executable, '-c', 'import time; time.sleep(30)']); "
+                              "time.sleep(30)"])
+    try:
+        for _ in range(100):
+            found = runner.descendants(os.getpid())
+            if len(found) >= 2:
+                break
+            time.sleep(0.05)
+        assert child.pid in found and len(found - {child.pid}) >= 1
+    finally:
+        for pid in runner.descendants(child.pid) | {child.pid}:
+            os.kill(pid, 9)
+        child.wait()
+
+
+def test_run_command_logs_the_command_and_its_output(tmp_path):
+    result = run_command([PY, "-c", "print('hello'); raise SystemExit(4)"], 30,
+                         tmp_path / "log.txt")
+    assert result.returncode == 4 and not result.timed_out and "status 4" in result.why()
+    assert "hello" in result.tail() and result.tail().startswith("$ ")
+    missing = run_command([str(tmp_path / "no-such-program")], 5, tmp_path / "log2.txt")
+    assert missing.returncode is None and missing.why() == "could not be started"
+
+
+# ---- metrics files ---------------------------------------------------------------------------
+def _metrics(path: pathlib.Path, lines: list) -> pathlib.Path:
+    path.write_text("".join((json.dumps(x) if isinstance(x, dict) else x) + "\n" for x in lines))
+    return path
+
+
+def test_train_records_keep_train_lines_in_order_and_the_later_duplicate(tmp_path):
+    path = _metrics(tmp_path / "m.jsonl", [
+        {"split": "train", "iteration": 2, "loss": 5.0, "mfu": 0.2},
+        {"split": "valid", "iteration": 2, "loss": 9.0},
+        {"split": "train", "iteration": 1, "loss": 6.0, "mfu": 0.1},
+        {"split": "train", "iteration": 2, "loss": 4.0, "mfu": 0.4},
+        '{"split": "train", "iter'])
+    assert [r["iteration"] for r in train_records(path)] == [1, 2]
+    assert losses(path) == {1: 6.0, 2: 4.0}
+    assert median_field(train_records(path), "mfu", skip_first=1) == 0.4
+    assert median_field(train_records(path), "mfu", skip_first=5) == pytest.approx(0.25)
+    assert median_field(train_records(path), "absent") is None
+    assert train_records(tmp_path / "none.jsonl") == []
+
+
+def test_compare_losses_relative_missing_exact_and_non_finite():
+    ref = {1: 10.0, 2: 8.0, 3: 6.0}
+    close = compare_losses({1: 10.0, 2: 8.0004, 3: 6.0}, ref)
+    assert close.max_rel == pytest.approx(5e-5) and close.within(1e-4) and not close.within(1e-5)
+    assert not close.exact and "3 iterations" in close.describe()
+    exact = compare_losses(dict(ref), ref)
+    assert exact.exact and exact.within(0.0) and "bitwise" in exact.describe()
+    short = compare_losses({1: 10.0, 2: 8.0}, ref)
+    assert short.missing == (3,) and not short.within(1.0)
+    assert not compare_losses({1: float("nan"), 2: 8.0, 3: 6.0}, ref).within(1.0)
+    assert compare_losses({}, ref).max_rel == math.inf and not compare_losses({}, {}).within(1.0)
+
+
+# ---- the mixed pair's files and flags --------------------------------------------------------
+def test_pair_cluster_places_the_h200_and_the_cpu_on_one_node():
+    cluster = ClusterSpec.load(CLUSTER_FILE)
+    ranks = cluster.rank_map()
+    assert [(r.accelerator.name, r.node, r.local_rank) for r in ranks] == [("H200", 0, 0),
+                                                                          ("cpu", 0, 1)]
+    assert cluster.uniform_nproc_per_node == 2  # torchrun --nproc_per_node 2 on one node
+    assert not any(r.accelerator.emulated for r in ranks)
+
+
+def test_pair_plans_validate_against_the_model_cluster_and_batch(tmp_path):
+    files = pair_files("H200", tmp_path)
+    model = mixed_pair.pair_model_config()
+    cluster, pp, dp = load_and_validate(files, model)
+    stages = pp.pipelines[0].stages
+    assert [(s.accelerator, s.has_embedding, s.has_head) for s in stages] == [
+        ("H200", True, False), ("cpu", False, True)]
+    assert stages[0].layers[0] == 0 and stages[-1].layers[1] == model.num_layers
+    assert [(p.stages[0].accelerator, p.stages[0].layers) for p in dp.pipelines] == [
+        ("H200", (0, model.num_layers)), ("cpu", (0, model.num_layers))]
+    assert pp.global_batch_size == dp.global_batch_size == GLOBAL_BATCH
+    with pytest.raises(UserError):  # validation is real: a wrong batch is refused
+        validate(pp, model, cluster, GLOBAL_BATCH * 2)
+
+
+def test_pair_files_for_a_cpu_first_rank_are_rewritten_and_still_valid(tmp_path):
+    files = pair_files("cpu", tmp_path / "files")
+    assert files.cluster.parent == tmp_path / "files"
+    cluster, pp, dp = load_and_validate(files, mixed_pair.pair_model_config())
+    assert {r.accelerator.name for r in cluster.rank_map()} == {"cpu"}
+    kinds = {s.accelerator for plan in (pp, dp) for p in plan.pipelines for s in p.stages}
+    assert kinds == {"cpu"}
+
+
+@pytest.mark.parametrize("extra", [
+    ["--micro-batch-size", "2", "--global-batch-size", "8"],
+    ["--cluster", str(CLUSTER_FILE), "--plan", "P", "--save", "c", "--save-interval", "4",
+     "--exit-interval", "4", "--load", "c", "--metrics-file", "m.jsonl"],
+    ["--cluster", str(CLUSTER_FILE), "--plan", "P", "--use-distributed-optimizer",
+     "--overlap-grad-reduce"]])
+def test_the_pair_runs_use_flags_that_pretrain_llama_has(extra):
+    run = parse_run_config([*mixed_pair.MODEL_FLAGS, *mixed_pair.TRAIN_FLAGS, *extra])
+    assert run.train.train_iters == 2 * mixed_pair.HALF
+
+
+def test_the_mfu_run_is_a_1b_llama_with_flags_that_pretrain_llama_has(tmp_path):
+    from megatron_het.arguments import resolve_model_config
+    from megatron_het.data.tokenizer import build_tokenizer
+
+    run = parse_run_config(mfu.train_flags(4, 10, tmp_path / "m.jsonl"))
+    data = run.data
+    tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size)
+    config = resolve_model_config(run.model, tokenizer.vocab_size, data.seq_length)
+    assert (config.num_layers, config.hidden_size, config.ffn_hidden_size) == (22, 2048, 5632)
+    assert (config.num_attention_heads, config.num_query_groups) == (16, 4)
+    assert 1.0e9 < config.num_parameters() < 1.2e9
+    assert run.train.global_batch_size == 4 * mfu.MICRO_BATCHES and data.seq_length == 2048
+
+
+def test_the_profile_run_uses_flags_that_profile_device_has(tmp_path):
+    spec = importlib.util.spec_from_file_location("profile_device_tool",
+                                                  REPO / "tools" / "profile_device.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    args = tool.build_parser().parse_args([*profile_check.SHAPE_FLAGS, *profile_check.SWEEP_FLAGS,
+                                           "--device", "cuda", "--out", str(tmp_path)])
+    assert args.seq_lengths == (2048,) and args.dtype == "bf16"
+
+
+# ---- the checks' arithmetic, on the CPU ------------------------------------------------------
+def test_fused_loss_errors_are_small_for_fp32_and_bf16_on_the_cpu():
+    loss_rel, grad_rel = fused_loss_errors("cpu", torch.float32, tokens=128, vocab=1000)
+    assert loss_rel < 1e-5 and grad_rel < 1e-4
+    loss_rel, grad_rel = fused_loss_errors("cpu", torch.bfloat16, tokens=128, vocab=1000)
+    assert loss_rel < 1e-3 and grad_rel < 2e-2
+
+
+def test_tiny_model_bf16_parameters_stay_within_the_bf16_threshold():
+    loss32, grads32 = tiny_loss_and_grads("cpu", torch.float32)
+    loss16, grads16 = tiny_loss_and_grads("cpu", torch.bfloat16)
+    assert abs(loss16 - loss32) / loss32 < 2e-2
+    assert 0 < max(max_rel_error(grads16[n], grads32[n]) for n in grads32) < 0.1
+
+
+def test_sdpa_probe_reports_a_usable_and_an_unusable_backend_on_the_cpu():
+    ok, value, details = sdpa_usable("flash", "cpu", seq=64)  # torch's CPU flash kernel
+    assert ok and 0 < details["mha"] < 2e-2 and "gqa" in value
+    ok, value, details = sdpa_usable("mem_efficient", "cpu", seq=64)  # CUDA only
+    assert not ok and value.startswith("mha unusable")
+
+
+def test_max_rel_error_is_relative_to_the_largest_value():
+    assert max_rel_error(torch.tensor([1.0, 2.01]), torch.tensor([1.0, 2.0])) == pytest.approx(
+        0.005)
+
+
+def test_relay_round_trip_brings_the_data_back_through_the_host():
+    intact, gbps = relay_round_trip("cpu", nbytes=1 << 22, rounds=1)  # several chunks
+    assert intact and gbps > 0
+
+
+def test_roofline_row_compares_a_layer_with_the_peak_and_the_estimate():
+    entry = LayerEntry(2048, 5632, 16, 4, 2048, 4, 1, "bf16", forward_s=0.004, backward_s=0.009,
+                       activation_bytes=1e9)
+    name, value, details = profile_check.roofline_row(entry,
+                                                      AcceleratorRegistry.builtin().get("H200"))
+    assert name == "profile.layer.s2048-b4-tp1"
+    roof = details["roofline_forward_s"]
+    assert 0 < roof < details["predicted_forward_s"] < entry.forward_s
+    assert f"{roof / entry.forward_s:.0%} of roofline" in value and "est.)" in value
+
+
+def _mfu_rows(tmp_path: pathlib.Path, mfu_value: float, peak: float) -> dict[str, Row]:
+    ctx = ctx_at(tmp_path)
+    records = [{"iteration": i, "mfu": 0.01 if i <= mfu.WARMUP_ITERS else mfu_value,
+                "tokens_per_s": 5e4, "tflops_per_device": 400.0} for i in range(1, 8)]
+    result = {"accelerator": "H200", "peak_bytes": peak, "peak_reserved_bytes": peak * 1.1,
+              "predicted_peak_bytes": 30 * 2**30, "predicted_mfu": 0.52}
+    mfu._report(ctx, 4, [4], records, result)
+    return {r.check: r for r in ctx.rows.rows}
+
+
+def test_mfu_rows_use_the_median_after_warm_up_and_the_thresholds(tmp_path):
+    good = _mfu_rows(tmp_path / "a", 0.45, 33 * 2**30)
+    assert good["mfu.mfu"].status == PASS and good["mfu.mfu"].value.startswith("45.0%")
+    assert good["mfu.memory"].status == PASS and "x1.10" in good["mfu.memory"].value
+    bad = _mfu_rows(tmp_path / "b", 0.30, 45 * 2**30)
+    assert bad["mfu.mfu"].status == FAIL and bad["mfu.memory"].status == FAIL
+
+
+# ---- the checks' control flow, with fake sub-runs -------------------------------------------
+def _fake_runs(ctx: CheckContext, outcome):
+    """Replace ``ctx.run``: ``outcome(name, argv)`` returns (returncode, timed_out) and may write
+    the run's files; the log name's stem is the run's name."""
+    def run(argv, wanted_s, log_name, env=None):
+        name = log_name.rsplit(".", 1)[0]
+        code, timed_out = outcome(name, list(argv))
+        (ctx.work / log_name).write_text(f"fake {name}\n")
+        return runner.CommandResult(code, timed_out, 0.1, ctx.work / log_name)
+    ctx.run = run
+
+
+def _flag(argv: list, name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_mixed_pair_reports_each_comparison_and_names_the_run_that_failed(tmp_path, monkeypatch):
+    monkeypatch.setattr(mixed_pair.torch.cuda, "is_available", lambda: True)
+    ctx = ctx_at(tmp_path)
+    ref = {i: 8.0 - 0.01 * i for i in range(1, 9)}
+
+    def outcome(name, argv):
+        if name == "dp":
+            return None, True  # hangs and is killed
+        metrics = pathlib.Path(_flag(argv, "--metrics-file"))
+        first = 5 if "--load" in argv else 1
+        last = 4 if "--exit-interval" in argv else 8
+        scale = 1 + (3e-4 if name == "ref_cpu" else 2e-5 if name.startswith("pp") else 0)
+        with open(metrics, "a") as handle:
+            for i in range(first, last + 1):
+                handle.write(json.dumps({"split": "train", "iteration": i,
+                                         "loss": ref[i] * scale}) + "\n")
+        return 0, False
+
+    _fake_runs(ctx, outcome)
+    mixed_pair.check_mixed_pair(ctx)
+    rows = {r.check: r for r in ctx.rows.rows}
+    assert rows["mixed.files"].status == PASS
+    assert rows["mixed.reference"].status == FAIL  # 3e-4 apart: over 1e-4
+    assert rows["mixed.pp"].status == PASS and "2.00e-05" in rows["mixed.pp"].value
+    assert rows["mixed.resume"].status == PASS and "bitwise" in rows["mixed.resume"].value
+    assert rows["mixed.dp"].status == FAIL and rows["mixed.dp"].value == "dp timed out after 0 s"
+
+
+def test_mixed_pair_resume_is_not_run_when_the_first_half_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(mixed_pair.torch.cuda, "is_available", lambda: True)
+    ctx = ctx_at(tmp_path)
+    started = []
+
+    def outcome(name, argv):
+        started.append(name)
+        return (1, False) if name == "pp_half" else (0, False)
+
+    _fake_runs(ctx, outcome)
+    mixed_pair.check_mixed_pair(ctx)
+    rows = {r.check: r for r in ctx.rows.rows}
+    assert "pp_resume" not in started and rows["mixed.resume"].value.startswith("pp_half exited")
+    assert rows["mixed.pp"].status == FAIL and "no iterations" in rows["mixed.pp"].value
+
+
+def test_mfu_halves_the_micro_batch_after_out_of_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(mfu.torch.cuda, "is_available", lambda: True)
+    ctx = ctx_at(tmp_path)
+
+    def outcome(name, argv):
+        result = pathlib.Path(_flag(argv, "--result"))
+        micro = int(_flag(argv, "--micro-batch-size"))
+        if micro == 4:
+            result.write_text(json.dumps({"accelerator": "H200", "oom": "CUDA out of memory"}))
+            return 3, False
+        with open(_flag(argv, "--metrics-file"), "w") as handle:
+            for i in range(1, 6):
+                handle.write(json.dumps({"split": "train", "iteration": i, "mfu": 0.42,
+                                         "tokens_per_s": 5e4, "tflops_per_device": 415}) + "\n")
+        result.write_text(json.dumps({"accelerator": "H200", "peak_bytes": 20 * 2**30,
+                                      "peak_reserved_bytes": 22 * 2**30,
+                                      "predicted_peak_bytes": 21 * 2**30}))
+        return 0, False
+
+    _fake_runs(ctx, outcome)
+    mfu.check_mfu(ctx)
+    rows = {r.check: r for r in ctx.rows.rows}
+    assert rows["mfu.mfu"].status == PASS and rows["mfu.mfu"].details["tried"] == [4, 2]
+    assert "micro-batch 2 x 4" in rows["mfu.mfu"].value
+    assert rows["mfu.memory"].status == PASS
+
+
+# ---- the command line and the whole script ---------------------------------------------------
+def test_cli_refuses_unknown_checks_and_bad_options():
+    with pytest.raises(UserError, match="unknown check 'gpus'"):
+        cli.selected_checks("probe,gpus")
+    assert cli.selected_checks("mfu, probe") == ["mfu", "probe"]
+    with pytest.raises(UserError):
+        cli.options_of(cli.build_parser().parse_args(["--mfu-micro-batch", "0"]))
+    args = cli.build_parser().parse_args(["--mfu-flags=--compile --x 1", "--cpu-only"])
+    assert cli.options_of(args).mfu_flags == ("--compile", "--x", "1")
+    assert "--mfu-flags=--compile --x 1" in cli._option_argv(args)
+
+
+def test_the_budgets_fit_in_eight_minutes():
+    assert sum(budget for budget, _ in cli.CHECKS.values()) <= cli.DEADLINE_S < 8 * 60 - 10
+
+
+@pytest.mark.slow
+def test_the_script_in_cpu_only_mode_skips_every_gpu_check(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": PY}
+    start = time.monotonic()
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu-only",
+                           "--work", str(tmp_path / "work")], capture_output=True, text=True,
+                          env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert time.monotonic() - start < 200
+    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    statuses = {r["check"]: r["status"] for r in data["rows"]}
+    assert {c.split(".")[0] for c in statuses} == set(cli.CHECKS)
+    assert statuses.pop("mixed.files") == PASS  # needs no GPU
+    assert set(statuses.values()) == {SKIP} and data["all_passed"] and data["cpu_only"]
+    assert "check" in proc.stdout and (tmp_path / "out" / "gpu_check_logs.txt").exists()

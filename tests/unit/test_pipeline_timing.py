@@ -1,0 +1,51 @@
+"""The executor's region clock: host clock on CPU, device events read once on accelerators."""
+from __future__ import annotations
+
+import torch
+
+from megatron_het.pipeline.timing import RegionClock
+
+
+class FakeEvent:
+    """A CUDA event on a fake device clock that advances 10 ms per recorded event."""
+
+    now = 0.0
+    synchronized = 0
+
+    def record(self) -> None:
+        FakeEvent.now += 10.0
+        self.at = FakeEvent.now
+
+    def synchronize(self) -> None:
+        FakeEvent.synchronized += 1
+
+    def elapsed_time(self, end: "FakeEvent") -> float:  # milliseconds, as CUDA's
+        return end.at - self.at
+
+
+def test_events_are_read_once_after_one_synchronisation() -> None:
+    FakeEvent.now, FakeEvent.synchronized = 0.0, 0
+    clock = RegionClock(torch.device("cpu"), event_factory=FakeEvent)
+    assert clock.uses_events
+    clock.start()                      # t=10
+    with clock.region("compute"):      # 20 .. 30
+        pass
+    with clock.region("p2p"):          # 40 .. 50
+        pass
+    with clock.region("compute"):      # 60 .. 70
+        pass
+    assert FakeEvent.synchronized == 0  # nothing waits for the device between regions
+    times, wall = clock.totals()       # end at 80
+    assert FakeEvent.synchronized == 1
+    assert times == {"compute": 0.020, "p2p": 0.010}
+    assert wall == 0.070
+
+
+def test_cpu_regions_use_the_host_clock() -> None:
+    clock = RegionClock(torch.device("cpu"))
+    assert not clock.uses_events
+    clock.start()
+    with clock.region("compute"):
+        sum(range(10000))
+    times, wall = clock.totals()
+    assert 0 < times["compute"] <= wall

@@ -97,25 +97,24 @@ def _tp_size(model: LlamaModel) -> int:
 
 
 def compile_layers(model: LlamaModel, mode: Optional[str] = None) -> None:
-    """Compile each of ``model.layers`` in place with ``torch.compile(fullgraph=True,
-    dynamic=False)``.
+    """Compile each of ``model.layers`` in place with ``torch.compile(dynamic=False)``
+    (``fullgraph=True`` without TP).
 
     Args:
-        model: a :class:`LlamaModel` or pipeline stage (tp = 1), on the device it will train
+        model: a :class:`LlamaModel` or pipeline stage (under TP the layers compile into the
+            graphs between their collectives, which stay eager), on the device it will train
             on, with parameters of any dtype (float32, bf16; autocast also works).
         mode: a ``torch.compile`` mode (``None`` is inductor's default).
 
     Names and parameters are unchanged; numerics match the eager layer up to the reordering of
     floating-point operations that fusion brings. Nothing communicates; compilation happens on
     each layer's first call. Raises a one-line :class:`UserError` when inductor cannot compile
-    for the parameters' device here, for an unknown ``mode``, or for a tensor-parallel stage
-    (its collectives are not yet kept out of the graph, where dynamo cannot trace them).
+    for the parameters' device here or for an unknown ``mode``.
     """
     _check_mode(mode)
-    tp_size = _tp_size(model)
-    if tp_size > 1:
-        raise UserError(f"--compile does not support tensor-parallel stages yet (this stage "
-                        f"has tp={tp_size}); drop --compile or use tp=1")
+    # Under TP each layer's collectives (tensor_parallel.mappings) stay eager: the layer
+    # compiles into the graphs between them, so it cannot be one full graph.
+    fullgraph = _tp_size(model) == 1
     device_type = _layers_device_type(model)
     if device_type is None:  # a stage without decoder layers
         return
@@ -126,7 +125,7 @@ def compile_layers(model: LlamaModel, mode: Optional[str] = None) -> None:
                             f"({reason}); drop --compile")
     _register_traceable_rope()
     for layer in model.layers.values():
-        layer.compile(mode=mode, fullgraph=True, dynamic=False)
+        layer.compile(mode=mode, fullgraph=fullgraph, dynamic=False)
 
 
 def is_compiled(module: torch.nn.Module) -> bool:

@@ -17,7 +17,7 @@ measured once: the optimizer step (gradient clipping + AdamW) per parameter, and
 (:func:`measure_comm`, in :mod:`megatron_het.perf.comm_profiler`) the communicator's p2p and
 all-reduce figures between two local gloo ranks.
 
-Timing follows the work (:func:`pass_timer`): on an accelerator, whose kernels the host only
+Timing follows the work (:func:`megatron_het.pipeline.timing.pass_timer`): on an accelerator, whose kernels the host only
 enqueues, device events are recorded around each pass's forward and backward and read after a
 single synchronisation at the end of the timed passes; on the CPU, the host clock.
 
@@ -37,7 +37,6 @@ import contextlib
 import datetime
 import socket
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -55,6 +54,8 @@ from megatron_het.perf.device_kind import (accelerator_for_device,  # noqa: F401
                                            default_accelerator, device_name)
 from megatron_het.perf.profile import (CommEntry, EndEntry, LayerEntry, Profile,
                                        ProfileConditions)
+from megatron_het.pipeline.timing import (EventTimer, HostTimer, pass_timer,  # noqa: F401
+                                          synchronize)
 from megatron_het.tensor_parallel import apply_tp, check_tp_size, vocab_sizes
 
 PROFILE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -157,66 +158,6 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
     return (tensor.device, tensor.untyped_storage().data_ptr())
 
 
-# ---- timing ---------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class HostTimer:
-    """Marks of the host clock, for CPU work (done by the time the call that issues it returns).
-    ``elapsed_s(start, end)`` is the seconds between two marks."""
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._clock = clock
-
-    def mark(self) -> float:
-        return self._clock()
-
-    def finish(self) -> None:
-        """Nothing to wait for."""
-
-    def elapsed_s(self, start: float, end: float) -> float:
-        return end - start
-
-
-class EventTimer:
-    """Marks that are device events, for accelerator work the host only enqueues: ``mark()``
-    records a new timing event (``make_event()``) on the current stream, ``finish()``
-    synchronises the device once (``synchronize()``), after which ``elapsed_s(start, end)``
-    reads the device time between two events (their ``elapsed_time``, in ms)."""
-
-    def __init__(self, make_event: Callable[[], Any], synchronize: Callable[[], None]) -> None:
-        self._make_event, self._synchronize = make_event, synchronize
-        self._pending = False
-
-    def mark(self) -> Any:
-        event = self._make_event()
-        event.record()
-        self._pending = True
-        return event
-
-    def finish(self) -> None:
-        self._synchronize()
-        self._pending = False
-
-    def elapsed_s(self, start: Any, end: Any) -> float:
-        if self._pending:
-            raise RuntimeError("device events read before finish() synchronised the device")
-        return start.elapsed_time(end) / 1e3
-
-
-def pass_timer(device: torch.device) -> "HostTimer | EventTimer":
-    """The host clock on the CPU; the device's timing events elsewhere (``torch.cuda`` for CUDA
-    and ROCm, ``torch.npu`` with torch_npu: any module of that name with ``Event`` and
-    ``synchronize``). Creates nothing on the device until the first mark."""
-    if device.type == "cpu":
-        return HostTimer()
-    module = getattr(torch, device.type)
-    return EventTimer(lambda: module.Event(enable_timing=True),
-                      lambda: module.synchronize(device))
-
-
 @dataclass
 class Case:
     """One thing to time: ``forward()`` and ``backward(its output)``; ``saved`` (optional)
@@ -264,12 +205,12 @@ def activation_bytes(forward: Callable[[], torch.Tensor], parameters: list[torch
     """Bytes one ``forward()`` keeps for its backward (see the module docstring)."""
     counter = SavedActivations(parameters, shared)
     if device.type == "cuda":
-        _sync(device)
+        synchronize(device)
         before = torch.cuda.memory_allocated(device)
     with counter:
         out = forward()
     if device.type == "cuda":
-        _sync(device)
+        synchronize(device)
         kept = torch.cuda.memory_allocated(device) - before
         del out
         return max(0, kept)

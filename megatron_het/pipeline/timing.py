@@ -1,76 +1,120 @@
-"""Timing of the executor's regions without exposing launch latency on accelerators.
+"""Timing device work without exposing launch latency: host clocks on CPU, events elsewhere.
 
-On CPU a region's time is the host clock around it. On CUDA/ROCm the host only queues kernels,
-so a host clock measures launches, and synchronising after every region would expose the launch
-latency the queue normally hides. There the clock records a pair of CUDA events around each
-region on the current stream and reads them all once, at :meth:`RegionClock.totals`, after one
-synchronisation of the last event.
+On CPU a piece of work is done when the call that issues it returns, so the host clock times
+it. On CUDA/ROCm (and Ascend) the host only enqueues kernels: a host clock would time the
+launches, and synchronising after every region would expose the launch latency the queue
+normally hides. There the marks are device events recorded on the current stream, and they are
+read all at once after ONE synchronisation.
+
+:func:`pass_timer` picks the marks for a device (the profiler times its passes with them);
+:class:`RegionClock` sums labelled regions with them (the pipeline executor's compute and
+transfer regions).
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-EventFactory = Callable[[], Any]  # makes an object with record(), synchronize(), elapsed_time()
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA and ROCm; a no-op elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def _cuda_event() -> Any:
-    return torch.cuda.Event(enable_timing=True)
+class HostTimer:
+    """Marks of the host clock, for CPU work (done by the time the call that issues it returns).
+    ``elapsed_s(start, end)`` is the seconds between two marks."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+
+    def mark(self) -> float:
+        return self._clock()
+
+    def finish(self) -> None:
+        """Nothing to wait for."""
+
+    def elapsed_s(self, start: float, end: float) -> float:
+        return end - start
+
+
+class EventTimer:
+    """Marks that are device events, for accelerator work the host only enqueues: ``mark()``
+    records a new timing event (``make_event()``) on the current stream, ``finish()``
+    synchronises the device once (``synchronize()``), after which ``elapsed_s(start, end)``
+    reads the device time between two events (their ``elapsed_time``, in ms)."""
+
+    def __init__(self, make_event: Callable[[], Any], synchronize: Callable[[], None]) -> None:
+        self._make_event, self._synchronize = make_event, synchronize
+        self._pending = False
+
+    def mark(self) -> Any:
+        event = self._make_event()
+        event.record()
+        self._pending = True
+        return event
+
+    def finish(self) -> None:
+        self._synchronize()
+        self._pending = False
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        if self._pending:
+            raise RuntimeError("device events read before finish() synchronised the device")
+        return start.elapsed_time(end) / 1e3
+
+
+Timer = Union[HostTimer, EventTimer]
+
+
+def pass_timer(device: torch.device) -> Timer:
+    """The host clock on the CPU; the device's timing events elsewhere (``torch.cuda`` for CUDA
+    and ROCm, ``torch.npu`` with torch_npu: any module of that name with ``Event`` and
+    ``synchronize``). Creates nothing on the device until the first mark."""
+    if device.type == "cpu":
+        return HostTimer()
+    module = getattr(torch, device.type)
+    return EventTimer(lambda: module.Event(enable_timing=True),
+                      lambda: module.synchronize(device))
 
 
 class RegionClock:
-    """Sums region durations per label; ``wall`` spans :meth:`start` to :meth:`totals`.
+    """Sums region durations per label; the wall time spans :meth:`start` to :meth:`totals`.
 
-    ``device``: where the regions' work runs; ``event_factory`` overrides the CUDA event type
-    (tests pass a fake), None picks host clocks on CPU and CUDA events on accelerators.
+    ``timer`` gives the marks (default :func:`pass_timer` of ``device``); with device events
+    nothing waits for the device until :meth:`totals`.
     """
 
-    def __init__(self, device: torch.device, event_factory: Optional[EventFactory] = None) -> None:
-        if event_factory is None and device.type == "cuda":
-            event_factory = _cuda_event
-        self._events = event_factory
-        self._pairs: dict[str, list[tuple[Any, Any]]] = {}
-        self._host: dict[str, float] = {}
+    def __init__(self, device: torch.device, timer: Optional[Timer] = None) -> None:
+        self.timer = pass_timer(device) if timer is None else timer
+        self._regions: dict[str, list[tuple[Any, Any]]] = {}
         self._start: Any = None
 
     @property
     def uses_events(self) -> bool:
         """True when regions are timed by device events (read at :meth:`totals`)."""
-        return self._events is not None
-
-    def _mark(self) -> Any:
-        if self._events is None:
-            return time.perf_counter()
-        event = self._events()
-        event.record()
-        return event
+        return isinstance(self.timer, EventTimer)
 
     def start(self) -> None:
         """Begin the wall span (and forget earlier regions)."""
-        self._pairs, self._host = {}, {}
-        self._start = self._mark()
+        self._regions = {}
+        self._start = self.timer.mark()
 
     @contextlib.contextmanager
     def region(self, label: str) -> Iterator[None]:
         """Time the work queued inside the block under ``label``."""
-        begin = self._mark()
+        begin = self.timer.mark()
         yield
-        end = self._mark()
-        if self._events is None:
-            self._host[label] = self._host.get(label, 0.0) + end - begin
-        else:
-            self._pairs.setdefault(label, []).append((begin, end))
+        self._regions.setdefault(label, []).append((begin, self.timer.mark()))
 
     def totals(self) -> tuple[dict[str, float], float]:
-        """``({label: seconds}, wall seconds)``; with events, one synchronisation on the last
-        event, then every pair is read."""
-        end = self._mark()
-        if self._events is None:
-            return dict(self._host), end - self._start
-        end.synchronize()
-        sums = {label: sum(b.elapsed_time(e) for b, e in pairs) / 1e3
-                for label, pairs in self._pairs.items()}
-        return sums, self._start.elapsed_time(end) / 1e3
+        """``({label: seconds}, wall seconds)``, after one synchronisation with events."""
+        end = self.timer.mark()
+        self.timer.finish()
+        sums = {label: sum(self.timer.elapsed_s(b, e) for b, e in pairs)
+                for label, pairs in self._regions.items()}
+        return sums, self.timer.elapsed_s(self._start, end)

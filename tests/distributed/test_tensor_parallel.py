@@ -216,3 +216,29 @@ def test_sharded_model_matches_single_process(tp: int) -> None:
                 assert _relative_error(full, expected) <= 1e-5, (case, name)
                 if shard_spec(name, config, tp).replicated:  # every rank, not just the first
                     assert all(_relative_error(s, expected) <= 1e-5 for s in shards), name
+
+
+def _compiled_tp(rank: int, world_size: int) -> dict:
+    from megatron_het.model.compile import compile_layers
+
+    group = _groups(world_size)[2]
+    config = UNTIED
+    out = {}
+    for compiled in (False, True):
+        model = apply_tp(build_model(config, SEED), group, config)
+        if compiled:
+            compile_layers(model)
+        x, labels = _batch(config, True)
+        loss = model(x, labels=labels)
+        loss.backward()
+        out[compiled] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.slow
+def test_compiled_tensor_parallel_layers_match_eager() -> None:
+    for result in run_ranks(_compiled_tp, WORLD, timeout=240):
+        (eager_loss, eager), (loss, grads) = result[False], result[True]
+        assert loss == pytest.approx(eager_loss, rel=1e-5)
+        for name, grad in grads.items():
+            assert _relative_error(grad, eager[name]) <= 1e-4, name

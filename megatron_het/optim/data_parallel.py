@@ -160,7 +160,11 @@ class GradBuckets:
     # -- backward ----------------------------------------------------------------------------
     def _on_accumulated(self, slot: ParamSlot) -> None:
         param = slot.param
-        if param.dtype != torch.float32 and param.grad is not None:
+        if param.dtype != torch.float32:
+            if param.grad is None:
+                # autograd runs the hook even when every path returned None: the gradient went
+                # into main_grad directly and its kernel has reported the event already.
+                return
             param.main_grad.add_(param.grad)
             param.grad = None
         self._gradient_event(slot)

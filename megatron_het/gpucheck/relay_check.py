@@ -33,6 +33,7 @@ from megatron_het.gpucheck.context import CheckContext
 from megatron_het.gpucheck.device_checks import skip_all
 from megatron_het.gpucheck.pair_files import pair_files
 from megatron_het.gpucheck.report import FAIL, SKIP, status_of
+from megatron_het.pipeline.timing import synchronize
 from megatron_het.training.launch import init_world, read_launch_env, shutdown_world
 
 MIN_GBPS = 1.0
@@ -68,19 +69,14 @@ def relay_round_trip(device: str, nbytes: int = STAGE_BYTES,
     intact, seconds = True, 0.0
     for trip in range(rounds + 1):
         work.copy_(source)
-        _sync(device)
+        synchronize(torch.device(device))
         start = time.perf_counter()
         bridge.relay(work, chunks(work.numel()), _negate)
-        _sync(device)
+        synchronize(torch.device(device))
         if trip:
             seconds += time.perf_counter() - start
         intact = intact and bool(torch.equal(work, -source))
     return intact, 2 * nbytes * rounds / max(seconds, 1e-9) / 1e9
-
-
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def check_relay(ctx: CheckContext) -> None:
@@ -144,7 +140,7 @@ def _round_trips(comm: UnifiedCommunicator) -> dict:
         elif comm.rank == 1:
             comm.recv(buffer, 0)
             comm.send(buffer, 0)
-        _sync(str(device))
+        synchronize(torch.device(device))
         if trip:
             seconds += time.perf_counter() - start
     ones = torch.full((1 << 20,), float(comm.rank + 1), device=device)

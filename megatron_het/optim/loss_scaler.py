@@ -9,7 +9,7 @@ allowing one halving; after ``growth_interval`` steps without overflow it double
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from megatron_het.errors import UserError
 
@@ -29,9 +29,11 @@ class LossScaler:
     growth_interval: int = 1000
     hysteresis: int = 2
     clean_steps: int = 0
-    hysteresis_left: int = 2
+    hysteresis_left: Optional[int] = None  # overflows left before a halving; starts full
 
     def __post_init__(self) -> None:
+        if self.hysteresis_left is None:
+            self.hysteresis_left = self.hysteresis
         if self.scale <= 0 or self.min_scale <= 0:
             raise UserError(f"the loss scale ({self.scale}) and --min-loss-scale "
                             f"({self.min_scale}) must be positive")

@@ -113,11 +113,6 @@ class ParallelOptimizer:
                                         _events_per_backward(stage, self.flat.low_precision))
         self.zero_grad()
 
-    @property
-    def shards(self) -> list:
-        """The owned parts of the parameters (:class:`~megatron_het.optim.flat_params.Shard`)."""
-        return self.flat.shards
-
     # -- iteration ---------------------------------------------------------------------------
     def zero_grad(self, num_micro_batches: Optional[int] = None) -> None:
         """Zero the float32 main gradients (float32 parameters' ``.grad`` become views of them,

@@ -43,10 +43,10 @@ import torch
 from torch import nn
 
 from megatron_het.config import ModelConfig
+from megatron_het.kernels.main_grad import accumulated_grad
 from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.pipeline.p2p import (BufferPool, boundary_peers, sync_tied_embedding_grads,
                                        tied_embedding_weight, transfer_ops)
-from megatron_het.kernels.main_grad import accumulated_grad
 from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PBatch, Step,
                                              gpipe)
 from megatron_het.pipeline.timing import RegionClock
@@ -174,7 +174,6 @@ class PipelineExecutor:
         # Gradient already in .grad was summed by an earlier run: exchange only this run's part.
         grad = None if tied is None else accumulated_grad(tied)
         baseline = None if grad is None else grad.clone()
-        self.clock = RegionClock(self.device)
         self.clock.start()
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             for step in self.steps(len(micro_batches), forward_only):

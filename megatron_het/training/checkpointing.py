@@ -49,12 +49,14 @@ def load(trainer: "Trainer") -> None:
     state; a model-only checkpoint (e.g. converted weights) starts a fresh optimizer at 0."""
     setup = trainer.setup
     assert setup.load_dir is not None
-    weights: dict = {}
+    # Under mixed precision the parameters take the rounded values, the masters the exact
+    # ones; in fp32 the parameters are the masters and nothing more is kept.
+    weights: Optional[dict] = {} if trainer.optimizer.flat.low_precision else None
     optimizer_state, train_state = load_sharded(
         setup.load_dir, setup.model_config, setup.plan, trainer.groups, trainer.stage,
         map_location=trainer.device, weights=weights)
-    # Under mixed precision the parameters took the rounded values; the masters the exact ones.
-    trainer.optimizer.load_master_weights(weights)
+    if weights is not None:
+        trainer.optimizer.load_master_weights(weights)
     if train_state is None:
         return
     if optimizer_state is not None:

@@ -37,6 +37,7 @@ from megatron_het.optim.parallel_optimizer import ParallelOptimizer, build_paral
 from megatron_het.parallel.groups import ProcessGroups, build_process_groups
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.pipeline.executor import PipelineExecutor
+from megatron_het.pipeline.timing import synchronize
 from megatron_het.pipeline.stage import build_stage
 from megatron_het.training.batches import pipeline_micro_batches
 from megatron_het.training.metrics import TrainingLogger
@@ -140,19 +141,12 @@ def loss_scaler(setup: RunSetup) -> Optional[LossScaler]:
     if train.loss_scale is not None:
         return LossScaler(scale=train.loss_scale, dynamic=False)
     return LossScaler(scale=train.initial_loss_scale, min_scale=train.min_loss_scale,
-                      growth_interval=train.loss_scale_window, hysteresis=train.hysteresis,
-                      hysteresis_left=train.hysteresis)
+                      growth_interval=train.loss_scale_window, hysteresis=train.hysteresis)
 
 
 def grad_reduce_dtype(setup: RunSetup) -> torch.dtype:
     """The dtype of the data-parallel gradient reduction: bf16 with --grad-reduce-in-bf16."""
     return torch.bfloat16 if setup.run.parallel.grad_reduce_in_bf16 else torch.float32
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (the optimizer's kernels) before reading a clock."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _run_global_batch(trainer: Trainer, dataset: SampleDataset, first_sample: int,
@@ -203,7 +197,7 @@ def train_step(trainer: Trainer, stop_requested: bool) -> bool:
         raise UserError(f"iteration {iteration}: {error}") from None
     progress.iteration = iteration
     progress.consumed_samples += setup.train.global_batch_size
-    _synchronize(trainer.device)
+    synchronize(trainer.device)  # the optimizer's kernels, before reading the clock
     elapsed = time.perf_counter() - start
     trainer.last_loss = loss
     trainer.iteration_times.append(elapsed)

@@ -18,10 +18,15 @@ with a profile of this host (measured first, about ten seconds; ``--profile`` re
 
     (a) fast  the two emu-fast ranks alone (a 2-rank cluster of that group), the planner's plan
     (b) slow  the two emu-slow ranks alone, the planner's plan
-    (c) uniform    all four ranks, the mixed plan's layout with layers split evenly
+    (c) uniform    all four ranks, the mixed plan's layout with layers split evenly (--long)
     (d) planned    all four ranks, the planner's plan (a split suited to the speeds)
+    (e) interleaved  the planned layout with 2 interleaved chunks per device group
+    (f) hetero_dp  one replica per kind (the plans of a and b side by side), the batch shared
+                   by the kinds' predicted speeds
 
     efficiency = d / (a + b)      uniform_efficiency = c / (a + b)
+    interleaved_efficiency = e / (a + b)    hetero_dp_efficiency = f / (a + b)
+    best_efficiency = max(d, e, f) / (a + b)
 
 (a) and (b) are two separate jobs, run at the same time by default (``--baselines together``),
 as the two halves of a real cluster would train side by side, so the host carries four emulated
@@ -33,17 +38,18 @@ the other, each with the host to itself.
 devices then need 1.5 / F of the host's cores on average instead of 3 at F = 1, so that a host
 with fewer cores than emulated devices does not decide the result (padding to slowdown x the
 CPU time absorbs sharing up to the slowdown). F = 2 is the default. The defaults (11 layers,
-global batch 256, sequence 256) give the planner's pipeline 64 micro-batches, so that its
-fill-and-drain bubble (1/(m + 1) of an iteration at 2 stages) is small as in pretraining, where
-micro-batches far outnumber stages, and a layer split (4 + embedding | 7 + head) that balances
-the kinds. The configurations run in ``--rounds`` interleaved rounds, every other one in
-reverse order (a + b, c, d, d, c, a + b, ...; about 12 minutes each on 2 cores, 2 rounds by
-default): this host's speed drifts by several percent over minutes (one run's tokens/s rose
-4-12% between its early and late iterations in the runs we looked at), so a single round
-compares configurations measured at different host speeds; ``efficiency_per_round`` shows the
-spread. The last line printed is one JSON object with the figures and the conditions, next
-to ``predicted_efficiency`` (the predictor's figures for the four plans, with the planner's
-costs) and ``late_regions`` (regions the host could not finish within their kind's time: they
+global batch 192, sequence 256) give the planner's pipelines about a hundred micro-batches, so
+that the fill-and-drain bubble (1/(m + 1) of an iteration at 2 stages) is small as in
+pretraining, where micro-batches far outnumber stages, and a layer split of 4 and 7 layers that
+balances the kinds. The configurations run in ``--rounds`` interleaved rounds, every other one in
+reverse order (a + b, d, e, f, f, e, d, a + b, ...): this host's speed drifts by several
+percent over minutes (one run's tokens/s rose 4-12% between its early and late iterations in
+the runs we looked at), so a single round compares configurations measured at different host
+speeds; ``efficiency_per_round`` shows the spread. The defaults (1 round of 3 iterations, 1 of
+them warm-up) finish in about 13 minutes on 2 cores; ``--long --global-batch-size 256`` adds
+(c) and runs 2 rounds of 5 iterations (2 warm-up), about 50 minutes. The last line printed is
+one JSON object with the figures and the conditions, next to ``predicted_efficiency`` (the
+predictor's figures for the mixed plans, with the planner's costs) and ``late_regions`` (regions the host could not finish within their kind's time: they
 make a kind slower than its nominal speed).
 
     .venv/bin/python bench/hetero_efficiency.py
@@ -75,11 +81,15 @@ from megatron_het.perf import Profile, predict  # noqa: E402
 from megatron_het.perf.profiler import Sweep, profile_device  # noqa: E402
 from megatron_het.planner import search_plan  # noqa: E402
 
-from emulated_cluster import dilated_cluster  # noqa: E402
+from hetero_plans import (BASE_CLUSTER, cluster_dicts, describe,  # noqa: E402
+                          interleaved, replicas_by_kind, uniform_split)
 
-CONFIGS = ("fast", "slow", "uniform", "planned")
+CONFIGS = ("fast", "slow", "uniform", "planned", "interleaved", "hetero_dp")
+INTERLEAVED_CHUNKS = 2
+LABELS = {"fast": "a_fast_only", "slow": "b_slow_only", "uniform": "c_uniform_split",
+          "planned": "d_planned_split", "interleaved": "e_interleaved",
+          "hetero_dp": "f_hetero_dp"}
 LATE_WARNING = re.compile(r"(\d+) of (\d+) compute regions (?:took longer than|overran)")
-BASE_CLUSTER = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
 
 
 def parse_args() -> argparse.Namespace:
@@ -89,11 +99,16 @@ def parse_args() -> argparse.Namespace:
                    help="layers (overrides the preset's; more layers give the split a finer "
                         "grain)")
     p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--global-batch-size", type=int, default=256,
+    p.add_argument("--global-batch-size", type=int, default=192,
                    help="sequences per iteration, the same for every configuration")
-    p.add_argument("--iters", type=int, default=5, help="training iterations per run")
-    p.add_argument("--warmup", type=int, default=2, help="first iterations left out")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the 4 runs")
+    p.add_argument("--iters", type=int, default=None,
+                   help="training iterations per run (default 3, --long 5)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="first iterations left out (default 1, --long 2)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved rounds of the runs (default 1, --long 2)")
+    p.add_argument("--long", action="store_true",
+                   help="the longer mode: also the uniform split, 2 rounds of 5 iterations")
     p.add_argument("--dilation", type=float, default=2.0,
                    help="multiply both kinds' slowdown by this (>= 1; see the module doc)")
     p.add_argument("--baselines", choices=("together", "apart"), default="together",
@@ -109,40 +124,15 @@ def parse_args() -> argparse.Namespace:
                    help="plan with the kinds' roofline estimates instead of a profile")
     p.add_argument("--work-dir", default=None, help="keep clusters, plans and metrics here")
     args = p.parse_args()
+    for key, quick, long in (("iters", 3, 5), ("warmup", 1, 2), ("rounds", 1, 2)):
+        if getattr(args, key) is None:
+            setattr(args, key, long if args.long else quick)
+    args.configs = tuple(c for c in CONFIGS if args.long or c != "uniform")
     if args.iters <= args.warmup:
         p.error("--iters must exceed --warmup")
     if args.dilation < 1:
         p.error("--dilation must be >= 1")
     return args
-
-
-def cluster_dicts(dilation: float) -> dict[str, dict[str, Any]]:
-    """The 4-rank cluster (cpu_emulated.yaml, slowdowns x ``dilation``) and its two 2-rank
-    halves, as cluster-file mappings keyed by configuration group ("mixed", "fast", "slow")."""
-    mixed = dilated_cluster(BASE_CLUSTER, dilation)
-    extra = {"accelerators": mixed["accelerators"]} if "accelerators" in mixed else {}
-    halves = {}
-    for group in mixed["node_groups"]:
-        alone = {k: v for k, v in group.items() if k != "colocate_with"}
-        halves[group["name"]] = {"name": f"{mixed['name']}_{group['name']}_only",
-                                 "node_groups": [alone], **extra}
-    return {"mixed": mixed, **halves}
-
-
-def uniform_split(plan: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """``plan`` with every pipeline's layers spread evenly over its stages (earlier stages take
-    the remainder), everything else unchanged."""
-    out = json.loads(json.dumps(plan))
-    for pipeline in out["pipelines"]:
-        stages = pipeline["stages"]
-        base, extra = divmod(num_layers, len(stages))
-        start = 0
-        for i, stage in enumerate(stages):
-            count = base + (1 if i < extra else 0)
-            stage["layers"] = [start, start + count]
-            start += count
-    out["description"] = "uniform layer split of the planned layout"
-    return out
 
 
 def host_profile(model: ModelConfig, args: argparse.Namespace,
@@ -183,16 +173,6 @@ def searched_plan(model: ModelConfig, cluster_file: Path, args: argparse.Namespa
     return plan
 
 
-def describe(plan: dict[str, Any]) -> str:
-    """One line: per pipeline, its micro-batches and stages as kind:layers."""
-    parts = []
-    for pipeline in plan["pipelines"]:
-        stages = " | ".join(f"{s['accelerator']} tp{s['tp']} L{s['layers'][0]}-{s['layers'][1]}"
-                            f" r{s['ranks']}" for s in pipeline["stages"])
-        parts.append(f"m={pipeline['micro_batches']}: {stages}")
-    return f"mbs={plan['micro_batch_size']}; " + "; ".join(parts)
-
-
 def write_inputs(work: Path, model: ModelConfig, args: argparse.Namespace
                  ) -> tuple[dict[str, tuple[Path, Path, int]], Optional[Path],
                             dict[str, float]]:
@@ -211,17 +191,35 @@ def write_inputs(work: Path, model: ModelConfig, args: argparse.Namespace
     plans = {"planned": planned, "uniform": uniform_split(planned, model.num_layers),
              "fast": searched_plan(model, clusters["fast"], args, zero1, profiles),
              "slow": searched_plan(model, clusters["slow"], args, zero1, profiles)}
+    plans["interleaved"] = interleaved(planned, INTERLEAVED_CHUNKS)
+    predicted = {name: _predicted(model, plans[name], clusters[cluster_key(name)], args,
+                                  profiles) for name in ("fast", "slow")}
+    fast_ranks = ClusterSpec.load(clusters["fast"]).world_size
+    # Finer micro-batches share the batch closer to the speeds: take the predictor's pick.
+    options = [replicas_by_kind(plans["fast"], plans["slow"], fast_ranks, predicted["fast"],
+                                predicted["slow"], mbs) for mbs in (None, 1)]
+    plans["hetero_dp"] = max(options, key=lambda plan: _predicted(
+        model, plan, clusters["mixed"], args, profiles))
     inputs = {}
-    for name, plan in plans.items():
+    for name in args.configs:
+        plan = plans[name]
         path = work / f"plan_{name}.json"
         path.write_text(json.dumps(plan, indent=1))
-        cluster = clusters["mixed"] if name in ("planned", "uniform") else clusters[name]
-        ranks = sum(len(s["ranks"]) for p in plan["pipelines"] for s in p["stages"])
-        inputs[name] = (cluster, path, ranks)
-    predicted = {name: predict(model, ParallelPlan.load(path), ClusterSpec.load(cluster),
-                               args.seq_length, profiles, dtype="fp32").tokens_per_s
-                 for name, (cluster, path, _) in inputs.items()}
+        ranks = sum(len(g) for p in ParallelPlan.load(plan).pipelines for g in p.device_groups)
+        inputs[name] = (clusters[cluster_key(name)], path, ranks)
+        predicted[name] = _predicted(model, plan, inputs[name][0], args, profiles)
     return inputs, device_profile, predicted
+
+
+def cluster_key(name: str) -> str:
+    """The cluster a configuration runs on: a half of it, or all of it ("mixed")."""
+    return name if name in ("fast", "slow") else "mixed"
+
+
+def _predicted(model: ModelConfig, plan: dict[str, Any], cluster: Path,
+               args: argparse.Namespace, profiles: Optional[dict[str, Profile]]) -> float:
+    return predict(model, ParallelPlan.load(plan), ClusterSpec.load(cluster), args.seq_length,
+                   profiles, dtype="fp32").tokens_per_s
 
 
 def launch(name: str, cluster: Path, plan: Path, ranks: int, iters: int, metrics: Path,
@@ -281,7 +279,7 @@ def finish(name: str, proc: subprocess.Popen, metrics: Path, iters: int, start: 
 
 def slowdown_ratio() -> float:
     """emu-slow's slowdown over emu-fast's in the cluster file (2 in cpu_emulated.yaml)."""
-    cluster = ClusterSpec.load(BASE_CLUSTER)
+    cluster = ClusterSpec.load(BASE_CLUSTER)  # the undilated one
     kinds = {cluster.accelerator_of(r).name: cluster.accelerator_of(r).slowdown
              for r in range(cluster.world_size)}
     return kinds["emu-slow"] / kinds["emu-fast"]
@@ -303,9 +301,9 @@ def measure(inputs: dict[str, tuple[Path, Path, int]], work: Path, args: argpars
     regions its ranks reported (summed over rounds)."""
     samples: dict[str, dict[str, Any]] = {
         name: {"tokens_per_s": [], "iteration_time_s": [], "round_medians": [], "late": [0, 0]}
-        for name in CONFIGS}
+        for name in args.configs}
     batches = ([("fast", "slow")] if args.baselines == "together" else [("fast",), ("slow",)])
-    batches += [("uniform",), ("planned",)]
+    batches += [(name,) for name in args.configs if name not in ("fast", "slow")]
     for round_index in range(args.rounds):
         for batch in (batches if round_index % 2 == 0 else batches[::-1]):
             start = time.perf_counter()
@@ -331,8 +329,10 @@ def measure(inputs: dict[str, tuple[Path, Path, int]], work: Path, args: argpars
 def summary(samples: dict[str, dict[str, Any]], inputs: dict[str, tuple[Path, Path, int]],
             predicted: dict[str, float], model: ModelConfig, args: argparse.Namespace,
             load_before: tuple[float, ...]) -> dict[str, Any]:
-    tps = {name: statistics.median(samples[name]["tokens_per_s"]) for name in CONFIGS}
+    tps = {name: statistics.median(samples[name]["tokens_per_s"]) for name in args.configs}
     both = tps["fast"] + tps["slow"]
+    mixed = [name for name in ("planned", "interleaved", "hetero_dp") if name in tps]
+    best = max(mixed, key=lambda name: tps[name])
     timing = ("its slowdown x the host profile's time for the work (--device-time profile)"
               if args.device_time == "profile" else
               "its slowdown x the measured CPU time of the work (--device-time measured)")
@@ -343,18 +343,21 @@ def summary(samples: dict[str, dict[str, Any]], inputs: dict[str, tuple[Path, Pa
         "benchmark": "hetero_efficiency",
         "emulation": (f"CPU emulation: each kind is a CPU process whose compute regions are "
                       f"padded to {timing}; not a measurement of real accelerators"),
-        "tokens_per_s": {"a_fast_only": tps["fast"], "b_slow_only": tps["slow"],
-                         "c_uniform_split": tps["uniform"], "d_planned_split": tps["planned"]},
+        "tokens_per_s": {label: tps[name] for name, label in LABELS.items() if name in tps},
         "efficiency": tps["planned"] / both,
-        "uniform_efficiency": tps["uniform"] / both,
+        "uniform_efficiency": tps["uniform"] / both if "uniform" in tps else None,
+        "interleaved_efficiency": tps["interleaved"] / both,
+        "hetero_dp_efficiency": tps["hetero_dp"] / both,
+        "best_efficiency": tps[best] / both, "best_plan": best,
         "efficiency_per_round": per_round,
-        "predicted_efficiency": predicted["planned"] / (predicted["fast"] + predicted["slow"]),
+        "predicted_efficiency": {name: predicted[name] / (predicted["fast"] + predicted["slow"])
+                                 for name in mixed},
         "predicted_tokens_per_s": predicted,
         "iteration_time_s": {name: statistics.median(samples[name]["iteration_time_s"])
-                             for name in CONFIGS},
+                             for name in args.configs},
         "late_regions": {name: {"late": samples[name]["late"][0],
                                 "of_regions_on_reporting_ranks": samples[name]["late"][1]}
-                         for name in CONFIGS},
+                         for name in args.configs},
         "conditions": {
             "model": args.model, "num_layers": model.num_layers,
             "parameters_m": round(model.num_parameters() / 1e6, 2),
@@ -370,7 +373,8 @@ def summary(samples: dict[str, dict[str, Any]], inputs: dict[str, tuple[Path, Pa
             "host_cpus": os.cpu_count(), "threads_per_rank": 1,
             "load_average_before": load_before, "load_average_after": os.getloadavg(),
             "plans": {name: describe(json.loads(inputs[name][1].read_text()))
-                      for name in CONFIGS},
+                      for name in args.configs},
+            "long_mode": args.long,
         },
     }
 
@@ -387,7 +391,7 @@ def main() -> None:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         inputs, device_profile, predicted = write_inputs(work, model, args)
-        for name in CONFIGS:
+        for name in args.configs:
             print(f"[bench] plan {name}: {describe(json.loads(inputs[name][1].read_text()))}",
                   file=sys.stderr)
         samples = measure(inputs, work, args, model, device_profile)

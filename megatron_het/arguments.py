@@ -58,7 +58,11 @@ class ParallelSpec:
     pipeline_model_parallel_size: int = 1
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_layout: Optional[str] = None
     use_distributed_optimizer: bool = False
+    sequence_parallel: bool = False
     overlap_grad_reduce: bool = False
     grad_reduce_in_bf16: bool = False
     bridge: str = "relay"
@@ -198,6 +202,18 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="uniform plan: layers of the first stage (the rest split evenly)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
                    help="uniform plan: layers of the last stage")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   metavar="N", help="uniform plan: interleave model chunks of N layers "
+                                     "round-robin over the pipeline ranks (interleaved 1F1B)")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   metavar="V", help="uniform plan: V interleaved model chunks per pipeline "
+                                     "rank (the other way to say the same)")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help="uniform plan: every stage's layers as Megatron writes them, e.g. "
+                        "'Et*2|t*3|t*3|t*2L' (stage i on pipeline rank i mod PP)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="shard the regions between TP blocks (norms, residuals, stage "
+                        "boundaries) along the sequence; needs --seq-length divisible by tp")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state over data-parallel replicas (ZeRO-1)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -313,11 +329,18 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
     _check_positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     _check_positive(args, ("decoder_first_pipeline_num_layers",
                            "decoder_last_pipeline_num_layers"), minimum=0)
+    _check_positive(args, ("num_layers_per_virtual_pipeline_stage",
+                           "virtual_pipeline_model_parallel_size"))
     megatron_flags = [flag for flag, value in (
         ("--tensor-model-parallel-size", args.tensor_model_parallel_size != 1),
         ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size != 1),
         ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers is not None),
-        ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers is not None))
+        ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers is not None),
+        ("--num-layers-per-virtual-pipeline-stage",
+         args.num_layers_per_virtual_pipeline_stage is not None),
+        ("--virtual-pipeline-model-parallel-size",
+         args.virtual_pipeline_model_parallel_size is not None),
+        ("--pipeline-model-parallel-layout", args.pipeline_model_parallel_layout is not None))
         if value]
     if args.plan is not None and megatron_flags:
         raise UserError(f"--plan and {megatron_flags[0]} both describe the layout; the plan "
@@ -328,7 +351,11 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        sequence_parallel=args.sequence_parallel,
         overlap_grad_reduce=args.overlap_grad_reduce,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16, bridge=args.bridge,
         emulation_profile=args.emulation_profile, dry_run=args.dry_run,

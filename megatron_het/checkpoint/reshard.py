@@ -167,6 +167,6 @@ def rank_writes(config: ModelConfig, plan: ParallelPlan, rank: int) -> dict[str,
     role = plan.rank_role(rank)
     if role.pipeline != 0:
         return {}
-    stage = role.stage_plan
     return {name: target_slice(name, config, stage.tp, role.tp_rank)
+            for stage in role.chunk_plans  # every chunk of an interleaved device group
             for name in written_names(config, stage, role.tp_rank)}

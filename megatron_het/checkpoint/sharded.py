@@ -206,10 +206,13 @@ def save_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
     if optimizer_state is not None:
         candidates = [n for n, _ in stage.named_parameters()
                       if is_written_by(n, model_config, stage_plan, role.tp_rank)]
-        names = _first_holders(groups.dp, candidates, set(optimizer_state), device)
+        if getattr(groups, "uniform_dp", True):
+            names = _first_holders(groups.dp, candidates, set(optimizer_state), device)
+        else:  # replicas of different layouts: pipeline 0 holds (and writes) everything
+            names = [n for n in candidates if n in optimizer_state] if role.pipeline == 0 else []
 
     def write() -> None:
-        model = model_pieces(stage, model_config, role, weights) if groups.dp.rank == 0 else {}
+        model = model_pieces(stage, model_config, role, weights) if role.pipeline == 0 else {}
         optimizer = (None if names is None else optimizer_pieces(
             names, optimizer_state, model_config, stage_plan.tp, role.tp_rank))
         write_rank_files(staging, rank, model, optimizer, train_state)

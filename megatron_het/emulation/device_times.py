@@ -20,21 +20,22 @@ from megatron_het.perf.profile import Profile
 from megatron_het.perf.stage_cost import HOST_PROFILE, ProfileChoice, stage_compute
 from megatron_het.pipeline.executor import compute_region_key
 
-RegionKey = tuple[str, bool]
+RegionKey = tuple[str, bool, int]
 
 
 def emulated_device_times(profiles: Optional[Mapping[str, Profile]],
                           profile_source: Optional[str], model: ModelConfig, plan: ParallelPlan,
                           cluster: ClusterSpec, seq_length: int,
-                          dtype: str) -> dict[int, tuple[float, float]]:
-    """EMULATION: each emulated rank's stage (forward, backward) seconds per micro-batch on
-    this host from the host profile ``profiles[HOST_PROFILE]`` (read from ``profile_source``,
-    named in errors); empty without a profile. UserError when the cluster has no emulated rank
-    or the profile lacks the stage's shape or dtype."""
+                          dtype: str) -> dict[int, tuple[tuple[float, float], ...]]:
+    """EMULATION: each emulated rank's (forward, backward) seconds per micro-batch of each of
+    its stages (one per interleaved chunk, in pipeline order) on this host from the host
+    profile ``profiles[HOST_PROFILE]`` (read from ``profile_source``, named in errors); empty
+    without a profile. UserError when the cluster has no emulated rank or the profile lacks the
+    stage's shape or dtype."""
     if not profiles:
         return {}
     profile = profiles[HOST_PROFILE]
-    times: dict[int, tuple[float, float]] = {}
+    times: dict[int, tuple[tuple[float, float], ...]] = {}
     for pipeline in plan.pipelines:
         for stage in pipeline.stages:
             spec = cluster.accelerator_of(stage.ranks[0])
@@ -50,32 +51,35 @@ def emulated_device_times(profiles: Optional[Mapping[str, Profile]],
                                 f"profile this model's shape with tools/profile_device.py "
                                 f"--threads 1 --dtype {dtype}")
             for rank in stage.ranks:
-                times[rank] = (compute.forward_s, compute.backward_s)
+                times[rank] = times.get(rank, ()) + ((compute.forward_s, compute.backward_s),)
     if not times:
         raise UserError(f"--emulation-profile times emulated accelerator kinds, and cluster "
                         f"{cluster.name} has none; drop the flag")
     return times
 
 
-def fixed_reference_times(times: Optional[tuple[float, float]]
+def fixed_reference_times(times: Optional[tuple[tuple[float, float], ...]]
                           ) -> Optional[dict[RegionKey, float]]:
     """The emulator's fixed reference CPU times of a rank's stage regions from its (forward,
-    backward) seconds (None: measured): training forward and backward, and evaluation
-    forward (the same work as the training forward)."""
+    backward) seconds per chunk (None: measured): training forward and backward, and
+    evaluation forward (the same work as the training forward), of each chunk."""
     if times is None:
         return None
-    forward, backward = times
-    return {compute_region_key("forward", False): forward,
-            compute_region_key("forward", True): forward,
-            compute_region_key("backward", False): backward}
+    keys: dict[RegionKey, float] = {}
+    for chunk, (forward, backward) in enumerate(times):
+        keys[compute_region_key("forward", False, chunk)] = forward
+        keys[compute_region_key("forward", True, chunk)] = forward
+        keys[compute_region_key("backward", False, chunk)] = backward
+    return keys
 
 
-def describe_device_times(times: Mapping[int, tuple[float, float]], cluster: ClusterSpec,
-                          profile_source: Optional[str]) -> str:
+def describe_device_times(times: Mapping[int, tuple[tuple[float, float], ...]],
+                          cluster: ClusterSpec, profile_source: Optional[str]) -> str:
     """One line: the profile that times the emulated ranks, and each rank's figures."""
     ranks = "; ".join(f"rank {rank} {cluster.accelerator_of(rank).slowdown:g} x "
-                      f"({fwd * 1e3:.1f} + {bwd * 1e3:.1f}) ms"
-                      for rank, (fwd, bwd) in sorted(times.items()))
+                      + " + ".join(f"({fwd * 1e3:.1f} + {bwd * 1e3:.1f})" for fwd, bwd in chunks)
+                      + " ms"
+                      for rank, chunks in sorted(times.items()))
     return (f"> EMULATION: stage compute of emulated ranks timed from profile "
             f"{profile_source} (slowdown x forward + backward per micro-batch): {ranks}")
 

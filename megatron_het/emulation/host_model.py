@@ -13,13 +13,17 @@ What changes against the one-device-per-rank model, each from a measured figure:
   seconds (the profile's times without the slowdown), the TP collectives inside the compute
   region (with :attr:`Profile.host_collective_s`, the measured wall and CPU time of one
   collective between computing peers: its CPU time as work on the shared cores, the rest as a
-  wait; else the link model's all-reduce as a wait), each stage-boundary transfer's measured
-  gloo time as CPU work at both ends, and the slowdown as the region's floor, a wait that frees
+  wait; else the link model's all-reduce as a wait; under sequence parallelism a reduce-scatter
+  or all-gather counts half a measured collective, by its bytes), each stage-boundary
+  transfer's measured gloo time as CPU work at both ends (per chunk of an interleaved device
+  group: each receives and sends its micro-batches; a rank's ``1/tp`` of the activations under
+  sequence parallelism), and the slowdown as the region's floor, a wait that frees
   the core: the executor's :class:`~megatron_het.emulation.emulator.Emulator` (CPU basis) pads
   a region to ``slowdown x`` the CPU time of the rank's own thread, the stage's compute without
   gloo's share;
 - DP gradient sync: the host's part of it (the sync over the host's own gloo figures, the
-  emulated links' pace left out) is CPU work slowed by the host sharing of the ranks that sync
+  emulated links' pace left out; per device group, over its replica units when the pipelines'
+  layouts differ) is CPU work slowed by the host sharing of the ranks that sync
   at once only for its CPU share (gloo copies and reduces on the CPU, and waits on its
   peers and the loopback for the rest: the share the measured TP collective spends on CPU,
   :attr:`Profile.host_collective_s`, else all of it); an emulated link's pace is a wait that
@@ -35,12 +39,12 @@ Everything here is emulation.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from megatron_het.emulation.host_sharing import HostCores, HostSharing
 from megatron_het.parallel.plan import PipelinePlan
+from megatron_het.perf.boundary_cost import rank_activation_bytes
 from megatron_het.perf.comm_cost import CommCost
-from megatron_het.perf.cost_model import tp_collectives
 from megatron_het.perf.prediction import StagePrediction
 from megatron_het.perf.rate_model import PredictionInputs, SharedIteration
 from megatron_het.perf.simulator import Region, StageTiming
@@ -77,7 +81,7 @@ class SharedHostModel:
         row_of = {(r.pipeline, r.stage): r for r in rows}
         transfer = _transfer_cpu_s(inputs)
         stages = tuple(tuple(_stage_timing(inputs, p, s, pipeline, row_of[(p, s)], transfer)
-                             for s in range(pipeline.pp_size))
+                             for s in range(pipeline.num_stages))
                        for p, pipeline in enumerate(inputs.plan.pipelines))
         return SharedIteration(stages, cores, _dp_sync(inputs, rows, cores),
                                _optimizer(inputs, rows, cores), _overhead(inputs))
@@ -88,13 +92,13 @@ class SharedHostModel:
 
 def _stage_timing(inputs: PredictionInputs, p: int, s: int, pipeline: PipelinePlan,
                   row: StagePrediction, transfer: float) -> StageTiming:
-    """Stage ``s`` of pipeline ``p`` on its host: CPU work, in-region waits and the floor."""
+    """Stage ``s`` of pipeline ``p`` (a chunk of its device group when interleaved) on its
+    host: CPU work, in-region waits and the floor."""
     stage = pipeline.stages[s]
     spec = inputs.comm.spec_of(stage.ranks[0])
     compute = inputs.compute(s, pipeline)
     tp_forward, tp_backward = inputs.tp_comm(s, pipeline)
-    counts = tp_collectives(stage.tp, stage.num_layers, stage.has_embedding, stage.has_head,
-                            inputs.recompute_of(stage))
+    counts = inputs.tp_collectives(s, pipeline)
     work_forward = slowed_forward = compute.forward_s / spec.slowdown
     work_backward = slowed_backward = compute.backward_s / spec.slowdown
     host = choose_profile(spec, inputs.profiles).profile
@@ -103,10 +107,16 @@ def _stage_timing(inputs: PredictionInputs, p: int, s: int, pipeline: PipelinePl
         # both replace the link model's all-reduce.
         wall, cpu = host.host_collective_s
         work_forward += counts.forward_all * cpu
-        work_backward += counts.backward * cpu
-        tp_forward, tp_backward = counts.forward_all * (wall - cpu), counts.backward * (wall - cpu)
-    # Each way, a micro-batch is received from the stage before and sent to the next.
-    transfers = (s > 0) + (s < pipeline.pp_size - 1)
+        work_backward += counts.backward_all * cpu
+        tp_forward = counts.forward_all * (wall - cpu)
+        tp_backward = counts.backward_all * (wall - cpu)
+    # Each way, a micro-batch is received from the stage before and sent to the next (every
+    # chunk of an interleaved group does both, but for the pipeline's first input and last
+    # output).
+    transfers = (s > 0) + (s < pipeline.num_stages - 1)
+    if inputs.plan.sequence_parallel:  # a rank moves its positions only
+        transfer = _transfer_cpu_s(inputs, rank_activation_bytes(inputs.plan, stage,
+                                                                  inputs.act_bytes))
     work_forward += transfers * transfer
     work_backward += transfers * transfer
     return StageTiming(
@@ -115,35 +125,38 @@ def _stage_timing(inputs: PredictionInputs, p: int, s: int, pipeline: PipelinePl
         row.p2p_forward_s, row.p2p_backward_s, inputs.comm.node_of(stage.ranks[0]), stage.tp)
 
 
-def _transfer_cpu_s(inputs: PredictionInputs) -> float:
+def _transfer_cpu_s(inputs: PredictionInputs, nbytes: Optional[float] = None) -> float:
     """CPU seconds one end spends on a stage-boundary transfer: the host's measured gloo p2p
-    time of the activations (a loopback copy runs on the CPUs of both ends); 0 unmeasured."""
+    time of the activations (``nbytes``, default all of them; a loopback copy runs on the CPUs
+    of both ends); 0 unmeasured."""
     rank = inputs.plan.ranks()[0]
     profile = choose_profile(inputs.comm.spec_of(rank), inputs.profiles).profile
     entry = None if profile is None else profile.comm_figures("p2p", "intra_node")
     if entry is None:
         return 0.0
-    return entry.latency_s + inputs.act_bytes / (entry.bandwidth_gbps * 1e9)
+    nbytes = inputs.act_bytes if nbytes is None else nbytes
+    return entry.latency_s + nbytes / (entry.bandwidth_gbps * 1e9)
 
 
 def _dp_sync(inputs: PredictionInputs, rows: Sequence[StagePrediction],
              cores: HostCores) -> float:
     """The slowest stage's gradient sync: its host part (gloo copies and reduces) slowed as CPU
     work on the host's cores, where every rank of a stage with dp > 1 syncs at once, or the
-    link model's time where an emulated link's pace (a wait) takes longer."""
+    link model's time where an emulated link's pace (a wait) takes longer. (An interleaved
+    device group syncs all its chunks at once: its rows carry that sync, its ranks count
+    once.)"""
     syncing: dict[int, int] = {}
-    for row in rows:
-        if row.dp_sync_s > 0:
-            for rank in row.ranks:
-                node = inputs.comm.node_of(rank)
-                syncing[node] = syncing.get(node, 0) + 1
+    for rank in _ranks_of(rows, lambda row: row.dp_sync_s > 0):
+        node = inputs.comm.node_of(rank)
+        syncing[node] = syncing.get(node, 0) + 1
     if not syncing:
         return 0.0
     slowest = max(cores.factor(node, count) for node, count in syncing.items())
     cpu_share = _collective_cpu_share(inputs)
     slowed = cpu_share * slowest + (1.0 - cpu_share)
     host = CommCost(inputs.comm.cluster, inputs.profiles, paced_links=False)
-    return max(max(row.dp_sync_s, inputs.dp_sync_over(host, row.stage).time_s * slowed)
+    return max(max(row.dp_sync_s,
+                   inputs.dp_sync_over(host, row.stage, row.pipeline).time_s * slowed)
                for row in rows if row.dp_sync_s > 0)
 
 
@@ -160,17 +173,27 @@ def _collective_cpu_share(inputs: PredictionInputs) -> float:
 
 def _optimizer(inputs: PredictionInputs, rows: Sequence[StagePrediction],
                cores: HostCores) -> float:
-    """Every rank's step at host speed, all at once, sharing each node."""
+    """Every rank's step at host speed, all at once, sharing each node (a row carries its
+    device's step over all its chunks, so a rank of an interleaved group counts once)."""
     works: dict[int, list[float]] = {}
+    seen: set[int] = set()
     for row in rows:
         spec = inputs.comm.spec_of(row.ranks[0])
         slowdown = spec.slowdown if spec.emulated else 1.0
         # row.optimizer_s carries the kind's slowdown; the emulated run does not wait it out.
         per_rank = row.optimizer_s / slowdown
         for rank in row.ranks:
-            works.setdefault(inputs.comm.node_of(rank), []).append(per_rank)
+            if rank not in seen:
+                seen.add(rank)
+                works.setdefault(inputs.comm.node_of(rank), []).append(per_rank)
     return max(cores.sharing[node].finish_time(w) if node in cores.sharing else max(w)
                for node, w in works.items())
+
+
+def _ranks_of(rows: Sequence[StagePrediction],
+              keep: Callable[[StagePrediction], bool]) -> list[int]:
+    """The distinct ranks of the rows ``keep`` selects, in order of first appearance."""
+    return list(dict.fromkeys(rank for row in rows if keep(row) for rank in row.ranks))
 
 
 def _overhead(inputs: PredictionInputs) -> float:

@@ -39,14 +39,14 @@ BEHIND_TOLERANCE = 0.01
 class RankEmulation:
     """What emulation adds to one rank of a run (see the module docstring).
 
-    ``device_times`` maps every emulated rank to its stage's (forward, backward) seconds from
-    the host profile (empty without one); ``description`` is one log line about the run's
+    ``device_times`` maps every emulated rank to its stages' (forward, backward) seconds (one
+    pair per interleaved chunk) from the host profile (empty without one); ``description`` is one log line about the run's
     emulation, the same on every rank ("" when nothing is emulated)."""
 
     rank: int
     region_timer: Optional[Emulator]
     wire_hooks: Optional[EmulatedWires]
-    device_times: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    device_times: Mapping[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     description: str = ""
 
     @property
@@ -108,7 +108,8 @@ def build_emulation(cluster: ClusterSpec, plan: ParallelPlan, rank: int,
                          _describe(cluster, plan, times, wires, profile_source))
 
 
-def _describe(cluster: ClusterSpec, plan: ParallelPlan, times: Mapping[int, tuple[float, float]],
+def _describe(cluster: ClusterSpec, plan: ParallelPlan,
+              times: Mapping[int, tuple[tuple[float, float], ...]],
               wires: Optional[EmulatedWires], profile_source: Optional[str]) -> str:
     """One line about the run's emulation ("" when no rank is emulated)."""
     if times:

@@ -1,7 +1,8 @@
 """The Llama decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
 
 A :class:`LlamaModel` may hold a contiguous slice of the layers (a pipeline stage) with or
-without the embedding and the head. Parameter names are GLOBAL and do not depend on the
+without the embedding and the head, or several such slices ("model chunks", the virtual stages
+of an interleaved pipeline that one device group runs), each run on its own. Parameter names are GLOBAL and do not depend on the
 parallel plan; checkpoints, initialisation and tensor-parallel code rely on them.
 
 Parameter names and layouts (nh query heads, ng kv groups, r = nh/ng, d head dim, H hidden,
@@ -32,7 +33,7 @@ Shape legend: B batch, S sequence, H hidden, N heads, D head dim, V vocabulary.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -82,9 +83,10 @@ class Attention(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x[B, S, H] -> [B, S, H]``; ``cos``/``sin`` are ``[S, 1, D/2]`` RoPE tables."""
-        B, S, _ = x_BSH.shape
         per_group = self.num_heads // self.num_groups
-        qkv = self.qkv(x_BSH).view(B, S, self.num_groups, per_group + 2, self.head_dim)
+        qkv = self.qkv(x_BSH)  # [B, S, ...]: sequence-parallel input arrives gathered here
+        B, S = qkv.shape[:2]
+        qkv = qkv.view(B, S, self.num_groups, per_group + 2, self.head_dim)
         # One split (not three slices): its backward is a single concatenation instead of a
         # zero-filled full-size gradient per slice. RoPE writes fresh contiguous tensors, so
         # q and k need no copy of their own; v gets one, since a view of the qkv output saved
@@ -125,15 +127,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """A Llama decoder, or the slice of it that one pipeline stage holds.
+    """A Llama decoder, or the part of it that one pipeline rank holds.
 
     Args:
         config: model shape.
         layer_range: ``(start, stop)`` global layer indices held here; ``None`` means all.
-        has_embedding: holds the token embedding; ``forward`` then takes tokens.
-        has_head: holds the final norm and output projection; ``forward`` then returns logits.
+        has_embedding: holds the token embedding; ``forward`` (of chunk 0) then takes tokens.
+        has_head: holds the final norm and output projection; ``forward`` (of the last chunk)
+            then returns logits.
         recompute: recompute each layer's activations in backward (activation checkpointing)
             while training, trading compute for memory.
+        chunks: instead of ``layer_range`` and ``recompute``, the model chunks held here, in
+            pipeline order: ``(start, stop, recompute)`` each, disjoint and ascending. Each
+            chunk runs on its own (``forward(..., chunk=c)``): the embedding belongs to chunk
+            0 and the head to the last chunk.
 
     Layers live in ``self.layers``, an ``nn.ModuleDict`` keyed by the global layer index as a
     string, so a stage holding layers [3, 5) has keys "3" and "4". Parameters are created with
@@ -143,26 +150,41 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_range: Optional[tuple[int, int]] = None,
                  has_embedding: bool = True, has_head: bool = True,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False,
+                 chunks: Optional[Sequence[tuple[int, int, bool]]] = None) -> None:
         super().__init__()
-        start, stop = (0, config.num_layers) if layer_range is None else layer_range
-        if not 0 <= start <= stop <= config.num_layers:
-            raise UserError(f"layer range [{start}, {stop}) does not fit a model of "
-                            f"{config.num_layers} layers; use 0 <= start <= stop <= "
-                            f"{config.num_layers}")
+        if chunks is None:
+            start, stop = (0, config.num_layers) if layer_range is None else layer_range
+            chunks = ((start, stop, recompute),)
+        elif layer_range is not None:
+            raise ValueError("give layer_range or chunks, not both")
+        previous = 0
+        for start, stop, _ in chunks:
+            if not previous <= start <= stop <= config.num_layers:
+                raise UserError(f"layer range [{start}, {stop}) does not fit a model of "
+                                f"{config.num_layers} layers after layer {previous}; use "
+                                f"ascending, disjoint ranges inside [0, {config.num_layers})")
+            previous = stop
         self.config = config
-        self.layer_range = (start, stop)
+        self.chunks = tuple((start, stop, bool(rc)) for start, stop, rc in chunks)
+        self.layer_range = (self.chunks[0][0], self.chunks[-1][1])
         self.has_embedding = has_embedding
         self.has_head = has_head
-        self.recompute = recompute
+        self.recompute = any(rc for _, _, rc in self.chunks)
         self.rotary = RotaryEmbedding(config)
         needs_embedding = has_embedding or (has_head and config.tie_embeddings)
         self.embedding = (nn.Embedding(config.vocab_size, config.hidden_size)
                           if needs_embedding else None)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(start, stop)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config)
+                                     for start, stop, _ in self.chunks
+                                     for i in range(start, stop)})
         self.final_norm = RMSNorm(config.hidden_size, config.norm_eps) if has_head else None
         self.output = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
                        if has_head and not config.tie_embeddings else None)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
 
     def output_weight(self) -> torch.Tensor:
         """The ``[V, H]`` matrix the head multiplies by (``embedding.weight`` when tied)."""
@@ -173,38 +195,49 @@ class LlamaModel(nn.Module):
         return self.output.weight
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Run this stage: :meth:`hidden_states`, then :meth:`head` when the stage has it.
+                loss_weights: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
+        """Run model chunk ``chunk`` (0 when the model holds one): :meth:`hidden_states`, then
+        :meth:`head` when the chunk is the last and the model has the head.
 
-        ``x`` is tokens ``LongTensor[B, S]`` when the stage has the embedding, otherwise hidden
-        states ``[B, S, H]``. Returns logits ``[B, S, V]`` when the stage has the head, otherwise
+        ``x`` is tokens ``LongTensor[B, S]`` when the chunk has the embedding, otherwise hidden
+        states ``[B, S, H]``. Returns logits ``[B, S, V]`` when the chunk has the head, otherwise
         hidden states ``[B, S, H]``. Attention is causal over positions ``0 .. S-1``.
 
-        With ``labels[B, S]`` (head stages only) it returns instead the float32 scalar loss
+        With ``labels[B, S]`` (head chunk only) it returns instead the float32 scalar loss
         ``sum(loss_weights * cross_entropy)`` from the fused, chunked
         :func:`~megatron_het.model.loss.linear_cross_entropy`, which never materialises the
         full logits; ``loss_weights`` defaults to the mean over tokens whose label is not -100.
         """
-        hidden = self.hidden_states(x)
-        if not self.has_head:
+        hidden = self.hidden_states(x, chunk)
+        if not (self.has_head and chunk == len(self.chunks) - 1):
             if labels is not None:
-                raise RuntimeError("labels given to a stage without the head")
+                raise RuntimeError("labels given to a chunk without the head")
             return hidden
         return self.head(hidden, labels, loss_weights)
 
-    def hidden_states(self, x: torch.Tensor) -> torch.Tensor:
-        """The embedding (if held) and this stage's decoder layers: tokens ``[B, S]`` or hidden
-        states ``[B, S, H]`` in, hidden states ``[B, S, H]`` out (before the final norm)."""
-        hidden = self.embedding(x) if self.has_embedding else x
-        cos, sin = self.rotary.cos_sin(hidden.shape[1], hidden.device,
+    def hidden_states(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """The embedding (chunk 0, if held) and the chunk's decoder layers: tokens ``[B, S]`` or
+        hidden states ``[B, S, H]`` in, hidden states ``[B, S, H]`` out (before the final
+        norm)."""
+        if not 0 <= chunk < len(self.chunks):
+            raise IndexError(f"chunk {chunk} of a model holding {len(self.chunks)} chunk(s)")
+        start, stop, recompute = self.chunks[chunk]
+        hidden = self.embedding(x) if self.has_embedding and chunk == 0 else x
+        cos, sin = self.rotary.cos_sin(self.sequence_length(hidden), hidden.device,
                                        rope_table_dtype(hidden))
-        use_recompute = self.recompute and self.training and torch.is_grad_enabled()
-        for layer in self.layers.values():
+        use_recompute = recompute and self.training and torch.is_grad_enabled()
+        for index in range(start, stop):
+            layer = self.layers[str(index)]
             if use_recompute:
                 hidden = checkpoint(layer, hidden, cos, sin, use_reentrant=False)
             else:
                 hidden = layer(hidden, cos, sin)
         return hidden
+
+    def sequence_length(self, hidden: torch.Tensor) -> int:
+        """The sequence length S of hidden states ``[B, S, H]`` held here (a sequence-parallel
+        stage holds ``S / tp`` positions of them)."""
+        return hidden.shape[1]
 
     def head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None,
              loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:

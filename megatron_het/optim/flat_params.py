@@ -13,6 +13,12 @@ owns a range of every bucket (all of it without the distributed optimizer; range
 
 A :class:`Shard` is the part of one parameter inside this rank's owned range: its master (an
 ``nn.Parameter`` view for the optimizer) and its float32 gradient (a view of the bucket).
+
+Owned pieces instead of ranges (ZeRO-1 across replicas of different layouts): ``pieces(slot)``
+names the flat ranges of each parameter this rank owns; each gets a shard (low precision: its
+own float32 master) and the optimizer shares the updated pieces across the replicas itself
+(:mod:`megatron_het.optim.replica_sync`), so :meth:`all_gather_params` does nothing and
+:meth:`gather` returns this rank's pieces in place, zeros elsewhere.
 """
 from __future__ import annotations
 
@@ -42,26 +48,32 @@ class FlatParams:
     ``buckets``: the stage's gradient buckets (their slots name the parameters, which must be
     float32 when this is built). ``sharded``: own range ``dp_rank`` of each bucket (ZeRO-1)
     instead of all of it. ``param_dtype``: the training dtype the parameters are cast to.
+    ``pieces``: the flat ranges of each parameter this rank owns instead (see the module
+    docstring; ``sharded`` is then False).
     Building moves every parameter's storage into the buffers (``param.data`` becomes a view):
     build it before anything else keeps references to ``param.data``. No communication except
     in :meth:`all_gather_params` and :meth:`gather`.
     """
 
-    def __init__(self, buckets: GradBuckets, sharded: bool, param_dtype: torch.dtype) -> None:
+    def __init__(self, buckets: GradBuckets, sharded: bool, param_dtype: torch.dtype,
+                 pieces: Optional[Callable[[ParamSlot], list[tuple[int, int]]]] = None) -> None:
         self.buckets, self.sharded, self.param_dtype = buckets, sharded, param_dtype
+        self.pieces = pieces
         self.low_precision = param_dtype != torch.float32
         self.param_buffers: list[torch.Tensor] = []
         self.master_buffers: list[Optional[torch.Tensor]] = []
+        all_values = []
         for bucket in buckets.buckets:
             values = self._float32_values(bucket)
             start, stop = self.owned_range(bucket)
             buffer = values.to(param_dtype) if self.low_precision else values
-            self.master_buffers.append(values[start:stop].clone() if self.low_precision
-                                       else None)
+            self.master_buffers.append(values[start:stop].clone()
+                                       if self.low_precision and pieces is None else None)
             for slot in bucket.slots:
                 slot.param.data = buffer[slot.start:slot.stop].view(slot.param.shape)
             self.param_buffers.append(buffer)
-        self.shards = self._owned_shards()
+            all_values.append(values)
+        self.shards = self._owned_shards() if pieces is None else self._piece_shards(all_values)
 
     @staticmethod
     def _float32_values(bucket: Bucket) -> torch.Tensor:
@@ -93,11 +105,31 @@ class FlatParams:
             shard.master.grad = shard.grad
         return shards
 
+    def _piece_shards(self, values: list[torch.Tensor]) -> list[Shard]:
+        assert self.pieces is not None
+        shards = []
+        for bucket, buffer in zip(self.buckets.buckets, self.param_buffers):
+            for slot in bucket.slots:
+                for lo, hi in self.pieces(slot):
+                    a, b = slot.start + lo, slot.start + hi
+                    master = (values[bucket.index][a:b].clone() if self.low_precision
+                              else buffer[a:b])
+                    shards.append(Shard(slot, lo, hi, nn.Parameter(master), bucket.grad[a:b]))
+        for shard in shards:
+            shard.master.grad = shard.grad
+        return shards
+
     # -- after a step ----------------------------------------------------------------------
     @torch.no_grad()
     def copy_masters_to_params(self) -> None:
         """Round the owned masters into the parameter buffers (low precision; else a no-op)."""
         if not self.low_precision:
+            return
+        if self.pieces is not None:
+            for shard in self.shards:
+                start = shard.slot.start
+                self.param_buffers[shard.slot.bucket][start + shard.lo:start + shard.hi].copy_(
+                    shard.master)
             return
         for bucket, buffer, master in zip(self.buckets.buckets, self.param_buffers,
                                           self.master_buffers):
@@ -107,7 +139,7 @@ class FlatParams:
     def all_gather_params(self) -> None:
         """Every DP rank's owned ranges into every rank's parameter buffers (collective over
         the DP group, one all-gather per bucket in the training dtype; sharded only)."""
-        if not self.sharded or self.buckets.dp_size == 1:
+        if not self.sharded or self.buckets.dp_size == 1 or self.pieces is not None:
             return
         group, handles = self.buckets.dp_group, []
         for bucket, buffer in zip(self.buckets.buckets, self.param_buffers):
@@ -124,6 +156,14 @@ class FlatParams:
         """``{name: float32 CPU tensor shaped like the parameter}`` assembled from
         ``value_of(shard)`` (the shard's ``hi - lo`` elements; None: zeros) of every owned
         shard; sharded, the owned ranges are all-gathered over the DP group (collective)."""
+        if self.pieces is not None:  # this rank's pieces; the caller shares them
+            out = {slot.name: torch.zeros(slot.param.shape, dtype=torch.float32)
+                   for slot in self.buckets.slots}
+            for shard in self.shards:
+                value = value_of(shard)
+                if value is not None:
+                    out[shard.slot.name].view(-1)[shard.lo:shard.hi].copy_(value.reshape(-1))
+            return out
         device = self.buckets.buckets[0].grad.device if self.buckets.buckets else None
         out: dict[str, torch.Tensor] = {}
         by_bucket: dict[int, list[Shard]] = {}
@@ -159,4 +199,6 @@ class FlatParams:
 
     def master_bytes(self) -> int:
         """Bytes of float32 master weights this rank holds beyond the parameters (0 in fp32)."""
+        if self.pieces is not None:
+            return sum(s.master.numel() * 4 for s in self.shards) if self.low_precision else 0
         return sum(m.numel() * m.element_size() for m in self.master_buffers if m is not None)

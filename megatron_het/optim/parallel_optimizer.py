@@ -21,11 +21,14 @@ Without the distributed optimizer every DP replica owns all of each bucket: it h
 AdamW state and masters of its stage and steps everything after an all-reduce of the gradients.
 With it (ZeRO-1), the buckets are reduce-scattered: DP rank r owns range r of every bucket,
 keeps moments and masters only for the parameter elements in it (~1/dp), steps those, and the
-updated parameters are all-gathered back over the DP group in the training dtype.
+updated parameters are all-gathered back over the DP group in the training dtype. Pipelines of
+different layouts (heterogeneous DP) sum their gradients over parameter units in the full
+shapes instead and, with ZeRO-1, own rows of every parameter
+(:mod:`megatron_het.optim.replica_sync`).
 
 Global gradient norm: each distinct parameter element of the whole model counted once: every TP
 rank's shard of split parameters, TP-replicated parameters (norm weights) only on tp rank 0, DP
-replicas once (DP rank 0 without ZeRO; with ZeRO each DP rank its owned range), and the copy of
+replicas once (pipeline 0 without ZeRO; with ZeRO each DP rank its owned range), and the copy of
 a tied embedding held by the last stage not at all. The squared sums are added over
 ``groups.world``, so every rank clips with the same coefficient.
 """
@@ -43,6 +46,7 @@ from megatron_het.optim.clip_grad import clip_coefficient, scale_, tensors_norm_
 from megatron_het.optim.data_parallel import GradBuckets
 from megatron_het.optim.flat_params import FlatParams
 from megatron_het.optim.loss_scaler import LossScaler
+from megatron_het.optim.replica_sync import ReplicaSync
 from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.tensor_parallel.sharding import shard_spec
 
@@ -92,7 +96,18 @@ class ParallelOptimizer:
         self.distributed = use_distributed_optimizer
         self.named = [(n, p) for n, p in stage.named_parameters() if p.requires_grad]
         self.buckets = GradBuckets(self.named, groups.dp, bucket_size_mb, grad_reduce_dtype)
-        self.flat = FlatParams(self.buckets, use_distributed_optimizer, param_dtype)
+        self.slot_of = {slot.name: slot for slot in self.buckets.slots}
+        # Replicas of different layouts sum over parameter units instead (replica_sync.py),
+        # and with ZeRO-1 own rows of every parameter rather than ranges of buckets.
+        role = groups.role
+        self.replica = (ReplicaSync([n for n, _ in self.named], groups.replica_units,
+                                    stage.config, role.stage_plan, role.tp_rank, role.pipeline,
+                                    groups.plan.dp_size, grad_reduce_dtype)
+                        if groups.replica_units else None)
+        pieces = self._owned_pieces if self.replica is not None and use_distributed_optimizer \
+            else None
+        self.flat = FlatParams(self.buckets, use_distributed_optimizer and pieces is None,
+                               param_dtype, pieces)
         tp_size, tp_rank = groups.tp.size, groups.tp.rank
         self.counted = {n: counts_in_norm(n, stage, tp_size, tp_rank) for n, _ in self.named}
         self.device = self.named[0][1].device if self.named else torch.device("cpu")
@@ -113,6 +128,20 @@ class ParallelOptimizer:
                                         _events_per_backward(stage, self.flat.low_precision))
         self.zero_grad()
 
+    def _owned_pieces(self, slot: Any) -> list[tuple[int, int]]:
+        """The flat range of ``slot``'s parameter this rank owns across replicas (ZeRO-1)."""
+        assert self.replica is not None
+        a, b = self.replica.owned_rows(slot.name)
+        per_row = slot.numel // slot.param.shape[0] if slot.param.ndim else 1
+        return [(a * per_row, b * per_row)] if a < b else []
+
+    def _share_owned(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Complete per-name tensors that hold only this rank's owned pieces (ZeRO-1 across
+        replicas of different layouts; collective over the replica units)."""
+        if self.replica is not None and self.flat.pieces is not None:
+            self.replica.share_owned(values.__getitem__, torch.float32, self.device)
+        return values
+
     # -- iteration ---------------------------------------------------------------------------
     def zero_grad(self, num_micro_batches: Optional[int] = None) -> None:
         """Zero the float32 main gradients (float32 parameters' ``.grad`` become views of them,
@@ -128,16 +157,20 @@ class ParallelOptimizer:
 
     def sync_grads(self) -> None:
         """DP SUM of the accumulated gradients over ``groups.dp`` (one collective per bucket):
-        all-reduce, or reduce-scatter into this rank's owned ranges with ZeRO-1. Call once per
-        iteration after the last backward (and after the tied-embedding sync)."""
-        if self.distributed:
+        all-reduce, or reduce-scatter into this rank's owned ranges with ZeRO-1; pipelines of
+        different layouts sum over ``groups.replica_units`` instead. Call once per iteration
+        after the last backward (and after the tied-embedding sync)."""
+        if self.distributed and self.replica is None:
             self.buckets.reduce_scatter()
         else:
             self.buckets.all_reduce()
+        if self.replica is not None:
+            self.replica.sum_(lambda name: self.buckets.grad_view(self.slot_of[name]),
+                              self.device)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the synced gradients (collective over ``groups.world``)."""
-        counting = self.distributed or self.buckets.dp_rank == 0
+        counting = self.distributed or self.groups.role.pipeline == 0  # one replica counts
         counted = [s.grad for s in self.flat.shards
                    if counting and self.counted[s.slot.name]]
         squared = tensors_norm_squared(counted, self.device)
@@ -175,6 +208,9 @@ class ParallelOptimizer:
         self.steps += 1
         self.flat.copy_masters_to_params()
         self.flat.all_gather_params()
+        if self.replica is not None and self.flat.pieces is not None:
+            self.replica.share_owned(lambda name: self.slot_of[name].param.data,
+                                     self.flat.param_dtype, self.device)
         return norm
 
     def close(self) -> None:
@@ -200,7 +236,7 @@ class ParallelOptimizer:
         """
         state: dict[str, dict[str, Any]] = {name: {"step": self.steps} for name, _ in self.named}
         for key in _STATE_KEYS:
-            values = self.flat.gather(lambda shard: self._moment(shard, key))
+            values = self._share_owned(self.flat.gather(lambda shard: self._moment(shard, key)))
             for name, value in values.items():
                 state[name][key] = value
         return state
@@ -216,7 +252,7 @@ class ParallelOptimizer:
         Collective over ``groups.dp`` with ZeRO-1."""
         if not self.flat.low_precision:
             return None
-        return self.flat.gather(lambda shard: shard.master.detach())
+        return self._share_owned(self.flat.gather(lambda shard: shard.master.detach()))
 
     def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Set parameters and masters from full-precision ``weights`` by global name (every

@@ -9,7 +9,8 @@ keeps the number of backend groups down.
 Groups of one rank (its fields in :class:`ProcessGroups`):
 
     world           every rank
-    tp              the ranks of its stage (its pipeline's stage), in tp_rank order
+    tp              the ranks of its stage (its device group, which runs all its interleaved
+                    stages), in tp_rank order
     dp              the ranks with the same stage index and tp_rank in every pipeline (size 1
                     when dp == 1): gradients of identical parameter shards are summed over it
     pipeline        every rank of its pipeline: stage-boundary transfers go over it
@@ -17,6 +18,12 @@ Groups of one rank (its fields in :class:`ProcessGroups`):
                     end stage): the first- and last-stage ranks of its pipeline that hold
                     copies of the same embedding rows, whose gradients are summed over it
     stage_cross_dp  every rank holding its stage in any pipeline
+    replica_units   heterogeneous data parallelism only (pipelines of different layouts): the
+                    parameter units this rank holds, each with the group of every rank that
+                    holds part of it in any pipeline
+                    (:func:`~megatron_het.parallel.replicas.replica_units`); gradients are
+                    summed over those groups in the full parameter shapes. ``dp`` and
+                    ``stage_cross_dp`` are then this rank alone.
 
 Embedding groups: when the first and last stages have the same TP degree, rank t of the first
 stage pairs with rank t of the last stage (they hold the same vocabulary rows). When the degrees
@@ -25,13 +32,29 @@ sum runs over full-vocabulary buffers (see ``megatron_het.pipeline.p2p.sync_tied
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_het.comm.communicator import UnifiedCommunicator
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, RankRole
+from megatron_het.parallel.replicas import ReplicaUnit, replica_units, uniform_layouts
+
+
+@dataclass(frozen=True)
+class LocalGroup:
+    """A group of this rank alone (no communication): the DP group of a heterogeneous plan,
+    whose replicas sum their gradients over :attr:`ProcessGroups.replica_units` instead."""
+
+    me: int
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return (self.me,)
+
+    size = 1
+    rank = 0
 
 
 @dataclass
@@ -52,6 +75,12 @@ class ProcessGroups:
     embedding: Optional[UnifiedGroup]
     stage_cross_dp: UnifiedGroup
     embedding_pairs: bool = True
+    replica_units: list[tuple[ReplicaUnit, UnifiedGroup]] = field(default_factory=list)
+
+    @property
+    def uniform_dp(self) -> bool:
+        """True unless the pipelines' layouts differ (heterogeneous data parallelism)."""
+        return not isinstance(self.dp, LocalGroup)
 
     @property
     def rank(self) -> int:
@@ -88,7 +117,7 @@ def embedding_members(plan: ParallelPlan, pipeline: int) -> tuple[list[tuple[int
     tp_rank; otherwise one group of every rank of both end stages.
     """
     stages = plan.pipelines[pipeline].stages
-    if len(stages) == 1:
+    if plan.pipelines[pipeline].pp_size == 1:
         return [], True
     first, last = stages[0], stages[-1]
     if first.tp == last.tp:
@@ -97,13 +126,16 @@ def embedding_members(plan: ParallelPlan, pipeline: int) -> tuple[list[tuple[int
 
 
 def build_process_groups(comm: UnifiedCommunicator, plan: ParallelPlan,
-                         tie_embeddings: Optional[bool] = None) -> ProcessGroups:
+                         tie_embeddings: Optional[bool] = None,
+                         num_layers: Optional[int] = None) -> ProcessGroups:
     """Create every group of ``plan`` on every rank and return this rank's.
 
     Collective over all ranks of ``comm`` (call it on every rank, with the same plan). The plan
     must place exactly ``comm.world_size`` ranks. ``tie_embeddings`` False skips the embedding
     groups; None (the contract's default) builds them whenever pp > 1, and they are only used
-    when the model ties its embeddings. Raises UserError for a plan this world cannot run.
+    when the model ties its embeddings. Pipelines of different layouts get ``replica_units``
+    instead of rank-by-rank DP groups (``num_layers``: the model's, default the plan's last
+    layer). Raises UserError for a plan this world cannot run.
     """
     if plan.world_size != comm.world_size or plan.ranks() != tuple(range(comm.world_size)):
         raise UserError(f"the plan places ranks {list(plan.ranks())} but {comm.world_size} "
@@ -125,17 +157,27 @@ def build_process_groups(comm: UnifiedCommunicator, plan: ParallelPlan,
             g = group(stage.ranks, f"tp-p{p}s{s}")
             if me in stage.ranks:
                 mine["tp"] = g
-    num_stages = plan.pipelines[0].pp_size
-    for s in range(num_stages):
-        for t in range(plan.pipelines[0].stages[s].tp):
-            members = dp_members(plan, s, t)
-            g = group(members, f"dp-s{s}t{t}")
+    units: list[tuple[ReplicaUnit, UnifiedGroup]] = []
+    if uniform_layouts(plan):
+        # Stage s < pp_size is the first chunk of device group s: one group per device group.
+        for s in range(plan.pipelines[0].pp_size):
+            for t in range(plan.pipelines[0].stages[s].tp):
+                members = dp_members(plan, s, t)
+                g = group(members, f"dp-s{s}t{t}")
+                if me in members:
+                    mine["dp"] = g
+            members = stage_members(plan, s)
+            g = group(members, f"stage-s{s}")
             if me in members:
-                mine["dp"] = g
-        members = stage_members(plan, s)
-        g = group(members, f"stage-s{s}")
-        if me in members:
-            mine["stage_cross_dp"] = g
+                mine["stage_cross_dp"] = g
+    else:
+        mine["dp"] = mine["stage_cross_dp"] = LocalGroup(me)  # type: ignore[assignment]
+        layers = num_layers or plan.pipelines[0].stages[-1].layers[1]
+        for u, (unit, members) in enumerate(replica_units(plan, layers,
+                                                          tie_embeddings is not False)):
+            g = group(members, f"replica-u{u}")
+            if me in members:
+                units.append((unit, g))
     for p, pipeline in enumerate(plan.pipelines):
         g = group(pipeline.ranks, f"pipeline-p{p}")
         if me in pipeline.ranks:
@@ -151,4 +193,4 @@ def build_process_groups(comm: UnifiedCommunicator, plan: ParallelPlan,
     return ProcessGroups(comm=comm, plan=plan, role=role, world=comm.world, tp=mine["tp"],
                          dp=mine["dp"], pipeline=mine["pipeline"],
                          embedding=mine.get("embedding"), stage_cross_dp=mine["stage_cross_dp"],
-                         embedding_pairs=pairs)
+                         embedding_pairs=pairs, replica_units=units)

@@ -6,6 +6,14 @@ a half-open range ``[start, end)`` of global decoder-layer indices. The embeddin
 first stage of every pipeline and the output head on the last. The ranks of a stage are its
 tensor-parallel (TP) group, listed in tp_rank order, so ``ranks[t]`` has tp_rank ``t``.
 
+Interleaving (virtual pipeline stages, as Megatron-LM's): the same ``ranks`` may appear on several
+stages of a pipeline. Those stages are model chunks of one DEVICE GROUP, which runs them with the
+interleaved 1F1B schedule. Device groups are numbered in order of first appearance (the pipeline
+rank, 0 .. pp_size-1) and host the chunks round-robin: stage ``i`` runs on group ``i % pp_size``,
+and every group holds ``num_chunks`` stages. Layer counts may differ per chunk, kind and TP per
+group. A pipeline whose stages all have distinct ranks is the plain (non-interleaved) case,
+``num_chunks == 1``.
+
 JSON form ("megatron_het.plan/1")::
 
     {"format": "megatron_het.plan/1", "micro_batch_size": 2,
@@ -14,8 +22,9 @@ JSON form ("megatron_het.plan/1")::
          {"accelerator": "emu-slow", "tp": 1, "layers": [1, 3], "ranks": [2]},
          {"accelerator": "emu-slow", "tp": 1, "layers": [3, 4], "ranks": [3]}]}]}
 
-Optional keys: ``description``, ``dtype`` (fp32 | bf16 | fp16) and ``use_distributed_optimizer``
-on the plan (absent: the command line decides), ``recompute`` on a stage. Unknown keys are refused.
+Optional keys: ``description``, ``dtype`` (fp32 | bf16 | fp16), ``use_distributed_optimizer``
+and ``sequence_parallel`` on the plan (absent: the command line decides), ``recompute`` on a
+stage. Unknown keys are refused.
 
 Loading checks types only; :func:`megatron_het.parallel.plan_validation.validate` checks that the
 plan is consistent and fits a model and a cluster. The queries below assume a validated plan.
@@ -34,7 +43,7 @@ from megatron_het.fileio import read_json_file
 PLAN_FORMAT = "megatron_het.plan/1"
 PLAN_DTYPES = ("fp32", "bf16", "fp16")
 _PLAN_KEYS = ("format", "micro_batch_size", "pipelines", "description", "dtype",
-              "use_distributed_optimizer")
+              "use_distributed_optimizer", "sequence_parallel")
 _PIPELINE_KEYS = ("micro_batches", "stages")
 _STAGE_KEYS = ("accelerator", "tp", "layers", "ranks", "recompute")
 
@@ -87,40 +96,80 @@ class PipelinePlan:
         object.__setattr__(self, "stages", stages)
 
     @property
+    def device_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The distinct stage rank lists, in order of first appearance (pipeline rank order)."""
+        return tuple(dict.fromkeys(stage.ranks for stage in self.stages))
+
+    @property
     def pp_size(self) -> int:
+        """The number of device groups (Megatron's pipeline-parallel size)."""
+        return len(self.device_groups)
+
+    @property
+    def num_stages(self) -> int:
+        """The number of model chunks (``pp_size * num_chunks`` in a valid plan)."""
         return len(self.stages)
 
     @property
+    def num_chunks(self) -> int:
+        """Model chunks per device group (1: not interleaved)."""
+        return len(self.stages) // max(1, self.pp_size)
+
+    @property
+    def interleaved(self) -> bool:
+        return len(self.stages) > self.pp_size
+
+    def group_stages(self, group: int) -> tuple[int, ...]:
+        """The stage indices device group ``group`` runs, in pipeline order."""
+        ranks = self.device_groups[group]
+        return tuple(s for s, stage in enumerate(self.stages) if stage.ranks == ranks)
+
+    @property
     def ranks(self) -> tuple[int, ...]:
-        """Every rank of this pipeline, stage by stage, each stage in tp_rank order."""
-        return tuple(rank for stage in self.stages for rank in stage.ranks)
+        """Every rank of this pipeline, device group by group, each in tp_rank order."""
+        return tuple(rank for group in self.device_groups for rank in group)
 
 
 @dataclass(frozen=True)
 class RankRole:
-    """What one rank does: its pipeline (DP replica), stage, tp_rank and the stage's plan."""
+    """What one rank does: its pipeline (DP replica), stage, tp_rank and the stage's plan.
+
+    ``stage`` is the rank's device group (its pipeline rank), which is also the index of the
+    first stage it runs; ``chunks`` lists every stage index it runs (one unless interleaved),
+    ``chunk_plans`` their plans. ``stage_plan`` is the first one's (kind, tp and ranks are the
+    same for all of them).
+    """
 
     pipeline: int
     stage: int
     tp_rank: int
     stage_plan: StagePlan
+    chunks: tuple[int, ...] = ()
+    chunk_plans: tuple[StagePlan, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.chunks:
+            object.__setattr__(self, "chunks", (self.stage,))
+            object.__setattr__(self, "chunk_plans", (self.stage_plan,))
 
     @property
     def is_first_stage(self) -> bool:
-        return self.stage_plan.has_embedding
+        """Runs the pipeline's first stage (holds the embedding)."""
+        return self.chunk_plans[0].has_embedding
 
     @property
     def is_last_stage(self) -> bool:
-        return self.stage_plan.has_head
+        """Runs the pipeline's last stage (holds the head)."""
+        return self.chunk_plans[-1].has_head
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
     """The whole plan: micro-batch size and the pipelines (DP replicas).
 
-    ``dtype`` and ``use_distributed_optimizer`` are None when the plan leaves them to the
-    command line. The global batch is ``micro_batch_size`` times the sum of the pipelines'
-    micro-batch counts.
+    ``dtype``, ``use_distributed_optimizer`` and ``sequence_parallel`` are None when the plan
+    leaves them to the command line (a run resolves ``sequence_parallel`` into its plan). The
+    global batch is ``micro_batch_size`` times the sum of the pipelines' micro-batch counts.
     """
 
     micro_batch_size: int
@@ -128,6 +177,7 @@ class ParallelPlan:
     dtype: Optional[str] = None
     use_distributed_optimizer: Optional[bool] = None
     description: str = ""
+    sequence_parallel: Optional[bool] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
@@ -158,18 +208,23 @@ class ParallelPlan:
     def rank_role(self, rank: int) -> RankRole:
         """The pipeline, stage and tp_rank of ``rank``; UserError if the plan does not place it."""
         for p, pipeline in enumerate(self.pipelines):
-            for s, stage in enumerate(pipeline.stages):
-                if rank in stage.ranks:
-                    return RankRole(p, s, stage.ranks.index(rank), stage)
+            for g, ranks in enumerate(pipeline.device_groups):
+                if rank in ranks:
+                    chunks = pipeline.group_stages(g)
+                    plans = tuple(pipeline.stages[s] for s in chunks)
+                    return RankRole(p, chunks[0], ranks.index(rank), plans[0], chunks, plans)
         raise UserError(f"rank {rank} is on no stage of the plan; add it to a stage's ranks or "
                         f"launch {self.world_size} ranks")
 
     def describe(self) -> str:
         """A few human-readable lines: one per stage, with its ranks and layers."""
         lines = [f"plan: dp={self.dp_size} micro_batch_size={self.micro_batch_size} "
-                 f"global_batch_size={self.global_batch_size}"]
+                 f"global_batch_size={self.global_batch_size}"
+                 + (" sequence_parallel" if self.sequence_parallel else "")]
         for p, pipeline in enumerate(self.pipelines):
-            lines.append(f"  pipeline {p}: {pipeline.micro_batches} micro-batches")
+            interleave = (f", {pipeline.num_chunks} interleaved chunks on each of "
+                          f"{pipeline.pp_size} device groups" if pipeline.interleaved else "")
+            lines.append(f"  pipeline {p}: {pipeline.micro_batches} micro-batches{interleave}")
             for s, st in enumerate(pipeline.stages):
                 extras = "".join([" +embedding" if st.has_embedding else "",
                                   " +head" if st.has_head else "",
@@ -189,6 +244,8 @@ class ParallelPlan:
             out["dtype"] = self.dtype
         if self.use_distributed_optimizer is not None:
             out["use_distributed_optimizer"] = self.use_distributed_optimizer
+        if self.sequence_parallel is not None:
+            out["sequence_parallel"] = self.sequence_parallel
         out["pipelines"] = [{"micro_batches": p.micro_batches,
                              "stages": [_stage_to_dict(s) for s in p.stages]}
                             for p in self.pipelines]
@@ -301,6 +358,7 @@ def _parse_plan(d: Any) -> ParallelPlan:
     if dtype is not None and dtype not in PLAN_DTYPES:
         raise UserError(f"plan: dtype must be one of {', '.join(PLAN_DTYPES)}, got {dtype!r}")
     distributed = d.get("use_distributed_optimizer")
+    sequence = d.get("sequence_parallel")
     description = d.get("description", "")
     if not isinstance(description, str):
         raise UserError(f"plan: description must be a string, got {description!r}")
@@ -310,4 +368,6 @@ def _parse_plan(d: Any) -> ParallelPlan:
         dtype=dtype,
         use_distributed_optimizer=(None if distributed is None
                                    else _bool("plan", "use_distributed_optimizer", distributed)),
-        description=description)
+        description=description,
+        sequence_parallel=None if sequence is None else _bool("plan", "sequence_parallel",
+                                                              sequence))

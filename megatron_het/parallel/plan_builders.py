@@ -9,11 +9,13 @@ on 2-3) and stage 1 holds ranks 4-7.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Union
 
 from megatron_het.cluster import AcceleratorSpec, ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
+from megatron_het.parallel.megatron_layout import layout_layer_counts
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.parallel.plan_validation import validate
 
@@ -76,8 +78,15 @@ def plan_from_megatron_flags(model: ModelConfig, world_size: int, tp: int, pp: i
                              decoder_first_pipeline_num_layers: Optional[int] = None,
                              decoder_last_pipeline_num_layers: Optional[int] = None,
                              accelerator_of: AcceleratorOf = "cpu",
-                             recompute: bool = False) -> ParallelPlan:
+                             recompute: bool = False,
+                             virtual_stages: Optional[int] = None,
+                             layout: Optional[str] = None) -> ParallelPlan:
     """The plan Megatron-LM's flags describe: dp = world / (tp * pp) identical pipelines.
+
+    ``virtual_stages`` (Megatron's virtual pipeline size, > 1) interleaves: the layers split
+    evenly into ``pp * virtual_stages`` model chunks, chunk i on pipeline rank i mod pp.
+    ``layout`` (Megatron's ``--pipeline-model-parallel-layout``,
+    :mod:`megatron_het.parallel.megatron_layout`) gives every chunk's layer count instead.
 
     ``accelerator_of`` names each rank's kind: a ClusterSpec, a callable rank -> name (or
     AcceleratorSpec), or one name for all ranks. Every stage must hold one kind; a mixed
@@ -100,13 +109,14 @@ def plan_from_megatron_flags(model: ModelConfig, world_size: int, tp: int, pp: i
         raise UserError(f"--global-batch-size {global_batch_size} is not divisible by "
                         f"--micro-batch-size {micro_batch_size} x data-parallel size {dp} = "
                         f"{micro_batch_size * dp}; use a multiple of {micro_batch_size * dp}")
-    layer_ranges = megatron_layer_split(model.num_layers, pp, decoder_first_pipeline_num_layers,
-                                        decoder_last_pipeline_num_layers)
+    layer_ranges = _chunk_layers(model, pp, decoder_first_pipeline_num_layers,
+                                 decoder_last_pipeline_num_layers, virtual_stages, layout)
     name_of = _accelerator_lookup(accelerator_of)
     pipelines = []
     for d in range(dp):
         stages = []
-        for p, layers in enumerate(layer_ranges):
+        for chunk, layers in enumerate(layer_ranges):
+            p = chunk % pp
             ranks = tuple(megatron_rank(t, d, p, tp, dp) for t in range(tp))
             kinds = sorted({name_of(r) for r in ranks})
             if len(kinds) > 1:
@@ -120,3 +130,71 @@ def plan_from_megatron_flags(model: ModelConfig, world_size: int, tp: int, pp: i
     plan = ParallelPlan(micro_batch_size=micro_batch_size, pipelines=tuple(pipelines))
     validate(plan, model, cluster, global_batch_size)
     return plan
+
+
+def _chunk_layers(model: ModelConfig, pp: int, first: Optional[int], last: Optional[int],
+                  virtual_stages: Optional[int], layout: Optional[str]) -> list[tuple[int, int]]:
+    """Layer ranges of every stage (chunk i runs on pipeline rank i mod pp) from Megatron's
+    layout string, its virtual pipeline size, or its first/last-stage layer counts."""
+    if layout is not None:
+        counts = layout_layer_counts(layout, model.num_layers, pp)
+        if virtual_stages is not None and virtual_stages != len(counts) // pp:
+            raise UserError(f"--pipeline-model-parallel-layout has {len(counts) // pp} chunks "
+                            f"per pipeline rank but the virtual pipeline size is "
+                            f"{virtual_stages}; drop one of them")
+        starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        return list(zip(starts, starts[1:]))
+    v = virtual_stages or 1
+    if v > 1:
+        if pp == 1 or first is not None or last is not None:
+            raise UserError("interleaving (--virtual-pipeline-model-parallel-size / "
+                            "--num-layers-per-virtual-pipeline-stage) needs "
+                            "--pipeline-model-parallel-size > 1 and even chunks; for uneven "
+                            "chunks give --pipeline-model-parallel-layout or write a plan file")
+        if model.num_layers % (pp * v):
+            raise UserError(f"--num-layers {model.num_layers} does not split into {pp} x {v} "
+                            f"interleaved chunks of equal size; use a virtual size whose "
+                            f"product with pp divides {model.num_layers}")
+    return megatron_layer_split(model.num_layers, pp * v, first, last)
+
+
+def interleave_plan(plan: ParallelPlan, num_chunks: int) -> ParallelPlan:
+    """``plan`` with every pipeline's device groups running ``num_chunks`` interleaved chunks.
+
+    Each device group keeps its ranks, kind, TP degree and layer count ``L_g``; the model's
+    layers are dealt out in ``num_chunks`` rounds over the groups in pipeline order, group g
+    taking ``L_g / num_chunks`` consecutive layers per round (the earlier rounds one more while
+    ``L_g`` does not divide evenly), so chunk i runs on group i mod pp, as interleaved 1F1B
+    needs. ``num_chunks`` 1 returns ``plan``. UserError when a pipeline is already
+    interleaved, a group has fewer layers than ``num_chunks``, or its micro-batch count is not
+    a multiple of its group count.
+    """
+    if num_chunks < 1:
+        raise UserError(f"the number of interleaved chunks must be at least 1, got {num_chunks}")
+    if num_chunks == 1:
+        return plan
+    pipelines = []
+    for p, pipeline in enumerate(plan.pipelines):
+        if pipeline.interleaved:
+            raise UserError(f"pipeline {p} is interleaved already; interleave a plain plan")
+        pp = pipeline.pp_size
+        if pp < 2:
+            raise UserError(f"pipeline {p} has one stage; interleaving needs at least 2")
+        short = [s for s, st in enumerate(pipeline.stages) if st.num_layers < num_chunks]
+        if short:
+            st = pipeline.stages[short[0]]
+            raise UserError(f"stage {short[0]} of pipeline {p} has {st.num_layers} layers, "
+                            f"fewer than {num_chunks} interleaved chunks; use at most "
+                            f"{st.num_layers} chunks")
+        if pipeline.micro_batches % pp:
+            raise UserError(f"pipeline {p} has {pipeline.micro_batches} micro-batches, not a "
+                            f"multiple of its {pp} device groups, which interleaving needs")
+        stages, start = [], 0
+        for c in range(num_chunks):
+            for st in pipeline.stages:
+                size = st.num_layers // num_chunks + (c < st.num_layers % num_chunks)
+                stages.append(StagePlan(st.accelerator, st.tp, (start, start + size), st.ranks,
+                                        recompute=st.recompute))
+                start += size
+        pipelines.append(PipelinePlan(pipeline.micro_batches, tuple(stages)))
+    return dataclasses.replace(plan, pipelines=tuple(pipelines))

@@ -15,27 +15,44 @@ from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 
 
 def validate(plan: ParallelPlan, model: ModelConfig, cluster: Optional[ClusterSpec] = None,
-             global_batch_size: Optional[int] = None) -> None:
+             global_batch_size: Optional[int] = None,
+             seq_length: Optional[int] = None) -> None:
     """Raise UserError for the first thing wrong with ``plan``; return None if it is sound.
 
     Checks: positive sizes; each pipeline covers layers ``0..model.num_layers-1`` exactly once in
     stage order; every stage lists ``tp`` ranks; ``tp`` divides the attention heads, the query
-    groups and the FFN size; every pipeline has the same layers and tp per stage (differing
-    layouts are not supported yet); ranks are used once and are exactly ``0..world-1`` (world
-    from ``cluster`` if given, else the number of ranks placed); each stage's accelerator is that
-    of its ranks in ``cluster``; the batch adds up to ``global_batch_size`` if given.
+    groups and the FFN size (pipelines may split the model differently: heterogeneous data
+    parallelism); ranks are used once and are exactly ``0..world-1`` (world from ``cluster`` if
+    given, else the number of ranks placed); each stage's accelerator is that of its ranks in
+    ``cluster``; the batch adds up to ``global_batch_size`` if given.
+    Interleaved pipelines (stages sharing ranks): at least two device groups, each holding the
+    same number of stages, round-robin (stage i on group i mod pp), one accelerator per group,
+    and micro_batches a multiple of the number of groups. Sequence parallelism: ``seq_length``
+    (when given) divisible by every stage's tp.
     """
     _check_sizes(plan)
     for p, pipeline in enumerate(plan.pipelines):
         _check_layers(p, pipeline, model.num_layers)
         for s, stage in enumerate(pipeline.stages):
             _check_stage_tp(_where(p, s), stage, model)
-    _check_same_layout(plan)
+        _check_interleaving(p, pipeline)
     _check_ranks(plan, cluster)
     if cluster is not None:
         _check_accelerators(plan, cluster)
     if global_batch_size is not None:
         _check_batch(plan, global_batch_size)
+    if plan.sequence_parallel and seq_length is not None:
+        _check_sequence(plan, seq_length)
+
+
+def _check_sequence(plan: ParallelPlan, seq_length: int) -> None:
+    for p, pipeline in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipeline.stages):
+            if seq_length % stage.tp:
+                raise UserError(f"{_where(p, s)} has tp={stage.tp}, which does not divide "
+                                f"--seq-length {seq_length}; sequence parallelism splits the "
+                                f"sequence over the TP ranks: use a multiple of {stage.tp} or "
+                                f"drop sequence parallelism")
 
 
 def valid_tp_sizes(model: ModelConfig) -> list[int]:
@@ -124,30 +141,64 @@ def _check_stage_tp(where: str, stage: StagePlan, model: ModelConfig) -> None:
                         f"{' or '.join(bad)}; use tp in {{{valid}}}")
 
 
-def _layout(pipeline: PipelinePlan) -> str:
-    return " | ".join(f"[{s.layers[0]}, {s.layers[1]}) tp={s.tp}" for s in pipeline.stages)
-
-
-def _check_same_layout(plan: ParallelPlan) -> None:
-    first = _layout(plan.pipelines[0])
-    for p, pipeline in enumerate(plan.pipelines[1:], start=1):
-        if _layout(pipeline) != first:
-            raise UserError(f"pipeline {p} splits the model as {_layout(pipeline)} but pipeline 0 "
-                            f"as {first}; give every pipeline the same layer ranges and tp per "
-                            f"stage (pipelines with different layouts are not supported yet)")
+def _check_interleaving(p: int, pipeline: PipelinePlan) -> None:
+    """Stages that share ranks are virtual stages of one device group: round-robin, even."""
+    if not pipeline.interleaved:
+        return
+    groups, n = pipeline.device_groups, pipeline.num_stages
+    pp = len(groups)
+    holder: dict[int, int] = {}
+    for s, stage in enumerate(pipeline.stages):
+        for rank in stage.ranks:
+            other = pipeline.stages[holder.setdefault(rank, s)]
+            if other.ranks != stage.ranks:
+                raise UserError(f"rank {rank} is on {_where(p, holder[rank])} (ranks "
+                                f"{list(other.ranks)}) and on {_where(p, s)} (ranks "
+                                f"{list(stage.ranks)}); the stages of one device group list the "
+                                f"same ranks")
+    if pp == 1:
+        raise UserError(f"pipeline {p} runs all {n} stages on ranks {list(groups[0])}; "
+                        f"interleaving needs at least 2 device groups: merge the stages into "
+                        f"one or give them different ranks")
+    if n % pp:
+        counts = ", ".join(f"ranks {list(g)}: {len(pipeline.group_stages(i))}"
+                           for i, g in enumerate(groups))
+        raise UserError(f"pipeline {p} has {n} stages on {pp} device groups ({counts}); "
+                        f"stages that share ranks are interleaved chunks of one group, and "
+                        f"every group must hold the same number: use a multiple of {pp} "
+                        f"stages, or give each stage ranks of its own")
+    for s, stage in enumerate(pipeline.stages):
+        want = groups[s % pp]
+        if stage.ranks != want:
+            raise UserError(f"{_where(p, s)} runs on ranks {list(stage.ranks)} but interleaved "
+                            f"stages go round-robin over the device groups (stage i on group "
+                            f"i mod {pp}): give it ranks {list(want)}")
+        first = pipeline.stages[s % pp]
+        if stage.accelerator.lower() != first.accelerator.lower():
+            raise UserError(f"{_where(p, s)} says {stage.accelerator} but stage {s % pp} on the "
+                            f"same ranks says {first.accelerator}; a device group has one kind")
+    m = pipeline.micro_batches
+    if m % pp:
+        valid = ", ".join(str(pp * k) for k in range(1, 4))
+        raise UserError(f"pipeline {p} interleaves {n // pp} chunks on {pp} device groups, so "
+                        f"its micro_batches must be a multiple of {pp} (got {m}): use one of "
+                        f"{valid}, ...")
 
 
 def _check_ranks(plan: ParallelPlan, cluster: Optional[ClusterSpec]) -> None:
     placed: dict[int, str] = {}
+    group_of: dict[int, tuple[int, tuple[int, ...]]] = {}
     for p, pipeline in enumerate(plan.pipelines):
         for s, stage in enumerate(pipeline.stages):
             for rank in stage.ranks:
                 if rank < 0:
                     raise UserError(f"{_where(p, s)} lists rank {rank}; ranks are numbered from 0")
-                if rank in placed:
+                if rank in placed and group_of[rank] != (p, stage.ranks):
                     raise UserError(f"rank {rank} is on {placed[rank]} and on {_where(p, s)}; "
-                                    f"give every rank exactly one stage")
-                placed[rank] = _where(p, s)
+                                    f"give every rank exactly one stage, or (interleaving) "
+                                    f"list the same ranks on every stage of its device group")
+                placed.setdefault(rank, _where(p, s))
+                group_of[rank] = (p, stage.ranks)
     if cluster is None:
         world = len(placed)
         owner = f"the plan places {_plural(world, 'rank')}, so its ranks"

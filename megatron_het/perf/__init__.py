@@ -1,10 +1,13 @@
 """Performance prediction: per-layer cost model, memory, communication, pipeline simulation.
 
-:func:`predict` estimates a plan's iteration time, throughput and memory per device from
-profiles (:class:`Profile`, measured per accelerator kind) or roofline estimates of the cluster's
-accelerator specs; :func:`fits` checks the memory against the devices. An optional
-:class:`RateModel` models ranks that share their compute (CPU emulation provides one).
+:func:`predict` estimates a plan's iteration time, throughput and memory per device (plain or
+interleaved pipelines) from profiles (:class:`Profile`, measured per accelerator kind) or
+roofline estimates of the cluster's accelerator specs; :func:`fits` checks the memory against
+the devices. Pipelines may differ in layout (heterogeneous data parallelism) and plans may
+use sequence parallelism. An optional :class:`RateModel` models ranks that share their compute (CPU
+emulation provides one).
 """
+from megatron_het.perf.closed_forms import closed_form_interleaved, lower_bound_interleaved
 from megatron_het.perf.fit import MemoryFit, check_fits, fits
 from megatron_het.perf.memory import MemoryBreakdown
 from megatron_het.perf.prediction import PipelinePrediction, Prediction, StagePrediction
@@ -18,5 +21,6 @@ from megatron_het.perf.simulator import (CoreSharing, Region, SimulationCache, S
 __all__ = ["CoreSharing", "MemoryBreakdown", "MemoryFit", "PipelinePrediction", "Prediction",
            "Profile", "ProfileConditions", "RateModel", "Region", "SharedIteration",
            "SimulationCache", "SimulationResult", "StagePrediction", "StageTiming",
-           "check_fits", "closed_form_1f1b", "fits", "load_profiles", "predict", "simulate",
-           "simulate_1f1b", "simulate_pipelines"]
+           "check_fits", "closed_form_1f1b", "closed_form_interleaved", "fits", "load_profiles",
+           "lower_bound_interleaved", "predict", "simulate", "simulate_1f1b",
+           "simulate_pipelines"]

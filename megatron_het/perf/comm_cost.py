@@ -1,4 +1,4 @@
-"""Communication time over the cluster's real links: p2p, TP all-reduce and DP gradient sync.
+"""Communication time over the cluster's real links: p2p, TP collectives and DP gradient sync.
 
 Alpha-beta model: a transfer of ``n`` bytes over a path costs ``latency + n / bandwidth``. A ring
 collective over ``k`` ranks runs at the pace of its slowest neighbour path: all-reduce costs
@@ -185,6 +185,13 @@ class CommCost:
         if len(ranks) <= 1:
             return 0.0
         return all_reduce_time(nbytes, len(ranks), self.ring_path(ranks))
+
+    def tp_gather(self, ranks: Sequence[int], nbytes: float) -> float:
+        """One all-gather or reduce-scatter of a ``nbytes`` buffer over a stage's TP group
+        (sequence parallelism): half the ring all-reduce's time."""
+        if len(ranks) <= 1:
+            return 0.0
+        return gather_time(nbytes, len(ranks), self.ring_path(ranks))
 
     def dp_sync(self, ranks: Sequence[int], grad_bytes: float,
                 param_bytes: Optional[float] = None) -> SyncCost:

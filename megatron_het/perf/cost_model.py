@@ -1,9 +1,14 @@
 """Compute cost of one decoder layer, the embedding and the head: FLOPs, bytes and roofline time.
 
 All figures are per tensor-parallel rank and per micro-batch of ``micro_batch`` sequences of
-``seq`` tokens, with Megatron's TP layout and no sequence parallelism: QKV and the MLP's gate/up
-are column-parallel, the attention projection and MLP down are row-parallel, the norms and
-residual adds are replicated on every TP rank, the embedding and the head are vocab-parallel.
+``seq`` tokens, with Megatron's TP layout: QKV and the MLP's gate/up are column-parallel, the
+attention projection and MLP down are row-parallel, the norms and residual adds are replicated
+on every TP rank, the embedding and the head are vocab-parallel. Sequence parallelism (the
+``sequence_parallel`` arguments, :mod:`megatron_het.tensor_parallel.sequence_parallel`) shards
+the regions between the TP blocks along the sequence: it changes the TP collectives
+(:func:`tp_collectives`) and the activations saved there (:func:`layer_activation_bytes`); the
+compute estimates leave it out (the norms and residual adds it shortens are a few percent of a
+layer).
 
 A GEMM of ``[m, k] x [k, n]`` costs ``2 m n k`` FLOPs and moves ``(m k + k n + m n)`` elements; its
 roofline time is ``max(flops / (peak * gemm), bytes / (bandwidth * memory))`` with the
@@ -161,31 +166,65 @@ CROSS_ENTROPY_COLLECTIVES = 2
 @dataclass(frozen=True)
 class TPCollectives:
     """The TP collectives of one micro-batch on a stage: ``forward`` and ``backward``
-    all-reduces of the ``[micro_batch, seq, hidden]`` activations, and ``cross_entropy`` small
-    ones in the forward (the head's)."""
+    all-reduces of the ``[micro_batch, seq, hidden]`` activations, ``cross_entropy`` small
+    ones in the forward (the head's); with sequence parallelism, instead of the all-reduces,
+    ``forward_gathers`` and ``backward_gathers`` all-gathers or reduce-scatters of those
+    activations (each moves half an all-reduce's bytes) and ``norm_grads`` all-reduces of one
+    norm weight's float32 ``[hidden]`` gradient in the backward."""
 
     forward: int
     backward: int
     cross_entropy: int = 0
+    forward_gathers: int = 0
+    backward_gathers: int = 0
+    norm_grads: int = 0
 
     @property
-    def forward_all(self) -> int:
-        """Every collective of the forward, small ones included."""
-        return self.forward + self.cross_entropy
+    def forward_all(self) -> float:
+        """Every collective of the forward, small ones included, a gather counting half (its
+        bytes are half an all-reduce's)."""
+        if not self.forward_gathers:
+            return self.forward + self.cross_entropy
+        return self.forward + self.forward_gathers / 2 + self.cross_entropy
+
+    @property
+    def backward_all(self) -> float:
+        """Every collective of the backward, as :attr:`forward_all` counts them (the norm
+        weights' small all-reduces included)."""
+        if not (self.backward_gathers or self.norm_grads):
+            return self.backward
+        return self.backward + self.backward_gathers / 2 + self.norm_grads
 
 
 def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,
-                   has_head: bool = False, recompute: bool = False) -> TPCollectives:
-    """The TP collectives per micro-batch of a stage of ``tp`` ranks (none at tp=1): each
-    layer's 2 all-reduces forward (attention and MLP outputs) and 2 backward (their input
-    gradients), 2 more backward under recompute (the recomputed forward), the vocab-parallel
-    embedding's forward one, and the head's input-gradient one and its cross-entropy's 2 small
-    ones in the forward."""
+                   has_head: bool = False, recompute: bool = False,
+                   sequence_parallel: bool = False) -> TPCollectives:
+    """The TP collectives per micro-batch of a stage of ``tp`` ranks (none at tp=1).
+
+    Without sequence parallelism: each layer's 2 all-reduces forward (attention and MLP
+    outputs) and 2 backward (their input gradients), 2 more backward under recompute (the
+    recomputed forward), the vocab-parallel embedding's forward one, and the head's
+    input-gradient one and its cross-entropy's 2 small ones in the forward.
+
+    With it every all-reduce becomes a reduce-scatter and an all-gather of the same bytes in
+    all: per layer, forward, an all-gather before qkv and before gate/up and a reduce-scatter
+    after proj and after down (4), and their mirror images in backward (4, 8 under recompute);
+    the embedding reduce-scatters its output (forward) and all-gathers its gradient
+    (backward); the head all-gathers the final norm's output (forward) and reduce-scatters its
+    gradient (backward). The norm weights see a rank's positions only, so their gradients are
+    all-reduced in backward: 2 per layer and the head's final norm.
+    """
     if tp == 1:
         return TPCollectives(0, 0)
+    cross_entropy = CROSS_ENTROPY_COLLECTIVES if has_head else 0
+    if sequence_parallel:
+        ends = (1 if has_embedding else 0) + (1 if has_head else 0)
+        return TPCollectives(0, 0, cross_entropy, 4 * num_layers + ends,
+                             4 * num_layers * (2 if recompute else 1) + ends,
+                             2 * num_layers + (1 if has_head else 0))
     forward = 2 * num_layers + (1 if has_embedding else 0)
     backward = 2 * num_layers * (2 if recompute else 1) + (1 if has_head else 0)
-    return TPCollectives(forward, backward, CROSS_ENTROPY_COLLECTIVES if has_head else 0)
+    return TPCollectives(forward, backward, cross_entropy)
 
 
 def emulation_factor(spec: AcceleratorSpec) -> float:
@@ -219,38 +258,57 @@ def ops_time(ops: Iterable[Op], spec: AcceleratorSpec, dtype: str,
             sum(op_time(op, spec, dtype, efficiency, backward=True) for op in ops))
 
 
-def layer_activation_bytes(shape: LayerShape, dtype: str) -> float:
+def _between_blocks(shape: LayerShape, sequence_parallel: bool) -> int:
+    """Tokens per rank between the TP blocks: all of them, or ``1/tp`` under sequence
+    parallelism (the plan validation makes tp divide the sequence)."""
+    if sequence_parallel and shape.tp > 1:
+        return shape.micro_batch * (shape.seq // shape.tp)
+    return shape.tokens
+
+
+def layer_activation_bytes(shape: LayerShape, dtype: str,
+                           sequence_parallel: bool = False) -> float:
     """Bytes one layer keeps for its backward per micro-batch on one TP rank (no recompute):
     what :class:`~megatron_het.model.llama.DecoderLayer` saves, tensor for tensor.
 
-    Saved tensors: both norms' inputs (with their float32 ``1/rms``) and outputs (4h,
-    replicated under TP), Q/K/V after RoPE (v copied out of the qkv output so that it does not
-    keep the rest alive), the attention output (also the projection's input), the float32
-    log-sum-exp of the softmax, the gate and up outputs and the SwiGLU output (the down
-    projection's input).
+    Saved tensors: both norms' inputs (the residual stream, with their float32 ``1/rms``) and
+    outputs (the inputs of qkv and gate/up: 4h, replicated under TP), Q/K/V after RoPE (v
+    copied out of the qkv output so that it does not keep the rest alive), the attention
+    output (also the projection's input), the float32 log-sum-exp of the softmax, the gate and
+    up outputs and the SwiGLU output (the down projection's input).
+
+    With ``sequence_parallel`` the norms' inputs and ``1/rms`` are ``1/tp`` of the positions
+    (``[b, s/tp, h]``); the residual adds save nothing; the inputs of qkv and gate/up are the
+    all-gathered ``[b, s, h]`` (the linear keeps them for its weight gradient), so they stay.
     """
     t, h, tp = shape.tokens, shape.hidden, shape.tp
+    local = _between_blocks(shape, sequence_parallel)
     q = shape.heads * shape.head_dim // tp
     kv = shape.kv_groups * shape.head_dim // tp
     f = shape.ffn // tp
-    elements = t * (4 * h + q + 2 * kv + q + 3 * f)
-    floats = t * (shape.heads // tp) + 2 * t  # log-sum-exp per head, 1/rms per norm
+    elements = local * 2 * h + t * (2 * h + q + 2 * kv + q + 3 * f)
+    floats = t * (shape.heads // tp) + 2 * local  # log-sum-exp per head, 1/rms per norm
     return elements * dtype_bytes(dtype) + floats * FP32_BYTES
 
 
-def layer_input_bytes(shape: LayerShape, dtype: str) -> float:
-    """Bytes of one layer's input per micro-batch: all recompute keeps of a layer."""
-    return shape.tokens * shape.hidden * dtype_bytes(dtype)
+def layer_input_bytes(shape: LayerShape, dtype: str, sequence_parallel: bool = False) -> float:
+    """Bytes of one layer's input per micro-batch: all recompute keeps of a layer (``1/tp``
+    of the positions under sequence parallelism)."""
+    return _between_blocks(shape, sequence_parallel) * shape.hidden * dtype_bytes(dtype)
 
 
-def head_activation_bytes(shape: LayerShape, vocab: int, dtype: str) -> float:
+def head_activation_bytes(shape: LayerShape, vocab: int, dtype: str,
+                          sequence_parallel: bool = False) -> float:
     """What the fused head (final norm + output layer + cross-entropy,
     :mod:`megatron_het.model.loss`) keeps per micro-batch until its backward: the final norm's
-    input with its float32 ``1/rms``, and the gradients the fused loss computes in its forward,
-    of the hidden states (``[tokens, hidden]``) and of the output weight (float32,
-    ``[vocab / tp, hidden]``: it is added into the float32 main gradient in backward)."""
+    input with its float32 ``1/rms`` (``1/tp`` of the positions under sequence parallelism),
+    and the gradients the fused loss computes in its forward, of the hidden states
+    (``[tokens, hidden]``, all of them: the loss reads the gathered sequence) and of the output
+    weight (float32, ``[vocab / tp, hidden]``: it is added into the float32 main gradient in
+    backward)."""
     t, h = shape.tokens, shape.hidden
-    return 2 * t * h * dtype_bytes(dtype) + (t + vocab / shape.tp * h) * FP32_BYTES
+    local = _between_blocks(shape, sequence_parallel)
+    return (local + t) * h * dtype_bytes(dtype) + (local + vocab / shape.tp * h) * FP32_BYTES
 
 
 def head_chunk_bytes(shape: LayerShape, vocab: int, device_type: str) -> float:

@@ -1,4 +1,4 @@
-"""Peak memory of one device of a pipeline stage, and whether a prediction fits the cluster.
+"""Peak memory of one device of a pipeline stage (or of an interleaved device group).
 
 Terms, per TP rank of a stage: Megatron's mixed-precision layout, which is what the runtime
 holds (``tests/unit/test_mixed_precision.py`` and ``tests/unit/test_perf_memory.py`` compare
@@ -10,12 +10,24 @@ them with the runtime's tensors byte for byte):
   accumulate into them and the DP reduction reads them);
 - optimizer: Adam's exp_avg and exp_avg_sq in float32, plus a float32 master copy of the
   weights unless they are float32 already; ZeRO-1 (distributed optimizer) divides it by the
-  DP size;
+  DP size, or across pipelines of different layouts keeps it for the rows the rank owns
+  (:class:`~megatron_het.perf.dp_sync.DPSync`);
 - activations: one micro-batch's saved tensors (:func:`~megatron_het.perf.cost_model.
   layer_activation_bytes`, the fused head's gradients) times the micro-batches in flight under
   1F1B, ``min(pp - stage, micro_batches)``; with recompute only each layer's input is kept, and
   one layer's full activations exist again while its backward runs; the transient term is the
   largest such extra (that layer, or the fused head's chunk of logits).
+
+Interleaved pipelines (several model chunks per device group): a device holds the weights,
+gradients and optimizer state of all its chunks, and its activations peak where the group's
+schedule holds the most bytes of (chunk, micro-batch) pairs forwarded and not yet backwarded
+(:func:`group_activations`, with each chunk's bytes per micro-batch: chunks may differ); one
+backward runs at a time, so the transient term is the largest of its chunks'.
+
+Heterogeneous data parallelism (pipelines of different layouts) sums gradients in full-size
+float32 buffers of every parameter unit the rank holds, all allocated at once after its last
+backward, when the activations are gone (``replica_sync_bytes``): the peak is the larger of the
+pipeline's activations and those buffers, on top of the weights, gradients and optimizer state.
 
 Not counted: the CUDA/ROCm context, allocator fragmentation, communication buffers, the
 buckets' padding to a multiple of the DP size (under ``dp`` elements per bucket) and the cached
@@ -25,11 +37,13 @@ RoPE tables (``seq x head_dim`` elements per stage); :func:`~megatron_het.perf.f
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import StagePlan
 from megatron_het.perf.cost_model import FP32_BYTES, dtype_bytes
+from megatron_het.pipeline.schedules import Step, peak_activation
 
 GIB = 1024 ** 3
 # Kept free of the predicted peak: runtime context (~0.5-1 GiB on GPUs), fragmentation and
@@ -40,18 +54,24 @@ ADAM_STATES = 2
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes on one device of a stage; ``total_bytes`` is the predicted peak."""
+    """Bytes on one device of a stage; ``total_bytes`` is the predicted peak: the weights,
+    gradients and optimizer state, plus the larger of the pipeline's activations (with the
+    transient extra) and the replica sync's buffers (after the last backward)."""
 
     weights_bytes: float
     grads_bytes: float
     optimizer_bytes: float
     activation_bytes: float
     transient_bytes: float = 0.0
+    replica_sync_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
+        if self.replica_sync_bytes <= self.activation_bytes + self.transient_bytes:
+            return (self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+                    + self.activation_bytes + self.transient_bytes)
         return (self.weights_bytes + self.grads_bytes + self.optimizer_bytes
-                + self.activation_bytes + self.transient_bytes)
+                + self.replica_sync_bytes)
 
     def to_dict(self) -> dict[str, float]:
         d = asdict(self)
@@ -86,17 +106,43 @@ def in_flight_micro_batches(pp_size: int, stage: int, micro_batches: int) -> int
     return min(pp_size - stage, micro_batches)
 
 
-def stage_memory(params: int, dtype: str, zero1_dp: int, activation_per_micro_batch: float,
-                 in_flight: int, transient_bytes: float = 0.0) -> MemoryBreakdown:
-    """The breakdown for a rank holding ``params`` parameters; ``zero1_dp`` is the DP size the
-    optimizer state is sharded over (1 without ZeRO-1)."""
+def group_activations(steps: Sequence[Step], activation_of_stage: Callable[[int], float],
+                      group: int = 0) -> tuple[float, int]:
+    """(peak bytes, peak pairs) of the activations device group ``group``'s step list holds:
+    the most bytes at once of the (stage, micro-batch) pairs it has forwarded and not yet
+    backwarded, ``activation_of_stage(s)`` bytes per micro-batch of stage ``s``, and the most
+    such pairs (:func:`~megatron_het.pipeline.schedules.check_schedule`'s
+    ``peak_in_flight``)."""
+    return (peak_activation(steps, activation_of_stage, group),
+            round(peak_activation(steps, lambda _: 1.0, group)))
+
+
+def device_memory(params: int, dtype: str, zero1_dp: int, activation_bytes: float,
+                  transient_bytes: float = 0.0, optimizer_params: Optional[float] = None,
+                  replica_sync_bytes: float = 0.0) -> MemoryBreakdown:
+    """The breakdown for a rank holding ``params`` parameters (all its chunks) and, at its
+    peak, ``activation_bytes`` of saved activations; ``zero1_dp`` is the DP size the
+    optimizer state is sharded over (1 without ZeRO-1). ``optimizer_params`` given: the
+    parameters whose optimizer state the rank keeps instead (ZeRO-1 across pipelines of
+    different layouts); ``replica_sync_bytes``: that sync's buffers."""
     master = 0 if dtype == "fp32" else FP32_BYTES
+    per_param = ADAM_STATES * FP32_BYTES + master
+    optimizer = (params * per_param / max(1, zero1_dp) if optimizer_params is None
+                 else optimizer_params * per_param)
     return MemoryBreakdown(
         weights_bytes=float(params * dtype_bytes(dtype)),
         grads_bytes=float(params * FP32_BYTES),
-        optimizer_bytes=params * (ADAM_STATES * FP32_BYTES + master) / max(1, zero1_dp),
-        activation_bytes=activation_per_micro_batch * in_flight,
-        transient_bytes=transient_bytes)
+        optimizer_bytes=optimizer,
+        activation_bytes=activation_bytes,
+        transient_bytes=transient_bytes,
+        replica_sync_bytes=replica_sync_bytes)
+
+
+def stage_memory(params: int, dtype: str, zero1_dp: int, activation_per_micro_batch: float,
+                 in_flight: int, transient_bytes: float = 0.0) -> MemoryBreakdown:
+    """:func:`device_memory` of a rank holding ``in_flight`` micro-batches of one stage."""
+    return device_memory(params, dtype, zero1_dp, activation_per_micro_batch * in_flight,
+                         transient_bytes)
 
 
 def device_capacity_bytes(spec: AcceleratorSpec) -> float:

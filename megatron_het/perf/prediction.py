@@ -14,7 +14,12 @@ class StagePrediction:
 
     ``forward_s`` / ``backward_s`` include TP communication (``tp_comm_s`` is its forward +
     backward share) and recompute; ``p2p_*_s`` is the boundary to the next stage (0 on the
-    last); ``dp_sync_s`` and ``optimizer_s`` are per iteration; ``memory`` is one device's.
+    last); ``parameters`` are the stage's on one TP rank. The rest is its device's: ``dp_sync_s``
+    and ``optimizer_s`` per iteration, ``memory`` the peak of one device, ``in_flight`` the
+    most (stage, micro-batch) pairs whose activations it holds at once. In an interleaved
+    pipeline a device runs several stages (chunks of its device group), and every row of the
+    group carries the same device figures, over all its chunks. Pipelines of different layouts
+    (heterogeneous data parallelism) each have rows of their own.
     """
 
     pipeline: int
@@ -50,7 +55,9 @@ class StagePrediction:
 
 @dataclass(frozen=True)
 class PipelinePrediction:
-    """One DP replica: its 1F1B time (simulated or closed form) and the analytic checks."""
+    """One DP replica: its 1F1B time (simulated or closed form, interleaved where the plan
+    interleaves) and the analytic checks; ``bubble_fraction`` is the busiest device group's
+    idle share of ``time_s``."""
 
     pipeline: int
     micro_batches: int
@@ -111,7 +118,8 @@ class Prediction:
         return d
 
     def table(self) -> str:
-        """The per-stage table as text, one row per stage of every pipeline."""
+        """The per-stage table as text, one row per stage of every pipeline (the memory of an
+        interleaved device group on each of its chunks' rows)."""
         rows = [("pipe", "stage", "accelerator", "tp", "layers", "fwd ms", "bwd ms", "tp ms",
                  "p2p ms", "dp ms", "opt ms", "mem GiB", "cap GiB")]
         for s in self.stages:

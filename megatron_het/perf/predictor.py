@@ -1,20 +1,35 @@
 """Predict iteration time, throughput and memory of a parallel plan on a cluster.
 
 One iteration = the slowest pipeline's 1F1B makespan (every DP replica syncs at the end of the
-iteration, so all wait for the slowest), then the DP gradient sync (all stages at once; the
-slowest stage's sync counts), then the optimizer step (the slowest device's). Per stage and
+iteration, so all wait for the slowest), then the DP gradient sync (all device groups at once;
+the slowest one's sync counts), then the optimizer step (the slowest device's). Per stage and
 micro-batch: compute from a profile or roofline (:mod:`megatron_het.perf.stage_cost`) plus TP
 communication (2 all-reduces of the ``[micro_batch, seq, hidden]`` activations per layer forward
 and 2 backward within the stage's TP group, 2 more per layer in backward under recompute, one
 for the vocab-parallel embedding forward and one for the head's input gradient; counted by
-:func:`~megatron_het.perf.cost_model.tp_collectives`). Between stages,
-without sequence parallelism every TP rank holds the whole activation: with equal TP degrees each
-rank sends it to its peer (concurrent streams share a NIC); with different degrees one rank
-sends and the receiving stage broadcasts it within its TP group.
+:func:`~megatron_het.perf.cost_model.tp_collectives`). Between stages: the boundary transfers
+of :mod:`megatron_het.perf.boundary_cost`.
+
+Sequence parallelism (``plan.sequence_parallel``, stages with tp > 1): every all-reduce becomes
+a reduce-scatter and an all-gather of the same bytes (each half the ring all-reduce's time),
+the norm weights' gradients are all-reduced over TP in backward (2 per layer and the final
+norm, ``[hidden]`` float32 each), boundaries move each rank's ``1/tp`` of the positions, and
+the activations saved between TP blocks are ``1/tp`` (:mod:`megatron_het.perf.cost_model`).
 
 The pipeline time is the event-driven simulation of the 1F1B step lists
 (:mod:`megatron_het.perf.simulator`); the closed form and the lower bound are reported beside it
-as checks. ``pipeline_model="closed_form"`` skips the simulation (for fast searches).
+as checks (:mod:`megatron_het.perf.closed_forms`). ``pipeline_model="closed_form"`` skips the
+simulation (for fast searches).
+
+Interleaved pipelines (chunks of device groups, :mod:`megatron_het.parallel.plan`): one row
+per stage (chunk) with its compute, TP communication and p2p to the next chunk; the per-group
+lists are simulated over per-stage times. Memory, ``in_flight``, DP sync and optimizer step
+are per device, over all its group's chunks, on each of their rows (:class:`StagePrediction`).
+
+Pipelines of different layouts (heterogeneous data parallelism: other stage counts, layer
+splits, TP degrees or interleaving) each get their own rows and times; their DP sync sums
+parameter units over every holder, and ZeRO-1 splits each parameter's rows over the pipelines
+(:mod:`megatron_het.perf.dp_sync`).
 
 Every rank owns its device unless an optional rate model (:mod:`megatron_het.perf.rate_model`)
 says otherwise: ranks that share a host's cores (CPU emulation's
@@ -32,16 +47,22 @@ from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.parallel.plan_validation import validate as validate_plan
-from megatron_het.perf.comm_cost import CommCost, SyncCost, broadcast_time, p2p_time
+from megatron_het.perf.boundary_cost import BoundaryCost, sequence_sharded
+from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
+                                            closed_form_interleaved, group_sums,
+                                            lower_bound_1f1b, lower_bound_interleaved)
+from megatron_het.perf.comm_cost import CommCost, SyncCost
 from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, DTYPE_BYTES, FP32_BYTES,
-                                          Efficiency, LayerShape, dtype_bytes, tp_collectives)
-from megatron_het.perf.memory import (device_capacity_bytes, in_flight_micro_batches,
-                                      stage_memory, stage_parameters)
+                                          Efficiency, LayerShape, TPCollectives, dtype_bytes,
+                                          tp_collectives)
+from megatron_het.perf.dp_sync import DPSync
+from megatron_het.perf.memory import (MemoryBreakdown, device_capacity_bytes, device_memory,
+                                      group_activations, in_flight_micro_batches,
+                                      stage_parameters)
 from megatron_het.perf.prediction import PipelinePrediction, Prediction, StagePrediction
 from megatron_het.perf.profile import Profile
 from megatron_het.perf.rate_model import RateModel, SharedIteration
-from megatron_het.perf.simulator import (SimulationCache, bubble_fraction, closed_form_1f1b,
-                                         lower_bound_1f1b, simulate_pipelines)
+from megatron_het.perf.simulator import SimulationCache, simulate_pipelines
 from megatron_het.perf.stage_cost import (StageCompute, choose_profile, optimizer_time,
                                           stage_compute)
 
@@ -73,15 +94,15 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     zero1 = (plan.use_distributed_optimizer if plan.use_distributed_optimizer is not None
              else use_distributed_optimizer)
     if validate:
-        validate_plan(plan, model, cluster)
+        validate_plan(plan, model, cluster, seq_length=seq_length)
     ctx = PredictionContext(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
                             efficiency, CommCost(cluster, profiles))
     cache = cache or SimulationCache()
     stages, pipelines = [], []
     for p, pipeline in enumerate(plan.pipelines):
-        rows = ctx.pipeline_rows(p, pipeline)
+        rows = ctx.pipeline_rows(p, pipeline, cache)
         stages += rows
-        pipelines.append(_pipeline_time(p, pipeline.micro_batches, rows, pipeline_model, cache))
+        pipelines.append(_pipeline_time(p, pipeline, rows, pipeline_model, cache))
     shared = None
     if rate_model is not None and pipeline_model == "simulate":
         shared = rate_model.shared_iteration(ctx, stages)
@@ -96,12 +117,17 @@ def _shared_pipelines(plan: ParallelPlan, rows: list[StagePrediction],
                       pipelines: list[PipelinePrediction], shared: SharedIteration,
                       cache: SimulationCache) -> list[PipelinePrediction]:
     """Every pipeline's time when all run at once on the rate model's shared cores."""
-    schedules = [cache.schedule(pp.pp_size, pp.micro_batches) for pp in plan.pipelines]
+    schedules = [cache.schedule(pp.pp_size, pp.micro_batches, pp.num_chunks)
+                 for pp in plan.pipelines]
     result = simulate_pipelines(schedules, shared.stages, shared.sharing)
-    return [dataclasses.replace(pp, time_s=t, bubble_fraction=bubble_fraction(
-        t, [r.forward_s for r in rows if r.pipeline == pp.pipeline],
-        [r.backward_s for r in rows if r.pipeline == pp.pipeline], pp.micro_batches))
-        for pp, t in zip(pipelines, result.makespans_s)]
+    out = []
+    for pp, plan_pp, t in zip(pipelines, plan.pipelines, result.makespans_s):
+        mine = [r for r in rows if r.pipeline == pp.pipeline]
+        f, b = group_sums(plan_pp.pp_size, [r.forward_s for r in mine],
+                          [r.backward_s for r in mine])
+        out.append(dataclasses.replace(pp, time_s=t, bubble_fraction=bubble_fraction(
+            t, f, b, pp.micro_batches)))
+    return out
 
 
 class PredictionContext:
@@ -119,23 +145,9 @@ class PredictionContext:
         self.act_bytes = plan.micro_batch_size * seq_length * model.hidden_size * DTYPE_BYTES[
             dtype]
         self._computes: dict[tuple, StageCompute] = {}
-        self._dp: dict[int, tuple[float, str]] = {}
-        self._senders = self._boundary_senders()
-
-    def _boundary_senders(self) -> list[dict[int, int]]:
-        """Per boundary: cross-node streams leaving each node (all pipelines at once)."""
-        first = self.plan.pipelines[0]
-        out: list[dict[int, int]] = []
-        for b in range(first.pp_size - 1):
-            counts: dict[int, int] = {}
-            for pipeline in self.plan.pipelines:
-                src, dst = pipeline.stages[b], pipeline.stages[b + 1]
-                streams = src.tp if src.tp == dst.tp else 1
-                node = self.comm.node_of(src.ranks[-1])
-                if node != self.comm.node_of(dst.ranks[0]):
-                    counts[node] = counts.get(node, 0) + streams
-            out.append(counts)
-        return out
+        self._dp: dict[tuple[int, int], tuple[float, str]] = {}
+        self.boundaries = BoundaryCost(plan, comm, self.act_bytes, seq_length)
+        self.sync = DPSync(model, plan, dtype, zero1)
 
     def recompute_of(self, stage: StagePlan) -> bool:
         return stage.recompute if self.recompute is None else self.recompute
@@ -150,85 +162,129 @@ class PredictionContext:
             shape = LayerShape.of(self.model, self.seq, self.plan.micro_batch_size, stage.tp)
             self._computes[key] = stage_compute(
                 self.model, spec, shape, stage.num_layers, stage.has_embedding, stage.has_head,
-                recompute, self.dtype, choose_profile(spec, self.profiles), self.efficiency)
+                recompute, self.dtype, choose_profile(spec, self.profiles), self.efficiency,
+                sequence_sharded(self.plan, stage))
         return self._computes[key]
 
+    def tp_collectives(self, stage_index: int, pipeline: PipelinePlan) -> TPCollectives:
+        """The stage's TP collectives per micro-batch (:func:`tp_collectives`)."""
+        stage = pipeline.stages[stage_index]
+        return tp_collectives(stage.tp, stage.num_layers, stage.has_embedding, stage.has_head,
+                              self.recompute_of(stage), sequence_sharded(self.plan, stage))
+
     def tp_comm(self, stage_index: int, pipeline: PipelinePlan) -> tuple[float, float]:
-        """(forward, backward) TP all-reduce seconds per micro-batch of one stage."""
+        """(forward, backward) TP collective seconds per micro-batch of one stage."""
         stage = pipeline.stages[stage_index]
         if stage.tp == 1:
             return 0.0, 0.0
         # The cross-entropy's small all-reduces are left out: a few numbers per token.
-        counts = tp_collectives(stage.tp, stage.num_layers, stage.has_embedding,
-                                stage.has_head, self.recompute_of(stage))
-        one = self.comm.tp_all_reduce(stage.ranks, self.act_bytes)
-        return counts.forward * one, counts.backward * one
+        counts = self.tp_collectives(stage_index, pipeline)
+        if not sequence_sharded(self.plan, stage):
+            one = self.comm.tp_all_reduce(stage.ranks, self.act_bytes)
+            return counts.forward * one, counts.backward * one
+        gather = self.comm.tp_gather(stage.ranks, self.act_bytes)
+        norm = self.comm.tp_all_reduce(stage.ranks, self.model.hidden_size * FP32_BYTES)
+        return (counts.forward_gathers * gather,
+                counts.backward_gathers * gather + counts.norm_grads * norm)
 
     def p2p(self, b: int, pipeline: PipelinePlan) -> tuple[float, float]:
         """(forward, backward) seconds over boundary ``b`` (stage b to b + 1) per micro-batch."""
-        src, dst = pipeline.stages[b], pipeline.stages[b + 1]
-        share = self._senders[b].get(self.comm.node_of(src.ranks[-1]), 1)
-        path = self.comm.path(src.ranks[-1], dst.ranks[0], "p2p", share)
-        one = p2p_time(self.act_bytes, path)
-        if src.tp == dst.tp:
-            return one, one
-        forward = one + self._broadcast(dst.ranks)
-        backward = one + self._broadcast(src.ranks)
-        return forward, backward
+        return self.boundaries.time(pipeline, b)
 
-    def _broadcast(self, ranks: tuple[int, ...]) -> float:
-        if len(ranks) <= 1:
-            return 0.0
-        return broadcast_time(self.act_bytes, len(ranks), self.comm.ring_path(ranks))
+    def dp_sync(self, pipeline: int, stage_index: int) -> tuple[float, str]:
+        """(seconds, algorithm) of the DP sync of the device group running the stage."""
+        pp = self.plan.pipelines[0 if self.sync.uniform else pipeline]
+        key = (0 if self.sync.uniform else pipeline, stage_index % pp.pp_size)
+        if key not in self._dp:
+            cost = self.dp_sync_over(self.comm, stage_index, pipeline)
+            self._dp[key] = (cost.time_s, cost.algorithm)
+        return self._dp[key]
 
-    def dp_sync(self, stage_index: int) -> tuple[float, str]:
-        if stage_index not in self._dp:
-            cost = self.dp_sync_over(self.comm, stage_index)
-            self._dp[stage_index] = (cost.time_s, cost.algorithm)
-        return self._dp[stage_index]
+    def dp_sync_over(self, comm: CommCost, stage_index: int, pipeline: int = 0) -> SyncCost:
+        """The gradient (and ZeRO-1 parameter) sync of the device group running stage
+        ``stage_index`` of pipeline ``pipeline`` (with interleaving, all the group's chunks at
+        once), costed by ``comm`` (:class:`~megatron_het.perf.dp_sync.DPSync`)."""
+        return self.sync.over(comm, pipeline, stage_index)
 
-    def dp_sync_over(self, comm: CommCost, stage_index: int) -> SyncCost:
-        """The gradient (and ZeRO-1 parameter) sync of stage ``stage_index`` costed by
-        ``comm``."""
-        group = [p.stages[stage_index].ranks[0] for p in self.plan.pipelines]
-        params = stage_parameters(self.model, self.plan.pipelines[0].stages[stage_index])
-        param_bytes = params * DTYPE_BYTES[self.dtype] if self.zero1 else None
-        return comm.dp_sync(group, params * FP32_BYTES, param_bytes)
+    def device(self, p: int, group: int,
+               cache: Optional[SimulationCache] = None) -> DeviceFigures:
+        """What one device of ``group`` of pipeline ``p`` holds and steps: all its chunks'
+        parameters, its peak memory under the pipeline's 1F1B schedule (interleaved when it has
+        several chunks) and its optimizer step (over the state it owns under ZeRO-1)."""
+        pipeline = self.plan.pipelines[p]
+        chunks = pipeline.group_stages(group)
+        stage = pipeline.stages[chunks[0]]
+        spec = self.comm.spec_of(stage.ranks[0])
+        params = sum(stage_parameters(self.model, pipeline.stages[s]) for s in chunks)
+        dp = self.plan.dp_size if self.zero1 else 1
+        owned = self.sync.owned_parameters(p, group)
+        computes = {s: self.compute(s, pipeline) for s in chunks}
+        transient = max(c.transient_bytes for c in computes.values())
+        m = pipeline.micro_batches
+        if not pipeline.interleaved:
+            in_flight = in_flight_micro_batches(pipeline.pp_size, group, m)
+            activation = computes[group].activation_bytes * in_flight
+        else:
+            steps = (cache or SimulationCache()).schedule(pipeline.pp_size, m,
+                                                          pipeline.num_chunks)[group]
+            activation, in_flight = group_activations(
+                steps, lambda s: computes[s].activation_bytes, group)
+        memory = device_memory(params, self.dtype, dp, activation, transient, owned,
+                               self.sync.buffer_bytes(stage.ranks))
+        optimizer = optimizer_time(spec, params / dp if owned is None else owned, self.dtype,
+                                   choose_profile(spec, self.profiles), self.efficiency)
+        return DeviceFigures(in_flight, memory, optimizer)
 
-    def pipeline_rows(self, p: int, pipeline: PipelinePlan) -> list[StagePrediction]:
+    def pipeline_rows(self, p: int, pipeline: PipelinePlan,
+                      cache: Optional[SimulationCache] = None) -> list[StagePrediction]:
+        """One row per stage (chunk) of pipeline ``p``: its per-micro-batch times and p2p to
+        the next stage, and its device group's figures (see the module docstring)."""
+        devices = [self.device(p, g, cache) for g in range(pipeline.pp_size)]
         rows = []
         for s, stage in enumerate(pipeline.stages):
             spec = self.comm.spec_of(stage.ranks[0])
             compute = self.compute(s, pipeline)
             tp_fwd, tp_bwd = self.tp_comm(s, pipeline)
-            p2p_fwd, p2p_bwd = self.p2p(s, pipeline) if s < pipeline.pp_size - 1 else (0.0, 0.0)
-            dp_time, dp_algorithm = self.dp_sync(s)
-            params = stage_parameters(self.model, stage)
-            dp = self.plan.dp_size if self.zero1 else 1
-            in_flight = in_flight_micro_batches(pipeline.pp_size, s, pipeline.micro_batches)
-            memory = stage_memory(params, self.dtype, dp, compute.activation_bytes, in_flight,
-                                  compute.transient_bytes)
-            choice = choose_profile(spec, self.profiles)
+            last = s == pipeline.num_stages - 1
+            p2p_fwd, p2p_bwd = (0.0, 0.0) if last else self.p2p(s, pipeline)
+            dp_time, dp_algorithm = self.dp_sync(p, s)
+            device = devices[s % pipeline.pp_size]
             rows.append(StagePrediction(
                 p, s, spec.label, stage.tp, stage.layers, stage.ranks,
                 compute.forward_s + tp_fwd, compute.backward_s + tp_bwd, tp_fwd + tp_bwd,
-                p2p_fwd, p2p_bwd, dp_time, dp_algorithm,
-                optimizer_time(spec, params / dp, self.dtype, choice, self.efficiency),
-                params, in_flight, memory, device_capacity_bytes(spec), compute.source))
+                p2p_fwd, p2p_bwd, dp_time, dp_algorithm, device.optimizer_s,
+                stage_parameters(self.model, stage), device.in_flight, device.memory,
+                device_capacity_bytes(spec), compute.source))
         return rows
 
 
-def _pipeline_time(p: int, micro_batches: int, rows: list[StagePrediction], pipeline_model: str,
-                   cache: SimulationCache) -> PipelinePrediction:
-    f = [r.forward_s for r in rows]
-    b = [r.backward_s for r in rows]
-    cf = [r.p2p_forward_s for r in rows[:-1]]
-    cb = [r.p2p_backward_s for r in rows[:-1]]
-    closed = closed_form_1f1b(f, b, micro_batches, cf, cb)
-    time = closed if pipeline_model == "closed_form" else cache.makespan(f, b, micro_batches,
-                                                                         cf, cb)
-    return PipelinePrediction(p, micro_batches, time, closed, lower_bound_1f1b(f, b,
-                              micro_batches), bubble_fraction(time, f, b, micro_batches))
+@dataclasses.dataclass(frozen=True)
+class DeviceFigures:
+    """One device of a device group (all its chunks): the most (chunk, micro-batch) pairs it
+    holds activations for, its peak memory, its optimizer step."""
+
+    in_flight: int
+    memory: MemoryBreakdown
+    optimizer_s: float
+
+
+def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
+                   pipeline_model: str, cache: SimulationCache) -> PipelinePrediction:
+    """Simulated (or closed-form) time, with the closed form, lower bound and bubble."""
+    m, v = pipeline.micro_batches, pipeline.num_chunks
+    f, b = [r.forward_s for r in rows], [r.backward_s for r in rows]
+    cf, cb = [r.p2p_forward_s for r in rows[:-1]], [r.p2p_backward_s for r in rows[:-1]]
+    if v == 1:
+        closed = closed_form_1f1b(f, b, m, cf, cb)
+        lower = lower_bound_1f1b(f, b, m)
+        group_f, group_b = f, b
+    else:
+        closed = closed_form_interleaved(f, b, m, v, cf, cb)
+        lower = lower_bound_interleaved(f, b, m, v, cf, cb)
+        group_f, group_b = group_sums(pipeline.pp_size, f, b)
+    time = closed if pipeline_model == "closed_form" else cache.makespan(f, b, m, cf, cb, v)
+    return PipelinePrediction(p, m, time, closed, lower,
+                              bubble_fraction(time, group_f, group_b, m))
 
 
 def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
@@ -263,5 +319,5 @@ def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
         overhead_s=overhead)
 
 
-__all__ = ["PIPELINE_MODELS", "PipelinePrediction", "Prediction", "PredictionContext",
-           "StagePrediction", "predict"]
+__all__ = ["DeviceFigures", "PIPELINE_MODELS", "PipelinePrediction", "Prediction",
+           "PredictionContext", "StagePrediction", "predict"]

@@ -16,6 +16,7 @@ from typing import Mapping, Optional, Protocol, Sequence
 
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf.comm_cost import CommCost, SyncCost
+from megatron_het.perf.cost_model import TPCollectives
 from megatron_het.perf.prediction import StagePrediction
 from megatron_het.perf.profile import Profile
 from megatron_het.perf.simulator import CoreSharing, StageTiming
@@ -26,7 +27,9 @@ class PredictionInputs(Protocol):
     """What a rate model may read of one prediction (the predictor's context).
 
     ``act_bytes`` is one micro-batch's ``[micro_batch, seq, hidden]`` activations in the
-    compute dtype; ``comm`` the prediction's communication model over the cluster."""
+    compute dtype (a rank of a sequence-parallel stage holds ``1/tp`` of them:
+    :func:`~megatron_het.perf.boundary_cost.rank_activation_bytes`); ``comm`` the prediction's
+    communication model over the cluster."""
 
     plan: ParallelPlan
     profiles: Optional[Mapping[str, Profile]]
@@ -39,11 +42,16 @@ class PredictionInputs(Protocol):
     def compute(self, stage_index: int, pipeline: PipelinePlan) -> StageCompute:
         """The stage's compute per micro-batch on one TP rank, TP communication excluded."""
 
+    def tp_collectives(self, stage_index: int, pipeline: PipelinePlan) -> TPCollectives:
+        """The stage's TP collectives per micro-batch (sequence parallelism applied)."""
+
     def tp_comm(self, stage_index: int, pipeline: PipelinePlan) -> tuple[float, float]:
         """The stage's (forward, backward) TP communication seconds per micro-batch."""
 
-    def dp_sync_over(self, comm: CommCost, stage_index: int) -> SyncCost:
-        """The DP sync of stage ``stage_index`` costed by another communication model."""
+    def dp_sync_over(self, comm: CommCost, stage_index: int, pipeline: int = 0) -> SyncCost:
+        """The DP sync of the whole device group that runs stage ``stage_index`` of pipeline
+        ``pipeline`` (all its chunks, every TP rank of it at once), costed by another
+        communication model."""
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,25 @@
 """Event-driven simulation of pipeline schedules: per-stage compute regions, per-boundary p2p.
 
-It executes the per-stage step lists of :mod:`megatron_het.pipeline.schedules` with the same
+It executes the per-group step lists of :mod:`megatron_het.pipeline.schedules` with the same
 rendezvous semantics as :func:`~megatron_het.pipeline.schedules.check_schedule` and the executor:
-a compute step runs when the stage reaches it; a transfer starts once both sides have posted the
-step holding it and lasts that boundary's p2p time; a step (a single transfer or a P2PBatch)
-ends when all its transfers have ended, and the stage waits for that (blocking transfers).
+a compute step runs when the group reaches it and lasts its stage's time; a transfer starts once
+both sides have posted the step holding it and lasts that boundary's p2p time; a step (a single
+transfer or a P2PBatch) ends when all its transfers have ended, and the group waits for that
+(blocking transfers). Without interleaving a group is a stage; an interleaved pipeline of ``p``
+groups has ``n = v p`` stages, stage ``s`` on group ``s % p``, and results stay per group.
 
 :func:`simulate_pipelines` runs several pipelines at once. A compute step is a :class:`Region`:
 CPU work, then a wait without a core, lasting at least a floor. With a :class:`CoreSharing`
 rate model (processes of one node sharing its cores, as the ranks of a CPU-emulated cluster do)
 the work of every process computing on a node progresses at the rate the model gives for their
 number at that moment (processor sharing), so the regions of all pipelines interact; without
-one every region lasts ``max(work + wait, floor)`` and each stage runs on its own clock.
+one every region lasts ``max(work + wait, floor)`` and each group runs on its own clock.
 :func:`simulate` and :func:`simulate_1f1b` are the one-pipeline, fixed-time forms.
 
-:func:`closed_form_1f1b` is the analytic model the simulation checks (see its docstring for the
-formula and when it is exact).
+The analytic models the simulation checks (:func:`closed_form_1f1b`,
+:func:`closed_form_interleaved_bubble`, :func:`closed_form_interleaved`, the lower bounds and
+:func:`bubble_fraction`) live in :mod:`megatron_het.perf.closed_forms`; they are importable
+from here too.
 """
 from __future__ import annotations
 
@@ -24,6 +28,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
+from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
+                                            closed_form_interleaved,
+                                            closed_form_interleaved_bubble, lower_bound_1f1b,
+                                            lower_bound_interleaved)
 from megatron_het.pipeline.schedules import (Action, ActionKind, P2PBatch, ScheduleError, Step,
                                              build_schedule)
 
@@ -35,7 +43,8 @@ _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One step of one stage: ``kind`` is forward, backward or a transfer kind's value."""
+    """One step of one group: ``stage`` is the action's global stage; ``kind`` is forward,
+    backward or a transfer direction ("forward p2p", "backward p2p")."""
 
     stage: int
     kind: str
@@ -46,8 +55,9 @@ class TimelineEvent:
 
 @dataclass(frozen=True)
 class SimulationResult:
-    """``makespan_s``: when the last stage finishes; ``busy_s[s]``: compute time of stage s;
-    ``timeline[s]``: stage s's events in order (empty unless recorded)."""
+    """``makespan_s``: when the last group finishes; ``busy_s[g]``: compute time of group g
+    (all its stages); ``timeline[g]``: group g's events in order (empty unless recorded).
+    Without interleaving a group is a stage."""
 
     makespan_s: float
     stage_end_s: tuple[float, ...]
@@ -91,9 +101,9 @@ class CoreSharing(Protocol):
 
 @dataclass(frozen=True)
 class PipelinesResult:
-    """:func:`simulate_pipelines`: per pipeline p, ``makespans_s[p]``, and per stage s
-    ``stage_end_s[p][s]``, ``busy_s[p][s]`` (wall time in compute regions, waits included) and
-    ``timeline[p][s]`` (empty unless recorded)."""
+    """:func:`simulate_pipelines`: per pipeline p, ``makespans_s[p]``, and per device group g
+    (a stage without interleaving) ``stage_end_s[p][g]``, ``busy_s[p][g]`` (wall time in compute
+    regions, waits included) and ``timeline[p][g]`` (empty unless recorded)."""
 
     makespans_s: tuple[float, ...]
     stage_end_s: tuple[tuple[float, ...], ...]
@@ -105,12 +115,16 @@ def simulate_pipelines(schedules: Sequence[Sequence[Sequence[Step]]],
                        stages: Sequence[Sequence[StageTiming]],
                        sharing: Optional[CoreSharing] = None,
                        record_timeline: bool = False) -> PipelinesResult:
-    """Run every pipeline's step lists at once: ``schedules[p][s]`` is stage s of pipeline p's
-    step list and ``stages[p][s]`` its timing; ``sharing`` (None: every process has a core of
-    its own) is the rate of compute on shared nodes. Raises ScheduleError on a deadlock."""
+    """Run every pipeline's step lists at once: ``schedules[p][g]`` is device group g of
+    pipeline p's step list and ``stages[p][s]`` the timing of global stage s (``n = v *
+    groups`` of them; n = groups without interleaving). A compute action takes its stage's
+    region, a transfer over boundary b (stage b to b + 1) ``stages[p][b].p2p_*_s``; group g
+    computes on the node and processes of its first stage ``stages[p][g]``. ``sharing`` (None:
+    every process has a core of its own) is the rate of compute on shared nodes. Raises
+    ScheduleError on a deadlock."""
     engine = _Engine(schedules, stages, sharing, record_timeline)
     engine.run()
-    shape = [len(pipeline) for pipeline in stages]
+    shape = [len(pipeline) for pipeline in schedules]
     it = iter(engine.agents)
     rows = [[next(it) for _ in range(n)] for n in shape]
     return PipelinesResult(
@@ -124,35 +138,41 @@ def simulate(per_stage_steps: Sequence[Sequence[Step]], forward_s: Sequence[floa
              backward_s: Sequence[float], p2p_forward_s: Optional[Sequence[float]] = None,
              p2p_backward_s: Optional[Sequence[float]] = None,
              record_timeline: bool = True) -> SimulationResult:
-    """Run one pipeline's step lists; ``forward_s[s]`` / ``backward_s[s]`` is stage s's compute
-    per micro-batch, ``p2p_*_s[b]`` the transfer time over boundary b (stage b to b + 1) in
-    each direction (default 0). Raises ScheduleError on a deadlock."""
-    p = len(per_stage_steps)
-    cf = list(p2p_forward_s or [0.0] * (p - 1)) + [0.0]
-    cb = list(p2p_backward_s or [0.0] * (p - 1)) + [0.0]
+    """Run one pipeline's step lists (one per stage, or per device group of an interleaved
+    schedule); ``forward_s[s]`` / ``backward_s[s]`` is global stage s's compute per micro-batch,
+    ``p2p_*_s[b]`` the transfer time over boundary b (stage b to b + 1) in each direction
+    (default 0). Raises ScheduleError on a deadlock."""
+    n = len(forward_s)
+    cf = list(p2p_forward_s or [0.0] * (n - 1)) + [0.0]
+    cb = list(p2p_backward_s or [0.0] * (n - 1)) + [0.0]
     timings = [StageTiming(Region(forward_s[s]), Region(backward_s[s]), cf[s], cb[s])
-               for s in range(p)]
+               for s in range(n)]
     result = simulate_pipelines([per_stage_steps], [timings], None, record_timeline)
     return SimulationResult(result.makespans_s[0], result.stage_end_s[0], result.busy_s[0],
                             result.timeline[0])
 
 
 class _Agent:
-    """One stage of one pipeline while it runs its step list. ``state``: "run" (takes its next
-    step at ``clock``), "cpu" / "tail" (in a region's work / wait and floor), "xfer" (in a
-    transfer step), "done"."""
+    """One device group of one pipeline while it runs its step list (``timing``: its first
+    stage's, for its node and processes). ``state``: "run" (takes its next step at ``clock``),
+    "cpu" / "tail" (in a region's work / wait and floor), "xfer" (in a transfer step), "done"."""
 
-    __slots__ = ("pipeline", "stage", "timing", "steps", "pc", "clock", "state", "region",
+    __slots__ = ("pipeline", "group", "timing", "steps", "pc", "clock", "state", "region",
                  "start", "left", "waiting", "step_end", "busy", "events", "version")
 
-    def __init__(self, pipeline: int, stage: int, timing: StageTiming,
+    def __init__(self, pipeline: int, group: int, timing: StageTiming,
                  steps: Sequence[Step]) -> None:
-        self.pipeline, self.stage, self.timing, self.steps = pipeline, stage, timing, steps
+        self.pipeline, self.group, self.timing, self.steps = pipeline, group, timing, steps
         self.pc, self.clock, self.state = 0, 0.0, "run"
         self.region, self.start, self.left = timing.forward, 0.0, 0.0
         self.waiting, self.step_end, self.busy = 0, 0.0, 0.0
         self.events: list[TimelineEvent] = []
         self.version = 0
+
+
+def _stage_of(action: Action, agent: _Agent) -> int:
+    """The global stage of an action (None: the list's own stage, its group index)."""
+    return agent.group if action.stage is None else action.stage
 
 
 class _Node:
@@ -174,15 +194,19 @@ class _Engine:
                  stages: Sequence[Sequence[StageTiming]], sharing: Optional[CoreSharing],
                  record: bool) -> None:
         if len(schedules) != len(stages) or any(
-                len(steps) != len(timings) for steps, timings in zip(schedules, stages)):
-            raise ValueError("need one step list and one StageTiming per stage of each pipeline")
+                not steps or len(timings) < len(steps) or len(timings) % len(steps)
+                for steps, timings in zip(schedules, stages)):
+            raise ValueError("need for each pipeline one step list per device group and one "
+                             "StageTiming per stage, a multiple of the groups")
         self.stages, self.sharing, self.record = stages, sharing, record
-        self.agents = [_Agent(p, s, timing, steps[s])
+        self.interleaved = any(len(s) != len(t) for s, t in zip(schedules, stages))
+        self.agents = [_Agent(p, g, timings[g], group_steps)
                        for p, (steps, timings) in enumerate(zip(schedules, stages))
-                       for s, timing in enumerate(timings)]
+                       for g, group_steps in enumerate(steps)]
         self.heap: list[tuple[float, int, int, _Agent]] = []
         self.order = itertools.count()
-        self.posted: dict[tuple[int, str, int, int], tuple[_Agent, float]] = {}
+        # a transfer's key -> (the side that posted it first, when, its stage)
+        self.posted: dict[tuple[int, str, int, int], tuple[_Agent, float, int]] = {}
         self.nodes: dict[int, _Node] = {}
 
     def run(self) -> None:
@@ -194,8 +218,9 @@ class _Engine:
                 self._wake(agent, time)
         stuck = [a for a in self.agents if a.state != "done"]
         if stuck:
-            where = (lambda a: f"stage {a.stage}") if len(self.stages) == 1 else (
-                lambda a: f"pipeline {a.pipeline} stage {a.stage}")
+            label = "group" if self.interleaved else "stage"
+            where = (lambda a: f"{label} {a.group}") if len(self.stages) == 1 else (
+                lambda a: f"pipeline {a.pipeline} {label} {a.group}")
             raise ScheduleError("deadlock in simulation: " + ", ".join(
                 f"{where(a)} at step {a.pc}" for a in stuck))
 
@@ -227,8 +252,8 @@ class _Engine:
         while agent.pc < len(steps):
             step = steps[agent.pc]
             if isinstance(step, Action) and step.kind in _COMPUTE:
-                region = (agent.timing.forward if step.kind is ActionKind.FORWARD
-                          else agent.timing.backward)
+                timing = self.stages[agent.pipeline][_stage_of(step, agent)]
+                region = timing.forward if step.kind is ActionKind.FORWARD else timing.backward
                 if self.sharing is None:
                     self._fixed_region(agent, step, region)
                     continue
@@ -258,8 +283,9 @@ class _Engine:
     def _fixed_region(self, agent: _Agent, step: Action, region: Region) -> None:
         duration = max(region.work_s + region.wait_s, region.floor_s)
         if self.record:
-            agent.events.append(TimelineEvent(agent.stage, step.kind.value, step.micro_batch,
-                                              agent.clock, agent.clock + duration))
+            agent.events.append(TimelineEvent(_stage_of(step, agent), step.kind.value,
+                                              step.micro_batch, agent.clock,
+                                              agent.clock + duration))
         agent.clock += duration
         agent.busy += duration
         agent.pc += 1
@@ -267,8 +293,8 @@ class _Engine:
     def _end_region(self, agent: _Agent, now: float) -> None:
         if self.record:
             step = agent.steps[agent.pc]
-            agent.events.append(TimelineEvent(agent.stage, step.kind.value, step.micro_batch,
-                                              agent.start, now))
+            agent.events.append(TimelineEvent(_stage_of(step, agent), step.kind.value,
+                                              step.micro_batch, agent.start, now))
         agent.busy += now - agent.start
         agent.clock = now
         agent.pc += 1
@@ -281,22 +307,23 @@ class _Engine:
         timings = self.stages[agent.pipeline]
         for action in actions:
             channel, offset = _DIRECTION[action.kind]
-            boundary = agent.stage + offset
+            stage = _stage_of(action, agent)
+            boundary = stage + offset
             key = (agent.pipeline, channel, boundary, action.micro_batch)
             peer = self.posted.pop(key, None)
             if peer is None:
-                self.posted[key] = (agent, agent.clock)
+                self.posted[key] = (agent, agent.clock, stage)
                 continue
-            other, posted_at = peer
+            other, posted_at, other_stage = peer
             start = max(agent.clock, posted_at)
             sender = timings[boundary]
             end = start + (sender.p2p_forward_s if channel == "forward"
                            else sender.p2p_backward_s)
-            for who in (agent, other):
+            for who, who_stage in ((agent, stage), (other, other_stage)):
                 who.waiting -= 1
                 who.step_end = max(who.step_end, end)
                 if self.record:
-                    who.events.append(TimelineEvent(who.stage, f"{channel} p2p",
+                    who.events.append(TimelineEvent(who_stage, f"{channel} p2p",
                                                     action.micro_batch, start, end))
             if other.waiting == 0:
                 self._schedule(other, other.step_end)
@@ -345,84 +372,59 @@ class _Engine:
 def simulate_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],
                   num_micro_batches: int, p2p_forward_s: Optional[Sequence[float]] = None,
                   p2p_backward_s: Optional[Sequence[float]] = None,
-                  record_timeline: bool = True) -> SimulationResult:
-    """:func:`simulate` on the non-interleaved 1F1B schedule of ``len(forward_s)`` stages."""
-    steps = build_schedule("1f1b", len(forward_s), num_micro_batches)
+                  record_timeline: bool = True, num_chunks: int = 1) -> SimulationResult:
+    """:func:`simulate` on the 1F1B schedule of ``len(forward_s)`` stages: non-interleaved, or
+    interleaved over ``len(forward_s) // num_chunks`` device groups."""
+    steps = build_schedule("1f1b", _groups(len(forward_s), num_chunks), num_micro_batches,
+                           num_chunks)
     return simulate(steps, forward_s, backward_s, p2p_forward_s, p2p_backward_s,
                     record_timeline)
 
 
-def closed_form_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],
-                     num_micro_batches: int, p2p_forward_s: Optional[Sequence[float]] = None,
-                     p2p_backward_s: Optional[Sequence[float]] = None) -> float:
-    """Iteration time of non-interleaved 1F1B with non-uniform stages, analytically.
-
-    ``T = sum_s (f_s + b_s) + sum_b (c_b^f + c_b^b) + (m - 1) * max_s (f_s + b_s + k_s)``
-
-    The first micro-batch's forward and backward cross every stage and boundary once (the
-    critical path's ramp); the other ``m - 1`` go at the pace of the slowest stage's 1F1B cycle,
-    which with blocking transfers includes its steady-state p2p: ``k_s`` is
-    ``max(c_s^f, c_s^b)`` towards the next stage (send activations while receiving gradients)
-    plus ``max(c_{s-1}^b, c_{s-1}^f)`` towards the previous one.
-
-    Exact for uniform stages without p2p (``(m + p - 1)(f + b)``), and with p2p for p <= 2 or
-    m = 1. With uniform p2p ``c`` and p >= 3, m >= 2 the simulation is exactly ``c`` below it
-    (one steady-state exchange of the middle stages overlaps the ramp). In general the
-    simulation lies between :func:`lower_bound_1f1b` and this value (tested on random stages),
-    so the closed form is an upper bound.
-    """
-    f, b, m = list(forward_s), list(backward_s), num_micro_batches
-    p = len(f)
-    cf = list(p2p_forward_s or [0.0] * (p - 1))
-    cb = list(p2p_backward_s or [0.0] * (p - 1))
-    cycle = [f[s] + b[s] + (max(cf[s], cb[s]) if s < p - 1 else 0.0)
-             + (max(cf[s - 1], cb[s - 1]) if s > 0 else 0.0) for s in range(p)]
-    return sum(f) + sum(b) + sum(cf) + sum(cb) + (m - 1) * max(cycle)
-
-
-def lower_bound_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],
-                     num_micro_batches: int) -> float:
-    """No schedule beats this: some stage k must run all m micro-batches' forward and backward,
-    after the first micro-batch reached it and before its gradient leaves for stage 0."""
-    f, b, m = list(forward_s), list(backward_s), num_micro_batches
-    return max(sum(f[:k]) + sum(b[:k]) + m * (f[k] + b[k]) for k in range(len(f)))
-
-
-def bubble_fraction(makespan_s: float, forward_s: Sequence[float], backward_s: Sequence[float],
-                    num_micro_batches: int) -> float:
-    """Fraction of the pipeline time the busiest stage is idle: ``1 - m (f+b)_max / T``.
-
-    For uniform 1F1B without p2p it is ``(p - 1) / (m + p - 1)``.
-    """
-    busiest = max(f + b for f, b in zip(forward_s, backward_s)) * num_micro_batches
-    return 0.0 if makespan_s <= 0 else max(0.0, 1.0 - busiest / makespan_s)
+def _groups(num_stages: int, num_chunks: int) -> int:
+    if num_chunks < 1 or num_stages % num_chunks:
+        raise ValueError(f"{num_stages} stages do not split into {num_chunks} chunks per "
+                         f"device group")
+    return num_stages // num_chunks
 
 
 class SimulationCache:
-    """Built 1F1B step lists by (stages, micro-batches) and makespans by their inputs.
+    """Built 1F1B step lists by (groups, micro-batches, chunks) and makespans by their inputs.
 
     Create one per search loop and pass it to every :func:`~megatron_het.perf.predictor.predict`
     call: building the step lists costs more than simulating them.
     """
 
     def __init__(self) -> None:
-        self._schedules: dict[tuple[int, int], list[list[Step]]] = {}
+        self._schedules: dict[tuple[int, int, int], list[list[Step]]] = {}
         self._makespans: dict[tuple, float] = {}
 
-    def schedule(self, num_stages: int, num_micro_batches: int) -> list[list[Step]]:
-        key = (num_stages, num_micro_batches)
+    def schedule(self, num_stages: int, num_micro_batches: int,
+                 num_chunks: int = 1) -> list[list[Step]]:
+        """The 1F1B lists of ``num_stages`` stages, or with ``num_chunks > 1`` the interleaved
+        lists of ``num_stages`` device groups (as :func:`build_schedule`)."""
+        key = (num_stages, num_micro_batches, num_chunks)
         if key not in self._schedules:
-            self._schedules[key] = build_schedule("1f1b", num_stages, num_micro_batches)
+            self._schedules[key] = build_schedule("1f1b", num_stages, num_micro_batches,
+                                                  num_chunks)
         return self._schedules[key]
 
     def makespan(self, forward_s: Sequence[float], backward_s: Sequence[float],
                  num_micro_batches: int, p2p_forward_s: Sequence[float],
-                 p2p_backward_s: Sequence[float]) -> float:
-        """The simulated 1F1B makespan (no timeline), memoized."""
+                 p2p_backward_s: Sequence[float], num_chunks: int = 1) -> float:
+        """The simulated 1F1B makespan (no timeline), memoized; per-STAGE inputs, interleaved
+        over ``len(forward_s) // num_chunks`` groups when ``num_chunks > 1``."""
         key = (tuple(forward_s), tuple(backward_s), num_micro_batches, tuple(p2p_forward_s),
-               tuple(p2p_backward_s))
+               tuple(p2p_backward_s), num_chunks)
         if key not in self._makespans:
-            steps = self.schedule(len(forward_s), num_micro_batches)
+            steps = self.schedule(_groups(len(forward_s), num_chunks), num_micro_batches,
+                                  num_chunks)
             self._makespans[key] = simulate(steps, forward_s, backward_s, p2p_forward_s,
                                             p2p_backward_s, record_timeline=False).makespan_s
         return self._makespans[key]
+
+
+__all__ = ["CoreSharing", "PipelinesResult", "Region", "SimulationCache", "SimulationResult",
+           "StageTiming", "TimelineEvent", "bubble_fraction", "closed_form_1f1b",
+           "closed_form_interleaved", "closed_form_interleaved_bubble", "lower_bound_1f1b",
+           "lower_bound_interleaved", "simulate", "simulate_1f1b", "simulate_pipelines"]

@@ -70,22 +70,32 @@ def _scaled(m: Optional[Measured], factor: float) -> Optional[Measured]:
 
 def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, num_layers: int,
                   has_embedding: bool, has_head: bool, recompute: bool, dtype: str,
-                  choice: ProfileChoice,
-                  efficiency: Efficiency = DEFAULT_EFFICIENCY) -> StageCompute:
-    """The compute of a stage with ``num_layers`` layers of ``shape`` on one device of ``spec``."""
+                  choice: ProfileChoice, efficiency: Efficiency = DEFAULT_EFFICIENCY,
+                  sequence_parallel: bool = False) -> StageCompute:
+    """The compute of a stage with ``num_layers`` layers of ``shape`` on one device of ``spec``.
+
+    ``sequence_parallel`` shrinks the activations saved between the TP blocks
+    (:func:`~megatron_het.perf.cost_model.layer_activation_bytes`); a profile's measured
+    figure, taken without it, loses the same bytes. Times are the same either way."""
     profile, factor = choice.profile, choice.time_factor
     sources = []
+    sp = sequence_parallel and shape.tp > 1
     layer = _scaled(profile.layer(shape, dtype), factor) if profile else None
     if layer is None:
         fwd, bwd = ops_time(layer_forward_ops(shape), spec, dtype, efficiency)
-        layer = Measured(fwd, bwd, layer_activation_bytes(shape, dtype), f"roofline {spec.label}")
+        layer = Measured(fwd, bwd, layer_activation_bytes(shape, dtype, sp),
+                         f"roofline {spec.label}")
+    elif sp and layer.activation_bytes is not None:
+        saved = layer_activation_bytes(shape, dtype) - layer_activation_bytes(shape, dtype, sp)
+        layer = Measured(layer.forward_s, layer.backward_s, layer.activation_bytes - saved,
+                         f"{layer.source} less the sequence-parallel shards")
     sources.append(f"layers: {layer.source}")
     act = layer.activation_bytes
     if act is None:
-        act = layer_activation_bytes(shape, dtype)
+        act = layer_activation_bytes(shape, dtype, sp)
     forward = num_layers * layer.forward_s
     backward = num_layers * (layer.backward_s + (layer.forward_s if recompute else 0.0))
-    kept = num_layers * (layer_input_bytes(shape, dtype) if recompute else act)
+    kept = num_layers * (layer_input_bytes(shape, dtype, sp) if recompute else act)
     transient = act if recompute and num_layers else 0.0
     for part, present, ops in (("embedding", has_embedding, embedding_forward_ops(shape)),
                                ("head", has_head, head_forward_ops(shape, model.vocab_size))):
@@ -100,7 +110,7 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
         forward += m.forward_s
         backward += m.backward_s
     if has_head:
-        kept += head_activation_bytes(shape, model.vocab_size, dtype)
+        kept += head_activation_bytes(shape, model.vocab_size, dtype, sp)
         transient = max(transient, head_chunk_bytes(shape, model.vocab_size, spec.device_type))
     return StageCompute(forward, backward, kept, transient, "; ".join(sources))
 

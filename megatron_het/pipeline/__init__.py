@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PBatch,
                                              ScheduleError, ScheduleReport, Step, build_schedule,
-                                             check_schedule, gpipe, one_f_one_b)
+                                             check_schedule, gpipe,
+                                             interleaved_micro_batch_counts_ok,
+                                             interleaved_one_f_one_b, interleaved_order,
+                                             interleaved_warmup, one_f_one_b, peak_activation,
+                                             sequential_forward)
 
 __all__ = ["SCHEDULES", "Action", "ActionKind", "P2PBatch", "ScheduleError", "ScheduleReport",
-           "Step", "build_schedule", "check_schedule", "gpipe", "one_f_one_b"]
+           "Step", "build_schedule", "check_schedule", "gpipe",
+           "interleaved_micro_batch_counts_ok", "interleaved_one_f_one_b", "interleaved_order",
+           "interleaved_warmup", "one_f_one_b", "peak_activation", "sequential_forward"]

@@ -8,6 +8,12 @@ ops in ONE ``batch_isend_irecv`` over the pipeline's group and waits for all of 
 next step. Who exchanges with whom across a TP change, the wire dtype and the receive-buffer pool
 are described in :mod:`megatron_het.pipeline.p2p`.
 
+Interleaved pipelines: a rank of a device group runs several model chunks (its stage holds
+all their layers, :class:`~megatron_het.model.llama.LlamaModel` ``chunks``) with the
+interleaved 1F1B schedule, whose actions name the chunk (global stage) they belong to; the
+in-flight tensors are kept per (stage, micro-batch). Evaluation (forward only) runs the
+micro-batches one after the other through all chunks.
+
 Numerics: the last stage scales each micro-batch's token-mean loss by ``loss_scale`` (1/total
 micro-batches over all pipelines, per the numerics contract) before backward, so gradients
 accumulate into ``.grad`` exactly as in single-process accumulation. After the last backward,
@@ -45,10 +51,11 @@ from torch import nn
 from megatron_het.config import ModelConfig
 from megatron_het.kernels.main_grad import accumulated_grad
 from megatron_het.parallel.groups import ProcessGroups
-from megatron_het.pipeline.p2p import (BufferPool, boundary_peers, sync_tied_embedding_grads,
+from megatron_het.pipeline.p2p import (BufferPool, boundary_peers, local_positions,
+                                       place_received, sync_tied_embedding_grads,
                                        tied_embedding_weight, transfer_ops)
 from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PBatch, Step,
-                                             gpipe)
+                                             gpipe, interleaved_one_f_one_b, sequential_forward)
 from megatron_het.pipeline.timing import RegionClock
 
 __all__ = ["PipelineExecutor", "RegionTimer", "StageStats", "compute_region_key",
@@ -58,11 +65,11 @@ _FORWARD_KINDS = (ActionKind.RECV_FORWARD, ActionKind.FORWARD, ActionKind.SEND_F
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
 
-def compute_region_key(kind: str, forward_only: bool) -> tuple[str, bool]:
-    """The region timer's key of a stage's ``kind`` ("forward" or "backward") region: every
-    micro-batch's forward (backward) of a stage is the same work, and so is every evaluation
-    forward (``forward_only``)."""
-    return (kind, forward_only)
+def compute_region_key(kind: str, forward_only: bool, chunk: int = 0) -> tuple[str, bool, int]:
+    """The region timer's key of a stage's ``kind`` ("forward" or "backward") region of local
+    model ``chunk``: every micro-batch's forward (backward) of a chunk is the same work, and so
+    is every evaluation forward (``forward_only``)."""
+    return (kind, forward_only, chunk)
 
 
 class RegionTimer(Protocol):
@@ -94,18 +101,21 @@ class StageStats:
     embedding_sync_s: float = 0.0
 
 
+Key = tuple[int, int]  # (global stage, micro-batch)
+
+
 @dataclass
 class _Run:
-    """Per-call state: tensors of micro-batches in flight and accumulated times."""
+    """Per-call state: tensors of (stage, micro-batch) in flight and accumulated times."""
 
     micro_batches: Sequence[MicroBatch]
     loss_scale: float
     forward_only: bool
-    inputs: dict[int, torch.Tensor] = field(default_factory=dict)          # stage inputs
-    input_buffers: dict[int, torch.Tensor] = field(default_factory=dict)   # their storage
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)         # hidden or loss
-    output_grads: dict[int, torch.Tensor] = field(default_factory=dict)    # received buffers
-    input_grads: dict[int, torch.Tensor] = field(default_factory=dict)     # to send back
+    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)          # stage inputs
+    input_buffers: dict[Key, torch.Tensor] = field(default_factory=dict)   # their storage
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)         # hidden or loss
+    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)    # received buffers
+    input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)     # to send back
     loss_sum: Optional[torch.Tensor] = None
 
 
@@ -117,7 +127,8 @@ class PipelineExecutor:
         groups: this rank's process groups (transfers use ``groups.pipeline``).
         model_config: the model's shape (for the hidden size of the transfers).
         seq_length, micro_batch_size: every micro-batch is ``[micro_batch_size, seq_length]``;
-            boundary tensors are ``[b, s, H]`` in the parameters' dtype.
+            boundary tensors are ``[b, s, H]`` in the parameters' dtype (``[b, s/tp, H]`` on a
+            sequence-parallel stage).
         region_timer: entered around every compute region (:class:`RegionTimer`; None: none).
         schedule: a name of :data:`~megatron_het.pipeline.schedules.SCHEDULES` ("1f1b",
             "gpipe").
@@ -132,13 +143,18 @@ class PipelineExecutor:
         self.stage, self.groups, self.config = stage, groups, model_config
         self.region_timer, self.schedule = region_timer, schedule
         role = groups.role
-        self.stage_index = role.stage
-        self.num_stages = groups.plan.pipelines[role.pipeline].pp_size
+        pipeline = groups.plan.pipelines[role.pipeline]
+        self.stage_index = role.stage          # the device group (= its first stage)
+        self.chunks = role.chunks              # the global stages this rank runs
+        self.num_stages = pipeline.num_stages
+        self.num_groups, self.num_chunks = pipeline.pp_size, pipeline.num_chunks
         self.is_first, self.is_last = role.is_first_stage, role.is_last_stage
-        self.peers = boundary_peers(groups.plan, groups.rank)
+        self.peers = boundary_peers(groups.plan, groups.rank, seq_length)
         first_param = next(stage.parameters())
         self.device = first_param.device
-        self.boundary_shape = (micro_batch_size, seq_length, model_config.hidden_size)
+        self.micro_batch_shape = (micro_batch_size, seq_length)
+        start, stop = local_positions(groups.plan, role.stage_plan, role.tp_rank, seq_length)
+        self.boundary_shape = (micro_batch_size, stop - start, model_config.hidden_size)
         self.pool = BufferPool(self.device)
         self.clock = RegionClock(self.device)
 
@@ -150,7 +166,18 @@ class PipelineExecutor:
 
     # -- public -----------------------------------------------------------------------------
     def steps(self, num_micro_batches: int, forward_only: bool = False) -> list[Step]:
-        """This stage's steps: the named schedule, or only the forward half of GPipe."""
+        """This rank's steps: the named schedule (interleaved 1F1B for an interleaved
+        pipeline), or for ``forward_only`` the forward half of GPipe (interleaved: each
+        micro-batch through every chunk in turn)."""
+        if self.num_chunks > 1:
+            if forward_only:
+                return sequential_forward(self.num_groups, self.num_chunks, num_micro_batches,
+                                          self.stage_index)
+            if self.schedule != "1f1b":
+                raise ValueError(f"an interleaved pipeline runs the 1f1b schedule, not "
+                                 f"{self.schedule!r}")
+            return interleaved_one_f_one_b(self.num_groups, self.num_chunks, num_micro_batches,
+                                           self.stage_index)
         if forward_only:
             return [s for s in gpipe(self.num_stages, num_micro_batches, self.stage_index)
                     if isinstance(s, Action) and s.kind in _FORWARD_KINDS]
@@ -178,9 +205,9 @@ class PipelineExecutor:
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             for step in self.steps(len(micro_batches), forward_only):
                 if isinstance(step, Action) and step.kind is ActionKind.FORWARD:
-                    self._forward(run, step.micro_batch)
+                    self._forward(run, self._key(step))
                 elif isinstance(step, Action) and step.kind is ActionKind.BACKWARD:
-                    self._backward(run, step.micro_batch)
+                    self._backward(run, self._key(step))
                 else:
                     self._transfer(run, step)
         times, wall = self.clock.totals()
@@ -198,7 +225,7 @@ class PipelineExecutor:
 
     # -- steps ------------------------------------------------------------------------------
     def _check_shapes(self, micro_batches: Sequence[MicroBatch]) -> None:
-        want = self.boundary_shape[:2]
+        want = self.micro_batch_shape
         for i, (tokens, labels) in enumerate(micro_batches):
             used = ([tokens] if self.is_first else []) + ([labels] if self.is_last else [])
             for tensor in used:
@@ -207,84 +234,92 @@ class PipelineExecutor:
                                      f"executor expects [micro_batch_size, seq_length] = "
                                      f"{list(want)}")
 
+    def _key(self, action: Action) -> Key:
+        """(global stage, micro-batch) of an action (stage None: this rank's only stage)."""
+        stage = self.stage_index if action.stage is None else action.stage
+        return stage, action.micro_batch
+
     @contextlib.contextmanager
-    def _compute_region(self, run: _Run, kind: str) -> Iterator[None]:
+    def _compute_region(self, run: _Run, kind: str, chunk: int) -> Iterator[None]:
         if self.region_timer is None:
             with self.clock.region("compute"):
                 yield
             return
-        key = compute_region_key(kind, run.forward_only)
+        key = compute_region_key(kind, run.forward_only, chunk)
         with self.clock.region("compute"), self.region_timer.timed_region(key):
             yield
             if self.device.type == "cuda":  # the timer reads the host clock
                 torch.cuda.synchronize(self.device)
 
-    def _forward(self, run: _Run, mb: int) -> None:
+    def _forward(self, run: _Run, key: Key) -> None:
+        stage, mb = key
+        first, last = stage == 0, stage == self.num_stages - 1
+        chunk = self.chunks.index(stage)
         tokens, labels = run.micro_batches[mb]
-        with self._compute_region(run, "forward"):
-            if self.is_first:
-                x = tokens.to(self.device)
-            else:
-                x = self._stage_input(run, mb)
-            if self.is_last:
-                out = self.stage(x, labels=labels.to(self.device))
-            else:
-                out = self.stage(x)
-            if self.is_last:
+        with self._compute_region(run, "forward", chunk):
+            x = tokens.to(self.device) if first else self._stage_input(run, key)
+            if last:
+                out = self.stage(x, labels=labels.to(self.device), chunk=chunk)
                 loss = out.detach().float()
                 run.loss_sum = loss if run.loss_sum is None else run.loss_sum + loss
                 out = out * run.loss_scale
-            run.outputs[mb] = out
-        if run.forward_only and not self.is_first:  # no backward will need the input
-            del run.inputs[mb]
-            if mb in run.input_buffers:
-                self.pool.release(run.input_buffers.pop(mb))
+            else:
+                out = self.stage(x, chunk=chunk)
+            run.outputs[key] = out
+        if run.forward_only and not first:  # no backward will need the input
+            del run.inputs[key]
+            if key in run.input_buffers:
+                self.pool.release(run.input_buffers.pop(key))
 
-    def _stage_input(self, run: _Run, mb: int) -> torch.Tensor:
-        """The received activations of ``mb`` as a leaf (sharing the buffer's storage until
+    def _stage_input(self, run: _Run, key: Key) -> torch.Tensor:
+        """The received activations of ``key`` as a leaf (sharing the buffer's storage until
         backward)."""
-        buffer = run.input_buffers[mb]
+        buffer = run.input_buffers[key]
         x = buffer.detach()
         x.requires_grad_(not run.forward_only)
-        run.inputs[mb] = x
+        run.inputs[key] = x
         return x
 
-    def _backward(self, run: _Run, mb: int) -> None:
-        with self._compute_region(run, "backward"):
-            out = run.outputs.pop(mb)
-            if self.is_last:
+    def _backward(self, run: _Run, key: Key) -> None:
+        stage = key[0]
+        with self._compute_region(run, "backward", self.chunks.index(stage)):
+            out = run.outputs.pop(key)
+            if stage == self.num_stages - 1:
                 torch.autograd.backward(out)
             else:
-                grad_buffer = run.output_grads.pop(mb)
+                grad_buffer = run.output_grads.pop(key)
                 torch.autograd.backward(out, grad_buffer.to(out.dtype))
                 self.pool.release(grad_buffer)
-            if not self.is_first:
-                x = run.inputs.pop(mb)
-                run.input_grads[mb] = x.grad
-                if mb in run.input_buffers:
-                    self.pool.release(run.input_buffers.pop(mb))
+            if stage > 0:
+                x = run.inputs.pop(key)
+                run.input_grads[key] = x.grad
+                if key in run.input_buffers:
+                    self.pool.release(run.input_buffers.pop(key))
 
     def _transfer(self, run: _Run, step: Step) -> None:
         actions = step.actions if isinstance(step, P2PBatch) else (step,)
-        ops, received = [], []
+        ops, received, places = [], [], []
         for action in actions:
-            mb, payload, buffer = action.micro_batch, None, None
+            key, payload, buffer = self._key(action), None, None
             if action.kind is ActionKind.SEND_FORWARD:
-                payload = run.outputs[mb].detach().contiguous()
+                payload = run.outputs[key].detach().contiguous()
                 if run.forward_only:
-                    del run.outputs[mb]
+                    del run.outputs[key]
             elif action.kind is ActionKind.SEND_BACKWARD:
-                payload = run.input_grads.pop(mb).contiguous()
+                payload = run.input_grads.pop(key).contiguous()
             else:
                 buffer = self.pool.acquire(self.boundary_shape, self.wire_dtype)
-                received.append((action, buffer))
-            ops += transfer_ops(action, self.peers, payload, buffer)
+                received.append((action.kind, key, buffer))
+            action_ops, action_places = transfer_ops(action, self.peers, payload, buffer)
+            ops += action_ops
+            places += action_places
         with self.clock.region("p2p"):
             if ops:
                 for handle in self.groups.pipeline.batch_isend_irecv(ops):
                     handle.wait()
-        for action, buffer in received:
-            if action.kind is ActionKind.RECV_FORWARD:
-                run.input_buffers[action.micro_batch] = buffer
+            place_received(places)
+        for kind, key, buffer in received:
+            if kind is ActionKind.RECV_FORWARD:
+                run.input_buffers[key] = buffer
             else:
-                run.output_grads[action.micro_batch] = buffer
+                run.output_grads[key] = buffer

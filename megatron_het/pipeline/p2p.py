@@ -13,7 +13,12 @@ boundary reshards by choosing one source per receiver, never by splitting tensor
   ``i % tp_(k+1) == j``.
 
 Every rank thus receives exactly one message per transfer and the traffic per boundary is
-``max(tp_k, tp_(k+1))`` messages. Transfers go over the pipeline's group, so ranks of different
+``max(tp_k, tp_(k+1))`` messages.
+
+Sequence parallelism: a rank of a stage with tp > 1 holds positions ``[t S/tp, (t+1) S/tp)``
+only (a tp = 1 stage all of them), so a boundary reshards by positions: every pair of ranks
+whose blocks overlap exchanges the overlap, one message each way (equal degrees: rank t with
+rank t, ``1/tp`` of the bytes of the replicated case). Transfers go over the pipeline's group, so ranks of different
 accelerator kinds meet on the communicator's bridge.
 
 Wire dtype: the parameters' dtype, which is the activations' (bf16 under mixed precision, half
@@ -32,8 +37,9 @@ import torch
 from megatron_het.comm.p2p import P2POp
 from megatron_het.kernels.main_grad import accumulated_grad
 from megatron_het.parallel.groups import ProcessGroups
-from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.plan import ParallelPlan, StagePlan
 from megatron_het.pipeline.schedules import Action, ActionKind
+from megatron_het.tensor_parallel.sequence_parallel import sequence_range
 from megatron_het.tensor_parallel.sharding import vocab_range
 
 # Distinct tags keep the two directions apart even where a backend matches messages by tag only.
@@ -42,45 +48,107 @@ TAG_GRADIENT = 2
 
 
 @dataclass(frozen=True)
-class BoundaryPeers:
-    """Global ranks this rank exchanges with, per transfer kind (see the module docstring).
+class Piece:
+    """One message of a boundary transfer: with ``peer``, positions ``[start, stop)`` of this
+    rank's local sequence (``start`` None: the whole local tensor)."""
 
-    ``recv_*`` is None on a stage without that neighbour; ``send_*`` may be empty.
+    peer: int
+    start: Optional[int] = None
+    stop: Optional[int] = None
+
+    def of(self, x_BsH: torch.Tensor) -> torch.Tensor:
+        """This piece's positions of ``x[B, s, H]`` (the tensor itself when whole)."""
+        return x_BsH if self.start is None else x_BsH[:, self.start:self.stop]
+
+
+@dataclass(frozen=True)
+class BoundaryPeers:
+    """The messages of this rank per transfer kind (see the module docstring).
+
+    ``recv_*`` is empty on a stage without that neighbour; ``send_*`` may be empty. Without
+    sequence parallelism every message is a whole tensor and a rank receives one per transfer.
     """
 
-    send_forward: tuple[int, ...] = ()
-    recv_forward: Optional[int] = None
-    send_backward: tuple[int, ...] = ()
-    recv_backward: Optional[int] = None
+    send_forward: tuple[Piece, ...] = ()
+    recv_forward: tuple[Piece, ...] = ()
+    send_backward: tuple[Piece, ...] = ()
+    recv_backward: tuple[Piece, ...] = ()
 
-    def for_action(self, action: Action) -> tuple[int, ...]:
-        """The peers of one transfer action of this rank's schedule."""
-        kind = action.kind
-        if kind is ActionKind.SEND_FORWARD:
-            return self.send_forward
-        if kind is ActionKind.SEND_BACKWARD:
-            return self.send_backward
-        peer = self.recv_forward if kind is ActionKind.RECV_FORWARD else self.recv_backward
-        if kind not in (ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD) or peer is None:
+    def for_action(self, action: Action) -> tuple[Piece, ...]:
+        """The messages of one transfer action of this rank's schedule."""
+        pieces = {ActionKind.SEND_FORWARD: self.send_forward,
+                  ActionKind.RECV_FORWARD: self.recv_forward,
+                  ActionKind.SEND_BACKWARD: self.send_backward,
+                  ActionKind.RECV_BACKWARD: self.recv_backward}.get(action.kind)
+        if pieces is None or (action.kind in (ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD)
+                              and not pieces):
             raise ValueError(f"{action} is not a transfer this rank takes part in")
-        return (peer,)
+        return pieces
 
 
-def boundary_peers(plan: ParallelPlan, rank: int) -> BoundaryPeers:
-    """The transfer peers of ``rank`` in its pipeline (pure function of the plan)."""
+def local_positions(plan: ParallelPlan, stage: StagePlan, tp_rank: int,
+                    seq_length: int) -> tuple[int, int]:
+    """Sequence positions a rank of ``stage`` holds between layers: all of them, or its
+    ``S / tp`` block under sequence parallelism."""
+    if plan.sequence_parallel and stage.tp > 1:
+        return sequence_range(seq_length, stage.tp, tp_rank)
+    return 0, seq_length
+
+
+def _pieces(plan: ParallelPlan, me: StagePlan, t: int, other: StagePlan,
+            seq_length: Optional[int]) -> list[tuple[Piece, Piece]]:
+    """(my piece, the peer's piece) of every message between tp_rank ``t`` of ``me`` and the
+    ranks of the adjacent stage ``other`` that hold positions it needs or has, for the
+    direction where ``me`` receives (the sender side is the mirror image)."""
+    if seq_length is None or not plan.sequence_parallel:
+        # Replicated tensors: one source per receiver (rank t % tp of the other stage).
+        return [(Piece(other.ranks[t % other.tp]), Piece(-1))]
+    start, stop = local_positions(plan, me, t, seq_length)
+    out = []
+    for i, rank in enumerate(other.ranks):
+        a, b = local_positions(plan, other, i, seq_length)
+        lo, hi = max(a, start), min(b, stop)
+        if lo < hi:
+            out.append((Piece(rank, lo - start, hi - start), Piece(-1, lo - a, hi - a)))
+    return out
+
+
+def boundary_peers(plan: ParallelPlan, rank: int,
+                   seq_length: Optional[int] = None) -> BoundaryPeers:
+    """The transfer messages of ``rank`` in its pipeline (pure function of the plan).
+
+    Interleaved pipelines: every stage of a device group has the same neighbouring groups (the
+    previous stage of any of its chunks runs on group ``g - 1 mod pp``, the next on ``g + 1``),
+    so one set of messages serves all its chunks' boundaries. ``seq_length`` is needed for a
+    sequence-parallel plan (its messages carry blocks of positions).
+    """
     role = plan.rank_role(rank)
     stages = plan.pipelines[role.pipeline].stages
-    me, t = stages[role.stage], role.tp_rank
-    peers: dict[str, object] = {}
-    if role.stage > 0:
-        prev = stages[role.stage - 1]
-        peers["recv_forward"] = prev.ranks[t % prev.tp]
-        peers["send_backward"] = tuple(r for i, r in enumerate(prev.ranks) if i % me.tp == t)
-    if role.stage < len(stages) - 1:
-        nxt = stages[role.stage + 1]
-        peers["send_forward"] = tuple(r for j, r in enumerate(nxt.ranks) if j % me.tp == t)
-        peers["recv_backward"] = nxt.ranks[t % nxt.tp]
-    return BoundaryPeers(**peers)  # type: ignore[arg-type]
+    me, t = role.stage_plan, role.tp_rank
+    if plan.sequence_parallel and seq_length is None:
+        raise ValueError("a sequence-parallel plan's boundary messages need seq_length")
+
+    def sends_to(other: StagePlan) -> tuple[Piece, ...]:
+        """Mirror of the receives: my piece in every message a rank of ``other`` takes."""
+        out = []
+        for j, rank_j in enumerate(other.ranks):
+            for theirs, mine in _pieces(plan, other, j, me, seq_length):
+                if theirs.peer == rank:
+                    out.append(Piece(rank_j, mine.start, mine.stop))
+        return tuple(out)
+
+    peers: dict[str, tuple[Piece, ...]] = {}
+    with_prev = [s for s in role.chunks if s > 0]
+    if with_prev:
+        prev = stages[with_prev[0] - 1]
+        peers["recv_forward"] = tuple(p for p, _ in _pieces(plan, me, t, prev, seq_length))
+        peers["send_backward"] = sends_to(prev)
+    with_next = [s for s in role.chunks if s < len(stages) - 1]
+    if with_next:
+        nxt = stages[with_next[0] + 1]
+        peers["send_forward"] = sends_to(nxt)
+        peers["recv_backward"] = tuple(p for p, _ in _pieces(plan, me, t, nxt, seq_length))
+    return BoundaryPeers(**peers)
 
 
 @dataclass
@@ -109,18 +177,38 @@ class BufferPool:
 
 
 def transfer_ops(action: Action, peers: BoundaryPeers, payload: Optional[torch.Tensor],
-                 buffer: Optional[torch.Tensor]) -> list[P2POp]:
-    """The point-to-point ops of one transfer action.
+                 buffer: Optional[torch.Tensor]) -> tuple[list[P2POp], list[tuple]]:
+    """The point-to-point ops of one transfer action, and the receives to place afterwards.
 
-    Sends carry ``payload`` (contiguous, wire dtype) to each peer; a receive fills ``buffer``.
+    Sends carry ``payload`` (contiguous, wire dtype; its pieces for sequence blocks) to each
+    peer; a receive fills ``buffer``, directly when it is one whole message, else through one
+    staging tensor per piece: the second list holds ``(piece tensor, buffer view)`` pairs to
+    copy once the ops have completed (:func:`place_received`).
     """
     forward = action.kind in (ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD)
     tag = TAG_ACTIVATION if forward else TAG_GRADIENT
+    pieces = peers.for_action(action)
     if action.kind in (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD):
         assert payload is not None
-        return [P2POp("isend", payload, peer, tag) for peer in peers.for_action(action)]
+        return [P2POp("isend", piece.of(payload).contiguous(), piece.peer, tag)
+                for piece in pieces], []
     assert buffer is not None
-    return [P2POp("irecv", buffer, peers.for_action(action)[0], tag)]
+    if len(pieces) == 1 and pieces[0].start in (None, 0) and (
+            pieces[0].stop in (None, buffer.shape[1])):
+        return [P2POp("irecv", buffer, pieces[0].peer, tag)], []
+    ops, places = [], []
+    for piece in pieces:
+        view = piece.of(buffer)
+        staging = torch.empty(view.shape, dtype=buffer.dtype, device=buffer.device)
+        ops.append(P2POp("irecv", staging, piece.peer, tag))
+        places.append((staging, view))
+    return ops, places
+
+
+def place_received(places: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy received pieces into their buffer positions (after the receives completed)."""
+    for staging, view in places:
+        view.copy_(staging)
 
 
 def tied_embedding_weight(stage: torch.nn.Module, groups: ProcessGroups

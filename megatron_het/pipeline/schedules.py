@@ -1,81 +1,38 @@
 """Pipeline schedules written as data, and a process-free check that they are sound.
 
-A schedule for one stage is a list of steps run in order by an executor (written separately):
+A pipeline has ``p`` device groups and ``n = v * p`` stages (model chunks, global index
+``s = 0..n-1`` from embedding to head); stage ``s`` runs on group ``s % p``, so group ``g`` holds
+the local chunks ``c = 0..v-1`` = stages ``c * p + g``. Without interleaving ``v = 1`` and a
+group is a stage. Activations flow ``s -> s + 1``, their gradients ``s + 1 -> s``.
 
-- ``Action(FORWARD | BACKWARD, mb)``: compute on micro-batch ``mb`` at this stage;
-- ``Action(SEND_* | RECV_*, mb, peer_stage)``: one blocking point-to-point transfer of the
-  activations (forward) or of their gradients (backward) of ``mb`` with ``peer_stage``;
+A schedule for one group is a list of steps run in order by an executor (written separately):
+
+- ``Action(FORWARD | BACKWARD, mb, stage=s)``: compute on micro-batch ``mb`` at stage ``s``;
+- ``Action(SEND_* | RECV_*, mb, peer_stage, s)``: one blocking point-to-point transfer of the
+  activations (forward) or of their gradients (backward) of ``mb`` between ``s`` and
+  ``peer_stage = s +- 1``;
 - ``P2PBatch(actions)``: transfers posted together and waited on together (the executor issues
   them as one batched isend/irecv), e.g. SEND_FORWARD + RECV_BACKWARD in the 1F1B steady state.
 
-:func:`check_schedule` runs all stages' lists against each other with rendezvous semantics (a
-transfer completes only when the peer posts the matching one), which is stricter than buffered
-sends: a schedule it accepts cannot deadlock on a real backend either.
+``stage=None`` means the list's own stage (the non-interleaved lists, one stage per list).
+The actions live in :mod:`megatron_het.pipeline.actions`; :func:`check_schedule` (in
+:mod:`megatron_het.pipeline.schedule_check`, re-exported here) proves a schedule sound without
+processes. Schedules here: 1F1B, GPipe, interleaved 1F1B and the interleaved forward-only
+order.
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+import functools
+from collections import defaultdict
+from dataclasses import replace
+from typing import Callable, Union
 
+from megatron_het.pipeline.actions import (_RECV_OF, Action, ActionKind, P2PBatch,
+                                           ScheduleError, Step, _batched)
+from megatron_het.pipeline.schedule_check import (ScheduleReport, check_schedule,
+                                                  peak_activation)
 
-class ActionKind(enum.Enum):
-    RECV_FORWARD = "recv_forward"      # activations of mb from stage - 1
-    FORWARD = "forward"
-    SEND_FORWARD = "send_forward"      # activations of mb to stage + 1
-    RECV_BACKWARD = "recv_backward"    # output gradients of mb from stage + 1
-    BACKWARD = "backward"
-    SEND_BACKWARD = "send_backward"    # input gradients of mb to stage - 1
-
-
-_COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
-_SENDS = (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD)
-# The direction each transfer kind goes: peer_stage - stage.
-_PEER_OFFSET = {ActionKind.RECV_FORWARD: -1, ActionKind.SEND_FORWARD: +1,
-                ActionKind.RECV_BACKWARD: +1, ActionKind.SEND_BACKWARD: -1}
-
-
-@dataclass(frozen=True)
-class Action:
-    """One instruction; ``peer_stage`` is set for transfers and None for compute."""
-
-    kind: ActionKind
-    micro_batch: int
-    peer_stage: Optional[int] = None
-
-    def __str__(self) -> str:
-        if self.peer_stage is None:
-            return f"{self.kind.name} mb {self.micro_batch}"
-        arrow = "->" if self.kind in _SENDS else "<-"
-        return f"{self.kind.name} mb {self.micro_batch} {arrow} stage {self.peer_stage}"
-
-
-@dataclass(frozen=True)
-class P2PBatch:
-    """Transfers posted together; the step ends when all of them have completed."""
-
-    actions: tuple[Action, ...]
-
-    def __str__(self) -> str:
-        return "[" + " + ".join(map(str, self.actions)) + "]"
-
-
-Step = Union[Action, P2PBatch]
 ScheduleFn = Callable[[int, int, int], list[Step]]
-
-
-class ScheduleError(Exception):
-    """A schedule that would deadlock, mismatch transfers or skip or repeat work (a bug)."""
-
-
-@dataclass(frozen=True)
-class ScheduleReport:
-    """What :func:`check_schedule` measured. ``peak_in_flight[s]``: the most micro-batches
-    stage ``s`` holds activations for at once (forwarded, not yet backwarded)."""
-
-    num_stages: int
-    num_micro_batches: int
-    peak_in_flight: tuple[int, ...]
 
 
 def _check_args(num_stages: int, num_micro_batches: int, stage: int) -> None:
@@ -98,10 +55,6 @@ def _recv_backward(stage: int, num_stages: int, mb: int) -> list[Step]:
 
 def _send_backward(stage: int, mb: int) -> list[Step]:
     return [] if stage == 0 else [Action(ActionKind.SEND_BACKWARD, mb, stage - 1)]
-
-
-def _batched(steps: list[Step]) -> list[Step]:
-    return [P2PBatch(tuple(steps))] if len(steps) > 1 else steps
 
 
 def one_f_one_b(num_stages: int, num_micro_batches: int, stage: int) -> list[Step]:
@@ -155,168 +108,207 @@ def gpipe(num_stages: int, num_micro_batches: int, stage: int) -> list[Step]:
     return steps
 
 
+# ---- interleaved 1F1B ----------------------------------------------------------------------
+def interleaved_micro_batch_counts_ok(num_groups: int, num_micro_batches: int) -> bool:
+    """Whether interleaved 1F1B (more than one chunk per group) runs ``num_micro_batches``
+    over ``num_groups`` device groups: a positive multiple of the group count."""
+    return num_groups >= 1 and num_micro_batches >= 1 and num_micro_batches % num_groups == 0
+
+
+def _check_interleaved_args(num_groups: int, num_chunks: int, num_micro_batches: int,
+                            group: int) -> None:
+    if num_chunks < 1 or num_groups < 1 or not 0 <= group < num_groups:
+        raise ValueError(f"need num_chunks >= 1, num_groups >= 1 and 0 <= group < num_groups; "
+                         f"got {num_chunks}, {num_groups}, {group}")
+    if num_chunks == 1:
+        return
+    if num_groups < 2:
+        raise ValueError(f"interleaving {num_chunks} chunks needs at least 2 device groups")
+    if not interleaved_micro_batch_counts_ok(num_groups, num_micro_batches):
+        p = num_groups
+        raise ValueError(f"interleaved 1F1B over {p} device groups needs a number of "
+                         f"micro-batches that is a multiple of {p} ({p}, {2 * p}, {3 * p}, "
+                         f"...); got {num_micro_batches}")
+
+
+def interleaved_order(num_groups: int, num_chunks: int, num_micro_batches: int,
+                      forward: bool) -> list[tuple[int, int]]:
+    """Megatron-LM's interleaved compute order, the same on every group: micro-step ``k`` runs
+    local chunk ``(k % (p v)) // p`` (backward: ``v - 1 -`` that) on micro-batch
+    ``(k // (p v)) * p + k % p``; returns ``(chunk, micro_batch)`` for ``k = 0..m v - 1``."""
+    p, v = num_groups, num_chunks
+    order = []
+    for k in range(num_micro_batches * v):
+        chunk = (k % (p * v)) // p
+        order.append((chunk if forward else v - 1 - chunk, (k // (p * v)) * p + k % p))
+    return order
+
+
+def interleaved_warmup(num_groups: int, num_chunks: int, num_micro_batches: int,
+                       group: int) -> int:
+    """Forwards before group ``group``'s first backward: ``min(2 (p - g - 1) + (v - 1) p, m v)``,
+    and all ``m v`` when ``m == p`` (as Megatron-LM)."""
+    p, v, m = num_groups, num_chunks, num_micro_batches
+    return m * v if m == p else min(2 * (p - group - 1) + (v - 1) * p, m * v)
+
+
+def interleaved_one_f_one_b(num_groups: int, num_chunks: int, num_micro_batches: int,
+                            group: int) -> list[Step]:
+    """The interleaved 1F1B schedule of device group ``group``; every action names its stage.
+
+    ``num_chunks`` = v chunks per group (v = 1: :func:`one_f_one_b`'s list with stages set).
+    Compute follows :func:`interleaved_order` with :func:`interleaved_warmup` forwards, then one
+    forward + one backward per step, then the remaining backwards. After every compute
+    micro-step (steady state: after each forward+backward pair) comes ONE exchange (a P2PBatch
+    when it holds several transfers): the sends of what was just computed (when its consumer
+    exists) and the receives of the inputs of the next micro-step that come from another group
+    (none for stage 0's input or the head's output gradient). A receive's (stage, micro-batch)
+    is the one the sender sends in the same position on that channel. Peak activations held:
+    ``m v`` when ``m == p``, else ``min(warm-up + 1, m v)`` (stage, micro-batch) pairs.
+    Raises ValueError unless ``num_micro_batches`` is a multiple of ``num_groups`` (v > 1).
+    """
+    _check_interleaved_args(num_groups, num_chunks, num_micro_batches, group)
+    if num_chunks == 1:
+        return [_with_stage(step, group) for step in
+                one_f_one_b(num_groups, num_micro_batches, group)]
+    return list(_interleaved_lists(num_groups, num_chunks, num_micro_batches)[group])
+
+
+def _with_stage(step: Step, stage: int) -> Step:
+    if isinstance(step, P2PBatch):
+        return P2PBatch(tuple(replace(a, stage=stage) for a in step.actions))
+    return replace(step, stage=stage)
+
+
+# A receive before its sender is known: (kind, sending group).
+_Pending = tuple[ActionKind, int]
+
+
+def _interleaved_rounds(p: int, v: int, m: int, group: int) -> list[list[Action]]:
+    """Group ``group``'s compute, split at its exchanges: warm-up [F], steady [F, B], then
+    cool-down [B]; an exchange sits before each round and after the last."""
+    forwards = [Action(ActionKind.FORWARD, mb, stage=c * p + group) for c, mb in
+                interleaved_order(p, v, m, True)]
+    backwards = [Action(ActionKind.BACKWARD, mb, stage=c * p + group) for c, mb in
+                 interleaved_order(p, v, m, False)]
+    warmup = interleaved_warmup(p, v, m, group)
+    steady = m * v - warmup
+    return ([[f] for f in forwards[:warmup]]
+            + [[forwards[warmup + j], backwards[j]] for j in range(steady)]
+            + [[b] for b in backwards[steady:]])
+
+
+def _exchange(p: int, n: int, before: list[Action], after: list[Action]
+              ) -> list[Union[Action, _Pending]]:
+    """The sends of ``before``'s outputs and the receives of ``after``'s inputs. Forward-going
+    transfers come first on both sides, so a pair of groups exchanging both ways (p = 2) posts
+    its messages in the same order at either end."""
+    forward: list[Union[Action, _Pending]] = []
+    backward: list[Union[Action, _Pending]] = []
+    for a in before:
+        s = a.stage
+        assert s is not None
+        if a.kind is ActionKind.FORWARD and s < n - 1:
+            forward.append(Action(ActionKind.SEND_FORWARD, a.micro_batch, s + 1, s))
+        if a.kind is ActionKind.BACKWARD and s > 0:
+            backward.append(Action(ActionKind.SEND_BACKWARD, a.micro_batch, s - 1, s))
+    for a in after:
+        s = a.stage
+        assert s is not None
+        if a.kind is ActionKind.FORWARD and s > 0:
+            forward.append((ActionKind.RECV_FORWARD, (s - 1) % p))
+        if a.kind is ActionKind.BACKWARD and s < n - 1:
+            backward.append((ActionKind.RECV_BACKWARD, (s + 1) % p))
+    return forward + backward
+
+
+def _group_skeleton(p: int, v: int, m: int, group: int
+                    ) -> list[Union[Action, list[Union[Action, _Pending]]]]:
+    """Group ``group``'s compute actions and exchanges (lists of transfers whose receives are
+    still pending), in order."""
+    n = v * p
+    rounds = _interleaved_rounds(p, v, m, group)
+    seq: list[Union[Action, list[Union[Action, _Pending]]]] = [_exchange(p, n, [], rounds[0])]
+    for i, compute in enumerate(rounds):
+        seq += compute
+        seq.append(_exchange(p, n, compute, rounds[i + 1] if i + 1 < len(rounds) else []))
+    return seq
+
+
+@functools.lru_cache(maxsize=32)
+def _interleaved_lists(p: int, v: int, m: int) -> tuple[tuple[Step, ...], ...]:
+    """Every group's list: the skeletons, with each channel's k-th receive filled in with the
+    k-th send on it (messages on a channel arrive in send order)."""
+    skeletons = [_group_skeleton(p, v, m, g) for g in range(p)]
+    sends: dict[tuple[int, int, ActionKind], list[Action]] = defaultdict(list)
+    for g, seq in enumerate(skeletons):
+        for part in seq:
+            for a in part if isinstance(part, list) else ():
+                if isinstance(a, Action):  # channel: (sender, receiver, receive kind)
+                    sends[(g, a.peer_stage % p, _RECV_OF[a.kind])].append(a)
+    queues = {channel: iter(queue) for channel, queue in sends.items()}
+    lists = []
+    for g, seq in enumerate(skeletons):
+        steps: list[Step] = []
+        for part in seq:
+            if isinstance(part, Action):
+                steps.append(part)
+                continue
+            transfers = [a if isinstance(a, Action) else _received(a[0], next(queues[
+                (a[1], g, a[0])])) for a in part]
+            steps += _batched(transfers)
+        lists.append(tuple(steps))
+    assert all(next(queue, None) is None for queue in queues.values()), "a send is not received"
+    return tuple(lists)
+
+
+def _received(kind: ActionKind, send: Action) -> Action:
+    """The receive that takes ``send``."""
+    assert send.stage is not None and send.peer_stage is not None
+    return Action(kind, send.micro_batch, peer_stage=send.stage, stage=send.peer_stage)
+
+
+def sequential_forward(num_groups: int, num_chunks: int, num_micro_batches: int,
+                       group: int) -> list[Step]:
+    """Forward only (evaluation) on group ``group``: the micro-batches in order, each through
+    the group's stages in order (receive, forward, send); every action names its stage. Sound
+    under :func:`check_schedule` with ``forward_only=True``."""
+    _check_interleaved_args(num_groups, num_chunks, num_groups, group)
+    if num_micro_batches < 1:
+        raise ValueError(f"need num_micro_batches >= 1, got {num_micro_batches}")
+    n = num_groups * num_chunks
+    steps: list[Step] = []
+    for mb in range(num_micro_batches):
+        for s in range(group, n, num_groups):
+            if s > 0:
+                steps.append(Action(ActionKind.RECV_FORWARD, mb, s - 1, s))
+            steps.append(Action(ActionKind.FORWARD, mb, stage=s))
+            if s < n - 1:
+                steps.append(Action(ActionKind.SEND_FORWARD, mb, s + 1, s))
+    return steps
+
+
 SCHEDULES: dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
-def build_schedule(name: str, num_stages: int, num_micro_batches: int) -> list[list[Step]]:
-    """Every stage's list for the schedule called ``name`` (see SCHEDULES)."""
+def build_schedule(name: str, num_stages: int, num_micro_batches: int,
+                   num_chunks: int = 1) -> list[list[Step]]:
+    """Every list of the schedule called ``name`` (see SCHEDULES): one per stage, or with
+    ``num_chunks > 1`` ("1f1b" only) the interleaved lists of ``num_stages`` device groups."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
-    return [SCHEDULES[name](num_stages, num_micro_batches, s) for s in range(num_stages)]
+    if num_chunks < 1:
+        raise ValueError(f"need num_chunks >= 1, got {num_chunks}")
+    if num_chunks == 1:
+        return [SCHEDULES[name](num_stages, num_micro_batches, s) for s in range(num_stages)]
+    if name != "1f1b":
+        raise ValueError(f"schedule {name!r} does not interleave; {num_chunks} chunks per "
+                         f"device group need '1f1b'")
+    return [interleaved_one_f_one_b(num_stages, num_chunks, num_micro_batches, g)
+            for g in range(num_stages)]
 
 
-def check_schedule(per_stage_actions: Sequence[Sequence[Step]],
-                   num_micro_batches: Optional[int] = None) -> ScheduleReport:
-    """Prove that the stages' lists, run together, finish and do the right work.
-
-    Simulates all stages without processes: compute runs at once; a transfer (or P2PBatch)
-    blocks until the peer's current step posts the matching transfer on the same channel.
-    Raises ScheduleError on a deadlock (naming where each stage waits), on a send matched by a
-    receive of another micro-batch, on a transfer or compute whose data is not there yet, and
-    unless every stage forwards and backwards each micro-batch ``0..num_micro_batches-1``
-    exactly once (``num_micro_batches`` defaults to one more than the largest seen).
-    """
-    num_stages = len(per_stage_actions)
-    if num_stages == 0:
-        raise ScheduleError("a schedule needs at least one stage")
-    stages = [_StageRun(s, num_stages, steps) for s, steps in enumerate(per_stage_actions)]
-    while not all(run.done for run in stages):
-        moved = False
-        for run in stages:
-            moved |= run.run_until_transfer()
-        moved |= _match_transfers(stages)
-        for run in stages:
-            moved |= run.finish_step_if_matched()
-        if not moved:
-            waiting = "; ".join(f"stage {r.stage} at step {r.pc} {r.steps[r.pc]}"
-                                for r in stages if not r.done)
-            raise ScheduleError(f"deadlock: no stage can move ({waiting})")
-    seen = [a.micro_batch for steps in per_stage_actions for step in steps
-            for a in _actions_of(step)]
-    if num_micro_batches is None:
-        num_micro_batches = max(seen, default=-1) + 1
-    for run in stages:
-        run.check_complete(num_micro_batches)
-    return ScheduleReport(num_stages, num_micro_batches,
-                          tuple(run.peak_in_flight for run in stages))
-
-
-def _actions_of(step: Step) -> tuple[Action, ...]:
-    return step.actions if isinstance(step, P2PBatch) else (step,)
-
-
-class _StageRun:
-    """The state of one stage in :func:`check_schedule`'s simulation."""
-
-    def __init__(self, stage: int, num_stages: int, steps: Sequence[Step]) -> None:
-        self.stage, self.num_stages, self.steps = stage, num_stages, list(steps)
-        self.pc = 0
-        self.pending: list[Action] = []   # unmatched transfers of the posted step
-        self.posted = False
-        self.done_work: dict[ActionKind, set[int]] = {kind: set() for kind in ActionKind}
-        self.in_flight = self.peak_in_flight = 0
-        for index, step in enumerate(self.steps):
-            self._check_step_shape(index, step)
-
-    @property
-    def done(self) -> bool:
-        return self.pc >= len(self.steps)
-
-    def _fail(self, message: str) -> None:
-        raise ScheduleError(f"stage {self.stage} step {self.pc} ({self.steps[self.pc]}): "
-                            f"{message}")
-
-    def _check_step_shape(self, index: int, step: Step) -> None:
-        actions = _actions_of(step)
-        where = f"stage {self.stage} step {index} ({step})"
-        if isinstance(step, P2PBatch) and (not actions or any(
-                a.kind in _COMPUTE for a in actions)):
-            raise ScheduleError(f"{where}: a P2PBatch holds one or more transfers, no compute")
-        for a in actions:
-            want = None if a.kind in _COMPUTE else self.stage + _PEER_OFFSET[a.kind]
-            if a.peer_stage != want or (want is not None and not 0 <= want < self.num_stages):
-                raise ScheduleError(f"{where}: {a.kind.name} must have peer_stage {want} on "
-                                    f"stage {self.stage} of {self.num_stages}")
-
-    def run_until_transfer(self) -> bool:
-        """Run compute steps; post the next transfer step. True if anything happened."""
-        moved = False
-        while not self.done and not self.posted:
-            step = self.steps[self.pc]
-            if isinstance(step, Action) and step.kind in _COMPUTE:
-                self._compute(step)
-                self.pc += 1
-            else:
-                for a in _actions_of(step):
-                    self._check_send_ready(a)
-                self.pending, self.posted = list(_actions_of(step)), True
-            moved = True
-        return moved
-
-    def _compute(self, a: Action) -> None:
-        mb, done = a.micro_batch, self.done_work
-        if mb in done[a.kind]:
-            self._fail(f"micro-batch {mb} is {a.kind.value}ed twice")
-        if a.kind is ActionKind.FORWARD:
-            if self.stage > 0 and mb not in done[ActionKind.RECV_FORWARD]:
-                self._fail(f"the input of micro-batch {mb} has not been received")
-            self.in_flight += 1
-            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        else:
-            if mb not in done[ActionKind.FORWARD]:
-                self._fail(f"micro-batch {mb} has not been forwarded here")
-            if self.stage < self.num_stages - 1 and mb not in done[ActionKind.RECV_BACKWARD]:
-                self._fail(f"the output gradient of micro-batch {mb} has not been received")
-            self.in_flight -= 1
-        done[a.kind].add(mb)
-
-    def _check_send_ready(self, a: Action) -> None:
-        needs = {ActionKind.SEND_FORWARD: ActionKind.FORWARD,
-                 ActionKind.SEND_BACKWARD: ActionKind.BACKWARD}.get(a.kind)
-        if needs is not None and a.micro_batch not in self.done_work[needs]:
-            self._fail(f"sends micro-batch {a.micro_batch} before its {needs.value} ran here")
-
-    def complete(self, a: Action) -> None:
-        if a.micro_batch in self.done_work[a.kind]:
-            self._fail(f"{a.kind.value} of micro-batch {a.micro_batch} happens twice")
-        self.done_work[a.kind].add(a.micro_batch)
-        self.pending.remove(a)
-
-    def finish_step_if_matched(self) -> bool:
-        if self.posted and not self.pending:
-            self.pc, self.posted = self.pc + 1, False
-            return True
-        return False
-
-    def check_complete(self, num_micro_batches: int) -> None:
-        expected = set(range(num_micro_batches))
-        for kind in _COMPUTE:
-            got = self.done_work[kind]
-            if got != expected:
-                raise ScheduleError(
-                    f"stage {self.stage} runs {kind.value} on micro-batches {sorted(got)}; "
-                    f"every stage must run it once on each of 0..{num_micro_batches - 1}")
-
-
-def _match_transfers(stages: list[_StageRun]) -> bool:
-    """Pair posted sends with the peer's posted receives, channel by channel, in order."""
-    moved = False
-    for sender in stages:
-        if not sender.posted:
-            continue
-        for send in [a for a in sender.pending if a.kind in _SENDS]:
-            receiver = stages[send.peer_stage]
-            recvs = [a for a in receiver.pending
-                     if a.kind not in _SENDS and a.peer_stage == sender.stage]
-            if not receiver.posted or not recvs:
-                continue
-            recv = recvs[0]
-            if recv.micro_batch != send.micro_batch:
-                raise ScheduleError(
-                    f"stage {sender.stage} step {sender.pc} sends {send} while stage "
-                    f"{receiver.stage} step {receiver.pc} expects {recv}: transfers between two "
-                    f"stages must come in the same order on both sides")
-            sender.complete(send)
-            receiver.complete(recv)
-            moved = True
-    return moved
+__all__ = ["SCHEDULES", "Action", "ActionKind", "P2PBatch", "ScheduleError", "ScheduleReport",
+           "Step", "build_schedule", "check_schedule", "gpipe",
+           "interleaved_micro_batch_counts_ok", "interleaved_one_f_one_b", "interleaved_order",
+           "interleaved_warmup", "one_f_one_b", "peak_activation", "sequential_forward"]

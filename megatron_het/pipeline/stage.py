@@ -20,7 +20,8 @@ from megatron_het.tensor_parallel.apply import apply_tp
 
 def build_stage(model_config: ModelConfig, plan: ParallelPlan, groups: ProcessGroups, seed: int,
                 device: torch.device | str = "cpu") -> LlamaModel:
-    """This rank's stage: layers ``role.stage_plan.layers`` with TP applied over ``groups.tp``.
+    """This rank's stage: layers ``role.stage_plan.layers`` with TP applied over ``groups.tp``
+    (an interleaved pipeline's device group: the layers of all its stages, one model chunk each).
 
     Args:
         model_config: the whole model's shape.
@@ -40,13 +41,15 @@ def build_stage(model_config: ModelConfig, plan: ParallelPlan, groups: ProcessGr
     if groups.tp.size != stage.tp or tuple(groups.tp.ranks) != tuple(sorted(stage.ranks)):
         raise ValueError(f"groups.tp has ranks {list(groups.tp.ranks)} but stage {role.stage} "
                          f"of pipeline {role.pipeline} has ranks {list(stage.ranks)}")
+    chunks = [(c.layers[0], c.layers[1], c.recompute) for c in role.chunk_plans]
     with torch.device("meta"):
-        model = LlamaModel(model_config, stage.layers, has_embedding=stage.has_embedding,
-                           has_head=stage.has_head, recompute=stage.recompute)
+        model = LlamaModel(model_config, has_embedding=role.is_first_stage,
+                           has_head=role.is_last_stage, chunks=chunks)
     if stage.tp == 1:
         model.to_empty(device=device)
         init_weights(model, seed)
         return model
     # Shards drawn from the seed land on the CPU (the meta model has no device of its own).
-    apply_tp(model, groups.tp, model_config, seed=seed)
+    apply_tp(model, groups.tp, model_config, seed=seed,
+             sequence_parallel=bool(plan.sequence_parallel))
     return model.to(device)

@@ -1,7 +1,8 @@
 """Charts of a predicted plan, drawn with matplotlib (Agg, imported only when a chart is drawn).
 
 - Timeline: one row per stage of the slowest pipeline, its forward (light) and backward (dark)
-  steps as simulated by :func:`megatron_het.perf.simulate_1f1b` with the predicted per-stage
+  steps as simulated by :func:`megatron_het.perf.simulator.simulate` (1F1B, interleaved where the
+  plan interleaves: one bar per device group) with the predicted per-stage
   times, p2p transfers as a thin grey strip, then the DP gradient sync and the optimizer step;
   the gaps are the bubble. The x axis is time in seconds.
 - Allocation: every node of the cluster as a block of device cells, labelled with its index and
@@ -14,7 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.perf import Prediction, StagePrediction, simulate_1f1b
+from megatron_het.perf import Prediction, StagePrediction
+from megatron_het.perf.simulator import simulate
+from megatron_het.pipeline.schedules import build_schedule
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -78,11 +81,17 @@ def draw_timeline(ax: "Axes", prediction: Prediction, title: Optional[str] = Non
     rows, micro_batches = _slowest_rows(prediction)
     colors = _kind_colors(prediction)
     colors = {k: c for k, c in colors.items() if any(r.accelerator == k for r in rows)}
-    sim = simulate_1f1b([r.forward_s for r in rows], [r.backward_s for r in rows], micro_batches,
-                        [r.p2p_forward_s for r in rows[:-1]],
-                        [r.p2p_backward_s for r in rows[:-1]])
+    # One bar per device group: an interleaved group runs several rows' chunks.
+    num_groups = len(dict.fromkeys(r.ranks for r in rows))
+    chunks = len(rows) // num_groups
+    sim = simulate(build_schedule("1f1b", num_groups, micro_batches, num_chunks=chunks),
+                   [r.forward_s for r in rows], [r.backward_s for r in rows],
+                   [r.p2p_forward_s for r in rows[:-1]], [r.p2p_backward_s for r in rows[:-1]])
     total_s = sim.makespan_s + prediction.dp_sync_s + prediction.optimizer_s
     numbered = len(rows) * micro_batches <= MICRO_BATCH_LABELS
+    labels = [f"S{r.stage} {r.accelerator} TP{r.tp} L{r.layers[0]}-{r.layers[1]}"
+              + (f" +{chunks - 1} chunks" if chunks > 1 else "") for r in rows[:num_groups]]
+    rows = rows[:num_groups]  # stage g < num_groups is device group g's first chunk
     for s, row in enumerate(rows):
         spans: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": [], "p2p": []}
         for e in sim.timeline[s]:
@@ -97,9 +106,7 @@ def draw_timeline(ax: "Axes", prediction: Prediction, title: Optional[str] = Non
         ax.broken_barh([(sim.makespan_s, row.dp_sync_s),
                         (sim.makespan_s + prediction.dp_sync_s, row.optimizer_s)],
                        (s - 0.4, 0.8), facecolors=(SYNC, OPT))
-    ax.set_yticks(range(len(rows)),
-                  [f"S{r.stage} {r.accelerator} TP{r.tp} L{r.layers[0]}-{r.layers[1]}"
-                   for r in rows], fontsize=8)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # stage 0 on top
     ax.set_xlim(0, total_s)
     ax.set_xlabel("time (s)")
@@ -129,7 +136,10 @@ def draw_allocation(ax: "Axes", prediction: Prediction, cluster: ClusterSpec,
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch, Rectangle
 
-    stage_of = {rank: s.stage for s in prediction.stages for rank in s.ranks}
+    stage_of: dict[int, int] = {}
+    for row in prediction.stages:  # an interleaved device group: its first stage
+        for rank in row.ranks:
+            stage_of.setdefault(rank, row.stage)
     kinds = {info.rank: info.accelerator.label for info in cluster.rank_map()}
     colors = _kind_colors(prediction, tuple(kinds.values()))
     nodes = cluster.nodes()

@@ -23,6 +23,7 @@ from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.model_args import DEFAULT_VOCAB, add_model_shape_args, model_config_from_args
 from megatron_het.parallel.plan import PLAN_DTYPES, ParallelPlan
+from megatron_het.parallel.plan_builders import interleave_plan
 from megatron_het.perf import Profile, load_profiles
 from megatron_het.planner.chart import save_chart
 from megatron_het.planner.evaluate import evaluate_plan
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, metavar="K",
                    help="simulate and list the best K candidates (default 5)")
     p.add_argument("--evaluate", metavar="plan.json", help="predict this plan, no search")
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="interleave the plan: every device group runs V model chunks with "
+                        "the interleaved 1F1B schedule (its layers dealt out in V rounds); "
+                        "default 1")
     p.add_argument("--no-upper-bound", action="store_true",
                    help="skip the per-kind searches of the upper bound")
     p.add_argument("--json", action="store_true", help="print a JSON summary line last")
@@ -79,7 +84,8 @@ def load_profile_dir(directory: Optional[str]) -> Optional[dict[str, Profile]]:
 
 def _check_numbers(args: argparse.Namespace) -> None:
     for flag, value in (("--seq-length", args.seq_length), ("--top", args.top),
-                        ("--global-batch-size", args.global_batch_size)):
+                        ("--global-batch-size", args.global_batch_size),
+                        ("--virtual-stages", args.virtual_stages)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be at least 1, got {value}")
     if args.evaluate is None and args.global_batch_size is None:
@@ -95,12 +101,17 @@ def run(argv: Sequence[str]) -> SearchResult:
     cluster = ClusterSpec.load(args.cluster)
     profiles = load_profile_dir(args.profile_dir)
     if args.evaluate is not None:
-        plan = ParallelPlan.load(args.evaluate)
+        plan = interleave_plan(ParallelPlan.load(args.evaluate), args.virtual_stages)
         result = evaluate_plan(model, cluster, plan, args.seq_length, profiles, args.dtype,
                                args.global_batch_size, not args.no_upper_bound)
     else:
         result = search_plan(model, cluster, args.global_batch_size, args.seq_length, profiles,
                              args.dtype, top_k=args.top)
+        if args.virtual_stages > 1:  # the searched plan, interleaved, predicted again
+            result = evaluate_plan(model, cluster, interleave_plan(result.plan,
+                                                                   args.virtual_stages),
+                                   args.seq_length, profiles, args.dtype,
+                                   args.global_batch_size, with_upper_bound=False)
         if not args.no_upper_bound:
             result = result.with_upper_bound(upper_bound(
                 model, cluster, args.global_batch_size, args.seq_length, profiles, args.dtype))

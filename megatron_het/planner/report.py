@@ -3,6 +3,8 @@
 All three read a :class:`~megatron_het.planner.result.SearchResult` (a searched plan, or a given
 plan predicted by ``--evaluate``) and do no prediction of their own except the per-stage idle
 share, which re-runs the 1F1B simulation of the slowest pipeline with the predicted times. The
+stage tables show pipeline 0, or every pipeline when their layouts differ (heterogeneous data
+parallelism); a device's memory and idle share appear once, on its first chunk's row. The
 JSON line stays short on any cluster: it gives the plan as stage groups, not rank lists.
 """
 from __future__ import annotations
@@ -11,24 +13,45 @@ from typing import Any, Optional
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.parallel.plan import ParallelPlan
-from megatron_het.perf import Prediction, fits, simulate_1f1b
+from megatron_het.perf import Prediction, StagePrediction, fits, simulate_1f1b
+from megatron_het.parallel.replicas import uniform_layouts
 from megatron_het.perf.memory import GIB
 from megatron_het.planner.result import SearchResult
 
 
-def stage_idle_fractions(prediction: Prediction) -> list[float]:
-    """Per stage of the slowest pipeline: the share of its 1F1B time spent idle (its bubble)."""
-    slowest = max(prediction.pipelines, key=lambda p: p.time_s)
-    rows = [s for s in prediction.stages if s.pipeline == slowest.pipeline]
+def _group_of(rows: list[StagePrediction]) -> list[int]:
+    """Per row of one pipeline, its device group (rows of one group share their ranks: the
+    chunks of an interleaved pipeline), numbered in order of first appearance."""
+    groups: dict[tuple[int, ...], int] = {}
+    return [groups.setdefault(r.ranks, len(groups)) for r in rows]
+
+
+def stage_idle_fractions(prediction: Prediction, pipeline: Optional[int] = None) -> list[float]:
+    """Per stage of ``pipeline`` (default: the slowest), the share of its 1F1B time its device
+    group spends idle (its bubble; the chunks of an interleaved group share one figure)."""
+    if pipeline is None:
+        pipeline = max(prediction.pipelines, key=lambda p: p.time_s).pipeline
+    timing = next(p for p in prediction.pipelines if p.pipeline == pipeline)
+    rows = [s for s in prediction.stages if s.pipeline == pipeline]
+    group_of = _group_of(rows)
     sim = simulate_1f1b([r.forward_s for r in rows], [r.backward_s for r in rows],
-                        slowest.micro_batches, [r.p2p_forward_s for r in rows[:-1]],
-                        [r.p2p_backward_s for r in rows[:-1]], record_timeline=False)
-    return [1.0 - busy / sim.makespan_s for busy in sim.busy_s]
+                        timing.micro_batches, [r.p2p_forward_s for r in rows[:-1]],
+                        [r.p2p_backward_s for r in rows[:-1]], record_timeline=False,
+                        num_chunks=len(rows) // (max(group_of) + 1))
+    return [1.0 - sim.busy_s[g] / sim.makespan_s for g in group_of]
 
 
 def peak_memory_gib(prediction: Prediction) -> list[float]:
-    """Peak memory per device of each stage (of pipeline 0; DP replicas are the same)."""
-    return [s.memory.total_bytes / GIB for s in prediction.stages if s.pipeline == 0]
+    """Peak memory per device of each device group of pipeline 0 (a stage, or the chunks of an
+    interleaved group together; with uniform layouts the DP replicas are the same)."""
+    rows = [s for s in prediction.stages if s.pipeline == 0]
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for row in rows:
+        if row.ranks not in seen:
+            seen.add(row.ranks)
+            out.append(row.memory.total_bytes / GIB)
+    return out
 
 
 def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
@@ -53,8 +76,9 @@ def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
 
 
 def summary_dict(result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
-    """The JSON summary: throughput, bound, efficiency, timing, memory per stage and the plan
-    in short (:func:`plan_summary`; the full plan is what ``--out`` writes)."""
+    """The JSON summary: throughput, bound, efficiency, timing, memory per device group of
+    pipeline 0 and the plan in short (:func:`plan_summary`; the full plan is what ``--out``
+    writes)."""
     p = result.prediction
     bound = result.upper_bound
     memory = fits(p, cluster)
@@ -79,15 +103,25 @@ def summary_dict(result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
     }
 
 
+def _shown_pipelines(result: SearchResult) -> list[int]:
+    """The pipelines the stage tables show: pipeline 0 when every pipeline splits the model
+    alike, else each of them."""
+    return [0] if uniform_layouts(result.plan) else list(range(result.plan.dp_size))
+
+
 def text_summary(result: SearchResult, cluster: ClusterSpec) -> str:
     """A few lines for the terminal: the plan, the per-stage table and the headline figures."""
     p = result.prediction
     header = ["stage", "accelerator", "tp", "layers", "fwd ms", "bwd ms", "tp ms", "p2p ms",
               "dp ms", "opt ms", "idle", "mem GiB"]
-    rows = [header] + _stage_rows(p)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [_short_describe(result.plan), "", "pipeline 0 (DP replicas are the same):"]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = [_short_describe(result.plan)]
+    shown = _shown_pipelines(result)
+    for pipeline in shown:
+        rows = [header] + _stage_rows(p, pipeline, len(shown) == 1)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines += ["", f"pipeline {pipeline}" + (" (DP replicas are the same):"
+                                                 if len(shown) == 1 else ":")]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.append(_headline(result))
     memory = fits(p, cluster)
     if not memory.ok:
@@ -97,10 +131,11 @@ def text_summary(result: SearchResult, cluster: ClusterSpec) -> str:
 
 def _short_describe(plan: ParallelPlan) -> str:
     """:meth:`ParallelPlan.describe` up to the first pipeline; the others differ only in ranks
-    (the full plan is in the report and the plan file)."""
+    (the full plan is in the report and the plan file). Pipelines of different layouts are
+    all described."""
     lines = plan.describe().splitlines()
     cut = next((i for i, line in enumerate(lines) if line.startswith("  pipeline 1:")), None)
-    if cut is None:
+    if cut is None or not uniform_layouts(plan):
         return "\n".join(lines)
     return "\n".join(lines[:cut] + [f"  pipelines 1-{plan.dp_size - 1}: the same stages on "
                                     f"their own ranks"])
@@ -126,15 +161,23 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
-def _stage_rows(prediction: Prediction) -> list[list[str]]:
-    idle = stage_idle_fractions(prediction)
-    rows = []
-    for s in (s for s in prediction.stages if s.pipeline == 0):
+def _stage_rows(prediction: Prediction, pipeline: int = 0,
+                slowest_idle: bool = True) -> list[list[str]]:
+    """The rows of ``pipeline``'s stages. A device's figures (idle share, memory) appear on its
+    first stage's row; the other chunks of an interleaved device group point to it. The idle
+    shares are the slowest pipeline's (``slowest_idle``, for identical replicas) or the
+    pipeline's own."""
+    idle = stage_idle_fractions(prediction, None if slowest_idle else pipeline)
+    rows, first_of = [], {}
+    for s in (s for s in prediction.stages if s.pipeline == pipeline):
         ms = [f"{1e3 * v:.2f}" for v in (s.forward_s, s.backward_s, s.tp_comm_s,
                                            s.p2p_forward_s, s.dp_sync_s, s.optimizer_s)]
+        first = first_of.setdefault(s.ranks, s.stage)
+        device = ([f"{100 * idle[s.stage]:.1f}%",
+                   f"{s.memory.total_bytes / GIB:.1f} / {s.capacity_bytes / GIB:.0f}"]
+                  if first == s.stage else [f"(stage {first})"] * 2)
         rows.append([str(s.stage), s.accelerator, str(s.tp), f"[{s.layers[0]}, {s.layers[1]})",
-                     *ms, f"{100 * idle[s.stage]:.1f}%",
-                     f"{s.memory.total_bytes / GIB:.1f} / {s.capacity_bytes / GIB:.0f}"])
+                     *ms, *device])
     return rows
 
 
@@ -161,10 +204,16 @@ def markdown_report(result: SearchResult, cluster: ClusterSpec, title: Optional[
                         f"{result.search_time_s:.2f} s"])
     if result.upper_bound is not None:
         figures.append(["upper bound searches", f"{result.upper_bound.search_time_s:.2f} s"])
-    lines += _table(["figure", "value"], figures) + ["", "## Stages (pipeline 0)", ""]
-    lines += _table(["stage", "accelerator", "tp", "layers", "fwd ms", "bwd ms", "tp comm ms",
-                     "p2p ms", "dp sync ms", "optimizer ms", "idle", "memory GiB"],
-                    _stage_rows(p))
+    lines += _table(["figure", "value"], figures)
+    shown = _shown_pipelines(result)
+    for pipeline in shown:
+        lines += ["", f"## Stages (pipeline {pipeline})", ""]
+        lines += _table(["stage", "accelerator", "tp", "layers", "fwd ms", "bwd ms",
+                         "tp comm ms", "p2p ms", "dp sync ms", "optimizer ms", "idle",
+                         "memory GiB"], _stage_rows(p, pipeline, len(shown) == 1))
+    if any(pp.interleaved for pp in result.plan.pipelines):
+        lines += ["", "An interleaved device group's idle share and memory (all its chunks) "
+                  "are on its first chunk's row."]
     lines += ["", f"Memory: {fits(p, cluster).message}.", ""]
     if result.upper_bound is not None:
         lines += ["## Upper bound", "", "Sum over accelerator kinds of devices x per-device "

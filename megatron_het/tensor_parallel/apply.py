@@ -29,8 +29,10 @@ from megatron_het.model.llama import LlamaModel
 from megatron_het.tensor_parallel.cross_entropy import (gather_vocab_parallel_logits,
                                                         vocab_parallel_linear_cross_entropy)
 from megatron_het.tensor_parallel.layers import (ColumnParallelLinear, ParallelMLP,
-                                                 RowParallelLinear, VocabParallelEmbedding)
+                                                 RowParallelLinear, SequenceParallelRMSNorm,
+                                                 VocabParallelEmbedding)
 from megatron_het.tensor_parallel.mappings import copy_to_tp
+from megatron_het.tensor_parallel.sequence_parallel import gather_from_sp
 from megatron_het.tensor_parallel.sharding import (check_tp_size, shard_tensor, vocab_range,
                                                    vocab_sizes)
 
@@ -47,25 +49,36 @@ class TensorParallelLlamaModel(LlamaModel):
 
     tp_group: UnifiedGroup
     vocab_range: tuple[int, int]
+    sequence_parallel: bool = False
+
+    def sequence_length(self, hidden: torch.Tensor) -> int:
+        return hidden.shape[1] * (self.tp_group.size if self.sequence_parallel else 1)
 
     def head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None,
              loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """As :meth:`LlamaModel.head`, with the output projection split by vocabulary over
-        ``tp_group``: the loss never forms full-vocabulary logits; logits are all-gathered."""
+        ``tp_group``: the loss never forms full-vocabulary logits; logits are all-gathered.
+        With sequence parallelism the normed ``[B, S/tp, H]`` shards are gathered first (the
+        gather's backward sums the ranks' partial input gradients)."""
         if not self.has_head:
             raise RuntimeError("this stage has no head")
         normed = self.final_norm(hidden)
+        if self.sequence_parallel:
+            normed = gather_from_sp(normed, self.tp_group)
         if labels is not None:
             return vocab_parallel_linear_cross_entropy(
                 normed, self.output_weight(), labels, self.tp_group, self.vocab_range[0],
-                loss_weights)
+                loss_weights, copy_input=not self.sequence_parallel)
         return self.vocab_parallel_logits(normed, gather=True)
 
     def vocab_parallel_logits(self, normed: torch.Tensor, gather: bool = False) -> torch.Tensor:
-        """Logits of final-normed hidden states ``[..., H]``: this rank's ``[..., Vr]`` columns
-        (token ids ``vocab_range``), or with ``gather`` the full ``[..., V]`` on every rank."""
+        """Logits of final-normed hidden states ``[..., H]`` (the whole sequence): this rank's
+        ``[..., Vr]`` columns (token ids ``vocab_range``), or with ``gather`` the full
+        ``[..., V]`` on every rank."""
         group = self.tp_group
-        local = F.linear(copy_to_tp(normed, group, inplace_grad=True), self.output_weight())
+        if not self.sequence_parallel:  # gathered shards' backward sums the gradient already
+            normed = copy_to_tp(normed, group, inplace_grad=True)
+        local = F.linear(normed, self.output_weight())
         if not gather:
             return local
         return gather_vocab_parallel_logits(local, group,
@@ -89,7 +102,7 @@ def _shard(model: nn.Module, name: str, config: ModelConfig, tp: int, tp_rank: i
 
 @torch.no_grad()
 def apply_tp(model: LlamaModel, group: UnifiedGroup, config: ModelConfig,
-             seed: Optional[int] = None) -> LlamaModel:
+             seed: Optional[int] = None, sequence_parallel: bool = False) -> LlamaModel:
     """Shard ``model`` over the tensor-parallel ``group`` in place and return it.
 
     Args:
@@ -107,7 +120,9 @@ def apply_tp(model: LlamaModel, group: UnifiedGroup, config: ModelConfig,
     it with :func:`~megatron_het.model.llama.build_model`). Otherwise every parameter keeps
     its global name and holds this rank's slice (:func:`~megatron_het.tensor_parallel.sharding.
     shard_spec`); norms stay replicated. Collective-free: only the layers' forward and backward
-    communicate.
+    communicate. ``sequence_parallel`` shards the regions between TP blocks along the sequence
+    (:mod:`megatron_het.tensor_parallel.sequence_parallel`): hidden states between layers and
+    stages are ``[B, S/tp, H]`` per rank.
     """
     tp, tp_rank = group.size, group.rank
     if tp == 1:
@@ -125,26 +140,38 @@ def apply_tp(model: LlamaModel, group: UnifiedGroup, config: ModelConfig,
         prefix = f"layers.{index}."
         attention = layer.attention
         qkv, proj = shard(prefix + "attention.qkv.weight"), shard(prefix + "attention.proj.weight")
-        attention.qkv = ColumnParallelLinear(qkv, group)
-        attention.proj = RowParallelLinear(proj, group)
+        sp = sequence_parallel
+        attention.qkv = ColumnParallelLinear(qkv, group, sequence_parallel=sp)
+        attention.proj = RowParallelLinear(proj, group, sp)
         attention.num_heads = config.num_attention_heads // tp
         attention.num_groups = config.num_query_groups // tp
         layer.mlp = ParallelMLP(shard(prefix + "mlp.gate.weight"), shard(prefix + "mlp.up.weight"),
-                                shard(prefix + "mlp.down.weight"), group)
-        for norm in ("input_norm.weight", "post_attention_norm.weight"):
-            _replace_replicated(model, prefix + norm, seed, config)
+                                shard(prefix + "mlp.down.weight"), group, sp)
+        for norm in ("input_norm", "post_attention_norm"):
+            _replace_replicated(model, f"{prefix}{norm}.weight", seed, config)
+            _sequence_parallel_norm(layer.get_submodule(norm), group, sp)
     start, stop = vocab_range(config.vocab_size, tp, tp_rank)
     if model.embedding is not None:
-        model.embedding = VocabParallelEmbedding(shard("embedding.weight"), start, group)
+        model.embedding = VocabParallelEmbedding(shard("embedding.weight"), start, group,
+                                                 sequence_parallel)
     if model.output is not None:
         model.output.weight = nn.Parameter(shard("output.weight"))
         model.output.out_features = model.output.weight.shape[0]
     if model.final_norm is not None:
         _replace_replicated(model, "final_norm.weight", seed, config)
+        _sequence_parallel_norm(model.final_norm, group, sequence_parallel)
     model.__class__ = TensorParallelLlamaModel
     model.tp_group = group
     model.vocab_range = (start, stop)
+    model.sequence_parallel = sequence_parallel
     return model
+
+
+def _sequence_parallel_norm(norm: nn.Module, group: UnifiedGroup, enabled: bool) -> None:
+    """Make a replicated norm sum its weight gradient over ``group`` (sequence parallelism)."""
+    if enabled:
+        norm.__class__ = SequenceParallelRMSNorm
+        norm.group = group
 
 
 def _replace_replicated(model: nn.Module, name: str, seed: Optional[int],

@@ -156,7 +156,7 @@ def _head_grads(kept: Sequence[torch.Tensor], hidden: torch.Tensor, weight: torc
 def vocab_parallel_linear_cross_entropy(
         hidden: torch.Tensor, weight_VH: torch.Tensor, labels: torch.Tensor,
         group: UnifiedGroup, vocab_start: int, loss_weights: Optional[torch.Tensor] = None,
-        chunk_tokens: Optional[int] = None) -> torch.Tensor:
+        chunk_tokens: Optional[int] = None, copy_input: bool = True) -> torch.Tensor:
     """``sum_i loss_weights[i] * CE(hidden[i] @ W.T, labels[i])`` with W split by vocabulary.
 
     Args:
@@ -169,6 +169,8 @@ def vocab_parallel_linear_cross_entropy(
         loss_weights: ``[...]`` per-token weights; default the mean over non-ignored tokens.
         chunk_tokens: tokens per GEMM chunk; default
             :func:`~megatron_het.model.loss.default_chunk_tokens` of ``Vr``.
+        copy_input: pass ``hidden`` through :func:`copy_to_tp` (off when the caller's own op
+            sums the hidden gradient over ``group``, as the sequence-parallel gather does).
 
     Returns the float32 scalar loss, equal on every rank to the single-process
     :func:`~megatron_het.model.loss.linear_cross_entropy`. No rank ever holds full-vocabulary
@@ -179,7 +181,8 @@ def vocab_parallel_linear_cross_entropy(
     forward, and in backward the all-reduce of the ``[N, H]`` hidden gradient (the input passes
     through :func:`copy_to_tp`).
     """
-    hidden = copy_to_tp(hidden, group)
+    if copy_input:
+        hidden = copy_to_tp(hidden, group)
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
     labels_N = labels.reshape(-1)
     weights_N = token_loss_weights(labels_N, loss_weights)

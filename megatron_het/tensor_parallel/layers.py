@@ -4,7 +4,9 @@ Each layer holds its shard as ``weight`` so that, put in place of a single-proce
 parameter keeps its global name (``layers.3.mlp.up.weight``). The shard comes from
 :func:`~megatron_het.tensor_parallel.sharding.shard_tensor`, so it equals the matching slice of
 the single-process weights. Communication goes through the mappings of
-:mod:`megatron_het.tensor_parallel.mappings` on the group given at construction.
+:mod:`megatron_het.tensor_parallel.mappings` on the group given at construction, or with
+``sequence_parallel`` through those of :mod:`megatron_het.tensor_parallel.sequence_parallel`
+(inputs and outputs ``[B, S/tp, H]`` sharded along the sequence instead of replicated).
 
 Shape legend: H hidden (input features), O output features, tp the group size, V vocabulary,
 Vr this rank's vocabulary rows.
@@ -16,8 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_het.comm.groups import UnifiedGroup
-from megatron_het.kernels import swiglu
+from megatron_het.kernels import rms_norm, swiglu
+from megatron_het.model.llama import RMSNorm
 from megatron_het.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
+from megatron_het.tensor_parallel.sequence_parallel import (gather_from_sp, reduce_scatter_to_sp,
+                                                            sp_norm_weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -29,19 +34,23 @@ class ColumnParallelLinear(nn.Module):
         copy_input: wrap the input in :func:`copy_to_tp`, whose backward all-reduces the input
             gradient over ``group``. Turn it off when the caller already did that for the same
             input (several column-parallel layers reading one tensor need only one all-reduce).
+        sequence_parallel: the input is ``[B, S/tp, H]``; entering gathers the sequence (its
+            backward reduce-scatters the input gradient) instead of :func:`copy_to_tp`.
 
     Input ``[..., H]`` replicated on every rank; output ``[..., O/tp]`` sharded, not gathered.
     """
 
-    def __init__(self, weight: torch.Tensor, group: UnifiedGroup, copy_input: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, group: UnifiedGroup, copy_input: bool = True,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.group = group
         self.copy_input = copy_input
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
-            x = copy_to_tp(x, self.group, inplace_grad=True)
+            x = enter_tp(x, self.group, self.sequence_parallel)
         return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
@@ -55,18 +64,22 @@ class RowParallelLinear(nn.Module):
     Args:
         weight: this rank's columns ``[O, H/tp]``.
         group: the tensor-parallel group.
+        sequence_parallel: leave by a reduce-scatter along the sequence (output
+            ``[B, S/tp, O]``) instead of an all-reduce.
 
     Input ``[..., H/tp]`` sharded (the output of a column-parallel layer); output ``[..., O]``
     replicated, after one all-reduce in forward (none in backward).
     """
 
-    def __init__(self, weight: torch.Tensor, group: UnifiedGroup) -> None:
+    def __init__(self, weight: torch.Tensor, group: UnifiedGroup,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.group = group
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, self.weight), self.group, inplace=True)
+        return leave_tp(F.linear(x, self.weight), self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         rows, cols = self.weight.shape
@@ -86,11 +99,13 @@ class VocabParallelEmbedding(nn.Module):
     each rank is exactly its rows of the single-process gradient.
     """
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, group: UnifiedGroup) -> None:
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group: UnifiedGroup,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.vocab_start = vocab_start
         self.group = group
+        self.sequence_parallel = sequence_parallel  # output [B, S/tp, H] (reduce-scatter)
 
     @property
     def vocab_stop(self) -> int:
@@ -102,7 +117,7 @@ class VocabParallelEmbedding(nn.Module):
         rows = F.embedding(torch.where(here, local, 0), self.weight)
         # Zero (not just skip) the foreign rows, so row 0 gets no gradient from them either.
         rows = rows * here.unsqueeze(-1).to(rows.dtype)
-        return reduce_from_tp(rows, self.group, inplace=True)
+        return leave_tp(rows, self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return (f"vocab=[{self.vocab_start}, {self.vocab_stop}) of {self.group.size} ranks, "
@@ -118,13 +133,41 @@ class ParallelMLP(nn.Module):
     """
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 group: UnifiedGroup) -> None:
+                 group: UnifiedGroup, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel
         self.gate = ColumnParallelLinear(gate, group, copy_input=False)
         self.up = ColumnParallelLinear(up, group, copy_input=False)
-        self.down = RowParallelLinear(down, group)
+        self.down = RowParallelLinear(down, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.group, inplace_grad=True)
+        x = enter_tp(x, self.group, self.sequence_parallel)
         return self.down(swiglu(self.gate(x), self.up(x)))
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """:class:`~megatron_het.model.llama.RMSNorm` on ``[B, S/tp, H]`` sequence shards: the
+    weight (replicated, name unchanged) passes :func:`sp_norm_weight`, whose backward sums its
+    partial gradients over ``group``."""
+
+    group: UnifiedGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, sp_norm_weight(self.weight, self.group), self.eps)
+
+
+def enter_tp(x: torch.Tensor, group: UnifiedGroup, sequence_parallel: bool) -> torch.Tensor:
+    """Enter a TP block whose ranks all read the whole input: :func:`copy_to_tp`, or with
+    sequence parallelism the all-gather of the sequence shards."""
+    if sequence_parallel:
+        return gather_from_sp(x, group)
+    return copy_to_tp(x, group, inplace_grad=True)
+
+
+def leave_tp(x: torch.Tensor, group: UnifiedGroup, sequence_parallel: bool) -> torch.Tensor:
+    """Leave a TP block by summing the ranks' partial results: the all-reduce, or with
+    sequence parallelism the reduce-scatter into sequence shards."""
+    if sequence_parallel:
+        return reduce_scatter_to_sp(x, group)
+    return reduce_from_tp(x, group, inplace=True)

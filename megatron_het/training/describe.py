@@ -29,9 +29,13 @@ def describe_plan(setup: RunSetup) -> str:
     """The plan, one line per stage: accelerator (labelled), TP, layers, ranks."""
     plan = setup.plan
     lines = [f"> plan: dp={plan.dp_size}, micro_batch_size={plan.micro_batch_size}, global "
-             f"batch {plan.global_batch_size}"]
+             f"batch {plan.global_batch_size}"
+             + (", sequence parallel" if plan.sequence_parallel else "")]
     for p, pipeline in enumerate(plan.pipelines):
-        lines.append(f"  pipeline {p}: {pipeline.micro_batches} micro-batches per iteration")
+        interleave = (f", interleaved: {pipeline.num_chunks} chunks on each of "
+                      f"{pipeline.pp_size} device groups" if pipeline.interleaved else "")
+        lines.append(f"  pipeline {p}: {pipeline.micro_batches} micro-batches per "
+                     f"iteration{interleave}")
         for s, stage in enumerate(pipeline.stages):
             label = setup.accelerator(stage.ranks[0]).label
             extras = "".join([" +embedding" if stage.has_embedding else "",

@@ -122,7 +122,25 @@ def _search_or_flags(run: RunConfig, model: ModelConfig, cluster: ClusterSpec, d
         model, cluster.world_size, spec.tensor_model_parallel_size,
         spec.pipeline_model_parallel_size, train.micro_batch_size, train.global_batch_size,
         spec.decoder_first_pipeline_num_layers, spec.decoder_last_pipeline_num_layers,
-        accelerator_of=cluster)
+        accelerator_of=cluster,
+        virtual_stages=virtual_stages(spec, model.num_layers),
+        layout=spec.pipeline_model_parallel_layout)
+
+
+def virtual_stages(spec: ParallelSpec, num_layers: int) -> Optional[int]:
+    """Model chunks per pipeline rank from Megatron's interleaving flags (None: not given)."""
+    per_stage = spec.num_layers_per_virtual_pipeline_stage
+    if per_stage is not None and spec.virtual_pipeline_model_parallel_size is not None:
+        raise UserError("give --num-layers-per-virtual-pipeline-stage or "
+                        "--virtual-pipeline-model-parallel-size, not both")
+    if per_stage is None:
+        return spec.virtual_pipeline_model_parallel_size
+    pp = spec.pipeline_model_parallel_size
+    if num_layers % (per_stage * pp):
+        raise UserError(f"--num-layers {num_layers} is not a multiple of "
+                        f"--num-layers-per-virtual-pipeline-stage {per_stage} x "
+                        f"--pipeline-model-parallel-size {pp} = {per_stage * pp}")
+    return num_layers // (per_stage * pp)
 
 
 def choose_plan(run: RunConfig, model: ModelConfig, world_size: Optional[int],
@@ -142,7 +160,9 @@ def choose_plan(run: RunConfig, model: ModelConfig, world_size: Optional[int],
     if plan.world_size != cluster.world_size:
         raise UserError(f"the plan places {plan.world_size} ranks but cluster {cluster.name} has "
                         f"{cluster.world_size}; give every rank of the cluster a stage")
-    validate(plan, model, cluster, train.global_batch_size)
+    if plan.sequence_parallel is None and spec.sequence_parallel:
+        plan = dataclasses.replace(plan, sequence_parallel=True)  # the run's plan says it
+    validate(plan, model, cluster, train.global_batch_size, run.data.seq_length)
     distributed = (plan.use_distributed_optimizer if plan.use_distributed_optimizer is not None
                    else spec.use_distributed_optimizer)
     return PlanChoice(cluster, plan, train, dtype, distributed)

@@ -102,9 +102,14 @@ class ThroughputMetrics:
         return self.flops_per_iteration / iteration_time_s / self.peak_flops_sum
 
     def stage_times(self, table: torch.Tensor) -> list[dict[str, Any]]:
-        """Per stage: the slowest TP rank's compute, p2p wait and bubble seconds."""
+        """Per stage: the slowest TP rank's compute, p2p wait and bubble seconds (per device
+        group in an interleaved pipeline: its ranks time all its chunks together)."""
         out = []
+        seen: set[tuple[int, tuple[int, ...]]] = set()
         for share in self.stages:
+            if (share.pipeline, share.ranks) in seen:
+                continue
+            seen.add((share.pipeline, share.ranks))
             ranks = list(share.ranks)
             row = {"pipeline": share.pipeline, "stage": share.stage,
                    "accelerator": share.label}

@@ -111,7 +111,8 @@ def build_trainer(setup: RunSetup, comm: UnifiedCommunicator,
     """
     run, plan, config = setup.run, setup.plan, setup.model_config
     check_ranks_agree(setup, comm)
-    groups = build_process_groups(comm, plan)
+    groups = build_process_groups(comm, plan, tie_embeddings=config.tie_embeddings,
+                                  num_layers=config.num_layers)
     seed_everything(run.train.seed)
     stage = build_stage(config, plan, groups, run.train.seed, comm.device)
     # Built in float32; the optimizer keeps those values as masters and casts the parameters.

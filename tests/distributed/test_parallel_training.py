@@ -47,11 +47,25 @@ CASES = {
         "--use-distributed-optimizer", "--bridge", "direct"]),
     "tp2_pp2": ("tiny", ["--tensor-model-parallel-size", "2",
                          "--pipeline-model-parallel-size", "2"]),
+    # Sequence parallelism: [b, s/2, H] blocks between the TP-2 stages' blocks and over their
+    # boundary; the 3-stage plan reshards them across its TP 2 -> TP 1 boundary.
+    "tp2_pp2_sp": ("tiny", ["--tensor-model-parallel-size", "2",
+                            "--pipeline-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp3_tp211_sp": ("tiny-tied", ["--cluster", CLUSTER, "--sequence-parallel",
+                                   "--plan", str(PLANS / "cpu_emulated_3stage.json")]),
+    # Heterogeneous data parallelism: a 2-stage tp=1 replica with 3 micro-batches beside a
+    # 1-stage tp=2 replica with 1; gradients summed in the full parameter shapes.
+    "hetero_dp_pp2_tp2": ("tiny-tied", ["--plan", str(PLANS / "cpu_hetero_dp.json")]),
+    "hetero_dp_zero1": ("tiny-tied", ["--plan", str(PLANS / "cpu_hetero_dp.json"),
+                                      "--use-distributed-optimizer"]),
 }
 # (pipeline, stage) of every stage, as the metrics lines list them.
 STAGES = {"pp3_tp211_layers121": [(0, 0), (0, 1), (0, 2)], "tp2_dp2": [(0, 0), (1, 0)],
           "pp2_dp2_zero1_uneven": [(0, 0), (0, 1), (1, 0), (1, 1)],
-          "tp2_pp2": [(0, 0), (0, 1)]}
+          "tp2_pp2": [(0, 0), (0, 1)], "tp2_pp2_sp": [(0, 0), (0, 1)],
+          "pp3_tp211_sp": [(0, 0), (0, 1), (0, 2)],
+          "hetero_dp_pp2_tp2": [(0, 0), (0, 1), (1, 0)],
+          "hetero_dp_zero1": [(0, 0), (0, 1), (1, 0)]}
 
 
 def records(path: pathlib.Path, split: str) -> list[dict[str, Any]]:
@@ -174,6 +188,10 @@ LOW_PRECISION_CASES = {
                                     "--use-distributed-optimizer", "--overlap-grad-reduce"],
                            ["--fp16", "--initial-loss-scale", str(2 ** 17), "--hysteresis",
                             "1"]),
+    # Replicas of different layouts: bf16 parameters shared by their owners after each step.
+    "hetero_dp_zero1_bf16": ("tiny-tied", ["--plan", str(PLANS / "cpu_hetero_dp.json"),
+                                           "--use-distributed-optimizer",
+                                           "--grad-reduce-in-bf16"], ["--bf16"]),
 }
 LOW_PRECISION_RTOL = 2e-2
 
@@ -252,6 +270,20 @@ def test_single_process_loads_a_parallel_checkpoint(
                 "--metrics-file", str(path)])
     single = records(reference("tiny"), "train")[4:]
     assert_close(single, records(path, "train"), ("loss", "grad_norm", "lr"))
+
+
+def test_heterogeneous_dp_checkpoint_loads_on_one_process(
+        workdir: pathlib.Path, reference: Callable) -> None:
+    # ZeRO-1 over replicas of different layouts: the owners' rows of Adam state are shared
+    # into full shards before pipeline 0 writes them.
+    model, layout = CASES["hetero_dp_zero1"]
+    save = workdir / "ckpt-hetero"
+    run_parallel(["--model", model, *BASE, *layout, "--save", str(save), "--exit-interval", "4",
+                  "--metrics-file", str(workdir / "hetero-first-half.jsonl")])
+    path = workdir / "single-from-hetero.jsonl"
+    run_single(["--model", model, *BASE, "--load", str(save), "--metrics-file", str(path)])
+    assert_close(records(reference(model), "train")[4:], records(path, "train"),
+                 ("loss", "grad_norm", "lr"))
 
 
 def _disagreeing_worker(rank: int, world_size: int) -> None:

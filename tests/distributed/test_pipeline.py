@@ -246,19 +246,53 @@ def test_boundary_peers_pair_up(tps: tuple[int, ...]) -> None:
                   for i, tp in enumerate(tps)])
     stages = plan.pipelines[0].stages
     peers = {r: boundary_peers(plan, r) for r in plan.ranks()}
-    sends_fwd = sorted((src, dst) for src, p in peers.items() for dst in p.send_forward)
-    recvs_fwd = sorted((p.recv_forward, dst) for dst, p in peers.items()
-                       if p.recv_forward is not None)
+    sends_fwd = sorted((src, d.peer) for src, p in peers.items() for d in p.send_forward)
+    recvs_fwd = sorted((d.peer, dst) for dst, p in peers.items() for d in p.recv_forward)
     assert sends_fwd == recvs_fwd
-    sends_bwd = sorted((src, dst) for src, p in peers.items() for dst in p.send_backward)
-    recvs_bwd = sorted((p.recv_backward, dst) for dst, p in peers.items()
-                       if p.recv_backward is not None)
+    sends_bwd = sorted((src, d.peer) for src, p in peers.items() for d in p.send_backward)
+    recvs_bwd = sorted((d.peer, dst) for dst, p in peers.items() for d in p.recv_backward)
     assert sends_bwd == recvs_bwd
     for k in range(len(stages) - 1):
         low, high = stages[k], stages[k + 1]
         for j, rank in enumerate(high.ranks):
-            assert peers[rank].recv_forward == low.ranks[j % low.tp]
+            assert [d.peer for d in peers[rank].recv_forward] == [low.ranks[j % low.tp]]
         for i, rank in enumerate(low.ranks):
-            assert peers[rank].recv_backward == high.ranks[i % high.tp]
-    assert peers[stages[0].ranks[0]].recv_forward is None
-    assert peers[stages[-1].ranks[0]].recv_backward is None
+            assert [d.peer for d in peers[rank].recv_backward] == [high.ranks[i % high.tp]]
+    assert all(d.start is None for p in peers.values() for d in p.recv_forward)  # whole
+    assert peers[stages[0].ranks[0]].recv_forward == ()
+    assert peers[stages[-1].ranks[0]].recv_backward == ()
+
+
+@pytest.mark.parametrize("tps", [(2, 1, 1), (1, 2), (2, 4), (4, 2), (4, 1, 3)])
+def test_sequence_parallel_boundaries_exchange_overlapping_positions(
+        tps: tuple[int, ...]) -> None:
+    """Under sequence parallelism every position of a receiving rank's block arrives exactly
+    once, from the rank of the adjacent stage holding it, and sends mirror receives."""
+    import dataclasses
+
+    from megatron_het.pipeline.p2p import local_positions
+
+    ranks = iter(range(sum(tps)))
+    plan = dataclasses.replace(_plan([(tp, (i, i + 1), [next(ranks) for _ in range(tp)])
+                                      for i, tp in enumerate(tps)]), sequence_parallel=True)
+    seq = 12
+    stages = plan.pipelines[0].stages
+    peers = {r: boundary_peers(plan, r, seq) for r in plan.ranks()}
+
+    def positions(rank: int) -> tuple[int, int]:
+        role = plan.rank_role(rank)
+        return local_positions(plan, role.stage_plan, role.tp_rank, seq)
+
+    for kind, send in (("recv_forward", "send_forward"), ("recv_backward", "send_backward")):
+        for rank, p in peers.items():
+            start, stop = positions(rank)
+            got = sorted((start + d.start, start + d.stop) for d in getattr(p, kind))
+            if got:
+                assert got[0][0] == start and got[-1][1] == stop, (rank, kind)
+                assert all(a[1] == b[0] for a, b in zip(got, got[1:])), (rank, kind)
+            for d in getattr(p, kind):  # the sender sends the same global positions
+                (mirror,) = [m for m in getattr(peers[d.peer], send) if m.peer == rank]
+                sender_start = positions(d.peer)[0]
+                assert (sender_start + mirror.start, sender_start + mirror.stop) == (
+                    start + d.start, start + d.stop)
+    assert peers[stages[0].ranks[0]].recv_forward == ()

@@ -123,6 +123,7 @@ def test_user_errors(tmp_path: pathlib.Path, setup: str, args: list[str], messag
                                  "--save-dir", str(tmp_path / "out")])
 
 
+@pytest.mark.slow  # a process start or a 768-device chart: several seconds
 def test_cli_user_error_is_one_line_exit_2(tmp_path: pathlib.Path) -> None:
     done = run_tool("--source-format", "hf", "--target-format", "megatron_het",
                     "--load-dir", str(tmp_path / "missing"), "--save-dir", str(tmp_path / "o"))

@@ -160,6 +160,7 @@ def test_user_errors(tmp_path: pathlib.Path, single, case: str, message: str) ->
     assert not (tmp_path / "out" / "iter_0000001").exists()
 
 
+@pytest.mark.slow  # a process start or a 768-device chart: several seconds
 def test_cli_reshard_error_is_one_line_exit_2(tmp_path: pathlib.Path) -> None:
     done = subprocess.run([sys.executable, str(TOOL), "--mode", "reshard", "--load-dir",
                            str(tmp_path / "missing"), "--save-dir", str(tmp_path / "o"),

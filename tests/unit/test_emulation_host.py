@@ -246,3 +246,125 @@ def test_tp_collectives_on_a_shared_host_are_cpu_work_and_a_wait():
     half = dataclasses.replace(base, host_collective_s=(2e-3, 2e-3))
     assert predict(model, plan, cluster, 64, {"cpu": half}, dtype="fp32",
                    rate_model=SHARED).pipeline_time_s == pytest.approx(measured.pipeline_time_s)
+
+
+class Recording:
+    """The shared-host rate model, keeping what it was given and what it returned."""
+
+    def shared_iteration(self, inputs, rows):
+        self.inputs, self.result = inputs, SHARED.shared_iteration(inputs, rows)
+        return self.result
+
+
+def test_predict_on_a_shared_host_with_interleaved_chunks():
+    cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
+    plan = ParallelPlan.load("scripts/plans/cpu_emulated_interleaved.json")
+    model = model_preset("small").replace(num_layers=8)
+    layer = LayerEntry(model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
+                       model.num_query_groups, 64, 2, 2, "fp32", 0.004, 0.008, 1e6)
+    gloo = (CommEntry("p2p", "intra_node", 1.0, 1e-4),)
+
+    def profile(sharing):
+        return {"cpu": Profile("cpu", CONDITIONS, layers=(layer,), comm=gloo,
+                               optimizer_step_s_per_param=2e-9, host_sharing=sharing)}
+    recorder = Recording()
+    free = predict(model, plan, cluster, 64, profile((1.0,) * 4), dtype="fp32",
+                   rate_model=recorder)
+    pipeline = plan.pipelines[0]
+    timings = recorder.result.stages[0]
+    assert len(timings) == 4  # one per chunk
+    # Every chunk receives its micro-batches and sends them on, but for the first input and
+    # the last output: each transfer is the host's gloo copy at both ends.
+    transfer = 1e-4 + recorder.inputs.act_bytes / 1e9
+    for s, transfers in enumerate((1, 2, 2, 1)):
+        compute = recorder.inputs.compute(s, pipeline)
+        slowdown = 2.0 if s % 2 else 1.0  # chunks 1 and 3 on the emu-slow pair
+        assert timings[s].forward.work_s == pytest.approx(
+            compute.forward_s / slowdown + transfers * transfer)
+        assert timings[s].backward.work_s == pytest.approx(
+            compute.backward_s / slowdown + transfers * transfer)
+        assert timings[s].node == 0 and timings[s].processes == 2
+    # Each rank steps once, over both its chunks, at host speed (4 steps sharing the host, not 8).
+    assert free.optimizer_s == pytest.approx(max(
+        s.optimizer_s / (2.0 if "slow" in s.accelerator else 1.0) for s in free.stages))
+    assert free.stages[0].optimizer_s == pytest.approx(2e-9 * (
+        free.stages[0].parameters + free.stages[2].parameters))
+    crowded = predict(model, plan, cluster, 64, profile((1.0, 2.0, 3.0, 4.0)), dtype="fp32",
+                      rate_model=SHARED)
+    assert crowded.pipeline_time_s > 1.2 * free.pipeline_time_s
+    assert 0.0 < crowded.bubble_fraction < 1.0
+    assert crowded.stages == free.stages  # the per-chunk table stays the device model's
+
+
+def test_an_interleaved_group_syncs_once_on_a_shared_host():
+    cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
+
+    def pipeline(kind, ranks):  # 8 layers, 2 per chunk, chunks round-robin on 2 ranks
+        return {"micro_batches": 2, "stages": [
+            {"accelerator": kind, "tp": 1, "layers": [2 * s, 2 * s + 2], "ranks": [ranks[s % 2]]}
+            for s in range(4)]}
+    plan = ParallelPlan.from_dict({"format": "megatron_het.plan/1", "micro_batch_size": 2,
+                                   "pipelines": [pipeline("emu-fast", [0, 1]),
+                                                 pipeline("emu-slow", [2, 3])]})
+    model = model_preset("tiny").replace(num_layers=8)
+    shared = predict(model, plan, cluster, 64, {"cpu": host_profile((1.0, 1.0, 1.5, 2.0))},
+                     dtype="fp32", rate_model=SHARED)
+    # The 4 ranks sync both their chunks at once: the link model's time x slowdown(4), not (8).
+    assert shared.dp_sync_s == pytest.approx(2.0 * max(s.dp_sync_s for s in shared.stages))
+    assert shared.stages[0].dp_sync_s == shared.stages[2].dp_sync_s > 0
+
+
+def test_a_hetero_dp_plan_on_a_shared_host_syncs_each_device_over_its_units():
+    cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
+    plan = ParallelPlan.from_dict({"format": "megatron_het.plan/1", "micro_batch_size": 2,
+                                   "pipelines": [
+                                       {"micro_batches": 3, "stages": [
+                                           {"accelerator": "emu-fast", "tp": 1,
+                                            "layers": [0, 2], "ranks": [0]},
+                                           {"accelerator": "emu-fast", "tp": 1,
+                                            "layers": [2, 4], "ranks": [1]}]},
+                                       {"micro_batches": 1, "stages": [
+                                           {"accelerator": "emu-slow", "tp": 2,
+                                            "layers": [0, 4], "ranks": [2, 3]}]}]})
+    model = model_preset("tiny-tied")
+    gloo = (CommEntry("p2p", "intra_node", 1.0, 1e-4),
+            CommEntry("collective", "intra_node", 1.0, 1e-4))
+    profile = {"cpu": host_profile((1.0, 1.0, 1.5, 2.0), gloo)}
+    alone = predict(model, plan, cluster, 64, profile, dtype="fp32")
+    shared = predict(model, plan, cluster, 64, profile, dtype="fp32", rate_model=SHARED)
+    assert [s.pipeline for s in shared.stages] == [0, 0, 1]
+    # Every rank syncs at once (slowdown 2.0 for 4 on the host) over the host's gloo: the
+    # tp=2 device of pipeline 1 holds all four units, the most.
+    host = CommCost(cluster, profile, paced_links=False)
+    units = (((0, 1, 2, 3), 512 * 64), ((0, 2, 3), 2 * 46208), ((1, 2, 3), 2 * 46208),
+             ((1, 2, 3), 64))
+    slowest = sum(host.dp_sync(ranks, 4 * n).time_s for ranks, n in units)
+    assert shared.dp_sync_s == pytest.approx(max(2.0 * slowest,
+                                                 max(s.dp_sync_s for s in alone.stages)))
+    assert shared.stages == alone.stages
+
+
+def test_sequence_parallel_transfers_move_a_ranks_share_on_a_shared_host():
+    cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
+    plan = dataclasses.replace(ParallelPlan.load("scripts/plans/cpu_emulated_tp2_pp2.json"),
+                               sequence_parallel=True)
+    model = model_preset("tiny")
+    base = host_profile((1.0,) * 4, (CommEntry("p2p", "intra_node", 1.0, 1e-4),))
+    tp_layer = dataclasses.replace(base.layers[0], tp=2)
+    base = dataclasses.replace(base, layers=base.layers + (tp_layer,),
+                               host_collective_s=(2e-3, 1e-3))
+    recorder = Recording()
+    predict(model, plan, cluster, 64, {"cpu": base}, dtype="fp32", rate_model=recorder)
+    inputs, timings = recorder.inputs, recorder.result.stages[0]
+    half = 1e-4 + inputs.act_bytes / 2 / 1e9  # each rank sends and receives its half
+    for s, stage in enumerate(plan.pipelines[0].stages):
+        counts = inputs.tp_collectives(s, plan.pipelines[0])
+        assert counts.forward_gathers > 0 and counts.forward == 0
+        compute = inputs.compute(s, plan.pipelines[0])
+        slowdown = 2.0 if s else 1.0
+        # One transfer each way per micro-batch, a measured collective's CPU time per
+        # all-reduce's worth of gathers (and per norm-gradient all-reduce in backward).
+        assert timings[s].forward.work_s == pytest.approx(
+            compute.forward_s / slowdown + half + counts.forward_all * 1e-3)
+        assert timings[s].backward.work_s == pytest.approx(
+            compute.backward_s / slowdown + half + counts.backward_all * 1e-3)

@@ -79,10 +79,10 @@ def test_a_profile_fixes_every_emulated_stage_time():
     profile = host_profile()
     emulation = setup(2, profile=profile, profile_source="cpu.json", threads=1)
     # Stage 0: tp=2, 1 layer + embedding; stage 1: 2 layers; stage 2: 1 layer + head.
-    assert emulation.device_times == {0: pytest.approx((0.0055, 0.011)),
-                                      1: pytest.approx((0.0055, 0.011)),
-                                      2: pytest.approx((0.020, 0.040)),
-                                      3: pytest.approx((0.013, 0.024))}
+    assert emulation.device_times == {0: (pytest.approx((0.0055, 0.011)),),
+                                      1: (pytest.approx((0.0055, 0.011)),),
+                                      2: (pytest.approx((0.020, 0.040)),),
+                                      3: (pytest.approx((0.013, 0.024)),)}
     assert emulation.region_timer.fixed_reference_s == {
         compute_region_key("forward", False): pytest.approx(0.020),
         compute_region_key("forward", True): pytest.approx(0.020),

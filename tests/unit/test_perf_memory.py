@@ -3,8 +3,9 @@ import pytest
 
 from megatron_het.config import model_preset
 from megatron_het.parallel.plan import PipelinePlan, StagePlan
-from megatron_het.perf.memory import (MemoryBreakdown, in_flight_micro_batches,
-                                      layer_parameters, stage_memory, stage_parameters)
+from megatron_het.perf.memory import (MemoryBreakdown, device_memory, group_activations,
+                                      in_flight_micro_batches, layer_parameters, stage_memory,
+                                      stage_parameters)
 
 
 def pipeline(model, splits, tp=1):
@@ -61,6 +62,27 @@ def test_in_flight_matches_the_schedule(pp, m):
     from megatron_het.pipeline.schedules import build_schedule, check_schedule
     report = check_schedule(build_schedule("1f1b", pp, m), m)
     assert list(report.peak_in_flight) == [in_flight_micro_batches(pp, s, m) for s in range(pp)]
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (3, 2, 6), (4, 3, 8), (2, 4, 6),
+                                   (3, 1, 5)])
+def test_group_activations_follow_the_schedule(p, v, m):
+    from megatron_het.pipeline.schedules import build_schedule, check_schedule
+    lists = build_schedule("1f1b", p, m, num_chunks=v)
+    report = check_schedule(lists, m, p * v)
+    for g, steps in enumerate(lists):
+        peak, pairs = group_activations(steps, lambda s: 1.0 + s, g)
+        assert pairs == report.peak_in_flight[g]
+        if v == 1:
+            assert pairs == in_flight_micro_batches(p, g, m)
+        assert (1.0 + g) * pairs <= peak <= (1.0 + g + (v - 1) * p) * pairs
+        assert group_activations(steps, lambda s: 3.0, g)[0] == 3.0 * pairs
+
+
+def test_device_memory_holds_every_chunk():
+    two = device_memory(3_000, "bf16", 1, 4000.0, 5.0)
+    assert two == stage_memory(3_000, "bf16", 1, 1000.0, 4, 5.0)
+    assert two.total_bytes == 3_000 * (2 + 4 + 12) + 4000 + 5
 
 
 def test_capacity_is_the_memory_cap_of_an_emulated_kind():

@@ -55,8 +55,10 @@ def user_error(fn, *args, **kwargs) -> str:
 @pytest.mark.parametrize("path", sorted(PLANS.glob("cpu_emulated_*.json")), ids=lambda p: p.name)
 def test_shipped_plan_fits_the_emulated_cluster(path, cluster):
     plan = ParallelPlan.load(path)
+    layers = plan.pipelines[0].stages[-1].layers[1]  # 4, or 8 for the interleaved example
     for model in ("tiny", "small"):
-        validate(plan, model_preset(model), cluster, global_batch_size=plan.global_batch_size)
+        validate(plan, model_preset(model).replace(num_layers=layers), cluster,
+                 global_batch_size=plan.global_batch_size)
     assert plan.world_size == cluster.world_size
     assert ParallelPlan.from_dict(json.loads(path.read_text())) == plan
     assert json.loads(path.read_text()) == plan.to_dict()
@@ -150,7 +152,12 @@ def stage(d, i):
     (lambda d: stage(d, 1).update(layers=[1, 2]) or stage(d, 2).update(layers=[2, 3]),
      "layers [3, 4) are on no stage of pipeline 0: its last stage ends at layer 3; end it at 4"),
     (lambda d: stage(d, 2).update(ranks=[2]),
-     "rank 2 is on stage 1 of pipeline 0 and on stage 2 of pipeline 0; give every rank exactly "
+     "pipeline 0 has 3 stages on 2 device groups (ranks [0, 1]: 1, ranks [2]: 2); stages that "
+     "share ranks are interleaved chunks of one group, and every group must hold the same "
+     "number: use a multiple of 2 stages, or give each stage ranks of its own"),
+    (lambda d: d["pipelines"].append({"micro_batches": 1, "stages": [
+        {"accelerator": "emu-slow", "tp": 1, "layers": [0, 4], "ranks": [3]}]}),
+     "rank 3 is on stage 2 of pipeline 0 and on stage 0 of pipeline 1; give every rank exactly "
      "one stage"),
     (lambda d: stage(d, 0).update(ranks=[0]),
      "stage 0 of pipeline 0 has tp=2 but lists 1 rank [0]; list exactly 2"),
@@ -199,12 +206,11 @@ def test_tp_must_divide_heads_groups_and_ffn(tp, bad):
     assert valid_tp_sizes(model_preset("llama2-70b")) == [1, 2, 4, 8]
 
 
-def test_pipelines_with_different_layouts_are_refused(cluster):
+def test_pipelines_may_split_the_model_differently(cluster):
     validate(ParallelPlan.load(DP2), TINY, cluster, 8)
     plan = edited(DP2, lambda d: d["pipelines"][1]["stages"][0].update(layers=[0, 2]) or
                   d["pipelines"][1]["stages"][1].update(layers=[2, 4]))
-    assert ("pipeline 1 splits the model as [0, 2) tp=1 | [2, 4) tp=1 but pipeline 0 as "
-            "[0, 3) tp=1 | [3, 4) tp=1;") in user_error(validate, plan, TINY, cluster)
+    validate(plan, TINY, cluster, 8)  # heterogeneous data parallelism
 
 
 def test_batch_must_add_up():
@@ -286,3 +292,15 @@ def test_stage_ranks_must_be_ascending(cluster):
     assert message == ("stage 0 of pipeline 0 lists ranks [1, 0] out of order; list a stage's ranks "
                        "in ascending order ([0, 1]): tp_rank follows the global rank order inside "
                        "a TP group")
+
+
+def test_sequence_parallelism_needs_a_sequence_the_tp_degrees_divide():
+    plan = edited(DP2, lambda d: d.update(sequence_parallel=True))
+    assert plan.sequence_parallel and plan.to_dict()["sequence_parallel"] is True
+    validate(plan, TINY, seq_length=30)  # every stage has tp=1
+    wide = ParallelPlan(1, [PipelinePlan(1, [StagePlan("cpu", 2, (0, 4), (0, 1))])],
+                        sequence_parallel=True)
+    assert ("stage 0 of pipeline 0 has tp=2, which does not divide --seq-length 31; sequence "
+            "parallelism splits the sequence over the TP ranks: use a multiple of 2") in (
+        user_error(validate, wide, TINY, None, None, 31))
+    validate(wide, TINY, seq_length=32)

@@ -92,6 +92,7 @@ def test_timeline_alone_has_a_time_axis_and_no_allocation(searched, tmp_path) ->
         save_chart(result.prediction, cluster, tmp_path / "both.png")).shape[0]
 
 
+@pytest.mark.slow  # a process start or a 768-device chart: several seconds
 def test_chart_of_a_768_device_plan(tmp_path) -> None:
     cluster = ClusterSpec.load(REPO / "scripts/clusters/hethub_llama140b.yaml")
     plan = ParallelPlan.load(REPO / "scripts/hethub_llama140b/plan_140b.json")

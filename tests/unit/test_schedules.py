@@ -108,3 +108,12 @@ def test_bad_arguments():
         build_schedule("zb", 2, 2)
     with pytest.raises(ValueError, match="0 <= stage < num_stages"):
         one_f_one_b(2, 4, 2)
+
+
+def test_an_action_shows_its_stage_only_when_set():
+    assert str(Action(K.FORWARD, 2)) == "FORWARD mb 2"
+    assert str(Action(K.FORWARD, 2, stage=5)) == "FORWARD stage 5 mb 2"
+    assert str(Action(K.RECV_BACKWARD, 1, 6, 5)) == "RECV_BACKWARD stage 5 mb 1 <- stage 6"
+    assert build_schedule("1f1b", 3, 4, num_chunks=1) == build_schedule("1f1b", 3, 4)
+    assert all(a.stage is None for steps in build_schedule("1f1b", 3, 4) for a in steps
+               if isinstance(a, Action))

@@ -1,0 +1,147 @@
+"""Analytic models of 1F1B pipelines, plain and interleaved: closed forms, lower bounds, bubbles.
+
+The event-driven simulation (:mod:`megatron_het.perf.simulator`) is what the predictor reports;
+these formulas are the checks beside it (and ``pipeline_model="closed_form"``'s fast estimate).
+Inputs are per stage (a model chunk of an interleaved device group), in seconds per
+micro-batch; ``p2p_*_s[b]`` is the transfer over boundary b (stage b to b + 1) each way. See each
+docstring for its formula and when it is exact.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from megatron_het.pipeline.schedules import interleaved_warmup
+
+
+def closed_form_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],
+                     num_micro_batches: int, p2p_forward_s: Optional[Sequence[float]] = None,
+                     p2p_backward_s: Optional[Sequence[float]] = None) -> float:
+    """Iteration time of non-interleaved 1F1B with non-uniform stages, analytically.
+
+    ``T = sum_s (f_s + b_s) + sum_b (c_b^f + c_b^b) + (m - 1) * max_s (f_s + b_s + k_s)``
+
+    The first micro-batch's forward and backward cross every stage and boundary once (the
+    critical path's ramp); the other ``m - 1`` go at the pace of the slowest stage's 1F1B cycle,
+    which with blocking transfers includes its steady-state p2p: ``k_s`` is
+    ``max(c_s^f, c_s^b)`` towards the next stage (send activations while receiving gradients)
+    plus ``max(c_{s-1}^b, c_{s-1}^f)`` towards the previous one.
+
+    Exact for uniform stages without p2p (``(m + p - 1)(f + b)``), and with p2p for p <= 2 or
+    m = 1. With uniform p2p ``c`` and p >= 3, m >= 2 the simulation is exactly ``c`` below it
+    (one steady-state exchange of the middle stages overlaps the ramp). In general the
+    simulation lies between :func:`lower_bound_1f1b` and this value (tested on random stages),
+    so the closed form is an upper bound.
+    """
+    f, b, m = list(forward_s), list(backward_s), num_micro_batches
+    p = len(f)
+    cf = list(p2p_forward_s or [0.0] * (p - 1))
+    cb = list(p2p_backward_s or [0.0] * (p - 1))
+    cycle = [f[s] + b[s] + (max(cf[s], cb[s]) if s < p - 1 else 0.0)
+             + (max(cf[s - 1], cb[s - 1]) if s > 0 else 0.0) for s in range(p)]
+    return sum(f) + sum(b) + sum(cf) + sum(cb) + (m - 1) * max(cycle)
+
+
+def closed_form_interleaved_bubble(num_groups: int, num_chunks: int,
+                                   num_micro_batches: int) -> float:
+    """The bubble of interleaved 1F1B relative to the ideal time ``m (F + B)`` (F, B: a group's
+    forward and backward per micro-batch over all its chunks): ``(p - 1) / (v m)``.
+
+    The fill and drain cross ``p - 1`` groups at the pace of one chunk, ``(F + B) / v``, so
+    ``T = m (F + B) + (p - 1) (F + B) / v``; with ``v = 1`` it is 1F1B's ``(m + p - 1)(f + b)``.
+    Exact (the simulation gives it) for uniform stages without p2p, m a multiple of p.
+    """
+    return (num_groups - 1) / (num_chunks * num_micro_batches)
+
+
+def lower_bound_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],
+                     num_micro_batches: int) -> float:
+    """No schedule beats this: some stage k must run all m micro-batches' forward and backward,
+    after the first micro-batch reached it and before its gradient leaves for stage 0."""
+    f, b, m = list(forward_s), list(backward_s), num_micro_batches
+    return max(sum(f[:k]) + sum(b[:k]) + m * (f[k] + b[k]) for k in range(len(f)))
+
+
+def bubble_fraction(makespan_s: float, forward_s: Sequence[float], backward_s: Sequence[float],
+                    num_micro_batches: int) -> float:
+    """Fraction of the pipeline time the busiest stage is idle: ``1 - m (f+b)_max / T``.
+
+    For uniform 1F1B without p2p it is ``(p - 1) / (m + p - 1)``. (Interleaved: pass the
+    per-group sums of f and b.)
+    """
+    busiest = max(f + b for f, b in zip(forward_s, backward_s)) * num_micro_batches
+    return 0.0 if makespan_s <= 0 else max(0.0, 1.0 - busiest / makespan_s)
+
+
+def group_sums(num_groups: int, forward_s: Sequence[float],
+               backward_s: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per device group, the forward and backward seconds of all its chunks (stage s on group
+    s % num_groups) per micro-batch."""
+    f = [sum(forward_s[g::num_groups]) for g in range(num_groups)]
+    b = [sum(backward_s[g::num_groups]) for g in range(num_groups)]
+    return f, b
+
+
+def _group_work(forward_s: Sequence[float], backward_s: Sequence[float], num_chunks: int,
+                p2p_forward_s: Optional[Sequence[float]], p2p_backward_s: Optional[Sequence[float]]
+                ) -> tuple[int, list[float], list[float], list[float]]:
+    """(groups, per-group forward + backward per micro-batch, per-boundary p2p each way)."""
+    n = len(forward_s)
+    work = [x + y for x, y in zip(*group_sums(n // num_chunks, forward_s, backward_s))]
+    return (n // num_chunks, work, list(p2p_forward_s or [0.0] * (n - 1)),
+            list(p2p_backward_s or [0.0] * (n - 1)))
+
+
+def closed_form_interleaved(forward_s: Sequence[float], backward_s: Sequence[float],
+                            num_micro_batches: int, num_chunks: int,
+                            p2p_forward_s: Optional[Sequence[float]] = None,
+                            p2p_backward_s: Optional[Sequence[float]] = None) -> float:
+    """Iteration time of interleaved 1F1B, analytically; per-stage inputs, ``n = v p`` stages,
+    stage s on device group ``s % p``.
+
+    ``T = m W_max + (sum_g W_g - W_max) / v + x (m v + w_0 - 1)``
+
+    ``W_g`` is one micro-batch's compute on group g (the forward and backward of all its
+    chunks). The busiest group computes ``m W_max``; the fill and drain cross the other groups
+    at the pace of one of their chunks, ``W_g / v`` each (with ``v = 1`` and no p2p this is
+    :func:`closed_form_1f1b`; with uniform groups it is the bubble ``(p - 1) / (v m)`` of
+    :func:`closed_form_interleaved_bubble`). With blocking transfers each exchange step of group 0's
+    list waits one transfer: ``m v + w_0 - 1`` of them (``w_0``: its warm-up forwards;
+    :func:`~megatron_het.pipeline.schedules.interleaved_warmup`), each costed at ``x``, the
+    slowest boundary's transfer either way.
+
+    Exact (the simulation gives it) for uniform chunks without p2p, ``m (F + B)(1 + (p - 1) /
+    (v m))``, and with uniform p2p for ``m >= 2 p``. Otherwise an estimate: chunks of unequal
+    size within a group make the groups wait on each other beyond it, and one slow boundary
+    does not delay every exchange. :func:`lower_bound_interleaved` is the sound check.
+    """
+    m, v = num_micro_batches, num_chunks
+    p, work, cf, cb = _group_work(forward_s, backward_s, v, p2p_forward_s, p2p_backward_s)
+    x = max((max(a, c) for a, c in zip(cf, cb)), default=0.0)
+    exchanges = m * v + interleaved_warmup(p, v, m, 0) - 1
+    return m * max(work) + (sum(work) - max(work)) / v + x * exchanges
+
+
+def lower_bound_interleaved(forward_s: Sequence[float], backward_s: Sequence[float],
+                            num_micro_batches: int, num_chunks: int,
+                            p2p_forward_s: Optional[Sequence[float]] = None,
+                            p2p_backward_s: Optional[Sequence[float]] = None) -> float:
+    """No schedule of ``n = v p`` stages on ``p`` device groups (stage s on group ``s % p``)
+    with blocking transfers beats this.
+
+    Group k computes ``m W_k`` in all. Its first compute is a forward of a stage ``>= k``, so
+    that micro-batch has crossed stages ``0..k-1`` and their boundaries; its last is a
+    backward of a stage ``>= k``, whose gradient still has to cross back over them. And one
+    micro-batch crosses every stage and boundary forward and back. ``T >= max(max_k
+    [sum_{s<k} (f_s + b_s + c^f_s + c^b_s) + m W_k], sum_s (f_s + b_s) + sum_b (c^f_b +
+    c^b_b))``.
+    """
+    f, b, m = forward_s, backward_s, num_micro_batches
+    p, work, cf, cb = _group_work(f, b, num_chunks, p2p_forward_s, p2p_backward_s)
+    ramp = [sum(f[:k]) + sum(b[:k]) + sum(cf[:k]) + sum(cb[:k]) for k in range(p)]
+    chain = sum(f) + sum(b) + sum(cf) + sum(cb)
+    return max(chain, max(r + m * w for r, w in zip(ramp, work)))
+
+
+__all__ = ["bubble_fraction", "closed_form_1f1b", "closed_form_interleaved",
+           "closed_form_interleaved_bubble", "group_sums", "lower_bound_1f1b",
+           "lower_bound_interleaved"]

@@ -1,0 +1,232 @@
+"""A process-free proof that pipeline schedules are sound, and their activation peaks.
+
+:func:`check_schedule` runs all lists of a schedule (:mod:`megatron_het.pipeline.schedules`)
+against each other with rendezvous semantics (a transfer completes only when the peer posts
+the matching one), which is stricter than buffered sends: a schedule it accepts cannot deadlock
+on a real backend either. Transfers travel on channels (sender list, receiver list, direction)
+and arrive in send order on each.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from megatron_het.pipeline.actions import (_COMPUTE, _COMPUTE_OF, _PEER_OFFSET, _RECV_OF,
+                                           _SENDS, Action, ActionKind, P2PBatch, ScheduleError,
+                                           Step, _actions_of)
+
+
+@dataclass(frozen=True)
+class ScheduleReport:
+    """What :func:`check_schedule` measured: ``num_stages`` global stages; ``peak_in_flight[g]``:
+    the most (stage, micro-batch) pairs list ``g`` holds activations for at once (forwarded,
+    not yet backwarded)."""
+
+    num_stages: int
+    num_micro_batches: int
+    peak_in_flight: tuple[int, ...]
+
+
+def check_schedule(per_group_actions: Sequence[Sequence[Step]],
+                   num_micro_batches: Optional[int] = None, num_stages: Optional[int] = None,
+                   *, forward_only: bool = False) -> ScheduleReport:
+    """Prove that the lists, run together, finish and do the right work.
+
+    ``num_stages``: the global stages n (default: one per list); stage ``s`` runs on list
+    ``s % len(lists)``. Simulates all lists without processes: compute runs at once; a transfer
+    (or P2PBatch) blocks until the peer's current step posts the matching transfer on the same
+    channel (sender list, receiver list, direction). Raises ScheduleError on a deadlock (naming
+    where each list waits), on a send matched by a receive of another micro-batch or stage, on
+    a transfer or compute whose data is not there yet, on an action of a stage the list does not
+    run or with the wrong peer, and unless every stage forwards (and, unless ``forward_only``,
+    backwards) each micro-batch ``0..num_micro_batches-1`` exactly once (``num_micro_batches``
+    defaults to one more than the largest seen).
+    """
+    num_lists = len(per_group_actions)
+    if num_lists == 0:
+        raise ScheduleError("a schedule needs at least one stage")
+    n = num_lists if num_stages is None else num_stages
+    if n < num_lists or n % num_lists or (n > num_lists and num_lists < 2):
+        raise ValueError(f"{n} stages cannot run round-robin on {num_lists} lists: need a "
+                         f"multiple of the list count, and at least 2 lists to interleave")
+    runs = [_ListRun(g, num_lists, n, steps) for g, steps in enumerate(per_group_actions)]
+    while not all(run.done for run in runs):
+        moved = False
+        for run in runs:
+            moved |= run.run_until_transfer()
+        moved |= _match_transfers(runs)
+        for run in runs:
+            moved |= run.finish_step_if_matched()
+        if not moved:
+            label = runs[0].label
+            waiting = "; ".join(f"{label} {r.index} at step {r.pc} {r.steps[r.pc]}"
+                                for r in runs if not r.done)
+            raise ScheduleError(f"deadlock: no {label} can move ({waiting})")
+    seen = [a.micro_batch for steps in per_group_actions for step in steps
+            for a in _actions_of(step)]
+    if num_micro_batches is None:
+        num_micro_batches = max(seen, default=-1) + 1
+    for run in runs:
+        run.check_complete(num_micro_batches, forward_only)
+    return ScheduleReport(n, num_micro_batches, tuple(run.peak_in_flight for run in runs))
+
+
+def peak_activation(steps: Sequence[Step], weight_of_stage: Callable[[int], float],
+                    own_stage: int = 0) -> float:
+    """The most activation weight one list holds at once: a forward of stage ``s`` adds
+    ``weight_of_stage(s)``, its backward removes it (``own_stage``: the stage of actions with
+    stage None). E.g. bytes per chunk, for memory with non-uniform chunks."""
+    held = peak = 0.0
+    for step in steps:
+        for a in _actions_of(step):
+            if a.kind in _COMPUTE:
+                weight = weight_of_stage(own_stage if a.stage is None else a.stage)
+                held += weight if a.kind is ActionKind.FORWARD else -weight
+                peak = max(peak, held)
+    return peak
+
+
+class _ListRun:
+    """The state of one list (a stage, or a device group's stages) in :func:`check_schedule`."""
+
+    def __init__(self, index: int, num_lists: int, num_stages: int,
+                 steps: Sequence[Step]) -> None:
+        self.index, self.num_lists, self.num_stages = index, num_lists, num_stages
+        self.steps = list(steps)
+        self.interleaved = num_stages != num_lists
+        self.label = "group" if self.interleaved else "stage"
+        self.pc = 0
+        self.pending: list[Action] = []   # unmatched transfers of the posted step
+        self.posted = False
+        self.done_work: dict[tuple[ActionKind, int], set[int]] = defaultdict(set)
+        self.in_flight = self.peak_in_flight = 0
+        for i, step in enumerate(self.steps):
+            self._check_step_shape(i, step)
+
+    @property
+    def done(self) -> bool:
+        return self.pc >= len(self.steps)
+
+    def stage_of(self, a: Action) -> int:
+        return self.index if a.stage is None else a.stage
+
+    def _what(self, a: Action) -> str:
+        stage = f" of stage {self.stage_of(a)}" if self.interleaved else ""
+        return f"micro-batch {a.micro_batch}{stage}"
+
+    def _fail(self, message: str) -> None:
+        raise ScheduleError(f"{self.label} {self.index} step {self.pc} ({self.steps[self.pc]}): "
+                            f"{message}")
+
+    def _check_step_shape(self, i: int, step: Step) -> None:
+        actions = _actions_of(step)
+        where = f"{self.label} {self.index} step {i} ({step})"
+        if isinstance(step, P2PBatch) and (not actions or any(
+                a.kind in _COMPUTE for a in actions)):
+            raise ScheduleError(f"{where}: a P2PBatch holds one or more transfers, no compute")
+        n = self.num_stages
+        for a in actions:
+            if a.stage is None and self.interleaved:
+                raise ScheduleError(f"{where}: a list running several stages must name the "
+                                    f"stage of every action")
+            s = self.stage_of(a)
+            if not 0 <= s < n or s % self.num_lists != self.index:
+                hint = "; interleaved lists need num_stages" if s >= n == self.num_lists else ""
+                raise ScheduleError(f"{where}: stage {s} does not run on {self.label} "
+                                    f"{self.index} (stage s runs on list s % {self.num_lists} "
+                                    f"of {n} stages{hint})")
+            want = None if a.kind in _COMPUTE else s + _PEER_OFFSET[a.kind]
+            if a.peer_stage != want or (want is not None and not 0 <= want < n):
+                raise ScheduleError(f"{where}: {a.kind.name} must have peer_stage {want} on "
+                                    f"stage {s} of {n}")
+
+    def run_until_transfer(self) -> bool:
+        """Run compute steps; post the next transfer step. True if anything happened."""
+        moved = False
+        while not self.done and not self.posted:
+            step = self.steps[self.pc]
+            if isinstance(step, Action) and step.kind in _COMPUTE:
+                self._compute(step)
+                self.pc += 1
+            else:
+                for a in _actions_of(step):
+                    self._check_send_ready(a)
+                self.pending, self.posted = list(_actions_of(step)), True
+            moved = True
+        return moved
+
+    def _compute(self, a: Action) -> None:
+        s, mb, done = self.stage_of(a), a.micro_batch, self.done_work
+        if mb in done[(a.kind, s)]:
+            self._fail(f"{self._what(a)} is {a.kind.value}ed twice")
+        if a.kind is ActionKind.FORWARD:
+            if s > 0 and mb not in done[(ActionKind.RECV_FORWARD, s)]:
+                self._fail(f"the input of {self._what(a)} has not been received")
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        else:
+            if mb not in done[(ActionKind.FORWARD, s)]:
+                self._fail(f"{self._what(a)} has not been forwarded here")
+            if s < self.num_stages - 1 and mb not in done[(ActionKind.RECV_BACKWARD, s)]:
+                self._fail(f"the output gradient of {self._what(a)} has not been received")
+            self.in_flight -= 1
+        done[(a.kind, s)].add(mb)
+
+    def _check_send_ready(self, a: Action) -> None:
+        needs = _COMPUTE_OF.get(a.kind)
+        if needs is not None and a.micro_batch not in self.done_work[(needs, self.stage_of(a))]:
+            self._fail(f"sends {self._what(a)} before its {needs.value} ran here")
+
+    def complete(self, a: Action) -> None:
+        key = (a.kind, self.stage_of(a))
+        if a.micro_batch in self.done_work[key]:
+            self._fail(f"{a.kind.value} of {self._what(a)} happens twice")
+        self.done_work[key].add(a.micro_batch)
+        self.pending.remove(a)
+
+    def finish_step_if_matched(self) -> bool:
+        if self.posted and not self.pending:
+            self.pc, self.posted = self.pc + 1, False
+            return True
+        return False
+
+    def check_complete(self, num_micro_batches: int, forward_only: bool) -> None:
+        expected = set(range(num_micro_batches))
+        for s in range(self.index, self.num_stages, self.num_lists):
+            for kind in _COMPUTE[:1] if forward_only else _COMPUTE:
+                got = self.done_work[(kind, s)]
+                if got == expected:
+                    continue
+                what = f"{kind.value} of stage {s}" if self.interleaved else kind.value
+                raise ScheduleError(
+                    f"{self.label} {self.index} runs {what} on micro-batches {sorted(got)}; "
+                    f"every stage must run it once on each of 0..{num_micro_batches - 1}")
+
+
+def _match_transfers(runs: list[_ListRun]) -> bool:
+    """Pair posted sends with the peer's posted receives, channel by channel, in order."""
+    moved = False
+    num_lists = len(runs)
+    for sender in runs:
+        if not sender.posted:
+            continue
+        for send in [a for a in sender.pending if a.kind in _SENDS]:
+            assert send.peer_stage is not None
+            receiver = runs[send.peer_stage % num_lists]
+            recvs = [a for a in receiver.pending if a.kind is _RECV_OF[send.kind]
+                     and a.peer_stage is not None and a.peer_stage % num_lists == sender.index]
+            if not receiver.posted or not recvs:
+                continue
+            recv = recvs[0]
+            if (recv.micro_batch != send.micro_batch
+                    or receiver.stage_of(recv) != send.peer_stage):
+                label = sender.label
+                raise ScheduleError(
+                    f"{label} {sender.index} step {sender.pc} sends {send} while {label} "
+                    f"{receiver.index} step {receiver.pc} expects {recv}: transfers between "
+                    f"two {label}s must come in the same order on both sides")
+            sender.complete(send)
+            receiver.complete(recv)
+            moved = True
+    return moved

@@ -1,0 +1,209 @@
+"""The predictor under sequence parallelism: TP collectives (the same bytes, by hand), boundary
+messages resharded by positions (against the runtime's peers, and their time by hand), the
+activations saved between TP blocks (by hand and against the tensors the model saves), and no
+change at all without it."""
+import dataclasses
+
+import pytest
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import model_preset
+from megatron_het.errors import UserError
+from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.perf import predict
+from megatron_het.perf.boundary_cost import position_messages
+from megatron_het.perf.cost_model import (LayerShape, head_activation_bytes,
+                                          layer_activation_bytes, layer_input_bytes,
+                                          tp_collectives)
+from megatron_het.training.plan_setup import local_cluster
+
+TINY = model_preset("tiny")
+SEQ, MB = 64, 2
+ACT = MB * SEQ * TINY.hidden_size * 4  # one micro-batch's fp32 activations, bytes
+# cpu_emulated.yaml: ranks of one kind talk over the node (10 GB/s at 80%, 1 us); the kinds
+# over the emulated bridge (2 GB/s, 50 us, exact).
+NODE_BW, NODE_LAT = 10e9 * 0.8, 1e-6
+BRIDGE_BW, BRIDGE_LAT = 2e9, 50e-6
+
+
+def all_reduce_pair(nbytes):
+    """A ring all-reduce over two ranks of one node."""
+    return nbytes / NODE_BW + 2 * NODE_LAT
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    return ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2():
+    return ParallelPlan.load("scripts/plans/cpu_emulated_tp2_pp2.json")
+
+
+def with_sp(plan, value=True):
+    return dataclasses.replace(plan, sequence_parallel=value)
+
+
+def test_collective_counts_under_sequence_parallelism():
+    counts = tp_collectives(2, 3, True, False, False, sequence_parallel=True)
+    assert (counts.forward, counts.backward) == (0, 0)
+    assert (counts.forward_gathers, counts.backward_gathers, counts.norm_grads) == (13, 13, 6)
+    assert (counts.forward_all, counts.backward_all) == (6.5, 6.5 + 6)
+    head = tp_collectives(2, 3, False, True, True, sequence_parallel=True)
+    assert (head.forward_gathers, head.backward_gathers, head.norm_grads) == (13, 25, 7)
+    assert head.forward_all == 6.5 + 2  # the cross-entropy's small ones
+    plain = tp_collectives(2, 3, True, False, False)
+    assert (plain.forward_all, plain.backward_all) == (7, 6)
+    assert tp_collectives(1, 3, True, True, True, sequence_parallel=True).backward_all == 0
+
+
+def test_tp_comm_moves_the_same_bytes_and_adds_the_norm_gradients(emulated, tp2_pp2):
+    plain = predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32")
+    sp = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32")
+    act, norm = all_reduce_pair(ACT), all_reduce_pair(4 * TINY.hidden_size)
+    # Stage 0: embedding + 2 layers; stage 1: 2 layers + head. 9 all-reduces either way.
+    assert [s.tp_comm_s for s in plain.stages] == pytest.approx([9 * act, 9 * act], rel=1e-12)
+    assert [s.tp_comm_s for s in sp.stages] == pytest.approx([9 * act + 4 * norm,
+                                                              9 * act + 5 * norm], rel=1e-12)
+    # The split moves: the embedding's all-reduce becomes a forward reduce-scatter and a
+    # backward all-gather, the head's backward one an all-gather forward + reduce-scatter.
+    assert sp.stages[0].forward_s - plain.stages[0].forward_s == pytest.approx(-act / 2)
+    assert sp.stages[1].forward_s - plain.stages[1].forward_s == pytest.approx(act / 2)
+    assert sp.stages[0].backward_s - plain.stages[0].backward_s == pytest.approx(
+        act / 2 + 4 * norm)
+
+
+def test_a_boundary_between_tp2_stages_sends_half_per_message(emulated, tp2_pp2):
+    plain = predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32")
+    sp = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32")
+    assert position_messages(with_sp(tp2_pp2), *tp2_pp2.pipelines[0].stages, SEQ) == [
+        (0, 2, 0.5), (1, 3, 0.5)]
+    full = BRIDGE_LAT + ACT / BRIDGE_BW
+    half = BRIDGE_LAT + ACT / 2 / BRIDGE_BW
+    assert (plain.stages[0].p2p_forward_s, plain.stages[0].p2p_backward_s) == pytest.approx(
+        (full, full), rel=1e-12)
+    assert (sp.stages[0].p2p_forward_s, sp.stages[0].p2p_backward_s) == pytest.approx(
+        (half, half), rel=1e-12)
+
+
+def test_a_tp_change_sends_the_overlapping_blocks_without_a_broadcast():
+    plan = ParallelPlan(MB, (PipelinePlan(2, (StagePlan("cpu", 2, (0, 2), (0, 1)),
+                                              StagePlan("cpu", 1, (2, 4), (2,)))),),
+                        sequence_parallel=True)
+    assert position_messages(plan, *plan.pipelines[0].stages, SEQ) == [(0, 2, 0.5),
+                                                                       (1, 2, 0.5)]
+    pred = predict(TINY, plan, local_cluster(3), SEQ, dtype="fp32")
+    # Rank 2 takes both halves one after the other: the whole activation, one latency.
+    both = NODE_LAT + ACT / NODE_BW
+    assert (pred.stages[0].p2p_forward_s, pred.stages[0].p2p_backward_s) == pytest.approx(
+        (both, both), rel=1e-12)
+    plain = predict(TINY, with_sp(plan, None), local_cluster(3), SEQ, dtype="fp32")
+    assert plain.stages[0].p2p_backward_s > pred.stages[0].p2p_backward_s  # the broadcast
+
+
+def test_position_messages_are_the_runtimes():
+    from megatron_het.pipeline.p2p import boundary_peers
+
+    def stage(tp, layers, first):
+        return StagePlan("cpu", tp, layers, tuple(range(first, first + tp)))
+    plan = ParallelPlan(MB, (PipelinePlan(2, (stage(2, (0, 1), 0), stage(4, (1, 2), 2),
+                                              stage(1, (2, 3), 6), stage(2, (3, 4), 7))),),
+                        sequence_parallel=True)
+    stages = plan.pipelines[0].stages
+    for b in range(len(stages) - 1):
+        expected = position_messages(plan, stages[b], stages[b + 1], SEQ)
+        got = [(rank, piece.peer, (piece.stop - piece.start) / SEQ
+                if piece.start is not None else 1.0)
+               for rank in stages[b].ranks
+               for piece in boundary_peers(plan, rank, SEQ).send_forward]
+        assert sorted(got) == sorted(expected)
+        received = [(piece.peer, rank) for rank in stages[b + 1].ranks
+                    for piece in boundary_peers(plan, rank, SEQ).recv_forward]
+        assert sorted(received) == sorted((a, c) for a, c, _ in expected)
+
+
+def test_activations_between_tp_blocks_shrink_by_tp_by_hand(emulated, tp2_pp2):
+    t, h = MB * SEQ, TINY.hidden_size
+    shape = LayerShape.of(TINY, SEQ, MB, 2)
+    # Per layer: both norms' inputs (h each) and their float32 1/rms, now half the positions.
+    layer_saved = 2 * h * (t - t // 2) * 4 + 2 * (t - t // 2) * 4
+    assert (layer_activation_bytes(shape, "fp32") - layer_activation_bytes(shape, "fp32", True)
+            == layer_saved == 33280)
+    # The head: the final norm's input and 1/rms.
+    head_saved = h * (t - t // 2) * 4 + (t - t // 2) * 4
+    vocab = TINY.vocab_size
+    assert (head_activation_bytes(shape, vocab, "fp32")
+            - head_activation_bytes(shape, vocab, "fp32", True) == head_saved == 16640)
+    assert layer_input_bytes(shape, "fp32", True) == layer_input_bytes(shape, "fp32") / 2
+    plain = predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32")
+    sp = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32")
+    drop = [a.memory.activation_bytes - b.memory.activation_bytes
+            for a, b in zip(plain.stages, sp.stages)]
+    # 1F1B with 4 micro-batches on 2 stages: stage 0 holds 2 in flight, stage 1 one.
+    assert drop == [2 * 2 * layer_saved, 2 * layer_saved + head_saved]
+    recompute = [predict(TINY, plan, emulated, SEQ, dtype="fp32", recompute=True)
+                 for plan in (tp2_pp2, with_sp(tp2_pp2))]
+    kept = [r.stages[0].memory.activation_bytes for r in recompute]
+    assert kept[0] - kept[1] == 2 * 2 * t * h * 4 / 2  # the layers' inputs, halved
+    assert recompute[1].stages[0].memory.transient_bytes == layer_activation_bytes(
+        shape, "fp32", True)
+
+
+class _SequenceGroup:
+    """A TP group of 2 that runs rank 0's computation with its collectives skipped."""
+
+    size, rank = 2, 0
+
+    def all_reduce(self, tensor, op="sum"):
+        pass
+
+    def all_gather_into_tensor(self, output, input):
+        output.view(self.size, -1).copy_(input.reshape(1, -1))
+
+    def reduce_scatter_tensor(self, output, input, op="sum"):
+        output.copy_(input.view(self.size, *output.shape)[self.rank])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_sequence_parallel_terms_are_the_tensors_the_model_saves(dtype):
+    import torch
+
+    from megatron_het.model.llama import build_model
+    from megatron_het.perf.profiler import SavedActivations
+    from megatron_het.tensor_parallel import apply_tp
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = build_model(TINY, seed=1)
+    apply_tp(model, _SequenceGroup(), TINY, sequence_parallel=True)
+    model = model.to(torch_dtype)
+    if dtype == "bf16":  # as the optimizer leaves them: float32 main gradients
+        for param in model.parameters():
+            param.main_grad = torch.zeros(param.shape)
+    x = torch.randn(MB, SEQ // 2, TINY.hidden_size, dtype=torch_dtype, requires_grad=True)
+    cos, sin = model.rotary.cos_sin(SEQ, x.device, torch_dtype)
+    tokens = torch.randint(0, TINY.vocab_size, (MB, SEQ))
+    shape = LayerShape.of(TINY, SEQ, MB, 2)
+    with SavedActivations(model.parameters(), (cos, sin)) as layer:
+        out = model.layers["0"](x, cos, sin)
+    assert out.shape == x.shape and layer.nbytes == layer_activation_bytes(shape, dtype, True)
+    with SavedActivations(model.parameters(), (cos, sin)) as head:
+        model.head(x, labels=tokens)
+    assert head.nbytes == head_activation_bytes(shape, TINY.vocab_size, dtype, True)
+
+
+def test_without_sequence_parallelism_nothing_changes(emulated, tp2_pp2):
+    for plan in (tp2_pp2, ParallelPlan.load("scripts/plans/cpu_emulated_3stage.json")):
+        unset = predict(TINY, plan, emulated, SEQ, use_distributed_optimizer=True)
+        off = predict(TINY, with_sp(plan, False), emulated, SEQ, use_distributed_optimizer=True)
+        assert unset.to_dict() == off.to_dict()
+        assert predict(TINY, with_sp(plan), emulated, SEQ).to_dict() != unset.to_dict()
+    # Every stage at tp=1: sequence parallelism has nothing to shard.
+    pp4 = ParallelPlan.load("scripts/plans/cpu_emulated_pp4.json")
+    assert (predict(TINY, with_sp(pp4), emulated, SEQ).to_dict()
+            == predict(TINY, pp4, emulated, SEQ).to_dict())
+
+
+def test_the_sequence_must_split_over_every_tp(emulated, tp2_pp2):
+    with pytest.raises(UserError, match="sequence parallelism"):
+        predict(TINY, with_sp(tp2_pp2), emulated, 63)

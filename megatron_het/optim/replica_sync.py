@@ -28,14 +28,15 @@ has one non-zero term). The same exchange completes optimizer state for a checkp
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from megatron_het.checkpoint.reshard import is_written_by, target_slice
 from megatron_het.config import ModelConfig
-from megatron_het.parallel.replicas import ReplicaUnit
+from megatron_het.parallel.replicas import ReplicaUnit, owned_rows
 from megatron_het.parallel.plan import StagePlan
 from megatron_het.tensor_parallel.sharding import parameter_shape
 
@@ -55,7 +56,7 @@ class _Entry:
 
     def box(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's box of the parameter inside a unit's full ``buffer`` (a view)."""
-        return buffer[self.offset:self.offset + _numel(self.full_shape)].view(
+        return buffer[self.offset:self.offset + math.prod(self.full_shape)].view(
             self.full_shape)[self.index]
 
 
@@ -80,12 +81,12 @@ class ReplicaSync:
                 full = tuple(parameter_shape(name, config))
                 offsets, shape = target_slice(name, config, stage.tp, tp_rank)
                 contributes = is_written_by(name, config, stage, tp_rank)
-                rows = (_owned_rows(full[0], offsets[0], shape[0], pipeline, num_pipelines)
+                rows = (owned_rows(full[0], offsets[0], shape[0], pipeline, num_pipelines)
                         if contributes else (0, 0))
                 entries.append(_Entry(name, offset, full,
                                       tuple(slice(o, o + n) for o, n in zip(offsets, shape)),
                                       contributes, rows))
-                offset += _numel(full)
+                offset += math.prod(full)
             if not entries:  # every holder of a unit holds all of its parameters
                 raise ValueError(f"this rank is in the group of {unit} but holds none of it")
             self.units.append((group, offset, entries))
@@ -99,50 +100,31 @@ class ReplicaSync:
     def sum_(self, grad_of: Callable[[str], torch.Tensor], device: torch.device) -> None:
         """Replace every ``grad_of(name)`` (float32, this rank's TP shape) by its sum over the
         replicas."""
-        self._exchange(grad_of, lambda e, value: value if e.contributes else None,
-                       self.reduce_dtype, device)
+        self._exchange(grad_of, self.reduce_dtype, device, owned_only=False)
 
     @torch.no_grad()
     def share_owned(self, value_of: Callable[[str], torch.Tensor], dtype: torch.dtype,
                     device: torch.device) -> None:
         """Fill every ``value_of(name)`` (this rank's TP shape) with the owners' rows: each
         rank contributes only the rows it owns (in ``dtype``), every holder reads its box."""
-        def owned(e: _Entry, value: torch.Tensor) -> Optional[torch.Tensor]:
-            a, b = e.rows
-            return value[a:b] if a < b else None
-        self._exchange(value_of, owned, dtype, device, rows=True)
+        self._exchange(value_of, dtype, device, owned_only=True)
 
-    def _exchange(self, value_of: Callable[[str], torch.Tensor],
-                  part: Callable[[_Entry, torch.Tensor], Optional[torch.Tensor]],
-                  dtype: torch.dtype, device: torch.device, rows: bool = False) -> None:
+    def _exchange(self, value_of: Callable[[str], torch.Tensor], dtype: torch.dtype,
+                  device: torch.device, owned_only: bool) -> None:
+        """Sum per unit, over its group, what each rank writes into zeroed full-size buffers
+        (its owned rows, or its whole box where it contributes); read every box back."""
         pending = []
         for group, size, entries in self.units:
             buffer = torch.zeros(size, dtype=dtype, device=device)
             for e in entries:
-                value = part(e, value_of(e.name))
-                if value is not None:
-                    box = e.box(buffer)
-                    (box[e.rows[0]:e.rows[1]] if rows else box).copy_(value)
+                if owned_only:
+                    a, b = e.rows
+                    if a < b:
+                        e.box(buffer)[a:b].copy_(value_of(e.name)[a:b])
+                elif e.contributes:
+                    e.box(buffer).copy_(value_of(e.name))
             pending.append((group.all_reduce(buffer, "sum", async_op=True), buffer, entries))
         for handle, buffer, entries in pending:
             handle.wait()
             for e in entries:
                 value_of(e.name).copy_(e.box(buffer))
-
-
-def _owned_rows(full_rows: int, first: int, count: int, pipeline: int,
-                num_pipelines: int) -> tuple[int, int]:
-    """Local rows of a box ``[first, first + count)`` inside pipeline ``pipeline``'s block of
-    ``full_rows`` rows split evenly over ``num_pipelines``."""
-    lo = full_rows * pipeline // num_pipelines
-    hi = full_rows * (pipeline + 1) // num_pipelines
-    a, b = max(lo, first), min(hi, first + count)
-    return (a - first, b - first) if a < b else (0, 0)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
-

@@ -62,3 +62,14 @@ def replica_units(plan: ParallelPlan, num_layers: int,
             start = i
     units.append((ReplicaUnit("head"), holders(lambda st: st.has_head)))
     return units
+
+
+def owned_rows(full_rows: int, first: int, count: int, pipeline: int,
+               num_pipelines: int) -> tuple[int, int]:
+    """ZeRO-1 across replicas of different layouts: the rows ``[a, b)`` (local to a TP box of
+    rows ``[first, first + count)``) that pipeline ``pipeline``'s contributing rank owns, its
+    block of ``full_rows`` rows split evenly over ``num_pipelines``; ``(0, 0)`` if none."""
+    lo = full_rows * pipeline // num_pipelines
+    hi = full_rows * (pipeline + 1) // num_pipelines
+    a, b = max(lo, first), min(hi, first + count)
+    return (a - first, b - first) if a < b else (0, 0)

@@ -28,12 +28,8 @@ boundary, and a message takes the larger share of its two ends.
 from __future__ import annotations
 
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.sequence import position_overlaps, sequence_sharded
 from megatron_het.perf.comm_cost import CommCost, broadcast_time, p2p_time
-
-
-def sequence_sharded(plan: ParallelPlan, stage: StagePlan) -> bool:
-    """Whether ``stage``'s activations between TP blocks are split along the sequence."""
-    return bool(plan.sequence_parallel) and stage.tp > 1
 
 
 def rank_activation_bytes(plan: ParallelPlan, stage: StagePlan, act_bytes: float) -> float:
@@ -42,28 +38,12 @@ def rank_activation_bytes(plan: ParallelPlan, stage: StagePlan, act_bytes: float
     return act_bytes / stage.tp if sequence_sharded(plan, stage) else act_bytes
 
 
-def _positions(plan: ParallelPlan, stage: StagePlan, t: int, seq: int) -> tuple[int, int]:
-    """Positions ``[start, stop)`` tp_rank ``t`` of ``stage`` holds between TP blocks (as
-    :func:`~megatron_het.pipeline.p2p.local_positions`)."""
-    if sequence_sharded(plan, stage):
-        width = seq // stage.tp
-        return t * width, (t + 1) * width
-    return 0, seq
-
-
 def position_messages(plan: ParallelPlan, src: StagePlan, dst: StagePlan,
                       seq: int) -> list[tuple[int, int, float]]:
     """The messages of a sequence-parallel boundary from ``src`` to ``dst`` (the backward's
     are the same pairs the other way): ``(src rank, dst rank, share of the activation)``."""
-    out = []
-    for i, a in enumerate(src.ranks):
-        lo_a, hi_a = _positions(plan, src, i, seq)
-        for j, b in enumerate(dst.ranks):
-            lo_b, hi_b = _positions(plan, dst, j, seq)
-            overlap = min(hi_a, hi_b) - max(lo_a, lo_b)
-            if overlap > 0:
-                out.append((a, b, overlap / seq))
-    return out
+    return [(src.ranks[i], dst.ranks[j], (hi - lo) / seq)
+            for i, j, lo, hi in position_overlaps(plan, src, dst, seq)]
 
 
 class BoundaryCost:
@@ -139,4 +119,4 @@ class BoundaryCost:
         return broadcast_time(self.act_bytes, len(ranks), self.comm.ring_path(ranks))
 
 
-__all__ = ["BoundaryCost", "position_messages", "rank_activation_bytes", "sequence_sharded"]
+__all__ = ["BoundaryCost", "position_messages", "rank_activation_bytes"]

@@ -30,11 +30,13 @@ predictions stay torch-free.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan
-from megatron_het.parallel.replicas import ReplicaUnit, replica_units, uniform_layouts
+from megatron_het.parallel.replicas import (ReplicaUnit, owned_rows, replica_units,
+                                            uniform_layouts)
 from megatron_het.perf.comm_cost import CommCost, SyncCost
 from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
 from megatron_het.perf.memory import layer_parameters, stage_parameters
@@ -125,15 +127,9 @@ def _owned(model: ModelConfig, plan: ParallelPlan, pipeline: int, group: int,
         if not is_written_by(name, model, first, tp_rank):
             continue
         offsets, shape = target_slice(name, model, first.tp, tp_rank)
-        rows = parameter_shape(name, model)[0]
-        lo = rows * pipeline // plan.dp_size
-        hi = rows * (pipeline + 1) // plan.dp_size
-        count = min(hi, offsets[0] + shape[0]) - max(lo, offsets[0])
-        if count > 0:
-            per_row = 1
-            for n in shape[1:]:
-                per_row *= n
-            owned += count * per_row
+        a, b = owned_rows(parameter_shape(name, model)[0], offsets[0], shape[0], pipeline,
+                          plan.dp_size)
+        owned += (b - a) * math.prod(shape[1:])
     return owned
 
 

@@ -47,7 +47,8 @@ from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.parallel.plan_validation import validate as validate_plan
-from megatron_het.perf.boundary_cost import BoundaryCost, sequence_sharded
+from megatron_het.parallel.sequence import sequence_sharded
+from megatron_het.perf.boundary_cost import BoundaryCost
 from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
                                             closed_form_interleaved, group_sums,
                                             lower_bound_1f1b, lower_bound_interleaved)

@@ -51,9 +51,10 @@ from torch import nn
 from megatron_het.config import ModelConfig
 from megatron_het.kernels.main_grad import accumulated_grad
 from megatron_het.parallel.groups import ProcessGroups
-from megatron_het.pipeline.p2p import (BufferPool, boundary_peers, local_positions,
-                                       place_received, sync_tied_embedding_grads,
-                                       tied_embedding_weight, transfer_ops)
+from megatron_het.parallel.sequence import local_positions
+from megatron_het.pipeline.p2p import (BufferPool, boundary_peers, place_received,
+                                       sync_tied_embedding_grads, tied_embedding_weight,
+                                       transfer_ops)
 from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PBatch, Step,
                                              gpipe, interleaved_one_f_one_b, sequential_forward)
 from megatron_het.pipeline.timing import RegionClock

@@ -38,8 +38,8 @@ from megatron_het.comm.p2p import P2POp
 from megatron_het.kernels.main_grad import accumulated_grad
 from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.parallel.plan import ParallelPlan, StagePlan
+from megatron_het.parallel.sequence import local_positions, position_overlaps
 from megatron_het.pipeline.schedules import Action, ActionKind
-from megatron_het.tensor_parallel.sequence_parallel import sequence_range
 from megatron_het.tensor_parallel.sharding import vocab_range
 
 # Distinct tags keep the two directions apart even where a backend matches messages by tag only.
@@ -86,15 +86,6 @@ class BoundaryPeers:
         return pieces
 
 
-def local_positions(plan: ParallelPlan, stage: StagePlan, tp_rank: int,
-                    seq_length: int) -> tuple[int, int]:
-    """Sequence positions a rank of ``stage`` holds between layers: all of them, or its
-    ``S / tp`` block under sequence parallelism."""
-    if plan.sequence_parallel and stage.tp > 1:
-        return sequence_range(seq_length, stage.tp, tp_rank)
-    return 0, seq_length
-
-
 def _pieces(plan: ParallelPlan, me: StagePlan, t: int, other: StagePlan,
             seq_length: Optional[int]) -> list[tuple[Piece, Piece]]:
     """(my piece, the peer's piece) of every message between tp_rank ``t`` of ``me`` and the
@@ -103,13 +94,13 @@ def _pieces(plan: ParallelPlan, me: StagePlan, t: int, other: StagePlan,
     if seq_length is None or not plan.sequence_parallel:
         # Replicated tensors: one source per receiver (rank t % tp of the other stage).
         return [(Piece(other.ranks[t % other.tp]), Piece(-1))]
-    start, stop = local_positions(plan, me, t, seq_length)
+    start = local_positions(plan, me, t, seq_length)[0]
     out = []
-    for i, rank in enumerate(other.ranks):
-        a, b = local_positions(plan, other, i, seq_length)
-        lo, hi = max(a, start), min(b, stop)
-        if lo < hi:
-            out.append((Piece(rank, lo - start, hi - start), Piece(-1, lo - a, hi - a)))
+    for i, j, lo, hi in position_overlaps(plan, other, me, seq_length):
+        if j == t:
+            theirs = local_positions(plan, other, i, seq_length)[0]
+            out.append((Piece(other.ranks[i], lo - start, hi - start),
+                        Piece(-1, lo - theirs, hi - theirs)))
     return out
 
 

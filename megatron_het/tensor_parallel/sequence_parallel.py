@@ -2,11 +2,12 @@
 
 With ``sequence_parallel`` a stage's activations between its TP blocks (norms, residual adds,
 the stage boundary) are ``[B, S/tp, H]`` per rank, rank r holding positions
-``[r * S/tp, (r + 1) * S/tp)``, instead of the replicated ``[B, S, H]``. Where a TP block
-starts, an all-gather along the sequence replaces the identity (its backward a reduce-scatter
-replaces the all-reduce); where it ends, a reduce-scatter replaces the all-reduce (backward: an
-all-gather). Bytes on the wire are those of TP's all-reduces (an all-reduce is a reduce-scatter
-plus an all-gather); activation memory between blocks drops by ``tp``.
+``[r * S/tp, (r + 1) * S/tp)`` (:func:`megatron_het.parallel.sequence.sequence_range`),
+instead of the replicated ``[B, S, H]``. Where a TP block starts, an all-gather along the
+sequence replaces the identity (its backward a reduce-scatter replaces the all-reduce); where
+it ends, a reduce-scatter replaces the all-reduce (backward: an all-gather). Bytes on the wire
+are those of TP's all-reduces (an all-reduce is a reduce-scatter plus an all-gather);
+activation memory between blocks drops by ``tp``.
 
     op                      forward                           backward
     gather_from_sp          all-gather along the sequence     reduce-scatter along the sequence
@@ -30,14 +31,6 @@ import torch
 from megatron_het.comm.groups import UnifiedGroup
 
 SEQ_DIM = 1
-
-
-def sequence_range(seq_length: int, tp: int, tp_rank: int) -> tuple[int, int]:
-    """Positions ``[start, stop)`` that ``tp_rank`` of ``tp`` holds (``tp`` divides S)."""
-    if seq_length % tp:
-        raise ValueError(f"sequence length {seq_length} is not divisible by the TP size {tp}")
-    width = seq_length // tp
-    return tp_rank * width, (tp_rank + 1) * width
 
 
 def _gather_seq(x_BsH: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:

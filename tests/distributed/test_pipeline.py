@@ -270,7 +270,7 @@ def test_sequence_parallel_boundaries_exchange_overlapping_positions(
     once, from the rank of the adjacent stage holding it, and sends mirror receives."""
     import dataclasses
 
-    from megatron_het.pipeline.p2p import local_positions
+    from megatron_het.parallel.sequence import local_positions
 
     ranks = iter(range(sum(tps)))
     plan = dataclasses.replace(_plan([(tp, (i, i + 1), [next(ranks) for _ in range(tp)])

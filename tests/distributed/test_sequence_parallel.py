@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from megatron_het.model.llama import build_model
+from megatron_het.parallel.sequence import sequence_range
 from megatron_het.tensor_parallel import apply_tp, shard_spec, unshard
-from megatron_het.tensor_parallel.sequence_parallel import (gather_from_sp,
-                                                            reduce_scatter_to_sp,
-                                                            sequence_range)
+from megatron_het.tensor_parallel.sequence_parallel import gather_from_sp, reduce_scatter_to_sp
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_tensor_parallel import (SEED, TIED, UNTIED, WORLD, _batch, _close,
                                                     _groups, _randn, _relative_error)

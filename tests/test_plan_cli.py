@@ -61,7 +61,7 @@ def test_search_writes_plan_report_chart_and_json(planned) -> None:
     assert summary["plan_file"] == str(out / "plan.json")
     assert 0 < summary["efficiency"] <= 1.0 + 1e-9
     assert summary["tokens_per_s"] == pytest.approx(
-        summary["efficiency"] * summary["upper_bound_tokens_per_s"])
+        summary["efficiency"] * summary["baseline_tokens_per_s"])
     assert len(summary["peak_memory_gib"]) == plan.pp_size()
     assert "| efficiency |" in (out / "report.md").read_text()
     png = (out / "plan.png").read_bytes()
@@ -134,9 +134,9 @@ def test_model_flags_without_a_preset(capsys) -> None:
     summary = plan_json(capsys, "--cluster", CPU_CLUSTER, "--num-layers", "4", "--hidden-size",
                         "128", "--ffn-hidden-size", "352", "--num-attention-heads", "4",
                         "--num-query-groups", "2", "--vocab-size", "512", "--seq-length", "64",
-                        "--global-batch-size", "8", "--no-upper-bound")
+                        "--global-batch-size", "8", "--no-baseline")
     assert summary["efficiency"] is None and summary["tokens_per_s"] > 0
-    assert summary["upper_bound"] is None
+    assert summary["baseline"] is None
 
 
 def test_profile_dir_replaces_roofline_estimates(tmp_path, capsys) -> None:
@@ -144,7 +144,7 @@ def test_profile_dir_replaces_roofline_estimates(tmp_path, capsys) -> None:
     slow = LayerEntry(256, 688, 8, 4, 256, 1, 1, "fp32", 0.5, 1.0, 1e6)  # 0.5 s per layer
     Profile("cpu", ProfileConditions("host", "2.13.0", 1, "2026-11-30"),
             layers=(slow,)).save(tmp_path / "cpu.json")
-    common = [*BASE, "--global-batch-size", "8", "--dtype", "fp32", "--no-upper-bound"]
+    common = [*BASE, "--global-batch-size", "8", "--dtype", "fp32", "--no-baseline"]
     fast = plan_json(capsys, *common)["iteration_time_s"]
     profiled = plan_json(capsys, *common, "--profile-dir", str(tmp_path))["iteration_time_s"]
     # 4 layers of 1.5 s (forward + backward) per micro-batch on emu-fast, twice that on

@@ -22,16 +22,19 @@ JSON form ("megatron_het.plan/1")::
          {"accelerator": "emu-slow", "tp": 1, "layers": [1, 3], "ranks": [2]},
          {"accelerator": "emu-slow", "tp": 1, "layers": [3, 4], "ranks": [3]}]}]}
 
-Optional keys: ``description``, ``dtype`` (fp32 | bf16 | fp16), ``use_distributed_optimizer``
-and ``sequence_parallel`` on the plan (absent: the command line decides), ``recompute`` on a
-stage. Unknown keys are refused.
+Optional keys: ``description``, ``dtype`` (fp32 | bf16 | fp16), ``use_distributed_optimizer``,
+``sequence_parallel``, ``overlap_grad_reduce`` and ``grad_reduce_in_bf16`` on the plan (true or
+false, like Megatron's flags of those names; absent: the command line decides), ``recompute``
+on a stage. Unknown keys are refused.
 
-Loading checks types only; :func:`megatron_het.parallel.plan_validation.validate` checks that the
+Loading checks types only (and that ``grad_reduce_in_bf16`` does not come with a dtype other
+than bf16); :func:`megatron_het.parallel.plan_validation.validate` checks that the
 plan is consistent and fits a model and a cluster. The queries below assume a validated plan.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +46,8 @@ from megatron_het.fileio import read_json_file
 PLAN_FORMAT = "megatron_het.plan/1"
 PLAN_DTYPES = ("fp32", "bf16", "fp16")
 _PLAN_KEYS = ("format", "micro_batch_size", "pipelines", "description", "dtype",
-              "use_distributed_optimizer", "sequence_parallel")
+              "use_distributed_optimizer", "sequence_parallel", "overlap_grad_reduce",
+              "grad_reduce_in_bf16")
 _PIPELINE_KEYS = ("micro_batches", "stages")
 _STAGE_KEYS = ("accelerator", "tp", "layers", "ranks", "recompute")
 
@@ -91,11 +95,12 @@ class PipelinePlan:
 
     def __post_init__(self) -> None:
         last = len(self.stages) - 1
-        stages = tuple(dataclasses.replace(stage, has_embedding=i == 0, has_head=i == last)
+        stages = tuple(stage if (stage.has_embedding, stage.has_head) == (i == 0, i == last)
+                       else dataclasses.replace(stage, has_embedding=i == 0, has_head=i == last)
                        for i, stage in enumerate(self.stages))
         object.__setattr__(self, "stages", stages)
 
-    @property
+    @functools.cached_property
     def device_groups(self) -> tuple[tuple[int, ...], ...]:
         """The distinct stage rank lists, in order of first appearance (pipeline rank order)."""
         return tuple(dict.fromkeys(stage.ranks for stage in self.stages))
@@ -167,9 +172,10 @@ class RankRole:
 class ParallelPlan:
     """The whole plan: micro-batch size and the pipelines (DP replicas).
 
-    ``dtype``, ``use_distributed_optimizer`` and ``sequence_parallel`` are None when the plan
-    leaves them to the command line (a run resolves ``sequence_parallel`` into its plan). The
-    global batch is ``micro_batch_size`` times the sum of the pipelines' micro-batch counts.
+    ``dtype``, ``use_distributed_optimizer``, ``sequence_parallel``, ``overlap_grad_reduce``
+    and ``grad_reduce_in_bf16`` are None when the plan leaves them to the command line (a run
+    resolves ``sequence_parallel`` into its plan). The global batch is ``micro_batch_size``
+    times the sum of the pipelines' micro-batch counts.
     """
 
     micro_batch_size: int
@@ -178,6 +184,8 @@ class ParallelPlan:
     use_distributed_optimizer: Optional[bool] = None
     description: str = ""
     sequence_parallel: Optional[bool] = None
+    overlap_grad_reduce: Optional[bool] = None
+    grad_reduce_in_bf16: Optional[bool] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
@@ -246,6 +254,10 @@ class ParallelPlan:
             out["use_distributed_optimizer"] = self.use_distributed_optimizer
         if self.sequence_parallel is not None:
             out["sequence_parallel"] = self.sequence_parallel
+        if self.overlap_grad_reduce is not None:
+            out["overlap_grad_reduce"] = self.overlap_grad_reduce
+        if self.grad_reduce_in_bf16 is not None:
+            out["grad_reduce_in_bf16"] = self.grad_reduce_in_bf16
         out["pipelines"] = [{"micro_batches": p.micro_batches,
                              "stages": [_stage_to_dict(s) for s in p.stages]}
                             for p in self.pipelines]
@@ -357,17 +369,16 @@ def _parse_plan(d: Any) -> ParallelPlan:
     dtype = d.get("dtype")
     if dtype is not None and dtype not in PLAN_DTYPES:
         raise UserError(f"plan: dtype must be one of {', '.join(PLAN_DTYPES)}, got {dtype!r}")
-    distributed = d.get("use_distributed_optimizer")
-    sequence = d.get("sequence_parallel")
+    options = {key: None if d.get(key) is None else _bool("plan", key, d[key])
+               for key in ("use_distributed_optimizer", "sequence_parallel",
+                           "overlap_grad_reduce", "grad_reduce_in_bf16")}
+    if options["grad_reduce_in_bf16"] and dtype not in (None, "bf16"):
+        raise UserError(f"plan: grad_reduce_in_bf16 needs bf16 training but dtype is {dtype}; "
+                        "set \"dtype\": \"bf16\" or drop grad_reduce_in_bf16")
     description = d.get("description", "")
     if not isinstance(description, str):
         raise UserError(f"plan: description must be a string, got {description!r}")
     return ParallelPlan(
         micro_batch_size=_int("plan", "micro_batch_size", d["micro_batch_size"]),
         pipelines=tuple(_parse_pipeline(i, p) for i, p in enumerate(pipelines)),
-        dtype=dtype,
-        use_distributed_optimizer=(None if distributed is None
-                                   else _bool("plan", "use_distributed_optimizer", distributed)),
-        description=description,
-        sequence_parallel=None if sequence is None else _bool("plan", "sequence_parallel",
-                                                              sequence))
+        dtype=dtype, description=description, **options)

@@ -53,7 +53,18 @@ class BoundaryCost:
     def __init__(self, plan: ParallelPlan, comm: CommCost, act_bytes: float,
                  seq: int) -> None:
         self.plan, self.comm, self.act_bytes, self.seq = plan, comm, act_bytes, seq
+        self._overlaps: dict[tuple[int, int, bool, bool], list] = {}
         self._shares = self._node_shares()
+
+    def _messages(self, src: StagePlan, dst: StagePlan) -> list[tuple[int, int, float]]:
+        """:func:`position_messages`, its overlaps memoized by the two sides' TP and sharding
+        (all a boundary's positions depend on)."""
+        key = (src.tp, dst.tp, sequence_sharded(self.plan, src),
+               sequence_sharded(self.plan, dst))
+        if key not in self._overlaps:
+            self._overlaps[key] = [(i, j, (hi - lo) / self.seq) for i, j, lo, hi in
+                                   position_overlaps(self.plan, src, dst, self.seq)]
+        return [(src.ranks[i], dst.ranks[j], share) for i, j, share in self._overlaps[key]]
 
     def _by_position(self, src: StagePlan, dst: StagePlan) -> bool:
         return sequence_sharded(self.plan, src) or sequence_sharded(self.plan, dst)
@@ -71,7 +82,7 @@ class BoundaryCost:
                     continue
                 src, dst = pipeline.stages[b], pipeline.stages[b + 1]
                 if self._by_position(src, dst):
-                    for a, c, _ in position_messages(self.plan, src, dst, self.seq):
+                    for a, c, _ in self._messages(src, dst):
                         if node(a) != node(c):
                             crossing.setdefault(node(a), set()).add(a)
                             crossing.setdefault(node(c), set()).add(c)
@@ -102,7 +113,7 @@ class BoundaryCost:
         shares, node = self._shares[b], self.comm.node_of
         load: dict[int, float] = {}
         latency: dict[int, float] = {}
-        for a, c, fraction in position_messages(self.plan, src, dst, self.seq):
+        for a, c, fraction in self._messages(src, dst):
             share = 1
             if node(a) != node(c):
                 share = max(shares.get(node(a), 1), shares.get(node(c), 1))

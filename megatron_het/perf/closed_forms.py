@@ -1,7 +1,8 @@
 """Analytic models of 1F1B pipelines, plain and interleaved: closed forms, lower bounds, bubbles.
 
 The event-driven simulation (:mod:`megatron_het.perf.simulator`) is what the predictor reports;
-these formulas are the checks beside it (and ``pipeline_model="closed_form"``'s fast estimate).
+these formulas are the checks beside it (and ``pipeline_model="closed_form"``'s fast estimate,
+with :func:`last_backward_ends` for the overlap of the DP reduction).
 Inputs are per stage (a model chunk of an interleaved device group), in seconds per
 micro-batch; ``p2p_*_s[b]`` is the transfer over boundary b (stage b to b + 1) each way. See each
 docstring for its formula and when it is exact.
@@ -81,6 +82,32 @@ def group_sums(num_groups: int, forward_s: Sequence[float],
     return f, b
 
 
+def last_backward_ends(backward_s: Sequence[float], makespan_s: float, num_groups: int,
+                       p2p_backward_s: Optional[Sequence[float]] = None) -> list[float]:
+    """When each device group's last backward ends, 1F1B plain or interleaved (stage s on group
+    ``s % num_groups``; per-stage inputs), given the pipeline's ``makespan_s``.
+
+    ``c_g = T - sum_{k<g} (b_k + c^b_k)``
+
+    The last micro-batch's gradient crosses stages ``g, g - 1, .., 0`` (the chunk-0 stages,
+    one per group) last: stage ``k``'s last backward can start only once stage ``k + 1``'s
+    has ended and its gradient has crossed boundary k, and stage 0's ends the pipeline
+    (``c_0 = T``). So ``c_{k+1} <= c_k - b_k - c^b_k`` in any such schedule, with equality
+    when stage k waits for that gradient (uniform stages do; a stage slower than the next has
+    a backlog and ends even later than its successor's ``c + b + c^b``). Given the simulated
+    ``T``, these values are upper bounds on the simulated ends (the gaps ``T - c_g`` lower
+    bounds), and equal them for uniform stages.
+    """
+    b = list(backward_s)
+    cb = list(p2p_backward_s or [0.0] * (len(b) - 1))
+    ends, end = [], makespan_s
+    for g in range(num_groups):
+        ends.append(end)
+        if g < num_groups - 1:
+            end -= b[g] + cb[g]
+    return ends
+
+
 def _group_work(forward_s: Sequence[float], backward_s: Sequence[float], num_chunks: int,
                 p2p_forward_s: Optional[Sequence[float]], p2p_backward_s: Optional[Sequence[float]]
                 ) -> tuple[int, list[float], list[float], list[float]]:
@@ -143,5 +170,5 @@ def lower_bound_interleaved(forward_s: Sequence[float], backward_s: Sequence[flo
 
 
 __all__ = ["bubble_fraction", "closed_form_1f1b", "closed_form_interleaved",
-           "closed_form_interleaved_bubble", "group_sums", "lower_bound_1f1b",
-           "lower_bound_interleaved"]
+           "closed_form_interleaved_bubble", "group_sums", "last_backward_ends",
+           "lower_bound_1f1b", "lower_bound_interleaved"]

@@ -90,7 +90,7 @@ class CommCost:
         self._kind_of = [r.accelerator.name for r in ranks]
         self._group_of = [r.group for r in ranks]
         self._nproc = [n.nproc for n in cluster.nodes()]
-        self._links: dict[tuple[int, int, str], tuple[float, float, str]] = {}
+        self._links: dict[tuple[str, str, bool, str], tuple[float, float, str]] = {}
 
     def kind_of(self, rank: int) -> str:
         return self._kind_of[rank]
@@ -101,13 +101,20 @@ class CommCost:
     def spec_of(self, rank: int) -> AcceleratorSpec:
         return self._spec_of[rank]
 
+    def group_of(self, rank: int) -> str:
+        """The name of ``rank``'s node group."""
+        return self._group_of[rank]
+
     def _profile_of(self, rank: int) -> Optional[Profile]:
         """The profile describing ``rank``'s communicator: its kind's own, or for an emulated
         kind without one the host CPU's (an emulated rank is a host process talking gloo)."""
         return choose_profile(self._spec_of[rank], self.profiles).profile
 
     def _link(self, a: int, b: int, op: str) -> tuple[float, float, str]:
-        key = (min(a, b), max(a, b), op)
+        # A path's figures depend on the two ranks' node groups and whether they share a node
+        # (:meth:`ClusterSpec.link_between`), and so do the profiles that measure it.
+        ga, gb = self._group_of[a], self._group_of[b]
+        key = (min(ga, gb), max(ga, gb), self._node_of[a] == self._node_of[b], op)
         found = self._links.get(key)
         if found is None:
             link = self.cluster.link_between(a, b)

@@ -12,9 +12,16 @@ layer).
 
 A GEMM of ``[m, k] x [k, n]`` costs ``2 m n k`` FLOPs and moves ``(m k + k n + m n)`` elements; its
 roofline time is ``max(flops / (peak * gemm), bytes / (bandwidth * memory))`` with the
-efficiency factors of :class:`Efficiency`. Attention is a flash-style kernel with its own
-factor; norms, RoPE, SwiGLU and residual adds are memory-bound. Backward costs twice the
-forward for GEMMs (input and weight gradients) and for memory-bound ops.
+efficiency factors of :class:`Efficiency`. Norms, RoPE, SwiGLU and residual adds are
+memory-bound. Backward costs twice the forward for GEMMs (input and weight gradients) and for
+memory-bound ops unless an op says otherwise (:attr:`Op.backward_factor`). The factors default
+to the module constants below; per-kind calibrated ones live in
+:mod:`megatron_het.perf.calibration`.
+
+Attention is costed as the software being predicted runs it (:attr:`Efficiency.attention_kernel`,
+:func:`attention_ops`): ``"flash"`` (our runtime, :mod:`megatron_het.kernels.attention`), one
+kernel with its own factor on the causal half of the scores, or ``"unfused"`` (Megatron-LM
+2021), GEMMs and memory-bound passes over the materialised ``[b, heads/tp, s, s]`` scores.
 
 Emulated kinds: their spec figures are the host CPU's divided by the slowdown (see
 :mod:`megatron_het.cluster.accelerators`), so the estimate is made for the host (figures times
@@ -43,6 +50,10 @@ MEMORY_EFFICIENCY = 0.8
 CAUSAL_ATTENTION_WORK = 0.5
 # Flash attention's backward recomputes the scores: about 2.5x the forward work (not 2x).
 ATTENTION_BACKWARD_FACTOR = 2.5
+# How attention is implemented by the software being predicted (module docstring).
+ATTENTION_KERNELS = ("flash", "unfused")
+# Bytes of a dropout mask element (torch's fused dropout keeps a uint8 mask).
+DROPOUT_MASK_BYTES = 1
 # Adam step, bytes moved per parameter with bf16/fp16 weights: read+write the fp32 master
 # weight, exp_avg and exp_avg_sq (24), read the fp32 main grad (4), write the low-precision
 # weight (2), zero the grad buffer (4). With fp32 weights there is no separate master (32).
@@ -51,11 +62,26 @@ OPTIMIZER_BYTES_PER_PARAM = {"bf16": 34, "fp16": 34, "fp32": 32}
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Fractions of the datasheet figures that kernels reach; see the module constants."""
+    """Fractions of the datasheet figures that kernels reach (see the module constants) and
+    ``attention_kernel`` (:data:`ATTENTION_KERNELS`), the attention the software being
+    predicted runs: ``"flash"`` (ours, the default) or ``"unfused"`` (Megatron-LM 2021, whose
+    GEMMs and memory passes the other factors price; ``attention`` prices the flash kernel).
+    The choice travels with the factors wherever a prediction is priced
+    (``predict(efficiency=...)``, the stage costs): they say how the software's kernels perform
+    on a kind, it which kernels there are. The defaults are one guess for every kind;
+    :mod:`megatron_het.perf.calibration` holds per-kind figures fitted to, or taken from,
+    published measurements (``efficiency_for(spec)``), which the stage costs use when given
+    ``efficiency=None``. The functions here take an explicit one."""
 
     gemm: float = GEMM_EFFICIENCY
     attention: float = ATTENTION_EFFICIENCY
     memory: float = MEMORY_EFFICIENCY
+    attention_kernel: str = "flash"
+
+    def __post_init__(self) -> None:
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise UserError(f"unknown attention kernel {self.attention_kernel!r}; use "
+                            f"{' or '.join(ATTENTION_KERNELS)}")
 
 
 DEFAULT_EFFICIENCY = Efficiency()
@@ -91,7 +117,9 @@ class LayerShape:
 class Op:
     """One kernel: ``flops`` and ``elements`` moved; ``kind`` is gemm, attention or memory.
 
-    ``elements`` counts values of the compute dtype; ``extra_bytes`` adds fp32 traffic.
+    ``elements`` counts values of the compute dtype; ``extra_bytes`` adds other traffic (fp32
+    values, byte masks). ``backward_factor``: the backward's FLOPs and bytes as a multiple of
+    the forward's (gemm and memory ops; 2 unless the op's backward is counted otherwise).
     """
 
     name: str
@@ -99,6 +127,7 @@ class Op:
     flops: float
     elements: float
     extra_bytes: float = 0.0
+    backward_factor: float = 2.0
 
     def bytes(self, dtype: str) -> float:
         return self.elements * dtype_bytes(dtype) + self.extra_bytes
@@ -116,17 +145,66 @@ def gemm(name: str, m: float, n: float, k: float) -> Op:
     return Op(name, "gemm", 2.0 * m * n * k, m * k + k * n + m * n)
 
 
-def layer_forward_ops(shape: LayerShape) -> list[Op]:
-    """The kernels of one layer's forward on one TP rank."""
+def attention_ops(shape: LayerShape, kernel: str = "flash") -> list[Op]:
+    """The kernels between qkv and proj on one TP rank, as ``kernel`` runs them (both do the
+    same model FLOPs, ``4 b s^2 d`` per head: Q K^T and the probabilities times V).
+
+    ``"flash"``: one kernel reading Q, K, V and writing the output. ``"unfused"``: Megatron-LM
+    2021's ``ParallelAttention`` (commit 6985e58, ``megatron/model/transformer.py`` and
+    ``fused_softmax.py``), fp16 at ``s <= 2048`` (the fused softmax's limit; longer sequences
+    fell back to torch's softmax, not modelled), per score element (``b heads/tp s^2`` of
+    them), in elements of the compute dtype:
+
+    * ``scores``: ``baddbmm`` of Q and K^T (the 1/sqrt(d) scale folded in), the whole square;
+      backward two GEMMs (dQ, dK);
+    * ``softmax``: ``ScaledUpperTriangMaskedSoftmax``, whose forward reads the causal half of
+      the scores (``local_seq = row + 1``) and writes every element (zeros above): 1.5;
+      backward reads the output gradients and the probabilities over the half and writes every
+      input gradient: 2.0 (hence ``backward_factor`` 2.0 / 1.5);
+    * ``dropout``: ``torch.nn.Dropout(0.1)`` (``--attention-dropout`` defaults to 0.1; Table 1's
+      scripts leave it): reads and writes every element and writes a uint8 mask; backward reads
+      the gradients and the mask and writes the gradients: the same (``backward_factor`` 1);
+    * ``context``: ``bmm`` of the dropped probabilities and V, the whole square; backward two
+      GEMMs (the probabilities' and V's gradients);
+    * ``context_transpose``: ``permute(2, 0, 1, 3).contiguous()`` of the ``[b, np, s, hn]``
+      output to ``[s, b, hp]``, a read and a write; backward the same copy back.
+
+    Left out: the backward's scaling of dQ and dK by the baddbmm's alpha (``[b np, s, hn]``
+    each, about ``d/s`` of one pass over the scores).
+    """
+    t, tp = shape.tokens, shape.tp
+    q = shape.heads * shape.head_dim // tp
+    kv = shape.kv_groups * shape.head_dim // tp
+    if kernel == "flash":
+        # Scores Q K^T and their product with V: 2 GEMM-like products of S x S x D per head.
+        attn_flops = 4.0 * shape.micro_batch * shape.seq * shape.seq * q
+        return [Op("attention", "attention", attn_flops, t * (2 * q + 2 * kv))]
+    if kernel != "unfused":
+        raise UserError(f"unknown attention kernel {kernel!r}; use "
+                        f"{' or '.join(ATTENTION_KERNELS)}")
+    s, d = shape.seq, shape.head_dim
+    batches = shape.micro_batch * (shape.heads // tp)
+    scores = batches * s * s
+    return [
+        Op("scores", "gemm", 2.0 * scores * d, batches * 2 * s * d + scores),
+        Op("softmax", "memory", 0.0, 1.5 * scores, backward_factor=2.0 / 1.5),
+        Op("dropout", "memory", 0.0, 2.0 * scores, extra_bytes=DROPOUT_MASK_BYTES * scores,
+           backward_factor=1.0),
+        Op("context", "gemm", 2.0 * scores * d, scores + batches * 2 * s * d),
+        Op("context_transpose", "memory", 0.0, 2.0 * t * q, backward_factor=1.0),
+    ]
+
+
+def layer_forward_ops(shape: LayerShape, attention_kernel: str = "flash") -> list[Op]:
+    """The kernels of one layer's forward on one TP rank (attention as ``attention_kernel``
+    runs it, :func:`attention_ops`)."""
     t, h, tp = shape.tokens, shape.hidden, shape.tp
     q = shape.heads * shape.head_dim // tp
     kv = shape.kv_groups * shape.head_dim // tp
     f = shape.ffn // tp
-    # Scores Q K^T and their product with V: 2 GEMM-like products of S x S x D per head.
-    attn_flops = 4.0 * shape.micro_batch * shape.seq * shape.seq * q
     return [
         gemm("qkv", t, q + 2 * kv, h),
-        Op("attention", "attention", attn_flops, t * (2 * q + 2 * kv)),
+        *attention_ops(shape, attention_kernel),
         gemm("proj", t, h, q),
         gemm("gate_up", t, 2 * f, h),
         gemm("down", t, h, f),
@@ -245,7 +323,7 @@ def op_time(op: Op, spec: AcceleratorSpec, dtype: str,
         compute = flops / (peak * efficiency.attention)
     else:
         if backward:
-            flops, nbytes = 2.0 * flops, 2.0 * nbytes
+            flops, nbytes = op.backward_factor * flops, op.backward_factor * nbytes
         compute = flops / (peak * efficiency.gemm) if flops else 0.0
     return max(compute, nbytes / bandwidth) * slowdown
 
@@ -266,8 +344,8 @@ def _between_blocks(shape: LayerShape, sequence_parallel: bool) -> int:
     return shape.tokens
 
 
-def layer_activation_bytes(shape: LayerShape, dtype: str,
-                           sequence_parallel: bool = False) -> float:
+def layer_activation_bytes(shape: LayerShape, dtype: str, sequence_parallel: bool = False,
+                           attention_kernel: str = "flash") -> float:
     """Bytes one layer keeps for its backward per micro-batch on one TP rank (no recompute):
     what :class:`~megatron_het.model.llama.DecoderLayer` saves, tensor for tensor.
 
@@ -280,6 +358,10 @@ def layer_activation_bytes(shape: LayerShape, dtype: str,
     With ``sequence_parallel`` the norms' inputs and ``1/rms`` are ``1/tp`` of the positions
     (``[b, s/tp, h]``); the residual adds save nothing; the inputs of qkv and gate/up are the
     all-gathered ``[b, s, h]`` (the linear keeps them for its weight gradient), so they stay.
+
+    ``attention_kernel`` ``"unfused"`` (:func:`attention_ops`) keeps no log-sum-exp but, per
+    score element, the softmax's probabilities (its backward reads them), the dropout's uint8
+    mask and the dropped probabilities (the context bmm's saved input).
     """
     t, h, tp = shape.tokens, shape.hidden, shape.tp
     local = _between_blocks(shape, sequence_parallel)
@@ -287,6 +369,10 @@ def layer_activation_bytes(shape: LayerShape, dtype: str,
     kv = shape.kv_groups * shape.head_dim // tp
     f = shape.ffn // tp
     elements = local * 2 * h + t * (2 * h + q + 2 * kv + q + 3 * f)
+    if attention_kernel == "unfused":
+        scores = shape.micro_batch * (shape.heads // tp) * shape.seq * shape.seq
+        return ((elements + 2 * scores) * dtype_bytes(dtype) + DROPOUT_MASK_BYTES * scores
+                + 2 * local * FP32_BYTES)  # 1/rms per norm
     floats = t * (shape.heads // tp) + 2 * local  # log-sum-exp per head, 1/rms per norm
     return elements * dtype_bytes(dtype) + floats * FP32_BYTES
 

@@ -43,7 +43,8 @@ from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import StagePlan
 from megatron_het.perf.cost_model import FP32_BYTES, dtype_bytes
-from megatron_het.pipeline.schedules import Step, peak_activation
+from megatron_het.pipeline.schedule_check import held_counts
+from megatron_het.pipeline.schedules import Step
 
 GIB = 1024 ** 3
 # Kept free of the predicted peak: runtime context (~0.5-1 GiB on GPUs), fragmentation and
@@ -113,8 +114,15 @@ def group_activations(steps: Sequence[Step], activation_of_stage: Callable[[int]
     backwarded, ``activation_of_stage(s)`` bytes per micro-batch of stage ``s``, and the most
     such pairs (:func:`~megatron_het.pipeline.schedules.check_schedule`'s
     ``peak_in_flight``)."""
-    return (peak_activation(steps, activation_of_stage, group),
-            round(peak_activation(steps, lambda _: 1.0, group)))
+    return held_activations(held_counts(steps, group), activation_of_stage)
+
+
+def held_activations(counts: Sequence[Sequence[tuple[int, int]]],
+                     activation_of_stage: Callable[[int], float]) -> tuple[float, int]:
+    """:func:`group_activations` from the list's candidate peaks
+    (:func:`~megatron_het.pipeline.schedule_check.held_counts`, ``(stage, pairs)`` vectors)."""
+    peak = max(sum(n * activation_of_stage(s) for s, n in vec) for vec in counts)
+    return peak, max(sum(n for _, n in vec) for vec in counts)
 
 
 def device_memory(params: int, dtype: str, zero1_dp: int, activation_bytes: float,

@@ -72,12 +72,20 @@ class PipelinePrediction:
 
 @dataclass(frozen=True)
 class Prediction:
-    """Everything :func:`predict` estimates for one iteration; ``stages`` is the per-stage table."""
+    """Everything :func:`predict` estimates for one iteration; ``stages`` is the per-stage table.
+
+    ``dp_sync_s`` is the whole DP sync of the slowest device group (what it takes after the
+    last backward without overlap); ``dp_exposed_s`` is what the iteration pays of it past the
+    slowest pipeline: all of it without ``overlap_grad_reduce``, less with it. ``iteration_time_s
+    = pipeline_time_s + dp_exposed_s + optimizer_s + overhead_s``.
+    """
 
     model: str
     seq_length: int
     dtype: str
     use_distributed_optimizer: bool
+    overlap_grad_reduce: bool
+    grad_reduce_in_bf16: bool
     micro_batch_size: int
     global_batch_size: int
     pipeline_model: str
@@ -85,6 +93,7 @@ class Prediction:
     pipelines: tuple[PipelinePrediction, ...]
     pipeline_time_s: float
     dp_sync_s: float
+    dp_exposed_s: float
     optimizer_s: float
     iteration_time_s: float
     tokens_per_s: float
@@ -130,8 +139,11 @@ class Prediction:
                          f"{s.memory.total_bytes / 2**30:.1f}", f"{s.capacity_bytes / 2**30:.0f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        overlapped = (f" (of {self.dp_sync_s:.3f}, overlapped with backward)"
+                      if self.overlap_grad_reduce else "")
         lines.append(f"iteration {self.iteration_time_s:.3f} s = pipeline "
-                     f"{self.pipeline_time_s:.3f} + dp sync {self.dp_sync_s:.3f} + optimizer "
+                     f"{self.pipeline_time_s:.3f} + dp sync {self.dp_exposed_s:.3f}{overlapped}"
+                     f" + optimizer "
                      f"{self.optimizer_s:.3f} + other {self.overhead_s:.3f}; "
                      f"{self.tokens_per_s:,.0f} tokens/s, "
                      f"{self.achieved_tflops_per_device:.1f} TFLOP/s per device, MFU "

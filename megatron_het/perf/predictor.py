@@ -10,6 +10,15 @@ for the vocab-parallel embedding forward and one for the head's input gradient; 
 :func:`~megatron_het.perf.cost_model.tp_collectives`). Between stages: the boundary transfers
 of :mod:`megatron_het.perf.boundary_cost`.
 
+DP options, named like the runtime's flags (None: the plan's key, else off):
+``overlap_grad_reduce`` starts each gradient bucket's reduction in the last backward, so the
+iteration pays only ``dp_exposed_s`` of the sync (:mod:`megatron_het.perf.dp_overlap`: the
+buckets as the runtime lays them out, each started when its last gradient is in, one after
+another; ZeRO-1's parameter all-gather stays after the step). It changes nothing for
+pipelines of different layouts (their replica sums do not overlap in the runtime) nor where
+a rate model prices the iteration (its DP sync stays whole). ``grad_reduce_in_bf16`` (bf16
+training only) halves the gradient bytes of the DP reduction (:mod:`megatron_het.perf.dp_sync`).
+
 Sequence parallelism (``plan.sequence_parallel``, stages with tp > 1): every all-reduce becomes
 a reduce-scatter and an all-gather of the same bytes (each half the ring all-reduce's time),
 the norm weights' gradients are all-reduced over TP in backward (2 per layer and the final
@@ -40,7 +49,7 @@ per-iteration time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
@@ -51,19 +60,20 @@ from megatron_het.parallel.sequence import sequence_sharded
 from megatron_het.perf.boundary_cost import BoundaryCost
 from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
                                             closed_form_interleaved, group_sums,
-                                            lower_bound_1f1b, lower_bound_interleaved)
+                                            last_backward_ends, lower_bound_1f1b,
+                                            lower_bound_interleaved)
 from megatron_het.perf.comm_cost import CommCost, SyncCost
-from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, DTYPE_BYTES, FP32_BYTES,
-                                          Efficiency, LayerShape, TPCollectives, dtype_bytes,
-                                          tp_collectives)
+from megatron_het.perf.cost_model import (DTYPE_BYTES, FP32_BYTES, Efficiency, LayerShape,
+                                          TPCollectives, dtype_bytes, tp_collectives)
+from megatron_het.perf.dp_overlap import exposed_sync
 from megatron_het.perf.dp_sync import DPSync
 from megatron_het.perf.memory import (MemoryBreakdown, device_capacity_bytes, device_memory,
-                                      group_activations, in_flight_micro_batches,
+                                      held_activations, in_flight_micro_batches,
                                       stage_parameters)
 from megatron_het.perf.prediction import PipelinePrediction, Prediction, StagePrediction
 from megatron_het.perf.profile import Profile
 from megatron_het.perf.rate_model import RateModel, SharedIteration
-from megatron_het.perf.simulator import SimulationCache, simulate_pipelines
+from megatron_het.perf.simulator import SimulationCache, simulate, simulate_pipelines
 from megatron_het.perf.stage_cost import (StageCompute, choose_profile, optimizer_time,
                                           stage_compute)
 
@@ -73,16 +83,25 @@ PIPELINE_MODELS = ("simulate", "closed_form")
 def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_length: int,
             profiles: Optional[Mapping[str, Profile]] = None, dtype: str = "bf16",
             use_distributed_optimizer: bool = False, recompute: Optional[bool] = None, *,
-            efficiency: Efficiency = DEFAULT_EFFICIENCY, pipeline_model: str = "simulate",
+            efficiency: Optional[Efficiency] = None, pipeline_model: str = "simulate",
             cache: Optional[SimulationCache] = None, validate: bool = True,
-            rate_model: Optional[RateModel] = None) -> Prediction:
+            rate_model: Optional[RateModel] = None, overlap_grad_reduce: Optional[bool] = None,
+            grad_reduce_in_bf16: Optional[bool] = None,
+            pipelines: Optional[Sequence[int]] = None) -> Prediction:
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
     ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
-    ``recompute`` None keeps each stage's own flag, True/False overrides every stage.
-    ``profiles`` maps accelerator kind names to measured profiles (roofline where absent).
+    ``recompute`` None keeps each stage's own flag, True/False overrides every stage;
+    ``overlap_grad_reduce`` and ``grad_reduce_in_bf16`` None take the plan's keys (off where it
+    has none), True/False override them (UserError for a bf16 reduction of non-bf16 training).
+    ``profiles`` maps accelerator kind names to measured profiles (roofline where absent);
+    ``efficiency`` None: each kind's calibrated efficiency factors (the cost model's defaults
+    for emulated kinds and cpu; :mod:`megatron_het.perf.stage_cost`).
     ``cache`` reuses built schedules across calls (a planner's loop); ``validate=False`` skips
-    the plan check for plans known to be valid. ``rate_model`` (with ``pipeline_model``
+    the plan check for plans known to be valid; ``pipelines`` (indices) prices only those DP
+    replicas, for a caller that knows every other one runs like one of them (a planner's
+    probes of identical replicas): rows, times and the iteration are theirs, the DP sync still
+    spans every replica. ``rate_model`` (with ``pipeline_model``
     "simulate") models ranks that share their compute where it applies. Pure: no processes,
     no I/O.
     """
@@ -94,24 +113,43 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     dtype_bytes(dtype)
     zero1 = (plan.use_distributed_optimizer if plan.use_distributed_optimizer is not None
              else use_distributed_optimizer)
+    overlap = _option(overlap_grad_reduce, plan.overlap_grad_reduce)
+    bf16_reduce = _option(grad_reduce_in_bf16, plan.grad_reduce_in_bf16)
+    if bf16_reduce and dtype != "bf16":
+        raise UserError(f"grad_reduce_in_bf16 needs bf16 training but this one is {dtype}; "
+                        "train in bf16 or drop grad_reduce_in_bf16")
     if validate:
         validate_plan(plan, model, cluster, seq_length=seq_length)
     ctx = PredictionContext(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
-                            efficiency, CommCost(cluster, profiles))
+                            efficiency, CommCost(cluster, profiles), overlap, bf16_reduce)
     cache = cache or SimulationCache()
-    stages, pipelines = [], []
-    for p, pipeline in enumerate(plan.pipelines):
+    overlapped = overlap and ctx.sync.uniform and plan.dp_size > 1
+    every = pipelines is None
+    chosen = range(len(plan.pipelines)) if pipelines is None else sorted(set(pipelines))
+    stages, pipelines, ends = [], [], []
+    for p in chosen:
+        pipeline = plan.pipelines[p]
         rows = ctx.pipeline_rows(p, pipeline, cache)
         stages += rows
-        pipelines.append(_pipeline_time(p, pipeline, rows, pipeline_model, cache))
+        timed, last = _pipeline_time(p, pipeline, rows, pipeline_model, cache, overlapped)
+        pipelines.append(timed)
+        ends.append(last)
     shared = None
-    if rate_model is not None and pipeline_model == "simulate":
+    if rate_model is not None and pipeline_model == "simulate" and every:
         shared = rate_model.shared_iteration(ctx, stages)
     if shared is not None:
         pipelines = _shared_pipelines(plan, stages, pipelines, shared, cache)
         return _assemble(ctx, stages, pipelines, pipeline_model, shared.optimizer_s,
                          shared.overhead_s, shared.dp_sync_s)
-    return _assemble(ctx, stages, pipelines, pipeline_model)
+    exposed = _exposed_sync(ctx, pipelines, ends) if overlapped else None
+    return _assemble(ctx, stages, pipelines, pipeline_model, dp_exposed=exposed)
+
+
+def _option(argument: Optional[bool], planned: Optional[bool]) -> bool:
+    """A DP option: the argument where given, else the plan's, else off."""
+    if argument is not None:
+        return argument
+    return bool(planned)
 
 
 def _shared_pipelines(plan: ParallelPlan, rows: list[StagePrediction],
@@ -134,21 +172,28 @@ def _shared_pipelines(plan: ParallelPlan, rows: list[StagePrediction],
 class PredictionContext:
     """The inputs of one prediction and its per-call memo of stage computes (what a
     :class:`~megatron_het.perf.rate_model.RateModel` reads, as
-    :class:`~megatron_het.perf.rate_model.PredictionInputs`)."""
+    :class:`~megatron_het.perf.rate_model.PredictionInputs`). ``efficiency`` None: each kind's
+    calibrated figures (:mod:`megatron_het.perf.stage_cost`); the two DP options are resolved
+    already (see :func:`predict`)."""
 
     def __init__(self, model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec,
                  seq_length: int, profiles: Optional[Mapping[str, Profile]], dtype: str,
-                 zero1: bool, recompute: Optional[bool], efficiency: Efficiency,
-                 comm: CommCost) -> None:
+                 zero1: bool, recompute: Optional[bool], efficiency: Optional[Efficiency],
+                 comm: CommCost, overlap_grad_reduce: bool = False,
+                 grad_reduce_in_bf16: bool = False) -> None:
         self.model, self.plan, self.cluster, self.seq = model, plan, cluster, seq_length
         self.profiles, self.dtype, self.zero1 = profiles, dtype, zero1
         self.recompute, self.efficiency, self.comm = recompute, efficiency, comm
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.grad_reduce_in_bf16 = grad_reduce_in_bf16
         self.act_bytes = plan.micro_batch_size * seq_length * model.hidden_size * DTYPE_BYTES[
             dtype]
         self._computes: dict[tuple, StageCompute] = {}
         self._dp: dict[tuple[int, int], tuple[float, str]] = {}
+        self._devices: dict[tuple, DeviceFigures] = {}
+        self._tp: dict[tuple, tuple[float, float]] = {}
         self.boundaries = BoundaryCost(plan, comm, self.act_bytes, seq_length)
-        self.sync = DPSync(model, plan, dtype, zero1)
+        self.sync = DPSync(model, plan, dtype, zero1, grad_reduce_in_bf16)
 
     def recompute_of(self, stage: StagePlan) -> bool:
         return stage.recompute if self.recompute is None else self.recompute
@@ -174,10 +219,22 @@ class PredictionContext:
                               self.recompute_of(stage), sequence_sharded(self.plan, stage))
 
     def tp_comm(self, stage_index: int, pipeline: PipelinePlan) -> tuple[float, float]:
-        """(forward, backward) TP collective seconds per micro-batch of one stage."""
+        """(forward, backward) TP collective seconds per micro-batch of one stage (the same
+        for every TP group of one node group that lies on one node: memoized)."""
         stage = pipeline.stages[stage_index]
         if stage.tp == 1:
             return 0.0, 0.0
+        first, comm = stage.ranks[0], self.comm
+        if any(comm.node_of(r) != comm.node_of(first) for r in stage.ranks):
+            return self._tp_comm(stage_index, pipeline)
+        key = (comm.group_of(first), stage.tp, stage.num_layers, stage.has_embedding,
+               stage.has_head, self.recompute_of(stage), sequence_sharded(self.plan, stage))
+        if key not in self._tp:
+            self._tp[key] = self._tp_comm(stage_index, pipeline)
+        return self._tp[key]
+
+    def _tp_comm(self, stage_index: int, pipeline: PipelinePlan) -> tuple[float, float]:
+        stage = pipeline.stages[stage_index]
         # The cross-entropy's small all-reduces are left out: a few numbers per token.
         counts = self.tp_collectives(stage_index, pipeline)
         if not sequence_sharded(self.plan, stage):
@@ -226,21 +283,33 @@ class PredictionContext:
             in_flight = in_flight_micro_batches(pipeline.pp_size, group, m)
             activation = computes[group].activation_bytes * in_flight
         else:
-            steps = (cache or SimulationCache()).schedule(pipeline.pp_size, m,
-                                                          pipeline.num_chunks)[group]
-            activation, in_flight = group_activations(
-                steps, lambda s: computes[s].activation_bytes, group)
+            counts = (cache or SimulationCache()).held_counts(pipeline.pp_size, m,
+                                                              pipeline.num_chunks, group)
+            activation, in_flight = held_activations(
+                counts, lambda s: computes[s].activation_bytes)
         memory = device_memory(params, self.dtype, dp, activation, transient, owned,
                                self.sync.buffer_bytes(stage.ranks))
         optimizer = optimizer_time(spec, params / dp if owned is None else owned, self.dtype,
                                    choose_profile(spec, self.profiles), self.efficiency)
         return DeviceFigures(in_flight, memory, optimizer)
 
+    def _device(self, signature: object, p: int, group: int,
+                cache: Optional[SimulationCache]) -> DeviceFigures:
+        """:meth:`device`, shared by the pipelines of one ``signature`` (with uniform layouts,
+        the stages' kinds, TP and layers: such DP replicas hold and step the same)."""
+        key = (signature, group)
+        if key not in self._devices:
+            self._devices[key] = self.device(p, group, cache)
+        return self._devices[key]
+
     def pipeline_rows(self, p: int, pipeline: PipelinePlan,
                       cache: Optional[SimulationCache] = None) -> list[StagePrediction]:
         """One row per stage (chunk) of pipeline ``p``: its per-micro-batch times and p2p to
         the next stage, and its device group's figures (see the module docstring)."""
-        devices = [self.device(p, g, cache) for g in range(pipeline.pp_size)]
+        signature = ((pipeline.micro_batches, tuple(
+            (st.accelerator, st.tp, st.layers, st.recompute) for st in pipeline.stages))
+            if self.sync.uniform else p)
+        devices = [self._device(signature, p, g, cache) for g in range(pipeline.pp_size)]
         rows = []
         for s, stage in enumerate(pipeline.stages):
             spec = self.comm.spec_of(stage.ranks[0])
@@ -269,9 +338,15 @@ class DeviceFigures:
     optimizer_s: float
 
 
+LastBackwards = list[tuple[float, float]]  # per device group: (end, duration) of its last backward
+
+
 def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
-                   pipeline_model: str, cache: SimulationCache) -> PipelinePrediction:
-    """Simulated (or closed-form) time, with the closed form, lower bound and bubble."""
+                   pipeline_model: str, cache: SimulationCache, with_ends: bool = False
+                   ) -> tuple[PipelinePrediction, Optional[LastBackwards]]:
+    """Simulated (or closed-form) time, with the closed form, lower bound and bubble; with
+    ``with_ends`` also when and for how long each device group runs its last backward (from
+    the simulated timeline, or :func:`last_backward_ends` with the closed form)."""
     m, v = pipeline.micro_batches, pipeline.num_chunks
     f, b = [r.forward_s for r in rows], [r.backward_s for r in rows]
     cf, cb = [r.p2p_forward_s for r in rows[:-1]], [r.p2p_backward_s for r in rows[:-1]]
@@ -283,22 +358,48 @@ def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
         closed = closed_form_interleaved(f, b, m, v, cf, cb)
         lower = lower_bound_interleaved(f, b, m, v, cf, cb)
         group_f, group_b = group_sums(pipeline.pp_size, f, b)
-    time = closed if pipeline_model == "closed_form" else cache.makespan(f, b, m, cf, cb, v)
-    return PipelinePrediction(p, m, time, closed, lower,
-                              bubble_fraction(time, group_f, group_b, m))
+    ends: Optional[LastBackwards] = None
+    if pipeline_model == "closed_form":
+        time = closed
+        if with_ends:
+            groups = pipeline.pp_size
+            ends = list(zip(last_backward_ends(b, time, groups, cb), b[:groups]))
+    elif with_ends:
+        result = simulate(cache.schedule(pipeline.pp_size, m, v), f, b, cf, cb,
+                          record_timeline=True)
+        time = result.makespan_s
+        ends = []
+        for events in result.timeline:
+            last = next(e for e in reversed(events) if e.kind == "backward")
+            ends.append((last.end_s, last.end_s - last.start_s))
+    else:
+        time = cache.makespan(f, b, m, cf, cb, v)
+    return (PipelinePrediction(p, m, time, closed, lower,
+                               bubble_fraction(time, group_f, group_b, m)), ends)
+
+
+def _exposed_sync(ctx: PredictionContext, pipelines: list[PipelinePrediction],
+                  ends: list[Optional[LastBackwards]]) -> float:
+    """The DP sync the iteration pays past the slowest pipeline with the buckets' reductions
+    started in the last backward (uniform layouts; :func:`exposed_sync`)."""
+    return exposed_sync(ctx.model, ctx.plan, lambda g: ctx.sync.split(ctx.comm, 0, g),
+                        [pp.time_s for pp in pipelines], [e for e in ends if e is not None])
 
 
 def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
               pipelines: list[PipelinePrediction], pipeline_model: str,
               optimizer: Optional[float] = None, overhead: float = 0.0,
-              dp_sync: Optional[float] = None) -> Prediction:
+              dp_sync: Optional[float] = None, dp_exposed: Optional[float] = None) -> Prediction:
+    """The iteration's figures; ``dp_exposed`` None: the whole DP sync is paid."""
     plan, model = ctx.plan, ctx.model
     slowest = max(pipelines, key=lambda pp: pp.time_s)
     if dp_sync is None:
         dp_sync = max(s.dp_sync_s for s in stages)
+    if dp_exposed is None:
+        dp_exposed = dp_sync
     if optimizer is None:
         optimizer = max(s.optimizer_s for s in stages)
-    iteration = slowest.time_s + dp_sync + optimizer + overhead
+    iteration = slowest.time_s + dp_exposed + optimizer + overhead
     tokens = plan.global_batch_size * ctx.seq
     flops = model.flops_per_token(ctx.seq) * tokens
     ranks = plan.ranks()
@@ -311,10 +412,12 @@ def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
         peak += peak_of[kind]
     return Prediction(
         model=model.name, seq_length=ctx.seq, dtype=ctx.dtype,
-        use_distributed_optimizer=ctx.zero1, micro_batch_size=plan.micro_batch_size,
+        use_distributed_optimizer=ctx.zero1, overlap_grad_reduce=ctx.overlap_grad_reduce,
+        grad_reduce_in_bf16=ctx.grad_reduce_in_bf16, micro_batch_size=plan.micro_batch_size,
         global_batch_size=plan.global_batch_size, pipeline_model=pipeline_model,
         stages=tuple(stages), pipelines=tuple(pipelines), pipeline_time_s=slowest.time_s,
-        dp_sync_s=dp_sync, optimizer_s=optimizer, iteration_time_s=iteration,
+        dp_sync_s=dp_sync, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
+        iteration_time_s=iteration,
         tokens_per_s=tokens / iteration, model_flops_per_iteration=flops,
         num_devices=len(ranks), peak_flops_sum=peak, bubble_fraction=slowest.bubble_fraction,
         overhead_s=overhead)

@@ -32,6 +32,7 @@ from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
                                             closed_form_interleaved,
                                             closed_form_interleaved_bubble, lower_bound_1f1b,
                                             lower_bound_interleaved)
+from megatron_het.pipeline.schedule_check import held_counts
 from megatron_het.pipeline.schedules import (Action, ActionKind, P2PBatch, ScheduleError, Step,
                                              build_schedule)
 
@@ -398,6 +399,7 @@ class SimulationCache:
     def __init__(self) -> None:
         self._schedules: dict[tuple[int, int, int], list[list[Step]]] = {}
         self._makespans: dict[tuple, float] = {}
+        self._held: dict[tuple[int, int, int, int], tuple] = {}
 
     def schedule(self, num_stages: int, num_micro_batches: int,
                  num_chunks: int = 1) -> list[list[Step]]:
@@ -408,6 +410,16 @@ class SimulationCache:
             self._schedules[key] = build_schedule("1f1b", num_stages, num_micro_batches,
                                                   num_chunks)
         return self._schedules[key]
+
+    def held_counts(self, num_groups: int, num_micro_batches: int, num_chunks: int,
+                    group: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """:func:`~megatron_het.pipeline.schedule_check.held_counts` of group ``group``'s
+        1F1B list (stages as :meth:`schedule` numbers them), memoized."""
+        key = (num_groups, num_micro_batches, num_chunks, group)
+        if key not in self._held:
+            steps = self.schedule(num_groups, num_micro_batches, num_chunks)[group]
+            self._held[key] = held_counts(steps, group)
+        return self._held[key]
 
     def makespan(self, forward_s: Sequence[float], backward_s: Sequence[float],
                  num_micro_batches: int, p2p_forward_s: Sequence[float],

@@ -4,8 +4,9 @@ from roofline estimates.
 Profile selection for an accelerator kind: the profile under the kind's own name is used as
 measured; an emulated kind without one uses the host's profile (:data:`HOST_PROFILE`) times its
 slowdown; otherwise, and for any entry a profile lacks, roofline estimates
-(:mod:`megatron_het.perf.cost_model`). Profiled times are compute only: TP communication is
-always added by the caller from the communication model.
+(:mod:`megatron_het.perf.cost_model`) at the kind's calibrated efficiencies
+(:mod:`megatron_het.perf.calibration`) unless the caller gives its own. Profiled times are
+compute only: TP communication is always added by the caller from the communication model.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from typing import Mapping, Optional
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
-from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM,
+from megatron_het.perf.calibration import resolve_efficiency
+from megatron_het.perf.cost_model import (OPTIMIZER_BYTES_PER_PARAM,
                                           Efficiency, LayerShape, Op, embedding_forward_ops,
                                           head_activation_bytes, head_chunk_bytes,
                                           head_forward_ops,
@@ -70,20 +72,27 @@ def _scaled(m: Optional[Measured], factor: float) -> Optional[Measured]:
 
 def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, num_layers: int,
                   has_embedding: bool, has_head: bool, recompute: bool, dtype: str,
-                  choice: ProfileChoice, efficiency: Efficiency = DEFAULT_EFFICIENCY,
+                  choice: ProfileChoice, efficiency: Optional[Efficiency] = None,
                   sequence_parallel: bool = False) -> StageCompute:
     """The compute of a stage with ``num_layers`` layers of ``shape`` on one device of ``spec``.
 
-    ``sequence_parallel`` shrinks the activations saved between the TP blocks
+    ``efficiency`` prices the roofline estimates (what a profile lacks); None: the calibrated
+    figures of ``spec``'s kind (:func:`~megatron_het.perf.calibration.efficiency_for`; the
+    cost model's defaults for emulated kinds and ``cpu``). ``sequence_parallel`` shrinks the
+    activations saved between the TP blocks
     (:func:`~megatron_het.perf.cost_model.layer_activation_bytes`); a profile's measured
-    figure, taken without it, loses the same bytes. Times are the same either way."""
+    figure, taken without it, loses the same bytes. Times are the same either way.
+    ``efficiency.attention_kernel`` picks the attention the roofline layers are costed with
+    and the activations they save; a profile measures our runtime's (flash) attention."""
+    efficiency = resolve_efficiency(spec, efficiency)
+    kernel = efficiency.attention_kernel
     profile, factor = choice.profile, choice.time_factor
     sources = []
     sp = sequence_parallel and shape.tp > 1
     layer = _scaled(profile.layer(shape, dtype), factor) if profile else None
     if layer is None:
-        fwd, bwd = ops_time(layer_forward_ops(shape), spec, dtype, efficiency)
-        layer = Measured(fwd, bwd, layer_activation_bytes(shape, dtype, sp),
+        fwd, bwd = ops_time(layer_forward_ops(shape, kernel), spec, dtype, efficiency)
+        layer = Measured(fwd, bwd, layer_activation_bytes(shape, dtype, sp, kernel),
                          f"roofline {spec.label}")
     elif sp and layer.activation_bytes is not None:
         saved = layer_activation_bytes(shape, dtype) - layer_activation_bytes(shape, dtype, sp)
@@ -116,14 +125,15 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
 
 
 def optimizer_time(spec: AcceleratorSpec, params: float, dtype: str, choice: ProfileChoice,
-                   efficiency: Efficiency = DEFAULT_EFFICIENCY) -> float:
+                   efficiency: Optional[Efficiency] = None) -> float:
     """Adam step over ``params`` parameters on one device: measured per-parameter time if the
-    profile has it, else memory-bound roofline (OPTIMIZER_BYTES_PER_PARAM per parameter)."""
+    profile has it, else memory-bound roofline (OPTIMIZER_BYTES_PER_PARAM per parameter) at
+    ``efficiency`` (None: the calibrated figures of ``spec``'s kind, as :func:`stage_compute`)."""
     profile = choice.profile
     if profile is not None and profile.optimizer_step_s_per_param is not None:
         return profile.optimizer_step_s_per_param * params * choice.time_factor
     op = Op("adam", "memory", 0.0, 0.0, extra_bytes=params * OPTIMIZER_BYTES_PER_PARAM[dtype])
-    return op_time(op, spec, dtype, efficiency)
+    return op_time(op, spec, dtype, resolve_efficiency(spec, efficiency))
 
 
 __all__ = ["HOST_PROFILE", "ProfileChoice", "StageCompute", "choose_profile", "optimizer_time",

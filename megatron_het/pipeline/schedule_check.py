@@ -87,6 +87,31 @@ def peak_activation(steps: Sequence[Step], weight_of_stage: Callable[[int], floa
     return peak
 
 
+def held_counts(steps: Sequence[Step], own_stage: int = 0
+                ) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The in-flight pairs one list can peak at, as ``((stage, count), ...)`` vectors: the
+    counts after each forward, duplicates and vectors another one covers in every stage
+    dropped. :func:`peak_activation` for any non-negative weights is the largest weighted sum
+    over these (a list's steps are walked once; a planner then prices many chunk sizes)."""
+    held: dict[int, int] = defaultdict(int)
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    for step in steps:
+        for a in _actions_of(step):
+            if a.kind in _COMPUTE:
+                stage = own_stage if a.stage is None else a.stage
+                held[stage] += 1 if a.kind is ActionKind.FORWARD else -1
+                if a.kind is ActionKind.FORWARD:
+                    seen.add(tuple(sorted((k, n) for k, n in held.items() if n)))
+    vectors = [dict(v) for v in seen]
+    kept = [v for i, v in enumerate(vectors)
+            if not any(j != i and _covers(w, v) and (w != v) for j, w in enumerate(vectors))]
+    return tuple(sorted(tuple(sorted(v.items())) for v in kept))
+
+
+def _covers(big: dict[int, int], small: dict[int, int]) -> bool:
+    return all(big.get(k, 0) >= n for k, n in small.items())
+
+
 class _ListRun:
     """The state of one list (a stage, or a device group's stages) in :func:`check_schedule`."""
 

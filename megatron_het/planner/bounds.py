@@ -1,12 +1,13 @@
 """Cheap lower bounds on a layout's time and memory, to skip layouts before probing them.
 
-Per (kind, tp, micro-batch size, recompute), one stage of ``tp`` devices of that kind is
-predicted alone with 1 and 2 layers (:class:`KindCosts`): the differences are the per-layer
-compute + TP communication time and the per-layer memory terms. Since the embedding, the head,
-p2p, DP sync and the optimizer only add time, and the transient and end-stage memory only add
-bytes, a layout's closed-form iteration time is at least :func:`time_lower_bound` and its split
-needs at least :func:`memory_feasible`'s per-layer bytes on every stage. The search probes
-layouts in order of the time bound and stops where the bound passes the best times found.
+Per (kind, tp, micro-batch size, recompute, sequence parallelism), one stage of ``tp`` devices
+of that kind is predicted alone with 1 and 2 layers (:class:`KindCosts`): the differences are
+the per-layer compute + TP communication time and the per-layer memory terms. Since the
+embedding, the head, p2p, DP sync and the optimizer only add time, and the transient and
+end-stage memory only add bytes, a layout's closed-form iteration time is at least
+:func:`time_lower_bound` and its split needs at least :func:`memory_feasible`'s per-layer bytes
+on every stage. The search probes layouts in order of the time bound and stops where the bound
+passes the best times found.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Profile, SimulationCache, predict
 from megatron_het.perf.memory import RESERVED_FRACTION, device_capacity_bytes
+from megatron_het.pipeline.schedules import interleaved_warmup
 from megatron_het.planner.space import KindBlock, Layout, Placement
 
 
@@ -48,19 +50,23 @@ class KindCosts:
         self.seq, self.profiles, self.dtype, self.cache = seq_length, profiles, dtype, cache
         self._costs: dict[tuple[str, int, int, bool], LayerCost] = {}
 
-    def get(self, block: KindBlock, micro_batch_size: int) -> LayerCost:
-        key = (block.kind, block.tp, micro_batch_size, block.recompute)
+    def get(self, block: KindBlock, micro_batch_size: int,
+            sequence_parallel: bool = False) -> LayerCost:
+        sp = sequence_parallel and block.tp > 1
+        key = (block.kind, block.tp, micro_batch_size, block.recompute, sp)
         if key not in self._costs:
-            self._costs[key] = self._probe(block, micro_batch_size)
+            self._costs[key] = self._probe(block, micro_batch_size, sp)
         return self._costs[key]
 
-    def _probe(self, block: KindBlock, micro_batch_size: int) -> LayerCost:
+    def _probe(self, block: KindBlock, micro_batch_size: int,
+               sequence_parallel: bool) -> LayerCost:
         ranks = tuple(self.placement.ranks_of[block.kind][:block.tp])
         rows = []
         for layers in (1, 2):
             stage = StagePlan(block.kind, block.tp, (0, layers), ranks, recompute=block.recompute)
             plan = ParallelPlan(micro_batch_size, (PipelinePlan(1, (stage,)),), self.dtype,
-                                use_distributed_optimizer=False)
+                                use_distributed_optimizer=False,
+                                sequence_parallel=sequence_parallel or None)
             rows.append(predict(self.model, plan, self.cluster, self.seq, self.profiles,
                                 self.dtype, pipeline_model="closed_form", cache=self.cache,
                                 validate=False).stages[0])
@@ -80,29 +86,47 @@ def time_lower_bound(layout: Layout, costs: KindCosts, num_layers: int) -> float
 
     With per-layer stage work ``w_s`` and no fixed costs, the 1F1B time is at least
     ``L min_s w_s + (m - 1) max_s w_s l_s`` and ``max_s w_s l_s >= L / sum_s (1 / w_s)``.
+    Interleaved, the busiest device group computes ``m max_g w_g l_g`` and the others fill
+    and drain at the pace of one of their chunks, ``(sum_g w_g l_g - max_g w_g l_g) / v``.
     """
-    work = [costs.get(b, layout.micro_batch_size).seconds for b in layout.stage_kinds()]
+    work = [costs.get(b, layout.micro_batch_size, layout.sequence_parallel).seconds
+            for b in layout.stage_kinds()]
     if min(work) <= 0:
         return 0.0
     bottleneck = num_layers / sum(1.0 / w for w in work)
+    if layout.num_chunks > 1:  # plus the fill: the other groups' work at a chunk's pace
+        return (layout.micro_batches * bottleneck
+                + max(0.0, num_layers * min(work) - bottleneck) / layout.num_chunks)
     return num_layers * min(work) + (layout.micro_batches - 1) * bottleneck
 
 
 def _layer_room(layout: Layout, costs: KindCosts) -> list[float]:
     """Per stage: how many layers its usable memory holds by the per-layer bytes alone."""
     zero1_dp = layout.dp if layout.zero1 else 1
-    p, room = layout.num_stages, []
-    for s, block in enumerate(layout.stage_kinds()):
-        cost = costs.get(block, layout.micro_batch_size)
-        per_layer = cost.bytes_per_layer(zero1_dp, min(p - s, layout.micro_batches))
-        room.append(cost.usable_bytes / per_layer if per_layer > 0 else float("inf"))
+    p, m, v = layout.num_stages, layout.micro_batches, layout.num_chunks
+    room: list[float] = []
+    for block in layout.blocks:
+        cost = costs.get(block, layout.micro_batch_size, layout.sequence_parallel)
+        for _ in range(block.stages):
+            per_layer = cost.bytes_per_layer(zero1_dp, _layers_in_flight(p, m, v, len(room)))
+            room.append(cost.usable_bytes / per_layer if per_layer > 0 else float("inf"))
     return room
+
+
+def _layers_in_flight(p: int, m: int, v: int, stage: int) -> float:
+    """How many copies of one layer's activations stage (device group) ``stage`` of ``p``
+    holds at its peak: ``min(p - s, m)`` in 1F1B; interleaved over ``v`` chunks, ``min(w + 1,
+    m v)`` chunks of ``1 / v`` of its layers each (``w``: its warm-up forwards; uniform
+    chunks)."""
+    if v == 1:
+        return min(p - stage, m)
+    return min(interleaved_warmup(p, v, m, stage) + 1, m * v) / v
 
 
 def memory_feasible(layout: Layout, costs: KindCosts, num_layers: int) -> bool:
     """False when even the per-layer bytes alone cannot hold the layers on the stages."""
     caps = [int(r) for r in _layer_room(layout, costs)]
-    return min(caps) >= 1 and sum(caps) >= num_layers
+    return min(caps) >= layout.num_chunks and sum(caps) >= num_layers
 
 
 def memory_pressure(layout: Layout, costs: KindCosts, num_layers: int) -> float:

@@ -4,7 +4,8 @@
   steps as simulated by :func:`megatron_het.perf.simulator.simulate` (1F1B, interleaved where the
   plan interleaves: one bar per device group) with the predicted per-stage
   times, p2p transfers as a thin grey strip, then the DP gradient sync and the optimizer step;
-  the gaps are the bubble. The x axis is time in seconds.
+  the gaps are the bubble. The x axis is time in seconds. Given the search result, the title's
+  second line is its efficiency against the homogeneous baseline and the compute ceiling.
 - Allocation: every node of the cluster as a block of device cells, labelled with its index and
   accelerator kinds; a cell's colour and number are the stage its device runs (the same in every
   DP replica), the strip under it is the device's kind.
@@ -18,6 +19,8 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.perf import Prediction, StagePrediction
 from megatron_het.perf.simulator import simulate
 from megatron_het.pipeline.schedules import build_schedule
+from megatron_het.planner.report import efficiency_line
+from megatron_het.planner.result import SearchResult
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -68,14 +71,19 @@ def _kind_colors(prediction: Prediction, more: tuple[str, ...] = ()) -> dict[str
     return {k: KIND_COLORS[i % len(KIND_COLORS)] for i, k in enumerate(kinds)}
 
 
-def _timeline_title(prediction: Prediction) -> str:
-    return (f"predicted 1F1B timeline of {prediction.model}: iteration "
-            f"{prediction.iteration_time_s:.3f} s, bubble {100 * prediction.bubble_fraction:.1f}%,"
-            f" {prediction.tokens_per_s:,.0f} tokens/s")
+def timeline_title(prediction: Prediction, result: Optional[SearchResult] = None) -> str:
+    """The timeline's default title; with ``result``, a second line of its efficiencies."""
+    title = (f"predicted 1F1B timeline of {prediction.model}: iteration "
+             f"{prediction.iteration_time_s:.3f} s, bubble {100 * prediction.bubble_fraction:.1f}%,"
+             f" {prediction.tokens_per_s:,.0f} tokens/s")
+    line = None if result is None else efficiency_line(result, explain=False)
+    return title if line is None else f"{title}\n{line}"
 
 
-def draw_timeline(ax: "Axes", prediction: Prediction, title: Optional[str] = None) -> None:
-    """Draw the 1F1B timeline of the slowest pipeline on ``ax`` (see the module docstring)."""
+def draw_timeline(ax: "Axes", prediction: Prediction, title: Optional[str] = None,
+                  result: Optional[SearchResult] = None) -> None:
+    """Draw the 1F1B timeline of the slowest pipeline on ``ax`` (see the module docstring);
+    ``title`` replaces :func:`timeline_title` (of ``result``'s figures where given)."""
     from matplotlib.patches import Patch
 
     rows, micro_batches = _slowest_rows(prediction)
@@ -111,7 +119,7 @@ def draw_timeline(ax: "Axes", prediction: Prediction, title: Optional[str] = Non
     ax.set_xlim(0, total_s)
     ax.set_xlabel("time (s)")
     ax.grid(axis="x", alpha=0.3)
-    ax.set_title(title or _timeline_title(prediction), fontsize=10)
+    ax.set_title(title or timeline_title(prediction, result), fontsize=10)
     handles = [Patch(color=_lighter(c), label=f"forward {k}") for k, c in colors.items()]
     handles += [Patch(color=c, label=f"backward {k}") for k, c in colors.items()]
     handles += [Patch(color=P2P, label="p2p"),
@@ -177,8 +185,9 @@ def draw_allocation(ax: "Axes", prediction: Prediction, cluster: ClusterSpec,
               title_fontsize=8)
 
 
-def _timeline_height(prediction: Prediction) -> float:
-    return 1.8 + 0.32 * len(_slowest_rows(prediction)[0])
+def _timeline_height(prediction: Prediction, result: Optional[SearchResult] = None) -> float:
+    title_lines = timeline_title(prediction, result).count("\n") + 1
+    return 1.6 + 0.2 * title_lines + 0.32 * len(_slowest_rows(prediction)[0])
 
 
 def _allocation_height(cluster: ClusterSpec) -> float:
@@ -187,11 +196,12 @@ def _allocation_height(cluster: ClusterSpec) -> float:
     return 0.9 + (WIDTH_IN - 3.6) * height / width
 
 
-def save_timeline_chart(prediction: Prediction, path: str | Path,
-                        title: Optional[str] = None) -> Path:
-    """Write the 1F1B timeline of ``prediction`` alone as a PNG at ``path`` (overwrites)."""
-    fig = _figure(_timeline_height(prediction))
-    draw_timeline(fig.add_subplot(), prediction, title)
+def save_timeline_chart(prediction: Prediction, path: str | Path, title: Optional[str] = None,
+                        result: Optional[SearchResult] = None) -> Path:
+    """Write the 1F1B timeline of ``prediction`` alone as a PNG at ``path`` (overwrites);
+    ``result``: the search result whose efficiencies the title gives."""
+    fig = _figure(_timeline_height(prediction, None if title else result))
+    draw_timeline(fig.add_subplot(), prediction, title, result)
     return _save(fig, path)
 
 
@@ -203,16 +213,18 @@ def save_allocation_chart(prediction: Prediction, cluster: ClusterSpec,
     return _save(fig, path)
 
 
-def save_chart(prediction: Prediction, cluster: ClusterSpec, path: str | Path) -> Path:
+def save_chart(prediction: Prediction, cluster: ClusterSpec, path: str | Path,
+               result: Optional[SearchResult] = None) -> Path:
     """Write the timeline above the allocation as one PNG at ``path`` (``tools/plan.py
-    --chart``; overwrites)."""
-    top, bottom = _timeline_height(prediction), _allocation_height(cluster)
+    --chart``; overwrites); ``result``: the search result whose efficiencies the timeline's
+    title gives."""
+    top, bottom = _timeline_height(prediction, result), _allocation_height(cluster)
     fig = _figure(top + bottom)
     grid: Any = fig.add_gridspec(2, 1, height_ratios=(top, bottom))
-    draw_timeline(fig.add_subplot(grid[0]), prediction)
+    draw_timeline(fig.add_subplot(grid[0]), prediction, result=result)
     draw_allocation(fig.add_subplot(grid[1]), prediction, cluster)
     return _save(fig, path)
 
 
 __all__ = ["KIND_COLORS", "STAGE_COLORS", "draw_allocation", "draw_timeline",
-           "save_allocation_chart", "save_chart", "save_timeline_chart"]
+           "save_allocation_chart", "save_chart", "save_timeline_chart", "timeline_title"]

@@ -6,7 +6,9 @@
 
 Without ``--evaluate`` the planner searches every layout and writes the best plan (``--out``,
 ready for ``pretrain_llama.py --plan``); with ``--evaluate plan.json`` it predicts that plan
-(what-if). Both report the theoretical upper bound and the efficiency. ``--json`` prints one
+(what-if). Both report two efficiencies: against the homogeneous baseline (each kind's best
+plan alone; a mixed plan may pass it, and the report says why) and against the compute ceiling
+(no plan passes it). ``--json`` prints one
 JSON line last: the predicted figures and the plan in short (stage groups with their pipeline
 and rank counts); the full plan is what ``--out`` writes.
 """
@@ -29,8 +31,9 @@ from megatron_het.planner.chart import save_chart
 from megatron_het.planner.evaluate import evaluate_plan
 from megatron_het.planner.report import markdown_report, summary_dict, text_summary
 from megatron_het.planner.result import SearchResult
-from megatron_het.planner.search import search_plan
-from megatron_het.planner.upper_bound import upper_bound
+from megatron_het.planner.baseline import homogeneous_baseline
+from megatron_het.planner.ceiling import MAX_MICRO_BATCH_SIZE, compute_ceiling
+from megatron_het.planner.search import MAX_VIRTUAL_STAGES, search_plan
 
 PROG = "tools/plan.py"
 
@@ -54,12 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, metavar="K",
                    help="simulate and list the best K candidates (default 5)")
     p.add_argument("--evaluate", metavar="plan.json", help="predict this plan, no search")
-    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                   help="interleave the plan: every device group runs V model chunks with "
-                        "the interleaved 1F1B schedule (its layers dealt out in V rounds); "
-                        "default 1")
-    p.add_argument("--no-upper-bound", action="store_true",
-                   help="skip the per-kind searches of the upper bound")
+    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="search: the most interleaved model chunks per device group to try "
+                        f"(default {MAX_VIRTUAL_STAGES}; 1 searches plain 1F1B only); with "
+                        "--evaluate: interleave that plan, every device group running V "
+                        "chunks (its layers dealt out in V rounds; default 1)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the per-kind searches of the homogeneous baseline (the compute "
+                        "ceiling is always given)")
     p.add_argument("--json", action="store_true", help="print a JSON summary line last")
     return p
 
@@ -101,27 +106,27 @@ def run(argv: Sequence[str]) -> SearchResult:
     cluster = ClusterSpec.load(args.cluster)
     profiles = load_profile_dir(args.profile_dir)
     if args.evaluate is not None:
-        plan = interleave_plan(ParallelPlan.load(args.evaluate), args.virtual_stages)
+        plan = interleave_plan(ParallelPlan.load(args.evaluate), args.virtual_stages or 1)
         result = evaluate_plan(model, cluster, plan, args.seq_length, profiles, args.dtype,
-                               args.global_batch_size, not args.no_upper_bound)
+                               args.global_batch_size, not args.no_baseline)
     else:
         result = search_plan(model, cluster, args.global_batch_size, args.seq_length, profiles,
-                             args.dtype, top_k=args.top)
-        if args.virtual_stages > 1:  # the searched plan, interleaved, predicted again
-            result = evaluate_plan(model, cluster, interleave_plan(result.plan,
-                                                                   args.virtual_stages),
-                                   args.seq_length, profiles, args.dtype,
-                                   args.global_batch_size, with_upper_bound=False)
-        if not args.no_upper_bound:
-            result = result.with_upper_bound(upper_bound(
+                             args.dtype, top_k=args.top,
+                             max_virtual_stages=args.virtual_stages or MAX_VIRTUAL_STAGES)
+        if not args.no_baseline:
+            result = result.with_baseline(homogeneous_baseline(
                 model, cluster, args.global_batch_size, args.seq_length, profiles, args.dtype))
+    result = result.with_ceiling(compute_ceiling(
+        model, cluster, result.plan.global_batch_size, args.seq_length, profiles,
+        result.plan.dtype or args.dtype,
+        max_micro_batch_size=max(MAX_MICRO_BATCH_SIZE, result.plan.micro_batch_size)))
     if args.out:
         result.plan.save(args.out)
     if args.report:
         Path(args.report).write_text(markdown_report(
             result, cluster, "What-if" if args.evaluate else "Planned"))
     if args.chart:
-        save_chart(result.prediction, cluster, args.chart)
+        save_chart(result.prediction, cluster, args.chart, result=result)
     print(text_summary(result, cluster))
     for what, path in (("plan", args.out), ("report", args.report), ("chart", args.chart)):
         if path:

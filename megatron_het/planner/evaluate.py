@@ -10,24 +10,24 @@ from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import Profile, predict
 from megatron_het.planner.result import SearchResult
-from megatron_het.planner.upper_bound import upper_bound
+from megatron_het.planner.baseline import homogeneous_baseline
 
 
 def evaluate_plan(model: ModelConfig, cluster: ClusterSpec, plan: ParallelPlan, seq_length: int,
                   profiles: Optional[Mapping[str, Profile]] = None, dtype: str = "bf16",
                   global_batch_size: Optional[int] = None,
-                  with_upper_bound: bool = True) -> SearchResult:
+                  with_baseline: bool = True) -> SearchResult:
     """Validate ``plan`` against the model and the cluster (and ``global_batch_size`` when
     given; a mismatch raises the validator's UserError), predict it with the 1F1B simulation
-    and, with ``with_upper_bound``, compute the bound for its batch. Memory is not enforced:
-    the caller reports :func:`megatron_het.perf.fits`."""
+    and, with ``with_baseline``, search the homogeneous baseline for its batch. Memory is not
+    enforced: the caller reports :func:`megatron_het.perf.fits`."""
     start = time.perf_counter()
-    validate(plan, model, cluster, global_batch_size)
+    validate(plan, model, cluster, global_batch_size, seq_length=seq_length)
     prediction = predict(model, plan, cluster, seq_length, profiles, dtype, validate=False)
     result = SearchResult(plan, prediction, (), 0, time.perf_counter() - start)
-    if with_upper_bound:
-        result = result.with_upper_bound(upper_bound(model, cluster, plan.global_batch_size,
-                                                     seq_length, profiles, plan.dtype or dtype))
+    if with_baseline:
+        result = result.with_baseline(homogeneous_baseline(
+            model, cluster, plan.global_batch_size, seq_length, profiles, plan.dtype or dtype))
     return result
 
 

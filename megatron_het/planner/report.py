@@ -6,6 +6,10 @@ share, which re-runs the 1F1B simulation of the slowest pipeline with the predic
 stage tables show pipeline 0, or every pipeline when their layouts differ (heterogeneous data
 parallelism); a device's memory and idle share appear once, on its first chunk's row. The
 JSON line stays short on any cluster: it gives the plan as stage groups, not rank lists.
+
+Two references, each where it is attached to the result: the homogeneous baseline (each kind's
+best plan alone; ``efficiency`` may exceed 1, and then a line says why) and the compute ceiling
+(every device computing at its best rate, memory ignored; ``ceiling_efficiency`` is below 1).
 """
 from __future__ import annotations
 
@@ -16,7 +20,12 @@ from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Prediction, StagePrediction, fits, simulate_1f1b
 from megatron_het.parallel.replicas import uniform_layouts
 from megatron_het.perf.memory import GIB
+from megatron_het.planner.baseline import why_above_baseline
 from megatron_het.planner.result import SearchResult
+
+BASELINE_MEANS = "each kind's best plan alone, summed over its devices"
+CEILING_MEANS = ("every device computing at its best rate, no communication, bubble or "
+                 "recompute; memory ignored")
 
 
 def _group_of(rows: list[StagePrediction]) -> list[int]:
@@ -57,9 +66,12 @@ def peak_memory_gib(prediction: Prediction) -> list[float]:
 def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
     """The plan in a few lines: DP, batch and one entry per stage group (the same stage,
     accelerator, TP, layers, recompute and micro-batch count in several pipelines), with how
-    many pipelines and ranks it covers. The ranks themselves are in the plan file."""
+    many pipelines and ranks it covers (an interleaved device group's ranks count on its first
+    chunk's entry, so the entries' ranks sum to the plan's). The ranks themselves are in the
+    plan file."""
     groups: dict[tuple, dict[str, Any]] = {}
     for pipeline in plan.pipelines:
+        seen: set[tuple[int, ...]] = set()
         for s, st in enumerate(pipeline.stages):
             key = (s, st.accelerator, st.tp, st.layers, st.recompute, pipeline.micro_batches)
             group = groups.setdefault(key, {
@@ -67,7 +79,8 @@ def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
                 "layers": list(st.layers), "recompute": st.recompute,
                 "micro_batches": pipeline.micro_batches, "pipelines": 0, "ranks": 0})
             group["pipelines"] += 1
-            group["ranks"] += len(st.ranks)
+            group["ranks"] += 0 if st.ranks in seen else len(st.ranks)
+            seen.add(st.ranks)
     return {"dp": plan.dp_size, "pp": sorted({p.pp_size for p in plan.pipelines}),
             "world_size": plan.world_size, "micro_batch_size": plan.micro_batch_size,
             "global_batch_size": plan.global_batch_size, "dtype": plan.dtype,
@@ -76,15 +89,20 @@ def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
 
 
 def summary_dict(result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
-    """The JSON summary: throughput, bound, efficiency, timing, memory per device group of
-    pipeline 0 and the plan in short (:func:`plan_summary`; the full plan is what ``--out``
-    writes)."""
+    """The JSON summary: throughput, the efficiency against the homogeneous baseline (and why
+    it exceeds 1) and against the compute ceiling, timing, memory per device group of pipeline
+    0 and the plan in short (:func:`plan_summary`; the full plan is what ``--out`` writes)."""
     p = result.prediction
-    bound = result.upper_bound
+    baseline, ceiling = result.baseline, result.ceiling
+    baseline_tps = None if baseline is None else baseline.tokens_per_s
+    baseline_dict = None if baseline is None else baseline.to_dict()
     memory = fits(p, cluster)
     return {
         "efficiency": result.efficiency,
-        "upper_bound_tokens_per_s": None if bound is None else bound.tokens_per_s,
+        "baseline_tokens_per_s": baseline_tps,
+        "above_baseline_reason": why_above_baseline(result),
+        "ceiling_efficiency": result.ceiling_efficiency,
+        "ceiling_tokens_per_s": None if ceiling is None else ceiling.tokens_per_s,
         "tokens_per_s": p.tokens_per_s,
         "iteration_time_s": p.iteration_time_s,
         "pipeline_time_s": p.pipeline_time_s,
@@ -93,12 +111,13 @@ def summary_dict(result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
         "bubble_fraction": p.bubble_fraction,
         "mfu": p.mfu,
         "search_time_s": result.search_time_s,
-        "upper_bound_search_time_s": None if bound is None else bound.search_time_s,
+        "baseline_search_time_s": None if baseline is None else baseline.search_time_s,
         "layouts_evaluated": result.layouts_evaluated,
         "peak_memory_gib": peak_memory_gib(p),
         "fits": memory.ok,
         "memory_message": memory.message,
-        "upper_bound": None if bound is None else bound.to_dict(),
+        "baseline": baseline_dict,
+        "ceiling": None if ceiling is None else ceiling.to_dict(),
         "plan": plan_summary(result.plan),
     }
 
@@ -123,6 +142,7 @@ def text_summary(result: SearchResult, cluster: ClusterSpec) -> str:
                                                  if len(shown) == 1 else ":")]
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.append(_headline(result))
+    lines += [line for line in (efficiency_line(result), why_above_baseline(result)) if line]
     memory = fits(p, cluster)
     if not memory.ok:
         lines.append(f"warning: {memory.message}")
@@ -144,15 +164,27 @@ def _short_describe(plan: ParallelPlan) -> str:
 def _headline(result: SearchResult) -> str:
     p = result.prediction
     text = f"predicted {p.tokens_per_s:,.0f} tokens/s, iteration {p.iteration_time_s:.3f} s"
-    if result.upper_bound is not None:
-        text += (f"; upper bound {result.upper_bound.tokens_per_s:,.0f} tokens/s, efficiency "
-                 f"{result.efficiency:.4f}")
     if result.layouts_evaluated:
         text += (f"; searched {result.layouts_evaluated} layouts in "
                  f"{result.search_time_s:.2f} s")
-    if result.upper_bound is not None:
-        text += f" (+ {result.upper_bound.search_time_s:.2f} s for the bound)"
+    if result.baseline is not None:
+        text += f" (+ {result.baseline.search_time_s:.2f} s for the baseline)"
     return text
+
+
+def efficiency_line(result: SearchResult, explain: bool = True) -> Optional[str]:
+    """The efficiency against the homogeneous baseline and against the compute ceiling, as
+    far as they are attached (None with neither); ``explain`` adds what each one means."""
+    parts = []
+    if result.baseline is not None:
+        means = f": {BASELINE_MEANS}" if explain else ""
+        parts.append(f"efficiency {result.efficiency:.4f} of the homogeneous baseline "
+                     f"({result.baseline.tokens_per_s:,.0f} tokens/s{means})")
+    if result.ceiling is not None:
+        means = f": {CEILING_MEANS}" if explain else ""
+        parts.append(f"ceiling efficiency {result.ceiling_efficiency:.4f} of the compute "
+                     f"ceiling ({result.ceiling.tokens_per_s:,.0f} tokens/s{means})")
+    return "; ".join(parts) or None
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -181,12 +213,9 @@ def _stage_rows(prediction: Prediction, pipeline: int = 0,
     return rows
 
 
-def markdown_report(result: SearchResult, cluster: ClusterSpec, title: Optional[str] = None
-                    ) -> str:
-    """The report: headline figures, upper bound and efficiency, the per-stage table (times,
-    idle share, memory), the plan, and the runner-up candidates of a search."""
+def _figure_rows(result: SearchResult) -> list[list[str]]:
+    """The headline table: throughput, time split, both efficiencies and the search times."""
     p = result.prediction
-    lines = [f"# {title or 'Parallel plan'}: {p.model} on {cluster.name}", ""]
     figures = [["tokens/s", f"{p.tokens_per_s:,.0f}"],
                ["iteration time", f"{p.iteration_time_s:.3f} s (pipeline "
                 f"{p.pipeline_time_s:.3f} + DP sync {p.dp_sync_s:.3f} + optimizer "
@@ -196,15 +225,61 @@ def markdown_report(result: SearchResult, cluster: ClusterSpec, title: Optional[
                ["devices", str(p.num_devices)],
                ["batch", f"{p.global_batch_size} x {p.seq_length} tokens, micro-batch "
                 f"{p.micro_batch_size}, dtype {p.dtype}"]]
-    if result.upper_bound is not None:
-        figures += [["upper bound", f"{result.upper_bound.tokens_per_s:,.0f} tokens/s"],
-                     ["efficiency", f"{result.efficiency:.4f}"]]
+    if result.baseline is not None:
+        figures += [["homogeneous baseline", f"{result.baseline.tokens_per_s:,.0f} tokens/s "
+                     f"({BASELINE_MEANS})"],
+                    ["efficiency", f"{result.efficiency:.4f}"]]
+    if result.ceiling is not None:
+        figures += [["compute ceiling", f"{result.ceiling.tokens_per_s:,.0f} tokens/s "
+                     f"({CEILING_MEANS})"],
+                    ["ceiling efficiency", f"{result.ceiling_efficiency:.4f}"]]
     if result.layouts_evaluated:
         figures.append(["search", f"{result.layouts_evaluated} layouts in "
                         f"{result.search_time_s:.2f} s"])
-    if result.upper_bound is not None:
-        figures.append(["upper bound searches", f"{result.upper_bound.search_time_s:.2f} s"])
-    lines += _table(["figure", "value"], figures)
+    if result.baseline is not None:
+        figures.append(["baseline searches", f"{result.baseline.search_time_s:.2f} s"])
+    return figures
+
+
+def _reference_sections(result: SearchResult) -> list[str]:
+    """The per-kind terms of the baseline and of the ceiling, where attached."""
+    lines: list[str] = []
+    if result.baseline is not None:
+        lines += ["## Homogeneous baseline", "", "Sum over accelerator kinds of devices x "
+                  "per-device tokens/s of the best plan for that kind alone (the HETHUB "
+                  "paper's reference; a mixed plan can pass it).", ""]
+        lines += _table(["kind", "devices", "tokens/s per device", "best homogeneous plan"],
+                        [[k.kind, str(k.devices), f"{k.tokens_per_s_per_device:,.1f}",
+                          k.plan_summary + (" (memory ignored: the kind cannot hold the model "
+                                            "alone)" if k.memory_ignored else "")]
+                         for k in result.baseline.kinds])
+        lines.append("")
+    if result.ceiling is not None:
+        lines += ["## Compute ceiling", "", "Sum over devices of 1 / (least compute seconds "
+                  "per token of the whole model's forward and backward on one device: tp=1, no "
+                  "recompute, the best micro-batch size). No communication, bubble or "
+                  "duplicated work, and memory is ignored: no plan passes it under the cost "
+                  "model.", ""]
+        lines += _table(["kind", "devices", "compute µs per token", "tokens/s per device",
+                         "micro-batch", "source"],
+                        [[k.kind, str(k.devices), f"{1e6 * k.seconds_per_token:,.2f}",
+                          f"{k.tokens_per_s_per_device:,.1f}", str(k.micro_batch_size),
+                          k.source] for k in result.ceiling.kinds])
+        lines.append("")
+    return lines
+
+
+def markdown_report(result: SearchResult, cluster: ClusterSpec, title: Optional[str] = None
+                    ) -> str:
+    """The report: headline figures, both efficiencies (and why the one against the baseline
+    exceeds 1), the per-stage table (times, idle share, memory), the baseline's and the
+    ceiling's per-kind terms, the plan, and the runner-up candidates of a search."""
+    p = result.prediction
+    lines = [f"# {title or 'Parallel plan'}: {p.model} on {cluster.name}", ""]
+    lines += _table(["figure", "value"], _figure_rows(result))
+    reason = why_above_baseline(result)
+    if reason:
+        lines += ["", f"Efficiency {reason}."]
     shown = _shown_pipelines(result)
     for pipeline in shown:
         lines += ["", f"## Stages (pipeline {pipeline})", ""]
@@ -215,15 +290,7 @@ def markdown_report(result: SearchResult, cluster: ClusterSpec, title: Optional[
         lines += ["", "An interleaved device group's idle share and memory (all its chunks) "
                   "are on its first chunk's row."]
     lines += ["", f"Memory: {fits(p, cluster).message}.", ""]
-    if result.upper_bound is not None:
-        lines += ["## Upper bound", "", "Sum over accelerator kinds of devices x per-device "
-                  "tokens/s of the best plan for that kind alone.", ""]
-        lines += _table(["kind", "devices", "tokens/s per device", "best homogeneous plan"],
-                        [[k.kind, str(k.devices), f"{k.tokens_per_s_per_device:,.1f}",
-                          k.plan_summary + (" (memory ignored: the kind cannot hold the model "
-                                            "alone)" if k.memory_ignored else "")]
-                         for k in result.upper_bound.kinds])
-        lines.append("")
+    lines += _reference_sections(result)
     lines += ["## Plan", "", "```", result.plan.describe(), "```", ""]
     if len(result.candidates) > 1:
         lines += ["## Candidates (simulated)", ""]
@@ -236,5 +303,6 @@ def markdown_report(result: SearchResult, cluster: ClusterSpec, title: Optional[
     return "\n".join(lines)
 
 
-__all__ = ["markdown_report", "peak_memory_gib", "plan_summary", "stage_idle_fractions",
-           "summary_dict", "text_summary"]
+__all__ = ["BASELINE_MEANS", "CEILING_MEANS", "efficiency_line", "markdown_report",
+           "peak_memory_gib", "plan_summary", "stage_idle_fractions", "summary_dict",
+           "text_summary"]

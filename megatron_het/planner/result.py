@@ -1,9 +1,16 @@
-"""What the planner returns: a searched (or evaluated) plan, its candidates and the upper bound.
+"""What the planner returns: a searched (or evaluated) plan, its candidates and the two
+references its throughput is measured against.
 
-Plain data shared by the search (:mod:`megatron_het.planner.search`), the bound
-(:mod:`megatron_het.planner.upper_bound`, itself a search per kind) and the reports; the caller
-composes a plan with its bound (:meth:`SearchResult.with_upper_bound`), so neither search module
-imports the other's caller.
+- The homogeneous baseline (:mod:`megatron_het.planner.baseline`, the HETHUB paper's figure):
+  the sum over kinds of devices x per-device tokens/s of the kind's best plan alone. A mixed
+  plan can beat it (``efficiency`` > 1), for instance where a kind alone needs a wider TP than
+  in the mix; :func:`megatron_het.planner.baseline.why_above_baseline` says why from the plans.
+- The compute ceiling (:mod:`megatron_het.planner.ceiling`): every device computing at its
+  best rate with no communication or bubble; no plan passes it (``ceiling_efficiency`` < 1).
+
+Plain data shared by the search, the baseline (itself a search per kind), the ceiling and the
+reports; the caller attaches the references (:meth:`SearchResult.with_baseline`,
+:meth:`SearchResult.with_ceiling`), so neither search module imports the other's caller.
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from typing import Any, Optional
 
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Prediction
+from megatron_het.planner.ceiling import Ceiling
 from megatron_het.planner.space import Layout
 
 
@@ -28,11 +36,13 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class KindBound:
-    """One kind's share of the bound: its best homogeneous plan's throughput per device.
+class KindBaseline:
+    """One kind's share of the baseline: its best homogeneous plan's throughput per device.
 
     ``memory_ignored`` is True when the kind cannot hold the model alone, so its plan was
-    searched without the memory limit (an optimistic figure for that kind).
+    searched without the memory limit (an optimistic figure for that kind). ``layout`` and
+    the shares (of the kind's own prediction: bubble, TP communication over its stages'
+    compute, DP sync over its iteration) let a report compare the kind's plan with the mix.
     """
 
     kind: str
@@ -40,6 +50,10 @@ class KindBound:
     tokens_per_s_per_device: float
     plan_summary: str
     memory_ignored: bool = False
+    layout: Optional[Layout] = None
+    bubble_fraction: Optional[float] = None
+    tp_comm_share: Optional[float] = None
+    dp_sync_share: Optional[float] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,10 +61,10 @@ class KindBound:
 
 
 @dataclass(frozen=True)
-class UpperBound:
-    """The bound in tokens/s, its per-kind terms and the time its searches took."""
+class HomogeneousBaseline:
+    """The baseline in tokens/s, its per-kind terms and the time its searches took."""
 
-    kinds: tuple[KindBound, ...]
+    kinds: tuple[KindBaseline, ...]
     search_time_s: float = 0.0
 
     @property
@@ -68,26 +82,38 @@ class UpperBound:
 @dataclass(frozen=True)
 class SearchResult:
     """The best plan and how it was found. ``search_time_s`` is the plan search alone;
-    ``upper_bound`` (None until :meth:`with_upper_bound`) carries the time of its own
-    searches."""
+    ``baseline`` (None until :meth:`with_baseline`) carries the time of its own searches;
+    ``ceiling`` is None until :meth:`with_ceiling`."""
 
     plan: ParallelPlan
     prediction: Prediction
     candidates: tuple[Candidate, ...]
     layouts_evaluated: int
     search_time_s: float
-    upper_bound: Optional[UpperBound] = None
+    baseline: Optional[HomogeneousBaseline] = None
+    ceiling: Optional[Ceiling] = None
 
     @property
     def efficiency(self) -> Optional[float]:
-        """Predicted tokens/s over the theoretical upper bound (None without a bound)."""
-        if self.upper_bound is None:
+        """Predicted tokens/s over the homogeneous baseline (None without it; may exceed 1)."""
+        if self.baseline is None:
             return None
-        return self.prediction.tokens_per_s / self.upper_bound.tokens_per_s
+        return self.prediction.tokens_per_s / self.baseline.tokens_per_s
 
-    def with_upper_bound(self, bound: UpperBound) -> "SearchResult":
-        """This result with ``bound`` attached (reports then show the bound and efficiency)."""
-        return replace(self, upper_bound=bound)
+    @property
+    def ceiling_efficiency(self) -> Optional[float]:
+        """Predicted tokens/s over the compute ceiling (None without it; below 1)."""
+        if self.ceiling is None:
+            return None
+        return self.prediction.tokens_per_s / self.ceiling.tokens_per_s
+
+    def with_baseline(self, baseline: HomogeneousBaseline) -> "SearchResult":
+        """This result with ``baseline`` attached (reports then show it and the efficiency)."""
+        return replace(self, baseline=baseline)
+
+    def with_ceiling(self, ceiling: Ceiling) -> "SearchResult":
+        """This result with ``ceiling`` attached (reports then show it and its efficiency)."""
+        return replace(self, ceiling=ceiling)
 
 
-__all__ = ["Candidate", "KindBound", "SearchResult", "UpperBound"]
+__all__ = ["Candidate", "HomogeneousBaseline", "KindBaseline", "SearchResult"]

@@ -3,20 +3,29 @@
 Search order (all predictions are pure computations, no processes):
 
 1. enumerate layouts (:mod:`megatron_het.planner.space`): DP degree, the order of the
-   accelerator kinds along the pipeline, TP and stage count per kind, micro-batch size and
-   recompute per kind; ZeRO-1 is on whenever dp > 1 (it never adds time in the cost model) and
-   the best layouts are retried without it. Layouts whose per-layer bytes cannot fit are
-   dropped, the rest ordered by a lower bound on their time (:mod:`megatron_het.planner.bounds`);
+   accelerator kinds along the pipeline, TP and stage count per kind, micro-batch size,
+   recompute per kind, sequence parallelism and the interleaving degree (v = 2 ..
+   ``max_virtual_stages`` chunks per device group where the group count divides the
+   micro-batches, a kind's stages then on one or two adjacent TP degrees); ZeRO-1 is on
+   whenever dp > 1 (it never adds time in the cost model) and the best layouts are retried
+   without it. Recompute and sequence parallelism only trade time for memory, so they are
+   tried where the layout without them is limited by memory. Layouts whose per-layer bytes
+   cannot fit are dropped, the rest ordered by a lower bound on their time
+   (:mod:`megatron_het.planner.bounds`);
 2. layouts are probed in that order (branch and bound) until the bound passes the ``top_k``-th
-   best time found: two closed-form predictions give affine per-stage costs
+   best time found (interleaved ones at most ``INTERLEAVED_PROBES``): two closed-form
+   predictions of its distinct replicas give affine per-stage costs
    (:func:`~megatron_het.planner.stage_model.probe_stage_model`) and the layer split is balanced
-   on them under every device's memory. Recompute is skipped where the same layout without it
-   was not limited by memory (it only adds time);
+   on them under every device's memory. A layout limited by memory brings in its recompute and
+   sequence-parallel variants;
 3. the best ``refine`` splits get a local search, the best ``top_k`` are predicted with the
    event-driven pipeline simulation (small ones polished under it), and the fastest is the plan.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
@@ -29,8 +38,8 @@ from megatron_het.perf.memory import GIB
 from megatron_het.planner.bounds import (KindCosts, memory_feasible, memory_pressure,
                                          time_lower_bound)
 from megatron_het.planner.result import Candidate, SearchResult
-from megatron_het.planner.space import (Layout, Placement, build_plan,
-                                        micro_batch_sizes, pipeline_shapes)
+from megatron_het.planner.space import (KindBlock, Layout, Placement, build_plan, divisors,
+                                        micro_batch_sizes, pipeline_shapes, split_shapes)
 from megatron_het.planner.stage_model import (StageModel, balance_layers, layer_caps,
                                               polish_split, probe_stage_model)
 
@@ -43,6 +52,15 @@ ZERO1_RETRIES = 3
 # When nothing fits, the layouts closest to fitting by the per-layer bound that are probed to
 # report the smallest memory shortfall.
 SHORTFALL_PROBES = 16
+
+# The most interleaved chunks per device group the search tries: the bubble falls as 1 / v,
+# the exchanges (each waiting one transfer) grow as v.
+MAX_VIRTUAL_STAGES = 4
+
+# Interleaved layouts probed at most (by increasing bound): their bound leaves out the
+# exchanges, each waiting a transfer, so it lies further below their time than a plain
+# layout's and would let hundreds through.
+INTERLEAVED_PROBES = 48
 
 # Splits of the finalists are also polished under the 1F1B simulation when it is cheap (about
 # stages^2 moves of stages x micro-batches steps each); with many micro-batches the closed form
@@ -62,6 +80,7 @@ class _Search:
     dtype: str
     check_memory: bool
     top_k: int
+    max_chunks: int = 1
     placement: Placement = field(init=False)
     costs: KindCosts = field(init=False)
     cache: SimulationCache = field(default_factory=SimulationCache)
@@ -98,69 +117,143 @@ class _Search:
             self.unbound.add(_without_recompute(layout))
 
     def layouts(self, max_micro_batch_size: int) -> list[tuple[float, Layout]]:
-        """Every layout (recompute per kind included) that may fit, with its time bound."""
-        out = []
+        """Every base layout (no recompute, no sequence parallelism) that may fit, with its time
+        bound; where a base cannot fit, its memory-saving variants that may
+        (:meth:`_variants`)."""
+        out: list[tuple[float, Layout]] = []
         for dp, blocks in pipeline_shapes(self.model, self.placement):
             for mbs in micro_batch_sizes(self.global_batch_size, dp, max_micro_batch_size):
-                m = self.global_batch_size // (dp * mbs)
-                for mask in range(1 << len(blocks)):
-                    chosen = tuple(replace(b, recompute=bool(mask >> i & 1))
-                                   for i, b in enumerate(blocks))
-                    layout = Layout(dp, chosen, mbs, m, dp > 1)
-                    if self.check_memory and not memory_feasible(layout, self.costs,
-                                                                 self.model.num_layers):
-                        self.too_big.append((memory_pressure(layout, self.costs,
-                                                             self.model.num_layers), layout))
-                        continue
-                    out.append((time_lower_bound(layout, self.costs, self.model.num_layers),
-                                layout))
+                self._add(out, self._base(dp, blocks, mbs, 1))
+        if self.max_chunks > 1:
+            self._interleaved(out, max_micro_batch_size)
         out.sort(key=lambda item: item[0])
         return out
 
+    def _interleaved(self, out: list[tuple[float, Layout]], max_micro_batch_size: int) -> None:
+        """The interleaved layouts: per DP degree and micro-batch size, every group count that
+        divides the micro-batches, its shapes and v = 2 .. max_chunks (a chunk per layer at
+        least)."""
+        counts = [self.placement.count(k) for k in self.placement.kinds]
+        num_layers = self.model.num_layers
+        for dp in divisors(math.gcd(*counts)):
+            shapes: dict[int, list[tuple[KindBlock, ...]]] = {}
+            for mbs in micro_batch_sizes(self.global_batch_size, dp, max_micro_batch_size):
+                m = self.global_batch_size // (dp * mbs)
+                for pp in divisors(m):
+                    if pp < 2 or 2 * pp > num_layers:
+                        continue
+                    if pp not in shapes:
+                        shapes[pp] = list(split_shapes(self.model, self.placement, dp, pp))
+                    for blocks in shapes[pp]:
+                        for v in range(2, min(self.max_chunks, num_layers // pp) + 1):
+                            self._add(out, self._base(dp, blocks, mbs, v))
+
+    def _base(self, dp: int, blocks: tuple[KindBlock, ...], mbs: int,
+              num_chunks: int) -> Layout:
+        return Layout(dp, blocks, mbs, self.global_batch_size // (dp * mbs), dp > 1, num_chunks)
+
+    def _variants(self, base: Layout) -> list[Layout]:
+        """``base`` with recompute on some kinds and/or sequence parallelism (where a stage has
+        tp > 1 and the sequence divides): the options that trade time for memory."""
+        kinds = list(dict.fromkeys(b.kind for b in base.blocks))
+        sp_options = (False, True) if any(b.tp > 1 for b in base.blocks) and all(
+            self.seq_length % b.tp == 0 for b in base.blocks) else (False,)
+        out = []
+        for mask, sp in itertools.product(range(1 << len(kinds)), sp_options):
+            if mask or sp:
+                out.append(replace(base, sequence_parallel=sp, blocks=tuple(
+                    replace(b, recompute=bool(mask >> kinds.index(b.kind) & 1))
+                    for b in base.blocks)))
+        return out
+
+    def _bounded(self, layout: Layout) -> Optional[tuple[float, Layout]]:
+        """(time bound, layout), or None (set aside as too big) when it cannot fit."""
+        if self.check_memory and not memory_feasible(layout, self.costs, self.model.num_layers):
+            self.too_big.append((memory_pressure(layout, self.costs, self.model.num_layers),
+                                 layout))
+            return None
+        return time_lower_bound(layout, self.costs, self.model.num_layers), layout
+
+    def _add(self, out: list[tuple[float, Layout]], base: Layout) -> None:
+        """``base`` bounded into ``out``; if it cannot fit, its variants that may."""
+        found = self._bounded(base)
+        if found is not None:
+            out.append(found)
+            return
+        for variant in self._variants(base):
+            found = self._bounded(variant)
+            if found is not None:
+                out.append(found)
+
     def run(self, max_micro_batch_size: int) -> None:
-        """Probe layouts by increasing bound until the bound passes the top_k-th best time;
-        skip recompute where the same layout without it was not limited by memory."""
+        """Probe layouts by increasing bound until the bound passes the top_k-th best time.
+
+        A base layout whose split memory limited brings in its variants (recompute, sequence
+        parallelism: their bounds are at least its own, since they only add per-layer time);
+        variants are skipped where the base was not limited by memory."""
         times: list[float] = []
-        for bound, layout in self.layouts(max_micro_batch_size):
+        interleaved = 0
+        heap = [(bound, i, layout) for i, (bound, layout) in
+                enumerate(self.layouts(max_micro_batch_size))]
+        heapq.heapify(heap)
+        counter = len(heap)
+        while heap:
+            bound, _, layout = heapq.heappop(heap)
             if len(times) >= self.top_k and bound * (1 - 1e-6) >= times[self.top_k - 1]:
                 break
-            if any(b.recompute for b in layout.blocks) and (
-                    _without_recompute(layout) in self.unbound):
+            base = _without_recompute(layout)
+            if layout != base and base in self.unbound:
                 continue
+            if layout.num_chunks > 1:
+                if interleaved >= INTERLEAVED_PROBES:
+                    continue
+                interleaved += 1
             before = len(self.scored)
             self.score(layout)
             if len(self.scored) > before:
                 times.append(self.scored[-1][0])
                 times.sort()
+            if layout == base and base not in self.unbound:
+                for variant in self._variants(base):
+                    found = self._bounded(variant)
+                    if found is not None:
+                        heapq.heappush(heap, (max(found[0], bound), counter, variant))
+                        counter += 1
         if not self.scored:  # nothing fits: measure how far the closest layouts are
             for _, layout in sorted(self.too_big, key=lambda item: item[0])[:SHORTFALL_PROBES]:
                 self.score(layout)
 
 
 def _without_recompute(layout: Layout) -> Layout:
-    return replace(layout, blocks=tuple(replace(b, recompute=False) for b in layout.blocks))
+    """The layout without the options that only trade time for memory: recompute and sequence
+    parallelism (which adds the norm weights' all-reduces and saves activations)."""
+    return replace(layout, blocks=tuple(replace(b, recompute=False) for b in layout.blocks),
+                   sequence_parallel=False)
 
 
 def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int,
                 seq_length: int, profiles: Optional[Mapping[str, Profile]] = None,
                 dtype: str = "bf16", *, top_k: int = 5, refine: int = 16,
-                max_micro_batch_size: int = 16, check_memory: bool = True) -> SearchResult:
+                max_micro_batch_size: int = 16, check_memory: bool = True,
+                max_virtual_stages: int = MAX_VIRTUAL_STAGES) -> SearchResult:
     """Search the best plan for ``model`` on every device of ``cluster``.
 
     Returns the fastest plan by the simulated prediction among the ``top_k`` best closed-form
     candidates (each checked with :func:`megatron_het.perf.fits`; ``refine`` is how many get a
-    local search of their split first), without an upper bound: a caller that wants the
-    efficiency attaches :func:`~megatron_het.planner.upper_bound.upper_bound` with
-    :meth:`SearchResult.with_upper_bound`. Micro-batch sizes go up to ``max_micro_batch_size``.
+    local search of their split first), without the efficiency figures: a caller attaches
+    :func:`~megatron_het.planner.baseline.homogeneous_baseline` and
+    :func:`~megatron_het.planner.ceiling.compute_ceiling` (``with_baseline``,
+    ``with_ceiling``). Micro-batch sizes go up to ``max_micro_batch_size``.
     ``check_memory=False`` ignores device memory (used for the bound of a kind that cannot hold
-    the model alone). Raises UserError when no plan fits, with the smallest shortfall.
+    the model alone). ``max_virtual_stages`` caps the interleaving degree (1: plain 1F1B only).
+    Raises UserError when no plan fits, with the smallest shortfall.
     """
     if global_batch_size < 1 or seq_length < 1:
         raise UserError(f"--global-batch-size ({global_batch_size}) and --seq-length "
                         f"({seq_length}) must be at least 1")
     start = time.perf_counter()
     search = _Search(model, cluster, global_batch_size, seq_length, profiles, dtype,
-                     check_memory, max(1, top_k))
+                     check_memory, max(1, top_k), max(1, max_virtual_stages))
     search.run(max_micro_batch_size)
     if not search.scored:
         raise UserError(_no_fit_message(search))
@@ -185,8 +278,11 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
                 polished.append((plain.iteration_time(split), plain, split))
     polished.sort(key=lambda item: item[0])
     out = []
-    for _, sm, layers in polished[:max(1, top_k)]:
-        if sm.num_stages ** 3 * sm.layout.micro_batches <= SIMULATED_POLISH_LIMIT:
+    for _, sm, layers in polished:
+        if len(out) == max(1, top_k):
+            break
+        plain = sm.layout.num_chunks == 1
+        if plain and sm.num_stages ** 3 * sm.layout.micro_batches <= SIMULATED_POLISH_LIMIT:
             caps = layer_caps(sm, search.model.num_layers, search.check_memory)
             layers = polish_split(sm, layers, caps,
                                   lambda split: sm.simulated_time(split, search.cache))
@@ -195,6 +291,8 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
         prediction = predict(search.model, plan, search.cluster, search.seq_length,
                              search.profiles, search.dtype, cache=search.cache)
         if search.check_memory and not fits(prediction, search.cluster).ok:
+            if not plain:  # its memory between the probes was interpolated: drop it
+                continue
             raise AssertionError(f"planner produced a plan that does not fit: "
                                  f"{fits(prediction, search.cluster).message}")
         out.append(Candidate(sm.layout, tuple(layers), sm.iteration_time(layers), plan,

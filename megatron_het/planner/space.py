@@ -3,9 +3,17 @@
 A :class:`Layout` fixes everything but the layer split: the DP degree, the order in which the
 accelerator kinds follow each other along every pipeline (HETHUB style: the first stages on one
 kind, the next on another), the TP degree and number of stages of each kind, the micro-batch
-size, recompute per kind and ZeRO-1. Every DP replica is the same pipeline, so the plan format's
-rule (same layer ranges and TP per stage in all pipelines) holds by construction, and every
-device of the cluster is used: ``dp * stages[k] * tp[k]`` equals the count of kind ``k``.
+size, recompute per kind, ZeRO-1, the interleaving degree (``num_chunks`` model chunks per
+device group, run with interleaved 1F1B) and sequence parallelism (on every stage with
+tp > 1). Every DP replica is the same pipeline, so the plan format's rule (same layer ranges
+and TP per stage in all pipelines) holds by construction, and every device of the cluster is
+used: the stages of kind ``k`` hold ``count(k) / dp`` devices of every pipeline.
+
+A kind's stages use one TP degree (:func:`pipeline_shapes`), or for interleaved layouts two
+adjacent ones, ``t`` and ``2 t`` (:func:`split_shapes`): interleaved 1F1B needs the device
+group count to divide the micro-batches, and one TP degree per kind rarely gives such a count
+(HETHUB's 16 + 80 devices per pipeline make 2 + 20 = 22 groups at tp 8 and 4; 2 + 8 + 6 = 16
+with a second TP degree on the 80).
 
 Ranks are taken in cluster rank order: pipeline ``d`` gets the ``d``-th contiguous block of each
 kind's ranks, cut into TP groups of adjacent ranks in stage order. TP groups therefore stay
@@ -22,6 +30,7 @@ from typing import Iterator, Sequence
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan_builders import interleave_plan
 from megatron_het.parallel.plan_validation import valid_tp_sizes
 
 
@@ -45,9 +54,12 @@ class Layout:
     micro_batch_size: int
     micro_batches: int
     zero1: bool
+    num_chunks: int = 1
+    sequence_parallel: bool = False
 
     @property
     def num_stages(self) -> int:
+        """Stages of the plain plan: the device groups of an interleaved one."""
         return sum(b.stages for b in self.blocks)
 
     def stage_kinds(self) -> list[KindBlock]:
@@ -57,8 +69,10 @@ class Layout:
     def describe(self) -> str:
         parts = " -> ".join(f"{b.stages}x {b.kind} tp={b.tp}{' rc' if b.recompute else ''}"
                             for b in self.blocks)
-        return (f"dp={self.dp} pp={self.num_stages} [{parts}] mbs={self.micro_batch_size} "
-                f"m={self.micro_batches}{' zero1' if self.zero1 else ''}")
+        return (f"dp={self.dp} pp={self.num_stages}"
+                f"{f' v={self.num_chunks}' if self.num_chunks > 1 else ''} [{parts}] "
+                f"mbs={self.micro_batch_size} m={self.micro_batches}"
+                f"{' zero1' if self.zero1 else ''}{' sp' if self.sequence_parallel else ''}")
 
 
 class Placement:
@@ -89,17 +103,45 @@ class Placement:
                 return False
         return per_pipeline % tp == 0
 
+    def split_local(self, kind: str, dp: int, parts: Sequence[tuple[int, int]]) -> bool:
+        """Whether every TP group of a kind whose pipeline share is ``parts`` ((tp, stages) in
+        pipeline order) lies on one node, in every one of the ``dp`` pipelines."""
+        ranks, start = self.ranks_of[kind], 0
+        for _ in range(dp):
+            for tp, stages in parts:
+                for _ in range(stages):
+                    if len({self.node_of[r] for r in ranks[start:start + tp]}) > 1:
+                        return False
+                    start += tp
+        return True
+
+    def distinct_pipelines(self, layout: Layout) -> list[int]:
+        """One pipeline of each crossing pattern: replicas whose every stage boundary stays
+        in or leaves its node alike and whose TP groups match run alike (the first of each,
+        in pipeline order)."""
+        seen: dict[tuple, int] = {}
+        node = self.node_of
+        for d, stages in enumerate(self.stage_ranks(layout)):
+            key = tuple(node[a[-1]] == node[b[0]] for a, b in zip(stages, stages[1:]))
+            seen.setdefault(key, d)
+        return sorted(seen.values())
+
     def stage_ranks(self, layout: Layout) -> list[list[tuple[int, ...]]]:
-        """``[pipeline][stage]`` -> the stage's TP group, in tp_rank order."""
+        """``[pipeline][stage]`` -> the stage's TP group, in tp_rank order (a kind's blocks
+        take consecutive ranks of its pipeline share)."""
+        share: dict[str, int] = {}
+        for block in layout.blocks:
+            share[block.kind] = share.get(block.kind, 0) + block.stages * block.tp
         out = []
         for d in range(layout.dp):
+            taken = {kind: d * n for kind, n in share.items()}
             stages = []
             for block in layout.blocks:
                 ranks = self.ranks_of[block.kind]
-                per_pipeline = block.stages * block.tp
-                mine = ranks[d * per_pipeline:(d + 1) * per_pipeline]
-                stages += [tuple(mine[j * block.tp:(j + 1) * block.tp])
-                           for j in range(block.stages)]
+                for _ in range(block.stages):
+                    start = taken[block.kind]
+                    stages.append(tuple(ranks[start:start + block.tp]))
+                    taken[block.kind] = start + block.tp
             out.append(stages)
         return out
 
@@ -118,8 +160,11 @@ def build_plan(layout: Layout, layers: Sequence[int], placement: Placement,
                                     recompute=block.recompute))
             start += layers[s]
         pipelines.append(PipelinePlan(layout.micro_batches, tuple(stages)))
-    return ParallelPlan(layout.micro_batch_size, tuple(pipelines), dtype=dtype,
-                        use_distributed_optimizer=layout.zero1, description=description)
+    plan = ParallelPlan(layout.micro_batch_size, tuple(pipelines), dtype=dtype,
+                        use_distributed_optimizer=layout.zero1,
+                        sequence_parallel=layout.sequence_parallel or None,
+                        description=description)
+    return interleave_plan(plan, layout.num_chunks)
 
 
 def divisors(n: int) -> list[int]:
@@ -156,6 +201,54 @@ def pipeline_shapes(model: ModelConfig, placement: Placement, max_tp: int = 64
                 yield dp, tuple(order)
 
 
+def split_shapes(model: ModelConfig, placement: Placement, dp: int, num_groups: int,
+                 max_tp: int = 64) -> Iterator[tuple[KindBlock, ...]]:
+    """Every pipeline of exactly ``num_groups`` stages in which each kind's stages use one TP
+    degree ``t`` or two adjacent ones, ``t`` and ``2 t`` (blocks in pipeline order, the
+    kinds permuted, a kind's wider block first: the order within a kind changes little but
+    which boundaries cross nodes), TP groups node-local. A kind of ``D`` devices per pipeline
+    has one such shape per stage count ``n`` and ``t``: ``n_2t = D / t - n`` stages of
+    ``2 t`` and ``n_t = 2 n - D / t`` of ``t``."""
+    tps = [t for t in valid_tp_sizes(model) if t <= max_tp]
+    options: dict[str, dict[int, list[tuple[tuple[int, int], ...]]]] = {}
+    for kind in placement.kinds:
+        share = placement.count(kind) // dp
+        by_count: dict[int, list[tuple[tuple[int, int], ...]]] = {}
+        for t in tps:
+            if share % t:
+                continue
+            if placement.split_local(kind, dp, ((t, share // t),)):
+                by_count.setdefault(share // t, []).append(((t, share // t),))
+            if 2 * t not in tps:
+                continue
+            for n in range(share // (2 * t) + 1, share // t):
+                parts = ((2 * t, share // t - n), (t, 2 * n - share // t))
+                if placement.split_local(kind, dp, parts):
+                    by_count.setdefault(n, []).append(parts)
+        options[kind] = by_count
+    kinds = placement.kinds
+    for counts in _compositions(num_groups, [sorted(options[k]) for k in kinds]):
+        for choice in itertools.product(*(options[k][n] for k, n in zip(kinds, counts))):
+            groups = [tuple(KindBlock(k, tp, n) for tp, n in parts)
+                      for k, parts in zip(kinds, choice)]
+            for order in itertools.permutations(groups):
+                yield tuple(b for group in order for b in group)
+
+
+def _compositions(total: int, choices: Sequence[Sequence[int]]) -> Iterator[tuple[int, ...]]:
+    """Every pick of one value per list (each list ascending) that sums to ``total``."""
+    if not choices:
+        if total == 0:
+            yield ()
+        return
+    rest_min = sum(c[0] for c in choices[1:] if c)
+    for n in choices[0]:
+        if n + rest_min > total:
+            break
+        for tail in _compositions(total - n, choices[1:]):
+            yield (n, *tail)
+
+
 def micro_batch_sizes(global_batch_size: int, dp: int, max_micro_batch_size: int) -> list[int]:
     """Micro-batch sizes that split each pipeline's share of the batch evenly."""
     if global_batch_size % dp:
@@ -165,4 +258,4 @@ def micro_batch_sizes(global_batch_size: int, dp: int, max_micro_batch_size: int
 
 
 __all__ = ["KindBlock", "Layout", "Placement", "build_plan", "divisors", "kind_shapes",
-           "micro_batch_sizes", "pipeline_shapes"]
+           "micro_batch_sizes", "pipeline_shapes", "split_shapes"]

@@ -8,6 +8,13 @@ closed-form predictions of the layout (every stage with 1 layer, then with 2), s
 can be optimised without calling the predictor again: :meth:`StageModel.iteration_time` is the
 predictor's closed-form iteration time of any split.
 
+An interleaved layout (``v`` chunks per device group) is modelled per device group: ``l`` is
+the group's layers (at least ``v``, dealt out over its chunks), its compute the sum over its
+chunks (still affine: the embedding and head sit on fixed chunks), probed at ``v`` and ``2 v``
+layers per group; the pipeline time is the interleaved closed form over the group sums and the
+slowest boundary. Its memory is exact where ``v`` divides ``l`` and interpolated between (the
+held chunks' sizes then depend on which chunks are larger); the final plans are checked.
+
 :func:`balance_layers` finds the split: the smallest 1F1B cycle bottleneck that fits the layers
 under every stage's memory (bisection), excess layers taken from the stages slowest per layer,
 then single-layer moves while they lower the iteration time.
@@ -22,6 +29,7 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.perf import Prediction, Profile, SimulationCache, predict
 from megatron_het.perf.memory import RESERVED_FRACTION, device_capacity_bytes
+from megatron_het.pipeline.schedules import interleaved_warmup
 from megatron_het.planner.space import Layout, Placement, build_plan
 
 
@@ -41,8 +49,10 @@ class StageModel:
     """One layout's per-stage costs; index ``s`` is the stage in pipeline order.
 
     ``p2p`` holds one (forward, backward) boundary-time pair of lists per distinct pipeline
-    (pipelines differ only in which node boundaries they cross); ``usable_bytes`` is what
-    :func:`megatron_het.perf.fits` allows on the stage's devices.
+    (pipelines differ only in which node boundaries they cross; per chunk boundary when
+    interleaved); ``usable_bytes`` is what :func:`megatron_het.perf.fits` allows on the
+    stage's devices. With interleaving a stage here is a device group (see the module
+    docstring).
     """
 
     layout: Layout
@@ -58,10 +68,18 @@ class StageModel:
     def num_stages(self) -> int:
         return len(self.forward)
 
+    @property
+    def min_layers(self) -> int:
+        """The fewest layers a stage (device group) may hold: one per chunk."""
+        return self.layout.num_chunks
+
     def steady_p2p(self) -> list[list[float]]:
-        """Per distinct pipeline, per stage: the p2p time in its steady-state 1F1B cycle."""
+        """Per distinct pipeline, per stage: the p2p time in its steady-state 1F1B cycle (0
+        when interleaved: the closed form counts the transfers per exchange instead)."""
         out = []
         p = self.num_stages
+        if self.layout.num_chunks > 1:
+            return [[0.0] * p for _ in self.p2p]
         for cf, cb in self.p2p:
             out.append([(max(cf[s], cb[s]) if s < p - 1 else 0.0)
                         + (max(cf[s - 1], cb[s - 1]) if s > 0 else 0.0) for s in range(p)])
@@ -70,18 +88,28 @@ class StageModel:
     def iteration_time(self, layers: Sequence[int]) -> float:
         """The closed-form iteration time (pipeline + DP sync + optimizer) of a split; equal to
         ``predict(..., pipeline_model="closed_form").iteration_time_s`` of its plan."""
-        m = self.layout.micro_batches
+        m, v = self.layout.micro_batches, self.layout.num_chunks
         work = [self.forward[s](n) + self.backward[s](n) for s, n in enumerate(layers)]
+        tail = (max(a(n) for a, n in zip(self.dp_sync, layers))
+                + max(a(n) for a, n in zip(self.optimizer, layers)))
+        if v > 1:
+            top = max(work)
+            exchanges = m * v + interleaved_warmup(self.num_stages, v, m, 0) - 1
+            slowest = max(max((max(f, b) for f, b in zip(cf, cb)), default=0.0)
+                          for cf, cb in self.p2p)
+            return m * top + (sum(work) - top) / v + slowest * exchanges + tail
         pipeline = 0.0
         for (cf, cb), steady in zip(self.p2p, self.steady_p2p()):
             cycle = max(w + k for w, k in zip(work, steady))
             pipeline = max(pipeline, sum(cf) + sum(cb) + (m - 1) * cycle)
-        return (sum(work) + pipeline + max(a(n) for a, n in zip(self.dp_sync, layers))
-                + max(a(n) for a, n in zip(self.optimizer, layers)))
+        return sum(work) + pipeline + tail
 
     def simulated_time(self, layers: Sequence[int], cache: SimulationCache) -> float:
         """Like :meth:`iteration_time` with the event-driven 1F1B simulation for the pipeline
-        (what ``predict`` reports by default)."""
+        (what ``predict`` reports by default). Plain pipelines only: an interleaved one's
+        simulation needs per-chunk times."""
+        if self.layout.num_chunks > 1:
+            raise ValueError("simulated_time models plain (non-interleaved) layouts")
         m = self.layout.micro_batches
         forward = [a(n) for a, n in zip(self.forward, layers)]
         backward = [a(n) for a, n in zip(self.backward, layers)]
@@ -104,7 +132,7 @@ class StageModel:
         lo, hi = -max(self.usable_bytes), max(m(num_layers) for m in self.memory)
         for _ in range(60):
             mid = 0.5 * (lo + hi)
-            if _fits_layers(self.memory_caps(mid), num_layers):
+            if _fits_layers(self.memory_caps(mid), num_layers, self.min_layers):
                 hi = mid
             else:
                 lo = mid
@@ -114,50 +142,67 @@ class StageModel:
         return hi, worst
 
 
-def _fits_layers(caps: Sequence[int], num_layers: int) -> bool:
-    return min(caps) >= 1 and sum(caps) >= num_layers
+def _fits_layers(caps: Sequence[int], num_layers: int, least: int = 1) -> bool:
+    return min(caps) >= least and sum(caps) >= num_layers
 
 
-def _affine(one: float, two: float) -> Affine:
-    return Affine(2 * one - two, two - one)
+def _affine(low: float, high: float, at_low: int = 1) -> Affine:
+    """The line through ``(at_low, low)`` and ``(2 at_low, high)``."""
+    slope = (high - low) / at_low
+    return Affine(low - slope * at_low, slope)
 
 
 def probe_stage_model(model: ModelConfig, layout: Layout, placement: Placement,
                       cluster: ClusterSpec, seq_length: int,
                       profiles: Optional[Mapping[str, Profile]], dtype: str,
                       cache: SimulationCache) -> StageModel:
-    """Two closed-form predictions of ``layout`` (1 and 2 layers per stage) -> its StageModel."""
+    """Two closed-form predictions of ``layout`` (``v`` and ``2 v`` layers per stage or device
+    group, ``v`` its chunks) -> its StageModel."""
+    v, p = layout.num_chunks, layout.num_stages
+    replicas = placement.distinct_pipelines(layout)
     probes: list[Prediction] = []
-    for layers in (1, 2):
-        plan = build_plan(layout, [layers] * layout.num_stages, placement, dtype)
+    for layers in (v, 2 * v):
+        plan = build_plan(layout, [layers] * p, placement, dtype)
         probes.append(predict(model, plan, cluster, seq_length, profiles, dtype,
-                              pipeline_model="closed_form", cache=cache, validate=False))
-    p = layout.num_stages
+                              pipeline_model="closed_form", cache=cache, validate=False,
+                              pipelines=replicas))
+    n = v * p  # stages (chunks) of one pipeline
+    sums = [_group_rows(probe.stages[:n], p) for probe in probes]
     one, two = probes[0].stages[:p], probes[1].stages[:p]
-    pairs = list(zip(one, two))
     usable = tuple(device_capacity_bytes(cluster.accelerator_of(a.ranks[0]))
                    * (1.0 - RESERVED_FRACTION) for a in one)
     p2p = []
-    for d in range(layout.dp):
-        rows = probes[0].stages[d * p:(d + 1) * p]
+    for i in range(len(replicas)):
+        rows = probes[0].stages[i * n:(i + 1) * n]
         pair = (tuple(r.p2p_forward_s for r in rows[:-1]),
                 tuple(r.p2p_backward_s for r in rows[:-1]))
         if pair not in p2p:
             p2p.append(pair)
+
+    def line(low: float, high: float) -> Affine:
+        return _affine(low, high, v)
+
     return StageModel(
         layout,
-        forward=tuple(_affine(a.forward_s, b.forward_s) for a, b in pairs),
-        backward=tuple(_affine(a.backward_s, b.backward_s) for a, b in pairs),
-        dp_sync=tuple(_affine(a.dp_sync_s, b.dp_sync_s) for a, b in pairs),
-        optimizer=tuple(_affine(a.optimizer_s, b.optimizer_s) for a, b in pairs),
-        memory=tuple(_affine(a.memory.total_bytes, b.memory.total_bytes) for a, b in pairs),
+        forward=tuple(line(a, b) for a, b in zip(sums[0][0], sums[1][0])),
+        backward=tuple(line(a, b) for a, b in zip(sums[0][1], sums[1][1])),
+        dp_sync=tuple(line(a.dp_sync_s, b.dp_sync_s) for a, b in zip(one, two)),
+        optimizer=tuple(line(a.optimizer_s, b.optimizer_s) for a, b in zip(one, two)),
+        memory=tuple(line(a.memory.total_bytes, b.memory.total_bytes)
+                     for a, b in zip(one, two)),
         usable_bytes=usable, p2p=tuple(p2p))
+
+
+def _group_rows(rows: Sequence, groups: int) -> tuple[list[float], list[float]]:
+    """Per device group (stage s on group s % groups), its chunks' forward and backward."""
+    return ([sum(r.forward_s for r in rows[g::groups]) for g in range(groups)],
+            [sum(r.backward_s for r in rows[g::groups]) for g in range(groups)])
 
 
 def layer_caps(stage_model: StageModel, num_layers: int, check_memory: bool = True) -> list[int]:
     """The most layers each stage may take: leave one for every other stage, and (with
     ``check_memory``) stay within the stage's usable memory."""
-    most = num_layers - (stage_model.num_stages - 1)
+    most = num_layers - (stage_model.num_stages - 1) * stage_model.min_layers
     if not check_memory:
         return [most] * stage_model.num_stages
     return [min(c, most) for c in stage_model.memory_caps()]
@@ -168,9 +213,9 @@ def balance_layers(stage_model: StageModel, num_layers: int, polish: bool = True
     """The layer count of every stage (sum ``num_layers``, each >= 1, within memory unless
     ``check_memory`` is False) that minimises :meth:`StageModel.iteration_time` (bisection on
     the cycle bottleneck, then :func:`polish_split`); None if no split fits in memory."""
-    p = stage_model.num_stages
+    p, least = stage_model.num_stages, stage_model.min_layers
     caps = layer_caps(stage_model, num_layers, check_memory)
-    if not _fits_layers(caps, num_layers):
+    if not _fits_layers(caps, num_layers, least):
         return None
     steady = [max(k) for k in zip(*stage_model.steady_p2p())]
     slope = [stage_model.forward[s].slope + stage_model.backward[s].slope for s in range(p)]
@@ -181,7 +226,7 @@ def balance_layers(stage_model: StageModel, num_layers: int, polish: bool = True
         return [min(caps[s], math.floor((cycle - base[s]) / slope[s] + 1e-9)) if slope[s] > 0
                 else caps[s] for s in range(p)]
 
-    lo = max(base[s] + slope[s] for s in range(p))
+    lo = max(base[s] + slope[s] * least for s in range(p))
     hi = max(base[s] + slope[s] * caps[s] for s in range(p))
     if sum(units(lo)) < num_layers:
         for _ in range(64):
@@ -191,10 +236,10 @@ def balance_layers(stage_model: StageModel, num_layers: int, polish: bool = True
             else:
                 lo = mid
         lo = hi
-    layers = [max(1, u) for u in units(lo)]
+    layers = [max(least, u) for u in units(lo)]
     excess = sum(layers) - num_layers
     for s in sorted(range(p), key=lambda s: -slope[s]):
-        take = min(excess, layers[s] - 1)
+        take = min(excess, layers[s] - least)
         layers[s] -= take
         excess -= take
     if polish:
@@ -209,11 +254,11 @@ def polish_split(stage_model: StageModel, layers: list[int], caps: Sequence[int]
     time_of = time_of or stage_model.iteration_time
     layers = list(layers)
     best = time_of(layers)
-    p = len(layers)
+    p, least = len(layers), stage_model.min_layers
     while True:
         move, move_time = None, best
         for i in range(p):
-            if layers[i] <= 1:
+            if layers[i] <= least:
                 continue
             for j in range(p):
                 if j == i or layers[j] >= caps[j]:

@@ -37,8 +37,9 @@ class PlanChoice:
     """The layout of a run and the batch and precision it implies.
 
     ``train`` is the run's TrainConfig with the plan's micro/global batch sizes (a plan file
-    may supply them); ``dtype`` is "bf16" or "fp32"; ``use_distributed_optimizer`` is the
-    plan's choice where it makes one, else the flag's.
+    may supply them); ``dtype`` is "bf16" or "fp32"; ``use_distributed_optimizer``,
+    ``overlap_grad_reduce`` and ``grad_reduce_in_bf16`` are the plan's choice where it makes
+    one, else the flag's.
     """
 
     cluster: ClusterSpec
@@ -46,6 +47,8 @@ class PlanChoice:
     train: TrainConfig
     dtype: str
     use_distributed_optimizer: bool
+    overlap_grad_reduce: bool = False
+    grad_reduce_in_bf16: bool = False
 
 
 def read_plan_file(run: RunConfig) -> Optional[ParallelPlan]:
@@ -163,6 +166,12 @@ def choose_plan(run: RunConfig, model: ModelConfig, world_size: Optional[int],
     if plan.sequence_parallel is None and spec.sequence_parallel:
         plan = dataclasses.replace(plan, sequence_parallel=True)  # the run's plan says it
     validate(plan, model, cluster, train.global_batch_size, run.data.seq_length)
-    distributed = (plan.use_distributed_optimizer if plan.use_distributed_optimizer is not None
-                   else spec.use_distributed_optimizer)
-    return PlanChoice(cluster, plan, train, dtype, distributed)
+    return PlanChoice(cluster, plan, train, dtype,
+                      _planned(plan.use_distributed_optimizer, spec.use_distributed_optimizer),
+                      _planned(plan.overlap_grad_reduce, spec.overlap_grad_reduce),
+                      _planned(plan.grad_reduce_in_bf16, spec.grad_reduce_in_bf16))
+
+
+def _planned(planned: Optional[bool], flag: bool) -> bool:
+    """A run option the plan may fix: its value where it sets one, else the flag's."""
+    return flag if planned is None else planned

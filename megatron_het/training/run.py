@@ -74,16 +74,18 @@ def rank_emulation(setup: RunSetup, rank: int,
 
 
 def predict_run(setup: RunSetup) -> "Prediction":
-    """The predictor on the run's plan (the dry run's, the summary's and the demo's chart's),
-    with the host-sharing model where the ranks are emulated on a shared host whose profile
-    has the figures. UserError if the predictor cannot price the plan."""
+    """The predictor on the run's plan (the dry run's, the summary's and the demo's chart's)
+    with the run's resolved DP options, and the host-sharing model where the ranks are
+    emulated on a shared host whose profile has the figures. UserError if the predictor
+    cannot price the plan."""
     from megatron_het.emulation import SharedHostModel
     from megatron_het.perf import predict
 
     return predict(setup.model_config, setup.plan, setup.cluster, setup.run.data.seq_length,
                    setup.host_profiles, dtype=setup.dtype,
                    use_distributed_optimizer=setup.use_distributed_optimizer,
-                   rate_model=SharedHostModel())
+                   rate_model=SharedHostModel(), overlap_grad_reduce=setup.overlap_grad_reduce,
+                   grad_reduce_in_bf16=setup.grad_reduce_in_bf16)
 
 
 def predicted_iteration_s(setup: RunSetup) -> Optional[float]:

@@ -9,6 +9,7 @@ way: only the world size differs.
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -39,10 +40,13 @@ class RunSetup:
     """The checked inputs of a run.
 
     ``train`` is the command line's TrainConfig with the plan's batch sizes (what the run
-    uses; ``run.train`` keeps what was asked). ``load_dir`` is the iteration directory to
-    resume from (None: start from scratch); ``valid_data`` is None when the split gives
-    validation no documents or ``--eval-iters 0``. ``host_profiles`` is the
-    ``--emulation-profile`` keyed for the predictor (None without the flag).
+    uses; ``run.train`` keeps what was asked). ``run.parallel``'s ``overlap_grad_reduce`` and
+    ``grad_reduce_in_bf16`` are the resolved options, the plan's where it sets them (also
+    :attr:`overlap_grad_reduce` and :attr:`grad_reduce_in_bf16`), as
+    ``use_distributed_optimizer`` is. ``load_dir`` is the iteration directory to resume from
+    (None: start from scratch); ``valid_data`` is None when the split gives validation no
+    documents or ``--eval-iters 0``. ``host_profiles`` is the ``--emulation-profile`` keyed for
+    the predictor (None without the flag).
     """
 
     run: RunConfig
@@ -57,6 +61,16 @@ class RunSetup:
     valid_data: Optional[SampleDataset]
     load_dir: Optional[pathlib.Path]
     host_profiles: Optional[Mapping[str, "Profile"]] = field(default=None)
+
+    @property
+    def overlap_grad_reduce(self) -> bool:
+        """Whether DP gradient buckets are reduced during the last backward (flag or plan)."""
+        return self.run.parallel.overlap_grad_reduce
+
+    @property
+    def grad_reduce_in_bf16(self) -> bool:
+        """Whether the DP reduction carries bf16 copies of the gradients (flag or plan)."""
+        return self.run.parallel.grad_reduce_in_bf16
 
     def accelerator(self, rank: int) -> AcceleratorSpec:
         """The accelerator kind of global ``rank``."""
@@ -138,9 +152,16 @@ def prepare_run(run: RunConfig, world_size: Optional[int] = 1,
         model_config = check_checkpoint_model(load_dir, model_config)
     profiles = host_profiles(run.parallel)
     choice = choose_plan(run, model_config, world_size, profiles, accelerator)
-    if run.parallel.grad_reduce_in_bf16 and choice.dtype != "bf16":
-        raise UserError("--grad-reduce-in-bf16 needs bf16 training; add --bf16 (or set "
-                        "\"dtype\": \"bf16\" in the plan) or drop the flag")
+    if choice.grad_reduce_in_bf16 and choice.dtype != "bf16":
+        if run.parallel.grad_reduce_in_bf16:
+            raise UserError("--grad-reduce-in-bf16 needs bf16 training; add --bf16 (or set "
+                            "\"dtype\": \"bf16\" in the plan) or drop the flag")
+        raise UserError(f"the plan's grad_reduce_in_bf16 needs bf16 training but the run "
+                        f"trains in {choice.dtype}; add --bf16 or drop the plan's key")
+    # The trainer reads the DP options from the run's parallel spec: resolve them there.
+    run = dataclasses.replace(run, parallel=dataclasses.replace(
+        run.parallel, overlap_grad_reduce=choice.overlap_grad_reduce,
+        grad_reduce_in_bf16=choice.grad_reduce_in_bf16))
     if not data.mock_data:
         check_data_vocab(data.data_path, tokenizer.vocab_size)
     train_data, valid_data = build_datasets(run, choice.train, tokenizer.vocab_size)

@@ -21,6 +21,8 @@ SHIPPED = {
     "mi250x_ascend910b.yaml": (64, 8, {"MI250X": 32, "Ascend910B": 32}),
     "h200_mi300x.yaml": (48, 6, {"H200": 16, "MI300X": 32}),
     "hethub_llama140b.yaml": (768, 96, {"MI250X": 128, "accelerator-a": 640}),
+    "h100_mi300x_a100_16k.yaml": (16384, 2048, {"H100": 8192, "MI300X": 4096,
+                                                "A100-80G": 4096}),
 }
 
 

@@ -203,7 +203,7 @@ def test_a_device_group_is_named_and_shown_once_with_all_its_chunks():
 
     cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
     plan = ParallelPlan.load("scripts/plans/cpu_emulated_interleaved.json")
-    result = evaluate_plan(TINY8, cluster, plan, SEQ, with_upper_bound=False)
+    result = evaluate_plan(TINY8, cluster, plan, SEQ, with_baseline=False)
     pred = result.prediction
     # A device's bytes are all its chunks': the message names its ranks and every chunk.
     tight = fits(pred, cluster, reserved_fraction=1.0 - 1e-9)

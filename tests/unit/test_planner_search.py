@@ -13,7 +13,7 @@ from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import SimulationCache, fits, predict
-from megatron_het.planner import evaluate_plan, kind_subcluster, search_plan, upper_bound
+from megatron_het.planner import evaluate_plan, homogeneous_baseline, kind_subcluster, search_plan
 from megatron_het.planner.bounds import KindCosts, memory_feasible, time_lower_bound
 from megatron_het.planner.space import KindBlock, Layout, Placement, build_plan
 from megatron_het.planner.stage_model import balance_layers, layer_caps, probe_stage_model
@@ -94,8 +94,8 @@ def test_lower_bounds_hold(cluster) -> None:
 
 def test_search_result_is_valid_node_local_and_balanced_by_speed(cluster) -> None:
     result = search_plan(MODEL, cluster, 16, SEQ, top_k=3)
-    assert result.upper_bound is None and result.efficiency is None
-    result = result.with_upper_bound(upper_bound(MODEL, cluster, 16, SEQ))
+    assert result.baseline is None and result.efficiency is None
+    result = result.with_baseline(homogeneous_baseline(MODEL, cluster, 16, SEQ))
     plan = result.plan
     validate(plan, MODEL, cluster, 16)
     assert fits(result.prediction, cluster).ok
@@ -106,15 +106,15 @@ def test_search_result_is_valid_node_local_and_balanced_by_speed(cluster) -> Non
     times = [c.prediction.iteration_time_s for c in result.candidates]
     assert times == sorted(times) and result.prediction is result.candidates[0].prediction
     assert result.efficiency == pytest.approx(
-        result.prediction.tokens_per_s / result.upper_bound.tokens_per_s)
+        result.prediction.tokens_per_s / result.baseline.tokens_per_s)
 
 
-def test_homogeneous_cluster_is_its_own_upper_bound() -> None:
+def test_homogeneous_cluster_is_its_own_baseline() -> None:
     cluster = ClusterSpec.from_dict({"name": "h", "node_groups": [
         {"name": "h", "accelerator": "H100", "nodes": 2, "devices_per_node": 4,
          "nic_bandwidth_gbit_per_s": 400}]})
     result = search_plan(MODEL, cluster, 32, SEQ)
-    result = result.with_upper_bound(upper_bound(MODEL, cluster, 32, SEQ))
+    result = result.with_baseline(homogeneous_baseline(MODEL, cluster, 32, SEQ))
     assert result.efficiency == pytest.approx(1.0, rel=1e-9)
 
 
@@ -131,7 +131,7 @@ def test_hethub_mix_is_efficient() -> None:
     cluster = ClusterSpec.load(REPO / "scripts/clusters/hethub_llama140b.yaml")
     model = model_preset("llama-140b")
     result = search_plan(model, cluster, 1024, 4096, top_k=2)
-    result = result.with_upper_bound(upper_bound(model, cluster, 1024, 4096))
+    result = result.with_baseline(homogeneous_baseline(model, cluster, 1024, 4096))
     assert result.efficiency >= 0.975
     kinds = {s.accelerator for s in result.plan.pipelines[0].stages}
     assert kinds == {"MI250X", "accelerator-a"}
@@ -160,6 +160,6 @@ def test_evaluate_refuses_a_plan_for_another_cluster(cluster) -> None:
     plan = search_plan(MODEL, other, 8, SEQ).plan
     with pytest.raises(UserError, match="are on no stage"):
         evaluate_plan(MODEL, cluster, plan, SEQ)
-    again = evaluate_plan(MODEL, other, plan, SEQ, with_upper_bound=False)
+    again = evaluate_plan(MODEL, other, plan, SEQ, with_baseline=False)
     assert again.prediction.iteration_time_s == pytest.approx(
         predict(MODEL, plan, other, SEQ).iteration_time_s)

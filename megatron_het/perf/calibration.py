@@ -1,0 +1,215 @@
+"""Calibrated kernel efficiencies per accelerator kind, and the fit that produces them.
+
+The roofline cost model (:mod:`megatron_het.perf.cost_model`) turns FLOPs and bytes into time
+with three fractions of the datasheet figures (:class:`~megatron_het.perf.cost_model.Efficiency`,
+which also names the attention kernel of the software being predicted: ours is ``"flash"``, the
+default). Its defaults (0.6 GEMM, 0.4 attention, 0.8 memory) are one guess for every kind. This
+module holds figures fitted to, or taken from, published measurements, and
+:func:`efficiency_for` picks a spec's. Kinds without a calibration, every emulated kind and
+``cpu`` keep the defaults exactly (the emulated cluster's tests and runs are timed against
+them).
+
+A100 (both memory sizes: the same GA100 silicon and clocks) -- GEMM fitted, attention published
+    GEMM: fitted on the calibration set of :mod:`megatron_het.perf.published_runs`: Narayanan
+    et al. 2021 (arXiv 2104.04473) Table 1, ten GPT runs of 1.7B to 1T parameters on 32 to
+    3,072 A100-80GB, each predicted with the attention that software ran
+    (``attention_kernel="unfused"``, :func:`~megatron_het.perf.cost_model.attention_ops`:
+    two cuBLAS batched GEMMs over the whole ``s x s`` scores, priced at the GEMM factor, and
+    the fused softmax, the dropout and their backward passes over the materialised scores,
+    priced at the memory factor). A run's predicted time is then ``c + G / gemm`` (``c``:
+    memory-bound ops, communication, the optimizer), linear in ``1 / gemm`` while no op changes
+    sides of its roofline. :func:`~megatron_het.perf.published_runs.fit_efficiency` measures
+    ``G`` per run from two closed-form predictions (the current factor and that factor raised
+    by 5%, :func:`sensitivity`), :func:`least_squares` minimises the sum of squared relative
+    errors ``(T_i - P_i) / P_i`` against the published times ``P_i`` (each derived from the
+    paper's TFLOP/s with the paper's own FLOP count), and the fit is redone from its result
+    until it settles (the score GEMMs, ``k = d = 96..160``, sit near A100's ridge, so the
+    linear form is taken where the fit lands). Result: 0.628. Redo it with
+    ``published_runs.fit_efficiency()``; ``tests/unit/test_calibration.py`` checks the stored
+    figure against a refit.
+
+    Memory: not fitted; the default 0.8 (about what streaming kernels reach of A100's HBM). The
+    table does separate it, but barely: fitting ``("gemm", "memory")`` gives gemm 0.658 and
+    memory 0.657 (two standard errors: 0.57 to 0.77; the two estimates correlate at -0.8), and
+    lowers the calibration median error from 3.0% to 2.4% (F = 5.9 on 1 and 8 degrees of
+    freedom, p about 0.04). A memory factor fitted to these runs would also absorb the
+    memory-bound work of GPT that the Llama cost model lacks (bias adds, GELU, the hidden
+    dropouts' bias-dropout-add): a property of that model, not of A100's HBM, and wrong for
+    our runtime.
+
+    Attention: the runs above say nothing of a flash kernel (their software had none), so the
+    figure that prices our flash attention on A100 comes from FlashAttention-2's published
+    speed (Dao 2023, arXiv 2307.08691, Figure 4(d), A100 80GB SXM4, forward + backward, causal,
+    head dimension 128): 155 TFLOP/s at sequence 2k and 173 at 4k. That paper counts FLOPs as
+    ``op_time`` does (the causal half of ``4 s^2 d`` per head; backward 2.5x the forward), so
+    one factor ``e`` gives forward + backward ``3.5 F / (peak e)`` and ``e`` is the speed over
+    the peak: the mean of the two, 164 of 312 TFLOP/s, is 0.526. A measured profile
+    (``tools/profile_device.py``) replaces these figures where it exists.
+
+H100 (and H200, the same GH100 compute) -- from published kernel figures, not fitted
+    GEMM: the A100 fit reaches 0.73 of A100's best measured BF16 matmul (0.628 of peak against
+    0.859, the "maximum achievable matmul FLOPS" table of S. Bekman's ml-engineering book:
+    A100 SXM 267.9 of 312 TFLOP/s); the same share of H100 SXM's entry there (792.1 of 989,
+    0.801) gives 0.586. The table's GH200 entry (H100 compute with HBM3e, 83.0%) is why H200
+    shares the figure. Attention: FlashAttention-2 reaches about 35% of H100's peak
+    (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, abstract); our trainer's attention is
+    that class of kernel. Memory: the default 0.8. The held-out H100 rows of
+    :mod:`megatron_het.perf.published_runs` (Megatron-LM's H100 weak-scaling table) are NOT
+    used here; ``bench/published_runs.py`` reports their errors separately.
+
+Links: one efficiency for every link kind (``LINK_EFFICIENCY`` of
+:mod:`megatron_het.perf.comm_cost`) was kept: the fit's residuals (within about 8%) take both
+signs among the runs with the most communication (TP 8 with large micro-batches, DP over
+hundreds of nodes), so a per-kind link figure would have nothing consistent to correct.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from megatron_het.cluster import AcceleratorSpec
+from megatron_het.perf.cost_model import DEFAULT_EFFICIENCY, MEMORY_EFFICIENCY, Efficiency
+
+# A100 dense FP16/BF16 peak (TFLOP/s), the figure the published kernel speeds are shares of.
+A100_PEAK_TFLOPS = 312.0
+# FlashAttention-2 forward + backward, causal, head dimension 128, on A100 80GB SXM4 at
+# sequence 2k and 4k (Dao 2023, arXiv 2307.08691, Figure 4(d); the same chart is the
+# flash-attention repository's assets/flash2_a100_fwd_bwd_benchmark.png), TFLOP/s counted as
+# our op_time counts them: the causal half of 4 s^2 d per head, backward 2.5x the forward.
+FLASH_ATTENTION_2_A100_TFLOPS = (155.0, 173.0)
+# GEMM: least-squares fit on Narayanan et al. 2021 Table 1 with the unfused attention of the
+# software those runs used (module docstring; redo it with published_runs.fit_efficiency()),
+# rounded to 3 figures. Attention (our flash kernel only): FlashAttention-2's mean speed above
+# as a share of the peak. Memory: not fitted (module docstring), the default.
+A100_EFFICIENCY = Efficiency(
+    gemm=0.628,
+    attention=round(sum(FLASH_ATTENTION_2_A100_TFLOPS) / len(FLASH_ATTENTION_2_A100_TFLOPS)
+                    / A100_PEAK_TFLOPS, 3),
+    memory=MEMORY_EFFICIENCY)
+# Best measured BF16 matmul as a fraction of the dense peak ("maximum achievable matmul FLOPS",
+# S. Bekman, ml-engineering, compute/accelerator/README.md): A100 SXM 267.9 / 312, H100 SXM
+# 792.1 / 989 TFLOP/s.
+BEST_MATMUL_FRACTION = {"A100": 267.9 / A100_PEAK_TFLOPS, "H100": 792.1 / 989}
+# GEMM: the A100 fit's share of A100's best matmul, carried to H100's. Attention:
+# FlashAttention-2's ~35% of H100's peak (FlashAttention-3 paper, arXiv 2407.08608, abstract).
+H100_EFFICIENCY = Efficiency(
+    gemm=round(A100_EFFICIENCY.gemm * BEST_MATMUL_FRACTION["H100"]
+               / BEST_MATMUL_FRACTION["A100"], 3),
+    attention=0.35, memory=MEMORY_EFFICIENCY)
+
+CALIBRATED: dict[str, Efficiency] = {
+    "a100-80g": A100_EFFICIENCY,   # GEMM fitted: Narayanan et al. 2021, Table 1 (A100 80GB)
+    "a100-40g": A100_EFFICIENCY,   # same silicon; its lower HBM bandwidth is in the spec
+    "h100": H100_EFFICIENCY,       # from published kernel figures (module docstring)
+    "h200": H100_EFFICIENCY,       # H100 compute with more, faster HBM (in the spec)
+}
+
+# Each factor is raised by this much to measure a run's sensitivity to it.
+STEP = 1.05
+# The factors a fit can solve for (fields of Efficiency).
+FACTORS = ("gemm", "attention", "memory")
+# A pivot this small against the largest diagonal entry: the normal equations are singular.
+SINGULAR = 1e-9
+
+
+def efficiency_for(spec: AcceleratorSpec) -> Efficiency:
+    """The calibrated efficiencies of ``spec``'s kind (by name, any case); the cost model's
+    defaults for emulated kinds, ``cpu`` and kinds without a calibration."""
+    if spec.emulated:
+        return DEFAULT_EFFICIENCY
+    return CALIBRATED.get(spec.name.lower(), DEFAULT_EFFICIENCY)
+
+
+def resolve_efficiency(spec: AcceleratorSpec, efficiency: Optional[Efficiency]) -> Efficiency:
+    """``efficiency`` if given (an explicit override), else :func:`efficiency_for` ``spec``."""
+    return efficiency_for(spec) if efficiency is None else efficiency
+
+
+@dataclass(frozen=True)
+class RunSensitivity:
+    """A run's predicted time as ``constant_s + sum_f seconds[f] / f`` over the fitted factors
+    ``f`` (:data:`FACTORS`; ``seconds[f]``: the time its ops priced by ``f`` would take at
+    efficiency 1), and its published time."""
+
+    name: str
+    constant_s: float
+    seconds: Mapping[str, float]
+    published_s: float
+
+    def predicted_s(self, efficiency: Efficiency) -> float:
+        return self.constant_s + sum(t / getattr(efficiency, f) for f, t in self.seconds.items())
+
+
+@dataclass(frozen=True)
+class CalibrationFit:
+    """The fitted efficiencies and every run's relative error ``predicted / published - 1``
+    under them (from the linear form of :class:`RunSensitivity`)."""
+
+    efficiency: Efficiency
+    runs: tuple[RunSensitivity, ...]
+
+    @property
+    def errors(self) -> dict[str, float]:
+        return {r.name: r.predicted_s(self.efficiency) / r.published_s - 1 for r in self.runs}
+
+
+def sensitivity(name: str, published_s: float, base: Efficiency, at_base: float,
+                raised: Mapping[str, float]) -> RunSensitivity:
+    """A run's :class:`RunSensitivity` from its predicted time at ``base`` and, per factor
+    ``f`` of ``raised``, the time with ``f`` raised by ``STEP`` (the time is linear in
+    ``1 / f`` while no op changes sides of its roofline)."""
+    seconds = {}
+    for factor, time_raised in raised.items():
+        value = getattr(base, factor)
+        seconds[factor] = (at_base - time_raised) / (1.0 / value - 1.0 / (value * STEP))
+    constant = at_base - sum(t / getattr(base, f) for f, t in seconds.items())
+    return RunSensitivity(name, constant, seconds, published_s)
+
+
+def least_squares(runs: Sequence[RunSensitivity], base: Efficiency) -> Efficiency:
+    """The factors of ``runs``' sensitivities minimising ``sum_i (T_i / P_i - 1)^2``: linear
+    least squares in ``x_f = 1 / f`` (normal equations); ``base``'s other fields are kept."""
+    if not runs:
+        raise ValueError("a fit needs at least one run")
+    factors = tuple(runs[0].seconds)
+    if len(runs) < len(factors):
+        raise ValueError(f"a fit of {len(factors)} factors needs at least {len(factors)} runs, "
+                         f"got {len(runs)}")
+    rows = [[r.seconds[f] / r.published_s for f in factors] for r in runs]
+    rhs = [1.0 - r.constant_s / r.published_s for r in runs]
+    k = len(factors)
+    normal = [[sum(a[i] * a[j] for a in rows) for j in range(k)]
+              + [sum(a[i] * b for a, b in zip(rows, rhs))] for i in range(k)]
+    x = _solve(normal)
+    if any(v <= 0 for v in x):
+        raise ValueError(f"the fit gives non-positive 1/efficiency "
+                         f"({', '.join(f'{v:.3g}' for v in x)}); the runs' fixed costs alone "
+                         f"exceed their published times")
+    return dataclasses.replace(base, **{f: 1.0 / v for f, v in zip(factors, x)})
+
+
+def _solve(augmented: list[list[float]]) -> list[float]:
+    """Gaussian elimination with partial pivoting of ``[A | b]`` (k x k+1); ValueError when
+    ``A`` is singular to within rounding (the runs cannot tell the factors apart)."""
+    m = [row[:] for row in augmented]
+    k = len(m)
+    scale = max(abs(m[i][i]) for i in range(k))
+    for c in range(k):
+        pivot = max(range(c, k), key=lambda r: abs(m[r][c]))
+        if abs(m[pivot][c]) <= SINGULAR * scale:
+            raise ValueError("the runs cannot separate the fitted factors")
+        m[c], m[pivot] = m[pivot], m[c]
+        for r in range(c + 1, k):
+            ratio = m[r][c] / m[c][c]
+            m[r] = [a - ratio * b for a, b in zip(m[r], m[c])]
+    x = [0.0] * k
+    for c in reversed(range(k)):
+        x[c] = (m[c][k] - sum(m[c][j] * x[j] for j in range(c + 1, k))) / m[c][c]
+    return x
+
+
+__all__ = ["A100_EFFICIENCY", "A100_PEAK_TFLOPS", "BEST_MATMUL_FRACTION", "CALIBRATED",
+           "CalibrationFit", "FACTORS", "FLASH_ATTENTION_2_A100_TFLOPS", "H100_EFFICIENCY",
+           "RunSensitivity", "SINGULAR", "STEP", "efficiency_for", "least_squares",
+           "resolve_efficiency", "sensitivity"]

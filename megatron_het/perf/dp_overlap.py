@@ -1,0 +1,196 @@
+"""The DP gradient reduction overlapped with backward (``--overlap-grad-reduce``): what of it an
+iteration still pays.
+
+What the runtime does (:mod:`megatron_het.optim.data_parallel`,
+:mod:`megatron_het.optim.parallel_optimizer`, :func:`megatron_het.training.trainer.train_step`):
+
+* a rank's trainable parameters fill float32 gradient buckets in REVERSE registration order
+  (output, final norm, the layers from the last down, the embedding: the order backward
+  produces their gradients); a bucket closes once it holds at least ``bucket_size_mb`` MiB
+  (:data:`BUCKET_SIZE_MB`, the optimizer's default), a parameter is never split, and each
+  bucket is padded to a multiple of dp (:func:`bucket_layout` repeats that rule);
+* only the iteration's LAST backward pass completes a bucket: the hooks count every
+  parameter's gradient events and start the bucket's collective (all-reduce; reduce-scatter
+  under ZeRO-1) once all of them have their last one; the collectives start in bucket order
+  and run one after another;
+* with tied embeddings over pp > 1, the bucket holding ``embedding.weight`` (first and last
+  stage) is held back: the pipeline sums the two copies after its last backward, then
+  ``sync_grads`` reduces it;
+* ``sync_grads`` waits for every bucket before the step; ZeRO-1's all-gather of the updated
+  parameters follows the step and is waited for at its end, so it never overlaps;
+* pipelines of different layouts (heterogeneous DP) have no rank-by-rank DP group (a group of
+  one rank): overlap is a no-op there and their unit sums run in ``sync_grads``
+  (:mod:`megatron_het.optim.replica_sync`), so the predictor keeps their whole sync exposed.
+
+The model, per DP group g (device group g of every pipeline; times from the iteration's start,
+``T`` the slowest pipeline's time). ``R`` is the group's un-overlapped gradient reduction
+(:meth:`~megatron_het.perf.dp_sync.DPSync.split`) and ``A`` ZeRO-1's parameter all-gather.
+Bucket k carries the share ``n_k / N`` of the gradient bytes, so its collective takes
+``r_k = R n_k / N`` (the buckets' times add up to ``R``). The group's last backward runs
+``[c - w, c]`` (``w`` its duration); gradients come out in bucket order at the pace of the
+compute behind them: bucket k is complete once that backward has done the share ``F_k`` of its
+chunk's parameters up to and including the bucket's last one (the embedding lookup's gradient
+is cheap: it counts 0 and comes last, so the last bucket is complete only at ``c``)::
+
+    t_k = max_p (c_p - w_p (1 - F_k))            latest member of the DP group (pipelines p)
+    t_k = max(t_k, max_p T_p)                    a held-back bucket
+    d_k = max(t_k, d_{k-1}) + r_k                one collective after the other
+    finish_g = d_K + A_g
+    exposed = max_g finish_g - T                 (>= r_K of the group that ends at T)
+
+Without overlap every sync starts at ``T``: ``exposed = max_g (R_g + A_g)``, the full sync
+(the predictor's figure since before overlap was modelled; a group that ends before ``T``
+could start its sync earlier, which it does not credit).
+With it ``finish_g <= T + R_g + A_g``, so overlap never costs time. With interleaving the
+parameters of a group's other chunks had their last backward earlier; they are taken as ready
+at ``c - w`` (a lower bound on the overlap). The world all-reduce of the gradient norm
+between the sync and the step is left out, as without overlap.
+
+The group's ``c`` comes from the simulated timeline (its last backward) or, for
+``pipeline_model="closed_form"``, from :func:`~megatron_het.perf.closed_forms.last_backward_ends`.
+Torch-free.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from megatron_het.config import ModelConfig
+from megatron_het.parallel.plan import ParallelPlan, PipelinePlan
+
+# The runtime's bucket size (build_parallel_optimizer's default; no flag changes it).
+BUCKET_SIZE_MB = 25.0
+_FP32_BYTES = 4
+_LAYER_PARAMETERS = ("input_norm.weight", "attention.qkv.weight", "attention.proj.weight",
+                     "post_attention_norm.weight", "mlp.gate.weight", "mlp.up.weight",
+                     "mlp.down.weight")
+
+
+@dataclass(frozen=True)
+class DeviceParameter:
+    """One trainable parameter of tp_rank 0 of a device group, in registration order:
+    ``elements`` on that rank, ``weight`` the backward compute it stands for in the group's
+    last backward (its element count; 0 for the embedding, and for other chunks' parameters,
+    whose last backward came earlier), ``held_back`` for a tied embedding over stages."""
+
+    name: str
+    elements: int
+    weight: int
+    held_back: bool
+
+
+@dataclass(frozen=True)
+class BucketTiming:
+    """One gradient bucket, in launch order: its padded ``elements``, the share ``done`` of the
+    group's last backward after which its last gradient is in (``F_k``), ``held_back``."""
+
+    elements: int
+    done: float
+    held_back: bool
+
+
+def _layer_elements(model: ModelConfig, tp: int) -> dict[str, int]:
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    nh, ng = model.num_attention_heads, model.num_query_groups
+    return {"input_norm.weight": h, "attention.qkv.weight": (nh + 2 * ng) * d // tp * h,
+            "attention.proj.weight": h * (nh * d // tp), "post_attention_norm.weight": h,
+            "mlp.gate.weight": f // tp * h, "mlp.up.weight": f // tp * h,
+            "mlp.down.weight": h * (f // tp)}
+
+
+def device_parameters(model: ModelConfig, pipeline: PipelinePlan,
+                      group: int) -> list[DeviceParameter]:
+    """The parameters tp_rank 0 of device group ``group`` holds, as the runtime's stage
+    (:class:`~megatron_het.model.llama.LlamaModel` over all the group's chunks) registers
+    them: the embedding (first stage, or a last stage's copy of a tied one), every chunk's
+    layers in ascending order, the final norm and the untied output (last stage)."""
+    chunks = pipeline.group_stages(group)
+    stages = [pipeline.stages[s] for s in chunks]
+    first, last, tp = stages[0], stages[-1], stages[0].tp
+    vocab_rows = math.ceil(model.vocab_size / tp)  # tp_rank 0 holds the extra row
+    tied_over_stages = model.tie_embeddings and pipeline.pp_size > 1
+    out = []
+    if first.has_embedding or (last.has_head and model.tie_embeddings):
+        out.append(DeviceParameter("embedding.weight", vocab_rows * model.hidden_size, 0,
+                                   tied_over_stages))
+    per_layer = _layer_elements(model, tp)
+    for stage_index, stage in zip(chunks, stages):
+        in_window = stage_index == chunks[0]  # chunk 0's backward is the group's last
+        for layer in stage.layer_indices:
+            for local in _LAYER_PARAMETERS:
+                n = per_layer[local]
+                out.append(DeviceParameter(f"layers.{layer}.{local}", n,
+                                           n if in_window else 0, False))
+    if last.has_head:
+        window = len(chunks) == 1
+        h = model.hidden_size
+        out.append(DeviceParameter("final_norm.weight", h, h if window else 0, False))
+        if not model.tie_embeddings:
+            n = vocab_rows * h
+            out.append(DeviceParameter("output.weight", n, n if window else 0, False))
+    return out
+
+
+def bucket_layout(parameters: Sequence[DeviceParameter], dp_size: int,
+                  bucket_size_mb: float = BUCKET_SIZE_MB) -> list[BucketTiming]:
+    """The runtime's buckets of ``parameters`` (registration order), in launch order, with
+    when each is complete in the last backward (see the module docstring)."""
+    limit = max(1, int(bucket_size_mb * 1024 * 1024 / _FP32_BYTES))
+    total = sum(p.weight for p in parameters)
+    buckets: list[BucketTiming] = []
+    filled, seen, held = 0, 0, False
+    for index, param in enumerate(reversed(parameters)):
+        filled += param.elements
+        seen += param.weight
+        held = held or param.held_back
+        if filled >= limit or index == len(parameters) - 1:
+            done = seen / total if total else 1.0
+            buckets.append(BucketTiming(-(-filled // dp_size) * dp_size, done, held))
+            filled, held = 0, False
+    return buckets
+
+
+def reduction_end(buckets: Sequence[BucketTiming], reduce_s: float,
+                  last_backwards: Sequence[tuple[float, float]], held_start_s: float) -> float:
+    """When the overlapped gradient reduction of one DP group ends: ``d_K`` of the module
+    docstring. ``last_backwards``: ``(c_p, w_p)`` of each member pipeline's device group
+    (end and duration of its last backward); ``held_start_s``: when held-back buckets may
+    start (the members' pipelines' end); ``reduce_s``: the un-overlapped reduction ``R``."""
+    total = sum(b.elements for b in buckets)
+    done = max(c for c, _ in last_backwards)
+    if not total:
+        return done
+    done = -math.inf
+    for bucket in buckets:
+        ready = max(c - w * (1.0 - bucket.done) for c, w in last_backwards)
+        if bucket.held_back:
+            ready = max(ready, held_start_s)
+        done = max(ready, done) + reduce_s * bucket.elements / total
+    return done
+
+
+def exposed_sync(model: ModelConfig, plan: ParallelPlan,
+                 split: Callable[[int], tuple[float, float]], pipeline_times: Sequence[float],
+                 last_backwards: Sequence[Sequence[tuple[float, float]]],
+                 bucket_size_mb: float = BUCKET_SIZE_MB) -> float:
+    """``max_g finish_g - T`` (module docstring) of a plan of uniform layouts.
+
+    ``split(g)``: DP group g's (gradient reduction, ZeRO-1 all-gather) seconds;
+    ``pipeline_times[p]``: pipeline p's time; ``last_backwards[p][g]``: ``(c, w)`` of device
+    group g of pipeline p. Held-back buckets start once every pipeline has ended (its stage
+    0's backward ends it, then the embedding copies are summed)."""
+    first = plan.pipelines[0]
+    pipeline_end = max(pipeline_times)
+    finish = pipeline_end
+    for g in range(first.pp_size):
+        reduce_s, gather_s = split(g)
+        buckets = bucket_layout(device_parameters(model, first, g), plan.dp_size,
+                                bucket_size_mb)
+        members = [ends[g] for ends in last_backwards]
+        finish = max(finish, reduction_end(buckets, reduce_s, members, pipeline_end) + gather_s)
+    return finish - pipeline_end
+
+
+__all__ = ["BUCKET_SIZE_MB", "BucketTiming", "DeviceParameter", "bucket_layout",
+           "device_parameters", "exposed_sync", "reduction_end"]

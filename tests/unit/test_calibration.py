@@ -1,0 +1,157 @@
+"""Calibrated efficiencies: which kinds get which, that the stage costs use them for
+``efficiency=None``, that emulated kinds and cpu keep the defaults, and the fit's algebra."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import pytest
+
+from megatron_het.cluster import AcceleratorRegistry
+from megatron_het.config import model_preset
+from megatron_het.perf.calibration import (A100_EFFICIENCY, FACTORS, H100_EFFICIENCY, STEP,
+                                           RunSensitivity, efficiency_for, least_squares,
+                                           sensitivity)
+from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, MEMORY_EFFICIENCY, Efficiency,
+                                          LayerShape)
+from megatron_het.perf.stage_cost import ProfileChoice, optimizer_time, stage_compute
+
+KINDS = AcceleratorRegistry.builtin()
+MODEL = model_preset("llama2-7b")
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("A100-80G", A100_EFFICIENCY), ("A100-40G", A100_EFFICIENCY),
+    ("H100", H100_EFFICIENCY), ("H200", H100_EFFICIENCY),
+    ("MI250X", DEFAULT_EFFICIENCY), ("MI300X", DEFAULT_EFFICIENCY),
+    ("Ascend910B", DEFAULT_EFFICIENCY), ("cpu", DEFAULT_EFFICIENCY),
+    ("emu-fast", DEFAULT_EFFICIENCY), ("emu-slow", DEFAULT_EFFICIENCY)])
+def test_efficiency_per_kind(name: str, expected: Efficiency) -> None:
+    assert efficiency_for(KINDS.get(name)) == expected
+
+
+def test_calibrated_figures_differ_from_the_defaults() -> None:
+    assert A100_EFFICIENCY != DEFAULT_EFFICIENCY and H100_EFFICIENCY != DEFAULT_EFFICIENCY
+    assert DEFAULT_EFFICIENCY == Efficiency(gemm=0.6, attention=0.4, memory=0.8)
+
+
+def test_kind_names_match_any_case_and_emulated_kinds_never_calibrate() -> None:
+    assert efficiency_for(KINDS.get("H100").replace(name="h100")) == H100_EFFICIENCY
+    pretend = KINDS.get("emu-slow").replace(name="H100")  # an emulated kind named like one
+    assert efficiency_for(pretend) == DEFAULT_EFFICIENCY
+
+
+def _compute(name: str, efficiency=None):
+    spec = KINDS.get(name)
+    shape = LayerShape.of(MODEL, 1024, 1, 1)
+    return stage_compute(MODEL, spec, shape, 2, True, True, False, "bf16", ProfileChoice(None),
+                         efficiency)
+
+
+@pytest.mark.parametrize("name", ["A100-80G", "H100"])
+def test_stage_costs_use_the_kinds_calibration_by_default(name: str) -> None:
+    calibrated = efficiency_for(KINDS.get(name))
+    default = _compute(name)
+    assert default == _compute(name, calibrated)
+    assert default.forward_s != _compute(name, DEFAULT_EFFICIENCY).forward_s
+    explicit = Efficiency(gemm=0.9, attention=0.9, memory=0.9)
+    assert _compute(name, explicit).forward_s < default.forward_s  # an override wins
+    spec = KINDS.get(name)
+    choice = ProfileChoice(None)
+    assert optimizer_time(spec, 1e9, "bf16", choice) == optimizer_time(
+        spec, 1e9, "bf16", choice, calibrated)
+
+
+@pytest.mark.parametrize("name", ["cpu", "emu-fast", "emu-slow"])
+def test_emulated_kinds_and_cpu_keep_todays_figures(name: str) -> None:
+    assert _compute(name) == _compute(name, DEFAULT_EFFICIENCY)
+    spec, choice = KINDS.get(name), ProfileChoice(None)
+    assert optimizer_time(spec, 1e7, "fp32", choice) == optimizer_time(
+        spec, 1e7, "fp32", choice, DEFAULT_EFFICIENCY)
+
+
+def test_a100_attention_is_flash_attention_2s_published_speed() -> None:
+    # FlashAttention-2 (arXiv 2307.08691, Fig. 4(d)): 155 and 173 TFLOP/s of A100's 312.
+    assert A100_EFFICIENCY.attention == pytest.approx((155 + 173) / 2 / 312, abs=5e-4)
+    assert A100_EFFICIENCY.attention > 0.5  # a flash kernel, not the 2021 unfused effective
+    # H100's GEMM: the A100 fit's share of the best matmul, carried over.
+    assert H100_EFFICIENCY.gemm == pytest.approx(
+        A100_EFFICIENCY.gemm * (792.1 / 989) / (267.9 / 312), abs=5e-4)
+    for efficiency in (A100_EFFICIENCY, H100_EFFICIENCY, DEFAULT_EFFICIENCY):
+        assert efficiency.attention_kernel == "flash"  # what our runtime runs
+
+
+def _linear_run(name: str, constant: float, seconds: dict, truth: Efficiency) -> RunSensitivity:
+    published = constant + sum(t / getattr(truth, f) for f, t in seconds.items())
+    return RunSensitivity(name, constant, seconds, published)
+
+
+def test_least_squares_recovers_the_factors_of_exact_runs() -> None:
+    truth = Efficiency(gemm=0.7, attention=0.1, memory=0.65)
+    runs = [_linear_run("a", 0.3, {"gemm": 1.4, "memory": 0.9}, truth),
+            _linear_run("b", 3.0, {"gemm": 6.7, "memory": 1.5}, truth),
+            _linear_run("c", 8.0, {"gemm": 62.0, "memory": 4.5}, truth)]
+    base = Efficiency(gemm=0.5, attention=0.3, memory=0.8, attention_kernel="unfused")
+    fitted = least_squares(runs, base)
+    assert fitted.gemm == pytest.approx(0.7, rel=1e-9)
+    assert fitted.memory == pytest.approx(0.65, rel=1e-9)
+    # What is not fitted is the base's.
+    assert (fitted.attention, fitted.attention_kernel) == (0.3, "unfused")
+    one = least_squares([_linear_run(r.name, r.constant_s, {"gemm": r.seconds["gemm"]}, truth)
+                         for r in runs], base)
+    assert one.gemm == pytest.approx(0.7, rel=1e-9) and one.memory == 0.8
+
+
+def test_least_squares_of_three_factors() -> None:
+    truth = Efficiency(gemm=0.7, attention=0.3, memory=0.6)
+    mixes = [(1.0, 0.1, 0.5), (5.0, 0.2, 0.4), (2.0, 1.0, 0.1), (9.0, 0.5, 2.0)]
+    runs = [_linear_run(str(i), 0.1 * i, dict(zip(FACTORS, mix)), truth)
+            for i, mix in enumerate(mixes)]
+    fitted = least_squares(runs, DEFAULT_EFFICIENCY)
+    for factor in FACTORS:
+        assert getattr(fitted, factor) == pytest.approx(getattr(truth, factor), rel=1e-9)
+
+
+def test_least_squares_refuses_runs_that_cannot_separate_the_factors() -> None:
+    truth = Efficiency(gemm=0.7, attention=0.1)
+    same_mix = [_linear_run("a", 0.0, {"gemm": 1.0, "attention": 0.1}, truth),
+                _linear_run("b", 0.0, {"gemm": 2.0, "attention": 0.2}, truth)]
+    with pytest.raises(ValueError, match="cannot separate"):
+        least_squares(same_mix, DEFAULT_EFFICIENCY)
+    with pytest.raises(ValueError, match="at least 2"):
+        least_squares(same_mix[:1], DEFAULT_EFFICIENCY)
+    too_slow = [RunSensitivity("a", 5.0, {"gemm": 1.0}, 4.0),
+                RunSensitivity("b", 6.0, {"gemm": 2.0}, 5.0)]
+    with pytest.raises(ValueError, match="fixed costs"):
+        least_squares(too_slow, DEFAULT_EFFICIENCY)
+
+
+def test_sensitivity_reads_the_linear_form_back_from_predictions() -> None:
+    base = Efficiency(gemm=0.6, attention=0.4, memory=0.8)
+
+    def predicted(e: Efficiency) -> float:
+        return 2.0 + 5.0 / e.gemm + 0.3 / e.attention + 0.7 / e.memory
+
+    raised = {f: predicted(dataclasses.replace(base, **{f: getattr(base, f) * STEP}))
+              for f in ("gemm", "memory")}
+    found = sensitivity("r", 12.0, base, predicted(base), raised)
+    assert found.seconds == pytest.approx({"gemm": 5.0, "memory": 0.7})
+    # The factor not measured stays in the constant, at its base value.
+    assert found.constant_s == pytest.approx(2.0 + 0.3 / base.attention)
+    assert found.predicted_s(base) == pytest.approx(predicted(base))
+    faster = dataclasses.replace(base, gemm=0.9)
+    assert found.predicted_s(faster) == pytest.approx(predicted(faster))
+
+
+@pytest.mark.slow
+def test_stored_a100_constants_are_the_refit_of_table_1() -> None:
+    from megatron_het.perf.published_runs import fit_efficiency
+
+    fit = fit_efficiency()
+    assert fit.efficiency.gemm == pytest.approx(A100_EFFICIENCY.gemm, rel=0.01)
+    # Only the GEMM factor is fitted: memory and attention are not Table 1's to set.
+    assert fit.efficiency.memory == A100_EFFICIENCY.memory == MEMORY_EFFICIENCY
+    assert fit.efficiency.attention == DEFAULT_EFFICIENCY.attention
+    assert {tuple(r.seconds) for r in fit.runs} == {("gemm",)}
+    errors = [abs(e) for e in fit.errors.values()]
+    assert statistics.median(errors) <= 0.05 and max(errors) < 0.10

@@ -1,0 +1,101 @@
+"""The planner's interleaved layouts: shapes whose group count divides the micro-batches, their
+per-group stage model against the predictor, the bounds, and searched interleaved plans."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import ModelConfig
+from megatron_het.parallel.plan_validation import validate
+from megatron_het.perf import SimulationCache, fits, predict
+from megatron_het.planner.bounds import KindCosts, memory_feasible, time_lower_bound
+from megatron_het.planner.search import search_plan
+from megatron_het.planner.space import KindBlock, Layout, Placement, build_plan, split_shapes
+from megatron_het.planner.stage_model import balance_layers, probe_stage_model
+from tests.unit.test_planner_search import CLUSTER, MODEL, SEQ
+
+
+@pytest.fixture(scope="module")
+def cluster() -> ClusterSpec:
+    return ClusterSpec.from_dict(CLUSTER)
+
+
+LAYOUTS = [  # dp=2: 2 H100 and 4 MI250X per pipeline, 16 sequences of 1 -> m = 8
+    Layout(2, (KindBlock("H100", 1, 2), KindBlock("MI250X", 2, 2)), 1, 8, True, 2),
+    Layout(2, (KindBlock("MI250X", 2, 1), KindBlock("MI250X", 1, 2), KindBlock("H100", 2, 1)),
+           1, 8, True, 2, sequence_parallel=True),
+    Layout(1, (KindBlock("H100", 2, 2), KindBlock("MI250X", 4, 2)), 2, 8, False, 3),
+]
+
+
+def test_split_shapes_use_every_device_and_divide_the_micro_batches(cluster) -> None:
+    placement = Placement(cluster)
+    shapes = list(split_shapes(MODEL, placement, 2, 4))
+    assert shapes
+    for blocks in shapes:
+        assert sum(b.stages for b in blocks) == 4
+        for kind in placement.kinds:
+            mine = [b for b in blocks if b.kind == kind]
+            assert sum(b.tp * b.stages for b in mine) == placement.count(kind) // 2
+            assert len(mine) in (1, 2)
+            if len(mine) == 2:  # adjacent blocks, the wider first, TP t and 2t
+                assert mine[0].tp == 2 * mine[1].tp
+                assert blocks.index(mine[1]) == blocks.index(mine[0]) + 1
+    # 3 stages on 4 MI250X need two TP degrees (2 + 1 + 1): only a split shape gives them
+    assert any([b.tp for b in blocks if b.kind == "MI250X"] == [2, 1] for blocks in shapes)
+    layout = Layout(2, shapes[0], 1, 8, True, 2)
+    for pipeline in placement.stage_ranks(layout):
+        for ranks in pipeline:
+            assert len({cluster.rank_info(r).node for r in ranks}) == 1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.describe())
+def test_group_model_reproduces_the_interleaved_closed_form(cluster, layout) -> None:
+    placement, cache = Placement(cluster), SimulationCache()
+    sm = probe_stage_model(MODEL, layout, placement, cluster, SEQ, None, "bf16", cache)
+    v, p = layout.num_chunks, layout.num_stages
+    rng = random.Random(1)
+    for trial in range(6):
+        split = [v] * p
+        for _ in range(MODEL.num_layers - v * p):
+            split[rng.randrange(p)] += 1
+        plan = build_plan(layout, split, placement, "bf16")
+        assert plan.pipelines[0].num_chunks == v
+        validate(plan, MODEL, cluster, 16, seq_length=SEQ)
+        closed = predict(MODEL, plan, cluster, SEQ, pipeline_model="closed_form")
+        assert sm.iteration_time(split) == pytest.approx(closed.iteration_time_s, rel=1e-9)
+        if all(n % v == 0 for n in split):  # uniform chunks: the memory line is exact
+            for g in range(p):
+                assert sm.memory[g](split[g]) == pytest.approx(
+                    closed.stages[g].memory.total_bytes, rel=1e-9)
+
+
+def test_interleaved_bounds_hold(cluster) -> None:
+    placement, cache = Placement(cluster), SimulationCache()
+    costs = KindCosts(MODEL, cluster, placement, SEQ, None, "bf16", cache)
+    for layout in LAYOUTS:
+        sm = probe_stage_model(MODEL, layout, placement, cluster, SEQ, None, "bf16", cache)
+        split = balance_layers(sm, MODEL.num_layers)
+        assert split is not None and min(split) >= layout.num_chunks
+        assert memory_feasible(layout, costs, MODEL.num_layers)
+        assert time_lower_bound(layout, costs, MODEL.num_layers) <= sm.iteration_time(split)
+
+
+def test_search_tries_interleaving_and_its_plans_run(cluster) -> None:
+    # A model whose compute outweighs the transfers, so interleaved layouts are competitive
+    big = ModelConfig(name="t-16l", num_layers=16, hidden_size=4096, ffn_hidden_size=11008,
+                      num_attention_heads=32, num_query_groups=8, vocab_size=32000)
+    plain = search_plan(big, cluster, 16, 4096, top_k=3, max_virtual_stages=1)
+    assert all(c.layout.num_chunks == 1 for c in plain.candidates)
+    found = search_plan(big, cluster, 16, 4096, top_k=8, max_virtual_stages=3)
+    assert found.prediction.iteration_time_s <= plain.prediction.iteration_time_s * (1 + 1e-9)
+    interleaved = [c for c in found.candidates if c.layout.num_chunks > 1]
+    assert interleaved
+    for candidate in found.candidates:
+        validate(candidate.plan, big, cluster, 16, seq_length=4096)
+        assert fits(candidate.prediction, cluster).ok
+        pipeline = candidate.plan.pipelines[0]
+        assert pipeline.num_chunks == candidate.layout.num_chunks
+        assert pipeline.micro_batches % pipeline.pp_size == 0 or pipeline.num_chunks == 1

@@ -1,0 +1,136 @@
+"""The published runs: their plans, the published times their sources' FLOP counts give, and
+the calibrated predictor's error on the calibration set."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import pytest
+
+from megatron_het.cluster import get_accelerator
+from megatron_het.parallel.plan_validation import validate
+from megatron_het.perf.calibration import efficiency_for
+from megatron_het.perf.cost_model import Efficiency
+from megatron_het.perf.published_runs import (ALL_RUNS, CALIBRATION_RUNS, HELD_OUT_RUNS,
+                                              PublishedRun, build, model_config,
+                                              predict_run, run_efficiency)
+
+BY_NAME = {run.name: run for run in ALL_RUNS}
+
+
+@pytest.mark.parametrize("run", ALL_RUNS, ids=lambda r: r.name)
+def test_every_row_builds_the_layout_it_publishes(run: PublishedRun) -> None:
+    built = build(run)
+    plan = built.plan
+    validate(plan, built.model, built.cluster, run.global_batch, seq_length=built.seq_length)
+    assert plan.world_size == built.cluster.world_size == run.num_gpus
+    assert plan.dp_size == run.dp and run.tp * run.pp * run.dp == run.num_gpus
+    assert plan.global_batch_size == run.global_batch
+    assert plan.micro_batch_size == run.micro_batch
+    for pipeline in plan.pipelines:
+        assert pipeline.pp_size == run.pp and pipeline.num_chunks == run.virtual_stages
+        assert {st.tp for st in pipeline.stages} == {run.tp}
+        assert {st.recompute for st in pipeline.stages} == {run.recompute}
+        assert sum(st.num_layers for st in pipeline.stages) == run.layers
+        # TP groups stay inside a node (Megatron's rank order, 8 GPUs a node).
+        for st in pipeline.stages:
+            assert len({r // run.gpus_per_node for r in st.ranks}) == 1
+    assert {built.cluster.accelerator_of(r).name for r in plan.ranks()} == {run.gpu}
+
+
+def test_the_sets_are_the_sources_named() -> None:
+    assert len(CALIBRATION_RUNS) == 10 and len(HELD_OUT_RUNS) == 10
+    assert {r.split for r in CALIBRATION_RUNS} == {"calibration"}
+    assert {r.split for r in HELD_OUT_RUNS} == {"held_out"}
+    assert {r.study for r in CALIBRATION_RUNS} == {"narayanan2021"}
+    assert len(BY_NAME) == len(ALL_RUNS)
+    # Table 1's virtual stages from the artifact's layers per virtual stage (5, 5, 3, 1).
+    assert [r.virtual_stages for r in CALIBRATION_RUNS] == [1, 1, 1, 1, 1, 3, 2, 2, 3, 1]
+
+
+def test_published_time_of_the_1t_row_by_hand() -> None:
+    run = BY_NAME["narayanan2021-1008.0B"]
+    # 96 B s l h^2 = 96 * 3072 * 2048 * 128 * 25600^2 = 5.06654e19;
+    # 1 + s/(6h) + V/(16 l h) = 1 + 2048/153600 + 51200/52428800 = 1.0143099;
+    # F = 5.13904e19 FLOPs over 3072 GPUs at 163 TFLOP/s: 102.63 s.
+    assert run.published_flops == pytest.approx(5.13904e19, rel=1e-5)
+    assert run.published_iteration_s == pytest.approx(102.630, rel=1e-4)
+
+
+def test_derived_time_matches_a_time_the_source_states() -> None:
+    # The README: "each iteration takes around 32 seconds resulting in 138 teraFLOPs per GPU".
+    run = BY_NAME["megatron-readme-gpt3-175B"]
+    assert run.published_iteration_s == pytest.approx(run.published_time_s, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["narayanan2021-7.5B", "narayanan2021-529.6B",
+                                  "megatron-core-h100-70B"])
+def test_source_flops_agree_with_our_count_of_the_mapped_model(name: str) -> None:
+    """The mapped Llama has GPT's FLOPs: ours (no recompute) per token, plus one more forward
+    of the layers where the source counts recompute, gives the source's count."""
+    run = BY_NAME[name]
+    model = model_config(run)
+    tokens = run.global_batch * run.seq_length
+    ours = model.flops_per_token(run.seq_length) * tokens
+    logits = 6.0 * model.hidden_size * model.vocab_size * tokens
+    if run.flop_formula == "narayanan2021":
+        ours += (ours - logits) / 3
+    assert ours == pytest.approx(run.published_flops, rel=1e-3)
+
+
+def test_mapped_model_has_gpts_parameter_count() -> None:
+    # Table 1 lists 529.6B for h 20480, 105 layers: 12 l h^2 + V h (no biases or positions).
+    model = model_config(BY_NAME["narayanan2021-529.6B"])
+    assert model.num_parameters() == pytest.approx(529.6e9, rel=2e-3)
+
+
+def test_calibration_set_median_error_is_within_5_percent() -> None:
+    errors = [predict_run(run).iteration_time_s / run.published_iteration_s - 1
+              for run in CALIBRATION_RUNS]
+    assert statistics.median(abs(e) for e in errors) <= 0.05
+    assert max(abs(e) for e in errors) <= 0.10
+
+
+def test_each_row_runs_the_attention_of_its_software() -> None:
+    # Megatron-LM of 2021 materialised the scores; the 2024 rows ran TransformerEngine's
+    # fused (flash-class) attention.
+    for run in ALL_RUNS:
+        expected = "flash" if run.study == "megatron-core-h100" else "unfused"
+        assert run.attention_kernel == expected, run.name
+        efficiency = run_efficiency(run)
+        assert efficiency.attention_kernel == expected
+        calibrated = efficiency_for(get_accelerator(run.gpu))
+        assert dataclasses.replace(efficiency, attention_kernel="flash") == calibrated
+    # An explicit efficiency keeps its factors and takes the row's kernel.
+    mine = Efficiency(gemm=0.5, attention=0.2, memory=0.7)
+    assert run_efficiency(CALIBRATION_RUNS[0], mine) == dataclasses.replace(
+        mine, attention_kernel="unfused")
+
+
+def test_unfused_attention_costs_the_2021_rows_more_than_flash_would() -> None:
+    run = BY_NAME["narayanan2021-1.7B"]  # micro-batch 16: the scores weigh most here
+    unfused = predict_run(run, pipeline_model="closed_form").iteration_time_s
+    flash = dataclasses.replace(run, attention_kernel="flash")
+    assert predict_run(flash, pipeline_model="closed_form").iteration_time_s < 0.9 * unfused
+
+
+@pytest.mark.parametrize("run", [r for r in HELD_OUT_RUNS if r.study == "megatron-core-h100"],
+                         ids=lambda r: r.name)
+def test_h100_rows_set_the_options_the_runs_had(run: PublishedRun) -> None:
+    plan = build(run).plan
+    assert plan.dtype == "bf16"
+    assert plan.use_distributed_optimizer is True      # asserted by --overlap-param-gather
+    assert plan.overlap_grad_reduce is True            # --overlap-grad-reduce
+    assert plan.grad_reduce_in_bf16 is False           # bf16 forces fp32 reductions
+    assert plan.sequence_parallel is (run.tp > 1)      # asserted by --tp-comm-overlap
+    gaps = " ".join(run.not_expressed)
+    assert "--overlap-param-gather" in gaps
+    assert ("--tp-comm-overlap" in gaps) is (run.tp > 1)
+
+
+def test_2021_rows_state_what_the_predictor_cannot_express() -> None:
+    for run in ALL_RUNS:
+        if run.attention_kernel == "unfused":
+            assert any("fp16 gradient" in gap for gap in run.not_expressed), run.name
+            plan = build(run).plan
+            assert plan.dtype == "fp16" and not plan.grad_reduce_in_bf16

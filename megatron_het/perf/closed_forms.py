@@ -125,11 +125,15 @@ def closed_form_interleaved(forward_s: Sequence[float], backward_s: Sequence[flo
     """Iteration time of interleaved 1F1B, analytically; per-stage inputs, ``n = v p`` stages,
     stage s on device group ``s % p``.
 
-    ``T = m W_max + (sum_g W_g - W_max) / v + x (m v + w_0 - 1)``
+    ``T = m sum_c max_g w_{c,g} + (sum_g W_g - W_max) / v + x (m v + w_0 - 1)``
 
-    ``W_g`` is one micro-batch's compute on group g (the forward and backward of all its
-    chunks). The busiest group computes ``m W_max``; the fill and drain cross the other groups
-    at the pace of one of their chunks, ``W_g / v`` each (with ``v = 1`` and no p2p this is
+    ``w_{c,g}`` is the forward and backward of group g's chunk c (stage ``c p + g``) for one
+    micro-batch, ``W_g = sum_c w_{c,g}``. Every group runs its chunks in rounds (chunk c for p
+    micro-batches, then chunk c + 1), and in each round the slowest group sets the pace: the
+    steady state takes ``m sum_c max_g w_{c,g}``, which is ``m W_max`` when each group's chunks
+    are alike (chunks of unequal size make the groups wait on each other; on random such
+    chunks the simulation lies a few percent below this). The fill and drain cross the other
+    groups at the pace of one of their chunks, ``W_g / v`` each (with ``v = 1`` and no p2p this is
     :func:`closed_form_1f1b`; with uniform groups it is the bubble ``(p - 1) / (v m)`` of
     :func:`closed_form_interleaved_bubble`). With blocking transfers each exchange step of group 0's
     list waits one transfer: ``m v + w_0 - 1`` of them (``w_0``: its warm-up forwards;
@@ -137,15 +141,16 @@ def closed_form_interleaved(forward_s: Sequence[float], backward_s: Sequence[flo
     slowest boundary's transfer either way.
 
     Exact (the simulation gives it) for uniform chunks without p2p, ``m (F + B)(1 + (p - 1) /
-    (v m))``, and with uniform p2p for ``m >= 2 p``. Otherwise an estimate: chunks of unequal
-    size within a group make the groups wait on each other beyond it, and one slow boundary
-    does not delay every exchange. :func:`lower_bound_interleaved` is the sound check.
+    (v m))``, and with uniform p2p for ``m >= 2 p``. Otherwise an estimate (one slow boundary
+    does not delay every exchange); :func:`lower_bound_interleaved` is the sound check.
     """
     m, v = num_micro_batches, num_chunks
     p, work, cf, cb = _group_work(forward_s, backward_s, v, p2p_forward_s, p2p_backward_s)
     x = max((max(a, c) for a, c in zip(cf, cb)), default=0.0)
     exchanges = m * v + interleaved_warmup(p, v, m, 0) - 1
-    return m * max(work) + (sum(work) - max(work)) / v + x * exchanges
+    chunk = [f + b for f, b in zip(forward_s, backward_s)]
+    rounds = sum(max(chunk[c * p:(c + 1) * p]) for c in range(v))
+    return m * rounds + (sum(work) - max(work)) / v + x * exchanges
 
 
 def lower_bound_interleaved(forward_s: Sequence[float], backward_s: Sequence[float],

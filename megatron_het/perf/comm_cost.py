@@ -91,6 +91,7 @@ class CommCost:
         self._group_of = [r.group for r in ranks]
         self._nproc = [n.nproc for n in cluster.nodes()]
         self._links: dict[tuple[str, str, bool, str], tuple[float, float, str]] = {}
+        self._rings: dict[tuple[tuple[int, ...], str, bool], PathFigures] = {}
 
     def kind_of(self, rank: int) -> str:
         return self._kind_of[rank]
@@ -161,7 +162,15 @@ class CommCost:
     def ring_path(self, ranks: Sequence[int], op: str = "collective",
                   all_cross: bool = False) -> PathFigures:
         """The slowest neighbour path of a ring over ``ranks`` (in order, at least 2), with
-        NIC sharing; ``all_cross``: every member crosses its NIC at once."""
+        NIC sharing; ``all_cross``: every member crosses its NIC at once. Memoized per ring
+        (a planner prices the same DP rings for many layer splits)."""
+        key = (tuple(ranks), op, all_cross)
+        found = self._rings.get(key)
+        if found is None:
+            found = self._rings[key] = self._ring_path(ranks, op, all_cross)
+        return found
+
+    def _ring_path(self, ranks: Sequence[int], op: str, all_cross: bool) -> PathFigures:
         if len(ranks) < 2:
             raise ValueError(f"a ring needs at least 2 ranks, got {list(ranks)}")
         first = ranks[0]

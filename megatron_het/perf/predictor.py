@@ -87,7 +87,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
             cache: Optional[SimulationCache] = None, validate: bool = True,
             rate_model: Optional[RateModel] = None, overlap_grad_reduce: Optional[bool] = None,
             grad_reduce_in_bf16: Optional[bool] = None,
-            pipelines: Optional[Sequence[int]] = None) -> Prediction:
+            pipelines: Optional[Sequence[int]] = None,
+            comm: Optional[CommCost] = None) -> Prediction:
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
     ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
@@ -101,7 +102,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     the plan check for plans known to be valid; ``pipelines`` (indices) prices only those DP
     replicas, for a caller that knows every other one runs like one of them (a planner's
     probes of identical replicas): rows, times and the iteration are theirs, the DP sync still
-    spans every replica. ``rate_model`` (with ``pipeline_model``
+    spans every replica; ``comm`` reuses a communication model of this cluster and these
+    profiles across calls (it memoizes links and rings). ``rate_model`` (with ``pipeline_model``
     "simulate") models ranks that share their compute where it applies. Pure: no processes,
     no I/O.
     """
@@ -121,7 +123,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     if validate:
         validate_plan(plan, model, cluster, seq_length=seq_length)
     ctx = PredictionContext(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
-                            efficiency, CommCost(cluster, profiles), overlap, bf16_reduce)
+                            efficiency, comm or CommCost(cluster, profiles), overlap,
+                            bf16_reduce)
     cache = cache or SimulationCache()
     overlapped = overlap and ctx.sync.uniform and plan.dp_size > 1
     every = pipelines is None

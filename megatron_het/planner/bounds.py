@@ -18,7 +18,9 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Profile, SimulationCache, predict
-from megatron_het.perf.memory import RESERVED_FRACTION, device_capacity_bytes
+from megatron_het.perf.comm_cost import CommCost
+from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
+from megatron_het.perf.memory import RESERVED_FRACTION, device_capacity_bytes, layer_parameters
 from megatron_het.pipeline.schedules import interleaved_warmup
 from megatron_het.planner.space import KindBlock, Layout, Placement
 
@@ -48,7 +50,33 @@ class KindCosts:
                  cache: SimulationCache) -> None:
         self.model, self.cluster, self.placement = model, cluster, placement
         self.seq, self.profiles, self.dtype, self.cache = seq_length, profiles, dtype, cache
-        self._costs: dict[tuple[str, int, int, bool], LayerCost] = {}
+        self._costs: dict[tuple[str, int, int, bool, bool], LayerCost] = {}
+        self._syncs: dict[tuple[str, int, int, bool], float] = {}
+
+    def sync_per_layer(self, block: KindBlock, dp: int, zero1: bool,
+                       comm: CommCost) -> float:
+        """The least DP sync seconds one more decoder layer adds to a stage of ``block`` with
+        ``dp`` replicas (its gradients' ring all-reduce, or under ZeRO-1 reduce-scatter and
+        parameter all-gather, as :class:`~megatron_het.perf.dp_sync.DPSync` prices them):
+        over a few rank offsets within the kind's pipeline share, the cheapest ring's."""
+        key = (block.kind, block.tp, dp, zero1)
+        if key not in self._syncs:
+            self._syncs[key] = self._sync_slope(block, dp, zero1, comm) if dp > 1 else 0.0
+        return self._syncs[key]
+
+    def _sync_slope(self, block: KindBlock, dp: int, zero1: bool, comm: CommCost) -> float:
+        ranks = self.placement.ranks_of[block.kind]
+        share = len(ranks) // dp
+        params = layer_parameters(self.model, block.tp)
+        element = DTYPE_BYTES[self.dtype]
+        slopes = []
+        for offset in sorted({0, block.tp * ((share // block.tp) // 2), share - block.tp}):
+            group = [ranks[d * share + offset] for d in range(dp)]
+            one, two = (comm.dp_sync(group, n * params * FP32_BYTES,
+                                     n * params * element if zero1 else None).time_s
+                        for n in (1, 2))
+            slopes.append(two - one)
+        return max(0.0, min(slopes))
 
     def get(self, block: KindBlock, micro_batch_size: int,
             sequence_parallel: bool = False) -> LayerCost:
@@ -79,6 +107,18 @@ class KindCosts:
             optimizer_bytes=two.memory.optimizer_bytes - one.memory.optimizer_bytes,
             activation_bytes=two.memory.activation_bytes - one.memory.activation_bytes,
             usable_bytes=device_capacity_bytes(spec) * (1.0 - RESERVED_FRACTION))
+
+
+def sync_lower_bound(layout: Layout, costs: KindCosts, num_layers: int,
+                     comm: CommCost) -> float:
+    """No split of ``layout`` syncs its gradients faster than this: with ``c_s`` the sync
+    seconds per layer of stage s, ``max_s c_s l_s >= L / sum_s (1 / c_s)`` (the intercepts, the
+    embedding's and head's parameters only add)."""
+    slopes = [costs.sync_per_layer(b, layout.dp, layout.zero1, comm)
+              for b in layout.stage_kinds()]
+    if min(slopes) <= 0:
+        return 0.0
+    return num_layers / sum(1.0 / c for c in slopes)
 
 
 def time_lower_bound(layout: Layout, costs: KindCosts, num_layers: int) -> float:
@@ -136,4 +176,5 @@ def memory_pressure(layout: Layout, costs: KindCosts, num_layers: int) -> float:
     return max(num_layers / sum(room), max(1.0 / r for r in room))
 
 
-__all__ = ["KindCosts", "LayerCost", "memory_feasible", "memory_pressure", "time_lower_bound"]
+__all__ = ["KindCosts", "LayerCost", "memory_feasible", "memory_pressure", "sync_lower_bound",
+           "time_lower_bound"]

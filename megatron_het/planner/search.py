@@ -34,9 +34,10 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.perf import Profile, SimulationCache, fits, predict
+from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.memory import GIB
 from megatron_het.planner.bounds import (KindCosts, memory_feasible, memory_pressure,
-                                         time_lower_bound)
+                                         sync_lower_bound, time_lower_bound)
 from megatron_het.planner.result import Candidate, SearchResult
 from megatron_het.planner.space import (KindBlock, Layout, Placement, build_plan, divisors,
                                         micro_batch_sizes, pipeline_shapes, split_shapes)
@@ -83,6 +84,7 @@ class _Search:
     max_chunks: int = 1
     placement: Placement = field(init=False)
     costs: KindCosts = field(init=False)
+    comm: CommCost = field(init=False)
     cache: SimulationCache = field(default_factory=SimulationCache)
     scored: list[tuple[float, StageModel, list[int]]] = field(default_factory=list)
     shortfall: Optional[tuple[float, StageModel, int]] = None
@@ -92,13 +94,15 @@ class _Search:
 
     def __post_init__(self) -> None:
         self.placement = Placement(self.cluster)
+        self.comm = CommCost(self.cluster, self.profiles)
         self.costs = KindCosts(self.model, self.cluster, self.placement, self.seq_length,
                                self.profiles, self.dtype, self.cache)
 
     def stage_model(self, layout: Layout) -> StageModel:
         self.evaluated += 1
         return probe_stage_model(self.model, layout, self.placement, self.cluster,
-                                 self.seq_length, self.profiles, self.dtype, self.cache)
+                                 self.seq_length, self.profiles, self.dtype, self.cache,
+                                 self.comm)
 
     def score(self, layout: Layout) -> None:
         """Probe and balance one layout; remember its time, or its memory shortfall."""
@@ -172,7 +176,9 @@ class _Search:
             self.too_big.append((memory_pressure(layout, self.costs, self.model.num_layers),
                                  layout))
             return None
-        return time_lower_bound(layout, self.costs, self.model.num_layers), layout
+        layers = self.model.num_layers
+        return (time_lower_bound(layout, self.costs, layers)
+                + sync_lower_bound(layout, self.costs, layers, self.comm)), layout
 
     def _add(self, out: list[tuple[float, Layout]], base: Layout) -> None:
         """``base`` bounded into ``out``; if it cannot fit, its variants that may."""
@@ -289,7 +295,8 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
         plan = build_plan(sm.layout, layers, search.placement, search.dtype,
                           description=f"megatron_het planner: {sm.layout.describe()}")
         prediction = predict(search.model, plan, search.cluster, search.seq_length,
-                             search.profiles, search.dtype, cache=search.cache)
+                             search.profiles, search.dtype, cache=search.cache,
+                             comm=search.comm)
         if search.check_memory and not fits(prediction, search.cluster).ok:
             if not plain:  # its memory between the probes was interpolated: drop it
                 continue

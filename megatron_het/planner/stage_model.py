@@ -28,6 +28,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.perf import Prediction, Profile, SimulationCache, predict
+from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.memory import RESERVED_FRACTION, device_capacity_bytes
 from megatron_het.pipeline.schedules import interleaved_warmup
 from megatron_het.planner.space import Layout, Placement, build_plan
@@ -52,7 +53,8 @@ class StageModel:
     (pipelines differ only in which node boundaries they cross; per chunk boundary when
     interleaved); ``usable_bytes`` is what :func:`megatron_het.perf.fits` allows on the
     stage's devices. With interleaving a stage here is a device group (see the module
-    docstring).
+    docstring) and ``chunk_fixed[g][c]`` the part of its chunk c's forward + backward that
+    does not grow with the chunk's layers (the embedding's, the head's).
     """
 
     layout: Layout
@@ -63,6 +65,7 @@ class StageModel:
     memory: tuple[Affine, ...]
     usable_bytes: tuple[float, ...]
     p2p: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]
+    chunk_fixed: tuple[tuple[float, ...], ...] = ()  # [group][chunk], interleaved only
 
     @property
     def num_stages(self) -> int:
@@ -97,12 +100,22 @@ class StageModel:
             exchanges = m * v + interleaved_warmup(self.num_stages, v, m, 0) - 1
             slowest = max(max((max(f, b) for f, b in zip(cf, cb)), default=0.0)
                           for cf, cb in self.p2p)
-            return m * top + (sum(work) - top) / v + slowest * exchanges + tail
+            rounds = sum(max(self.chunk_time(g, c, n) for g, n in enumerate(layers))
+                         for c in range(v))
+            return m * rounds + (sum(work) - top) / v + slowest * exchanges + tail
         pipeline = 0.0
         for (cf, cb), steady in zip(self.p2p, self.steady_p2p()):
             cycle = max(w + k for w, k in zip(work, steady))
             pipeline = max(pipeline, sum(cf) + sum(cb) + (m - 1) * cycle)
         return sum(work) + pipeline + tail
+
+    def chunk_time(self, group: int, chunk: int, layers: int) -> float:
+        """Forward + backward of chunk ``chunk`` of a device group holding ``layers`` layers,
+        dealt out as :func:`~megatron_het.parallel.plan_builders.interleave_plan` does."""
+        v = self.layout.num_chunks
+        size = layers // v + (chunk < layers % v)
+        per_layer = self.forward[group].slope + self.backward[group].slope
+        return per_layer * size + self.chunk_fixed[group][chunk]
 
     def simulated_time(self, layers: Sequence[int], cache: SimulationCache) -> float:
         """Like :meth:`iteration_time` with the event-driven 1F1B simulation for the pipeline
@@ -155,9 +168,9 @@ def _affine(low: float, high: float, at_low: int = 1) -> Affine:
 def probe_stage_model(model: ModelConfig, layout: Layout, placement: Placement,
                       cluster: ClusterSpec, seq_length: int,
                       profiles: Optional[Mapping[str, Profile]], dtype: str,
-                      cache: SimulationCache) -> StageModel:
+                      cache: SimulationCache, comm: Optional[CommCost] = None) -> StageModel:
     """Two closed-form predictions of ``layout`` (``v`` and ``2 v`` layers per stage or device
-    group, ``v`` its chunks) -> its StageModel."""
+    group, ``v`` its chunks) -> its StageModel; ``comm``: a communication model to reuse."""
     v, p = layout.num_chunks, layout.num_stages
     replicas = placement.distinct_pipelines(layout)
     probes: list[Prediction] = []
@@ -165,7 +178,7 @@ def probe_stage_model(model: ModelConfig, layout: Layout, placement: Placement,
         plan = build_plan(layout, [layers] * p, placement, dtype)
         probes.append(predict(model, plan, cluster, seq_length, profiles, dtype,
                               pipeline_model="closed_form", cache=cache, validate=False,
-                              pipelines=replicas))
+                              pipelines=replicas, comm=comm))
     n = v * p  # stages (chunks) of one pipeline
     sums = [_group_rows(probe.stages[:n], p) for probe in probes]
     one, two = probes[0].stages[:p], probes[1].stages[:p]
@@ -182,15 +195,20 @@ def probe_stage_model(model: ModelConfig, layout: Layout, placement: Placement,
     def line(low: float, high: float) -> Affine:
         return _affine(low, high, v)
 
+    forward = tuple(line(a, b) for a, b in zip(sums[0][0], sums[1][0]))
+    backward = tuple(line(a, b) for a, b in zip(sums[0][1], sums[1][1]))
+    first = probes[0].stages[:n]  # one layer per chunk
+    fixed = tuple(tuple(first[c * p + g].forward_s + first[c * p + g].backward_s
+                        - forward[g].slope - backward[g].slope for c in range(v))
+                  for g in range(p)) if v > 1 else ()
     return StageModel(
         layout,
-        forward=tuple(line(a, b) for a, b in zip(sums[0][0], sums[1][0])),
-        backward=tuple(line(a, b) for a, b in zip(sums[0][1], sums[1][1])),
+        forward=forward, backward=backward,
         dp_sync=tuple(line(a.dp_sync_s, b.dp_sync_s) for a, b in zip(one, two)),
         optimizer=tuple(line(a.optimizer_s, b.optimizer_s) for a, b in zip(one, two)),
         memory=tuple(line(a.memory.total_bytes, b.memory.total_bytes)
                      for a, b in zip(one, two)),
-        usable_bytes=usable, p2p=tuple(p2p))
+        usable_bytes=usable, p2p=tuple(p2p), chunk_fixed=fixed)
 
 
 def _group_rows(rows: Sequence, groups: int) -> tuple[list[float], list[float]]:
@@ -242,9 +260,34 @@ def balance_layers(stage_model: StageModel, num_layers: int, polish: bool = True
         take = min(excess, layers[s] - least)
         layers[s] -= take
         excess -= take
+    whole = _whole_chunks(layers, least, caps, num_layers)
+    if whole is not None and (stage_model.iteration_time(whole)
+                              < stage_model.iteration_time(layers)):
+        layers = whole
     if polish:
         layers = polish_split(stage_model, layers, caps)
     return layers
+
+
+def _whole_chunks(layers: Sequence[int], v: int, caps: Sequence[int],
+                  num_layers: int) -> Optional[list[int]]:
+    """``layers`` rounded to multiples of ``v`` (largest remainders up, sum kept, caps
+    respected), so that every chunk of a group has the same size; None for plain layouts or
+    when ``v`` does not divide the model's layers."""
+    if v == 1 or num_layers % v:
+        return None
+    units = [n / v for n in layers]
+    whole = [max(1, min(int(u), caps[s] // v)) for s, u in enumerate(units)]
+    order = sorted(range(len(units)), key=lambda s: whole[s] - units[s])
+    left = num_layers // v - sum(whole)
+    for s in order * 2:
+        if left == 0:
+            break
+        step = 1 if left > 0 else -1
+        if (step > 0 and (whole[s] + 1) * v <= caps[s]) or (step < 0 and whole[s] > 1):
+            whole[s] += step
+            left -= step
+    return [u * v for u in whole] if left == 0 else None
 
 
 def polish_split(stage_model: StageModel, layers: list[int], caps: Sequence[int],

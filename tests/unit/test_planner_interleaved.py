@@ -10,7 +10,9 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import SimulationCache, fits, predict
-from megatron_het.planner.bounds import KindCosts, memory_feasible, time_lower_bound
+from megatron_het.perf.comm_cost import CommCost
+from megatron_het.planner.bounds import (KindCosts, memory_feasible, sync_lower_bound,
+                                         time_lower_bound)
 from megatron_het.planner.search import search_plan
 from megatron_het.planner.space import KindBlock, Layout, Placement, build_plan, split_shapes
 from megatron_het.planner.stage_model import balance_layers, probe_stage_model
@@ -80,7 +82,9 @@ def test_interleaved_bounds_hold(cluster) -> None:
         split = balance_layers(sm, MODEL.num_layers)
         assert split is not None and min(split) >= layout.num_chunks
         assert memory_feasible(layout, costs, MODEL.num_layers)
-        assert time_lower_bound(layout, costs, MODEL.num_layers) <= sm.iteration_time(split)
+        bound = time_lower_bound(layout, costs, MODEL.num_layers)
+        sync = sync_lower_bound(layout, costs, MODEL.num_layers, CommCost(cluster))
+        assert 0 < bound + sync <= sm.iteration_time(split)
 
 
 def test_search_tries_interleaving_and_its_plans_run(cluster) -> None:

@@ -14,7 +14,9 @@ from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import SimulationCache, fits, predict
 from megatron_het.planner import evaluate_plan, homogeneous_baseline, kind_subcluster, search_plan
-from megatron_het.planner.bounds import KindCosts, memory_feasible, time_lower_bound
+from megatron_het.perf.comm_cost import CommCost
+from megatron_het.planner.bounds import (KindCosts, memory_feasible, sync_lower_bound,
+                                         time_lower_bound)
 from megatron_het.planner.space import KindBlock, Layout, Placement, build_plan
 from megatron_het.planner.stage_model import balance_layers, layer_caps, probe_stage_model
 
@@ -85,7 +87,11 @@ def test_lower_bounds_hold(cluster) -> None:
         sm = probe_stage_model(MODEL, layout, placement, cluster, SEQ, None, "bf16", cache)
         split = balance_layers(sm, MODEL.num_layers)
         assert memory_feasible(layout, costs, MODEL.num_layers)
-        assert time_lower_bound(layout, costs, MODEL.num_layers) <= sm.iteration_time(split)
+        bound = time_lower_bound(layout, costs, MODEL.num_layers)
+        assert bound <= sm.iteration_time(split)
+        sync = sync_lower_bound(layout, costs, MODEL.num_layers, CommCost(cluster))
+        assert (sync > 0) == (layout.dp > 1)
+        assert bound + sync <= sm.iteration_time(split)
     tiny = ClusterSpec.from_dict({**CLUSTER, "accelerators": {
         "H100": {"memory_gib": 0.5}, "MI250X": {"memory_gib": 0.5}}})
     tiny_costs = KindCosts(MODEL, tiny, Placement(tiny), SEQ, None, "bf16", cache)

@@ -304,6 +304,9 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
                                  f"{fits(prediction, search.cluster).message}")
         out.append(Candidate(sm.layout, tuple(layers), sm.iteration_time(layers), plan,
                              prediction))
+    if not out:
+        raise AssertionError("every finalist of the planner exceeded memory once predicted in "
+                             "full (interleaved layouts whose memory was interpolated)")
     out.sort(key=lambda c: c.prediction.iteration_time_s)
     return out
 

@@ -47,8 +47,9 @@ import torch
 from torch import nn
 
 from megatron_het.kernels.main_grad import MAIN_GRAD, ON_MAIN_GRAD_ADDED
+from megatron_het.parallel.buckets import (DEFAULT_BUCKET_SIZE_MB, bucket_ranges,
+                                           padded_elements)
 
-_FP32_BYTES = 4
 
 
 @dataclass
@@ -86,28 +87,17 @@ def plan_buckets(named_params: Sequence[tuple[str, nn.Parameter]], bucket_size_m
     """Assign parameters (reverse order) to buckets of about ``bucket_size_mb`` MiB of fp32.
 
     A bucket closes once it holds at least that much; a parameter is never split across
-    buckets. Buffers are not allocated here.
+    buckets (:func:`~megatron_het.parallel.buckets.bucket_ranges`). Buffers are not allocated
+    here.
     """
-    if bucket_size_mb <= 0:
-        raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-    limit = max(1, int(bucket_size_mb * 1024 * 1024 / _FP32_BYTES))
+    ordered = list(reversed(list(named_params)))
     buckets: list[Bucket] = []
-    current: list[ParamSlot] = []
-    filled = 0
-
-    def close() -> None:
-        nonlocal current, filled
-        padded = -(-filled // dp_size) * dp_size
-        buckets.append(Bucket(len(buckets), padded, current))
-        current, filled = [], 0
-
-    for name, param in reversed(list(named_params)):
-        current.append(ParamSlot(name, param, len(buckets), filled, param.numel()))
-        filled += param.numel()
-        if filled >= limit:
-            close()
-    if current:
-        close()
+    for start, stop in bucket_ranges([p.numel() for _, p in ordered], bucket_size_mb):
+        slots, filled = [], 0
+        for name, param in ordered[start:stop]:
+            slots.append(ParamSlot(name, param, len(buckets), filled, param.numel()))
+            filled += param.numel()
+        buckets.append(Bucket(len(buckets), padded_elements(filled, dp_size), slots))
     return buckets
 
 
@@ -133,7 +123,7 @@ class GradBuckets:
     """
 
     def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], dp_group: Any,
-                 bucket_size_mb: float = 25.0,
+                 bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
                  reduce_dtype: torch.dtype = torch.float32) -> None:
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = dp_group.size, dp_group.rank

@@ -47,6 +47,7 @@ from megatron_het.optim.data_parallel import GradBuckets
 from megatron_het.optim.flat_params import FlatParams
 from megatron_het.optim.loss_scaler import LossScaler
 from megatron_het.optim.replica_sync import ReplicaSync
+from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB
 from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.tensor_parallel.sharding import shard_spec
 
@@ -86,7 +87,8 @@ class ParallelOptimizer:
     """
 
     def __init__(self, stage: nn.Module, groups: ProcessGroups, config: OptimizerConfig,
-                 use_distributed_optimizer: bool, bucket_size_mb: float = 25.0,
+                 use_distributed_optimizer: bool,
+                 bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
                  overlap_grad_reduce: bool = False, param_dtype: torch.dtype = torch.float32,
                  grad_reduce_dtype: torch.dtype = torch.float32,
                  loss_scaler: Optional[LossScaler] = None) -> None:
@@ -302,7 +304,8 @@ class ParallelOptimizer:
 
 def build_parallel_optimizer(stage: nn.Module, groups: ProcessGroups,
                              optimizer_config: OptimizerConfig,
-                             use_distributed_optimizer: bool, bucket_size_mb: float = 25.0,
+                             use_distributed_optimizer: bool,
+                             bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
                              overlap_grad_reduce: bool = False,
                              param_dtype: torch.dtype = torch.float32,
                              grad_reduce_dtype: torch.dtype = torch.float32,

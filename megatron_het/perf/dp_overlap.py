@@ -57,11 +57,11 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from megatron_het.config import ModelConfig
+from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB, bucket_ranges, padded_elements
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan
 
 # The runtime's bucket size (build_parallel_optimizer's default; no flag changes it).
-BUCKET_SIZE_MB = 25.0
-_FP32_BYTES = 4
+BUCKET_SIZE_MB = DEFAULT_BUCKET_SIZE_MB
 _LAYER_PARAMETERS = ("input_norm.weight", "attention.qkv.weight", "attention.proj.weight",
                      "post_attention_norm.weight", "mlp.gate.weight", "mlp.up.weight",
                      "mlp.down.weight")
@@ -136,18 +136,16 @@ def bucket_layout(parameters: Sequence[DeviceParameter], dp_size: int,
                   bucket_size_mb: float = BUCKET_SIZE_MB) -> list[BucketTiming]:
     """The runtime's buckets of ``parameters`` (registration order), in launch order, with
     when each is complete in the last backward (see the module docstring)."""
-    limit = max(1, int(bucket_size_mb * 1024 * 1024 / _FP32_BYTES))
+    ordered = list(reversed(parameters))
     total = sum(p.weight for p in parameters)
     buckets: list[BucketTiming] = []
-    filled, seen, held = 0, 0, False
-    for index, param in enumerate(reversed(parameters)):
-        filled += param.elements
-        seen += param.weight
-        held = held or param.held_back
-        if filled >= limit or index == len(parameters) - 1:
-            done = seen / total if total else 1.0
-            buckets.append(BucketTiming(-(-filled // dp_size) * dp_size, done, held))
-            filled, held = 0, False
+    seen = 0
+    for start, stop in bucket_ranges([p.elements for p in ordered], bucket_size_mb):
+        mine = ordered[start:stop]
+        seen += sum(p.weight for p in mine)
+        buckets.append(BucketTiming(padded_elements(sum(p.elements for p in mine), dp_size),
+                                    seen / total if total else 1.0,
+                                    any(p.held_back for p in mine)))
     return buckets
 
 

@@ -20,7 +20,8 @@ from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Profile, SimulationCache, predict
 from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
-from megatron_het.perf.memory import RESERVED_FRACTION, device_capacity_bytes, layer_parameters
+from megatron_het.perf.memory import (RESERVED_FRACTION, device_capacity_bytes,
+                                      in_flight_micro_batches, layer_parameters)
 from megatron_het.pipeline.schedules import interleaved_warmup
 from megatron_het.planner.space import KindBlock, Layout, Placement
 
@@ -159,7 +160,7 @@ def _layers_in_flight(p: int, m: int, v: int, stage: int) -> float:
     m v)`` chunks of ``1 / v`` of its layers each (``w``: its warm-up forwards; uniform
     chunks)."""
     if v == 1:
-        return min(p - stage, m)
+        return in_flight_micro_batches(p, stage, m)
     return min(interleaved_warmup(p, v, m, stage) + 1, m * v) / v
 
 

@@ -118,7 +118,7 @@ class _Search:
         self.scored.append((t, sm, layers))
         free = balance_layers(sm, self.model.num_layers, polish=False, check_memory=False)
         if free is not None and sm.iteration_time(free) >= t * (1 - 1e-9):
-            self.unbound.add(_without_recompute(layout))
+            self.unbound.add(_base_of(layout))
 
     def layouts(self, max_micro_batch_size: int) -> list[tuple[float, Layout]]:
         """Every base layout (no recompute, no sequence parallelism) that may fit, with its time
@@ -207,7 +207,7 @@ class _Search:
             bound, _, layout = heapq.heappop(heap)
             if len(times) >= self.top_k and bound * (1 - 1e-6) >= times[self.top_k - 1]:
                 break
-            base = _without_recompute(layout)
+            base = _base_of(layout)
             if layout != base and base in self.unbound:
                 continue
             if layout.num_chunks > 1:
@@ -230,7 +230,7 @@ class _Search:
                 self.score(layout)
 
 
-def _without_recompute(layout: Layout) -> Layout:
+def _base_of(layout: Layout) -> Layout:
     """The layout without the options that only trade time for memory: recompute and sequence
     parallelism (which adds the norm weights' all-reduces and saves activations)."""
     return replace(layout, blocks=tuple(replace(b, recompute=False) for b in layout.blocks),

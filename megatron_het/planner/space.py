@@ -85,6 +85,7 @@ class Placement:
         for info in cluster.rank_map():
             self.ranks_of.setdefault(info.accelerator.name, []).append(info.rank)
             self.node_of.append(info.node)
+        self._stage_ranks: dict[tuple, tuple[tuple[tuple[int, ...], ...], ...]] = {}
 
     @property
     def kinds(self) -> list[str]:
@@ -93,15 +94,6 @@ class Placement:
 
     def count(self, kind: str) -> int:
         return len(self.ranks_of[kind])
-
-    def node_local(self, kind: str, per_pipeline: int, tp: int) -> bool:
-        """Whether every TP group of ``tp`` adjacent ranks of ``kind`` lies on one node."""
-        ranks = self.ranks_of[kind]
-        for start in range(0, len(ranks), tp):
-            group = ranks[start:start + tp]
-            if len({self.node_of[r] for r in group}) > 1:
-                return False
-        return per_pipeline % tp == 0
 
     def split_local(self, kind: str, dp: int, parts: Sequence[tuple[int, int]]) -> bool:
         """Whether every TP group of a kind whose pipeline share is ``parts`` ((tp, stages) in
@@ -126,9 +118,16 @@ class Placement:
             seen.setdefault(key, d)
         return sorted(seen.values())
 
-    def stage_ranks(self, layout: Layout) -> list[list[tuple[int, ...]]]:
+    def stage_ranks(self, layout: Layout) -> tuple[tuple[tuple[int, ...], ...], ...]:
         """``[pipeline][stage]`` -> the stage's TP group, in tp_rank order (a kind's blocks
-        take consecutive ranks of its pipeline share)."""
+        take consecutive ranks of its pipeline share); memoized by the layout's shape (a
+        search builds each shape's plans and probes many times)."""
+        key = (layout.dp, tuple((b.kind, b.tp, b.stages) for b in layout.blocks))
+        if key not in self._stage_ranks:
+            self._stage_ranks[key] = self._assign(layout)
+        return self._stage_ranks[key]
+
+    def _assign(self, layout: Layout) -> tuple[tuple[tuple[int, ...], ...], ...]:
         share: dict[str, int] = {}
         for block in layout.blocks:
             share[block.kind] = share.get(block.kind, 0) + block.stages * block.tp
@@ -142,8 +141,8 @@ class Placement:
                     start = taken[block.kind]
                     stages.append(tuple(ranks[start:start + block.tp]))
                     taken[block.kind] = start + block.tp
-            out.append(stages)
-        return out
+            out.append(tuple(stages))
+        return tuple(out)
 
 
 def build_plan(layout: Layout, layers: Sequence[int], placement: Placement,
@@ -181,7 +180,7 @@ def kind_shapes(model: ModelConfig, placement: Placement, dp: int,
         per_pipeline = placement.count(kind) // dp
         out[kind] = [(t, per_pipeline // t) for t in tps
                      if per_pipeline % t == 0 and per_pipeline // t <= model.num_layers
-                     and placement.node_local(kind, per_pipeline, t)]
+                     and placement.split_local(kind, dp, ((t, per_pipeline // t),))]
     return out
 
 

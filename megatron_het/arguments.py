@@ -14,8 +14,9 @@ from typing import Any, Optional, Sequence
 
 from megatron_het.cli_args import (ArgParser, add_shape_flags, integer_shape_dests,
                                    shape_overrides)
-from megatron_het.config import (MODEL_PRESETS, DataConfig, ModelConfig, OptimizerConfig,
-                                 TrainConfig, model_preset)
+from megatron_het.arguments_io import add_io_flags, fault_config
+from megatron_het.config import (MODEL_PRESETS, DataConfig, FaultConfig, ModelConfig,
+                                 OptimizerConfig, TrainConfig, model_preset)
 from megatron_het.errors import UserError
 from megatron_het.optim.lr_schedule import DECAY_STYLES, LRSchedule
 
@@ -67,6 +68,7 @@ class ParallelSpec:
     grad_reduce_in_bf16: bool = False
     bridge: str = "relay"
     emulation_profile: Optional[str] = None
+    emulation_extra_slowdown: tuple[tuple[int, float], ...] = ()
     dry_run: bool = False
     batch_given: tuple[bool, bool] = (False, False)
 
@@ -81,6 +83,7 @@ class RunConfig:
     train: TrainConfig
     argv: tuple[str, ...] = ()
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -164,28 +167,6 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
                         "tokenizers: the model's exact vocabulary (>= the tokenizer's)")
 
 
-def _add_io_flags(p: argparse.ArgumentParser) -> None:
-    t = TrainConfig()
-    g = p.add_argument_group("checkpoints and logging")
-    g.add_argument("--save", default=None, help="checkpoint directory to write")
-    g.add_argument("--load", default=None,
-                   help="checkpoint to resume from: a --save directory (its latest iteration) "
-                        "or one iter_XXXXXXX directory. A model-only checkpoint (e.g. converted "
-                        "weights) starts a fresh optimizer at iteration 0. When --load equals "
-                        "--save and holds no checkpoint yet, training starts from scratch")
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--eval-interval", type=int, default=t.eval_interval)
-    g.add_argument("--eval-iters", type=int, default=t.eval_iters,
-                   help="global batches of the valid split per evaluation (the same ones "
-                        "every time); 0 disables evaluation")
-    g.add_argument("--log-interval", type=int, default=t.log_interval)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--metrics-file", default=None, metavar="PATH",
-                   help="JSON lines: one per iteration (split 'train') and one per evaluation "
-                        "(split 'valid'). Truncated at a fresh start; on resume, lines past the "
-                        "loaded iteration are dropped and new ones appended")
-
-
 def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism (launch with torchrun; see --dry-run)")
     g.add_argument("--cluster", default=None, metavar="YAML",
@@ -232,6 +213,10 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
                         "instead of x the measured CPU time, so emulated kinds keep one speed "
                         "while the host's drifts; --plan auto and --dry-run's prediction use "
                         "the same figures")
+    g.add_argument("--emulation-extra-slowdown", action="append", default=[],
+                   metavar="RANK=FACTOR",
+                   help="EMULATION: make emulated rank RANK FACTOR times slower than its kind "
+                        "(a straggler for --log-straggler to find); repeatable")
     g.add_argument("--dry-run", action="store_true",
                    help="check plan, cluster, model and batch together, print the plan and its "
                         "predicted iteration time, and exit without starting processes")
@@ -240,7 +225,7 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``pretrain_llama.py`` parser; its errors raise UserError instead of exiting."""
     p = ArgParser(prog=PROG, description="Pretrain a Llama model (Megatron-style flags).")
-    for add in (_add_model_flags, _add_training_flags, _add_data_flags, _add_io_flags,
+    for add in (_add_model_flags, _add_training_flags, _add_data_flags, add_io_flags,
                 _add_parallel_flags):
         add(p)
     return p
@@ -273,6 +258,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise UserError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model PATH")
     if args.save_interval is not None and not args.save:
         raise UserError("--save-interval needs --save DIR")
+    if args.async_save and not args.save:
+        raise UserError("--async-save needs --save DIR")
 
 
 def _model_spec(args: argparse.Namespace) -> ModelSpec:
@@ -322,7 +309,7 @@ def parse_run_config(argv: Sequence[str]) -> RunConfig:
         save_interval=args.save_interval, tensorboard_dir=args.tensorboard_dir,
         metrics_file=args.metrics_file)
     return RunConfig(model=spec, data=data, optimizer=optimizer, train=train, argv=tuple(argv),
-                     parallel=parallel)
+                     parallel=parallel, faults=fault_config(args))
 
 
 def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> ParallelSpec:
@@ -358,8 +345,25 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
         sequence_parallel=args.sequence_parallel,
         overlap_grad_reduce=args.overlap_grad_reduce,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16, bridge=args.bridge,
-        emulation_profile=args.emulation_profile, dry_run=args.dry_run,
+        emulation_profile=args.emulation_profile,
+        emulation_extra_slowdown=_extra_slowdowns(args.emulation_extra_slowdown),
+        dry_run=args.dry_run,
         batch_given=batch_given)
+
+
+def _extra_slowdowns(values: Sequence[str]) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for value in values:
+        rank, _, factor = value.partition("=")
+        try:
+            pair = (int(rank), float(factor))
+        except ValueError:
+            pair = (-1, 0.0)
+        if pair[0] < 0 or not pair[1] >= 1.0:
+            raise UserError(f"--emulation-extra-slowdown {value}: expected RANK=FACTOR with a "
+                            "rank >= 0 and a factor >= 1, e.g. 2=1.5")
+        pairs.append(pair)
+    return tuple(pairs)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:

@@ -180,6 +180,24 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+    """How a run meets faults (Megatron's flag names where it has them).
+
+    ``distributed_timeout_minutes`` bounds every wait on a peer (collectives, p2p, barriers,
+    start-up, checkpoint commits); ``async_save`` writes checkpoints from a background thread;
+    ``log_straggler`` names ranks slower than their kind's median by more than
+    ``straggler_threshold`` (a fraction); ``skip_nonfinite_steps`` skips an iteration whose loss
+    or gradient norm is not finite instead of stopping the run.
+    """
+
+    distributed_timeout_minutes: float = 10.0
+    async_save: bool = False
+    log_straggler: bool = False
+    straggler_threshold: float = 0.2
+    skip_nonfinite_steps: bool = False
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
     lr: float = 3e-4
     min_lr: float = 0.0

@@ -14,6 +14,11 @@ writes one shard per rank. A parallel save (:mod:`megatron_het.checkpoint.sharde
 per rank an optimizer shard (Adam moments sliced like their parameter) and a training-state file
 without the optimizer. Reading pieces back is :mod:`megatron_het.checkpoint.reader`'s job.
 
+Every file's byte size and sha256, computed while it is written, and for model and optimizer
+shards the sha256 of every tensor piece's raw bytes (:mod:`megatron_het.checkpoint.integrity`)
+are recorded in metadata.json's ``files`` map, so a reader can check a file's size before it
+opens it and each piece's bytes when it reads them.
+
 An iteration is written into a hidden staging directory in SAVE, fsync'ed, renamed into place and
 only then recorded in the tracker file, so a crash mid-save leaves the previous checkpoint the
 one that loads; stale staging directories are removed by the next save.
@@ -24,12 +29,16 @@ import json
 import os
 import pickle
 import pathlib
+import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 
+from megatron_het.checkpoint.integrity import (FILES_KEY, FileRecord, HashingWriter,
+                                               optimizer_key, tensor_paths, tensor_sha256)
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 
@@ -37,13 +46,20 @@ PathLike = Union[str, os.PathLike]
 FORMAT_VERSION = 1
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
-_STAGING_PREFIX = ".staging_iter_"
+STAGING_PREFIX = ".staging_iter_"
 _TRASH_PREFIX = ".trash_iter_"
+_ITERATION_DIR = re.compile(r"iter_(\d+)")
 
 
 def iteration_dir_name(iteration: int) -> str:
     """``iter_0000012`` for iteration 12."""
     return f"iter_{iteration:07d}"
+
+
+def parse_iteration_dir(name: str) -> Optional[int]:
+    """12 for ``iter_0000012``; None for any other name."""
+    match = _ITERATION_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 def model_shard_name(shard_index: int) -> str:
@@ -95,11 +111,20 @@ def _fsync_dir(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _save_torch(obj: Any, path: pathlib.Path) -> None:
-    with open(path, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+def _save_torch(obj: Any, path: pathlib.Path,
+                tensors: Optional[dict[str, torch.Tensor]] = None) -> FileRecord:
+    """``torch.save`` ``obj`` to ``path`` (fsync'ed); the record holds the digest of each of
+    ``tensors`` (the storage-exact CPU tensors inside ``obj``, by tensor key), hashed on a
+    second thread while the file is written (hashlib releases the GIL)."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        digests = pool.submit(lambda: {key: tensor_sha256(t)
+                                       for key, t in (tensors or {}).items()})
+        with open(path, "wb") as handle:
+            writer = HashingWriter(handle)
+            torch.save(obj, writer)
+            handle.flush()
+            os.fsync(handle.fileno())
+        return FileRecord(path, writer.bytes, writer.hexdigest(), digests.result())
 
 
 def _write_json(obj: Any, path: pathlib.Path) -> None:
@@ -120,32 +145,35 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def write_model_shard(directory: PathLike, shard_index: int,
-                      pieces: dict[str, TensorPiece]) -> pathlib.Path:
-    """Write one model shard (CPU copies of the pieces) into ``directory``; returns its path."""
+                      pieces: dict[str, TensorPiece]) -> FileRecord:
+    """Write one model shard (CPU copies of the pieces) into ``directory``; returns its record
+    (path, size, checksum, each piece's digest under its global name)."""
     path = pathlib.Path(directory) / model_shard_name(shard_index)
-    payload = {"format_version": FORMAT_VERSION,
-               "tensors": {n: _compact(p.tensor) for n, p in pieces.items()},
+    tensors = {n: _compact(p.tensor) for n, p in pieces.items()}
+    payload = {"format_version": FORMAT_VERSION, "tensors": tensors,
                "global_shapes": {n: list(p.global_shape) for n, p in pieces.items()},
                "offsets": {n: list(p.offsets) for n, p in pieces.items()}}
-    _save_torch(payload, path)
-    return path
+    return _save_torch(payload, path, tensors)
 
 
 def write_optimizer_shard(directory: PathLike, shard_index: int,
-                          pieces: dict[str, OptimizerPiece]) -> pathlib.Path:
-    """Write one optimizer shard (CPU copies of the moments) into ``directory``; returns its path.
+                          pieces: dict[str, OptimizerPiece]) -> FileRecord:
+    """Write one optimizer shard (CPU copies of the moments) into ``directory``; returns its
+    record (path, size, checksum, each moment's digest under ``name/exp_avg`` and
+    ``name/exp_avg_sq``).
 
     Payload: ``state[name] = {"step", "exp_avg", "exp_avg_sq"}`` plus ``global_shapes`` and
     ``offsets`` by name, as in a model shard.
     """
     path = pathlib.Path(directory) / optimizer_shard_name(shard_index)
-    payload = {"format_version": FORMAT_VERSION,
-               "state": {n: {"step": int(p.step), "exp_avg": _compact(p.exp_avg),
-                             "exp_avg_sq": _compact(p.exp_avg_sq)} for n, p in pieces.items()},
+    state = {n: {"step": int(p.step), "exp_avg": _compact(p.exp_avg),
+                 "exp_avg_sq": _compact(p.exp_avg_sq)} for n, p in pieces.items()}
+    payload = {"format_version": FORMAT_VERSION, "state": state,
                "global_shapes": {n: list(p.global_shape) for n, p in pieces.items()},
                "offsets": {n: list(p.offsets) for n, p in pieces.items()}}
-    _save_torch(payload, path)
-    return path
+    tensors = {optimizer_key(n, moment): entry[moment] for n, entry in state.items()
+               for moment in ("exp_avg", "exp_avg_sq")}
+    return _save_torch(payload, path, tensors)
 
 
 def write_json_file(obj: Any, path: PathLike) -> None:
@@ -153,11 +181,11 @@ def write_json_file(obj: Any, path: PathLike) -> None:
     _write_json(obj, pathlib.Path(path))
 
 
-def write_train_state(directory: PathLike, shard_index: int, train_state: dict) -> pathlib.Path:
-    """Write one training-state file into ``directory``; returns its path."""
-    path = pathlib.Path(directory) / train_state_name(shard_index)
-    _save_torch(train_state, path)
-    return path
+def write_train_state(directory: PathLike, shard_index: int, train_state: dict) -> FileRecord:
+    """Write one training-state file into ``directory``; returns its record, with every
+    tensor's digest under its path (:func:`~megatron_het.checkpoint.integrity.tensor_paths`)."""
+    return _save_torch(train_state, pathlib.Path(directory) / train_state_name(shard_index),
+                       tensor_paths(train_state))
 
 
 def remove_stale_staging(save_dir: PathLike) -> None:
@@ -166,7 +194,7 @@ def remove_stale_staging(save_dir: PathLike) -> None:
     if not root.is_dir():
         return
     for entry in root.iterdir():
-        if entry.is_dir() and entry.name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)):
+        if entry.is_dir() and entry.name.startswith((STAGING_PREFIX, _TRASH_PREFIX)):
             shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -174,7 +202,7 @@ def staging_dir(save_dir: PathLike, iteration: int, tag: Optional[str] = None) -
     """The staging directory path of ``iteration``; ``tag`` (default: this process id) names
     it, so ranks of a parallel save agree on one directory by passing the same tag."""
     tag = str(os.getpid()) if tag is None else tag
-    return pathlib.Path(save_dir) / f"{_STAGING_PREFIX}{iteration:07d}_{tag}"
+    return pathlib.Path(save_dir) / f"{STAGING_PREFIX}{iteration:07d}_{tag}"
 
 
 def begin_checkpoint(save_dir: PathLike, iteration: int,
@@ -229,17 +257,20 @@ def save_checkpoint(save_dir: PathLike, iteration: int, model_config: ModelConfi
     ``model_state`` maps global parameter names to full tensors (any device; CPU copies are
     written). ``train_state`` is any ``torch.save``-able dict of tensors and plain values (None
     for a model-only checkpoint, e.g. converted weights). ``metadata`` (JSON-able; other values
-    are written with ``str``) is merged into metadata.json. Returns the iteration directory.
+    are written with ``str``) is merged into metadata.json, with every file's size and checksum
+    (and the model tensors' digests) under ``files``. Returns the iteration directory.
     """
     staging = begin_checkpoint(save_dir, iteration)
     try:
-        write_model_shard(staging, 0, {n: TensorPiece.full(t) for n, t in model_state.items()})
+        records = [write_model_shard(staging, 0, {n: TensorPiece.full(t)
+                                                  for n, t in model_state.items()})]
         if train_state is not None:
-            write_train_state(staging, 0, train_state)
+            records.append(write_train_state(staging, 0, train_state))
         info = dict(metadata or {})
         info.update({"format_version": FORMAT_VERSION, "iteration": int(iteration),
                      "model_config": model_config.to_dict(), "num_model_shards": 1,
-                     "num_train_state_shards": 0 if train_state is None else 1})
+                     "num_train_state_shards": 0 if train_state is None else 1,
+                     FILES_KEY: {r.name: r.to_json() for r in records}})
         return commit_checkpoint(staging, save_dir, iteration, info)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -320,7 +351,8 @@ def _load_file(path: pathlib.Path, map_location: Any, mmap: bool = False) -> Any
     except FileNotFoundError:
         raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, "
                         "load another one") from None
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError,
+            pickle.UnpicklingError) as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"cannot read checkpoint file {path} ({first_line}); "
                         "the checkpoint is damaged, load another one") from None

@@ -11,17 +11,24 @@ ZeRO-1 partition saves every state exactly once). After a barrier ONE rank (worl
 the per-rank indexes into metadata.json, which also records the plan that wrote the checkpoint,
 and commits (rename + tracker, :func:`~megatron_het.checkpoint.io.commit_checkpoint`); a crash
 before the commit leaves the previous checkpoint the latest. The save directory must be visible
-to every rank (a shared filesystem on multi-node clusters).
+to every rank (a shared filesystem on multi-node clusters). metadata.json also lists every
+rank's files with their sizes and sha256 checksums and, per file, the sha256 of each tensor
+piece it holds; loading checks each opened file's size and each piece it reads.
+
+A save can also be split for a background write: :func:`snapshot_sharded` (collective) takes CPU
+copies of this rank's pieces, :meth:`~megatron_het.checkpoint.rank_files.RankFiles.write` writes
+them without communication, and :func:`commit_sharded` (collective) commits once every rank's
+files are complete (:mod:`megatron_het.checkpoint.async_save`).
 
 Loading (:func:`load_sharded`) works from a checkpoint of ANY plan or of a single process: each
 parameter's box for this rank (its TP slice under the new plan) is assembled from the saved
 pieces that overlap it (:mod:`megatron_het.checkpoint.reshard`); files are memory-mapped, so a
-rank reads only the pieces it needs (:class:`~megatron_het.checkpoint.reader.CheckpointReader`,
-the one reader of the on-disk format).
+rank reads, and hashes to verify, only the pieces it needs
+(:class:`~megatron_het.checkpoint.reader.CheckpointReader`, the one reader of the on-disk
+format).
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import shutil
 from typing import Any, Callable, Optional
@@ -29,125 +36,21 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from megatron_het.checkpoint.io import (FORMAT_VERSION, OptimizerPiece, PathLike, TensorPiece,
-                                        begin_checkpoint, commit_checkpoint, iteration_dir_name,
-                                        resolve_checkpoint_dir, staging_dir, write_json_file,
-                                        write_model_shard, write_optimizer_shard,
-                                        write_train_state)
-from megatron_het.checkpoint.reader import CheckpointReader
+from megatron_het.checkpoint.io import (OptimizerPiece, PathLike, TensorPiece, begin_checkpoint,
+                                        commit_checkpoint, iteration_dir_name,
+                                        resolve_checkpoint_dir, staging_dir)
+from megatron_het.checkpoint.rank_files import (OptimizerState, RankFiles, first_holders,
+                                                model_pieces, optimizer_pieces,
+                                                sharded_metadata, write_rank_files)
+from megatron_het.checkpoint.reader import CheckpointReader, ReadStats
 from megatron_het.checkpoint.reshard import is_written_by, rank_writes, target_slice
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
-from megatron_het.parallel.plan import ParallelPlan, RankRole
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.tensor_parallel.sharding import parameter_shape
 
 SHARED_STAGING_TAG = "sharded"
-_INDEX_PREFIX = "index_"
-OptimizerState = dict[str, dict[str, Any]]  # global name -> {"step", "exp_avg", "exp_avg_sq"}
-
-
-# ---- what a rank writes -----------------------------------------------------------------------
-def model_pieces(stage: nn.Module, config: ModelConfig, role: RankRole,
-                 weights: Optional[dict[str, torch.Tensor]] = None) -> dict[str, TensorPiece]:
-    """This rank's model pieces: its TP slice of each parameter it writes (see module doc),
-    taken from ``weights`` by name where given (the float32 masters of low-precision
-    parameters), else from the parameter."""
-    pieces = {}
-    for name, param in stage.named_parameters():
-        if weights is not None and name in weights:
-            param = weights[name]
-        if not is_written_by(name, config, role.stage_plan, role.tp_rank):
-            continue
-        offsets, shape = target_slice(name, config, role.stage_plan.tp, role.tp_rank)
-        if tuple(param.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(param.shape)} but tp_rank {role.tp_rank} "
-                             f"of tp={role.stage_plan.tp} should hold {shape}")
-        pieces[name] = TensorPiece(param.detach(), parameter_shape(name, config), offsets)
-    return pieces
-
-
-def optimizer_pieces(names: list[str], optimizer_state: OptimizerState, config: ModelConfig,
-                     tp: int, tp_rank: int) -> dict[str, OptimizerPiece]:
-    """Adam state of ``names`` as pieces sliced like their parameters' TP slices."""
-    pieces = {}
-    for name in names:
-        entry = optimizer_state[name]
-        offsets, shape = target_slice(name, config, tp, tp_rank)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if tuple(entry[key].shape) != shape:
-                raise ValueError(f"optimizer {key} of {name} has shape "
-                                 f"{tuple(entry[key].shape)}, expected the TP slice {shape}")
-        pieces[name] = OptimizerPiece(int(entry["step"]), entry["exp_avg"].detach(),
-                                      entry["exp_avg_sq"].detach(),
-                                      parameter_shape(name, config), offsets)
-    return pieces
-
-
-def _first_holders(dp_group: Any, candidates: list[str], held: set[str],
-                   device: torch.device) -> list[str]:
-    """The candidates this rank writes: those it holds and no earlier DP rank holds."""
-    mine = [n for n in candidates if n in held]
-    if dp_group.size == 1 or not candidates:
-        return mine
-    flags = torch.tensor([n in held for n in candidates], dtype=torch.int32, device=device)
-    table = torch.empty(dp_group.size * len(candidates), dtype=torch.int32, device=device)
-    dp_group.all_gather_into_tensor(table, flags)
-    table = table.view(dp_group.size, len(candidates)).cpu()
-    earlier = table[:dp_group.rank].sum(dim=0) if dp_group.rank else torch.zeros(len(candidates))
-    return [n for i, n in enumerate(candidates) if n in held and int(earlier[i]) == 0]
-
-
-def _index_of(pieces: dict[str, Any]) -> dict[str, list]:
-    return {n: [list(p.global_shape), list(p.offsets), list(_shape_of(p))]
-            for n, p in pieces.items()}
-
-
-def _shape_of(piece: Any) -> tuple[int, ...]:
-    tensor = piece.tensor if isinstance(piece, TensorPiece) else piece.exp_avg
-    return tuple(tensor.shape)
-
-
-def write_rank_files(staging: pathlib.Path, rank: int, model: dict[str, TensorPiece],
-                     optimizer: Optional[dict[str, OptimizerPiece]],
-                     train_state: Optional[dict]) -> None:
-    """Write rank ``rank``'s model shard, optimizer shard (unless None), training state (unless
-    None) and its piece index (merged into metadata by :func:`sharded_metadata`)."""
-    write_model_shard(staging, rank, model)
-    index = {"model": _index_of(model)}
-    if optimizer is not None:
-        write_optimizer_shard(staging, rank, optimizer)
-        index["optimizer"] = _index_of(optimizer)
-    if train_state is not None:
-        write_train_state(staging, rank, train_state)
-    write_json_file(index, staging / f"{_INDEX_PREFIX}{rank:05d}.json")
-
-
-def sharded_metadata(staging: pathlib.Path, iteration: int, model_config: ModelConfig,
-                     plan: ParallelPlan, has_optimizer: bool, has_train_state: bool,
-                     extra: Optional[dict] = None) -> dict[str, Any]:
-    """metadata.json content for a parallel save: merges (and deletes) the per-rank indexes.
-
-    ``sharded`` holds ``plan`` (JSON form), ``world_size`` and, for ``model`` and
-    ``optimizer``, ``{name: {"global_shape", "pieces": [[rank, offsets, shape], ...]}}``.
-    """
-    world = plan.world_size
-    merged: dict[str, dict[str, dict]] = {"model": {}, "optimizer": {}}
-    for rank in range(world):
-        path = staging / f"{_INDEX_PREFIX}{rank:05d}.json"
-        index = json.loads(path.read_text(encoding="utf-8"))
-        for kind, entries in index.items():
-            for name, (global_shape, offsets, shape) in entries.items():
-                slot = merged[kind].setdefault(name, {"global_shape": global_shape, "pieces": []})
-                slot["pieces"].append([rank, offsets, shape])
-        path.unlink()
-    info = dict(extra or {})
-    info.update({"format_version": FORMAT_VERSION, "iteration": int(iteration),
-                 "model_config": model_config.to_dict(), "num_model_shards": world,
-                 "num_optimizer_shards": world if has_optimizer else 0,
-                 "num_train_state_shards": world if has_train_state else 0,
-                 "sharded": {"plan": plan.to_dict(), "world_size": world, **merged}})
-    return info
 
 
 # ---- saving ---------------------------------------------------------------------------------
@@ -168,6 +71,57 @@ def _attempt(action: Callable[[], Any]) -> tuple[Any, Optional[BaseException]]:
         return action(), None
     except Exception as exc:  # noqa: BLE001 - re-raised by _agree after the other ranks know
         return None, exc
+
+
+def _prepare(save_dir: PathLike, iteration: int, model_config: ModelConfig, groups: Any,
+             stage: nn.Module, optimizer_state: Optional[OptimizerState], train_state,
+             weights: Optional[dict[str, torch.Tensor]], copy: bool
+             ) -> tuple[Callable[[], RankFiles], torch.device]:
+    """Collective: rank 0 creates the shared staging directory (all agree), then the DP ranks
+    settle who writes which optimizer state. Returns a no-communication builder of this rank's
+    :class:`RankFiles` and the device of the agreement tensors."""
+    role, world, rank = groups.role, groups.world, groups.world.rank
+    device = next(stage.parameters()).device
+    staging = staging_dir(save_dir, iteration, SHARED_STAGING_TAG)
+    _, error = _attempt(lambda: begin_checkpoint(save_dir, iteration, SHARED_STAGING_TAG)
+                        if rank == 0 else None)
+    _agree(world, error, iteration, "creating the staging directory", device)
+    stage_plan = role.stage_plan
+    names = None  # the parameters whose optimizer state this rank writes
+    if optimizer_state is not None:
+        candidates = [n for n, _ in stage.named_parameters()
+                      if is_written_by(n, model_config, stage_plan, role.tp_rank)]
+        if getattr(groups, "uniform_dp", True):
+            names = first_holders(groups.dp, candidates, set(optimizer_state), device)
+        else:  # replicas of different layouts: pipeline 0 holds (and writes) everything
+            names = [n for n in candidates if n in optimizer_state] if role.pipeline == 0 else []
+
+    def build() -> RankFiles:
+        model = (model_pieces(stage, model_config, role, weights, copy)
+                 if role.pipeline == 0 else {})
+        optimizer = (None if names is None else optimizer_pieces(
+            names, optimizer_state, model_config, stage_plan.tp, role.tp_rank))
+        return RankFiles(staging, rank, model, optimizer, train_state)
+
+    return build, device
+
+
+def commit_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
+                   plan: ParallelPlan, world: Any, has_optimizer: bool, has_train_state: bool,
+                   metadata: Optional[dict], device: torch.device) -> pathlib.Path:
+    """Collective over ``world``, once every rank's files are complete: world rank 0 merges the
+    indexes into metadata.json and commits (rename + tracker); every rank raises if it failed.
+    Returns the committed iteration directory."""
+    staging = staging_dir(save_dir, iteration, SHARED_STAGING_TAG)
+
+    def commit() -> None:
+        info = sharded_metadata(staging, iteration, model_config, plan, has_optimizer,
+                                has_train_state, metadata)
+        commit_checkpoint(staging, save_dir, iteration, info)
+
+    _, error = _attempt(commit if world.rank == 0 else lambda: None)
+    _agree(world, error, iteration, "committing", device)
+    return pathlib.Path(save_dir) / iteration_dir_name(iteration)
 
 
 def save_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
@@ -195,39 +149,33 @@ def save_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
     after writing, after the commit). Returns the committed iteration directory. If any rank
     fails, every rank raises and the previous checkpoint stays the latest.
     """
-    role, world, rank = groups.role, groups.world, groups.world.rank
-    device = next(stage.parameters()).device
-    staging = staging_dir(save_dir, iteration, SHARED_STAGING_TAG)
-    _, error = _attempt(lambda: begin_checkpoint(save_dir, iteration, SHARED_STAGING_TAG)
-                        if rank == 0 else None)
-    _agree(world, error, iteration, "creating the staging directory", device)
-    stage_plan = role.stage_plan
-    names = None  # the parameters whose optimizer state this rank writes
-    if optimizer_state is not None:
-        candidates = [n for n, _ in stage.named_parameters()
-                      if is_written_by(n, model_config, stage_plan, role.tp_rank)]
-        if getattr(groups, "uniform_dp", True):
-            names = _first_holders(groups.dp, candidates, set(optimizer_state), device)
-        else:  # replicas of different layouts: pipeline 0 holds (and writes) everything
-            names = [n for n in candidates if n in optimizer_state] if role.pipeline == 0 else []
+    build, device = _prepare(save_dir, iteration, model_config, groups, stage, optimizer_state,
+                             train_state, weights, copy=False)
+    _, error = _attempt(lambda: build().write())
+    _agree(groups.world, error, iteration, "writing its shards", device)
+    return commit_sharded(save_dir, iteration, model_config, plan, groups.world,
+                          optimizer_state is not None, train_state is not None, metadata, device)
 
-    def write() -> None:
-        model = model_pieces(stage, model_config, role, weights) if role.pipeline == 0 else {}
-        optimizer = (None if names is None else optimizer_pieces(
-            names, optimizer_state, model_config, stage_plan.tp, role.tp_rank))
-        write_rank_files(staging, rank, model, optimizer, train_state)
 
-    _, error = _attempt(write)
-    _agree(world, error, iteration, "writing its shards", device)
+def snapshot_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
+                     groups: Any, stage: nn.Module, optimizer_state: Optional[OptimizerState],
+                     train_state: Optional[dict],
+                     weights: Optional[dict[str, torch.Tensor]] = None) -> RankFiles:
+    """This rank's files of a save, with CPU copies of the parameters, for a background write.
 
-    def commit() -> None:
-        info = sharded_metadata(staging, iteration, model_config, plan,
-                                optimizer_state is not None, train_state is not None, metadata)
-        commit_checkpoint(staging, save_dir, iteration, info)
-
-    _, error = _attempt(commit if rank == 0 else lambda: None)
-    _agree(world, error, iteration, "committing", device)
-    return pathlib.Path(save_dir) / iteration_dir_name(iteration)
+    Arguments as for :func:`save_sharded`; ``optimizer_state``, ``weights`` and
+    ``train_state`` must be copies the caller leaves alone (``ParallelOptimizer.state_dict()``
+    and ``master_weights()`` return fresh CPU copies). Communication: as :func:`save_sharded`
+    up to its files (staging barrier, the DP all-gather) plus one all-reduce over
+    ``groups.world`` agreeing that every rank took its copies. Write the result with
+    :meth:`RankFiles.write` (no communication) and commit with :func:`commit_sharded` once
+    every rank's files are complete.
+    """
+    build, device = _prepare(save_dir, iteration, model_config, groups, stage, optimizer_state,
+                             train_state, weights, copy=True)
+    files, error = _attempt(build)
+    _agree(groups.world, error, iteration, "copying its state", device)
+    return files
 
 
 # ---- reading --------------------------------------------------------------------------------
@@ -235,7 +183,8 @@ def save_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
 def load_sharded(load_dir: PathLike, model_config: ModelConfig, plan: ParallelPlan,
                  groups: Any, stage: nn.Module, iteration: Optional[int] = None,
                  map_location: Any = "cpu",
-                 weights: Optional[dict[str, torch.Tensor]] = None
+                 weights: Optional[dict[str, torch.Tensor]] = None,
+                 stats: Optional[ReadStats] = None
                  ) -> tuple[Optional[OptimizerState], Optional[dict]]:
     """Load this rank's slices from a checkpoint of any plan (or a single process) into ``stage``.
 
@@ -243,6 +192,9 @@ def load_sharded(load_dir: PathLike, model_config: ModelConfig, plan: ParallelPl
     slice, from ``groups.role``). Collective-free; reads only the files holding needed pieces.
     ``weights``, when given, also receives every parameter's saved slice by name at the saved
     precision (float32 checkpoints stay exact for master weights of low-precision parameters).
+    Every file opened has its size checked and every piece read its sha256 (a checkpoint
+    without piece digests: each opened file's sha256); ``stats``, when given, counts the files
+    opened, the bytes read and the bytes verified.
 
     Returns ``(optimizer_state, train_state)``: the optimizer state by global name for EVERY
     parameter of ``stage`` (TP-slice shaped, tensors on ``map_location``; a ZeRO-1 optimizer
@@ -250,7 +202,7 @@ def load_sharded(load_dir: PathLike, model_config: ModelConfig, plan: ParallelPl
     saved when the checkpoint was written by the same plan, else rank 0's (None if absent).
     Raises UserError when the checkpoint lacks a parameter or does not cover it.
     """
-    reader = CheckpointReader(resolve_checkpoint_dir(load_dir, iteration))
+    reader = CheckpointReader(resolve_checkpoint_dir(load_dir, iteration), stats)
     role = groups.role
     optimizer: Optional[OptimizerState] = {} if reader.has_optimizer else None
     for name, param in stage.named_parameters():

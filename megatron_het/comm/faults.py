@@ -7,6 +7,7 @@ group it creates is created with it.
 """
 from __future__ import annotations
 
+import re
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -25,11 +26,16 @@ class CollectiveMismatchError(CommError):
     """Debug mode found that ranks called an operation with different shapes or dtypes."""
 
 
+_SOURCE_PREFIX = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+_BOILERPLATE = re.compile(r"\s*This is typically caused by .*$")
+
+
 def first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception message (backend messages run long)."""
+    """The first non-empty line of an exception message (backend messages run long), without
+    the C++ source locations backends put in front of their messages."""
     for line in str(exc).splitlines():
         if line.strip():
-            return line.strip()
+            return _BOILERPLATE.sub("", _SOURCE_PREFIX.sub("", line)).strip()
     return type(exc).__name__
 
 

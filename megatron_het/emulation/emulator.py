@@ -157,11 +157,13 @@ class Emulator:
                   sleep: Callable[[float], Any] = time.sleep,
                   cpu_clock: Optional[Callable[[], float]] = None,
                   threads: Optional[int] = None,
-                  fixed_reference_s: Optional[Mapping[Hashable, float]] = None) -> "Emulator":
+                  fixed_reference_s: Optional[Mapping[Hashable, float]] = None,
+                  extra_slowdown: float = 1.0) -> "Emulator":
         """The emulator of an accelerator kind; a real kind gets slowdown 1 (no waiting).
         Without ``cpu_clock`` the CPU basis (``time.thread_time``) is used when the rank computes
         on one thread (``threads``, default ``torch.get_num_threads()``), else the wall basis.
-        ``fixed_reference_s`` (CPU basis only) fixes the reference CPU time of those keys."""
+        ``fixed_reference_s`` (CPU basis only) fixes the reference CPU time of those keys;
+        ``extra_slowdown`` makes this rank that many times slower than its kind (a straggler)."""
         if cpu_clock is None:
             if threads is None:
                 import torch
@@ -170,8 +172,12 @@ class Emulator:
         if fixed_reference_s and cpu_clock is None:
             raise UserError(f"{spec.label}: device times from a profile need one compute thread "
                             f"per rank (OMP_NUM_THREADS=1); this rank has {threads}")
-        return cls(spec.slowdown, spec.memory_cap_gib, name=spec.label, clock=clock, sleep=sleep,
-                   cpu_clock=cpu_clock, fixed_reference_s=fixed_reference_s)
+        if isinstance(extra_slowdown, bool) or not extra_slowdown >= 1.0:
+            raise UserError(f"{spec.label}: an extra slowdown must be >= 1.0, got "
+                            f"{extra_slowdown!r}")
+        return cls(spec.slowdown * extra_slowdown, spec.memory_cap_gib, name=spec.label,
+                   clock=clock, sleep=sleep, cpu_clock=cpu_clock,
+                   fixed_reference_s=fixed_reference_s)
 
     @property
     def fixed_reference_s(self) -> dict[Hashable, float]:

@@ -6,7 +6,9 @@ root, and handed to the product through its two hooks.
 emulated), the communicator's wire hooks (:func:`~megatron_het.emulation.links.emulated_wires`,
 None without emulated links), the fixed device times from a host profile, a one-line
 description for the log and, after the run, the warning about compute regions that outran the
-emulated kind. A composition root wires it as::
+emulated kind. Ranks named by ``--emulation-extra-slowdown`` get a timer that many times slower
+than their kind (stragglers, for ``--log-straggler`` to find), and the description says so.
+A composition root wires it as::
 
     emulation = build_emulation(cluster, plan, rank, model, seq_length, dtype, profiles, path)
     comm = UnifiedCommunicator.from_cluster(cluster, wire_hooks=emulation.wire_hooks)
@@ -17,7 +19,7 @@ Everything here is emulation, and its outputs say so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
@@ -25,6 +27,7 @@ from megatron_het.emulation.device_times import (describe_device_times, emulated
                                                  fixed_reference_times)
 from megatron_het.emulation.emulator import Emulator
 from megatron_het.emulation.links import EmulatedWires, emulated_wires
+from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf.profile import Profile
 from megatron_het.perf.stage_cost import HOST_PROFILE
@@ -40,8 +43,9 @@ class RankEmulation:
     """What emulation adds to one rank of a run (see the module docstring).
 
     ``device_times`` maps every emulated rank to its stages' (forward, backward) seconds (one
-    pair per interleaved chunk) from the host profile (empty without one); ``description`` is one log line about the run's
-    emulation, the same on every rank ("" when nothing is emulated)."""
+    pair per interleaved chunk) from the host profile (empty without one); ``description`` is
+    one log line about the run's emulation, the same on every rank ("" when nothing is
+    emulated)."""
 
     rank: int
     region_timer: Optional[Emulator]
@@ -86,15 +90,20 @@ def build_emulation(cluster: ClusterSpec, plan: ParallelPlan, rank: int,
                     model_config: ModelConfig, seq_length: int, dtype: str,
                     profile: Union[Profile, Mapping[str, Profile], None] = None,
                     profile_source: Optional[str] = None,
-                    threads: Optional[int] = None) -> RankEmulation:
+                    threads: Optional[int] = None,
+                    extra_slowdown: Sequence[tuple[int, float]] = ()) -> RankEmulation:
     """The emulation of global ``rank`` of a run of ``plan`` on ``cluster``.
 
     ``profile`` is the host profile of ``--emulation-profile`` (a :class:`Profile`, or the
     predictor's profile map with it under ``"cpu"``), read from ``profile_source`` (named in
-    messages); with it every emulated stage's regions last ``slowdown x`` its figures. Raises
-    UserError when the profile lacks a stage's shape or dtype, when the cluster has no emulated
-    kind for it to time, or when this rank computes on more than one thread (``threads``,
-    default ``torch.get_num_threads()``) with a profile. Reads nothing, starts nothing."""
+    messages); with it every emulated stage's regions last ``slowdown x`` its figures.
+    ``extra_slowdown`` (``--emulation-extra-slowdown``) lists (rank, factor) pairs: those ranks'
+    regions last ``factor x`` their kind's time. Raises UserError when the profile lacks a
+    stage's shape or dtype, when the cluster has no emulated kind for it to time, when this
+    rank computes on more than one thread (``threads``, default ``torch.get_num_threads()``)
+    with a profile, or when an extra slowdown names a rank outside the cluster, one that is not
+    emulated, or one rank twice. Reads nothing, starts nothing."""
+    extra = check_extra_slowdown(cluster, extra_slowdown)
     profiles = {HOST_PROFILE: profile} if isinstance(profile, Profile) else profile
     times = emulated_device_times(profiles, profile_source, model_config, plan, cluster,
                                   seq_length, dtype)
@@ -102,10 +111,37 @@ def build_emulation(cluster: ClusterSpec, plan: ParallelPlan, rank: int,
     timer = None
     if spec.emulated:
         timer = Emulator.from_spec(spec, threads=threads,
-                                   fixed_reference_s=fixed_reference_times(times.get(rank)))
+                                   fixed_reference_s=fixed_reference_times(times.get(rank)),
+                                   extra_slowdown=extra.get(rank, 1.0))
     wires = emulated_wires(cluster)
-    return RankEmulation(rank, timer, wires, times,
-                         _describe(cluster, plan, times, wires, profile_source))
+    description = _describe(cluster, plan, times, wires, profile_source)
+    if extra:
+        description += "; stragglers (--emulation-extra-slowdown): " + ", ".join(
+            f"rank {r} x{factor:g} its kind's time" for r, factor in sorted(extra.items()))
+    return RankEmulation(rank, timer, wires, times, description)
+
+
+def check_extra_slowdown(cluster: ClusterSpec,
+                         pairs: Sequence[tuple[int, float]]) -> dict[int, float]:
+    """``--emulation-extra-slowdown``'s (rank, factor) pairs as ``{rank: factor}``; UserError
+    (one line) for a rank outside ``cluster``, a rank whose kind is not emulated (only an
+    emulated rank's compute can be padded), a rank named twice or a factor below 1."""
+    extra: dict[int, float] = {}
+    for rank, factor in pairs:
+        flag = f"--emulation-extra-slowdown {rank}={factor:g}"
+        if not 0 <= rank < cluster.world_size:
+            raise UserError(f"{flag}: rank {rank} is outside the world of cluster {cluster.name} "
+                            f"(ranks 0-{cluster.world_size - 1})")
+        spec = cluster.accelerator_of(rank)
+        if not spec.emulated:
+            raise UserError(f"{flag}: rank {rank} is {spec.label}, which is not emulated; only "
+                            f"an emulated rank can be slowed (EMULATION)")
+        if rank in extra:
+            raise UserError(f"{flag}: rank {rank} is named twice; give each rank one factor")
+        if not factor >= 1.0:
+            raise UserError(f"{flag}: the factor must be >= 1 (a rank can only be slowed)")
+        extra[rank] = float(factor)
+    return extra
 
 
 def _describe(cluster: ClusterSpec, plan: ParallelPlan,
@@ -132,4 +168,4 @@ def _describe(cluster: ClusterSpec, plan: ParallelPlan,
     return line
 
 
-__all__ = ["RankEmulation", "build_emulation"]
+__all__ = ["RankEmulation", "build_emulation", "check_extra_slowdown"]

@@ -180,7 +180,7 @@ class ParallelOptimizer:
             self.groups.world.all_reduce(squared, "sum")
         return float(squared.sqrt())
 
-    def clip_and_step(self, lr: float, clip_grad: float) -> float:
+    def clip_and_step(self, lr: float, clip_grad: float, skip_nonfinite: bool = False) -> float:
         """Clip to global norm ``clip_grad`` (``<= 0``: no clipping), set ``lr``, step AdamW on
         the masters, round them into the parameters and, with ZeRO-1, all-gather the updated
         parameters over ``groups.dp``.
@@ -188,8 +188,10 @@ class ParallelOptimizer:
         With a loss scaler (fp16) the gradients are first divided by its scale; a non-finite
         norm then means an overflow: the step is skipped (``skipped_iterations`` counts it)
         and the scaler backs off. Returns the pre-clip global gradient norm. Without a
-        scaler, raises UserError without stepping when the norm is not finite (the same on
-        every rank, so all ranks raise).
+        scaler, a norm that is not finite (the same on every rank, so all ranks agree) raises
+        UserError without stepping, or with ``skip_nonfinite`` returns it without stepping:
+        parameters, masters and AdamW state stay as they were, and the caller counts the skip
+        (the next :meth:`zero_grad` drops the gradients).
         """
         if self.loss_scaler is not None:
             scale_([s.grad for s in self.flat.shards], 1.0 / self.loss_scaler.scale)
@@ -200,6 +202,8 @@ class ParallelOptimizer:
                 self.skipped_iterations += 1
                 return norm
         if not math.isfinite(norm):
+            if skip_nonfinite:
+                return norm
             raise UserError(f"the gradient norm is {norm}; lower --lr (or use --clip-grad) and "
                             "resume from the last checkpoint")
         scale_([s.grad for s in self.flat.shards], clip_coefficient(norm, clip_grad))

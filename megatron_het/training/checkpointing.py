@@ -4,68 +4,219 @@ Every rank writes its pieces and one rank commits (:mod:`megatron_het.checkpoint
 load reads this rank's slices from a checkpoint of any plan, or of a single process in the
 format written before every run became a plan (full tensors, the optimizer state by name in the
 training state), and continues at its iteration, data position and RNG state.
+
+:class:`CheckpointSaver` is the run's saver: synchronous saves (:func:`save`), or with
+``--async-save`` a snapshot at the save point, a background write and a collective commit once
+every rank's files are complete (:mod:`megatron_het.checkpoint.async_save`). Each save logs its
+time and GB/s; an asynchronous one logs how long training was blocked and, at the commit, the
+background write's time. Each load logs its time and the GB it read.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pathlib
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_het.checkpoint.sharded import load_sharded, save_sharded
+import torch
+
+from megatron_het.checkpoint.async_save import (BeforeFile, AsyncCheckpointSaver, CommitReport,
+                                                PendingCommit)
+from megatron_het.checkpoint.integrity import files_total_bytes
+from megatron_het.checkpoint.io import iteration_dir_name
+from megatron_het.checkpoint.reader import ReadStats
+from megatron_het.checkpoint.sharded import load_sharded, save_sharded, snapshot_sharded
+from megatron_het.checkpoint.verify import read_metadata_file
+from megatron_het.errors import UserError
 from megatron_het.training.state import Progress, rng_state, set_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_het.training.trainer import Trainer
 
+_GB = 1e9
 
-def save(trainer: "Trainer") -> Optional[pathlib.Path]:
-    """Sharded checkpoint of the current iteration (collective; None without ``--save``)."""
-    setup, progress = trainer.setup, trainer.progress
-    run = setup.run
-    if run.train.save is None:
-        return None
-    start = time.perf_counter()
-    train_state = {"iteration": progress.iteration, "consumed_samples": progress.consumed_samples,
-                   "lr_schedule": trainer.schedule.state_dict(),
-                   "rng": rng_state(trainer.device.type)}
+
+def _rate(nbytes: Optional[int], seconds: float) -> str:
+    if nbytes is None:
+        return ""
+    return f", {nbytes / _GB:.3f} GB, {nbytes / _GB / max(seconds, 1e-9):.2f} GB/s"
+
+
+def _train_state(trainer: "Trainer") -> dict[str, Any]:
+    progress = trainer.progress
+    state = {"iteration": progress.iteration, "consumed_samples": progress.consumed_samples,
+             "lr_schedule": trainer.schedule.state_dict(),
+             "rng": rng_state(trainer.device.type),
+             "nonfinite_skipped_iterations": trainer.skipped_nonfinite}
     scaler = trainer.optimizer.loss_scaler
     if scaler is not None:
-        train_state["loss_scaler"] = scaler.state_dict()
-        train_state["skipped_iterations"] = trainer.optimizer.skipped_iterations
-    metadata = {"argv": list(run.argv), "consumed_samples": progress.consumed_samples,
-                "run_config": dataclasses.asdict(run), "plan": setup.plan.to_dict(),
-                "cluster": setup.cluster.name}
-    path = save_sharded(run.train.save, progress.iteration, setup.model_config, setup.plan,
-                        trainer.groups, trainer.stage, trainer.optimizer.state_dict(),
-                        train_state, metadata, weights=trainer.optimizer.master_weights())
+        state["loss_scaler"] = scaler.state_dict()
+        state["skipped_iterations"] = trainer.optimizer.skipped_iterations
+    return state
+
+
+def _metadata(trainer: "Trainer") -> dict[str, Any]:
+    setup = trainer.setup
+    return {"argv": list(setup.run.argv), "consumed_samples": trainer.progress.consumed_samples,
+            "run_config": dataclasses.asdict(setup.run), "plan": setup.plan.to_dict(),
+            "cluster": setup.cluster.name}
+
+
+def save(trainer: "Trainer") -> Optional[pathlib.Path]:
+    """Sharded checkpoint of the current iteration, written now (collective; None without
+    ``--save``). Logs its time and the checkpoint's size and GB/s."""
+    setup, progress = trainer.setup, trainer.progress
+    if setup.run.train.save is None:
+        return None
+    start = time.perf_counter()
+    path = save_sharded(setup.run.train.save, progress.iteration, setup.model_config,
+                        setup.plan, trainer.groups, trainer.stage,
+                        trainer.optimizer.state_dict(), _train_state(trainer), _metadata(trainer),
+                        weights=trainer.optimizer.master_weights())
+    elapsed = time.perf_counter() - start
+    metadata = read_metadata_file(path)
+    size = None if metadata is None else files_total_bytes(metadata)
     trainer.print(f" saved checkpoint at iteration {progress.iteration} to {path} "
-                  f"({time.perf_counter() - start:.2f} s)")
+                  f"({elapsed:.2f} s{_rate(size, elapsed)})")
     return path
 
 
-def load(trainer: "Trainer") -> None:
+class CheckpointSaver:
+    """The saves of one run on this rank: synchronous, or background writes with
+    ``--async-save`` (``setup.run.faults.async_save``).
+
+    Call :meth:`save` at save points, :meth:`poll` after every iteration (collective while a
+    background save is pending), :meth:`finish` before the run returns (collective: commits
+    the pending save) and :meth:`close` on the way out (abandons an unfinished save).
+    ``before_file(iteration, name)`` runs in the writer thread before each file (tests).
+    """
+
+    def __init__(self, trainer: "Trainer", before_file: Optional[BeforeFile] = None) -> None:
+        self.trainer = trainer
+        run = trainer.setup.run
+        self.background: Optional[AsyncCheckpointSaver] = None
+        if run.faults.async_save and run.train.save is not None:
+            self.background = AsyncCheckpointSaver(
+                trainer.groups.world, trainer.device, before_file,
+                timeout_s=run.faults.distributed_timeout_minutes * 60)
+
+    def save(self) -> Optional[pathlib.Path]:
+        """Checkpoint the current iteration (collective); the iteration directory it is (or
+        will be, once committed) written to, None without ``--save``."""
+        if self.background is None:
+            return save(self.trainer)
+        self._report(self.background.finish())  # one save in flight: commit the previous
+        trainer, setup = self.trainer, self.trainer.setup
+        iteration, save_dir = trainer.progress.iteration, pathlib.Path(setup.run.train.save)
+        start = time.perf_counter()
+        optimizer_state = trainer.optimizer.state_dict()  # fresh CPU copies
+        train_state = copy.deepcopy(_train_state(trainer))
+        files = snapshot_sharded(save_dir, iteration, setup.model_config, trainer.groups,
+                                 trainer.stage, optimizer_state, train_state,
+                                 weights=trainer.optimizer.master_weights())
+        blocked = time.perf_counter() - start
+        self.background.start(files, PendingCommit(
+            save_dir, iteration, setup.model_config, setup.plan, optimizer_state is not None,
+            True, _metadata(trainer)))
+        trainer.print(f" checkpoint at iteration {iteration}: training blocked {blocked:.2f} s "
+                      f"for the snapshot ({files.tensor_bytes / _GB:.3f} GB on this rank); "
+                      "writing it in the background")
+        return save_dir / iteration_dir_name(iteration)
+
+    def poll(self) -> None:
+        """After each iteration: commit the background save once every rank has written it
+        (collective while one is pending; UserError on every rank if a writer failed)."""
+        if self.background is not None:
+            self._report(self.background.poll())
+
+    def finish(self) -> None:
+        """Wait for and commit the pending background save (collective)."""
+        if self.background is not None:
+            self._report(self.background.finish())
+
+    def close(self) -> None:
+        """Abandon an uncommitted background save (no communication); the previous
+        checkpoint stays the latest."""
+        if self.background is not None:
+            self.background.close()
+
+    def _report(self, report: Optional[CommitReport]) -> None:
+        if report is None:
+            return
+        self.trainer.print(f" saved checkpoint at iteration {report.iteration} to {report.path} "
+                           f"(background write {report.write_s:.2f} s"
+                           f"{_rate(report.bytes, report.write_s)}; committed "
+                           f"{report.since_save_point_s:.2f} s after the save point)")
+
+
+def _agree_loaded(trainer: "Trainer", error: Optional[BaseException], stats: ReadStats,
+                  seconds: float) -> tuple[int, float]:
+    """Collective over the world: raise on every rank if a rank failed to load; else the bytes
+    every rank read together and the slowest rank's time."""
+    world = trainer.groups.world
+    flags = torch.tensor([0.0 if error is None else float(world.rank + 1), seconds],
+                         dtype=torch.float64, device=trainer.device)
+    world.all_reduce(flags, "max")
+    total = torch.tensor([float(stats.bytes)], dtype=torch.float64, device=trainer.device)
+    world.all_reduce(total, "sum")
+    if error is not None:
+        raise error
+    failed = int(flags[0].item())
+    if failed:
+        raise UserError(f"loading checkpoint {trainer.setup.load_dir} failed on rank "
+                        f"{failed - 1} (see its error)")
+    return int(total.item()), float(flags[1].item())
+
+
+def load(trainer: "Trainer") -> str:
     """Load this rank's slices of ``setup.load_dir`` (any plan's checkpoint) and its training
-    state; a model-only checkpoint (e.g. converted weights) starts a fresh optimizer at 0."""
+    state; a model-only checkpoint (e.g. converted weights) starts a fresh optimizer at 0.
+
+    The size of every file opened is checked and every piece read is sha256-verified; if any
+    rank fails, every rank raises (one all-reduce over the world, plus one summing the bytes
+    read). Returns the log line with the load's
+    time and GB/s (also printed when the logger is already set).
+    """
     setup = trainer.setup
     assert setup.load_dir is not None
+    start, stats = time.perf_counter(), ReadStats()
+    try:
+        train_state = _load_into(trainer, stats)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - re-raised once every rank knows
+        train_state, error = None, exc
+    total, elapsed = _agree_loaded(trainer, error, stats, time.perf_counter() - start)
+    if train_state is not None:
+        _restore_progress(trainer, train_state)
+    line = (f" loaded checkpoint {setup.load_dir} ({elapsed:.2f} s, {total / _GB:.3f} GB read "
+            f"by {setup.plan.world_size} rank(s), {total / _GB / max(elapsed, 1e-9):.2f} GB/s)")
+    trainer.print(line)
+    return line
+
+
+def _load_into(trainer: "Trainer", stats: ReadStats) -> Optional[dict]:
+    setup = trainer.setup
     # Under mixed precision the parameters take the rounded values, the masters the exact
     # ones; in fp32 the parameters are the masters and nothing more is kept.
     weights: Optional[dict] = {} if trainer.optimizer.flat.low_precision else None
     optimizer_state, train_state = load_sharded(
         setup.load_dir, setup.model_config, setup.plan, trainer.groups, trainer.stage,
-        map_location=trainer.device, weights=weights)
+        map_location=trainer.device, weights=weights, stats=stats)
     if weights is not None:
         trainer.optimizer.load_master_weights(weights)
-    if train_state is None:
-        return
-    if optimizer_state is not None:
+    if train_state is not None and optimizer_state is not None:
         trainer.optimizer.load_state_dict(optimizer_state)
+    return train_state
+
+
+def _restore_progress(trainer: "Trainer", train_state: dict) -> None:
     scaler = trainer.optimizer.loss_scaler
     if scaler is not None and train_state.get("loss_scaler") is not None:
         scaler.load_state_dict(train_state["loss_scaler"])
         trainer.optimizer.skipped_iterations = int(train_state.get("skipped_iterations", 0))
     if train_state.get("rng") is not None:
         set_rng_state(train_state["rng"], trainer.device.type)
+    trainer.skipped_nonfinite = int(train_state.get("nonfinite_skipped_iterations", 0))
     trainer.progress = Progress(iteration=int(train_state["iteration"]),
                                 consumed_samples=int(train_state["consumed_samples"]))

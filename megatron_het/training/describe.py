@@ -54,3 +54,10 @@ def describe_iterations(setup: RunSetup, progress: Progress) -> str:
             f"{train.global_batch_size} = {train.micro_batch_size} x "
             f"{train.global_batch_size // train.micro_batch_size} micro-batches, seq "
             f"{setup.run.data.seq_length}, from sample {progress.consumed_samples}")
+
+
+def describe_rank(setup: RunSetup, rank: int) -> str:
+    """``rank 3 (emu-slow (emulated), pipeline 1 stage 1)``: a rank as fault reports name it."""
+    role = setup.plan.rank_role(rank)
+    return (f"rank {rank} ({setup.accelerator(rank).label}, pipeline {role.pipeline} stage "
+            f"{role.stage})")

@@ -11,7 +11,8 @@ import datetime
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from megatron_het.errors import UserError
+from megatron_het.comm.faults import first_line
+from megatron_het.errors import PeerFailure, UserError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -25,6 +26,7 @@ class LaunchEnv:
     local_rank: int
     master_addr: str
     master_port: int
+    restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: which launch of the job
 
     @property
     def init_method(self) -> str:
@@ -53,8 +55,12 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     if not 0 <= values["RANK"] < values["WORLD_SIZE"]:
         raise UserError(f"RANK {values['RANK']} is outside WORLD_SIZE {values['WORLD_SIZE']}; "
                         "launch with torchrun")
+    try:
+        restarts = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        restarts = 0
     return LaunchEnv(values["RANK"], values["WORLD_SIZE"], local_rank, environ["MASTER_ADDR"],
-                     values["MASTER_PORT"])
+                     values["MASTER_PORT"], restarts)
 
 
 def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_TIMEOUT,
@@ -77,8 +83,28 @@ def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_T
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
-    dist.init_process_group("gloo", init_method=env.init_method, rank=env.rank,
-                            world_size=env.world_size, timeout=timeout)
+    try:
+        dist.init_process_group("gloo", init_method=env.init_method, rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+    except RuntimeError as exc:
+        raise StartupError(
+            f"start-up: rank {env.rank} could not join the {env.world_size}-rank rendezvous at "
+            f"{env.master_addr}:{env.master_port} within {timeout.total_seconds() / 60:g} "
+            f"min ({first_line(exc)}); start every rank (torchrun on every node) or raise "
+            "--distributed-timeout-minutes") from None
+
+
+class StartupError(PeerFailure):
+    """Not every rank joined the job's rendezvous within the timeout."""
+
+
+def connect_store(env: LaunchEnv, timeout: datetime.timedelta) -> Any:
+    """A client of the job's rendezvous store (torchrun's agent serves it, or rank 0 without
+    torchrun), for the ranks' heartbeats (:mod:`megatron_het.training.peer_watch`)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                         timeout=timeout, wait_for_workers=False)
 
 
 def npu_module() -> Optional[Any]:

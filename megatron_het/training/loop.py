@@ -1,40 +1,58 @@
 """The run's cadence: iterate, evaluate, save and stop, identically on every rank."""
 from __future__ import annotations
 
-from megatron_het.training.checkpointing import save
+from typing import Optional
+
+from megatron_het.training.checkpointing import CheckpointSaver
 from megatron_het.training.stop import StopRequest
 from megatron_het.training.trainer import Trainer, evaluate, train_step
 
 
-def train(trainer: Trainer, stop: StopRequest) -> str:
+def train(trainer: Trainer, stop: StopRequest, saver: Optional[CheckpointSaver] = None) -> str:
     """Iterate to ``--train-iters`` on every rank; returns why it stopped ("done",
     "exit-interval", the signal's name or "stop requested by another rank").
 
     Evaluates every ``--eval-interval`` and at the end; saves every ``--save-interval``, on
     ``--exit-interval``, on a stop request and at the end (each iteration at most once). Every
     decision is identical on every rank (the stop request is agreed in the iteration's gather).
+    With ``--async-save`` each iteration ends with the saver's check (one all-reduce while a
+    background save is pending, which commits it once every rank has written it), and a pending
+    save is committed before this returns. ``saver`` defaults to the run's
+    :class:`CheckpointSaver`; it is closed on the way out (an uncommitted save is abandoned).
     """
+    saver = saver or CheckpointSaver(trainer)
+    try:
+        reason = _iterate(trainer, stop, saver)
+        saver.finish()
+        if reason != "done":
+            trainer.print(f" stopping after iteration {trainer.progress.iteration} ({reason})")
+        return reason
+    finally:
+        saver.close()
+
+
+def _iterate(trainer: Trainer, stop: StopRequest, saver: CheckpointSaver) -> str:
     train_config = trainer.setup.train
     evaluated = saved = -1
     while trainer.progress.iteration < train_config.train_iters:
         stopping = train_step(trainer, stop.requested)
+        saver.poll()
         current = trainer.progress.iteration
         if current % train_config.eval_interval == 0:
             evaluate(trainer)
             evaluated = current
         if train_config.save_interval and current % train_config.save_interval == 0:
-            save(trainer)
+            saver.save()
             saved = current
         reason = ("exit-interval" if train_config.exit_interval
                   and current % train_config.exit_interval == 0 else
                   (stop.reason or "stop requested by another rank") if stopping else "")
         if reason:
-            if saved != current and save(trainer) is None:
+            if saved != current and saver.save() is None:
                 trainer.print(" no --save directory: stopping without a checkpoint")
-            trainer.print(f" stopping after iteration {current} ({reason})")
             return reason
     if evaluated != trainer.progress.iteration:
         evaluate(trainer)
     if saved != trainer.progress.iteration:
-        save(trainer)
+        saver.save()
     return "done"

@@ -2,7 +2,9 @@
 
 Every iteration goes to the metrics file and tensorboard; stdout gets one line per
 ``--log-interval`` iterations with the interval's mean loss and time per iteration, and a compact
-second line with each stage's mean compute, p2p wait and bubble seconds. A run has one logger,
+second line with each stage's mean compute, p2p wait and bubble seconds (the trainer prints
+the ``--log-straggler`` lines after it). Iterations ``--skip-nonfinite-steps`` skipped are left
+out of the interval's mean loss and counted on its line. A run has one logger,
 on its logging rank. Every throughput figure of a printed line divides by the same mean
 iteration time: "throughput per device" is the model's FLOPs over all devices of the run, the
 figure per kind is the FLOPs of that kind's stages over the devices of that kind (so the
@@ -60,7 +62,9 @@ class TrainingLogger:
         self.flops_per_iteration = model_config.flops_per_token(seq_length) * (
             self.tokens_per_iteration)
         self.num_devices = num_devices
-        self._interval: list[tuple[float, float]] = []  # (loss, seconds) since the last line
+        # (loss, seconds, skipped as non-finite) of each iteration since the last line
+        self._interval: list[tuple[float, float, bool]] = []
+        self._skipped_total: Optional[int] = None  # with --skip-nonfinite-steps
         self._metrics: Optional[TextIO] = None
         if train.metrics_file:
             path = pathlib.Path(train.metrics_file)
@@ -88,6 +92,10 @@ class TrainingLogger:
             for tag, value in values.items():
                 self._writer.add_scalar(tag, value, iteration)
 
+    def closes_interval(self, iteration: int) -> bool:
+        """Whether ``iteration`` closes a log interval (its line is printed)."""
+        return iteration % self.train.log_interval == 0 or iteration == self.train.train_iters
+
     def log_train(self, iteration: int, consumed_samples: int, loss: float, lr: float,
                   grad_norm: float, iteration_time_s: float,
                   extra: Optional[Mapping[str, Any]] = None,
@@ -95,7 +103,10 @@ class TrainingLogger:
         """Record one iteration; prints the interval summary when ``iteration`` closes one.
 
         ``extra`` fields go to the metrics line (after the common keys; its ``stages`` rows
-        feed the printed stage line) and ``extra_scalars`` to tensorboard.
+        feed the printed stage line; ``skipped_step`` true marks an iteration skipped as
+        non-finite, left out of the interval's mean loss, and ``nonfinite_skipped_iterations``
+        the run's count of those, printed with the interval) and ``extra_scalars`` to
+        tensorboard.
         """
         iteration_time_s = max(iteration_time_s, 1e-9)
         tokens_per_s = self.tokens_per_iteration / iteration_time_s
@@ -110,10 +121,13 @@ class TrainingLogger:
                                   "iteration-time": iteration_time_s,
                                   "tokens-per-second": tokens_per_s,
                                   "tflops-per-device": tflops, **(extra_scalars or {})})
-        self._interval.append((loss, iteration_time_s))
-        if extra and "stages" in extra:
+        extra = extra or {}
+        self._interval.append((loss, iteration_time_s, bool(extra.get("skipped_step"))))
+        if "nonfinite_skipped_iterations" in extra:
+            self._skipped_total = int(extra["nonfinite_skipped_iterations"])
+        if "stages" in extra:
             self._stage_rows.append(list(extra["stages"]))
-        if iteration % self.train.log_interval == 0 or iteration == self.train.train_iters:
+        if self.closes_interval(iteration):
             self._print_interval(iteration, consumed_samples, lr, grad_norm)
 
     def _kinds_note(self, mean_time: float) -> str:
@@ -142,9 +156,14 @@ class TrainingLogger:
     def _print_interval(self, iteration: int, consumed_samples: int, lr: float,
                         grad_norm: float) -> None:
         count = len(self._interval)
-        mean_loss = sum(loss for loss, _ in self._interval) / count
-        mean_time = sum(seconds for _, seconds in self._interval) / count
+        losses = [loss for loss, _, skipped in self._interval if not skipped]
+        mean_loss = sum(losses) / len(losses) if losses else math.nan
+        mean_time = sum(seconds for _, seconds, _ in self._interval) / count
+        skipped = count - len(losses)
         self._interval.clear()
+        skipped_note = ("" if self._skipped_total is None else
+                        f" skipped non-finite iterations: {skipped} (run total "
+                        f"{self._skipped_total}) |")
         tflops = self.flops_per_iteration / mean_time / self.num_devices / 1e12
         note = self._kinds_note(mean_time)
         stages = self._stage_line()
@@ -156,7 +175,7 @@ class TrainingLogger:
             f" learning rate: {lr:.6E} | global batch size: {self.train.global_batch_size:5d} |"
             f" lm loss: {mean_loss:.6E} | grad norm: {grad_norm:.3f} |"
             f" tokens per second: {self.tokens_per_iteration / mean_time:.1f} |"
-            f" throughput per device (TFLOP/s/device): {tflops:.4g} |{note}"
+            f" throughput per device (TFLOP/s/device): {tflops:.4g} |{note}{skipped_note}"
             + (f"\n{stages}" if stages else ""))
 
     def log_eval(self, iteration: int, consumed_samples: int, loss: float) -> None:

@@ -10,17 +10,23 @@ file and tensorboard; every rank writes its checkpoint pieces.
 """
 from __future__ import annotations
 
+import datetime
 import sys
 import time
 from typing import TYPE_CHECKING, Optional, TextIO
 
 from megatron_het.arguments import RunConfig
+from megatron_het.checkpoint.io import load_checkpoint_metadata, remove_stale_staging
+from megatron_het.comm.faults import CommError
+from megatron_het.errors import PeerFailure
 from megatron_het.training.checkpointing import load
 from megatron_het.training.describe import (describe_cluster, describe_iterations,
-                                            describe_model, describe_plan)
-from megatron_het.training.launch import LaunchEnv, init_world, shutdown_world
+                                            describe_model, describe_plan, describe_rank)
+from megatron_het.training.elastic import describe_restart
+from megatron_het.training.launch import LaunchEnv, connect_store, init_world, shutdown_world
 from megatron_het.training.loop import train
 from megatron_het.training.metrics import TrainingLogger
+from megatron_het.training.peer_watch import PeerWatch
 from megatron_het.training.setup import RunSetup, prepare_run
 from megatron_het.training.state import Progress
 from megatron_het.training.stop import StopRequest
@@ -44,11 +50,22 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
     """
     setup = prepare_run(run, env.world_size if env is not None else 1, accelerator)
     rank = env.rank if env is not None else 0
-    init_world(env, device_type=setup.accelerator(rank).device_type)
+    timeout = distributed_timeout(setup)
+    init_world(env, timeout=timeout, device_type=setup.accelerator(rank).device_type)
+    watch = None
+    if env is not None and env.world_size > 1:
+        watch = PeerWatch(connect_store(env, timeout), env.rank, env.world_size,
+                          timeout.total_seconds(), describe=lambda r: describe_rank(setup, r),
+                          generation=env.restart_count, logging_rank=logging_rank(setup.plan))
     try:
-        return train_prepared(setup, stop, out)
+        return train_prepared(setup, stop, out, watch)
     finally:
         shutdown_world()
+
+
+def distributed_timeout(setup: RunSetup) -> datetime.timedelta:
+    """``--distributed-timeout-minutes`` as the timeout of the world and every group."""
+    return datetime.timedelta(minutes=setup.run.faults.distributed_timeout_minutes)
 
 
 def pretrain_on_world(run: RunConfig, world_size: int, stop: Optional[StopRequest] = None,
@@ -62,15 +79,19 @@ def rank_emulation(setup: RunSetup, rank: int,
                    threads: Optional[int] = None) -> "RankEmulation":
     """EMULATION: the emulation of ``rank`` (its compute-region timer, the communicator's wire
     hooks, the start-up line and the end-of-run warning), after checking every emulated kind's
-    memory cap against the plan's stages (one UserError line naming the stage and the GiB)."""
+    memory cap against the plan's stages (one UserError line naming the stage and the GiB).
+    Ranks named by ``--emulation-extra-slowdown`` compute that many times slower than their
+    kind (UserError on every rank when one is outside the world or not emulated)."""
     from megatron_het.emulation import build_emulation, check_memory_caps
 
     check_memory_caps(setup.model_config, setup.plan, setup.cluster, setup.run.data.seq_length,
                       setup.dtype, use_distributed_optimizer=setup.use_distributed_optimizer,
                       profiles=setup.host_profiles)
+    parallel = setup.run.parallel
     return build_emulation(setup.cluster, setup.plan, rank, setup.model_config,
                            setup.run.data.seq_length, setup.dtype, setup.host_profiles,
-                           setup.run.parallel.emulation_profile, threads=threads)
+                           parallel.emulation_profile, threads=threads,
+                           extra_slowdown=parallel.emulation_extra_slowdown)
 
 
 def predict_run(setup: RunSetup) -> "Prediction":
@@ -99,27 +120,52 @@ def predicted_iteration_s(setup: RunSetup) -> Optional[float]:
 
 
 def train_prepared(setup: RunSetup, stop: Optional[StopRequest] = None,
-                   out: Optional[TextIO] = None) -> Progress:
-    """Build this rank's trainer from a checked ``setup`` and train it (collective)."""
+                   out: Optional[TextIO] = None, watch: Optional[PeerWatch] = None) -> Progress:
+    """Build this rank's trainer from a checked ``setup`` and train it (collective).
+
+    With a ``watch`` (a launched multi-rank run) the rank keeps a heartbeat, and a failure of
+    the run's communication (a peer dead, hung or unreachable past the timeout) raises
+    PeerFailure with one line naming the ranks that stopped answering and the failed operation
+    (:mod:`megatron_het.training.peer_watch`); any other failure is recorded for the peers'
+    reports and re-raised."""
+    if watch is None:
+        return _train(setup, stop or StopRequest(), out or sys.stdout, None)
+    watch.start()
+    try:
+        progress = _train(setup, stop or StopRequest(), out or sys.stdout, watch)
+    except CommError as error:
+        report = watch.report(error, watch.progress() + 1)
+        if watch.rank == 0 and setup.train.save is not None:  # rank 0 alone commits saves
+            remove_stale_staging(setup.train.save)
+        raise PeerFailure(report.line) from None
+    except BaseException as error:
+        watch.record(error, watch.progress() + 1)
+        raise
+    watch.stop()
+    return progress
+
+
+def _train(setup: RunSetup, stop: StopRequest, out: TextIO,
+           watch: Optional[PeerWatch]) -> Progress:
     from megatron_het.comm import UnifiedCommunicator
 
-    stop = stop or StopRequest()
-    out = out or sys.stdout  # looked up per call: a caller may have redirected it
     run = setup.run
     world_rank = _world_rank()
     emulation = rank_emulation(setup, world_rank)
     comm = UnifiedCommunicator.from_cluster(setup.cluster, bridge=run.parallel.bridge,
-                                            wire_hooks=emulation.wire_hooks)
+                                            wire_hooks=emulation.wire_hooks,
+                                            timeout=distributed_timeout(setup))
     trainer = build_trainer(setup, comm, region_timer=emulation.region_timer)
-    if setup.load_dir is not None:
-        load(trainer)
+    if watch is not None:
+        watch.progress = lambda: trainer.progress.iteration
+    loaded = load(trainer) if setup.load_dir is not None else None
     if comm.rank == logging_rank(setup.plan):
         trainer.logger = TrainingLogger(setup.train, setup.model_config, run.data.seq_length,
                                         start_iteration=trainer.progress.iteration,
                                         num_devices=setup.plan.world_size, out=out,
                                         throughput=trainer.metrics)
     try:
-        _print_start(trainer, emulation)
+        _print_start(trainer, emulation, loaded)
         if trainer.progress.iteration >= setup.train.train_iters:
             trainer.print(f" already at iteration {trainer.progress.iteration}; raise "
                           "--train-iters to train further")
@@ -145,11 +191,18 @@ def _world_rank() -> int:
     return dist.get_rank()
 
 
-def _print_start(trainer: Trainer, emulation: "RankEmulation") -> None:
+def _print_start(trainer: Trainer, emulation: "RankEmulation", loaded: Optional[str]) -> None:
     setup = trainer.setup
     if setup.load_dir is not None:
         trainer.print(f"> loaded {setup.load_dir} (iteration {trainer.progress.iteration}, "
                       f"consumed samples {trainer.progress.consumed_samples})")
+        if loaded:
+            trainer.print(loaded)
+        if trainer.logger is not None:
+            restart = describe_restart(setup, load_checkpoint_metadata(setup.load_dir),
+                                       lambda: predicted_iteration_s(setup))
+            if restart:
+                trainer.print(restart)
     elif setup.train.load is not None:
         trainer.print(f"> no checkpoint in {setup.train.load} yet; starting from scratch")
     if setup.run.parallel.plan == "auto":

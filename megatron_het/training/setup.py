@@ -136,6 +136,21 @@ def check_checkpoint_model(load_dir: pathlib.Path, model_config: ModelConfig) ->
     return model_config
 
 
+def keep_checkpoint_batch(run: RunConfig, load_dir: pathlib.Path) -> RunConfig:
+    """``run`` with the checkpoint's global batch where ``--plan auto`` resumes it without
+    ``--global-batch-size`` (an elastic restart continues at the same global batch)."""
+    if run.parallel.plan != "auto" or run.parallel.batch_given[1]:
+        return run
+    saved = load_checkpoint_metadata(load_dir).get("plan")
+    if not saved:
+        return run
+    batch = ParallelPlan.from_dict(saved).global_batch_size
+    return dataclasses.replace(
+        run, train=dataclasses.replace(run.train, global_batch_size=batch),
+        parallel=dataclasses.replace(run.parallel,
+                                     batch_given=(run.parallel.batch_given[0], True)))
+
+
 def prepare_run(run: RunConfig, world_size: Optional[int] = 1,
                 accelerator: str = "cpu") -> RunSetup:
     """Check the run's inputs and resolve model, plan and data (reads files only).
@@ -150,6 +165,7 @@ def prepare_run(run: RunConfig, world_size: Optional[int] = 1,
     load_dir = checkpoint_to_load(run.train)
     if load_dir is not None:
         model_config = check_checkpoint_model(load_dir, model_config)
+        run = keep_checkpoint_batch(run, load_dir)
     profiles = host_profiles(run.parallel)
     choice = choose_plan(run, model_config, world_size, profiles, accelerator)
     if choice.grad_reduce_in_bf16 and choice.dtype != "bf16":

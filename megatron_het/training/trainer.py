@@ -43,6 +43,8 @@ from megatron_het.training.batches import pipeline_micro_batches
 from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.setup import RunSetup
 from megatron_het.training.state import Progress, seed_everything
+from megatron_het.training.straggler import (StragglerMonitor, build_monitor, report_fields,
+                                             report_scalars)
 from megatron_het.training.throughput import (ThroughputMetrics, column, gather_rows,
                                               scalars_of)
 
@@ -53,8 +55,10 @@ class Trainer:
 
     ``groups`` is this rank's ProcessGroups, ``stage`` its slice of the model (TP applied),
     ``optimizer`` its ParallelOptimizer and ``executor`` its PipelineExecutor. ``logger`` is set
-    on the logging rank only (:func:`logging_rank`). ``last_eval_loss`` and ``iteration_times``
-    feed the closing summary.
+    on the logging rank only (:func:`logging_rank`), and ``stragglers`` there with
+    ``--log-straggler`` (built by the first :func:`train_step`). ``last_eval_loss`` and
+    ``iteration_times`` feed the closing summary; ``skipped_nonfinite`` counts the iterations
+    ``--skip-nonfinite-steps`` did not step.
     """
 
     setup: RunSetup
@@ -69,6 +73,8 @@ class Trainer:
     last_loss: Optional[float] = None
     last_eval_loss: Optional[float] = None
     iteration_times: list[float] = field(default_factory=list)
+    stragglers: Optional[StragglerMonitor] = None
+    skipped_nonfinite: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -90,7 +96,8 @@ def check_ranks_agree(setup: RunSetup, comm: UnifiedCommunicator) -> None:
     settings (e.g. nodes launched with different flags or files). Collective over the world."""
     settings = json.dumps({"plan": setup.plan.to_dict(), "model": setup.model_config.to_dict(),
                            "train": dataclasses.asdict(setup.train),
-                           "optimizer": dataclasses.asdict(setup.run.optimizer)},
+                           "optimizer": dataclasses.asdict(setup.run.optimizer),
+                           "skip_nonfinite_steps": setup.run.faults.skip_nonfinite_steps},
                           sort_keys=True, default=str)
     digest = int(hashlib.sha256(settings.encode()).hexdigest()[:12], 16)  # exact in float64
     mine = torch.tensor([float(digest)], dtype=torch.float64, device=comm.device)
@@ -174,10 +181,17 @@ def _run_global_batch(trainer: Trainer, dataset: SampleDataset, first_sample: in
 def train_step(trainer: Trainer, stop_requested: bool) -> bool:
     """One iteration on this rank: pipeline forward/backward, DP sync, clip, step, log.
 
-    Returns True when some rank has asked the run to stop. Raises UserError on every rank
-    (before stepping) when the loss or the gradient norm is not finite.
+    Returns True when some rank has asked the run to stop. A loss or gradient norm that is not
+    finite (the same on every rank: the loss comes from the world gather, the norm from a world
+    all-reduce) raises UserError on every rank, before stepping and naming the iteration. With
+    ``--skip-nonfinite-steps`` such an iteration steps nothing instead (its gradients are
+    dropped; parameters and optimizer state stay as they were) but still advances the
+    iteration and the consumed samples, as an fp16 overflow does, and is counted.
     """
     setup, progress = trainer.setup, trainer.progress
+    faults = setup.run.faults
+    if trainer.logger is not None and faults.log_straggler and trainer.stragglers is None:
+        trainer.stragglers = build_monitor(setup, faults.straggler_threshold)
     start = time.perf_counter()
     iteration = progress.iteration + 1
     # With --overlap-grad-reduce the optimizer counts this pipeline's backward passes to start
@@ -187,29 +201,78 @@ def train_step(trainer: Trainer, stop_requested: bool) -> bool:
                                 if setup.run.parallel.overlap_grad_reduce else None)
     loss, stopping, table = _run_global_batch(trainer, setup.train_data,
                                               progress.consumed_samples, False, stop_requested)
-    if not math.isfinite(loss):
-        raise UserError(f"iteration {iteration}: the loss is {loss}; lower --lr (or use "
-                        "--clip-grad) and resume from the last checkpoint")
-    trainer.optimizer.sync_grads()
     lr = trainer.schedule.lr_at(iteration)
-    try:
-        grad_norm = trainer.optimizer.clip_and_step(lr, setup.run.optimizer.clip_grad)
-    except UserError as error:
-        raise UserError(f"iteration {iteration}: {error}") from None
+    grad_norm, skipped = _sync_and_step(trainer, iteration, loss, lr)
     progress.iteration = iteration
     progress.consumed_samples += setup.train.global_batch_size
     synchronize(trainer.device)  # the optimizer's kernels, before reading the clock
     elapsed = time.perf_counter() - start
-    trainer.last_loss = loss
+    if not skipped:
+        trainer.last_loss = loss
     trainer.iteration_times.append(elapsed)
     if trainer.logger is not None:
-        fields = trainer.metrics.fields(table, elapsed)
-        if trainer.optimizer.loss_scaler is not None:
-            fields.update(loss_scale=trainer.optimizer.loss_scaler.scale,
-                          skipped_iterations=trainer.optimizer.skipped_iterations)
-        trainer.logger.log_train(iteration, progress.consumed_samples, loss, lr, grad_norm,
-                                 elapsed, extra=fields, extra_scalars=scalars_of(fields))
+        _log_train(trainer, iteration, table, loss, lr, grad_norm, elapsed, skipped)
     return stopping
+
+
+def _sync_and_step(trainer: Trainer, iteration: int, loss: float,
+                   lr: float) -> tuple[float, bool]:
+    """DP gradient sync, clip and optimizer step of ``iteration``: (the gradient norm, whether
+    the step was skipped as non-finite). Every rank decides alike (see :func:`train_step`)."""
+    skip = trainer.setup.run.faults.skip_nonfinite_steps
+    if not math.isfinite(loss) and not skip:
+        raise UserError(f"iteration {iteration}: the loss is {loss}; lower --lr (or use "
+                        "--clip-grad) and resume from the last checkpoint")
+    # Also when skipping: it completes the reductions --overlap-grad-reduce has started.
+    trainer.optimizer.sync_grads()
+    if math.isfinite(loss):
+        try:
+            grad_norm = trainer.optimizer.clip_and_step(
+                lr, trainer.setup.run.optimizer.clip_grad, skip_nonfinite=skip)
+        except UserError as error:
+            raise UserError(f"iteration {iteration}: {error}") from None
+        # Under fp16 a non-finite norm is an overflow the loss scaler has already skipped.
+        if math.isfinite(grad_norm) or trainer.optimizer.loss_scaler is not None:
+            return grad_norm, False
+        what = f"the gradient norm is {grad_norm}"
+    else:
+        grad_norm, what = math.nan, f"the loss is {loss}"
+    trainer.skipped_nonfinite += 1
+    trainer.print(f" iteration {iteration}: {what}; skipped its step (--skip-nonfinite-steps; "
+                  f"{trainer.skipped_nonfinite} skipped so far)")
+    return grad_norm, True
+
+
+def _log_train(trainer: Trainer, iteration: int, table: torch.Tensor, loss: float, lr: float,
+               grad_norm: float, elapsed: float, skipped: bool) -> None:
+    """The logging rank's record of one iteration, with the straggler report of an interval's
+    last iteration under ``--log-straggler`` (printed after the interval's line)."""
+    logger = trainer.logger
+    assert logger is not None
+    fields = trainer.metrics.fields(table, elapsed)
+    if trainer.optimizer.loss_scaler is not None:
+        fields.update(loss_scale=trainer.optimizer.loss_scaler.scale,
+                      skipped_iterations=trainer.optimizer.skipped_iterations)
+    if trainer.setup.run.faults.skip_nonfinite_steps:
+        fields.update(skipped_step=skipped,
+                      nonfinite_skipped_iterations=trainer.skipped_nonfinite)
+    scalars = scalars_of(fields)
+    if trainer.setup.run.faults.skip_nonfinite_steps:
+        scalars["skipped-nonfinite-iterations"] = float(trainer.skipped_nonfinite)
+    lines: list[str] = []
+    monitor = trainer.stragglers
+    if monitor is not None:
+        fields["rank_compute_s"] = column(table, "compute_s").tolist()
+        monitor.add(iteration, fields["rank_compute_s"])
+        report = monitor.close() if logger.closes_interval(iteration) else None
+        if report is not None:
+            fields["straggler"] = report_fields(report)
+            scalars.update(report_scalars(report))
+            lines = monitor.lines(report)
+    logger.log_train(iteration, trainer.progress.consumed_samples, loss, lr, grad_norm,
+                     elapsed, extra=fields, extra_scalars=scalars)
+    if lines:
+        trainer.print("\n".join(lines))
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ loading, offline resharding against the online save, and the crash-before-commit
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import pathlib
 import zlib
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from megatron_het.checkpoint import io, sharded
-from megatron_het.checkpoint.reshard import take_slice, target_slice
+from megatron_het.checkpoint.reshard import take_slice, target_slice, written_names
 from megatron_het.checkpoint.reader import CheckpointReader, load_model_state, load_train_state
 from megatron_het.checkpoint.sharded import load_sharded, reshard_checkpoint, save_sharded
 from megatron_het.comm import UnifiedCommunicator
@@ -243,6 +244,13 @@ def test_sharded_checkpoints_across_plans(tmp_path: pathlib.Path) -> None:
         assert torch.equal(reader.model_slice(name, box), expected_slice(PLAN_B1, 3, name, "param"))
         reader.optimizer_slice(name, box)
     assert reader.opened_files == [("model", 2), ("model", 3), ("optim", 2), ("optim", 3)]
+    # ... and hashes only the pieces it reads (both TP halves of layer 3's weights and moments;
+    # layer 2's pieces in the same files are never read).
+    needed = 3 * sum(reference(n, "param").numel() * 4
+                     for n in ("layers.3.mlp.down.weight", "layers.3.input_norm.weight"))
+    opened = sum((reader.directory / f"{kind}_{r:05d}.pt").stat().st_size
+                 for kind in ("model_shard", "optim_shard") for r in (2, 3))
+    assert reader.stats.verified_bytes == reader.stats.bytes == needed < 0.5 * opened
 
     # Overlapping ownership still wrote every optimizer state exactly once.
     meta = json.loads((tmp_path / "zero" / "iter_0000005" / "metadata.json").read_text())
@@ -257,6 +265,17 @@ def test_sharded_checkpoints_across_plans(tmp_path: pathlib.Path) -> None:
         _assert_same_payload(a, b, name)
     meta_on, meta_off = (json.loads((d / "metadata.json").read_text()) for d in (online, offline))
     assert meta_on["sharded"] == meta_off["sharded"]
+    # Both record every rank's files, with the same bytes.
+    assert sorted(meta_on["files"]) == sorted(
+        f"{kind}_{rank:05d}.pt" for kind in ("model_shard", "optim_shard", "train_state")
+        for rank in range(4))
+    assert meta_on["files"] == meta_off["files"]
+    moments = meta_on["files"]["optim_shard_00002.pt"]["tensors"]  # rank 2: layers 1-2, tp 1
+    assert sorted(moments) == sorted(
+        f"{n}/{m}" for n in written_names(CONFIG, PLAN_B1.rank_role(2).stage_plan, 0)
+        for m in ("exp_avg", "exp_avg_sq"))
+    assert moments["layers.1.mlp.up.weight/exp_avg"] == hashlib.sha256(
+        reference("layers.1.mlp.up.weight", "exp_avg").numpy().tobytes()).hexdigest()
 
     # The real optimizer's ZeRO-1 state under B2 (tp 1: full tensors on pipeline 0) resumes
     # under plan A as its slices.

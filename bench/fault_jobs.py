@@ -1,0 +1,112 @@
+"""A torchrun job on the emulated cluster that a fault can be injected into (EMULATION).
+
+Used by bench/faults.py and tests/test_faults_cli.py: start the job, wait until it has logged
+some iterations, send a signal to the worker of one rank, and collect its output with the time
+every line arrived.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CLUSTER = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
+PLAN = REPO / "scripts" / "plans" / "cpu_emulated_dp2_fast_heavy.json"  # logging rank: 2
+MODEL_FLAGS = ("--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
+               "--vocab-size", "300", "--seq-length", "32", "--lr", "1e-3", "--log-interval",
+               "1", "--eval-iters", "0")
+# EMULATION: cpu_emulated.yaml without rank 1 (one emu-fast device lost)
+CLUSTER_WITHOUT_RANK_1 = """\
+name: cpu_emulated_without_rank_1
+node_groups:
+  - {name: fast, accelerator: emu-fast, nodes: 1, devices_per_node: 1,
+     nic_bandwidth_gbit_per_s: 10}
+  - {name: slow, accelerator: emu-slow, nodes: 1, devices_per_node: 2,
+     nic_bandwidth_gbit_per_s: 10, colocate_with: fast}
+links:
+  - {groups: [fast, slow], bandwidth_gbps: 2.0, latency_us: 50, emulated: true}
+"""
+
+
+def torchrun(nproc: int, flags: Sequence[str]) -> list[str]:
+    """The torchrun command of ``pretrain_llama.py`` on ``nproc`` local ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(nproc), "pretrain_llama.py", *MODEL_FLAGS, *flags]
+
+
+def train_losses(metrics: pathlib.Path) -> dict[int, float]:
+    """Iteration -> training loss from a metrics file."""
+    return {r["iteration"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())
+            if r.get("split", "train") == "train"}
+
+
+class Job:
+    """A running torchrun job; its stdout and stderr lines are kept with their arrival time."""
+
+    def __init__(self, cmd: Sequence[str]) -> None:
+        self.cmd = list(cmd)
+        self.launcher = subprocess.Popen(self.cmd, cwd=REPO, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True,
+                                         start_new_session=True)
+        self.lines: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
+        self._readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
+                         for name, stream in (("stdout", self.launcher.stdout),
+                                              ("stderr", self.launcher.stderr))]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, name: str, stream) -> None:
+        for line in stream:
+            self.lines[name].append((time.monotonic(), line.rstrip("\n")))
+
+    def text(self, name: str) -> str:
+        return "\n".join(line for _, line in self.lines[name])
+
+    def wait_for_iterations(self, metrics: pathlib.Path, count: int,
+                            timeout_s: float = 120) -> None:
+        """Block until ``metrics`` holds ``count`` lines; AssertionError if the job ends or
+        does not get there in ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= count):
+            if self.launcher.poll() is not None:
+                self.wait(5)
+                raise AssertionError(f"the job ended first:\n{self.text('stderr')[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError("the job did not reach iteration {count}")
+            time.sleep(0.05)
+
+    def worker_pid(self, rank: int) -> int:
+        """The pid of the worker with RANK=rank."""
+        pid = self.launcher.pid
+        for child in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            environ = pathlib.Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in environ:
+                return int(child)
+        raise AssertionError(f"no worker with RANK={rank}")
+
+    def send(self, rank: int, signum: int) -> float:
+        """Send ``signum`` to rank ``rank``'s worker; returns the monotonic time."""
+        os.kill(self.worker_pid(rank), signum)
+        return time.monotonic()
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait for the job (killing it after ``timeout_s``); returns its exit status."""
+        try:
+            self.launcher.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.launcher.pid, signal.SIGKILL)
+            self.launcher.wait()
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return self.launcher.returncode
+
+    def first_line_time(self, name: str, needle: str) -> Optional[float]:
+        """Arrival time of the first ``name`` line containing ``needle`` (None: none)."""
+        return next((t for t, line in self.lines[name] if needle in line), None)

@@ -1,0 +1,233 @@
+"""Fail fast when a peer dies or hangs: heartbeats in the launcher's store, one report line.
+
+Every rank of a launched run keeps a heartbeat in the rendezvous store (the key-value store
+torchrun's agent, or rank 0, serves): a background thread bumps a counter every
+:func:`heartbeat_interval` seconds, together with the iteration the rank is in. A stopped
+(SIGSTOP) or killed rank's counter stands still; a rank waiting on a peer, or computing, keeps
+beating. Counters are compared by one observer over a window, so clocks of different hosts never
+meet.
+
+When an operation fails on a rank (its communicator raised after ``--distributed-timeout-minutes``,
+or a peer's connection broke), :meth:`PeerWatch.report` records the failure in the store, raises
+the run's abort flag, watches the counters for one window and returns one line: the ranks that
+stopped answering (no failure of their own, no heartbeat in the window), the ranks that failed
+before this one, and this rank's own failed operation (group, op, backend ranks). Every beating
+thread that sees the abort flag gives its main thread ``grace_s`` to fail on its own and then
+ends the process itself (a rank stuck in a kernel or a wait that will never time out), so no rank
+of the run waits forever.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from megatron_het.comm.faults import CommError, first_line
+from megatron_het.errors import EXIT_PEER_FAILURE
+
+PREFIX = "megatron_het/peer_watch/"
+FALLBACK_REPORTERS = 3  # ranks after the logging rank that report when it is lost
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """Seconds between heartbeats for an operation timeout of ``timeout_s``: a twentieth of
+    it, between 0.5 and 5 s."""
+    return min(max(timeout_s / 20.0, 0.5), 5.0)
+
+
+def _abort_process(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_FAILURE)
+
+
+class PeerWatch:
+    """One rank's heartbeat and its view of the others (see module doc).
+
+    ``store`` has ``set``, ``get``, ``check`` (torch.distributed's TCPStore / HashStore).
+    ``progress`` returns the rank's current iteration; ``describe`` names a rank in a report
+    (its kind and stage); ``on_abort`` ends the process when the run was aborted elsewhere and
+    this rank's main thread did not fail within ``grace_s`` (default: print and ``os._exit``).
+    ``generation`` separates the keys of successive launches sharing one store (torchrun's
+    restart count). ``logging_rank`` prints the full report (see :meth:`reporters`).
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
+                 progress: Callable[[], int] = lambda: 0,
+                 describe: Callable[[int], str] = lambda r: f"rank {r}",
+                 on_abort: Callable[[str], None] = _abort_process,
+                 grace_s: Optional[float] = None, generation: int = 0,
+                 logging_rank: int = 0) -> None:
+        self.prefix = f"{PREFIX}{generation}/"
+        self.logging_rank = logging_rank
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.interval_s = heartbeat_interval(timeout_s)
+        self.window_s = 1.5 * self.interval_s + 0.2  # a live rank beats at least once in it
+        self.grace_s = 3.0 * self.window_s if grace_s is None else grace_s
+        self.progress, self.describe, self.on_abort = progress, describe, on_abort
+        self._beats = 0
+        self._failing = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._abort_seen_at: Optional[float] = None
+        # (when, every other rank's heartbeat) read once the abort was first seen
+        self._snapshot: Optional[tuple[float, dict[int, str]]] = None
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"{self.prefix}{kind}/{rank}"
+
+    # ---- beating ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Write the first heartbeat (synchronously) and start the beating thread."""
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop beating (the end of a run that did not fail)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 1.0)
+
+    def _beat(self) -> None:
+        self._beats += 1
+        self.store.set(self._key("beat", self.rank), f"{self._beats} {self.progress()}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._beat()
+                self._check_abort()
+            except Exception:  # noqa: BLE001 - the store may be gone with its host; keep on
+                continue
+
+    def _check_abort(self) -> None:
+        if self._failing or not self.store.check([self._key("abort", 0)]):
+            return
+        now = time.monotonic()
+        if self._abort_seen_at is None:
+            self._abort_seen_at = now
+            if self.rank in self.reporters():  # only a possible reporter reads them all
+                self._snapshot = (now, self._read("beat", self._others()))
+        elif now - self._abort_seen_at >= self.grace_s and not self._failing:
+            origin = self.store.get(self._key("abort", 0)).decode()
+            self.on_abort(f"rank {self.rank}: stopping at iteration {self.progress()}: the run "
+                          f"was aborted after a failure on {origin}")
+
+    def _others(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank]
+
+    # ---- reading the others ----------------------------------------------------------------
+    def _read(self, kind: str, ranks: Sequence[int]) -> dict[int, str]:
+        found = {}
+        for rank in ranks:
+            key = self._key(kind, rank)
+            if self.store.check([key]):
+                found[rank] = self.store.get(key).decode()
+        return found
+
+    def record(self, error: BaseException, iteration: int) -> None:
+        """Record this rank's failure (any exception) and raise the abort flag, so the peers'
+        reports name it and their processes end; never raises."""
+        self._failing = True
+        what = (f"{error.op} on unified group '{error.group}'" if isinstance(error, CommError)
+                else type(error).__name__)
+        try:
+            self.store.set(self._key("failed", self.rank), f"{iteration} {what}")
+            if not self.store.check([self._key("abort", 0)]):
+                self.store.set(self._key("abort", 0), self.describe(self.rank))
+        except Exception:  # noqa: BLE001 - the store's host may be gone
+            pass
+
+    def reporters(self) -> list[int]:
+        """The ranks that may print the full report, in order: the logging rank, then the
+        lowest others (a report needs one rank that answers; each reads only those before it)."""
+        rest = [r for r in range(min(self.world_size, FALLBACK_REPORTERS + 1))
+                if r != self.logging_rank]
+        return [self.logging_rank, *rest[:FALLBACK_REPORTERS]]
+
+    def _beats_between(self, ranks: Sequence[int], sleep: Callable[[float], None]
+                       ) -> tuple[dict[int, str], dict[int, str]]:
+        """Heartbeats of ``ranks`` one window apart: from the snapshot taken when the abort
+        was first seen where there is one, else read now and after a window."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            before = self._read("beat", ranks)
+            sleep(self.window_s)
+        else:
+            taken, before = snapshot
+            left = self.window_s - (time.monotonic() - taken)
+            if left > 0:
+                sleep(left)
+        return before, self._read("beat", ranks)
+
+    def report(self, error: BaseException, iteration: int,
+               sleep: Callable[[float], None] = time.sleep) -> "PeerReport":
+        """Record this rank's failure, abort the run and return the report (see module doc):
+        the full line where this rank is the first of :meth:`reporters` that still answers
+        (it reads every heartbeat one window apart), else a short line naming the failed
+        operation. Never raises: a store that is gone (its host died) is said in the line."""
+        mine = first_line(error)
+        self.record(error, iteration)
+        short = PeerReport(f"rank {self.rank}: {mine} (the report is on rank "
+                           f"{self.logging_rank})", (), (), full=False)
+        order = self.reporters()
+        if self.rank not in order:
+            return short
+        try:
+            earlier = order[:order.index(self.rank)]
+            if earlier:
+                before, after = self._beats_between(earlier, sleep)
+                failed = self._read("failed", earlier)
+                if any(r in failed or before.get(r) != after.get(r) for r in earlier):
+                    return short  # an earlier reporter answers
+            others = self._others()
+            before, after = self._beats_between(others, sleep)
+            failed = self._read("failed", others)
+        except Exception as exc:  # noqa: BLE001
+            return PeerReport(
+                f"iteration {iteration}: {mine}; the rendezvous store did not answer "
+                f"({first_line(exc)}): the rank hosting it (rank 0 without torchrun) is gone",
+                (), ())
+        silent = tuple(r for r in others if r not in failed and before.get(r) == after.get(r))
+        parts = [f"iteration {iteration}:"]
+        if silent:
+            parts.append(f"{_names(self, silent)} stopped answering (no heartbeat in "
+                         f"{self.window_s:.1f} s; the last one came after iteration "
+                         f"{_last_iterations(after, silent)});")
+        else:
+            parts.append("every other rank still answers;")
+        parts.append(f"on rank {self.rank}: {mine}")
+        if failed:
+            earlier_failures = "; ".join(f"rank {r} at iteration {_iteration_and_what(v)}"
+                                         for r, v in sorted(failed.items()))
+            parts[-1] += f"; failed before: {earlier_failures}"
+        return PeerReport(" ".join(parts), silent, tuple(sorted(failed)))
+
+
+@dataclass(frozen=True)
+class PeerReport:
+    """A failure as one rank saw it: the line, the ranks that stopped answering and those that
+    had failed already (known to the full report only), and whether the line is the full
+    report."""
+
+    line: str
+    silent: tuple[int, ...]
+    failed: tuple[int, ...]
+    full: bool = True
+
+
+def _names(watch: PeerWatch, ranks: Sequence[int]) -> str:
+    return ", ".join(watch.describe(r) for r in ranks)
+
+
+def _iteration_and_what(value: str) -> str:
+    iteration, _, what = value.partition(" ")
+    return f"{iteration} ({what})" if what else iteration
+
+
+def _last_iterations(beats: dict[int, str], ranks: Sequence[int]) -> str:
+    seen = sorted({beats[r].split()[1] for r in ranks if r in beats})
+    return "/".join(seen) if seen else "start-up"

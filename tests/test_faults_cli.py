@@ -1,0 +1,147 @@
+"""Faults end to end with torchrun on the emulated cluster: a stopped or killed rank ends the job
+within the timeout with one report line; a restart resumes exactly; a restart on fewer devices
+under a new plan continues the run (EMULATION)."""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_het.checkpoint.io import read_latest_iteration
+from megatron_het.checkpoint.reader import load_model_state
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+from fault_jobs import (CLUSTER, CLUSTER_WITHOUT_RANK_1, PLAN, REPO, Job,  # noqa: E402
+                        torchrun, train_losses)
+
+TIMEOUT_MIN = 0.1
+SCHEDULE = ["--train-iters", "500", "--distributed-timeout-minutes", str(TIMEOUT_MIN)]
+
+
+def start_and_fault(tmp: pathlib.Path, victim: int, signum: int, save_interval: int = 2,
+                    logged: int = 3) -> tuple[Job, float]:
+    """The 4-rank job, saving every ``save_interval`` iterations into ``tmp/ckpt`` and logging
+    to ``tmp/fault.jsonl``; ``signum`` to rank ``victim`` once ``logged`` iterations are
+    logged. Returns the running job and the time of the signal."""
+    metrics = tmp / "fault.jsonl"
+    job = Job(torchrun(4, ["--cluster", str(CLUSTER), "--plan", str(PLAN), *SCHEDULE,
+                           "--metrics-file", str(metrics), "--save", str(tmp / "ckpt"),
+                           "--save-interval", str(save_interval)]))
+    job.wait_for_iterations(metrics, logged)
+    return job, job.send(victim, signum)
+
+
+def the_report(job: Job, victim: int) -> str:
+    stderr = job.text("stderr")
+    reports = [line for line in stderr.splitlines()
+               if line.startswith("error: iteration") and "stopped answering" in line]
+    assert len(reports) == 1, stderr[-4000:]
+    assert f"rank {victim} (emu-" in reports[0] and "on rank 2:" in reports[0], reports[0]
+    assert "unified group '" in reports[0] and "failed" in reports[0]
+    # no worker traceback (torchrun prints its own for the failed child)
+    assert not [line for line in stderr.splitlines()
+                if line.strip().startswith("File ") and "megatron_het" in line]
+    return reports[0]
+
+
+def assert_only_committed_checkpoints(save: pathlib.Path) -> int:
+    latest = read_latest_iteration(save)
+    assert latest is not None and latest >= 2
+    load_model_state(save)  # the latest committed checkpoint loads (and verifies)
+    visible = [p.name for p in save.iterdir() if p.name.startswith("iter_")]
+    assert all((save / name / "metadata.json").is_file() for name in visible), visible
+    return latest
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_within_the_timeout(tmp_path: pathlib.Path) -> None:
+    job, sent = start_and_fault(tmp_path, 3, signal.SIGSTOP)
+    stopped = job.worker_pid(3)
+    others = [job.worker_pid(r) for r in (0, 1, 2)]
+    deadline = sent + TIMEOUT_MIN * 60 + 60
+    while any(pathlib.Path(f"/proc/{pid}").exists() and "zombie" not in
+              pathlib.Path(f"/proc/{pid}/status").read_text() for pid in others):
+        assert time.monotonic() < deadline, "the other ranks did not fail in time"
+        time.sleep(0.1)
+    assert time.monotonic() - sent < TIMEOUT_MIN * 60 + 60
+    # torchrun kills the stopped worker 30 s after the others failed; do it now
+    os.kill(stopped, signal.SIGKILL)
+    assert job.wait(60) != 0
+    the_report(job, 3)
+    assert_only_committed_checkpoints(tmp_path / "ckpt")
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".staging")]
+
+
+def finished(cmd: list[str]) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_and_the_run_resumes_exactly_and_on_fewer_devices(
+        tmp_path: pathlib.Path) -> None:
+    # The killed run is the uninterrupted reference up to where it was killed: iterations 1-7
+    # logged, the checkpoint of iteration 4 the latest.
+    iters = ["--exit-interval", "7"]  # of the 500-iteration schedule, as the killed run's
+    save = tmp_path / "ckpt"
+    job, sent = start_and_fault(tmp_path, 1, signal.SIGKILL, save_interval=4, logged=7)
+    assert job.wait(TIMEOUT_MIN * 60 + 90) != 0
+    assert time.monotonic() - sent < TIMEOUT_MIN * 60 + 60
+    the_report(job, 1)
+    assert not [p for p in save.iterdir() if p.name.startswith(".staging")]  # rank 0 cleaned
+    assert assert_only_committed_checkpoints(save) == 4
+    latest = 4
+    expected = train_losses(tmp_path / "fault.jsonl")
+    assert set(range(1, 8)) <= set(expected)
+
+    resumed = tmp_path / "resumed.jsonl"
+    finished(torchrun(4, ["--cluster", str(CLUSTER), "--plan", str(PLAN), *SCHEDULE, *iters,
+                          "--load", str(save), "--metrics-file", str(resumed)]))
+    got = train_losses(resumed)
+    assert sorted(got) == [5, 6, 7]
+    assert all(got[i] == expected[i] for i in got), (got, expected)  # fp32, same plan: exact
+
+    smaller = tmp_path / "cluster3.yaml"
+    smaller.write_text(CLUSTER_WITHOUT_RANK_1)
+    elastic = tmp_path / "elastic.jsonl"
+    shrunk = finished(torchrun(3, ["--cluster", str(smaller), "--plan", "auto", *SCHEDULE,
+                                   *iters, "--load", str(save), "--save", str(tmp_path / "c3"),
+                                   "--metrics-file", str(elastic)]))
+    out = shrunk.stdout
+    assert (f"> elastic restart from iteration {latest}: the checkpoint was written by 4 ranks "
+            "(2 x emu-fast (emulated), 2 x emu-slow (emulated))") in out, out[-3000:]
+    assert "now 3 ranks (1 x emu-fast (emulated), 2 x emu-slow (emulated))" in out
+    assert "devices lost: 1 x emu-fast (emulated)" in out
+    assert "global batch 8 kept" in out and "predicted iteration time now" in out
+    got = train_losses(elastic)
+    assert sorted(got) == [5, 6, 7]
+    for i in got:
+        assert abs(got[i] - expected[i]) <= 2e-4 * abs(expected[i]), (i, got[i], expected[i])
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_starts_fails_start_up_with_one_line() -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    result = subprocess.run([sys.executable, "pretrain_llama.py", "--model", "tiny",
+                             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                             "300", "--seq-length", "32", "--train-iters", "2",
+                             "--tensor-model-parallel-size", "2",
+                             "--distributed-timeout-minutes", "0.05"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: start-up: rank 0 could not join the 2-rank rendezvous"), result.stderr[-2000:]
+    assert "raise --distributed-timeout-minutes" in errors[0]

@@ -1,0 +1,20 @@
+"""List and verify the checkpoints of a --save directory (or one iter_XXXXXXX directory).
+
+    python tools/checkpoint_info.py checkpoints/            # every iteration, verified
+    python tools/checkpoint_info.py checkpoints/ --json     # the same as JSON
+
+Exits 1 when the latest committed iteration does not verify. See
+:mod:`megatron_het.checkpoint.info`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_het.checkpoint.info import main  # noqa: E402
+from megatron_het.errors import run_cli  # noqa: E402
+
+if __name__ == "__main__":
+    run_cli(lambda: sys.exit(main(sys.argv[1:])))

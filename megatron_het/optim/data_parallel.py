@@ -194,11 +194,14 @@ class GradBuckets:
         """How many buckets the last sync found already started by the backward hooks."""
         return self._overlap.launched_early if self._overlap is not None else 0
 
-    def close(self) -> None:
-        """Wait for started collectives, remove the hooks and the parameters' main-gradient
-        attributes (which would keep this object, and its group, alive through them)."""
-        for pending in self._pending.values():
-            pending.handle.wait()
+    def close(self, wait: bool = True) -> None:
+        """Wait for started collectives (``wait=False``: abandon them, as a run that lost a
+        peer must, since they would only time out), remove the hooks and the parameters'
+        main-gradient attributes (which would keep this object, and its group, alive through
+        them)."""
+        if wait:
+            for pending in self._pending.values():
+                pending.handle.wait()
         self._pending = {}
         for handle in self._hooks:
             handle.remove()

@@ -219,9 +219,10 @@ class ParallelOptimizer:
                                      self.flat.param_dtype, self.device)
         return norm
 
-    def close(self) -> None:
-        """Wait for started reductions and remove the backward hooks."""
-        self.buckets.close()
+    def close(self, wait: bool = True) -> None:
+        """Wait for started reductions (``wait=False``: abandon them) and remove the backward
+        hooks."""
+        self.buckets.close(wait)
 
     def state_bytes(self) -> int:
         """Bytes of Adam moment tensors this rank holds (~1/dp of the stage's with ZeRO-1)."""

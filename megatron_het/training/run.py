@@ -57,10 +57,15 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
         watch = PeerWatch(connect_store(env, timeout), env.rank, env.world_size,
                           timeout.total_seconds(), describe=lambda r: describe_rank(setup, r),
                           generation=env.restart_count, logging_rank=logging_rank(setup.plan))
+    lost_peer = False
     try:
         return train_prepared(setup, stop, out, watch)
+    except PeerFailure:
+        lost_peer = True  # tearing the world down could wait on the lost peer: exit instead
+        raise
     finally:
-        shutdown_world()
+        if not lost_peer:
+            shutdown_world()
 
 
 def distributed_timeout(setup: RunSetup) -> datetime.timedelta:
@@ -164,22 +169,25 @@ def _train(setup: RunSetup, stop: StopRequest, out: TextIO,
                                         start_iteration=trainer.progress.iteration,
                                         num_devices=setup.plan.world_size, out=out,
                                         throughput=trainer.metrics)
+    finished = False
     try:
         _print_start(trainer, emulation, loaded)
         if trainer.progress.iteration >= setup.train.train_iters:
             trainer.print(f" already at iteration {trainer.progress.iteration}; raise "
                           "--train-iters to train further")
-            return trainer.progress
-        start = time.perf_counter()
-        train(trainer, stop)
-        warning = emulation.late_warning()
-        if warning:
-            print(warning, file=sys.stderr, flush=True)
-        if trainer.logger is not None:
-            trainer.print(closing_summary(trainer, time.perf_counter() - start,
-                                          predicted_iteration_s(setup)))
+        else:
+            start = time.perf_counter()
+            train(trainer, stop)
+            warning = emulation.late_warning()
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+            if trainer.logger is not None:
+                trainer.print(closing_summary(trainer, time.perf_counter() - start,
+                                              predicted_iteration_s(setup)))
+        finished = True
     finally:
-        trainer.optimizer.close()
+        # After a failure, reductions still in flight would only wait on a lost peer.
+        trainer.optimizer.close(wait=finished)
         if trainer.logger is not None:
             trainer.logger.close()
     return trainer.progress

@@ -20,6 +20,7 @@ from megatron_het.planner.ceiling import (MAX_MICRO_BATCH_SIZE, Ceiling, KindCei
 from megatron_het.planner.evaluate import evaluate_plan
 from megatron_het.planner.search import search_plan
 from megatron_het.planner.space import KindBlock, Layout, Placement, build_plan
+from tests.unit.papers_mix import papers_baseline
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CLUSTERS = sorted((REPO / "scripts/clusters").glob("*.yaml"))
@@ -196,7 +197,7 @@ def test_papers_plan_is_below_its_ceiling() -> None:
 @pytest.mark.slow  # the per-kind baseline searches of 768 devices: tens of seconds
 def test_papers_mix_is_below_its_ceiling_and_explains_its_efficiency() -> None:
     cluster, model, result = _papers_mix()
-    result = result.with_baseline(homogeneous_baseline(model, cluster, 1024, 4096, top_k=2))
+    result = result.with_baseline(papers_baseline())
     _check_below_ceiling(result)
     reason = why_above_baseline(result)  # the baseline may or may not be passed here
     assert (reason is not None) == (result.efficiency > 1)

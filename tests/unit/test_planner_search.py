@@ -19,6 +19,7 @@ from megatron_het.planner.bounds import (KindCosts, memory_feasible, sync_lower_
                                          time_lower_bound)
 from megatron_het.planner.space import KindBlock, Layout, Placement, build_plan
 from megatron_het.planner.stage_model import balance_layers, layer_caps, probe_stage_model
+from tests.unit.papers_mix import papers_baseline, papers_cluster, papers_model
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SEQ = 1024
@@ -134,10 +135,8 @@ def test_kind_subcluster_keeps_one_kind_and_uncolocates() -> None:
 
 @pytest.mark.slow
 def test_hethub_mix_is_efficient() -> None:
-    cluster = ClusterSpec.load(REPO / "scripts/clusters/hethub_llama140b.yaml")
-    model = model_preset("llama-140b")
-    result = search_plan(model, cluster, 1024, 4096, top_k=2)
-    result = result.with_baseline(homogeneous_baseline(model, cluster, 1024, 4096))
+    result = search_plan(papers_model(), papers_cluster(), 1024, 4096, top_k=2)
+    result = result.with_baseline(papers_baseline())
     assert result.efficiency >= 0.975
     kinds = {s.accelerator for s in result.plan.pipelines[0].stages}
     assert kinds == {"MI250X", "accelerator-a"}

@@ -80,12 +80,30 @@ def _stage(kind: str, tp: int, layers: tuple[int, int], ranks: list[int]) -> dic
 def extra_plans() -> dict[str, dict]:
     """More plans for the 4-layer presets: pure DP over both kinds with more micro-batches on
     the fast pair, TP=2 x PP=2 with a non-uniform split, DP=2 x PP=2 uniform, PP=2 x DP=2
-    with the slow kind first."""
-    def plan(description: str, pipelines: list[tuple[int, list[dict]]]) -> dict:
+    with the slow kind first; then the three options of the runtime's newer schedules:
+    DP=2 x PP=2 interleaved (2 chunks of 1 layer per rank), heterogeneous DP (one replica a
+    single emu-fast rank, the other two stages: the emu-slow pair at tp=2, then emu-fast) with
+    the batch shared by speed, and TP=2 x PP=2 with sequence parallelism."""
+    def plan(description: str, pipelines: list[tuple[int, list[dict]]], **keys: object) -> dict:
         return {"format": "megatron_het.plan/1", "description": f"EMULATION: {description}",
-                "micro_batch_size": 2,
+                "micro_batch_size": 2, **keys,
                 "pipelines": [{"micro_batches": m, "stages": s} for m, s in pipelines]}
+
+    def interleaved(fast: int, slow: int) -> list[dict]:
+        return [_stage("emu-fast", 1, (0, 1), [fast]), _stage("emu-slow", 1, (1, 2), [slow]),
+                _stage("emu-fast", 1, (2, 3), [fast]), _stage("emu-slow", 1, (3, 4), [slow])]
     return {
+        "dp2_pp2_interleaved_v2": plan("dp=2 x pp=2, 2 interleaved chunks of 1 layer per "
+                                       "rank", [(2, interleaved(0, 2)), (2, interleaved(1, 3))]),
+        "hetero_dp_fast_vs_slow_pair": plan(
+            "heterogeneous dp=2: emu-fast rank 0 alone (5 micro-batches); the emu-slow pair "
+            "(tp=2, 2 layers) then emu-fast rank 1 (2 layers) (3 micro-batches)", [
+                (5, [_stage("emu-fast", 1, (0, 4), [0])]),
+                (3, [_stage("emu-slow", 2, (0, 2), [2, 3]), _stage("emu-fast", 1, (2, 4), [1])])]),
+        "tp2_pp2_sp": plan("tp=2 x pp=2 with sequence parallelism, 3 layers on the emu-fast "
+                           "pair", [(4, [_stage("emu-fast", 2, (0, 3), [0, 1]),
+                                         _stage("emu-slow", 2, (3, 4), [2, 3])])],
+                           sequence_parallel=True),
         "dp4_fast3_slow1": plan("dp=4, 3 micro-batches per emu-fast rank, 1 per emu-slow", [
             (3, [_stage("emu-fast", 1, (0, 4), [0])]), (3, [_stage("emu-fast", 1, (0, 4), [1])]),
             (1, [_stage("emu-slow", 1, (0, 4), [2])]), (1, [_stage("emu-slow", 1, (0, 4), [3])])]),

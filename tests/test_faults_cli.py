@@ -1,6 +1,6 @@
 """Faults end to end with torchrun on the emulated cluster: a stopped or killed rank ends the job
-within the timeout with one report line; a restart resumes exactly; a restart on fewer devices
-under a new plan continues the run (EMULATION)."""
+within the timeout with one report line; a restart on fewer devices under a new plan continues
+the run from the last committed checkpoint (EMULATION)."""
 from __future__ import annotations
 
 import os
@@ -84,7 +84,7 @@ def finished(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_named_and_the_run_resumes_exactly_and_on_fewer_devices(
+def test_a_killed_rank_is_named_and_the_run_resumes_on_fewer_devices(
         tmp_path: pathlib.Path) -> None:
     # The killed run is the uninterrupted reference up to where it was killed: iterations 1-7
     # logged, the checkpoint of iteration 4 the latest.
@@ -100,13 +100,8 @@ def test_a_killed_rank_is_named_and_the_run_resumes_exactly_and_on_fewer_devices
     expected = train_losses(tmp_path / "fault.jsonl")
     assert set(range(1, 8)) <= set(expected)
 
-    resumed = tmp_path / "resumed.jsonl"
-    finished(torchrun(4, ["--cluster", str(CLUSTER), "--plan", str(PLAN), *SCHEDULE, *iters,
-                          "--load", str(save), "--metrics-file", str(resumed)]))
-    got = train_losses(resumed)
-    assert sorted(got) == [5, 6, 7]
-    assert all(got[i] == expected[i] for i in got), (got, expected)  # fp32, same plan: exact
-
+    # (A restart on the same plan resumes bit for bit: tests/distributed/test_parallel_training
+    # and bench/faults.py show it; here the run goes on with one device fewer.)
     smaller = tmp_path / "cluster3.yaml"
     smaller.write_text(CLUSTER_WITHOUT_RANK_1)
     elastic = tmp_path / "elastic.jsonl"

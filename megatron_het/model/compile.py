@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from megatron_het.errors import UserError
+from megatron_het.kernels.graph_break import apply_graph_breaks
 from megatron_het.model import rope
 from megatron_het.model.llama import LlamaModel
 
@@ -124,6 +125,7 @@ def compile_layers(model: LlamaModel, mode: Optional[str] = None) -> None:
             raise UserError(f"--compile: torch.compile cannot compile for {device_type} here "
                             f"({reason}); drop --compile")
     _register_traceable_rope()
+    apply_graph_breaks()  # the TP collectives stay eager
     for layer in model.layers.values():
         layer.compile(mode=mode, fullgraph=fullgraph, dynamic=False)
 

@@ -173,8 +173,7 @@ class LlamaModel(nn.Module):
         self.recompute = any(rc for _, _, rc in self.chunks)
         self.rotary = RotaryEmbedding(config)
         needs_embedding = has_embedding or (has_head and config.tie_embeddings)
-        self.embedding = (nn.Embedding(config.vocab_size, config.hidden_size)
-                          if needs_embedding else None)
+        self.embedding = _embedding(config) if needs_embedding else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config)
                                      for start, stop, _ in self.chunks
                                      for i in range(start, stop)})
@@ -250,6 +249,16 @@ class LlamaModel(nn.Module):
             return linear_cross_entropy(self.final_norm(hidden), self.output_weight(), labels,
                                         loss_weights)
         return F.linear(self.final_norm(hidden), self.output_weight())
+
+def _embedding(config: ModelConfig) -> nn.Embedding:
+    """``nn.Embedding(vocab, hidden)`` with its default N(0, 1) initialisation, skipped on the
+    meta device (meta ``normal_`` is a Python decomposition whose first call imports
+    ``torch._dynamo``, seconds of start-up; :func:`build_model` initialises afterwards)."""
+    weight = torch.empty(config.vocab_size, config.hidden_size)
+    if weight.device.type != "meta":
+        nn.init.normal_(weight)
+    return nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+
 
 def build_model(config: ModelConfig, seed: int, layer_range: Optional[tuple[int, int]] = None,
                 has_embedding: bool = True, has_head: bool = True, recompute: bool = False,

@@ -72,6 +72,19 @@ class StagePlan:
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "ranks", tuple(self.ranks))
 
+    @classmethod
+    def trusted(cls, accelerator: str, tp: int, layers: tuple[int, int],
+                ranks: tuple[int, ...], has_embedding: bool, has_head: bool,
+                recompute: bool) -> "StagePlan":
+        """The same stage as the constructor's, built without its conversions: for callers
+        that build many stages at once from tuples (a planner's probes of thousands of
+        devices)."""
+        stage = object.__new__(cls)
+        stage.__dict__.update(accelerator=accelerator, tp=tp, layers=layers, ranks=ranks,
+                              has_embedding=has_embedding, has_head=has_head,
+                              recompute=recompute)
+        return stage
+
     @property
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
@@ -99,6 +112,14 @@ class PipelinePlan:
                        else dataclasses.replace(stage, has_embedding=i == 0, has_head=i == last)
                        for i, stage in enumerate(self.stages))
         object.__setattr__(self, "stages", stages)
+
+    @classmethod
+    def trusted(cls, micro_batches: int, stages: tuple[StagePlan, ...]) -> "PipelinePlan":
+        """The same pipeline as the constructor's for ``stages`` whose first stage alone has
+        ``has_embedding`` and last alone ``has_head`` (not checked): a planner's fast path."""
+        pipeline = object.__new__(cls)
+        pipeline.__dict__.update(micro_batches=micro_batches, stages=stages)
+        return pipeline
 
     @functools.cached_property
     def device_groups(self) -> tuple[tuple[int, ...], ...]:

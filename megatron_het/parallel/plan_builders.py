@@ -189,12 +189,13 @@ def interleave_plan(plan: ParallelPlan, num_chunks: int) -> ParallelPlan:
         if pipeline.micro_batches % pp:
             raise UserError(f"pipeline {p} has {pipeline.micro_batches} micro-batches, not a "
                             f"multiple of its {pp} device groups, which interleaving needs")
-        stages, start = [], 0
+        stages, start, last = [], 0, num_chunks * pp - 1
         for c in range(num_chunks):
             for st in pipeline.stages:
                 size = st.num_layers // num_chunks + (c < st.num_layers % num_chunks)
-                stages.append(StagePlan(st.accelerator, st.tp, (start, start + size), st.ranks,
-                                        recompute=st.recompute))
+                stages.append(StagePlan.trusted(st.accelerator, st.tp, (start, start + size),
+                                                st.ranks, not stages, len(stages) == last,
+                                                st.recompute))
                 start += size
-        pipelines.append(PipelinePlan(pipeline.micro_batches, tuple(stages)))
+        pipelines.append(PipelinePlan.trusted(pipeline.micro_batches, tuple(stages)))
     return dataclasses.replace(plan, pipelines=tuple(pipelines))

@@ -54,7 +54,12 @@ class BoundaryCost:
                  seq: int) -> None:
         self.plan, self.comm, self.act_bytes, self.seq = plan, comm, act_bytes, seq
         self._overlaps: dict[tuple[int, int, bool, bool], list] = {}
-        self._shares = self._node_shares()
+        # the counts depend on the stages' ranks and sharding only, not on their layers
+        key = (bool(plan.sequence_parallel), seq,
+               tuple(tuple(st.ranks for st in p.stages) for p in plan.pipelines))
+        if key not in comm.boundary_shares:
+            comm.boundary_shares[key] = self._node_shares()
+        self._shares = comm.boundary_shares[key]
 
     def _messages(self, src: StagePlan, dst: StagePlan) -> list[tuple[int, int, float]]:
         """:func:`position_messages`, its overlaps memoized by the two sides' TP and sharding
@@ -73,27 +78,26 @@ class BoundaryCost:
         """Per boundary index: per node, the transfers leaving it at once (all pipelines)."""
         longest = max(p.num_stages for p in self.plan.pipelines)
         node = self.comm.node_of
-        out: list[dict[int, int]] = []
-        for b in range(longest - 1):
-            counts: dict[int, int] = {}
-            crossing: dict[int, set[int]] = {}
-            for pipeline in self.plan.pipelines:
-                if b + 1 >= pipeline.num_stages:
-                    continue
-                src, dst = pipeline.stages[b], pipeline.stages[b + 1]
-                if self._by_position(src, dst):
+        sharded = bool(self.plan.sequence_parallel)  # else no boundary goes by positions
+        counts: list[dict[int, int]] = [{} for _ in range(longest - 1)]
+        crossing: list[dict[int, set[int]]] = [{} for _ in range(longest - 1)]
+        for pipeline in self.plan.pipelines:
+            stages = pipeline.stages
+            for b, (src, dst) in enumerate(zip(stages, stages[1:])):
+                if sharded and (src.tp > 1 or dst.tp > 1):
                     for a, c, _ in self._messages(src, dst):
                         if node(a) != node(c):
-                            crossing.setdefault(node(a), set()).add(a)
-                            crossing.setdefault(node(c), set()).add(c)
+                            crossing[b].setdefault(node(a), set()).add(a)
+                            crossing[b].setdefault(node(c), set()).add(c)
                     continue
-                streams = src.tp if src.tp == dst.tp else 1
-                if node(src.ranks[-1]) != node(dst.ranks[0]):
-                    counts[node(src.ranks[-1])] = counts.get(node(src.ranks[-1]), 0) + streams
-            for n, ranks in crossing.items():
-                counts[n] = counts.get(n, 0) + len(ranks)
-            out.append(counts)
-        return out
+                here = node(src.ranks[-1])
+                if here != node(dst.ranks[0]):
+                    counts[b][here] = counts[b].get(here, 0) + (src.tp if src.tp == dst.tp
+                                                                else 1)
+        for b, nodes in enumerate(crossing):
+            for n, ranks in nodes.items():
+                counts[b][n] = counts[b].get(n, 0) + len(ranks)
+        return counts
 
     def time(self, pipeline: PipelinePlan, b: int) -> tuple[float, float]:
         """(forward, backward) seconds over boundary ``b`` of ``pipeline`` per micro-batch."""

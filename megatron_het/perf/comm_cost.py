@@ -92,6 +92,11 @@ class CommCost:
         self._nproc = [n.nproc for n in cluster.nodes()]
         self._links: dict[tuple[str, str, bool, str], tuple[float, float, str]] = {}
         self._rings: dict[tuple[tuple[int, ...], str, bool], PathFigures] = {}
+        # the NIC-sharing counts of plans' stage boundaries, by their placement
+        # (:class:`~megatron_het.perf.boundary_cost.BoundaryCost`; a planner prices many
+        # plans of one placement)
+        self.boundary_shares: dict[tuple, list[dict[int, int]]] = {}
+        self._syncs: dict[tuple, SyncCost] = {}
 
     def kind_of(self, rank: int) -> str:
         return self._kind_of[rank]
@@ -216,6 +221,13 @@ class CommCost:
         ``grad_bytes``: this rank's gradient buffer. ``param_bytes`` given (ZeRO-1): gradients
         are reduce-scattered and the updated parameters (that many bytes) all-gathered.
         """
+        key = (tuple(ranks), grad_bytes, param_bytes)
+        if key not in self._syncs:
+            self._syncs[key] = self._dp_sync(ranks, grad_bytes, param_bytes)
+        return self._syncs[key]
+
+    def _dp_sync(self, ranks: Sequence[int], grad_bytes: float,
+                 param_bytes: Optional[float]) -> SyncCost:
         n = len(ranks)
         if n <= 1:
             return SyncCost(0.0, "none (dp=1)")

@@ -122,10 +122,10 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
                         "train in bf16 or drop grad_reduce_in_bf16")
     if validate:
         validate_plan(plan, model, cluster, seq_length=seq_length)
+    cache = cache or SimulationCache()
     ctx = PredictionContext(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
                             efficiency, comm or CommCost(cluster, profiles), overlap,
-                            bf16_reduce)
-    cache = cache or SimulationCache()
+                            bf16_reduce, cache)
     overlapped = overlap and ctx.sync.uniform and plan.dp_size > 1
     every = pipelines is None
     chosen = range(len(plan.pipelines)) if pipelines is None else sorted(set(pipelines))
@@ -183,7 +183,8 @@ class PredictionContext:
                  seq_length: int, profiles: Optional[Mapping[str, Profile]], dtype: str,
                  zero1: bool, recompute: Optional[bool], efficiency: Optional[Efficiency],
                  comm: CommCost, overlap_grad_reduce: bool = False,
-                 grad_reduce_in_bf16: bool = False) -> None:
+                 grad_reduce_in_bf16: bool = False,
+                 cache: Optional[SimulationCache] = None) -> None:
         self.model, self.plan, self.cluster, self.seq = model, plan, cluster, seq_length
         self.profiles, self.dtype, self.zero1 = profiles, dtype, zero1
         self.recompute, self.efficiency, self.comm = recompute, efficiency, comm
@@ -192,6 +193,7 @@ class PredictionContext:
         self.act_bytes = plan.micro_batch_size * seq_length * model.hidden_size * DTYPE_BYTES[
             dtype]
         self._computes: dict[tuple, StageCompute] = {}
+        self._shared = cache  # stage computes of earlier predictions of a planner's loop
         self._dp: dict[tuple[int, int], tuple[float, str]] = {}
         self._devices: dict[tuple, DeviceFigures] = {}
         self._tp: dict[tuple, tuple[float, float]] = {}
@@ -209,10 +211,12 @@ class PredictionContext:
                recompute)
         if key not in self._computes:
             shape = LayerShape.of(self.model, self.seq, self.plan.micro_batch_size, stage.tp)
-            self._computes[key] = stage_compute(
-                self.model, spec, shape, stage.num_layers, stage.has_embedding, stage.has_head,
-                recompute, self.dtype, choose_profile(spec, self.profiles), self.efficiency,
-                sequence_sharded(self.plan, stage))
+            choice = choose_profile(spec, self.profiles)
+            args = (self.model, spec, shape, stage.num_layers, stage.has_embedding,
+                    stage.has_head, recompute, self.dtype, choice, self.efficiency,
+                    sequence_sharded(self.plan, stage))
+            self._computes[key] = (stage_compute(*args) if self._shared is None
+                                   else self._shared.stage_compute(args))
         return self._computes[key]
 
     def tp_collectives(self, stage_index: int, pipeline: PipelinePlan) -> TPCollectives:
@@ -405,14 +409,15 @@ def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
     iteration = slowest.time_s + dp_exposed + optimizer + overhead
     tokens = plan.global_batch_size * ctx.seq
     flops = model.flops_per_token(ctx.seq) * tokens
-    ranks = plan.ranks()
     peak_of: dict[str, float] = {}  # peak FLOP/s per kind, looked up once
-    peak = 0.0
-    for r in ranks:
-        kind = ctx.comm.kind_of(r)
-        if kind not in peak_of:
-            peak_of[kind] = ctx.comm.spec_of(r).peak_tflops(ctx.dtype) * 1e12
-        peak += peak_of[kind]
+    peak, devices = 0.0, 0
+    for pipeline in plan.pipelines:
+        for group in pipeline.device_groups:
+            kind = ctx.comm.kind_of(group[0])  # a device group is of one kind
+            if kind not in peak_of:
+                peak_of[kind] = ctx.comm.spec_of(group[0]).peak_tflops(ctx.dtype) * 1e12
+            peak += peak_of[kind] * len(group)
+            devices += len(group)
     return Prediction(
         model=model.name, seq_length=ctx.seq, dtype=ctx.dtype,
         use_distributed_optimizer=ctx.zero1, overlap_grad_reduce=ctx.overlap_grad_reduce,
@@ -422,7 +427,7 @@ def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
         dp_sync_s=dp_sync, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
         iteration_time_s=iteration,
         tokens_per_s=tokens / iteration, model_flops_per_iteration=flops,
-        num_devices=len(ranks), peak_flops_sum=peak, bubble_fraction=slowest.bubble_fraction,
+        num_devices=devices, peak_flops_sum=peak, bubble_fraction=slowest.bubble_fraction,
         overhead_s=overhead)
 
 

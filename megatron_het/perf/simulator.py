@@ -32,9 +32,10 @@ from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
                                             closed_form_interleaved,
                                             closed_form_interleaved_bubble, lower_bound_1f1b,
                                             lower_bound_interleaved)
+from megatron_het.perf.stage_cost import StageCompute, stage_compute
 from megatron_het.pipeline.schedule_check import held_counts
 from megatron_het.pipeline.schedules import (Action, ActionKind, P2PBatch, ScheduleError, Step,
-                                             build_schedule)
+                                             build_schedule, interleaved_compute)
 
 _DIRECTION = {  # transfer kind -> (channel, boundary offset from the stage)
     ActionKind.SEND_FORWARD: ("forward", 0), ActionKind.RECV_FORWARD: ("forward", -1),
@@ -390,7 +391,8 @@ def _groups(num_stages: int, num_chunks: int) -> int:
 
 
 class SimulationCache:
-    """Built 1F1B step lists by (groups, micro-batches, chunks) and makespans by their inputs.
+    """Built 1F1B step lists by (groups, micro-batches, chunks), makespans by their inputs,
+    activation peaks per list and stage computes by their arguments.
 
     Create one per search loop and pass it to every :func:`~megatron_het.perf.predictor.predict`
     call: building the step lists costs more than simulating them.
@@ -400,6 +402,7 @@ class SimulationCache:
         self._schedules: dict[tuple[int, int, int], list[list[Step]]] = {}
         self._makespans: dict[tuple, float] = {}
         self._held: dict[tuple[int, int, int, int], tuple] = {}
+        self._computes: dict[tuple, tuple[object, object]] = {}
 
     def schedule(self, num_stages: int, num_micro_batches: int,
                  num_chunks: int = 1) -> list[list[Step]]:
@@ -417,9 +420,19 @@ class SimulationCache:
         1F1B list (stages as :meth:`schedule` numbers them), memoized."""
         key = (num_groups, num_micro_batches, num_chunks, group)
         if key not in self._held:
-            steps = self.schedule(num_groups, num_micro_batches, num_chunks)[group]
+            steps = interleaved_compute(num_groups, num_chunks, num_micro_batches, group)
             self._held[key] = held_counts(steps, group)
         return self._held[key]
+
+    def stage_compute(self, args: tuple) -> StageCompute:
+        """:func:`~megatron_het.perf.stage_cost.stage_compute` of ``args`` (its positional
+        arguments), memoized; the profile is keyed by identity (profiles are not hashable)
+        and kept alive with the result."""
+        choice = args[8]
+        key = (*args[:8], id(choice.profile), choice.time_factor, *args[9:])
+        if key not in self._computes:
+            self._computes[key] = (stage_compute(*args), choice.profile)
+        return self._computes[key][0]
 
     def makespan(self, forward_s: Sequence[float], backward_s: Sequence[float],
                  num_micro_batches: int, p2p_forward_s: Sequence[float],

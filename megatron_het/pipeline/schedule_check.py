@@ -95,13 +95,18 @@ def held_counts(steps: Sequence[Step], own_stage: int = 0
     over these (a list's steps are walked once; a planner then prices many chunk sizes)."""
     held: dict[int, int] = defaultdict(int)
     seen: set[tuple[tuple[int, int], ...]] = set()
+    rising = False  # the last compute was a forward: the counts are at a local peak
     for step in steps:
         for a in _actions_of(step):
-            if a.kind in _COMPUTE:
-                stage = own_stage if a.stage is None else a.stage
-                held[stage] += 1 if a.kind is ActionKind.FORWARD else -1
-                if a.kind is ActionKind.FORWARD:
-                    seen.add(tuple(sorted((k, n) for k, n in held.items() if n)))
+            if a.kind not in _COMPUTE:
+                continue
+            if a.kind is ActionKind.BACKWARD and rising:  # a later forward only adds
+                seen.add(tuple(sorted((k, n) for k, n in held.items() if n)))
+            stage = own_stage if a.stage is None else a.stage
+            rising = a.kind is ActionKind.FORWARD
+            held[stage] += 1 if rising else -1
+    if rising:
+        seen.add(tuple(sorted((k, n) for k, n in held.items() if n)))
     vectors = [dict(v) for v in seen]
     kept = [v for i, v in enumerate(vectors)
             if not any(j != i and _covers(w, v) and (w != v) for j, w in enumerate(vectors))]

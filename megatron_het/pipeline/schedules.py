@@ -174,6 +174,20 @@ def interleaved_one_f_one_b(num_groups: int, num_chunks: int, num_micro_batches:
     return list(_interleaved_lists(num_groups, num_chunks, num_micro_batches)[group])
 
 
+def interleaved_compute(num_groups: int, num_chunks: int, num_micro_batches: int,
+                        group: int) -> list[Action]:
+    """The forwards and backwards of group ``group``'s interleaved 1F1B list, in order, without
+    its transfers: all that the activations it holds depend on (v = 1: the 1F1B list's)."""
+    _check_interleaved_args(num_groups, num_chunks, num_micro_batches, group)
+    if num_chunks == 1:
+        return [replace(a, stage=group) for step in
+                one_f_one_b(num_groups, num_micro_batches, group)
+                for a in (step.actions if isinstance(step, P2PBatch) else (step,))
+                if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+    return [a for compute in _interleaved_rounds(num_groups, num_chunks, num_micro_batches,
+                                                 group) for a in compute]
+
+
 def _with_stage(step: Step, stage: int) -> Step:
     if isinstance(step, P2PBatch):
         return P2PBatch(tuple(replace(a, stage=stage) for a in step.actions))
@@ -309,6 +323,6 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int,
 
 
 __all__ = ["SCHEDULES", "Action", "ActionKind", "P2PBatch", "ScheduleError", "ScheduleReport",
-           "Step", "build_schedule", "check_schedule", "gpipe",
+           "Step", "build_schedule", "check_schedule", "gpipe", "interleaved_compute",
            "interleaved_micro_batch_counts_ok", "interleaved_one_f_one_b", "interleaved_order",
            "interleaved_warmup", "one_f_one_b", "peak_activation", "sequential_forward"]

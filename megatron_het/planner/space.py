@@ -86,6 +86,26 @@ class Placement:
             self.ranks_of.setdefault(info.accelerator.name, []).append(info.rank)
             self.node_of.append(info.node)
         self._stage_ranks: dict[tuple, tuple[tuple[tuple[int, ...], ...], ...]] = {}
+        self._local: dict[tuple, bool] = {}
+        # per kind, per position in its rank list: the last position of the run of ranks on
+        # the same node (a TP group of consecutive positions is node-local iff it ends there
+        # or before)
+        self._run_end: dict[str, list[int]] = {}
+        for kind, ranks in self.ranks_of.items():
+            ends = list(range(len(ranks)))
+            for i in range(len(ranks) - 2, -1, -1):
+                if self.node_of[ranks[i]] == self.node_of[ranks[i + 1]]:
+                    ends[i] = ends[i + 1]
+            self._run_end[kind] = ends
+        # per kind whose nodes all hold the same number of its ranks, starting at a node
+        # boundary: that number (the node pattern repeats with it)
+        self._node_period: dict[str, int] = {}
+        for kind, ranks in self.ranks_of.items():
+            runs = [i + 1 for i, end in enumerate(self._run_end[kind])
+                    if i == len(ranks) - 1 or end == i]
+            sizes = {b - a for a, b in zip([0] + runs[:-1], runs)}
+            if len(sizes) == 1:
+                self._node_period[kind] = sizes.pop()
 
     @property
     def kinds(self) -> list[str]:
@@ -98,11 +118,21 @@ class Placement:
     def split_local(self, kind: str, dp: int, parts: Sequence[tuple[int, int]]) -> bool:
         """Whether every TP group of a kind whose pipeline share is ``parts`` ((tp, stages) in
         pipeline order) lies on one node, in every one of the ``dp`` pipelines."""
-        ranks, start = self.ranks_of[kind], 0
+        key = (kind, dp, tuple(parts))
+        if key not in self._local:
+            self._local[key] = self._all_local(kind, dp, parts)
+        return self._local[key]
+
+    def _all_local(self, kind: str, dp: int, parts: Sequence[tuple[int, int]]) -> bool:
+        ends, start = self._run_end[kind], 0
+        share = sum(tp * stages for tp, stages in parts)
+        period = self._node_period.get(kind)
+        if period:  # pipeline d sees the node pattern shifted by d * share mod period
+            dp = min(dp, period // math.gcd(share, period))
         for _ in range(dp):
             for tp, stages in parts:
                 for _ in range(stages):
-                    if len({self.node_of[r] for r in ranks[start:start + tp]}) > 1:
+                    if ends[start] < start + tp - 1:
                         return False
                     start += tp
         return True
@@ -150,16 +180,16 @@ def build_plan(layout: Layout, layers: Sequence[int], placement: Placement,
     """The plan of ``layout`` with ``layers[s]`` decoder layers on stage ``s`` (ranges are cut
     in order from layer 0; the counts need not sum to the model's layers for probes)."""
     ranks = placement.stage_ranks(layout)
-    kinds = layout.stage_kinds()
-    pipelines = []
-    for d in range(layout.dp):
-        stages, start = [], 0
-        for s, block in enumerate(kinds):
-            stages.append(StagePlan(block.kind, block.tp, (start, start + layers[s]), ranks[d][s],
-                                    recompute=block.recompute))
-            start += layers[s]
-        pipelines.append(PipelinePlan(layout.micro_batches, tuple(stages)))
-    plan = ParallelPlan(layout.micro_batch_size, tuple(pipelines), dtype=dtype,
+    kinds, last = layout.stage_kinds(), layout.num_stages - 1
+    ends = list(itertools.accumulate(layers[:len(kinds)]))
+    spans = [(block.kind, block.tp, (end - n, end), s == 0, s == last, block.recompute)
+             for s, (block, n, end) in enumerate(zip(kinds, layers, ends))]
+    stage, pipeline = StagePlan.trusted, PipelinePlan.trusted  # built valid: no checks
+    pipelines = tuple(pipeline(layout.micro_batches, tuple(
+        stage(kind, tp, span, group, first, head, recompute)
+        for (kind, tp, span, first, head, recompute), group in zip(spans, ranks[d])))
+        for d in range(layout.dp))
+    plan = ParallelPlan(layout.micro_batch_size, pipelines, dtype=dtype,
                         use_distributed_optimizer=layout.zero1,
                         sequence_parallel=layout.sequence_parallel or None,
                         description=description)
@@ -208,6 +238,20 @@ def split_shapes(model: ModelConfig, placement: Placement, dp: int, num_groups: 
     which boundaries cross nodes), TP groups node-local. A kind of ``D`` devices per pipeline
     has one such shape per stage count ``n`` and ``t``: ``n_2t = D / t - n`` stages of
     ``2 t`` and ``n_t = 2 n - D / t`` of ``t``."""
+    options = _split_options(model, placement, dp, max_tp, num_groups)
+    kinds = placement.kinds
+    for counts in _compositions(num_groups, [sorted(options[k]) for k in kinds]):
+        for choice in itertools.product(*(options[k][n] for k, n in zip(kinds, counts))):
+            groups = [tuple(KindBlock(k, tp, n) for tp, n in parts)
+                      for k, parts in zip(kinds, choice)]
+            for order in itertools.permutations(groups):
+                yield tuple(b for group in order for b in group)
+
+
+def _split_options(model: ModelConfig, placement: Placement, dp: int, max_tp: int,
+                   most: int) -> dict[str, dict[int, list[tuple[tuple[int, int], ...]]]]:
+    """Per kind, per stage count up to ``most``: its one- or two-degree ``(tp, stages)`` parts
+    (:func:`split_shapes`) with node-local TP groups."""
     tps = [t for t in valid_tp_sizes(model) if t <= max_tp]
     options: dict[str, dict[int, list[tuple[tuple[int, int], ...]]]] = {}
     for kind in placement.kinds:
@@ -216,22 +260,16 @@ def split_shapes(model: ModelConfig, placement: Placement, dp: int, num_groups: 
         for t in tps:
             if share % t:
                 continue
-            if placement.split_local(kind, dp, ((t, share // t),)):
+            if share // t <= most and placement.split_local(kind, dp, ((t, share // t),)):
                 by_count.setdefault(share // t, []).append(((t, share // t),))
             if 2 * t not in tps:
                 continue
-            for n in range(share // (2 * t) + 1, share // t):
+            for n in range(share // (2 * t) + 1, min(share // t, most + 1)):
                 parts = ((2 * t, share // t - n), (t, 2 * n - share // t))
                 if placement.split_local(kind, dp, parts):
                     by_count.setdefault(n, []).append(parts)
         options[kind] = by_count
-    kinds = placement.kinds
-    for counts in _compositions(num_groups, [sorted(options[k]) for k in kinds]):
-        for choice in itertools.product(*(options[k][n] for k, n in zip(kinds, counts))):
-            groups = [tuple(KindBlock(k, tp, n) for tp, n in parts)
-                      for k, parts in zip(kinds, choice)]
-            for order in itertools.permutations(groups):
-                yield tuple(b for group in order for b in group)
+    return options
 
 
 def _compositions(total: int, choices: Sequence[Sequence[int]]) -> Iterator[tuple[int, ...]]:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megatron_het.comm.groups import UnifiedGroup
+from megatron_het.kernels.graph_break import graph_break
 
 
 def _all_reduce(x: torch.Tensor, group: UnifiedGroup, inplace: bool = False) -> torch.Tensor:
@@ -113,27 +114,27 @@ class _ScatterToTP(torch.autograd.Function):
         return _all_gather_last_dim(grad, ctx.group), None
 
 
-@torch.compiler.disable  # a compiled layer breaks its graph here: dynamo cannot trace groups
+@graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
 def copy_to_tp(x: torch.Tensor, group: UnifiedGroup, inplace_grad: bool = False) -> torch.Tensor:
     """Identity forward; backward all-reduces (sums) the gradient over ``group`` (in the
     incoming gradient itself with ``inplace_grad``, see the module docstring)."""
     return _CopyToTP.apply(x, group, inplace_grad)
 
 
-@torch.compiler.disable  # a compiled layer breaks its graph here: dynamo cannot trace groups
+@graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
 def reduce_from_tp(x: torch.Tensor, group: UnifiedGroup, inplace: bool = False) -> torch.Tensor:
     """Forward sums ``x`` over ``group`` (a new tensor; ``x`` itself with ``inplace`` when it
     is contiguous and not a view); backward passes the gradient through."""
     return _ReduceFromTP.apply(x, group, inplace)
 
 
-@torch.compiler.disable  # a compiled layer breaks its graph here: dynamo cannot trace groups
+@graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
 def gather_from_tp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
     """``[..., c] -> [..., size * c]`` by all-gather; backward keeps this rank's ``c`` columns."""
     return _GatherFromTP.apply(x, group)
 
 
-@torch.compiler.disable  # a compiled layer breaks its graph here: dynamo cannot trace groups
+@graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
 def scatter_to_tp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
     """``[..., size * c] -> [..., c]`` (this rank's columns); backward all-gathers the gradient."""
     return _ScatterToTP.apply(x, group)

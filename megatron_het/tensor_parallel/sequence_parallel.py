@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megatron_het.comm.groups import UnifiedGroup
+from megatron_het.kernels.graph_break import graph_break
 
 SEQ_DIM = 1
 
@@ -95,20 +96,20 @@ class _NormWeight(torch.autograd.Function):
         return total.to(grad.dtype), None
 
 
-@torch.compiler.disable  # a compiled layer breaks its graph here: dynamo cannot trace groups
+@graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
 def gather_from_sp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
     """``[B, S/tp, H] -> [B, S, H]`` by all-gather; backward reduce-scatters the gradient."""
     return _GatherFromSP.apply(x, group)
 
 
-@torch.compiler.disable  # a compiled layer breaks its graph here: dynamo cannot trace groups
+@graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
 def reduce_scatter_to_sp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
     """``[B, S, H]`` partial sums -> this rank's ``[B, S/tp, H]`` of their sum; backward
     all-gathers the gradient."""
     return _ReduceScatterToSP.apply(x, group)
 
 
-@torch.compiler.disable  # a compiled layer breaks its graph here: dynamo cannot trace groups
+@graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
 def sp_norm_weight(weight: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
     """Identity forward; backward all-reduces the weight's gradient over ``group`` (float32)."""
     return _NormWeight.apply(weight, group)

@@ -10,12 +10,15 @@ import copy
 import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
+from megatron_het.kernels.graph_break import apply_graph_breaks, graph_break
 from megatron_het.model import compile as compile_module
 from megatron_het.model.compile import (_traceable_apply_rope, compile_available,
                                         compile_layers, is_compiled)
@@ -66,6 +69,30 @@ def test_a_tensor_parallel_stage_compiles_between_its_collectives(monkeypatch) -
     model.tp_group = type("Group", (), {"size": 2})()  # as apply_tp leaves it
     compile_layers(model)
     assert calls == [False, False]  # the TP collectives break each layer's graph
+
+
+def test_a_marked_function_runs_outside_the_compiled_graph() -> None:
+    seen = []
+
+    @graph_break
+    def outside(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.compiler.is_compiling())
+        return x + 1
+
+    assert outside.__name__ == "outside" and torch.equal(outside(torch.zeros(1)), torch.ones(1))
+    apply_graph_breaks()
+    compiled = torch.compile(lambda x: outside(x * 2) * 3, backend="eager", dynamic=False)
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 9.0))
+    assert seen == [False, False]  # eager both times: dynamo did not trace into it
+
+
+def test_a_process_that_does_not_compile_never_imports_dynamo() -> None:
+    code = ("import sys; from megatron_het.training import entry; "
+            "from megatron_het.model.llama import build_model; "
+            "from megatron_het.config import model_preset; "
+            "build_model(model_preset('tiny'), seed=1); "
+            "sys.exit(3 if 'torch._dynamo' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
 def test_unknown_mode_is_a_user_error() -> None:

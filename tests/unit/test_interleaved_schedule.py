@@ -1,11 +1,13 @@
 """Interleaved 1F1B as data: sound under the rendezvous check, Megatron-LM's order and warm-up,
-broken lists caught, activation peaks with per-stage weights."""
+broken lists caught, activation peaks with per-stage weights (also from the compute alone)."""
 import pytest
 
 from megatron_het.pipeline import (Action, ActionKind, P2PBatch, ScheduleError, build_schedule,
                                    check_schedule, interleaved_micro_batch_counts_ok,
                                    interleaved_one_f_one_b, one_f_one_b, peak_activation,
                                    sequential_forward)
+from megatron_het.pipeline.schedule_check import held_counts
+from megatron_het.pipeline.schedules import interleaved_compute
 
 K = ActionKind
 GRID = [(p, v, m) for p in range(2, 7) for v in range(2, 5) for m in (p, 2 * p, 3 * p, 4 * p)]
@@ -218,3 +220,16 @@ def test_peak_activation_weighs_each_stage():
              Action(K.FORWARD, 2), Action(K.BACKWARD, 1), Action(K.BACKWARD, 2)]
     assert peak_activation(plain, lambda s: 0.5 * (s + 1), own_stage=3) == 4.0
     assert peak_activation([], lambda s: 1.0) == 0.0
+
+
+@pytest.mark.parametrize("p, v, m", GRID + [(p, 1, m) for p in (2, 3, 5) for m in (1, p, 3 * p)])
+def test_compute_alone_is_the_lists_compute_and_holds_the_same_peaks(p, v, m):
+    for g in range(p):
+        full = interleaved_one_f_one_b(p, v, m, g)
+        alone = interleaved_compute(p, v, m, g)
+        assert compute_order(alone) == compute_order(full)
+        assert held_counts(alone, g) == held_counts(full, g)
+        n = v * p  # two non-negative weightings: later stages heavier, then lighter
+        for weights in ({s: 1.0 + s for s in range(n)}, {s: 1.0 + n - s for s in range(n)}):
+            best = max(sum(count * weights[s] for s, count in vec) for vec in held_counts(alone, g))
+            assert best == pytest.approx(peak_activation(full, weights.__getitem__, own_stage=g))

@@ -20,6 +20,7 @@ from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import SimulationCache, fits, predict
+from megatron_het.perf.comm_cost import CommCost
 from megatron_het.planner.search import search_plan
 
 SEQ = 1024
@@ -93,6 +94,7 @@ def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size
     tps = [t for t in (1, 2, 4, 8) if model.num_attention_heads % t == 0
            and model.num_query_groups % t == 0 and model.ffn_hidden_size % t == 0]
     cache, best, best_plan = SimulationCache(), float("inf"), None
+    comm = CommCost(cluster)  # its memos are pure: shared by every prediction
     for dp in range(1, cluster.world_size + 1):
         if any(n % dp for n in counts.values()) or global_batch_size % dp:
             continue
@@ -115,7 +117,8 @@ def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size
                         start += n
                     pipelines.append(PipelinePlan(share // mbs, tuple(stages)))
                 plan = ParallelPlan(mbs, tuple(pipelines), "bf16", zero1)
-                prediction = predict(model, plan, cluster, SEQ, cache=cache, validate=False)
+                prediction = predict(model, plan, cluster, SEQ, cache=cache, validate=False,
+                                     comm=comm)
                 if prediction.iteration_time_s < best and fits(prediction, cluster).ok:
                     best, best_plan = prediction.iteration_time_s, plan
     return best, best_plan

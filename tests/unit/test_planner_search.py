@@ -168,3 +168,66 @@ def test_evaluate_refuses_a_plan_for_another_cluster(cluster) -> None:
     again = evaluate_plan(MODEL, other, plan, SEQ, with_baseline=False)
     assert again.prediction.iteration_time_s == pytest.approx(
         predict(MODEL, plan, other, SEQ).iteration_time_s)
+
+
+def _uneven_nodes_cluster() -> ClusterSpec:
+    return ClusterSpec.from_dict({"name": "uneven", "node_groups": [
+        {"name": "a", "accelerator": "H100", "nodes": 2, "devices_per_node": 8,
+         "nic_bandwidth_gbps": 50},
+        {"name": "b", "accelerator": "H100", "nodes": 1, "devices_per_node": 4,
+         "nic_bandwidth_gbps": 50},
+        {"name": "c", "accelerator": "A100-80G", "nodes": 3, "devices_per_node": 4,
+         "nic_bandwidth_gbps": 25}]})
+
+
+@pytest.mark.parametrize("cluster", [_uneven_nodes_cluster(), papers_cluster()],
+                         ids=["uneven nodes", "hethub"])
+def test_node_locality_matches_a_rank_by_rank_check(cluster) -> None:
+    placement = Placement(cluster)
+    node = placement.node_of
+    for kind in placement.kinds:
+        ranks = placement.ranks_of[kind]
+        for dp in (d for d in range(1, 9) if len(ranks) % d == 0):
+            share = len(ranks) // dp
+            for parts in ([(t, share // t)] for t in (1, 2, 4, 8, 16) if share % t == 0):
+                start, local = 0, True
+                for _ in range(dp):
+                    for tp, stages in parts:
+                        for _ in range(stages):
+                            local &= len({node[r] for r in ranks[start:start + tp]}) == 1
+                            start += tp
+                assert placement.split_local(kind, dp, parts) == local, (kind, dp, parts)
+
+
+def test_a_shared_communication_model_prices_plans_as_a_fresh_one() -> None:
+    cluster = papers_cluster()
+    model = papers_model()
+    placement = Placement(cluster)
+    shared = CommCost(cluster)
+    layouts = [Layout(8, (KindBlock("MI250X", 8, 2), KindBlock("accelerator-a", 4, 20)), 1,
+                      128, True),
+               Layout(8, (KindBlock("accelerator-a", 8, 10), KindBlock("MI250X", 4, 4)), 2,
+                      64, True, sequence_parallel=True),
+               Layout(4, (KindBlock("MI250X", 8, 4), KindBlock("accelerator-a", 8, 20)), 1,
+                      240, True, num_chunks=2)]
+    for layout in layouts:
+        for layers in ([4] * layout.num_stages, [2] * layout.num_stages):
+            plan = build_plan(layout, layers, placement, "bf16")
+            fresh = predict(model, plan, cluster, 4096, validate=False)
+            again = predict(model, plan, cluster, 4096, validate=False, comm=shared)
+            assert again == fresh
+
+
+def test_planned_plans_equal_the_same_plans_built_and_checked_from_their_files() -> None:
+    cluster, placement = papers_cluster(), Placement(papers_cluster())
+    for layout, layers in (
+            (Layout(8, (KindBlock("MI250X", 8, 2), KindBlock("accelerator-a", 4, 20)), 1, 128,
+                    True), [4] * 22),
+            (Layout(4, (KindBlock("MI250X", 8, 4), KindBlock("accelerator-a", 8, 20)), 1, 240,
+                    True, num_chunks=2, sequence_parallel=True), [4] * 20 + [2] * 4)):
+        plan = build_plan(layout, layers, placement, "bf16")
+        again = ParallelPlan.from_dict(plan.to_dict())
+        assert again == plan and hash(again) == hash(plan)
+        assert [p.device_groups for p in again.pipelines] == [p.device_groups for p in
+                                                               plan.pipelines]
+        validate(plan, papers_model(), cluster, plan.global_batch_size)

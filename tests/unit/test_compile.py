@@ -71,6 +71,7 @@ def test_a_tensor_parallel_stage_compiles_between_its_collectives(monkeypatch) -
     assert calls == [False, False]  # the TP collectives break each layer's graph
 
 
+@pytest.mark.slow  # compiles (dynamo's eager backend)
 def test_a_marked_function_runs_outside_the_compiled_graph() -> None:
     seen = []
 
@@ -86,6 +87,7 @@ def test_a_marked_function_runs_outside_the_compiled_graph() -> None:
     assert seen == [False, False]  # eager both times: dynamo did not trace into it
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_process_that_does_not_compile_never_imports_dynamo() -> None:
     code = ("import sys; from megatron_het.training import entry; "
             "from megatron_het.model.llama import build_model; "

@@ -7,6 +7,7 @@ Read from the modules' syntax trees, so every import counts: inside functions an
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -19,6 +20,7 @@ def module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.lru_cache(maxsize=1)  # parsed once for every test here (the tree does not change)
 def import_graph() -> dict[str, set[str]]:
     modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in modules}

@@ -199,6 +199,7 @@ def test_node_locality_matches_a_rank_by_rank_check(cluster) -> None:
                 assert placement.split_local(kind, dp, parts) == local, (kind, dp, parts)
 
 
+@pytest.mark.slow  # twelve predictions over 768 devices
 def test_a_shared_communication_model_prices_plans_as_a_fresh_one() -> None:
     cluster = papers_cluster()
     model = papers_model()

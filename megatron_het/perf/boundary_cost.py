@@ -84,7 +84,7 @@ class BoundaryCost:
         for pipeline in self.plan.pipelines:
             stages = pipeline.stages
             for b, (src, dst) in enumerate(zip(stages, stages[1:])):
-                if sharded and (src.tp > 1 or dst.tp > 1):
+                if sharded and self._by_position(src, dst):
                     for a, c, _ in self._messages(src, dst):
                         if node(a) != node(c):
                             crossing[b].setdefault(node(a), set()).add(a)

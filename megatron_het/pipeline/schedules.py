@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Callable, Union
 
 from megatron_het.pipeline.actions import (_RECV_OF, Action, ActionKind, P2PBatch,
-                                           ScheduleError, Step, _batched)
+                                           ScheduleError, Step, _actions_of, _batched)
 from megatron_het.pipeline.schedule_check import (ScheduleReport, check_schedule,
                                                   peak_activation)
 
@@ -181,8 +181,7 @@ def interleaved_compute(num_groups: int, num_chunks: int, num_micro_batches: int
     _check_interleaved_args(num_groups, num_chunks, num_micro_batches, group)
     if num_chunks == 1:
         return [replace(a, stage=group) for step in
-                one_f_one_b(num_groups, num_micro_batches, group)
-                for a in (step.actions if isinstance(step, P2PBatch) else (step,))
+                one_f_one_b(num_groups, num_micro_batches, group) for a in _actions_of(step)
                 if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
     return [a for compute in _interleaved_rounds(num_groups, num_chunks, num_micro_batches,
                                                  group) for a in compute]

@@ -16,6 +16,7 @@ and ``--node_rank`` (ranks are the cumulative sum of the nodes' local world size
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -293,3 +294,20 @@ def _ranges(values: Sequence[int]) -> str:
             start = v
         prev = v
     return ",".join(parts)
+
+
+def kind_subcluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:
+    """The node groups of ``cluster`` whose accelerator is ``kind``, with the links among them.
+
+    A group colocated with a host of another kind gets its own nodes of the same count.
+    """
+    groups = [g for g in cluster.node_groups if g.accelerator.name == kind]
+    names = {g.name for g in groups}
+    if not groups:
+        raise UserError(f"cluster {cluster.name} has no {kind} devices")
+    groups = [g if g.colocate_with is None or g.colocate_with in names
+              else replace(g, colocate_with=None) for g in groups]
+    links = [cluster.group_link(a.name, b.name) for i, a in enumerate(groups)
+             for b in groups[i + 1:]]
+    order = [name for name in cluster.rank_order if name in names]
+    return ClusterSpec(groups, links, order, name=f"{cluster.name}[{kind}]")

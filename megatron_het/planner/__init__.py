@@ -1,9 +1,10 @@
 """The automatic parallel planner: search plans with the performance predictor.
 
 :func:`search_plan` enumerates layouts (accelerator kinds per pipeline position, TP and stages
-per kind, DP, micro-batch size, recompute, ZeRO-1, sequence parallelism, interleaving),
-balances the layers of each by speed under the devices' memory and returns the fastest by the
-simulated prediction.
+per kind, DP, micro-batch size, recompute, ZeRO-1, sequence parallelism, interleaving; and
+heterogeneous DP: replicas of one kind each with batch shares by speed), balances the layers
+of each by speed under the devices' memory and returns the fastest by the simulated
+prediction.
 :func:`homogeneous_baseline` is HETHUB's reference (one search per accelerator kind, which a
 mixed plan may pass) and :func:`compute_ceiling` the throughput no plan passes; a caller
 attaches them: ``result.with_baseline(...)``, ``result.with_ceiling(...)``.

@@ -11,10 +11,9 @@ bound no plan passes is the compute ceiling (:mod:`megatron_het.planner.ceiling`
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any, Mapping, Optional
 
-from megatron_het.cluster import ClusterSpec
+from megatron_het.cluster import ClusterSpec, kind_subcluster
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.perf import Prediction, Profile, StagePrediction
@@ -26,23 +25,6 @@ SHARE_MARGIN = 1e-3
 # An efficiency counts as above 1 only past this (a homogeneous cluster is its own baseline up
 # to rounding).
 ABOVE_ONE = 1.0 + 1e-9
-
-
-def kind_subcluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:
-    """The node groups of ``cluster`` whose accelerator is ``kind``, with the links among them.
-
-    A group colocated with a host of another kind gets its own nodes of the same count.
-    """
-    groups = [g for g in cluster.node_groups if g.accelerator.name == kind]
-    names = {g.name for g in groups}
-    if not groups:
-        raise UserError(f"cluster {cluster.name} has no {kind} devices")
-    groups = [g if g.colocate_with is None or g.colocate_with in names
-              else replace(g, colocate_with=None) for g in groups]
-    links = [cluster.group_link(a.name, b.name) for i, a in enumerate(groups)
-             for b in groups[i + 1:]]
-    order = [name for name in cluster.rank_order if name in names]
-    return ClusterSpec(groups, links, order, name=f"{cluster.name}[{kind}]")
 
 
 def tp_comm_share(rows: list[StagePrediction]) -> float:

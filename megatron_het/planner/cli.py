@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {MAX_VIRTUAL_STAGES}; 1 searches plain 1F1B only); with "
                         "--evaluate: interleave that plan, every device group running V "
                         "chunks (its layers dealt out in V rounds; default 1)")
+    p.add_argument("--no-heterogeneous-dp", action="store_true",
+                   help="search only layouts whose DP replicas are the same pipeline (by "
+                        "default replicas of one kind each, the batch shared by speed, are "
+                        "searched too)")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the per-kind searches of the homogeneous baseline (the compute "
                         "ceiling is always given)")
@@ -112,7 +116,8 @@ def run(argv: Sequence[str]) -> SearchResult:
     else:
         result = search_plan(model, cluster, args.global_batch_size, args.seq_length, profiles,
                              args.dtype, top_k=args.top,
-                             max_virtual_stages=args.virtual_stages or MAX_VIRTUAL_STAGES)
+                             max_virtual_stages=args.virtual_stages or MAX_VIRTUAL_STAGES,
+                             heterogeneous_dp=not args.no_heterogeneous_dp)
         if not args.no_baseline:
             result = result.with_baseline(homogeneous_baseline(
                 model, cluster, args.global_batch_size, args.seq_length, profiles, args.dtype))

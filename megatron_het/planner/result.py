@@ -20,15 +20,17 @@ from typing import Any, Optional
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Prediction
 from megatron_het.planner.ceiling import Ceiling
+from megatron_het.planner.kind_replicas import ReplicaLayout
 from megatron_het.planner.space import Layout
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A searched plan: its layout, layer split, closed-form time and (for the top ones) the
-    simulated prediction."""
+    """A searched plan: its layout (every replica alike, or replicas of one kind each: then
+    ``layers`` lists every kind's split in turn), layer split, closed-form time and (for the
+    top ones) the simulated prediction."""
 
-    layout: Layout
+    layout: Layout | ReplicaLayout
     layers: tuple[int, ...]
     closed_form_s: float
     plan: ParallelPlan

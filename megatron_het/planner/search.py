@@ -19,7 +19,11 @@ Search order (all predictions are pure computations, no processes):
    on them under every device's memory. A layout limited by memory brings in its recompute and
    sequence-parallel variants;
 3. the best ``refine`` splits get a local search, the best ``top_k`` are predicted with the
-   event-driven pipeline simulation (small ones polished under it), and the fastest is the plan.
+   event-driven pipeline simulation (small ones polished under it);
+4. on clusters of two or more kinds, heterogeneous DP (every kind its own replicas, the batch
+   shared by speed: :mod:`megatron_het.planner.kind_replicas`) is searched where its bound
+   is under the best closed-form time found, and its best plans join the candidates; the
+   fastest candidate is the plan.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.memory import GIB
 from megatron_het.planner.bounds import (KindCosts, memory_feasible, memory_pressure,
                                          sync_lower_bound, time_lower_bound)
+from megatron_het.planner.kind_replicas import ReplicaSearch
 from megatron_het.planner.result import Candidate, SearchResult
 from megatron_het.planner.space import (KindBlock, Layout, Placement, build_plan, divisors,
                                         micro_batch_sizes, pipeline_shapes, split_shapes)
@@ -243,7 +248,8 @@ def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
                 seq_length: int, profiles: Optional[Mapping[str, Profile]] = None,
                 dtype: str = "bf16", *, top_k: int = 5, refine: int = 16,
                 max_micro_batch_size: int = 16, check_memory: bool = True,
-                max_virtual_stages: int = MAX_VIRTUAL_STAGES) -> SearchResult:
+                max_virtual_stages: int = MAX_VIRTUAL_STAGES,
+                heterogeneous_dp: bool = True) -> SearchResult:
     """Search the best plan for ``model`` on every device of ``cluster``.
 
     Returns the fastest plan by the simulated prediction among the ``top_k`` best closed-form
@@ -254,6 +260,8 @@ def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
     ``with_ceiling``). Micro-batch sizes go up to ``max_micro_batch_size``.
     ``check_memory=False`` ignores device memory (used for the bound of a kind that cannot hold
     the model alone). ``max_virtual_stages`` caps the interleaving degree (1: plain 1F1B only).
+    ``heterogeneous_dp`` also searches replicas of one kind each with batch shares by speed
+    (:mod:`megatron_het.planner.kind_replicas`; clusters of two or more kinds).
     Raises UserError when no plan fits, with the smallest shortfall.
     """
     if global_batch_size < 1 or seq_length < 1:
@@ -264,12 +272,31 @@ def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
         search = _Search(model, cluster, global_batch_size, seq_length, profiles, dtype,
                          check_memory, max(1, top_k), max(1, max_virtual_stages))
         search.run(max_micro_batch_size)
-        if not search.scored:
+        candidates = _finalists(search, top_k, refine) if search.scored else []
+        beat = min((c.closed_form_s for c in candidates), default=math.inf)
+        replicas = (_replica_candidates(search, max_micro_batch_size, beat)
+                    if heterogeneous_dp else [])
+        if not candidates and not replicas:
             raise UserError(_no_fit_message(search))
-        candidates = _finalists(search, top_k, refine)
+        candidates = sorted(candidates + replicas,
+                            key=lambda c: c.prediction.iteration_time_s)[:max(1, top_k)]
     best = candidates[0]
     return SearchResult(best.plan, best.prediction, tuple(candidates), search.evaluated,
                         time.perf_counter() - start)
+
+
+def _replica_candidates(search: _Search, max_micro_batch_size: int,
+                        beat: float) -> list[Candidate]:
+    """The best heterogeneous-DP plans (replicas of one kind each) whose bound is under
+    ``beat`` seconds (the closed-form time of the best other plan), predicted in full."""
+    replicas = ReplicaSearch(search.model, search.cluster, search.placement,
+                             search.global_batch_size, search.seq_length, search.profiles,
+                             search.dtype, search.check_memory, search.cache, search.comm)
+    found = replicas.candidates(max_micro_batch_size, search.top_k, beat)
+    search.evaluated += replicas.probes
+    return [Candidate(layout, tuple(n for part in layout.parts for n in part.layers),
+                      closed_form, plan, prediction)
+            for layout, plan, prediction, closed_form in found]
 
 
 @contextlib.contextmanager

@@ -9,8 +9,9 @@ tp > 1). Every DP replica is the same pipeline, so the plan format's rule (same 
 and TP per stage in all pipelines) holds by construction, and every device of the cluster is
 used: the stages of kind ``k`` hold ``count(k) / dp`` devices of every pipeline.
 
-A kind's stages use one TP degree (:func:`pipeline_shapes`), or for interleaved layouts two
-adjacent ones, ``t`` and ``2 t`` (:func:`split_shapes`): interleaved 1F1B needs the device
+A kind's stages use one TP degree (:func:`pipeline_shapes`; two, ``2 t`` on all its stages but
+one of ``t``, where its share is an odd multiple of ``t``), or for interleaved layouts any
+two adjacent ones, ``t`` and ``2 t`` (:func:`split_shapes`): interleaved 1F1B needs the device
 group count to divide the micro-batches, and one TP degree per kind rarely gives such a count
 (HETHUB's 16 + 80 devices per pipeline make 2 + 20 = 22 groups at tp 8 and 4; 2 + 8 + 6 = 16
 with a second TP degree on the 80).
@@ -200,34 +201,48 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def kind_shapes(model: ModelConfig, placement: Placement, dp: int,
-                max_tp: int) -> dict[str, list[tuple[int, int]]]:
-    """Per kind, the (tp, stages) pairs that use all of that kind's devices of one pipeline
-    with node-local TP groups; ``max_tp`` caps the TP degree."""
+def kind_shapes(model: ModelConfig, placement: Placement, dp: int, max_tp: int
+                ) -> dict[str, list[tuple[tuple[int, int], ...]]]:
+    """Per kind, the ``(tp, stages)`` parts of one pipeline's share of its devices, TP groups
+    node-local, ``max_tp`` capping the degree: ``D / t`` stages of every ``t`` that divides
+    the share ``D``, and where ``D / t`` is odd and above 1 also ``(D / t - 1) / 2`` stages of
+    ``2 t`` and one of ``t`` (a share of 3 or 5 devices can still use TP 2, and an odd count
+    of 8-device nodes TP 16 ... on all but one stage)."""
     tps = [t for t in valid_tp_sizes(model) if t <= max_tp]
     out = {}
     for kind in placement.kinds:
-        per_pipeline = placement.count(kind) // dp
-        out[kind] = [(t, per_pipeline // t) for t in tps
-                     if per_pipeline % t == 0 and per_pipeline // t <= model.num_layers
-                     and placement.split_local(kind, dp, ((t, per_pipeline // t),))]
+        share = placement.count(kind) // dp
+        options: list[tuple[tuple[int, int], ...]] = []
+        for t in tps:
+            if share % t:
+                continue
+            units = share // t
+            candidates = [((t, units),)]
+            if units % 2 and units > 1 and 2 * t in tps:
+                candidates.append(((2 * t, units // 2), (t, 1)))
+            for parts in candidates:
+                if (sum(n for _, n in parts) <= model.num_layers
+                        and placement.split_local(kind, dp, parts)):
+                    options.append(parts)
+        out[kind] = options
     return out
 
 
 def pipeline_shapes(model: ModelConfig, placement: Placement, max_tp: int = 64
                     ) -> Iterator[tuple[int, tuple[KindBlock, ...]]]:
-    """Every (dp, blocks in pipeline order) whose stage count fits the model's layers; the
-    kinds are permuted (which kind holds the embedding matters)."""
+    """Every (dp, blocks in pipeline order) whose stage count fits the model's layers
+    (:func:`kind_shapes` per kind); the kinds are permuted (which kind holds the embedding
+    matters), a kind's wider block first."""
     counts = [placement.count(k) for k in placement.kinds]
     for dp in divisors(math.gcd(*counts)):
         shapes = kind_shapes(model, placement, dp, max_tp)
         for choice in itertools.product(*(shapes[k] for k in placement.kinds)):
-            if sum(stages for _, stages in choice) > model.num_layers:
+            if sum(n for parts in choice for _, n in parts) > model.num_layers:
                 continue
-            blocks = [KindBlock(k, tp, stages) for k, (tp, stages) in
-                      zip(placement.kinds, choice)]
-            for order in itertools.permutations(blocks):
-                yield dp, tuple(order)
+            groups = [tuple(KindBlock(k, tp, n) for tp, n in parts)
+                      for k, parts in zip(placement.kinds, choice)]
+            for order in itertools.permutations(groups):
+                yield dp, tuple(b for group in order for b in group)
 
 
 def split_shapes(model: ModelConfig, placement: Placement, dp: int, num_groups: int,

@@ -137,3 +137,93 @@ def test_planner_within_one_percent_of_brute_force(name: str) -> None:
     assert result.prediction.iteration_time_s <= best * 1.01, (
         f"planner {result.prediction.iteration_time_s:.6f} s:\n{result.plan.describe()}\n"
         f"brute force {best:.6f} s:\n{best_plan.describe()}")
+
+
+def _kind_pipelines(model: ModelConfig, cluster: ClusterSpec, kind: str, tps: list[int]
+                    ) -> Iterator[tuple[int, list[list[StagePlan]]]]:
+    """Every way to run ``kind``'s devices alone as identical replicas: (dp, per replica its
+    stages), every stage sequence and layer split, ranks in rank order, TP inside a node."""
+    ranks = [i.rank for i in cluster.rank_map() if i.accelerator.name == kind]
+    sub = {kind: len(ranks)}
+    for dp in range(1, len(ranks) + 1):
+        if len(ranks) % dp:
+            continue
+        per = len(ranks) // dp
+        for sequence in _stage_sequences({kind: per}, tps, model.num_layers):
+            for split in _compositions(model.num_layers, len(sequence)):
+                replicas, ok = [], True
+                for d in range(dp):
+                    taken, start, stages = d * per, 0, []
+                    for (_, tp), n in zip(sequence, split):
+                        group = tuple(ranks[taken:taken + tp])
+                        ok &= len({cluster.rank_info(r).node for r in group}) == 1
+                        stages.append(StagePlan(kind, tp, (start, start + n), group))
+                        taken, start = taken + tp, start + n
+                    replicas.append(stages)
+                if ok:
+                    yield dp, replicas
+    del sub
+
+
+def _splits(total: int, dps: list[int]) -> Iterator[tuple[int, ...]]:
+    """Every (m_k >= 1) with sum dps[k] * m_k == total."""
+    if not dps:
+        if total == 0:
+            yield ()
+        return
+    for m in range(1, total // dps[0] + 1):
+        for tail in _splits(total - dps[0] * m, dps[1:]):
+            yield (m, *tail)
+
+
+def brute_force_replicas(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
+                         ) -> tuple[float, ParallelPlan | None]:
+    """The least simulated time of every heterogeneous-DP plan of replicas of one kind each
+    (:func:`_kind_pipelines` per kind, every micro-batch size and batch share, ZeRO-1 on or
+    off, recompute on where the plan does not fit without) that fits, and that plan."""
+    tps = [t for t in (1, 2, 4, 8) if model.num_attention_heads % t == 0
+           and model.num_query_groups % t == 0 and model.ffn_hidden_size % t == 0]
+    kinds = list(cluster.accelerator_counts())
+    cache, comm, best, best_plan = SimulationCache(), CommCost(cluster), float("inf"), None
+    per_kind = [list(_kind_pipelines(model, cluster, k, tps)) for k in kinds]
+    for choice in itertools.product(*per_kind):
+        dps = [dp for dp, _ in choice]
+        for mbs in [b for b in range(1, global_batch_size + 1) if global_batch_size % b == 0]:
+            for shares in _splits(global_batch_size // mbs, dps):
+                for zero1 in (False, True):
+                    for recompute in (False, True):
+                        pipelines = tuple(
+                            PipelinePlan(m, tuple(StagePlan(s.accelerator, s.tp, s.layers,
+                                                            s.ranks, recompute=recompute)
+                                                  for s in stages))
+                            for (_, replicas), m in zip(choice, shares) for stages in replicas)
+                        plan = ParallelPlan(mbs, pipelines, "bf16", zero1)
+                        prediction = predict(model, plan, cluster, SEQ, cache=cache,
+                                             validate=False, comm=comm)
+                        if fits(prediction, cluster).ok:
+                            if prediction.iteration_time_s < best:
+                                best, best_plan = prediction.iteration_time_s, plan
+                            break  # recompute only adds time
+    return best, best_plan
+
+
+REPLICA_MODEL = ModelConfig(name="bf-4l", num_layers=4, hidden_size=2048, ffn_hidden_size=5632,
+                            num_attention_heads=16, num_query_groups=4, vocab_size=32000)
+
+
+@pytest.mark.slow
+def test_planner_within_one_percent_of_brute_force_with_replicas_of_one_kind() -> None:
+    """Device counts with no common divisor: every uniform pipeline holds both kinds, and
+    replicas of one kind each (batch shared by speed) win; the planner finds them."""
+    cluster = ClusterSpec.from_dict({"name": "bfr", "node_groups": [
+        _group("h", "H100", 1, 2, 3200), _group("m", "MI250X", 1, 3, 3200)]})
+    global_batch_size = 12
+    result = search_plan(REPLICA_MODEL, cluster, global_batch_size, SEQ)
+    validate(result.plan, REPLICA_MODEL, cluster, global_batch_size)
+    assert fits(result.prediction, cluster).ok
+    uniform, _ = brute_force_best(REPLICA_MODEL, cluster, global_batch_size)
+    best, best_plan = brute_force_replicas(REPLICA_MODEL, cluster, global_batch_size)
+    assert best_plan is not None and best < uniform  # the case is one for replicas
+    assert result.prediction.iteration_time_s <= best * 1.01, (
+        f"planner {result.prediction.iteration_time_s:.6f} s:\n{result.plan.describe()}\n"
+        f"brute force {best:.6f} s:\n{best_plan.describe()}")

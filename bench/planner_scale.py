@@ -8,7 +8,7 @@ Cases:
   hethub_llama140b.yaml), global batch 1024, sequence 4096: the plan search, then the
   homogeneous baseline's per-kind searches (what ``tools/plan.py`` adds for ``efficiency``);
 * ``16k``: Llama-140B on 16,384 devices of three kinds (scripts/clusters/
-  h100_mi300x_a100_16k.yaml), global batch 4096, sequence 4096: the plan search alone (minutes).
+  h100_mi300x_a100_16k.yaml), global batch 4096, sequence 4096: the plan search alone.
 
 Prints one line per case and repeat (stderr), then one JSON line last: per case the median
 search seconds over the repeats, the layouts probed, the plan and its predicted iteration time.

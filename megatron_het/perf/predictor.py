@@ -372,13 +372,8 @@ def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
             groups = pipeline.pp_size
             ends = list(zip(last_backward_ends(b, time, groups, cb), b[:groups]))
     elif with_ends:
-        result = simulate(cache.schedule(pipeline.pp_size, m, v), f, b, cf, cb,
-                          record_timeline=True)
-        time = result.makespan_s
-        ends = []
-        for events in result.timeline:
-            last = next(e for e in reversed(events) if e.kind == "backward")
-            ends.append((last.end_s, last.end_s - last.start_s))
+        time, held = cache.last_backwards(f, b, m, cf, cb, v)
+        ends = list(held)
     else:
         time = cache.makespan(f, b, m, cf, cb, v)
     return (PipelinePrediction(p, m, time, closed, lower,

@@ -401,6 +401,7 @@ class SimulationCache:
     def __init__(self) -> None:
         self._schedules: dict[tuple[int, int, int], list[list[Step]]] = {}
         self._makespans: dict[tuple, float] = {}
+        self._ends: dict[tuple, tuple[float, tuple[tuple[float, float], ...]]] = {}
         self._held: dict[tuple[int, int, int, int], tuple] = {}
         self._computes: dict[tuple, tuple[object, object]] = {}
 
@@ -433,6 +434,27 @@ class SimulationCache:
         if key not in self._computes:
             self._computes[key] = (stage_compute(*args), choice.profile)
         return self._computes[key][0]
+
+    def last_backwards(self, forward_s: Sequence[float], backward_s: Sequence[float],
+                       num_micro_batches: int, p2p_forward_s: Sequence[float],
+                       p2p_backward_s: Sequence[float], num_chunks: int = 1
+                       ) -> tuple[float, tuple[tuple[float, float], ...]]:
+        """The simulated makespan and, per device group, the end and duration of its last
+        backward (from the timeline), memoized like :meth:`makespan`: the replicas of a plan
+        that run alike are simulated once."""
+        key = (tuple(forward_s), tuple(backward_s), num_micro_batches, tuple(p2p_forward_s),
+               tuple(p2p_backward_s), num_chunks)
+        if key not in self._ends:
+            steps = self.schedule(_groups(len(forward_s), num_chunks), num_micro_batches,
+                                  num_chunks)
+            result = simulate(steps, forward_s, backward_s, p2p_forward_s, p2p_backward_s,
+                              record_timeline=True)
+            ends = []
+            for events in result.timeline:
+                last = next(e for e in reversed(events) if e.kind == "backward")
+                ends.append((last.end_s, last.end_s - last.start_s))
+            self._ends[key] = (result.makespan_s, tuple(ends))
+        return self._ends[key]
 
     def makespan(self, forward_s: Sequence[float], backward_s: Sequence[float],
                  num_micro_batches: int, p2p_forward_s: Sequence[float],

@@ -12,7 +12,7 @@ passes the best times found.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
@@ -122,13 +122,18 @@ def sync_lower_bound(layout: Layout, costs: KindCosts, num_layers: int,
     return num_layers / sum(1.0 / c for c in slopes)
 
 
-def time_lower_bound(layout: Layout, costs: KindCosts, num_layers: int) -> float:
+def time_lower_bound(layout: Layout, costs: KindCosts, num_layers: int,
+                     tight: bool = True) -> float:
     """No split of ``layout`` has a closed-form iteration time below this.
 
-    With per-layer stage work ``w_s`` and no fixed costs, the 1F1B time is at least
-    ``L min_s w_s + (m - 1) max_s w_s l_s`` and ``max_s w_s l_s >= L / sum_s (1 / w_s)``.
-    Interleaved, the busiest device group computes ``m max_g w_g l_g`` and the others fill
-    and drain at the pace of one of their chunks, ``(sum_g w_g l_g - max_g w_g l_g) / v``.
+    With per-layer stage work ``w_s`` and no fixed costs, the 1F1B time of a split ``l`` is
+    at least ``sum_s w_s l_s + (m - 1) max_s w_s l_s`` (the fill and drain, then the
+    bottleneck's cycles): ``tight`` gives that least over every real split with ``l_s >= 1``
+    (:func:`fill_and_cycles_bound`), else the looser ``L min_s w_s + (m - 1) L / sum_s
+    (1 / w_s)``, which is affine in ``m`` (a line through two micro-batch counts bounds every
+    other). Interleaved, the busiest device group computes ``m max_g w_g l_g`` and the others
+    fill and drain at the pace of one of their chunks, ``(sum_g w_g l_g - max_g w_g l_g) /
+    v``.
     """
     work = [costs.get(b, layout.micro_batch_size, layout.sequence_parallel).seconds
             for b in layout.stage_kinds()]
@@ -138,7 +143,44 @@ def time_lower_bound(layout: Layout, costs: KindCosts, num_layers: int) -> float
     if layout.num_chunks > 1:  # plus the fill: the other groups' work at a chunk's pace
         return (layout.micro_batches * bottleneck
                 + max(0.0, num_layers * min(work) - bottleneck) / layout.num_chunks)
+    if tight and num_layers >= len(work):
+        return fill_and_cycles_bound(work, num_layers, layout.micro_batches)
     return num_layers * min(work) + (layout.micro_batches - 1) * bottleneck
+
+
+def fill_and_cycles_bound(work: Sequence[float], num_layers: int, micro_batches: int) -> float:
+    """``min over real l (l_s >= 1, sum l_s = L) of sum_s w_s l_s + (m - 1) max_s w_s l_s``.
+
+    For a bottleneck ``B = max_s w_s l_s`` the least fill puts one layer on every stage and the
+    other ``L - p`` on the stages cheapest per layer first, each up to ``B / w_s``; that fill
+    is convex and falls with ``B`` while ``(m - 1) B`` rises, so the least sum over ``B`` is
+    found by ternary search, from ``B`` where the layers just fit to where one stage could
+    hold them all."""
+    order = sorted(work)
+    p, extra = len(order), num_layers - len(order)
+    base = sum(order)
+
+    def total(bottleneck: float) -> float:
+        fill, left = base, float(extra)
+        for w in order:
+            if left <= 0:
+                break
+            take = min(left, bottleneck / w - 1.0)
+            fill += w * take
+            left -= take
+        return fill + (micro_batches - 1) * bottleneck
+
+    lo = max(order[-1], num_layers / sum(1.0 / w for w in order))
+    hi = max(lo, order[0] * (num_layers - p + 1))
+    for _ in range(60):
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        if total(a) <= total(b):
+            hi = b
+        else:
+            lo = a
+    loose = num_layers * order[0] + (micro_batches - 1) * num_layers / sum(1.0 / w for w in order)
+    # under the search's residue (far under the model's error), never under the loose bound
+    return max(loose, total(lo) * (1 - 1e-6))
 
 
 def _layer_room(layout: Layout, costs: KindCosts) -> list[float]:
@@ -177,5 +219,5 @@ def memory_pressure(layout: Layout, costs: KindCosts, num_layers: int) -> float:
     return max(num_layers / sum(room), max(1.0 / r for r in room))
 
 
-__all__ = ["KindCosts", "LayerCost", "memory_feasible", "memory_pressure", "sync_lower_bound",
-           "time_lower_bound"]
+__all__ = ["KindCosts", "LayerCost", "fill_and_cycles_bound", "memory_feasible",
+           "memory_pressure", "sync_lower_bound", "time_lower_bound"]

@@ -27,6 +27,7 @@ degree allows) and micro-batch size:
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
@@ -49,6 +50,13 @@ BISECTION_STEPS = 60
 # Per kind and family, how many of its layouts are probed (those with the least bound at the
 # bound's batch share): the bound orders them well, and probes of thousands of devices cost.
 PROBED_LAYOUTS = 3
+
+# Per kind, how many of its roomiest layouts the exact batch shares may choose among.
+SHARE_CHOICES = 4
+
+# How many times the budget is widened to the next layout's next micro-batch where no exact
+# shares add up at the least budget.
+WIDENINGS = 64
 
 
 @dataclass(frozen=True)
@@ -200,9 +208,11 @@ class ReplicaSearch:
                 total = self.global_batch_size // mbs
                 if not all(bounded) or total < sum(min(o.layout.dp for o in b) for b in bounded):
                     continue
-                found = allocate(bounded, total)
-                if found is not None:
-                    out.append((found[1], (mbs, zero1, sp, bounded)))
+                picks = shares_by_speed(bounded, total)
+                if picks is not None:  # the least pipeline time + the least any kind syncs
+                    bound = (max(o.fixed + o.per_micro_batch * m for o, m in picks)
+                             + max(min(o.sync for o in opts) for opts in bounded))
+                    out.append((bound, (mbs, zero1, sp, bounded)))
         out.sort(key=lambda item: item[0])
         return out
 
@@ -225,7 +235,7 @@ class ReplicaSearch:
                         replace(layout, micro_batches=layout.num_stages), costs, num_layers):
                     continue
                 one, two = (time_lower_bound(replace(layout, micro_batches=m), costs,
-                                             num_layers) for m in (1, 2))
+                                             num_layers, tight=False) for m in (1, 2))
                 out.append(_Option(layout, (), 2 * one - two, two - one,
                                    self._sync_bound(kind, layout, zero1)))
                 break
@@ -270,7 +280,8 @@ class ReplicaSearch:
         (twice) and build the plan."""
         total = self.global_batch_size // mbs
         found = allocate(bounded, total)
-        assert found is not None  # the family was bounded with these options
+        if found is None:
+            return None
         picks, options = found[0], []
         for kind, opts, (pick, m) in zip(self._kinds, bounded, picks):
             samples = pick.layout.dp * m  # the kind's share of the batch at the bound
@@ -394,30 +405,48 @@ def shares_by_speed(options: Sequence[Sequence[_Option]], total: int
                     ) -> Optional[list[tuple[_Option, int]]]:
     """Per kind, a layout and the micro-batches of each of its replicas, summing to ``total``
     over all replicas (``dp_k`` of kind k) and making the slowest replica's time least; None
-    when no choice adds up."""
-    def capacity(budget: float) -> list[tuple[_Option, int]]:
-        best = []
-        for opts in options:  # the most samples within the budget; ties: the quickest
-            held = [(o, min(o.most_micro_batches(budget), total)) for o in opts]
-            best.append(max(held, key=lambda item: (
-                item[0].layout.dp * item[1], -item[0].fixed - item[0].per_micro_batch * item[1])))
-        return best
+    when no choice adds up.
+
+    Bisection on that time finds the least budget within which the kinds' roomiest layouts
+    hold the batch; the shares are then made exact (:func:`exact_shares`) over the
+    :data:`SHARE_CHOICES` roomiest layouts of each kind (replica counts that cannot add up to
+    the batch give way to others), the budget widened (to where a layout holds one more micro-batch) where none adds up."""
+    def room(option: _Option, budget: float) -> int:
+        return min(option.most_micro_batches(budget), total)
+
+    def fits(budget: float) -> bool:
+        held = [max(o.layout.dp * room(o, budget) for o in opts if room(o, budget) >= 1)
+                if any(room(o, budget) >= 1 for o in opts) else 0 for opts in options]
+        return all(held) and sum(held) >= total
 
     lo = max(min(o.fixed + o.per_micro_batch for o in opts) for opts in options)
     hi = max(max(o.fixed + o.per_micro_batch * total for o in opts) for opts in options)
     for _ in range(BISECTION_STEPS):
         mid = 0.5 * (lo + hi)
-        picks = capacity(mid)
-        if all(m >= 1 for _, m in picks) and sum(o.layout.dp * m for o, m in picks) >= total:
+        if fits(mid):
             hi = mid
         else:
             lo = mid
-    for _ in range(8):  # widen a little where the least budget has no exact split
-        picks = capacity(hi)
-        shares = exact_shares([o.layout.dp for o, _ in picks], [m for _, m in picks], total)
-        if shares is not None:
-            return [(o, m) for (o, _), m in zip(picks, shares)]
-        hi *= 1.02
+    for _ in range(WIDENINGS):
+        choices = [sorted((o for o in opts if room(o, hi) >= 1),
+                          key=lambda o: -o.layout.dp * room(o, hi))[:SHARE_CHOICES]
+                   for opts in options]
+        best: Optional[tuple[float, list[tuple[_Option, int]]]] = None
+        for pick in itertools.product(*choices):
+            shares = exact_shares([o.layout.dp for o in pick], [room(o, hi) for o in pick],
+                                  total)
+            if shares is not None:
+                time = max(o.fixed + o.per_micro_batch * m for o, m in zip(pick, shares))
+                if best is None or time < best[0]:
+                    best = (time, list(zip(pick, shares)))
+        if best is not None:
+            return best[1]
+        # the next budget at which some layout holds one more micro-batch
+        later = [o.fixed + o.per_micro_batch * (room(o, hi) + 1) for opts in options
+                 for o in opts if room(o, hi) < total]
+        if not later:
+            return None
+        hi = min(later) * (1 + 1e-12)
     return None
 
 

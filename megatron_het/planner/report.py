@@ -85,6 +85,8 @@ def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
             "world_size": plan.world_size, "micro_batch_size": plan.micro_batch_size,
             "global_batch_size": plan.global_batch_size, "dtype": plan.dtype,
             "use_distributed_optimizer": plan.use_distributed_optimizer,
+            "sequence_parallel": bool(plan.sequence_parallel),
+            "overlap_grad_reduce": bool(plan.overlap_grad_reduce),
             "stage_groups": sorted(groups.values(), key=lambda g: (g["stage"], -g["pipelines"]))}
 
 
@@ -295,7 +297,9 @@ def markdown_report(result: SearchResult, cluster: ClusterSpec, title: Optional[
     if len(result.candidates) > 1:
         lines += ["## Candidates (simulated)", ""]
         lines += _table(["rank", "layout", "layers", "iteration s", "tokens/s"],
-                        [[str(i), c.layout.describe(), " ".join(map(str, c.layers)),
+                        [[str(i), c.layout.describe()
+                          + (" overlap_grad_reduce" if c.plan.overlap_grad_reduce else ""),
+                          " ".join(map(str, c.layers)),
                           f"{c.prediction.iteration_time_s:.4f}",
                           f"{c.prediction.tokens_per_s:,.0f}"]
                          for i, c in enumerate(result.candidates)])

@@ -11,7 +11,8 @@ Search order (all predictions are pure computations, no processes):
    without it. Recompute and sequence parallelism only trade time for memory, so they are
    tried where the layout without them is limited by memory. Layouts whose per-layer bytes
    cannot fit are dropped, the rest ordered by a lower bound on their time
-   (:mod:`megatron_het.planner.bounds`);
+   (:mod:`megatron_het.planner.bounds`; a cheap one for all, tightened over the pipeline's
+   fill and drain when a layout comes up, which sends most back down the line);
 2. layouts are probed in that order (branch and bound) until the bound passes the ``top_k``-th
    best time found (interleaved ones at most ``INTERLEAVED_PROBES``): two closed-form
    predictions of its distinct replicas give affine per-stage costs
@@ -183,9 +184,15 @@ class _Search:
             self.too_big.append((memory_pressure(layout, self.costs, self.model.num_layers),
                                  layout))
             return None
+        return self.bound(layout, tight=False), layout
+
+    def bound(self, layout: Layout, tight: bool) -> float:
+        """The time bound of a layout that may fit: the loose one orders every layout, the
+        tight one (a search over the pipeline's fill, :func:`time_lower_bound`) is taken
+        when the layout comes up."""
         layers = self.model.num_layers
-        return (time_lower_bound(layout, self.costs, layers)
-                + sync_lower_bound(layout, self.costs, layers, self.comm)), layout
+        return (time_lower_bound(layout, self.costs, layers, tight)
+                + sync_lower_bound(layout, self.costs, layers, self.comm))
 
     def _add(self, out: list[tuple[float, Layout]], base: Layout) -> None:
         """``base`` bounded into ``out``; if it cannot fit, its variants that may."""
@@ -206,14 +213,20 @@ class _Search:
         variants are skipped where the base was not limited by memory."""
         times: list[float] = []
         interleaved = 0
-        heap = [(bound, i, layout) for i, (bound, layout) in
+        heap = [(bound, i, layout, False) for i, (bound, layout) in
                 enumerate(self.layouts(max_micro_batch_size))]
         heapq.heapify(heap)
         counter = len(heap)
         while heap:
-            bound, _, layout = heapq.heappop(heap)
+            bound, _, layout, tightened = heapq.heappop(heap)
             if len(times) >= self.top_k and bound * (1 - 1e-6) >= times[self.top_k - 1]:
                 break
+            if not tightened:  # back in line with its tight bound where that is later
+                tight = max(bound, self.bound(layout, tight=True))
+                if heap and tight > heap[0][0]:
+                    heapq.heappush(heap, (tight, counter, layout, True))
+                    counter += 1
+                    continue
             base = _base_of(layout)
             if layout != base and base in self.unbound:
                 continue
@@ -230,7 +243,7 @@ class _Search:
                 for variant in self._variants(base):
                     found = self._bounded(variant)
                     if found is not None:
-                        heapq.heappush(heap, (max(found[0], bound), counter, variant))
+                        heapq.heappush(heap, (max(found[0], bound), counter, variant, False))
                         counter += 1
         if not self.scored:  # nothing fits: measure how far the closest layouts are
             for _, layout in sorted(self.too_big, key=lambda item: item[0])[:SHORTFALL_PROBES]:
@@ -326,18 +339,23 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
                                    check_memory=search.check_memory)
             if split is not None:
                 polished.append((plain.iteration_time(split), plain, split))
-    polished.sort(key=lambda item: item[0])
+    ranked = sorted((_overlapped(search, t, sm, layers) for t, sm, layers in polished),
+                    key=lambda item: item[0])
     out = []
-    for _, sm, layers in polished:
+    for _, sm, layers, overlap in ranked:
         if len(out) == max(1, top_k):
             break
         plain = sm.layout.num_chunks == 1
-        if plain and sm.num_stages ** 3 * sm.layout.micro_batches <= SIMULATED_POLISH_LIMIT:
+        if (plain and not overlap
+                and sm.num_stages ** 3 * sm.layout.micro_batches <= SIMULATED_POLISH_LIMIT):
             caps = layer_caps(sm, search.model.num_layers, search.check_memory)
             layers = polish_split(sm, layers, caps,
                                   lambda split: sm.simulated_time(split, search.cache))
         plan = build_plan(sm.layout, layers, search.placement, search.dtype,
-                          description=f"megatron_het planner: {sm.layout.describe()}")
+                          description=f"megatron_het planner: {sm.layout.describe()}"
+                                      f"{' overlap_grad_reduce' if overlap else ''}")
+        if overlap:
+            plan = replace(plan, overlap_grad_reduce=True)
         prediction = predict(search.model, plan, search.cluster, search.seq_length,
                              search.profiles, search.dtype, cache=search.cache,
                              comm=search.comm)
@@ -353,6 +371,24 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
                              "full (interleaved layouts whose memory was interpolated)")
     out.sort(key=lambda c: c.prediction.iteration_time_s)
     return out
+
+
+def _overlapped(search: _Search, time_s: float, sm: StageModel, layers: list[int]
+                ) -> tuple[float, StageModel, list[int], bool]:
+    """(closed-form time, stage model, split, overlap_grad_reduce): with the DP gradient
+    reduction started in the last backward where that hides time (dp > 1; the stage model
+    pays the whole sync, so the overlap is credited here, on the finalists)."""
+    if sm.layout.dp == 1:
+        return time_s, sm, layers, False
+    plan = build_plan(sm.layout, layers, search.placement, search.dtype)
+    overlapped = predict(search.model, plan, search.cluster, search.seq_length,
+                         search.profiles, search.dtype, pipeline_model="closed_form",
+                         cache=search.cache, validate=False, comm=search.comm,
+                         overlap_grad_reduce=True,
+                         pipelines=search.placement.distinct_pipelines(sm.layout))
+    if overlapped.iteration_time_s < time_s * (1 - 1e-9):
+        return overlapped.iteration_time_s, sm, layers, True
+    return time_s, sm, layers, False
 
 
 def _polish(search: _Search, sm: StageModel, layers: list[int]

@@ -3,7 +3,8 @@
 The brute force enumerates every plan of the plan format's space with identical DP replicas:
 any sequence of stages (one accelerator kind and a TP degree each, kinds in any order and even
 interleaved, TP groups inside a node), every split of the layers, every micro-batch size,
-recompute on or off, ZeRO-1 on or off; ranks are handed out in cluster rank order (pipeline d
+recompute on or off, ZeRO-1 on or off, the DP reduction overlapped with backward where dp > 1
+(the predictor's overlap never costs time, so that is the better of on and off); ranks are handed out in cluster rank order (pipeline d
 takes the d-th block of each kind's ranks, in stage order). Each plan is predicted with the
 event-driven simulation and kept if it fits in memory. The planner's plan must be within 1% of
 the best.
@@ -116,7 +117,8 @@ def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size
                                                 recompute=recompute))
                         start += n
                     pipelines.append(PipelinePlan(share // mbs, tuple(stages)))
-                plan = ParallelPlan(mbs, tuple(pipelines), "bf16", zero1)
+                plan = ParallelPlan(mbs, tuple(pipelines), "bf16", zero1,
+                                    overlap_grad_reduce=dp > 1 or None)
                 prediction = predict(model, plan, cluster, SEQ, cache=cache, validate=False,
                                      comm=comm)
                 if prediction.iteration_time_s < best and fits(prediction, cluster).ok:

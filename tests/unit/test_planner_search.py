@@ -232,3 +232,25 @@ def test_planned_plans_equal_the_same_plans_built_and_checked_from_their_files()
         assert [p.device_groups for p in again.pipelines] == [p.device_groups for p in
                                                                plan.pipelines]
         validate(plan, papers_model(), cluster, plan.global_batch_size)
+
+
+def test_fill_and_cycles_bound_is_below_every_split_and_above_the_loose_bound() -> None:
+    """The tight pipeline bound: at most the least closed form over integer splits (no fixed
+    costs), at least the loose bound it replaces."""
+    import itertools
+    import random
+
+    from megatron_het.planner.bounds import fill_and_cycles_bound
+
+    rng = random.Random(0)
+    for _ in range(300):
+        p, m = rng.randint(1, 4), rng.randint(1, 12)
+        layers = rng.randint(p, 9)
+        work = [rng.uniform(0.2, 3.0) for _ in range(p)]
+        best = min(sum(w * n for w, n in zip(work, split))
+                   + (m - 1) * max(w * n for w, n in zip(work, split))
+                   for split in itertools.product(range(1, layers + 1), repeat=p)
+                   if sum(split) == layers)
+        bound = fill_and_cycles_bound(work, layers, m)
+        loose = layers * min(work) + (m - 1) * layers / sum(1 / w for w in work)
+        assert loose * (1 - 1e-9) <= bound <= best * (1 + 1e-9)

@@ -35,6 +35,12 @@ links:
 """
 
 
+def supervised(flags: Sequence[str]) -> list[str]:
+    """tools/elastic_run.py over ``pretrain_llama.py`` with ``flags`` (on every device of the
+    cluster the flags name)."""
+    return [sys.executable, str(REPO / "tools" / "elastic_run.py"), "--", *MODEL_FLAGS, *flags]
+
+
 def torchrun(nproc: int, flags: Sequence[str]) -> list[str]:
     """The torchrun command of ``pretrain_llama.py`` on ``nproc`` local ranks."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
@@ -83,12 +89,23 @@ class Job:
             time.sleep(0.05)
 
     def worker_pid(self, rank: int) -> int:
-        """The pid of the worker with RANK=rank."""
-        pid = self.launcher.pid
-        for child in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            environ = pathlib.Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() in environ:
-                return int(child)
+        """The pid of the worker with RANK=rank (a child of torchrun, which may itself run
+        under a supervisor)."""
+        todo = [self.launcher.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                children = pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except FileNotFoundError:
+                continue
+            for child in children:
+                try:
+                    environ = pathlib.Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+                except FileNotFoundError:
+                    continue
+                if f"RANK={rank}".encode() in environ:
+                    return int(child)
+                todo.append(int(child))
         raise AssertionError(f"no worker with RANK={rank}")
 
     def send(self, rank: int, signum: int) -> float:

@@ -1,6 +1,7 @@
 """Faults end to end with torchrun on the emulated cluster: a stopped or killed rank ends the job
-within the timeout with one report line; a restart on fewer devices under a new plan continues
-the run from the last committed checkpoint (EMULATION)."""
+within the timeout with one report line; the supervisor (tools/elastic_run.py) relaunches on
+the devices left under a new plan, which continues the run from the last committed checkpoint
+(EMULATION)."""
 from __future__ import annotations
 
 import os
@@ -16,8 +17,8 @@ from megatron_het.checkpoint.io import read_latest_iteration
 from megatron_het.checkpoint.reader import load_model_state
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-from fault_jobs import (CLUSTER, CLUSTER_WITHOUT_RANK_1, PLAN, REPO, Job,  # noqa: E402
-                        torchrun, train_losses)
+from fault_jobs import (CLUSTER, PLAN, REPO, Job, supervised, torchrun,  # noqa: E402
+                        train_losses)
 
 TIMEOUT_MIN = 0.1
 SCHEDULE = ["--train-iters", "500", "--distributed-timeout-minutes", str(TIMEOUT_MIN)]
@@ -77,47 +78,42 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path: pathlib.Path) -> N
     assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".staging")]
 
 
-def finished(cmd: list[str]) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
 @pytest.mark.slow
-def test_a_killed_rank_is_named_and_the_run_resumes_on_fewer_devices(
+def test_a_killed_rank_is_named_and_the_supervisor_continues_on_fewer_devices(
         tmp_path: pathlib.Path) -> None:
-    # The killed run is the uninterrupted reference up to where it was killed: iterations 1-7
-    # logged, the checkpoint of iteration 4 the latest.
-    iters = ["--exit-interval", "7"]  # of the 500-iteration schedule, as the killed run's
-    save = tmp_path / "ckpt"
-    job, sent = start_and_fault(tmp_path, 1, signal.SIGKILL, save_interval=4, logged=7)
-    assert job.wait(TIMEOUT_MIN * 60 + 90) != 0
-    assert time.monotonic() - sent < TIMEOUT_MIN * 60 + 60
-    the_report(job, 1)
-    assert not [p for p in save.iterdir() if p.name.startswith(".staging")]  # rank 0 cleaned
-    assert assert_only_committed_checkpoints(save) == 4
-    latest = 4
-    expected = train_losses(tmp_path / "fault.jsonl")
+    """tools/elastic_run.py launches the 4-rank job; rank 1 is killed after 7 iterations (the
+    checkpoint of iteration 4 the latest); the supervisor relaunches on the 3 devices left with
+    --plan auto and --load, and the run ends at --exit-interval 10 with the uninterrupted
+    losses."""
+    save, metrics = tmp_path / "ckpt", tmp_path / "fault.jsonl"
+    flags = ["--cluster", str(CLUSTER), "--plan", str(PLAN), *SCHEDULE, "--exit-interval", "10",
+             "--metrics-file", str(metrics), "--save", str(save), "--save-interval", "4"]
+    job = Job(supervised(flags))
+    job.wait_for_iterations(metrics, 7)
+    sent = job.send(1, signal.SIGKILL)
+    while job.first_line_time("stderr", "stopped answering") is None:
+        assert time.monotonic() - sent < TIMEOUT_MIN * 60 + 60, job.text("stderr")[-3000:]
+        time.sleep(0.02)
+    # the killed run is the uninterrupted reference up to where it was killed (read before the
+    # relaunch drops the metrics after the loaded iteration)
+    expected = train_losses(metrics)
     assert set(range(1, 8)) <= set(expected)
-
-    # (A restart on the same plan resumes bit for bit: tests/distributed/test_parallel_training
-    # and bench/faults.py show it; here the run goes on with one device fewer.)
-    smaller = tmp_path / "cluster3.yaml"
-    smaller.write_text(CLUSTER_WITHOUT_RANK_1)
-    elastic = tmp_path / "elastic.jsonl"
-    shrunk = finished(torchrun(3, ["--cluster", str(smaller), "--plan", "auto", *SCHEDULE,
-                                   *iters, "--load", str(save), "--save", str(tmp_path / "c3"),
-                                   "--metrics-file", str(elastic)]))
-    out = shrunk.stdout
-    assert (f"> elastic restart from iteration {latest}: the checkpoint was written by 4 ranks "
+    assert job.wait(240) == 0, job.text("stderr")[-3000:]
+    the_report(job, 1)
+    out = job.text("stdout")
+    assert "elastic_run: iteration" in out and "ranks [1] lost" in out, out[-3000:]
+    assert "restart 1 of 3 on the 3 devices left" in out and f"--load {save}" in out
+    assert ("> elastic restart from iteration 4: the checkpoint was written by 4 ranks "
             "(2 x emu-fast (emulated), 2 x emu-slow (emulated))") in out, out[-3000:]
     assert "now 3 ranks (1 x emu-fast (emulated), 2 x emu-slow (emulated))" in out
     assert "devices lost: 1 x emu-fast (emulated)" in out
     assert "global batch 8 kept" in out and "predicted iteration time now" in out
-    got = train_losses(elastic)
-    assert sorted(got) == [5, 6, 7]
-    for i in got:
+    got = train_losses(metrics)
+    assert sorted(got) == list(range(1, 11))
+    for i in range(5, 8):
         assert abs(got[i] - expected[i]) <= 2e-4 * abs(expected[i]), (i, got[i], expected[i])
+    assert not [p for p in save.iterdir() if p.name.startswith(".staging")]
+    assert (save / "elastic" / "cluster_1.yaml").is_file()
 
 
 @pytest.mark.slow

@@ -93,6 +93,15 @@ class RegionClock:
         self.timer = pass_timer(device) if timer is None else timer
         self._regions: dict[str, list[tuple[Any, Any]]] = {}
         self._start: Any = None
+        # the host thread's place: (label of the open region, or "outside"; since when)
+        self._place: tuple[str, float] = ("outside", time.monotonic())
+
+    def activity(self) -> tuple[str, float]:
+        """Where the host thread is and for how many seconds: the label of the region it is
+        in, or "outside" (between regions, or outside the pipeline's run). Read from other
+        threads (a heartbeat), so a rank stuck in a region can be told from one waiting."""
+        label, since = self._place
+        return label, time.monotonic() - since
 
     @property
     def uses_events(self) -> bool:
@@ -108,7 +117,11 @@ class RegionClock:
     def region(self, label: str) -> Iterator[None]:
         """Time the work queued inside the block under ``label``."""
         begin = self.timer.mark()
-        yield
+        self._place = (label, time.monotonic())
+        try:
+            yield
+        finally:
+            self._place = ("outside", time.monotonic())
         self._regions.setdefault(label, []).append((begin, self.timer.mark()))
 
     def totals(self) -> tuple[dict[str, float], float]:

@@ -2,7 +2,8 @@
 
 Every rank of a launched run keeps a heartbeat in the rendezvous store (the key-value store
 torchrun's agent, or rank 0, serves): a background thread bumps a counter every
-:func:`heartbeat_interval` seconds, together with the iteration the rank is in. A stopped
+:func:`heartbeat_interval` seconds, together with the iteration the rank is in and where its
+main thread is (the pipeline's compute or p2p region, or outside them) for how long. A stopped
 (SIGSTOP) or killed rank's counter stands still; a rank waiting on a peer, or computing, keeps
 beating. Counters are compared by one observer over a window, so clocks of different hosts never
 meet.
@@ -10,8 +11,10 @@ meet.
 When an operation fails on a rank (its communicator raised after ``--distributed-timeout-minutes``,
 or a peer's connection broke), :meth:`PeerWatch.report` records the failure in the store, raises
 the run's abort flag, watches the counters for one window and returns one line: the ranks that
-stopped answering (no failure of their own, no heartbeat in the window), the ranks that failed
-before this one, and this rank's own failed operation (group, op, backend ranks). Every beating
+stopped answering (no failure of their own, no heartbeat in the window), the ranks that still
+answer but have been inside one compute region for half the timeout or more (a rank stuck in
+compute, which the others' operations waited on), the ranks that failed before this one, and
+this rank's own failed operation (group, op, backend ranks). Every beating
 thread that sees the abort flag gives its main thread ``grace_s`` to fail on its own and then
 ends the process itself (a rank stuck in a kernel or a wait that will never time out), so no rank
 of the run waits forever.
@@ -47,7 +50,9 @@ class PeerWatch:
     """One rank's heartbeat and its view of the others (see module doc).
 
     ``store`` has ``set``, ``get``, ``check`` (torch.distributed's TCPStore / HashStore).
-    ``progress`` returns the rank's current iteration; ``describe`` names a rank in a report
+    ``progress`` returns the rank's current iteration; ``activity`` where its main thread is
+    and for how many seconds (:meth:`~megatron_het.pipeline.timing.RegionClock.activity`;
+    one word, then seconds); ``describe`` names a rank in a report
     (its kind and stage); ``on_abort`` ends the process when the run was aborted elsewhere and
     this rank's main thread did not fail within ``grace_s`` (default: print and ``os._exit``).
     ``generation`` separates the keys of successive launches sharing one store (torchrun's
@@ -56,6 +61,7 @@ class PeerWatch:
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
                  progress: Callable[[], int] = lambda: 0,
+                 activity: Callable[[], tuple[str, float]] = lambda: ("outside", 0.0),
                  describe: Callable[[int], str] = lambda r: f"rank {r}",
                  on_abort: Callable[[str], None] = _abort_process,
                  grace_s: Optional[float] = None, generation: int = 0,
@@ -67,6 +73,8 @@ class PeerWatch:
         self.window_s = 1.5 * self.interval_s + 0.2  # a live rank beats at least once in it
         self.grace_s = 3.0 * self.window_s if grace_s is None else grace_s
         self.progress, self.describe, self.on_abort = progress, describe, on_abort
+        self.activity = activity
+        self.timeout_s = timeout_s
         self._beats = 0
         self._failing = False
         self._stop = threading.Event()
@@ -93,7 +101,9 @@ class PeerWatch:
 
     def _beat(self) -> None:
         self._beats += 1
-        self.store.set(self._key("beat", self.rank), f"{self._beats} {self.progress()}")
+        place, seconds = self.activity()
+        self.store.set(self._key("beat", self.rank),
+                       f"{self._beats} {self.progress()} {place or '-'} {seconds:.1f}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -199,24 +209,32 @@ class PeerWatch:
                          f"{_last_iterations(after, silent)});")
         else:
             parts.append("every other rank still answers;")
+        answering = [r for r in others if r not in silent and r not in failed]
+        stuck = _stuck_in_compute(after, answering, self.timeout_s / 2)
+        if stuck:
+            parts.append(", ".join(f"{self.describe(r)} has been computing for {s:.0f} s"
+                                   for r, s in stuck)
+                         + " (stuck in compute: the others' operations waited on it);")
         parts.append(f"on rank {self.rank}: {mine}")
         if failed:
             earlier_failures = "; ".join(f"rank {r} at iteration {_iteration_and_what(v)}"
                                          for r, v in sorted(failed.items()))
             parts[-1] += f"; failed before: {earlier_failures}"
-        return PeerReport(" ".join(parts), silent, tuple(sorted(failed)))
+        return PeerReport(" ".join(parts), silent, tuple(sorted(failed)),
+                          stuck=tuple(r for r, _ in stuck))
 
 
 @dataclass(frozen=True)
 class PeerReport:
-    """A failure as one rank saw it: the line, the ranks that stopped answering and those that
-    had failed already (known to the full report only), and whether the line is the full
-    report."""
+    """A failure as one rank saw it: the line, the ranks that stopped answering, those that
+    had failed already and those stuck in compute (known to the full report only), and
+    whether the line is the full report."""
 
     line: str
     silent: tuple[int, ...]
     failed: tuple[int, ...]
     full: bool = True
+    stuck: tuple[int, ...] = ()
 
 
 def _names(watch: PeerWatch, ranks: Sequence[int]) -> str:
@@ -226,6 +244,18 @@ def _names(watch: PeerWatch, ranks: Sequence[int]) -> str:
 def _iteration_and_what(value: str) -> str:
     iteration, _, what = value.partition(" ")
     return f"{iteration} ({what})" if what else iteration
+
+
+def _stuck_in_compute(beats: dict[int, str], ranks: Sequence[int],
+                      least_s: float) -> list[tuple[int, float]]:
+    """(rank, seconds) of the ``ranks`` whose latest heartbeat says they have been inside one
+    compute region for ``least_s`` seconds or more, longest first."""
+    stuck = []
+    for rank in ranks:
+        fields = beats.get(rank, "").split()
+        if len(fields) >= 4 and fields[2] == "compute" and float(fields[3]) >= least_s:
+            stuck.append((rank, float(fields[3])))
+    return sorted(stuck, key=lambda item: -item[1])
 
 
 def _last_iterations(beats: dict[int, str], ranks: Sequence[int]) -> str:

@@ -30,6 +30,7 @@ from megatron_het.training.peer_watch import PeerWatch
 from megatron_het.training.setup import RunSetup, prepare_run
 from megatron_het.training.state import Progress
 from megatron_het.training.stop import StopRequest
+from megatron_het.training.supervisor import write_failure
 from megatron_het.training.summary import closing_summary
 from megatron_het.training.trainer import Trainer, build_trainer, logging_rank
 
@@ -139,9 +140,13 @@ def train_prepared(setup: RunSetup, stop: Optional[StopRequest] = None,
     try:
         progress = _train(setup, stop or StopRequest(), out or sys.stdout, watch)
     except CommError as error:
-        report = watch.report(error, watch.progress() + 1)
+        iteration = watch.progress() + 1
+        report = watch.report(error, iteration)
         if watch.rank == 0 and setup.train.save is not None:  # rank 0 alone commits saves
             remove_stale_staging(setup.train.save)
+        if report.full and setup.train.save is not None:  # for a supervisor's restart
+            write_failure(setup.train.save, iteration, watch.world_size, report.silent,
+                          report.stuck, report.failed, report.line)
         raise PeerFailure(report.line) from None
     except BaseException as error:
         watch.record(error, watch.progress() + 1)
@@ -163,6 +168,7 @@ def _train(setup: RunSetup, stop: StopRequest, out: TextIO,
     trainer = build_trainer(setup, comm, region_timer=emulation.region_timer)
     if watch is not None:
         watch.progress = lambda: trainer.progress.iteration
+        watch.activity = trainer.executor.clock.activity
     loaded = load(trainer) if setup.load_dir is not None else None
     if comm.rank == logging_rank(setup.plan):
         trainer.logger = TrainingLogger(setup.train, setup.model_config, run.data.seq_length,

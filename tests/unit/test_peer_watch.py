@@ -159,3 +159,37 @@ def test_first_line_drops_backend_source_locations_and_boilerplate() -> None:
                          "a remote worker hanging. GLHF!\nmore")
     assert first_line(error) == ("g (gloo over ranks [0, 2]): Read error [127.0.0.1]:1: "
                                  "Connection reset by peer.")
+
+
+def test_a_rank_stuck_in_compute_is_singled_out() -> None:
+    """Every rank still beats, but rank 3 has been inside one compute region for longer than
+    half the timeout while the others wait in p2p: the report names it."""
+    store = dist.HashStore()
+    places = {0: ("p2p", 0.9), 1: ("p2p", 0.8), 2: ("outside", 0.7), 3: ("compute", 0.95)}
+    watches = [watch(store, r, activity=lambda r=r: places[r]) for r in range(4)]
+    for w in watches:
+        w._beat()
+    alive = lambda _s: [w._beat() for w in watches[1:]]  # noqa: E731
+    report = watches[0].report(CommError("pp", "recv", "Timed out"), 3, sleep=alive)
+    assert report.silent == () and report.stuck == (3,)
+    assert ("every other rank still answers; rank 3 (kind) has been computing for 1 s "
+            "(stuck in compute: the others' operations waited on it);") in report.line
+    # a compute region shorter than half the timeout is no sign of being stuck
+    places[3] = ("compute", 0.2)
+    report = watches[0].report(CommError("pp", "recv", "Timed out"), 3, sleep=alive)
+    assert report.stuck == () and "stuck" not in report.line
+
+
+def test_the_clock_says_where_the_host_thread_is() -> None:
+    import torch
+
+    from megatron_het.pipeline.timing import RegionClock
+
+    clock = RegionClock(torch.device("cpu"))
+    clock.start()
+    assert clock.activity()[0] == "outside"
+    with clock.region("compute"):
+        time.sleep(0.02)
+        place, seconds = clock.activity()
+        assert place == "compute" and seconds >= 0.02
+    assert clock.activity()[0] == "outside"

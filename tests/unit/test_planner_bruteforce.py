@@ -3,11 +3,13 @@
 The brute force enumerates every plan of the plan format's space with identical DP replicas:
 any sequence of stages (one accelerator kind and a TP degree each, kinds in any order and even
 interleaved, TP groups inside a node), every split of the layers, every micro-batch size,
-recompute on or off, ZeRO-1 on or off, the DP reduction overlapped with backward where dp > 1
-(the predictor's overlap never costs time, so that is the better of on and off); ranks are handed out in cluster rank order (pipeline d
+recompute on or off, ZeRO-1 on or off, sequence parallelism on or off (on the tight-memory
+cluster, where it is what makes plans fit), the DP reduction overlapped with backward where
+dp > 1 (the predictor's overlap never costs time, so that is the better of on and off); ranks are handed out in cluster rank order (pipeline d
 takes the d-th block of each kind's ranks, in stage order). Each plan is predicted with the
 event-driven simulation and kept if it fits in memory. The planner's plan must be within 1% of
-the best.
+the best. A second brute force enumerates heterogeneous DP (replicas of one kind each, every
+kind's replicas, splits and batch shares) on a cluster whose kinds' counts share no divisor.
 """
 from __future__ import annotations
 
@@ -34,16 +36,17 @@ def _group(name: str, kind: str, nodes: int, per_node: int, nic_gbit: float = 40
             "nic_bandwidth_gbit_per_s": nic_gbit}
 
 
-CLUSTERS = {
+CLUSTERS = {  # cluster, global batch, the sequence-parallel options enumerated
     "h100+a100": ({"name": "bf2", "node_groups": [_group("h", "H100", 1, 4),
-                                                  _group("a", "A100-80G", 1, 4)]}, 8),
+                                                  _group("a", "A100-80G", 1, 4)]}, 8, (False,)),
     "h100+mi250x+a100": ({"name": "bf3", "node_groups": [
         _group("h", "H100", 1, 2), _group("m", "MI250X", 1, 2),
-        _group("a", "A100-40G", 2, 2)]}, 8),
+        _group("a", "A100-40G", 2, 2)]}, 8, (False,)),
     "tight memory": ({"name": "bft", "accelerators": {
         "small-a": {"base": "A100-80G", "memory_gib": 1.3},
         "small-b": {"base": "MI250X", "memory_gib": 1.5}},
-        "node_groups": [_group("a", "small-a", 2, 2), _group("b", "small-b", 1, 2)]}, 4),
+        "node_groups": [_group("a", "small-a", 2, 2), _group("b", "small-b", 1, 2)]}, 4,
+        (False, True)),
 }
 
 
@@ -87,10 +90,12 @@ def _ranks(cluster: ClusterSpec, dp: int, sequence) -> list[list[tuple[int, ...]
     return out
 
 
-def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
+def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int,
+                     sequence_parallel: tuple[bool, ...] = (False,)
                      ) -> tuple[float, ParallelPlan | None]:
     """The least simulated iteration time of every plan that fits (see the module docstring),
-    and that plan."""
+    and that plan; ``sequence_parallel`` (True as well) tries it on plans with a tp > 1
+    stage."""
     counts = cluster.accelerator_counts()
     tps = [t for t in (1, 2, 4, 8) if model.num_attention_heads % t == 0
            and model.num_query_groups % t == 0 and model.ffn_hidden_size % t == 0]
@@ -105,10 +110,12 @@ def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size
             ranks = _ranks(cluster, dp, sequence)
             if ranks is None:
                 continue
-            for split, mbs, recompute, zero1 in itertools.product(
+            tp_stages = any(tp > 1 for _, tp in sequence)
+            for split, mbs, recompute, zero1, sp in itertools.product(
                     _compositions(model.num_layers, len(sequence)),
                     [b for b in range(1, share + 1) if share % b == 0], (False, True),
-                    (False, True) if dp > 1 else (False,)):
+                    (False, True) if dp > 1 else (False,),
+                    sequence_parallel if tp_stages else (False,)):
                 pipelines = []
                 for d in range(dp):
                     start, stages = 0, []
@@ -118,6 +125,7 @@ def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size
                         start += n
                     pipelines.append(PipelinePlan(share // mbs, tuple(stages)))
                 plan = ParallelPlan(mbs, tuple(pipelines), "bf16", zero1,
+                                    sequence_parallel=sp or None,
                                     overlap_grad_reduce=dp > 1 or None)
                 prediction = predict(model, plan, cluster, SEQ, cache=cache, validate=False,
                                      comm=comm)
@@ -129,12 +137,12 @@ def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size
 @pytest.mark.parametrize("name", list(CLUSTERS))
 @pytest.mark.slow
 def test_planner_within_one_percent_of_brute_force(name: str) -> None:
-    spec, global_batch_size = CLUSTERS[name]
+    spec, global_batch_size, sequence_parallel = CLUSTERS[name]
     cluster = ClusterSpec.from_dict(spec)
     result = search_plan(MODEL, cluster, global_batch_size, SEQ)
     validate(result.plan, MODEL, cluster, global_batch_size)
     assert fits(result.prediction, cluster).ok
-    best, best_plan = brute_force_best(MODEL, cluster, global_batch_size)
+    best, best_plan = brute_force_best(MODEL, cluster, global_batch_size, sequence_parallel)
     assert best_plan is not None
     assert result.prediction.iteration_time_s <= best * 1.01, (
         f"planner {result.prediction.iteration_time_s:.6f} s:\n{result.plan.describe()}\n"

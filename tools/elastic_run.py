@@ -1,0 +1,21 @@
+"""Run pretrain_llama.py under torchrun and continue on the devices left when one is lost.
+
+    python tools/elastic_run.py [--max-restarts 3] -- --cluster C.yaml --save DIR \\
+        --plan P.json ... (the other flags of pretrain_llama.py)
+
+After a lost peer the run is relaunched on the cluster without the lost devices, with
+``--plan auto`` and ``--load DIR`` (one host: torchrun --standalone). See
+:mod:`megatron_het.training.supervisor`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_het.errors import run_cli  # noqa: E402
+from megatron_het.training.supervisor import main  # noqa: E402
+
+if __name__ == "__main__":
+    run_cli(lambda: sys.exit(main(sys.argv[1:])))

@@ -122,6 +122,7 @@ def test_compile_available_reports_why_not(monkeypatch: pytest.MonkeyPatch) -> N
     assert compile_available.__wrapped__("cpu") == (False, "RuntimeError: inductor is broken here")
 
 
+@pytest.mark.slow  # the full suite runs it; the quick loop leaves it out
 def test_compile_available_on_this_machine() -> None:
     ok, reason = compile_available("cpu")
     assert ok, reason

@@ -84,6 +84,7 @@ def test_mapped_model_has_gpts_parameter_count() -> None:
     assert model.num_parameters() == pytest.approx(529.6e9, rel=2e-3)
 
 
+@pytest.mark.slow  # the full suite runs it; the quick loop leaves it out
 def test_calibration_set_median_error_is_within_5_percent() -> None:
     errors = [predict_run(run).iteration_time_s / run.published_iteration_s - 1
               for run in CALIBRATION_RUNS]

@@ -18,11 +18,16 @@ with a profile of this host (measured first, about ten seconds; ``--profile`` re
 
     (a) fast  the two emu-fast ranks alone (a 2-rank cluster of that group), the planner's plan
     (b) slow  the two emu-slow ranks alone, the planner's plan
-    (c) uniform    all four ranks, the mixed plan's layout with layers split evenly (--long)
-    (d) planned    all four ranks, the planner's plan (a split suited to the speeds)
-    (e) interleaved  the planned layout with 2 interleaved chunks per device group
+    (c) uniform    all four ranks, the planner's best plain plan of identical mixed
+                   pipelines (no heterogeneous DP, no interleaving) with its layers split
+                   evenly (--long)
+    (d) planned    all four ranks, the planner's plan over its whole space (on this cluster
+                   heterogeneous DP: every rank a replica, the batch shared by speed)
+    (e) interleaved  that plain plan of identical mixed pipelines with 2 interleaved chunks
+                   per device group
     (f) hetero_dp  one replica per kind (the plans of a and b side by side), the batch shared
-                   by the kinds' predicted speeds
+                   by the kinds' predicted speeds (not run again where it is the planned plan:
+                   ``hetero_dp_is_the_planned_plan``)
 
     efficiency = d / (a + b)      uniform_efficiency = c / (a + b)
     interleaved_efficiency = e / (a + b)    hetero_dp_efficiency = f / (a + b)
@@ -80,6 +85,7 @@ from megatron_het.parallel.plan import ParallelPlan  # noqa: E402
 from megatron_het.perf import Profile, predict  # noqa: E402
 from megatron_het.perf.profiler import Sweep, profile_device  # noqa: E402
 from megatron_het.planner import search_plan  # noqa: E402
+from megatron_het.planner.search import MAX_VIRTUAL_STAGES  # noqa: E402
 
 from hetero_plans import (BASE_CLUSTER, cluster_dicts, describe,  # noqa: E402
                           interleaved, replicas_by_kind, uniform_split)
@@ -161,12 +167,16 @@ def host_profile(model: ModelConfig, args: argparse.Namespace,
 
 def searched_plan(model: ModelConfig, cluster_file: Path, args: argparse.Namespace,
                   distributed_optimizer: Optional[bool],
-                  profiles: Optional[dict[str, Profile]]) -> dict[str, Any]:
+                  profiles: Optional[dict[str, Profile]],
+                  heterogeneous_dp: bool = True, plain: bool = False) -> dict[str, Any]:
     """The planner's best fp32 plan for the cluster (with the host profile, else roofline
     estimates of the kinds), with ``use_distributed_optimizer`` forced to
-    ``distributed_optimizer`` when given."""
+    ``distributed_optimizer`` when given; ``heterogeneous_dp=False``: the best plan of
+    identical replicas; ``plain``: without interleaving."""
     result = search_plan(model, ClusterSpec.load(cluster_file), args.global_batch_size,
-                         args.seq_length, profiles=profiles, dtype="fp32")
+                         args.seq_length, profiles=profiles, dtype="fp32",
+                         heterogeneous_dp=heterogeneous_dp,
+                         max_virtual_stages=1 if plain else MAX_VIRTUAL_STAGES)
     plan = result.plan.to_dict()
     if distributed_optimizer is not None:
         plan["use_distributed_optimizer"] = distributed_optimizer
@@ -187,11 +197,13 @@ def write_inputs(work: Path, model: ModelConfig, args: argparse.Namespace
     profile, device_profile = host_profile(model, args, work)
     profiles = {"cpu": profile} if profile is not None else None
     planned = searched_plan(model, clusters["mixed"], args, None, profiles)
-    zero1 = bool(planned.get("use_distributed_optimizer"))
-    plans = {"planned": planned, "uniform": uniform_split(planned, model.num_layers),
+    pipelined = searched_plan(model, clusters["mixed"], args, None, profiles,
+                              heterogeneous_dp=False, plain=True)
+    zero1 = bool(pipelined.get("use_distributed_optimizer"))
+    plans = {"planned": planned, "uniform": uniform_split(pipelined, model.num_layers),
              "fast": searched_plan(model, clusters["fast"], args, zero1, profiles),
              "slow": searched_plan(model, clusters["slow"], args, zero1, profiles)}
-    plans["interleaved"] = interleaved(planned, INTERLEAVED_CHUNKS)
+    plans["interleaved"] = interleaved(pipelined, INTERLEAVED_CHUNKS)
     predicted = {name: _predicted(model, plans[name], clusters[cluster_key(name)], args,
                                   profiles) for name in ("fast", "slow")}
     fast_ranks = ClusterSpec.load(clusters["fast"]).world_size
@@ -200,6 +212,12 @@ def write_inputs(work: Path, model: ModelConfig, args: argparse.Namespace
                                 predicted["slow"], mbs) for mbs in (None, 1)]
     plans["hetero_dp"] = max(options, key=lambda plan: _predicted(
         model, plan, clusters["mixed"], args, profiles))
+    # the planner may pick that very plan (heterogeneous DP is in its space): run it once
+    args.hetero_dp_is_planned = _same_plan(plans["hetero_dp"], plans["planned"])
+    if args.hetero_dp_is_planned:
+        args.configs = tuple(c for c in args.configs if c != "hetero_dp")
+        predicted["hetero_dp"] = _predicted(model, plans["hetero_dp"], clusters["mixed"], args,
+                                            profiles)
     inputs = {}
     for name in args.configs:
         plan = plans[name]
@@ -209,6 +227,13 @@ def write_inputs(work: Path, model: ModelConfig, args: argparse.Namespace
         inputs[name] = (clusters[cluster_key(name)], path, ranks)
         predicted[name] = _predicted(model, plan, inputs[name][0], args, profiles)
     return inputs, device_profile, predicted
+
+
+def _same_plan(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two plan mappings run alike (their descriptions aside)."""
+    def key(plan: dict[str, Any]) -> Any:
+        return ParallelPlan.load({**plan, "description": ""}).to_dict()
+    return key(a) == key(b)
 
 
 def cluster_key(name: str) -> str:
@@ -330,6 +355,8 @@ def summary(samples: dict[str, dict[str, Any]], inputs: dict[str, tuple[Path, Pa
             predicted: dict[str, float], model: ModelConfig, args: argparse.Namespace,
             load_before: tuple[float, ...]) -> dict[str, Any]:
     tps = {name: statistics.median(samples[name]["tokens_per_s"]) for name in args.configs}
+    if getattr(args, "hetero_dp_is_planned", False):
+        tps["hetero_dp"] = tps["planned"]
     both = tps["fast"] + tps["slow"]
     mixed = [name for name in ("planned", "interleaved", "hetero_dp") if name in tps]
     best = max(mixed, key=lambda name: tps[name])
@@ -349,6 +376,7 @@ def summary(samples: dict[str, dict[str, Any]], inputs: dict[str, tuple[Path, Pa
         "interleaved_efficiency": tps["interleaved"] / both,
         "hetero_dp_efficiency": tps["hetero_dp"] / both,
         "best_efficiency": tps[best] / both, "best_plan": best,
+        "hetero_dp_is_the_planned_plan": bool(getattr(args, "hetero_dp_is_planned", False)),
         "efficiency_per_round": per_round,
         "predicted_efficiency": {name: predicted[name] / (predicted["fast"] + predicted["slow"])
                                  for name in mixed},

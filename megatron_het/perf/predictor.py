@@ -73,7 +73,7 @@ from megatron_het.perf.memory import (MemoryBreakdown, device_capacity_bytes, de
 from megatron_het.perf.prediction import PipelinePrediction, Prediction, StagePrediction
 from megatron_het.perf.profile import Profile
 from megatron_het.perf.rate_model import RateModel, SharedIteration
-from megatron_het.perf.simulator import SimulationCache, simulate, simulate_pipelines
+from megatron_het.perf.simulator import SimulationCache, simulate_pipelines
 from megatron_het.perf.stage_cost import (StageCompute, choose_profile, optimizer_time,
                                           stage_compute)
 

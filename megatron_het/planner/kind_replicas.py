@@ -9,21 +9,28 @@ runs ``m_k`` micro-batches of the plan's one micro-batch size, with
 the gradients do, once per iteration (each parameter summed over every replica that holds it,
 :mod:`megatron_het.perf.dp_sync`, with full-size buffers that the memory check counts).
 
-Search, per plan-wide setting (ZeRO-1 off, then on; sequence parallelism with it where a TP
-degree allows) and micro-batch size:
+Search, per plan-wide setting (ZeRO-1 off or on, sequence parallelism with it) and micro-batch
+size (a "family"):
 
 1. every kind's single-kind layouts on its own devices
    (:func:`~megatron_het.cluster.kind_subcluster`,
-   :func:`~megatron_het.planner.space.pipeline_shapes`) are probed once into stage models
+   :func:`~megatron_het.planner.space.pipeline_shapes`) get lower bounds: a line
+   ``C + c m`` under their pipeline time in ``m`` micro-batches
+   (:func:`~megatron_het.planner.bounds.time_lower_bound`) and their largest device group's
+   cross-kind sync (:meth:`ReplicaSearch._sync_bound`); the family's bound is the least
+   slowest-replica time the kinds' layouts can share the batch in, plus the least sync;
+2. families are taken by increasing bound while it is under the closed-form time of the best
+   plan of identical replicas (and of the best family found); in each, every kind's
+   :data:`PROBED_LAYOUTS` most promising layouts are probed into stage models
    (:func:`~megatron_het.planner.stage_model.probe_stage_model`, at ``m = stages``, the most
-   micro-batches in flight), their memory raised by the replica sums' full-size buffers, and
-   their layers balanced under memory (recompute where the layout needs it to fit);
-2. a layout's pipeline + optimizer time is affine in its micro-batches,
-   ``T(m) = C + c m`` (the 1F1B closed form); bisection on the slowest replica's time finds
-   the least ``T`` at which the kinds' best layouts hold the batch, and the shares are made
-   exact (:func:`exact_shares`);
-3. the assembled plan is predicted in full (simulation, the cross-kind DP sync, memory) and
-   returned as a candidate beside the uniform layouts'.
+   micro-batches in flight; memory raised by the replica sums' full-size buffers; recompute
+   where a layout needs it to fit), which make the lines exact for the 1F1B closed form;
+3. :func:`allocate` picks a layout and a share per kind: the least slowest pipeline plus the
+   largest sync, over every cap on the sync (:func:`shares_by_speed`: bisection on the
+   slowest replica's time, then shares that add up exactly, :func:`exact_shares`); the chosen
+   splits are rebalanced at their shares and the shares found again (twice);
+4. the assembled plan is predicted in full (simulation, the cross-kind DP sync, memory) and
+   returned as a candidate beside the identical-replica layouts'.
 """
 from __future__ import annotations
 
@@ -40,8 +47,8 @@ from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
 from megatron_het.perf.memory import layer_parameters
 from megatron_het.planner.bounds import KindCosts, memory_feasible, time_lower_bound
-from megatron_het.planner.space import (KindBlock, Layout, Placement, build_plan,
-                                        micro_batch_sizes, pipeline_shapes)
+from megatron_het.planner.space import (Layout, Placement, build_plan, micro_batch_sizes,
+                                        pipeline_shapes)
 from megatron_het.planner.stage_model import Affine, StageModel, balance_layers, probe_stage_model
 
 # Bisection steps on the slowest replica's time (relative precision far below the predictor's).

@@ -3,7 +3,8 @@
 The brute force enumerates every plan of the plan format's space with identical DP replicas:
 any sequence of stages (one accelerator kind and a TP degree each, kinds in any order and even
 interleaved, TP groups inside a node), every split of the layers, every micro-batch size,
-recompute on or off, ZeRO-1 on or off, sequence parallelism on or off (on the tight-memory
+recompute on or off (on only where the plan does not fit without: it only adds time), ZeRO-1
+on or off, sequence parallelism on or off (on the tight-memory
 cluster, where it is what makes plans fit), the DP reduction overlapped with backward where
 dp > 1 (the predictor's overlap never costs time, so that is the better of on and off); ranks are handed out in cluster rank order (pipeline d
 takes the d-th block of each kind's ranks, in stage order). Each plan is predicted with the
@@ -111,26 +112,29 @@ def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size
             if ranks is None:
                 continue
             tp_stages = any(tp > 1 for _, tp in sequence)
-            for split, mbs, recompute, zero1, sp in itertools.product(
+            for split, mbs, zero1, sp in itertools.product(
                     _compositions(model.num_layers, len(sequence)),
-                    [b for b in range(1, share + 1) if share % b == 0], (False, True),
+                    [b for b in range(1, share + 1) if share % b == 0],
                     (False, True) if dp > 1 else (False,),
                     sequence_parallel if tp_stages else (False,)):
-                pipelines = []
-                for d in range(dp):
-                    start, stages = 0, []
-                    for (kind, tp), n, group in zip(sequence, split, ranks[d]):
-                        stages.append(StagePlan(kind, tp, (start, start + n), group,
-                                                recompute=recompute))
-                        start += n
-                    pipelines.append(PipelinePlan(share // mbs, tuple(stages)))
-                plan = ParallelPlan(mbs, tuple(pipelines), "bf16", zero1,
-                                    sequence_parallel=sp or None,
-                                    overlap_grad_reduce=dp > 1 or None)
-                prediction = predict(model, plan, cluster, SEQ, cache=cache, validate=False,
-                                     comm=comm)
-                if prediction.iteration_time_s < best and fits(prediction, cluster).ok:
-                    best, best_plan = prediction.iteration_time_s, plan
+                for recompute in (False, True):
+                    pipelines = []
+                    for d in range(dp):
+                        start, stages = 0, []
+                        for (kind, tp), n, group in zip(sequence, split, ranks[d]):
+                            stages.append(StagePlan(kind, tp, (start, start + n), group,
+                                                    recompute=recompute))
+                            start += n
+                        pipelines.append(PipelinePlan(share // mbs, tuple(stages)))
+                    plan = ParallelPlan(mbs, tuple(pipelines), "bf16", zero1,
+                                        sequence_parallel=sp or None,
+                                        overlap_grad_reduce=dp > 1 or None)
+                    prediction = predict(model, plan, cluster, SEQ, cache=cache,
+                                         validate=False, comm=comm)
+                    if fits(prediction, cluster).ok:
+                        if prediction.iteration_time_s < best:
+                            best, best_plan = prediction.iteration_time_s, plan
+                        break  # recompute only adds time: needed only where it makes fit
     return best, best_plan
 
 

@@ -5,8 +5,9 @@ the rest. Node groups describe ``nodes`` alike nodes, so a group whose nodes los
 numbers of devices is split into one group per kind of node that is left (the nodes that lost
 nothing keep the group's name; the others get ``name-<devices>of<devices_per_node>``), with
 the group's links, colocation and place in the rank order (a second group of whole nodes
-of the same name gets ``-b``); a node that lost every device is gone. Ranks are renumbered in the new cluster's order (a restart reshards its checkpoint to
-any plan, so the numbering is free).
+of the same name gets ``-b``); a node that lost every device is gone. Ranks are renumbered
+in the new cluster's order (a restart reshards its checkpoint to any plan, so the numbering
+is free).
 """
 from __future__ import annotations
 

@@ -390,6 +390,14 @@ def _groups(num_stages: int, num_chunks: int) -> int:
     return num_stages // num_chunks
 
 
+def _inputs_key(forward_s: Sequence[float], backward_s: Sequence[float], num_micro_batches: int,
+                p2p_forward_s: Sequence[float], p2p_backward_s: Sequence[float],
+                num_chunks: int) -> tuple:
+    """A pipeline simulation's inputs as a memo key."""
+    return (tuple(forward_s), tuple(backward_s), num_micro_batches, tuple(p2p_forward_s),
+            tuple(p2p_backward_s), num_chunks)
+
+
 class SimulationCache:
     """Built 1F1B step lists by (groups, micro-batches, chunks), makespans by their inputs,
     activation peaks per list and stage computes by their arguments.
@@ -442,8 +450,8 @@ class SimulationCache:
         """The simulated makespan and, per device group, the end and duration of its last
         backward (from the timeline), memoized like :meth:`makespan`: the replicas of a plan
         that run alike are simulated once."""
-        key = (tuple(forward_s), tuple(backward_s), num_micro_batches, tuple(p2p_forward_s),
-               tuple(p2p_backward_s), num_chunks)
+        key = _inputs_key(forward_s, backward_s, num_micro_batches, p2p_forward_s,
+                          p2p_backward_s, num_chunks)
         if key not in self._ends:
             steps = self.schedule(_groups(len(forward_s), num_chunks), num_micro_batches,
                                   num_chunks)
@@ -461,8 +469,8 @@ class SimulationCache:
                  p2p_backward_s: Sequence[float], num_chunks: int = 1) -> float:
         """The simulated 1F1B makespan (no timeline), memoized; per-STAGE inputs, interleaved
         over ``len(forward_s) // num_chunks`` groups when ``num_chunks > 1``."""
-        key = (tuple(forward_s), tuple(backward_s), num_micro_batches, tuple(p2p_forward_s),
-               tuple(p2p_backward_s), num_chunks)
+        key = _inputs_key(forward_s, backward_s, num_micro_batches, p2p_forward_s,
+                          p2p_backward_s, num_chunks)
         if key not in self._makespans:
             steps = self.schedule(_groups(len(forward_s), num_chunks), num_micro_batches,
                                   num_chunks)

@@ -42,9 +42,11 @@ from typing import Mapping, Optional, Sequence
 from megatron_het.cluster import ClusterSpec, kind_subcluster
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan
+from megatron_het.parallel.replicas import ReplicaUnit
 from megatron_het.perf import Prediction, Profile, SimulationCache, fits, predict
 from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
+from megatron_het.perf.dp_sync import unit_parameters
 from megatron_het.perf.memory import layer_parameters
 from megatron_het.planner.bounds import KindCosts, memory_feasible, time_lower_bound
 from megatron_het.planner.space import (Layout, Placement, build_plan, micro_batch_sizes,
@@ -258,14 +260,10 @@ class ReplicaSearch:
                        zero1: bool) -> float:
         """The replica sums of the stage of ``layers`` with the most parameters (the
         embedding's and head's included), as :meth:`_ring_sync` prices them."""
-        h, v = self.model.hidden_size, self.model.vocab_size
-        table = v * h
-        head = h + (0 if self.model.tie_embeddings else table) + (
-            table if self.model.tie_embeddings and len(layers) > 1 else 0)
-        params = [n * layer_parameters(self.model, 1) for n in layers]
-        params[0] += table
-        params[-1] += head
-        return self._ring_sync(kind, layout, zero1, max(params))
+        params = max(n * layer_parameters(self.model, 1)
+                     + _fixed_parameters(self.model, s, len(layers))
+                     for s, n in enumerate(layers))
+        return self._ring_sync(kind, layout, zero1, params)
 
     def _ring_sync(self, kind: _Kind, layout: Layout, zero1: bool, params: float) -> float:
         """The all-reduce of ``params`` full-size gradients (and under ZeRO-1 the updated
@@ -319,10 +317,9 @@ class ReplicaSearch:
     def _probe(self, kind: _Kind, layout: Layout, zero1: bool) -> Optional[_Option]:
         """The layout's stage model (its memory with the replica buffers, at its most
         micro-batches in flight), balanced; with recompute when it does not fit without."""
-        for attempt in (layout, replace(layout, blocks=tuple(
-                replace(b, recompute=True) for b in layout.blocks))):
-            if attempt != layout and all(b.recompute for b in layout.blocks):
-                break
+        recomputed = replace(layout, blocks=tuple(replace(b, recompute=True)
+                                                 for b in layout.blocks))
+        for attempt in dict.fromkeys((layout, recomputed)):
             self.probes += 1
             attempt = replace(attempt, micro_batches=attempt.num_stages)
             sm = probe_stage_model(self.model, attempt, kind.placement, kind.cluster,
@@ -373,19 +370,28 @@ def sm_at(sm: StageModel, micro_batches: int) -> StageModel:
     return replace(sm, layout=replace(sm.layout, micro_batches=micro_batches), dp_sync=zero)
 
 
+def _fixed_parameters(model: ModelConfig, stage: int, num_stages: int) -> int:
+    """Full-size parameters stage ``stage`` of a pipeline holds besides its decoder layers
+    (the replica units it is a holder of, :func:`~megatron_het.perf.dp_sync.unit_parameters`):
+    the embedding on the first stage (and on the last one's copy of a tied embedding), the
+    head on the last."""
+    params = 0
+    last = stage == num_stages - 1
+    if stage == 0 or (last and model.tie_embeddings):
+        params += unit_parameters(model, ReplicaUnit("embedding"))
+    if last:
+        params += unit_parameters(model, ReplicaUnit("head"))
+    return params
+
+
 def _with_replica_buffers(sm: StageModel, model: ModelConfig) -> StageModel:
     """``sm`` whose memory holds the replica sums' full-size float32 buffers of every
     parameter a stage holds (:meth:`~megatron_het.perf.dp_sync.DPSync.buffer_bytes`)."""
     per_layer = layer_parameters(model, 1) * FP32_BYTES
-    table = model.vocab_size * model.hidden_size * FP32_BYTES
-    last = sm.num_stages - 1
-    memory = []
-    for s, line in enumerate(sm.memory):
-        fixed = (table if s == 0 else 0.0) + (
-            (model.hidden_size * FP32_BYTES + (0.0 if model.tie_embeddings else table)
-             + (table if model.tie_embeddings and s != 0 else 0.0)) if s == last else 0.0)
-        memory.append(Affine(line.intercept + fixed, line.slope + per_layer))
-    return replace(sm, memory=tuple(memory))
+    memory = tuple(Affine(line.intercept + _fixed_parameters(model, s, sm.num_stages)
+                          * FP32_BYTES, line.slope + per_layer)
+                   for s, line in enumerate(sm.memory))
+    return replace(sm, memory=memory)
 
 
 def allocate(options: Sequence[Sequence[_Option]], total: int
@@ -417,7 +423,8 @@ def shares_by_speed(options: Sequence[Sequence[_Option]], total: int
     Bisection on that time finds the least budget within which the kinds' roomiest layouts
     hold the batch; the shares are then made exact (:func:`exact_shares`) over the
     :data:`SHARE_CHOICES` roomiest layouts of each kind (replica counts that cannot add up to
-    the batch give way to others), the budget widened (to where a layout holds one more micro-batch) where none adds up."""
+    the batch give way to others), the budget widened (to where a layout holds one more
+    micro-batch) where none adds up."""
     def room(option: _Option, budget: float) -> int:
         return min(option.most_micro_batches(budget), total)
 

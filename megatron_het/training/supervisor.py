@@ -120,12 +120,13 @@ def supervise(flags: Sequence[str], max_restarts: int = DEFAULT_MAX_RESTARTS,
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(_yaml(cluster.to_dict()))
         flags = with_flag(with_flag(flags, "--cluster", str(path)), "--plan", "auto")
-        if _has_checkpoint(save):
+        resume = _has_checkpoint(save)
+        if resume:
             flags = with_flag(flags, "--load", save)
         say(f"elastic_run: iteration {failure['iteration']}: ranks {failure['lost_ranks']} "
             f"lost ({failure['line']}); restart {restarts} of {max_restarts} on the "
             f"{cluster.world_size} devices left ({path}), --plan auto"
-            + (f", --load {save}" if _has_checkpoint(save) else ", from the start"))
+            + (f", --load {save}" if resume else ", from the start"))
 
 
 def _has_checkpoint(save: str) -> bool:

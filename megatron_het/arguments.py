@@ -66,6 +66,7 @@ class ParallelSpec:
     sequence_parallel: bool = False
     overlap_grad_reduce: bool = False
     grad_reduce_in_bf16: bool = False
+    overlap_p2p_comm: bool = True
     bridge: str = "relay"
     emulation_profile: Optional[str] = None
     emulation_extra_slowdown: tuple[tuple[int, float], ...] = ()
@@ -204,6 +205,11 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: reduce gradients over data-parallel replicas in bf16 "
                         "(half the bytes) instead of fp32; accumulation stays fp32")
+    g.add_argument("--no-overlap-p2p-communication", action="store_false",
+                   dest="overlap_p2p_comm",
+                   help="interleaved pipelines: wait for every stage-boundary exchange before "
+                        "the next compute (by default transfers are posted without waiting and "
+                        "overlap the forward or backward that follows)")
     g.add_argument("--bridge", choices=BRIDGES, default="relay",
                    help="traffic between accelerator kinds: relay (host staging) or direct")
     g.add_argument("--emulation-profile", default=None, metavar="PROFILE.json",
@@ -344,7 +350,8 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
         use_distributed_optimizer=args.use_distributed_optimizer,
         sequence_parallel=args.sequence_parallel,
         overlap_grad_reduce=args.overlap_grad_reduce,
-        grad_reduce_in_bf16=args.grad_reduce_in_bf16, bridge=args.bridge,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        overlap_p2p_comm=args.overlap_p2p_comm, bridge=args.bridge,
         emulation_profile=args.emulation_profile,
         emulation_extra_slowdown=_extra_slowdowns(args.emulation_extra_slowdown),
         dry_run=args.dry_run,

@@ -23,9 +23,9 @@ JSON form ("megatron_het.plan/1")::
          {"accelerator": "emu-slow", "tp": 1, "layers": [3, 4], "ranks": [3]}]}]}
 
 Optional keys: ``description``, ``dtype`` (fp32 | bf16 | fp16), ``use_distributed_optimizer``,
-``sequence_parallel``, ``overlap_grad_reduce`` and ``grad_reduce_in_bf16`` on the plan (true or
-false, like Megatron's flags of those names; absent: the command line decides), ``recompute``
-on a stage. Unknown keys are refused.
+``sequence_parallel``, ``overlap_grad_reduce``, ``grad_reduce_in_bf16`` and ``overlap_p2p_comm``
+on the plan (true or false, like Megatron's flags of those names; absent: the command line
+decides), ``recompute`` on a stage. Unknown keys are refused.
 
 Loading checks types only (and that ``grad_reduce_in_bf16`` does not come with a dtype other
 than bf16); :func:`megatron_het.parallel.plan_validation.validate` checks that the
@@ -47,7 +47,7 @@ PLAN_FORMAT = "megatron_het.plan/1"
 PLAN_DTYPES = ("fp32", "bf16", "fp16")
 _PLAN_KEYS = ("format", "micro_batch_size", "pipelines", "description", "dtype",
               "use_distributed_optimizer", "sequence_parallel", "overlap_grad_reduce",
-              "grad_reduce_in_bf16")
+              "grad_reduce_in_bf16", "overlap_p2p_comm")
 _PIPELINE_KEYS = ("micro_batches", "stages")
 _STAGE_KEYS = ("accelerator", "tp", "layers", "ranks", "recompute")
 
@@ -193,9 +193,10 @@ class RankRole:
 class ParallelPlan:
     """The whole plan: micro-batch size and the pipelines (DP replicas).
 
-    ``dtype``, ``use_distributed_optimizer``, ``sequence_parallel``, ``overlap_grad_reduce``
-    and ``grad_reduce_in_bf16`` are None when the plan leaves them to the command line (a run
-    resolves ``sequence_parallel`` into its plan). The global batch is ``micro_batch_size``
+    ``dtype``, ``use_distributed_optimizer``, ``sequence_parallel``, ``overlap_grad_reduce``,
+    ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` (interleaved pipelines overlap their
+    transfers with compute; Megatron-LM's default, on) are None when the plan leaves them to
+    the command line (a run resolves ``sequence_parallel`` into its plan). The global batch is ``micro_batch_size``
     times the sum of the pipelines' micro-batch counts.
     """
 
@@ -207,6 +208,7 @@ class ParallelPlan:
     sequence_parallel: Optional[bool] = None
     overlap_grad_reduce: Optional[bool] = None
     grad_reduce_in_bf16: Optional[bool] = None
+    overlap_p2p_comm: Optional[bool] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
@@ -279,6 +281,8 @@ class ParallelPlan:
             out["overlap_grad_reduce"] = self.overlap_grad_reduce
         if self.grad_reduce_in_bf16 is not None:
             out["grad_reduce_in_bf16"] = self.grad_reduce_in_bf16
+        if self.overlap_p2p_comm is not None:
+            out["overlap_p2p_comm"] = self.overlap_p2p_comm
         out["pipelines"] = [{"micro_batches": p.micro_batches,
                              "stages": [_stage_to_dict(s) for s in p.stages]}
                             for p in self.pipelines]
@@ -392,7 +396,7 @@ def _parse_plan(d: Any) -> ParallelPlan:
         raise UserError(f"plan: dtype must be one of {', '.join(PLAN_DTYPES)}, got {dtype!r}")
     options = {key: None if d.get(key) is None else _bool("plan", key, d[key])
                for key in ("use_distributed_optimizer", "sequence_parallel",
-                           "overlap_grad_reduce", "grad_reduce_in_bf16")}
+                           "overlap_grad_reduce", "grad_reduce_in_bf16", "overlap_p2p_comm")}
     if options["grad_reduce_in_bf16"] and dtype not in (None, "bf16"):
         raise UserError(f"plan: grad_reduce_in_bf16 needs bf16 training but dtype is {dtype}; "
                         "set \"dtype\": \"bf16\" or drop grad_reduce_in_bf16")

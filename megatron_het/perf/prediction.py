@@ -86,6 +86,7 @@ class Prediction:
     use_distributed_optimizer: bool
     overlap_grad_reduce: bool
     grad_reduce_in_bf16: bool
+    overlap_p2p_comm: bool  # an interleaved pipeline's transfers overlapped with its compute
     micro_batch_size: int
     global_batch_size: int
     pipeline_model: str

@@ -88,13 +88,16 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
             rate_model: Optional[RateModel] = None, overlap_grad_reduce: Optional[bool] = None,
             grad_reduce_in_bf16: Optional[bool] = None,
             pipelines: Optional[Sequence[int]] = None,
-            comm: Optional[CommCost] = None) -> Prediction:
+            comm: Optional[CommCost] = None,
+            overlap_p2p_comm: Optional[bool] = None) -> Prediction:
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
     ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
     ``recompute`` None keeps each stage's own flag, True/False overrides every stage;
     ``overlap_grad_reduce`` and ``grad_reduce_in_bf16`` None take the plan's keys (off where it
-    has none), True/False override them (UserError for a bf16 reduction of non-bf16 training).
+    has none), True/False override them (UserError for a bf16 reduction of non-bf16 training);
+    ``overlap_p2p_comm`` likewise, on where neither says (the runtime's default: interleaved
+    pipelines overlap their transfers with compute).
     ``profiles`` maps accelerator kind names to measured profiles (roofline where absent);
     ``efficiency`` None: each kind's calibrated efficiency factors (the cost model's defaults
     for emulated kinds and cpu; :mod:`megatron_het.perf.stage_cost`).
@@ -117,6 +120,7 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
              else use_distributed_optimizer)
     overlap = _option(overlap_grad_reduce, plan.overlap_grad_reduce)
     bf16_reduce = _option(grad_reduce_in_bf16, plan.grad_reduce_in_bf16)
+    overlap_p2p = _option(overlap_p2p_comm, plan.overlap_p2p_comm, default=True)
     if bf16_reduce and dtype != "bf16":
         raise UserError(f"grad_reduce_in_bf16 needs bf16 training but this one is {dtype}; "
                         "train in bf16 or drop grad_reduce_in_bf16")
@@ -134,32 +138,33 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
         pipeline = plan.pipelines[p]
         rows = ctx.pipeline_rows(p, pipeline, cache)
         stages += rows
-        timed, last = _pipeline_time(p, pipeline, rows, pipeline_model, cache, overlapped)
+        timed, last = _pipeline_time(p, pipeline, rows, pipeline_model, cache, overlap_p2p,
+                                     overlapped)
         pipelines.append(timed)
         ends.append(last)
     shared = None
     if rate_model is not None and pipeline_model == "simulate" and every:
         shared = rate_model.shared_iteration(ctx, stages)
     if shared is not None:
-        pipelines = _shared_pipelines(plan, stages, pipelines, shared, cache)
-        return _assemble(ctx, stages, pipelines, pipeline_model, shared.optimizer_s,
-                         shared.overhead_s, shared.dp_sync_s)
+        pipelines = _shared_pipelines(plan, stages, pipelines, shared, cache, overlap_p2p)
+        return _assemble(ctx, stages, pipelines, pipeline_model, overlap_p2p,
+                         shared.optimizer_s, shared.overhead_s, shared.dp_sync_s)
     exposed = _exposed_sync(ctx, pipelines, ends) if overlapped else None
-    return _assemble(ctx, stages, pipelines, pipeline_model, dp_exposed=exposed)
+    return _assemble(ctx, stages, pipelines, pipeline_model, overlap_p2p, dp_exposed=exposed)
 
 
-def _option(argument: Optional[bool], planned: Optional[bool]) -> bool:
-    """A DP option: the argument where given, else the plan's, else off."""
+def _option(argument: Optional[bool], planned: Optional[bool], default: bool = False) -> bool:
+    """A run option: the argument where given, else the plan's, else ``default``."""
     if argument is not None:
         return argument
-    return bool(planned)
+    return default if planned is None else planned
 
 
 def _shared_pipelines(plan: ParallelPlan, rows: list[StagePrediction],
                       pipelines: list[PipelinePrediction], shared: SharedIteration,
-                      cache: SimulationCache) -> list[PipelinePrediction]:
+                      cache: SimulationCache, overlap_p2p: bool) -> list[PipelinePrediction]:
     """Every pipeline's time when all run at once on the rate model's shared cores."""
-    schedules = [cache.schedule(pp.pp_size, pp.micro_batches, pp.num_chunks)
+    schedules = [cache.schedule(pp.pp_size, pp.micro_batches, pp.num_chunks, overlap_p2p)
                  for pp in plan.pipelines]
     result = simulate_pipelines(schedules, shared.stages, shared.sharing)
     out = []
@@ -349,11 +354,13 @@ LastBackwards = list[tuple[float, float]]  # per device group: (end, duration) o
 
 
 def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
-                   pipeline_model: str, cache: SimulationCache, with_ends: bool = False
+                   pipeline_model: str, cache: SimulationCache, overlap_p2p: bool,
+                   with_ends: bool = False
                    ) -> tuple[PipelinePrediction, Optional[LastBackwards]]:
     """Simulated (or closed-form) time, with the closed form, lower bound and bubble; with
     ``with_ends`` also when and for how long each device group runs its last backward (from
-    the simulated timeline, or :func:`last_backward_ends` with the closed form)."""
+    the simulated timeline, or :func:`last_backward_ends` with the closed form);
+    ``overlap_p2p``: an interleaved pipeline's transfers overlap its compute."""
     m, v = pipeline.micro_batches, pipeline.num_chunks
     f, b = [r.forward_s for r in rows], [r.backward_s for r in rows]
     cf, cb = [r.p2p_forward_s for r in rows[:-1]], [r.p2p_backward_s for r in rows[:-1]]
@@ -362,7 +369,7 @@ def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
         lower = lower_bound_1f1b(f, b, m)
         group_f, group_b = f, b
     else:
-        closed = closed_form_interleaved(f, b, m, v, cf, cb)
+        closed = closed_form_interleaved(f, b, m, v, cf, cb, overlap_p2p)
         lower = lower_bound_interleaved(f, b, m, v, cf, cb)
         group_f, group_b = group_sums(pipeline.pp_size, f, b)
     ends: Optional[LastBackwards] = None
@@ -372,10 +379,10 @@ def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
             groups = pipeline.pp_size
             ends = list(zip(last_backward_ends(b, time, groups, cb), b[:groups]))
     elif with_ends:
-        time, held = cache.last_backwards(f, b, m, cf, cb, v)
+        time, held = cache.last_backwards(f, b, m, cf, cb, v, overlap_p2p)
         ends = list(held)
     else:
-        time = cache.makespan(f, b, m, cf, cb, v)
+        time = cache.makespan(f, b, m, cf, cb, v, overlap_p2p)
     return (PipelinePrediction(p, m, time, closed, lower,
                                bubble_fraction(time, group_f, group_b, m)), ends)
 
@@ -389,7 +396,7 @@ def _exposed_sync(ctx: PredictionContext, pipelines: list[PipelinePrediction],
 
 
 def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
-              pipelines: list[PipelinePrediction], pipeline_model: str,
+              pipelines: list[PipelinePrediction], pipeline_model: str, overlap_p2p: bool,
               optimizer: Optional[float] = None, overhead: float = 0.0,
               dp_sync: Optional[float] = None, dp_exposed: Optional[float] = None) -> Prediction:
     """The iteration's figures; ``dp_exposed`` None: the whole DP sync is paid."""
@@ -416,7 +423,9 @@ def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
     return Prediction(
         model=model.name, seq_length=ctx.seq, dtype=ctx.dtype,
         use_distributed_optimizer=ctx.zero1, overlap_grad_reduce=ctx.overlap_grad_reduce,
-        grad_reduce_in_bf16=ctx.grad_reduce_in_bf16, micro_batch_size=plan.micro_batch_size,
+        grad_reduce_in_bf16=ctx.grad_reduce_in_bf16,
+        overlap_p2p_comm=overlap_p2p and any(pp.interleaved for pp in plan.pipelines),
+        micro_batch_size=plan.micro_batch_size,
         global_batch_size=plan.global_batch_size, pipeline_model=pipeline_model,
         stages=tuple(stages), pipelines=tuple(pipelines), pipeline_time_s=slowest.time_s,
         dp_sync_s=dp_sync, dp_exposed_s=dp_exposed, optimizer_s=optimizer,

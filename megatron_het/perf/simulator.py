@@ -5,7 +5,9 @@ rendezvous semantics as :func:`~megatron_het.pipeline.schedules.check_schedule` 
 a compute step runs when the group reaches it and lasts its stage's time; a transfer starts once
 both sides have posted the step holding it and lasts that boundary's p2p time; a step (a single
 transfer or a P2PBatch) ends when all its transfers have ended, and the group waits for that
-(blocking transfers). Without interleaving a group is a stage; an interleaved pipeline of ``p``
+(blocking transfers). A ``P2PPost`` lets the group go on at once and its ``P2PWait`` waits
+for its transfers' ends (transfers overlapped with compute; each takes its own time, so a
+boundary's transfers in flight together do not share its bandwidth). Without interleaving a group is a stage; an interleaved pipeline of ``p``
 groups has ``n = v p`` stages, stage ``s`` on group ``s % p``, and results stay per group.
 
 :func:`simulate_pipelines` runs several pipelines at once. A compute step is a :class:`Region`:
@@ -34,8 +36,9 @@ from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
                                             lower_bound_interleaved)
 from megatron_het.perf.stage_cost import StageCompute, stage_compute
 from megatron_het.pipeline.schedule_check import held_counts
-from megatron_het.pipeline.schedules import (Action, ActionKind, P2PBatch, ScheduleError, Step,
-                                             build_schedule, interleaved_compute)
+from megatron_het.pipeline.actions import _actions_of
+from megatron_het.pipeline.schedules import (Action, ActionKind, P2PPost, P2PWait, ScheduleError,
+                                             Step, build_schedule, interleaved_compute)
 
 _DIRECTION = {  # transfer kind -> (channel, boundary offset from the stage)
     ActionKind.SEND_FORWARD: ("forward", 0), ActionKind.RECV_FORWARD: ("forward", -1),
@@ -160,16 +163,28 @@ class _Agent:
     "cpu" / "tail" (in a region's work / wait and floor), "xfer" (in a transfer step), "done"."""
 
     __slots__ = ("pipeline", "group", "timing", "steps", "pc", "clock", "state", "region",
-                 "start", "left", "waiting", "step_end", "busy", "events", "version")
+                 "start", "left", "waiting", "posts", "busy", "events", "version")
 
     def __init__(self, pipeline: int, group: int, timing: StageTiming,
                  steps: Sequence[Step]) -> None:
         self.pipeline, self.group, self.timing, self.steps = pipeline, group, timing, steps
         self.pc, self.clock, self.state = 0, 0.0, "run"
         self.region, self.start, self.left = timing.forward, 0.0, 0.0
-        self.waiting, self.step_end, self.busy = 0, 0.0, 0.0
+        self.waiting: Optional[_Xfer] = None  # the transfers it is blocked on
+        self.posts: dict[tuple[Action, ...], _Xfer] = {}  # posted, not waited on
+        self.busy = 0.0
         self.events: list[TimelineEvent] = []
         self.version = 0
+
+
+class _Xfer:
+    """The transfers of one posted step: how many are not matched yet, and when the matched
+    ones end."""
+
+    __slots__ = ("left", "end")
+
+    def __init__(self, count: int, now: float) -> None:
+        self.left, self.end = count, now
 
 
 def _stage_of(action: Action, agent: _Agent) -> int:
@@ -207,8 +222,8 @@ class _Engine:
                        for g, group_steps in enumerate(steps)]
         self.heap: list[tuple[float, int, int, _Agent]] = []
         self.order = itertools.count()
-        # a transfer's key -> (the side that posted it first, when, its stage)
-        self.posted: dict[tuple[int, str, int, int], tuple[_Agent, float, int]] = {}
+        # a transfer's key -> (the side that posted it first, when, its stage, its post)
+        self.posted: dict[tuple[int, str, int, int], tuple[_Agent, float, int, _Xfer]] = {}
         self.nodes: dict[int, _Node] = {}
 
     def run(self) -> None:
@@ -243,7 +258,9 @@ class _Engine:
         elif agent.state == "tail":
             self._end_region(agent, now)
         elif agent.state == "xfer":
-            agent.clock = agent.step_end
+            assert agent.waiting is not None
+            agent.clock = max(agent.clock, agent.waiting.end)
+            agent.waiting = None
             agent.pc += 1
         agent.state = "run"
         self._steps(agent)
@@ -271,13 +288,21 @@ class _Engine:
                     return
                 self._end_region(agent, agent.clock)
                 continue
+            if isinstance(step, P2PPost):
+                agent.posts[step.actions] = self._post(agent, step.actions)
+                agent.pc += 1
+                continue
+            xfer = (agent.posts.pop(step.actions) if isinstance(step, P2PWait)
+                    else self._post(agent, _actions_of(step)))
             agent.state = "xfer"
-            if not self._post(agent, step):
+            if xfer.left:
+                agent.waiting = xfer
                 return  # the peer's post wakes it
-            if self.sharing is not None and agent.step_end > agent.clock:
-                self._schedule(agent, agent.step_end)
+            if self.sharing is not None and xfer.end > agent.clock:
+                agent.waiting = xfer
+                self._schedule(agent, xfer.end)
                 return
-            agent.clock = agent.step_end
+            agent.clock = max(agent.clock, xfer.end)
             agent.pc += 1
             agent.state = "run"
         agent.state = "done"
@@ -301,11 +326,10 @@ class _Engine:
         agent.clock = now
         agent.pc += 1
 
-    def _post(self, agent: _Agent, step: Step) -> bool:
-        """Post a transfer step at ``agent.clock``; match each transfer with a posted peer.
-        True when every transfer of the step is matched (it ends at ``agent.step_end``)."""
-        actions = step.actions if isinstance(step, P2PBatch) else (step,)
-        agent.waiting, agent.step_end = len(actions), agent.clock
+    def _post(self, agent: _Agent, actions: Sequence[Action]) -> _Xfer:
+        """Post transfers at ``agent.clock``; match each with a posted peer. The returned
+        record counts those still unmatched and the end of the matched ones."""
+        xfer = _Xfer(len(actions), agent.clock)
         timings = self.stages[agent.pipeline]
         for action in actions:
             channel, offset = _DIRECTION[action.kind]
@@ -314,22 +338,23 @@ class _Engine:
             key = (agent.pipeline, channel, boundary, action.micro_batch)
             peer = self.posted.pop(key, None)
             if peer is None:
-                self.posted[key] = (agent, agent.clock, stage)
+                self.posted[key] = (agent, agent.clock, stage, xfer)
                 continue
-            other, posted_at, other_stage = peer
+            other, posted_at, other_stage, other_xfer = peer
             start = max(agent.clock, posted_at)
             sender = timings[boundary]
             end = start + (sender.p2p_forward_s if channel == "forward"
                            else sender.p2p_backward_s)
-            for who, who_stage in ((agent, stage), (other, other_stage)):
-                who.waiting -= 1
-                who.step_end = max(who.step_end, end)
+            for who, who_stage, record in ((agent, stage, xfer),
+                                           (other, other_stage, other_xfer)):
+                record.left -= 1
+                record.end = max(record.end, end)
                 if self.record:
                     who.events.append(TimelineEvent(who_stage, f"{channel} p2p",
                                                     action.micro_batch, start, end))
-            if other.waiting == 0:
-                self._schedule(other, other.step_end)
-        return agent.waiting == 0
+            if other.waiting is other_xfer and other_xfer.left == 0:
+                self._schedule(other, max(other.clock, other_xfer.end))
+        return xfer
 
     # ---- shared cores ---------------------------------------------------------------------
     def _node(self, agent: _Agent) -> tuple[int, _Node]:
@@ -374,11 +399,13 @@ class _Engine:
 def simulate_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],
                   num_micro_batches: int, p2p_forward_s: Optional[Sequence[float]] = None,
                   p2p_backward_s: Optional[Sequence[float]] = None,
-                  record_timeline: bool = True, num_chunks: int = 1) -> SimulationResult:
+                  record_timeline: bool = True, num_chunks: int = 1,
+                  overlap_p2p: bool = False) -> SimulationResult:
     """:func:`simulate` on the 1F1B schedule of ``len(forward_s)`` stages: non-interleaved, or
-    interleaved over ``len(forward_s) // num_chunks`` device groups."""
+    interleaved over ``len(forward_s) // num_chunks`` device groups (``overlap_p2p``: its
+    transfers overlapped with compute)."""
     steps = build_schedule("1f1b", _groups(len(forward_s), num_chunks), num_micro_batches,
-                           num_chunks)
+                           num_chunks, overlap_p2p and num_chunks > 1)
     return simulate(steps, forward_s, backward_s, p2p_forward_s, p2p_backward_s,
                     record_timeline)
 
@@ -392,14 +419,14 @@ def _groups(num_stages: int, num_chunks: int) -> int:
 
 def _inputs_key(forward_s: Sequence[float], backward_s: Sequence[float], num_micro_batches: int,
                 p2p_forward_s: Sequence[float], p2p_backward_s: Sequence[float],
-                num_chunks: int) -> tuple:
-    """A pipeline simulation's inputs as a memo key."""
+                num_chunks: int, overlap_p2p: bool) -> tuple:
+    """A pipeline simulation's inputs as a memo key (overlap only matters interleaved)."""
     return (tuple(forward_s), tuple(backward_s), num_micro_batches, tuple(p2p_forward_s),
-            tuple(p2p_backward_s), num_chunks)
+            tuple(p2p_backward_s), num_chunks, overlap_p2p and num_chunks > 1)
 
 
 class SimulationCache:
-    """Built 1F1B step lists by (groups, micro-batches, chunks), makespans by their inputs,
+    """Built 1F1B step lists by (groups, micro-batches, chunks, overlap), makespans by their inputs,
     activation peaks per list and stage computes by their arguments.
 
     Create one per search loop and pass it to every :func:`~megatron_het.perf.predictor.predict`
@@ -407,20 +434,20 @@ class SimulationCache:
     """
 
     def __init__(self) -> None:
-        self._schedules: dict[tuple[int, int, int], list[list[Step]]] = {}
+        self._schedules: dict[tuple[int, int, int, bool], list[list[Step]]] = {}
         self._makespans: dict[tuple, float] = {}
         self._ends: dict[tuple, tuple[float, tuple[tuple[float, float], ...]]] = {}
         self._held: dict[tuple[int, int, int, int], tuple] = {}
         self._computes: dict[tuple, tuple[object, object]] = {}
 
-    def schedule(self, num_stages: int, num_micro_batches: int,
-                 num_chunks: int = 1) -> list[list[Step]]:
+    def schedule(self, num_stages: int, num_micro_batches: int, num_chunks: int = 1,
+                 overlap_p2p: bool = False) -> list[list[Step]]:
         """The 1F1B lists of ``num_stages`` stages, or with ``num_chunks > 1`` the interleaved
-        lists of ``num_stages`` device groups (as :func:`build_schedule`)."""
-        key = (num_stages, num_micro_batches, num_chunks)
+        lists of ``num_stages`` device groups, their transfers overlapped with compute where
+        ``overlap_p2p`` (as :func:`build_schedule`)."""
+        key = (num_stages, num_micro_batches, num_chunks, overlap_p2p and num_chunks > 1)
         if key not in self._schedules:
-            self._schedules[key] = build_schedule("1f1b", num_stages, num_micro_batches,
-                                                  num_chunks)
+            self._schedules[key] = build_schedule("1f1b", *key)
         return self._schedules[key]
 
     def held_counts(self, num_groups: int, num_micro_batches: int, num_chunks: int,
@@ -445,16 +472,17 @@ class SimulationCache:
 
     def last_backwards(self, forward_s: Sequence[float], backward_s: Sequence[float],
                        num_micro_batches: int, p2p_forward_s: Sequence[float],
-                       p2p_backward_s: Sequence[float], num_chunks: int = 1
+                       p2p_backward_s: Sequence[float], num_chunks: int = 1,
+                       overlap_p2p: bool = False
                        ) -> tuple[float, tuple[tuple[float, float], ...]]:
         """The simulated makespan and, per device group, the end and duration of its last
         backward (from the timeline), memoized like :meth:`makespan`: the replicas of a plan
         that run alike are simulated once."""
         key = _inputs_key(forward_s, backward_s, num_micro_batches, p2p_forward_s,
-                          p2p_backward_s, num_chunks)
+                          p2p_backward_s, num_chunks, overlap_p2p)
         if key not in self._ends:
             steps = self.schedule(_groups(len(forward_s), num_chunks), num_micro_batches,
-                                  num_chunks)
+                                  num_chunks, overlap_p2p)
             result = simulate(steps, forward_s, backward_s, p2p_forward_s, p2p_backward_s,
                               record_timeline=True)
             ends = []
@@ -466,14 +494,16 @@ class SimulationCache:
 
     def makespan(self, forward_s: Sequence[float], backward_s: Sequence[float],
                  num_micro_batches: int, p2p_forward_s: Sequence[float],
-                 p2p_backward_s: Sequence[float], num_chunks: int = 1) -> float:
+                 p2p_backward_s: Sequence[float], num_chunks: int = 1,
+                 overlap_p2p: bool = False) -> float:
         """The simulated 1F1B makespan (no timeline), memoized; per-STAGE inputs, interleaved
-        over ``len(forward_s) // num_chunks`` groups when ``num_chunks > 1``."""
+        over ``len(forward_s) // num_chunks`` groups when ``num_chunks > 1`` (``overlap_p2p``:
+        transfers overlapped with compute)."""
         key = _inputs_key(forward_s, backward_s, num_micro_batches, p2p_forward_s,
-                          p2p_backward_s, num_chunks)
+                          p2p_backward_s, num_chunks, overlap_p2p)
         if key not in self._makespans:
             steps = self.schedule(_groups(len(forward_s), num_chunks), num_micro_batches,
-                                  num_chunks)
+                                  num_chunks, overlap_p2p)
             self._makespans[key] = simulate(steps, forward_s, backward_s, p2p_forward_s,
                                             p2p_backward_s, record_timeline=False).makespan_s
         return self._makespans[key]

@@ -59,7 +59,29 @@ class P2PBatch:
         return "[" + " + ".join(map(str, self.actions)) + "]"
 
 
-Step = Union[Action, P2PBatch]
+@dataclass(frozen=True)
+class P2PPost:
+    """Transfers posted together without waiting: the list goes on at once (its compute then
+    overlaps them), and a later :class:`P2PWait` with the same ``actions`` waits for them."""
+
+    actions: tuple[Action, ...]
+
+    def __str__(self) -> str:
+        return "post [" + " + ".join(map(str, self.actions)) + "]"
+
+
+@dataclass(frozen=True)
+class P2PWait:
+    """Wait until the transfers of the earlier :class:`P2PPost` with these ``actions`` have
+    completed (a received tensor is usable, a sent one free, only after it)."""
+
+    actions: tuple[Action, ...]
+
+    def __str__(self) -> str:
+        return "wait [" + " + ".join(map(str, self.actions)) + "]"
+
+
+Step = Union[Action, P2PBatch, P2PPost, P2PWait]
 
 
 class ScheduleError(Exception):
@@ -71,4 +93,7 @@ def _batched(steps: list[Step]) -> list[Step]:
 
 
 def _actions_of(step: Step) -> tuple[Action, ...]:
-    return step.actions if isinstance(step, P2PBatch) else (step,)
+    """The actions a step starts (a wait starts none: its transfers were posted before)."""
+    if isinstance(step, (P2PBatch, P2PPost)):
+        return step.actions
+    return () if isinstance(step, P2PWait) else (step,)

@@ -11,8 +11,12 @@ are described in :mod:`megatron_het.pipeline.p2p`.
 Interleaved pipelines: a rank of a device group runs several model chunks (its stage holds
 all their layers, :class:`~megatron_het.model.llama.LlamaModel` ``chunks``) with the
 interleaved 1F1B schedule, whose actions name the chunk (global stage) they belong to; the
-in-flight tensors are kept per (stage, micro-batch). Evaluation (forward only) runs the
-micro-batches one after the other through all chunks.
+in-flight tensors are kept per (stage, micro-batch). With ``overlap_p2p`` (the default, as
+Megatron-LM's ``--overlap-p2p-communication``) its exchanges are posted without waiting
+(:func:`~megatron_het.pipeline.schedules.overlap_transfers`): a ``P2PPost`` issues the batch
+and keeps its handles, the matching ``P2PWait`` waits for them just before the compute that
+reads what they receive, so the transfers run while the other direction's compute does.
+Evaluation (forward only) runs the micro-batches one after the other through all chunks.
 
 Numerics: the last stage scales each micro-batch's token-mean loss by ``loss_scale`` (1/total
 micro-batches over all pipelines, per the numerics contract) before backward, so gradients
@@ -55,8 +59,10 @@ from megatron_het.parallel.sequence import local_positions
 from megatron_het.pipeline.p2p import (BufferPool, boundary_peers, place_received,
                                        sync_tied_embedding_grads, tied_embedding_weight,
                                        transfer_ops)
-from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PBatch, Step,
-                                             gpipe, interleaved_one_f_one_b, sequential_forward)
+from megatron_het.pipeline.actions import _actions_of
+from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PPost, P2PWait,
+                                             Step, gpipe, interleaved_one_f_one_b,
+                                             sequential_forward)
 from megatron_het.pipeline.timing import RegionClock
 
 __all__ = ["PipelineExecutor", "RegionTimer", "StageStats", "compute_region_key",
@@ -117,7 +123,18 @@ class _Run:
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)         # hidden or loss
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)    # received buffers
     input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)     # to send back
+    posted: dict[tuple[Action, ...], "_Posted"] = field(default_factory=dict)  # not waited on
     loss_sum: Optional[torch.Tensor] = None
+
+
+@dataclass
+class _Posted:
+    """A transfer step in flight: its handles (which keep the sent tensors alive), the receive
+    buffers to file by (kind, key) once done, and the received pieces to place."""
+
+    handles: list
+    received: list[tuple[ActionKind, Key, torch.Tensor]]
+    places: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class PipelineExecutor:
@@ -133,16 +150,19 @@ class PipelineExecutor:
         region_timer: entered around every compute region (:class:`RegionTimer`; None: none).
         schedule: a name of :data:`~megatron_het.pipeline.schedules.SCHEDULES` ("1f1b",
             "gpipe").
+        overlap_p2p: an interleaved pipeline overlaps its transfers with compute (see the
+            module docstring); plain pipelines always wait for each exchange, as Megatron-LM.
     """
 
     def __init__(self, stage: nn.Module, groups: ProcessGroups, model_config: ModelConfig,
                  seq_length: int, micro_batch_size: int,
-                 region_timer: Optional[RegionTimer] = None, schedule: str = "1f1b") -> None:
+                 region_timer: Optional[RegionTimer] = None, schedule: str = "1f1b",
+                 overlap_p2p: bool = True) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; known: "
                              f"{', '.join(SCHEDULES)}")
         self.stage, self.groups, self.config = stage, groups, model_config
-        self.region_timer, self.schedule = region_timer, schedule
+        self.region_timer, self.schedule, self.overlap_p2p = region_timer, schedule, overlap_p2p
         role = groups.role
         pipeline = groups.plan.pipelines[role.pipeline]
         self.stage_index = role.stage          # the device group (= its first stage)
@@ -178,7 +198,7 @@ class PipelineExecutor:
                 raise ValueError(f"an interleaved pipeline runs the 1f1b schedule, not "
                                  f"{self.schedule!r}")
             return interleaved_one_f_one_b(self.num_groups, self.num_chunks, num_micro_batches,
-                                           self.stage_index)
+                                           self.stage_index, self.overlap_p2p)
         if forward_only:
             return [s for s in gpipe(self.num_stages, num_micro_batches, self.stage_index)
                     if isinstance(s, Action) and s.kind in _FORWARD_KINDS]
@@ -209,8 +229,12 @@ class PipelineExecutor:
                     self._forward(run, self._key(step))
                 elif isinstance(step, Action) and step.kind is ActionKind.BACKWARD:
                     self._backward(run, self._key(step))
+                elif isinstance(step, P2PPost):
+                    run.posted[step.actions] = self._post(run, step.actions)
+                elif isinstance(step, P2PWait):
+                    self._wait(run, run.posted.pop(step.actions))
                 else:
-                    self._transfer(run, step)
+                    self._wait(run, self._post(run, _actions_of(step)))
         times, wall = self.clock.totals()
         compute_s, p2p_s = times.get("compute", 0.0), times.get("p2p", 0.0)
         sync_s = 0.0
@@ -297,8 +321,8 @@ class PipelineExecutor:
                 if key in run.input_buffers:
                     self.pool.release(run.input_buffers.pop(key))
 
-    def _transfer(self, run: _Run, step: Step) -> None:
-        actions = step.actions if isinstance(step, P2PBatch) else (step,)
+    def _post(self, run: _Run, actions: Sequence[Action]) -> _Posted:
+        """Issue the point-to-point ops of ``actions`` (one batch) without waiting for them."""
         ops, received, places = [], [], []
         for action in actions:
             key, payload, buffer = self._key(action), None, None
@@ -315,11 +339,16 @@ class PipelineExecutor:
             ops += action_ops
             places += action_places
         with self.clock.region("p2p"):
-            if ops:
-                for handle in self.groups.pipeline.batch_isend_irecv(ops):
-                    handle.wait()
-            place_received(places)
-        for kind, key, buffer in received:
+            handles = self.groups.pipeline.batch_isend_irecv(ops) if ops else []
+        return _Posted(handles, received, places)
+
+    def _wait(self, run: _Run, posted: _Posted) -> None:
+        """Wait for a posted batch and file what it received."""
+        with self.clock.region("p2p"):
+            for handle in posted.handles:
+                handle.wait()
+            place_received(posted.places)
+        for kind, key, buffer in posted.received:
             if kind is ActionKind.RECV_FORWARD:
                 run.input_buffers[key] = buffer
             else:

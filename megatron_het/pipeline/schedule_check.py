@@ -4,7 +4,10 @@
 against each other with rendezvous semantics (a transfer completes only when the peer posts
 the matching one), which is stricter than buffered sends: a schedule it accepts cannot deadlock
 on a real backend either. Transfers travel on channels (sender list, receiver list, direction)
-and arrive in send order on each.
+and arrive in send order on each. Two stricter models of a device backend can be asked for:
+``untagged`` (messages between two lists match in posting order whatever their direction, as
+NCCL matches them without tags) and ``in_order`` (a list's posted steps complete in posting
+order, as coalesced groups on one communication stream do).
 """
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from megatron_het.pipeline.actions import (_COMPUTE, _COMPUTE_OF, _PEER_OFFSET, _RECV_OF,
-                                           _SENDS, Action, ActionKind, P2PBatch, ScheduleError,
-                                           Step, _actions_of)
+                                           _SENDS, Action, ActionKind, P2PBatch, P2PPost,
+                                           P2PWait, ScheduleError, Step, _actions_of)
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,8 @@ class ScheduleReport:
 
 def check_schedule(per_group_actions: Sequence[Sequence[Step]],
                    num_micro_batches: Optional[int] = None, num_stages: Optional[int] = None,
-                   *, forward_only: bool = False) -> ScheduleReport:
+                   *, forward_only: bool = False, untagged: bool = False,
+                   in_order: bool = False) -> ScheduleReport:
     """Prove that the lists, run together, finish and do the right work.
 
     ``num_stages``: the global stages n (default: one per list); stage ``s`` runs on list
@@ -41,7 +45,10 @@ def check_schedule(per_group_actions: Sequence[Sequence[Step]],
     a transfer or compute whose data is not there yet, on an action of a stage the list does not
     run or with the wrong peer, and unless every stage forwards (and, unless ``forward_only``,
     backwards) each micro-batch ``0..num_micro_batches-1`` exactly once (``num_micro_batches``
-    defaults to one more than the largest seen).
+    defaults to one more than the largest seen). A :class:`P2PPost` goes on at once and its
+    :class:`P2PWait` blocks until its transfers have matched; data a post receives is usable
+    only after the wait, and every post must be waited on. ``untagged`` and ``in_order``: the
+    stricter backend models of the module docstring.
     """
     num_lists = len(per_group_actions)
     if num_lists == 0:
@@ -50,14 +57,13 @@ def check_schedule(per_group_actions: Sequence[Sequence[Step]],
     if n < num_lists or n % num_lists or (n > num_lists and num_lists < 2):
         raise ValueError(f"{n} stages cannot run round-robin on {num_lists} lists: need a "
                          f"multiple of the list count, and at least 2 lists to interleave")
-    runs = [_ListRun(g, num_lists, n, steps) for g, steps in enumerate(per_group_actions)]
+    runs = [_ListRun(g, num_lists, n, steps, in_order)
+            for g, steps in enumerate(per_group_actions)]
     while not all(run.done for run in runs):
         moved = False
         for run in runs:
-            moved |= run.run_until_transfer()
-        moved |= _match_transfers(runs)
-        for run in runs:
-            moved |= run.finish_step_if_matched()
+            moved |= run.advance()
+        moved |= _match_transfers(runs, untagged)
         if not moved:
             label = runs[0].label
             waiting = "; ".join(f"{label} {r.index} at step {r.pc} {r.steps[r.pc]}"
@@ -117,18 +123,31 @@ def _covers(big: dict[int, int], small: dict[int, int]) -> bool:
     return all(big.get(k, 0) >= n for k, n in small.items())
 
 
+class _Posted:
+    """Transfers posted together: those not matched yet, and whether a wait took them."""
+
+    def __init__(self, actions: tuple[Action, ...]) -> None:
+        self.actions = actions
+        self.unmatched = list(actions)
+
+    @property
+    def complete(self) -> bool:
+        return not self.unmatched
+
+
 class _ListRun:
     """The state of one list (a stage, or a device group's stages) in :func:`check_schedule`."""
 
     def __init__(self, index: int, num_lists: int, num_stages: int,
-                 steps: Sequence[Step]) -> None:
+                 steps: Sequence[Step], in_order: bool) -> None:
         self.index, self.num_lists, self.num_stages = index, num_lists, num_stages
         self.steps = list(steps)
+        self.in_order = in_order
         self.interleaved = num_stages != num_lists
         self.label = "group" if self.interleaved else "stage"
         self.pc = 0
-        self.pending: list[Action] = []   # unmatched transfers of the posted step
-        self.posted = False
+        self.outstanding: list[_Posted] = []   # posted, not waited on, in posting order
+        self.blocking: Optional[_Posted] = None  # the blocking step posted at pc
         self.done_work: dict[tuple[ActionKind, int], set[int]] = defaultdict(set)
         self.in_flight = self.peak_in_flight = 0
         for i, step in enumerate(self.steps):
@@ -146,15 +165,16 @@ class _ListRun:
         return f"micro-batch {a.micro_batch}{stage}"
 
     def _fail(self, message: str) -> None:
-        raise ScheduleError(f"{self.label} {self.index} step {self.pc} ({self.steps[self.pc]}): "
-                            f"{message}")
+        where = self.steps[self.pc] if not self.done else "end"
+        raise ScheduleError(f"{self.label} {self.index} step {self.pc} ({where}): {message}")
 
     def _check_step_shape(self, i: int, step: Step) -> None:
-        actions = _actions_of(step)
+        actions = step.actions if isinstance(step, P2PWait) else _actions_of(step)
         where = f"{self.label} {self.index} step {i} ({step})"
-        if isinstance(step, P2PBatch) and (not actions or any(
+        if isinstance(step, (P2PBatch, P2PPost, P2PWait)) and (not actions or any(
                 a.kind in _COMPUTE for a in actions)):
-            raise ScheduleError(f"{where}: a P2PBatch holds one or more transfers, no compute")
+            raise ScheduleError(f"{where}: a {type(step).__name__} holds one or more "
+                                f"transfers, no compute")
         n = self.num_stages
         for a in actions:
             if a.stage is None and self.interleaved:
@@ -171,20 +191,64 @@ class _ListRun:
                 raise ScheduleError(f"{where}: {a.kind.name} must have peer_stage {want} on "
                                     f"stage {s} of {n}")
 
-    def run_until_transfer(self) -> bool:
-        """Run compute steps; post the next transfer step. True if anything happened."""
+    def eligible(self, posted: _Posted) -> bool:
+        """Whether ``posted``'s transfers can progress: always, or with ``in_order`` once
+        every earlier post of this list has completed."""
+        if not self.in_order:
+            return True
+        for earlier in self.outstanding:
+            if earlier is posted:
+                return True
+            if not earlier.complete:
+                return False
+        return True
+
+    def advance(self) -> bool:
+        """Run compute and posts until a step must wait; take finished waits. True if
+        anything happened."""
         moved = False
-        while not self.done and not self.posted:
+        while not self.done:
             step = self.steps[self.pc]
             if isinstance(step, Action) and step.kind in _COMPUTE:
                 self._compute(step)
-                self.pc += 1
-            else:
-                for a in _actions_of(step):
-                    self._check_send_ready(a)
-                self.pending, self.posted = list(_actions_of(step)), True
+            elif isinstance(step, P2PPost):
+                self._post(step.actions)
+            elif isinstance(step, P2PWait):
+                posted = next((p for p in self.outstanding if p.actions == step.actions), None)
+                if posted is None:
+                    self._fail("waits for transfers that are not posted (or waited on already)")
+                if not posted.complete:
+                    return moved
+                self._take(posted)
+            else:  # a blocking transfer: post it once, then wait for it
+                if self.blocking is None:
+                    self.blocking = self._post(_actions_of(step))
+                    moved = True
+                if not self.blocking.complete:
+                    return moved
+                self._take(self.blocking)
+                self.blocking = None
+            self.pc += 1
             moved = True
+        if self.outstanding:
+            self._fail(f"posts transfers it never waits for: {self.outstanding[0].actions[0]}")
         return moved
+
+    def _post(self, actions: tuple[Action, ...]) -> _Posted:
+        for a in actions:
+            self._check_send_ready(a)
+        posted = _Posted(actions)
+        self.outstanding.append(posted)
+        return posted
+
+    def _take(self, posted: _Posted) -> None:
+        """A wait on a complete post: its received data is usable from now on."""
+        self.outstanding.remove(posted)
+        for a in posted.actions:
+            key = (a.kind, self.stage_of(a))
+            if a.micro_batch in self.done_work[key]:
+                self._fail(f"{a.kind.value} of {self._what(a)} happens twice")
+            self.done_work[key].add(a.micro_batch)
 
     def _compute(self, a: Action) -> None:
         s, mb, done = self.stage_of(a), a.micro_batch, self.done_work
@@ -208,18 +272,14 @@ class _ListRun:
         if needs is not None and a.micro_batch not in self.done_work[(needs, self.stage_of(a))]:
             self._fail(f"sends {self._what(a)} before its {needs.value} ran here")
 
-    def complete(self, a: Action) -> None:
-        key = (a.kind, self.stage_of(a))
-        if a.micro_batch in self.done_work[key]:
-            self._fail(f"{a.kind.value} of {self._what(a)} happens twice")
-        self.done_work[key].add(a.micro_batch)
-        self.pending.remove(a)
-
-    def finish_step_if_matched(self) -> bool:
-        if self.posted and not self.pending:
-            self.pc, self.posted = self.pc + 1, False
-            return True
-        return False
+    def first_unmatched(self, accept: Callable[[Action], bool]
+                        ) -> Optional[tuple[_Posted, Action]]:
+        """The earliest unmatched transfer (in posting order) that ``accept`` takes."""
+        for posted in self.outstanding:
+            for a in posted.unmatched:
+                if accept(a):
+                    return posted, a
+        return None
 
     def check_complete(self, num_micro_batches: int, forward_only: bool) -> None:
         expected = set(range(num_micro_batches))
@@ -234,29 +294,40 @@ class _ListRun:
                     f"every stage must run it once on each of 0..{num_micro_batches - 1}")
 
 
-def _match_transfers(runs: list[_ListRun]) -> bool:
-    """Pair posted sends with the peer's posted receives, channel by channel, in order."""
+def _match_transfers(runs: list[_ListRun], untagged: bool) -> bool:
+    """Pair the first unmatched send of every channel with the receiver's first unmatched
+    receive on it (a channel: sender, receiver and, unless ``untagged``, the direction)."""
     moved = False
     num_lists = len(runs)
     for sender in runs:
-        if not sender.posted:
-            continue
-        for send in [a for a in sender.pending if a.kind in _SENDS]:
-            assert send.peer_stage is not None
-            receiver = runs[send.peer_stage % num_lists]
-            recvs = [a for a in receiver.pending if a.kind is _RECV_OF[send.kind]
-                     and a.peer_stage is not None and a.peer_stage % num_lists == sender.index]
-            if not receiver.posted or not recvs:
-                continue
-            recv = recvs[0]
-            if (recv.micro_batch != send.micro_batch
-                    or receiver.stage_of(recv) != send.peer_stage):
-                label = sender.label
-                raise ScheduleError(
-                    f"{label} {sender.index} step {sender.pc} sends {send} while {label} "
-                    f"{receiver.index} step {receiver.pc} expects {recv}: transfers between "
-                    f"two {label}s must come in the same order on both sides")
-            sender.complete(send)
-            receiver.complete(recv)
-            moved = True
+        channels: set[tuple[int, Optional[ActionKind]]] = set()
+        for posted in list(sender.outstanding):
+            for send in [a for a in posted.unmatched if a.kind in _SENDS]:
+                assert send.peer_stage is not None
+                to = send.peer_stage % num_lists
+                channel = (to, None if untagged else send.kind)
+                if channel in channels:
+                    continue  # an earlier send on this channel is still unmatched
+                channels.add(channel)
+                receiver = runs[to]
+                kinds = (ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD) if untagged else (
+                    _RECV_OF[send.kind],)
+                found = receiver.first_unmatched(
+                    lambda a: a.kind in kinds and a.peer_stage is not None
+                    and a.peer_stage % num_lists == sender.index)
+                if found is None or not (sender.eligible(posted)
+                                         and receiver.eligible(found[0])):
+                    continue
+                taken, recv = found
+                if (recv.kind is not _RECV_OF[send.kind] or recv.micro_batch != send.micro_batch
+                        or receiver.stage_of(recv) != send.peer_stage):
+                    label = sender.label
+                    raise ScheduleError(
+                        f"{label} {sender.index} step {sender.pc} sends {send} while {label} "
+                        f"{receiver.index} step {receiver.pc} expects {recv}: transfers between "
+                        f"two {label}s must come in the same order on both sides")
+                posted.unmatched.remove(send)
+                taken.unmatched.remove(recv)
+                channels.discard(channel)  # the next send on it may match too
+                moved = True
     return moved

@@ -12,7 +12,11 @@ A schedule for one group is a list of steps run in order by an executor (written
   activations (forward) or of their gradients (backward) of ``mb`` between ``s`` and
   ``peer_stage = s +- 1``;
 - ``P2PBatch(actions)``: transfers posted together and waited on together (the executor issues
-  them as one batched isend/irecv), e.g. SEND_FORWARD + RECV_BACKWARD in the 1F1B steady state.
+  them as one batched isend/irecv), e.g. SEND_FORWARD + RECV_BACKWARD in the 1F1B steady state;
+- ``P2PPost(actions)`` / ``P2PWait(actions)``: the same transfers posted without waiting and
+  waited on later, so compute in between overlaps them (:func:`overlap_transfers` turns a list
+  of blocking transfers into one, as Megatron-LM's ``--overlap-p2p-communication`` does for
+  interleaved pipelines).
 
 ``stage=None`` means the list's own stage (the non-interleaved lists, one stage per list).
 The actions live in :mod:`megatron_het.pipeline.actions`; :func:`check_schedule` (in
@@ -27,8 +31,9 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Callable, Union
 
-from megatron_het.pipeline.actions import (_RECV_OF, Action, ActionKind, P2PBatch,
-                                           ScheduleError, Step, _actions_of, _batched)
+from megatron_het.pipeline.actions import (_RECV_OF, Action, ActionKind, P2PBatch, P2PPost,
+                                           P2PWait, ScheduleError, Step, _actions_of, _batched)
+from megatron_het.pipeline.overlap import overlap_transfers
 from megatron_het.pipeline.schedule_check import (ScheduleReport, check_schedule,
                                                   peak_activation)
 
@@ -153,7 +158,7 @@ def interleaved_warmup(num_groups: int, num_chunks: int, num_micro_batches: int,
 
 
 def interleaved_one_f_one_b(num_groups: int, num_chunks: int, num_micro_batches: int,
-                            group: int) -> list[Step]:
+                            group: int, overlap_p2p: bool = False) -> list[Step]:
     """The interleaved 1F1B schedule of device group ``group``; every action names its stage.
 
     ``num_chunks`` = v chunks per group (v = 1: :func:`one_f_one_b`'s list with stages set).
@@ -165,13 +170,17 @@ def interleaved_one_f_one_b(num_groups: int, num_chunks: int, num_micro_batches:
     (none for stage 0's input or the head's output gradient). A receive's (stage, micro-batch)
     is the one the sender sends in the same position on that channel. Peak activations held:
     ``m v`` when ``m == p``, else ``min(warm-up + 1, m v)`` (stage, micro-batch) pairs.
+    ``overlap_p2p``: the exchanges posted without waiting, overlapped with compute
+    (:func:`overlap_transfers`).
     Raises ValueError unless ``num_micro_batches`` is a multiple of ``num_groups`` (v > 1).
     """
     _check_interleaved_args(num_groups, num_chunks, num_micro_batches, group)
     if num_chunks == 1:
-        return [_with_stage(step, group) for step in
-                one_f_one_b(num_groups, num_micro_batches, group)]
-    return list(_interleaved_lists(num_groups, num_chunks, num_micro_batches)[group])
+        steps = [_with_stage(step, group) for step in
+                 one_f_one_b(num_groups, num_micro_batches, group)]
+    else:
+        steps = list(_interleaved_lists(num_groups, num_chunks, num_micro_batches)[group])
+    return overlap_transfers(steps, num_groups * num_chunks) if overlap_p2p else steps
 
 
 def interleaved_compute(num_groups: int, num_chunks: int, num_micro_batches: int,
@@ -305,9 +314,11 @@ SCHEDULES: dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
 def build_schedule(name: str, num_stages: int, num_micro_batches: int,
-                   num_chunks: int = 1) -> list[list[Step]]:
+                   num_chunks: int = 1, overlap_p2p: bool = False) -> list[list[Step]]:
     """Every list of the schedule called ``name`` (see SCHEDULES): one per stage, or with
-    ``num_chunks > 1`` ("1f1b" only) the interleaved lists of ``num_stages`` device groups."""
+    ``num_chunks > 1`` ("1f1b" only) the interleaved lists of ``num_stages`` device groups.
+    ``overlap_p2p`` (interleaved lists only, as Megatron-LM): transfers overlapped with compute
+    (:func:`overlap_transfers`)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
     if num_chunks < 1:
@@ -317,11 +328,12 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int,
     if name != "1f1b":
         raise ValueError(f"schedule {name!r} does not interleave; {num_chunks} chunks per "
                          f"device group need '1f1b'")
-    return [interleaved_one_f_one_b(num_stages, num_chunks, num_micro_batches, g)
+    return [interleaved_one_f_one_b(num_stages, num_chunks, num_micro_batches, g, overlap_p2p)
             for g in range(num_stages)]
 
 
-__all__ = ["SCHEDULES", "Action", "ActionKind", "P2PBatch", "ScheduleError", "ScheduleReport",
-           "Step", "build_schedule", "check_schedule", "gpipe", "interleaved_compute",
+__all__ = ["SCHEDULES", "Action", "ActionKind", "P2PBatch", "P2PPost", "P2PWait",
+           "ScheduleError", "ScheduleReport", "Step", "build_schedule", "check_schedule", "gpipe", "interleaved_compute",
            "interleaved_micro_batch_counts_ok", "interleaved_one_f_one_b", "interleaved_order",
-           "interleaved_warmup", "one_f_one_b", "peak_activation", "sequential_forward"]
+           "interleaved_warmup", "one_f_one_b", "overlap_transfers", "peak_activation",
+           "sequential_forward"]

@@ -46,7 +46,8 @@ def stage_idle_fractions(prediction: Prediction, pipeline: Optional[int] = None)
     sim = simulate_1f1b([r.forward_s for r in rows], [r.backward_s for r in rows],
                         timing.micro_batches, [r.p2p_forward_s for r in rows[:-1]],
                         [r.p2p_backward_s for r in rows[:-1]], record_timeline=False,
-                        num_chunks=len(rows) // (max(group_of) + 1))
+                        num_chunks=len(rows) // (max(group_of) + 1),
+                        overlap_p2p=prediction.overlap_p2p_comm)
     return [1.0 - sim.busy_s[g] / sim.makespan_s for g in group_of]
 
 

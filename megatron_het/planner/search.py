@@ -63,12 +63,13 @@ ZERO1_RETRIES = 3
 SHORTFALL_PROBES = 16
 
 # The most interleaved chunks per device group the search tries: the bubble falls as 1 / v,
-# the exchanges (each waiting one transfer) grow as v.
+# the exchanges grow as v (overlapped with compute, they cost where a transfer outlasts it) and
+# so do the activations held in the warm-up.
 MAX_VIRTUAL_STAGES = 4
 
 # Interleaved layouts probed at most (by increasing bound): their bound leaves out the
-# exchanges, each waiting a transfer, so it lies further below their time than a plain
-# layout's and would let hundreds through.
+# exchanges and the uneven rounds of unequal chunks, so it lies further below their time than
+# a plain layout's and would let hundreds through.
 INTERLEAVED_PROBES = 48
 
 # Splits of the finalists are also polished under the 1F1B simulation when it is cheap (about

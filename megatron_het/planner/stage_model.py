@@ -11,8 +11,8 @@ predictor's closed-form iteration time of any split.
 An interleaved layout (``v`` chunks per device group) is modelled per device group: ``l`` is
 the group's layers (at least ``v``, dealt out over its chunks), its compute the sum over its
 chunks (still affine: the embedding and head sit on fixed chunks), probed at ``v`` and ``2 v``
-layers per group; the pipeline time is the interleaved closed form over the group sums and the
-slowest boundary. Its memory is exact where ``v`` divides ``l`` and interpolated between (the
+layers per group; the pipeline time is the interleaved closed form over its chunks, with the
+transfers overlapped with compute (the runtime's default). Its memory is exact where ``v`` divides ``l`` and interpolated between (the
 held chunks' sizes then depend on which chunks are larger); the final plans are checked.
 
 :func:`balance_layers` finds the split: the smallest 1F1B cycle bottleneck that fits the layers
@@ -30,7 +30,7 @@ from megatron_het.config import ModelConfig
 from megatron_het.perf import Prediction, Profile, SimulationCache, predict
 from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.memory import RESERVED_FRACTION, device_capacity_bytes
-from megatron_het.pipeline.schedules import interleaved_warmup
+from megatron_het.perf.closed_forms import exchange_time
 from megatron_het.planner.space import Layout, Placement, build_plan
 
 
@@ -53,8 +53,8 @@ class StageModel:
     (pipelines differ only in which node boundaries they cross; per chunk boundary when
     interleaved); ``usable_bytes`` is what :func:`megatron_het.perf.fits` allows on the
     stage's devices. With interleaving a stage here is a device group (see the module
-    docstring) and ``chunk_fixed[g][c]`` the part of its chunk c's forward + backward that
-    does not grow with the chunk's layers (the embedding's, the head's).
+    docstring) and ``chunk_fixed[g][c]`` the parts of its chunk c's forward and backward that
+    do not grow with the chunk's layers (the embedding's, the head's).
     """
 
     layout: Layout
@@ -65,7 +65,7 @@ class StageModel:
     memory: tuple[Affine, ...]
     usable_bytes: tuple[float, ...]
     p2p: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...]
-    chunk_fixed: tuple[tuple[float, ...], ...] = ()  # [group][chunk], interleaved only
+    chunk_fixed: tuple[tuple[tuple[float, float], ...], ...] = ()  # [group][chunk]: (f, b)
 
     @property
     def num_stages(self) -> int:
@@ -96,26 +96,31 @@ class StageModel:
         tail = (max(a(n) for a, n in zip(self.dp_sync, layers))
                 + max(a(n) for a, n in zip(self.optimizer, layers)))
         if v > 1:
-            top = max(work)
-            exchanges = m * v + interleaved_warmup(self.num_stages, v, m, 0) - 1
-            slowest = max(max((max(f, b) for f, b in zip(cf, cb)), default=0.0)
-                          for cf, cb in self.p2p)
-            rounds = sum(max(self.chunk_time(g, c, n) for g, n in enumerate(layers))
-                         for c in range(v))
-            return m * rounds + (sum(work) - top) / v + slowest * exchanges + tail
+            p = self.num_stages
+            chunks = [self.chunk_times(g, c, layers[g]) for c in range(v) for g in range(p)]
+            f, b = [x for x, _ in chunks], [y for _, y in chunks]
+            rounds = sum(max(f[s] + b[s] for s in range(c * p, (c + 1) * p)) for c in range(v))
+            exchanges = max(exchange_time(m, v, p, f, b, cf, cb, overlap_p2p=True)
+                            for cf, cb in self.p2p)
+            return m * rounds + (sum(work) - max(work)) / v + exchanges + tail
         pipeline = 0.0
         for (cf, cb), steady in zip(self.p2p, self.steady_p2p()):
             cycle = max(w + k for w, k in zip(work, steady))
             pipeline = max(pipeline, sum(cf) + sum(cb) + (m - 1) * cycle)
         return sum(work) + pipeline + tail
 
-    def chunk_time(self, group: int, chunk: int, layers: int) -> float:
-        """Forward + backward of chunk ``chunk`` of a device group holding ``layers`` layers,
+    def chunk_times(self, group: int, chunk: int, layers: int) -> tuple[float, float]:
+        """(forward, backward) of chunk ``chunk`` of a device group holding ``layers`` layers,
         dealt out as :func:`~megatron_het.parallel.plan_builders.interleave_plan` does."""
         v = self.layout.num_chunks
         size = layers // v + (chunk < layers % v)
-        per_layer = self.forward[group].slope + self.backward[group].slope
-        return per_layer * size + self.chunk_fixed[group][chunk]
+        fixed_f, fixed_b = self.chunk_fixed[group][chunk]
+        return (self.forward[group].slope * size + fixed_f,
+                self.backward[group].slope * size + fixed_b)
+
+    def chunk_time(self, group: int, chunk: int, layers: int) -> float:
+        """Forward + backward of chunk ``chunk`` (:meth:`chunk_times`)."""
+        return sum(self.chunk_times(group, chunk, layers))
 
     def simulated_time(self, layers: Sequence[int], cache: SimulationCache) -> float:
         """Like :meth:`iteration_time` with the event-driven 1F1B simulation for the pipeline
@@ -198,8 +203,8 @@ def probe_stage_model(model: ModelConfig, layout: Layout, placement: Placement,
     forward = tuple(line(a, b) for a, b in zip(sums[0][0], sums[1][0]))
     backward = tuple(line(a, b) for a, b in zip(sums[0][1], sums[1][1]))
     first = probes[0].stages[:n]  # one layer per chunk
-    fixed = tuple(tuple(first[c * p + g].forward_s + first[c * p + g].backward_s
-                        - forward[g].slope - backward[g].slope for c in range(v))
+    fixed = tuple(tuple((first[c * p + g].forward_s - forward[g].slope,
+                         first[c * p + g].backward_s - backward[g].slope) for c in range(v))
                   for g in range(p)) if v > 1 else ()
     return StageModel(
         layout,

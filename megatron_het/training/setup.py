@@ -40,9 +40,9 @@ class RunSetup:
     """The checked inputs of a run.
 
     ``train`` is the command line's TrainConfig with the plan's batch sizes (what the run
-    uses; ``run.train`` keeps what was asked). ``run.parallel``'s ``overlap_grad_reduce`` and
-    ``grad_reduce_in_bf16`` are the resolved options, the plan's where it sets them (also
-    :attr:`overlap_grad_reduce` and :attr:`grad_reduce_in_bf16`), as
+    uses; ``run.train`` keeps what was asked). ``run.parallel``'s ``overlap_grad_reduce``,
+    ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` are the resolved options, the plan's where
+    it sets them (also :attr:`overlap_grad_reduce` and :attr:`grad_reduce_in_bf16`), as
     ``use_distributed_optimizer`` is. ``load_dir`` is the iteration directory to resume from
     (None: start from scratch); ``valid_data`` is None when the split gives validation no
     documents or ``--eval-iters 0``. ``host_profiles`` is the ``--emulation-profile`` keyed for
@@ -177,7 +177,8 @@ def prepare_run(run: RunConfig, world_size: Optional[int] = 1,
     # The trainer reads the DP options from the run's parallel spec: resolve them there.
     run = dataclasses.replace(run, parallel=dataclasses.replace(
         run.parallel, overlap_grad_reduce=choice.overlap_grad_reduce,
-        grad_reduce_in_bf16=choice.grad_reduce_in_bf16))
+        grad_reduce_in_bf16=choice.grad_reduce_in_bf16,
+        overlap_p2p_comm=choice.overlap_p2p_comm))
     if not data.mock_data:
         check_data_vocab(data.data_path, tokenizer.vocab_size)
     train_data, valid_data = build_datasets(run, choice.train, tokenizer.vocab_size)

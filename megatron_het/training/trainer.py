@@ -132,7 +132,8 @@ def build_trainer(setup: RunSetup, comm: UnifiedCommunicator,
     if run.train.compile:
         compile_layers(stage)
     executor = PipelineExecutor(stage, groups, config, run.data.seq_length,
-                                plan.micro_batch_size, region_timer=region_timer)
+                                plan.micro_batch_size, region_timer=region_timer,
+                                overlap_p2p=run.parallel.overlap_p2p_comm)
     metrics = ThroughputMetrics(config, plan, setup.cluster, run.data.seq_length, setup.dtype)
     schedule = LRSchedule.from_config(run.optimizer, setup.train.train_iters)
     return Trainer(setup, groups, stage, optimizer, executor, schedule, metrics)

@@ -38,6 +38,8 @@ def test_flags_reach_the_configs() -> None:
     assert (t.eval_interval, t.eval_iters, t.log_interval) == (7, 3, 2)
     assert (t.tensorboard_dir, t.metrics_file) == ("tb", "m")
     assert run.model.preset == "tiny" and run.model.overrides == {}
+    assert run.parallel.overlap_p2p_comm  # Megatron-LM's default: interleaved transfers overlap
+    assert not parse("--model", "tiny", "--no-overlap-p2p-communication").parallel.overlap_p2p_comm
 
 
 def test_global_batch_defaults_to_micro_batch() -> None:

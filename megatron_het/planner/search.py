@@ -20,7 +20,8 @@ Search order (all predictions are pure computations, no processes):
    on them under every device's memory. A layout limited by memory brings in its recompute and
    sequence-parallel variants;
 3. the best ``refine`` splits get a local search, the best ``top_k`` are predicted with the
-   event-driven pipeline simulation (small ones polished under it);
+   event-driven pipeline simulation (small ones polished under it: plain splits per stage,
+   interleaved ones per chunk, :mod:`megatron_het.planner.chunk_polish`);
 4. on clusters of two or more kinds, heterogeneous DP (every kind its own replicas, the batch
    shared by speed: :mod:`megatron_het.planner.kind_replicas`) is searched where its bound
    is under the best closed-form time found, and its best plans join the candidates; the
@@ -40,11 +41,13 @@ from typing import Iterator, Mapping, Optional
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
-from megatron_het.perf import Profile, SimulationCache, fits, predict
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.perf import Prediction, Profile, SimulationCache, fits, predict
 from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.memory import GIB
 from megatron_het.planner.bounds import (KindCosts, memory_feasible, memory_pressure,
                                          sync_lower_bound, time_lower_bound)
+from megatron_het.planner.chunk_polish import polish_chunks
 from megatron_het.planner.kind_replicas import ReplicaSearch
 from megatron_het.planner.result import Candidate, SearchResult
 from megatron_het.planner.space import (KindBlock, Layout, Placement, build_plan, divisors,
@@ -106,6 +109,14 @@ class _Search:
         self.comm = CommCost(self.cluster, self.profiles)
         self.costs = KindCosts(self.model, self.cluster, self.placement, self.seq_length,
                                self.profiles, self.dtype, self.cache)
+
+    def predict(self, plan: ParallelPlan) -> Prediction:
+        """The simulated prediction of a finalist plan."""
+        return predict(self.model, plan, self.cluster, self.seq_length, self.profiles,
+                       self.dtype, cache=self.cache, comm=self.comm)
+
+    def fits(self, prediction: Prediction) -> bool:
+        return not self.check_memory or fits(prediction, self.cluster).ok
 
     def stage_model(self, layout: Layout) -> StageModel:
         self.evaluated += 1
@@ -357,14 +368,18 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
                                       f"{' overlap_grad_reduce' if overlap else ''}")
         if overlap:
             plan = replace(plan, overlap_grad_reduce=True)
-        prediction = predict(search.model, plan, search.cluster, search.seq_length,
-                             search.profiles, search.dtype, cache=search.cache,
-                             comm=search.comm)
-        if search.check_memory and not fits(prediction, search.cluster).ok:
+        prediction = search.predict(plan)
+        if not search.fits(prediction):
             if not plain:  # its memory between the probes was interpolated: drop it
                 continue
             raise AssertionError(f"planner produced a plan that does not fit: "
                                  f"{fits(prediction, search.cluster).message}")
+        n = sm.num_stages * sm.layout.num_chunks
+        if not plain and n ** 3 * sm.layout.micro_batches <= SIMULATED_POLISH_LIMIT:
+            plan, prediction = polish_chunks(plan, search.predict, search.fits, prediction)
+            chunks = plan.pipelines[0].stages
+            layers = [sum(st.num_layers for st in chunks[g::sm.num_stages])
+                      for g in range(sm.num_stages)]
         out.append(Candidate(sm.layout, tuple(layers), sm.iteration_time(layers), plan,
                              prediction))
     if not out:

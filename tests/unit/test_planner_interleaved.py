@@ -103,3 +103,23 @@ def test_search_tries_interleaving_and_its_plans_run(cluster) -> None:
         pipeline = candidate.plan.pipelines[0]
         assert pipeline.num_chunks == candidate.layout.num_chunks
         assert pipeline.micro_batches % pipeline.pp_size == 0 or pipeline.num_chunks == 1
+
+
+def test_finalists_move_layers_between_chunks() -> None:
+    """2 H100 + 2 A100 and 4 sequences: the best plan interleaves 2 chunks per tp=2 group, and
+    the chunk beside the head holds less than an even deal would give it."""
+    small = ClusterSpec.from_dict({"name": "chunks", "node_groups": [
+        {"name": "h", "accelerator": "H100", "nodes": 1, "devices_per_node": 2,
+         "nic_bandwidth_gbit_per_s": 400},
+        {"name": "a", "accelerator": "A100-80G", "nodes": 1, "devices_per_node": 2,
+         "nic_bandwidth_gbit_per_s": 400}]})
+    model = MODEL.replace(num_layers=6)
+    found = search_plan(model, small, 4, SEQ)
+    pipeline = found.plan.pipelines[0]
+    assert pipeline.num_chunks == 2
+    sizes = [st.num_layers for st in pipeline.stages]
+    assert sizes == [1, 3, 1, 1]
+    even = build_plan(found.candidates[0].layout, [2, 4], Placement(small), "bf16")
+    assert [st.num_layers for st in even.pipelines[0].stages] == [1, 2, 1, 2]
+    assert found.prediction.iteration_time_s < predict(model, even, small, SEQ).iteration_time_s
+    assert found.candidates[0].layers == (2, 4)  # per device group

@@ -1,0 +1,64 @@
+"""Layer moves between the chunks of an interleaved plan, judged by the simulated prediction.
+
+The search balances an interleaved layout per device group and deals a group's layers out
+evenly over its chunks (:func:`~megatron_het.parallel.plan_builders.interleave_plan`). The
+best split can be uneven across chunks: a chunk beside the embedding or the head does more
+per layer, and the rounds of chunks pace every group by the slowest chunk of the round. For
+small pipelines the finalists therefore get a local search over chunk sizes: move one layer
+from any chunk to any other (every chunk keeps one), keep the move that lowers the simulated
+iteration time most while the plan still fits, and repeat.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.perf import Prediction
+
+
+def with_chunk_sizes(plan: ParallelPlan, sizes: list[int]) -> ParallelPlan:
+    """``plan`` (every pipeline alike) with stage ``s`` of every pipeline holding ``sizes[s]``
+    consecutive layers."""
+    pipelines = []
+    for pipeline in plan.pipelines:
+        stages, start = [], 0
+        for stage, size in zip(pipeline.stages, sizes):
+            stages.append(StagePlan.trusted(stage.accelerator, stage.tp, (start, start + size),
+                                            stage.ranks, stage.has_embedding, stage.has_head,
+                                            stage.recompute))
+            start += size
+        pipelines.append(PipelinePlan.trusted(pipeline.micro_batches, tuple(stages)))
+    return dataclasses.replace(plan, pipelines=tuple(pipelines))
+
+
+def polish_chunks(plan: ParallelPlan, predict_plan: Callable[[ParallelPlan], Prediction],
+                  fits_plan: Callable[[Prediction], bool], prediction: Prediction,
+                  ) -> tuple[ParallelPlan, Prediction]:
+    """The plan reached from ``plan`` (its ``prediction``) by single-layer moves between
+    chunks while ``predict_plan``'s iteration time drops and ``fits_plan`` holds."""
+    sizes = [stage.num_layers for stage in plan.pipelines[0].stages]
+    best_plan, best = plan, prediction
+    while True:
+        found: Optional[tuple[ParallelPlan, Prediction, list[int]]] = None
+        for i in range(len(sizes)):
+            if sizes[i] == 1:
+                continue
+            for j in range(len(sizes)):
+                if j == i:
+                    continue
+                trial = list(sizes)
+                trial[i] -= 1
+                trial[j] += 1
+                candidate = with_chunk_sizes(plan, trial)
+                predicted = predict_plan(candidate)
+                target = best if found is None else found[1]
+                if (predicted.iteration_time_s < target.iteration_time_s * (1 - 1e-9)
+                        and fits_plan(predicted)):
+                    found = (candidate, predicted, trial)
+        if found is None:
+            return best_plan, best
+        best_plan, best, sizes = found
+
+
+__all__ = ["polish_chunks", "with_chunk_sizes"]

@@ -1,8 +1,9 @@
 """A torchrun job on the emulated cluster that a fault can be injected into (EMULATION).
 
 Used by bench/faults.py and tests/test_faults_cli.py: start the job, wait until it has logged
-some iterations, send a signal to the worker of one rank, and collect its output with the time
-every line arrived.
+some iterations, send a signal to the worker of one rank (or to a whole node: its torchrun agent
+and workers), and collect its output with the time every line arrived. A multi-node job runs
+one torchrun agent per node on this host (:func:`node_torchrun`).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +47,23 @@ def torchrun(nproc: int, flags: Sequence[str]) -> list[str]:
     """The torchrun command of ``pretrain_llama.py`` on ``nproc`` local ranks."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
             str(nproc), "pretrain_llama.py", *MODEL_FLAGS, *flags]
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def node_torchrun(node_rank: int, nnodes: int, nproc: int, port: int,
+                  flags: Sequence[str]) -> list[str]:
+    """Node ``node_rank``'s torchrun of ``pretrain_llama.py`` in a job of ``nnodes`` nodes of
+    ``nproc`` ranks each, with static rendezvous at 127.0.0.1:``port``: node 0's agent serves
+    the job's store (as scripts/common/launch.sh starts each node)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            "--node-rank", str(node_rank), "--nproc-per-node", str(nproc), "--master-addr",
+            "127.0.0.1", "--master-port", str(port), "pretrain_llama.py", *MODEL_FLAGS, *flags]
 
 
 def train_losses(metrics: pathlib.Path) -> dict[int, float]:
@@ -108,17 +127,49 @@ class Job:
                 todo.append(int(child))
         raise AssertionError(f"no worker with RANK={rank}")
 
+    def processes(self) -> list[int]:
+        """The launcher and all its descendants (torchrun's workers run in sessions of their
+        own, so a signal to the launcher's process group misses them); none once the launcher
+        has been waited for (its pid may be another process's by then)."""
+        if self.launcher.returncode is not None:
+            return []
+        found, todo = [], [self.launcher.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            try:
+                tasks = list(pathlib.Path(f"/proc/{pid}/task").iterdir())
+            except FileNotFoundError:
+                continue
+            for task in tasks:
+                try:
+                    todo += [int(c) for c in (task / "children").read_text().split()]
+                except FileNotFoundError:
+                    pass
+        return found
+
+    def send_all(self, signum: int) -> float:
+        """Send ``signum`` to the launcher and every descendant at once (a whole node: its
+        agent and workers); returns the monotonic time."""
+        for pid in self.processes():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        return time.monotonic()
+
     def send(self, rank: int, signum: int) -> float:
         """Send ``signum`` to rank ``rank``'s worker; returns the monotonic time."""
         os.kill(self.worker_pid(rank), signum)
         return time.monotonic()
 
     def wait(self, timeout_s: float) -> int:
-        """Wait for the job (killing it after ``timeout_s``); returns its exit status."""
+        """Wait for the job (killing it, workers included, after ``timeout_s``); returns its
+        exit status."""
         try:
             self.launcher.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.launcher.pid, signal.SIGKILL)
+            self.send_all(signal.SIGKILL)
             self.launcher.wait()
         for reader in self._readers:
             reader.join(timeout=5)

@@ -7,6 +7,10 @@ Detection: the job trains with ``--distributed-timeout-minutes T``; once it has 
 iterations rank 3 is stopped (SIGSTOP), or, in a second job, rank 1 is killed (SIGKILL). The
 figures are the seconds from the signal to the first report line ("... stopped answering")
 and to the end of the job (torchrun kills a stopped worker 30 s after the others failed).
+Lost node: the same job as two torchrun agents (nodes) of 2 ranks; node 1 (not serving the
+store) is killed whole (SIGKILL to its agent and workers), or, in a second job, node 0 (which
+serves the store) is stopped whole (SIGSTOP: a machine that stops answering without closing its
+connections); the figures are seconds to the report line and to the end of the other node's job.
 Resume: an uninterrupted run of 6 iterations, a run killed after a checkpoint, its restart
 with the same command, and a restart on 3 ranks (``--plan auto``); the figures are the largest
 loss differences against the uninterrupted run. Prints one JSON object.
@@ -22,8 +26,8 @@ import subprocess
 import tempfile
 from typing import Any
 
-from fault_jobs import (CLUSTER, CLUSTER_WITHOUT_RANK_1, PLAN, REPO, Job, torchrun,
-                        train_losses)
+from fault_jobs import (CLUSTER, CLUSTER_WITHOUT_RANK_1, PLAN, REPO, Job, free_port,
+                        node_torchrun, torchrun, train_losses)
 
 
 def detection(tmp: pathlib.Path, timeout_min: float, victim: int, signum: int) -> dict:
@@ -38,6 +42,29 @@ def detection(tmp: pathlib.Path, timeout_min: float, victim: int, signum: int) -
     end = max(t for name in job.lines for t, _ in job.lines[name])
     line = next((l for _, l in job.lines["stderr"] if "stopped answering" in l), None)
     return {"signal": signal.Signals(signum).name, "rank": victim, "exit_status": status,
+            "report_after_s": None if report is None else round(report - sent, 2),
+            "job_end_after_s": round(end - sent, 2), "report_line": line}
+
+
+def node_detection(tmp: pathlib.Path, timeout_min: float, victim: int, signum: int) -> dict:
+    metrics = tmp / f"node_{victim}.jsonl"
+    flags = ["--cluster", str(CLUSTER), "--plan", str(PLAN), "--train-iters", "100000",
+             "--metrics-file", str(metrics), "--distributed-timeout-minutes", str(timeout_min)]
+    port = free_port()
+    nodes = [Job(node_torchrun(n, 2, 2, port, flags)) for n in (0, 1)]
+    left = nodes[1 - victim]
+    try:
+        left.wait_for_iterations(metrics, 3)
+        sent = nodes[victim].send_all(signum)
+        status = left.wait(timeout_min * 60 + 120)
+    finally:
+        for node in nodes:
+            node.send_all(signal.SIGKILL)
+            node.wait(10)
+    report = left.first_line_time("stderr", "stopped answering")
+    end = max(t for name in left.lines for t, _ in left.lines[name])
+    line = next((l for _, l in left.lines["stderr"] if "stopped answering" in l), None)
+    return {"signal": signal.Signals(signum).name, "node": victim, "exit_status": status,
             "report_after_s": None if report is None else round(report - sent, 2),
             "job_end_after_s": round(end - sent, 2), "report_line": line}
 
@@ -88,7 +115,9 @@ def main() -> None:
             "cluster": "scripts/clusters/cpu_emulated.yaml (4 ranks, EMULATION)",
             "timeout_minutes": args.timeout_minutes,
             "detection": [detection(tmp, args.timeout_minutes, 3, signal.SIGSTOP),
-                          detection(tmp, args.timeout_minutes, 1, signal.SIGKILL)]}
+                          detection(tmp, args.timeout_minutes, 1, signal.SIGKILL)],
+            "lost_node": [node_detection(tmp, args.timeout_minutes, 1, signal.SIGKILL),
+                          node_detection(tmp, args.timeout_minutes, 0, signal.SIGSTOP)]}
         if not args.skip_resume:
             result["resume"] = resume(tmp)
     print(json.dumps(result, indent=2))

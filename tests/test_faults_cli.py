@@ -1,7 +1,7 @@
-"""Faults end to end with torchrun on the emulated cluster: a stopped or killed rank ends the job
-within the timeout with one report line; the supervisor (tools/elastic_run.py) relaunches on
-the devices left under a new plan, which continues the run from the last committed checkpoint
-(EMULATION)."""
+"""Faults end to end with torchrun on the emulated cluster: a stopped or killed rank, or a whole
+lost node of a two-node job, ends the job within the timeout with one report line; the
+supervisor (tools/elastic_run.py) relaunches on the devices left under a new plan, which
+continues the run from the last committed checkpoint (EMULATION)."""
 from __future__ import annotations
 
 import os
@@ -10,15 +10,17 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Sequence
 
 import pytest
 
 from megatron_het.checkpoint.io import read_latest_iteration
 from megatron_het.checkpoint.reader import load_model_state
+from megatron_het.training.supervisor import read_failure
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-from fault_jobs import (CLUSTER, PLAN, REPO, Job, supervised, torchrun,  # noqa: E402
-                        train_losses)
+from fault_jobs import (CLUSTER, PLAN, REPO, Job, free_port, node_torchrun,  # noqa: E402
+                        supervised, torchrun, train_losses)
 
 TIMEOUT_MIN = 0.1
 SCHEDULE = ["--train-iters", "500", "--distributed-timeout-minutes", str(TIMEOUT_MIN)]
@@ -37,12 +39,13 @@ def start_and_fault(tmp: pathlib.Path, victim: int, signum: int, save_interval: 
     return job, job.send(victim, signum)
 
 
-def the_report(job: Job, victim: int) -> str:
+def the_report(job: Job, lost: Sequence[int], reporter: int = 2) -> str:
     stderr = job.text("stderr")
     reports = [line for line in stderr.splitlines()
                if line.startswith("error: iteration") and "stopped answering" in line]
     assert len(reports) == 1, stderr[-4000:]
-    assert f"rank {victim} (emu-" in reports[0] and "on rank 2:" in reports[0], reports[0]
+    assert all(f"rank {r} (emu-" in reports[0] for r in lost), reports[0]
+    assert f"on rank {reporter}:" in reports[0], reports[0]
     assert "unified group '" in reports[0] and "failed" in reports[0]
     # no worker traceback (torchrun prints its own for the failed child)
     assert not [line for line in stderr.splitlines()
@@ -73,7 +76,7 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path: pathlib.Path) -> N
     # torchrun kills the stopped worker 30 s after the others failed; do it now
     os.kill(stopped, signal.SIGKILL)
     assert job.wait(60) != 0
-    the_report(job, 3)
+    the_report(job, [3])
     assert_only_committed_checkpoints(tmp_path / "ckpt")
     assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".staging")]
 
@@ -99,7 +102,7 @@ def test_a_killed_rank_is_named_and_the_supervisor_continues_on_fewer_devices(
     expected = train_losses(metrics)
     assert set(range(1, 8)) <= set(expected)
     assert job.wait(240) == 0, job.text("stderr")[-3000:]
-    the_report(job, 1)
+    the_report(job, [1])
     out = job.text("stdout")
     assert "elastic_run: iteration" in out and "ranks [1] lost" in out, out[-3000:]
     assert "restart 1 of 3 on the 3 devices left" in out and f"--load {save}" in out
@@ -114,6 +117,37 @@ def test_a_killed_rank_is_named_and_the_supervisor_continues_on_fewer_devices(
         assert abs(got[i] - expected[i]) <= 2e-4 * abs(expected[i]), (i, got[i], expected[i])
     assert not [p for p in save.iterdir() if p.name.startswith(".staging")]
     assert (save / "elastic" / "cluster_1.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_named_on_the_node_left_within_the_timeout(
+        tmp_path: pathlib.Path) -> None:
+    """Two torchrun agents (nodes) of 2 ranks each; node 1 (ranks 2-3, the logging rank among
+    them; node 0's agent serves the store) is killed whole, agent and workers: node 0's job
+    ends within the timeout with one report line, on rank 0, naming ranks 2 and 3."""
+    save, metrics = tmp_path / "ckpt", tmp_path / "fault.jsonl"
+    flags = ["--cluster", str(CLUSTER), "--plan", str(PLAN), *SCHEDULE, "--metrics-file",
+             str(metrics), "--save", str(save), "--save-interval", "2"]
+    port = free_port()
+    nodes = [Job(node_torchrun(n, 2, 2, port, flags)) for n in (0, 1)]
+    try:
+        nodes[0].wait_for_iterations(metrics, 3)
+        sent = nodes[1].send_all(signal.SIGKILL)
+        status = nodes[0].wait(TIMEOUT_MIN * 60 + 60)
+        assert time.monotonic() - sent < TIMEOUT_MIN * 60 + 60
+    finally:
+        for node in nodes:
+            node.send_all(signal.SIGKILL)
+            node.wait(10)
+    assert status != 0
+    report = the_report(nodes[0], [2, 3], reporter=0)
+    assert "pipeline 0 stage 1" in report and "pipeline 1 stage 1" in report
+    short = [line for line in nodes[0].text("stderr").splitlines()
+             if line.startswith("error: rank 1:")]
+    assert all(line.endswith("(the report is on rank 0)") for line in short), short
+    assert read_failure(save)["lost_ranks"] == [2, 3]
+    assert_only_committed_checkpoints(save)
+    assert not [p for p in save.iterdir() if p.name.startswith(".staging")]
 
 
 @pytest.mark.slow

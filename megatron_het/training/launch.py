@@ -27,6 +27,7 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: which launch of the job
+    local_world_size: int = 0  # torchrun's LOCAL_WORLD_SIZE: ranks on this node (0: unknown)
 
     @property
     def init_method(self) -> str:
@@ -39,7 +40,8 @@ def launched_by_torchrun(environ: Mapping[str, str]) -> bool:
 
 
 def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
-    """Parse RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; UserError if absent."""
+    """Parse RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (UserError if absent),
+    and torchrun's TORCHELASTIC_RESTART_COUNT and LOCAL_WORLD_SIZE where set."""
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     missing = [name for name in names if not environ.get(name)]
     if missing:
@@ -55,12 +57,17 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     if not 0 <= values["RANK"] < values["WORLD_SIZE"]:
         raise UserError(f"RANK {values['RANK']} is outside WORLD_SIZE {values['WORLD_SIZE']}; "
                         "launch with torchrun")
-    try:
-        restarts = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    except ValueError:
-        restarts = 0
     return LaunchEnv(values["RANK"], values["WORLD_SIZE"], local_rank, environ["MASTER_ADDR"],
-                     values["MASTER_PORT"], restarts)
+                     values["MASTER_PORT"], _optional_int(environ, "TORCHELASTIC_RESTART_COUNT"),
+                     _optional_int(environ, "LOCAL_WORLD_SIZE"))
+
+
+def _optional_int(environ: Mapping[str, str], name: str) -> int:
+    """``environ[name]`` as a non-negative integer; 0 where it is absent or not one."""
+    try:
+        return max(int(environ.get(name, "0") or 0), 0)
+    except ValueError:
+        return 0
 
 
 def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_TIMEOUT,

@@ -18,6 +18,14 @@ this rank's own failed operation (group, op, backend ranks). Every beating
 thread that sees the abort flag gives its main thread ``grace_s`` to fail on its own and then
 ends the process itself (a rank stuck in a kernel or a wait that will never time out), so no rank
 of the run waits forever.
+
+The store is served on rank 0's node (by torchrun's agent there, or by rank 0), so it dies with
+that node. Every store call is bounded (:class:`~megatron_het.training.bounded_store.
+BoundedStore`): a store whose host stopped answering fails the calls instead of blocking them.
+A failing rank that finds the store gone reports from what it knows: rank 0 published the
+number of ranks on its node at start-up, and torchrun numbers a node's ranks consecutively, so
+ranks ``0 .. n-1`` are taken as lost with the store, and the first rank of :meth:`reporters`
+(then the lowest rank) outside that node prints the line.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from megatron_het.comm.faults import CommError, first_line
 from megatron_het.errors import EXIT_PEER_FAILURE
+from megatron_het.training.bounded_store import BoundedStore
 
 PREFIX = "megatron_het/peer_watch/"
 FALLBACK_REPORTERS = 3  # ranks after the logging rank that report when it is lost
@@ -57,6 +66,10 @@ class PeerWatch:
     this rank's main thread did not fail within ``grace_s`` (default: print and ``os._exit``).
     ``generation`` separates the keys of successive launches sharing one store (torchrun's
     restart count). ``logging_rank`` prints the full report (see :meth:`reporters`).
+    ``node_size`` is the number of ranks on this rank's node (torchrun's LOCAL_WORLD_SIZE; 0:
+    unknown); rank 0's tells the others which ranks are lost with the store's node. Every call
+    on ``store`` is bounded by ``store_deadline_s`` (default: two windows, at least 5 s; see
+    module doc).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
@@ -65,13 +78,21 @@ class PeerWatch:
                  describe: Callable[[int], str] = lambda r: f"rank {r}",
                  on_abort: Callable[[str], None] = _abort_process,
                  grace_s: Optional[float] = None, generation: int = 0,
-                 logging_rank: int = 0) -> None:
+                 logging_rank: int = 0, node_size: int = 0,
+                 store_deadline_s: Optional[float] = None) -> None:
         self.prefix = f"{PREFIX}{generation}/"
         self.logging_rank = logging_rank
-        self.store, self.rank, self.world_size = store, rank, world_size
+        self.rank, self.world_size = rank, world_size
         self.interval_s = heartbeat_interval(timeout_s)
         self.window_s = 1.5 * self.interval_s + 0.2  # a live rank beats at least once in it
         self.grace_s = 3.0 * self.window_s if grace_s is None else grace_s
+        self.store_deadline_s = (max(2.0 * self.window_s, 5.0) if store_deadline_s is None
+                                 else store_deadline_s)
+        self.store: Any = BoundedStore(store, self.store_deadline_s)
+        self.node_size = node_size
+        # ranks on rank 0's node (which serves the store): rank 0 knows, the others read it
+        self._store_node_size: Optional[int] = (node_size or None) if rank == 0 else None
+        self._store_error: Optional[BaseException] = None  # why the store is taken as gone
         self.progress, self.describe, self.on_abort = progress, describe, on_abort
         self.activity = activity
         self.timeout_s = timeout_s
@@ -88,7 +109,10 @@ class PeerWatch:
 
     # ---- beating ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Write the first heartbeat (synchronously) and start the beating thread."""
+        """Write the first heartbeat (synchronously; rank 0 also the size of its node) and
+        start the beating thread."""
+        if self.rank == 0 and self.node_size:
+            self.store.set(self._key("node-size", 0), str(self.node_size))
         self._beat()
         self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
         self._thread.start()
@@ -98,12 +122,22 @@ class PeerWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 1.0)
+        if isinstance(self.store, BoundedStore):
+            self.store.close()
 
     def _beat(self) -> None:
         self._beats += 1
         place, seconds = self.activity()
         self.store.set(self._key("beat", self.rank),
                        f"{self._beats} {self.progress()} {place or '-'} {seconds:.1f}")
+        if self._store_node_size is None:
+            key = self._key("node-size", 0)
+            if self.store.check([key]):
+                self._store_node_size = int(self.store.get(key).decode())
+
+    def store_node_ranks(self) -> tuple[int, ...]:
+        """The ranks on rank 0's node, which serves the store (empty: not known yet)."""
+        return tuple(range(min(self._store_node_size or 0, self.world_size)))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -140,7 +174,8 @@ class PeerWatch:
 
     def record(self, error: BaseException, iteration: int) -> None:
         """Record this rank's failure (any exception) and raise the abort flag, so the peers'
-        reports name it and their processes end; never raises."""
+        reports name it and their processes end; never raises (a store that does not answer
+        is remembered for :meth:`report`)."""
         self._failing = True
         what = (f"{error.op} on unified group '{error.group}'" if isinstance(error, CommError)
                 else type(error).__name__)
@@ -148,8 +183,8 @@ class PeerWatch:
             self.store.set(self._key("failed", self.rank), f"{iteration} {what}")
             if not self.store.check([self._key("abort", 0)]):
                 self.store.set(self._key("abort", 0), self.describe(self.rank))
-        except Exception:  # noqa: BLE001 - the store's host may be gone
-            pass
+        except Exception as exc:  # noqa: BLE001 - the store's host may be gone
+            self._store_error = exc
 
     def reporters(self) -> list[int]:
         """The ranks that may print the full report, in order: the logging rank, then the
@@ -178,29 +213,51 @@ class PeerWatch:
         """Record this rank's failure, abort the run and return the report (see module doc):
         the full line where this rank is the first of :meth:`reporters` that still answers
         (it reads every heartbeat one window apart), else a short line naming the failed
-        operation. Never raises: a store that is gone (its host died) is said in the line."""
+        operation and the rank with the report. Never raises: where the store is gone (its
+        node died), the ranks of that node are named from what this rank knows."""
         mine = first_line(error)
         self.record(error, iteration)
-        short = PeerReport(f"rank {self.rank}: {mine} (the report is on rank "
-                           f"{self.logging_rank})", (), (), full=False)
-        order = self.reporters()
-        if self.rank not in order:
-            return short
-        try:
-            earlier = order[:order.index(self.rank)]
-            if earlier:
-                before, after = self._beats_between(earlier, sleep)
-                failed = self._read("failed", earlier)
-                if any(r in failed or before.get(r) != after.get(r) for r in earlier):
-                    return short  # an earlier reporter answers
-            others = self._others()
-            before, after = self._beats_between(others, sleep)
-            failed = self._read("failed", others)
-        except Exception as exc:  # noqa: BLE001
+        if self._store_error is None:
+            try:
+                return self._report_from_store(mine, iteration, sleep)
+            except Exception as exc:  # noqa: BLE001 - the store's host may be gone
+                self._store_error = exc
+        return self._report_without_store(mine, iteration, first_line(self._store_error))
+
+    def _short(self, mine: str, where: str) -> "PeerReport":
+        return PeerReport(f"rank {self.rank}: {mine} (the report is on {where})", (), (),
+                          full=False)
+
+    def _report_without_store(self, mine: str, iteration: int, why: str) -> "PeerReport":
+        lost = self.store_node_ranks()
+        if not lost or self.rank in lost:  # no node to name (or this rank's own is gone)
             return PeerReport(
-                f"iteration {iteration}: {mine}; the rendezvous store did not answer "
-                f"({first_line(exc)}): the rank hosting it (rank 0 without torchrun) is gone",
-                (), ())
+                f"iteration {iteration}: {mine}; the rendezvous store did not answer ({why}): "
+                "the node serving it (rank 0's) is gone", (), ())
+        reporter = next(r for r in [*self.reporters(), *range(self.world_size)]
+                        if r not in lost)
+        if reporter != self.rank:
+            return self._short(mine, f"rank {reporter}")
+        return PeerReport(f"iteration {iteration}: {_names(self, lost)} stopped answering "
+                          f"(the rendezvous store on their node did not answer: {why}); "
+                          f"on rank {self.rank}: {mine}", lost, ())
+
+    def _report_from_store(self, mine: str, iteration: int,
+                           sleep: Callable[[float], None]) -> "PeerReport":
+        order = self.reporters()
+        if self.rank not in order:  # reads nothing: thousands of ranks may fail at once
+            return self._short(mine, "the first of ranks "
+                                     f"{', '.join(map(str, order))} that answers")
+        earlier = order[:order.index(self.rank)]
+        if earlier:
+            before, after = self._beats_between(earlier, sleep)
+            failed = self._read("failed", earlier)
+            answering = [r for r in earlier if r in failed or before.get(r) != after.get(r)]
+            if answering:
+                return self._short(mine, f"rank {answering[0]}")
+        others = self._others()
+        before, after = self._beats_between(others, sleep)
+        failed = self._read("failed", others)
         silent = tuple(r for r in others if r not in failed and before.get(r) == after.get(r))
         parts = [f"iteration {iteration}:"]
         if silent:

@@ -57,7 +57,8 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
     if env is not None and env.world_size > 1:
         watch = PeerWatch(connect_store(env, timeout), env.rank, env.world_size,
                           timeout.total_seconds(), describe=lambda r: describe_rank(setup, r),
-                          generation=env.restart_count, logging_rank=logging_rank(setup.plan))
+                          generation=env.restart_count, logging_rank=logging_rank(setup.plan),
+                          node_size=env.local_world_size)
     lost_peer = False
     try:
         return train_prepared(setup, stop, out, watch)

@@ -325,7 +325,13 @@ het_main() {
     het_node_env "$NODE_RANK"
     echo "[launch] $HET_MIX node $NODE_RANK/$HET_NNODES: $HET_NODE_NPROC x $HET_NODE_ACCELERATORS" \
          "(ranks $HET_NODE_FIRST_RANK..$((HET_NODE_FIRST_RANK + HET_NODE_NPROC - 1)) of $HET_WORLD_SIZE)" >&2
+    # Static rendezvous, even where a PET_RDZV_BACKEND in the site's environment says otherwise:
+    # node 0's agent serves the job's store at MASTER_ADDR:MASTER_PORT and no agent calls it
+    # while training. A c10d agent calls its store every monitor tick, and when the store's node
+    # dies without closing its connections each call waits out the store's read timeout (60 s),
+    # so the nodes left would not end within --distributed-timeout-minutes.
     het_exec "$PYTHON" -m torch.distributed.run --nnodes "$HET_NNODES" \
         --nproc_per_node "$HET_NODE_NPROC" --node_rank "$NODE_RANK" \
-        --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" "${HET_ARGS[@]}"
+        --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
+        --rdzv_backend static "${HET_ARGS[@]}"
 }

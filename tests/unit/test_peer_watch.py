@@ -1,12 +1,15 @@
-"""PeerWatch: heartbeats in a store, the failure report, the reporter rule and the abort."""
+"""PeerWatch: heartbeats in a store, the failure report, the reporter rule and the abort; the
+bounded store calls and the report when the store's node is gone."""
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
 from megatron_het.comm.faults import CommError, first_line
+from megatron_het.training.bounded_store import BoundedStore, StoreUnreachable
 from megatron_het.training.peer_watch import PeerWatch, heartbeat_interval
 
 
@@ -80,10 +83,13 @@ def test_the_first_fallback_that_answers_reports_when_the_logging_rank_is_lost()
     alive = lambda _s: [w._beat() for w in watches[1:] if w.rank != 2]  # noqa: E731
     # ranks 0 and 2 stopped: rank 1 is the first fallback that answers
     assert watches[1].report(CommError("dp", "all_reduce", "t"), 3, sleep=alive).full
-    assert not watches[3].report(CommError("dp", "all_reduce", "t"), 3, sleep=alive).full
+    short = watches[3].report(CommError("dp", "all_reduce", "t"), 3, sleep=alive)
+    assert not short.full and short.line.endswith("(the report is on rank 1)")
     reads = []
     watches[7].store = CountingStore(store, reads)
-    assert not watches[7].report(CommError("dp", "all_reduce", "t"), 3, sleep=alive).full
+    short = watches[7].report(CommError("dp", "all_reduce", "t"), 3, sleep=alive)
+    assert not short.full
+    assert short.line.endswith("(the report is on the first of ranks 2, 0, 1, 3 that answers)")
     assert not [key for key in reads if "/beat/" in key]  # not a reporter: no heartbeats read
 
 
@@ -193,3 +199,102 @@ def test_the_clock_says_where_the_host_thread_is() -> None:
         place, seconds = clock.activity()
         assert place == "compute" and seconds >= 0.02
     assert clock.activity()[0] == "outside"
+
+
+class SilentStore:
+    """A HashStore whose check and get wait until ``answer`` is set (a store host that stopped
+    answering without closing its connections); set does not wait (TCPStore sends it without
+    waiting for an answer)."""
+
+    def __init__(self) -> None:
+        self.inner = dist.HashStore()
+        self.answer = threading.Event()
+        self.answer.set()
+
+    def set(self, key, value):
+        return self.inner.set(key, value)
+
+    def check(self, keys):
+        self.answer.wait()
+        return self.inner.check(keys)
+
+    def get(self, key):
+        self.answer.wait()
+        return self.inner.get(key)
+
+
+def test_a_store_call_without_answer_fails_after_the_deadline_and_later_ones_at_once() -> None:
+    silent = SilentStore()
+    store = BoundedStore(silent, deadline_s=0.2)
+    store.set("k", "v")
+    assert store.check(["k"])
+    silent.answer.clear()
+    with pytest.raises(StoreUnreachable, match="no answer in 0.2 s"):
+        store.check(["k"])
+    time.sleep(0.3)  # the call in flight is overdue: a new one is not even queued
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachable):
+        store.get("k")
+    assert time.monotonic() - started < 0.15
+    silent.answer.set()  # the overdue call returns: the store answers again
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            assert store.get("k") == b"v"
+            break
+        except StoreUnreachable:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    store.close()
+
+
+def nodes_of_two(silent: SilentStore, rank0_node_size: int = 2, **kwargs) -> list[PeerWatch]:
+    """Four ranks, ranks 0-1 on the store's node; rank 0 publishes its node's size and every
+    rank beats once (the others learn it)."""
+    watches = [PeerWatch(silent, r, 4, timeout_s=1.0, describe=lambda r: f"rank {r} (kind)",
+                         node_size=rank0_node_size if r == 0 else 2, store_deadline_s=0.2,
+                         **kwargs) for r in range(4)]
+    watches[0].start()
+    watches[0].stop()
+    for w in watches[1:]:
+        w._beat()
+    return watches
+
+
+def test_the_ranks_of_the_stores_node_are_named_when_the_store_stops_answering() -> None:
+    silent = SilentStore()
+    watches = nodes_of_two(silent)  # logging rank 0: lost with the store's node
+    assert [w.store_node_ranks() for w in watches] == [(0, 1)] * 4
+    silent.answer.clear()
+    full = watches[2].report(CommError("pp", "send", "timed out"), 4, sleep=lambda _s: None)
+    assert full.full and full.silent == (0, 1)
+    assert full.line == ("iteration 4: rank 0 (kind), rank 1 (kind) stopped answering (the "
+                         "rendezvous store on their node did not answer: no answer in 0.2 s); "
+                         "on rank 2: unified group 'pp': send failed: timed out")
+    short = watches[3].report(CommError("pp", "recv", "reset"), 4, sleep=lambda _s: None)
+    assert not short.full
+    assert short.line == ("rank 3: unified group 'pp': recv failed: reset (the report is on "
+                          "rank 2)")
+    silent.answer.set()
+
+
+def test_without_the_store_nodes_size_every_rank_says_the_store_is_gone() -> None:
+    silent = SilentStore()
+    watches = nodes_of_two(silent, rank0_node_size=0)  # not launched by torchrun
+    assert watches[2].store_node_ranks() == ()
+    silent.answer.clear()
+    for w in watches[2:]:
+        report = w.report(CommError("pp", "send", "timed out"), 4, sleep=lambda _s: None)
+        assert report.full and report.silent == ()
+        assert report.line.endswith("the rendezvous store did not answer (no answer in "
+                                    "0.2 s): the node serving it (rank 0's) is gone")
+    silent.answer.set()
+
+
+def test_the_launch_env_carries_torchruns_node_size() -> None:
+    from megatron_het.training.launch import read_launch_env
+
+    base = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert read_launch_env({**base, "LOCAL_WORLD_SIZE": "2"}).local_world_size == 2
+    assert read_launch_env(base).local_world_size == 0  # launched without torchrun
+    assert read_launch_env({**base, "LOCAL_WORLD_SIZE": "x"}).local_world_size == 0

@@ -223,8 +223,10 @@ def main() -> None:
         # The machine's other load drifts over a run: measure the host just before and just
         # after it and take the mean of the two.
         before = host_sharing_now(profile, args.model, args.seq_length, plan.micro_batch_size)
+        # Three rounds: their median outlasts one round that other work disturbed (a round at
+        # 3x the others once put the sequence-parallel plan's prediction 37% too slow).
         collective = measure_host_collective(model, args.seq_length, plan.micro_batch_size,
-                                             passes=COLLECTIVE_PASSES, rounds=2)
+                                             passes=COLLECTIVE_PASSES, rounds=3)
         measured, times = run_plan(plans[name], plan, args, work, name, cluster_path,
                                    device_profile)
         after = host_sharing_now(profile, args.model, args.seq_length, plan.micro_batch_size)

@@ -103,7 +103,7 @@ def rank_emulation(setup: RunSetup, rank: int,
 
 def predict_run(setup: RunSetup) -> "Prediction":
     """The predictor on the run's plan (the dry run's, the summary's and the demo's chart's)
-    with the run's resolved DP options, and the host-sharing model where the ranks are
+    with the run's resolved DP and p2p options, and the host-sharing model where the ranks are
     emulated on a shared host whose profile has the figures. UserError if the predictor
     cannot price the plan."""
     from megatron_het.emulation import SharedHostModel
@@ -113,7 +113,8 @@ def predict_run(setup: RunSetup) -> "Prediction":
                    setup.host_profiles, dtype=setup.dtype,
                    use_distributed_optimizer=setup.use_distributed_optimizer,
                    rate_model=SharedHostModel(), overlap_grad_reduce=setup.overlap_grad_reduce,
-                   grad_reduce_in_bf16=setup.grad_reduce_in_bf16)
+                   grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
+                   overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm)
 
 
 def predicted_iteration_s(setup: RunSetup) -> Optional[float]:

@@ -2,6 +2,7 @@
 import dataclasses
 import inspect
 import json
+import pathlib
 import random
 
 import pytest
@@ -321,6 +322,7 @@ def test_closed_form_and_simulation_agree_on_uniform_plans(cross_node):
 
 
 # ---- the runtime's resolution -----------------------------------------------------------
+REPO = pathlib.Path(__file__).resolve().parents[2]
 RUN_FLAGS = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
              "--vocab-size", "300", "--seq-length", "16", "--micro-batch-size", "2",
              "--global-batch-size", "4", "--train-iters", "2", "--eval-iters", "0"]
@@ -368,3 +370,30 @@ def test_the_plans_bf16_reduction_needs_bf16_training(tmp_path):
         prepare_run(run)
     assert str(info.value) == ("the plan's grad_reduce_in_bf16 needs bf16 training but the run "
                                "trains in fp32; add --bf16 or drop the plan's key")
+
+
+@pytest.mark.parametrize("planned, flags, expected", [
+    ({}, [], True),                                          # Megatron-LM's default
+    ({}, ["--no-overlap-p2p-communication"], False),
+    ({"overlap_p2p_comm": True}, ["--no-overlap-p2p-communication"], True),  # the plan decides
+    ({"overlap_p2p_comm": False}, [], False),
+])
+def test_the_run_takes_the_plans_p2p_overlap(tmp_path, planned, flags, expected):
+    from megatron_het.arguments import parse_run_config
+    from megatron_het.training.run import predict_run
+    from megatron_het.training.setup import prepare_run
+
+    plan = json.loads((REPO / "scripts/plans/cpu_interleaved_tp2_tp1.json").read_text())
+    path = tmp_path / "interleaved.json"
+    path.write_text(json.dumps({**plan, **planned}))
+    flags = [*RUN_FLAGS, "--num-layers", "6", "--global-batch-size", "8", "--plan", str(path),
+             *flags]
+    setup = prepare_run(parse_run_config(flags), world_size=3)
+    assert setup.run.parallel.overlap_p2p_comm is expected  # what the executor is built with
+    prediction = predict_run(setup)
+    assert prediction.overlap_p2p_comm is expected
+    other = dataclasses.replace(setup.run.parallel, overlap_p2p_comm=not expected)
+    flipped = predict_run(dataclasses.replace(setup, run=dataclasses.replace(
+        setup.run, parallel=other)))
+    faster, slower = (prediction, flipped) if expected else (flipped, prediction)
+    assert faster.pipeline_time_s < slower.pipeline_time_s

@@ -15,7 +15,8 @@ Two measurements, printed as one JSON object (the last line) with the conditions
   hashing rate.
 * ``async_overhead``: the demo's model preset and save interval (``small``, every 100
   iterations, sequence 256, global batch 8), trained in this process for 2 save intervals with
-  synchronous saves, with ``--async-save`` and without saving. Iteration time = the loop's
+  synchronous saves, with ``--async-save`` and without saving (``--overhead-io-model``: the io
+  model instead, so that a save costs as much as several iterations). Iteration time = the loop's
   time from the end of iteration 1 (the process warms up in it) to the last save point, over
   the iterations in between: it holds one save (the final one, alike in every run, is left
   out). Medians over ``--runs`` alternating runs; ``ratio_async_vs_sync`` < 1
@@ -24,6 +25,8 @@ Two measurements, printed as one JSON object (the last line) with the conditions
     .venv/bin/python bench/checkpoint_io.py                      # the full measurement
     .venv/bin/python bench/checkpoint_io.py --hidden-size 256 --vocab-size 4096 --rounds 1 \\
         --save-interval 5 --runs 1                                # a smoke run (< 1 minute)
+    .venv/bin/python bench/checkpoint_io.py --skip-io --overhead-io-model --save-interval 10
+                                                                  # saves that weigh
 """
 from __future__ import annotations
 
@@ -65,6 +68,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="iterations between saves in the overhead runs (the demo's: 100)")
     p.add_argument("--runs", type=int, default=3, help="overhead runs per mode")
     p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--skip-io", action="store_true")
+    p.add_argument("--overhead-io-model", action="store_true",
+                   help="time the overhead runs on the io model's layers (--hidden-size, "
+                        "--num-layers; the demo's vocabulary) instead of the demo's small "
+                        "preset: a checkpoint whose save weighs on training")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     return p.parse_args(argv)
 
@@ -228,7 +236,7 @@ def _overhead_run(mode: str, args: argparse.Namespace, root: pathlib.Path) -> fl
             return super().save()
 
     iterations, save = 2 * args.save_interval, root / f"overhead-{mode}"
-    argv = [*DEMO_RUN, "--train-iters", str(iterations)]
+    argv = [*DEMO_RUN, "--train-iters", str(iterations), *_overhead_model(args)]
     if mode != "none":
         argv += ["--save", str(save), "--save-interval", str(args.save_interval)]
     if mode == "async":
@@ -248,13 +256,25 @@ def _overhead_run(mode: str, args: argparse.Namespace, root: pathlib.Path) -> fl
         shutil.rmtree(save, ignore_errors=True)
 
 
+def _overhead_model(args: argparse.Namespace) -> list[str]:
+    """Shape flags for the overhead runs: none (the demo's preset) or the io model's."""
+    if not args.overhead_io_model:
+        return []
+    config = io_model(args)
+    return ["--num-layers", str(config.num_layers), "--hidden-size", str(config.hidden_size),
+            "--ffn-hidden-size", str(config.ffn_hidden_size),
+            "--num-attention-heads", str(config.num_attention_heads),
+            "--num-query-groups", str(config.num_query_groups)]  # the demo's vocabulary
+
+
 def measure_overhead(args: argparse.Namespace, root: pathlib.Path) -> dict:
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(args.runs):
         for mode in MODES:  # alternating, so drift of the host hits every mode alike
             times[mode].append(_overhead_run(mode, args, root))
     median = {mode: statistics.median(values) for mode, values in times.items()}
-    return {"model": "small", "save_interval": args.save_interval,
+    model = "io model" if args.overhead_io_model else "small"
+    return {"model": model, "save_interval": args.save_interval,
             "iterations_per_run": 2 * args.save_interval, "runs": args.runs,
             "iteration_s": {m: round(v, 5) for m, v in median.items()},
             "iteration_s_runs": {m: [round(v, 5) for v in vs] for m, vs in times.items()},
@@ -281,10 +301,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                            "reads": "page cache (just written); every opened file's size "
                                     "checked, every tensor piece read sha256-verified (files "
                                     "are not hashed whole): see read_gb / verified_gb",
-                           "overhead_run": "one process, mock data, the demo's small preset"},
+                           "overhead_run": "one process, mock data, "
+                                           + ("the io model" if args.overhead_io_model
+                                              else "the demo's small preset")},
             "sha256_gbps": sha256_gbps(),
-            "io": [measure_plan(1, args, root, keep=True),
-                   measure_plan(2, args, root, reshard_from=root / "plan1")]}
+            "io": [] if args.skip_io else [
+                measure_plan(1, args, root, keep=True),
+                measure_plan(2, args, root, reshard_from=root / "plan1")]}
         shutil.rmtree(root / "plan1", ignore_errors=True)
         if not args.skip_overhead:
             result["async_overhead"] = measure_overhead(args, root)

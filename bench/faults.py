@@ -38,10 +38,16 @@ def detection(tmp: pathlib.Path, timeout_min: float, victim: int, signum: int) -
     job.wait_for_iterations(metrics, 3)
     sent = job.send(victim, signum)
     status = job.wait(timeout_min * 60 + 120)
+    return {"signal": signal.Signals(signum).name, "rank": victim,
+            **_outcome(job, sent, status)}
+
+
+def _outcome(job: Job, sent: float, status: int) -> dict:
+    """When the report line came and the job ended after the signal, and the line."""
     report = job.first_line_time("stderr", "stopped answering")
     end = max(t for name in job.lines for t, _ in job.lines[name])
     line = next((l for _, l in job.lines["stderr"] if "stopped answering" in l), None)
-    return {"signal": signal.Signals(signum).name, "rank": victim, "exit_status": status,
+    return {"exit_status": status,
             "report_after_s": None if report is None else round(report - sent, 2),
             "job_end_after_s": round(end - sent, 2), "report_line": line}
 
@@ -61,12 +67,8 @@ def node_detection(tmp: pathlib.Path, timeout_min: float, victim: int, signum: i
         for node in nodes:
             node.send_all(signal.SIGKILL)
             node.wait(10)
-    report = left.first_line_time("stderr", "stopped answering")
-    end = max(t for name in left.lines for t, _ in left.lines[name])
-    line = next((l for _, l in left.lines["stderr"] if "stopped answering" in l), None)
-    return {"signal": signal.Signals(signum).name, "node": victim, "exit_status": status,
-            "report_after_s": None if report is None else round(report - sent, 2),
-            "job_end_after_s": round(end - sent, 2), "report_line": line}
+    return {"signal": signal.Signals(signum).name, "node": victim,
+            **_outcome(left, sent, status)}
 
 
 def _finished(cmd: list[str]) -> None:

@@ -196,8 +196,8 @@ class ParallelPlan:
     ``dtype``, ``use_distributed_optimizer``, ``sequence_parallel``, ``overlap_grad_reduce``,
     ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` (interleaved pipelines overlap their
     transfers with compute; Megatron-LM's default, on) are None when the plan leaves them to
-    the command line (a run resolves ``sequence_parallel`` into its plan). The global batch is ``micro_batch_size``
-    times the sum of the pipelines' micro-batch counts.
+    the command line (a run resolves ``sequence_parallel`` into its plan). The global batch is
+    ``micro_batch_size`` times the sum of the pipelines' micro-batch counts.
     """
 
     micro_batch_size: int

@@ -7,8 +7,9 @@ both sides have posted the step holding it and lasts that boundary's p2p time; a
 transfer or a P2PBatch) ends when all its transfers have ended, and the group waits for that
 (blocking transfers). A ``P2PPost`` lets the group go on at once and its ``P2PWait`` waits
 for its transfers' ends (transfers overlapped with compute; each takes its own time, so a
-boundary's transfers in flight together do not share its bandwidth). Without interleaving a group is a stage; an interleaved pipeline of ``p``
-groups has ``n = v p`` stages, stage ``s`` on group ``s % p``, and results stay per group.
+boundary's transfers in flight together do not share its bandwidth). Without interleaving a
+group is a stage; an interleaved pipeline of ``p`` groups has ``n = v p`` stages, stage ``s``
+on group ``s % p``, and results stay per group.
 
 :func:`simulate_pipelines` runs several pipelines at once. A compute step is a :class:`Region`:
 CPU work, then a wait without a core, lasting at least a floor. With a :class:`CoreSharing`
@@ -405,7 +406,7 @@ def simulate_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],
     interleaved over ``len(forward_s) // num_chunks`` device groups (``overlap_p2p``: its
     transfers overlapped with compute)."""
     steps = build_schedule("1f1b", _groups(len(forward_s), num_chunks), num_micro_batches,
-                           num_chunks, overlap_p2p and num_chunks > 1)
+                           num_chunks, overlap_p2p)
     return simulate(steps, forward_s, backward_s, p2p_forward_s, p2p_backward_s,
                     record_timeline)
 
@@ -426,8 +427,8 @@ def _inputs_key(forward_s: Sequence[float], backward_s: Sequence[float], num_mic
 
 
 class SimulationCache:
-    """Built 1F1B step lists by (groups, micro-batches, chunks, overlap), makespans by their inputs,
-    activation peaks per list and stage computes by their arguments.
+    """Built 1F1B step lists by (groups, micro-batches, chunks, overlap), makespans by their
+    inputs, activation peaks per list and stage computes by their arguments.
 
     Create one per search loop and pass it to every :func:`~megatron_het.perf.predictor.predict`
     call: building the step lists costs more than simulating them.

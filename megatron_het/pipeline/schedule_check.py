@@ -124,7 +124,7 @@ def _covers(big: dict[int, int], small: dict[int, int]) -> bool:
 
 
 class _Posted:
-    """Transfers posted together: those not matched yet, and whether a wait took them."""
+    """Transfers posted together, and those of them not matched yet."""
 
     def __init__(self, actions: tuple[Action, ...]) -> None:
         self.actions = actions

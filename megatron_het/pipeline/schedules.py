@@ -333,7 +333,8 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int,
 
 
 __all__ = ["SCHEDULES", "Action", "ActionKind", "P2PBatch", "P2PPost", "P2PWait",
-           "ScheduleError", "ScheduleReport", "Step", "build_schedule", "check_schedule", "gpipe", "interleaved_compute",
+           "ScheduleError", "ScheduleReport", "Step", "build_schedule", "check_schedule",
+           "gpipe", "interleaved_compute",
            "interleaved_micro_batch_counts_ok", "interleaved_one_f_one_b", "interleaved_order",
            "interleaved_warmup", "one_f_one_b", "overlap_transfers", "peak_activation",
            "sequential_forward"]

@@ -12,8 +12,9 @@ An interleaved layout (``v`` chunks per device group) is modelled per device gro
 the group's layers (at least ``v``, dealt out over its chunks), its compute the sum over its
 chunks (still affine: the embedding and head sit on fixed chunks), probed at ``v`` and ``2 v``
 layers per group; the pipeline time is the interleaved closed form over its chunks, with the
-transfers overlapped with compute (the runtime's default). Its memory is exact where ``v`` divides ``l`` and interpolated between (the
-held chunks' sizes then depend on which chunks are larger); the final plans are checked.
+transfers overlapped with compute (the runtime's default). Its memory is exact where ``v``
+divides ``l`` and interpolated between (the held chunks' sizes then depend on which chunks are
+larger); the final plans are checked.
 
 :func:`balance_layers` finds the split: the smallest 1F1B cycle bottleneck that fits the layers
 under every stage's memory (bisection), excess layers taken from the stages slowest per layer,

@@ -6,8 +6,8 @@ tp=2, rank 2 chunks 1 and 3 with tp=1, on a 6-layer tied model (the embedding co
 groups of different TP). Losses, gradient norms and validation losses must match the
 single-process run within 2e-4 relative over 8 iterations (fp32), with the transfers overlapped
 with compute (the default) and waited for one by one (--no-overlap-p2p-communication), and
-checkpoints move between the interleaved plan and one process in both directions. The last test runs interleaving,
-heterogeneous data parallelism and sequence parallelism in one plan.
+checkpoints move between the interleaved plan and one process in both directions. The last test
+runs interleaving, heterogeneous data parallelism and sequence parallelism in one plan.
 """
 from __future__ import annotations
 

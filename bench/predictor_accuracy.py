@@ -81,7 +81,8 @@ def extra_plans() -> dict[str, dict]:
     """More plans for the 4-layer presets: pure DP over both kinds with more micro-batches on
     the fast pair, TP=2 x PP=2 with a non-uniform split, DP=2 x PP=2 uniform, PP=2 x DP=2
     with the slow kind first; then the three options of the runtime's newer schedules:
-    DP=2 x PP=2 interleaved (2 chunks of 1 layer per rank), heterogeneous DP (one replica a
+    DP=2 x PP=2 interleaved (2 chunks of 1 layer per rank; also with 5 micro-batches per
+    replica, run in micro-batch groups of 3 and 2), heterogeneous DP (one replica a
     single emu-fast rank, the other two stages: the emu-slow pair at tp=2, then emu-fast) with
     the batch shared by speed, and TP=2 x PP=2 with sequence parallelism."""
     def plan(description: str, pipelines: list[tuple[int, list[dict]]], **keys: object) -> dict:
@@ -95,6 +96,9 @@ def extra_plans() -> dict[str, dict]:
     return {
         "dp2_pp2_interleaved_v2": plan("dp=2 x pp=2, 2 interleaved chunks of 1 layer per "
                                        "rank", [(2, interleaved(0, 2)), (2, interleaved(1, 3))]),
+        "dp2_pp2_interleaved_m5": plan("dp=2 x pp=2, 2 interleaved chunks of 1 layer per "
+                                       "rank, 5 micro-batches each (micro-batch groups 3 + 2)",
+                                       [(5, interleaved(0, 2)), (5, interleaved(1, 3))]),
         "hetero_dp_fast_vs_slow_pair": plan(
             "heterogeneous dp=2: emu-fast rank 0 alone (5 micro-batches); the emu-slow pair "
             "(tp=2, 2 layers) then emu-fast rank 1 (2 layers) (3 micro-batches)", [

@@ -166,8 +166,8 @@ def interleave_plan(plan: ParallelPlan, num_chunks: int) -> ParallelPlan:
     taking ``L_g / num_chunks`` consecutive layers per round (the earlier rounds one more while
     ``L_g`` does not divide evenly), so chunk i runs on group i mod pp, as interleaved 1F1B
     needs. ``num_chunks`` 1 returns ``plan``. UserError when a pipeline is already
-    interleaved, a group has fewer layers than ``num_chunks``, or its micro-batch count is not
-    a multiple of its group count.
+    interleaved, a group has fewer layers than ``num_chunks``, or it has fewer micro-batches
+    than groups.
     """
     if num_chunks < 1:
         raise UserError(f"the number of interleaved chunks must be at least 1, got {num_chunks}")
@@ -186,9 +186,9 @@ def interleave_plan(plan: ParallelPlan, num_chunks: int) -> ParallelPlan:
             raise UserError(f"stage {short[0]} of pipeline {p} has {st.num_layers} layers, "
                             f"fewer than {num_chunks} interleaved chunks; use at most "
                             f"{st.num_layers} chunks")
-        if pipeline.micro_batches % pp:
-            raise UserError(f"pipeline {p} has {pipeline.micro_batches} micro-batches, not a "
-                            f"multiple of its {pp} device groups, which interleaving needs")
+        if pipeline.micro_batches < pp:
+            raise UserError(f"pipeline {p} has {pipeline.micro_batches} micro-batches, fewer "
+                            f"than its {pp} device groups, which interleaving needs")
         stages, start, last = [], 0, num_chunks * pp - 1
         for c in range(num_chunks):
             for st in pipeline.stages:

@@ -27,7 +27,7 @@ def validate(plan: ParallelPlan, model: ModelConfig, cluster: Optional[ClusterSp
     ``cluster``; the batch adds up to ``global_batch_size`` if given.
     Interleaved pipelines (stages sharing ranks): at least two device groups, each holding the
     same number of stages, round-robin (stage i on group i mod pp), one accelerator per group,
-    and micro_batches a multiple of the number of groups. Sequence parallelism: ``seq_length``
+    and at least as many micro_batches as groups. Sequence parallelism: ``seq_length``
     (when given) divisible by every stage's tp.
     """
     _check_sizes(plan)
@@ -178,11 +178,9 @@ def _check_interleaving(p: int, pipeline: PipelinePlan) -> None:
             raise UserError(f"{_where(p, s)} says {stage.accelerator} but stage {s % pp} on the "
                             f"same ranks says {first.accelerator}; a device group has one kind")
     m = pipeline.micro_batches
-    if m % pp:
-        valid = ", ".join(str(pp * k) for k in range(1, 4))
+    if m < pp:
         raise UserError(f"pipeline {p} interleaves {n // pp} chunks on {pp} device groups, so "
-                        f"its micro_batches must be a multiple of {pp} (got {m}): use one of "
-                        f"{valid}, ...")
+                        f"it needs at least {pp} micro_batches (got {m}): use {pp} or more")
 
 
 def _check_ranks(plan: ParallelPlan, cluster: Optional[ClusterSpec]) -> None:

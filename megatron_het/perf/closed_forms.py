@@ -129,17 +129,17 @@ def closed_form_interleaved(forward_s: Sequence[float], backward_s: Sequence[flo
     ``T = m sum_c max_g w_{c,g} + (sum_g W_g - W_max) / v + x (m v + w_0 - 1)``
 
     ``w_{c,g}`` is the forward and backward of group g's chunk c (stage ``c p + g``) for one
-    micro-batch, ``W_g = sum_c w_{c,g}``. Every group runs its chunks in rounds (chunk c for p
-    micro-batches, then chunk c + 1), and in each round the slowest group sets the pace: the
-    steady state takes ``m sum_c max_g w_{c,g}``, which is ``m W_max`` when each group's chunks
-    are alike (chunks of unequal size make the groups wait on each other; on random such
-    chunks the simulation lies a few percent below this). The fill and drain cross the other
-    groups at the pace of one of their chunks, ``W_g / v`` each (with ``v = 1`` and no p2p this is
-    :func:`closed_form_1f1b`; with uniform groups it is the bubble ``(p - 1) / (v m)`` of
-    :func:`closed_form_interleaved_bubble`). With blocking transfers each exchange step of group 0's
-    list waits one transfer: ``m v + w_0 - 1`` of them (``w_0``: its warm-up forwards;
-    :func:`~megatron_het.pipeline.schedules.interleaved_warmup`), each costed at ``x``, the
-    slowest boundary's transfer either way.
+    micro-batch, ``W_g = sum_c w_{c,g}``. Every group runs its chunks in rounds (chunk c for a
+    micro-batch group of p or more, then chunk c + 1), and in each round the slowest group sets
+    the pace: the steady state takes ``m sum_c max_g w_{c,g}``, which is ``m W_max`` when each
+    group's chunks are alike (chunks of unequal size make the groups wait on each other; on
+    random such chunks the simulation lies a few percent below this). The fill and drain cross
+    the other groups at the pace of one of their chunks, ``W_g / v`` each (with ``v = 1`` and no
+    p2p this is :func:`closed_form_1f1b`; with uniform groups it is the bubble ``(p - 1) / (v
+    m)`` of :func:`closed_form_interleaved_bubble`). With blocking transfers each exchange step
+    of group 0's list waits one transfer: ``m v + w_0 - 1`` of them (``w_0``: its warm-up
+    forwards; :func:`~megatron_het.pipeline.schedules.interleaved_warmup`), each costed at
+    ``x``, the slowest boundary's transfer either way.
 
     Exact (the simulation gives it) for uniform chunks without p2p, ``m (F + B)(1 + (p - 1) /
     (v m))``, and with uniform p2p for ``m >= 2 p``. Otherwise an estimate (one slow boundary

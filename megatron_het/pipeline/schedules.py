@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from dataclasses import replace
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 from megatron_het.pipeline.actions import (_RECV_OF, Action, ActionKind, P2PBatch, P2PPost,
                                            P2PWait, ScheduleError, Step, _actions_of, _batched)
@@ -114,10 +114,26 @@ def gpipe(num_stages: int, num_micro_batches: int, stage: int) -> list[Step]:
 
 
 # ---- interleaved 1F1B ----------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
+def interleaved_group_size(num_groups: int, num_micro_batches: int) -> Optional[int]:
+    """Megatron-LM's micro-batch group size N (``--microbatch-group-size-per-virtual-stage``)
+    for ``m`` micro-batches over ``p`` device groups: each chunk runs N consecutive
+    micro-batches before the next chunk takes them, the last group taking the remainder. N is
+    the smallest value in ``[p, m]`` whose remainder ``m % N`` is 0 or at least ``p`` (a
+    smaller last group would stall on its own inputs): ``p`` when ``m`` is a multiple of
+    ``p``. None when ``m < p``."""
+    p, m = num_groups, num_micro_batches
+    for size in range(max(p, 1), m + 1):
+        if m % size == 0 or m % size >= p:
+            return size
+    return None
+
+
 def interleaved_micro_batch_counts_ok(num_groups: int, num_micro_batches: int) -> bool:
     """Whether interleaved 1F1B (more than one chunk per group) runs ``num_micro_batches``
-    over ``num_groups`` device groups: a positive multiple of the group count."""
-    return num_groups >= 1 and num_micro_batches >= 1 and num_micro_batches % num_groups == 0
+    over ``num_groups`` device groups: at least one per group (a count that is not a
+    multiple of the groups runs in micro-batch groups, :func:`interleaved_group_size`)."""
+    return num_groups >= 1 and num_micro_batches >= num_groups
 
 
 def _check_interleaved_args(num_groups: int, num_chunks: int, num_micro_batches: int,
@@ -130,31 +146,34 @@ def _check_interleaved_args(num_groups: int, num_chunks: int, num_micro_batches:
     if num_groups < 2:
         raise ValueError(f"interleaving {num_chunks} chunks needs at least 2 device groups")
     if not interleaved_micro_batch_counts_ok(num_groups, num_micro_batches):
-        p = num_groups
-        raise ValueError(f"interleaved 1F1B over {p} device groups needs a number of "
-                         f"micro-batches that is a multiple of {p} ({p}, {2 * p}, {3 * p}, "
-                         f"...); got {num_micro_batches}")
+        raise ValueError(f"interleaved 1F1B over {num_groups} device groups needs at least "
+                         f"{num_groups} micro-batches; got {num_micro_batches}")
 
 
 def interleaved_order(num_groups: int, num_chunks: int, num_micro_batches: int,
                       forward: bool) -> list[tuple[int, int]]:
-    """Megatron-LM's interleaved compute order, the same on every group: micro-step ``k`` runs
-    local chunk ``(k % (p v)) // p`` (backward: ``v - 1 -`` that) on micro-batch
-    ``(k // (p v)) * p + k % p``; returns ``(chunk, micro_batch)`` for ``k = 0..m v - 1``."""
-    p, v = num_groups, num_chunks
+    """Megatron-LM's interleaved compute order, the same on every group, as
+    ``(chunk, micro_batch)`` for micro-steps ``0..m v - 1``: micro-batch groups of
+    N = :func:`interleaved_group_size` (the last one takes the remainder), each run through
+    local chunks ``0..v-1`` in turn (backward: ``v-1..0``). With ``m`` a multiple of ``p``
+    micro-step ``k`` runs chunk ``(k % (p v)) // p`` on micro-batch ``(k // (p v)) p + k % p``."""
+    p, v, m = num_groups, num_chunks, num_micro_batches
+    size = interleaved_group_size(p, m) or m
     order = []
-    for k in range(num_micro_batches * v):
-        chunk = (k % (p * v)) // p
-        order.append((chunk if forward else v - 1 - chunk, (k // (p * v)) * p + k % p))
+    for low in range(0, m, size):
+        high = m if low + size >= m else low + size
+        order += [(c if forward else v - 1 - c, mb) for c in range(v) for mb in range(low, high)]
     return order
 
 
 def interleaved_warmup(num_groups: int, num_chunks: int, num_micro_batches: int,
                        group: int) -> int:
-    """Forwards before group ``group``'s first backward: ``min(2 (p - g - 1) + (v - 1) p, m v)``,
-    and all ``m v`` when ``m == p`` (as Megatron-LM)."""
+    """Forwards before group ``group``'s first backward: ``min(2 (p - g - 1) + (v - 1) N, m v)``
+    with N = :func:`interleaved_group_size`, and all ``m v`` when ``m == p`` (as Megatron-LM)."""
     p, v, m = num_groups, num_chunks, num_micro_batches
-    return m * v if m == p else min(2 * (p - group - 1) + (v - 1) * p, m * v)
+    if m == p:
+        return m * v
+    return min(2 * (p - group - 1) + (v - 1) * (interleaved_group_size(p, m) or m), m * v)
 
 
 def interleaved_one_f_one_b(num_groups: int, num_chunks: int, num_micro_batches: int,
@@ -167,12 +186,16 @@ def interleaved_one_f_one_b(num_groups: int, num_chunks: int, num_micro_batches:
     micro-step (steady state: after each forward+backward pair) comes ONE exchange (a P2PBatch
     when it holds several transfers): the sends of what was just computed (when its consumer
     exists) and the receives of the inputs of the next micro-step that come from another group
-    (none for stage 0's input or the head's output gradient). A receive's (stage, micro-batch)
-    is the one the sender sends in the same position on that channel. Peak activations held:
+    (none for stage 0's input or the head's output gradient), except that the first group
+    takes the last group's outputs (and the last the first's gradients) in the exchange where
+    they are sent, p - 1 micro-steps on, holding them until needed (:func:`_group_skeleton`;
+    with micro-batch groups larger than p they are needed later). A receive's (stage,
+    micro-batch) is the one the sender sends in the same position on that channel. Peak
+    activations held:
     ``m v`` when ``m == p``, else ``min(warm-up + 1, m v)`` (stage, micro-batch) pairs.
     ``overlap_p2p``: the exchanges posted without waiting, overlapped with compute
     (:func:`overlap_transfers`).
-    Raises ValueError unless ``num_micro_batches`` is a multiple of ``num_groups`` (v > 1).
+    Raises ValueError when ``num_micro_batches < num_groups`` (v > 1).
     """
     _check_interleaved_args(num_groups, num_chunks, num_micro_batches, group)
     if num_chunks == 1:
@@ -220,40 +243,69 @@ def _interleaved_rounds(p: int, v: int, m: int, group: int) -> list[list[Action]
             + [[b] for b in backwards[steady:]])
 
 
-def _exchange(p: int, n: int, before: list[Action], after: list[Action]
-              ) -> list[Union[Action, _Pending]]:
-    """The sends of ``before``'s outputs and the receives of ``after``'s inputs. Forward-going
-    transfers come first on both sides, so a pair of groups exchanging both ways (p = 2) posts
-    its messages in the same order at either end."""
-    forward: list[Union[Action, _Pending]] = []
-    backward: list[Union[Action, _Pending]] = []
-    for a in before:
+def _sends(p: int, n: int, compute: list[Action]) -> tuple[list[Action], list[Action]]:
+    """The sends of ``compute``'s outputs: (forward-going, backward-going)."""
+    forward, backward = [], []
+    for a in compute:
         s = a.stage
         assert s is not None
         if a.kind is ActionKind.FORWARD and s < n - 1:
             forward.append(Action(ActionKind.SEND_FORWARD, a.micro_batch, s + 1, s))
         if a.kind is ActionKind.BACKWARD and s > 0:
             backward.append(Action(ActionKind.SEND_BACKWARD, a.micro_batch, s - 1, s))
-    for a in after:
-        s = a.stage
-        assert s is not None
-        if a.kind is ActionKind.FORWARD and s > 0:
-            forward.append((ActionKind.RECV_FORWARD, (s - 1) % p))
-        if a.kind is ActionKind.BACKWARD and s < n - 1:
-            backward.append((ActionKind.RECV_BACKWARD, (s + 1) % p))
-    return forward + backward
+    return forward, backward
+
+
+def _wraps(p: int, n: int, a: Action) -> bool:
+    """Whether ``a``'s input crosses from the last group back to the first (forward) or from
+    the first to the last (backward): a receive posted when its sender sends."""
+    s = a.stage
+    assert s is not None
+    if a.kind is ActionKind.FORWARD:
+        return s > 0 and s % p == 0
+    return s < n - 1 and s % p == p - 1
 
 
 def _group_skeleton(p: int, v: int, m: int, group: int
                     ) -> list[Union[Action, list[Union[Action, _Pending]]]]:
     """Group ``group``'s compute actions and exchanges (lists of transfers whose receives are
-    still pending), in order."""
+    still pending), in order: an exchange before each round and after the last. An exchange
+    holds the sends of the round before it and the receives of the round after it, except on
+    the wrap-around channels (last group -> first group forward, first -> last backward): as in
+    Megatron-LM, the first group takes the output of the last group's forward ``j`` in the
+    exchange after its own forward ``j + p - 1``, when the two run at the same time, and holds
+    it until its chunk needs it (the last group likewise for backward ``j``). Forward-going
+    transfers come first in every exchange, so a pair of groups exchanging both ways (p = 2)
+    posts its messages in the same order at either end."""
     n = v * p
     rounds = _interleaved_rounds(p, v, m, group)
-    seq: list[Union[Action, list[Union[Action, _Pending]]]] = [_exchange(p, n, [], rounds[0])]
+    forward: list[list[Union[Action, _Pending]]] = [[] for _ in range(len(rounds) + 1)]
+    backward: list[list[Union[Action, _Pending]]] = [[] for _ in range(len(rounds) + 1)]
+    for i, compute in enumerate(rounds):
+        sent_forward, sent_backward = _sends(p, n, compute)
+        forward[i + 1] += sent_forward
+        backward[i + 1] += sent_backward
+    for i, compute in enumerate(rounds):
+        for a in compute:
+            s = a.stage
+            assert s is not None
+            if a.kind is ActionKind.FORWARD and s > 0 and not _wraps(p, n, a):
+                forward[i].append((ActionKind.RECV_FORWARD, (s - 1) % p))
+            if a.kind is ActionKind.BACKWARD and s < n - 1 and not _wraps(p, n, a):
+                backward[i].append((ActionKind.RECV_BACKWARD, (s + 1) % p))
+    if group == 0:      # the last group's forward j is received after this group's j + p - 1
+        for j, (chunk, _) in enumerate(interleaved_order(p, v, m, True)):
+            if chunk < v - 1:
+                forward[j + p].append((ActionKind.RECV_FORWARD, p - 1))
+    if group == p - 1:  # the first group's backward j, after this group's backward j + p - 1
+        warmup = interleaved_warmup(p, v, m, group)
+        for j, (chunk, _) in enumerate(interleaved_order(p, v, m, False)):
+            if chunk > 0:
+                backward[warmup + j + p].append((ActionKind.RECV_BACKWARD, 0))
+    seq: list[Union[Action, list[Union[Action, _Pending]]]] = [forward[0] + backward[0]]
     for i, compute in enumerate(rounds):
         seq += compute
-        seq.append(_exchange(p, n, compute, rounds[i + 1] if i + 1 < len(rounds) else []))
+        seq.append(forward[i + 1] + backward[i + 1])
     return seq
 
 
@@ -334,7 +386,7 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int,
 
 __all__ = ["SCHEDULES", "Action", "ActionKind", "P2PBatch", "P2PPost", "P2PWait",
            "ScheduleError", "ScheduleReport", "Step", "build_schedule", "check_schedule",
-           "gpipe", "interleaved_compute",
+           "gpipe", "interleaved_compute", "interleaved_group_size",
            "interleaved_micro_batch_counts_ok", "interleaved_one_f_one_b", "interleaved_order",
            "interleaved_warmup", "one_f_one_b", "overlap_transfers", "peak_activation",
            "sequential_forward"]

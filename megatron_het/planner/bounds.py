@@ -11,6 +11,7 @@ passes the best times found.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -133,7 +134,9 @@ def time_lower_bound(layout: Layout, costs: KindCosts, num_layers: int,
     (1 / w_s)``, which is affine in ``m`` (a line through two micro-batch counts bounds every
     other). Interleaved, the busiest device group computes ``m max_g w_g l_g`` and the others
     fill and drain at the pace of one of their chunks, ``(sum_g w_g l_g - max_g w_g l_g) /
-    v``.
+    v``; ``tight``, the busiest group's work is also at least what the groups' memory allows
+    (:func:`capped_bottleneck`: interleaving's warm-up holds many chunks, so memory often
+    decides the split there).
     """
     work = [costs.get(b, layout.micro_batch_size, layout.sequence_parallel).seconds
             for b in layout.stage_kinds()]
@@ -141,11 +144,30 @@ def time_lower_bound(layout: Layout, costs: KindCosts, num_layers: int,
         return 0.0
     bottleneck = num_layers / sum(1.0 / w for w in work)
     if layout.num_chunks > 1:  # plus the fill: the other groups' work at a chunk's pace
+        if tight:
+            bottleneck = max(bottleneck, capped_bottleneck(work, _layer_room(layout, costs),
+                                                           num_layers))
         return (layout.micro_batches * bottleneck
                 + max(0.0, num_layers * min(work) - bottleneck) / layout.num_chunks)
     if tight and num_layers >= len(work):
         return fill_and_cycles_bound(work, num_layers, layout.micro_batches)
     return num_layers * min(work) + (layout.micro_batches - 1) * bottleneck
+
+
+def capped_bottleneck(work: Sequence[float], room: Sequence[float], num_layers: int) -> float:
+    """The least ``B`` with ``sum_s min(room_s, B / w_s) >= L``: no split that keeps every stage
+    within its layer room (by the per-layer bytes alone, :func:`_layer_room`) has a busiest
+    stage below it (inf when the rooms cannot hold the layers)."""
+    if sum(room) < num_layers:
+        return float("inf")
+    lo, hi = 0.0, max(w * r for w, r in zip(work, room) if r > 0)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if sum(min(r, mid / w) for w, r in zip(work, room)) >= num_layers:
+            hi = mid
+        else:
+            lo = mid
+    return lo
 
 
 def fill_and_cycles_bound(work: Sequence[float], num_layers: int, micro_batches: int) -> float:
@@ -196,6 +218,7 @@ def _layer_room(layout: Layout, costs: KindCosts) -> list[float]:
     return room
 
 
+@functools.lru_cache(maxsize=65536)
 def _layers_in_flight(p: int, m: int, v: int, stage: int) -> float:
     """How many copies of one layer's activations stage (device group) ``stage`` of ``p``
     holds at its peak: ``min(p - s, m)`` in 1F1B; interleaved over ``v`` chunks, ``min(w + 1,
@@ -220,4 +243,4 @@ def memory_pressure(layout: Layout, costs: KindCosts, num_layers: int) -> float:
 
 
 __all__ = ["KindCosts", "LayerCost", "fill_and_cycles_bound", "memory_feasible",
-           "memory_pressure", "sync_lower_bound", "time_lower_bound"]
+           "memory_pressure", "sync_lower_bound", "time_lower_bound", "capped_bottleneck"]

@@ -5,8 +5,8 @@ Search order (all predictions are pure computations, no processes):
 1. enumerate layouts (:mod:`megatron_het.planner.space`): DP degree, the order of the
    accelerator kinds along the pipeline, TP and stage count per kind, micro-batch size,
    recompute per kind, sequence parallelism and the interleaving degree (v = 2 ..
-   ``max_virtual_stages`` chunks per device group where the group count divides the
-   micro-batches, a kind's stages then on one or two adjacent TP degrees); ZeRO-1 is on
+   ``max_virtual_stages`` chunks per device group, any group count up to the micro-batches:
+   Megatron-LM's micro-batch groups run the counts that do not divide them); ZeRO-1 is on
    whenever dp > 1 (it never adds time in the cost model) and the best layouts are retried
    without it. Recompute and sequence parallelism only trade time for memory, so they are
    tried where the layout without them is limited by memory. Layouts whose per-layer bytes
@@ -51,7 +51,7 @@ from megatron_het.planner.chunk_polish import polish_chunks
 from megatron_het.planner.kind_replicas import ReplicaSearch
 from megatron_het.planner.result import Candidate, SearchResult
 from megatron_het.planner.space import (KindBlock, Layout, Placement, build_plan, divisors,
-                                        micro_batch_sizes, pipeline_shapes, split_shapes)
+                                        micro_batch_sizes, pipeline_shapes)
 from megatron_het.planner.stage_model import (StageModel, balance_layers, layer_caps,
                                               polish_split, probe_stage_model)
 
@@ -73,7 +73,7 @@ MAX_VIRTUAL_STAGES = 4
 # Interleaved layouts probed at most (by increasing bound): their bound leaves out the
 # exchanges and the uneven rounds of unequal chunks, so it lies further below their time than
 # a plain layout's and would let hundreds through.
-INTERLEAVED_PROBES = 48
+INTERLEAVED_PROBES = 32
 
 # Splits of the finalists are also polished under the 1F1B simulation when it is cheap (about
 # stages^2 moves of stages x micro-batches steps each); with many micro-batches the closed form
@@ -154,23 +154,18 @@ class _Search:
         return out
 
     def _interleaved(self, out: list[tuple[float, Layout]], max_micro_batch_size: int) -> None:
-        """The interleaved layouts: per DP degree and micro-batch size, every group count that
-        divides the micro-batches, its shapes and v = 2 .. max_chunks (a chunk per layer at
+        """The interleaved layouts: the plain layouts' shapes (per DP degree and micro-batch
+        size) of any group count from 2 to the micro-batches (counts that do not divide them
+        run in micro-batch groups), each with v = 2 .. max_chunks (a chunk per layer at
         least)."""
-        counts = [self.placement.count(k) for k in self.placement.kinds]
         num_layers = self.model.num_layers
-        for dp in divisors(math.gcd(*counts)):
-            shapes: dict[int, list[tuple[KindBlock, ...]]] = {}
+        for dp, blocks in pipeline_shapes(self.model, self.placement):
+            pp = sum(b.stages for b in blocks)
             for mbs in micro_batch_sizes(self.global_batch_size, dp, max_micro_batch_size):
-                m = self.global_batch_size // (dp * mbs)
-                for pp in divisors(m):
-                    if pp < 2 or 2 * pp > num_layers:
-                        continue
-                    if pp not in shapes:
-                        shapes[pp] = list(split_shapes(self.model, self.placement, dp, pp))
-                    for blocks in shapes[pp]:
-                        for v in range(2, min(self.max_chunks, num_layers // pp) + 1):
-                            self._add(out, self._base(dp, blocks, mbs, v))
+                if not 2 <= pp <= self.global_batch_size // (dp * mbs):
+                    continue
+                for v in range(2, min(self.max_chunks, num_layers // pp) + 1):
+                    self._add(out, self._base(dp, blocks, mbs, v))
 
     def _base(self, dp: int, blocks: tuple[KindBlock, ...], mbs: int,
               num_chunks: int) -> Layout:
@@ -375,7 +370,8 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
             raise AssertionError(f"planner produced a plan that does not fit: "
                                  f"{fits(prediction, search.cluster).message}")
         n = sm.num_stages * sm.layout.num_chunks
-        if not plain and n ** 3 * sm.layout.micro_batches <= SIMULATED_POLISH_LIMIT:
+        if (not plain and n ** 3 * sm.layout.micro_batches * sm.layout.dp
+                <= SIMULATED_POLISH_LIMIT):  # every replica is predicted per move
             plan, prediction = polish_chunks(plan, search.predict, search.fits, prediction)
             chunks = plan.pipelines[0].stages
             layers = [sum(st.num_layers for st in chunks[g::sm.num_stages])

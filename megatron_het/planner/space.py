@@ -10,11 +10,10 @@ and TP per stage in all pipelines) holds by construction, and every device of th
 used: the stages of kind ``k`` hold ``count(k) / dp`` devices of every pipeline.
 
 A kind's stages use one TP degree (:func:`pipeline_shapes`; two, ``2 t`` on all its stages but
-one of ``t``, where its share is an odd multiple of ``t``), or for interleaved layouts any
-two adjacent ones, ``t`` and ``2 t`` (:func:`split_shapes`): interleaved 1F1B needs the device
-group count to divide the micro-batches, and one TP degree per kind rarely gives such a count
-(HETHUB's 16 + 80 devices per pipeline make 2 + 20 = 22 groups at tp 8 and 4; 2 + 8 + 6 = 16
-with a second TP degree on the 80).
+one of ``t``, where its share is an odd multiple of ``t``). Interleaved layouts take the same
+shapes: a group count that does not divide the micro-batches runs in micro-batch groups
+(HETHUB's 16 + 80 devices per pipeline make 2 + 10 = 12 groups at tp 8 for 128
+micro-batches, run as 8 groups of 16).
 
 Ranks are taken in cluster rank order: pipeline ``d`` gets the ``d``-th contiguous block of each
 kind's ranks, cut into TP groups of adjacent ranks in stage order. TP groups therefore stay
@@ -245,62 +244,6 @@ def pipeline_shapes(model: ModelConfig, placement: Placement, max_tp: int = 64
                 yield dp, tuple(b for group in order for b in group)
 
 
-def split_shapes(model: ModelConfig, placement: Placement, dp: int, num_groups: int,
-                 max_tp: int = 64) -> Iterator[tuple[KindBlock, ...]]:
-    """Every pipeline of exactly ``num_groups`` stages in which each kind's stages use one TP
-    degree ``t`` or two adjacent ones, ``t`` and ``2 t`` (blocks in pipeline order, the
-    kinds permuted, a kind's wider block first: the order within a kind changes little but
-    which boundaries cross nodes), TP groups node-local. A kind of ``D`` devices per pipeline
-    has one such shape per stage count ``n`` and ``t``: ``n_2t = D / t - n`` stages of
-    ``2 t`` and ``n_t = 2 n - D / t`` of ``t``."""
-    options = _split_options(model, placement, dp, max_tp, num_groups)
-    kinds = placement.kinds
-    for counts in _compositions(num_groups, [sorted(options[k]) for k in kinds]):
-        for choice in itertools.product(*(options[k][n] for k, n in zip(kinds, counts))):
-            groups = [tuple(KindBlock(k, tp, n) for tp, n in parts)
-                      for k, parts in zip(kinds, choice)]
-            for order in itertools.permutations(groups):
-                yield tuple(b for group in order for b in group)
-
-
-def _split_options(model: ModelConfig, placement: Placement, dp: int, max_tp: int,
-                   most: int) -> dict[str, dict[int, list[tuple[tuple[int, int], ...]]]]:
-    """Per kind, per stage count up to ``most``: its one- or two-degree ``(tp, stages)`` parts
-    (:func:`split_shapes`) with node-local TP groups."""
-    tps = [t for t in valid_tp_sizes(model) if t <= max_tp]
-    options: dict[str, dict[int, list[tuple[tuple[int, int], ...]]]] = {}
-    for kind in placement.kinds:
-        share = placement.count(kind) // dp
-        by_count: dict[int, list[tuple[tuple[int, int], ...]]] = {}
-        for t in tps:
-            if share % t:
-                continue
-            if share // t <= most and placement.split_local(kind, dp, ((t, share // t),)):
-                by_count.setdefault(share // t, []).append(((t, share // t),))
-            if 2 * t not in tps:
-                continue
-            for n in range(share // (2 * t) + 1, min(share // t, most + 1)):
-                parts = ((2 * t, share // t - n), (t, 2 * n - share // t))
-                if placement.split_local(kind, dp, parts):
-                    by_count.setdefault(n, []).append(parts)
-        options[kind] = by_count
-    return options
-
-
-def _compositions(total: int, choices: Sequence[Sequence[int]]) -> Iterator[tuple[int, ...]]:
-    """Every pick of one value per list (each list ascending) that sums to ``total``."""
-    if not choices:
-        if total == 0:
-            yield ()
-        return
-    rest_min = sum(c[0] for c in choices[1:] if c)
-    for n in choices[0]:
-        if n + rest_min > total:
-            break
-        for tail in _compositions(total - n, choices[1:]):
-            yield (n, *tail)
-
-
 def micro_batch_sizes(global_batch_size: int, dp: int, max_micro_batch_size: int) -> list[int]:
     """Micro-batch sizes that split each pipeline's share of the batch evenly."""
     if global_batch_size % dp:
@@ -310,4 +253,4 @@ def micro_batch_sizes(global_batch_size: int, dp: int, max_micro_batch_size: int
 
 
 __all__ = ["KindBlock", "Layout", "Placement", "build_plan", "divisors", "kind_shapes",
-           "micro_batch_sizes", "pipeline_shapes", "split_shapes"]
+           "micro_batch_sizes", "pipeline_shapes"]

@@ -6,11 +6,14 @@ tp=2, rank 2 chunks 1 and 3 with tp=1, on a 6-layer tied model (the embedding co
 groups of different TP). Losses, gradient norms and validation losses must match the
 single-process run within 2e-4 relative over 8 iterations (fp32), with the transfers overlapped
 with compute (the default) and waited for one by one (--no-overlap-p2p-communication), and
-checkpoints move between the interleaved plan and one process in both directions. The last test
-runs interleaving, heterogeneous data parallelism and sequence parallelism in one plan.
+checkpoints move between the interleaved plan and one process in both directions. A run with 5
+micro-batches on the 2 groups takes them in Megatron-LM's micro-batch groups (3 + 2). The last
+test runs interleaving, heterogeneous data parallelism and sequence parallelism in one plan,
+with 3 micro-batches on its 2 interleaved groups.
 """
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -87,10 +90,30 @@ def test_single_process_checkpoint_loads_interleaved(workdir: pathlib.Path,
     assert_close(records(single, "train")[4:], records(path, "train"), ("loss", "grad_norm"))
 
 
+def test_micro_batches_not_a_multiple_of_the_groups_match_single_process(
+        workdir: pathlib.Path) -> None:
+    # 5 micro-batches over 2 device groups: micro-batch groups of 3 then 2 (Megatron-LM's
+    # --microbatch-group-size-per-virtual-stage rule); the first group receives chunk 1's
+    # inputs as the last group sends them and holds them until its turn.
+    plan = json.loads((PLANS / "cpu_interleaved_tp2_tp1.json").read_text())
+    plan["pipelines"][0]["micro_batches"] = 5
+    plan_path = workdir / "interleaved-m5.json"
+    plan_path.write_text(json.dumps(plan))
+    batch = ["--global-batch-size", "10"]
+    single, path = workdir / "single-m5.jsonl", workdir / "interleaved-m5.jsonl"
+    run_single([*MODEL, *BASE, *batch, "--metrics-file", str(single)])
+    results = run_ranks(_train_worker, WORLD, [*MODEL, *BASE, *batch, "--plan", str(plan_path),
+                                               "--metrics-file", str(path)], timeout=120)
+    assert [iteration for iteration, _ in results] == [TRAIN_ITERS] * WORLD
+    assert_close(records(single, "train"), records(path, "train"), ("loss", "grad_norm", "lr"))
+    assert_close(records(single, "valid"), records(path, "valid"), ("loss",))
+
+
 def test_interleaving_hetero_dp_and_sequence_parallelism_together(
         workdir: pathlib.Path, single: pathlib.Path) -> None:
-    # Pipeline 0 interleaves sequence-parallel tp=2 chunks with tp=1 ones; pipeline 1 is one
-    # rank holding the whole model, with its own share of the batch (ZeRO-1 across both).
+    # Pipeline 0 interleaves sequence-parallel tp=2 chunks with tp=1 ones over 3 micro-batches
+    # (one micro-batch group of 3); pipeline 1 is one rank holding the whole model, with its
+    # own share of the batch, 1 micro-batch (ZeRO-1 across both).
     path, save = workdir / "all-three.jsonl", workdir / "ckpt-all-three"
     plan = str(PLANS / "cpu_interleaved_hetero_dp_sp.json")
     results = run_ranks(_train_worker, 4, [*MODEL, *BASE, "--plan", plan,

@@ -7,10 +7,12 @@ from megatron_het.pipeline import (Action, ActionKind, P2PBatch, ScheduleError, 
                                    interleaved_one_f_one_b, one_f_one_b, peak_activation,
                                    sequential_forward)
 from megatron_het.pipeline.schedule_check import held_counts
-from megatron_het.pipeline.schedules import interleaved_compute
+from megatron_het.pipeline.schedules import (interleaved_compute, interleaved_group_size,
+                                              interleaved_order)
 
 K = ActionKind
-GRID = [(p, v, m) for p in range(2, 7) for v in range(2, 5) for m in (p, 2 * p, 3 * p, 4 * p)]
+GRID = [(p, v, m) for p in range(2, 7) for v in range(2, 5)
+        for m in sorted({p, p + 1, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p, 4 * p, 5 * p - 2})]
 SENDS = (K.SEND_FORWARD, K.SEND_BACKWARD)
 
 
@@ -23,16 +25,31 @@ def compute_order(steps):
             if a.kind in (K.FORWARD, K.BACKWARD)]
 
 
+def megatron_group_size(p, m):
+    """Megatron-LM's rule for --microbatch-group-size-per-virtual-stage N: p <= N <= m, and
+    the last group (m % N micro-batches) empty or at least p; the smallest such N."""
+    return min(n for n in range(p, m + 1) if m % n == 0 or m % n >= p)
+
+
 def expected_order(p, v, m, g):
-    """Written out from Megatron-LM's rules: micro-step k runs local chunk (k % pv) // p
-    (backward: v - 1 - that) on micro-batch (k // pv) * p + k % p; warm-up forwards, then
-    forward/backward pairs, then the remaining backwards."""
+    """Written out from Megatron-LM's rules: micro-batch groups of N (the last one takes what
+    is left), each run through chunks 0..v-1 (backward v-1..0); with m a multiple of p,
+    micro-step k runs local chunk (k % pv) // p on micro-batch (k // pv) * p + k % p; warm-up
+    forwards, then forward/backward pairs, then the remaining backwards."""
+    n = megatron_group_size(p, m)
+    table = []
+    for low in range(0, m, n):
+        high = m if low + n >= m else low + n
+        table += [(c, mb) for c in range(v) for mb in range(low, high)]
+
     def step(k, forward):
-        chunk = (k % (p * v)) // p
-        chunk = chunk if forward else v - 1 - chunk
-        return chunk * p + g, (k // (p * v)) * p + k % p
+        chunk, mb = table[k]
+        return (chunk if forward else v - 1 - chunk) * p + g, mb
+    if m % p == 0:
+        assert [step(k, True) for k in range(m * v)] == [
+            (((k % (p * v)) // p) * p + g, (k // (p * v)) * p + k % p) for k in range(m * v)]
     total = m * v
-    warmup = total if m == p else min(2 * (p - g - 1) + (v - 1) * p, total)
+    warmup = total if m == p else min(2 * (p - g - 1) + (v - 1) * n, total)
     order = [("F", *step(k, True)) for k in range(warmup)]
     for j in range(total - warmup):
         order += [("F", *step(warmup + j, True)), ("B", *step(j, False))]
@@ -95,15 +112,28 @@ def test_each_pair_of_groups_orders_its_messages_alike_at_both_ends(p, v):
     assert sent == received
 
 
-def test_micro_batch_count_must_be_a_multiple_of_the_groups():
-    with pytest.raises(ValueError, match=r"interleaved 1F1B over 4 device groups needs a number "
-                                         r"of micro-batches that is a multiple of 4 \(4, 8, 12, "
-                                         r"\.\.\.\); got 6"):
-        interleaved_one_f_one_b(4, 2, 6, 0)
-    with pytest.raises(ValueError, match="multiple of 3"):
-        build_schedule("1f1b", 3, 4, num_chunks=2)
-    assert [m for m in range(1, 13) if interleaved_micro_batch_counts_ok(4, m)] == [4, 8, 12]
-    interleaved_one_f_one_b(4, 1, 6, 0)  # one chunk: any count
+def test_micro_batch_groups_follow_megatron():
+    # Megatron-LM's own example, PP 2, N 3, M 5, VP 2: micro-batches 0 1 2 0 1 2 3 4 3 4 on
+    # chunks 0 0 0 1 1 1 0 0 1 1.
+    assert interleaved_group_size(2, 5) == 3
+    assert interleaved_order(2, 2, 5, True) == list(zip([0, 0, 0, 1, 1, 1, 0, 0, 1, 1],
+                                                         [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]))
+    for p in range(1, 9):
+        for m in range(1, 40):
+            want = megatron_group_size(p, m) if m >= p else None
+            assert interleaved_group_size(p, m) == want, (p, m)
+    assert interleaved_group_size(22, 128) == 26      # the paper mix's pipeline: 4 x 26 + 24
+    assert interleaved_group_size(4, 8) == 4
+
+
+def test_micro_batch_count_must_cover_the_groups():
+    with pytest.raises(ValueError, match=r"interleaved 1F1B over 4 device groups needs at least "
+                                         r"4 micro-batches; got 3"):
+        interleaved_one_f_one_b(4, 2, 3, 0)
+    with pytest.raises(ValueError, match="at least 3"):
+        build_schedule("1f1b", 3, 2, num_chunks=2)
+    assert [m for m in range(1, 9) if interleaved_micro_batch_counts_ok(4, m)] == [4, 5, 6, 7, 8]
+    interleaved_one_f_one_b(4, 1, 3, 0)  # one chunk: any count
     with pytest.raises(ValueError, match="at least 2 device groups"):
         interleaved_one_f_one_b(1, 2, 2, 0)
     with pytest.raises(ValueError, match="does not interleave"):

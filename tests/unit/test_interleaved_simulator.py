@@ -12,9 +12,9 @@ from megatron_het.pipeline.schedules import ScheduleError, build_schedule
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5])
 @pytest.mark.parametrize("v", [1, 2, 3, 4])
-@pytest.mark.parametrize("mult", [1, 2, 4])
+@pytest.mark.parametrize("mult", [1, 1.5, 2, 2.75, 4])
 def test_uniform_stages_have_the_closed_form_bubble(p, v, mult):
-    m = mult * p
+    m = int(mult * p)   # also counts that are not a multiple of p (micro-batch groups)
     group_f, group_b = 3.0, 6.0               # a group's total per micro-batch
     f, b = [group_f / v] * (v * p), [group_b / v] * (v * p)
     result = simulate(build_schedule("1f1b", p, m, num_chunks=v), f, b, record_timeline=False)
@@ -38,7 +38,7 @@ def test_random_non_uniform_stages_finish_with_each_group_busy_for_its_chunks():
     rng = random.Random(11)
     for _ in range(60):
         p, v = rng.randint(2, 5), rng.randint(2, 4)
-        m, n = p * rng.randint(1, 3), p * v
+        m, n = rng.randint(p, 3 * p), p * v
         f = [rng.uniform(0.2, 3.0) for _ in range(n)]
         b = [x * rng.uniform(1.5, 3.0) for x in f]
         cf = [rng.uniform(0.0, 0.4) for _ in range(n - 1)] if rng.random() < 0.5 else None

@@ -13,7 +13,8 @@ from megatron_het.perf import closed_form_interleaved, lower_bound_interleaved
 from megatron_het.perf.simulator import SimulationCache, simulate
 
 K = ActionKind
-GRID = [(p, v, m) for p in range(2, 6) for v in range(2, 4) for m in (p, 2 * p, 3 * p)]
+GRID = [(p, v, m) for p in range(2, 6) for v in range(2, 4)
+        for m in sorted({p, p + 1, 2 * p, 2 * p + 1, 3 * p, 4 * p - 1})]
 MODELS = list(itertools.product((False, True), repeat=2))  # (untagged, in_order)
 
 
@@ -131,7 +132,7 @@ def test_overlapped_closed_form_against_the_simulation_on_random_stages():
     ratios = []
     for _ in range(60):
         p, v = rng.randint(2, 5), rng.randint(2, 4)
-        m, n = p * rng.randint(2, 3), p * v
+        m, n = rng.randint(2 * p, 3 * p), p * v
         f = [rng.uniform(0.5, 2.0) for _ in range(n)]
         b = [x * rng.uniform(1.5, 2.5) for x in f]
         scale = rng.choice([0.2, 1.0, 1.5])

@@ -65,8 +65,9 @@ def _refused(mutate, match: str, model=SIX) -> None:
 def test_interleaving_mistakes_are_named() -> None:
     def set_stage(index, **values):
         return lambda p: p["stages"][index].update(values)
-    _refused(lambda p: p.update(micro_batches=3),
-             r"micro_batches must be a multiple of 2 \(got 3\): use one of 2, 4, 6")
+    _refused(lambda p: p.update(micro_batches=1),
+             r"interleaves 2 chunks on 2 device groups, so it needs at least 2 micro_batches "
+             r"\(got 1\): use 2 or more")
     _refused(set_stage(2, ranks=[2], tp=1),
              r"stage 2 of pipeline 0 runs on ranks \[2\] but interleaved stages go round-robin"
              r".*give it ranks \[0, 1\]")

@@ -133,8 +133,8 @@ def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size
                     [b for b in range(1, share + 1) if share % b == 0],
                     (False, True) if dp > 1 else (False,),
                     sequence_parallel if tp_stages else (False,)):
-                if chunks > 1 and (share // mbs) % p:
-                    continue  # interleaved 1F1B runs a multiple of the group count
+                if chunks > 1 and share // mbs < p:
+                    continue  # interleaved 1F1B runs at least one micro-batch per group
                 for recompute in (False, True):
                     pipelines = []
                     for d in range(dp):

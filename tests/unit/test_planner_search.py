@@ -137,7 +137,11 @@ def test_kind_subcluster_keeps_one_kind_and_uncolocates() -> None:
 def test_hethub_mix_is_efficient() -> None:
     result = search_plan(papers_model(), papers_cluster(), 1024, 4096, top_k=2)
     result = result.with_baseline(papers_baseline())
-    assert result.efficiency >= 0.975
+    # The baseline interleaves accelerator A alone over 10 device groups in micro-batch
+    # groups (151 tokens/s per device, 6% above its best plain pipeline); the mix's plan
+    # interleaves too, and the MI250X groups' coarse layer granularity costs it a few percent.
+    assert result.efficiency >= 0.96
+    assert result.prediction.bubble_fraction <= 0.05
     kinds = {s.accelerator for s in result.plan.pipelines[0].stages}
     assert kinds == {"MI250X", "accelerator-a"}
     # Layers follow speed: no stage's 1F1B work is far above the typical stage's.
@@ -254,3 +258,30 @@ def test_fill_and_cycles_bound_is_below_every_split_and_above_the_loose_bound() 
         bound = fill_and_cycles_bound(work, layers, m)
         loose = layers * min(work) + (m - 1) * layers / sum(1 / w for w in work)
         assert loose * (1 - 1e-9) <= bound <= best * (1 + 1e-9)
+
+
+def test_capped_bottleneck_is_below_every_split_within_the_rooms() -> None:
+    """The interleaved bound's busiest group under memory: at most the least busiest stage of
+    any integer split that keeps each stage within its room, and at least the uncapped one."""
+    import itertools
+    import math
+    import random
+
+    from megatron_het.planner.bounds import capped_bottleneck
+
+    rng = random.Random(1)
+    for _ in range(300):
+        p, layers = rng.randint(1, 4), rng.randint(4, 10)
+        work = [rng.uniform(0.2, 3.0) for _ in range(p)]
+        room = [rng.uniform(0.5, 6.0) for _ in range(p)]
+        splits = [split for split in itertools.product(range(layers + 1), repeat=p)
+                  if sum(split) == layers and all(n <= r for n, r in zip(split, room))]
+        bound = capped_bottleneck(work, room, layers)
+        if not splits:
+            assert sum(room) < layers or bound < math.inf
+            continue
+        best = min(max(w * n for w, n in zip(work, split)) for split in splits)
+        assert layers / sum(1 / w for w in work) * (1 - 1e-9) <= bound <= best * (1 + 1e-9)
+    assert capped_bottleneck([1.0, 1.0], [1.0, 2.0], 4) == math.inf
+    # room caps the cheap stage, so the dear one must take the rest
+    assert capped_bottleneck([1.0, 4.0], [1.0, 9.0], 4) == pytest.approx(12.0, rel=1e-6)

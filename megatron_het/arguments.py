@@ -67,6 +67,7 @@ class ParallelSpec:
     overlap_grad_reduce: bool = False
     grad_reduce_in_bf16: bool = False
     overlap_p2p_comm: bool = True
+    recompute: Optional[tuple[str, int]] = None  # (method, layers) of --recompute-*
     bridge: str = "relay"
     emulation_profile: Optional[str] = None
     emulation_extra_slowdown: tuple[tuple[int, float], ...] = ()
@@ -196,6 +197,17 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true",
                    help="shard the regions between TP blocks (norms, residuals, stage "
                         "boundaries) along the sequence; needs --seq-length divisible by tp")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: recompute decoder layers' activations in backward, keeping "
+                        "only their inputs, on every stage of the plan (with "
+                        "--recompute-method and --recompute-num-layers)")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with --recompute-granularity full: uniform recomputes every layer "
+                        "(--recompute-num-layers 1); block only the first "
+                        "--recompute-num-layers layers of each stage (model chunk)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
+                   help="layers per recomputed group (uniform: 1) or recomputed per stage "
+                        "(block)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer state over data-parallel replicas (ZeRO-1)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -349,6 +361,7 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
         pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
         use_distributed_optimizer=args.use_distributed_optimizer,
         sequence_parallel=args.sequence_parallel,
+        recompute=_recompute(args),
         overlap_grad_reduce=args.overlap_grad_reduce,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         overlap_p2p_comm=args.overlap_p2p_comm, bridge=args.bridge,
@@ -356,6 +369,31 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
         emulation_extra_slowdown=_extra_slowdowns(args.emulation_extra_slowdown),
         dry_run=args.dry_run,
         batch_given=batch_given)
+
+
+def _recompute(args: argparse.Namespace) -> Optional[tuple[str, int]]:
+    """(method, layers) from Megatron's --recompute-* flags, or None."""
+    granularity, method, count = (args.recompute_granularity, args.recompute_method,
+                                  args.recompute_num_layers)
+    if granularity is None:
+        if method is not None or count is not None:
+            raise UserError("--recompute-method and --recompute-num-layers need "
+                            "--recompute-granularity full")
+        return None
+    if granularity == "selective":
+        raise UserError("--recompute-granularity selective recomputes the core attention, "
+                        "which the flash attention kernel here never stores; use full "
+                        "(with --recompute-method block to recompute only some layers)")
+    if method is None or count is None:
+        raise UserError("--recompute-granularity full needs --recompute-method (uniform or "
+                        "block) and --recompute-num-layers N")
+    if count < 1:
+        raise UserError(f"--recompute-num-layers must be at least 1, got {count}")
+    if method == "uniform" and count != 1:
+        raise UserError(f"--recompute-method uniform with --recompute-num-layers {count} "
+                        f"(one checkpoint per {count} layers) is not supported: use 1 (every "
+                        f"layer recomputed from its own input) or --recompute-method block")
+    return method, count
 
 
 def _extra_slowdowns(values: Sequence[str]) -> tuple[tuple[int, float], ...]:

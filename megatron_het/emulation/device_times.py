@@ -43,7 +43,7 @@ def emulated_device_times(profiles: Optional[Mapping[str, Profile]],
                 continue
             shape = LayerShape.of(model, seq_length, plan.micro_batch_size, stage.tp)
             compute = stage_compute(model, spec, shape, stage.num_layers, stage.has_embedding,
-                                    stage.has_head, stage.recompute, dtype,
+                                    stage.has_head, stage.recomputed_layers, dtype,
                                     ProfileChoice(profile))
             if "roofline" in compute.source:
                 raise UserError(f"--emulation-profile {profile_source}: no {dtype} figures for "

@@ -33,7 +33,7 @@ Shape legend: B batch, S sequence, H hidden, N heads, D head dim, V vocabulary.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -138,9 +138,11 @@ class LlamaModel(nn.Module):
         recompute: recompute each layer's activations in backward (activation checkpointing)
             while training, trading compute for memory.
         chunks: instead of ``layer_range`` and ``recompute``, the model chunks held here, in
-            pipeline order: ``(start, stop, recompute)`` each, disjoint and ascending. Each
-            chunk runs on its own (``forward(..., chunk=c)``): the embedding belongs to chunk
-            0 and the head to the last chunk.
+            pipeline order: ``(start, stop, recompute)`` each, disjoint and ascending, where
+            ``recompute`` is True (every layer of the chunk), False, or how many of its first
+            layers recompute (Megatron-LM's block method). Each chunk runs on its own
+            (``forward(..., chunk=c)``): the embedding belongs to chunk 0 and the head to the
+            last chunk.
 
     Layers live in ``self.layers``, an ``nn.ModuleDict`` keyed by the global layer index as a
     string, so a stage holding layers [3, 5) has keys "3" and "4". Parameters are created with
@@ -151,7 +153,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, layer_range: Optional[tuple[int, int]] = None,
                  has_embedding: bool = True, has_head: bool = True,
                  recompute: bool = False,
-                 chunks: Optional[Sequence[tuple[int, int, bool]]] = None) -> None:
+                 chunks: Optional[Sequence[tuple[int, int, Union[bool, int]]]] = None) -> None:
         super().__init__()
         if chunks is None:
             start, stop = (0, config.num_layers) if layer_range is None else layer_range
@@ -166,11 +168,13 @@ class LlamaModel(nn.Module):
                                 f"ascending, disjoint ranges inside [0, {config.num_layers})")
             previous = stop
         self.config = config
-        self.chunks = tuple((start, stop, bool(rc)) for start, stop, rc in chunks)
+        # (start, stop, how many of the first layers recompute)
+        self.chunks = tuple((start, stop, _recomputed(start, stop, rc))
+                            for start, stop, rc in chunks)
         self.layer_range = (self.chunks[0][0], self.chunks[-1][1])
         self.has_embedding = has_embedding
         self.has_head = has_head
-        self.recompute = any(rc for _, _, rc in self.chunks)
+        self.recompute = any(count for _, _, count in self.chunks)
         self.rotary = RotaryEmbedding(config)
         needs_embedding = has_embedding or (has_head and config.tie_embeddings)
         self.embedding = _embedding(config) if needs_embedding else None
@@ -220,14 +224,14 @@ class LlamaModel(nn.Module):
         norm)."""
         if not 0 <= chunk < len(self.chunks):
             raise IndexError(f"chunk {chunk} of a model holding {len(self.chunks)} chunk(s)")
-        start, stop, recompute = self.chunks[chunk]
+        start, stop, recomputed = self.chunks[chunk]
         hidden = self.embedding(x) if self.has_embedding and chunk == 0 else x
         cos, sin = self.rotary.cos_sin(self.sequence_length(hidden), hidden.device,
                                        rope_table_dtype(hidden))
-        use_recompute = recompute and self.training and torch.is_grad_enabled()
+        use_recompute = recomputed > 0 and self.training and torch.is_grad_enabled()
         for index in range(start, stop):
             layer = self.layers[str(index)]
-            if use_recompute:
+            if use_recompute and index - start < recomputed:
                 hidden = checkpoint(layer, hidden, cos, sin, use_reentrant=False)
             else:
                 hidden = layer(hidden, cos, sin)
@@ -249,6 +253,18 @@ class LlamaModel(nn.Module):
             return linear_cross_entropy(self.final_norm(hidden), self.output_weight(), labels,
                                         loss_weights)
         return F.linear(self.final_norm(hidden), self.output_weight())
+
+def _recomputed(start: int, stop: int, recompute: Union[bool, int]) -> int:
+    """How many of the first layers of chunk ``[start, stop)`` recompute: all for True, none
+    for False, else the count (at most the chunk's layers)."""
+    if recompute is True:
+        return stop - start
+    if recompute is False or recompute is None:
+        return 0
+    if recompute < 0:
+        raise ValueError(f"a chunk cannot recompute {recompute} layers")
+    return min(int(recompute), stop - start)
+
 
 def _embedding(config: ModelConfig) -> nn.Embedding:
     """``nn.Embedding(vocab, hidden)`` with its default N(0, 1) initialisation, skipped on the

@@ -25,7 +25,9 @@ JSON form ("megatron_het.plan/1")::
 Optional keys: ``description``, ``dtype`` (fp32 | bf16 | fp16), ``use_distributed_optimizer``,
 ``sequence_parallel``, ``overlap_grad_reduce``, ``grad_reduce_in_bf16`` and ``overlap_p2p_comm``
 on the plan (true or false, like Megatron's flags of those names; absent: the command line
-decides), ``recompute`` on a stage. Unknown keys are refused.
+decides), ``recompute`` on a stage (true: every decoder layer's activations are recomputed in
+backward, only its input kept) and with it ``recompute_num_layers`` (Megatron-LM's block
+method: only the stage's first N layers are). Unknown keys are refused.
 
 Loading checks types only (and that ``grad_reduce_in_bf16`` does not come with a dtype other
 than bf16); :func:`megatron_het.parallel.plan_validation.validate` checks that the
@@ -49,7 +51,7 @@ _PLAN_KEYS = ("format", "micro_batch_size", "pipelines", "description", "dtype",
               "use_distributed_optimizer", "sequence_parallel", "overlap_grad_reduce",
               "grad_reduce_in_bf16", "overlap_p2p_comm")
 _PIPELINE_KEYS = ("micro_batches", "stages")
-_STAGE_KEYS = ("accelerator", "tp", "layers", "ranks", "recompute")
+_STAGE_KEYS = ("accelerator", "tp", "layers", "ranks", "recompute", "recompute_num_layers")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class StagePlan:
 
     ``ranks`` is the stage's TP group in tp_rank order. ``has_embedding`` / ``has_head`` follow
     the stage's position: :class:`PipelinePlan` sets them for its first and last stage.
+    ``recompute``: activation recompute on the stage's first ``recompute_num_layers`` decoder
+    layers (None: all of them; :attr:`recomputed_layers`).
     """
 
     accelerator: str
@@ -67,6 +71,7 @@ class StagePlan:
     has_embedding: bool = False
     has_head: bool = False
     recompute: bool = False
+    recompute_num_layers: Optional[int] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -75,19 +80,38 @@ class StagePlan:
     @classmethod
     def trusted(cls, accelerator: str, tp: int, layers: tuple[int, int],
                 ranks: tuple[int, ...], has_embedding: bool, has_head: bool,
-                recompute: bool) -> "StagePlan":
+                recompute: bool, recompute_num_layers: Optional[int] = None) -> "StagePlan":
         """The same stage as the constructor's, built without its conversions: for callers
         that build many stages at once from tuples (a planner's probes of thousands of
         devices)."""
         stage = object.__new__(cls)
         stage.__dict__.update(accelerator=accelerator, tp=tp, layers=layers, ranks=ranks,
                               has_embedding=has_embedding, has_head=has_head,
-                              recompute=recompute)
+                              recompute=recompute, recompute_num_layers=recompute_num_layers)
         return stage
 
     @property
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
+
+    @property
+    def recomputed_layers(self) -> int:
+        """How many of the stage's decoder layers recompute their activations in backward:
+        the first ``recompute_num_layers`` (all where None) when ``recompute``, else 0."""
+        if not self.recompute:
+            return 0
+        if self.recompute_num_layers is None:
+            return self.num_layers
+        return min(self.recompute_num_layers, self.num_layers)
+
+    @property
+    def recompute_label(self) -> str:
+        """"recompute", "recompute 2 of 4 layers" (block method) or "" (none)."""
+        if not self.recompute:
+            return ""
+        if self.recompute_num_layers is None:
+            return "recompute"
+        return f"recompute {self.recomputed_layers} of {self.num_layers} layers"
 
     @property
     def layer_indices(self) -> range:
@@ -259,7 +283,7 @@ class ParallelPlan:
             for s, st in enumerate(pipeline.stages):
                 extras = "".join([" +embedding" if st.has_embedding else "",
                                   " +head" if st.has_head else "",
-                                  " recompute" if st.recompute else ""])
+                                  f" {st.recompute_label}" if st.recompute else ""])
                 lines.append(f"    stage {s}: {st.accelerator} tp={st.tp} ranks="
                              f"{list(st.ranks)} layers [{st.layers[0]}, {st.layers[1]}){extras}")
         return "\n".join(lines)
@@ -328,6 +352,8 @@ def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
                            "layers": list(stage.layers), "ranks": list(stage.ranks)}
     if stage.recompute:
         out["recompute"] = True
+    if stage.recompute_num_layers is not None:
+        out["recompute_num_layers"] = stage.recompute_num_layers
     return out
 
 
@@ -366,10 +392,18 @@ def _parse_stage(where: str, d: Any) -> StagePlan:
     ranks = d["ranks"]
     if not isinstance(ranks, list):
         raise UserError(f"{where}: ranks must be a list of integers, got {ranks!r}")
+    recompute = _bool(where, "recompute", d.get("recompute", False))
+    count = d.get("recompute_num_layers")
+    if count is not None:
+        count = _int(where, "recompute_num_layers", count)
+        if count < 1 or not recompute:
+            raise UserError(f"{where}: recompute_num_layers (the first N layers recomputed) "
+                            f"needs \"recompute\": true and N >= 1, got {count} with recompute "
+                            f"{str(recompute).lower()}")
     return StagePlan(accelerator=d["accelerator"], tp=_int(where, "tp", d["tp"]),
                      layers=(_int(where, "layers", layers[0]), _int(where, "layers", layers[1])),
                      ranks=tuple(_int(where, "ranks", r) for r in ranks),
-                     recompute=_bool(where, "recompute", d.get("recompute", False)))
+                     recompute=recompute, recompute_num_layers=count)
 
 
 def _parse_pipeline(index: int, d: Any) -> PipelinePlan:

@@ -158,6 +158,18 @@ def _chunk_layers(model: ModelConfig, pp: int, first: Optional[int], last: Optio
     return megatron_layer_split(model.num_layers, pp * v, first, last)
 
 
+def with_recompute(plan: ParallelPlan, num_layers: Optional[int]) -> ParallelPlan:
+    """``plan`` with activation recompute on every stage (model chunk): all its layers where
+    ``num_layers`` is None (Megatron's uniform method, one layer per checkpoint), else its
+    first ``num_layers`` (the block method; all where it holds fewer)."""
+    return dataclasses.replace(plan, pipelines=tuple(
+        PipelinePlan.trusted(pipeline.micro_batches, tuple(
+            dataclasses.replace(st, recompute=True, recompute_num_layers=None
+                                if num_layers is None else min(num_layers, st.num_layers))
+            for st in pipeline.stages))
+        for pipeline in plan.pipelines))
+
+
 def interleave_plan(plan: ParallelPlan, num_chunks: int) -> ParallelPlan:
     """``plan`` with every pipeline's device groups running ``num_chunks`` interleaved chunks.
 
@@ -193,9 +205,11 @@ def interleave_plan(plan: ParallelPlan, num_chunks: int) -> ParallelPlan:
         for c in range(num_chunks):
             for st in pipeline.stages:
                 size = st.num_layers // num_chunks + (c < st.num_layers % num_chunks)
+                count = (None if st.recompute_num_layers is None
+                         else min(st.recompute_num_layers, size))
                 stages.append(StagePlan.trusted(st.accelerator, st.tp, (start, start + size),
                                                 st.ranks, not stages, len(stages) == last,
-                                                st.recompute))
+                                                st.recompute, count))
                 start += size
         pipelines.append(PipelinePlan.trusted(pipeline.micro_batches, tuple(stages)))
     return dataclasses.replace(plan, pipelines=tuple(pipelines))

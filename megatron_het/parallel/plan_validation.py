@@ -35,6 +35,11 @@ def validate(plan: ParallelPlan, model: ModelConfig, cluster: Optional[ClusterSp
         _check_layers(p, pipeline, model.num_layers)
         for s, stage in enumerate(pipeline.stages):
             _check_stage_tp(_where(p, s), stage, model)
+            count = stage.recompute_num_layers
+            if count is not None and count > stage.num_layers:
+                raise UserError(f"{_where(p, s)} recomputes its first {count} layers but holds "
+                                f"{stage.num_layers}; use recompute_num_layers <= "
+                                f"{stage.num_layers}, or leave it out to recompute all")
         _check_interleaving(p, pipeline)
     _check_ranks(plan, cluster)
     if cluster is not None:

@@ -275,18 +275,18 @@ class TPCollectives:
 
 
 def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,
-                   has_head: bool = False, recompute: bool = False,
+                   has_head: bool = False, recompute_layers: int = 0,
                    sequence_parallel: bool = False) -> TPCollectives:
     """The TP collectives per micro-batch of a stage of ``tp`` ranks (none at tp=1).
 
     Without sequence parallelism: each layer's 2 all-reduces forward (attention and MLP
-    outputs) and 2 backward (their input gradients), 2 more backward under recompute (the
-    recomputed forward), the vocab-parallel embedding's forward one, and the head's
+    outputs) and 2 backward (their input gradients), 2 more backward per layer of the
+    ``recompute_layers`` that recompute (their forward again), the vocab-parallel embedding's forward one, and the head's
     input-gradient one and its cross-entropy's 2 small ones in the forward.
 
     With it every all-reduce becomes a reduce-scatter and an all-gather of the same bytes in
     all: per layer, forward, an all-gather before qkv and before gate/up and a reduce-scatter
-    after proj and after down (4), and their mirror images in backward (4, 8 under recompute);
+    after proj and after down (4), and their mirror images in backward (4, 8 where recomputed);
     the embedding reduce-scatters its output (forward) and all-gathers its gradient
     (backward); the head all-gathers the final norm's output (forward) and reduce-scatters its
     gradient (backward). The norm weights see a rank's positions only, so their gradients are
@@ -294,14 +294,17 @@ def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,
     """
     if tp == 1:
         return TPCollectives(0, 0)
+    if isinstance(recompute_layers, bool):  # a count, not a flag: True would read as 1
+        raise TypeError("recompute_layers is a number of layers, not a bool")
+    recomputed = max(0, min(int(recompute_layers), num_layers))
     cross_entropy = CROSS_ENTROPY_COLLECTIVES if has_head else 0
     if sequence_parallel:
         ends = (1 if has_embedding else 0) + (1 if has_head else 0)
         return TPCollectives(0, 0, cross_entropy, 4 * num_layers + ends,
-                             4 * num_layers * (2 if recompute else 1) + ends,
+                             4 * (num_layers + recomputed) + ends,
                              2 * num_layers + (1 if has_head else 0))
     forward = 2 * num_layers + (1 if has_embedding else 0)
-    backward = 2 * num_layers * (2 if recompute else 1) + (1 if has_head else 0)
+    backward = 2 * (num_layers + recomputed) + (1 if has_head else 0)
     return TPCollectives(forward, backward, cross_entropy)
 
 

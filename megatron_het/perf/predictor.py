@@ -93,7 +93,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
     ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
-    ``recompute`` None keeps each stage's own flag, True/False overrides every stage;
+    ``recompute`` None keeps each stage's own setting (``recompute`` and
+    ``recompute_num_layers``), True/False recomputes every layer of every stage / none;
     ``overlap_grad_reduce`` and ``grad_reduce_in_bf16`` None take the plan's keys (off where it
     has none), True/False override them (UserError for a bf16 reduction of non-bf16 training);
     ``overlap_p2p_comm`` likewise, on where neither says (the runtime's default: interleaved
@@ -205,13 +206,15 @@ class PredictionContext:
         self.boundaries = BoundaryCost(plan, comm, self.act_bytes, seq_length)
         self.sync = DPSync(model, plan, dtype, zero1, grad_reduce_in_bf16)
 
-    def recompute_of(self, stage: StagePlan) -> bool:
-        return stage.recompute if self.recompute is None else self.recompute
+    def recomputed_layers_of(self, stage: StagePlan) -> int:
+        if self.recompute is None:
+            return stage.recomputed_layers
+        return stage.num_layers if self.recompute else 0
 
     def compute(self, stage_index: int, pipeline: PipelinePlan) -> StageCompute:
         stage = pipeline.stages[stage_index]
         spec = self.comm.spec_of(stage.ranks[0])
-        recompute = self.recompute_of(stage)
+        recompute = self.recomputed_layers_of(stage)
         key = (spec.name, stage.tp, stage.num_layers, stage.has_embedding, stage.has_head,
                recompute)
         if key not in self._computes:
@@ -228,7 +231,8 @@ class PredictionContext:
         """The stage's TP collectives per micro-batch (:func:`tp_collectives`)."""
         stage = pipeline.stages[stage_index]
         return tp_collectives(stage.tp, stage.num_layers, stage.has_embedding, stage.has_head,
-                              self.recompute_of(stage), sequence_sharded(self.plan, stage))
+                              self.recomputed_layers_of(stage),
+                              sequence_sharded(self.plan, stage))
 
     def tp_comm(self, stage_index: int, pipeline: PipelinePlan) -> tuple[float, float]:
         """(forward, backward) TP collective seconds per micro-batch of one stage (the same
@@ -240,7 +244,8 @@ class PredictionContext:
         if any(comm.node_of(r) != comm.node_of(first) for r in stage.ranks):
             return self._tp_comm(stage_index, pipeline)
         key = (comm.group_of(first), stage.tp, stage.num_layers, stage.has_embedding,
-               stage.has_head, self.recompute_of(stage), sequence_sharded(self.plan, stage))
+               stage.has_head, self.recomputed_layers_of(stage),
+               sequence_sharded(self.plan, stage))
         if key not in self._tp:
             self._tp[key] = self._tp_comm(stage_index, pipeline)
         return self._tp[key]
@@ -319,7 +324,7 @@ class PredictionContext:
         """One row per stage (chunk) of pipeline ``p``: its per-micro-batch times and p2p to
         the next stage, and its device group's figures (see the module docstring)."""
         signature = ((pipeline.micro_batches, tuple(
-            (st.accelerator, st.tp, st.layers, st.recompute) for st in pipeline.stages))
+            (st.accelerator, st.tp, st.layers, st.recomputed_layers) for st in pipeline.stages))
             if self.sync.uniform else p)
         devices = [self._device(signature, p, g, cache) for g in range(pipeline.pp_size)]
         rows = []

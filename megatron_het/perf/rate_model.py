@@ -36,8 +36,9 @@ class PredictionInputs(Protocol):
     comm: CommCost
     act_bytes: float
 
-    def recompute_of(self, stage: StagePlan) -> bool:
-        """Whether ``stage`` recomputes its forward in backward in this prediction."""
+    def recomputed_layers_of(self, stage: StagePlan) -> int:
+        """How many of ``stage``'s layers recompute their forward in backward in this
+        prediction."""
 
     def compute(self, stage_index: int, pipeline: PipelinePlan) -> StageCompute:
         """The stage's compute per micro-batch on one TP rank, TP communication excluded."""

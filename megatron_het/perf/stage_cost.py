@@ -71,10 +71,12 @@ def _scaled(m: Optional[Measured], factor: float) -> Optional[Measured]:
 
 
 def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, num_layers: int,
-                  has_embedding: bool, has_head: bool, recompute: bool, dtype: str,
+                  has_embedding: bool, has_head: bool, recompute_layers: int, dtype: str,
                   choice: ProfileChoice, efficiency: Optional[Efficiency] = None,
                   sequence_parallel: bool = False) -> StageCompute:
-    """The compute of a stage with ``num_layers`` layers of ``shape`` on one device of ``spec``.
+    """The compute of a stage with ``num_layers`` layers of ``shape`` on one device of ``spec``,
+    the first ``recompute_layers`` of them recomputing their forward in backward (keeping only
+    their input).
 
     ``efficiency`` prices the roofline estimates (what a profile lacks); None: the calibrated
     figures of ``spec``'s kind (:func:`~megatron_het.perf.calibration.efficiency_for`; the
@@ -102,10 +104,14 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     act = layer.activation_bytes
     if act is None:
         act = layer_activation_bytes(shape, dtype, sp)
+    if isinstance(recompute_layers, bool):  # a count, not a flag: True would read as 1
+        raise TypeError("recompute_layers is a number of layers, not a bool")
+    recomputed = max(0, min(int(recompute_layers), num_layers))
     forward = num_layers * layer.forward_s
-    backward = num_layers * (layer.backward_s + (layer.forward_s if recompute else 0.0))
-    kept = num_layers * (layer_input_bytes(shape, dtype, sp) if recompute else act)
-    transient = act if recompute and num_layers else 0.0
+    backward = num_layers * layer.backward_s + recomputed * layer.forward_s
+    kept = (recomputed * layer_input_bytes(shape, dtype, sp)
+            + (num_layers - recomputed) * act)
+    transient = act if recomputed else 0.0
     for part, present, ops in (("embedding", has_embedding, embedding_forward_ops(shape)),
                                ("head", has_head, head_forward_ops(shape, model.vocab_size))):
         if not present:

@@ -93,7 +93,7 @@ def kind_seconds_per_token(model: ModelConfig, spec: AcceleratorSpec, seq_length
     best: Optional[tuple[float, int, str]] = None
     for mbs in sizes:
         compute = stage_compute(model, spec, LayerShape.of(model, seq_length, mbs, 1),
-                                model.num_layers, True, True, False, dtype, choice, efficiency)
+                                model.num_layers, True, True, 0, dtype, choice, efficiency)
         per_token = (compute.forward_s + compute.backward_s) / (mbs * seq_length)
         if best is None or per_token < best[0]:
             best = (per_token, mbs, compute.source)

@@ -26,7 +26,9 @@ def with_chunk_sizes(plan: ParallelPlan, sizes: list[int]) -> ParallelPlan:
         for stage, size in zip(pipeline.stages, sizes):
             stages.append(StagePlan.trusted(stage.accelerator, stage.tp, (start, start + size),
                                             stage.ranks, stage.has_embedding, stage.has_head,
-                                            stage.recompute))
+                                            stage.recompute,
+                                            None if stage.recompute_num_layers is None
+                                            else min(stage.recompute_num_layers, size)))
             start += size
         pipelines.append(PipelinePlan.trusted(pipeline.micro_batches, tuple(stages)))
     return dataclasses.replace(plan, pipelines=tuple(pipelines))

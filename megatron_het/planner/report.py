@@ -74,11 +74,14 @@ def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
     for pipeline in plan.pipelines:
         seen: set[tuple[int, ...]] = set()
         for s, st in enumerate(pipeline.stages):
-            key = (s, st.accelerator, st.tp, st.layers, st.recompute, pipeline.micro_batches)
+            key = (s, st.accelerator, st.tp, st.layers, st.recomputed_layers,
+                   pipeline.micro_batches)
             group = groups.setdefault(key, {
                 "stage": s, "accelerator": st.accelerator, "tp": st.tp,
                 "layers": list(st.layers), "recompute": st.recompute,
                 "micro_batches": pipeline.micro_batches, "pipelines": 0, "ranks": 0})
+            if st.recompute_num_layers is not None:
+                group["recompute_num_layers"] = st.recomputed_layers
             group["pipelines"] += 1
             group["ranks"] += 0 if st.ranks in seen else len(st.ranks)
             seen.add(st.ranks)

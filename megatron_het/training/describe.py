@@ -39,7 +39,8 @@ def describe_plan(setup: RunSetup) -> str:
         for s, stage in enumerate(pipeline.stages):
             label = setup.accelerator(stage.ranks[0]).label
             extras = "".join([" +embedding" if stage.has_embedding else "",
-                              " +head" if stage.has_head else ""])
+                              " +head" if stage.has_head else "",
+                              f", {stage.recompute_label}" if stage.recompute else ""])
             lines.append(f"    stage {s}: {label}, tp={stage.tp}, "
                          f"{stage.num_layers} layer{'s' if stage.num_layers != 1 else ''} "
                          f"[{stage.layers[0]}, {stage.layers[1]})"

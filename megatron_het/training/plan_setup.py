@@ -16,7 +16,7 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig, TrainConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
-from megatron_het.parallel.plan_builders import plan_from_megatron_flags
+from megatron_het.parallel.plan_builders import plan_from_megatron_flags, with_recompute
 from megatron_het.parallel.plan_validation import validate
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -166,6 +166,9 @@ def choose_plan(run: RunConfig, model: ModelConfig, world_size: Optional[int],
                         f"{cluster.world_size}; give every rank of the cluster a stage")
     if plan.sequence_parallel is None and spec.sequence_parallel:
         plan = dataclasses.replace(plan, sequence_parallel=True)  # the run's plan says it
+    if spec.recompute is not None:
+        method, count = spec.recompute
+        plan = with_recompute(plan, count if method == "block" else None)
     validate(plan, model, cluster, train.global_batch_size, run.data.seq_length)
     return PlanChoice(cluster, plan, train, dtype,
                       _planned(plan.use_distributed_optimizer, spec.use_distributed_optimizer),

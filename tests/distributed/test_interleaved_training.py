@@ -109,6 +109,17 @@ def test_micro_batches_not_a_multiple_of_the_groups_match_single_process(
     assert_close(records(single, "valid"), records(path, "valid"), ("loss",))
 
 
+def test_block_recompute_matches_single_process(workdir: pathlib.Path,
+                                                single: pathlib.Path) -> None:
+    # Megatron's block method: every chunk recomputes its first layer in backward.
+    path = workdir / "interleaved-block-recompute.jsonl"
+    results = run_interleaved(["--recompute-granularity", "full", "--recompute-method", "block",
+                               "--recompute-num-layers", "1", "--metrics-file", str(path)])
+    assert [iteration for iteration, _ in results] == [TRAIN_ITERS] * WORLD
+    assert_close(records(single, "train"), records(path, "train"), ("loss", "grad_norm"))
+    assert "recompute 1 of 2 layers" in "".join(text for _, text in results)
+
+
 def test_interleaving_hetero_dp_and_sequence_parallelism_together(
         workdir: pathlib.Path, single: pathlib.Path) -> None:
     # Pipeline 0 interleaves sequence-parallel tp=2 chunks with tp=1 ones over 3 micro-batches

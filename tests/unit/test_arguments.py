@@ -40,6 +40,9 @@ def test_flags_reach_the_configs() -> None:
     assert run.model.preset == "tiny" and run.model.overrides == {}
     assert run.parallel.overlap_p2p_comm  # Megatron-LM's default: interleaved transfers overlap
     assert not parse("--model", "tiny", "--no-overlap-p2p-communication").parallel.overlap_p2p_comm
+    assert run.parallel.recompute is None
+    assert parse("--model", "tiny", "--recompute-granularity", "full", "--recompute-method",
+                 "block", "--recompute-num-layers", "3").parallel.recompute == ("block", 3)
 
 
 def test_global_batch_defaults_to_micro_batch() -> None:
@@ -111,6 +114,18 @@ def test_preset_vocabulary_smaller_than_the_tokenizer() -> None:
     (["--model", "tiny", "--save-interval", "5"], "--save-interval needs --save"),
     (["--model", "tiny", "--lr-warmup-iters", "20", "--train-iters", "10"],
      "--lr-decay-iters 10 must be larger than --lr-warmup-iters 20"),
+    (["--model", "tiny", "--recompute-num-layers", "2"],
+     "--recompute-method and --recompute-num-layers need --recompute-granularity full"),
+    (["--model", "tiny", "--recompute-granularity", "full"],
+     "--recompute-granularity full needs --recompute-method"),
+    (["--model", "tiny", "--recompute-granularity", "selective"],
+     "selective recomputes the core attention, which the flash attention kernel here never "
+     "stores"),
+    (["--model", "tiny", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "2"], "uniform with --recompute-num-layers 2 .* is not "
+     "supported"),
+    (["--model", "tiny", "--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "0"], "--recompute-num-layers must be at least 1, got 0"),
 ])
 def test_bad_command_lines_raise_one_line_user_errors(flags: list[str], message: str) -> None:
     with pytest.raises(UserError, match=message) as info:

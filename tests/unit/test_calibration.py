@@ -44,7 +44,7 @@ def test_kind_names_match_any_case_and_emulated_kinds_never_calibrate() -> None:
 def _compute(name: str, efficiency=None):
     spec = KINDS.get(name)
     shape = LayerShape.of(MODEL, 1024, 1, 1)
-    return stage_compute(MODEL, spec, shape, 2, True, True, False, "bf16", ProfileChoice(None),
+    return stage_compute(MODEL, spec, shape, 2, True, True, 0, "bf16", ProfileChoice(None),
                          efficiency)
 
 

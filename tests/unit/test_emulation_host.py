@@ -165,13 +165,19 @@ def test_predict_on_a_shared_host():
 def test_tp_collective_counts():
     stage = ParallelPlan.load("scripts/plans/cpu_emulated_tp2_pp2.json").pipelines[0].stages
     first = tp_collectives(stage[0].tp, stage[0].num_layers, stage[0].has_embedding,
-                           stage[0].has_head, False)
+                           stage[0].has_head, 0)
     assert (first.forward_all, first.backward) == (2 * 2 + 1, 2 * 2)  # 2 layers + embedding
     last = tp_collectives(stage[1].tp, stage[1].num_layers, stage[1].has_embedding,
-                          stage[1].has_head, True)
+                          stage[1].has_head, stage[1].num_layers)
     assert (last.forward, last.cross_entropy, last.backward) == (2 * 2, 2, 2 * 2 * 2 + 1)
     assert last.forward_all == 2 * 2 + 2  # + the head's cross-entropy, recompute backward
-    alone = tp_collectives(1, 8, True, True, True)  # tp=1: no collectives
+    alone = tp_collectives(1, 8, True, True, 8)  # tp=1: no collectives
+    # block recompute of the first of the 2 layers: 2 more backward collectives, not 4
+    part = tp_collectives(stage[1].tp, stage[1].num_layers, stage[1].has_embedding,
+                          stage[1].has_head, 1)
+    assert part.backward == 2 * 2 + 2 + 1
+    with pytest.raises(TypeError, match="not a bool"):
+        tp_collectives(2, 2, False, False, True)
     assert (alone.forward_all, alone.backward) == (0, 0)
     assert LAYER_TP_COLLECTIVES == 4  # what the host collective measurement divides by
     profile = dataclasses.replace(host_profile((1.0, 2.0)), host_collective_s=(2e-3, 1e-3))

@@ -268,3 +268,38 @@ def test_bf16_parameters_keep_bf16_activations_and_a_float32_loss() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert rope_table_dtype(hidden.float()) == torch.bfloat16
     assert rope_table_dtype(hidden.float()) == torch.float32
+
+
+def test_block_recompute_checkpoints_the_first_layers_only(monkeypatch) -> None:
+    """Megatron's block method: a chunk recomputing its first k layers checkpoints exactly
+    those, and loss and gradients equal the run without recompute."""
+    from megatron_het.model import llama
+
+    cfg = TINY
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12))
+    labels = torch.randint(0, cfg.vocab_size, (2, 12))
+    checkpointed = []
+    real = llama.checkpoint
+
+    def spy(layer, *args, **kwargs):
+        checkpointed.append(layer)
+        return real(layer, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "checkpoint", spy)
+    results = []
+    for recompute, count in ((False, 0), (1, 1), (True, cfg.num_layers)):
+        model = LlamaModel(cfg, chunks=[(0, cfg.num_layers, recompute)])
+        init_weights(model, 5)
+        checkpointed.clear()
+        loss = model(tokens, labels)
+        loss.backward()
+        assert [id(m) for m in checkpointed] == [id(model.layers[str(i)]) for i in range(count)]
+        assert model.recompute == bool(recompute)
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for other in results[1:]:
+        for ours, expected in zip(other, results[0]):
+            torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():  # no recompute outside training with gradients
+        checkpointed.clear()
+        model(tokens)
+        assert not checkpointed

@@ -154,8 +154,8 @@ def test_stage_costs_follow_the_efficiencys_attention_kernel():
 
     def compute(kernel, recompute):
         efficiency = Efficiency(attention_kernel=kernel)
-        return stage_compute(model, spec, shape, 2, False, False, recompute, "fp16",
-                             ProfileChoice(None), efficiency)
+        return stage_compute(model, spec, shape, 2, False, False, 2 if recompute else 0,
+                             "fp16", ProfileChoice(None), efficiency)
 
     flash, unfused = compute("flash", False), compute("unfused", False)
     assert unfused.forward_s > flash.forward_s
@@ -165,6 +165,14 @@ def test_stage_costs_follow_the_efficiencys_attention_kernel():
     kept = compute("unfused", True)
     assert kept.activation_bytes == compute("flash", True).activation_bytes
     assert kept.transient_bytes == unfused.activation_bytes / 2
+    # Block recompute of the first of the two layers: one layer's input and one layer's
+    # activations kept, one forward more in backward.
+    half = stage_compute(model, spec, shape, 2, False, False, 1, "fp16", ProfileChoice(None),
+                         Efficiency(attention_kernel="unfused"))
+    assert half.activation_bytes == pytest.approx(
+        (kept.activation_bytes + unfused.activation_bytes) / 2)
+    assert half.transient_bytes == kept.transient_bytes
+    assert half.backward_s == pytest.approx((kept.backward_s + unfused.backward_s) / 2)
 
 
 def test_unknown_attention_kernel_is_a_user_error():

@@ -397,3 +397,25 @@ def test_the_run_takes_the_plans_p2p_overlap(tmp_path, planned, flags, expected)
         setup.run, parallel=other)))
     faster, slower = (prediction, flipped) if expected else (flipped, prediction)
     assert faster.pipeline_time_s < slower.pipeline_time_s
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], [0, 0, 0, 0]),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"], [2, 1, 2, 1]),           # every layer of every chunk
+    (["--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "1"], [1, 1, 1, 1]),           # the first of each chunk
+])
+def test_megatron_recompute_flags_reach_every_stage_of_the_plan(flags, expected):
+    from megatron_het.arguments import parse_run_config
+    from megatron_het.training.run import predict_run
+    from megatron_het.training.setup import prepare_run
+
+    base = [*RUN_FLAGS, "--num-layers", "6", "--global-batch-size", "8", "--plan",
+            str(REPO / "scripts/plans/cpu_interleaved_tp2_tp1.json")]
+    setup = prepare_run(parse_run_config([*base, *flags]), world_size=3)
+    stages = setup.plan.pipelines[0].stages
+    assert [st.recomputed_layers for st in stages] == expected
+    plain = predict_run(prepare_run(parse_run_config(base), world_size=3))
+    for row, plain_row, count in zip(predict_run(setup).stages, plain.stages, expected):
+        assert (row.backward_s > plain_row.backward_s) == (count > 0)

@@ -124,6 +124,30 @@ def test_recompute_trades_time_for_memory(emulated):
     assert flagged.iteration_time_s == again.iteration_time_s
 
 
+def test_block_recompute_lies_between_none_and_all(emulated):
+    import dataclasses
+
+    from megatron_het.parallel.plan_builders import with_recompute
+    from megatron_het.parallel.plan_validation import validate
+
+    plain = predict(TINY, two_pipelines(), emulated, SEQ, dtype="fp32")
+    full = predict(TINY, two_pipelines(recompute=True), emulated, SEQ, dtype="fp32")
+    block = with_recompute(two_pipelines(), 1)  # the first of each stage's 2 layers
+    assert {st.recomputed_layers for p in block.pipelines for st in p.stages} == {1}
+    half = predict(TINY, block, emulated, SEQ, dtype="fp32")
+    for a, b, c in zip(plain.stages, half.stages, full.stages):
+        assert a.forward_s == b.forward_s == c.forward_s
+        assert b.backward_s == pytest.approx((a.backward_s + c.backward_s) / 2)
+        assert c.memory.activation_bytes < b.memory.activation_bytes < a.memory.activation_bytes
+    assert with_recompute(two_pipelines(), None) == two_pipelines(recompute=True)
+    too_many = dataclasses.replace(block, pipelines=tuple(
+        dataclasses.replace(p, stages=tuple(dataclasses.replace(st, recompute_num_layers=3)
+                                            for st in p.stages)) for p in block.pipelines))
+    with pytest.raises(UserError, match="stage 0 of pipeline 0 recomputes its first 3 layers "
+                                        "but holds 2; use recompute_num_layers <= 2"):
+        validate(too_many, TINY)
+
+
 def test_zero1_shards_the_optimizer_state(emulated):
     plain = predict(TINY, two_pipelines(), emulated, SEQ, dtype="bf16")
     zero = predict(TINY, two_pipelines(), emulated, SEQ, dtype="bf16",

@@ -46,16 +46,16 @@ def with_sp(plan, value=True):
 
 
 def test_collective_counts_under_sequence_parallelism():
-    counts = tp_collectives(2, 3, True, False, False, sequence_parallel=True)
+    counts = tp_collectives(2, 3, True, False, 0, sequence_parallel=True)
     assert (counts.forward, counts.backward) == (0, 0)
     assert (counts.forward_gathers, counts.backward_gathers, counts.norm_grads) == (13, 13, 6)
     assert (counts.forward_all, counts.backward_all) == (6.5, 6.5 + 6)
-    head = tp_collectives(2, 3, False, True, True, sequence_parallel=True)
+    head = tp_collectives(2, 3, False, True, 3, sequence_parallel=True)
     assert (head.forward_gathers, head.backward_gathers, head.norm_grads) == (13, 25, 7)
     assert head.forward_all == 6.5 + 2  # the cross-entropy's small ones
-    plain = tp_collectives(2, 3, True, False, False)
+    plain = tp_collectives(2, 3, True, False, 0)
     assert (plain.forward_all, plain.backward_all) == (7, 6)
-    assert tp_collectives(1, 3, True, True, True, sequence_parallel=True).backward_all == 0
+    assert tp_collectives(1, 3, True, True, 3, sequence_parallel=True).backward_all == 0
 
 
 def test_tp_comm_moves_the_same_bytes_and_adds_the_norm_gradients(emulated, tp2_pp2):

@@ -79,6 +79,21 @@ def test_save_and_load_round_trip(tmp_path):
     assert again.pipelines[0].stages[1].recompute and again.dtype == "bf16"
 
 
+def test_block_recompute_of_a_stage_round_trips_and_counts(tmp_path):
+    d = copy.deepcopy(EXAMPLE)
+    stage = d["pipelines"][0]["stages"][1]
+    stage.update(recompute=True, recompute_num_layers=1)
+    plan = ParallelPlan.load(d)
+    plan.save(tmp_path / "p.json")
+    again = ParallelPlan.load(tmp_path / "p.json")
+    assert again == plan and again.to_dict() == d
+    st = again.pipelines[0].stages[1]
+    assert (st.recompute_num_layers, st.recomputed_layers) == (1, 1)
+    assert f"recompute 1 of {st.num_layers} layers" in again.describe()
+    full = ParallelPlan.load(EXAMPLE).pipelines[0].stages[1]
+    assert full.recomputed_layers == 0
+
+
 @pytest.mark.parametrize("options", [
     {"overlap_grad_reduce": True, "grad_reduce_in_bf16": True, "dtype": "bf16"},
     {"overlap_grad_reduce": False, "grad_reduce_in_bf16": True},  # dtype left to the run
@@ -119,7 +134,12 @@ def test_bad_dp_options_are_refused_with_one_line(edit, expected):
 @pytest.mark.parametrize("edit, expected", [
     (lambda d: d["pipelines"][0]["stages"][0].update(recomput=True),
      "stage 0 of pipeline 0: unknown key 'recomput'; known keys: accelerator, tp, layers, "
-     "ranks, recompute"),
+     "ranks, recompute, recompute_num_layers"),
+    (lambda d: d["pipelines"][0]["stages"][0].update(recompute_num_layers=1),
+     "stage 0 of pipeline 0: recompute_num_layers (the first N layers recomputed) needs "
+     "\"recompute\": true and N >= 1, got 1 with recompute false"),
+    (lambda d: d["pipelines"][0]["stages"][0].update(recompute=True, recompute_num_layers=0),
+     "needs \"recompute\": true and N >= 1, got 0 with recompute true"),
     (lambda d: d.update(zero=1), "plan: unknown key 'zero'; known keys: format, "
      "micro_batch_size, pipelines, description, dtype, use_distributed_optimizer"),
     (lambda d: d.update(format="plan/2"), "format must be 'megatron_het.plan/1'"),

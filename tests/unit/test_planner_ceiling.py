@@ -44,7 +44,7 @@ def by_hand_seconds_per_token(model: ModelConfig, kind: str, seq: int,
     best = []
     for mbs in sizes:
         shape = LayerShape.of(model, seq, mbs, 1)
-        parts = [stage_compute(model, spec, shape, layers, emb, head, False, "bf16", choice)
+        parts = [stage_compute(model, spec, shape, layers, emb, head, 0, "bf16", choice)
                  for layers, emb, head in ((1, False, False), (0, True, False),
                                            (0, False, True))]
         fb = [p.forward_s + p.backward_s for p in parts]

@@ -73,7 +73,10 @@ def _kind_colors(prediction: Prediction, more: tuple[str, ...] = ()) -> dict[str
 
 def timeline_title(prediction: Prediction, result: Optional[SearchResult] = None) -> str:
     """The timeline's default title; with ``result``, a second line of its efficiencies."""
-    title = (f"predicted 1F1B timeline of {prediction.model}: iteration "
+    interleaved = len({(r.pipeline, r.ranks) for r in prediction.stages}) < len(
+        prediction.stages)  # a device group runs several stages
+    schedule = "interleaved 1F1B" if interleaved else "1F1B"
+    title = (f"predicted {schedule} timeline of {prediction.model}: iteration "
              f"{prediction.iteration_time_s:.3f} s, bubble {100 * prediction.bubble_fraction:.1f}%,"
              f" {prediction.tokens_per_s:,.0f} tokens/s")
     line = None if result is None else efficiency_line(result, explain=False)
@@ -92,8 +95,9 @@ def draw_timeline(ax: "Axes", prediction: Prediction, title: Optional[str] = Non
     # One bar per device group: an interleaved group runs several rows' chunks.
     num_groups = len(dict.fromkeys(r.ranks for r in rows))
     chunks = len(rows) // num_groups
-    sim = simulate(build_schedule("1f1b", num_groups, micro_batches, num_chunks=chunks),
-                   [r.forward_s for r in rows], [r.backward_s for r in rows],
+    schedule = build_schedule("1f1b", num_groups, micro_batches, num_chunks=chunks,
+                              overlap_p2p=prediction.overlap_p2p_comm)  # as predicted
+    sim = simulate(schedule, [r.forward_s for r in rows], [r.backward_s for r in rows],
                    [r.p2p_forward_s for r in rows[:-1]], [r.p2p_backward_s for r in rows[:-1]])
     total_s = sim.makespan_s + prediction.dp_sync_s + prediction.optimizer_s
     numbered = len(rows) * micro_batches <= MICRO_BATCH_LABELS

@@ -289,3 +289,17 @@ def test_plan_summary_counts_an_interleaved_device_group_once() -> None:
     # Each device group's ranks count on its first chunk's entry.
     assert [g["ranks"] for g in groups] == [2, 2, 0, 0]
     assert sum(g["ranks"] for g in groups) == plan.world_size == 4
+
+
+def test_an_interleaved_plans_chart_names_its_schedule(tmp_path) -> None:
+    from megatron_het.perf import predict
+
+    cluster = ClusterSpec.load(REPO / "scripts/clusters/cpu_emulated.yaml")
+    plan = ParallelPlan.load(REPO / "scripts/plans/cpu_emulated_interleaved.json")
+    eight = dataclasses.replace(model_preset("small"), num_layers=8)
+    prediction = predict(eight, plan, cluster, 256, dtype="fp32")
+    assert timeline_title(prediction).startswith("predicted interleaved 1F1B timeline")
+    plain = ParallelPlan.load(REPO / "scripts/plans/cpu_emulated_pp4.json")
+    assert timeline_title(predict(model_preset("small"), plain, cluster, 256, dtype="fp32")
+                          ).startswith("predicted 1F1B timeline")
+    assert pixels(save_chart(prediction, cluster, tmp_path / "interleaved.png")).size

@@ -50,7 +50,7 @@ from megatron_het.planner.bounds import (KindCosts, memory_feasible, memory_pres
 from megatron_het.planner.chunk_polish import polish_chunks
 from megatron_het.planner.kind_replicas import ReplicaSearch
 from megatron_het.planner.result import Candidate, SearchResult
-from megatron_het.planner.space import (KindBlock, Layout, Placement, build_plan, divisors,
+from megatron_het.planner.space import (KindBlock, Layout, Placement, build_plan,
                                         micro_batch_sizes, pipeline_shapes)
 from megatron_het.planner.stage_model import (StageModel, balance_layers, layer_caps,
                                               polish_split, probe_stage_model)

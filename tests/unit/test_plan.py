@@ -12,7 +12,6 @@ from megatron_het.errors import UserError
 from megatron_het.parallel import (ParallelPlan, PipelinePlan, StagePlan, megatron_layer_split,
                                    plan_from_megatron_flags, valid_tp_sizes, validate)
 from megatron_het.parallel.groups import dp_members
-from megatron_het.parallel.plan_validation import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = ROOT / "scripts" / "plans"

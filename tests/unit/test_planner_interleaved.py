@@ -1,5 +1,5 @@
-"""The planner's interleaved layouts: shapes whose group count divides the micro-batches, their
-per-group stage model against the predictor, the bounds, and searched interleaved plans."""
+"""The planner's interleaved layouts: their per-group stage model against the predictor, the
+bounds, and searched interleaved plans (group counts that divide the micro-batches or not)."""
 from __future__ import annotations
 
 import random

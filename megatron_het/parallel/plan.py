@@ -106,7 +106,8 @@ class StagePlan:
 
     @property
     def recompute_label(self) -> str:
-        """"recompute", "recompute 2 of 4 layers" (block method) or "" (none)."""
+        """How descriptions name the stage's recompute: ``recompute``, ``recompute 2 of 4
+        layers`` (block method) or empty (none)."""
         if not self.recompute:
             return ""
         if self.recompute_num_layers is None:

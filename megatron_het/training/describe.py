@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from megatron_het.config import ModelConfig
+from megatron_het.pipeline.schedules import interleaved_group_size
 from megatron_het.training.setup import RunSetup
 from megatron_het.training.state import Progress
 from megatron_het.training.throughput import devices_per_label
@@ -34,6 +35,9 @@ def describe_plan(setup: RunSetup) -> str:
     for p, pipeline in enumerate(plan.pipelines):
         interleave = (f", interleaved: {pipeline.num_chunks} chunks on each of "
                       f"{pipeline.pp_size} device groups" if pipeline.interleaved else "")
+        group = interleaved_group_size(pipeline.pp_size, pipeline.micro_batches)
+        if pipeline.interleaved and group != pipeline.pp_size:
+            interleave += f", in micro-batch groups of {group}"
         lines.append(f"  pipeline {p}: {pipeline.micro_batches} micro-batches per "
                      f"iteration{interleave}")
         for s, stage in enumerate(pipeline.stages):

@@ -107,6 +107,8 @@ def test_micro_batches_not_a_multiple_of_the_groups_match_single_process(
     assert [iteration for iteration, _ in results] == [TRAIN_ITERS] * WORLD
     assert_close(records(single, "train"), records(path, "train"), ("loss", "grad_norm", "lr"))
     assert_close(records(single, "valid"), records(path, "valid"), ("loss",))
+    assert "2 chunks on each of 2 device groups, in micro-batch groups of 3" in "".join(
+        text for _, text in results)
 
 
 def test_block_recompute_matches_single_process(workdir: pathlib.Path,

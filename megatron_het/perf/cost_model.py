@@ -274,6 +274,14 @@ class TPCollectives:
         return self.backward + self.backward_gathers / 2 + self.norm_grads
 
 
+def recomputed_count(recompute_layers: int, num_layers: int) -> int:
+    """How many of a stage's ``num_layers`` recompute: ``recompute_layers`` within ``0 ..
+    num_layers``. TypeError for a bool: a count is meant, and True would read as 1."""
+    if isinstance(recompute_layers, bool):
+        raise TypeError("recompute_layers is a number of layers, not a bool")
+    return max(0, min(int(recompute_layers), num_layers))
+
+
 def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,
                    has_head: bool = False, recompute_layers: int = 0,
                    sequence_parallel: bool = False) -> TPCollectives:
@@ -281,8 +289,9 @@ def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,
 
     Without sequence parallelism: each layer's 2 all-reduces forward (attention and MLP
     outputs) and 2 backward (their input gradients), 2 more backward per layer of the
-    ``recompute_layers`` that recompute (their forward again), the vocab-parallel embedding's forward one, and the head's
-    input-gradient one and its cross-entropy's 2 small ones in the forward.
+    ``recompute_layers`` that recompute (their forward again), the vocab-parallel embedding's
+    forward one, and the head's input-gradient one and its cross-entropy's 2 small ones in the
+    forward.
 
     With it every all-reduce becomes a reduce-scatter and an all-gather of the same bytes in
     all: per layer, forward, an all-gather before qkv and before gate/up and a reduce-scatter
@@ -294,9 +303,7 @@ def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,
     """
     if tp == 1:
         return TPCollectives(0, 0)
-    if isinstance(recompute_layers, bool):  # a count, not a flag: True would read as 1
-        raise TypeError("recompute_layers is a number of layers, not a bool")
-    recomputed = max(0, min(int(recompute_layers), num_layers))
+    recomputed = recomputed_count(recompute_layers, num_layers)
     cross_entropy = CROSS_ENTROPY_COLLECTIVES if has_head else 0
     if sequence_parallel:
         ends = (1 if has_embedding else 0) + (1 if has_head else 0)

@@ -21,7 +21,8 @@ from megatron_het.perf.cost_model import (OPTIMIZER_BYTES_PER_PARAM,
                                           head_activation_bytes, head_chunk_bytes,
                                           head_forward_ops,
                                           layer_activation_bytes, layer_forward_ops,
-                                          layer_input_bytes, op_time, ops_time)
+                                          layer_input_bytes, op_time, ops_time,
+                                          recomputed_count)
 from megatron_het.perf.profile import Measured, Profile
 
 HOST_PROFILE = "cpu"  # the profile of the host CPU, which emulated kinds run on
@@ -104,9 +105,7 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     act = layer.activation_bytes
     if act is None:
         act = layer_activation_bytes(shape, dtype, sp)
-    if isinstance(recompute_layers, bool):  # a count, not a flag: True would read as 1
-        raise TypeError("recompute_layers is a number of layers, not a bool")
-    recomputed = max(0, min(int(recompute_layers), num_layers))
+    recomputed = recomputed_count(recompute_layers, num_layers)
     forward = num_layers * layer.forward_s
     backward = num_layers * layer.backward_s + recomputed * layer.forward_s
     kept = (recomputed * layer_input_bytes(shape, dtype, sp)

@@ -33,11 +33,13 @@ def describe_plan(setup: RunSetup) -> str:
              f"batch {plan.global_batch_size}"
              + (", sequence parallel" if plan.sequence_parallel else "")]
     for p, pipeline in enumerate(plan.pipelines):
-        interleave = (f", interleaved: {pipeline.num_chunks} chunks on each of "
-                      f"{pipeline.pp_size} device groups" if pipeline.interleaved else "")
-        group = interleaved_group_size(pipeline.pp_size, pipeline.micro_batches)
-        if pipeline.interleaved and group != pipeline.pp_size:
-            interleave += f", in micro-batch groups of {group}"
+        interleave = ""
+        if pipeline.interleaved:
+            interleave = (f", interleaved: {pipeline.num_chunks} chunks on each of "
+                          f"{pipeline.pp_size} device groups")
+            group = interleaved_group_size(pipeline.pp_size, pipeline.micro_batches)
+            if group != pipeline.pp_size:
+                interleave += f", in micro-batch groups of {group}"
         lines.append(f"  pipeline {p}: {pipeline.micro_batches} micro-batches per "
                      f"iteration{interleave}")
         for s, stage in enumerate(pipeline.stages):

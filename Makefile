@@ -5,6 +5,13 @@
 #   make gpu-check  the prepared GPU check (scripts/gpu_check.sh; GPU rows SKIP without one)
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# pytest-xdist workers, one thread each (TEST_WORKERS=0 runs the tests in one process).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist worksteal
+# Bytecode caches on for the tests even where the environment turns them off: every pytest
+# worker and every CLI the tests start would otherwise compile (and assertion-rewrite) the
+# package and the test modules again, seconds each.
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
 .PHONY: setup demo test test-fast gpu-check
 
@@ -15,10 +22,10 @@ demo: setup
 	$(PY) -m megatron_het.demo $(DEMO_ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PYTEST) -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not distributed and not gpu" $(PYTEST_ARGS)
+	$(PYTEST) -q $(XDIST) -m "not slow and not distributed and not gpu" $(PYTEST_ARGS)
 
 gpu-check:
 	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)

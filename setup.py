@@ -15,5 +15,5 @@ setup(
         "tqdm",
         "matplotlib",
     ],
-    extras_require={"hf": ["transformers", "safetensors"], "test": ["pytest"]},
+    extras_require={"hf": ["transformers", "safetensors"], "test": ["pytest", "pytest-xdist"]},
 )

@@ -18,7 +18,10 @@ fi
 PY="$VENV/bin/python"
 STAMP="$VENV/.megatron_het_installed"
 WANT="$(cat requirements.txt setup.py pyproject.toml | sha256sum | cut -d' ' -f1)"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$PY" -c "import torch, megatron_het" 2>/dev/null; then
+# (find_spec, not import: importing torch takes seconds, and this runs before every make target)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$PY" -c "
+import importlib.util as u, sys
+sys.exit(not (u.find_spec('torch') and u.find_spec('megatron_het')))" 2>/dev/null; then
     exit 0
 fi
 PIP=("$PY" -m pip install --disable-pip-version-check -q)

@@ -11,8 +11,10 @@ import torch  # noqa: E402
 
 from tests.gpu import device_present  # noqa: E402
 
-# Keep the suite deterministic and light on a 2-core machine.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Keep the suite deterministic and light on a 2-core machine: one thread per pytest-xdist
+# worker (the workers share the cores), at most two in a single-process run.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER")
+                      else max(1, min(2, os.cpu_count() or 1)))
 
 TESTS = pathlib.Path(__file__).resolve().parent
 DISTRIBUTED, GPU = TESTS / "distributed", TESTS / "gpu"

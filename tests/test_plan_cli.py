@@ -52,6 +52,7 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, dic
     return out, json.loads(last), last
 
 
+@pytest.mark.slow  # the module's search runs tools/plan.py in a subprocess (about 7 s)
 def test_search_writes_plan_report_chart_and_json(planned) -> None:
     out, summary, _ = planned
     plan = ParallelPlan.load(out / "plan.json")
@@ -68,6 +69,7 @@ def test_search_writes_plan_report_chart_and_json(planned) -> None:
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and b"Matplotlib" in png[:4096]
 
 
+@pytest.mark.slow  # the module's search runs tools/plan.py in a subprocess (about 7 s)
 def test_json_line_is_short_and_lists_stage_groups(planned) -> None:
     _, summary, line = planned
     assert "ranks\": [" not in line and len(line) < 4000
@@ -79,6 +81,7 @@ def test_json_line_is_short_and_lists_stage_groups(planned) -> None:
         assert all(key in g for g in groups)
 
 
+@pytest.mark.slow  # the module's search runs tools/plan.py in a subprocess (about 7 s)
 def test_evaluate_predicts_the_written_plan_again(planned, capsys) -> None:
     out, summary, _ = planned
     again = plan_json(capsys, *BASE, "--evaluate", str(out / "plan.json"))
@@ -87,6 +90,7 @@ def test_evaluate_predicts_the_written_plan_again(planned, capsys) -> None:
     assert again["plan"] == summary["plan"] and again["plan_file"] is None
 
 
+@pytest.mark.slow  # the module's search runs tools/plan.py in a subprocess (about 7 s)
 def test_evaluate_a_plan_for_another_cluster_gives_the_validation_message(planned,
                                                                           tmp_path) -> None:
     out, _, _ = planned

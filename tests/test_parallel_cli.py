@@ -64,6 +64,37 @@ def test_dry_run_megatron_flags_without_cluster_use_cpu_ranks() -> None:
     assert setup.cluster.world_size == 2 and setup.accelerator(1).name == "cpu"
 
 
+@pytest.mark.parametrize("flags", [
+    ["--num-layers-per-virtual-pipeline-stage", "2"],
+    ["--virtual-pipeline-model-parallel-size", "2"],
+    ["--pipeline-model-parallel-layout", "Et*2|t*2|t*2|t*2L"],
+])
+def test_megatron_interleaving_flags_give_round_robin_chunks(flags: list[str]) -> None:
+    setup = prepare_run(parse_run_config(
+        [*COMMON, "--num-layers", "8", "--pipeline-model-parallel-size", "2",
+         "--global-batch-size", "4", *flags]), world_size=None)
+    stages = setup.plan.pipelines[0].stages
+    assert [(s.layers, s.ranks) for s in stages] == [
+        ((0, 2), (0,)), ((2, 4), (1,)), ((4, 6), (0,)), ((6, 8), (1,))]
+    assert stages[0].has_embedding and stages[-1].has_head
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-layers-per-virtual-pipeline-stage", "2", "--virtual-pipeline-model-parallel-size",
+      "2"], "not both"),
+    (["--num-layers-per-virtual-pipeline-stage", "3"],
+     "--num-layers 8 is not a multiple of --num-layers-per-virtual-pipeline-stage 3"),
+    (["--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "4"],
+     "needs at least 2 micro_batches (got 1): use 2 or more"),
+])
+def test_megatron_interleaving_flag_mistakes_are_one_line(flags: list[str], message: str) -> None:
+    with pytest.raises(UserError) as info:
+        prepare_run(parse_run_config(
+            [*COMMON, "--num-layers", "8", "--pipeline-model-parallel-size", "2",
+             "--global-batch-size", "4", *flags]), world_size=None)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
 def test_auto_plan_fills_the_cluster() -> None:
     setup = prepare_run(parse_run_config(
         [*COMMON, "--cluster", CLUSTER, "--plan", "auto", "--global-batch-size", "8"]), 4)

@@ -150,23 +150,36 @@ class CheckpointSaver:
                            f"{report.since_save_point_s:.2f} s after the save point)")
 
 
+# Bytes of a failed rank's error line that every other rank receives to raise it too.
+_ERROR_LINE_BYTES = 2048
+
+
 def _agree_loaded(trainer: "Trainer", error: Optional[BaseException], stats: ReadStats,
                   seconds: float) -> tuple[int, float]:
-    """Collective over the world: raise on every rank if a rank failed to load; else the bytes
-    every rank read together and the slowest rank's time."""
+    """Collective over the world: raise on every rank if a rank failed to load (a failing rank
+    its own error, every other rank the highest failing rank's line, so the logging rank names
+    the damaged file wherever it is); else the bytes every rank read together and the slowest
+    rank's time."""
     world = trainer.groups.world
     flags = torch.tensor([0.0 if error is None else float(world.rank + 1), seconds],
                          dtype=torch.float64, device=trainer.device)
     world.all_reduce(flags, "max")
     total = torch.tensor([float(stats.bytes)], dtype=torch.float64, device=trainer.device)
     world.all_reduce(total, "sum")
+    failed = int(flags[0].item()) - 1
+    if failed < 0:
+        return int(total.item()), float(flags[1].item())
+    # Every rank takes this branch: the failing rank's line, summed in (the others add zeros).
+    line = torch.zeros(_ERROR_LINE_BYTES, dtype=torch.uint8)
+    if world.rank == failed:
+        encoded = str(error).encode()[:_ERROR_LINE_BYTES]
+        line[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    wire = line.to(device=trainer.device, dtype=torch.int32)
+    world.all_reduce(wire, "sum")
     if error is not None:
         raise error
-    failed = int(flags[0].item())
-    if failed:
-        raise UserError(f"loading checkpoint {trainer.setup.load_dir} failed on rank "
-                        f"{failed - 1} (see its error)")
-    return int(total.item()), float(flags[1].item())
+    text = bytes(wire.to("cpu", torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
+    raise UserError(f"{text} (on rank {failed})")
 
 
 def load(trainer: "Trainer") -> str:

@@ -9,7 +9,8 @@ with compute (the default) and waited for one by one (--no-overlap-p2p-communica
 checkpoints move between the interleaved plan and one process in both directions. A run with 5
 micro-batches on the 2 groups takes them in Megatron-LM's micro-batch groups (3 + 2). The last
 test runs interleaving, heterogeneous data parallelism and sequence parallelism in one plan,
-with 3 micro-batches on its 2 interleaved groups.
+with 3 micro-batches on its 2 interleaved groups. The checkpoint chain carries one run through
+all of these plans and one process, a checkpoint every two iterations, each loaded by the next.
 """
 from __future__ import annotations
 
@@ -141,3 +142,57 @@ def test_interleaving_hetero_dp_and_sequence_parallelism_together(
     resumed = workdir / "interleaved-from-all-three.jsonl"
     run_interleaved(["--load", str(save / "iter_0000004"), "--metrics-file", str(resumed)])
     assert_close(records(single, "train")[4:], records(resumed, "train"), ("loss", "grad_norm"))
+
+
+# Plans of the 6-layer model for the chain below, next to the shipped interleaved ones.
+HETERO_DP_6 = {"micro_batch_size": 2, "pipelines": [
+    {"micro_batches": 3, "stages": [
+        {"accelerator": "cpu", "tp": 1, "layers": [0, 3], "ranks": [0]},
+        {"accelerator": "cpu", "tp": 1, "layers": [3, 6], "ranks": [1]}]},
+    {"micro_batches": 1, "stages": [
+        {"accelerator": "cpu", "tp": 2, "layers": [0, 6], "ranks": [2, 3]}]}]}
+SP_TP2_TO_TP1_6 = {"micro_batch_size": 2, "sequence_parallel": True, "pipelines": [
+    {"micro_batches": 4, "stages": [
+        {"accelerator": "cpu", "tp": 2, "layers": [0, 2], "ranks": [0, 1]},
+        {"accelerator": "cpu", "tp": 1, "layers": [2, 6], "ranks": [2]}]}]}
+
+
+def test_a_checkpoint_chain_through_every_kind_of_plan_follows_one_process(
+        workdir: pathlib.Path, single: pathlib.Path) -> None:
+    """Two iterations per plan, each loading the previous plan's checkpoint: interleaving +
+    heterogeneous DP + SP with ZeRO-1 (4 ranks) -> heterogeneous DP with ZeRO-1 (replicas of
+    TP 1 x 2 stages and TP 2 x 1 stage) -> SP across a TP 2 -> TP 1 boundary (3 ranks) ->
+    the interleaved TP 2 / TP 1 plan (3 ranks), and the SP checkpoint on one process too.
+    Every hop's losses and gradient norms equal the single-process run's iterations."""
+    chain = workdir / "chain"
+    chain.mkdir()
+    plans = {"all-three": str(PLANS / "cpu_interleaved_hetero_dp_sp.json")}
+    for name, plan in (("hetero-dp", HETERO_DP_6), ("sp-tp2-tp1", SP_TP2_TO_TP1_6)):
+        path = chain / f"{name}.json"
+        path.write_text(json.dumps({"format": "megatron_het.plan/1", **plan}))
+        plans[name] = str(path)
+    hops = [("all-three", 4, ["--plan", plans["all-three"], "--use-distributed-optimizer"]),
+            ("hetero-dp", 4, ["--plan", plans["hetero-dp"], "--use-distributed-optimizer"]),
+            ("sp-tp2-tp1", 3, ["--plan", plans["sp-tp2-tp1"]]),
+            ("interleaved", WORLD, PLAN)]
+    expected = records(single, "train")
+    previous = None
+    for hop, (name, world, layout) in enumerate(hops):
+        end = 2 * (hop + 1)
+        save, path = chain / f"ckpt-{name}", chain / f"{name}.jsonl"
+        argv = [*MODEL, *BASE, *layout, "--save", str(save), "--exit-interval", str(end),
+                "--metrics-file", str(path)]
+        if previous is not None:
+            argv += ["--load", str(previous)]
+        results = run_ranks(_train_worker, world, argv, timeout=120)
+        assert [iteration for iteration, _ in results] == [end] * world, name
+        got = records(path, "train")
+        assert [r["iteration"] for r in got] == [end - 1, end], name
+        assert_close(expected[end - 2:end], got, ("loss", "grad_norm", "lr"))
+        assert read_latest_iteration(save) == end
+        previous = save
+        if name == "sp-tp2-tp1":  # the same checkpoint continues on one process as well
+            one = chain / "one-process.jsonl"
+            run_single([*MODEL, *BASE, "--load", str(save), "--exit-interval", str(end + 2),
+                        "--metrics-file", str(one)])
+            assert_close(expected[end:end + 2], records(one, "train"), ("loss", "grad_norm"))

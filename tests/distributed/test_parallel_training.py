@@ -15,6 +15,8 @@ import io
 import json
 import math
 import pathlib
+import re
+import shutil
 from typing import Any, Callable, Optional
 
 import pytest
@@ -172,6 +174,8 @@ def test_matches_single_process(name: str, reference: Callable, parallel: Callab
                                                          "emu-slow (emulated)"}
         assert "emu-slow (emulated)" in text and "emu-slow," not in text
     assert text.count("validation loss at iteration") == 2  # exactly one rank logs
+    # the sequence-parallel cases run with it on (their start-up plan line says so)
+    assert (", sequence parallel" in text) == name.endswith("_sp")
 
 
 # Low-precision plans against the single-process run of the same precision: ZeRO-1 with
@@ -298,3 +302,23 @@ def test_ranks_launched_with_different_flags_refuse_to_start() -> None:
     with pytest.raises(RankFailure) as info:
         run_ranks(_disagreeing_worker, 2, timeout=60)
     assert "resolved a different plan, model or training setup" in str(info.value)
+
+
+def test_a_damaged_shard_is_named_on_every_rank(workdir: pathlib.Path,
+                                                stopped_checkpoint: pathlib.Path) -> None:
+    # Rank 3's model shard truncated: rank 3 finds it, and every other rank (rank 2, the
+    # logging rank, among them) fails with the same line rather than "see its error".
+    damaged = workdir / "ckpt-damaged"
+    shutil.copytree(stopped_checkpoint, damaged)
+    shard = damaged / "iter_0000004" / "model_shard_00003.pt"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    model, layout = CASES["tp2_pp2"]
+    with pytest.raises(RankFailure) as info:
+        run_parallel(["--model", model, *BASE, *layout, "--load", str(damaged),
+                      "--metrics-file", str(workdir / "damaged.jsonl")])
+    parts = re.split(r"(?m)^rank (\d+) failed:$", str(info.value))
+    reports = dict(zip(map(int, parts[1::2]), parts[2::2]))
+    assert sorted(reports) == [0, 1, 2, 3], str(info.value)[-3000:]
+    for rank, text in reports.items():
+        assert f"{shard} is damaged (truncated" in text, text[-2000:]
+        assert "see its error" not in text

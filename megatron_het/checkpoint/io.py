@@ -312,9 +312,16 @@ def resolve_checkpoint_dir(path: PathLike, iteration: Optional[int] = None) -> p
                             "directory")
     directory = root / iteration_dir_name(iteration)
     if not (directory / METADATA_FILE).is_file():
-        raise UserError(f"checkpoint {directory} is missing or incomplete (no {METADATA_FILE}); "
-                        "pick another iteration or save directory")
+        raise UserError(_damaged_metadata_line(directory, "missing"))
     return directory
+
+
+def _damaged_metadata_line(directory: pathlib.Path, problem: str) -> str:
+    """One line: ``directory``'s metadata.json is missing or unreadable, and which older
+    checkpoint of its save directory is intact."""
+    from megatron_het.checkpoint.verify import damaged_file_message  # imports this module
+    return damaged_file_message(directory / METADATA_FILE, problem,
+                                parse_iteration_dir(directory.name))
 
 
 def load_checkpoint_metadata(path: PathLike, iteration: Optional[int] = None) -> dict[str, Any]:
@@ -328,8 +335,9 @@ def load_checkpoint_metadata(path: PathLike, iteration: Optional[int] = None) ->
         with open(directory / METADATA_FILE, encoding="utf-8") as handle:
             metadata = json.load(handle)
     except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"cannot read {directory / METADATA_FILE} ({exc}); the checkpoint is "
-                        "damaged, load another one") from None
+        raise UserError(_damaged_metadata_line(directory, f"unreadable: {exc}")) from None
+    if not isinstance(metadata, dict):
+        raise UserError(_damaged_metadata_line(directory, "not a JSON object"))
     if metadata.get("format_version") != FORMAT_VERSION:
         raise UserError(f"{directory} has checkpoint format {metadata.get('format_version')!r}, "
                         f"this version reads format {FORMAT_VERSION}")

@@ -119,6 +119,29 @@ def test_no_intact_older_checkpoint_is_said(tmp_path: pathlib.Path) -> None:
         load_model_state(tmp_path, iteration=1)
 
 
+def test_a_damaged_or_missing_metadata_file_names_the_intact_older_checkpoint(
+        tmp_path: pathlib.Path) -> None:
+    for iteration in (2, 4):
+        save(tmp_path, iteration)
+    metadata = tmp_path / "iter_0000004" / METADATA_FILE
+    metadata.write_text(metadata.read_text()[:50])  # cut short mid-write by another tool
+    for path in (tmp_path, tmp_path / "iter_0000004"):
+        with pytest.raises(UserError) as info:
+            load_model_state(path)
+        message = str(info.value)
+        assert "\n" not in message
+        assert f"{metadata} is damaged (unreadable:" in message
+        assert f"newest intact older checkpoint is {tmp_path / 'iter_0000002'}" in message
+    metadata.write_text("[1, 2]")
+    with pytest.raises(UserError, match=r"is damaged \(not a JSON object\); the newest intact"):
+        load_model_state(tmp_path)
+    metadata.unlink()  # the tracker still points at 4
+    with pytest.raises(UserError, match=f"{metadata} is missing; the newest intact older "
+                                        f"checkpoint is {tmp_path / 'iter_0000002'}"):
+        load_model_state(tmp_path)
+    assert load_train_state(tmp_path, iteration=2)["consumed_samples"] == 8
+
+
 def test_checkpoints_without_records_still_load_unverified(tmp_path: pathlib.Path) -> None:
     path = save(tmp_path, 5)
     metadata = json.loads((path / METADATA_FILE).read_text())

@@ -59,7 +59,8 @@ def test_latest_and_explicit_iterations(tmp_path: pathlib.Path) -> None:
     assert_state_equal(load_model_state(tmp_path, iteration=2)[1], state(2))
     assert resolve_checkpoint_dir(tmp_path / "iter_0000002") == tmp_path / "iter_0000002"
     assert load_train_state(tmp_path) is None  # model-only checkpoint
-    with pytest.raises(UserError, match="iter_0000003 is missing or incomplete"):
+    with pytest.raises(UserError, match="iter_0000003/metadata.json is missing; the newest intact older checkpoint "
+                                        "is .*iter_0000002"):
         resolve_checkpoint_dir(tmp_path, iteration=3)
 
 
@@ -137,7 +138,8 @@ def test_killed_save_leaves_nothing_loadable_and_is_cleaned(tmp_path: pathlib.Pa
     (lambda d: (d / "iter_0000001" / "model_shard_00000.pt").write_bytes(b"garbage"),
      r"model_shard_00000.pt is damaged \(truncated: 7 of"),
     (lambda d: (d / "iter_0000001" / "model_shard_00000.pt").unlink(), "is missing"),
-    (lambda d: (d / "iter_0000001" / "metadata.json").write_text("{"), "cannot read"),
+    (lambda d: (d / "iter_0000001" / "metadata.json").write_text("{"),
+     r"metadata.json is damaged \(unreadable: .*; no older checkpoint in"),
 ])
 def test_damaged_checkpoints_raise_user_errors(tmp_path: pathlib.Path, damage, message) -> None:
     save_checkpoint(tmp_path, 1, CONFIG, state(1))

@@ -65,6 +65,7 @@ class ParallelSpec:
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
     grad_reduce_in_bf16: bool = False
     overlap_p2p_comm: bool = True
     recompute: Optional[tuple[str, int]] = None  # (method, layers) of --recompute-*
@@ -214,6 +215,10 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="start each gradient bucket's data-parallel reduction (asynchronously) "
                         "as soon as its last gradient of the iteration is in, while backward "
                         "goes on")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: leave the all-gather of the updated "
+                        "parameters running into the next forward, each layer waiting only for "
+                        "its own buckets")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: reduce gradients over data-parallel replicas in bf16 "
                         "(half the bytes) instead of fp32; accumulation stays fp32")
@@ -363,6 +368,7 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
         sequence_parallel=args.sequence_parallel,
         recompute=_recompute(args),
         overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         overlap_p2p_comm=args.overlap_p2p_comm, bridge=args.bridge,
         emulation_profile=args.emulation_profile,

@@ -29,7 +29,6 @@ import json
 import os
 import pickle
 import pathlib
-import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,27 +38,16 @@ import torch
 
 from megatron_het.checkpoint.integrity import (FILES_KEY, FileRecord, HashingWriter,
                                                optimizer_key, tensor_paths, tensor_sha256)
+from megatron_het.checkpoint.names import (METADATA_FILE, TRACKER_FILE, iteration_dir_name,
+                                           parse_iteration_dir)
+from megatron_het.checkpoint.verify import damaged_file_message
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 
 PathLike = Union[str, os.PathLike]
 FORMAT_VERSION = 1
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-METADATA_FILE = "metadata.json"
 STAGING_PREFIX = ".staging_iter_"
 _TRASH_PREFIX = ".trash_iter_"
-_ITERATION_DIR = re.compile(r"iter_(\d+)")
-
-
-def iteration_dir_name(iteration: int) -> str:
-    """``iter_0000012`` for iteration 12."""
-    return f"iter_{iteration:07d}"
-
-
-def parse_iteration_dir(name: str) -> Optional[int]:
-    """12 for ``iter_0000012``; None for any other name."""
-    match = _ITERATION_DIR.fullmatch(name)
-    return int(match.group(1)) if match else None
 
 
 def model_shard_name(shard_index: int) -> str:
@@ -319,7 +307,6 @@ def resolve_checkpoint_dir(path: PathLike, iteration: Optional[int] = None) -> p
 def _damaged_metadata_line(directory: pathlib.Path, problem: str) -> str:
     """One line: ``directory``'s metadata.json is missing or unreadable, and which older
     checkpoint of its save directory is intact."""
-    from megatron_het.checkpoint.verify import damaged_file_message  # imports this module
     return damaged_file_message(directory / METADATA_FILE, problem,
                                 parse_iteration_dir(directory.name))
 

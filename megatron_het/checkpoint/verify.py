@@ -19,7 +19,7 @@ import torch
 
 from megatron_het.checkpoint.integrity import (FILES_KEY, TENSORS_KEY, archive_problem,
                                                file_problem, size_problem, tensor_sha256)
-from megatron_het.checkpoint.io import METADATA_FILE, parse_iteration_dir
+from megatron_het.checkpoint.names import METADATA_FILE, parse_iteration_dir
 from megatron_het.errors import UserError
 
 

@@ -23,7 +23,7 @@ own float32 master) and the optimizer shares the updated pieces across the repli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -52,7 +52,8 @@ class FlatParams:
     docstring; ``sharded`` is then False).
     Building moves every parameter's storage into the buffers (``param.data`` becomes a view):
     build it before anything else keeps references to ``param.data``. No communication except
-    in :meth:`all_gather_params` and :meth:`gather`.
+    in :meth:`all_gather_params` (and the waits on the gathers it leaves in flight) and
+    :meth:`gather`.
     """
 
     def __init__(self, buckets: GradBuckets, sharded: bool, param_dtype: torch.dtype,
@@ -61,6 +62,7 @@ class FlatParams:
         self.pieces = pieces
         self.low_precision = param_dtype != torch.float32
         self.param_buffers: list[torch.Tensor] = []
+        self._gathers: dict[int, Any] = {}  # bucket index -> all-gather handle in flight
         self.master_buffers: list[Optional[torch.Tensor]] = []
         all_values = []
         for bucket in buckets.buckets:
@@ -136,19 +138,47 @@ class FlatParams:
             start, stop = self.owned_range(bucket)
             buffer[start:stop].copy_(master)
 
-    def all_gather_params(self) -> None:
+    def all_gather_params(self, overlap: bool = False) -> None:
         """Every DP rank's owned ranges into every rank's parameter buffers (collective over
-        the DP group, one all-gather per bucket in the training dtype; sharded only)."""
+        the DP group, one all-gather per bucket in the training dtype; sharded only).
+
+        ``overlap`` (``--overlap-param-gather``): start the all-gathers in forward order (the
+        last bucket, holding the first layers, first) and return at once; the forward's
+        pre-hooks wait for the buckets each module reads (:meth:`wait_param_gather`), and
+        :meth:`finish_param_gather` for all of them before anything else reads the parameters.
+        A gather still in flight is finished first."""
+        self.finish_param_gather()
         if not self.sharded or self.buckets.dp_size == 1 or self.pieces is not None:
             return
-        group, handles = self.buckets.dp_group, []
-        for bucket, buffer in zip(self.buckets.buckets, self.param_buffers):
+        group = self.buckets.dp_group
+        order = reversed(self.buckets.buckets) if overlap else self.buckets.buckets
+        for bucket in order:
+            buffer = self.param_buffers[bucket.index]
             start, stop = self.owned_range(bucket)
             # The input must not alias the output the collective writes.
-            handles.append(group.all_gather_into_tensor(buffer, buffer[start:stop].clone(),
-                                                        async_op=True))
-        for handle in handles:
-            handle.wait()
+            self._gathers[bucket.index] = group.all_gather_into_tensor(
+                buffer, buffer[start:stop].clone(), async_op=True)
+        if not overlap:
+            self.finish_param_gather()
+
+    @property
+    def gathering(self) -> tuple[int, ...]:
+        """Indices of the buckets whose parameter all-gather is still in flight."""
+        return tuple(self._gathers)
+
+    def wait_param_gather(self, buckets: Sequence[int]) -> None:
+        """Wait for the parameter all-gathers of ``buckets`` still in flight (bucket indices)."""
+        for index in buckets:
+            handle = self._gathers.pop(index, None)
+            if handle is not None:
+                handle.wait()
+
+    def finish_param_gather(self, wait: bool = True) -> None:
+        """Wait for every parameter all-gather in flight (``wait=False``: drop them, after a
+        failure where a peer may never answer)."""
+        if wait:
+            self.wait_param_gather(list(self._gathers))
+        self._gathers.clear()
 
     # -- by name -----------------------------------------------------------------------------
     def gather(self, value_of: Callable[[Shard], Optional[torch.Tensor]]

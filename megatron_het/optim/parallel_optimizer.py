@@ -21,7 +21,9 @@ Without the distributed optimizer every DP replica owns all of each bucket: it h
 AdamW state and masters of its stage and steps everything after an all-reduce of the gradients.
 With it (ZeRO-1), the buckets are reduce-scattered: DP rank r owns range r of every bucket,
 keeps moments and masters only for the parameter elements in it (~1/dp), steps those, and the
-updated parameters are all-gathered back over the DP group in the training dtype. Pipelines of
+updated parameters are all-gathered back over the DP group in the training dtype (with
+``--overlap-param-gather`` under the next forward: each module waits for its own buckets, the
+first layers' first). Pipelines of
 different layouts (heterogeneous DP) sum their gradients over parameter units in the full
 shapes instead and, with ZeRO-1, own rows of every parameter
 (:mod:`megatron_het.optim.replica_sync`).
@@ -91,7 +93,8 @@ class ParallelOptimizer:
                  bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
                  overlap_grad_reduce: bool = False, param_dtype: torch.dtype = torch.float32,
                  grad_reduce_dtype: torch.dtype = torch.float32,
-                 loss_scaler: Optional[LossScaler] = None) -> None:
+                 loss_scaler: Optional[LossScaler] = None,
+                 overlap_param_gather: bool = False) -> None:
         self.stage, self.groups, self.config = stage, groups, config
         self.loss_scaler = loss_scaler
         self.skipped_iterations = 0
@@ -128,6 +131,12 @@ class ParallelOptimizer:
             # reduction of that bucket must come after, so it waits for sync_grads.
             self.buckets.enable_overlap({"embedding.weight"} if tied_across_stages else (),
                                         _events_per_backward(stage, self.flat.low_precision))
+        # --overlap-param-gather: ZeRO-1's all-gather of the updated parameters runs under the
+        # next forward; each module waits for the buckets it reads (pipelines of different
+        # layouts share their pieces in the step instead, so there is nothing to overlap).
+        self.overlap_param_gather = overlap_param_gather and self.flat.sharded
+        self._gather_hooks = (_wait_for_gathers(stage, self.flat)
+                              if self.overlap_param_gather else [])
         self.zero_grad()
 
     def _owned_pieces(self, slot: Any) -> list[tuple[int, int]]:
@@ -213,16 +222,26 @@ class ParallelOptimizer:
             self.optimizer.step()
         self.steps += 1
         self.flat.copy_masters_to_params()
-        self.flat.all_gather_params()
+        self.flat.all_gather_params(overlap=self.overlap_param_gather)
         if self.replica is not None and self.flat.pieces is not None:
             self.replica.share_owned(lambda name: self.slot_of[name].param.data,
                                      self.flat.param_dtype, self.device)
         return norm
 
+    def params_ready(self) -> None:
+        """Wait for the parameter all-gathers ``--overlap-param-gather`` left in flight
+        (collective over ``groups.dp`` only in that they complete started ones): call it before
+        reading the parameters outside a forward (saves, the end of a run)."""
+        self.flat.finish_param_gather()
+
     def close(self, wait: bool = True) -> None:
-        """Wait for started reductions (``wait=False``: abandon them) and remove the backward
-        hooks."""
+        """Wait for started reductions and parameter all-gathers (``wait=False``: abandon
+        them) and remove the hooks."""
         self.buckets.close(wait)
+        self.flat.finish_param_gather(wait)
+        for handle in self._gather_hooks:
+            handle.remove()
+        self._gather_hooks = []
 
     def state_bytes(self) -> int:
         """Bytes of Adam moment tensors this rank holds (~1/dp of the stage's with ZeRO-1)."""
@@ -307,6 +326,27 @@ class ParallelOptimizer:
                         f"shard is {tuple(param.shape)}; reshard the checkpoint for this plan")
 
 
+def _wait_for_gathers(stage: nn.Module, flat: FlatParams) -> list[Any]:
+    """Forward pre-hooks on every module of ``stage`` that holds parameters: each waits for the
+    all-gathers of the buckets holding them. The final norm also waits for the head's matrix,
+    which the stage multiplies by outside any module's forward (``output_weight()``, right
+    after the norm). Returns the hook handles."""
+    bucket_of = {id(slot.param): slot.bucket for slot in flat.buckets.slots}
+    head = None
+    if getattr(stage, "has_head", False):
+        head = stage.output_weight()
+    handles = []
+    for module in stage.modules():
+        reads = [p for p in module.parameters(recurse=False) if id(p) in bucket_of]
+        if head is not None and module is getattr(stage, "final_norm", None):
+            reads.append(head)
+        buckets = sorted({bucket_of[id(p)] for p in reads if id(p) in bucket_of})
+        if buckets:
+            handles.append(module.register_forward_pre_hook(
+                lambda _module, _args, buckets=tuple(buckets): flat.wait_param_gather(buckets)))
+    return handles
+
+
 def build_parallel_optimizer(stage: nn.Module, groups: ProcessGroups,
                              optimizer_config: OptimizerConfig,
                              use_distributed_optimizer: bool,
@@ -314,7 +354,8 @@ def build_parallel_optimizer(stage: nn.Module, groups: ProcessGroups,
                              overlap_grad_reduce: bool = False,
                              param_dtype: torch.dtype = torch.float32,
                              grad_reduce_dtype: torch.dtype = torch.float32,
-                             loss_scaler: Optional[LossScaler] = None) -> ParallelOptimizer:
+                             loss_scaler: Optional[LossScaler] = None,
+                             overlap_param_gather: bool = False) -> ParallelOptimizer:
     """The AdamW optimizer of this rank's ``stage`` (a TP-applied :class:`LlamaModel` slice,
     built in float32).
 
@@ -325,9 +366,11 @@ def build_parallel_optimizer(stage: nn.Module, groups: ProcessGroups,
     Adam state over ``groups.dp``; ``overlap_grad_reduce`` starts bucket reductions from the
     backward hooks (pass the micro-batch count to :meth:`ParallelOptimizer.zero_grad`);
     ``grad_reduce_dtype`` is the dtype of the DP collectives (accumulation is float32);
-    ``loss_scaler`` (fp16) unscales the gradients and skips overflowing steps.
-    Collective-free.
+    ``loss_scaler`` (fp16) unscales the gradients and skips overflowing steps;
+    ``overlap_param_gather`` (ZeRO-1) leaves the step's parameter all-gathers running into the
+    next forward, whose modules wait for their own buckets (:meth:`ParallelOptimizer.
+    params_ready` waits for all of them). Collective-free.
     """
     return ParallelOptimizer(stage, groups, optimizer_config, use_distributed_optimizer,
                              bucket_size_mb, overlap_grad_reduce, param_dtype, grad_reduce_dtype,
-                             loss_scaler)
+                             loss_scaler, overlap_param_gather)

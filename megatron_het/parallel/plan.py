@@ -23,8 +23,8 @@ JSON form ("megatron_het.plan/1")::
          {"accelerator": "emu-slow", "tp": 1, "layers": [3, 4], "ranks": [3]}]}]}
 
 Optional keys: ``description``, ``dtype`` (fp32 | bf16 | fp16), ``use_distributed_optimizer``,
-``sequence_parallel``, ``overlap_grad_reduce``, ``grad_reduce_in_bf16`` and ``overlap_p2p_comm``
-on the plan (true or false, like Megatron's flags of those names; absent: the command line
+``sequence_parallel``, ``overlap_grad_reduce``, ``overlap_param_gather``, ``grad_reduce_in_bf16``
+and ``overlap_p2p_comm`` on the plan (true or false, like Megatron's flags of those names; absent: the command line
 decides), ``recompute`` on a stage (true: every decoder layer's activations are recomputed in
 backward, only its input kept) and with it ``recompute_num_layers`` (Megatron-LM's block
 method: only the stage's first N layers are). Unknown keys are refused.
@@ -49,7 +49,7 @@ PLAN_FORMAT = "megatron_het.plan/1"
 PLAN_DTYPES = ("fp32", "bf16", "fp16")
 _PLAN_KEYS = ("format", "micro_batch_size", "pipelines", "description", "dtype",
               "use_distributed_optimizer", "sequence_parallel", "overlap_grad_reduce",
-              "grad_reduce_in_bf16", "overlap_p2p_comm")
+              "overlap_param_gather", "grad_reduce_in_bf16", "overlap_p2p_comm")
 _PIPELINE_KEYS = ("micro_batches", "stages")
 _STAGE_KEYS = ("accelerator", "tp", "layers", "ranks", "recompute", "recompute_num_layers")
 
@@ -219,7 +219,7 @@ class ParallelPlan:
     """The whole plan: micro-batch size and the pipelines (DP replicas).
 
     ``dtype``, ``use_distributed_optimizer``, ``sequence_parallel``, ``overlap_grad_reduce``,
-    ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` (interleaved pipelines overlap their
+    ``overlap_param_gather``, ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` (interleaved pipelines overlap their
     transfers with compute; Megatron-LM's default, on) are None when the plan leaves them to
     the command line (a run resolves ``sequence_parallel`` into its plan). The global batch is
     ``micro_batch_size`` times the sum of the pipelines' micro-batch counts.
@@ -234,6 +234,7 @@ class ParallelPlan:
     overlap_grad_reduce: Optional[bool] = None
     grad_reduce_in_bf16: Optional[bool] = None
     overlap_p2p_comm: Optional[bool] = None
+    overlap_param_gather: Optional[bool] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
@@ -304,6 +305,8 @@ class ParallelPlan:
             out["sequence_parallel"] = self.sequence_parallel
         if self.overlap_grad_reduce is not None:
             out["overlap_grad_reduce"] = self.overlap_grad_reduce
+        if self.overlap_param_gather is not None:
+            out["overlap_param_gather"] = self.overlap_param_gather
         if self.grad_reduce_in_bf16 is not None:
             out["grad_reduce_in_bf16"] = self.grad_reduce_in_bf16
         if self.overlap_p2p_comm is not None:
@@ -431,10 +434,15 @@ def _parse_plan(d: Any) -> ParallelPlan:
         raise UserError(f"plan: dtype must be one of {', '.join(PLAN_DTYPES)}, got {dtype!r}")
     options = {key: None if d.get(key) is None else _bool("plan", key, d[key])
                for key in ("use_distributed_optimizer", "sequence_parallel",
-                           "overlap_grad_reduce", "grad_reduce_in_bf16", "overlap_p2p_comm")}
+                           "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_bf16",
+                           "overlap_p2p_comm")}
     if options["grad_reduce_in_bf16"] and dtype not in (None, "bf16"):
         raise UserError(f"plan: grad_reduce_in_bf16 needs bf16 training but dtype is {dtype}; "
                         "set \"dtype\": \"bf16\" or drop grad_reduce_in_bf16")
+    if options["overlap_param_gather"] and options["use_distributed_optimizer"] is False:
+        raise UserError("plan: overlap_param_gather overlaps the distributed optimizer's "
+                        "all-gather but use_distributed_optimizer is false; set it true or drop "
+                        "overlap_param_gather")
     description = d.get("description", "")
     if not isinstance(description, str):
         raise UserError(f"plan: description must be a string, got {description!r}")

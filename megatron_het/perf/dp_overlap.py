@@ -1,5 +1,6 @@
-"""The DP gradient reduction overlapped with backward (``--overlap-grad-reduce``): what of it an
-iteration still pays.
+"""The DP gradient reduction overlapped with backward (``--overlap-grad-reduce``) and ZeRO-1's
+parameter all-gather overlapped with the next forward (``--overlap-param-gather``): what of
+them an iteration still pays.
 
 What the runtime does (:mod:`megatron_het.optim.data_parallel`,
 :mod:`megatron_het.optim.parallel_optimizer`, :func:`megatron_het.training.trainer.train_step`):
@@ -17,7 +18,9 @@ What the runtime does (:mod:`megatron_het.optim.data_parallel`,
   stage) is held back: the pipeline sums the two copies after its last backward, then
   ``sync_grads`` reduces it;
 * ``sync_grads`` waits for every bucket before the step; ZeRO-1's all-gather of the updated
-  parameters follows the step and is waited for at its end, so it never overlaps;
+  parameters follows the step and is waited for at its end, unless ``--overlap-param-gather``
+  leaves it running: then the buckets' all-gathers start right after the step in forward order
+  (the last bucket first) and each module of the next forward waits for its own buckets;
 * pipelines of different layouts (heterogeneous DP) have no rank-by-rank DP group (a group of
   one rank): overlap is a no-op there and their unit sums run in ``sync_grads``
   (:mod:`megatron_het.optim.replica_sync`), so the predictor keeps their whole sync exposed.
@@ -38,6 +41,20 @@ is cheap: it counts 0 and comes last, so the last bucket is complete only at ``c
     finish_g = d_K + A_g
     exposed = max_g finish_g - T                 (>= r_K of the group that ends at T)
 
+With ``--overlap-param-gather`` ``A_g`` leaves ``finish_g``; instead the group's all-gathers
+run from the iteration's start, one after another in forward order, and bucket k is first read
+once the group's first forward (starting at ``s_g``, the pipeline's fill before it, lasting
+``f_g``) has done the share ``1 - F_k`` of its compute that precedes the bucket's first
+parameter. Everything after waits for the latest bucket, so the forward is pushed back by::
+
+    G_k = A_g (n_K + ... + n_k) / N                    gathers done, last bucket first
+    delay_g = max(0, max_k (G_k - (s_g + f_g (1 - F_k))))
+    exposed += max_g delay_g                           (<= A_g: overlap never costs time)
+
+taking ``s_g`` and ``f_g`` of the member pipeline that reads the bucket first. Other chunks'
+parameters count as read at the end of the first forward (a lower bound on the overlap, as
+for the reduction).
+
 Without overlap every sync starts at ``T``: ``exposed = max_g (R_g + A_g)``, the full sync
 (the predictor's figure since before overlap was modelled; a group that ends before ``T``
 could start its sync earlier, which it does not credit).
@@ -54,7 +71,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB, bucket_ranges, padded_elements
@@ -168,27 +185,58 @@ def reduction_end(buckets: Sequence[BucketTiming], reduce_s: float,
     return done
 
 
+def gather_delay(buckets: Sequence[BucketTiming], gather_s: float,
+                 first_forwards: Sequence[tuple[float, float]]) -> float:
+    """How far the overlapped parameter all-gathers of one DP group push its first forward
+    back: ``delay_g`` of the module docstring. ``first_forwards``: ``(s_p, f_p)`` of each
+    member pipeline's device group (start and duration of its first forward)."""
+    total = sum(b.elements for b in buckets)
+    if not total or gather_s <= 0:
+        return 0.0
+    delay, gathered = 0.0, 0.0
+    for bucket in reversed(buckets):  # launch order of the gathers: forward order
+        gathered += gather_s * bucket.elements / total
+        needed = min(s + f * (1.0 - bucket.done) for s, f in first_forwards)
+        delay = max(delay, gathered - needed)
+    return delay
+
+
 def exposed_sync(model: ModelConfig, plan: ParallelPlan,
                  split: Callable[[int], tuple[float, float]], pipeline_times: Sequence[float],
-                 last_backwards: Sequence[Sequence[tuple[float, float]]],
-                 bucket_size_mb: float = BUCKET_SIZE_MB) -> float:
-    """``max_g finish_g - T`` (module docstring) of a plan of uniform layouts.
+                 last_backwards: Optional[Sequence[Sequence[tuple[float, float]]]],
+                 bucket_size_mb: float = BUCKET_SIZE_MB,
+                 first_forwards: Optional[Sequence[Sequence[tuple[float, float]]]] = None
+                 ) -> float:
+    """``max_g finish_g - T``, plus ``max_g delay_g`` with the all-gathers overlapped (module
+    docstring), of a plan of uniform layouts.
 
     ``split(g)``: DP group g's (gradient reduction, ZeRO-1 all-gather) seconds;
     ``pipeline_times[p]``: pipeline p's time; ``last_backwards[p][g]``: ``(c, w)`` of device
-    group g of pipeline p. Held-back buckets start once every pipeline has ended (its stage
-    0's backward ends it, then the embedding copies are summed)."""
+    group g of pipeline p, None when the reduction waits for the step (no
+    ``--overlap-grad-reduce``). Held-back buckets start once every pipeline has ended (its
+    stage 0's backward ends it, then the embedding copies are summed). ``first_forwards[p][g]``
+    (``(s, f)`` of each group's first forward) overlaps the all-gathers with the next forward;
+    None keeps them after the step."""
     first = plan.pipelines[0]
     pipeline_end = max(pipeline_times)
-    finish = pipeline_end
+    finish, delay = pipeline_end, 0.0
     for g in range(first.pp_size):
         reduce_s, gather_s = split(g)
         buckets = bucket_layout(device_parameters(model, first, g), plan.dp_size,
                                 bucket_size_mb)
-        members = [ends[g] for ends in last_backwards]
-        finish = max(finish, reduction_end(buckets, reduce_s, members, pipeline_end) + gather_s)
-    return finish - pipeline_end
+        if last_backwards is None:
+            reduced = pipeline_end + reduce_s
+        else:
+            members = [ends[g] for ends in last_backwards]
+            reduced = reduction_end(buckets, reduce_s, members, pipeline_end)
+        if first_forwards is None:
+            finish = max(finish, reduced + gather_s)
+        else:
+            finish = max(finish, reduced)
+            delay = max(delay, gather_delay(buckets, gather_s,
+                                            [starts[g] for starts in first_forwards]))
+    return finish - pipeline_end + delay
 
 
 __all__ = ["BUCKET_SIZE_MB", "BucketTiming", "DeviceParameter", "bucket_layout",
-           "device_parameters", "exposed_sync", "reduction_end"]
+           "device_parameters", "exposed_sync", "gather_delay", "reduction_end"]

@@ -76,7 +76,8 @@ class Prediction:
 
     ``dp_sync_s`` is the whole DP sync of the slowest device group (what it takes after the
     last backward without overlap); ``dp_exposed_s`` is what the iteration pays of it past the
-    slowest pipeline: all of it without ``overlap_grad_reduce``, less with it. ``iteration_time_s
+    slowest pipeline: all of it without ``overlap_grad_reduce`` and ``overlap_param_gather``,
+    less with them (the latter's share is the delay it adds to the next forward). ``iteration_time_s
     = pipeline_time_s + dp_exposed_s + optimizer_s + overhead_s``.
     """
 
@@ -103,6 +104,7 @@ class Prediction:
     peak_flops_sum: float
     bubble_fraction: float
     overhead_s: float = 0.0  # per-iteration work outside pipeline, sync and step (shared host)
+    overlap_param_gather: bool = False
 
     @property
     def achieved_tflops_per_device(self) -> float:
@@ -140,8 +142,10 @@ class Prediction:
                          f"{s.memory.total_bytes / 2**30:.1f}", f"{s.capacity_bytes / 2**30:.0f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-        overlapped = (f" (of {self.dp_sync_s:.3f}, overlapped with backward)"
-                      if self.overlap_grad_reduce else "")
+        hidden = [what for what, on in (("backward", self.overlap_grad_reduce),
+                                        ("the next forward", self.overlap_param_gather)) if on]
+        overlapped = (f" (of {self.dp_sync_s:.3f}, overlapped with {' and '.join(hidden)})"
+                      if hidden else "")
         lines.append(f"iteration {self.iteration_time_s:.3f} s = pipeline "
                      f"{self.pipeline_time_s:.3f} + dp sync {self.dp_exposed_s:.3f}{overlapped}"
                      f" + optimizer "

@@ -14,7 +14,9 @@ DP options, named like the runtime's flags (None: the plan's key, else off):
 ``overlap_grad_reduce`` starts each gradient bucket's reduction in the last backward, so the
 iteration pays only ``dp_exposed_s`` of the sync (:mod:`megatron_het.perf.dp_overlap`: the
 buckets as the runtime lays them out, each started when its last gradient is in, one after
-another; ZeRO-1's parameter all-gather stays after the step). It changes nothing for
+another; ZeRO-1's parameter all-gather stays after the step unless ``overlap_param_gather``
+runs it under the next forward, where it delays that forward only by what its first layers
+cannot wait for). They change nothing for
 pipelines of different layouts (their replica sums do not overlap in the runtime) nor where
 a rate model prices the iteration (its DP sync stays whole). ``grad_reduce_in_bf16`` (bf16
 training only) halves the gradient bytes of the DP reduction (:mod:`megatron_het.perf.dp_sync`).
@@ -89,14 +91,16 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
             grad_reduce_in_bf16: Optional[bool] = None,
             pipelines: Optional[Sequence[int]] = None,
             comm: Optional[CommCost] = None,
-            overlap_p2p_comm: Optional[bool] = None) -> Prediction:
+            overlap_p2p_comm: Optional[bool] = None,
+            overlap_param_gather: Optional[bool] = None) -> Prediction:
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
     ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
     ``recompute`` None keeps each stage's own setting (``recompute`` and
     ``recompute_num_layers``), True/False recomputes every layer of every stage / none;
-    ``overlap_grad_reduce`` and ``grad_reduce_in_bf16`` None take the plan's keys (off where it
-    has none), True/False override them (UserError for a bf16 reduction of non-bf16 training);
+    ``overlap_grad_reduce``, ``overlap_param_gather`` (ZeRO-1 only; ignored without it) and
+    ``grad_reduce_in_bf16`` None take the plan's keys (off where it has none), True/False
+    override them (UserError for a bf16 reduction of non-bf16 training);
     ``overlap_p2p_comm`` likewise, on where neither says (the runtime's default: interleaved
     pipelines overlap their transfers with compute).
     ``profiles`` maps accelerator kind names to measured profiles (roofline where absent);
@@ -120,6 +124,7 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     zero1 = (plan.use_distributed_optimizer if plan.use_distributed_optimizer is not None
              else use_distributed_optimizer)
     overlap = _option(overlap_grad_reduce, plan.overlap_grad_reduce)
+    gather_overlap = zero1 and _option(overlap_param_gather, plan.overlap_param_gather)
     bf16_reduce = _option(grad_reduce_in_bf16, plan.grad_reduce_in_bf16)
     overlap_p2p = _option(overlap_p2p_comm, plan.overlap_p2p_comm, default=True)
     if bf16_reduce and dtype != "bf16":
@@ -130,8 +135,9 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     cache = cache or SimulationCache()
     ctx = PredictionContext(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
                             efficiency, comm or CommCost(cluster, profiles), overlap,
-                            bf16_reduce, cache)
+                            bf16_reduce, cache, gather_overlap)
     overlapped = overlap and ctx.sync.uniform and plan.dp_size > 1
+    gathered_under_forward = gather_overlap and ctx.sync.uniform and plan.dp_size > 1
     every = pipelines is None
     chosen = range(len(plan.pipelines)) if pipelines is None else sorted(set(pipelines))
     stages, pipelines, ends = [], [], []
@@ -150,7 +156,9 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
         pipelines = _shared_pipelines(plan, stages, pipelines, shared, cache, overlap_p2p)
         return _assemble(ctx, stages, pipelines, pipeline_model, overlap_p2p,
                          shared.optimizer_s, shared.overhead_s, shared.dp_sync_s)
-    exposed = _exposed_sync(ctx, pipelines, ends) if overlapped else None
+    exposed = (_exposed_sync(ctx, pipelines, ends if overlapped else None,
+                             stages if gathered_under_forward else None)
+               if overlapped or gathered_under_forward else None)
     return _assemble(ctx, stages, pipelines, pipeline_model, overlap_p2p, dp_exposed=exposed)
 
 
@@ -190,11 +198,13 @@ class PredictionContext:
                  zero1: bool, recompute: Optional[bool], efficiency: Optional[Efficiency],
                  comm: CommCost, overlap_grad_reduce: bool = False,
                  grad_reduce_in_bf16: bool = False,
-                 cache: Optional[SimulationCache] = None) -> None:
+                 cache: Optional[SimulationCache] = None,
+                 overlap_param_gather: bool = False) -> None:
         self.model, self.plan, self.cluster, self.seq = model, plan, cluster, seq_length
         self.profiles, self.dtype, self.zero1 = profiles, dtype, zero1
         self.recompute, self.efficiency, self.comm = recompute, efficiency, comm
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
         self.grad_reduce_in_bf16 = grad_reduce_in_bf16
         self.act_bytes = plan.micro_batch_size * seq_length * model.hidden_size * DTYPE_BYTES[
             dtype]
@@ -393,11 +403,26 @@ def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
 
 
 def _exposed_sync(ctx: PredictionContext, pipelines: list[PipelinePrediction],
-                  ends: list[Optional[LastBackwards]]) -> float:
-    """The DP sync the iteration pays past the slowest pipeline with the buckets' reductions
-    started in the last backward (uniform layouts; :func:`exposed_sync`)."""
+                  ends: Optional[list[Optional[LastBackwards]]],
+                  rows: Optional[list[StagePrediction]]) -> float:
+    """The DP sync the iteration pays past the slowest pipeline (uniform layouts;
+    :func:`exposed_sync`): with ``ends`` the buckets' reductions start in the last backward,
+    with ``rows`` the parameter all-gathers run under the next forward."""
+    starts = None
+    if rows is not None:
+        starts = []
+        for pp in pipelines:
+            mine = [r for r in rows if r.pipeline == pp.pipeline]
+            groups = ctx.plan.pipelines[pp.pipeline].pp_size
+            fill, firsts = 0.0, []
+            for row in mine[:groups]:  # chunk 0 of every device group, in pipeline order
+                firsts.append((fill, row.forward_s))
+                fill += row.forward_s + row.p2p_forward_s
+            starts.append(firsts)
     return exposed_sync(ctx.model, ctx.plan, lambda g: ctx.sync.split(ctx.comm, 0, g),
-                        [pp.time_s for pp in pipelines], [e for e in ends if e is not None])
+                        [pp.time_s for pp in pipelines],
+                        None if ends is None else [e for e in ends if e is not None],
+                        first_forwards=starts)
 
 
 def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
@@ -428,6 +453,7 @@ def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
     return Prediction(
         model=model.name, seq_length=ctx.seq, dtype=ctx.dtype,
         use_distributed_optimizer=ctx.zero1, overlap_grad_reduce=ctx.overlap_grad_reduce,
+        overlap_param_gather=ctx.overlap_param_gather,
         grad_reduce_in_bf16=ctx.grad_reduce_in_bf16,
         overlap_p2p_comm=overlap_p2p and any(pp.interleaved for pp in plan.pipelines),
         micro_batch_size=plan.micro_batch_size,

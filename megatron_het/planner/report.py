@@ -91,6 +91,7 @@ def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
             "use_distributed_optimizer": plan.use_distributed_optimizer,
             "sequence_parallel": bool(plan.sequence_parallel),
             "overlap_grad_reduce": bool(plan.overlap_grad_reduce),
+            "overlap_param_gather": bool(plan.overlap_param_gather),
             "stage_groups": sorted(groups.values(), key=lambda g: (g["stage"], -g["pipelines"]))}
 
 
@@ -302,7 +303,8 @@ def markdown_report(result: SearchResult, cluster: ClusterSpec, title: Optional[
         lines += ["## Candidates (simulated)", ""]
         lines += _table(["rank", "layout", "layers", "iteration s", "tokens/s"],
                         [[str(i), c.layout.describe()
-                          + (" overlap_grad_reduce" if c.plan.overlap_grad_reduce else ""),
+                          + (" overlap_grad_reduce" if c.plan.overlap_grad_reduce else "")
+                          + (" overlap_param_gather" if c.plan.overlap_param_gather else ""),
                           " ".join(map(str, c.layers)),
                           f"{c.prediction.iteration_time_s:.4f}",
                           f"{c.prediction.tokens_per_s:,.0f}"]

@@ -360,9 +360,10 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
                                   lambda split: sm.simulated_time(split, search.cache))
         plan = build_plan(sm.layout, layers, search.placement, search.dtype,
                           description=f"megatron_het planner: {sm.layout.describe()}"
-                                      f"{' overlap_grad_reduce' if overlap else ''}")
+                                      f"{_overlap_words(sm, overlap)}")
         if overlap:
-            plan = replace(plan, overlap_grad_reduce=True)
+            plan = replace(plan, overlap_grad_reduce=True,
+                           overlap_param_gather=True if sm.layout.zero1 else None)
         prediction = search.predict(plan)
         if not search.fits(prediction):
             if not plain:  # its memory between the probes was interpolated: drop it
@@ -385,18 +386,26 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
     return out
 
 
+def _overlap_words(sm: StageModel, overlap: bool) -> str:
+    """The DP overlap options a plan's description names."""
+    if not overlap:
+        return ""
+    return " overlap_grad_reduce" + (" overlap_param_gather" if sm.layout.zero1 else "")
+
+
 def _overlapped(search: _Search, time_s: float, sm: StageModel, layers: list[int]
                 ) -> tuple[float, StageModel, list[int], bool]:
-    """(closed-form time, stage model, split, overlap_grad_reduce): with the DP gradient
-    reduction started in the last backward where that hides time (dp > 1; the stage model
-    pays the whole sync, so the overlap is credited here, on the finalists)."""
+    """(closed-form time, stage model, split, overlap): with the DP gradient reduction
+    started in the last backward and, under ZeRO-1, the parameter all-gather run under the
+    next forward, where that hides time (dp > 1; the stage model pays the whole sync, so the
+    overlap is credited here, on the finalists)."""
     if sm.layout.dp == 1:
         return time_s, sm, layers, False
     plan = build_plan(sm.layout, layers, search.placement, search.dtype)
     overlapped = predict(search.model, plan, search.cluster, search.seq_length,
                          search.profiles, search.dtype, pipeline_model="closed_form",
                          cache=search.cache, validate=False, comm=search.comm,
-                         overlap_grad_reduce=True,
+                         overlap_grad_reduce=True, overlap_param_gather=True,
                          pipelines=search.placement.distinct_pipelines(sm.layout))
     if overlapped.iteration_time_s < time_s * (1 - 1e-9):
         return overlapped.iteration_time_s, sm, layers, True

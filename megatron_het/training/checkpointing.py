@@ -70,6 +70,7 @@ def save(trainer: "Trainer") -> Optional[pathlib.Path]:
     if setup.run.train.save is None:
         return None
     start = time.perf_counter()
+    trainer.optimizer.params_ready()
     path = save_sharded(setup.run.train.save, progress.iteration, setup.model_config,
                         setup.plan, trainer.groups, trainer.stage,
                         trainer.optimizer.state_dict(), _train_state(trainer), _metadata(trainer),
@@ -110,6 +111,7 @@ class CheckpointSaver:
         trainer, setup = self.trainer, self.trainer.setup
         iteration, save_dir = trainer.progress.iteration, pathlib.Path(setup.run.train.save)
         start = time.perf_counter()
+        trainer.optimizer.params_ready()
         optimizer_state = trainer.optimizer.state_dict()  # fresh CPU copies
         train_state = copy.deepcopy(_train_state(trainer))
         files = snapshot_sharded(save_dir, iteration, setup.model_config, trainer.groups,

@@ -23,6 +23,7 @@ def train(trainer: Trainer, stop: StopRequest, saver: Optional[CheckpointSaver] 
     saver = saver or CheckpointSaver(trainer)
     try:
         reason = _iterate(trainer, stop, saver)
+        trainer.optimizer.params_ready()  # the last step's --overlap-param-gather
         saver.finish()
         if reason != "done":
             trainer.print(f" stopping after iteration {trainer.progress.iteration} ({reason})")

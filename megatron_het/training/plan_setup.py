@@ -38,7 +38,8 @@ class PlanChoice:
 
     ``train`` is the run's TrainConfig with the plan's micro/global batch sizes (a plan file
     may supply them); ``dtype`` is "bf16" or "fp32"; ``use_distributed_optimizer``,
-    ``overlap_grad_reduce``, ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` are the plan's
+    ``overlap_grad_reduce``, ``overlap_param_gather``, ``grad_reduce_in_bf16`` and
+    ``overlap_p2p_comm`` are the plan's
     choice where it makes one, else the flag's.
     """
 
@@ -50,6 +51,7 @@ class PlanChoice:
     overlap_grad_reduce: bool = False
     grad_reduce_in_bf16: bool = False
     overlap_p2p_comm: bool = True
+    overlap_param_gather: bool = False
 
 
 def read_plan_file(run: RunConfig) -> Optional[ParallelPlan]:
@@ -174,7 +176,8 @@ def choose_plan(run: RunConfig, model: ModelConfig, world_size: Optional[int],
                       _planned(plan.use_distributed_optimizer, spec.use_distributed_optimizer),
                       _planned(plan.overlap_grad_reduce, spec.overlap_grad_reduce),
                       _planned(plan.grad_reduce_in_bf16, spec.grad_reduce_in_bf16),
-                      _planned(plan.overlap_p2p_comm, spec.overlap_p2p_comm))
+                      _planned(plan.overlap_p2p_comm, spec.overlap_p2p_comm),
+                      _planned(plan.overlap_param_gather, spec.overlap_param_gather))
 
 
 def _planned(planned: Optional[bool], flag: bool) -> bool:

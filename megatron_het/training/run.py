@@ -113,6 +113,7 @@ def predict_run(setup: RunSetup) -> "Prediction":
                    setup.host_profiles, dtype=setup.dtype,
                    use_distributed_optimizer=setup.use_distributed_optimizer,
                    rate_model=SharedHostModel(), overlap_grad_reduce=setup.overlap_grad_reduce,
+                   overlap_param_gather=setup.overlap_param_gather,
                    grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
                    overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm)
 

@@ -41,8 +41,8 @@ class RunSetup:
 
     ``train`` is the command line's TrainConfig with the plan's batch sizes (what the run
     uses; ``run.train`` keeps what was asked). ``run.parallel``'s ``overlap_grad_reduce``,
-    ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` are the resolved options, the plan's where
-    it sets them (also :attr:`overlap_grad_reduce` and :attr:`grad_reduce_in_bf16`), as
+    ``overlap_param_gather``, ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` are the resolved
+    options, the plan's where it sets them (also the properties of those names), as
     ``use_distributed_optimizer`` is. ``load_dir`` is the iteration directory to resume from
     (None: start from scratch); ``valid_data`` is None when the split gives validation no
     documents or ``--eval-iters 0``. ``host_profiles`` is the ``--emulation-profile`` keyed for
@@ -66,6 +66,11 @@ class RunSetup:
     def overlap_grad_reduce(self) -> bool:
         """Whether DP gradient buckets are reduced during the last backward (flag or plan)."""
         return self.run.parallel.overlap_grad_reduce
+
+    @property
+    def overlap_param_gather(self) -> bool:
+        """Whether ZeRO-1's parameter all-gather runs under the next forward (flag or plan)."""
+        return self.run.parallel.overlap_param_gather
 
     @property
     def grad_reduce_in_bf16(self) -> bool:
@@ -174,9 +179,17 @@ def prepare_run(run: RunConfig, world_size: Optional[int] = 1,
                             "\"dtype\": \"bf16\" in the plan) or drop the flag")
         raise UserError(f"the plan's grad_reduce_in_bf16 needs bf16 training but the run "
                         f"trains in {choice.dtype}; add --bf16 or drop the plan's key")
+    if choice.overlap_param_gather and not choice.use_distributed_optimizer:
+        if run.parallel.overlap_param_gather:
+            raise UserError("--overlap-param-gather overlaps the distributed optimizer's "
+                            "parameter all-gather; add --use-distributed-optimizer (or set "
+                            "\"use_distributed_optimizer\": true in the plan) or drop the flag")
+        raise UserError("the plan's overlap_param_gather needs the distributed optimizer; add "
+                        "--use-distributed-optimizer or drop the plan's key")
     # The trainer reads the DP options from the run's parallel spec: resolve them there.
     run = dataclasses.replace(run, parallel=dataclasses.replace(
         run.parallel, overlap_grad_reduce=choice.overlap_grad_reduce,
+        overlap_param_gather=choice.overlap_param_gather,
         grad_reduce_in_bf16=choice.grad_reduce_in_bf16,
         overlap_p2p_comm=choice.overlap_p2p_comm))
     if not data.mock_data:

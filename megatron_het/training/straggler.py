@@ -261,6 +261,7 @@ def build_monitor(setup: Any, threshold: float) -> StragglerMonitor:
                              use_distributed_optimizer=setup.use_distributed_optimizer,
                              pipeline_model="closed_form",
                              overlap_grad_reduce=setup.overlap_grad_reduce,
+                             overlap_param_gather=setup.overlap_param_gather,
                              grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
                              overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm)
         expected, basis = predicted_compute(prediction, plan), PREDICTED

@@ -128,7 +128,8 @@ def build_trainer(setup: RunSetup, comm: UnifiedCommunicator,
                                          overlap_grad_reduce=run.parallel.overlap_grad_reduce,
                                          param_dtype=TRAINING_DTYPES[setup.dtype],
                                          grad_reduce_dtype=grad_reduce_dtype(setup),
-                                         loss_scaler=loss_scaler(setup))
+                                         loss_scaler=loss_scaler(setup),
+                                         overlap_param_gather=run.parallel.overlap_param_gather)
     if run.train.compile:
         compile_layers(stage)
     executor = PipelineExecutor(stage, groups, config, run.data.seq_length,

@@ -4,7 +4,8 @@ Same kinds and layouts as test_data_parallel.py, plus, in Megatron rank order, P
 PP 2 x DP 2 with tied embeddings (the head stage holds a copy of the embedding). Gradients are
 set to known values so the expected global norm is exact: each distinct element of the
 single-process model counted once. PP 2 x DP 2 trains through the pipeline executor with the
-DP reduction overlapped with backward and must match the single-process run.
+DP reduction overlapped with backward (and with ZeRO-1's parameter all-gather overlapped with
+the next forward) and must match the single-process run.
 """
 from __future__ import annotations
 
@@ -142,6 +143,33 @@ def _errors(rank: int, groups: ProcessGroups) -> None:
         assert torch.equal(p.detach(), before[n]), f"{n} changed despite the non-finite norm"
 
 
+class _Deferred:
+    """A handle whose all-gather runs only once it is waited on."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def wait(self) -> None:
+        if self.run is not None:
+            self.run()
+            self.run = None
+
+
+def _defer_async_gathers(group):
+    """Make ``group``'s asynchronous all-gathers run only when waited on: a forward that read a
+    parameter before its module waited for the bucket would see the pre-step values. Returns a
+    function that undoes it."""
+    real = group.all_gather_into_tensor
+
+    def deferred(output, input, async_op=False):
+        if not async_op:
+            return real(output, input)
+        return _Deferred(lambda: real(output, input))
+
+    group.all_gather_into_tensor = deferred
+    return lambda: delattr(group, "all_gather_into_tensor")
+
+
 def _pipeline_with_overlap(rank: int, groups: ProcessGroups) -> None:
     """PP 2 x DP 2, tied embeddings, through the pipeline executor, with overlapped DP
     reduction: the embedding bucket waits for the executor's cross-stage sum, the rest start
@@ -151,24 +179,33 @@ def _pipeline_with_overlap(rank: int, groups: ProcessGroups) -> None:
     role = groups.role
     per_pipeline = plan.pipelines[role.pipeline].micro_batches
     first_mb = sum(p.micro_batches for p in plan.pipelines[:role.pipeline])
-    for zero in (False, True):
-        what = f"pp2xdp2 tied zero={zero} overlap rank {rank}"
+    for zero, gather in ((False, False), (True, False), (True, True)):
+        what = f"pp2xdp2 tied zero={zero} overlap param gather={gather} rank {rank}"
         stage = build_pipeline_stage(TIED, plan, groups, SEED)
         optimizer = build_parallel_optimizer(stage, groups, OPT, zero, bucket_size_mb=BUCKET_MB,
-                                             overlap_grad_reduce=True)
+                                             overlap_grad_reduce=True,
+                                             overlap_param_gather=gather)
         executor = PipelineExecutor(stage, groups, TIED, SEQ, MICRO_BATCH)
-        losses, norms = [], []
+        losses, norms, in_flight = [], [], []
+        undo = _defer_async_gathers(groups.dp) if gather else (lambda: None)
         for it in range(ITERS):
             optimizer.zero_grad(num_micro_batches=per_pipeline)
             mine = global_batch(it)[first_mb:first_mb + per_pipeline]
             stats = executor.run(mine, loss_scale=1.0 / TOTAL_MICRO_BATCHES)
             optimizer.sync_grads()
             norms.append(optimizer.clip_and_step(LR, CLIP))
+            # --overlap-param-gather: the step returns with every bucket's all-gather in
+            # flight; the next forward's modules wait for theirs (the losses prove they did).
+            in_flight.append(len(optimizer.flat.gathering))
             loss = torch.tensor(stats.loss_sum)
             groups.world.all_reduce(loss, "sum")
             losses.append(float(loss) / TOTAL_MICRO_BATCHES)
         held_back = 1 if "embedding.weight" in dict(stage.named_parameters()) else 0
         assert optimizer.buckets.launched_early == len(optimizer.buckets.buckets) - held_back
+        assert in_flight == [len(optimizer.buckets.buckets) if gather else 0] * ITERS, what
+        optimizer.params_ready()
+        assert optimizer.flat.gathering == ()
+        undo()
         optimizer.close()
         check_against_reference(stage, groups, ref, losses, norms, what, TIED)
         check_replicas_identical(stage, groups, what)

@@ -46,7 +46,7 @@ CASES = {
     "tp2_dp2": ("tiny", ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"]),
     "pp2_dp2_zero1_uneven": ("tiny-tied", [
         "--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_dp2_fast_heavy.json"),
-        "--use-distributed-optimizer", "--bridge", "direct"]),
+        "--use-distributed-optimizer", "--overlap-param-gather", "--bridge", "direct"]),
     "tp2_pp2": ("tiny", ["--tensor-model-parallel-size", "2",
                          "--pipeline-model-parallel-size", "2"]),
     # Sequence parallelism: [b, s/2, H] blocks between the TP-2 stages' blocks and over their
@@ -59,7 +59,7 @@ CASES = {
     # 1-stage tp=2 replica with 1; gradients summed in the full parameter shapes.
     "hetero_dp_pp2_tp2": ("tiny-tied", ["--plan", str(PLANS / "cpu_hetero_dp.json")]),
     "hetero_dp_zero1": ("tiny-tied", ["--plan", str(PLANS / "cpu_hetero_dp.json"),
-                                      "--use-distributed-optimizer"]),
+                                      "--use-distributed-optimizer", "--overlap-param-gather"]),
 }
 # (pipeline, stage) of every stage, as the metrics lines list them.
 STAGES = {"pp3_tp211_layers121": [(0, 0), (0, 1), (0, 2)], "tp2_dp2": [(0, 0), (1, 0)],
@@ -189,7 +189,8 @@ LOW_PRECISION_CASES = {
     "tp2_pp2_bf16": ("tiny", ["--tensor-model-parallel-size", "2",
                               "--pipeline-model-parallel-size", "2"], ["--bf16"]),
     "tp2_dp2_zero1_fp16": ("tiny", ["--tensor-model-parallel-size", "2",
-                                    "--use-distributed-optimizer", "--overlap-grad-reduce"],
+                                    "--use-distributed-optimizer", "--overlap-grad-reduce",
+                                    "--overlap-param-gather"],
                            ["--fp16", "--initial-loss-scale", str(2 ** 17), "--hysteresis",
                             "1"]),
     # Replicas of different layouts: bf16 parameters shared by their owners after each step.

@@ -1,4 +1,5 @@
-"""The DP options in the predictor: gradient buckets overlapped with backward, bf16 reduction."""
+"""The DP options in the predictor: gradient buckets overlapped with backward, ZeRO-1's parameter
+all-gather overlapped with the next forward, bf16 reduction."""
 import dataclasses
 import inspect
 import json
@@ -20,7 +21,8 @@ from megatron_het.perf import predict
 from megatron_het.perf.closed_forms import last_backward_ends
 from megatron_het.perf.comm_cost import SyncCost
 from megatron_het.perf.dp_overlap import (BUCKET_SIZE_MB, BucketTiming, bucket_layout,
-                                          device_parameters, exposed_sync, reduction_end)
+                                          device_parameters, exposed_sync, gather_delay,
+                                          reduction_end)
 from megatron_het.perf.dp_sync import DPSync
 from megatron_het.perf.simulator import simulate_1f1b
 from megatron_het.tensor_parallel.sharding import parameter_shape, shard_spec
@@ -124,6 +126,73 @@ def test_exposed_sync_of_a_plan_by_hand():
     # tiny fits one 25 MiB bucket per group: group 0 reduces [10, 11] + 0.25, group 1
     # [7.5, 9.5] + 0.25
     assert got == pytest.approx(1.25)
+
+
+def test_gather_delay_by_hand():
+    # Two equal buckets, A = 2 s: the last (first layers) lands at 1, the first at 2. The
+    # forward starts at 0.5 and takes 1 s; the last bucket's parameters come first (F = 1),
+    # the first bucket's after half the forward (F = 0.5: needed at 1.0).
+    buckets = [BucketTiming(100, 0.5, False), BucketTiming(100, 1.0, False)]
+    assert gather_delay(buckets, 2.0, [(0.5, 1.0)]) == pytest.approx(1.0)  # 2 - 1.0
+    # A later fill (stage 2 of a pipeline) hides it all; the earliest member decides.
+    assert gather_delay(buckets, 2.0, [(3.0, 1.0)]) == 0.0
+    assert gather_delay(buckets, 2.0, [(3.0, 1.0), (0.5, 1.0)]) == pytest.approx(1.0)
+    assert gather_delay(buckets, 0.0, [(0.0, 1.0)]) == 0.0
+    # Never more than the whole all-gather.
+    assert gather_delay(buckets, 2.0, [(0.0, 0.0)]) == pytest.approx(2.0)
+
+
+def test_exposed_sync_with_the_gather_under_the_next_forward():
+    plan = ParallelPlan(1, (_pipeline([(0, 2), (2, 4)]), _pipeline([(0, 2), (2, 4)])))
+    splits = {0: (1.0, 0.25), 1: (2.0, 0.25)}
+    ends = [[(10.0, 2.0), (7.5, 3.0)]] * 2
+    # one bucket per group: group 0 needs it at its first forward's start (0: 0.25 late),
+    # group 1 at 1.5 (after group 0's forward and transfer: hidden)
+    firsts = [[(0.0, 1.0), (1.5, 1.0)]] * 2
+    got = exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], ends,
+                       first_forwards=firsts)
+    assert got == pytest.approx(1.0 + 0.25)
+    firsts = [[(0.5, 1.0), (1.5, 1.0)]] * 2  # a fill before group 0 hides it too
+    assert exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], ends,
+                        first_forwards=firsts) == pytest.approx(1.0)
+    # without the reduction overlapped: it starts at T
+    assert exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], None,
+                        first_forwards=firsts) == pytest.approx(2.0)
+    assert exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], None) == \
+        pytest.approx(2.25)
+
+
+@pytest.mark.parametrize("pipeline_model", ["simulate", "closed_form"])
+def test_the_param_gather_overlap_hides_at_most_the_all_gather(cross_node, pipeline_model):
+    cluster, plan = cross_node
+    from megatron_het.perf.comm_cost import CommCost
+    sync = DPSync(LLAMA, plan, "bf16", True)
+    gathers = [sync.split(CommCost(cluster), 0, g)[1] for g in range(4)]
+    kw = dict(use_distributed_optimizer=True, pipeline_model=pipeline_model)
+    grad_only = predict(LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True, **kw)
+    both = predict(LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True,
+                   overlap_param_gather=True, **kw)
+    gather_only = predict(LLAMA, plan, cluster, SEQ, overlap_param_gather=True, **kw)
+    off = predict(LLAMA, plan, cluster, SEQ, **kw)
+    assert both.overlap_param_gather and not grad_only.overlap_param_gather
+    assert both.pipeline_time_s == grad_only.pipeline_time_s
+    hidden = grad_only.dp_exposed_s - both.dp_exposed_s
+    assert 0 < hidden <= max(gathers) + 1e-12
+    assert off.dp_exposed_s - gather_only.dp_exposed_s == pytest.approx(hidden, rel=0.5)
+    assert gather_only.dp_exposed_s < off.dp_exposed_s == off.dp_sync_s
+    assert both.iteration_time_s < grad_only.iteration_time_s
+    assert "overlapped with backward and the next forward" in both.table().splitlines()[-1]
+    assert both.to_dict()["overlap_param_gather"] is True
+    # It needs the distributed optimizer: without, it changes nothing.
+    plain = predict(LLAMA, plan, cluster, SEQ, pipeline_model=pipeline_model,
+                    overlap_param_gather=True)
+    assert not plain.overlap_param_gather
+    assert plain.iteration_time_s == predict(LLAMA, plan, cluster, SEQ,
+                                             pipeline_model=pipeline_model).iteration_time_s
+    planned = dataclasses.replace(plan, use_distributed_optimizer=True,
+                                  overlap_grad_reduce=True, overlap_param_gather=True)
+    assert predict(LLAMA, planned, cluster, SEQ, pipeline_model=pipeline_model
+                   ).iteration_time_s == both.iteration_time_s
 
 
 # ---- the predictor -----------------------------------------------------------------------
@@ -370,6 +439,30 @@ def test_the_plans_bf16_reduction_needs_bf16_training(tmp_path):
         prepare_run(run)
     assert str(info.value) == ("the plan's grad_reduce_in_bf16 needs bf16 training but the run "
                                "trains in fp32; add --bf16 or drop the plan's key")
+
+
+def test_the_param_gather_overlap_needs_the_distributed_optimizer(tmp_path):
+    from megatron_het.arguments import parse_run_config
+    from megatron_het.training.run import predict_run
+    from megatron_het.training.setup import prepare_run
+
+    with pytest.raises(UserError, match="^--overlap-param-gather overlaps the distributed "
+                                        "optimizer's parameter all-gather; add "
+                                        "--use-distributed-optimizer"):
+        prepare_run(parse_run_config([*RUN_FLAGS, "--overlap-param-gather"]))
+    with pytest.raises(UserError, match="^the plan's overlap_param_gather needs the "
+                                        "distributed optimizer"):
+        prepare_run(parse_run_config(
+            [*RUN_FLAGS, "--plan", _plan_file(tmp_path, overlap_param_gather=True)]))
+    with pytest.raises(UserError, match="plan.json: plan: overlap_param_gather overlaps the "):
+        ParallelPlan.load(_plan_file(tmp_path, use_distributed_optimizer=False,
+                                     overlap_param_gather=True))
+    for flags in (["--use-distributed-optimizer", "--overlap-param-gather"],
+                  ["--plan", _plan_file(tmp_path, use_distributed_optimizer=True,
+                                        overlap_param_gather=True)]):
+        setup = prepare_run(parse_run_config([*RUN_FLAGS, *flags]))
+        assert setup.overlap_param_gather and setup.run.parallel.overlap_param_gather
+        assert predict_run(setup).overlap_param_gather
 
 
 @pytest.mark.parametrize("planned, flags, expected", [

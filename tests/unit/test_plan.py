@@ -96,19 +96,22 @@ def test_block_recompute_of_a_stage_round_trips_and_counts(tmp_path):
 @pytest.mark.parametrize("options", [
     {"overlap_grad_reduce": True, "grad_reduce_in_bf16": True, "dtype": "bf16"},
     {"overlap_grad_reduce": False, "grad_reduce_in_bf16": True},  # dtype left to the run
-    {"grad_reduce_in_bf16": False, "dtype": "fp32", "overlap_p2p_comm": False}])
+    {"grad_reduce_in_bf16": False, "dtype": "fp32", "overlap_p2p_comm": False},
+    {"use_distributed_optimizer": True, "overlap_param_gather": True},
+    {"overlap_param_gather": False}])
 def test_dp_options_round_trip(tmp_path, options):
     d = copy.deepcopy(EXAMPLE)
     d.update(options)
     plan = ParallelPlan.load(d)
-    for key in ("overlap_grad_reduce", "grad_reduce_in_bf16", "overlap_p2p_comm"):
+    for key in ("overlap_grad_reduce", "grad_reduce_in_bf16", "overlap_p2p_comm",
+                "overlap_param_gather"):
         assert getattr(plan, key) == options.get(key)
     plan.save(tmp_path / "p.json")
     again = ParallelPlan.load(tmp_path / "p.json")
     assert again == plan and again.to_dict() == d
     bare = ParallelPlan.load(EXAMPLE)
     assert bare.overlap_grad_reduce is None and bare.grad_reduce_in_bf16 is None
-    assert bare.overlap_p2p_comm is None
+    assert bare.overlap_p2p_comm is None and bare.overlap_param_gather is None
     assert "overlap_grad_reduce" not in bare.to_dict()
 
 
@@ -122,9 +125,14 @@ def test_dp_options_round_trip(tmp_path, options):
      "\"bf16\" or drop grad_reduce_in_bf16"),
     (lambda d: d.update(overlap_p2p_comm="no"),
      "plan: overlap_p2p_comm must be true or false, got 'no'"),
+    (lambda d: d.update(overlap_param_gather="on"),
+     "plan: overlap_param_gather must be true or false, got 'on'"),
+    (lambda d: d.update(overlap_param_gather=True, use_distributed_optimizer=False),
+     "plan: overlap_param_gather overlaps the distributed optimizer's all-gather but "
+     "use_distributed_optimizer is false; set it true or drop overlap_param_gather"),
     (lambda d: d.update(overlap=True), "known keys: format, micro_batch_size, pipelines, "
      "description, dtype, use_distributed_optimizer, sequence_parallel, overlap_grad_reduce, "
-     "grad_reduce_in_bf16, overlap_p2p_comm"),
+     "overlap_param_gather, grad_reduce_in_bf16, overlap_p2p_comm"),
 ])
 def test_bad_dp_options_are_refused_with_one_line(edit, expected):
     assert expected in user_error(edited, EXAMPLE, edit)

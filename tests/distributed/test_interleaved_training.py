@@ -26,6 +26,7 @@ from tests.distributed.test_parallel_training import (BASE, PLANS, TRAIN_ITERS, 
                                                       assert_close, records, run_single)
 
 MODEL = ["--model", "tiny-tied", "--num-layers", "6"]
+GLOBAL_BATCH = int(BASE[BASE.index("--global-batch-size") + 1])
 PLAN = ["--plan", str(PLANS / "cpu_interleaved_tp2_tp1.json")]
 WORLD = 3
 
@@ -190,6 +191,14 @@ def test_a_checkpoint_chain_through_every_kind_of_plan_follows_one_process(
         assert [r["iteration"] for r in got] == [end - 1, end], name
         assert_close(expected[end - 2:end], got, ("loss", "grad_norm", "lr"))
         assert read_latest_iteration(save) == end
+        if previous is not None:  # each hop is an explicit new plan: the log says what changed
+            log = "".join(text for _, text in results)
+            assert f"> elastic restart from iteration {end - 2}: the checkpoint was written " \
+                   f"by {hops[hop - 1][1]} ranks" in log, log[-3000:]
+            assert f"now {world} ranks" in log
+            assert (f"global batch {GLOBAL_BATCH} kept; data continues at sample "
+                    f"{(end - 2) * GLOBAL_BATCH}") in log
+            assert "predicted iteration time now" in log
         previous = save
         if name == "sp-tp2-tp1":  # the same checkpoint continues on one process as well
             one = chain / "one-process.jsonl"

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.comm.layout import GroupLayout
 from megatron_het.comm.p2p import P2PHandle, P2POp
+from megatron_het.comm.pending import device_timeout
 from megatron_het.comm.relay import Bridge
 from megatron_het.comm.wire import WireHooks
 from megatron_het.errors import UserError
@@ -212,7 +213,7 @@ def build_backend(store: Any, rank: int, size: int, timeout: datetime.timedelta,
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        options._timeout = device_timeout(timeout)  # the backstop (comm/pending.py)
         return dist.ProcessGroupNCCL(store, rank, size, options)
     raise UserError(f"the 'unified' torch.distributed backend cannot build {backend!r} "
                     "groups; use UnifiedCommunicator.new_group for this cluster")

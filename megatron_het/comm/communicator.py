@@ -19,6 +19,7 @@ from megatron_het.comm.direct import choose_direct_backend
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.comm.layout import GroupLayout
 from megatron_het.comm.p2p import P2PHandle, P2POp
+from megatron_het.comm.pending import device_timeout
 from megatron_het.comm.relay import Bridge
 from megatron_het.comm.wire import WireHooks
 from megatron_het.errors import UserError
@@ -166,7 +167,10 @@ class UnifiedCommunicator:
                 and self.device_types[self.kind] == "cuda" and _new_group_takes_device()
                 and getattr(dist.group.WORLD, "bound_device_id", None) is None):
             kwargs["device_id"] = self.device
-        return dist.new_group(list(ranks), timeout=self.timeout, backend=backend, **kwargs)
+        # A device backend's watchdog is the backstop behind the run's own deadline on its
+        # operations (megatron_het.comm.pending), so it gets a little longer.
+        timeout = self.timeout if backend == "gloo" else device_timeout(self.timeout)
+        return dist.new_group(list(ranks), timeout=timeout, backend=backend, **kwargs)
 
     def register_torch_backend(self) -> None:
         """Register the "unified" torch.distributed backend with this communicator's settings,

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from megatron_het.comm import pending
 from megatron_het.comm.faults import CommError, guarded
 from megatron_het.comm.wire import Settle, Wire
 
@@ -28,13 +29,17 @@ class Work:
     """Handle of an asynchronous link operation; ``wait()`` raises a :class:`CommError`.
 
     ``settle`` (what the link's wire booking returned) runs once the backend has finished, then
-    ``then`` (e.g. the copy of a staged receive back to the device)."""
+    ``then`` (e.g. the copy of a staged receive back to the device). ``device`` (a device
+    backend's type, e.g. "cuda") notes the operation in :data:`~megatron_het.comm.pending.
+    PENDING` once waited for: such a ``wait()`` returns before the operation completes."""
 
     def __init__(self, work: Any, group: str, op: str, where: str,
                  then: Callable[[], None] | None = None,
-                 settle: Settle | None = None, watch: bool = False) -> None:
+                 settle: Settle | None = None, watch: bool = False,
+                 device: str | None = None) -> None:
         self._work, self._group, self._op, self._where = work, group, op, where
         self._then, self._settle, self._done = then, settle, False
+        self._device = device
         self._error: BaseException | None = None
         self._watcher: threading.Thread | None = None
         if watch:  # gloo p2p works report completion only once waited on: wait in a thread
@@ -60,6 +65,10 @@ class Work:
         if self._done:
             return
         guarded(self._group, self._op, self._where, self._backend_wait)
+        if self._device is not None:
+            marker = pending.stream_marker(self._device)
+            if marker is not None:
+                pending.PENDING.add(marker, self._group, self._op, self._where)
         if self._settle is not None:
             self._settle()
         if self._then is not None:
@@ -106,7 +115,8 @@ class Link:
                watch: bool = False) -> Work:
         settle = self.wire.book(int(nbytes), direction) if self.wire is not None else None
         work = guarded(self.group_name, op, self.where, fn)
-        return Work(work, self.group_name, op, self.where, then, settle, watch)
+        device = _device_type(self.backend) if self.is_native_device_link else None
+        return Work(work, self.group_name, op, self.where, then, settle, watch, device)
 
     def _ring_bytes(self, tensor: torch.Tensor, factor: float) -> float:
         return tensor.numel() * tensor.element_size() * factor * (self.size - 1) / self.size
@@ -201,12 +211,16 @@ class Link:
                            watch=pollable and self.backend == "gloo")
 
 
+def _device_type(backend: str) -> str:
+    """The device type a backend's tensors live on."""
+    return {"nccl": "cuda", "hccl": "npu"}.get(backend, "cpu")
+
+
 def _device_of(backend: str) -> torch.device:
-    if backend == "nccl":
+    kind = _device_type(backend)
+    if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
-    if backend == "hccl":
-        return torch.device("npu")
-    return torch.device("cpu")
+    return torch.device(kind)
 
 
 __all__ = ["Link", "Work", "CommError"]

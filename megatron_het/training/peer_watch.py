@@ -14,7 +14,12 @@ the run's abort flag, watches the counters for one window and returns one line: 
 stopped answering (no failure of their own, no heartbeat in the window), the ranks that still
 answer but have been inside one compute region for half the timeout or more (a rank stuck in
 compute, which the others' operations waited on), the ranks that failed before this one, and
-this rank's own failed operation (group, op, backend ranks). Every beating
+this rank's own failed operation (group, op, backend ranks). An operation that never fails on
+the main thread -- a device backend's (NCCL) wait returns at once, and the host then blocks
+where it reads a result -- is found by the beating thread instead (``stuck_operation``, e.g.
+:meth:`megatron_het.comm.pending.PendingOps.stuck`): once one has run past the timeout it
+calls ``on_stuck`` with that operation's error, which reports it the same way and ends the
+process. Every beating
 thread that sees the abort flag gives its main thread ``grace_s`` to fail on its own and then
 ends the process itself (a rank stuck in a kernel or a wait that will never time out), so no rank
 of the run waits forever.
@@ -69,7 +74,9 @@ class PeerWatch:
     ``node_size`` is the number of ranks on this rank's node (torchrun's LOCAL_WORLD_SIZE; 0:
     unknown); rank 0's tells the others which ranks are lost with the store's node. Every call
     on ``store`` is bounded by ``store_deadline_s`` (default: two windows, at least 5 s; see
-    module doc).
+    module doc). ``stuck_operation(timeout_s)`` returns the error of an operation of this
+    rank's still running after ``timeout_s`` (None: none); once :attr:`on_stuck` is set, the
+    beating thread calls it with that error (it reports and ends the process).
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
@@ -79,7 +86,9 @@ class PeerWatch:
                  on_abort: Callable[[str], None] = _abort_process,
                  grace_s: Optional[float] = None, generation: int = 0,
                  logging_rank: int = 0, node_size: int = 0,
-                 store_deadline_s: Optional[float] = None) -> None:
+                 store_deadline_s: Optional[float] = None,
+                 stuck_operation: Callable[[float], Optional[BaseException]] = lambda _s: None
+                 ) -> None:
         self.prefix = f"{PREFIX}{generation}/"
         self.logging_rank = logging_rank
         self.rank, self.world_size = rank, world_size
@@ -96,6 +105,8 @@ class PeerWatch:
         self.progress, self.describe, self.on_abort = progress, describe, on_abort
         self.activity = activity
         self.timeout_s = timeout_s
+        self.stuck_operation = stuck_operation
+        self.on_stuck: Optional[Callable[[BaseException], None]] = None
         self._beats = 0
         self._failing = False
         self._stop = threading.Event()
@@ -145,7 +156,17 @@ class PeerWatch:
                 self._beat()
                 self._check_abort()
             except Exception:  # noqa: BLE001 - the store may be gone with its host; keep on
-                continue
+                pass
+            self._check_stuck()
+
+    def _check_stuck(self) -> None:
+        """Call :attr:`on_stuck` for an operation past the timeout that did not fail on the
+        main thread (see the module doc)."""
+        if self._failing or self.on_stuck is None:
+            return
+        error = self.stuck_operation(self.timeout_s)
+        if error is not None:
+            self.on_stuck(error)
 
     def _check_abort(self) -> None:
         if self._failing or not self.store.check([self._key("abort", 0)]):

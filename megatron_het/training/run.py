@@ -11,6 +11,7 @@ file and tensorboard; every rank writes its checkpoint pieces.
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Optional, TextIO
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING, Optional, TextIO
 from megatron_het.arguments import RunConfig
 from megatron_het.checkpoint.io import load_checkpoint_metadata, remove_stale_staging
 from megatron_het.comm.faults import CommError
-from megatron_het.errors import PeerFailure
+from megatron_het.comm.pending import PENDING
+from megatron_het.errors import EXIT_PEER_FAILURE, PeerFailure
 from megatron_het.training.checkpointing import load
 from megatron_het.training.describe import (describe_cluster, describe_iterations,
                                             describe_model, describe_plan, describe_rank)
@@ -58,7 +60,7 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
         watch = PeerWatch(connect_store(env, timeout), env.rank, env.world_size,
                           timeout.total_seconds(), describe=lambda r: describe_rank(setup, r),
                           generation=env.restart_count, logging_rank=logging_rank(setup.plan),
-                          node_size=env.local_world_size)
+                          node_size=env.local_world_size, stuck_operation=PENDING.stuck)
     lost_peer = False
     try:
         return train_prepared(setup, stop, out, watch)
@@ -68,6 +70,29 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
     finally:
         if not lost_peer:
             shutdown_world()
+
+
+def _peer_failure_line(setup: RunSetup, watch: PeerWatch, error: CommError) -> str:
+    """Report a failed operation (:meth:`PeerWatch.report`), clear the save directory's
+    uncommitted staging (rank 0) and record the failure for a supervisor; the report line."""
+    iteration = watch.progress() + 1
+    report = watch.report(error, iteration)
+    if watch.rank == 0 and setup.train.save is not None:  # rank 0 alone commits saves
+        remove_stale_staging(setup.train.save)
+    if report.full and setup.train.save is not None:  # for a supervisor's restart
+        write_failure(setup.train.save, iteration, watch.world_size, report.silent,
+                      report.stuck, report.failed, report.line)
+    return report.line
+
+
+def _end_stuck(setup: RunSetup, watch: PeerWatch, error: BaseException) -> None:
+    """From the heartbeat thread: the main thread's operation ran past the timeout without
+    failing (a device backend's); report it as a failed one and end the process."""
+    assert isinstance(error, CommError)
+    line = _peer_failure_line(setup, watch, error)
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_PEER_FAILURE)
 
 
 def distributed_timeout(setup: RunSetup) -> datetime.timedelta:
@@ -139,18 +164,12 @@ def train_prepared(setup: RunSetup, stop: Optional[StopRequest] = None,
     reports and re-raised."""
     if watch is None:
         return _train(setup, stop or StopRequest(), out or sys.stdout, None)
+    watch.on_stuck = lambda error: _end_stuck(setup, watch, error)
     watch.start()
     try:
         progress = _train(setup, stop or StopRequest(), out or sys.stdout, watch)
     except CommError as error:
-        iteration = watch.progress() + 1
-        report = watch.report(error, iteration)
-        if watch.rank == 0 and setup.train.save is not None:  # rank 0 alone commits saves
-            remove_stale_staging(setup.train.save)
-        if report.full and setup.train.save is not None:  # for a supervisor's restart
-            write_failure(setup.train.save, iteration, watch.world_size, report.silent,
-                          report.stuck, report.failed, report.line)
-        raise PeerFailure(report.line) from None
+        raise PeerFailure(_peer_failure_line(setup, watch, error)) from None
     except BaseException as error:
         watch.record(error, watch.progress() + 1)
         raise

@@ -41,7 +41,9 @@ def skip_all(ctx: CheckContext, names: tuple[str, ...], why: str = NO_GPU) -> No
 
 # ---- probe ---------------------------------------------------------------------------------
 def check_probe(ctx: CheckContext) -> None:
-    """Rows ``probe.torch``, ``probe.device``, ``probe.sdpa.<backend>``, ``probe.<package>``."""
+    """Rows ``probe.torch``, ``probe.device``, ``probe.pending`` (the device events that
+    mark device-backend operations for the run's deadline, :mod:`megatron_het.comm.pending`),
+    ``probe.sdpa.<backend>``, ``probe.<package>``."""
     cuda = torch.cuda.is_available()
     nccl = _nccl_version() if cuda else "n/a"
     status = PASS if cuda else (SKIP if ctx.options.cpu_only else FAIL)
@@ -50,10 +52,12 @@ def check_probe(ctx: CheckContext) -> None:
                  hip=torch.version.hip, tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
                  tf32_cudnn=torch.backends.cudnn.allow_tf32)
     if not cuda:
-        skip_all(ctx, ("probe.device", *(f"probe.sdpa.{b}" for b in SDPA_BACKENDS),
+        skip_all(ctx, ("probe.device", "probe.pending",
+                       *(f"probe.sdpa.{b}" for b in SDPA_BACKENDS),
                        *(f"probe.{p}" for p in OPTIONAL_PACKAGES)))
         return
     _probe_device(ctx)
+    _probe_pending(ctx)
     for backend, required in SDPA_BACKENDS.items():
         ok, value, details = sdpa_usable(backend)
         status = PASS if ok else (FAIL if required else SKIP)
@@ -84,6 +88,27 @@ def _probe_device(ctx: CheckContext) -> None:
         return
     ctx.rows.add("probe.device", PASS, f"{shape} -> kind {kind}",
                  "a kind of the accelerator table", devices=torch.cuda.device_count())
+
+
+def _probe_pending(ctx: CheckContext) -> None:
+    """A marker recorded behind queued work is pending until the work is done: the deadline
+    sees a running operation as running and a finished one as finished."""
+    from megatron_het.comm.pending import PendingOps, stream_marker
+
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(20):  # ~3 TFLOP of queued work
+        a = a @ a
+        a = a / a.norm()
+    marker = stream_marker("cuda")
+    ops = PendingOps()
+    ops.add(marker, "probe", "matmuls", "cuda stream")
+    running = ops.stuck(0.0) is not None
+    torch.cuda.synchronize()
+    finished = ops.stuck(0.0) is None and len(ops) == 0
+    ctx.rows.add("probe.pending", PASS if running and finished else FAIL,
+                 f"pending while queued: {running}, done after synchronize: {finished}",
+                 "a marker is pending behind queued work and done after it")
 
 
 def sdpa_usable(backend: str, device: str = "cuda",

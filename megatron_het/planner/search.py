@@ -21,7 +21,9 @@ Search order (all predictions are pure computations, no processes):
    sequence-parallel variants;
 3. the best ``refine`` splits get a local search, the best ``top_k`` are predicted with the
    event-driven pipeline simulation (small ones polished under it: plain splits per stage,
-   interleaved ones per chunk, :mod:`megatron_het.planner.chunk_polish`);
+   interleaved ones per chunk, :mod:`megatron_het.planner.chunk_polish`), and those that
+   recompute recompute only the layers their memory needs (Megatron's block method:
+   :mod:`megatron_het.planner.recompute_polish`);
 4. on clusters of two or more kinds, heterogeneous DP (every kind its own replicas, the batch
    shared by speed: :mod:`megatron_het.planner.kind_replicas`) is searched where its bound
    is under the best closed-form time found, and its best plans join the candidates; the
@@ -49,6 +51,7 @@ from megatron_het.planner.bounds import (KindCosts, memory_feasible, memory_pres
                                          sync_lower_bound, time_lower_bound)
 from megatron_het.planner.chunk_polish import polish_chunks
 from megatron_het.planner.kind_replicas import ReplicaSearch
+from megatron_het.planner.recompute_polish import relax_recompute
 from megatron_het.planner.result import Candidate, SearchResult
 from megatron_het.planner.space import (KindBlock, Layout, Placement, build_plan,
                                         micro_batch_sizes, pipeline_shapes)
@@ -314,9 +317,13 @@ def _replica_candidates(search: _Search, max_micro_batch_size: int,
                              search.dtype, search.check_memory, search.cache, search.comm)
     found = replicas.candidates(max_micro_batch_size, search.top_k, beat)
     search.evaluated += replicas.probes
-    return [Candidate(layout, tuple(n for part in layout.parts for n in part.layers),
-                      closed_form, plan, prediction)
-            for layout, plan, prediction, closed_form in found]
+    out = []
+    for layout, plan, prediction, closed_form in found:
+        if any(st.recompute for pipeline in plan.pipelines for st in pipeline.stages):
+            plan, prediction = relax_recompute(plan, search.predict, search.fits, prediction)
+        out.append(Candidate(layout, tuple(n for part in layout.parts for n in part.layers),
+                             closed_form, plan, prediction))
+    return out
 
 
 @contextlib.contextmanager
@@ -377,6 +384,8 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
             chunks = plan.pipelines[0].stages
             layers = [sum(st.num_layers for st in chunks[g::sm.num_stages])
                       for g in range(sm.num_stages)]
+        if any(st.recompute for pipeline in plan.pipelines for st in pipeline.stages):
+            plan, prediction = relax_recompute(plan, search.predict, search.fits, prediction)
         out.append(Candidate(sm.layout, tuple(layers), sm.iteration_time(layers), plan,
                              prediction))
     if not out:

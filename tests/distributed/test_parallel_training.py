@@ -60,6 +60,13 @@ CASES = {
     "hetero_dp_pp2_tp2": ("tiny-tied", ["--plan", str(PLANS / "cpu_hetero_dp.json")]),
     "hetero_dp_zero1": ("tiny-tied", ["--plan", str(PLANS / "cpu_hetero_dp.json"),
                                       "--use-distributed-optimizer", "--overlap-param-gather"]),
+    # ... and across kinds: an emu-fast tp=2 replica beside an emu-slow 2-stage one, their
+    # gradient (and ZeRO-1 parameter) shares crossing the bridge.
+    "hetero_dp_two_kinds": ("tiny-tied", ["--cluster", CLUSTER,
+                                          "--plan", str(PLANS / "cpu_emulated_hetero_dp.json")]),
+    "hetero_dp_two_kinds_zero1": ("tiny-tied", [
+        "--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_hetero_dp.json"),
+        "--use-distributed-optimizer"]),
 }
 # (pipeline, stage) of every stage, as the metrics lines list them.
 STAGES = {"pp3_tp211_layers121": [(0, 0), (0, 1), (0, 2)], "tp2_dp2": [(0, 0), (1, 0)],
@@ -67,7 +74,9 @@ STAGES = {"pp3_tp211_layers121": [(0, 0), (0, 1), (0, 2)], "tp2_dp2": [(0, 0), (
           "tp2_pp2": [(0, 0), (0, 1)], "tp2_pp2_sp": [(0, 0), (0, 1)],
           "pp3_tp211_sp": [(0, 0), (0, 1), (0, 2)],
           "hetero_dp_pp2_tp2": [(0, 0), (0, 1), (1, 0)],
-          "hetero_dp_zero1": [(0, 0), (0, 1), (1, 0)]}
+          "hetero_dp_zero1": [(0, 0), (0, 1), (1, 0)],
+          "hetero_dp_two_kinds": [(0, 0), (1, 0), (1, 1)],
+          "hetero_dp_two_kinds_zero1": [(0, 0), (1, 0), (1, 1)]}
 
 
 def records(path: pathlib.Path, split: str) -> list[dict[str, Any]]:

@@ -101,6 +101,36 @@ def two_groups(chunks, m=4):
     return ParallelPlan(MB, (PipelinePlan(m, stages),))
 
 
+def test_each_device_holds_what_its_schedule_says_on_random_layouts():
+    """Random groups, chunks, micro-batch counts and uneven layer splits: every row's
+    ``in_flight`` is its device group's peak of (chunk, micro-batch) pairs in the schedule the
+    runtime runs, and the group's activation bytes lie between that many pairs of its
+    smallest and of its largest chunk."""
+    rng = random.Random(29)
+    for _ in range(12):
+        p, v = rng.randint(2, 4), rng.randint(2, 3)
+        n = p * v
+        m = rng.choice([k for k in range(p, 4 * p + 1) if k % p == 0])
+        layers = [1] * n
+        for _ in range(rng.randint(0, 6)):
+            layers[rng.randrange(n)] += 1
+        model = TINY8.replace(num_layers=sum(layers))
+        bounds = [sum(layers[:i]) for i in range(n + 1)]
+        stages = tuple(StagePlan("cpu", 1, (bounds[s], bounds[s + 1]), (s % p,))
+                       for s in range(n))
+        plan = ParallelPlan(MB, (PipelinePlan(m, stages),))
+        rows = predict(model, plan, local_cluster(p), SEQ, controlled_profile(),
+                       dtype="fp32").stages
+        peaks = check_schedule(build_schedule("1f1b", p, m, num_chunks=v), m, n).peak_in_flight
+        assert [r.in_flight for r in rows] == [peaks[s % p] for s in range(n)], (p, v, m)
+        for g in range(p):  # a group's activations grow with the layers of its own chunks
+            mine = [r for r in rows if r.ranks == (g,)]
+            assert len({r.memory.activation_bytes for r in mine}) == 1
+            assert mine[0].memory.activation_bytes <= (peaks[g] * max(layers[g::p]) * LAYER_ACT
+                                                       + 1e-6)
+            assert mine[0].memory.activation_bytes >= peaks[g] * min(layers[g::p]) * LAYER_ACT
+
+
 def test_uniform_interleaving_predicts_the_interleaved_bubble():
     cluster, profiles = local_cluster(2), controlled_profile()
     plain = predict(TINY8, two_groups(1), cluster, SEQ, profiles, dtype="fp32")

@@ -33,7 +33,7 @@ Shape legend: B batch, S sequence, H hidden, N heads, D head dim, V vocabulary.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +148,11 @@ class LlamaModel(nn.Module):
     string, so a stage holding layers [3, 5) has keys "3" and "4". Parameters are created with
     PyTorch's default initialisation; call :func:`megatron_het.model.init.init_weights` for the
     layout-independent one.
+
+    ``wait_for`` (None, or set by an optimizer whose parameter updates may still be arriving:
+    ``--overlap-param-gather``) is called with ``"embedding"``, ``"layers.<i>"`` or ``"head"``
+    right before that part runs. It is called here, between the layers, rather than from module
+    hooks, which would run inside a compiled layer (``--compile``).
     """
 
     def __init__(self, config: ModelConfig, layer_range: Optional[tuple[int, int]] = None,
@@ -176,6 +181,7 @@ class LlamaModel(nn.Module):
         self.has_head = has_head
         self.recompute = any(count for _, _, count in self.chunks)
         self.rotary = RotaryEmbedding(config)
+        self.wait_for: Optional[Callable[[str], None]] = None
         needs_embedding = has_embedding or (has_head and config.tie_embeddings)
         self.embedding = _embedding(config) if needs_embedding else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config)
@@ -225,17 +231,26 @@ class LlamaModel(nn.Module):
         if not 0 <= chunk < len(self.chunks):
             raise IndexError(f"chunk {chunk} of a model holding {len(self.chunks)} chunk(s)")
         start, stop, recomputed = self.chunks[chunk]
-        hidden = self.embedding(x) if self.has_embedding and chunk == 0 else x
+        if self.has_embedding and chunk == 0:
+            self._ready("embedding")
+            hidden = self.embedding(x)
+        else:
+            hidden = x
         cos, sin = self.rotary.cos_sin(self.sequence_length(hidden), hidden.device,
                                        rope_table_dtype(hidden))
         use_recompute = recomputed > 0 and self.training and torch.is_grad_enabled()
         for index in range(start, stop):
             layer = self.layers[str(index)]
+            self._ready(f"layers.{index}")
             if use_recompute and index - start < recomputed:
                 hidden = checkpoint(layer, hidden, cos, sin, use_reentrant=False)
             else:
                 hidden = layer(hidden, cos, sin)
         return hidden
+
+    def _ready(self, part: str) -> None:
+        if self.wait_for is not None:
+            self.wait_for(part)
 
     def sequence_length(self, hidden: torch.Tensor) -> int:
         """The sequence length S of hidden states ``[B, S, H]`` held here (a sequence-parallel
@@ -249,6 +264,7 @@ class LlamaModel(nn.Module):
         :meth:`forward`)."""
         if not self.has_head:
             raise RuntimeError("this stage has no head")
+        self._ready("head")
         if labels is not None:
             return linear_cross_entropy(self.final_norm(hidden), self.output_weight(), labels,
                                         loss_weights)

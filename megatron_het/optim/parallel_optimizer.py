@@ -22,8 +22,8 @@ AdamW state and masters of its stage and steps everything after an all-reduce of
 With it (ZeRO-1), the buckets are reduce-scattered: DP rank r owns range r of every bucket,
 keeps moments and masters only for the parameter elements in it (~1/dp), steps those, and the
 updated parameters are all-gathered back over the DP group in the training dtype (with
-``--overlap-param-gather`` under the next forward: each module waits for its own buckets, the
-first layers' first). Pipelines of
+``--overlap-param-gather`` under the next forward: each layer, the embedding and the head wait
+for their own buckets, the first layers' first). Pipelines of
 different layouts (heterogeneous DP) sum their gradients over parameter units in the full
 shapes instead and, with ZeRO-1, own rows of every parameter
 (:mod:`megatron_het.optim.replica_sync`).
@@ -37,7 +37,7 @@ a tied embedding held by the last stage not at all. The squared sums are added o
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -132,11 +132,11 @@ class ParallelOptimizer:
             self.buckets.enable_overlap({"embedding.weight"} if tied_across_stages else (),
                                         _events_per_backward(stage, self.flat.low_precision))
         # --overlap-param-gather: ZeRO-1's all-gather of the updated parameters runs under the
-        # next forward; each module waits for the buckets it reads (pipelines of different
-        # layouts share their pieces in the step instead, so there is nothing to overlap).
+        # next forward; each part of the stage waits for the buckets it reads (pipelines of
+        # different layouts share their pieces in the step instead: nothing to overlap).
         self.overlap_param_gather = overlap_param_gather and self.flat.sharded
-        self._gather_hooks = (_wait_for_gathers(stage, self.flat)
-                              if self.overlap_param_gather else [])
+        if self.overlap_param_gather:
+            _wait_for_gathers(stage, self.flat)
         self.zero_grad()
 
     def _owned_pieces(self, slot: Any) -> list[tuple[int, int]]:
@@ -239,9 +239,8 @@ class ParallelOptimizer:
         them) and remove the hooks."""
         self.buckets.close(wait)
         self.flat.finish_param_gather(wait)
-        for handle in self._gather_hooks:
-            handle.remove()
-        self._gather_hooks = []
+        if self.overlap_param_gather:
+            self.stage.wait_for = None
 
     def state_bytes(self) -> int:
         """Bytes of Adam moment tensors this rank holds (~1/dp of the stage's with ZeRO-1)."""
@@ -326,25 +325,30 @@ class ParallelOptimizer:
                         f"shard is {tuple(param.shape)}; reshard the checkpoint for this plan")
 
 
-def _wait_for_gathers(stage: nn.Module, flat: FlatParams) -> list[Any]:
-    """Forward pre-hooks on every module of ``stage`` that holds parameters: each waits for the
-    all-gathers of the buckets holding them. The final norm also waits for the head's matrix,
-    which the stage multiplies by outside any module's forward (``output_weight()``, right
-    after the norm). Returns the hook handles."""
-    bucket_of = {id(slot.param): slot.bucket for slot in flat.buckets.slots}
-    head = None
-    if getattr(stage, "has_head", False):
-        head = stage.output_weight()
-    handles = []
-    for module in stage.modules():
-        reads = [p for p in module.parameters(recurse=False) if id(p) in bucket_of]
-        if head is not None and module is getattr(stage, "final_norm", None):
-            reads.append(head)
-        buckets = sorted({bucket_of[id(p)] for p in reads if id(p) in bucket_of})
-        if buckets:
-            handles.append(module.register_forward_pre_hook(
-                lambda _module, _args, buckets=tuple(buckets): flat.wait_param_gather(buckets)))
-    return handles
+def _part_of(name: str) -> str:
+    """The part of a stage (as :class:`~megatron_het.model.llama.LlamaModel` announces them
+    to ``wait_for``) that reads parameter ``name``."""
+    if name.startswith("layers."):
+        return ".".join(name.split(".")[:2])
+    return "embedding" if name == "embedding.weight" else "head"
+
+
+def _wait_for_gathers(stage: nn.Module, flat: FlatParams) -> Callable[[str], None]:
+    """Make ``stage`` wait, right before each part runs, for the all-gathers of the buckets
+    holding that part's parameters (the head also for a tied embedding's, which it multiplies
+    by); returns the function set as ``stage.wait_for``."""
+    buckets: dict[str, set[int]] = {}
+    for slot in flat.buckets.slots:
+        buckets.setdefault(_part_of(slot.name), set()).add(slot.bucket)
+    if getattr(stage.config, "tie_embeddings", False) and getattr(stage, "has_head", False):
+        buckets.setdefault("head", set()).update(buckets.get("embedding", ()))
+    ordered = {part: tuple(sorted(indices)) for part, indices in buckets.items()}
+
+    def wait_for(part: str) -> None:
+        flat.wait_param_gather(ordered.get(part, ()))
+
+    stage.wait_for = wait_for
+    return wait_for
 
 
 def build_parallel_optimizer(stage: nn.Module, groups: ProcessGroups,
@@ -368,7 +372,7 @@ def build_parallel_optimizer(stage: nn.Module, groups: ProcessGroups,
     ``grad_reduce_dtype`` is the dtype of the DP collectives (accumulation is float32);
     ``loss_scaler`` (fp16) unscales the gradients and skips overflowing steps;
     ``overlap_param_gather`` (ZeRO-1) leaves the step's parameter all-gathers running into the
-    next forward, whose modules wait for their own buckets (:meth:`ParallelOptimizer.
+    next forward, whose parts wait for their own buckets (:meth:`ParallelOptimizer.
     params_ready` waits for all of them). Collective-free.
     """
     return ParallelOptimizer(stage, groups, optimizer_config, use_distributed_optimizer,

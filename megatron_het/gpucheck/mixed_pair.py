@@ -6,8 +6,8 @@ Runs (each under its own timeout; independent ones at the same time):
 - ``ref_gpu``, ``ref_cpu``: one process on the GPU, and on the CPU (``CUDA_VISIBLE_DEVICES=``);
 - ``pp_full``: the pp=2 plan for 2N iterations; ``pp_half`` + ``pp_resume``: the same run
   saved and stopped at N, then resumed from the checkpoint to 2N;
-- ``dp``: the dp=2 plan (one pipeline per kind) with ``--use-distributed-optimizer`` and
-  ``--overlap-grad-reduce``.
+- ``dp``: the dp=2 plan (one pipeline per kind) with ``--use-distributed-optimizer``,
+  ``--overlap-grad-reduce`` and ``--overlap-param-gather``.
 
 Tolerances. The CPU and the GPU sum in different orders (blocked GEMMs, SDPA kernels), so the
 fp32 losses of a pair cannot be expected to equal a one-device run bit for bit: a forward pass
@@ -116,7 +116,8 @@ def _run_all(ctx: CheckContext, files: PairFiles,
         "pp_resume": ([*pp, "--metrics-file", metrics["pp_resume"], "--load", ckpt,
                        "--save", ckpt], env),
         "dp": ([*pair, "--plan", str(files.dp_plan), "--use-distributed-optimizer",
-                "--overlap-grad-reduce", "--metrics-file", metrics["dp"]], env),
+                "--overlap-grad-reduce", "--overlap-param-gather", "--metrics-file",
+                metrics["dp"]], env),
     }
     first = ["ref_gpu", "pp_full", "pp_half"] + (["ref_cpu"] if with_cpu_ref else [])
     results: dict[str, Optional[CommandResult]] = _wave(ctx, runs, first)

@@ -278,7 +278,7 @@ def test_pair_files_for_a_cpu_first_rank_are_rewritten_and_still_valid(tmp_path)
     ["--cluster", str(CLUSTER_FILE), "--plan", "P", "--save", "c", "--save-interval", "4",
      "--exit-interval", "4", "--load", "c", "--metrics-file", "m.jsonl"],
     ["--cluster", str(CLUSTER_FILE), "--plan", "P", "--use-distributed-optimizer",
-     "--overlap-grad-reduce"]])
+     "--overlap-grad-reduce", "--overlap-param-gather"]])
 def test_the_pair_runs_use_flags_that_pretrain_llama_has(extra):
     run = parse_run_config([*mixed_pair.MODEL_FLAGS, *mixed_pair.TRAIN_FLAGS, *extra])
     assert run.train.train_iters == 2 * mixed_pair.HALF

@@ -115,8 +115,8 @@ class Link:
                watch: bool = False) -> Work:
         settle = self.wire.book(int(nbytes), direction) if self.wire is not None else None
         work = guarded(self.group_name, op, self.where, fn)
-        device = _device_type(self.backend) if self.is_native_device_link else None
-        return Work(work, self.group_name, op, self.where, then, settle, watch, device)
+        return Work(work, self.group_name, op, self.where, then, settle, watch,
+                    self.pending_device)
 
     def _ring_bytes(self, tensor: torch.Tensor, factor: float) -> float:
         return tensor.numel() * tensor.element_size() * factor * (self.size - 1) / self.size
@@ -178,6 +178,12 @@ class Link:
     def is_native_device_link(self) -> bool:
         """True for a device backend (nccl, hccl, ...): everything but gloo."""
         return self.backend != "gloo"
+
+    @property
+    def pending_device(self) -> str | None:
+        """The device type whose waits on this link are noted as pending operations
+        (:mod:`megatron_het.comm.pending`): a device backend's; None for gloo."""
+        return _device_type(self.backend) if self.is_native_device_link else None
 
     def warm_up(self) -> None:
         """Initialise the backend's communicator now, with one tiny all-reduce on this rank's

@@ -166,7 +166,8 @@ def coalesced(link: Link, ops: Sequence[P2POp]) -> list[Work]:
         return [end] if end is not None else [w for w in works if w is not None]
 
     works = guarded(link.group_name, "batch_isend_irecv", link.where, issue)
-    return [Work(w, link.group_name, "batch_isend_irecv", link.where) for w in works]
+    return [Work(w, link.group_name, "batch_isend_irecv", link.where,
+                 device=link.pending_device) for w in works]
 
 
 def all_to_all(parts: P2PParts, outputs: Sequence[torch.Tensor],

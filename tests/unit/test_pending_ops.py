@@ -117,6 +117,39 @@ def test_links_note_device_backend_operations_once_waited_for(monkeypatch, backe
     assert links._device_type("hccl") == "npu"
 
 
+class FakeP2PBackend:
+    """Coalesced sends and receives, as a device backend's object takes them."""
+
+    def _start_coalescing(self) -> None:
+        pass
+
+    def send(self, tensors, peer, tag):
+        return None
+
+    def recv(self, tensors, peer, tag):
+        return None
+
+    def _end_coalescing(self):
+        return FakeWork()
+
+
+def test_coalesced_pipeline_transfers_are_noted_too(monkeypatch) -> None:
+    from megatron_het.comm.p2p import P2POp, coalesced
+
+    ops = PendingOps()
+    monkeypatch.setattr(pending, "PENDING", ops)
+    monkeypatch.setattr(pending, "stream_marker", lambda device_type: Marker())
+    link = Link(FakeP2PBackend(), (0, 1), 0, "nccl", "native[gpu]", "pipeline-p0")
+    works = coalesced(link, [P2POp("isend", torch.zeros(2), 1),
+                             P2POp("irecv", torch.zeros(2), 1)])
+    for work in works:
+        work.wait()
+    error = ops.stuck(0.0)
+    assert (error.group, error.op) == ("pipeline-p0", "batch_isend_irecv")
+    assert link.pending_device == "cuda"
+    assert Link(FakeP2PBackend(), (0, 1), 0, "gloo", "x", "y").pending_device is None
+
+
 def test_the_heartbeat_thread_ends_a_rank_whose_operation_never_failed() -> None:
     store = dist.HashStore()
     found = threading.Event()

@@ -7,7 +7,7 @@
 #   numerics  45 s   tiny model CUDA vs CPU (fp32), bf16 parameters vs fp32, fused loss vs torch's
 #   relay     50 s   relay bridge round trip of a CUDA tensor (staging; H200 rank <-> CPU rank)
 #   mixed    150 s   torchrun pair (1 x H200 + 1 x cpu): pp=2 vs 1 process, resume, dp=2 ZeRO-1
-#   mfu      125 s   ~1B Llama (TinyLlama's shape), bf16, seq 2048: MFU, peak memory vs predicted
+#   mfu      125 s   ~1B Llama (TinyLlama's shape), bf16, seq 2048: MFU; peak memory and step time vs predicted
 #   profile   50 s   tools/profile_device.py on CUDA, each layer against its roofline
 #
 # No check starts after 465 s. Prints a table (check, status, value, threshold) and writes

@@ -9,7 +9,9 @@ over the kind's dense bf16 peak from the accelerator table), the median of the i
 the first two. A micro-batch that runs out of memory is halved and the run tried again.
 
 Thresholds: MFU >= 40%; measured peak within 25% of the memory model's prediction (which
-leaves out the CUDA context and allocator fragmentation, as ``max_memory_allocated`` does).
+leaves out the CUDA context and allocator fragmentation, as ``max_memory_allocated`` does);
+the measured iteration time (median after the first two) within 25% of the predictor's for
+the same run (its calibrated figures for the kind: :mod:`megatron_het.perf.calibration`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from megatron_het.training.setup import RunSetup, prepare_run
 
 MFU_MIN = 0.40
 MEMORY_RTOL = 0.25
+STEP_RTOL = 0.25
 MICRO_BATCHES = 4  # per iteration (gradient accumulation): global batch = 4 x micro-batch
 WARMUP_ITERS = 2
 RUN_S = 110.0
@@ -43,7 +46,7 @@ MODEL_FLAGS = ["--num-layers", "22", "--hidden-size", "2048", "--ffn-hidden-size
                "--untie-embeddings-and-output-weights", "--max-position-embeddings", "2048",
                "--seq-length", "2048", "--mock-data", "--tokenizer-type", "NullTokenizer",
                "--vocab-size", "31999"]
-ROWS = ("mfu.mfu", "mfu.memory")
+ROWS = ("mfu.mfu", "mfu.memory", "mfu.step")
 
 
 def train_flags(micro_batch: int, iters: int, metrics: pathlib.Path,
@@ -58,7 +61,7 @@ def train_flags(micro_batch: int, iters: int, metrics: pathlib.Path,
 
 
 def check_mfu(ctx: CheckContext) -> None:
-    """Rows ``mfu.mfu`` and ``mfu.memory`` (see the module docstring)."""
+    """Rows ``mfu.mfu``, ``mfu.memory`` and ``mfu.step`` (see the module docstring)."""
     if not torch.cuda.is_available():
         skip_all(ctx, ROWS)
         return
@@ -101,6 +104,7 @@ def _report(ctx: CheckContext, micro_batch: int, tried: list[int],
                      mfu=mfu, tokens_per_s=tokens, tflops_per_device=tflops, tried=tried,
                      iteration_s=[r.get("iteration_time_s") for r in records],
                      predicted_mfu=predicted, flags=result.get("flags"))
+    _report_step(ctx, records, result)
     peak, want = result["peak_bytes"], result.get("predicted_peak_bytes")
     if not want:
         ctx.rows.add("mfu.memory", FAIL, f"peak {peak / GIB:.1f} GiB; the predictor gave no "
@@ -112,6 +116,23 @@ def _report(ctx: CheckContext, micro_batch: int, tried: list[int],
                  f" reserved) vs predicted {want / GIB:.1f} GiB (x{ratio:.2f})",
                  f"within {MEMORY_RTOL:.0%} of the prediction", ratio=ratio,
                  breakdown=result.get("predicted_memory"))
+
+
+def _report_step(ctx: CheckContext, records: list[dict[str, Any]],
+                 result: dict[str, Any]) -> None:
+    """Row ``mfu.step``: the measured single-GPU iteration against the predicted one."""
+    measured = median_field(records, "iteration_time_s", WARMUP_ITERS)
+    predicted = result.get("predicted_iteration_s")
+    threshold = f"predicted within {STEP_RTOL:.0%} of measured"
+    if measured is None or not predicted:
+        ctx.rows.add("mfu.step", FAIL, "no measured iteration time" if measured is None else
+                     f"the predictor gave no figure: {result.get('prediction_error')}",
+                     threshold)
+        return
+    error = predicted / measured - 1
+    ctx.rows.add("mfu.step", status_of(abs(error) <= STEP_RTOL),
+                 f"measured {measured:.3f} s vs predicted {predicted:.3f} s ({error:+.1%})",
+                 threshold, measured_s=measured, predicted_s=predicted, error=error)
 
 
 # ---- the driver process ----------------------------------------------------------------------

@@ -351,12 +351,15 @@ def test_roofline_row_compares_a_layer_with_the_peak_and_the_estimate():
     assert f"{roof / entry.forward_s:.0%} of roofline" in value and "est.)" in value
 
 
-def _mfu_rows(tmp_path: pathlib.Path, mfu_value: float, peak: float) -> dict[str, Row]:
+def _mfu_rows(tmp_path: pathlib.Path, mfu_value: float, peak: float,
+              step_s: float = 1.0) -> dict[str, Row]:
     ctx = ctx_at(tmp_path)
     records = [{"iteration": i, "mfu": 0.01 if i <= mfu.WARMUP_ITERS else mfu_value,
+                "iteration_time_s": 9.0 if i <= mfu.WARMUP_ITERS else step_s,
                 "tokens_per_s": 5e4, "tflops_per_device": 400.0} for i in range(1, 8)]
     result = {"accelerator": "H200", "peak_bytes": peak, "peak_reserved_bytes": peak * 1.1,
-              "predicted_peak_bytes": 30 * 2**30, "predicted_mfu": 0.52}
+              "predicted_peak_bytes": 30 * 2**30, "predicted_mfu": 0.52,
+              "predicted_iteration_s": 1.1}
     mfu._report(ctx, 4, [4], records, result)
     return {r.check: r for r in ctx.rows.rows}
 
@@ -365,8 +368,11 @@ def test_mfu_rows_use_the_median_after_warm_up_and_the_thresholds(tmp_path):
     good = _mfu_rows(tmp_path / "a", 0.45, 33 * 2**30)
     assert good["mfu.mfu"].status == PASS and good["mfu.mfu"].value.startswith("45.0%")
     assert good["mfu.memory"].status == PASS and "x1.10" in good["mfu.memory"].value
-    bad = _mfu_rows(tmp_path / "b", 0.30, 45 * 2**30)
+    assert good["mfu.step"].status == PASS
+    assert good["mfu.step"].value == "measured 1.000 s vs predicted 1.100 s (+10.0%)"
+    bad = _mfu_rows(tmp_path / "b", 0.30, 45 * 2**30, step_s=0.8)
     assert bad["mfu.mfu"].status == FAIL and bad["mfu.memory"].status == FAIL
+    assert bad["mfu.step"].status == FAIL and "(+37.5%)" in bad["mfu.step"].value
 
 
 # ---- the checks' control flow, with fake sub-runs -------------------------------------------

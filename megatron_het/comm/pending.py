@@ -68,7 +68,7 @@ class PendingOps:
 
     def _prune(self) -> None:
         """Drop completed operations, oldest first, up to the first still running (lock
-        held; the next check drops the rest)."""
+        held; later checks drop the rest)."""
         while self._ops:
             key, op = next(iter(self._ops.items()))
             if not _completed(op.marker):
@@ -79,22 +79,15 @@ class PendingOps:
         """A CommError for the oldest operation still running ``timeout_s`` after it started
         (naming its unified group, op and backend group), else None; drops completed ones."""
         with self._lock:
-            now = self._clock()
-            for key in list(self._ops):
-                op = self._ops[key]
-                if _completed(op.marker):
-                    del self._ops[key]
-                elif now - op.started >= timeout_s:
-                    return CommError(op.group, op.op,
-                                     f"{op.where}: not complete {now - op.started:.0f} s after "
-                                     f"it started (timeout {timeout_s:.0f} s)")
-                else:
-                    return None  # younger ones follow
-            return None
-
-    def clear(self) -> None:
-        with self._lock:
-            self._ops.clear()
+            self._prune()
+            if not self._ops:
+                return None
+            op = next(iter(self._ops.values()))
+            age = self._clock() - op.started
+            if age < timeout_s:
+                return None  # the younger ones are younger still
+            return CommError(op.group, op.op, f"{op.where}: not complete {age:.0f} s after it "
+                                              f"started (timeout {timeout_s:.0f} s)")
 
 
 def _completed(marker: Any) -> bool:

@@ -37,7 +37,7 @@ a tied embedding held by the last stage not at all. The squared sums are added o
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -333,10 +333,10 @@ def _part_of(name: str) -> str:
     return "embedding" if name == "embedding.weight" else "head"
 
 
-def _wait_for_gathers(stage: nn.Module, flat: FlatParams) -> Callable[[str], None]:
+def _wait_for_gathers(stage: nn.Module, flat: FlatParams) -> None:
     """Make ``stage`` wait, right before each part runs, for the all-gathers of the buckets
     holding that part's parameters (the head also for a tied embedding's, which it multiplies
-    by); returns the function set as ``stage.wait_for``."""
+    by), through ``stage.wait_for``."""
     buckets: dict[str, set[int]] = {}
     for slot in flat.buckets.slots:
         buckets.setdefault(_part_of(slot.name), set()).add(slot.bucket)
@@ -348,7 +348,6 @@ def _wait_for_gathers(stage: nn.Module, flat: FlatParams) -> Callable[[str], Non
         flat.wait_param_gather(ordered.get(part, ()))
 
     stage.wait_for = wait_for
-    return wait_for
 
 
 def build_parallel_optimizer(stage: nn.Module, groups: ProcessGroups,

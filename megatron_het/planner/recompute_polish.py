@@ -39,7 +39,8 @@ def relax_recompute(plan: ParallelPlan, predict_plan: Callable[[ParallelPlan], P
                     fits_plan: Callable[[Prediction], bool], prediction: Prediction
                     ) -> tuple[ParallelPlan, Prediction]:
     """``plan`` (and its ``prediction``, which fits) with each recomputing kind's stages
-    recomputing the fewest layers with which the plan still fits, where that is faster."""
+    recomputing the fewest layers with which the plan still fits, where that is faster (a
+    plan that recomputes nothing comes back as it is, with no prediction made)."""
     kinds = list(dict.fromkeys(stage.accelerator for pipeline in plan.pipelines
                                for stage in pipeline.stages if stage.recompute))
     for kind in kinds:

@@ -319,8 +319,7 @@ def _replica_candidates(search: _Search, max_micro_batch_size: int,
     search.evaluated += replicas.probes
     out = []
     for layout, plan, prediction, closed_form in found:
-        if any(st.recompute for pipeline in plan.pipelines for st in pipeline.stages):
-            plan, prediction = relax_recompute(plan, search.predict, search.fits, prediction)
+        plan, prediction = relax_recompute(plan, search.predict, search.fits, prediction)
         out.append(Candidate(layout, tuple(n for part in layout.parts for n in part.layers),
                              closed_form, plan, prediction))
     return out
@@ -384,8 +383,7 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
             chunks = plan.pipelines[0].stages
             layers = [sum(st.num_layers for st in chunks[g::sm.num_stages])
                       for g in range(sm.num_stages)]
-        if any(st.recompute for pipeline in plan.pipelines for st in pipeline.stages):
-            plan, prediction = relax_recompute(plan, search.predict, search.fits, prediction)
+        plan, prediction = relax_recompute(plan, search.predict, search.fits, prediction)
         out.append(Candidate(sm.layout, tuple(layers), sm.iteration_time(layers), plan,
                              prediction))
     if not out:

@@ -87,7 +87,7 @@ class PeerWatch:
                  grace_s: Optional[float] = None, generation: int = 0,
                  logging_rank: int = 0, node_size: int = 0,
                  store_deadline_s: Optional[float] = None,
-                 stuck_operation: Callable[[float], Optional[BaseException]] = lambda _s: None
+                 stuck_operation: Callable[[float], Optional[CommError]] = lambda _s: None
                  ) -> None:
         self.prefix = f"{PREFIX}{generation}/"
         self.logging_rank = logging_rank
@@ -106,7 +106,7 @@ class PeerWatch:
         self.activity = activity
         self.timeout_s = timeout_s
         self.stuck_operation = stuck_operation
-        self.on_stuck: Optional[Callable[[BaseException], None]] = None
+        self.on_stuck: Optional[Callable[[CommError], None]] = None
         self._beats = 0
         self._failing = False
         self._stop = threading.Event()

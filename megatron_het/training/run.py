@@ -85,10 +85,9 @@ def _peer_failure_line(setup: RunSetup, watch: PeerWatch, error: CommError) -> s
     return report.line
 
 
-def _end_stuck(setup: RunSetup, watch: PeerWatch, error: BaseException) -> None:
+def _end_stuck(setup: RunSetup, watch: PeerWatch, error: CommError) -> None:
     """From the heartbeat thread: the main thread's operation ran past the timeout without
     failing (a device backend's); report it as a failed one and end the process."""
-    assert isinstance(error, CommError)
     line = _peer_failure_line(setup, watch, error)
     print(f"error: {line}", file=sys.stderr, flush=True)
     sys.stdout.flush()

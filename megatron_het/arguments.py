@@ -64,6 +64,7 @@ class ParallelSpec:
     pipeline_model_parallel_layout: Optional[str] = None
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     grad_reduce_in_bf16: bool = False
@@ -198,6 +199,10 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true",
                    help="shard the regions between TP blocks (norms, residuals, stage "
                         "boundaries) along the sequence; needs --seq-length divisible by tp")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="with --sequence-parallel: run each TP block's sequence all-gather "
+                        "and reduce-scatter as rings of point-to-point steps, each beside the "
+                        "GEMM of the block already at hand")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="full: recompute decoder layers' activations in backward, keeping "
                         "only their inputs, on every stage of the plan (with "
@@ -366,6 +371,7 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
         pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
         use_distributed_optimizer=args.use_distributed_optimizer,
         sequence_parallel=args.sequence_parallel,
+        tp_comm_overlap=args.tp_comm_overlap,
         recompute=_recompute(args),
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,

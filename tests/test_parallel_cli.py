@@ -116,6 +116,8 @@ def test_auto_plan_fills_the_cluster() -> None:
     (["--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_tp2_pp2.json"),
       "--num-attention-heads", "3", "--num-query-groups", "3", "--hidden-size", "48"],
      "has tp=2, which does not divide"),
+    (["--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_tp2_pp2.json"),
+      "--tp-comm-overlap"], "--tp-comm-overlap overlaps sequence parallelism's all-gathers"),
 ])
 def test_mismatches_are_one_line_errors(flags: list[str], message: str) -> None:
     with pytest.raises(UserError) as info:

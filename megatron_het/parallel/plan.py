@@ -23,8 +23,8 @@ JSON form ("megatron_het.plan/1")::
          {"accelerator": "emu-slow", "tp": 1, "layers": [3, 4], "ranks": [3]}]}]}
 
 Optional keys: ``description``, ``dtype`` (fp32 | bf16 | fp16), ``use_distributed_optimizer``,
-``sequence_parallel``, ``overlap_grad_reduce``, ``overlap_param_gather``, ``grad_reduce_in_bf16``
-and ``overlap_p2p_comm`` on the plan (true or false, like Megatron's flags of those names; absent: the command line
+``sequence_parallel``, ``tp_comm_overlap``, ``overlap_grad_reduce``, ``overlap_param_gather``,
+``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` on the plan (true or false, like Megatron's flags of those names; absent: the command line
 decides), ``recompute`` on a stage (true: every decoder layer's activations are recomputed in
 backward, only its input kept) and with it ``recompute_num_layers`` (Megatron-LM's block
 method: only the stage's first N layers are). Unknown keys are refused.
@@ -48,7 +48,8 @@ from megatron_het.fileio import read_json_file
 PLAN_FORMAT = "megatron_het.plan/1"
 PLAN_DTYPES = ("fp32", "bf16", "fp16")
 _PLAN_KEYS = ("format", "micro_batch_size", "pipelines", "description", "dtype",
-              "use_distributed_optimizer", "sequence_parallel", "overlap_grad_reduce",
+              "use_distributed_optimizer", "sequence_parallel", "tp_comm_overlap",
+              "overlap_grad_reduce",
               "overlap_param_gather", "grad_reduce_in_bf16", "overlap_p2p_comm")
 _PIPELINE_KEYS = ("micro_batches", "stages")
 _STAGE_KEYS = ("accelerator", "tp", "layers", "ranks", "recompute", "recompute_num_layers")
@@ -218,10 +219,12 @@ class RankRole:
 class ParallelPlan:
     """The whole plan: micro-batch size and the pipelines (DP replicas).
 
-    ``dtype``, ``use_distributed_optimizer``, ``sequence_parallel``, ``overlap_grad_reduce``,
+    ``dtype``, ``use_distributed_optimizer``, ``sequence_parallel``, ``tp_comm_overlap``,
+    ``overlap_grad_reduce``,
     ``overlap_param_gather``, ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` (interleaved pipelines overlap their
     transfers with compute; Megatron-LM's default, on) are None when the plan leaves them to
-    the command line (a run resolves ``sequence_parallel`` into its plan). The global batch is
+    the command line (a run resolves ``sequence_parallel`` and ``tp_comm_overlap`` into its
+    plan). The global batch is
     ``micro_batch_size`` times the sum of the pipelines' micro-batch counts.
     """
 
@@ -235,6 +238,7 @@ class ParallelPlan:
     grad_reduce_in_bf16: Optional[bool] = None
     overlap_p2p_comm: Optional[bool] = None
     overlap_param_gather: Optional[bool] = None
+    tp_comm_overlap: Optional[bool] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
@@ -277,7 +281,8 @@ class ParallelPlan:
         """A few human-readable lines: one per stage, with its ranks and layers."""
         lines = [f"plan: dp={self.dp_size} micro_batch_size={self.micro_batch_size} "
                  f"global_batch_size={self.global_batch_size}"
-                 + (" sequence_parallel" if self.sequence_parallel else "")]
+                 + (" sequence_parallel" if self.sequence_parallel else "")
+                 + (" tp_comm_overlap" if self.tp_comm_overlap else "")]
         for p, pipeline in enumerate(self.pipelines):
             interleave = (f", {pipeline.num_chunks} interleaved chunks on each of "
                           f"{pipeline.pp_size} device groups" if pipeline.interleaved else "")
@@ -303,6 +308,8 @@ class ParallelPlan:
             out["use_distributed_optimizer"] = self.use_distributed_optimizer
         if self.sequence_parallel is not None:
             out["sequence_parallel"] = self.sequence_parallel
+        if self.tp_comm_overlap is not None:
+            out["tp_comm_overlap"] = self.tp_comm_overlap
         if self.overlap_grad_reduce is not None:
             out["overlap_grad_reduce"] = self.overlap_grad_reduce
         if self.overlap_param_gather is not None:
@@ -433,12 +440,16 @@ def _parse_plan(d: Any) -> ParallelPlan:
     if dtype is not None and dtype not in PLAN_DTYPES:
         raise UserError(f"plan: dtype must be one of {', '.join(PLAN_DTYPES)}, got {dtype!r}")
     options = {key: None if d.get(key) is None else _bool("plan", key, d[key])
-               for key in ("use_distributed_optimizer", "sequence_parallel",
+               for key in ("use_distributed_optimizer", "sequence_parallel", "tp_comm_overlap",
                            "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_bf16",
                            "overlap_p2p_comm")}
     if options["grad_reduce_in_bf16"] and dtype not in (None, "bf16"):
         raise UserError(f"plan: grad_reduce_in_bf16 needs bf16 training but dtype is {dtype}; "
                         "set \"dtype\": \"bf16\" or drop grad_reduce_in_bf16")
+    if options["tp_comm_overlap"] and options["sequence_parallel"] is False:
+        raise UserError("plan: tp_comm_overlap overlaps sequence parallelism's all-gathers and "
+                        "reduce-scatters but sequence_parallel is false; set it true or drop "
+                        "tp_comm_overlap")
     if options["overlap_param_gather"] and options["use_distributed_optimizer"] is False:
         raise UserError("plan: overlap_param_gather overlaps the distributed optimizer's "
                         "all-gather but use_distributed_optimizer is false; set it true or drop "

@@ -51,5 +51,6 @@ def build_stage(model_config: ModelConfig, plan: ParallelPlan, groups: ProcessGr
         return model
     # Shards drawn from the seed land on the CPU (the meta model has no device of its own).
     apply_tp(model, groups.tp, model_config, seed=seed,
-             sequence_parallel=bool(plan.sequence_parallel))
+             sequence_parallel=bool(plan.sequence_parallel),
+             tp_comm_overlap=bool(plan.tp_comm_overlap))
     return model.to(device)

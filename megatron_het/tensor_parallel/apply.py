@@ -102,7 +102,8 @@ def _shard(model: nn.Module, name: str, config: ModelConfig, tp: int, tp_rank: i
 
 @torch.no_grad()
 def apply_tp(model: LlamaModel, group: UnifiedGroup, config: ModelConfig,
-             seed: Optional[int] = None, sequence_parallel: bool = False) -> LlamaModel:
+             seed: Optional[int] = None, sequence_parallel: bool = False,
+             tp_comm_overlap: bool = False) -> LlamaModel:
     """Shard ``model`` over the tensor-parallel ``group`` in place and return it.
 
     Args:
@@ -122,7 +123,9 @@ def apply_tp(model: LlamaModel, group: UnifiedGroup, config: ModelConfig,
     shard_spec`); norms stay replicated. Collective-free: only the layers' forward and backward
     communicate. ``sequence_parallel`` shards the regions between TP blocks along the sequence
     (:mod:`megatron_het.tensor_parallel.sequence_parallel`): hidden states between layers and
-    stages are ``[B, S/tp, H]`` per rank.
+    stages are ``[B, S/tp, H]`` per rank. ``tp_comm_overlap`` (with ``sequence_parallel``)
+    overlaps the layers' sequence all-gathers and reduce-scatters with their GEMMs
+    (:mod:`megatron_het.tensor_parallel.comm_overlap`).
     """
     tp, tp_rank = group.size, group.rank
     if tp == 1:
@@ -140,13 +143,14 @@ def apply_tp(model: LlamaModel, group: UnifiedGroup, config: ModelConfig,
         prefix = f"layers.{index}."
         attention = layer.attention
         qkv, proj = shard(prefix + "attention.qkv.weight"), shard(prefix + "attention.proj.weight")
-        sp = sequence_parallel
-        attention.qkv = ColumnParallelLinear(qkv, group, sequence_parallel=sp)
-        attention.proj = RowParallelLinear(proj, group, sp)
+        sp, overlap = sequence_parallel, tp_comm_overlap
+        attention.qkv = ColumnParallelLinear(qkv, group, sequence_parallel=sp,
+                                             tp_comm_overlap=overlap)
+        attention.proj = RowParallelLinear(proj, group, sp, overlap)
         attention.num_heads = config.num_attention_heads // tp
         attention.num_groups = config.num_query_groups // tp
         layer.mlp = ParallelMLP(shard(prefix + "mlp.gate.weight"), shard(prefix + "mlp.up.weight"),
-                                shard(prefix + "mlp.down.weight"), group, sp)
+                                shard(prefix + "mlp.down.weight"), group, sp, overlap)
         for norm in ("input_norm", "post_attention_norm"):
             _replace_replicated(model, f"{prefix}{norm}.weight", seed, config)
             _sequence_parallel_norm(layer.get_submodule(norm), group, sp)

@@ -6,7 +6,9 @@ parameter keeps its global name (``layers.3.mlp.up.weight``). The shard comes fr
 the single-process weights. Communication goes through the mappings of
 :mod:`megatron_het.tensor_parallel.mappings` on the group given at construction, or with
 ``sequence_parallel`` through those of :mod:`megatron_het.tensor_parallel.sequence_parallel`
-(inputs and outputs ``[B, S/tp, H]`` sharded along the sequence instead of replicated).
+(inputs and outputs ``[B, S/tp, H]`` sharded along the sequence instead of replicated);
+with ``tp_comm_overlap`` as well, the sequence's all-gathers and reduce-scatters run as rings
+overlapped with the GEMMs (:mod:`megatron_het.tensor_parallel.comm_overlap`).
 
 Shape legend: H hidden (input features), O output features, tp the group size, V vocabulary,
 Vr this rank's vocabulary rows.
@@ -20,6 +22,7 @@ from torch import nn
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.kernels import rms_norm, swiglu
 from megatron_het.model.llama import RMSNorm
+from megatron_het.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from megatron_het.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
 from megatron_het.tensor_parallel.sequence_parallel import (gather_from_sp, reduce_scatter_to_sp,
                                                             sp_norm_weight)
@@ -36,19 +39,24 @@ class ColumnParallelLinear(nn.Module):
             input (several column-parallel layers reading one tensor need only one all-reduce).
         sequence_parallel: the input is ``[B, S/tp, H]``; entering gathers the sequence (its
             backward reduce-scatters the input gradient) instead of :func:`copy_to_tp`.
+        tp_comm_overlap: with ``sequence_parallel``, the gather runs block by block beside
+            the GEMM (:func:`~megatron_het.tensor_parallel.comm_overlap.all_gather_linear`).
 
     Input ``[..., H]`` replicated on every rank; output ``[..., O/tp]`` sharded, not gathered.
     """
 
     def __init__(self, weight: torch.Tensor, group: UnifiedGroup, copy_input: bool = True,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, tp_comm_overlap: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.group = group
         self.copy_input = copy_input
         self.sequence_parallel = sequence_parallel
+        self.tp_comm_overlap = tp_comm_overlap and sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input and self.tp_comm_overlap:
+            return all_gather_linear(x, (self.weight,), self.group)[0]
         if self.copy_input:
             x = enter_tp(x, self.group, self.sequence_parallel)
         return F.linear(x, self.weight)
@@ -66,19 +74,25 @@ class RowParallelLinear(nn.Module):
         group: the tensor-parallel group.
         sequence_parallel: leave by a reduce-scatter along the sequence (output
             ``[B, S/tp, O]``) instead of an all-reduce.
+        tp_comm_overlap: with ``sequence_parallel``, the reduce-scatter runs block by block
+            beside the GEMM (:func:`~megatron_het.tensor_parallel.comm_overlap.
+            linear_reduce_scatter`).
 
     Input ``[..., H/tp]`` sharded (the output of a column-parallel layer); output ``[..., O]``
     replicated, after one all-reduce in forward (none in backward).
     """
 
     def __init__(self, weight: torch.Tensor, group: UnifiedGroup,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, tp_comm_overlap: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.tp_comm_overlap = tp_comm_overlap and sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_comm_overlap:
+            return linear_reduce_scatter(x, self.weight, self.group)
         return leave_tp(F.linear(x, self.weight), self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
@@ -129,19 +143,25 @@ class ParallelMLP(nn.Module):
 
     The children keep the names ``gate``, ``up`` and ``down``. The input enters the parallel
     region once (one backward all-reduce for gate and up together); the output is all-reduced
-    once by ``down``. Input and output ``[..., H]`` replicated.
+    once by ``down``. Input and output ``[..., H]`` replicated. With ``sequence_parallel`` and
+    ``tp_comm_overlap``, gate and up multiply each sequence block of one overlapped all-gather.
     """
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 group: UnifiedGroup, sequence_parallel: bool = False) -> None:
+                 group: UnifiedGroup, sequence_parallel: bool = False,
+                 tp_comm_overlap: bool = False) -> None:
         super().__init__()
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.tp_comm_overlap = tp_comm_overlap and sequence_parallel
         self.gate = ColumnParallelLinear(gate, group, copy_input=False)
         self.up = ColumnParallelLinear(up, group, copy_input=False)
-        self.down = RowParallelLinear(down, group, sequence_parallel)
+        self.down = RowParallelLinear(down, group, sequence_parallel, tp_comm_overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_comm_overlap:
+            gate, up = all_gather_linear(x, (self.gate.weight, self.up.weight), self.group)
+            return self.down(swiglu(gate, up))
         x = enter_tp(x, self.group, self.sequence_parallel)
         return self.down(swiglu(self.gate(x), self.up(x)))
 

@@ -31,7 +31,8 @@ def describe_plan(setup: RunSetup) -> str:
     plan = setup.plan
     lines = [f"> plan: dp={plan.dp_size}, micro_batch_size={plan.micro_batch_size}, global "
              f"batch {plan.global_batch_size}"
-             + (", sequence parallel" if plan.sequence_parallel else "")]
+             + (", sequence parallel" if plan.sequence_parallel else "")
+             + (" with TP communication overlapped" if plan.tp_comm_overlap else "")]
     for p, pipeline in enumerate(plan.pipelines):
         interleave = ""
         if pipeline.interleaved:

@@ -168,6 +168,12 @@ def choose_plan(run: RunConfig, model: ModelConfig, world_size: Optional[int],
                         f"{cluster.world_size}; give every rank of the cluster a stage")
     if plan.sequence_parallel is None and spec.sequence_parallel:
         plan = dataclasses.replace(plan, sequence_parallel=True)  # the run's plan says it
+    if plan.tp_comm_overlap is None and spec.tp_comm_overlap:
+        plan = dataclasses.replace(plan, tp_comm_overlap=True)
+    if plan.tp_comm_overlap and not plan.sequence_parallel:
+        raise UserError("--tp-comm-overlap overlaps sequence parallelism's all-gathers and "
+                        "reduce-scatters with the GEMMs; add --sequence-parallel (or "
+                        "\"sequence_parallel\": true in the plan)")
     if spec.recompute is not None:
         method, count = spec.recompute
         plan = with_recompute(plan, count if method == "block" else None)

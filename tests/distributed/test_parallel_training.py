@@ -55,6 +55,10 @@ CASES = {
                             "--pipeline-model-parallel-size", "2", "--sequence-parallel"]),
     "pp3_tp211_sp": ("tiny-tied", ["--cluster", CLUSTER, "--sequence-parallel",
                                    "--plan", str(PLANS / "cpu_emulated_3stage.json")]),
+    # ... with the TP-2 stage's all-gathers and reduce-scatters as rings beside the GEMMs.
+    "tp2_pp2_overlap_sp": ("tiny", ["--tensor-model-parallel-size", "2",
+                                    "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+                                    "--tp-comm-overlap"]),
     # Heterogeneous data parallelism: a 2-stage tp=1 replica with 3 micro-batches beside a
     # 1-stage tp=2 replica with 1; gradients summed in the full parameter shapes.
     "hetero_dp_pp2_tp2": ("tiny-tied", ["--plan", str(PLANS / "cpu_hetero_dp.json")]),
@@ -72,6 +76,7 @@ CASES = {
 STAGES = {"pp3_tp211_layers121": [(0, 0), (0, 1), (0, 2)], "tp2_dp2": [(0, 0), (1, 0)],
           "pp2_dp2_zero1_uneven": [(0, 0), (0, 1), (1, 0), (1, 1)],
           "tp2_pp2": [(0, 0), (0, 1)], "tp2_pp2_sp": [(0, 0), (0, 1)],
+          "tp2_pp2_overlap_sp": [(0, 0), (0, 1)],
           "pp3_tp211_sp": [(0, 0), (0, 1), (0, 2)],
           "hetero_dp_pp2_tp2": [(0, 0), (0, 1), (1, 0)],
           "hetero_dp_zero1": [(0, 0), (0, 1), (1, 0)],
@@ -185,6 +190,7 @@ def test_matches_single_process(name: str, reference: Callable, parallel: Callab
     assert text.count("validation loss at iteration") == 2  # exactly one rank logs
     # the sequence-parallel cases run with it on (their start-up plan line says so)
     assert (", sequence parallel" in text) == name.endswith("_sp")
+    assert ("TP communication overlapped" in text) == ("--tp-comm-overlap" in layout)
 
 
 # Low-precision plans against the single-process run of the same precision: ZeRO-1 with

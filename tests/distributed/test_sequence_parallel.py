@@ -14,6 +14,7 @@ import torch
 from megatron_het.model.llama import build_model
 from megatron_het.parallel.sequence import sequence_range
 from megatron_het.tensor_parallel import apply_tp, shard_spec, unshard
+from megatron_het.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from megatron_het.tensor_parallel.sequence_parallel import gather_from_sp, reduce_scatter_to_sp
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_tensor_parallel import (SEED, TIED, UNTIED, WORLD, _batch, _close,
@@ -51,6 +52,44 @@ def test_sequence_parallel_mappings() -> None:
     run_ranks(_mappings, WORLD, timeout=60)
 
 
+def _overlapped(rank: int, world_size: int) -> None:
+    # The rings against the plain collectives, forward and backward, with batch 2 (blocks
+    # that are not contiguous in memory) and two weights sharing one gather.
+    for tp, group in _groups(world_size).items():
+        start, stop = sequence_range(8, tp, group.rank)
+        full = _randn(0, 2, 8, 6)
+        weights = [_randn(40 + i + group.rank, 5 + i, 6) for i in range(2)]
+        outs, plain = [], []
+        for fn in (all_gather_linear, None):
+            shard = full[:, start:stop].clone().requires_grad_()
+            ws = [w.clone().requires_grad_() for w in weights]
+            if fn is None:
+                gathered = gather_from_sp(shard, group)
+                ys = [torch.nn.functional.linear(gathered, w) for w in ws]
+            else:
+                ys = list(fn(shard, ws, group))
+            sum((y * _randn(50 + i + group.rank, *y.shape)).sum() for i, y in enumerate(ys)
+                ).backward()
+            (outs if fn else plain).append([*ys, shard.grad, *(w.grad for w in ws)])
+        for got, want in zip(outs[0], plain[0]):
+            _close(got, want, "all_gather_linear")
+        x = _randn(60 + group.rank, 2, 8, 6)
+        weight = _randn(70 + group.rank, 4, 6)
+        results = []
+        for overlapped in (True, False):
+            xx, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+            y = (linear_reduce_scatter(xx, w, group) if overlapped
+                 else reduce_scatter_to_sp(torch.nn.functional.linear(xx, w), group))
+            (y * _randn(80 + group.rank, *y.shape)).sum().backward()
+            results.append((y, xx.grad, w.grad))
+        for got, want in zip(*results):
+            _close(got, want, "linear_reduce_scatter")
+
+
+def test_overlapped_rings_match_the_collectives() -> None:
+    run_ranks(_overlapped, WORLD, timeout=60)
+
+
 def _stage(model, x: torch.Tensor, labels: torch.Tensor, positions: slice) -> dict:
     hidden_input = x.is_floating_point()
     if hidden_input:
@@ -64,20 +103,21 @@ def _stage(model, x: torch.Tensor, labels: torch.Tensor, positions: slice) -> di
     return result
 
 
-def _sequence_parallel(rank: int, world_size: int, tp: int) -> list[dict]:
+def _sequence_parallel(rank: int, world_size: int, tp: int, overlap: bool) -> list[dict]:
     group = _groups(world_size)[tp]
     start, stop = sequence_range(8, tp, group.rank)
     results = []
     for config, layers, has_embedding, has_head, recompute in CASES:
         model = apply_tp(build_model(config, SEED, layers, has_embedding, has_head, recompute),
-                         group, config, sequence_parallel=True)
+                         group, config, sequence_parallel=True, tp_comm_overlap=overlap)
         results.append(_stage(model, *_batch(config, has_embedding), slice(start, stop)))
     return results
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_sequence_parallel_stages_match_single_process(tp: int) -> None:
-    per_rank = run_ranks(_sequence_parallel, WORLD, tp, timeout=90)
+@pytest.mark.parametrize("tp,overlap", [(2, False), (4, False), (2, True), (4, True)])
+def test_sequence_parallel_stages_match_single_process(tp: int, overlap: bool) -> None:
+    # overlap: --tp-comm-overlap's rings in place of the all-gathers and reduce-scatters.
+    per_rank = run_ranks(_sequence_parallel, WORLD, tp, overlap, timeout=90)
     for case, (config, layers, has_embedding, has_head, recompute) in enumerate(CASES):
         reference = _stage(build_model(config, SEED, layers, has_embedding, has_head, recompute),
                            *_batch(config, has_embedding), slice(0, 8))

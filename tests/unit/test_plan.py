@@ -131,8 +131,8 @@ def test_dp_options_round_trip(tmp_path, options):
      "plan: overlap_param_gather overlaps the distributed optimizer's all-gather but "
      "use_distributed_optimizer is false; set it true or drop overlap_param_gather"),
     (lambda d: d.update(overlap=True), "known keys: format, micro_batch_size, pipelines, "
-     "description, dtype, use_distributed_optimizer, sequence_parallel, overlap_grad_reduce, "
-     "overlap_param_gather, grad_reduce_in_bf16, overlap_p2p_comm"),
+     "description, dtype, use_distributed_optimizer, sequence_parallel, tp_comm_overlap, "
+     "overlap_grad_reduce, overlap_param_gather, grad_reduce_in_bf16, overlap_p2p_comm"),
 ])
 def test_bad_dp_options_are_refused_with_one_line(edit, expected):
     assert expected in user_error(edited, EXAMPLE, edit)
@@ -155,6 +155,9 @@ def test_bad_dp_options_are_refused_with_one_line(edit, expected):
     (lambda d: d["pipelines"][0]["stages"][1].update(layers=[1]), "layers must be [first, end)"),
     (lambda d: d["pipelines"][0].pop("micro_batches"), "pipeline 0: missing key 'micro_batches'"),
     (lambda d: d.update(pipelines=[]), "pipelines must be a non-empty list"),
+    (lambda d: d.update(tp_comm_overlap=True, sequence_parallel=False),
+     "plan: tp_comm_overlap overlaps sequence parallelism's all-gathers and reduce-scatters but "
+     "sequence_parallel is false"),
 ])
 def test_bad_json_is_refused_with_one_line(edit, expected):
     assert expected in user_error(edited, EXAMPLE, edit)

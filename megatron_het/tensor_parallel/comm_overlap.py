@@ -1,0 +1,216 @@
+"""TP communication overlapped with the GEMMs beside it (``--tp-comm-overlap``).
+
+Under sequence parallelism a TP block opens with an all-gather along the sequence and closes
+with a reduce-scatter (:mod:`megatron_het.tensor_parallel.sequence_parallel`); each waits for
+the whole transfer before or after its GEMM. Here both are rings of ``tp - 1`` point-to-point
+steps, and each step's transfer runs while the GEMM of the sequence block already at hand
+computes (Megatron-LM's ``--tp-comm-overlap``, which TransformerEngine does with userbuffers;
+Wang et al. 2022, "Overlap communication with dependent computation via decomposition"):
+
+    op                 forward                                  backward
+    all_gather_linear  ring all-gather of x blocks, each block   ring reduce-scatter of dx blocks
+                       multiplied as it arrives (qkv, gate/up)   with the x ring again (wgrad)
+    linear_reduce_     ring reduce-scatter: each block's         ring all-gather of dy blocks,
+    scatter            partial product added to the one passing  each block's dx and wgrad as it
+                       by                                        arrives (proj, down)
+
+Rank r holds sequence block r (positions ``[r S/tp, (r + 1) S/tp)``). In the all-gather ring the
+block at hand at step k is ``(r - k) mod tp``; in the reduce-scatter ring rank r adds its partial
+product for block ``(r - 1 - k) mod tp`` to the sum arriving from rank r - 1 and passes it on,
+so at the last step it holds the whole sum of its own block. Results equal the
+non-overlapped path up to the order of floating-point sums (the weight gradient is summed over
+blocks). The bytes on the wire are the same as the collectives'; only the waiting is hidden.
+
+Tensors are ``[B, S, H]`` (batch first, the sequence on dim 1). Shape legend: B batch, S
+sequence, s = S/tp this rank's block, H input features, O output features.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron_het.comm.groups import UnifiedGroup
+from megatron_het.comm.p2p import P2PHandle, P2POp
+from megatron_het.kernels.graph_break import graph_break
+
+SEQ_DIM = 1
+# Tags of the two rings a backward pass runs at once (gloo matches on them; device backends
+# match transfers between two ranks in the order they were posted, the same on every rank).
+GATHER_TAG = 71
+REDUCE_TAG = 72
+
+
+class _Ring:
+    """This rank's neighbours in ``group`` (global ranks) and the transfers still running."""
+
+    def __init__(self, group: UnifiedGroup) -> None:
+        self.group = group
+        self.size, self.rank = group.size, group.rank
+        ranks = group.ranks
+        self.next = ranks[(self.rank + 1) % self.size]
+        self.prev = ranks[(self.rank - 1) % self.size]
+
+    def pass_on(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list[P2PHandle]]:
+        """Start sending ``send`` to the next rank and receiving its like from the previous;
+        the received tensor is valid once every handle is waited."""
+        got = torch.empty_like(send)
+        handles = self.group.batch_isend_irecv([P2POp("isend", send, self.next, tag),
+                                                P2POp("irecv", got, self.prev, tag)])
+        return got, handles
+
+    def block(self, step: int, behind: int = 0) -> int:
+        """The sequence block at hand at ``step``: ``(rank - behind - step) mod size``."""
+        return (self.rank - behind - step) % self.size
+
+
+def _wait(handles: Optional[list[P2PHandle]]) -> None:
+    for handle in handles or ():
+        handle.wait()
+
+
+def _seq_block(x: torch.Tensor, index: int, length: int) -> torch.Tensor:
+    return x.narrow(SEQ_DIM, index * length, length)
+
+
+def _gathered_products(ring: _Ring, x_local: torch.Tensor,
+                       weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``[all_gather(x) @ W.T for W in weights]``, each block multiplied while the next one
+    travels."""
+    B, s, _ = x_local.shape
+    outs = [x_local.new_empty((B, s * ring.size, w.shape[0])) for w in weights]
+    here = x_local.contiguous()
+    for step in range(ring.size):
+        handles = None
+        if step < ring.size - 1:
+            arriving, handles = ring.pass_on(here, GATHER_TAG)
+        index = ring.block(step)
+        for out, w in zip(outs, weights):
+            _seq_block(out, index, s).copy_(F.linear(here, w))
+        _wait(handles)
+        if handles is not None:
+            here = arriving
+    return outs
+
+
+def _scattered_sum(ring: _Ring, partial_of: Any) -> torch.Tensor:
+    """Ring reduce-scatter of ``partial_of(block)`` (this rank's partial result for sequence
+    block ``block``): the sum over the group of this rank's own block. Each step's partial
+    product is computed while the sum before it travels."""
+    total, handles, sending = None, None, None
+    for step in range(ring.size):
+        part = partial_of(ring.block(step, behind=1))
+        if handles is not None:
+            _wait(handles)
+            part = part + total
+        if step < ring.size - 1:
+            sending = part.contiguous()  # kept until its send is waited
+            total, handles = ring.pass_on(sending, REDUCE_TAG)
+        else:
+            total = part
+    del sending
+    return total
+
+
+class _AllGatherLinear(torch.autograd.Function):
+    """``[all_gather_seq(x) @ W.T for W in weights]`` with the gather overlapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup,
+                *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.save_for_backward(x, *weights)
+        return tuple(_gathered_products(_Ring(group), x, weights))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        # Two rings at once: the input gradient's reduce-scatter and x's all-gather again
+        # (only x's own block was kept), each block's weight gradient computed as it arrives.
+        x, *weights = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        B, s, H = x.shape
+        grads = [g.contiguous() for g in grads]
+        wgrads = [torch.zeros_like(w) for w in weights]
+        here = x.contiguous()
+        total, sum_handles, sending = None, None, None
+        for step in range(ring.size):
+            last = step == ring.size - 1
+            x_handles = None
+            if not last:
+                arriving, x_handles = ring.pass_on(here, GATHER_TAG)
+            block = ring.block(step, behind=1)
+            part = sum(_seq_block(g, block, s).matmul(w) for g, w in zip(grads, weights))
+            if sum_handles is not None:
+                _wait(sum_handles)
+                part = part + total
+            if not last:
+                sending = part.contiguous()
+                total, sum_handles = ring.pass_on(sending, REDUCE_TAG)
+            else:
+                total = part
+            rows = here.reshape(B * s, H)
+            index = ring.block(step)
+            for wgrad, g in zip(wgrads, grads):
+                wgrad.add_(_seq_block(g, index, s).reshape(B * s, -1).t().matmul(rows))
+            _wait(x_handles)
+            if not last:
+                here = arriving
+        del sending
+        return (total, None, *wgrads)
+
+
+class _LinearReduceScatter(torch.autograd.Function):
+    """``reduce_scatter_seq(x @ W.T)`` with the reduce-scatter overlapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
+                group: UnifiedGroup) -> torch.Tensor:
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        ring = _Ring(group)
+        if x.shape[SEQ_DIM] % ring.size:
+            raise ValueError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by the TP "
+                             f"size {ring.size}")
+        s = x.shape[SEQ_DIM] // ring.size
+        return _scattered_sum(ring, lambda block: F.linear(_seq_block(x, block, s), weight))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        B, S, H = x.shape
+        s = S // ring.size
+        dx = torch.empty_like(x)
+        wgrad = torch.zeros_like(weight)
+        here = grad.contiguous()
+        for step in range(ring.size):
+            handles = None
+            if step < ring.size - 1:
+                arriving, handles = ring.pass_on(here, GATHER_TAG)
+            index = ring.block(step)
+            _seq_block(dx, index, s).copy_(here.matmul(weight))
+            wgrad.add_(here.reshape(B * s, -1).t().matmul(
+                _seq_block(x, index, s).reshape(B * s, H)))
+            _wait(handles)
+            if handles is not None:
+                here = arriving
+        return dx, wgrad, None
+
+
+@graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
+def all_gather_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                      group: UnifiedGroup) -> tuple[torch.Tensor, ...]:
+    """``[B, s, H]`` sequence block -> ``[all_gather_seq(x) @ W.T for W in weights]`` (each
+    ``[B, S, O_W]``), the all-gather overlapped with the GEMMs; backward reduce-scatters the
+    input gradient the same way."""
+    return _AllGatherLinear.apply(x, group, *weights)
+
+
+@graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
+def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor,
+                          group: UnifiedGroup) -> torch.Tensor:
+    """``[B, S, H]`` -> this rank's ``[B, s, O]`` block of ``sum over ranks (x @ W.T)``, the
+    reduce-scatter overlapped with the GEMM; backward all-gathers the output gradient the
+    same way."""
+    return _LinearReduceScatter.apply(x, weight, group)

@@ -104,7 +104,8 @@ def _stage_timing(inputs: PredictionInputs, p: int, s: int, pipeline: PipelinePl
     host = choose_profile(spec, inputs.profiles).profile
     if stage.tp > 1 and host is not None and host.host_collective_s:
         # Measured per collective: its CPU share is work on the shared cores, the rest a wait;
-        # both replace the link model's all-reduce.
+        # both replace the link model's all-reduce. --tp-comm-overlap's rings are priced the
+        # same: on shared cores their copies compete with the GEMMs they would hide behind.
         wall, cpu = host.host_collective_s
         work_forward += counts.forward_all * cpu
         work_backward += counts.backward_all * cpu

@@ -30,7 +30,7 @@ the slowdown) and then multiplied by the slowdown, as an emulated run waits that
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
@@ -315,6 +315,36 @@ def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,
     return TPCollectives(forward, backward, cross_entropy)
 
 
+def ring_exposed(transfer_s: float, gemm_s: float, tp: int) -> float:
+    """What an overlapped TP ring (``--tp-comm-overlap``,
+    :mod:`megatron_het.tensor_parallel.comm_overlap`) adds to the GEMMs it runs beside: its
+    ``tp - 1`` steps each move ``transfer_s / (tp - 1)`` while ``gemm_s / tp`` of the GEMMs
+    computes, and a step lasts the longer of the two (the last step computes alone)."""
+    if tp <= 1:
+        return 0.0
+    return (tp - 1) * max(0.0, transfer_s / (tp - 1) - gemm_s / tp)
+
+
+def overlapped_layer_tp(gather_s: float, gemms: Mapping[str, float], tp: int
+                        ) -> tuple[float, float]:
+    """(forward, backward) exposed TP seconds of one sequence-parallel layer under
+    ``--tp-comm-overlap``: ``gather_s`` is one all-gather (or reduce-scatter) of the layer's
+    activations, ``gemms`` the forward seconds of its ``qkv``, ``proj``, ``gate_up`` and
+    ``down`` GEMMs on one rank.
+
+    Forward: the all-gathers before qkv and gate/up and the reduce-scatters after proj and
+    down each hide behind their GEMM. Backward: proj's and down's output-gradient all-gathers
+    behind their data and weight gradients (twice the forward GEMM); qkv's and gate/up's
+    input-gradient reduce-scatters together with the all-gather of their input again (only
+    the rank's own sequence block is kept) behind theirs."""
+    forward = sum(ring_exposed(gather_s, gemms[name], tp)
+                  for name in ("qkv", "proj", "gate_up", "down"))
+    backward = (sum(ring_exposed(gather_s, 2 * gemms[name], tp) for name in ("proj", "down"))
+                + sum(ring_exposed(2 * gather_s, 2 * gemms[name], tp)
+                      for name in ("qkv", "gate_up")))
+    return forward, backward
+
+
 def emulation_factor(spec: AcceleratorSpec) -> float:
     """The slowdown of an emulated kind (its figures are the host's divided by it), else 1."""
     return spec.slowdown if spec.emulated else 1.0
@@ -355,7 +385,8 @@ def _between_blocks(shape: LayerShape, sequence_parallel: bool) -> int:
 
 
 def layer_activation_bytes(shape: LayerShape, dtype: str, sequence_parallel: bool = False,
-                           attention_kernel: str = "flash") -> float:
+                           attention_kernel: str = "flash", tp_comm_overlap: bool = False
+                           ) -> float:
     """Bytes one layer keeps for its backward per micro-batch on one TP rank (no recompute):
     what :class:`~megatron_het.model.llama.DecoderLayer` saves, tensor for tensor.
 
@@ -367,7 +398,10 @@ def layer_activation_bytes(shape: LayerShape, dtype: str, sequence_parallel: boo
 
     With ``sequence_parallel`` the norms' inputs and ``1/rms`` are ``1/tp`` of the positions
     (``[b, s/tp, h]``); the residual adds save nothing; the inputs of qkv and gate/up are the
-    all-gathered ``[b, s, h]`` (the linear keeps them for its weight gradient), so they stay.
+    all-gathered ``[b, s, h]`` (the linear keeps them for its weight gradient), so they stay
+    -- unless ``tp_comm_overlap`` gathers them block by block
+    (:mod:`megatron_het.tensor_parallel.comm_overlap`), which keeps only the rank's own block
+    and gathers it again in backward: then they are ``1/tp`` too.
 
     ``attention_kernel`` ``"unfused"`` (:func:`attention_ops`) keeps no log-sum-exp but, per
     score element, the softmax's probabilities (its backward reads them), the dropout's uint8
@@ -378,7 +412,8 @@ def layer_activation_bytes(shape: LayerShape, dtype: str, sequence_parallel: boo
     q = shape.heads * shape.head_dim // tp
     kv = shape.kv_groups * shape.head_dim // tp
     f = shape.ffn // tp
-    elements = local * 2 * h + t * (2 * h + q + 2 * kv + q + 3 * f)
+    gemm_inputs = local if sequence_parallel and tp_comm_overlap else t
+    elements = local * 2 * h + gemm_inputs * 2 * h + t * (q + 2 * kv + q + 3 * f)
     if attention_kernel == "unfused":
         scores = shape.micro_batch * (shape.heads // tp) * shape.seq * shape.seq
         return ((elements + 2 * scores) * dtype_bytes(dtype) + DROPOUT_MASK_BYTES * scores

@@ -26,6 +26,13 @@ a reduce-scatter and an all-gather of the same bytes (each half the ring all-red
 the norm weights' gradients are all-reduced over TP in backward (2 per layer and the final
 norm, ``[hidden]`` float32 each), boundaries move each rank's ``1/tp`` of the positions, and
 the activations saved between TP blocks are ``1/tp`` (:mod:`megatron_het.perf.cost_model`).
+``tp_comm_overlap`` (the runtime's ``--tp-comm-overlap``, sequence parallelism only) runs each
+layer's all-gathers and reduce-scatters as rings beside the GEMMs they feed or drain
+(:mod:`megatron_het.tensor_parallel.comm_overlap`): a layer pays only what its rings' steps
+take beyond the GEMM blocks they run beside (:func:`~megatron_het.perf.cost_model.
+overlapped_layer_tp`; the GEMMs priced by the roofline at the kind's efficiency), and keeps
+the GEMMs' inputs ``1/tp`` too; the embedding's, the head's and the norm weights'
+collectives stay whole.
 
 The pipeline time is the event-driven simulation of the 1F1B step lists
 (:mod:`megatron_het.perf.simulator`); the closed form and the lower bound are reported beside it
@@ -64,9 +71,12 @@ from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
                                             closed_form_interleaved, group_sums,
                                             last_backward_ends, lower_bound_1f1b,
                                             lower_bound_interleaved)
+from megatron_het.perf.calibration import resolve_efficiency
 from megatron_het.perf.comm_cost import CommCost, SyncCost
 from megatron_het.perf.cost_model import (DTYPE_BYTES, FP32_BYTES, Efficiency, LayerShape,
-                                          TPCollectives, dtype_bytes, tp_collectives)
+                                          TPCollectives, dtype_bytes, layer_forward_ops,
+                                          op_time, overlapped_layer_tp, recomputed_count,
+                                          tp_collectives)
 from megatron_het.perf.dp_overlap import exposed_sync
 from megatron_het.perf.dp_sync import DPSync
 from megatron_het.perf.memory import (MemoryBreakdown, device_capacity_bytes, device_memory,
@@ -92,7 +102,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
             pipelines: Optional[Sequence[int]] = None,
             comm: Optional[CommCost] = None,
             overlap_p2p_comm: Optional[bool] = None,
-            overlap_param_gather: Optional[bool] = None) -> Prediction:
+            overlap_param_gather: Optional[bool] = None,
+            tp_comm_overlap: Optional[bool] = None) -> Prediction:
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
     ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
@@ -101,7 +112,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     ``overlap_grad_reduce``, ``overlap_param_gather`` (ZeRO-1 only; ignored without it) and
     ``grad_reduce_in_bf16`` None take the plan's keys (off where it has none), True/False
     override them (UserError for a bf16 reduction of non-bf16 training);
-    ``overlap_p2p_comm`` likewise, on where neither says (the runtime's default: interleaved
+    ``tp_comm_overlap`` likewise (off where neither says; it changes only sequence-parallel
+    stages with tp > 1); ``overlap_p2p_comm`` likewise, on where neither says (the runtime's default: interleaved
     pipelines overlap their transfers with compute).
     ``profiles`` maps accelerator kind names to measured profiles (roofline where absent);
     ``efficiency`` None: each kind's calibrated efficiency factors (the cost model's defaults
@@ -127,6 +139,7 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     gather_overlap = zero1 and _option(overlap_param_gather, plan.overlap_param_gather)
     bf16_reduce = _option(grad_reduce_in_bf16, plan.grad_reduce_in_bf16)
     overlap_p2p = _option(overlap_p2p_comm, plan.overlap_p2p_comm, default=True)
+    tp_overlap = _option(tp_comm_overlap, plan.tp_comm_overlap)
     if bf16_reduce and dtype != "bf16":
         raise UserError(f"grad_reduce_in_bf16 needs bf16 training but this one is {dtype}; "
                         "train in bf16 or drop grad_reduce_in_bf16")
@@ -135,7 +148,7 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     cache = cache or SimulationCache()
     ctx = PredictionContext(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
                             efficiency, comm or CommCost(cluster, profiles), overlap,
-                            bf16_reduce, cache, gather_overlap)
+                            bf16_reduce, cache, gather_overlap, tp_overlap)
     overlapped = overlap and ctx.sync.uniform and plan.dp_size > 1
     gathered_under_forward = gather_overlap and ctx.sync.uniform and plan.dp_size > 1
     every = pipelines is None
@@ -199,8 +212,9 @@ class PredictionContext:
                  comm: CommCost, overlap_grad_reduce: bool = False,
                  grad_reduce_in_bf16: bool = False,
                  cache: Optional[SimulationCache] = None,
-                 overlap_param_gather: bool = False) -> None:
+                 overlap_param_gather: bool = False, tp_comm_overlap: bool = False) -> None:
         self.model, self.plan, self.cluster, self.seq = model, plan, cluster, seq_length
+        self.tp_comm_overlap = tp_comm_overlap
         self.profiles, self.dtype, self.zero1 = profiles, dtype, zero1
         self.recompute, self.efficiency, self.comm = recompute, efficiency, comm
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -228,11 +242,12 @@ class PredictionContext:
         key = (spec.name, stage.tp, stage.num_layers, stage.has_embedding, stage.has_head,
                recompute)
         if key not in self._computes:
+            sharded = sequence_sharded(self.plan, stage)
             shape = LayerShape.of(self.model, self.seq, self.plan.micro_batch_size, stage.tp)
             choice = choose_profile(spec, self.profiles)
             args = (self.model, spec, shape, stage.num_layers, stage.has_embedding,
                     stage.has_head, recompute, self.dtype, choice, self.efficiency,
-                    sequence_sharded(self.plan, stage))
+                    sharded, sharded and self.tp_comm_overlap)
             self._computes[key] = (stage_compute(*args) if self._shared is None
                                    else self._shared.stage_compute(args))
         return self._computes[key]
@@ -269,8 +284,28 @@ class PredictionContext:
             return counts.forward * one, counts.backward * one
         gather = self.comm.tp_gather(stage.ranks, self.act_bytes)
         norm = self.comm.tp_all_reduce(stage.ranks, self.model.hidden_size * FP32_BYTES)
-        return (counts.forward_gathers * gather,
-                counts.backward_gathers * gather + counts.norm_grads * norm)
+        if not self.tp_comm_overlap:
+            return (counts.forward_gathers * gather,
+                    counts.backward_gathers * gather + counts.norm_grads * norm)
+        layers = stage.num_layers
+        recomputed = recomputed_count(self.recomputed_layers_of(stage), layers)
+        fwd, bwd = overlapped_layer_tp(gather, self.layer_gemms(stage), stage.tp)
+        # The embedding's and the head's collectives are not overlapped.
+        ends_forward = counts.forward_gathers - 4 * layers
+        ends_backward = counts.backward_gathers - 4 * (layers + recomputed)
+        return (layers * fwd + ends_forward * gather,
+                layers * bwd + recomputed * fwd + ends_backward * gather
+                + counts.norm_grads * norm)
+
+    def layer_gemms(self, stage: StagePlan) -> dict[str, float]:
+        """Forward seconds of one layer's qkv, proj, gate_up and down GEMMs on one rank of
+        ``stage`` (roofline at the kind's efficiency)."""
+        spec = self.comm.spec_of(stage.ranks[0])
+        shape = LayerShape.of(self.model, self.seq, self.plan.micro_batch_size, stage.tp)
+        efficiency = resolve_efficiency(spec, self.efficiency)
+        return {op.name: op_time(op, spec, self.dtype, efficiency)
+                for op in layer_forward_ops(shape, efficiency.attention_kernel)
+                if op.name in ("qkv", "proj", "gate_up", "down")}
 
     def p2p(self, b: int, pipeline: PipelinePlan) -> tuple[float, float]:
         """(forward, backward) seconds over boundary ``b`` (stage b to b + 1) per micro-batch."""

@@ -74,7 +74,8 @@ def _scaled(m: Optional[Measured], factor: float) -> Optional[Measured]:
 def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, num_layers: int,
                   has_embedding: bool, has_head: bool, recompute_layers: int, dtype: str,
                   choice: ProfileChoice, efficiency: Optional[Efficiency] = None,
-                  sequence_parallel: bool = False) -> StageCompute:
+                  sequence_parallel: bool = False, tp_comm_overlap: bool = False
+                  ) -> StageCompute:
     """The compute of a stage with ``num_layers`` layers of ``shape`` on one device of ``spec``,
     the first ``recompute_layers`` of them recomputing their forward in backward (keeping only
     their input).
@@ -84,7 +85,8 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     cost model's defaults for emulated kinds and ``cpu``). ``sequence_parallel`` shrinks the
     activations saved between the TP blocks
     (:func:`~megatron_het.perf.cost_model.layer_activation_bytes`); a profile's measured
-    figure, taken without it, loses the same bytes. Times are the same either way.
+    figure, taken without it, loses the same bytes; ``tp_comm_overlap`` (with it) shrinks the
+    GEMMs' saved inputs as well. Times are the same either way.
     ``efficiency.attention_kernel`` picks the attention the roofline layers are costed with
     and the activations they save; a profile measures our runtime's (flash) attention."""
     efficiency = resolve_efficiency(spec, efficiency)
@@ -92,19 +94,21 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     profile, factor = choice.profile, choice.time_factor
     sources = []
     sp = sequence_parallel and shape.tp > 1
+    overlap = sp and tp_comm_overlap
     layer = _scaled(profile.layer(shape, dtype), factor) if profile else None
     if layer is None:
         fwd, bwd = ops_time(layer_forward_ops(shape, kernel), spec, dtype, efficiency)
-        layer = Measured(fwd, bwd, layer_activation_bytes(shape, dtype, sp, kernel),
+        layer = Measured(fwd, bwd, layer_activation_bytes(shape, dtype, sp, kernel, overlap),
                          f"roofline {spec.label}")
     elif sp and layer.activation_bytes is not None:
-        saved = layer_activation_bytes(shape, dtype) - layer_activation_bytes(shape, dtype, sp)
+        saved = (layer_activation_bytes(shape, dtype)
+                 - layer_activation_bytes(shape, dtype, sp, tp_comm_overlap=overlap))
         layer = Measured(layer.forward_s, layer.backward_s, layer.activation_bytes - saved,
                          f"{layer.source} less the sequence-parallel shards")
     sources.append(f"layers: {layer.source}")
     act = layer.activation_bytes
     if act is None:
-        act = layer_activation_bytes(shape, dtype, sp)
+        act = layer_activation_bytes(shape, dtype, sp, tp_comm_overlap=overlap)
     recomputed = recomputed_count(recompute_layers, num_layers)
     forward = num_layers * layer.forward_s
     backward = num_layers * layer.backward_s + recomputed * layer.forward_s

@@ -96,7 +96,8 @@ class KindCosts:
             stage = StagePlan(block.kind, block.tp, (0, layers), ranks, recompute=block.recompute)
             plan = ParallelPlan(micro_batch_size, (PipelinePlan(1, (stage,)),), self.dtype,
                                 use_distributed_optimizer=False,
-                                sequence_parallel=sequence_parallel or None)
+                                sequence_parallel=sequence_parallel or None,
+                                tp_comm_overlap=sequence_parallel or None)
             rows.append(predict(self.model, plan, self.cluster, self.seq, self.profiles,
                                 self.dtype, pipeline_model="closed_form", cache=self.cache,
                                 validate=False).stages[0])

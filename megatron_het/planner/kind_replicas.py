@@ -360,6 +360,7 @@ class ReplicaSearch:
         return ParallelPlan(layout.micro_batch_size, tuple(pipelines), dtype=self.dtype,
                             use_distributed_optimizer=layout.zero1,
                             sequence_parallel=layout.sequence_parallel or None,
+                            tp_comm_overlap=layout.sequence_parallel or None,
                             description=f"megatron_het planner: {layout.describe()}")
 
 

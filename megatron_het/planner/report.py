@@ -90,6 +90,7 @@ def plan_summary(plan: ParallelPlan) -> dict[str, Any]:
             "global_batch_size": plan.global_batch_size, "dtype": plan.dtype,
             "use_distributed_optimizer": plan.use_distributed_optimizer,
             "sequence_parallel": bool(plan.sequence_parallel),
+            "tp_comm_overlap": bool(plan.tp_comm_overlap),
             "overlap_grad_reduce": bool(plan.overlap_grad_reduce),
             "overlap_param_gather": bool(plan.overlap_param_gather),
             "stage_groups": sorted(groups.values(), key=lambda g: (g["stage"], -g["pipelines"]))}

@@ -192,6 +192,7 @@ def build_plan(layout: Layout, layers: Sequence[int], placement: Placement,
     plan = ParallelPlan(layout.micro_batch_size, pipelines, dtype=dtype,
                         use_distributed_optimizer=layout.zero1,
                         sequence_parallel=layout.sequence_parallel or None,
+                        tp_comm_overlap=layout.sequence_parallel or None,
                         description=description)
     return interleave_plan(plan, layout.num_chunks)
 

@@ -12,9 +12,12 @@ from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import predict
 from megatron_het.perf.boundary_cost import position_messages
+from megatron_het.perf.calibration import efficiency_for
+from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.cost_model import (LayerShape, head_activation_bytes,
-                                          layer_activation_bytes, layer_input_bytes,
-                                          tp_collectives)
+                                          layer_activation_bytes, layer_forward_ops,
+                                          layer_input_bytes, op_time, overlapped_layer_tp,
+                                          ring_exposed, tp_collectives)
 from megatron_het.training.plan_setup import local_cluster
 
 TINY = model_preset("tiny")
@@ -72,6 +75,53 @@ def test_tp_comm_moves_the_same_bytes_and_adds_the_norm_gradients(emulated, tp2_
     assert sp.stages[1].forward_s - plain.stages[1].forward_s == pytest.approx(act / 2)
     assert sp.stages[0].backward_s - plain.stages[0].backward_s == pytest.approx(
         act / 2 + 4 * norm)
+
+
+def test_an_overlapped_ring_pays_only_its_steps_beyond_the_gemm_blocks():
+    # 4 ranks: 3 transfer steps of 1 s each beside GEMM blocks of 1 s: nothing shows; of 2 s
+    # each, 1 s per step shows.
+    assert ring_exposed(3.0, 4.0, 4) == 0.0
+    assert ring_exposed(6.0, 4.0, 4) == 3.0
+    assert ring_exposed(5.0, 0.0, 2) == 5.0 and ring_exposed(5.0, 1.0, 1) == 0.0
+    gemms = {"qkv": 1.0, "proj": 0.5, "gate_up": 2.0, "down": 1.0}
+    # tp 2: one step of a 1.5 s gather beside half the GEMM. Forward: qkv 1.5 - 0.5, proj
+    # 1.5 - 0.25, gate/up 1.5 - 1.0, down 1.5 - 0.5. Backward (data + weight gradients, twice
+    # the GEMM): proj 1.5 - 0.5, down 1.5 - 1.0; qkv and gate/up move their gradient's
+    # reduce-scatter and their input's gather again: 3.0 - 1.0 and 3.0 - 2.0.
+    assert overlapped_layer_tp(1.5, gemms, 2) == (3.75, 4.5)
+
+
+def test_tp_comm_overlap_prices_the_rings_beside_the_layer_gemms(emulated, tp2_pp2):
+    sp = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32")
+    ov = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32", tp_comm_overlap=True)
+    norm = all_reduce_pair(4 * TINY.hidden_size)
+    shape = LayerShape.of(TINY, SEQ, MB, 2)
+    # Stage 0 (emu-fast): 2 layers, the embedding's reduce-scatter (forward) and all-gather
+    # (backward) whole, 4 norm gradients whole; stage 1 (emu-slow): 2 layers, the head's two,
+    # 5 norms. Each kind's GEMMs at its own speed.
+    for stage, row, norms in zip(tp2_pp2.pipelines[0].stages, ov.stages, (4, 5)):
+        gather = CommCost(emulated, None).tp_gather(stage.ranks, ACT)
+        spec = emulated.accelerator_of(stage.ranks[0])
+        gemms = {op.name: op_time(op, spec, "fp32", efficiency_for(spec))
+                 for op in layer_forward_ops(shape)
+                 if op.name in ("qkv", "proj", "gate_up", "down")}
+        fwd, bwd = overlapped_layer_tp(gather, gemms, 2)
+        assert row.tp_comm_s == pytest.approx(2 * (fwd + bwd) + 2 * gather + norms * norm,
+                                              rel=1e-12)
+    assert all(o.tp_comm_s < s.tp_comm_s for o, s in zip(ov.stages, sp.stages))
+    # The plan's key says the same as the argument; without sequence parallelism it is moot.
+    keyed = dataclasses.replace(with_sp(tp2_pp2), tp_comm_overlap=True)
+    assert predict(TINY, keyed, emulated, SEQ, dtype="fp32").to_dict() == ov.to_dict()
+    assert (predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32", tp_comm_overlap=True).to_dict()
+            == predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32").to_dict())
+    # The GEMMs keep only their rank's input block: per layer qkv's and gate/up's inputs halve.
+    t, h = MB * SEQ, TINY.hidden_size
+    assert (layer_activation_bytes(shape, "fp32", True)
+            - layer_activation_bytes(shape, "fp32", True, tp_comm_overlap=True)
+            == 2 * h * (t - t // 2) * 4)
+    drop = [a.memory.activation_bytes - b.memory.activation_bytes
+            for a, b in zip(sp.stages, ov.stages)]
+    assert drop == [2 * 2 * 2 * h * (t - t // 2) * 4, 2 * 2 * h * (t - t // 2) * 4]
 
 
 def test_a_boundary_between_tp2_stages_sends_half_per_message(emulated, tp2_pp2):
@@ -165,8 +215,26 @@ class _SequenceGroup:
         output.copy_(input.view(self.size, *output.shape)[self.rank])
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_sequence_parallel_terms_are_the_tensors_the_model_saves(dtype):
+class _Handle:
+    def wait(self):
+        pass
+
+
+class _RingGroup(_SequenceGroup):
+    """... whose ring steps hand rank 0 its own block again (the ring's shapes, not its
+    values, matter for what is saved)."""
+
+    ranks = (0, 1)
+
+    def batch_isend_irecv(self, ops):
+        send, recv = ops
+        recv.tensor.copy_(send.tensor)
+        return [_Handle(), _Handle()]
+
+
+@pytest.mark.parametrize("dtype, overlap", [("fp32", False), ("bf16", False), ("fp32", True),
+                                            ("bf16", True)])
+def test_sequence_parallel_terms_are_the_tensors_the_model_saves(dtype, overlap):
     import torch
 
     from megatron_het.model.llama import build_model
@@ -175,7 +243,8 @@ def test_sequence_parallel_terms_are_the_tensors_the_model_saves(dtype):
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = build_model(TINY, seed=1)
-    apply_tp(model, _SequenceGroup(), TINY, sequence_parallel=True)
+    group = _RingGroup() if overlap else _SequenceGroup()
+    apply_tp(model, group, TINY, sequence_parallel=True, tp_comm_overlap=overlap)
     model = model.to(torch_dtype)
     if dtype == "bf16":  # as the optimizer leaves them: float32 main gradients
         for param in model.parameters():
@@ -186,7 +255,8 @@ def test_sequence_parallel_terms_are_the_tensors_the_model_saves(dtype):
     shape = LayerShape.of(TINY, SEQ, MB, 2)
     with SavedActivations(model.parameters(), (cos, sin)) as layer:
         out = model.layers["0"](x, cos, sin)
-    assert out.shape == x.shape and layer.nbytes == layer_activation_bytes(shape, dtype, True)
+    assert out.shape == x.shape and layer.nbytes == layer_activation_bytes(
+        shape, dtype, True, tp_comm_overlap=overlap)
     with SavedActivations(model.parameters(), (cos, sin)) as head:
         model.head(x, labels=tokens)
     assert head.nbytes == head_activation_bytes(shape, TINY.vocab_size, dtype, True)

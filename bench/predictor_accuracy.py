@@ -108,6 +108,11 @@ def extra_plans() -> dict[str, dict]:
                            "pair", [(4, [_stage("emu-fast", 2, (0, 3), [0, 1]),
                                          _stage("emu-slow", 2, (3, 4), [2, 3])])],
                            sequence_parallel=True),
+        "tp2_pp2_sp_overlap": plan("the same with --tp-comm-overlap (the sequence's gathers "
+                                   "and reduce-scatters as rings beside the GEMMs)",
+                                   [(4, [_stage("emu-fast", 2, (0, 3), [0, 1]),
+                                         _stage("emu-slow", 2, (3, 4), [2, 3])])],
+                                   sequence_parallel=True, tp_comm_overlap=True),
         "dp4_fast3_slow1": plan("dp=4, 3 micro-batches per emu-fast rank, 1 per emu-slow", [
             (3, [_stage("emu-fast", 1, (0, 4), [0])]), (3, [_stage("emu-fast", 1, (0, 4), [1])]),
             (1, [_stage("emu-slow", 1, (0, 4), [2])]), (1, [_stage("emu-slow", 1, (0, 4), [3])])]),

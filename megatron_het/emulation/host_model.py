@@ -14,7 +14,10 @@ What changes against the one-device-per-rank model, each from a measured figure:
   region (with :attr:`Profile.host_collective_s`, the measured wall and CPU time of one
   collective between computing peers: its CPU time as work on the shared cores, the rest as a
   wait; else the link model's all-reduce as a wait; under sequence parallelism a reduce-scatter
-  or all-gather counts half a measured collective, by its bytes), each stage-boundary
+  or all-gather counts half a measured collective, by its bytes; with ``tp_comm_overlap`` each
+  step of a layer's rings (a rank's block sent and one received) is two measured gloo
+  transfers as CPU work and half a measured collective's wait for its peers: on shared cores
+  nothing is left for the GEMMs to hide it behind), each stage-boundary
   transfer's measured gloo time as CPU work at both ends (per chunk of an interleaved device
   group: each receives and sends its micro-batches; a rank's ``1/tp`` of the activations under
   sequence parallelism), and the slowdown as the region's floor, a wait that frees
@@ -42,7 +45,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from megatron_het.emulation.host_sharing import HostCores, HostSharing
-from megatron_het.parallel.plan import PipelinePlan
+from megatron_het.parallel.plan import PipelinePlan, StagePlan
 from megatron_het.perf.boundary_cost import rank_activation_bytes
 from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.prediction import StagePrediction
@@ -104,13 +107,29 @@ def _stage_timing(inputs: PredictionInputs, p: int, s: int, pipeline: PipelinePl
     host = choose_profile(spec, inputs.profiles).profile
     if stage.tp > 1 and host is not None and host.host_collective_s:
         # Measured per collective: its CPU share is work on the shared cores, the rest a wait;
-        # both replace the link model's all-reduce. --tp-comm-overlap's rings are priced the
-        # same: on shared cores their copies compete with the GEMMs they would hide behind.
+        # both replace the link model's all-reduce.
         wall, cpu = host.host_collective_s
-        work_forward += counts.forward_all * cpu
-        work_backward += counts.backward_all * cpu
-        tp_forward = counts.forward_all * (wall - cpu)
-        tp_backward = counts.backward_all * (wall - cpu)
+        forward_all, backward_all = counts.forward_all, counts.backward_all
+        tp_rings = (0.0, 0.0)
+        if inputs.tp_comm_overlap and counts.forward_gathers:
+            ring_forward, ring_backward = _ring_steps(inputs, stage)
+            # A step sends one block and receives one: two transfers' CPU time, as a
+            # boundary's two ends count.
+            step = 2 * _transfer_cpu_s(inputs, inputs.act_bytes / stage.tp)
+            work_forward += ring_forward * step
+            work_backward += ring_backward * step
+            # ... and each step waits for its peers as half a measured collective does (a
+            # gather or reduce-scatter counts half of one).
+            tp_rings = ((wall - cpu) / 2 * ring_forward, (wall - cpu) / 2 * ring_backward)
+            # The layers' gathers and reduce-scatters are the rings; the rest stay collectives.
+            layers = stage.num_layers
+            recomputed = min(inputs.recomputed_layers_of(stage), layers)
+            forward_all -= 4 * layers / 2
+            backward_all -= 4 * (layers + recomputed) / 2
+        work_forward += forward_all * cpu
+        work_backward += backward_all * cpu
+        tp_forward = forward_all * (wall - cpu) + tp_rings[0]
+        tp_backward = backward_all * (wall - cpu) + tp_rings[1]
     # Each way, a micro-batch is received from the stage before and sent to the next (every
     # chunk of an interleaved group does both, but for the pipeline's first input and last
     # output).
@@ -124,6 +143,16 @@ def _stage_timing(inputs: PredictionInputs, p: int, s: int, pipeline: PipelinePl
         Region(work_forward, tp_forward, spec.slowdown * slowed_forward),
         Region(work_backward, tp_backward, spec.slowdown * slowed_backward),
         row.p2p_forward_s, row.p2p_backward_s, inputs.comm.node_of(stage.ranks[0]), stage.tp)
+
+
+def _ring_steps(inputs: PredictionInputs, stage: StagePlan) -> tuple[int, int]:
+    """(forward, backward) ring steps of a sequence-parallel stage under --tp-comm-overlap:
+    each layer runs 4 rings forward (before qkv and gate/up, after proj and down) and 6
+    backward (those 4, with qkv's and gate/up's inputs gathered again), a recomputed layer
+    its 4 forward ones again; a ring has ``tp - 1`` steps."""
+    layers = stage.num_layers
+    recomputed = min(inputs.recomputed_layers_of(stage), layers)
+    return 4 * layers * (stage.tp - 1), (6 * layers + 4 * recomputed) * (stage.tp - 1)
 
 
 def _transfer_cpu_s(inputs: PredictionInputs, nbytes: Optional[float] = None) -> float:

@@ -35,6 +35,7 @@ class PredictionInputs(Protocol):
     profiles: Optional[Mapping[str, Profile]]
     comm: CommCost
     act_bytes: float
+    tp_comm_overlap: bool   # sequence-parallel stages run their TP rings (the runtime's flag)
 
     def recomputed_layers_of(self, stage: StagePlan) -> int:
         """How many of ``stage``'s layers recompute their forward in backward in this

@@ -374,3 +374,38 @@ def test_sequence_parallel_transfers_move_a_ranks_share_on_a_shared_host():
             compute.forward_s / slowdown + half + counts.forward_all * 1e-3)
         assert timings[s].backward.work_s == pytest.approx(
             compute.backward_s / slowdown + half + counts.backward_all * 1e-3)
+
+
+def test_tp_comm_overlap_rings_on_a_shared_host_by_hand():
+    cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
+    plan = dataclasses.replace(ParallelPlan.load("scripts/plans/cpu_emulated_tp2_pp2.json"),
+                               sequence_parallel=True, tp_comm_overlap=True)
+    model = model_preset("tiny")
+    base = host_profile((1.0,) * 4, (CommEntry("p2p", "intra_node", 1.0, 1e-4),))
+    tp_layer = dataclasses.replace(base.layers[0], tp=2)
+    base = dataclasses.replace(base, layers=base.layers + (tp_layer,),
+                               host_collective_s=(2e-3, 1.5e-3))
+    recorder = Recording()
+    predict(model, plan, cluster, 64, {"cpu": base}, dtype="fp32", rate_model=recorder)
+    inputs, timings = recorder.inputs, recorder.result.stages[0]
+    assert inputs.tp_comm_overlap
+    half = 1e-4 + inputs.act_bytes / 2 / 1e9  # a boundary transfer: a rank's half
+    step = 2 * (1e-4 + inputs.act_bytes / 2 / 1e9)  # a ring step: a block sent, one received
+    for s, stage in enumerate(plan.pipelines[0].stages):
+        counts = inputs.tp_collectives(s, plan.pipelines[0])
+        layers = stage.num_layers
+        compute = inputs.compute(s, plan.pipelines[0])
+        slowdown = 2.0 if s else 1.0
+        # 4 rings a layer forward, 6 backward, one step each at tp 2; the embedding's, the
+        # head's and the norm gradients' collectives stay measured collectives.
+        rest_forward = counts.forward_all - 2 * layers
+        rest_backward = counts.backward_all - 2 * layers
+        assert timings[s].forward.work_s == pytest.approx(
+            compute.forward_s / slowdown + half + 4 * layers * step + rest_forward * 1.5e-3)
+        assert timings[s].backward.work_s == pytest.approx(
+            compute.backward_s / slowdown + half + 6 * layers * step + rest_backward * 1.5e-3)
+        # Waits: half a collective's per ring step, a whole one's per remaining collective.
+        assert timings[s].forward.wait_s == pytest.approx(
+            0.25e-3 * 4 * layers + rest_forward * 0.5e-3)
+        assert timings[s].backward.wait_s == pytest.approx(
+            0.25e-3 * 6 * layers + rest_backward * 0.5e-3)

@@ -203,6 +203,11 @@ LOW_PRECISION_CASES = {
         ["--bf16"]),
     "tp2_pp2_bf16": ("tiny", ["--tensor-model-parallel-size", "2",
                               "--pipeline-model-parallel-size", "2"], ["--bf16"]),
+    # The TP rings in bf16, run again by every recomputed layer in its backward.
+    "tp2_pp2_sp_overlap_recompute_bf16": ("tiny", [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--sequence-parallel", "--tp-comm-overlap", "--recompute-granularity", "full",
+        "--recompute-method", "uniform", "--recompute-num-layers", "1"], ["--bf16"]),
     "tp2_dp2_zero1_fp16": ("tiny", ["--tensor-model-parallel-size", "2",
                                     "--use-distributed-optimizer", "--overlap-grad-reduce",
                                     "--overlap-param-gather"],

@@ -74,6 +74,15 @@ def _seq_block(x: torch.Tensor, index: int, length: int) -> torch.Tensor:
     return x.narrow(SEQ_DIM, index * length, length)
 
 
+def _product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b``, written in place where ``out`` is contiguous (a sequence block of a
+    micro-batch of one), else through a temporary."""
+    if out.is_contiguous():
+        torch.matmul(a, b, out=out)
+    else:
+        out.copy_(a.matmul(b))
+
+
 def _gathered_products(ring: _Ring, x_local: torch.Tensor,
                        weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``[all_gather(x) @ W.T for W in weights]``, each block multiplied while the next one
@@ -87,7 +96,7 @@ def _gathered_products(ring: _Ring, x_local: torch.Tensor,
             arriving, handles = ring.pass_on(here, GATHER_TAG)
         index = ring.block(step)
         for out, w in zip(outs, weights):
-            _seq_block(out, index, s).copy_(F.linear(here, w))
+            _product_into(_seq_block(out, index, s), here, w.t())
         _wait(handles)
         if handles is not None:
             here = arriving
@@ -189,7 +198,7 @@ class _LinearReduceScatter(torch.autograd.Function):
             if step < ring.size - 1:
                 arriving, handles = ring.pass_on(here, GATHER_TAG)
             index = ring.block(step)
-            _seq_block(dx, index, s).copy_(here.matmul(weight))
+            _product_into(_seq_block(dx, index, s), here, weight)
             wgrad.add_(here.reshape(B * s, -1).t().matmul(
                 _seq_block(x, index, s).reshape(B * s, H)))
             _wait(handles)

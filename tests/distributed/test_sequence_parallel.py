@@ -53,37 +53,39 @@ def test_sequence_parallel_mappings() -> None:
 
 
 def _overlapped(rank: int, world_size: int) -> None:
-    # The rings against the plain collectives, forward and backward, with batch 2 (blocks
-    # that are not contiguous in memory) and two weights sharing one gather.
+    # The rings against the plain collectives, forward and backward, with batch 1 (blocks
+    # written in place) and 2 (blocks that are not contiguous in memory), two weights sharing
+    # one gather.
     for tp, group in _groups(world_size).items():
         start, stop = sequence_range(8, tp, group.rank)
-        full = _randn(0, 2, 8, 6)
-        weights = [_randn(40 + i + group.rank, 5 + i, 6) for i in range(2)]
-        outs, plain = [], []
-        for fn in (all_gather_linear, None):
-            shard = full[:, start:stop].clone().requires_grad_()
-            ws = [w.clone().requires_grad_() for w in weights]
-            if fn is None:
-                gathered = gather_from_sp(shard, group)
-                ys = [torch.nn.functional.linear(gathered, w) for w in ws]
-            else:
-                ys = list(fn(shard, ws, group))
-            sum((y * _randn(50 + i + group.rank, *y.shape)).sum() for i, y in enumerate(ys)
-                ).backward()
-            (outs if fn else plain).append([*ys, shard.grad, *(w.grad for w in ws)])
-        for got, want in zip(outs[0], plain[0]):
-            _close(got, want, "all_gather_linear")
-        x = _randn(60 + group.rank, 2, 8, 6)
-        weight = _randn(70 + group.rank, 4, 6)
-        results = []
-        for overlapped in (True, False):
-            xx, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
-            y = (linear_reduce_scatter(xx, w, group) if overlapped
-                 else reduce_scatter_to_sp(torch.nn.functional.linear(xx, w), group))
-            (y * _randn(80 + group.rank, *y.shape)).sum().backward()
-            results.append((y, xx.grad, w.grad))
-        for got, want in zip(*results):
-            _close(got, want, "linear_reduce_scatter")
+        for batch in (1, 2):
+            full = _randn(0, batch, 8, 6)
+            weights = [_randn(40 + i + group.rank, 5 + i, 6) for i in range(2)]
+            outs, plain = [], []
+            for fn in (all_gather_linear, None):
+                shard = full[:, start:stop].clone().requires_grad_()
+                ws = [w.clone().requires_grad_() for w in weights]
+                if fn is None:
+                    gathered = gather_from_sp(shard, group)
+                    ys = [torch.nn.functional.linear(gathered, w) for w in ws]
+                else:
+                    ys = list(fn(shard, ws, group))
+                sum((y * _randn(50 + i + group.rank, *y.shape)).sum()
+                    for i, y in enumerate(ys)).backward()
+                (outs if fn else plain).append([*ys, shard.grad, *(w.grad for w in ws)])
+            for got, want in zip(outs[0], plain[0]):
+                _close(got, want, "all_gather_linear")
+            x = _randn(60 + group.rank, batch, 8, 6)
+            weight = _randn(70 + group.rank, 4, 6)
+            results = []
+            for overlapped in (True, False):
+                xx, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+                y = (linear_reduce_scatter(xx, w, group) if overlapped
+                     else reduce_scatter_to_sp(torch.nn.functional.linear(xx, w), group))
+                (y * _randn(80 + group.rank, *y.shape)).sum().backward()
+                results.append((y, xx.grad, w.grad))
+            for got, want in zip(*results):
+                _close(got, want, "linear_reduce_scatter")
 
 
 def test_overlapped_rings_match_the_collectives() -> None:

@@ -26,7 +26,7 @@ sequence, s = S/tp this rank's block, H input features, O output features.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,30 +83,38 @@ def _product_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.copy_(a.matmul(b))
 
 
+def _arriving_blocks(ring: _Ring, first: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """The all-gather ring: ``(block index, block)`` for every sequence block, this rank's
+    (``first``) first; the next block travels while the caller uses the one yielded."""
+    here = first.contiguous()
+    for step in range(ring.size):
+        handles = None
+        if step < ring.size - 1:
+            arriving, handles = ring.pass_on(here, GATHER_TAG)
+        yield ring.block(step), here
+        _wait(handles)
+        if handles is not None:
+            here = arriving
+
+
 def _gathered_products(ring: _Ring, x_local: torch.Tensor,
                        weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``[all_gather(x) @ W.T for W in weights]``, each block multiplied while the next one
     travels."""
     B, s, _ = x_local.shape
     outs = [x_local.new_empty((B, s * ring.size, w.shape[0])) for w in weights]
-    here = x_local.contiguous()
-    for step in range(ring.size):
-        handles = None
-        if step < ring.size - 1:
-            arriving, handles = ring.pass_on(here, GATHER_TAG)
-        index = ring.block(step)
+    for index, block in _arriving_blocks(ring, x_local):
         for out, w in zip(outs, weights):
-            _product_into(_seq_block(out, index, s), here, w.t())
-        _wait(handles)
-        if handles is not None:
-            here = arriving
+            _product_into(_seq_block(out, index, s), block, w.t())
     return outs
 
 
-def _scattered_sum(ring: _Ring, partial_of: Any) -> torch.Tensor:
+def _scattered_sum(ring: _Ring, partial_of: Callable[[int], torch.Tensor],
+                   beside: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """Ring reduce-scatter of ``partial_of(block)`` (this rank's partial result for sequence
     block ``block``): the sum over the group of this rank's own block. Each step's partial
-    product is computed while the sum before it travels."""
+    product is computed while the sum before it travels; ``beside()``, when given, runs once
+    per step while that step's sum travels."""
     total, handles, sending = None, None, None
     for step in range(ring.size):
         part = partial_of(ring.block(step, behind=1))
@@ -118,6 +126,8 @@ def _scattered_sum(ring: _Ring, partial_of: Any) -> torch.Tensor:
             total, handles = ring.pass_on(sending, REDUCE_TAG)
         else:
             total = part
+        if beside is not None:
+            beside()
     del sending
     return total
 
@@ -141,32 +151,18 @@ class _AllGatherLinear(torch.autograd.Function):
         B, s, H = x.shape
         grads = [g.contiguous() for g in grads]
         wgrads = [torch.zeros_like(w) for w in weights]
-        here = x.contiguous()
-        total, sum_handles, sending = None, None, None
-        for step in range(ring.size):
-            last = step == ring.size - 1
-            x_handles = None
-            if not last:
-                arriving, x_handles = ring.pass_on(here, GATHER_TAG)
-            block = ring.block(step, behind=1)
-            part = sum(_seq_block(g, block, s).matmul(w) for g, w in zip(grads, weights))
-            if sum_handles is not None:
-                _wait(sum_handles)
-                part = part + total
-            if not last:
-                sending = part.contiguous()
-                total, sum_handles = ring.pass_on(sending, REDUCE_TAG)
-            else:
-                total = part
+        blocks = _arriving_blocks(ring, x)
+
+        def weight_gradients() -> None:
+            index, here = next(blocks)
             rows = here.reshape(B * s, H)
-            index = ring.block(step)
             for wgrad, g in zip(wgrads, grads):
                 wgrad.add_(_seq_block(g, index, s).reshape(B * s, -1).t().matmul(rows))
-            _wait(x_handles)
-            if not last:
-                here = arriving
-        del sending
-        return (total, None, *wgrads)
+
+        dx = _scattered_sum(ring, lambda block: sum(
+            _seq_block(g, block, s).matmul(w) for g, w in zip(grads, weights)),
+            beside=weight_gradients)
+        return (dx, None, *wgrads)
 
 
 class _LinearReduceScatter(torch.autograd.Function):
@@ -192,18 +188,10 @@ class _LinearReduceScatter(torch.autograd.Function):
         s = S // ring.size
         dx = torch.empty_like(x)
         wgrad = torch.zeros_like(weight)
-        here = grad.contiguous()
-        for step in range(ring.size):
-            handles = None
-            if step < ring.size - 1:
-                arriving, handles = ring.pass_on(here, GATHER_TAG)
-            index = ring.block(step)
+        for index, here in _arriving_blocks(ring, grad):
             _product_into(_seq_block(dx, index, s), here, weight)
             wgrad.add_(here.reshape(B * s, -1).t().matmul(
                 _seq_block(x, index, s).reshape(B * s, H)))
-            _wait(handles)
-            if handles is not None:
-                here = arriving
         return dx, wgrad, None
 
 

@@ -350,18 +350,25 @@ def test_a_hetero_dp_plan_on_a_shared_host_syncs_each_device_over_its_units():
     assert shared.stages == alone.stages
 
 
-def test_sequence_parallel_transfers_move_a_ranks_share_on_a_shared_host():
+def _tp2_pp2_on_a_shared_host(collective_cpu_s: float, **keys: object):
+    """The emulated tp2 x pp2 plan with ``keys`` predicted on a host whose p2p transfers take
+    0.1 ms + 1 ns per byte and whose TP collective takes 2 ms (``collective_cpu_s`` of it on
+    the CPU): the rate model's inputs and pipeline 0's stage timings."""
     cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
     plan = dataclasses.replace(ParallelPlan.load("scripts/plans/cpu_emulated_tp2_pp2.json"),
-                               sequence_parallel=True)
-    model = model_preset("tiny")
+                               **keys)
     base = host_profile((1.0,) * 4, (CommEntry("p2p", "intra_node", 1.0, 1e-4),))
     tp_layer = dataclasses.replace(base.layers[0], tp=2)
     base = dataclasses.replace(base, layers=base.layers + (tp_layer,),
-                               host_collective_s=(2e-3, 1e-3))
+                               host_collective_s=(2e-3, collective_cpu_s))
     recorder = Recording()
-    predict(model, plan, cluster, 64, {"cpu": base}, dtype="fp32", rate_model=recorder)
-    inputs, timings = recorder.inputs, recorder.result.stages[0]
+    predict(model_preset("tiny"), plan, cluster, 64, {"cpu": base}, dtype="fp32",
+            rate_model=recorder)
+    return plan, recorder.inputs, recorder.result.stages[0]
+
+
+def test_sequence_parallel_transfers_move_a_ranks_share_on_a_shared_host():
+    plan, inputs, timings = _tp2_pp2_on_a_shared_host(1e-3, sequence_parallel=True)
     half = 1e-4 + inputs.act_bytes / 2 / 1e9  # each rank sends and receives its half
     for s, stage in enumerate(plan.pipelines[0].stages):
         counts = inputs.tp_collectives(s, plan.pipelines[0])
@@ -377,17 +384,8 @@ def test_sequence_parallel_transfers_move_a_ranks_share_on_a_shared_host():
 
 
 def test_tp_comm_overlap_rings_on_a_shared_host_by_hand():
-    cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
-    plan = dataclasses.replace(ParallelPlan.load("scripts/plans/cpu_emulated_tp2_pp2.json"),
-                               sequence_parallel=True, tp_comm_overlap=True)
-    model = model_preset("tiny")
-    base = host_profile((1.0,) * 4, (CommEntry("p2p", "intra_node", 1.0, 1e-4),))
-    tp_layer = dataclasses.replace(base.layers[0], tp=2)
-    base = dataclasses.replace(base, layers=base.layers + (tp_layer,),
-                               host_collective_s=(2e-3, 1.5e-3))
-    recorder = Recording()
-    predict(model, plan, cluster, 64, {"cpu": base}, dtype="fp32", rate_model=recorder)
-    inputs, timings = recorder.inputs, recorder.result.stages[0]
+    plan, inputs, timings = _tp2_pp2_on_a_shared_host(1.5e-3, sequence_parallel=True,
+                                                      tp_comm_overlap=True)
     assert inputs.tp_comm_overlap
     half = 1e-4 + inputs.act_bytes / 2 / 1e9  # a boundary transfer: a rank's half
     step = 2 * (1e-4 + inputs.act_bytes / 2 / 1e9)  # a ring step: a block sent, one received

@@ -113,8 +113,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     ``grad_reduce_in_bf16`` None take the plan's keys (off where it has none), True/False
     override them (UserError for a bf16 reduction of non-bf16 training);
     ``tp_comm_overlap`` likewise (off where neither says; it changes only sequence-parallel
-    stages with tp > 1); ``overlap_p2p_comm`` likewise, on where neither says (the runtime's default: interleaved
-    pipelines overlap their transfers with compute).
+    stages with tp > 1); ``overlap_p2p_comm`` likewise, on where neither says (the runtime's
+    default: interleaved pipelines overlap their transfers with compute).
     ``profiles`` maps accelerator kind names to measured profiles (roofline where absent);
     ``efficiency`` None: each kind's calibrated efficiency factors (the cost model's defaults
     for emulated kinds and cpu; :mod:`megatron_het.perf.stage_cost`).

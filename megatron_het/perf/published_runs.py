@@ -66,11 +66,11 @@ Held-out set (no constant is tuned on it):
   ``overlap_grad_reduce``, ``overlap_param_gather`` and ``grad_reduce_in_bf16`` off. NOT
   published, assumed here: micro-batch 1, no recompute, no interleaving (several stage
   layer counts, 23 and 7, are prime), DGX H100 nodes with 8 x 400 Gb/s NDR; the only GPT
-  script of that commit (``examples/gpt3/train_gpt3_175b_distributed.sh``: fp16, sequence 2048, none of the overlap flags) is not
-  these runs' and settles none of them. Per row, :attr:`PublishedRun.not_expressed` lists
-  what the predictor cannot express: Megatron's DDP bucket size (``max(4e7, 1e6 dp)``
-  parameters; the predictor uses the runtime's 25 MiB), so these rows measure what those cost
-  too.
+  script of that commit (``examples/gpt3/train_gpt3_175b_distributed.sh``: fp16, sequence
+  2048, none of the overlap flags) is not these runs' and settles none of them. Per row,
+  :attr:`PublishedRun.not_expressed` lists what the predictor cannot express: Megatron's DDP
+  bucket size (``max(4e7, 1e6 dp)`` parameters; the predictor uses the runtime's 25 MiB), so
+  these rows measure what that costs too.
 
 Left out: Korthikanti et al. 2022 (arXiv 2205.05198) -- we could not confirm its table's
 iteration times and configurations from a primary source, and its selective

@@ -25,8 +25,8 @@ JSON form ("megatron_het.plan/1")::
 Optional keys: ``description``, ``dtype`` (fp32 | bf16 | fp16), ``use_distributed_optimizer``,
 ``sequence_parallel``, ``tp_comm_overlap``, ``overlap_grad_reduce``, ``overlap_param_gather``,
 ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` on the plan (true or false, like Megatron's
-flags of those names; absent: the command line decides), ``recompute`` on a stage (true: every decoder layer's activations are recomputed in
-backward, only its input kept) and with it ``recompute_num_layers`` (Megatron-LM's block
+flags of those names; absent: the command line decides), ``recompute`` on a stage (true:
+every decoder layer's activations are recomputed in backward, only its input kept) and with it ``recompute_num_layers`` (Megatron-LM's block
 method: only the stage's first N layers are). Unknown keys are refused.
 
 Loading checks types only (and that ``grad_reduce_in_bf16`` does not come with a dtype other
@@ -220,9 +220,9 @@ class ParallelPlan:
     """The whole plan: micro-batch size and the pipelines (DP replicas).
 
     ``dtype``, ``use_distributed_optimizer``, ``sequence_parallel``, ``tp_comm_overlap``,
-    ``overlap_grad_reduce``,
-    ``overlap_param_gather``, ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` (interleaved pipelines overlap their
-    transfers with compute; Megatron-LM's default, on) are None when the plan leaves them to
+    ``overlap_grad_reduce``, ``overlap_param_gather``, ``grad_reduce_in_bf16`` and
+    ``overlap_p2p_comm`` (interleaved pipelines overlap their transfers with compute;
+    Megatron-LM's default, on) are None when the plan leaves them to
     the command line (a run resolves ``sequence_parallel`` and ``tp_comm_overlap`` into its
     plan). The global batch is
     ``micro_batch_size`` times the sum of the pipelines' micro-batch counts.

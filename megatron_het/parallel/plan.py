@@ -26,8 +26,9 @@ Optional keys: ``description``, ``dtype`` (fp32 | bf16 | fp16), ``use_distribute
 ``sequence_parallel``, ``tp_comm_overlap``, ``overlap_grad_reduce``, ``overlap_param_gather``,
 ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` on the plan (true or false, like Megatron's
 flags of those names; absent: the command line decides), ``recompute`` on a stage (true:
-every decoder layer's activations are recomputed in backward, only its input kept) and with it ``recompute_num_layers`` (Megatron-LM's block
-method: only the stage's first N layers are). Unknown keys are refused.
+every decoder layer's activations are recomputed in backward, only its input kept) and with
+it ``recompute_num_layers`` (Megatron-LM's block method: only the stage's first N layers
+are). Unknown keys are refused.
 
 Loading checks types only (and that ``grad_reduce_in_bf16`` does not come with a dtype other
 than bf16); :func:`megatron_het.parallel.plan_validation.validate` checks that the

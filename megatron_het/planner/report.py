@@ -10,6 +10,8 @@ JSON line stays short on any cluster: it gives the plan as stage groups, not ran
 Two references, each where it is attached to the result: the homogeneous baseline (each kind's
 best plan alone; ``efficiency`` may exceed 1, and then a line says why) and the compute ceiling
 (every device computing at its best rate, memory ignored; ``ceiling_efficiency`` is below 1).
+Where the pipelines share one layout, what whole layers cost the busiest device group
+(:mod:`megatron_het.planner.layer_split`) is given too.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from megatron_het.perf import Prediction, StagePrediction, fits, simulate_1f1b
 from megatron_het.parallel.replicas import uniform_layouts
 from megatron_het.perf.memory import GIB
 from megatron_het.planner.baseline import why_above_baseline
+from megatron_het.planner.layer_split import layer_split
 from megatron_het.planner.result import SearchResult
 
 BASELINE_MEANS = "each kind's best plan alone, summed over its devices"
@@ -105,6 +108,7 @@ def summary_dict(result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
     baseline_tps = None if baseline is None else baseline.tokens_per_s
     baseline_dict = None if baseline is None else baseline.to_dict()
     memory = fits(p, cluster)
+    split = layer_split(p, result.plan)
     return {
         "efficiency": result.efficiency,
         "baseline_tokens_per_s": baseline_tps,
@@ -117,6 +121,7 @@ def summary_dict(result: SearchResult, cluster: ClusterSpec) -> dict[str, Any]:
         "dp_sync_s": p.dp_sync_s,
         "optimizer_s": p.optimizer_s,
         "bubble_fraction": p.bubble_fraction,
+        "layer_split_loss": None if split is None else split.loss,
         "mfu": p.mfu,
         "search_time_s": result.search_time_s,
         "baseline_search_time_s": None if baseline is None else baseline.search_time_s,
@@ -150,7 +155,9 @@ def text_summary(result: SearchResult, cluster: ClusterSpec) -> str:
                                                  if len(shown) == 1 else ":")]
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.append(_headline(result))
-    lines += [line for line in (efficiency_line(result), why_above_baseline(result)) if line]
+    split = layer_split(p, result.plan)
+    lines += [line for line in (efficiency_line(result), why_above_baseline(result),
+                                split and split.describe()) if line]
     memory = fits(p, cluster)
     if not memory.ok:
         lines.append(f"warning: {memory.message}")
@@ -229,6 +236,8 @@ def _figure_rows(result: SearchResult) -> list[list[str]]:
                 f"{p.pipeline_time_s:.3f} + DP sync {p.dp_sync_s:.3f} + optimizer "
                 f"{p.optimizer_s:.3f})"],
                ["pipeline bubble", f"{100 * p.bubble_fraction:.1f}%"],
+               *([["whole-layer split", split.describe().split(": ", 1)[1]]]
+                 if (split := layer_split(p, result.plan)) else []),
                ["MFU (heterogeneity-aware)", f"{100 * p.mfu:.1f}%"],
                ["devices", str(p.num_devices)],
                ["batch", f"{p.global_batch_size} x {p.seq_length} tokens, micro-batch "

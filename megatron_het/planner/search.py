@@ -320,6 +320,7 @@ def _replica_candidates(search: _Search, max_micro_batch_size: int,
     out = []
     for layout, plan, prediction, closed_form in found:
         plan, prediction = relax_recompute(plan, search.predict, search.fits, prediction)
+        plan, prediction = _rings_or_collectives(plan, search, prediction)
         out.append(Candidate(layout, tuple(n for part in layout.parts for n in part.layers),
                              closed_form, plan, prediction))
     return out
@@ -384,6 +385,7 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
             layers = [sum(st.num_layers for st in chunks[g::sm.num_stages])
                       for g in range(sm.num_stages)]
         plan, prediction = relax_recompute(plan, search.predict, search.fits, prediction)
+        plan, prediction = _rings_or_collectives(plan, search, prediction)
         out.append(Candidate(sm.layout, tuple(layers), sm.iteration_time(layers), plan,
                              prediction))
     if not out:
@@ -391,6 +393,21 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
                              "full (interleaved layouts whose memory was interpolated)")
     out.sort(key=lambda c: c.prediction.iteration_time_s)
     return out
+
+
+def _rings_or_collectives(plan: ParallelPlan, search: _Search, prediction: Prediction
+                          ) -> tuple[ParallelPlan, Prediction]:
+    """A sequence-parallel plan with the TP rings (``tp_comm_overlap``, as the search prices
+    it) or with whole collectives, whichever is predicted faster and fits: the rings gather
+    the GEMMs' inputs again in backward, which costs more than they hide where the GEMMs are
+    short beside slow links."""
+    if not plan.tp_comm_overlap:
+        return plan, prediction
+    whole = replace(plan, tp_comm_overlap=None)
+    other = search.predict(whole)
+    if other.iteration_time_s < prediction.iteration_time_s * (1 - 1e-9) and search.fits(other):
+        return whole, other
+    return plan, prediction
 
 
 def _overlap_words(sm: StageModel, overlap: bool) -> str:

@@ -277,3 +277,45 @@ def test_without_sequence_parallelism_nothing_changes(emulated, tp2_pp2):
 def test_the_sequence_must_split_over_every_tp(emulated, tp2_pp2):
     with pytest.raises(UserError, match="sequence parallelism"):
         predict(TINY, with_sp(tp2_pp2), emulated, 63)
+
+
+def _one_kind_cluster(intra_node_gbps: float, tflops: float) -> ClusterSpec:
+    """4 devices of one made-up kind on one node whose links move ``intra_node_gbps`` and
+    whose compute peaks at ``tflops``."""
+    return ClusterSpec.from_dict({
+        "name": "links", "accelerators": {"dev": {
+            "vendor": "other", "native_backend": "gloo", "collective_library": "gloo",
+            "device_type": "cpu",
+            "memory_gib": 64, "peak_tflops_bf16": tflops, "peak_tflops_fp16": tflops,
+            "peak_tflops_fp32": tflops, "memory_bandwidth_gbps": 1000,
+            "intra_node_bandwidth_gbps": intra_node_gbps}},
+        "node_groups": [{"name": "n", "accelerator": "dev", "nodes": 1, "devices_per_node": 4,
+                         "nic_bandwidth_gbit_per_s": 100}]})
+
+
+@pytest.mark.parametrize("gbps, tflops, rings_kept", [(300.0, 0.1, True), (0.05, 100.0, False)])
+def test_the_planner_keeps_the_rings_only_where_they_are_faster(gbps, tflops, rings_kept):
+    from megatron_het.planner.search import _rings_or_collectives
+
+    cluster = _one_kind_cluster(gbps, tflops)
+    plan = ParallelPlan(MB, (PipelinePlan(4, (StagePlan("dev", 2, (0, 2), (0, 1)),
+                                              StagePlan("dev", 2, (2, 4), (2, 3)))),),
+                        dtype="fp32", sequence_parallel=True, tp_comm_overlap=True)
+
+    class Search:  # what the helper reads of a planner's search
+        @staticmethod
+        def predict(p):
+            return predict(TINY, p, cluster, SEQ)
+
+        @staticmethod
+        def fits(prediction):
+            return True
+
+    rings = Search.predict(plan)
+    whole = Search.predict(dataclasses.replace(plan, tp_comm_overlap=None))
+    # Fast links beside slow GEMMs: the rings hide what they move. Slow links beside fast
+    # GEMMs: the input's second gather in backward costs more than the rings hide.
+    assert (rings.iteration_time_s < whole.iteration_time_s) is rings_kept
+    chosen, prediction = _rings_or_collectives(plan, Search, rings)
+    assert bool(chosen.tp_comm_overlap) is rings_kept
+    assert prediction.iteration_time_s == min(rings.iteration_time_s, whole.iteration_time_s)

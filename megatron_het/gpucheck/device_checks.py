@@ -7,7 +7,10 @@ within 1e-4. bf16 parameters (``model.to(torch.bfloat16)``, no autocast) keep ~3
 digits, and the loss over ~128 tokens averages their rounding: within 2e-2 of fp32. The fused
 head + loss against ``F.cross_entropy`` on the full logits: 1e-5 (loss) and 1e-4 (gradients)
 in fp32; 1e-3 and 2e-2 in bf16, whose GEMMs round the logits and the softmax gradient (on the
-same bf16-rounded inputs the loss averages the logits' rounding over 4096 tokens).
+same bf16-rounded inputs the loss averages the logits' rounding over 4096 tokens). The TP
+rings of ``--tp-comm-overlap`` with two ranks as threads on the GPU
+(:mod:`megatron_het.gpucheck.tp_rings`) against float32 products on the CPU: 1e-4 in fp32,
+2e-2 in bf16.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.gpucheck.context import CheckContext
 from megatron_het.gpucheck.report import FAIL, PASS, SKIP, status_of
+from megatron_het.gpucheck.tp_rings import ring_errors
 from megatron_het.model.llama import build_model
 from megatron_het.model.loss import IGNORE_INDEX, linear_cross_entropy
 from megatron_het.training.launch import local_accelerator
@@ -182,7 +186,8 @@ def _version(package: str) -> str:
 
 # ---- numerics ------------------------------------------------------------------------------
 NUMERICS_ROWS = ("numerics.fp32-loss", "numerics.fp32-grads", "numerics.bf16-loss",
-                 "numerics.fused-loss-fp32", "numerics.fused-loss-bf16")
+                 "numerics.fused-loss-fp32", "numerics.fused-loss-bf16",
+                 "numerics.tp-rings-fp32", "numerics.tp-rings-bf16")
 
 
 def check_numerics(ctx: CheckContext) -> None:
@@ -212,6 +217,12 @@ def check_numerics(ctx: CheckContext) -> None:
         label = "fp32" if dtype == torch.float32 else "bf16"
         ctx.rows.add(f"numerics.fused-loss-{label}", status_of(ok), f"loss {loss_rel:.2e}, "
                      f"grads {grad_rel:.2e} rel", f"loss <= {loss_tol:g}, grads <= {grad_tol:g}")
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        label = "fp32" if dtype == torch.float32 else "bf16"
+        worst = ring_errors("cuda", dtype)
+        ctx.rows.add(f"numerics.tp-rings-{label}", status_of(worst <= tol),
+                     f"max rel diff {worst:.2e} (2 ranks as threads)", f"<= {tol:g} of each "
+                     "tensor's max")
 
 
 def tiny_loss_and_grads(device: str, dtype: torch.dtype) -> tuple[float, dict[str, torch.Tensor]]:

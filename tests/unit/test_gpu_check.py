@@ -316,6 +316,31 @@ def test_fused_loss_errors_are_small_for_fp32_and_bf16_on_the_cpu():
     assert loss_rel < 1e-3 and grad_rel < 2e-2
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_tp_rings_as_threads_match_the_whole_products_on_the_cpu(tp, monkeypatch):
+    from megatron_het.gpucheck import tp_rings
+    from megatron_het.tensor_parallel import comm_overlap
+
+    assert tp_rings.ring_errors("cpu", torch.float32, tp=tp) < 1e-5
+    assert tp_rings.ring_errors("cpu", torch.bfloat16, tp=tp) < 2e-2
+    # A reduce-scatter ring that sums the wrong blocks is caught.
+    monkeypatch.setattr(comm_overlap._Ring, "block",
+                        lambda self, step, behind=0: (self.rank - step) % self.size)
+    assert tp_rings.ring_errors("cpu", torch.float32, tp=tp) > 0.1
+
+
+def test_a_thread_rank_that_fails_is_named():
+    from megatron_het.gpucheck.tp_rings import ThreadRing
+
+    def work(member):
+        if member.rank == 1:
+            raise ValueError("boom")
+        return member.rank
+
+    with pytest.raises(RuntimeError, match="TP ring rank 1 failed: boom"):
+        ThreadRing(2).run(work)
+
+
 def test_tiny_model_bf16_parameters_stay_within_the_bf16_threshold():
     loss32, grads32 = tiny_loss_and_grads("cpu", torch.float32)
     loss16, grads16 = tiny_loss_and_grads("cpu", torch.bfloat16)

@@ -43,7 +43,7 @@ REDUCE_TAG = 72
 
 
 class _Ring:
-    """This rank's neighbours in ``group`` (global ranks) and the transfers still running."""
+    """This rank's place in ``group`` and its neighbours (global ranks) in the ring."""
 
     def __init__(self, group: UnifiedGroup) -> None:
         self.group = group

@@ -45,9 +45,10 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from megatron_het.emulation.host_sharing import HostCores, HostSharing
-from megatron_het.parallel.plan import PipelinePlan, StagePlan
+from megatron_het.parallel.plan import PipelinePlan
 from megatron_het.perf.boundary_cost import rank_activation_bytes
 from megatron_het.perf.comm_cost import CommCost
+from megatron_het.perf.cost_model import REGATHERS, ring_collectives
 from megatron_het.perf.prediction import StagePrediction
 from megatron_het.perf.rate_model import PredictionInputs, SharedIteration
 from megatron_het.perf.simulator import Region, StageTiming
@@ -112,20 +113,21 @@ def _stage_timing(inputs: PredictionInputs, p: int, s: int, pipeline: PipelinePl
         forward_all, backward_all = counts.forward_all, counts.backward_all
         tp_rings = (0.0, 0.0)
         if inputs.tp_comm_overlap and counts.forward_gathers:
-            ring_forward, ring_backward = _ring_steps(inputs, stage)
-            # A step sends one block and receives one: two transfers' CPU time, as a
-            # boundary's two ends count.
-            step = 2 * _transfer_cpu_s(inputs, inputs.act_bytes / stage.tp)
-            work_forward += ring_forward * step
-            work_backward += ring_backward * step
-            # ... and each step waits for its peers as half a measured collective does (a
-            # gather or reduce-scatter counts half of one).
-            tp_rings = ((wall - cpu) / 2 * ring_forward, (wall - cpu) / 2 * ring_backward)
-            # The layers' gathers and reduce-scatters are the rings; the rest stay collectives.
+            # The layers' gathers and reduce-scatters are rings of tp - 1 steps each (the
+            # backward's with the inputs' second gathers); the rest stay collectives, of
+            # which a gather or reduce-scatter counts half.
             layers = stage.num_layers
-            recomputed = min(inputs.recomputed_layers_of(stage), layers)
-            forward_all -= 4 * layers / 2
-            backward_all -= 4 * (layers + recomputed) / 2
+            rings = ring_collectives(layers, min(inputs.recomputed_layers_of(stage), layers))
+            forward_all -= rings[0] / 2
+            backward_all -= rings[1] / 2
+            steps = (rings[0] * (stage.tp - 1), (rings[1] + REGATHERS * layers) * (stage.tp - 1))
+            # A step sends one block and receives one: two transfers' CPU time, as a
+            # boundary's two ends count; and it waits for its peers as half a measured
+            # collective does.
+            step = 2 * _transfer_cpu_s(inputs, inputs.act_bytes / stage.tp)
+            work_forward += steps[0] * step
+            work_backward += steps[1] * step
+            tp_rings = ((wall - cpu) / 2 * steps[0], (wall - cpu) / 2 * steps[1])
         work_forward += forward_all * cpu
         work_backward += backward_all * cpu
         tp_forward = forward_all * (wall - cpu) + tp_rings[0]
@@ -143,16 +145,6 @@ def _stage_timing(inputs: PredictionInputs, p: int, s: int, pipeline: PipelinePl
         Region(work_forward, tp_forward, spec.slowdown * slowed_forward),
         Region(work_backward, tp_backward, spec.slowdown * slowed_backward),
         row.p2p_forward_s, row.p2p_backward_s, inputs.comm.node_of(stage.ranks[0]), stage.tp)
-
-
-def _ring_steps(inputs: PredictionInputs, stage: StagePlan) -> tuple[int, int]:
-    """(forward, backward) ring steps of a sequence-parallel stage under --tp-comm-overlap:
-    each layer runs 4 rings forward (before qkv and gate/up, after proj and down) and 6
-    backward (those 4, with qkv's and gate/up's inputs gathered again), a recomputed layer
-    its 4 forward ones again; a ring has ``tp - 1`` steps."""
-    layers = stage.num_layers
-    recomputed = min(inputs.recomputed_layers_of(stage), layers)
-    return 4 * layers * (stage.tp - 1), (6 * layers + 4 * recomputed) * (stage.tp - 1)
 
 
 def _transfer_cpu_s(inputs: PredictionInputs, nbytes: Optional[float] = None) -> float:

@@ -315,6 +315,20 @@ def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,
     return TPCollectives(forward, backward, cross_entropy)
 
 
+def ring_collectives(num_layers: int, recomputed: int) -> tuple[int, int]:
+    """(forward, backward) of a sequence-parallel stage's gathers and reduce-scatters
+    (:attr:`TPCollectives.forward_gathers` and ``backward_gathers``) that ``--tp-comm-overlap``
+    runs as rings: the layers' 4 each way (and a recomputed layer's forward 4 again); the
+    embedding's and the head's stay collectives. The rings' backward also gathers qkv's and
+    gate/up's inputs again: :data:`REGATHERS` more per layer."""
+    return 4 * num_layers, 4 * (num_layers + recomputed)
+
+
+# Rings a layer's backward adds under --tp-comm-overlap: qkv's and gate/up's inputs gathered
+# again (the GEMMs keep only the rank's own block).
+REGATHERS = 2
+
+
 def ring_exposed(transfer_s: float, gemm_s: float, tp: int) -> float:
     """What an overlapped TP ring (``--tp-comm-overlap``,
     :mod:`megatron_het.tensor_parallel.comm_overlap`) adds to the GEMMs it runs beside: its

@@ -76,7 +76,7 @@ from megatron_het.perf.comm_cost import CommCost, SyncCost
 from megatron_het.perf.cost_model import (DTYPE_BYTES, FP32_BYTES, Efficiency, LayerShape,
                                           TPCollectives, dtype_bytes, layer_forward_ops,
                                           op_time, overlapped_layer_tp, recomputed_count,
-                                          tp_collectives)
+                                          ring_collectives, tp_collectives)
 from megatron_het.perf.dp_overlap import exposed_sync
 from megatron_het.perf.dp_sync import DPSync
 from megatron_het.perf.memory import (MemoryBreakdown, device_capacity_bytes, device_memory,
@@ -291,8 +291,9 @@ class PredictionContext:
         recomputed = recomputed_count(self.recomputed_layers_of(stage), layers)
         fwd, bwd = overlapped_layer_tp(gather, self.layer_gemms(stage), stage.tp)
         # The embedding's and the head's collectives are not overlapped.
-        ends_forward = counts.forward_gathers - 4 * layers
-        ends_backward = counts.backward_gathers - 4 * (layers + recomputed)
+        rings_forward, rings_backward = ring_collectives(layers, recomputed)
+        ends_forward = counts.forward_gathers - rings_forward
+        ends_backward = counts.backward_gathers - rings_backward
         return (layers * fwd + ends_forward * gather,
                 layers * bwd + recomputed * fwd + ends_backward * gather
                 + counts.norm_grads * norm)

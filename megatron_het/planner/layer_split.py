@@ -40,7 +40,7 @@ class LayerSplit:
         return self.busiest_s / self.divisible_s - 1.0
 
     def describe(self) -> str:
-        return (f"layer split: the busiest device group computes {1e3 * self.busiest_s:.1f} ms "
+        return (f"the busiest device group computes {1e3 * self.busiest_s:.1f} ms "
                 f"per micro-batch; with layers divisible at will {1e3 * self.divisible_s:.1f} "
                 f"ms (whole layers cost {100 * self.loss:.1f}%)")
 

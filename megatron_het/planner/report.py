@@ -157,7 +157,7 @@ def text_summary(result: SearchResult, cluster: ClusterSpec) -> str:
     lines.append(_headline(result))
     split = layer_split(p, result.plan)
     lines += [line for line in (efficiency_line(result), why_above_baseline(result),
-                                split and split.describe()) if line]
+                                split and f"layer split: {split.describe()}") if line]
     memory = fits(p, cluster)
     if not memory.ok:
         lines.append(f"warning: {memory.message}")
@@ -236,7 +236,7 @@ def _figure_rows(result: SearchResult) -> list[list[str]]:
                 f"{p.pipeline_time_s:.3f} + DP sync {p.dp_sync_s:.3f} + optimizer "
                 f"{p.optimizer_s:.3f})"],
                ["pipeline bubble", f"{100 * p.bubble_fraction:.1f}%"],
-               *([["whole-layer split", split.describe().split(": ", 1)[1]]]
+               *([["whole-layer split", split.describe()]]
                  if (split := layer_split(p, result.plan)) else []),
                ["MFU (heterogeneity-aware)", f"{100 * p.mfu:.1f}%"],
                ["devices", str(p.num_devices)],

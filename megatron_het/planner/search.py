@@ -385,7 +385,8 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
             layers = [sum(st.num_layers for st in chunks[g::sm.num_stages])
                       for g in range(sm.num_stages)]
         plan, prediction = relax_recompute(plan, search.predict, search.fits, prediction)
-        plan, prediction = _rings_or_collectives(plan, search, prediction)
+        plan, prediction = _rings_or_collectives(
+            plan, search, prediction, search.placement.distinct_pipelines(sm.layout))
         out.append(Candidate(sm.layout, tuple(layers), sm.iteration_time(layers), plan,
                              prediction))
     if not out:
@@ -395,15 +396,23 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
     return out
 
 
-def _rings_or_collectives(plan: ParallelPlan, search: _Search, prediction: Prediction
+def _rings_or_collectives(plan: ParallelPlan, search: _Search, prediction: Prediction,
+                          distinct: Optional[list[int]] = None
                           ) -> tuple[ParallelPlan, Prediction]:
     """A sequence-parallel plan with the TP rings (``tp_comm_overlap``, as the search prices
     it) or with whole collectives, whichever is predicted faster and fits: the rings gather
     the GEMMs' inputs again in backward, which costs more than they hide where the GEMMs are
-    short beside slow links."""
+    short beside slow links. ``distinct``: the pipelines that price every replica of identical
+    ones; the whole-collectives plan is priced on them first and in full only if faster."""
     if not plan.tp_comm_overlap:
         return plan, prediction
     whole = replace(plan, tp_comm_overlap=None)
+    if distinct is not None:
+        quick = predict(search.model, whole, search.cluster, search.seq_length,
+                        search.profiles, search.dtype, cache=search.cache, validate=False,
+                        comm=search.comm, pipelines=distinct)
+        if quick.iteration_time_s >= prediction.iteration_time_s * (1 - 1e-9):
+            return plan, prediction
     other = search.predict(whole)
     if other.iteration_time_s < prediction.iteration_time_s * (1 - 1e-9) and search.fits(other):
         return whole, other

@@ -128,7 +128,6 @@ def _scattered_sum(ring: _Ring, partial_of: Callable[[int], torch.Tensor],
             total = part
         if beside is not None:
             beside()
-    del sending
     return total
 
 

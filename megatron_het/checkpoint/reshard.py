@@ -20,14 +20,10 @@ import torch
 
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
-from megatron_het.parallel.plan import ParallelPlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan, StagePlan, held_parameters
 from megatron_het.tensor_parallel.sharding import parameter_shape, shard_spec
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) inside a global tensor
-
-_LAYER_PARAMETERS = ("input_norm.weight", "attention.qkv.weight", "attention.proj.weight",
-                     "post_attention_norm.weight", "mlp.gate.weight", "mlp.up.weight",
-                     "mlp.down.weight")
 
 
 @dataclass(frozen=True)
@@ -134,7 +130,7 @@ def stage_parameter_names(config: ModelConfig, stage: StagePlan) -> list[str]:
     if stage.has_embedding or (stage.has_head and config.tie_embeddings):
         names.append("embedding.weight")
     for index in stage.layer_indices:
-        names.extend(f"layers.{index}.{local}" for local in _LAYER_PARAMETERS)
+        names.extend(f"layers.{index}.{local}" for local in held_parameters(stage.layers, index))
     if stage.has_head:
         names.append("final_norm.weight")
         if not config.tie_embeddings:

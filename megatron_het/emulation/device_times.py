@@ -17,7 +17,7 @@ from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf.cost_model import LayerShape
 from megatron_het.perf.profile import Profile
-from megatron_het.perf.stage_cost import HOST_PROFILE, ProfileChoice, stage_compute
+from megatron_het.perf.stage_cost import HOST_PROFILE, LayerBlocks, ProfileChoice, stage_compute
 from megatron_het.pipeline.executor import compute_region_key
 
 RegionKey = tuple[str, bool, int]
@@ -44,7 +44,7 @@ def emulated_device_times(profiles: Optional[Mapping[str, Profile]],
             shape = LayerShape.of(model, seq_length, plan.micro_batch_size, stage.tp)
             compute = stage_compute(model, spec, shape, stage.num_layers, stage.has_embedding,
                                     stage.has_head, stage.recomputed_layers, dtype,
-                                    ProfileChoice(profile))
+                                    ProfileChoice(profile), blocks=LayerBlocks.of(stage))
             if "roofline" in compute.source:
                 raise UserError(f"--emulation-profile {profile_source}: no {dtype} figures for "
                                 f"the stage on ranks {list(stage.ranks)} ({compute.source}); "

@@ -33,6 +33,7 @@ Shape legend: B batch, S sequence, H hidden, N heads, D head dim, V vocabulary.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -46,6 +47,7 @@ from megatron_het.kernels import causal_attention, rms_norm, swiglu
 from megatron_het.model.init import init_weights
 from megatron_het.model.loss import linear_cross_entropy
 from megatron_het.model.rope import RotaryEmbedding, apply_rope, rope_table_dtype
+from megatron_het.parallel.plan import ATTENTION_BLOCK, LAYER_PARTS, MLP_BLOCK, layer_parts
 
 
 class RMSNorm(nn.Module):
@@ -112,18 +114,30 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``parts`` builds and runs only some of its two blocks: ``("attention",)`` (input norm and
+    attention) or ``("mlp",)`` (post-attention norm and MLP), for a pipeline stage whose
+    bound falls inside the layer (:mod:`megatron_het.parallel.plan`)."""
+
+    def __init__(self, config: ModelConfig, parts: Sequence[str] = LAYER_PARTS) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.attention = Attention(config)
-        self.post_attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = MLP(config)
+        if not parts or any(p not in LAYER_PARTS for p in parts):
+            raise ValueError(f"a decoder layer's parts are among {LAYER_PARTS}, got {parts!r}")
+        self.parts = tuple(p for p in LAYER_PARTS if p in parts)
+        if ATTENTION_BLOCK in self.parts:
+            self.input_norm = RMSNorm(config.hidden_size, config.norm_eps)
+            self.attention = Attention(config)
+        if MLP_BLOCK in self.parts:
+            self.post_attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
+            self.mlp = MLP(config)
 
     def forward(self, x_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos, sin)
-        return x_BSH + self.mlp(self.post_attention_norm(x_BSH))
+        if ATTENTION_BLOCK in self.parts:
+            x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos, sin)
+        if MLP_BLOCK in self.parts:
+            x_BSH = x_BSH + self.mlp(self.post_attention_norm(x_BSH))
+        return x_BSH
 
 
 class LlamaModel(nn.Module):
@@ -132,6 +146,8 @@ class LlamaModel(nn.Module):
     Args:
         config: model shape.
         layer_range: ``(start, stop)`` global layer indices held here; ``None`` means all.
+            A bound may be a half-layer bound ``x.5`` (:mod:`megatron_het.parallel.plan`):
+            the layer it falls in is built with the one block the range holds.
         has_embedding: holds the token embedding; ``forward`` (of chunk 0) then takes tokens.
         has_head: holds the final norm and output projection; ``forward`` (of the last chunk)
             then returns logits.
@@ -142,7 +158,8 @@ class LlamaModel(nn.Module):
             ``recompute`` is True (every layer of the chunk), False, or how many of its first
             layers recompute (Megatron-LM's block method). Each chunk runs on its own
             (``forward(..., chunk=c)``): the embedding belongs to chunk 0 and the head to the
-            last chunk.
+            last chunk. A recomputing chunk checkpoints each of its layers (or its block of a
+            layer split by a half-layer bound) on its own.
 
     Layers live in ``self.layers``, an ``nn.ModuleDict`` keyed by the global layer index as a
     string, so a stage holding layers [3, 5) has keys "3" and "4". Parameters are created with
@@ -184,9 +201,9 @@ class LlamaModel(nn.Module):
         self.wait_for: Optional[Callable[[str], None]] = None
         needs_embedding = has_embedding or (has_head and config.tie_embeddings)
         self.embedding = _embedding(config) if needs_embedding else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, layer_parts((start, stop), i))
                                      for start, stop, _ in self.chunks
-                                     for i in range(start, stop)})
+                                     for i in _touched(start, stop)})
         self.final_norm = RMSNorm(config.hidden_size, config.norm_eps) if has_head else None
         self.output = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
                        if has_head and not config.tie_embeddings else None)
@@ -239,10 +256,10 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary.cos_sin(self.sequence_length(hidden), hidden.device,
                                        rope_table_dtype(hidden))
         use_recompute = recomputed > 0 and self.training and torch.is_grad_enabled()
-        for index in range(start, stop):
+        for n, index in enumerate(_touched(start, stop)):
             layer = self.layers[str(index)]
             self._ready(f"layers.{index}")
-            if use_recompute and index - start < recomputed:
+            if use_recompute and n < recomputed:
                 hidden = checkpoint(layer, hidden, cos, sin, use_reentrant=False)
             else:
                 hidden = layer(hidden, cos, sin)
@@ -270,16 +287,22 @@ class LlamaModel(nn.Module):
                                         loss_weights)
         return F.linear(self.final_norm(hidden), self.output_weight())
 
-def _recomputed(start: int, stop: int, recompute: Union[bool, int]) -> int:
-    """How many of the first layers of chunk ``[start, stop)`` recompute: all for True, none
-    for False, else the count (at most the chunk's layers)."""
+def _touched(start: float, stop: float) -> range:
+    """The layers of which chunk ``[start, stop)`` holds a block or both."""
+    return range(math.floor(start), math.ceil(stop))
+
+
+def _recomputed(start: float, stop: float, recompute: Union[bool, int]) -> int:
+    """How many of the first layers (or blocks of split layers) of chunk ``[start, stop)``
+    recompute: all for True, none for False, else the count (at most the chunk's)."""
+    pieces = len(_touched(start, stop))
     if recompute is True:
-        return stop - start
+        return pieces
     if recompute is False or recompute is None:
         return 0
     if recompute < 0:
         raise ValueError(f"a chunk cannot recompute {recompute} layers")
-    return min(int(recompute), stop - start)
+    return min(int(recompute), pieces)
 
 
 def _embedding(config: ModelConfig) -> nn.Embedding:

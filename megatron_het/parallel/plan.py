@@ -3,7 +3,13 @@
 A plan is a list of pipelines. Each pipeline is one data-parallel (DP) replica of the whole model
 with its own share of the micro-batches of every iteration; its stages run in order, each holding
 a half-open range ``[start, end)`` of global decoder-layer indices. The embedding sits on the
-first stage of every pipeline and the output head on the last. The ranks of a stage are its
+first stage of every pipeline and the output head on the last.
+
+A bound may also fall inside a layer, between its attention block (input norm, attention) and
+its MLP block (post-attention norm, MLP): ``x.5`` is that point of layer ``x``. A stage
+``[20, 21.5)`` holds layer 20 and the attention block of layer 21; the next stage
+``[21.5, 24)`` holds layer 21's MLP block and layers 22 and 23. Such half-layer bounds let
+stages of devices with different speeds balance more finely than whole layers allow. The ranks of a stage are its
 tensor-parallel (TP) group, listed in tp_rank order, so ``ranks[t]`` has tp_rank ``t``.
 
 Interleaving (virtual pipeline stages, as Megatron-LM's): the same ``ranks`` may appear on several
@@ -39,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -55,10 +62,61 @@ _PLAN_KEYS = ("format", "micro_batch_size", "pipelines", "description", "dtype",
 _PIPELINE_KEYS = ("micro_batches", "stages")
 _STAGE_KEYS = ("accelerator", "tp", "layers", "ranks", "recompute", "recompute_num_layers")
 
+# The two blocks of a decoder layer, in order; a half-layer bound falls between them.
+ATTENTION_BLOCK, MLP_BLOCK = "attention", "mlp"
+LAYER_PARTS = (ATTENTION_BLOCK, MLP_BLOCK)
+# A decoder layer's parameters (names inside the layer), in the order the model registers them.
+LAYER_PARAMETERS = ("input_norm.weight", "attention.qkv.weight", "attention.proj.weight",
+                    "post_attention_norm.weight", "mlp.gate.weight", "mlp.up.weight",
+                    "mlp.down.weight")
+# A layer's parameters of its MLP block start with these (the rest are its attention block's).
+_MLP_PREFIXES = ("post_attention_norm.", "mlp.")
+
+LayerBound = float  # an int, or an int + 0.5 (a half-layer bound)
+
+
+def part_of(local_name: str) -> str:
+    """The block (ATTENTION_BLOCK or MLP_BLOCK) of a layer parameter, by its name inside the
+    layer (``mlp.up.weight`` -> MLP_BLOCK, ``input_norm.weight`` -> ATTENTION_BLOCK)."""
+    return MLP_BLOCK if local_name.startswith(_MLP_PREFIXES) else ATTENTION_BLOCK
+
+
+def block_of(name: str) -> int:
+    """The position of a global ``layers.<i>.*`` parameter in half-layer blocks: ``2 i`` for
+    layer ``i``'s attention block, ``2 i + 1`` for its MLP block."""
+    _, index, local = name.split(".", 2)
+    return 2 * int(index) + (part_of(local) == MLP_BLOCK)
+
+
+def layer_parts(layers: tuple[LayerBound, LayerBound], index: int) -> tuple[str, ...]:
+    """The blocks of layer ``index`` that the range ``layers`` holds (empty if none)."""
+    first, end = round(2 * layers[0]), round(2 * layers[1])
+    return tuple(part for half, part in enumerate(LAYER_PARTS) if first <= 2 * index + half < end)
+
+
+def held_parameters(layers: tuple[LayerBound, LayerBound], index: int) -> tuple[str, ...]:
+    """The parameters of layer ``index`` (names inside the layer) that the range ``layers``
+    holds, in :data:`LAYER_PARAMETERS` order."""
+    parts = layer_parts(layers, index)
+    return tuple(local for local in LAYER_PARAMETERS if part_of(local) in parts)
+
+
+def block_counts(layers: tuple[LayerBound, LayerBound]) -> tuple[int, int]:
+    """How many attention blocks and MLP blocks the range ``layers`` holds."""
+    first, end = round(2 * layers[0]), round(2 * layers[1])
+    attention = (end + 1) // 2 - (first + 1) // 2
+    return attention, (end - first) - attention
+
+
+def format_bound(bound: LayerBound) -> str:
+    """``3`` -> "3", ``3.5`` -> "3.5"."""
+    return str(int(bound)) if bound == int(bound) else str(bound)
+
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: ``tp`` ranks of one accelerator kind holding layers ``[start, end)``.
+    """One pipeline stage: ``tp`` ranks of one accelerator kind holding layers ``[start, end)``
+    (each bound an integer or a half-layer bound ``x.5``, see the module's text).
 
     ``ranks`` is the stage's TP group in tp_rank order. ``has_embedding`` / ``has_head`` follow
     the stage's position: :class:`PipelinePlan` sets them for its first and last stage.
@@ -93,8 +151,24 @@ class StagePlan:
         return stage
 
     @property
-    def num_layers(self) -> int:
+    def num_layers(self) -> LayerBound:
+        """``end - start``: a half-layer bound counts each of a layer's blocks as half a layer
+        (cost models weigh the blocks by their real work, :attr:`block_counts`)."""
         return self.layers[1] - self.layers[0]
+
+    @property
+    def splits_layers(self) -> bool:
+        """Whether a bound falls inside a layer (the stage holds one block of it)."""
+        return any(bound != int(bound) for bound in self.layers)
+
+    @property
+    def block_counts(self) -> tuple[int, int]:
+        """How many attention blocks and MLP blocks the stage holds."""
+        return block_counts(self.layers)
+
+    def layer_parts(self, index: int) -> tuple[str, ...]:
+        """The blocks (ATTENTION_BLOCK, MLP_BLOCK) of layer ``index`` that the stage holds."""
+        return layer_parts(self.layers, index)
 
     @property
     def recomputed_layers(self) -> int:
@@ -118,8 +192,13 @@ class StagePlan:
 
     @property
     def layer_indices(self) -> range:
-        """The global indices of this stage's decoder layers."""
-        return range(self.layers[0], self.layers[1])
+        """The global indices of the decoder layers of which this stage holds a block or both."""
+        return range(math.floor(self.layers[0]), math.ceil(self.layers[1]))
+
+    @property
+    def layers_label(self) -> str:
+        """``[3, 5.5)``: the stage's range as logs and reports print it."""
+        return f"[{format_bound(self.layers[0])}, {format_bound(self.layers[1])})"
 
 
 @dataclass(frozen=True)
@@ -293,7 +372,7 @@ class ParallelPlan:
                                   " +head" if st.has_head else "",
                                   f" {st.recompute_label}" if st.recompute else ""])
                 lines.append(f"    stage {s}: {st.accelerator} tp={st.tp} ranks="
-                             f"{list(st.ranks)} layers [{st.layers[0]}, {st.layers[1]}){extras}")
+                             f"{list(st.ranks)} layers {st.layers_label}{extras}")
         return "\n".join(lines)
 
     # ---- JSON -----------------------------------------------------------------------------
@@ -387,6 +466,16 @@ def _int(where: str, key: str, value: Any) -> int:
     return value
 
 
+def _layer_bound(where: str, value: Any) -> LayerBound:
+    """A layer bound: an integer, or a number ending in .5 (a half-layer bound)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or 2 * value != int(2 * value)):
+        raise UserError(f"{where}: layers must be [first, end) as two integers, or numbers "
+                        f"ending in .5 for a bound between a layer's attention and MLP blocks; "
+                        f"got {value!r}")
+    return int(value) if value == int(value) else float(value)
+
+
 def _bool(where: str, key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise UserError(f"{where}: {key} must be true or false, got {value!r}")
@@ -400,7 +489,8 @@ def _parse_stage(where: str, d: Any) -> StagePlan:
                         f"got {d['accelerator']!r}")
     layers = d["layers"]
     if not isinstance(layers, list) or len(layers) != 2:
-        raise UserError(f"{where}: layers must be [first, end) as two integers, got {layers!r}")
+        raise UserError(f"{where}: layers must be [first, end) as two integers (or numbers "
+                        f"ending in .5), got {layers!r}")
     ranks = d["ranks"]
     if not isinstance(ranks, list):
         raise UserError(f"{where}: ranks must be a list of integers, got {ranks!r}")
@@ -413,7 +503,7 @@ def _parse_stage(where: str, d: Any) -> StagePlan:
                             f"needs \"recompute\": true and N >= 1, got {count} with recompute "
                             f"{str(recompute).lower()}")
     return StagePlan(accelerator=d["accelerator"], tp=_int(where, "tp", d["tp"]),
-                     layers=(_int(where, "layers", layers[0]), _int(where, "layers", layers[1])),
+                     layers=(_layer_bound(where, layers[0]), _layer_bound(where, layers[1])),
                      ranks=tuple(_int(where, "ranks", r) for r in ranks),
                      recompute=recompute, recompute_num_layers=count)
 

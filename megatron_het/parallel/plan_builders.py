@@ -192,6 +192,11 @@ def interleave_plan(plan: ParallelPlan, num_chunks: int) -> ParallelPlan:
         pp = pipeline.pp_size
         if pp < 2:
             raise UserError(f"pipeline {p} has one stage; interleaving needs at least 2")
+        split = [s for s, st in enumerate(pipeline.stages) if st.splits_layers]
+        if split:
+            raise UserError(f"stage {split[0]} of pipeline {p} has half-layer bounds "
+                            f"{pipeline.stages[split[0]].layers_label}; interleave a plan of "
+                            f"whole layers, or write the interleaved plan's chunks out")
         short = [s for s, st in enumerate(pipeline.stages) if st.num_layers < num_chunks]
         if short:
             st = pipeline.stages[short[0]]

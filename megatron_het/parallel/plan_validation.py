@@ -20,7 +20,7 @@ def validate(plan: ParallelPlan, model: ModelConfig, cluster: Optional[ClusterSp
     """Raise UserError for the first thing wrong with ``plan``; return None if it is sound.
 
     Checks: positive sizes; each pipeline covers layers ``0..model.num_layers-1`` exactly once in
-    stage order; every stage lists ``tp`` ranks; ``tp`` divides the attention heads, the query
+    stage order (bounds may be half-layer bounds ``x.5``); every stage lists ``tp`` ranks; ``tp`` divides the attention heads, the query
     groups and the FFN size (pipelines may split the model differently: heterogeneous data
     parallelism); ranks are used once and are exactly ``0..world-1`` (world from ``cluster`` if
     given, else the number of ranks placed); each stage's accelerator is that of its ranks in
@@ -36,6 +36,10 @@ def validate(plan: ParallelPlan, model: ModelConfig, cluster: Optional[ClusterSp
         for s, stage in enumerate(pipeline.stages):
             _check_stage_tp(_where(p, s), stage, model)
             count = stage.recompute_num_layers
+            if count is not None and stage.splits_layers:
+                raise UserError(f"{_where(p, s)} has half-layer bounds {stage.layers_label} and "
+                                f"recompute_num_layers {count}; recompute all of it (drop "
+                                f"recompute_num_layers) or give it whole layers")
             if count is not None and count > stage.num_layers:
                 raise UserError(f"{_where(p, s)} recomputes its first {count} layers but holds "
                                 f"{stage.num_layers}; use recompute_num_layers <= "

@@ -10,17 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.plan import LayerBound, ParallelPlan, block_of
 
 
 @dataclass(frozen=True)
 class ReplicaUnit:
     """Parameters with the same holders in every pipeline: the embedding (``layers`` None,
-    ``part`` "embedding"), decoder layers ``[start, stop)`` (``part`` "layers") or the head's
-    final norm and output projection (``part`` "head")."""
+    ``part`` "embedding"), decoder layers ``[start, stop)`` (``part`` "layers"; a bound may be
+    a half-layer bound ``x.5``) or the head's final norm and output projection (``part``
+    "head")."""
 
     part: str
-    layers: Optional[tuple[int, int]] = None
+    layers: Optional[tuple[LayerBound, LayerBound]] = None
 
     def holds(self, name: str) -> bool:
         """Whether global parameter ``name`` belongs to this unit."""
@@ -31,7 +32,7 @@ class ReplicaUnit:
         assert self.layers is not None
         if not name.startswith("layers."):
             return False
-        return self.layers[0] <= int(name.split(".")[1]) < self.layers[1]
+        return 2 * self.layers[0] <= block_of(name) < 2 * self.layers[1]
 
 
 def uniform_layouts(plan: ParallelPlan) -> bool:
@@ -52,16 +53,21 @@ def replica_units(plan: ParallelPlan, num_layers: int,
                              for r in st.ranks}))
     units = [(ReplicaUnit("embedding"), holders(
         lambda st: st.has_embedding or (tie_embeddings and st.has_head)))]
-    start = 0
-    for i in range(1, num_layers + 1):
-        here = holders(lambda st, i=i: st.layers[0] <= i - 1 < st.layers[1])
-        nxt = (holders(lambda st, i=i: st.layers[0] <= i < st.layers[1])
-               if i < num_layers else None)
+    start = 0  # in half-layer blocks: 2 i is layer i's attention block, 2 i + 1 its MLP block
+    for b in range(1, 2 * num_layers + 1):
+        here = holders(lambda st, b=b: 2 * st.layers[0] <= b - 1 < 2 * st.layers[1])
+        nxt = (holders(lambda st, b=b: 2 * st.layers[0] <= b < 2 * st.layers[1])
+               if b < 2 * num_layers else None)
         if here != nxt:
-            units.append((ReplicaUnit("layers", (start, i)), here))
-            start = i
+            units.append((ReplicaUnit("layers", (_bound(start), _bound(b))), here))
+            start = b
     units.append((ReplicaUnit("head"), holders(lambda st: st.has_head)))
     return units
+
+
+def _bound(block: int) -> LayerBound:
+    """A position in half-layer blocks as a layer bound: 6 -> 3, 7 -> 3.5."""
+    return block // 2 if block % 2 == 0 else block / 2
 
 
 def owned_rows(full_rows: int, first: int, count: int, pipeline: int,

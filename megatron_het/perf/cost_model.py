@@ -30,7 +30,7 @@ the slowdown) and then multiplied by the slowdown, as an emulated run waits that
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
@@ -213,6 +213,25 @@ def layer_forward_ops(shape: LayerShape, attention_kernel: str = "flash") -> lis
     ]
 
 
+def block_forward_ops(shape: LayerShape, attention_kernel: str = "flash"
+                      ) -> tuple[list[Op], list[Op]]:
+    """:func:`layer_forward_ops` split between the layer's attention block (input norm, qkv,
+    RoPE, attention, proj, residual add) and its MLP block (post-attention norm, gate/up,
+    SwiGLU, down, residual add): the two lists cost what the layer's list costs."""
+    t, h, tp = shape.tokens, shape.hidden, shape.tp
+    q = shape.heads * shape.head_dim // tp
+    kv = shape.kv_groups * shape.head_dim // tp
+    f = shape.ffn // tp
+    ops = layer_forward_ops(shape, attention_kernel)
+    attention = [op for op in ops if op.name not in ("gate_up", "down", "elementwise")]
+    mlp = [op for op in ops if op.name in ("gate_up", "down")]
+    # The norm (read+write h), RoPE on q and k and the residual add (3h) / the norm, SwiGLU
+    # (read 2f, write f) and the residual add.
+    attention.append(Op("elementwise", "memory", 0.0, t * (2 * h + 2 * (q + kv) + 3 * h)))
+    mlp.append(Op("elementwise", "memory", 0.0, t * (2 * h + 3 * f + 3 * h)))
+    return attention, mlp
+
+
 def layer_forward_flops(shape: LayerShape) -> float:
     """Model FLOPs of one layer's forward on one TP rank (attention counted in full)."""
     return sum(op.flops for op in layer_forward_ops(shape))
@@ -279,6 +298,8 @@ def recomputed_count(recompute_layers: int, num_layers: int) -> int:
     num_layers``. TypeError for a bool: a count is meant, and True would read as 1."""
     if isinstance(recompute_layers, bool):
         raise TypeError("recompute_layers is a number of layers, not a bool")
+    if recompute_layers != int(recompute_layers):  # all of a stage with a half-layer bound
+        return max(0, min(recompute_layers, num_layers))
     return max(0, min(int(recompute_layers), num_layers))
 
 
@@ -399,8 +420,8 @@ def _between_blocks(shape: LayerShape, sequence_parallel: bool) -> int:
 
 
 def layer_activation_bytes(shape: LayerShape, dtype: str, sequence_parallel: bool = False,
-                           attention_kernel: str = "flash", tp_comm_overlap: bool = False
-                           ) -> float:
+                           attention_kernel: str = "flash", tp_comm_overlap: bool = False,
+                           part: Optional[str] = None) -> float:
     """Bytes one layer keeps for its backward per micro-batch on one TP rank (no recompute):
     what :class:`~megatron_het.model.llama.DecoderLayer` saves, tensor for tensor.
 
@@ -420,19 +441,28 @@ def layer_activation_bytes(shape: LayerShape, dtype: str, sequence_parallel: boo
     ``attention_kernel`` ``"unfused"`` (:func:`attention_ops`) keeps no log-sum-exp but, per
     score element, the softmax's probabilities (its backward reads them), the dropout's uint8
     mask and the dropped probabilities (the context bmm's saved input).
+
+    ``part`` ("attention" or "mlp") counts one block of the layer only (a stage whose bound
+    splits the layer): its norm, its GEMMs' inputs and what lies between them.
     """
+    if part is None:
+        return sum(layer_activation_bytes(shape, dtype, sequence_parallel, attention_kernel,
+                                          tp_comm_overlap, p) for p in ("attention", "mlp"))
     t, h, tp = shape.tokens, shape.hidden, shape.tp
     local = _between_blocks(shape, sequence_parallel)
     q = shape.heads * shape.head_dim // tp
     kv = shape.kv_groups * shape.head_dim // tp
     f = shape.ffn // tp
     gemm_inputs = local if sequence_parallel and tp_comm_overlap else t
-    elements = local * 2 * h + gemm_inputs * 2 * h + t * (q + 2 * kv + q + 3 * f)
+    norm = local * h + gemm_inputs * h  # the norm's input and output (the GEMMs' input)
+    if part == "mlp":
+        return (norm + t * 3 * f) * dtype_bytes(dtype) + local * FP32_BYTES
+    elements = norm + t * (q + 2 * kv + q)
     if attention_kernel == "unfused":
         scores = shape.micro_batch * (shape.heads // tp) * shape.seq * shape.seq
         return ((elements + 2 * scores) * dtype_bytes(dtype) + DROPOUT_MASK_BYTES * scores
-                + 2 * local * FP32_BYTES)  # 1/rms per norm
-    floats = t * (shape.heads // tp) + 2 * local  # log-sum-exp per head, 1/rms per norm
+                + local * FP32_BYTES)  # 1/rms
+    floats = t * (shape.heads // tp) + local  # log-sum-exp per head, 1/rms
     return elements * dtype_bytes(dtype) + floats * FP32_BYTES
 
 

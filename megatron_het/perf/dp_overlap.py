@@ -75,13 +75,10 @@ from typing import Callable, Optional, Sequence
 
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB, bucket_ranges, padded_elements
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan
+from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, held_parameters
 
 # The runtime's bucket size (build_parallel_optimizer's default; no flag changes it).
 BUCKET_SIZE_MB = DEFAULT_BUCKET_SIZE_MB
-_LAYER_PARAMETERS = ("input_norm.weight", "attention.qkv.weight", "attention.proj.weight",
-                     "post_attention_norm.weight", "mlp.gate.weight", "mlp.up.weight",
-                     "mlp.down.weight")
 
 
 @dataclass(frozen=True)
@@ -135,7 +132,7 @@ def device_parameters(model: ModelConfig, pipeline: PipelinePlan,
     for stage_index, stage in zip(chunks, stages):
         in_window = stage_index == chunks[0]  # chunk 0's backward is the group's last
         for layer in stage.layer_indices:
-            for local in _LAYER_PARAMETERS:
+            for local in held_parameters(stage.layers, layer):
                 n = per_layer[local]
                 out.append(DeviceParameter(f"layers.{layer}.{local}", n,
                                            n if in_window else 0, False))

@@ -87,12 +87,26 @@ def layer_parameters(model: ModelConfig, tp: int) -> int:
     return (h * (q + 2 * kv) + q * h + 3 * h * f) // tp + 2 * h
 
 
+def block_parameters(model: ModelConfig, tp: int) -> tuple[int, int]:
+    """Parameters of one decoder layer's attention block (input norm, qkv, proj) and of its
+    MLP block (post-attention norm, gate, up, down) held by one TP rank; they add up to
+    :func:`layer_parameters`."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    return (h * (q + 2 * kv) + q * h) // tp + h, 3 * h * f // tp + h
+
+
 def stage_parameters(model: ModelConfig, stage: StagePlan) -> int:
     """Parameters one TP rank of ``stage`` holds: its layers, the vocab-parallel embedding on
     the first stage, the final norm and output layer on the last (with tied embeddings a last
     stage without the embedding holds its own copy of it)."""
     tp, h, v = stage.tp, model.hidden_size, model.vocab_size
-    params = stage.num_layers * layer_parameters(model, tp)
+    if stage.splits_layers:
+        attention, mlp = stage.block_counts
+        per_attention, per_mlp = block_parameters(model, tp)
+        params = attention * per_attention + mlp * per_mlp
+    else:
+        params = stage.num_layers * layer_parameters(model, tp)
     if stage.has_embedding:
         params += v * h // tp
     if stage.has_head:

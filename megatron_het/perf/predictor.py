@@ -86,7 +86,7 @@ from megatron_het.perf.prediction import PipelinePrediction, Prediction, StagePr
 from megatron_het.perf.profile import Profile
 from megatron_het.perf.rate_model import RateModel, SharedIteration
 from megatron_het.perf.simulator import SimulationCache, simulate_pipelines
-from megatron_het.perf.stage_cost import (StageCompute, choose_profile, optimizer_time,
+from megatron_het.perf.stage_cost import (LayerBlocks, StageCompute, choose_profile, optimizer_time,
                                           stage_compute)
 
 PIPELINE_MODELS = ("simulate", "closed_form")
@@ -239,15 +239,16 @@ class PredictionContext:
         stage = pipeline.stages[stage_index]
         spec = self.comm.spec_of(stage.ranks[0])
         recompute = self.recomputed_layers_of(stage)
+        blocks = LayerBlocks.of(stage)
         key = (spec.name, stage.tp, stage.num_layers, stage.has_embedding, stage.has_head,
-               recompute)
+               recompute, blocks)
         if key not in self._computes:
             sharded = sequence_sharded(self.plan, stage)
             shape = LayerShape.of(self.model, self.seq, self.plan.micro_batch_size, stage.tp)
             choice = choose_profile(spec, self.profiles)
             args = (self.model, spec, shape, stage.num_layers, stage.has_embedding,
                     stage.has_head, recompute, self.dtype, choice, self.efficiency,
-                    sharded, sharded and self.tp_comm_overlap)
+                    sharded, sharded and self.tp_comm_overlap, blocks)
             self._computes[key] = (stage_compute(*args) if self._shared is None
                                    else self._shared.stage_compute(args))
         return self._computes[key]

@@ -17,12 +17,14 @@ from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
 from megatron_het.perf.calibration import resolve_efficiency
 from megatron_het.perf.cost_model import (OPTIMIZER_BYTES_PER_PARAM,
-                                          Efficiency, LayerShape, Op, embedding_forward_ops,
+                                          Efficiency, LayerShape, Op, block_forward_ops,
+                                          embedding_forward_ops,
                                           head_activation_bytes, head_chunk_bytes,
                                           head_forward_ops,
                                           layer_activation_bytes, layer_forward_ops,
                                           layer_input_bytes, op_time, ops_time,
                                           recomputed_count)
+from megatron_het.parallel.plan import StagePlan
 from megatron_het.perf.profile import Measured, Profile
 
 HOST_PROFILE = "cpu"  # the profile of the host CPU, which emulated kinds run on
@@ -43,6 +45,24 @@ class StageCompute:
     activation_bytes: float
     transient_bytes: float
     source: str
+
+
+@dataclass(frozen=True)
+class LayerBlocks:
+    """The decoder blocks of a stage whose bound splits a layer
+    (:mod:`megatron_het.parallel.plan`): ``attention`` and ``mlp`` blocks, and ``layers``, the
+    layers of which it holds a block or both (a recomputing stage checkpoints each)."""
+
+    attention: int
+    mlp: int
+    layers: int
+
+    @classmethod
+    def of(cls, stage: "StagePlan") -> Optional["LayerBlocks"]:
+        """The blocks of ``stage``; None for a stage of whole layers."""
+        if not stage.splits_layers:
+            return None
+        return cls(*stage.block_counts, len(stage.layer_indices))
 
 
 @dataclass(frozen=True)
@@ -74,8 +94,8 @@ def _scaled(m: Optional[Measured], factor: float) -> Optional[Measured]:
 def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, num_layers: int,
                   has_embedding: bool, has_head: bool, recompute_layers: int, dtype: str,
                   choice: ProfileChoice, efficiency: Optional[Efficiency] = None,
-                  sequence_parallel: bool = False, tp_comm_overlap: bool = False
-                  ) -> StageCompute:
+                  sequence_parallel: bool = False, tp_comm_overlap: bool = False,
+                  blocks: Optional[LayerBlocks] = None) -> StageCompute:
     """The compute of a stage with ``num_layers`` layers of ``shape`` on one device of ``spec``,
     the first ``recompute_layers`` of them recomputing their forward in backward (keeping only
     their input).
@@ -88,7 +108,13 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     figure, taken without it, loses the same bytes; ``tp_comm_overlap`` (with it) shrinks the
     GEMMs' saved inputs as well. Times are the same either way.
     ``efficiency.attention_kernel`` picks the attention the roofline layers are costed with
-    and the activations they save; a profile measures our runtime's (flash) attention."""
+    and the activations they save; a profile measures our runtime's (flash) attention.
+
+    ``blocks`` (a stage with a half-layer bound; ``num_layers`` is then its ``end - start``):
+    each block costs its share of a layer's time and of its saved activations, the shares
+    those of the block's kernels and tensors in the roofline model (also when a profile gives
+    the whole layer's figures); recompute is all or none there, keeping each touched layer's
+    input."""
     efficiency = resolve_efficiency(spec, efficiency)
     kernel = efficiency.attention_kernel
     profile, factor = choice.profile, choice.time_factor
@@ -110,11 +136,20 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     if act is None:
         act = layer_activation_bytes(shape, dtype, sp, tp_comm_overlap=overlap)
     recomputed = recomputed_count(recompute_layers, num_layers)
-    forward = num_layers * layer.forward_s
-    backward = num_layers * layer.backward_s + recomputed * layer.forward_s
-    kept = (recomputed * layer_input_bytes(shape, dtype, sp)
-            + (num_layers - recomputed) * act)
-    transient = act if recomputed else 0.0
+    if blocks is None:
+        forward = num_layers * layer.forward_s
+        backward = num_layers * layer.backward_s + recomputed * layer.forward_s
+        kept = (recomputed * layer_input_bytes(shape, dtype, sp)
+                + (num_layers - recomputed) * act)
+        transient = act if recomputed else 0.0
+    else:
+        fwd_w, bwd_w, act_w = _block_weights(blocks, shape, spec, dtype, efficiency, sp,
+                                             overlap)
+        forward = fwd_w * layer.forward_s
+        backward = bwd_w * layer.backward_s + (fwd_w * layer.forward_s if recomputed else 0.0)
+        kept = (blocks.layers * layer_input_bytes(shape, dtype, sp) if recomputed
+                else act_w * act)
+        transient = act if recomputed else 0.0
     for part, present, ops in (("embedding", has_embedding, embedding_forward_ops(shape)),
                                ("head", has_head, head_forward_ops(shape, model.vocab_size))):
         if not present:
@@ -145,5 +180,20 @@ def optimizer_time(spec: AcceleratorSpec, params: float, dtype: str, choice: Pro
     return op_time(op, spec, dtype, resolve_efficiency(spec, efficiency))
 
 
-__all__ = ["HOST_PROFILE", "ProfileChoice", "StageCompute", "choose_profile", "optimizer_time",
-           "stage_compute"]
+def _block_weights(blocks: LayerBlocks, shape: LayerShape, spec: AcceleratorSpec, dtype: str,
+                   efficiency: Efficiency, sequence_parallel: bool, tp_comm_overlap: bool
+                   ) -> tuple[float, float, float]:
+    """``blocks`` in whole layers by forward time, backward time and saved activations."""
+    kernel = efficiency.attention_kernel
+    attention, mlp = (ops_time(ops, spec, dtype, efficiency)
+                      for ops in block_forward_ops(shape, kernel))
+    saved = [layer_activation_bytes(shape, dtype, sequence_parallel, kernel, tp_comm_overlap,
+                                    part) for part in ("attention", "mlp")]
+
+    def weight(a: float, m: float) -> float:
+        return (blocks.attention * a + blocks.mlp * m) / (a + m)
+    return (weight(attention[0], mlp[0]), weight(attention[1], mlp[1]), weight(*saved))
+
+
+__all__ = ["HOST_PROFILE", "LayerBlocks", "ProfileChoice", "StageCompute", "choose_profile",
+           "optimizer_time", "stage_compute"]

@@ -41,7 +41,9 @@ def build_stage(model_config: ModelConfig, plan: ParallelPlan, groups: ProcessGr
     if groups.tp.size != stage.tp or tuple(groups.tp.ranks) != tuple(sorted(stage.ranks)):
         raise ValueError(f"groups.tp has ranks {list(groups.tp.ranks)} but stage {role.stage} "
                          f"of pipeline {role.pipeline} has ranks {list(stage.ranks)}")
-    chunks = [(c.layers[0], c.layers[1], c.recomputed_layers) for c in role.chunk_plans]
+    chunks = [(c.layers[0], c.layers[1],
+               c.recompute if c.recompute_num_layers is None else c.recompute_num_layers)
+              for c in role.chunk_plans]
     with torch.device("meta"):
         model = LlamaModel(model_config, has_embedding=role.is_first_stage,
                            has_head=role.is_last_stage, chunks=chunks)

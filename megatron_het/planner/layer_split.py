@@ -1,15 +1,16 @@
-"""What splitting the model at whole layers costs a plan (the planner's report).
+"""What splitting the model at layer bounds costs a plan (the planner's report).
 
 A pipeline's steady pace is set by its busiest device group: the compute (forward + backward,
-TP communication included) of all its chunks per micro-batch. Layers come whole, so the
-groups of a mixed pipeline rarely match: Llama-140B on the HETHUB mix puts 8 layers on each
-accelerator-a group and 4 on each MI250X group, and the MI250X groups wait. This module puts
+TP communication included) of all its chunks per micro-batch. Bounds fall between layers (or
+between a layer's attention and MLP blocks), so the groups of a mixed pipeline rarely match:
+with whole layers, Llama-140B on the HETHUB mix puts 8 layers on each accelerator-a group and
+4 on each MI250X group, and the MI250X groups wait. This module puts
 that loss in one figure: the busiest group's time against the time every group would take
 were layers divisible at will (each group keeping its embedding or head, every layer costing
 what it costs on that group; a water-filling of the pipeline's layers over its groups).
 
-Per-layer times come from a group's chunks without the embedding or the head (else from a
-chunk of the same kind and TP that has none; else the end is counted as layers). Only
+Per-layer times come from a group's chunks of whole layers without the embedding or the head
+(else from such a chunk of the same kind and TP; else the end is counted as layers). Only
 pipelines of one layout are read (heterogeneous data parallelism balances by batch shares
 instead).
 """
@@ -36,13 +37,13 @@ class LayerSplit:
 
     @property
     def loss(self) -> float:
-        """How much longer whole layers make the busiest group: busiest / divisible - 1."""
+        """How much longer the layer bounds make the busiest group: busiest / divisible - 1."""
         return self.busiest_s / self.divisible_s - 1.0
 
     def describe(self) -> str:
         return (f"the busiest device group computes {1e3 * self.busiest_s:.1f} ms "
                 f"per micro-batch; with layers divisible at will {1e3 * self.divisible_s:.1f} "
-                f"ms (whole layers cost {100 * self.loss:.1f}%)")
+                f"ms (the layer bounds cost {100 * self.loss:.1f}%)")
 
 
 def _busy(row: StagePrediction) -> float:
@@ -50,7 +51,7 @@ def _busy(row: StagePrediction) -> float:
 
 
 def layer_split(prediction: Prediction, plan: ParallelPlan) -> Optional[LayerSplit]:
-    """The whole-layer loss of pipeline 0 (None for pipelines of different layouts or a
+    """The layer-bound loss of pipeline 0 (None for pipelines of different layouts or a
     pipeline of one device group)."""
     if not uniform_layouts(plan):
         return None
@@ -60,8 +61,9 @@ def layer_split(prediction: Prediction, plan: ParallelPlan) -> Optional[LayerSpl
     rows = [r for r in prediction.stages if r.pipeline == 0]
     last = len(rows) - 1
 
-    def plain(r: StagePrediction) -> bool:  # neither the embedding nor the head
-        return 0 < r.stage < last and r.layers[1] > r.layers[0]
+    def plain(r: StagePrediction) -> bool:  # whole layers, neither the embedding nor the head
+        return (0 < r.stage < last and r.layers[1] > r.layers[0]
+                and all(bound == int(bound) for bound in r.layers))
 
     per_layer: dict[tuple[str, int], float] = {}
     for r in rows:

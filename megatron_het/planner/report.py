@@ -10,7 +10,7 @@ JSON line stays short on any cluster: it gives the plan as stage groups, not ran
 Two references, each where it is attached to the result: the homogeneous baseline (each kind's
 best plan alone; ``efficiency`` may exceed 1, and then a line says why) and the compute ceiling
 (every device computing at its best rate, memory ignored; ``ceiling_efficiency`` is below 1).
-Where the pipelines share one layout, what whole layers cost the busiest device group
+Where the pipelines share one layout, what its layer bounds cost the busiest device group
 (:mod:`megatron_het.planner.layer_split`) is given too.
 """
 from __future__ import annotations
@@ -236,7 +236,7 @@ def _figure_rows(result: SearchResult) -> list[list[str]]:
                 f"{p.pipeline_time_s:.3f} + DP sync {p.dp_sync_s:.3f} + optimizer "
                 f"{p.optimizer_s:.3f})"],
                ["pipeline bubble", f"{100 * p.bubble_fraction:.1f}%"],
-               *([["whole-layer split", split.describe()]]
+               *([["layer split", split.describe()]]
                  if (split := layer_split(p, result.plan)) else []),
                ["MFU (heterogeneity-aware)", f"{100 * p.mfu:.1f}%"],
                ["devices", str(p.num_devices)],

@@ -26,6 +26,7 @@ from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.config import ModelConfig
 from megatron_het.model.init import initial_value
 from megatron_het.model.llama import LlamaModel
+from megatron_het.parallel.plan import ATTENTION_BLOCK, MLP_BLOCK
 from megatron_het.tensor_parallel.cross_entropy import (gather_vocab_parallel_logits,
                                                         vocab_parallel_linear_cross_entropy)
 from megatron_het.tensor_parallel.layers import (ColumnParallelLinear, ParallelMLP,
@@ -139,19 +140,26 @@ def apply_tp(model: LlamaModel, group: UnifiedGroup, config: ModelConfig,
     def shard(name: str) -> torch.Tensor:
         return _shard(model, name, config, tp, tp_rank, seed)
 
+    sp, overlap = sequence_parallel, tp_comm_overlap
     for index, layer in model.layers.items():
         prefix = f"layers.{index}."
-        attention = layer.attention
-        qkv, proj = shard(prefix + "attention.qkv.weight"), shard(prefix + "attention.proj.weight")
-        sp, overlap = sequence_parallel, tp_comm_overlap
-        attention.qkv = ColumnParallelLinear(qkv, group, sequence_parallel=sp,
-                                             tp_comm_overlap=overlap)
-        attention.proj = RowParallelLinear(proj, group, sp, overlap)
-        attention.num_heads = config.num_attention_heads // tp
-        attention.num_groups = config.num_query_groups // tp
-        layer.mlp = ParallelMLP(shard(prefix + "mlp.gate.weight"), shard(prefix + "mlp.up.weight"),
-                                shard(prefix + "mlp.down.weight"), group, sp, overlap)
-        for norm in ("input_norm", "post_attention_norm"):
+        norms = []
+        if ATTENTION_BLOCK in layer.parts:
+            attention = layer.attention
+            qkv = shard(prefix + "attention.qkv.weight")
+            proj = shard(prefix + "attention.proj.weight")
+            attention.qkv = ColumnParallelLinear(qkv, group, sequence_parallel=sp,
+                                                 tp_comm_overlap=overlap)
+            attention.proj = RowParallelLinear(proj, group, sp, overlap)
+            attention.num_heads = config.num_attention_heads // tp
+            attention.num_groups = config.num_query_groups // tp
+            norms.append("input_norm")
+        if MLP_BLOCK in layer.parts:
+            layer.mlp = ParallelMLP(shard(prefix + "mlp.gate.weight"),
+                                    shard(prefix + "mlp.up.weight"),
+                                    shard(prefix + "mlp.down.weight"), group, sp, overlap)
+            norms.append("post_attention_norm")
+        for norm in norms:
             _replace_replicated(model, f"{prefix}{norm}.weight", seed, config)
             _sequence_parallel_norm(layer.get_submodule(norm), group, sp)
     start, stop = vocab_range(config.vocab_size, tp, tp_rank)

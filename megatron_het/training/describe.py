@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from megatron_het.config import ModelConfig
+from megatron_het.parallel.plan import format_bound
 from megatron_het.pipeline.schedules import interleaved_group_size
 from megatron_het.training.setup import RunSetup
 from megatron_het.training.state import Progress
@@ -49,8 +50,8 @@ def describe_plan(setup: RunSetup) -> str:
                               " +head" if stage.has_head else "",
                               f", {stage.recompute_label}" if stage.recompute else ""])
             lines.append(f"    stage {s}: {label}, tp={stage.tp}, "
-                         f"{stage.num_layers} layer{'s' if stage.num_layers != 1 else ''} "
-                         f"[{stage.layers[0]}, {stage.layers[1]})"
+                         f"{format_bound(stage.num_layers)} "
+                         f"layer{'s' if stage.num_layers != 1 else ''} {stage.layers_label}"
                          f"{extras}, ranks {list(stage.ranks)}")
     return "\n".join(lines)
 

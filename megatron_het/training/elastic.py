@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any, Callable, Mapping, Optional
 
 from megatron_het.cluster.accelerators import AcceleratorRegistry
-from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.plan import ParallelPlan, format_bound
 from megatron_het.training.setup import RunSetup
 
 
@@ -38,7 +38,10 @@ def short_plan(plan: ParallelPlan) -> str:
     return f"dp={plan.dp_size} mbs={plan.micro_batch_size}: {body}"
 
 
-def _layers(layers: tuple[int, int]) -> str:
+def _layers(layers: tuple[float, float]) -> str:
+    """``L0-2`` for layers [0, 3); a half-layer bound prints as itself: ``L[0, 1.5)``."""
+    if any(bound != int(bound) for bound in layers):
+        return f"L[{format_bound(layers[0])}, {format_bound(layers[1])})"
     first, last = layers[0], layers[1] - 1
     return f"L{first}" if first == last else f"L{first}-{last}"
 

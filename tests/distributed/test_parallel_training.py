@@ -71,6 +71,15 @@ CASES = {
     "hetero_dp_two_kinds_zero1": ("tiny-tied", [
         "--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_hetero_dp.json"),
         "--use-distributed-optimizer"]),
+    # Stage bounds inside layers (between a layer's attention and MLP blocks), across a
+    # TP 2 -> 1 boundary with sequence parallelism, and in a heterogeneous-DP replica whose
+    # layer 2 is split over two ranks while the other replica holds it whole.
+    "pp3_half_layers_sp": ("tiny-tied", [
+        "--cluster", CLUSTER, "--sequence-parallel",
+        "--plan", str(PLANS / "cpu_emulated_half_layers.json")]),
+    "hetero_dp_half_layers_zero1": ("tiny-tied", [
+        "--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_hetero_dp_half_layers.json"),
+        "--use-distributed-optimizer"]),
 }
 # (pipeline, stage) of every stage, as the metrics lines list them.
 STAGES = {"pp3_tp211_layers121": [(0, 0), (0, 1), (0, 2)], "tp2_dp2": [(0, 0), (1, 0)],
@@ -81,7 +90,9 @@ STAGES = {"pp3_tp211_layers121": [(0, 0), (0, 1), (0, 2)], "tp2_dp2": [(0, 0), (
           "hetero_dp_pp2_tp2": [(0, 0), (0, 1), (1, 0)],
           "hetero_dp_zero1": [(0, 0), (0, 1), (1, 0)],
           "hetero_dp_two_kinds": [(0, 0), (1, 0), (1, 1)],
-          "hetero_dp_two_kinds_zero1": [(0, 0), (1, 0), (1, 1)]}
+          "hetero_dp_two_kinds_zero1": [(0, 0), (1, 0), (1, 1)],
+          "pp3_half_layers_sp": [(0, 0), (0, 1), (0, 2)],
+          "hetero_dp_half_layers_zero1": [(0, 0), (1, 0), (1, 1)]}
 
 
 def records(path: pathlib.Path, split: str) -> list[dict[str, Any]]:
@@ -309,6 +320,22 @@ def test_heterogeneous_dp_checkpoint_loads_on_one_process(
     run_single(["--model", model, *BASE, "--load", str(save), "--metrics-file", str(path)])
     assert_close(records(reference(model), "train")[4:], records(path, "train"),
                  ("loss", "grad_norm", "lr"))
+
+
+def test_half_layer_checkpoints_load_under_other_bounds(workdir: pathlib.Path,
+                                                       reference: Callable) -> None:
+    # Written by stages whose bounds split layers 1 and 2; read by whole-layer stages, and by a
+    # heterogeneous-DP plan that splits layer 2 only (with ZeRO-1).
+    model, layout = CASES["pp3_half_layers_sp"]
+    save = workdir / "ckpt-half-layers"
+    run_parallel(["--model", model, *BASE, *layout, "--save", str(save), "--exit-interval", "4",
+                  "--metrics-file", str(workdir / "half-layers-first-half.jsonl")])
+    single = records(reference(model), "train")[4:]
+    for name in ("pp3_tp211_layers121", "hetero_dp_half_layers_zero1"):
+        path = workdir / f"{name}-from-half-layers.jsonl"
+        run_parallel(["--model", model, *BASE, *CASES[name][1], "--load", str(save),
+                      "--metrics-file", str(path)])
+        assert_close(single, records(path, "train"), ("loss", "grad_norm", "lr"))
 
 
 def _disagreeing_worker(rank: int, world_size: int) -> None:

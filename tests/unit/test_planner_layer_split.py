@@ -1,4 +1,4 @@
-"""What whole layers cost a plan: the busiest device group against layers divisible at will,
+"""What layer bounds cost a plan: the busiest device group against layers divisible at will,
 by hand on predicted rows, and the report lines that carry it."""
 from __future__ import annotations
 
@@ -81,5 +81,5 @@ def test_the_reports_carry_it(cluster) -> None:
     summary = json.loads(json.dumps(summary_dict(result, cluster)))
     assert summary["layer_split_loss"] == pytest.approx(split.loss)
     assert split.describe() in text_summary(result, cluster)
-    assert "| whole-layer split | the busiest device group computes" in markdown_report(
+    assert "| layer split | the busiest device group computes" in markdown_report(
         result, cluster)

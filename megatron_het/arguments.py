@@ -68,6 +68,7 @@ class ParallelSpec:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     grad_reduce_in_bf16: bool = False
+    ddp_bucket_size: Optional[int] = None
     overlap_p2p_comm: bool = True
     recompute: Optional[tuple[str, int]] = None  # (method, layers) of --recompute-*
     bridge: str = "relay"
@@ -227,6 +228,10 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: reduce gradients over data-parallel replicas in bf16 "
                         "(half the bytes) instead of fp32; accumulation stays fp32")
+    g.add_argument("--ddp-bucket-size", type=int, default=None, metavar="N",
+                   help="parameters per data-parallel gradient bucket (default: 25 MiB of "
+                        "float32 gradients, 6,553,600 parameters); each bucket is reduced as "
+                        "one collective")
     g.add_argument("--no-overlap-p2p-communication", action="store_false",
                    dest="overlap_p2p_comm",
                    help="interleaved pipelines: wait for every stage-boundary exchange before "
@@ -345,7 +350,7 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
     _check_positive(args, ("decoder_first_pipeline_num_layers",
                            "decoder_last_pipeline_num_layers"), minimum=0)
     _check_positive(args, ("num_layers_per_virtual_pipeline_stage",
-                           "virtual_pipeline_model_parallel_size"))
+                           "virtual_pipeline_model_parallel_size", "ddp_bucket_size"))
     megatron_flags = [flag for flag, value in (
         ("--tensor-model-parallel-size", args.tensor_model_parallel_size != 1),
         ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size != 1),
@@ -376,6 +381,7 @@ def _parallel_spec(args: argparse.Namespace, batch_given: tuple[bool, bool]) -> 
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        ddp_bucket_size=args.ddp_bucket_size,
         overlap_p2p_comm=args.overlap_p2p_comm, bridge=args.bridge,
         emulation_profile=args.emulation_profile,
         emulation_extra_slowdown=_extra_slowdowns(args.emulation_extra_slowdown),

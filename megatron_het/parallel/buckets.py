@@ -5,11 +5,12 @@ overlap (:mod:`megatron_het.perf.dp_overlap`) both cut with it.
 Parameters are taken in the order given (the runtime passes reverse registration order, the
 order backward produces gradients); a bucket closes once it holds at least
 ``bucket_size_mb`` MiB of float32 gradients, a parameter is never split, and a bucket's buffer
-is padded to a multiple of the DP size.
+is padded to a multiple of the DP size. ``--ddp-bucket-size N`` (Megatron-LM's flag, in
+parameters) sets the size: :func:`bucket_size_mb` of ``N``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 DEFAULT_BUCKET_SIZE_MB = 25.0
 FP32_BYTES = 4
@@ -32,9 +33,26 @@ def bucket_ranges(numels: Sequence[int], bucket_size_mb: float) -> list[tuple[in
     return ranges
 
 
+def bucket_size_mb(ddp_bucket_size: Optional[int]) -> float:
+    """The bucket size in MiB of float32 gradients for ``--ddp-bucket-size`` (parameters per
+    bucket; None: :data:`DEFAULT_BUCKET_SIZE_MB`)."""
+    if ddp_bucket_size is None:
+        return DEFAULT_BUCKET_SIZE_MB
+    if ddp_bucket_size < 1:
+        raise ValueError(f"ddp_bucket_size must be at least 1, got {ddp_bucket_size}")
+    return ddp_bucket_size * FP32_BYTES / (1024 * 1024)
+
+
+def megatron_default_bucket_size(dp_size: int) -> int:
+    """Megatron-LM's bucket size where ``--ddp-bucket-size`` is not given: ``max(4e7, 1e6 dp)``
+    parameters (``megatron/core/distributed/distributed_data_parallel.py``)."""
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
 def padded_elements(elements: int, dp_size: int) -> int:
     """A bucket's buffer: ``elements`` rounded up to a multiple of ``dp_size``."""
     return -(-elements // dp_size) * dp_size
 
 
-__all__ = ["DEFAULT_BUCKET_SIZE_MB", "FP32_BYTES", "bucket_ranges", "padded_elements"]
+__all__ = ["DEFAULT_BUCKET_SIZE_MB", "FP32_BYTES", "bucket_ranges", "bucket_size_mb",
+           "megatron_default_bucket_size", "padded_elements"]

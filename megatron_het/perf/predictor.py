@@ -63,6 +63,7 @@ from typing import Mapping, Optional, Sequence
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
+from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB, bucket_size_mb
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.parallel.plan_validation import validate as validate_plan
 from megatron_het.parallel.sequence import sequence_sharded
@@ -103,7 +104,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
             comm: Optional[CommCost] = None,
             overlap_p2p_comm: Optional[bool] = None,
             overlap_param_gather: Optional[bool] = None,
-            tp_comm_overlap: Optional[bool] = None) -> Prediction:
+            tp_comm_overlap: Optional[bool] = None,
+            ddp_bucket_size: Optional[int] = None) -> Prediction:
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
     ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
@@ -115,6 +117,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     ``tp_comm_overlap`` likewise (off where neither says; it changes only sequence-parallel
     stages with tp > 1); ``overlap_p2p_comm`` likewise, on where neither says (the runtime's
     default: interleaved pipelines overlap their transfers with compute).
+    ``ddp_bucket_size`` (``--ddp-bucket-size``: parameters per gradient bucket; None: the
+    runtime's default) lays out the buckets whose reductions the DP overlaps start one by one.
     ``profiles`` maps accelerator kind names to measured profiles (roofline where absent);
     ``efficiency`` None: each kind's calibrated efficiency factors (the cost model's defaults
     for emulated kinds and cpu; :mod:`megatron_het.perf.stage_cost`).
@@ -148,7 +152,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     cache = cache or SimulationCache()
     ctx = PredictionContext(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
                             efficiency, comm or CommCost(cluster, profiles), overlap,
-                            bf16_reduce, cache, gather_overlap, tp_overlap)
+                            bf16_reduce, cache, gather_overlap, tp_overlap,
+                            bucket_size_mb(ddp_bucket_size))
     overlapped = overlap and ctx.sync.uniform and plan.dp_size > 1
     gathered_under_forward = gather_overlap and ctx.sync.uniform and plan.dp_size > 1
     every = pipelines is None
@@ -212,9 +217,11 @@ class PredictionContext:
                  comm: CommCost, overlap_grad_reduce: bool = False,
                  grad_reduce_in_bf16: bool = False,
                  cache: Optional[SimulationCache] = None,
-                 overlap_param_gather: bool = False, tp_comm_overlap: bool = False) -> None:
+                 overlap_param_gather: bool = False, tp_comm_overlap: bool = False,
+                 bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB) -> None:
         self.model, self.plan, self.cluster, self.seq = model, plan, cluster, seq_length
         self.tp_comm_overlap = tp_comm_overlap
+        self.bucket_size_mb = bucket_size_mb
         self.profiles, self.dtype, self.zero1 = profiles, dtype, zero1
         self.recompute, self.efficiency, self.comm = recompute, efficiency, comm
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -459,7 +466,7 @@ def _exposed_sync(ctx: PredictionContext, pipelines: list[PipelinePrediction],
     return exposed_sync(ctx.model, ctx.plan, lambda g: ctx.sync.split(ctx.comm, 0, g),
                         [pp.time_s for pp in pipelines],
                         None if ends is None else [e for e in ends if e is not None],
-                        first_forwards=starts)
+                        ctx.bucket_size_mb, first_forwards=starts)
 
 
 def _assemble(ctx: PredictionContext, stages: list[StagePrediction],

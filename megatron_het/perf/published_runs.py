@@ -67,10 +67,8 @@ Held-out set (no constant is tuned on it):
   published, assumed here: micro-batch 1, no recompute, no interleaving (several stage
   layer counts, 23 and 7, are prime), DGX H100 nodes with 8 x 400 Gb/s NDR; the only GPT
   script of that commit (``examples/gpt3/train_gpt3_175b_distributed.sh``: fp16, sequence
-  2048, none of the overlap flags) is not these runs' and settles none of them. Per row,
-  :attr:`PublishedRun.not_expressed` lists what the predictor cannot express: Megatron's DDP
-  bucket size (``max(4e7, 1e6 dp)`` parameters; the predictor uses the runtime's 25 MiB), so
-  these rows measure what that costs too.
+  2048, none of the overlap flags) is not these runs' and settles none of them. Their DDP
+  buckets are Megatron's default, ``max(4e7, 1e6 dp)`` parameters (``ddp_bucket_size``).
 
 Left out: Korthikanti et al. 2022 (arXiv 2205.05198) -- we could not confirm its table's
 iteration times and configurations from a primary source, and its selective
@@ -87,6 +85,7 @@ from typing import Callable, Optional, Sequence
 
 from megatron_het.cluster import ClusterSpec, NodeGroup, get_accelerator
 from megatron_het.config import ModelConfig
+from megatron_het.parallel.buckets import megatron_default_bucket_size
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_builders import plan_from_megatron_flags
 from megatron_het.perf.calibration import (FACTORS, STEP, CalibrationFit, efficiency_for,
@@ -138,6 +137,7 @@ class PublishedRun:
     nic_gbit_per_s: float = 1600.0   # per node, all NICs together
     published_time_s: Optional[float] = None   # an iteration time the source states itself
     not_expressed: tuple[str, ...] = ()  # what the run did that the predictor cannot express
+    ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size (None: the runtime's default)
     notes: str = ""
 
     @property
@@ -236,7 +236,7 @@ def predict_run(run: PublishedRun, efficiency: Optional[Efficiency] = None,
     built = build(run)
     return predict(built.model, built.plan, built.cluster, built.seq_length,
                    efficiency=run_efficiency(run, efficiency), pipeline_model=pipeline_model,
-                   cache=cache, validate=False)
+                   cache=cache, validate=False, ddp_bucket_size=run.ddp_bucket_size)
 
 
 def fit_efficiency(runs: Optional[Sequence[PublishedRun]] = None,
@@ -321,11 +321,6 @@ _MCORE = ("Megatron-LM README, H100 weak-scaling table (images/model_table.png, 
           "f2e5db4, July 2024); micro-batch, recompute, interleaving and NICs assumed")
 
 
-# What the H100 runs did that the predictor cannot express (module docstring).
-_MCORE_GAPS = (
-    "DDP buckets of max(4e7, 1e6 dp) parameters (the predictor uses the runtime's 25 MiB)",
-)
-
 
 def _megatron_core(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
                    gpus: int, batch: int, tflops: float) -> PublishedRun:
@@ -342,7 +337,7 @@ def _megatron_core(size: str, heads: int, hidden: int, layers: int, tp: int, pp:
         tp_comm_overlap=tp > 1,
         attention_kernel="flash",
         nic_gbit_per_s=3200.0,
-        not_expressed=_MCORE_GAPS,
+        ddp_bucket_size=megatron_default_bucket_size(gpus // (tp * pp)),
         notes="micro-batch, recompute and interleaving not published (1, none, none "
               "assumed)")
 

@@ -139,7 +139,8 @@ def predict_run(setup: RunSetup) -> "Prediction":
                    rate_model=SharedHostModel(), overlap_grad_reduce=setup.overlap_grad_reduce,
                    overlap_param_gather=setup.overlap_param_gather,
                    grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
-                   overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm)
+                   overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm,
+                   ddp_bucket_size=setup.run.parallel.ddp_bucket_size)
 
 
 def predicted_iteration_s(setup: RunSetup) -> Optional[float]:

@@ -263,7 +263,8 @@ def build_monitor(setup: Any, threshold: float) -> StragglerMonitor:
                              overlap_grad_reduce=setup.overlap_grad_reduce,
                              overlap_param_gather=setup.overlap_param_gather,
                              grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
-                             overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm)
+                             overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm,
+                             ddp_bucket_size=setup.run.parallel.ddp_bucket_size)
         expected, basis = predicted_compute(prediction, plan), PREDICTED
     except UserError:
         expected, basis = layer_compute(plan), LAYERS

@@ -34,6 +34,7 @@ from megatron_het.errors import UserError
 from megatron_het.optim.loss_scaler import LossScaler
 from megatron_het.optim.lr_schedule import LRSchedule
 from megatron_het.optim.parallel_optimizer import ParallelOptimizer, build_parallel_optimizer
+from megatron_het.parallel.buckets import bucket_size_mb
 from megatron_het.parallel.groups import ProcessGroups, build_process_groups
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.pipeline.executor import PipelineExecutor
@@ -126,6 +127,8 @@ def build_trainer(setup: RunSetup, comm: UnifiedCommunicator,
     optimizer = build_parallel_optimizer(stage, groups, run.optimizer,
                                          setup.use_distributed_optimizer,
                                          overlap_grad_reduce=run.parallel.overlap_grad_reduce,
+                                         bucket_size_mb=bucket_size_mb(
+                                             run.parallel.ddp_bucket_size),
                                          param_dtype=TRAINING_DTYPES[setup.dtype],
                                          grad_reduce_dtype=grad_reduce_dtype(setup),
                                          loss_scaler=loss_scaler(setup),

@@ -45,6 +45,14 @@ def test_flags_reach_the_configs() -> None:
                  "block", "--recompute-num-layers", "3").parallel.recompute == ("block", 3)
 
 
+def test_ddp_bucket_size_is_megatrons_flag_in_parameters() -> None:
+    assert parse("--model", "tiny").parallel.ddp_bucket_size is None
+    assert parse("--model", "tiny", "--ddp-bucket-size", "40000000").parallel.ddp_bucket_size \
+        == 40_000_000
+    with pytest.raises(UserError, match="--ddp-bucket-size must be at least 1, got 0"):
+        parse("--model", "tiny", "--ddp-bucket-size", "0")
+
+
 def test_global_batch_defaults_to_micro_batch() -> None:
     assert parse("--model", "tiny", "--micro-batch-size", "3").train.global_batch_size == 3
 

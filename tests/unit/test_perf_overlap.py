@@ -66,8 +66,9 @@ def _pipeline(splits, tp=1, repeat=1):
 
 @pytest.mark.parametrize("model", [TINY, TIED], ids=["untied", "tied"])
 @pytest.mark.parametrize("splits, repeat", [([(0, 4)], 1), ([(0, 1), (1, 3), (3, 4)], 1),
-                                            ([(0, 1), (1, 2), (2, 3), (3, 4)], 2)],
-                         ids=["one stage", "three stages", "interleaved"])
+                                            ([(0, 1), (1, 2), (2, 3), (3, 4)], 2),
+                                            ([(0, 1.5), (1.5, 2.5), (2.5, 4)], 1)],
+                         ids=["one stage", "three stages", "interleaved", "half layers"])
 def test_buckets_are_the_runtimes(model, splits, repeat):
     pipeline = _pipeline(splits, repeat=repeat)
     for group in range(pipeline.pp_size):
@@ -203,6 +204,18 @@ def _last_bucket_reduce(pred, model, plan, g=0):
     reduce_s, _ = sync.split(CommCost(a100_nodes(8)), 0, g)
     buckets = bucket_layout(device_parameters(model, plan.pipelines[0], g), plan.dp_size)
     return reduce_s * buckets[-1].elements / sum(b.elements for b in buckets)
+
+
+def test_ddp_bucket_size_lays_out_the_buckets(cross_node):
+    cluster, plan = cross_node
+
+    def exposed(size):
+        return predict(LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True,
+                       ddp_bucket_size=size).dp_exposed_s
+    default = exposed(None)
+    assert default == exposed(int(BUCKET_SIZE_MB * 1024 * 1024 / 4))  # 25 MiB of fp32
+    # One bucket per device waits for the whole backward; finer buckets start earlier.
+    assert exposed(10 ** 12) > exposed(40_000_000) >= default >= exposed(1_000_000)
 
 
 @pytest.mark.parametrize("zero1", [False, True], ids=["all-reduce", "zero1"])

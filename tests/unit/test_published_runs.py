@@ -126,8 +126,9 @@ def test_h100_rows_set_the_options_the_runs_had(run: PublishedRun) -> None:
     assert plan.grad_reduce_in_bf16 is False           # bf16 forces fp32 reductions
     assert plan.sequence_parallel is (run.tp > 1)      # asserted by --tp-comm-overlap
     assert plan.tp_comm_overlap is (True if run.tp > 1 else None)  # --tp-comm-overlap
-    gaps = " ".join(run.not_expressed)
-    assert "--overlap-param-gather" not in gaps and "--tp-comm-overlap" not in gaps  # modelled
+    assert run.not_expressed == ()  # every option they name is modelled
+    # Megatron's DDP buckets where --ddp-bucket-size is not given: max(4e7, 1e6 dp).
+    assert run.ddp_bucket_size == max(40_000_000, 1_000_000 * plan.dp_size)
 
 
 def test_2021_rows_state_what_the_predictor_cannot_express() -> None:

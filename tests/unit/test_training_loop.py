@@ -259,3 +259,22 @@ def test_a_checkpoint_in_the_earlier_single_process_format_resumes(
     for row, result in zip(rows, results[4:]):
         assert row["loss"] == pytest.approx(result.loss, rel=1e-6)
         assert row["grad_norm"] == pytest.approx(result.grad_norm, rel=1e-5)
+
+
+def test_ddp_bucket_size_reaches_the_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_het.training import trainer
+
+    built = []
+    original = trainer.build_parallel_optimizer
+
+    def capture(*args, **kwargs):
+        optimizer = original(*args, **kwargs)
+        built.append(len(optimizer.buckets.buckets))
+        return optimizer
+    monkeypatch.setattr(trainer, "build_parallel_optimizer", capture)
+    flags = list(RUN_FLAGS)
+    flags[flags.index("--train-iters") + 1] = "3"
+    for extra in ([], ["--ddp-bucket-size", "20000"]):
+        pretrain(parse_run_config([*flags, *extra]), out=io.StringIO())
+    # tiny's ~130k parameters: one bucket by default, several of 20,000 parameters.
+    assert built[0] == 1 and built[1] > 3

@@ -29,8 +29,8 @@ The model, per DP group g (device group g of every pipeline; times from the iter
 ``T`` the slowest pipeline's time). ``R`` is the group's un-overlapped gradient reduction
 (:meth:`~megatron_het.perf.dp_sync.DPSync.split`) and ``A`` ZeRO-1's parameter all-gather.
 Bucket k carries the share ``n_k / N`` of the gradient bytes, so its collective takes
-``r_k = R n_k / N`` (the buckets' times add up to ``R``). The group's last backward runs
-``[c - w, c]`` (``w`` its duration); gradients come out in bucket order at the pace of the
+``r_k = R n_k / N`` (the buckets' times add up to ``R``). The last backward of the bucket's
+chunk runs ``[c - w, c]`` (``w`` its duration); gradients come out in bucket order at the pace of the
 compute behind them: bucket k is complete once that backward has done the share ``F_k`` of its
 chunk's parameters up to and including the bucket's last one (the embedding lookup's gradient
 is cheap: it counts 0 and comes last, so the last bucket is complete only at ``c``)::
@@ -51,20 +51,25 @@ parameter. Everything after waits for the latest bucket, so the forward is pushe
     delay_g = max(0, max_k (G_k - (s_g + f_g (1 - F_k))))
     exposed += max_g delay_g                           (<= A_g: overlap never costs time)
 
-taking ``s_g`` and ``f_g`` of the member pipeline that reads the bucket first. Other chunks'
-parameters count as read at the end of the first forward (a lower bound on the overlap, as
-for the reduction).
+taking ``s_g`` and ``f_g`` of the member pipeline that reads the bucket first. With
+interleaving, ``s`` and ``f`` are those of the bucket's chunk's first forward; ``s`` is taken
+as the pipeline's fill before that chunk (the earliest the first micro-batch can reach it: a
+lower bound on the overlap).
 
 Without overlap every sync starts at ``T``: ``exposed = max_g (R_g + A_g)``, the full sync
 (the predictor's figure since before overlap was modelled; a group that ends before ``T``
 could start its sync earlier, which it does not credit).
-With it ``finish_g <= T + R_g + A_g``, so overlap never costs time. With interleaving the
-parameters of a group's other chunks had their last backward earlier; they are taken as ready
-at ``c - w`` (a lower bound on the overlap). The world all-reduce of the gradient norm
+With it ``finish_g <= T + R_g + A_g``, so overlap never costs time. With interleaving each
+chunk has its own last backward: in the cool-down a group runs its chunks' last backwards
+from the last chunk to chunk 0, so the later chunks' buckets (launched first: reverse
+registration order) are complete well before the group's end; ``c`` and ``w`` above are those
+of the chunk holding the bucket's last-completed parameter (the lowest chunk among them).
+The world all-reduce of the gradient norm
 between the sync and the step is left out, as without overlap.
 
-The group's ``c`` comes from the simulated timeline (its last backward) or, for
-``pipeline_model="closed_form"``, from :func:`~megatron_het.perf.closed_forms.last_backward_ends`.
+Each chunk's ``c`` comes from the simulated timeline (its last backward) or, for
+``pipeline_model="closed_form"``, from :func:`~megatron_het.perf.closed_forms.last_backward_ends`
+(the last micro-batch's gradient crossing every stage, chunk by chunk).
 Torch-free.
 """
 from __future__ import annotations
@@ -77,31 +82,35 @@ from megatron_het.config import ModelConfig
 from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB, bucket_ranges, padded_elements
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, held_parameters
 
-# The runtime's bucket size (build_parallel_optimizer's default; no flag changes it).
+# The runtime's bucket size (build_parallel_optimizer's default; --ddp-bucket-size sets another).
 BUCKET_SIZE_MB = DEFAULT_BUCKET_SIZE_MB
 
 
 @dataclass(frozen=True)
 class DeviceParameter:
     """One trainable parameter of tp_rank 0 of a device group, in registration order:
-    ``elements`` on that rank, ``weight`` the backward compute it stands for in the group's
-    last backward (its element count; 0 for the embedding, and for other chunks' parameters,
-    whose last backward came earlier), ``held_back`` for a tied embedding over stages."""
+    ``elements`` on that rank, ``weight`` the backward compute it stands for in its chunk's
+    last backward (its element count; 0 for the embedding), ``held_back`` for a tied
+    embedding over stages, ``chunk`` the index of the group's chunk that holds it."""
 
     name: str
     elements: int
     weight: int
     held_back: bool
+    chunk: int = 0
 
 
 @dataclass(frozen=True)
 class BucketTiming:
-    """One gradient bucket, in launch order: its padded ``elements``, the share ``done`` of the
-    group's last backward after which its last gradient is in (``F_k``), ``held_back``."""
+    """One gradient bucket, in launch order: its padded ``elements``, the share ``done`` of
+    chunk ``chunk``'s last backward after which its last gradient is in (``F_k``; the chunk is
+    the group's lowest one among the bucket's parameters: its backward comes last),
+    ``held_back``."""
 
     elements: int
     done: float
     held_back: bool
+    chunk: int = 0
 
 
 def _layer_elements(model: ModelConfig, tp: int) -> dict[str, int]:
@@ -127,55 +136,59 @@ def device_parameters(model: ModelConfig, pipeline: PipelinePlan,
     out = []
     if first.has_embedding or (last.has_head and model.tie_embeddings):
         out.append(DeviceParameter("embedding.weight", vocab_rows * model.hidden_size, 0,
-                                   tied_over_stages))
+                                   tied_over_stages, 0))
     per_layer = _layer_elements(model, tp)
-    for stage_index, stage in zip(chunks, stages):
-        in_window = stage_index == chunks[0]  # chunk 0's backward is the group's last
+    for chunk, stage in enumerate(stages):
         for layer in stage.layer_indices:
             for local in held_parameters(stage.layers, layer):
                 n = per_layer[local]
-                out.append(DeviceParameter(f"layers.{layer}.{local}", n,
-                                           n if in_window else 0, False))
+                out.append(DeviceParameter(f"layers.{layer}.{local}", n, n, False, chunk))
     if last.has_head:
-        window = len(chunks) == 1
-        h = model.hidden_size
-        out.append(DeviceParameter("final_norm.weight", h, h if window else 0, False))
+        h, chunk = model.hidden_size, len(stages) - 1
+        out.append(DeviceParameter("final_norm.weight", h, h, False, chunk))
         if not model.tie_embeddings:
             n = vocab_rows * h
-            out.append(DeviceParameter("output.weight", n, n if window else 0, False))
+            out.append(DeviceParameter("output.weight", n, n, False, chunk))
     return out
 
 
 def bucket_layout(parameters: Sequence[DeviceParameter], dp_size: int,
                   bucket_size_mb: float = BUCKET_SIZE_MB) -> list[BucketTiming]:
     """The runtime's buckets of ``parameters`` (registration order), in launch order, with
-    when each is complete in the last backward (see the module docstring)."""
+    when each is complete in its chunk's last backward (see the module docstring)."""
     ordered = list(reversed(parameters))
-    total = sum(p.weight for p in parameters)
+    total: dict[int, int] = {}
+    for p in parameters:
+        total[p.chunk] = total.get(p.chunk, 0) + p.weight
     buckets: list[BucketTiming] = []
-    seen = 0
+    seen: dict[int, int] = {}
     for start, stop in bucket_ranges([p.elements for p in ordered], bucket_size_mb):
         mine = ordered[start:stop]
-        seen += sum(p.weight for p in mine)
+        for p in mine:
+            seen[p.chunk] = seen.get(p.chunk, 0) + p.weight
+        chunk = min(p.chunk for p in mine)
         buckets.append(BucketTiming(padded_elements(sum(p.elements for p in mine), dp_size),
-                                    seen / total if total else 1.0,
-                                    any(p.held_back for p in mine)))
+                                    seen[chunk] / total[chunk] if total[chunk] else 1.0,
+                                    any(p.held_back for p in mine), chunk))
     return buckets
 
 
 def reduction_end(buckets: Sequence[BucketTiming], reduce_s: float,
-                  last_backwards: Sequence[tuple[float, float]], held_start_s: float) -> float:
+                  last_backwards: Sequence[Sequence[tuple[float, float]]],
+                  held_start_s: float) -> float:
     """When the overlapped gradient reduction of one DP group ends: ``d_K`` of the module
-    docstring. ``last_backwards``: ``(c_p, w_p)`` of each member pipeline's device group
-    (end and duration of its last backward); ``held_start_s``: when held-back buckets may
-    start (the members' pipelines' end); ``reduce_s``: the un-overlapped reduction ``R``."""
+    docstring. ``last_backwards``: per member pipeline's device group, ``(c, w)`` of each of
+    its chunks in order (end and duration of the chunk's last backward); ``held_start_s``:
+    when held-back buckets may start (the members' pipelines' end); ``reduce_s``: the
+    un-overlapped reduction ``R``."""
     total = sum(b.elements for b in buckets)
-    done = max(c for c, _ in last_backwards)
+    done = max(chunks[0][0] for chunks in last_backwards)
     if not total:
         return done
     done = -math.inf
     for bucket in buckets:
-        ready = max(c - w * (1.0 - bucket.done) for c, w in last_backwards)
+        ready = max(chunks[bucket.chunk][0] - chunks[bucket.chunk][1] * (1.0 - bucket.done)
+                    for chunks in last_backwards)
         if bucket.held_back:
             ready = max(ready, held_start_s)
         done = max(ready, done) + reduce_s * bucket.elements / total
@@ -183,17 +196,19 @@ def reduction_end(buckets: Sequence[BucketTiming], reduce_s: float,
 
 
 def gather_delay(buckets: Sequence[BucketTiming], gather_s: float,
-                 first_forwards: Sequence[tuple[float, float]]) -> float:
+                 first_forwards: Sequence[Sequence[tuple[float, float]]]) -> float:
     """How far the overlapped parameter all-gathers of one DP group push its first forward
-    back: ``delay_g`` of the module docstring. ``first_forwards``: ``(s_p, f_p)`` of each
-    member pipeline's device group (start and duration of its first forward)."""
+    back: ``delay_g`` of the module docstring. ``first_forwards``: per member pipeline's
+    device group, ``(s, f)`` of each of its chunks in order (start and duration of the
+    chunk's first forward)."""
     total = sum(b.elements for b in buckets)
     if not total or gather_s <= 0:
         return 0.0
     delay, gathered = 0.0, 0.0
     for bucket in reversed(buckets):  # launch order of the gathers: forward order
         gathered += gather_s * bucket.elements / total
-        needed = min(s + f * (1.0 - bucket.done) for s, f in first_forwards)
+        needed = min(chunks[bucket.chunk][0] + chunks[bucket.chunk][1] * (1.0 - bucket.done)
+                     for chunks in first_forwards)
         delay = max(delay, gathered - needed)
     return delay
 
@@ -208,11 +223,11 @@ def exposed_sync(model: ModelConfig, plan: ParallelPlan,
     docstring), of a plan of uniform layouts.
 
     ``split(g)``: DP group g's (gradient reduction, ZeRO-1 all-gather) seconds;
-    ``pipeline_times[p]``: pipeline p's time; ``last_backwards[p][g]``: ``(c, w)`` of device
-    group g of pipeline p, None when the reduction waits for the step (no
+    ``pipeline_times[p]``: pipeline p's time; ``last_backwards[p][g]``: ``(c, w)`` of each
+    chunk of device group g of pipeline p, None when the reduction waits for the step (no
     ``--overlap-grad-reduce``). Held-back buckets start once every pipeline has ended (its
     stage 0's backward ends it, then the embedding copies are summed). ``first_forwards[p][g]``
-    (``(s, f)`` of each group's first forward) overlaps the all-gathers with the next forward;
+    (``(s, f)`` of each chunk's first forward) overlaps the all-gathers with the next forward;
     None keeps them after the step."""
     first = plan.pipelines[0]
     pipeline_end = max(pipeline_times)

@@ -409,7 +409,8 @@ class DeviceFigures:
     optimizer_s: float
 
 
-LastBackwards = list[tuple[float, float]]  # per device group: (end, duration) of its last backward
+# per device group, per chunk: (end, duration) of the chunk's last backward
+LastBackwards = list[tuple[tuple[float, float], ...]]
 
 
 def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
@@ -418,7 +419,8 @@ def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
                    ) -> tuple[PipelinePrediction, Optional[LastBackwards]]:
     """Simulated (or closed-form) time, with the closed form, lower bound and bubble; with
     ``with_ends`` also when and for how long each device group runs its last backward (from
-    the simulated timeline, or :func:`last_backward_ends` with the closed form);
+    the simulated timeline, or :func:`last_backward_ends` with the closed form), chunk by
+    chunk;
     ``overlap_p2p``: an interleaved pipeline's transfers overlap its compute."""
     m, v = pipeline.micro_batches, pipeline.num_chunks
     f, b = [r.forward_s for r in rows], [r.backward_s for r in rows]
@@ -435,8 +437,9 @@ def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
     if pipeline_model == "closed_form":
         time = closed
         if with_ends:
-            groups = pipeline.pp_size
-            ends = list(zip(last_backward_ends(b, time, groups, cb), b[:groups]))
+            groups, stages = pipeline.pp_size, len(b)
+            per_stage = list(zip(last_backward_ends(b, time, stages, cb), b))
+            ends = [tuple(per_stage[g::groups]) for g in range(groups)]
     elif with_ends:
         time, held = cache.last_backwards(f, b, m, cf, cb, v, overlap_p2p)
         ends = list(held)
@@ -459,10 +462,10 @@ def _exposed_sync(ctx: PredictionContext, pipelines: list[PipelinePrediction],
             mine = [r for r in rows if r.pipeline == pp.pipeline]
             groups = ctx.plan.pipelines[pp.pipeline].pp_size
             fill, firsts = 0.0, []
-            for row in mine[:groups]:  # chunk 0 of every device group, in pipeline order
+            for row in mine:  # every chunk, in pipeline order: when micro-batch 0 reaches it
                 firsts.append((fill, row.forward_s))
                 fill += row.forward_s + row.p2p_forward_s
-            starts.append(firsts)
+            starts.append([tuple(firsts[g::groups]) for g in range(groups)])
     return exposed_sync(ctx.model, ctx.plan, lambda g: ctx.sync.split(ctx.comm, 0, g),
                         [pp.time_s for pp in pipelines],
                         None if ends is None else [e for e in ends if e is not None],

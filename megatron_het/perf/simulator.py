@@ -475,21 +475,25 @@ class SimulationCache:
                        num_micro_batches: int, p2p_forward_s: Sequence[float],
                        p2p_backward_s: Sequence[float], num_chunks: int = 1,
                        overlap_p2p: bool = False
-                       ) -> tuple[float, tuple[tuple[float, float], ...]]:
-        """The simulated makespan and, per device group, the end and duration of its last
-        backward (from the timeline), memoized like :meth:`makespan`: the replicas of a plan
-        that run alike are simulated once."""
+                       ) -> tuple[float, tuple[tuple[tuple[float, float], ...], ...]]:
+        """The simulated makespan and, per device group, the end and duration of the last
+        backward of each of its chunks, in chunk order (from the timeline), memoized like
+        :meth:`makespan`: the replicas of a plan that run alike are simulated once."""
         key = _inputs_key(forward_s, backward_s, num_micro_batches, p2p_forward_s,
                           p2p_backward_s, num_chunks, overlap_p2p)
         if key not in self._ends:
-            steps = self.schedule(_groups(len(forward_s), num_chunks), num_micro_batches,
-                                  num_chunks, overlap_p2p)
+            groups = _groups(len(forward_s), num_chunks)
+            steps = self.schedule(groups, num_micro_batches, num_chunks, overlap_p2p)
             result = simulate(steps, forward_s, backward_s, p2p_forward_s, p2p_backward_s,
                               record_timeline=True)
             ends = []
-            for events in result.timeline:
-                last = next(e for e in reversed(events) if e.kind == "backward")
-                ends.append((last.end_s, last.end_s - last.start_s))
+            for g, events in enumerate(result.timeline):
+                chunks = []
+                for stage in range(g, len(forward_s), groups):
+                    last = next(e for e in reversed(events)
+                                if e.kind == "backward" and e.stage == stage)
+                    chunks.append((last.end_s, last.end_s - last.start_s))
+                ends.append(tuple(chunks))
             self._ends[key] = (result.makespan_s, tuple(ends))
         return self._ends[key]
 

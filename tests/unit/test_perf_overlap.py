@@ -107,22 +107,22 @@ def test_a_two_stage_example_by_hand():
     assert ends == [10.0, 7.5]
     stage0 = [BucketTiming(100, 0.5, False), BucketTiming(100, 1.0, False)]
     # bucket 1 ready at 10 - 2 * 0.5 = 9, done 9.5; bucket 2 ready at 10, done 10.5
-    assert reduction_end(stage0, 1.0, [(10.0, 2.0)], 10.0) == pytest.approx(10.5)
+    assert reduction_end(stage0, 1.0, [[(10.0, 2.0)]], 10.0) == pytest.approx(10.5)
     # stage 1: ready at 7.5, done at 9.5, hidden behind stage 0's drain
-    assert reduction_end([BucketTiming(50, 1.0, False)], 2.0, [(7.5, 3.0)], 10.0) == 9.5
+    assert reduction_end([BucketTiming(50, 1.0, False)], 2.0, [[(7.5, 3.0)]], 10.0) == 9.5
     # held back, it waits for the pipeline's end: 10 + 2
-    assert reduction_end([BucketTiming(50, 1.0, True)], 2.0, [(7.5, 3.0)], 10.0) == 12.0
+    assert reduction_end([BucketTiming(50, 1.0, True)], 2.0, [[(7.5, 3.0)]], 10.0) == 12.0
     # The later member of a DP group sets each bucket's start: bucket 1 waits for the second
     # (9.9 - 0.2 * 0.5 = 9.8 > 10 - 0.5 * 0.5), so 9.8 + 0.5, then 10.3 + 0.5.
-    assert reduction_end(stage0, 1.0, [(10.0, 2.0), (9.0, 4.0)], 10.0) == pytest.approx(10.5)
-    assert reduction_end(stage0, 1.0, [(10.0, 0.5)], 10.0) == pytest.approx(10.75)
-    assert reduction_end(stage0, 1.0, [(10.0, 0.5), (9.9, 0.2)], 10.0) == pytest.approx(10.8)
+    assert reduction_end(stage0, 1.0, [[(10.0, 2.0)], [(9.0, 4.0)]], 10.0) == pytest.approx(10.5)
+    assert reduction_end(stage0, 1.0, [[(10.0, 0.5)]], 10.0) == pytest.approx(10.75)
+    assert reduction_end(stage0, 1.0, [[(10.0, 0.5)], [(9.9, 0.2)]], 10.0) == pytest.approx(10.8)
 
 
 def test_exposed_sync_of_a_plan_by_hand():
     plan = ParallelPlan(1, (_pipeline([(0, 2), (2, 4)]), _pipeline([(0, 2), (2, 4)])))
     splits = {0: (1.0, 0.25), 1: (2.0, 0.25)}  # (reduction, ZeRO-1 all-gather) per group
-    ends = [[(10.0, 2.0), (7.5, 3.0)]] * 2
+    ends = [[((10.0, 2.0),), ((7.5, 3.0),)]] * 2
     got = exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], ends)
     # tiny fits one 25 MiB bucket per group: group 0 reduces [10, 11] + 0.25, group 1
     # [7.5, 9.5] + 0.25
@@ -134,26 +134,26 @@ def test_gather_delay_by_hand():
     # forward starts at 0.5 and takes 1 s; the last bucket's parameters come first (F = 1),
     # the first bucket's after half the forward (F = 0.5: needed at 1.0).
     buckets = [BucketTiming(100, 0.5, False), BucketTiming(100, 1.0, False)]
-    assert gather_delay(buckets, 2.0, [(0.5, 1.0)]) == pytest.approx(1.0)  # 2 - 1.0
+    assert gather_delay(buckets, 2.0, [[(0.5, 1.0)]]) == pytest.approx(1.0)  # 2 - 1.0
     # A later fill (stage 2 of a pipeline) hides it all; the earliest member decides.
-    assert gather_delay(buckets, 2.0, [(3.0, 1.0)]) == 0.0
-    assert gather_delay(buckets, 2.0, [(3.0, 1.0), (0.5, 1.0)]) == pytest.approx(1.0)
-    assert gather_delay(buckets, 0.0, [(0.0, 1.0)]) == 0.0
+    assert gather_delay(buckets, 2.0, [[(3.0, 1.0)]]) == 0.0
+    assert gather_delay(buckets, 2.0, [[(3.0, 1.0)], [(0.5, 1.0)]]) == pytest.approx(1.0)
+    assert gather_delay(buckets, 0.0, [[(0.0, 1.0)]]) == 0.0
     # Never more than the whole all-gather.
-    assert gather_delay(buckets, 2.0, [(0.0, 0.0)]) == pytest.approx(2.0)
+    assert gather_delay(buckets, 2.0, [[(0.0, 0.0)]]) == pytest.approx(2.0)
 
 
 def test_exposed_sync_with_the_gather_under_the_next_forward():
     plan = ParallelPlan(1, (_pipeline([(0, 2), (2, 4)]), _pipeline([(0, 2), (2, 4)])))
     splits = {0: (1.0, 0.25), 1: (2.0, 0.25)}
-    ends = [[(10.0, 2.0), (7.5, 3.0)]] * 2
+    ends = [[((10.0, 2.0),), ((7.5, 3.0),)]] * 2
     # one bucket per group: group 0 needs it at its first forward's start (0: 0.25 late),
     # group 1 at 1.5 (after group 0's forward and transfer: hidden)
-    firsts = [[(0.0, 1.0), (1.5, 1.0)]] * 2
+    firsts = [[((0.0, 1.0),), ((1.5, 1.0),)]] * 2
     got = exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], ends,
                        first_forwards=firsts)
     assert got == pytest.approx(1.0 + 0.25)
-    firsts = [[(0.5, 1.0), (1.5, 1.0)]] * 2  # a fill before group 0 hides it too
+    firsts = [[((0.5, 1.0),), ((1.5, 1.0),)]] * 2  # a fill before group 0 hides it too
     assert exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], ends,
                         first_forwards=firsts) == pytest.approx(1.0)
     # without the reduction overlapped: it starts at T
@@ -354,10 +354,14 @@ def test_split_adds_up_to_the_sync(cross_node):
 
 # ---- closed form vs simulation -----------------------------------------------------------
 def _simulated_ends(f, b, m, cf, cb, v=1):
+    """The makespan and every stage's last backward end (chunk c of group g: stage c p + g)."""
     result = simulate_1f1b(f, b, m, cf, cb, num_chunks=v)
-    ends = [next(e.end_s for e in reversed(events) if e.kind == "backward")
-            for events in result.timeline]
-    return result.makespan_s, ends
+    ends = {}
+    for events in result.timeline:
+        for e in events:
+            if e.kind == "backward":
+                ends[e.stage] = e.end_s
+    return result.makespan_s, [ends[s] for s in range(len(f))]
 
 
 @pytest.mark.parametrize("v", [1, 2])
@@ -375,7 +379,7 @@ def test_closed_form_ends_bound_the_simulated_ones(v):
         if v > 1:
             m = p * rng.randint(1, 3)  # interleaved 1F1B runs micro-batches in rounds of p
         makespan, simulated = _simulated_ends(f, b, m, cf, cb, v)
-        closed = last_backward_ends(b, makespan, p, cb)
+        closed = last_backward_ends(b, makespan, n, cb)  # every chunk's, not just chunk 0's
         assert closed[0] == simulated[0] == pytest.approx(makespan)
         for s, c_ in zip(simulated, closed):
             assert s <= c_ + 1e-9
@@ -383,12 +387,15 @@ def test_closed_form_ends_bound_the_simulated_ones(v):
                 assert s == pytest.approx(c_)
         # exposure is monotone and 1-Lipschitz in every end, so the closed form's exceeds the
         # simulation's by at most the largest gap between their ends
-        buckets = [BucketTiming(10, 0.5, False), BucketTiming(10, 1.0, False)]
+        # Interleaved, the first bucket holds the last chunk's parameters: it rides on that
+        # chunk's (earlier) last backward.
+        buckets = [BucketTiming(10, 0.5, False, v - 1), BucketTiming(10, 1.0, False, 0)]
         reduce = [rng.uniform(0.1, 6.0) for _ in range(p)]
 
         def exposed(ends):
-            return max(reduction_end(buckets, reduce[g], [(ends[g], b[g])], makespan)
-                       for g in range(p)) - makespan
+            return max(reduction_end(buckets, reduce[g],
+                                     [[(ends[c * p + g], b[c * p + g]) for c in range(v)]],
+                                     makespan) for g in range(p)) - makespan
 
         slack = max(c_ - s for s, c_ in zip(simulated, closed))
         assert exposed(simulated) - 1e-9 <= exposed(closed) <= exposed(simulated) + slack + 1e-9

@@ -222,3 +222,62 @@ def _all_checks(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_norm_counting_state_resume_and_errors() -> None:
     run_ranks(_all_checks, WORLD, timeout=120)
+
+
+DEEP = CONFIG.replace(num_layers=4, name="dp-test-deep")
+
+
+def _interleaved_buckets_go_out_per_chunk(rank: int, world_size: int) -> None:
+    """PP 2 x DP 2 with 2 interleaved chunks per device group and --overlap-grad-reduce: the
+    buckets of a group's later chunk go out once that chunk's last backward is done, while
+    chunk 0 still has backward passes to run (what the predictor's DP overlap assumes)."""
+    import datetime
+
+    from megatron_het.comm import UnifiedCommunicator
+    from megatron_het.parallel.groups import build_process_groups
+    from megatron_het.parallel.plan_builders import plan_from_megatron_flags
+
+    comm = UnifiedCommunicator(["cpu"] * world_size, {"cpu": "gloo"}, {"cpu": "cpu"},
+                               timeout=datetime.timedelta(seconds=60))
+    plan = plan_from_megatron_flags(DEEP, world_size, 1, 2, MICRO_BATCH,
+                                    TOTAL_MICRO_BATCHES * MICRO_BATCH,
+                                    accelerator_of=lambda r: "cpu", virtual_stages=2)
+    groups = build_process_groups(comm, plan, tie_embeddings=False, num_layers=4)
+    role = groups.role
+    chunk_of = {}  # layer index -> chunk of this device group
+    for chunk, stage in enumerate(role.chunk_plans):
+        chunk_of.update({i: chunk for i in stage.layer_indices})
+    stage = build_pipeline_stage(DEEP, plan, groups, SEED)
+    optimizer = build_parallel_optimizer(stage, groups, OPT, False, bucket_size_mb=BUCKET_MB,
+                                         overlap_grad_reduce=True)
+    executor = PipelineExecutor(stage, groups, DEEP, SEQ, MICRO_BATCH)
+    buckets = optimizer.buckets
+
+    def chunks(bucket) -> set[int]:
+        return {chunk_of[int(s.name.split(".")[1])] for s in bucket.slots
+                if s.name.startswith("layers.")}
+    launched = []
+    real = buckets._launch
+
+    def record(bucket, mode):
+        if buckets._overlap.expected is not None:  # launched early, from a backward hook
+            pending = [b.index for b in buckets.buckets if 0 in chunks(b)
+                       and buckets._overlap.counts[b.index]
+                       < buckets._overlap.expected * buckets._overlap.per_backward[b.index]]
+            launched.append((chunks(bucket), pending))
+        real(bucket, mode)
+    buckets._launch = record
+    per_pipeline = plan.pipelines[role.pipeline].micro_batches
+    first_mb = sum(p.micro_batches for p in plan.pipelines[:role.pipeline])
+    optimizer.zero_grad(num_micro_batches=per_pipeline)
+    executor.run(global_batch(0)[first_mb:first_mb + per_pipeline],
+                 loss_scale=1.0 / TOTAL_MICRO_BATCHES)
+    optimizer.sync_grads()
+    later = [pending for held, pending in launched if held == {1}]
+    assert later and all(later), (rank, launched)  # chunk 0 gradients were still coming
+    assert {0} in [held for held, _ in launched]
+    optimizer.close()
+
+
+def test_interleaved_buckets_go_out_per_chunk() -> None:
+    run_ranks(_interleaved_buckets_go_out_per_chunk, WORLD, timeout=120)

@@ -57,6 +57,16 @@ H100 (and H200, the same GH100 compute) -- from published kernel figures, not fi
     :mod:`megatron_het.perf.published_runs` (Megatron-LM's H100 weak-scaling table) are NOT
     used here; ``bench/published_runs.py`` reports their errors separately.
 
+MI250X (one GCD, a torch device) and MI300X -- GEMM from published kernel figures, the rest
+    the defaults. GEMM: the same share of their entries in that table (ROCm 6.2): MI250X 147.0
+    of one GCD's 191.5 TFLOP/s (0.768) gives 0.561, MI300X 781.9 of 1,307.4 (0.598) gives 0.437.
+    Attention 0.4 and memory 0.8 stay the cost model's defaults: no published speed of a
+    flash-attention kernel on these parts is used. No published training run on them is
+    predicted here either.
+
+Ascend 910B, and any kind not named here: the defaults (no published matmul or training
+figure used).
+
 Links: one efficiency for every link kind (``LINK_EFFICIENCY`` of
 :mod:`megatron_het.perf.comm_cost`) was kept: the fit's residuals (within about 8%) take both
 signs among the runs with the most communication (TP 8 with large micro-batches, DP over
@@ -87,22 +97,36 @@ A100_EFFICIENCY = Efficiency(
     attention=round(sum(FLASH_ATTENTION_2_A100_TFLOPS) / len(FLASH_ATTENTION_2_A100_TFLOPS)
                     / A100_PEAK_TFLOPS, 3),
     memory=MEMORY_EFFICIENCY)
-# Best measured BF16 matmul as a fraction of the dense peak ("maximum achievable matmul FLOPS",
-# S. Bekman, ml-engineering, compute/accelerator/README.md): A100 SXM 267.9 / 312, H100 SXM
-# 792.1 / 989 TFLOP/s.
-BEST_MATMUL_FRACTION = {"A100": 267.9 / A100_PEAK_TFLOPS, "H100": 792.1 / 989}
-# GEMM: the A100 fit's share of A100's best matmul, carried to H100's. Attention:
-# FlashAttention-2's ~35% of H100's peak (FlashAttention-3 paper, arXiv 2407.08608, abstract).
-H100_EFFICIENCY = Efficiency(
-    gemm=round(A100_EFFICIENCY.gemm * BEST_MATMUL_FRACTION["H100"]
-               / BEST_MATMUL_FRACTION["A100"], 3),
-    attention=0.35, memory=MEMORY_EFFICIENCY)
+# Best measured BF16 matmul as a fraction of the dense peak of our spec ("maximum achievable
+# matmul FLOPS", S. Bekman, ml-engineering, compute/accelerator/README.md, its first table:
+# CUDA 12.1 / ROCm 6.2): A100 SXM 267.9 / 312, H100 SXM 792.1 / 989, MI250X 147.0 of one
+# GCD's 191.5, MI300X 781.9 / 1307.4 TFLOP/s.
+BEST_MATMUL_FRACTION = {"A100": 267.9 / A100_PEAK_TFLOPS, "H100": 792.1 / 989,
+                        "MI250X": 147.0 / 191.5, "MI300X": 781.9 / 1307.4}
+
+
+def carried_gemm(kind: str) -> float:
+    """The A100 fit's share of A100's best matmul, carried to ``kind``'s best matmul (three
+    figures): what training GEMMs reach of a kind whose BLAS reaches that best."""
+    return round(A100_EFFICIENCY.gemm * BEST_MATMUL_FRACTION[kind]
+                 / BEST_MATMUL_FRACTION["A100"], 3)
+
+
+# GEMM: carried. Attention: FlashAttention-2's ~35% of H100's peak (FlashAttention-3 paper,
+# arXiv 2407.08608, abstract).
+H100_EFFICIENCY = Efficiency(gemm=carried_gemm("H100"), attention=0.35, memory=MEMORY_EFFICIENCY)
+# GEMM: carried. Attention and memory: the cost model's defaults (no published flash-attention
+# speed on these parts is used).
+MI250X_EFFICIENCY = dataclasses.replace(DEFAULT_EFFICIENCY, gemm=carried_gemm("MI250X"))
+MI300X_EFFICIENCY = dataclasses.replace(DEFAULT_EFFICIENCY, gemm=carried_gemm("MI300X"))
 
 CALIBRATED: dict[str, Efficiency] = {
     "a100-80g": A100_EFFICIENCY,   # GEMM fitted: Narayanan et al. 2021, Table 1 (A100 80GB)
     "a100-40g": A100_EFFICIENCY,   # same silicon; its lower HBM bandwidth is in the spec
     "h100": H100_EFFICIENCY,       # from published kernel figures (module docstring)
     "h200": H100_EFFICIENCY,       # H100 compute with more, faster HBM (in the spec)
+    "mi250x": MI250X_EFFICIENCY,   # GEMM from its published best matmul (module docstring)
+    "mi300x": MI300X_EFFICIENCY,   # GEMM from its published best matmul (module docstring)
 }
 
 # Each factor is raised by this much to measure a run's sensitivity to it.
@@ -211,5 +235,6 @@ def _solve(augmented: list[list[float]]) -> list[float]:
 
 __all__ = ["A100_EFFICIENCY", "A100_PEAK_TFLOPS", "BEST_MATMUL_FRACTION", "CALIBRATED",
            "CalibrationFit", "FACTORS", "FLASH_ATTENTION_2_A100_TFLOPS", "H100_EFFICIENCY",
+           "MI250X_EFFICIENCY", "MI300X_EFFICIENCY", "carried_gemm",
            "RunSensitivity", "SINGULAR", "STEP", "efficiency_for", "least_squares",
            "resolve_efficiency", "sensitivity"]

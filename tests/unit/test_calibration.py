@@ -9,7 +9,8 @@ import pytest
 
 from megatron_het.cluster import AcceleratorRegistry
 from megatron_het.config import model_preset
-from megatron_het.perf.calibration import (A100_EFFICIENCY, FACTORS, H100_EFFICIENCY, STEP,
+from megatron_het.perf.calibration import (A100_EFFICIENCY, FACTORS, H100_EFFICIENCY,
+                                           MI250X_EFFICIENCY, MI300X_EFFICIENCY, STEP,
                                            RunSensitivity, efficiency_for, least_squares,
                                            sensitivity)
 from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, MEMORY_EFFICIENCY, Efficiency,
@@ -23,11 +24,25 @@ MODEL = model_preset("llama2-7b")
 @pytest.mark.parametrize("name, expected", [
     ("A100-80G", A100_EFFICIENCY), ("A100-40G", A100_EFFICIENCY),
     ("H100", H100_EFFICIENCY), ("H200", H100_EFFICIENCY),
-    ("MI250X", DEFAULT_EFFICIENCY), ("MI300X", DEFAULT_EFFICIENCY),
+    ("MI250X", MI250X_EFFICIENCY), ("MI300X", MI300X_EFFICIENCY),
     ("Ascend910B", DEFAULT_EFFICIENCY), ("cpu", DEFAULT_EFFICIENCY),
     ("emu-fast", DEFAULT_EFFICIENCY), ("emu-slow", DEFAULT_EFFICIENCY)])
 def test_efficiency_per_kind(name: str, expected: Efficiency) -> None:
     assert efficiency_for(KINDS.get(name)) == expected
+
+
+def test_amd_gemm_figures_carry_the_a100_share_of_the_best_matmul() -> None:
+    # The published best matmul (TFLOP/s) over our spec's peak, times what the A100 fit
+    # reaches of A100's: 0.628 / (267.9 / 312).
+    share = A100_EFFICIENCY.gemm / (267.9 / 312)
+    for kind, best, expected in (("MI250X", 147.0, 0.561), ("MI300X", 781.9, 0.437),
+                                 ("H100", 792.1, 0.586)):
+        peak = KINDS.get(kind).peak_tflops("bf16")
+        assert efficiency_for(KINDS.get(kind)).gemm == expected == round(share * best / peak, 3)
+    # Only the GEMM factor is theirs; attention and memory stay the defaults.
+    for efficiency in (MI250X_EFFICIENCY, MI300X_EFFICIENCY):
+        assert (efficiency.attention, efficiency.memory) == (DEFAULT_EFFICIENCY.attention,
+                                                              DEFAULT_EFFICIENCY.memory)
 
 
 def test_calibrated_figures_differ_from_the_defaults() -> None:

@@ -75,9 +75,11 @@ def test_allocate_trades_pipeline_time_for_sync() -> None:
 def test_replica_buffers_are_the_memory_the_predictor_counts() -> None:
     """A kind's stage model (memory raised by the full-size replica buffers) holds at least
     what the prediction of the assembled heterogeneous plan holds on that kind's devices, and
-    over-counts by no more than the buffers and one more set of activations (the predictor
+    over-counts by no more than the buffers, one more set of activations (the predictor
     allocates the buffers after the last backward has freed the activations; the stage model
-    keeps both, to stay affine in layers, and counts a full pipeline in flight)."""
+    keeps both, to stay affine in layers, and counts a full pipeline in flight) and, under
+    ZeRO-1 across the replicas, the optimizer state the other replicas own (the stage model
+    of a kind's part leaves it unsharded)."""
     cluster = _cluster()
     result = search_plan(MODEL, cluster, 12, SEQ)
     layout = result.candidates[0].layout
@@ -85,6 +87,7 @@ def test_replica_buffers_are_the_memory_the_predictor_counts() -> None:
     search = ReplicaSearch(MODEL, cluster, Placement(cluster), 12, SEQ, None, "bf16", True,
                            SimulationCache(), CommCost(cluster))
     search._families(16)  # builds the kinds
+    plan_dp, zero1 = result.plan.dp_size, bool(result.plan.use_distributed_optimizer)
     pipeline = 0
     for kind, part in zip(search._kinds, layout.parts):
         probe = replace(part.layout, micro_batches=part.layout.num_stages)
@@ -96,8 +99,9 @@ def test_replica_buffers_are_the_memory_the_predictor_counts() -> None:
             held = rows[s].memory
             assert held.replica_sync_bytes > 0
             assert held.total_bytes <= sm.memory[s](n) * (1 + 1e-6)
+            others = held.optimizer_bytes * (plan_dp - 1) if zero1 else 0.0
             assert sm.memory[s](n) <= (held.total_bytes + held.replica_sync_bytes
-                                       + held.activation_bytes) * (1 + 1e-6)
+                                       + held.activation_bytes + others) * (1 + 1e-6)
         pipeline += part.layout.dp
 
 

@@ -13,7 +13,8 @@ with both kinds' slowdowns x ``--dilation`` (1: as in the file).
    and predicts with their mean, because a shared machine's load from other work changes; just
    before each run also the wall and CPU time of one TP collective between computing peers
    (:func:`megatron_het.emulation.host_measure.measure_host_collective`).
-2. Runs every plan (the 4 of scripts/plans/ and more, written to a temporary directory) through
+2. Runs every plan (5 of scripts/plans/, one with stage bounds inside layers, and more,
+   written to a temporary directory) through
    ``torchrun --nproc_per_node 4 pretrain_llama.py --mock-data`` in fp32 and takes the median
    iteration time after the warm-up iterations from the metrics file. With ``--device-time
    profile`` (the default) the runs time each emulated stage from the same profile
@@ -70,7 +71,7 @@ SHARING_PASSES = 4
 SHARING_ROUNDS = 1
 COLLECTIVE_PASSES = 8
 SCRIPT_PLANS = ("cpu_emulated_3stage", "cpu_emulated_dp2_fast_heavy", "cpu_emulated_pp4",
-                "cpu_emulated_tp2_pp2")
+                "cpu_emulated_tp2_pp2", "cpu_emulated_half_layers")
 
 
 def _stage(kind: str, tp: int, layers: tuple[int, int], ranks: list[int]) -> dict:

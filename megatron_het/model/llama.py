@@ -188,6 +188,9 @@ class LlamaModel(nn.Module):
                 raise UserError(f"layer range [{start}, {stop}) does not fit a model of "
                                 f"{config.num_layers} layers after layer {previous}; use "
                                 f"ascending, disjoint ranges inside [0, {config.num_layers})")
+            if start == previous and start != int(start):
+                raise UserError(f"two chunks of one model share layer {math.floor(start)} "
+                                f"(bound {start}); keep both of its blocks in one chunk")
             previous = stop
         self.config = config
         # (start, stop, how many of the first layers recompute)

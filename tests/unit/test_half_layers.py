@@ -101,6 +101,11 @@ def test_stages_split_inside_layers_compute_the_whole_model():
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-5, msg=name)
 
 
+def test_one_model_cannot_hold_a_layer_split_over_two_of_its_chunks():
+    with pytest.raises(UserError, match="two chunks of one model share layer 1"):
+        LlamaModel(TINY, chunks=[(0, 1.5, False), (1.5, 4, False)])
+
+
 def test_checkpoint_names_and_replica_units_follow_the_blocks():
     plan = _plan([0, 1.5, 2.5, 4])
     names = [stage_parameter_names(TINY, st) for st in plan.pipelines[0].stages]

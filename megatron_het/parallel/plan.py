@@ -126,7 +126,7 @@ class StagePlan:
 
     accelerator: str
     tp: int
-    layers: tuple[int, int]
+    layers: tuple[LayerBound, LayerBound]
     ranks: tuple[int, ...]
     has_embedding: bool = False
     has_head: bool = False
@@ -134,11 +134,13 @@ class StagePlan:
     recompute_num_layers: Optional[int] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layers", tuple(self.layers))
+        # A whole bound given as a float (2.0) is kept as the int it is.
+        object.__setattr__(self, "layers", tuple(int(b) if b == int(b) else float(b)
+                                                 for b in self.layers))
         object.__setattr__(self, "ranks", tuple(self.ranks))
 
     @classmethod
-    def trusted(cls, accelerator: str, tp: int, layers: tuple[int, int],
+    def trusted(cls, accelerator: str, tp: int, layers: tuple[LayerBound, LayerBound],
                 ranks: tuple[int, ...], has_embedding: bool, has_head: bool,
                 recompute: bool, recompute_num_layers: Optional[int] = None) -> "StagePlan":
         """The same stage as the constructor's, built without its conversions: for callers

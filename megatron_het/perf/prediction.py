@@ -26,7 +26,7 @@ class StagePrediction:
     stage: int
     accelerator: str
     tp: int
-    layers: tuple[int, int]
+    layers: tuple[float, float]  # a bound may be a half-layer bound x.5
     ranks: tuple[int, ...]
     forward_s: float
     backward_s: float

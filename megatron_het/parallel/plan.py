@@ -134,9 +134,11 @@ class StagePlan:
     recompute_num_layers: Optional[int] = None
 
     def __post_init__(self) -> None:
-        # A whole bound given as a float (2.0) is kept as the int it is.
-        object.__setattr__(self, "layers", tuple(int(b) if b == int(b) else float(b)
-                                                 for b in self.layers))
+        layers = tuple(self.layers)
+        if type(layers[0]) is not int or type(layers[1]) is not int:
+            # A whole bound given as a float (2.0) is kept as the int it is.
+            layers = tuple(int(b) if b == int(b) else float(b) for b in layers)
+        object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "ranks", tuple(self.ranks))
 
     @classmethod

@@ -3,14 +3,14 @@
 A plan is a list of pipelines. Each pipeline is one data-parallel (DP) replica of the whole model
 with its own share of the micro-batches of every iteration; its stages run in order, each holding
 a half-open range ``[start, end)`` of global decoder-layer indices. The embedding sits on the
-first stage of every pipeline and the output head on the last.
+first stage of every pipeline and the output head on the last. The ranks of a stage are its
+tensor-parallel (TP) group, listed in tp_rank order, so ``ranks[t]`` has tp_rank ``t``.
 
 A bound may also fall inside a layer, between its attention block (input norm, attention) and
 its MLP block (post-attention norm, MLP): ``x.5`` is that point of layer ``x``. A stage
 ``[20, 21.5)`` holds layer 20 and the attention block of layer 21; the next stage
 ``[21.5, 24)`` holds layer 21's MLP block and layers 22 and 23. Such half-layer bounds let
-stages of devices with different speeds balance more finely than whole layers allow. The ranks of a stage are its
-tensor-parallel (TP) group, listed in tp_rank order, so ``ranks[t]`` has tp_rank ``t``.
+stages of devices with different speeds balance more finely than whole layers allow.
 
 Interleaving (virtual pipeline stages, as Megatron-LM's): the same ``ranks`` may appear on several
 stages of a pipeline. Those stages are model chunks of one DEVICE GROUP, which runs them with the
@@ -477,7 +477,7 @@ def _layer_bound(where: str, value: Any) -> LayerBound:
         raise UserError(f"{where}: layers must be [first, end) as two integers, or numbers "
                         f"ending in .5 for a bound between a layer's attention and MLP blocks; "
                         f"got {value!r}")
-    return int(value) if value == int(value) else float(value)
+    return value  # StagePlan keeps a whole bound as an int
 
 
 def _bool(where: str, key: str, value: Any) -> bool:

@@ -20,9 +20,9 @@ def validate(plan: ParallelPlan, model: ModelConfig, cluster: Optional[ClusterSp
     """Raise UserError for the first thing wrong with ``plan``; return None if it is sound.
 
     Checks: positive sizes; each pipeline covers layers ``0..model.num_layers-1`` exactly once in
-    stage order (bounds may be half-layer bounds ``x.5``); every stage lists ``tp`` ranks; ``tp`` divides the attention heads, the query
-    groups and the FFN size (pipelines may split the model differently: heterogeneous data
-    parallelism); ranks are used once and are exactly ``0..world-1`` (world from ``cluster`` if
+    stage order (bounds may be half-layer bounds ``x.5``); every stage lists ``tp`` ranks;
+    ``tp`` divides the attention heads, the query groups and the FFN size (pipelines may split
+    the model differently: heterogeneous data parallelism); ranks are used once and are exactly ``0..world-1`` (world from ``cluster`` if
     given, else the number of ranks placed); each stage's accelerator is that of its ranks in
     ``cluster``; the batch adds up to ``global_batch_size`` if given.
     Interleaved pipelines (stages sharing ranks): at least two device groups, each holding the

@@ -298,9 +298,7 @@ def recomputed_count(recompute_layers: int, num_layers: int) -> int:
     num_layers``. TypeError for a bool: a count is meant, and True would read as 1."""
     if isinstance(recompute_layers, bool):
         raise TypeError("recompute_layers is a number of layers, not a bool")
-    if recompute_layers != int(recompute_layers):  # all of a stage with a half-layer bound
-        return max(0, min(recompute_layers, num_layers))
-    return max(0, min(int(recompute_layers), num_layers))
+    return max(0, min(recompute_layers, num_layers))
 
 
 def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,

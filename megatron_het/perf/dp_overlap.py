@@ -30,10 +30,11 @@ The model, per DP group g (device group g of every pipeline; times from the iter
 (:meth:`~megatron_het.perf.dp_sync.DPSync.split`) and ``A`` ZeRO-1's parameter all-gather.
 Bucket k carries the share ``n_k / N`` of the gradient bytes, so its collective takes
 ``r_k = R n_k / N`` (the buckets' times add up to ``R``). The last backward of the bucket's
-chunk runs ``[c - w, c]`` (``w`` its duration); gradients come out in bucket order at the pace of the
-compute behind them: bucket k is complete once that backward has done the share ``F_k`` of its
-chunk's parameters up to and including the bucket's last one (the embedding lookup's gradient
-is cheap: it counts 0 and comes last, so the last bucket is complete only at ``c``)::
+chunk runs ``[c - w, c]`` (``w`` its duration); gradients come out in bucket order at the
+pace of the compute behind them: bucket k is complete once that backward has done the share
+``F_k`` of its chunk's parameters up to and including the bucket's last one (the embedding
+lookup's gradient is cheap: it counts 0 and comes last, so the last bucket is complete only
+at ``c``)::
 
     t_k = max_p (c_p - w_p (1 - F_k))            latest member of the DP group (pipelines p)
     t_k = max(t_k, max_p T_p)                    a held-back bucket

@@ -42,12 +42,12 @@ import math
 from typing import Optional
 
 from megatron_het.config import ModelConfig
-from megatron_het.parallel.plan import ParallelPlan, block_counts
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.replicas import (ReplicaUnit, owned_rows, replica_units,
                                             uniform_layouts)
 from megatron_het.perf.comm_cost import CommCost, SyncCost
 from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
-from megatron_het.perf.memory import block_parameters, layer_parameters, stage_parameters
+from megatron_het.perf.memory import span_parameters, stage_parameters
 
 def unit_parameters(model: ModelConfig, unit: ReplicaUnit) -> int:
     """The full (unsharded) parameter count of a replica unit: the embedding table, its layers
@@ -57,12 +57,7 @@ def unit_parameters(model: ModelConfig, unit: ReplicaUnit) -> int:
         return v * h
     if unit.part == "head":
         return h + (0 if model.tie_embeddings else v * h)
-    start, stop = unit.layers
-    if start == int(start) and stop == int(stop):
-        return (stop - start) * layer_parameters(model, 1)
-    attention, mlp = block_counts(unit.layers)
-    per_attention, per_mlp = block_parameters(model, 1)
-    return attention * per_attention + mlp * per_mlp
+    return span_parameters(model, 1, unit.layers)
 
 
 class DPSync:

@@ -41,7 +41,7 @@ from typing import Callable, Optional, Sequence
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
-from megatron_het.parallel.plan import StagePlan
+from megatron_het.parallel.plan import StagePlan, block_counts
 from megatron_het.perf.cost_model import FP32_BYTES, dtype_bytes
 from megatron_het.pipeline.schedule_check import held_counts
 from megatron_het.pipeline.schedules import Step
@@ -96,17 +96,23 @@ def block_parameters(model: ModelConfig, tp: int) -> tuple[int, int]:
     return (h * (q + 2 * kv) + q * h) // tp + h, 3 * h * f // tp + h
 
 
+def span_parameters(model: ModelConfig, tp: int, layers: tuple[float, float]) -> int:
+    """Parameters of the decoder layers ``[start, end)`` held by one TP rank; a half-layer
+    bound counts the blocks it holds (:func:`block_parameters`)."""
+    start, end = layers
+    if start == int(start) and end == int(end):
+        return (end - start) * layer_parameters(model, tp)
+    attention, mlp = block_counts(layers)
+    per_attention, per_mlp = block_parameters(model, tp)
+    return attention * per_attention + mlp * per_mlp
+
+
 def stage_parameters(model: ModelConfig, stage: StagePlan) -> int:
     """Parameters one TP rank of ``stage`` holds: its layers, the vocab-parallel embedding on
     the first stage, the final norm and output layer on the last (with tied embeddings a last
     stage without the embedding holds its own copy of it)."""
     tp, h, v = stage.tp, model.hidden_size, model.vocab_size
-    if stage.splits_layers:
-        attention, mlp = stage.block_counts
-        per_attention, per_mlp = block_parameters(model, tp)
-        params = attention * per_attention + mlp * per_mlp
-    else:
-        params = stage.num_layers * layer_parameters(model, tp)
+    params = span_parameters(model, tp, stage.layers)
     if stage.has_embedding:
         params += v * h // tp
     if stage.has_head:

@@ -141,7 +141,6 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
         backward = num_layers * layer.backward_s + recomputed * layer.forward_s
         kept = (recomputed * layer_input_bytes(shape, dtype, sp)
                 + (num_layers - recomputed) * act)
-        transient = act if recomputed else 0.0
     else:
         fwd_w, bwd_w, act_w = _block_weights(blocks, shape, spec, dtype, efficiency, sp,
                                              overlap)
@@ -149,7 +148,7 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
         backward = bwd_w * layer.backward_s + (fwd_w * layer.forward_s if recomputed else 0.0)
         kept = (blocks.layers * layer_input_bytes(shape, dtype, sp) if recomputed
                 else act_w * act)
-        transient = act if recomputed else 0.0
+    transient = act if recomputed else 0.0
     for part, present, ops in (("embedding", has_embedding, embedding_forward_ops(shape)),
                                ("head", has_head, head_forward_ops(shape, model.vocab_size))):
         if not present:

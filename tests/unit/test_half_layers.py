@@ -114,9 +114,10 @@ def test_checkpoint_names_and_replica_units_follow_the_blocks():
     assert sum(len(n) for n in names) == len({n for group in names for n in group})
     assert block_of("layers.2.post_attention_norm.weight") == 5
     # Pipeline 0 splits at 1.5, pipeline 1 at 2.5: the units change holders at each bound.
-    hetero = ParallelPlan(1, (
-        PipelinePlan(1, (StagePlan("cpu", 1, (0, 1.5), (0,)), StagePlan("cpu", 1, (1.5, 4), (1,)))),
-        PipelinePlan(1, (StagePlan("cpu", 1, (0, 2.5), (2,)), StagePlan("cpu", 1, (2.5, 4), (3,))))))
+    def pipeline(bound, first):
+        return PipelinePlan(1, (StagePlan("cpu", 1, (0, bound), (first,)),
+                                StagePlan("cpu", 1, (bound, 4), (first + 1,))))
+    hetero = ParallelPlan(1, (pipeline(1.5, 0), pipeline(2.5, 2)))
     layers = [(unit.layers, holders) for unit, holders in replica_units(hetero, 4, False)
               if unit.part == "layers"]
     assert layers == [((0, 1.5), (0, 2)), ((1.5, 2.5), (1, 2)), ((2.5, 4), (1, 3))]

@@ -1,7 +1,7 @@
 """The predictor against published large-scale training runs (no device needed).
 
     .venv/bin/python bench/published_runs.py [--pipeline-model simulate|closed_form]
-                                             [--uncalibrated]
+                                             [--uncalibrated] [--h100-plain-schedule]
 
 For every row of :mod:`megatron_het.perf.published_runs` (Narayanan et al. 2021 Table 1, the
 calibration set; the Megatron-LM README's GPT-3 example and H100 weak-scaling table, held
@@ -12,7 +12,8 @@ published one (the source's TFLOP/s per GPU turned back into seconds with that s
 FLOP count), and the relative error ``predicted / published - 1``. The pipeline is simulated
 (the event-driven 1F1B of :mod:`megatron_het.perf.simulator`) unless ``--pipeline-model
 closed_form``; about ten seconds either way (the memory figures of thousands of devices
-dominate).
+dominate). ``--h100-plain-schedule``: the H100 rows with micro-batch 1 and no interleaving
+instead of the schedule inferred for them (``published_runs.schedule_of``).
 
 Prints one table row per run (stderr), then one JSON line last: median_abs_error and
 max_abs_error over all rows, the calibration set's and the held-out set's medians and maxima
@@ -32,17 +33,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_het.perf.cost_model import DEFAULT_EFFICIENCY  # noqa: E402
-from megatron_het.perf.published_runs import (ALL_RUNS, PublishedRun, predict_run,  # noqa: E402
-                                              run_efficiency)
+from megatron_het.perf.published_runs import (ALL_RUNS, PublishedRun,  # noqa: E402
+                                              plain_schedule, predict_run, run_efficiency)
 from megatron_het.perf.simulator import SimulationCache  # noqa: E402
 
-HEADER = (f"{'run':28s} {'split':11s} {'gpu':9s} {'GPUs':>5s} {'TPxPPxDP':>10s} "
-          f"{'published s':>11s} {'predicted s':>11s} {'error':>7s}")
+HEADER = (f"{'run':28s} {'split':11s} {'gpu':9s} {'GPUs':>5s} {'TPxPPxDP':>10s} {'v':>3s} "
+          f"{'mbs':>3s} {'published s':>11s} {'predicted s':>11s} {'error':>7s}")
 
 
 def row_line(run: PublishedRun, predicted: float, error: float) -> str:
     layout = f"{run.tp}x{run.pp}x{run.dp}"
     return (f"{run.name:28s} {run.split:11s} {run.gpu:9s} {run.num_gpus:5d} {layout:>10s} "
+            f"{run.virtual_stages:3d} {run.micro_batch:3d} "
             f"{run.published_iteration_s:11.3f} {predicted:11.3f} {error:+7.1%}")
 
 
@@ -56,12 +58,16 @@ def main() -> None:
                         default="simulate")
     parser.add_argument("--uncalibrated", action="store_true",
                         help="the cost model's default efficiencies for every kind")
+    parser.add_argument("--h100-plain-schedule", action="store_true",
+                        help="the H100 rows with micro-batch 1 and no interleaving")
     args = parser.parse_args()
     start = time.perf_counter()
     cache = SimulationCache()
     rows = []
     print(HEADER, file=sys.stderr)
     for run in ALL_RUNS:
+        if args.h100_plain_schedule and run.study == "megatron-core-h100":
+            run = plain_schedule(run)
         # None: the kind's calibrated figures; either way with the row's attention kernel.
         chosen = DEFAULT_EFFICIENCY if args.uncalibrated else None
         efficiency = run_efficiency(run, chosen)
@@ -73,6 +79,7 @@ def main() -> None:
                      "source": run.source,
                      "gpu": run.gpu, "num_gpus": run.num_gpus, "tp": run.tp, "pp": run.pp,
                      "dp": run.dp, "virtual_stages": run.virtual_stages,
+                     "micro_batch": run.micro_batch,
                      "published_s": run.published_iteration_s, "predicted_s": predicted,
                      "error": error, "efficiency": vars(efficiency),
                      "not_expressed": list(run.not_expressed)})
@@ -95,6 +102,7 @@ def main() -> None:
         "rows": rows,
         "conditions": {"pipeline_model": args.pipeline_model,
                        "efficiency": "defaults" if args.uncalibrated else "calibrated",
+                       "h100_schedule": "plain" if args.h100_plain_schedule else "inferred",
                        "error": "predicted / published - 1",
                        "wall_s": time.perf_counter() - start},
     }))

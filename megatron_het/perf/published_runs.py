@@ -63,12 +63,33 @@ Held-out set (no constant is tuned on it):
   ``accumulate_allreduce_grads_in_fp32``). Set as the runs had them: bf16,
   ``sequence_parallel`` and ``tp_comm_overlap`` (where tp > 1; TransformerEngine's userbuffer
   overlap, priced as the runtime's rings beside the GEMMs), ``use_distributed_optimizer``,
-  ``overlap_grad_reduce``, ``overlap_param_gather`` and ``grad_reduce_in_bf16`` off. NOT
-  published, assumed here: micro-batch 1, no recompute, no interleaving (several stage
-  layer counts, 23 and 7, are prime), DGX H100 nodes with 8 x 400 Gb/s NDR; the only GPT
-  script of that commit (``examples/gpt3/train_gpt3_175b_distributed.sh``: fp16, sequence
-  2048, none of the overlap flags) is not these runs' and settles none of them. Their DDP
-  buckets are Megatron's default, ``max(4e7, 1e6 dp)`` parameters (``ddp_bucket_size``).
+  ``overlap_grad_reduce``, ``overlap_param_gather`` and ``grad_reduce_in_bf16`` off. Their
+  DDP buckets are Megatron's default, ``max(4e7, 1e6 dp)`` parameters (``ddp_bucket_size``).
+  NOT published, inferred here (:func:`schedule_of` gives both rules; the only GPT script of
+  that commit, ``examples/gpt3/train_gpt3_175b_distributed.sh``: fp16, sequence 2048, none of
+  the overlap flags, is not these runs' and settles none of them):
+
+  - with a pipeline (PP > 1), the interleaved schedule at one layer per virtual stage
+    (``--num-layers-per-virtual-pipeline-stage 1``), micro-batch 1. The README credits
+    pipeline communication overlap ("PP (enabled by default)"), and Megatron's
+    ``arguments.py`` turns ``overlap_p2p_comm`` off unless the interleaved schedule runs;
+    one layer per virtual stage is the only degree open to every row (119B's 23 and 462B's
+    7 layers per stage are prime);
+  - without one (PP = 1), one micro-batch of the whole local batch (global / DP = 4
+    sequences): without a pipeline, gradient accumulation only saves memory, and every such
+    row fits (the predicted peak is at most about 51 GB of 80). Micro-batch 1 cannot have
+    been run at 32B: Megatron starts the gradient reduce-scatter at the last micro-batch's
+    backward (``no_sync`` before it), and 32B's fp32 gradients, about 15 GB per GPU over its
+    50 GB/s NIC, then need at least 0.29 s, of which at most one micro-batch's backward
+    (about 0.15 s) hides, and the parameter all-gather (about 0.15 s) has only the first
+    forward to hide behind; that would leave at most about 0.6 s of the published 0.89 s for
+    the compute, over 60% of H100's peak, where the README reports 41-48% MFU for its
+    whole table.
+
+  Also assumed: no recompute, DGX H100 nodes with 8 x 400 Gb/s NDR.
+  ``bench/published_runs.py --h100-plain-schedule`` predicts the rows with micro-batch 1 and
+  no interleaving instead (what these rows assumed before), to show what the inference
+  changes.
 
 Left out: Korthikanti et al. 2022 (arXiv 2205.05198) -- we could not confirm its table's
 iteration times and configurations from a primary source, and its selective
@@ -221,6 +242,12 @@ def build(run: PublishedRun) -> BuiltRun:
     return BuiltRun(model, plan, cluster, run.seq_length)
 
 
+def plain_schedule(run: PublishedRun) -> PublishedRun:
+    """``run`` with micro-batch 1 and no interleaving (the H100 rows' earlier assumption,
+    ``bench/published_runs.py --h100-plain-schedule``)."""
+    return dataclasses.replace(run, micro_batch=1, virtual_stages=1)
+
+
 def run_efficiency(run: PublishedRun, efficiency: Optional[Efficiency] = None) -> Efficiency:
     """The factors ``run`` is priced at: ``efficiency`` (None: its kind's calibrated figures,
     :func:`~megatron_het.perf.calibration.efficiency_for`) with the row's attention kernel
@@ -318,19 +345,31 @@ CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
 )
 
 _MCORE = ("Megatron-LM README, H100 weak-scaling table (images/model_table.png, commit "
-          "f2e5db4, July 2024); micro-batch, recompute, interleaving and NICs assumed")
+          "f2e5db4, July 2024); micro-batch and interleaving inferred, recompute and NICs "
+          "assumed")
 
+
+
+def schedule_of(layers: int, pp: int, dp: int, global_batch: int) -> tuple[int, int]:
+    """``(micro_batch, virtual_stages)`` inferred for a Megatron-Core H100 row (module
+    docstring): with a pipeline, micro-batch 1 interleaved at one layer per virtual stage;
+    without one, the whole local batch as one micro-batch."""
+    if pp > 1:
+        return 1, layers // pp
+    return global_batch // dp, 1
 
 
 def _megatron_core(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
                    gpus: int, batch: int, tflops: float) -> PublishedRun:
     # --tp-comm-overlap asserts --sequence-parallel, --overlap-param-gather asserts the
     # distributed optimizer and --overlap-grad-reduce; bf16 forces fp32 gradient reductions.
+    micro_batch, virtual = schedule_of(layers, pp, gpus // (tp * pp), batch)
     return PublishedRun(
         name=f"megatron-core-h100-{size}", study="megatron-core-h100", source=_MCORE,
         split="held_out", gpu="H100",
         heads=heads, hidden=hidden, layers=layers, tp=tp, pp=pp, num_gpus=gpus,
-        global_batch=batch, micro_batch=1, tflops_per_gpu=tflops,
+        global_batch=batch, micro_batch=micro_batch, tflops_per_gpu=tflops,
+        virtual_stages=virtual,
         flop_formula="megatron_core", seq_length=4096, vocab=131072, recompute=False,
         dtype="bf16", sequence_parallel=True, distributed_optimizer=True,
         overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_bf16=False,
@@ -338,8 +377,8 @@ def _megatron_core(size: str, heads: int, hidden: int, layers: int, tp: int, pp:
         attention_kernel="flash",
         nic_gbit_per_s=3200.0,
         ddp_bucket_size=megatron_default_bucket_size(gpus // (tp * pp)),
-        notes="micro-batch, recompute and interleaving not published (1, none, none "
-              "assumed)")
+        notes="micro-batch and interleaving not published (inferred: schedule_of); "
+              "no recompute assumed")
 
 
 HELD_OUT_RUNS: tuple[PublishedRun, ...] = (
@@ -369,4 +408,4 @@ ALL_RUNS: tuple[PublishedRun, ...] = CALIBRATION_RUNS + HELD_OUT_RUNS
 __all__ = ["ALL_RUNS", "BuiltRun", "CALIBRATION_RUNS", "FITTED_FACTORS", "FIT_ROUNDS",
            "FLOP_FORMULAS", "HELD_OUT_RUNS", "PublishedRun", "build", "cluster_spec",
            "fit_efficiency", "megatron_core_flops", "model_config", "narayanan2021_flops",
-           "predict_run", "run_efficiency"]
+           "plain_schedule", "predict_run", "run_efficiency", "schedule_of"]

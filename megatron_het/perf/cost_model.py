@@ -7,8 +7,10 @@ on every TP rank, the embedding and the head are vocab-parallel. Sequence parall
 ``sequence_parallel`` arguments, :mod:`megatron_het.tensor_parallel.sequence_parallel`) shards
 the regions between the TP blocks along the sequence: it changes the TP collectives
 (:func:`tp_collectives`) and the activations saved there (:func:`layer_activation_bytes`); the
-compute estimates leave it out (the norms and residual adds it shortens are a few percent of a
-layer).
+compute estimates leave it out. The norms and residual adds it shortens by ``tp`` are a few
+percent of a layer's time at tp 2, but more where they stay whole beside GEMMs split eight
+ways: about 13% of the time of a 32B GPT layer at tp 8 on H100 (the Megatron-Core H100 row of
+:mod:`megatron_het.perf.published_runs`), which sequence parallelism would save.
 
 A GEMM of ``[m, k] x [k, n]`` costs ``2 m n k`` FLOPs and moves ``(m k + k n + m n)`` elements; its
 roofline time is ``max(flops / (peak * gemm), bytes / (bandwidth * memory))`` with the

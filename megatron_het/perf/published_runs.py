@@ -88,8 +88,7 @@ Held-out set (no constant is tuned on it):
 
   Also assumed: no recompute, DGX H100 nodes with 8 x 400 Gb/s NDR.
   ``bench/published_runs.py --h100-plain-schedule`` predicts the rows with micro-batch 1 and
-  no interleaving instead (what these rows assumed before), to show what the inference
-  changes.
+  no interleaving instead, the plainest reading, to show what the inference changes.
 
 Left out: Korthikanti et al. 2022 (arXiv 2205.05198) -- we could not confirm its table's
 iteration times and configurations from a primary source, and its selective
@@ -243,7 +242,7 @@ def build(run: PublishedRun) -> BuiltRun:
 
 
 def plain_schedule(run: PublishedRun) -> PublishedRun:
-    """``run`` with micro-batch 1 and no interleaving (the H100 rows' earlier assumption,
+    """``run`` with micro-batch 1 and no interleaving (the plainest reading of an H100 row,
     ``bench/published_runs.py --h100-plain-schedule``)."""
     return dataclasses.replace(run, micro_batch=1, virtual_stages=1)
 
@@ -347,7 +346,6 @@ CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
 _MCORE = ("Megatron-LM README, H100 weak-scaling table (images/model_table.png, commit "
           "f2e5db4, July 2024); micro-batch and interleaving inferred, recompute and NICs "
           "assumed")
-
 
 
 def schedule_of(layers: int, pp: int, dp: int, global_batch: int) -> tuple[int, int]:

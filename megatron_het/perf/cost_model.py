@@ -6,11 +6,12 @@ attention projection and MLP down are row-parallel, the norms and residual adds 
 on every TP rank, the embedding and the head are vocab-parallel. Sequence parallelism (the
 ``sequence_parallel`` arguments, :mod:`megatron_het.tensor_parallel.sequence_parallel`) shards
 the regions between the TP blocks along the sequence: it changes the TP collectives
-(:func:`tp_collectives`) and the activations saved there (:func:`layer_activation_bytes`); the
-compute estimates leave it out. The norms and residual adds it shortens by ``tp`` are a few
-percent of a layer's time at tp 2, but more where they stay whole beside GEMMs split eight
-ways: about 13% of the time of a 32B GPT layer at tp 8 on H100 (the Megatron-Core H100 row of
-:mod:`megatron_het.perf.published_runs`), which sequence parallelism would save.
+(:func:`tp_collectives`), the activations saved there (:func:`layer_activation_bytes`) and
+the work there: the norms and residual adds run on ``1/tp`` of the positions
+(:func:`layer_forward_ops`, :func:`head_forward_ops` with ``sequence_parallel``). Without it
+they run whole on every TP rank: a few percent of a layer's time at tp 2, but about 12% of
+the step of the 32B H100 row of :mod:`megatron_het.perf.published_runs` (tp 8), where the
+GEMMs beside them are split eight ways.
 
 A GEMM of ``[m, k] x [k, n]`` costs ``2 m n k`` FLOPs and moves ``(m k + k n + m n)`` elements; its
 roofline time is ``max(flops / (peak * gemm), bytes / (bandwidth * memory))`` with the
@@ -197,26 +198,30 @@ def attention_ops(shape: LayerShape, kernel: str = "flash") -> list[Op]:
     ]
 
 
-def layer_forward_ops(shape: LayerShape, attention_kernel: str = "flash") -> list[Op]:
+def layer_forward_ops(shape: LayerShape, attention_kernel: str = "flash",
+                      sequence_parallel: bool = False) -> list[Op]:
     """The kernels of one layer's forward on one TP rank (attention as ``attention_kernel``
-    runs it, :func:`attention_ops`)."""
+    runs it, :func:`attention_ops`); with ``sequence_parallel`` the norms and residual adds
+    run on the rank's ``1/tp`` of the positions."""
     t, h, tp = shape.tokens, shape.hidden, shape.tp
     q = shape.heads * shape.head_dim // tp
     kv = shape.kv_groups * shape.head_dim // tp
     f = shape.ffn // tp
+    between = _between_blocks(shape, sequence_parallel)
     return [
         gemm("qkv", t, q + 2 * kv, h),
         *attention_ops(shape, attention_kernel),
         gemm("proj", t, h, q),
         gemm("gate_up", t, 2 * f, h),
         gemm("down", t, h, f),
-        # 2 RMSNorms (read+write h), RoPE on q and k, SwiGLU (read 2f, write f), 2 residual adds.
-        Op("elementwise", "memory", 0.0, t * (4 * h + 2 * (q + kv) + 3 * f + 6 * h)),
+        # RoPE on q and k and SwiGLU (read 2f, write f) on every position; 2 RMSNorms
+        # (read+write h) and 2 residual adds (read 2h, write h) between the TP blocks.
+        Op("elementwise", "memory", 0.0, t * (2 * (q + kv) + 3 * f) + between * 10 * h),
     ]
 
 
-def block_forward_ops(shape: LayerShape, attention_kernel: str = "flash"
-                      ) -> tuple[list[Op], list[Op]]:
+def block_forward_ops(shape: LayerShape, attention_kernel: str = "flash",
+                      sequence_parallel: bool = False) -> tuple[list[Op], list[Op]]:
     """:func:`layer_forward_ops` split between the layer's attention block (input norm, qkv,
     RoPE, attention, proj, residual add) and its MLP block (post-attention norm, gate/up,
     SwiGLU, down, residual add): the two lists cost what the layer's list costs."""
@@ -224,13 +229,14 @@ def block_forward_ops(shape: LayerShape, attention_kernel: str = "flash"
     q = shape.heads * shape.head_dim // tp
     kv = shape.kv_groups * shape.head_dim // tp
     f = shape.ffn // tp
-    ops = layer_forward_ops(shape, attention_kernel)
+    between = _between_blocks(shape, sequence_parallel)
+    ops = layer_forward_ops(shape, attention_kernel, sequence_parallel)
     attention = [op for op in ops if op.name not in ("gate_up", "down", "elementwise")]
     mlp = [op for op in ops if op.name in ("gate_up", "down")]
-    # The norm (read+write h), RoPE on q and k and the residual add (3h) / the norm, SwiGLU
-    # (read 2f, write f) and the residual add.
-    attention.append(Op("elementwise", "memory", 0.0, t * (2 * h + 2 * (q + kv) + 3 * h)))
-    mlp.append(Op("elementwise", "memory", 0.0, t * (2 * h + 3 * f + 3 * h)))
+    # RoPE on q and k, the norm (read+write h) and the residual add (3h) / SwiGLU (read 2f,
+    # write f), the norm and the residual add.
+    attention.append(Op("elementwise", "memory", 0.0, t * 2 * (q + kv) + between * 5 * h))
+    mlp.append(Op("elementwise", "memory", 0.0, t * 3 * f + between * 5 * h))
     return attention, mlp
 
 
@@ -239,10 +245,12 @@ def layer_forward_flops(shape: LayerShape) -> float:
     return sum(op.flops for op in layer_forward_ops(shape))
 
 
-def head_forward_ops(shape: LayerShape, vocab: int) -> list[Op]:
-    """Final norm, the vocab-parallel output GEMM and the cross-entropy (fp32 softmax)."""
+def head_forward_ops(shape: LayerShape, vocab: int, sequence_parallel: bool = False
+                     ) -> list[Op]:
+    """Final norm (on the rank's ``1/tp`` of the positions with ``sequence_parallel``), the
+    vocab-parallel output GEMM and the cross-entropy (fp32 softmax)."""
     t, h, v = shape.tokens, shape.hidden, vocab / shape.tp
-    return [Op("final_norm", "memory", 0.0, 2 * t * h),
+    return [Op("final_norm", "memory", 0.0, 2 * _between_blocks(shape, sequence_parallel) * h),
             gemm("output", t, v, h),
             Op("cross_entropy", "memory", 0.0, t * v, extra_bytes=2 * FP32_BYTES * t * v)]
 

@@ -25,7 +25,11 @@ Sequence parallelism (``plan.sequence_parallel``, stages with tp > 1): every all
 a reduce-scatter and an all-gather of the same bytes (each half the ring all-reduce's time),
 the norm weights' gradients are all-reduced over TP in backward (2 per layer and the final
 norm, ``[hidden]`` float32 each), boundaries move each rank's ``1/tp`` of the positions, and
-the activations saved between TP blocks are ``1/tp`` (:mod:`megatron_het.perf.cost_model`).
+the activations saved between TP blocks and the roofline work there (the norms and residual
+adds) are ``1/tp`` (:mod:`megatron_het.perf.cost_model`). ``scatter_gather_tensors_in_pipeline``
+(Megatron-LM 2021's flag, for predicting such runs; our runtime shards boundaries only with
+sequence parallelism) moves the boundaries' ``1/tp`` shares alone: the layers run without
+sequence parallelism.
 ``tp_comm_overlap`` (the runtime's ``--tp-comm-overlap``, sequence parallelism only) runs each
 layer's all-gathers and reduce-scatters as rings beside the GEMMs they feed or drain
 (:mod:`megatron_het.tensor_parallel.comm_overlap`): a layer pays only what its rings' steps
@@ -105,7 +109,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
             overlap_p2p_comm: Optional[bool] = None,
             overlap_param_gather: Optional[bool] = None,
             tp_comm_overlap: Optional[bool] = None,
-            ddp_bucket_size: Optional[int] = None) -> Prediction:
+            ddp_bucket_size: Optional[int] = None,
+            scatter_gather_tensors_in_pipeline: bool = False) -> Prediction:
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
     ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
@@ -119,6 +124,9 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     default: interleaved pipelines overlap their transfers with compute).
     ``ddp_bucket_size`` (``--ddp-bucket-size``: parameters per gradient bucket; None: the
     runtime's default) lays out the buckets whose reductions the DP overlaps start one by one.
+    ``scatter_gather_tensors_in_pipeline`` (Megatron-LM 2021's, not a runtime option): the
+    boundaries of tp > 1 stages move ``1/tp`` shares as under sequence parallelism, in a plan
+    without it (module docstring).
     ``profiles`` maps accelerator kind names to measured profiles (roofline where absent);
     ``efficiency`` None: each kind's calibrated efficiency factors (the cost model's defaults
     for emulated kinds and cpu; :mod:`megatron_het.perf.stage_cost`).
@@ -153,7 +161,7 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     ctx = PredictionContext(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
                             efficiency, comm or CommCost(cluster, profiles), overlap,
                             bf16_reduce, cache, gather_overlap, tp_overlap,
-                            bucket_size_mb(ddp_bucket_size))
+                            bucket_size_mb(ddp_bucket_size), scatter_gather_tensors_in_pipeline)
     overlapped = overlap and ctx.sync.uniform and plan.dp_size > 1
     gathered_under_forward = gather_overlap and ctx.sync.uniform and plan.dp_size > 1
     every = pipelines is None
@@ -218,7 +226,8 @@ class PredictionContext:
                  grad_reduce_in_bf16: bool = False,
                  cache: Optional[SimulationCache] = None,
                  overlap_param_gather: bool = False, tp_comm_overlap: bool = False,
-                 bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB) -> None:
+                 bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
+                 scatter_gather: bool = False) -> None:
         self.model, self.plan, self.cluster, self.seq = model, plan, cluster, seq_length
         self.tp_comm_overlap = tp_comm_overlap
         self.bucket_size_mb = bucket_size_mb
@@ -234,7 +243,11 @@ class PredictionContext:
         self._dp: dict[tuple[int, int], tuple[float, str]] = {}
         self._devices: dict[tuple, DeviceFigures] = {}
         self._tp: dict[tuple, tuple[float, float]] = {}
-        self.boundaries = BoundaryCost(plan, comm, self.act_bytes, seq_length)
+        # Scatter/gather boundaries are priced as sequence-parallel ones (their bytes and
+        # messages); nothing else of the plan changes.
+        bounded = (dataclasses.replace(plan, sequence_parallel=True)
+                   if scatter_gather and not plan.sequence_parallel else plan)
+        self.boundaries = BoundaryCost(bounded, comm, self.act_bytes, seq_length)
         self.sync = DPSync(model, plan, dtype, zero1, grad_reduce_in_bf16)
 
     def recomputed_layers_of(self, stage: StagePlan) -> int:

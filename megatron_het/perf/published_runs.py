@@ -40,8 +40,10 @@ checkpoint), ``--DDP-impl`` and fp16 come from the paper's artifact script
 ``examples/sc21/run_table_1.sh`` and ``CONFIG.sh`` (Megatron-LM commit 6985e58, Aug 2021,
 the commit their README names; removed in 2024). At that commit the pipeline's boundary
 tensors go scatter/gather (each TP rank sends 1/tp, the receiver all-gathers over NVLink; on
-by default): the bytes of a sequence-parallel boundary, so the builder expresses it as
-``plan.sequence_parallel`` (whose TP collectives take the same time as plain all-reduces).
+by default): the bytes of a sequence-parallel boundary, in layers without sequence
+parallelism (which came in 2022): :func:`predict_run` passes
+``scatter_gather_tensors_in_pipeline`` (the flag's name then) to the predictor, which prices
+those boundaries as sequence-parallel ones and everything else without it.
 ``DDP-impl torch`` rows overlap the gradient all-reduce with the last backward
 (``overlap_grad_reduce``); ``local`` rows reduce after it. Both reduce fp16 gradients; the
 predictor counts fp32 ones (twice the bytes).
@@ -224,14 +226,14 @@ def cluster_spec(run: PublishedRun) -> ClusterSpec:
 
 
 def build(run: PublishedRun) -> BuiltRun:
-    """The model, plan (Megatron's rank order; validated) and cluster of ``run``. Scatter/gather
-    boundaries are expressed as sequence parallelism where tp > 1 (module docstring)."""
+    """The model, plan (Megatron's rank order; validated) and cluster of ``run``; scatter/gather
+    boundaries are not a plan option (:func:`predict_run` passes them to the predictor)."""
     model, cluster = model_config(run), cluster_spec(run)
     plan = plan_from_megatron_flags(
         model, run.num_gpus, run.tp, run.pp, run.micro_batch, run.global_batch,
         accelerator_of=cluster, recompute=run.recompute,
         virtual_stages=run.virtual_stages if run.virtual_stages > 1 else None)
-    sharded = run.tp > 1 and (run.sequence_parallel or run.scatter_gather_p2p)
+    sharded = run.tp > 1 and run.sequence_parallel
     plan = dataclasses.replace(plan, dtype=run.dtype, sequence_parallel=sharded,
                                use_distributed_optimizer=run.distributed_optimizer,
                                overlap_grad_reduce=run.overlap_grad_reduce,
@@ -258,11 +260,13 @@ def run_efficiency(run: PublishedRun, efficiency: Optional[Efficiency] = None) -
 def predict_run(run: PublishedRun, efficiency: Optional[Efficiency] = None,
                 pipeline_model: str = "simulate",
                 cache: Optional[SimulationCache] = None) -> Prediction:
-    """The predictor's estimate of ``run`` at :func:`run_efficiency` ``(run, efficiency)``."""
+    """The predictor's estimate of ``run`` at :func:`run_efficiency` ``(run, efficiency)``, with
+    the row's scatter/gather boundaries."""
     built = build(run)
     return predict(built.model, built.plan, built.cluster, built.seq_length,
                    efficiency=run_efficiency(run, efficiency), pipeline_model=pipeline_model,
-                   cache=cache, validate=False, ddp_bucket_size=run.ddp_bucket_size)
+                   cache=cache, validate=False, ddp_bucket_size=run.ddp_bucket_size,
+                   scatter_gather_tensors_in_pipeline=run.scatter_gather_p2p)
 
 
 def fit_efficiency(runs: Optional[Sequence[PublishedRun]] = None,

@@ -104,9 +104,10 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     figures of ``spec``'s kind (:func:`~megatron_het.perf.calibration.efficiency_for`; the
     cost model's defaults for emulated kinds and ``cpu``). ``sequence_parallel`` shrinks the
     activations saved between the TP blocks
-    (:func:`~megatron_het.perf.cost_model.layer_activation_bytes`); a profile's measured
-    figure, taken without it, loses the same bytes; ``tp_comm_overlap`` (with it) shrinks the
-    GEMMs' saved inputs as well. Times are the same either way.
+    (:func:`~megatron_het.perf.cost_model.layer_activation_bytes`) and the roofline work
+    there (the norms and residual adds on ``1/tp`` of the positions); a profile's measured
+    figure, taken without it, loses the same bytes and keeps its measured times;
+    ``tp_comm_overlap`` (with it) shrinks the GEMMs' saved inputs as well.
     ``efficiency.attention_kernel`` picks the attention the roofline layers are costed with
     and the activations they save; a profile measures our runtime's (flash) attention.
 
@@ -123,7 +124,7 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     overlap = sp and tp_comm_overlap
     layer = _scaled(profile.layer(shape, dtype), factor) if profile else None
     if layer is None:
-        fwd, bwd = ops_time(layer_forward_ops(shape, kernel), spec, dtype, efficiency)
+        fwd, bwd = ops_time(layer_forward_ops(shape, kernel, sp), spec, dtype, efficiency)
         layer = Measured(fwd, bwd, layer_activation_bytes(shape, dtype, sp, kernel, overlap),
                          f"roofline {spec.label}")
     elif sp and layer.activation_bytes is not None:
@@ -150,7 +151,8 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
                 else act_w * act)
     transient = act if recomputed else 0.0
     for part, present, ops in (("embedding", has_embedding, embedding_forward_ops(shape)),
-                               ("head", has_head, head_forward_ops(shape, model.vocab_size))):
+                               ("head", has_head,
+                                head_forward_ops(shape, model.vocab_size, sp))):
         if not present:
             continue
         m = _scaled(profile.end(part, shape, model.vocab_size, dtype), factor) if profile \
@@ -185,7 +187,7 @@ def _block_weights(blocks: LayerBlocks, shape: LayerShape, spec: AcceleratorSpec
     """``blocks`` in whole layers by forward time, backward time and saved activations."""
     kernel = efficiency.attention_kernel
     attention, mlp = (ops_time(ops, spec, dtype, efficiency)
-                      for ops in block_forward_ops(shape, kernel))
+                      for ops in block_forward_ops(shape, kernel, sequence_parallel))
     saved = [layer_activation_bytes(shape, dtype, sequence_parallel, kernel, tp_comm_overlap,
                                     part) for part in ("attention", "mlp")]
 

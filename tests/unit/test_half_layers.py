@@ -138,6 +138,13 @@ def test_memory_and_compute_of_blocks_add_up_to_whole_layers():
     for a, m, w in zip(ops_time(attention, spec, "bf16"), ops_time(mlp, spec, "bf16"),
                        ops_time(layer_forward_ops(shape), spec, "bf16")):
         assert a + m == pytest.approx(w, rel=1e-12) and 0 < a < m
+    # Also with sequence parallelism (norms and residual adds on 1/tp of the positions).
+    tp2 = LayerShape.of(TINY, 64, 2, 2)
+    blocks = block_forward_ops(tp2, sequence_parallel=True)
+    whole_sp = ops_time(layer_forward_ops(tp2, sequence_parallel=True), spec, "bf16")
+    for a, m, w in zip(*(ops_time(ops, spec, "bf16") for ops in blocks), whole_sp):
+        assert a + m == pytest.approx(w, rel=1e-12)
+    assert whole_sp[0] < ops_time(layer_forward_ops(tp2), spec, "bf16")[0]
     assert (layer_activation_bytes(shape, "bf16", part="attention")
             + layer_activation_bytes(shape, "bf16", part="mlp")
             == layer_activation_bytes(shape, "bf16"))

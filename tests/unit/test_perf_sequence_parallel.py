@@ -1,7 +1,7 @@
 """The predictor under sequence parallelism: TP collectives (the same bytes, by hand), boundary
 messages resharded by positions (against the runtime's peers, and their time by hand), the
-activations saved between TP blocks (by hand and against the tensors the model saves), and no
-change at all without it."""
+activations saved between TP blocks (by hand and against the tensors the model saves), the
+norms and residual adds on 1/tp of the positions, and no change at all without it."""
 import dataclasses
 
 import pytest
@@ -15,9 +15,10 @@ from megatron_het.perf.boundary_cost import position_messages
 from megatron_het.perf.calibration import efficiency_for
 from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.cost_model import (LayerShape, head_activation_bytes,
-                                          layer_activation_bytes, layer_forward_ops,
-                                          layer_input_bytes, op_time, overlapped_layer_tp,
-                                          ring_exposed, tp_collectives)
+                                          head_forward_ops, layer_activation_bytes,
+                                          layer_forward_ops, layer_input_bytes, op_time,
+                                          ops_time, overlapped_layer_tp, ring_exposed,
+                                          tp_collectives)
 from megatron_het.training.plan_setup import local_cluster
 
 TINY = model_preset("tiny")
@@ -71,10 +72,50 @@ def test_tp_comm_moves_the_same_bytes_and_adds_the_norm_gradients(emulated, tp2_
                                                               9 * act + 5 * norm], rel=1e-12)
     # The split moves: the embedding's all-reduce becomes a forward reduce-scatter and a
     # backward all-gather, the head's backward one an all-gather forward + reduce-scatter.
-    assert sp.stages[0].forward_s - plain.stages[0].forward_s == pytest.approx(-act / 2)
-    assert sp.stages[1].forward_s - plain.stages[1].forward_s == pytest.approx(act / 2)
+    # Besides, each layer's norms and residual adds (and the head's final norm) run on half
+    # the positions.
+    saved = [norms_saving(emulated, stage, has_head=(i == 1))
+             for i, stage in enumerate(tp2_pp2.pipelines[0].stages)]
+    assert sp.stages[0].forward_s - plain.stages[0].forward_s == pytest.approx(
+        -act / 2 - saved[0][0])
+    assert sp.stages[1].forward_s - plain.stages[1].forward_s == pytest.approx(
+        act / 2 - saved[1][0])
     assert sp.stages[0].backward_s - plain.stages[0].backward_s == pytest.approx(
-        act / 2 + 4 * norm)
+        act / 2 + 4 * norm - saved[0][1])
+
+
+def norms_saving(cluster, stage, has_head):
+    """(forward, backward) roofline seconds a stage's layers (and head) save when their norms
+    and residual adds run on 1/tp of the positions."""
+    spec = cluster.accelerator_of(stage.ranks[0])
+    shape = LayerShape.of(TINY, SEQ, MB, stage.tp)
+    whole, sharded = (ops_time(layer_forward_ops(shape, sequence_parallel=sp), spec, "fp32")
+                      for sp in (False, True))
+    head = [(0.0, 0.0), (0.0, 0.0)]
+    if has_head:
+        head = [ops_time(head_forward_ops(shape, TINY.vocab_size, sp), spec, "fp32")
+                for sp in (False, True)]
+    return tuple(stage.num_layers * (w - s) + h_w - h_s
+                 for w, s, h_w, h_s in zip(whole, sharded, head[0], head[1]))
+
+
+def test_sequence_parallel_runs_the_norms_and_residual_adds_on_its_positions():
+    shape = LayerShape.of(TINY, SEQ, MB, 2)
+    t, h = MB * SEQ, TINY.hidden_size
+    whole, = (op for op in layer_forward_ops(shape) if op.name == "elementwise")
+    sharded, = (op for op in layer_forward_ops(shape, sequence_parallel=True)
+                if op.name == "elementwise")
+    # 2 norms (read + write h) and 2 residual adds (read 2h, write h): 10 h per position.
+    assert whole.elements - sharded.elements == pytest.approx(10 * h * t / 2)
+    assert ([op for op in layer_forward_ops(shape, sequence_parallel=True)
+             if op.name != "elementwise"]
+            == [op for op in layer_forward_ops(shape) if op.name != "elementwise"])
+    final = [op for op in head_forward_ops(shape, TINY.vocab_size, True)
+             if op.name == "final_norm"][0]
+    assert final.elements == 2 * h * t / 2
+    # tp 1: nothing to shard.
+    one = LayerShape.of(TINY, SEQ, MB, 1)
+    assert layer_forward_ops(one, sequence_parallel=True) == layer_forward_ops(one)
 
 
 def test_an_overlapped_ring_pays_only_its_steps_beyond_the_gemm_blocks():
@@ -319,3 +360,23 @@ def test_the_planner_keeps_the_rings_only_where_they_are_faster(gbps, tflops, ri
     chosen, prediction = _rings_or_collectives(plan, Search, rings)
     assert bool(chosen.tp_comm_overlap) is rings_kept
     assert prediction.iteration_time_s == min(rings.iteration_time_s, whole.iteration_time_s)
+
+
+def test_scatter_gather_boundaries_shard_the_transfers_alone(emulated, tp2_pp2):
+    # Megatron-LM 2021's --scatter-gather-tensors-in-pipeline: the boundary moves 1/tp shares
+    # as under sequence parallelism; the layers, their collectives and memory stay whole.
+    plain = predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32")
+    sp = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32")
+    sg = predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32",
+                 scatter_gather_tensors_in_pipeline=True)
+    for mine, whole, sharded in zip(sg.stages, plain.stages, sp.stages):
+        assert (mine.p2p_forward_s, mine.p2p_backward_s) == (sharded.p2p_forward_s,
+                                                             sharded.p2p_backward_s)
+        assert (mine.forward_s, mine.backward_s, mine.tp_comm_s) == (
+            whole.forward_s, whole.backward_s, whole.tp_comm_s)
+        assert mine.memory == whole.memory
+    assert sg.stages[0].p2p_forward_s < plain.stages[0].p2p_forward_s
+    # A sequence-parallel plan shards its boundaries already: the flag changes nothing there.
+    again = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32",
+                    scatter_gather_tensors_in_pipeline=True)
+    assert again.iteration_time_s == sp.iteration_time_s

@@ -159,14 +159,13 @@ def test_h100_inferred_schedules_fit_and_the_plain_one_cannot_reach_32b() -> Non
     for run in H100_ROWS:
         assert all(stage.headroom_bytes >= 0 for stage in predict_run(run).stages), run.name
     # Micro-batch 1 at 32B: the fp32 reduce-scatter starts at the last micro-batch's backward
-    # and cannot hide there; the time exceeds the published one by far (module docstring).
+    # and cannot hide there; with the same compute, the time exceeds the published one by far
+    # (module docstring). One micro-batch of 4 hides it behind the whole backward.
     run = next(r for r in H100_ROWS if r.name.endswith("-32B"))
-    plain = predict_run(plain_schedule(run))
-    assert plain.dp_exposed_s > 0.2
+    plain, inferred = predict_run(plain_schedule(run)), predict_run(run)
+    assert plain.pipeline_time_s == pytest.approx(inferred.pipeline_time_s, rel=0.02)
+    assert plain.dp_exposed_s > 0.3 > 0.05 > inferred.dp_exposed_s
     assert plain.iteration_time_s > 1.2 * run.published_iteration_s
-    inferred = predict_run(run)
-    assert inferred.dp_exposed_s < 0.1
-    assert abs(inferred.iteration_time_s / run.published_iteration_s - 1) < 0.05
 
 
 def test_2021_rows_state_what_the_predictor_cannot_express() -> None:
@@ -175,3 +174,7 @@ def test_2021_rows_state_what_the_predictor_cannot_express() -> None:
             assert any("fp16 gradient" in gap for gap in run.not_expressed), run.name
             plan = build(run).plan
             assert plan.dtype == "fp16" and not plan.grad_reduce_in_bf16
+            # Their layers ran without sequence parallelism (2022); Table 1's boundaries went
+            # scatter/gather, passed to the predictor rather than set in the plan.
+            assert not plan.sequence_parallel
+            assert run.scatter_gather_p2p is (run.study == "narayanan2021")

@@ -6,7 +6,9 @@ best split can be uneven across chunks: a chunk beside the embedding or the head
 per layer, and the rounds of chunks pace every group by the slowest chunk of the round. For
 small pipelines the finalists therefore get a local search over chunk sizes: move one layer
 from any chunk to any other (every chunk keeps one), keep the move that lowers the simulated
-iteration time most while the plan still fits, and repeat.
+iteration time most while the plan still fits, and repeat while a move gains at least
+:data:`MIN_GAIN` of the iteration (finer gains are below what the predictor resolves, and a
+round of moves costs ``chunks x (chunks - 1)`` predictions).
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from typing import Callable, Optional
 
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Prediction
+
+# The least relative drop of the iteration time a move must bring to be kept.
+MIN_GAIN = 1e-3
 
 
 def with_chunk_sizes(plan: ParallelPlan, sizes: list[int]) -> ParallelPlan:
@@ -38,7 +43,8 @@ def polish_chunks(plan: ParallelPlan, predict_plan: Callable[[ParallelPlan], Pre
                   fits_plan: Callable[[Prediction], bool], prediction: Prediction,
                   ) -> tuple[ParallelPlan, Prediction]:
     """The plan reached from ``plan`` (its ``prediction``) by single-layer moves between
-    chunks while ``predict_plan``'s iteration time drops and ``fits_plan`` holds."""
+    chunks while ``predict_plan``'s iteration time drops by :data:`MIN_GAIN` or more per move
+    and ``fits_plan`` holds."""
     sizes = [stage.num_layers for stage in plan.pipelines[0].stages]
     best_plan, best = plan, prediction
     while True:
@@ -54,13 +60,14 @@ def polish_chunks(plan: ParallelPlan, predict_plan: Callable[[ParallelPlan], Pre
                 trial[j] += 1
                 candidate = with_chunk_sizes(plan, trial)
                 predicted = predict_plan(candidate)
-                target = best if found is None else found[1]
-                if (predicted.iteration_time_s < target.iteration_time_s * (1 - 1e-9)
-                        and fits_plan(predicted)):
+                limit = best.iteration_time_s * (1 - MIN_GAIN)
+                if found is not None:
+                    limit = min(limit, found[1].iteration_time_s)
+                if predicted.iteration_time_s < limit and fits_plan(predicted):
                     found = (candidate, predicted, trial)
         if found is None:
             return best_plan, best
         best_plan, best, sizes = found
 
 
-__all__ = ["polish_chunks", "with_chunk_sizes"]
+__all__ = ["MIN_GAIN", "polish_chunks", "with_chunk_sizes"]

@@ -46,18 +46,18 @@ A100 (both memory sizes: the same GA100 silicon and clocks) -- GEMM fitted, atte
     the peak: the mean of the two, 164 of 312 TFLOP/s, is 0.526. A measured profile
     (``tools/profile_device.py``) replaces these figures where it exists.
 
-H100 (and H200, the same GH100 compute) -- from published kernel figures, not fitted
-    GEMM: the A100 fit reaches 0.73 of A100's best measured BF16 matmul (0.627 of peak against
-    0.859, the "maximum achievable matmul FLOPS" table of S. Bekman's ml-engineering book:
-    A100 SXM 267.9 of 312 TFLOP/s); the same share of H100 SXM's entry there (792.1 of 989,
-    0.801) gives 0.585. The table's GH200 entry (H100 compute with HBM3e, 83.0%) is why H200
-    shares the figure. Attention: FlashAttention-2 reaches about 35% of H100's peak
-    (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, abstract); our trainer's attention is
-    that class of kernel. Memory: the default 0.8. The held-out H100 rows of
-    :mod:`megatron_het.perf.published_runs` (Megatron-LM's H100 weak-scaling table) are NOT
-    used here; ``bench/published_runs.py`` reports their errors separately: every row comes
-    out too fast, by 8-19% (median 11%), so these figures are optimistic for those
-    runs, by about a tenth.
+H100 (and H200, the same GH100 compute) -- GEMM fitted, attention published
+    GEMM: fitted as A100's is, on the rows of the Megatron-LM README's H100 weak-scaling table
+    without a pipeline (1.7B-32B, :mod:`megatron_het.perf.published_runs`:
+    ``fit_efficiency(gpu="H100", base=H100_EFFICIENCY)``); its rows with a pipeline (70B-462B)
+    are held out. Result: 0.504 (fitted on the pipelined rows instead: 0.505). The A100 fit's
+    share of the best measured matmul (0.627 of 0.859) carried to H100's (S. Bekman's
+    ml-engineering table: 792.1 of 989, 0.801) would give 0.585 (:func:`carried_gemm`), and
+    with it every H100 row comes out too fast, by 8-19%: H100's training GEMMs reach a
+    smaller share of its best matmul than A100's do. The table's GH200 entry (H100 compute
+    with HBM3e, 83.0%) is why H200 shares the figure. Attention: FlashAttention-2 reaches
+    about 35% of H100's peak (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608,
+    abstract); our trainer's attention is that class of kernel. Memory: the default 0.8.
 
 MI250X (one GCD, a torch device) and MI300X -- GEMM from published kernel figures, the rest
     the defaults. GEMM: the same share of their entries in that table (ROCm 6.2): MI250X 147.0
@@ -114,9 +114,11 @@ def carried_gemm(kind: str) -> float:
                  / BEST_MATMUL_FRACTION["A100"], 3)
 
 
-# GEMM: carried. Attention: FlashAttention-2's ~35% of H100's peak (FlashAttention-3 paper,
-# arXiv 2407.08608, abstract).
-H100_EFFICIENCY = Efficiency(gemm=carried_gemm("H100"), attention=0.35, memory=MEMORY_EFFICIENCY)
+# GEMM: fitted on the H100 weak-scaling rows without a pipeline (module docstring; redo it
+# with published_runs.fit_efficiency(gpu="H100", base=H100_EFFICIENCY)), 3 figures.
+# Attention: FlashAttention-2's ~35% of H100's peak (FlashAttention-3 paper, arXiv 2407.08608,
+# abstract).
+H100_EFFICIENCY = Efficiency(gemm=0.504, attention=0.35, memory=MEMORY_EFFICIENCY)
 # GEMM: carried. Attention and memory: the cost model's defaults (no published flash-attention
 # speed on these parts is used).
 MI250X_EFFICIENCY = dataclasses.replace(DEFAULT_EFFICIENCY, gemm=carried_gemm("MI250X"))
@@ -125,7 +127,7 @@ MI300X_EFFICIENCY = dataclasses.replace(DEFAULT_EFFICIENCY, gemm=carried_gemm("M
 CALIBRATED: dict[str, Efficiency] = {
     "a100-80g": A100_EFFICIENCY,   # GEMM fitted: Narayanan et al. 2021, Table 1 (A100 80GB)
     "a100-40g": A100_EFFICIENCY,   # same silicon; its lower HBM bandwidth is in the spec
-    "h100": H100_EFFICIENCY,       # from published kernel figures (module docstring)
+    "h100": H100_EFFICIENCY,       # GEMM fitted: Megatron-LM's H100 weak-scaling rows
     "h200": H100_EFFICIENCY,       # H100 compute with more, faster HBM (in the spec)
     "mi250x": MI250X_EFFICIENCY,   # GEMM from its published best matmul (module docstring)
     "mi300x": MI300X_EFFICIENCY,   # GEMM from its published best matmul (module docstring)

@@ -50,7 +50,9 @@ predictor counts fp32 ones (twice the bytes).
 Hardware: Selene, DGX A100 nodes of 8 A100-80GB (NVLink/NVSwitch 600 GB/s), 8 x 200 Gb/s HDR
 InfiniBand per node (the paper's experimental setup).
 
-Held-out set (no constant is tuned on it):
+The other rows (:data:`GPT3_README_RUN`, :data:`MEGATRON_CORE_H100_RUNS`); the H100 table's
+rows without a pipeline (1.7B-32B) are H100's calibration set (its GEMM figure), its rows with
+one (70B-462B) and the GPT-3 example are held out (no constant is tuned on them):
 
 * ``megatron-readme-gpt3-175B``: the Megatron-LM README's GPT-3 example (commit 152aab3, Jan
   2021, ``examples/pretrain_gpt3_175B.sh``): 96 layers, h 12288, 96 heads, TP 8, PP 16, 1,024
@@ -272,14 +274,18 @@ def predict_run(run: PublishedRun, efficiency: Optional[Efficiency] = None,
 def fit_efficiency(runs: Optional[Sequence[PublishedRun]] = None,
                    factors: Sequence[str] = FITTED_FACTORS,
                    base: Efficiency = DEFAULT_EFFICIENCY,
-                   rounds: int = FIT_ROUNDS) -> CalibrationFit:
-    """Refit ``factors`` of one kind on ``runs`` (default: the calibration set) as
+                   rounds: int = FIT_ROUNDS, gpu: str = "A100-80G") -> CalibrationFit:
+    """Refit ``factors`` of one kind on ``runs`` (default: the calibration rows of ``gpu``) as
     :mod:`megatron_het.perf.calibration` describes: per run, a closed-form prediction at the
     current factors and one with each fitted factor raised by ``STEP``, then
     :func:`~megatron_het.perf.calibration.least_squares`; repeated from the fitted factors
     (``rounds`` in all, or until they move less than 1e-4) so that the linear form is taken
     where the fit lands (an op near its roofline's ridge changes sides between factors)."""
-    runs = list(CALIBRATION_RUNS if runs is None else runs)
+    if runs is None:
+        runs = [run for run in CALIBRATION_RUNS if run.gpu == gpu]
+    runs = list(runs)
+    if not runs:
+        raise ValueError(f"no calibration rows of {gpu!r}")
     kinds = {run.gpu for run in runs}
     if len(kinds) != 1:
         raise ValueError(f"fit one accelerator kind at a time, got {sorted(kinds)}")
@@ -333,7 +339,7 @@ def _narayanan(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int
         notes=f"DDP-impl {'torch' if ddp_torch else 'local'}")
 
 
-CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
+NARAYANAN_RUNS: tuple[PublishedRun, ...] = (
     #          size    heads hidden layers tp pp  GPUs  batch TFLOP/s mbs layers/virtual torch
     _narayanan("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 16, None, True),
     _narayanan("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 16, None, True),
@@ -368,7 +374,7 @@ def _megatron_core(size: str, heads: int, hidden: int, layers: int, tp: int, pp:
     micro_batch, virtual = schedule_of(layers, pp, gpus // (tp * pp), batch)
     return PublishedRun(
         name=f"megatron-core-h100-{size}", study="megatron-core-h100", source=_MCORE,
-        split="held_out", gpu="H100",
+        split="calibration" if pp == 1 else "held_out", gpu="H100",
         heads=heads, hidden=hidden, layers=layers, tp=tp, pp=pp, num_gpus=gpus,
         global_batch=batch, micro_batch=micro_batch, tflops_per_gpu=tflops,
         virtual_stages=virtual,
@@ -383,16 +389,17 @@ def _megatron_core(size: str, heads: int, hidden: int, layers: int, tp: int, pp:
               "no recompute assumed")
 
 
-HELD_OUT_RUNS: tuple[PublishedRun, ...] = (
-    PublishedRun(
-        name="megatron-readme-gpt3-175B", study="megatron-readme-gpt3",
-        source="Megatron-LM README, GPT-3 example (commit 152aab3, Jan 2021; "
-               "examples/pretrain_gpt3_175B.sh)",
-        split="held_out", gpu="A100-80G", heads=96, hidden=12288, layers=96, tp=8, pp=16,
-        num_gpus=1024, global_batch=1536, micro_batch=1, tflops_per_gpu=138,
-        flop_formula="narayanan2021", published_time_s=32.0, attention_kernel="unfused",
-        not_expressed=_MEGATRON_2021_GAPS,
-        notes="A100 memory size not stated there (Selene's are 80GB); DDP-impl local"),
+GPT3_README_RUN = PublishedRun(
+    name="megatron-readme-gpt3-175B", study="megatron-readme-gpt3",
+    source="Megatron-LM README, GPT-3 example (commit 152aab3, Jan 2021; "
+           "examples/pretrain_gpt3_175B.sh)",
+    split="held_out", gpu="A100-80G", heads=96, hidden=12288, layers=96, tp=8, pp=16,
+    num_gpus=1024, global_batch=1536, micro_batch=1, tflops_per_gpu=138,
+    flop_formula="narayanan2021", published_time_s=32.0, attention_kernel="unfused",
+    not_expressed=_MEGATRON_2021_GAPS,
+    notes="A100 memory size not stated there (Selene's are 80GB); DDP-impl local")
+
+MEGATRON_CORE_H100_RUNS: tuple[PublishedRun, ...] = (
     #              size   heads hidden layers tp pp GPUs  batch TFLOP/s
     _megatron_core("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8),
     _megatron_core("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
@@ -405,9 +412,16 @@ HELD_OUT_RUNS: tuple[PublishedRun, ...] = (
     _megatron_core("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
 )
 
-ALL_RUNS: tuple[PublishedRun, ...] = CALIBRATION_RUNS + HELD_OUT_RUNS
+# Calibration: Table 1 (A100's GEMM) and the H100 rows without a pipeline (H100's GEMM);
+# held out: the GPT-3 example and the H100 rows with one.
+CALIBRATION_RUNS: tuple[PublishedRun, ...] = NARAYANAN_RUNS + tuple(
+    r for r in MEGATRON_CORE_H100_RUNS if r.split == "calibration")
+HELD_OUT_RUNS: tuple[PublishedRun, ...] = (GPT3_README_RUN,) + tuple(
+    r for r in MEGATRON_CORE_H100_RUNS if r.split == "held_out")
+ALL_RUNS: tuple[PublishedRun, ...] = NARAYANAN_RUNS + (GPT3_README_RUN,) + MEGATRON_CORE_H100_RUNS
 
 __all__ = ["ALL_RUNS", "BuiltRun", "CALIBRATION_RUNS", "FITTED_FACTORS", "FIT_ROUNDS",
-           "FLOP_FORMULAS", "HELD_OUT_RUNS", "PublishedRun", "build", "cluster_spec",
+           "FLOP_FORMULAS", "GPT3_README_RUN", "HELD_OUT_RUNS", "MEGATRON_CORE_H100_RUNS",
+           "NARAYANAN_RUNS", "PublishedRun", "build", "cluster_spec",
            "fit_efficiency", "megatron_core_flops", "model_config", "narayanan2021_flops",
            "plain_schedule", "predict_run", "run_efficiency", "schedule_of"]

@@ -12,6 +12,7 @@ from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf.calibration import efficiency_for
 from megatron_het.perf.cost_model import Efficiency
 from megatron_het.perf.published_runs import (ALL_RUNS, CALIBRATION_RUNS, HELD_OUT_RUNS,
+                                              MEGATRON_CORE_H100_RUNS, NARAYANAN_RUNS,
                                               PublishedRun, build, model_config,
                                               plain_schedule, predict_run, run_efficiency,
                                               schedule_of)
@@ -40,13 +41,19 @@ def test_every_row_builds_the_layout_it_publishes(run: PublishedRun) -> None:
 
 
 def test_the_sets_are_the_sources_named() -> None:
-    assert len(CALIBRATION_RUNS) == 10 and len(HELD_OUT_RUNS) == 10
+    assert len(NARAYANAN_RUNS) == 10 and len(MEGATRON_CORE_H100_RUNS) == 9
+    assert len(CALIBRATION_RUNS) == 14 and len(HELD_OUT_RUNS) == 6
     assert {r.split for r in CALIBRATION_RUNS} == {"calibration"}
     assert {r.split for r in HELD_OUT_RUNS} == {"held_out"}
-    assert {r.study for r in CALIBRATION_RUNS} == {"narayanan2021"}
+    assert set(ALL_RUNS) == set(CALIBRATION_RUNS) | set(HELD_OUT_RUNS)
+    # A100's calibration is Table 1; H100's the weak-scaling rows without a pipeline.
+    assert {r.study for r in CALIBRATION_RUNS if r.gpu == "A100-80G"} == {"narayanan2021"}
+    assert [r.name for r in CALIBRATION_RUNS if r.gpu == "H100"] == [
+        f"megatron-core-h100-{size}" for size in ("1.7B", "7.1B", "16B", "32B")]
+    assert all(r.pp > 1 for r in HELD_OUT_RUNS if r.gpu == "H100")
     assert len(BY_NAME) == len(ALL_RUNS)
     # Table 1's virtual stages from the artifact's layers per virtual stage (5, 5, 3, 1).
-    assert [r.virtual_stages for r in CALIBRATION_RUNS] == [1, 1, 1, 1, 1, 3, 2, 2, 3, 1]
+    assert [r.virtual_stages for r in NARAYANAN_RUNS] == [1, 1, 1, 1, 1, 3, 2, 2, 3, 1]
 
 
 def test_published_time_of_the_1t_row_by_hand() -> None:
@@ -116,7 +123,7 @@ def test_unfused_attention_costs_the_2021_rows_more_than_flash_would() -> None:
     assert predict_run(flash, pipeline_model="closed_form").iteration_time_s < 0.9 * unfused
 
 
-@pytest.mark.parametrize("run", [r for r in HELD_OUT_RUNS if r.study == "megatron-core-h100"],
+@pytest.mark.parametrize("run", MEGATRON_CORE_H100_RUNS,
                          ids=lambda r: r.name)
 def test_h100_rows_set_the_options_the_runs_had(run: PublishedRun) -> None:
     plan = build(run).plan
@@ -132,7 +139,7 @@ def test_h100_rows_set_the_options_the_runs_had(run: PublishedRun) -> None:
     assert run.ddp_bucket_size == max(40_000_000, 1_000_000 * plan.dp_size)
 
 
-H100_ROWS = [r for r in HELD_OUT_RUNS if r.study == "megatron-core-h100"]
+H100_ROWS = list(MEGATRON_CORE_H100_RUNS)
 
 
 def test_h100_schedules_follow_the_inference() -> None:

@@ -170,7 +170,11 @@ def test_planner_within_one_percent_of_brute_force(name: str) -> None:
     # There the best plan's chunks are uneven ([1, 3, 1, 1]: the head's chunk holds less),
     # which the planner finds by moving layers between the chunks of its finalists.
     assert best_plan.pipelines[0].interleaved == interleaves
-    assert result.plan.pipelines[0].interleaved == interleaves
+    # Where the enumerated best interleaves, so must the planner's; elsewhere the planner may
+    # still interleave with uneven chunks the enumeration lacks, if that is as fast (h100+a100:
+    # chunks [1, 3] and [1, 1] per group, 0.03% faster than the enumerated plain best).
+    if interleaves:
+        assert result.plan.pipelines[0].interleaved
     assert result.prediction.iteration_time_s <= best * 1.01, (
         f"planner {result.prediction.iteration_time_s:.6f} s:\n{result.plan.describe()}\n"
         f"brute force {best:.6f} s:\n{best_plan.describe()}")

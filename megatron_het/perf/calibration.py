@@ -32,10 +32,10 @@ A100 (both memory sizes: the same GA100 silicon and clocks) -- GEMM fitted, atte
     table does separate it, but barely: fitting ``("gemm", "memory")`` gives gemm 0.656 and
     memory 0.659 (two standard errors: about 0.57 to 0.77; the two estimates correlate at
     about -0.8), and lowers the calibration median error from 3.0% to 2.4% (F about 5.9 on 1
-    and 8 degrees of freedom, p about 0.04). A memory factor fitted to these runs would also absorb the
-    memory-bound work of GPT that the Llama cost model lacks (bias adds, GELU, the hidden
-    dropouts' bias-dropout-add): a property of that model, not of A100's HBM, and wrong for
-    our runtime.
+    and 8 degrees of freedom, p about 0.04). A memory factor fitted to these runs would also
+    absorb the memory-bound work of GPT that the Llama cost model lacks (bias adds, GELU, the
+    hidden dropouts' bias-dropout-add): a property of that model, not of A100's HBM, and
+    wrong for our runtime.
 
     Attention: the runs above say nothing of a flash kernel (their software had none), so the
     figure that prices our flash attention on A100 comes from FlashAttention-2's published

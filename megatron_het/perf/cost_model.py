@@ -198,6 +198,20 @@ def attention_ops(shape: LayerShape, kernel: str = "flash") -> list[Op]:
     ]
 
 
+def _elementwise_elements(shape: LayerShape, sequence_parallel: bool) -> tuple[float, float]:
+    """Elements the memory-bound work of a layer's attention block (RoPE on q and k; the input
+    norm, read+write h, and the residual add, read 2h and write h) and of its MLP block
+    (SwiGLU, read 2f and write f; the norm and the residual add) moves on one TP rank. RoPE
+    and SwiGLU run on every position; the norms and residual adds on the positions between
+    the TP blocks (``1/tp`` of them with ``sequence_parallel``)."""
+    t, h, tp = shape.tokens, shape.hidden, shape.tp
+    q = shape.heads * shape.head_dim // tp
+    kv = shape.kv_groups * shape.head_dim // tp
+    f = shape.ffn // tp
+    between = _between_blocks(shape, sequence_parallel)
+    return t * 2 * (q + kv) + between * 5 * h, t * 3 * f + between * 5 * h
+
+
 def layer_forward_ops(shape: LayerShape, attention_kernel: str = "flash",
                       sequence_parallel: bool = False) -> list[Op]:
     """The kernels of one layer's forward on one TP rank (attention as ``attention_kernel``
@@ -207,16 +221,13 @@ def layer_forward_ops(shape: LayerShape, attention_kernel: str = "flash",
     q = shape.heads * shape.head_dim // tp
     kv = shape.kv_groups * shape.head_dim // tp
     f = shape.ffn // tp
-    between = _between_blocks(shape, sequence_parallel)
     return [
         gemm("qkv", t, q + 2 * kv, h),
         *attention_ops(shape, attention_kernel),
         gemm("proj", t, h, q),
         gemm("gate_up", t, 2 * f, h),
         gemm("down", t, h, f),
-        # RoPE on q and k and SwiGLU (read 2f, write f) on every position; 2 RMSNorms
-        # (read+write h) and 2 residual adds (read 2h, write h) between the TP blocks.
-        Op("elementwise", "memory", 0.0, t * (2 * (q + kv) + 3 * f) + between * 10 * h),
+        Op("elementwise", "memory", 0.0, sum(_elementwise_elements(shape, sequence_parallel))),
     ]
 
 
@@ -225,18 +236,12 @@ def block_forward_ops(shape: LayerShape, attention_kernel: str = "flash",
     """:func:`layer_forward_ops` split between the layer's attention block (input norm, qkv,
     RoPE, attention, proj, residual add) and its MLP block (post-attention norm, gate/up,
     SwiGLU, down, residual add): the two lists cost what the layer's list costs."""
-    t, h, tp = shape.tokens, shape.hidden, shape.tp
-    q = shape.heads * shape.head_dim // tp
-    kv = shape.kv_groups * shape.head_dim // tp
-    f = shape.ffn // tp
-    between = _between_blocks(shape, sequence_parallel)
     ops = layer_forward_ops(shape, attention_kernel, sequence_parallel)
     attention = [op for op in ops if op.name not in ("gate_up", "down", "elementwise")]
     mlp = [op for op in ops if op.name in ("gate_up", "down")]
-    # RoPE on q and k, the norm (read+write h) and the residual add (3h) / SwiGLU (read 2f,
-    # write f), the norm and the residual add.
-    attention.append(Op("elementwise", "memory", 0.0, t * 2 * (q + kv) + between * 5 * h))
-    mlp.append(Op("elementwise", "memory", 0.0, t * 3 * f + between * 5 * h))
+    for block, elements in zip((attention, mlp),
+                               _elementwise_elements(shape, sequence_parallel)):
+        block.append(Op("elementwise", "memory", 0.0, elements))
     return attention, mlp
 
 

@@ -24,7 +24,7 @@ from megatron_het.perf.cost_model import (OPTIMIZER_BYTES_PER_PARAM,
                                           layer_activation_bytes, layer_forward_ops,
                                           layer_input_bytes, op_time, ops_time,
                                           recomputed_count)
-from megatron_het.parallel.plan import StagePlan
+from megatron_het.parallel.plan import LAYER_PARTS, StagePlan
 from megatron_het.perf.profile import Measured, Profile
 
 HOST_PROFILE = "cpu"  # the profile of the host CPU, which emulated kinds run on
@@ -189,7 +189,7 @@ def _block_weights(blocks: LayerBlocks, shape: LayerShape, spec: AcceleratorSpec
     attention, mlp = (ops_time(ops, spec, dtype, efficiency)
                       for ops in block_forward_ops(shape, kernel, sequence_parallel))
     saved = [layer_activation_bytes(shape, dtype, sequence_parallel, kernel, tp_comm_overlap,
-                                    part) for part in ("attention", "mlp")]
+                                    part) for part in LAYER_PARTS]
 
     def weight(a: float, m: float) -> float:
         return (blocks.attention * a + blocks.mlp * m) / (a + m)

@@ -7,6 +7,12 @@ logits. The two are timed alternately over several rounds. The last line printed
 object with both tokens/s figures (medians), ``ratio_vs_hf`` (ours / theirs, the median of the
 per-round ratios, see :func:`measure`) and the conditions.
 
+``--breakdown`` profiles two more steps of each model (torch.profiler, CPU) and splits a step
+into its matrix products, its attention kernels and the rest; ``ratio_bound`` is Hugging Face's
+median step over our matrix products and attention alone: the ratio our step would reach if
+everything else (norms, RoPE, SwiGLU, the loss, the optimizer, framework overhead) cost nothing.
+The two models call the same kernels for both, so no fusion can take ``ratio_vs_hf`` past it.
+
 ``--compile`` compiles our decoder layers with :func:`megatron_het.model.compile.compile_layers`
 (Hugging Face's model stays eager). Compilation happens in the first step, which is timed on its
 own and reported as ``first_step_s`` and ``compile_s`` (first step minus the median step); it
@@ -14,7 +20,7 @@ never enters the medians, nor do the ``--warmup`` steps.
 
     .venv/bin/python bench/train_step.py --model small --micro-batch-size 8 --seq-length 256
     .venv/bin/python bench/train_step.py --model small --micro-batch-size 8 --seq-length 256 \
-        --compile
+        --compile --breakdown
 """
 from __future__ import annotations
 
@@ -59,6 +65,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="torch.compile our decoder layers (compile_layers); HF stays eager")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode with --compile (default: inductor's default)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="profile two more steps per model: matrix products, attention, the "
+                        "rest, and ratio_bound")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
     if args.compile_mode is not None and not args.compile:
@@ -168,6 +177,44 @@ def first_steps(steps: dict[str, Callable[[], float]]
     return losses, seconds
 
 
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
+                      "aten::_addmm_activation"})
+ATTENTION_PREFIXES = ("aten::scaled_dot_product", "aten::_scaled_dot_product",
+                      "aten::_flash_attention", "aten::_efficient_attention")
+
+
+def kernel_seconds(step: Callable[[], float], steps: int = 2) -> dict[str, float]:
+    """Seconds per step in matrix products and in attention kernels: the self CPU time of those
+    aten ops under torch.profiler over ``steps`` steps (compiled graphs call the same aten
+    kernels for both, so they are counted too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    gemm = attention = 0.0
+    for event in prof.key_averages():
+        if event.key in GEMM_OPS:
+            gemm += event.self_cpu_time_total
+        elif event.key.startswith(ATTENTION_PREFIXES):
+            attention += event.self_cpu_time_total
+    return {"gemm_s": gemm / 1e6 / steps, "attention_s": attention / 1e6 / steps}
+
+
+def breakdown(steps: dict[str, Callable[[], float]], median_s: dict[str, float]
+              ) -> dict[str, Any]:
+    """Each model's median step split into matrix products, attention and the rest, and
+    ``ratio_bound``: Hugging Face's median step over our matrix products and attention."""
+    parts = {}
+    for name, step in steps.items():
+        kernels = kernel_seconds(step)
+        rest = median_s[name] - kernels["gemm_s"] - kernels["attention_s"]
+        parts[name] = {key: round(value, 5) for key, value in
+                       {**kernels, "rest_s": rest, "step_s": median_s[name]}.items()}
+    ours_kernels = parts["ours"]["gemm_s"] + parts["ours"]["attention_s"]
+    return {"breakdown": parts, "ratio_bound": round(median_s["hf"] / ours_kernels, 3)}
+
+
 def report(args: argparse.Namespace, seconds: dict[str, list[float]], ratios: list[float],
            first_loss: dict[str, float], first_seconds: dict[str, float]) -> dict[str, Any]:
     """The JSON record: figures (medians over rounds; first step and warm-up excluded) and the
@@ -214,6 +261,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     first_loss, first_seconds = first_steps(steps)
     seconds, ratios = measure(steps, args)
     record = report(args, seconds, ratios, first_loss, first_seconds)
+    if args.breakdown:
+        record.update(breakdown(steps, {name: statistics.median(s)
+                                        for name, s in seconds.items()}))
     print(json.dumps(record), flush=True)
     return record
 

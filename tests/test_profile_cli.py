@@ -53,6 +53,19 @@ def test_host_sharing_figures_go_into_the_profile(tmp_path: pathlib.Path) -> Non
     assert "host sharing: 1: x" in proc.stdout and "host TP collective: wall" in proc.stdout
 
 
+def test_a_shape_without_a_preset_gets_the_longest_sequence_as_positions(
+        tmp_path: pathlib.Path) -> None:
+    """The GPU check profiles its MFU shape by flags alone (no --model): the model must have
+    positions for the longest sequence of the sweep."""
+    run_cli(lambda: profile_device.main([
+        "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "128",
+        "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "128",
+        "--seq-lengths", "8,24", "--micro-batch-sizes", "1", "--tp", "1", "--warmup", "0",
+        "--iters", "1", "--threads", "1", "--device", "cpu", "--out", str(tmp_path)]))
+    profile = Profile.load(tmp_path / "cpu.json")
+    assert sorted(e.seq for e in profile.layers) == [8, 24]
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--model", "no-such-model"], "unknown --model 'no-such-model'"),
     (["--model", "tiny", "--micro-batch-sizes", "1,two"], "--micro-batch-sizes"),

@@ -194,7 +194,8 @@ def main(argv: Sequence[str]) -> Path:
                              ("--threads", args.threads or 1, 1)):
         if value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}")
-    model = model_config_from_args(args, seq_length=1)
+    # Without a preset the model gets as many positions as the longest sequence swept.
+    model = model_config_from_args(args, seq_length=max(args.seq_lengths))
     sweep = Sweep(args.seq_lengths, args.micro_batch_sizes, args.tp, args.dtype, args.warmup,
                   args.iters, args.seed)
     sweep.check_model(model)

@@ -97,9 +97,24 @@ def _completed(marker: Any) -> bool:
         return True
 
 
+class _DeviceMarker:
+    """An event and the device it was recorded on. The heartbeat thread queries it: a thread's
+    current device starts as device 0, where a query from it would create a second context on
+    a rank that trains on another device; :meth:`query` makes the event's device current for
+    the call."""
+
+    def __init__(self, event: Any, module: Any) -> None:
+        self.event, self.module = event, module
+        self.index = module.current_device()
+
+    def query(self) -> bool:
+        with self.module.device(self.index):
+            return bool(self.event.query())
+
+
 def stream_marker(device_type: str) -> Optional[Any]:
-    """An event recorded now on the current stream of ``device_type`` (None where the device
-    has no events this torch knows)."""
+    """An event recorded now on the current stream of ``device_type``, queried on its device
+    from any thread (None where the device has no events this torch knows)."""
     import torch
 
     module = getattr(torch, device_type, None)
@@ -108,7 +123,9 @@ def stream_marker(device_type: str) -> Optional[Any]:
         return None
     event = event_type()
     event.record()
-    return event
+    if not (hasattr(module, "current_device") and hasattr(module, "device")):
+        return event
+    return _DeviceMarker(event, module)
 
 
 # The process's device-backend operations (links note theirs here).

@@ -20,8 +20,9 @@ from megatron_het.comm.p2p import P2POp
 from megatron_het.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 
 SEED = 4321
-# Seconds a rank waits for a peer's block before the check fails instead of hanging.
-WAIT_S = 60.0
+# Seconds a rank waits for a peer's block before the check fails instead of hanging (well
+# inside the numerics check's budget, so a hang shows as this failure, not as a timeout).
+WAIT_S = 20.0
 
 
 class _Received:
@@ -76,13 +77,18 @@ class ThreadRing:
 
     def run(self, work: Callable[[Any], Any]) -> list[Any]:
         """``work(member)`` on every rank at once; the results by rank (a rank's exception is
-        raised here, with its rank)."""
+        raised here, with its rank).
+
+        Each rank's backward runs on its own thread: autograd otherwise runs the backward of
+        CUDA graphs on one worker thread per device, where one rank's ring backward, waiting
+        for its peer's block, would block the peer's backward queued behind it."""
         results: list[Any] = [None] * self.size
         errors: list[tuple[int, BaseException]] = []
 
         def target(r: int) -> None:
             try:
-                results[r] = work(self.member(r))
+                with torch.autograd.set_multithreading_enabled(False):
+                    results[r] = work(self.member(r))
             except BaseException as error:  # noqa: BLE001 - re-raised below with its rank
                 errors.append((r, error))
 

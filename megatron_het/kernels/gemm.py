@@ -23,8 +23,10 @@ _OUT_DTYPE_GEMM: dict[tuple[str, Optional[int]], bool] = {}
 
 
 def fp32_out_gemm_supported(device: torch.device) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` works for bf16 operands on
-    ``device`` (tried once per device; no host synchronisation)."""
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` and the in-place accumulation
+    ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` (``acc`` float32) work for
+    bf16 operands on ``device`` and give the right sums (tried once per device, with one host
+    synchronisation)."""
     device = torch.device(device)
     if device.type != "cuda":
         return False
@@ -32,8 +34,12 @@ def fp32_out_gemm_supported(device: torch.device) -> bool:
     known = _OUT_DTYPE_GEMM.get(key)
     if known is None:
         try:
-            probe = torch.zeros(16, 16, dtype=torch.bfloat16, device=device)
-            known = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+            probe = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
+            product = torch.mm(probe, probe, out_dtype=torch.float32)
+            acc = torch.ones(16, 16, dtype=torch.float32, device=device)
+            torch.addmm(acc, probe, probe, out_dtype=torch.float32, out=acc)
+            known = (product.dtype == torch.float32 and bool((product == 16).all())
+                     and bool((acc == 17).all()))
         except (RuntimeError, TypeError, NotImplementedError):  # older torch, or no kernel
             known = False
         _OUT_DTYPE_GEMM[key] = known

@@ -63,7 +63,7 @@ from megatron_het.pipeline.actions import _actions_of
 from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PPost, P2PWait,
                                              Step, gpipe, interleaved_one_f_one_b,
                                              sequential_forward)
-from megatron_het.pipeline.timing import RegionClock
+from megatron_het.pipeline.timing import RegionClock, synchronize_stream
 
 __all__ = ["PipelineExecutor", "RegionTimer", "StageStats", "compute_region_key",
            "sync_tied_embedding_grads"]
@@ -273,8 +273,7 @@ class PipelineExecutor:
         key = compute_region_key(kind, run.forward_only, chunk)
         with self.clock.region("compute"), self.region_timer.timed_region(key):
             yield
-            if self.device.type == "cuda":  # the timer reads the host clock
-                torch.cuda.synchronize(self.device)
+            synchronize_stream(self.device)  # the timer reads the host clock
 
     def _forward(self, run: _Run, key: Key) -> None:
         stage, mb = key

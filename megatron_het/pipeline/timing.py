@@ -20,9 +20,20 @@ import torch
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA and ROCm; a no-op elsewhere)."""
+    """Wait for all the device's queued work, on every stream (CUDA and ROCm; a no-op
+    elsewhere)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def synchronize_stream(device: torch.device) -> None:
+    """Wait for the work queued on the device's current stream (CUDA and ROCm; a no-op
+    elsewhere): the compute, and the collectives whose handles were waited on. Collectives
+    still in flight on the backends' own streams (ZeRO's parameter all-gathers under
+    --overlap-param-gather) keep running under the next forward, whose code waits for their
+    handles; a whole-device synchronisation would wait for them here."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 class HostTimer:
@@ -44,27 +55,30 @@ class HostTimer:
 
 class EventTimer:
     """Marks that are device events, for accelerator work the host only enqueues: ``mark()``
-    records a new timing event (``make_event()``) on the current stream, ``finish()``
-    synchronises the device once (``synchronize()``), after which ``elapsed_s(start, end)``
-    reads the device time between two events (their ``elapsed_time``, in ms)."""
+    records a new timing event (``make_event()``) on the current stream, ``finish()`` waits
+    once, for the last mark (every earlier one is on the same stream, so done too), after which
+    ``elapsed_s(start, end)`` reads the device time between two events (their
+    ``elapsed_time``, in ms). Work on other streams is not waited for: the collectives a
+    pipeline leaves in flight (overlapped gradient reduce-scatters) go on."""
 
-    def __init__(self, make_event: Callable[[], Any], synchronize: Callable[[], None]) -> None:
-        self._make_event, self._synchronize = make_event, synchronize
-        self._pending = False
+    def __init__(self, make_event: Callable[[], Any]) -> None:
+        self._make_event = make_event
+        self._last: Any = None
 
     def mark(self) -> Any:
         event = self._make_event()
         event.record()
-        self._pending = True
+        self._last = event
         return event
 
     def finish(self) -> None:
-        self._synchronize()
-        self._pending = False
+        if self._last is not None:
+            self._last.synchronize()
+            self._last = None
 
     def elapsed_s(self, start: Any, end: Any) -> float:
-        if self._pending:
-            raise RuntimeError("device events read before finish() synchronised the device")
+        if self._last is not None:
+            raise RuntimeError("device events read before finish() waited for them")
         return start.elapsed_time(end) / 1e3
 
 
@@ -73,13 +87,12 @@ Timer = Union[HostTimer, EventTimer]
 
 def pass_timer(device: torch.device) -> Timer:
     """The host clock on the CPU; the device's timing events elsewhere (``torch.cuda`` for CUDA
-    and ROCm, ``torch.npu`` with torch_npu: any module of that name with ``Event`` and
-    ``synchronize``). Creates nothing on the device until the first mark."""
+    and ROCm, ``torch.npu`` with torch_npu: any module of that name with an ``Event``).
+    Creates nothing on the device until the first mark."""
     if device.type == "cpu":
         return HostTimer()
     module = getattr(torch, device.type)
-    return EventTimer(lambda: module.Event(enable_timing=True),
-                      lambda: module.synchronize(device))
+    return EventTimer(lambda: module.Event(enable_timing=True))
 
 
 class RegionClock:

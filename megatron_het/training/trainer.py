@@ -38,7 +38,7 @@ from megatron_het.parallel.buckets import bucket_size_mb
 from megatron_het.parallel.groups import ProcessGroups, build_process_groups
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.pipeline.executor import PipelineExecutor
-from megatron_het.pipeline.timing import synchronize
+from megatron_het.pipeline.timing import synchronize_stream
 from megatron_het.pipeline.stage import build_stage
 from megatron_het.training.batches import pipeline_micro_batches
 from megatron_het.training.metrics import TrainingLogger
@@ -210,7 +210,7 @@ def train_step(trainer: Trainer, stop_requested: bool) -> bool:
     grad_norm, skipped = _sync_and_step(trainer, iteration, loss, lr)
     progress.iteration = iteration
     progress.consumed_samples += setup.train.global_batch_size
-    synchronize(trainer.device)  # the optimizer's kernels, before reading the clock
+    synchronize_stream(trainer.device)  # the optimizer's kernels, before reading the clock
     elapsed = time.perf_counter() - start
     if not skipped:
         trainer.last_loss = loss

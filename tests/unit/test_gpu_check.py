@@ -329,6 +329,16 @@ def test_the_tp_rings_as_threads_match_the_whole_products_on_the_cpu(tp, monkeyp
     assert tp_rings.ring_errors("cpu", torch.float32, tp=tp) > 0.1
 
 
+def test_thread_ranks_run_their_backward_on_their_own_thread():
+    """On CUDA autograd would run both ranks' backward on one device thread, where a ring's
+    backward waiting for its peer deadlocks; the ranks turn that off for themselves."""
+    from megatron_het.gpucheck.tp_rings import ThreadRing
+
+    seen = ThreadRing(2).run(lambda member: torch.autograd.is_multithreading_enabled())
+    assert seen == [False, False]
+    assert torch.autograd.is_multithreading_enabled()
+
+
 def test_a_thread_rank_that_fails_is_named():
     from megatron_het.gpucheck.tp_rings import ThreadRing
 

@@ -216,3 +216,36 @@ def test_a_stuck_operation_is_reported_and_ends_the_process(monkeypatch, capsys,
     assert err.count("\n") == 1
     # for a supervisor's relaunch, as a failed operation on the main thread records it
     assert read_failure(tmp_path)["lost_ranks"] == [0]
+
+
+def test_a_device_marker_is_queried_on_the_device_it_was_recorded_on(monkeypatch) -> None:
+    """The heartbeat thread queries markers; its own current device would be device 0."""
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    entered, state = [], {"current": 3, "done": False}
+
+    class Event:
+        def record(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return state["done"]
+
+    @contextlib.contextmanager
+    def device(index):
+        entered.append((threading.current_thread().name, index))
+        yield
+
+    monkeypatch.setattr(torch, "fakedev", SimpleNamespace(
+        Event=Event, current_device=lambda: state["current"], device=device), raising=False)
+    marker = pending.stream_marker("fakedev")
+    state["current"] = 0  # another thread's current device
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(marker.query()), name="beat")
+    thread.start()
+    thread.join()
+    state["done"] = True
+    assert answers == [False] and marker.query() is True
+    assert entered == [("beat", 3), ("MainThread", 3)]

@@ -18,11 +18,13 @@ class FakeEvent:
     def elapsed_time(self, end: "FakeEvent") -> float:  # milliseconds, as CUDA's
         return end.at - self.at
 
+    def synchronize(self) -> None:  # the host waits for this event
+        FakeEvent.waited.append(self.at)
+
 
 def test_events_are_read_once_after_one_synchronisation() -> None:
-    FakeEvent.now = 0.0
-    syncs = []
-    clock = RegionClock(torch.device("cpu"), EventTimer(FakeEvent, lambda: syncs.append(1)))
+    FakeEvent.now, FakeEvent.waited = 0.0, []
+    clock = RegionClock(torch.device("cpu"), EventTimer(FakeEvent))
     assert clock.uses_events
     clock.start()                      # t=10
     with clock.region("compute"):      # 20 .. 30
@@ -31,9 +33,9 @@ def test_events_are_read_once_after_one_synchronisation() -> None:
         pass
     with clock.region("compute"):      # 60 .. 70
         pass
-    assert syncs == []  # nothing waits for the device between regions
+    assert FakeEvent.waited == []  # nothing waits for the device between regions
     times, wall = clock.totals()       # end at 80
-    assert syncs == [1]
+    assert FakeEvent.waited == [80.0]  # one wait, for the last mark
     assert times == {"compute": 0.020, "p2p": 0.010}
     assert wall == 0.070
 

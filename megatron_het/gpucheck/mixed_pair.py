@@ -74,29 +74,36 @@ def check_mixed_pair(ctx: CheckContext) -> None:
         skip_all(ctx, RUN_ROWS)
         return
     with_cpu_ref = kind.lower() != "cpu"  # else ref_gpu already runs on the CPU
-    results = _run_all(ctx, files, with_cpu_ref)
-    metrics = {name: losses(ctx.work / f"{name}.jsonl") for name in _METRICS}
-    ref = metrics["ref_gpu"]
+    runs = _runs(ctx, files)
+
+    def metrics(name: str) -> dict[int, float]:
+        return losses(ctx.work / f"{name}.jsonl")
+
+    # Two waves of sub-runs in parallel; each wave's rows go out as soon as it ends, so a
+    # check stopped in the second wave keeps the first wave's rows.
+    first = ["ref_gpu", "pp_full", "pp_half"] + (["ref_cpu"] if with_cpu_ref else [])
+    results: dict[str, Optional[CommandResult]] = _wave(ctx, runs, first)
+    ref = metrics("ref_gpu")
     if with_cpu_ref:
-        _compare(ctx, "mixed.reference", "single process GPU vs CPU", metrics["ref_cpu"], ref,
+        _compare(ctx, "mixed.reference", "single process GPU vs CPU", metrics("ref_cpu"), ref,
                  [results["ref_cpu"], results["ref_gpu"]], LOSS_RTOL)
-    _compare(ctx, "mixed.pp", f"pp=2 {kind}+cpu vs single process", metrics["pp_full"], ref,
+    _compare(ctx, "mixed.pp", f"pp=2 {kind}+cpu vs single process", metrics("pp_full"), ref,
              [results["pp_full"], results["ref_gpu"]], LOSS_RTOL)
+    second = (["pp_resume"] if results["pp_half"].ok else []) + ["dp"]
+    results.update(_wave(ctx, runs, second))
     _compare(ctx, "mixed.resume", f"save at {HALF}, resume to {2 * HALF} vs uninterrupted",
-             metrics["pp_resume"], metrics["pp_full"],
-             [results["pp_half"], results["pp_resume"], results["pp_full"]], RESUME_RTOL)
+             metrics("pp_resume"), metrics("pp_full"),
+             [results["pp_half"], results.get("pp_resume"), results["pp_full"]], RESUME_RTOL)
     _compare(ctx, "mixed.dp", "dp=2 across kinds, ZeRO-1 + overlapped grad reduce vs single",
-             metrics["dp"], ref, [results["dp"], results["ref_gpu"]], LOSS_RTOL)
+             metrics("dp"), ref, [results["dp"], results["ref_gpu"]], LOSS_RTOL)
 
 
 RUN_ROWS = ("mixed.reference", "mixed.pp", "mixed.resume", "mixed.dp")
 _METRICS = ("ref_gpu", "ref_cpu", "pp_full", "pp_resume", "dp")  # metrics files, work/NAME.jsonl
 
 
-def _run_all(ctx: CheckContext, files: PairFiles,
-             with_cpu_ref: bool) -> dict[str, Optional[CommandResult]]:
-    """Launch the sub-runs (module docstring) in two waves; name -> result (None: not run,
-    because the run it continues failed)."""
+def _runs(ctx: CheckContext, files: PairFiles) -> dict[str, tuple[list[str], dict]]:
+    """The sub-runs (module docstring): name -> (argv, environment)."""
     env = {**ctx.env, "OMP_NUM_THREADS": THREADS}
     metrics = {name: str(ctx.work / f"{name}.jsonl") for name in _METRICS}
     single = [ctx.python, str(REPO / "pretrain_llama.py"), *MODEL_FLAGS, *TRAIN_FLAGS,
@@ -119,12 +126,7 @@ def _run_all(ctx: CheckContext, files: PairFiles,
                 "--overlap-grad-reduce", "--overlap-param-gather", "--metrics-file",
                 metrics["dp"]], env),
     }
-    first = ["ref_gpu", "pp_full", "pp_half"] + (["ref_cpu"] if with_cpu_ref else [])
-    results: dict[str, Optional[CommandResult]] = _wave(ctx, runs, first)
-    second = (["pp_resume"] if results["pp_half"].ok else []) + ["dp"]
-    results.update(_wave(ctx, runs, second))
-    results.setdefault("pp_resume", None)
-    return results
+    return runs
 
 
 def _wave(ctx: CheckContext, runs: dict[str, tuple[list[str], dict]],

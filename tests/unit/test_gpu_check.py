@@ -430,9 +430,11 @@ def test_mixed_pair_reports_each_comparison_and_names_the_run_that_failed(tmp_pa
     monkeypatch.setattr(mixed_pair.torch.cuda, "is_available", lambda: True)
     ctx = ctx_at(tmp_path)
     ref = {i: 8.0 - 0.01 * i for i in range(1, 9)}
+    rows_before_dp = []
 
     def outcome(name, argv):
         if name == "dp":
+            rows_before_dp.extend(r.check for r in ctx.rows.rows)
             return None, True  # hangs and is killed
         metrics = pathlib.Path(_flag(argv, "--metrics-file"))
         first = 5 if "--load" in argv else 1
@@ -452,6 +454,8 @@ def test_mixed_pair_reports_each_comparison_and_names_the_run_that_failed(tmp_pa
     assert rows["mixed.pp"].status == PASS and "2.00e-05" in rows["mixed.pp"].value
     assert rows["mixed.resume"].status == PASS and "bitwise" in rows["mixed.resume"].value
     assert rows["mixed.dp"].status == FAIL and rows["mixed.dp"].value == "dp timed out after 0 s"
+    # The first wave's rows are out before the second wave runs.
+    assert rows_before_dp == ["mixed.files", "mixed.reference", "mixed.pp"]
 
 
 def test_mixed_pair_resume_is_not_run_when_the_first_half_fails(tmp_path, monkeypatch):

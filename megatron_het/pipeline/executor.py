@@ -241,6 +241,9 @@ class PipelineExecutor:
         if not forward_only:
             sync_start = time.perf_counter()
             sync_tied_embedding_grads(self.stage, self.groups, baseline)
+            # A device backend's wait only queues the reduction; the loss read below waits
+            # for the stream anyway, so waiting here costs nothing and times it.
+            synchronize_stream(self.device)
             sync_s = time.perf_counter() - sync_start
         loss = 0.0 if run.loss_sum is None else float(run.loss_sum)
         return StageStats(loss_sum=loss, compute_s=compute_s, p2p_wait_s=p2p_s,

@@ -166,12 +166,14 @@ class AsyncCheckpointSaver:
             return None
         outcome = self.writer.outcome()
         failed = outcome is not None and outcome.error is not None
-        flags = torch.tensor([1.0 if outcome is None else 0.0,
-                              float(self.world.rank + 1) if failed else 0.0,
-                              0.0 if outcome is None else outcome.seconds],
-                             dtype=torch.float64, device=self.device)
+        # int64 (the write time in microseconds): HCCL has no float64 all-reduce.
+        flags = torch.tensor([1 if outcome is None else 0,
+                              self.world.rank + 1 if failed else 0,
+                              0 if outcome is None else round(outcome.seconds * 1e6)],
+                             dtype=torch.int64, device=self.device)
         self.world.all_reduce(flags, "max")
-        writing, failed_rank, write_s = (float(v) for v in flags.cpu().tolist())
+        writing, failed_rank, write_us = flags.cpu().tolist()
+        write_s = write_us / 1e6
         if failed_rank:
             self._pending = None
             self._raise_failure(pending, int(failed_rank) - 1, outcome)

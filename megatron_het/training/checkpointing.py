@@ -163,14 +163,16 @@ def _agree_loaded(trainer: "Trainer", error: Optional[BaseException], stats: Rea
     the damaged file wherever it is); else the bytes every rank read together and the slowest
     rank's time."""
     world = trainer.groups.world
-    flags = torch.tensor([0.0 if error is None else float(world.rank + 1), seconds],
-                         dtype=torch.float64, device=trainer.device)
+    # int64 (seconds in microseconds): HCCL has no float64 all-reduce.
+    flags = torch.tensor([0 if error is None else world.rank + 1, round(seconds * 1e6)],
+                         dtype=torch.int64, device=trainer.device)
     world.all_reduce(flags, "max")
-    total = torch.tensor([float(stats.bytes)], dtype=torch.float64, device=trainer.device)
+    total = torch.tensor([stats.bytes], dtype=torch.int64, device=trainer.device)
     world.all_reduce(total, "sum")
-    failed = int(flags[0].item()) - 1
+    failed_plus_one, slowest_us = flags.cpu().tolist()
+    failed = failed_plus_one - 1
     if failed < 0:
-        return int(total.item()), float(flags[1].item())
+        return int(total.item()), slowest_us / 1e6
     # Every rank takes this branch: the failing rank's line, summed in (the others add zeros).
     line = torch.zeros(_ERROR_LINE_BYTES, dtype=torch.uint8)
     if world.rank == failed:

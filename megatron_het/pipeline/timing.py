@@ -27,13 +27,17 @@ def synchronize(device: torch.device) -> None:
 
 
 def synchronize_stream(device: torch.device) -> None:
-    """Wait for the work queued on the device's current stream (CUDA and ROCm; a no-op
-    elsewhere): the compute, and the collectives whose handles were waited on. Collectives
-    still in flight on the backends' own streams (ZeRO's parameter all-gathers under
-    --overlap-param-gather) keep running under the next forward, whose code waits for their
-    handles; a whole-device synchronisation would wait for them here."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+    """Wait for the work queued on the device's current stream (CUDA and ROCm; Ascend with
+    torch_npu; a no-op on the CPU): the compute, and the collectives whose handles were waited
+    on. Collectives still in flight on the backends' own streams (ZeRO's parameter all-gathers
+    under --overlap-param-gather) keep running under the next forward, whose code waits for
+    their handles; a whole-device synchronisation would wait for them here."""
+    if device.type == "cpu":
+        return
+    module = getattr(torch, device.type, None)
+    current_stream = getattr(module, "current_stream", None)
+    if current_stream is not None:
+        current_stream(device).synchronize()
 
 
 class HostTimer:

@@ -217,9 +217,11 @@ def _load_into(trainer: "Trainer", stats: ReadStats) -> Optional[dict]:
     # Under mixed precision the parameters take the rounded values, the masters the exact
     # ones; in fp32 the parameters are the masters and nothing more is kept.
     weights: Optional[dict] = {} if trainer.optimizer.flat.low_precision else None
+    # The optimizer state stays on the host: the optimizer moves only the ranges this rank
+    # owns (ZeRO-1) to its masters' device, so the stage's whole moments never sit there.
     optimizer_state, train_state = load_sharded(
         setup.load_dir, setup.model_config, setup.plan, trainer.groups, trainer.stage,
-        map_location=trainer.device, weights=weights, stats=stats)
+        map_location="cpu", weights=weights, stats=stats)
     if weights is not None:
         trainer.optimizer.load_master_weights(weights)
     if train_state is not None and optimizer_state is not None:

@@ -145,6 +145,34 @@ def select_local_device(device_type: Optional[str], local_rank: int) -> None:
         module.set_device(local_rank % count)
 
 
+def device_problem(spec: Any) -> Optional[str]:
+    """Why this process cannot be a rank of kind ``spec`` (an AcceleratorSpec), or None.
+
+    Checks what would otherwise hang or fail deep inside a backend: a GPU kind with no GPU
+    visible, an AMD kind on a CUDA build of torch or an NVIDIA kind on a ROCm build (NCCL and
+    RCCL ranks in one kind's group never connect), an Ascend kind without torch_npu. CPU and
+    emulated kinds always fit. Reads only this process's torch build and visible devices."""
+    if spec.device_type == "cpu" or spec.emulated:
+        return None
+    if spec.device_type == "npu":
+        module = npu_module()
+        if module is None:
+            return "torch_npu is not importable here"
+        return None if module.device_count() > 0 else "no Ascend device is visible"
+    if spec.device_type != "cuda":
+        return None
+    import torch
+
+    rocm = torch.version.hip is not None
+    if spec.vendor == "amd" and not rocm:
+        return "an AMD kind on a torch built without ROCm"
+    if spec.vendor == "nvidia" and rocm:
+        return "an NVIDIA kind on a torch built for ROCm"
+    if not torch.cuda.is_available():
+        return "no GPU is visible"
+    return None
+
+
 def local_accelerator() -> str:
     """The accelerator kind of this machine's devices for a run without ``--cluster``: the
     built-in kind whose name the first CUDA/ROCm device's name contains, else "cpu". UserError

@@ -20,12 +20,13 @@ from megatron_het.arguments import RunConfig
 from megatron_het.checkpoint.io import load_checkpoint_metadata, remove_stale_staging
 from megatron_het.comm.faults import CommError
 from megatron_het.comm.pending import PENDING
-from megatron_het.errors import EXIT_PEER_FAILURE, PeerFailure
+from megatron_het.errors import EXIT_PEER_FAILURE, PeerFailure, UserError
 from megatron_het.training.checkpointing import load
 from megatron_het.training.describe import (describe_cluster, describe_iterations,
                                             describe_model, describe_plan, describe_rank)
 from megatron_het.training.elastic import describe_restart
-from megatron_het.training.launch import LaunchEnv, connect_store, init_world, shutdown_world
+from megatron_het.training.launch import (LaunchEnv, connect_store, device_problem, init_world,
+                                          shutdown_world)
 from megatron_het.training.loop import train
 from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.peer_watch import PeerWatch
@@ -177,12 +178,49 @@ def train_prepared(setup: RunSetup, stop: Optional[StopRequest] = None,
     return progress
 
 
+# Bytes of each rank's device problem that every rank receives.
+_PROBLEM_BYTES = 160
+
+
+def check_devices(setup: RunSetup, rank: int) -> None:
+    """UserError on every rank when some rank's process cannot be the kind the cluster file
+    gives it (:func:`~megatron_het.training.launch.device_problem`), naming those ranks.
+
+    Collective over the world (gloo, host tensors), before any device group is built: a GPU
+    rank placed in another vendor's kind (nodes started in another order than the cluster
+    file's) would otherwise hang in that kind's NCCL group, and a rank failing alone there
+    would leave the others waiting until the timeout."""
+    import torch
+    import torch.distributed as dist
+
+    problem = device_problem(setup.accelerator(rank)) or ""
+    mine = torch.zeros(_PROBLEM_BYTES, dtype=torch.uint8)
+    encoded = problem.encode()[:_PROBLEM_BYTES]
+    if encoded:
+        mine[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    size = dist.get_world_size() if dist.is_initialized() else 1
+    every = [mine] if size == 1 else [torch.zeros_like(mine) for _ in range(size)]
+    if size > 1:
+        dist.all_gather(every, mine)
+    problems = [(r, bytes(t.tolist()).rstrip(b"\0").decode(errors="replace"))
+                for r, t in enumerate(every)]
+    problems = [(r, text) for r, text in problems if text]
+    if not problems:
+        return
+    shown = "; ".join(f"{describe_rank(setup, r)}: {text}" for r, text in problems[:3])
+    more = f" (and {len(problems) - 3} more ranks)" if len(problems) > 3 else ""
+    raise UserError(f"ranks do not match the kinds the cluster file gives them: {shown}{more}; "
+                    "start each node group on its own hardware and torch build, nodes in the "
+                    "cluster file's order (torchrun --node_rank)")
+
+
 def _train(setup: RunSetup, stop: StopRequest, out: TextIO,
            watch: Optional[PeerWatch]) -> Progress:
     from megatron_het.comm import UnifiedCommunicator
 
     run = setup.run
     world_rank = _world_rank()
+    check_devices(setup, world_rank)
     emulation = rank_emulation(setup, world_rank)
     comm = UnifiedCommunicator.from_cluster(setup.cluster, bridge=run.parallel.bridge,
                                             wire_hooks=emulation.wire_hooks,

@@ -90,3 +90,47 @@ def test_an_ascend_rank_without_torch_npu_selects_nothing(monkeypatch: pytest.Mo
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
     monkeypatch.setattr(torch, "npu", Untouchable(), raising=False)
     select_local_device("npu", 0)
+
+
+# ---- a rank's hardware against the kind the cluster file gives it --------------------------
+def _kind(name: str):
+    from megatron_het.cluster.accelerators import get_accelerator
+    return get_accelerator(name)
+
+
+@pytest.mark.parametrize("name", ["cpu", "emu-slow"])
+def test_cpu_and_emulated_kinds_fit_any_process(monkeypatch, name: str) -> None:
+    from megatron_het.training.launch import device_problem
+
+    monkeypatch.setattr(torch, "cuda", Untouchable())
+    assert device_problem(_kind(name)) is None
+
+
+@pytest.mark.parametrize("name, hip, devices, problem", [
+    ("MI300X", None, 8, "an AMD kind on a torch built without ROCm"),
+    ("H100", "6.2", 8, "an NVIDIA kind on a torch built for ROCm"),
+    ("H100", None, 0, "no GPU is visible"),
+    ("MI300X", "6.2", 0, "no GPU is visible"),
+    ("H100", None, 8, None),
+    ("MI250X", "6.2", 8, None),
+])
+def test_a_gpu_kind_needs_its_vendors_build_and_a_gpu(monkeypatch, name, hip, devices,
+                                                      problem) -> None:
+    from megatron_het.training.launch import device_problem
+
+    fake = FakeAccelerator(devices)
+    fake.is_available = lambda: devices > 0
+    monkeypatch.setattr(torch, "cuda", fake)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert device_problem(_kind(name)) == problem
+
+
+def test_an_ascend_kind_needs_torch_npu_and_a_device(monkeypatch) -> None:
+    from megatron_het.training.launch import device_problem
+
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
+    assert device_problem(_kind("Ascend910B")) == "torch_npu is not importable here"
+    install_npu(monkeypatch, FakeAccelerator(0))
+    assert device_problem(_kind("Ascend910B")) == "no Ascend device is visible"
+    install_npu(monkeypatch, FakeAccelerator(8))
+    assert device_problem(_kind("Ascend910B")) is None

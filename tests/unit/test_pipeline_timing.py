@@ -48,3 +48,20 @@ def test_cpu_regions_use_the_host_clock() -> None:
         sum(range(10000))
     times, wall = clock.totals()
     assert 0 < times["compute"] <= wall
+
+
+def test_an_accelerator_waits_for_its_current_stream_only(monkeypatch) -> None:
+    """The trainer's clock waits for the current stream (compute and waited collectives), not
+    the whole device, on any accelerator module with streams (torch.cuda, torch_npu's)."""
+    from types import SimpleNamespace
+
+    from megatron_het.pipeline.timing import synchronize_stream
+
+    waited = []
+    stream = SimpleNamespace(synchronize=lambda: waited.append("stream"))
+    monkeypatch.setattr(torch, "fakeacc", SimpleNamespace(
+        current_stream=lambda device: stream,
+        synchronize=lambda device=None: waited.append("device")), raising=False)
+    synchronize_stream(SimpleNamespace(type="fakeacc"))  # as torch.device("npu") with torch_npu
+    synchronize_stream(torch.device("cpu"))
+    assert waited == ["stream"]

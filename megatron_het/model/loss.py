@@ -8,9 +8,13 @@ formed in place instead of by separate log-softmax and NLL backward passes.
 
 Precision: GEMM operands are in the compute dtype (the autocast dtype, else the inputs'),
 logits, softmax and loss in float32, and the weight gradient is summed over chunks in float32
-(:mod:`megatron_het.kernels.gemm`); the token weights enter it as a float32 scale applied at the
-end (:func:`split_token_weights`), so with the default mean loss the only rounding is that of
-the softmax gradient to the operand dtype. That float32 gradient is never rounded to a bf16
+(:mod:`megatron_het.kernels.gemm`); the token weights enter both gradients as a float32 scale
+applied at the end (:func:`split_token_weights`), so with the default mean loss the only
+rounding is that of the softmax gradient to the operand dtype. The hidden gradient is kept
+unscaled (the weights' 0/1 units only) and multiplied by that scale and the incoming gradient
+in backward, in float32 for fp16: a mean over thousands of tokens would otherwise push it into
+fp16's subnormals before the loss scale reaches it, and a loss scale over 65504 rounded to
+fp16 is infinite. That float32 gradient is never rounded to a bf16
 weight's dtype: when the weight carries a ``main_grad`` (:mod:`megatron_het.kernels.main_grad`),
 backward adds it, times the incoming scale, into ``main_grad`` and returns no gradient for the
 weight; otherwise the gradient goes to autograd in the weight's dtype, as for any layer.
@@ -117,17 +121,18 @@ def split_token_weights(weights_N: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def project_logit_grads(dlogits_NcV: torch.Tensor, h_NcH: torch.Tensor,
-                        weight_VH: torch.Tensor, weights_Nc: torch.Tensor,
-                        units_Nc: torch.Tensor, grad_hidden_NcH: Optional[torch.Tensor],
+                        weight_VH: torch.Tensor, units_Nc: torch.Tensor,
+                        grad_hidden_NcH: Optional[torch.Tensor],
                         grad_weight_VH: Optional[torch.Tensor]) -> None:
     """From one chunk's float32 ``d CE_i / d logits`` (unweighted), write the chunk's hidden
-    gradient, scaled by the token weights, into ``grad_hidden_NcH`` and add its weight gradient,
-    scaled by the unit weights of :func:`split_token_weights` (the caller multiplies by the
-    scale at the end), into the float32 ``grad_weight_VH``. Either output may be None."""
+    gradient into ``grad_hidden_NcH`` and add its weight gradient into the float32
+    ``grad_weight_VH``, both scaled by the unit weights of :func:`split_token_weights` (the
+    scale is applied later: :func:`head_backward` for the hidden gradient, the caller at the
+    end for the weight's). Either output may be None."""
     dlogits = dlogits_NcV.to(weight_VH.dtype)
     # Token weights scale the thin [Nc, H] operands, not the [Nc, V] logits.
     if grad_hidden_NcH is not None:
-        grad_hidden_NcH.copy_(mm_fp32_out(dlogits, weight_VH) * weights_Nc[:, None])
+        grad_hidden_NcH.copy_(mm_fp32_out(dlogits, weight_VH) * units_Nc[:, None])
     if grad_weight_VH is not None:
         scaled_h = (h_NcH * units_Nc[:, None]).to(h_NcH.dtype)
         addmm_fp32_out_(grad_weight_VH, dlogits.t(), scaled_h)
@@ -135,11 +140,13 @@ def project_logit_grads(dlogits_NcV: torch.Tensor, h_NcH: torch.Tensor,
 
 def save_head_grads(ctx: Any, hidden: torch.Tensor, weight_VH: torch.Tensor,
                     grad_hidden: Optional[torch.Tensor],
-                    grad_weight_fp32: Optional[torch.Tensor]) -> None:
-    """Keep a head's gradients for :func:`head_backward`: the hidden gradient in ``hidden``'s
-    dtype; the weight gradient in float32 when ``weight_VH`` has a ``main_grad`` (it is added
-    there in backward), else in the weight's dtype."""
-    ctx.main_grad_weight = None
+                    grad_weight_fp32: Optional[torch.Tensor],
+                    hidden_scale: torch.Tensor) -> None:
+    """Keep a head's gradients for :func:`head_backward`: the hidden gradient, still to be
+    multiplied by the float32 ``hidden_scale``, in ``hidden``'s dtype; the weight gradient in
+    float32 when ``weight_VH`` has a ``main_grad`` (it is added there in backward), else in the
+    weight's dtype."""
+    ctx.main_grad_weight, ctx.hidden_scale = None, hidden_scale
     if grad_weight_fp32 is not None and has_main_grad(weight_VH):
         ctx.main_grad_weight = weight_VH
     elif grad_weight_fp32 is not None:
@@ -155,7 +162,11 @@ def head_backward(ctx: Any, grad_total: torch.Tensor
     ``main_grad`` here (the optimizer is notified) and None is returned for it."""
     grad_hidden, grad_weight = ctx.saved_tensors
     if grad_hidden is not None:
-        grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        factor = ctx.hidden_scale * grad_total.float()
+        if grad_hidden.dtype == torch.float16:  # the factor may exceed fp16's range
+            grad_hidden = (grad_hidden.float() * factor).to(torch.float16)
+        else:
+            grad_hidden = grad_hidden * factor.to(grad_hidden.dtype)
     if grad_weight is None:
         return grad_hidden, None
     weight = ctx.main_grad_weight
@@ -172,8 +183,8 @@ def head_backward(ctx: Any, grad_total: torch.Tensor
 def _run_chunks(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor,
                 weights_N: torch.Tensor, settings: HeadSettings
                 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
-    """``(grad_hidden, grad_weight float32, loss)`` of the single-rank head; grads None where
-    not needed."""
+    """``(grad_hidden, grad_weight float32, loss, scale)`` of the single-rank head; grads None
+    where not needed; ``grad_hidden`` still to be multiplied by ``scale``."""
     h_all, weight = head_operands(hidden_NH, weight_VH, settings)
     N, chunk = h_all.shape[0], settings.chunk_tokens
     total = torch.zeros((), dtype=torch.float32, device=h_all.device)
@@ -191,12 +202,12 @@ def _run_chunks(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torc
         if settings.need_grads:
             probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             probs.scatter_add_(1, y, minus_one[:h.shape[0]].to(probs.dtype))  # minus one-hot
-            project_logit_grads(probs, h, weight, w, units_N[part],
+            project_logit_grads(probs, h, weight, units_N[part],
                                 None if grad_hidden is None else grad_hidden[part],
                                 grad_weight)
     if grad_weight is not None:
         grad_weight.mul_(scale)
-    return grad_hidden, grad_weight, total
+    return grad_hidden, grad_weight, total, scale
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -207,9 +218,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 labels_N: torch.Tensor, weights_N: torch.Tensor,
                 settings: HeadSettings) -> torch.Tensor:
         with autocast_off(hidden_NH.device.type):
-            grad_hidden, grad_weight, total = _run_chunks(hidden_NH, weight_VH, labels_N,
-                                                          weights_N, settings)
-        save_head_grads(ctx, hidden_NH, weight_VH, grad_hidden, grad_weight)
+            grad_hidden, grad_weight, total, scale = _run_chunks(hidden_NH, weight_VH,
+                                                                 labels_N, weights_N, settings)
+        save_head_grads(ctx, hidden_NH, weight_VH, grad_hidden, grad_weight, scale)
         return total
 
     @staticmethod

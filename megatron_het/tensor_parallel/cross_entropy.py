@@ -117,14 +117,18 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 logits = chunk_logits(hidden[start:start + chunk], weight)  # float32
                 stats.append(_local_stats(logits, labels_N[start:start + chunk], vocab_start))
                 if settings.need_grads:  # reused for the gradients once the global lse is known
-                    kept.append(logits.to(hidden.dtype))
+                    # About the row's local max, where a bf16 copy is exact near the top
+                    # logits (which carry the probability) whatever the logits' size.
+                    kept.append(logits.sub_(stats[-1][0][:, None]).to(hidden.dtype))
             local_max, sum_exp, target, here, local = (torch.cat(s) for s in zip(*stats))
             lse, target = _global_lse(local_max, sum_exp, target, group)
             total = ((lse - target) * weights_N).sum()
+            scale, units_N = split_token_weights(weights_N)
             grad_hidden, grad_weight = (
-                _head_grads(kept, hidden, weight, weights_N, lse, here, local, settings)
+                _head_grads(kept, hidden, weight, units_N, scale, lse - local_max, here, local,
+                            settings)
                 if settings.need_grads else (None, None))
-        save_head_grads(ctx, hidden_NH, weight_VH, grad_hidden, grad_weight)
+        save_head_grads(ctx, hidden_NH, weight_VH, grad_hidden, grad_weight, scale)
         return total
 
     @staticmethod
@@ -133,20 +137,21 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
 
 
 def _head_grads(kept: Sequence[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
-                weights_N: torch.Tensor, lse: torch.Tensor, here: torch.Tensor,
-                local: torch.Tensor, settings: HeadSettings
+                units_N: torch.Tensor, scale: torch.Tensor, lse: torch.Tensor,
+                here: torch.Tensor, local: torch.Tensor, settings: HeadSettings
                 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``(grad_hidden [N, H] partial over this rank's vocabulary, grad_weight [Vr, H] fp32)``;
-    None for a gradient autograd does not need."""
+    """``(grad_hidden [N, H] partial over this rank's vocabulary, still to be multiplied by
+    ``scale``; grad_weight [Vr, H] fp32)`` from the ``kept`` logits (each row about its local
+    max, with ``lse`` about that max too; see :func:`split_token_weights` for ``units_N`` and
+    ``scale``); None for a gradient autograd does not need."""
     grad_hidden = torch.empty_like(hidden) if settings.hidden_grad else None
     grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
                    if settings.weight_grad else None)
     chunk = settings.chunk_tokens
-    scale, units_N = split_token_weights(weights_N)
     for i, logits in enumerate(kept):
         part = slice(i * chunk, i * chunk + logits.shape[0])
         dlogits = _softmax_minus_onehot(logits, lse[part], here[part], local[part])
-        project_logit_grads(dlogits, hidden[part], weight, weights_N[part], units_N[part],
+        project_logit_grads(dlogits, hidden[part], weight, units_N[part],
                             None if grad_hidden is None else grad_hidden[part], grad_weight)
     if grad_weight is not None:
         grad_weight.mul_(scale)

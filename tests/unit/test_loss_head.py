@@ -40,7 +40,8 @@ def reference(hidden, weight, labels, loss_weights=None, scale=1.5):
     """Loss and float32 gradients from F.cross_entropy on the full float32 logits."""
     h = hidden.detach().float().requires_grad_()
     w = weight.detach().float().requires_grad_()
-    per_token = F.cross_entropy((h @ w.t()).view(-1, V), labels.view(-1), reduction="none")
+    per_token = F.cross_entropy((h @ w.t()).view(-1, w.shape[0]), labels.view(-1),
+                                reduction="none")
     if loss_weights is None:
         loss = per_token.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
     else:
@@ -202,3 +203,47 @@ def test_accelerator_precision_emulated(monkeypatch):
     F.cross_entropy(h @ w.t(), labels).backward()
     error = (weight.main_grad - w.grad).norm()
     assert error < 0.75 * (w.grad.bfloat16().float() - w.grad).norm()
+
+
+def _median_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.float() - want) / want.abs().clamp_min(1e-30)).abs().median())
+
+
+@pytest.mark.parametrize("tp", [False, True])
+@pytest.mark.parametrize("loss_scale", [2.0 ** 15, 2.0 ** 24])
+def test_fp16_hidden_gradient_keeps_fp16_precision_under_loss_scaling(tp, loss_scale):
+    """A mean over 8192 tokens makes each token's unscaled hidden gradient ~1e-6, in fp16's
+    subnormals: the loss scale must reach it before it is held in fp16, and a scale beyond
+    fp16's range must not turn into inf."""
+    g = torch.Generator().manual_seed(0)
+    tokens, width, vocab = 64, 128, 256
+    hidden = torch.randn(tokens, width, generator=g).half().requires_grad_()
+    weight = (torch.randn(vocab, width, generator=g) * 0.02).half().requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    weights = torch.full((tokens,), 1 / 8192)
+    got = ours(hidden, weight, labels, weights, scale=loss_scale, tp=tp)
+    want = reference(hidden, weight, labels, weights, scale=loss_scale)
+    assert torch.isfinite(got[1]).all()
+    assert _median_relative_error(got[1], want[1]) < 1e-3  # fp16 rounding is 4.9e-4
+
+
+def test_vocab_parallel_bf16_head_is_exact_near_large_top_logits(monkeypatch):
+    """On accelerators the vocabulary-parallel head keeps every chunk's logits in bf16 until
+    the global log-sum-exp is known; kept about each row's max they stay exact where the
+    probability is, however large the logits (here ~30, where bf16's step is 0.125)."""
+    import megatron_het.model.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "gemm_operand_dtype", lambda dtype, device: dtype)
+    monkeypatch.setattr(loss_mod, "mm_fp32_out", lambda a, b: a.float() @ b.float())
+    monkeypatch.setattr(loss_mod, "addmm_fp32_out_",
+                        lambda acc, a, b: acc.addmm_(a.float(), b.float()))
+    g = torch.Generator().manual_seed(0)
+    tokens, width, vocab = 128, 64, 512
+    hidden = torch.randn(tokens, width, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(vocab, width, generator=g) * 0.5).bfloat16().requires_grad_()
+    hidden.data[:, 0], weight.data[:, 0] = 6.0, 5.0  # every logit ~30 (softmax ignores it)
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    got = ours(hidden, weight, labels, tp=True, scale=1.0)
+    want = reference(hidden, weight, labels, scale=1.0)
+    error = (got[1].float() - want[1]).norm() / want[1].norm()
+    assert error < 1e-2

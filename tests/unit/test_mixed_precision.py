@@ -156,16 +156,16 @@ def test_fp16_with_loss_scaling_follows_fp32(tmp_path: pathlib.Path) -> None:
 
 
 def test_fp16_overflow_skips_steps_and_backs_off(tmp_path: pathlib.Path) -> None:
-    # This model's scaled gradients first fit fp16 (max 65504) at a loss scale of 2^16.
+    # This model's scaled gradients first fit fp16 (max 65504) at a loss scale of 2^19.
     path = _train(tmp_path, "fp16", "--train-iters", "8", "--fp16", "--initial-loss-scale",
-                  str(2 ** 19), "--hysteresis", "1")
+                  str(2 ** 23), "--hysteresis", "1")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     scales = [r["loss_scale"] for r in rows]
     skipped = [r["skipped_iterations"] for r in rows]
-    assert scales[:4] == [2 ** 18, 2 ** 17, 2 ** 16, 2 ** 16]  # halved after each overflow
-    assert skipped == [1, 2, 3, 3, 3, 3, 3, 3]
-    assert [math.isfinite(r["grad_norm"]) for r in rows[:4]] == [False, False, False, True]
-    assert rows[-1]["loss"] < rows[3]["loss"]  # and it trains once the scale fits
+    assert scales[:5] == [2 ** 22, 2 ** 21, 2 ** 20, 2 ** 19, 2 ** 19]  # halved per overflow
+    assert skipped == [1, 2, 3, 4, 4, 4, 4, 4]
+    assert [math.isfinite(r["grad_norm"]) for r in rows[:5]] == [False] * 4 + [True]
+    assert rows[-1]["loss"] < rows[4]["loss"]  # and it trains once the scale fits
 
 
 def test_loss_scaler_backs_off_with_hysteresis_and_grows_after_a_window() -> None:

@@ -81,9 +81,16 @@ def _check_mode(mode: Optional[str]) -> None:
     if mode is None:
         return
     from torch import _inductor
-    modes = list(_inductor.list_mode_options())
-    if mode not in modes:
-        raise UserError(f"unknown torch.compile mode {mode!r}; use one of {', '.join(modes)}")
+    options = _inductor.list_mode_options()
+    usable = [name for name, opts in options.items() if not opts.get("triton.cudagraphs")]
+    if mode not in options:
+        raise UserError(f"unknown torch.compile mode {mode!r}; use one of {', '.join(usable)}")
+    if options[mode].get("triton.cudagraphs"):
+        # A CUDA graph's outputs live in its pool until the next replay overwrites them, while
+        # a pipeline schedule still holds earlier micro-batches' layer outputs for backward.
+        raise UserError(f"torch.compile mode {mode!r} captures CUDA graphs per layer, whose "
+                        "outputs the next micro-batch's replay overwrites while the schedule "
+                        f"still holds them; use one of {', '.join(usable)}")
 
 
 def _layers_device_type(model: LlamaModel) -> Optional[str]:

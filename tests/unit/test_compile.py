@@ -61,6 +61,12 @@ def test_compile_options(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == []
 
 
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_modes_that_capture_cuda_graphs_are_refused(mode: str) -> None:
+    with pytest.raises(UserError, match="captures CUDA graphs.*max-autotune-no-cudagraphs"):
+        compile_layers(meta_model(), mode=mode)
+
+
 def test_a_tensor_parallel_stage_compiles_between_its_collectives(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(torch.nn.Module, "compile",

@@ -110,26 +110,30 @@ def load_flash_attn(import_module: ImportModule = importlib.import_module
 
 
 _FLASH_ATTN_FUNC = load_flash_attn()
-# CUDA device -> whether torch's flash attention runs on it (decided once per device).
-_DEVICE_RUNS_FLASH: dict[torch.device, bool] = {}
+# (CUDA device, head dim) -> whether torch's flash attention trains on it (decided once each).
+_DEVICE_RUNS_FLASH: dict[tuple[torch.device, int], bool] = {}
 
 
-def device_runs_flash(device: torch.device) -> bool:
-    """Whether SDPA's flash backend runs on ``device`` (asked of torch once per device, on a
-    tiny bf16 input; CPU: True). Under ``torch.compile`` an unasked device counts as capable."""
+def device_runs_flash(device: torch.device, head_dim: int = 64) -> bool:
+    """Whether SDPA's flash backend runs forward and backward on ``device`` at ``head_dim``
+    (asked of torch once per device and head dim, on a tiny bf16 input that needs gradients:
+    some GPUs run large heads' forward only; CPU: True). Under ``torch.compile`` an unasked
+    pair counts as capable: :func:`~megatron_het.model.compile.compile_layers` asks first."""
     if device.type != "cuda":
         return device.type == "cpu"
-    known = _DEVICE_RUNS_FLASH.get(device)
+    key = (device, head_dim)
+    known = _DEVICE_RUNS_FLASH.get(key)
     if known is None:
         if torch.compiler.is_compiling():
             return True
-        known = _ask_torch_about_flash(device)
-        _DEVICE_RUNS_FLASH[device] = known
+        known = _ask_torch_about_flash(device, head_dim)
+        _DEVICE_RUNS_FLASH[key] = known
     return known
 
 
-def _ask_torch_about_flash(device: torch.device) -> bool:
-    probe = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16, device=device)
+def _ask_torch_about_flash(device: torch.device, head_dim: int) -> bool:
+    probe = torch.zeros(1, 2, 16, head_dim, dtype=torch.bfloat16, device=device,
+                        requires_grad=True)
     try:
         params = torch.backends.cuda.SDPAParams(probe, probe, probe, None, 0.0, True, False)
         return bool(torch.backends.cuda.can_use_flash_attention(params, False))
@@ -142,7 +146,7 @@ def _ask_torch_about_flash(device: torch.device) -> bool:
 def kernel_for(q_BSND: torch.Tensor, k_BSGD: torch.Tensor) -> AttentionKernel:
     """:func:`choose_attention_kernel` for these tensors and what is installed."""
     device = q_BSND.device
-    flash_ok = device.type != "cuda" or device_runs_flash(device)
+    flash_ok = device.type != "cuda" or device_runs_flash(device, q_BSND.shape[-1])
     return choose_attention_kernel(
         device.type, q_BSND.dtype, q_BSND.shape[2] != k_BSGD.shape[2], q_BSND.shape[-1],
         _FLASH_ATTN_FUNC is not None and not torch.compiler.is_compiling(), flash_ok)

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from megatron_het.errors import UserError
+from megatron_het.kernels.attention import device_runs_flash
 from megatron_het.kernels.graph_break import apply_graph_breaks
 from megatron_het.model import rope
 from megatron_het.model.llama import LlamaModel
@@ -131,6 +132,11 @@ def compile_layers(model: LlamaModel, mode: Optional[str] = None) -> None:
         if not ok:
             raise UserError(f"--compile: torch.compile cannot compile for {device_type} here "
                             f"({reason}); drop --compile")
+    if device_type == "cuda":  # decided eagerly: a compiled graph cannot ask torch
+        for layer in model.layers.values():
+            if hasattr(layer, "attention"):  # a stage may hold a layer's MLP block only
+                device_runs_flash(layer.attention.proj.weight.device, layer.attention.head_dim)
+                break
     _register_traceable_rope()
     apply_graph_breaks()  # the TP collectives stay eager
     for layer in model.layers.values():

@@ -61,6 +61,22 @@ def test_compile_options(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == []
 
 
+def test_a_gpu_stage_asks_about_flash_attention_before_compiling(monkeypatch) -> None:
+    """Inside a compiled graph the attention kernel cannot ask torch what the GPU runs."""
+    import megatron_het.model.compile as compile_mod
+
+    events = []
+    monkeypatch.setattr(compile_mod, "_layers_device_type", lambda model: "cuda")
+    monkeypatch.setattr(compile_mod, "compile_available", lambda device_type: (True, ""))
+    monkeypatch.setattr(compile_mod, "device_runs_flash",
+                        lambda device, head_dim: events.append(("asked", head_dim)))
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kwargs: events.append("compiled"))
+    compile_layers(meta_model())
+    head_dim = TWO_LAYERS.hidden_size // TWO_LAYERS.num_attention_heads
+    assert events == [("asked", head_dim), "compiled", "compiled"]
+
+
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_modes_that_capture_cuda_graphs_are_refused(mode: str) -> None:
     with pytest.raises(UserError, match="captures CUDA graphs.*max-autotune-no-cudagraphs"):

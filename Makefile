@@ -1,5 +1,5 @@
 # Two entry points; each sets up (or reuses) the virtualenv first.
-#   make demo   train a small Llama on the bundled corpus (emulated CPU cluster)
+#   make demo   train a small Llama on a packaged corpus (emulated CPU cluster)
 #   make test   run the whole test suite
 #   make test-fast  unit tests and in-process CLI checks (no slow or multi-process tests)
 #   make gpu-check  the prepared GPU check (scripts/gpu_check.sh; GPU rows SKIP without one)

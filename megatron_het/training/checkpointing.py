@@ -63,6 +63,13 @@ def _metadata(trainer: "Trainer") -> dict[str, Any]:
             "cluster": setup.cluster.name}
 
 
+def _writes_state(trainer: "Trainer") -> bool:
+    """Whether this rank writes model or optimizer pieces of a checkpoint: pipeline 0's ranks
+    do (every DP replica holds the whole, gathered, state; the first one writes it), so the
+    other replicas need no host copy of it."""
+    return trainer.groups.role.pipeline == 0
+
+
 def save(trainer: "Trainer") -> Optional[pathlib.Path]:
     """Sharded checkpoint of the current iteration, written now (collective; None without
     ``--save``). Logs its time and the checkpoint's size and GB/s."""
@@ -71,10 +78,11 @@ def save(trainer: "Trainer") -> Optional[pathlib.Path]:
         return None
     start = time.perf_counter()
     trainer.optimizer.params_ready()
+    keep = _writes_state(trainer)
     path = save_sharded(setup.run.train.save, progress.iteration, setup.model_config,
                         setup.plan, trainer.groups, trainer.stage,
-                        trainer.optimizer.state_dict(), _train_state(trainer), _metadata(trainer),
-                        weights=trainer.optimizer.master_weights())
+                        trainer.optimizer.state_dict(keep), _train_state(trainer),
+                        _metadata(trainer), weights=trainer.optimizer.master_weights(keep))
     elapsed = time.perf_counter() - start
     metadata = read_metadata_file(path)
     size = None if metadata is None else files_total_bytes(metadata)
@@ -112,11 +120,12 @@ class CheckpointSaver:
         iteration, save_dir = trainer.progress.iteration, pathlib.Path(setup.run.train.save)
         start = time.perf_counter()
         trainer.optimizer.params_ready()
-        optimizer_state = trainer.optimizer.state_dict()  # fresh CPU copies
+        keep = _writes_state(trainer)
+        optimizer_state = trainer.optimizer.state_dict(keep)  # fresh CPU copies
         train_state = copy.deepcopy(_train_state(trainer))
         files = snapshot_sharded(save_dir, iteration, setup.model_config, trainer.groups,
                                  trainer.stage, optimizer_state, train_state,
-                                 weights=trainer.optimizer.master_weights())
+                                 weights=trainer.optimizer.master_weights(keep))
         blocked = time.perf_counter() - start
         self.background.start(files, PendingCommit(
             save_dir, iteration, setup.model_config, setup.plan, optimizer_state is not None,

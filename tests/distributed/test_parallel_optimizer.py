@@ -90,6 +90,14 @@ def _resume(rank: int, groups: ProcessGroups) -> None:
         for it in range(3):
             train_iteration(stage, optimizer, groups, it)
         state = optimizer.state_dict()
+        # A replica that writes no checkpoint piece joins the gather but keeps no host copy;
+        # the replica that writes gets the same whole state.
+        writes = groups.role.pipeline == 0
+        kept = optimizer.state_dict(keep=writes)
+        assert (kept == {}) != writes
+        for name in kept:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(kept[name][key], state[name][key])
         params = {n: p.detach().clone() for n, p in stage.named_parameters()}
         for name, param in stage.named_parameters():
             assert state[name]["step"] == 3

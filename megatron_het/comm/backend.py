@@ -15,7 +15,9 @@ gloo link starts at once; one over a device backend's link (same-kind NCCL peers
 bridge) is held until something waits on any held transfer or the group's next operation
 starts, and then every held transfer is issued as one coalesced batch (NCCL needs that, or a
 ring of sends would deadlock). ``reduce``, ``gather``, ``scatter`` and coalesced collective
-variants are not provided.
+variants are not provided. Its links are gloo and NCCL (CUDA and ROCm) only: on a cluster with
+Ascend ranks (HCCL) a group made with it fails with one line, and code uses the communicator's
+own groups (:meth:`UnifiedCommunicator.new_group`), as the trainer does.
 """
 from __future__ import annotations
 

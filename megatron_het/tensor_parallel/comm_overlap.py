@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.comm.p2p import P2PHandle, P2POp
+from megatron_het.kernels.autocast import autocast_dtype, autocast_off
 from megatron_het.kernels.graph_break import graph_break
 
 SEQ_DIM = 1
@@ -63,6 +64,18 @@ class _Ring:
     def block(self, step: int, behind: int = 0) -> int:
         """The sequence block at hand at ``step``: ``(rank - behind - step) mod size``."""
         return (self.rank - behind - step) % self.size
+
+
+def _as_autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in the autocast dtype when autocast is on for their device (what F.linear
+    would multiply under it), else as they are. The rings multiply into preallocated blocks,
+    which autocast does not cover, so they cast once here and run without it: forward,
+    backward and the outputs then share one dtype (autograd casts each returned gradient to
+    its input's dtype)."""
+    dtype = autocast_dtype(tensors[0].device.type)
+    if dtype is None:
+        return tensors
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def _wait(handles: Optional[list[P2PHandle]]) -> None:
@@ -138,8 +151,10 @@ class _AllGatherLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup,
                 *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
+        x, *weights = _as_autocast(x, *weights)
         ctx.save_for_backward(x, *weights)
-        return tuple(_gathered_products(_Ring(group), x, weights))
+        with autocast_off(x.device.type):
+            return tuple(_gathered_products(_Ring(group), x, weights))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
@@ -171,13 +186,15 @@ class _LinearReduceScatter(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
                 group: UnifiedGroup) -> torch.Tensor:
         ctx.group = group
+        x, weight = _as_autocast(x, weight)
         ctx.save_for_backward(x, weight)
         ring = _Ring(group)
         if x.shape[SEQ_DIM] % ring.size:
             raise ValueError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by the TP "
                              f"size {ring.size}")
         s = x.shape[SEQ_DIM] // ring.size
-        return _scattered_sum(ring, lambda block: F.linear(_seq_block(x, block, s), weight))
+        with autocast_off(x.device.type):
+            return _scattered_sum(ring, lambda block: F.linear(_seq_block(x, block, s), weight))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:

@@ -1,0 +1,41 @@
+"""The overlapped TP rings (tensor_parallel.comm_overlap) under autocast: they multiply into
+preallocated blocks, which autocast does not cover, so they cast to the autocast dtype
+themselves; outputs come out in it, as F.linear's would, and backward runs in one dtype. Two
+ranks as threads of this process (gpucheck.tp_rings.ThreadRing)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_het.gpucheck.tp_rings import ThreadRing
+from megatron_het.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
+
+
+def test_rings_under_autocast_give_the_autocast_dtype_and_fp32_gradients() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 8, 16, generator=g)
+    gate = torch.randn(2, 12, 16, generator=g)
+    down = torch.randn(2, 16, 12, generator=g)
+    act = torch.randn(2, 1, 8, 12, generator=g)
+
+    def work(member):
+        r = member.rank
+        xs = x[:, r * 4:(r + 1) * 4].clone().requires_grad_()
+        w = gate[r].clone().requires_grad_()
+        a, wd = act[r].clone().requires_grad_(), down[r].clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (out,) = all_gather_linear(xs, [w], member)
+            y = linear_reduce_scatter(a, wd, member)
+        (out.float().sum() + y.float().sum()).backward()
+        return out, y, w.grad, wd.grad
+
+    results = ThreadRing(2).run(work)
+    expected_y = sum(F.linear(act[r], down[r]) for r in range(2))
+    for r, (out, y, w_grad, wd_grad) in enumerate(results):
+        assert out.dtype == y.dtype == torch.bfloat16
+        assert w_grad.dtype == wd_grad.dtype == torch.float32
+        torch.testing.assert_close(out.float(), F.linear(x, gate[r]), atol=0.1, rtol=2e-2)
+        torch.testing.assert_close(y.float(), expected_y[:, r * 4:(r + 1) * 4], atol=0.2,
+                                   rtol=2e-2)
+        torch.testing.assert_close(w_grad, x.reshape(8, 16).sum(0).expand(12, 16), atol=0.1,
+                                   rtol=2e-2)

@@ -182,15 +182,21 @@ def test_liger_stands_in_only_where_it_may():
     assert len(calls) == 1
 
 
-def test_accelerator_precision_emulated(monkeypatch):
-    """The accelerator path (bf16 operands, float32-output GEMMs) emulated on CPU: with the
-    default mean loss its main_grad error is a fraction of a bf16 rounding of the gradient."""
+def emulate_accelerator_gemms(monkeypatch) -> None:
+    """The accelerator path on CPU: GEMM operands stay in their low-precision dtype and the
+    products come out in float32, as CUDA's float32-output GEMMs give them."""
     import megatron_het.model.loss as loss_mod
 
     monkeypatch.setattr(loss_mod, "gemm_operand_dtype", lambda dtype, device: dtype)
     monkeypatch.setattr(loss_mod, "mm_fp32_out", lambda a, b: a.float() @ b.float())
     monkeypatch.setattr(loss_mod, "addmm_fp32_out_",
                         lambda acc, a, b: acc.addmm_(a.float(), b.float()))
+
+
+def test_accelerator_precision_emulated(monkeypatch):
+    """The accelerator path (bf16 operands, float32-output GEMMs) emulated on CPU: with the
+    default mean loss its main_grad error is a fraction of a bf16 rounding of the gradient."""
+    emulate_accelerator_gemms(monkeypatch)
     g = torch.Generator().manual_seed(0)
     vocab, width, tokens = 1024, 64, 512
     hidden = torch.randn(tokens, width, generator=g).bfloat16().requires_grad_()
@@ -231,12 +237,7 @@ def test_vocab_parallel_bf16_head_is_exact_near_large_top_logits(monkeypatch):
     """On accelerators the vocabulary-parallel head keeps every chunk's logits in bf16 until
     the global log-sum-exp is known; kept about each row's max they stay exact where the
     probability is, however large the logits (here ~30, where bf16's step is 0.125)."""
-    import megatron_het.model.loss as loss_mod
-
-    monkeypatch.setattr(loss_mod, "gemm_operand_dtype", lambda dtype, device: dtype)
-    monkeypatch.setattr(loss_mod, "mm_fp32_out", lambda a, b: a.float() @ b.float())
-    monkeypatch.setattr(loss_mod, "addmm_fp32_out_",
-                        lambda acc, a, b: acc.addmm_(a.float(), b.float()))
+    emulate_accelerator_gemms(monkeypatch)
     g = torch.Generator().manual_seed(0)
     tokens, width, vocab = 128, 64, 512
     hidden = torch.randn(tokens, width, generator=g).bfloat16().requires_grad_()

@@ -24,6 +24,18 @@ PLAN = REPO / "scripts" / "plans" / "cpu_emulated_dp2_fast_heavy.json"  # loggin
 MODEL_FLAGS = ("--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
                "--vocab-size", "300", "--seq-length", "32", "--lr", "1e-3", "--log-interval",
                "1", "--eval-iters", "0")
+# EMULATION: the emulated kinds on two nodes (ranks 0-1 emu-fast on node 0, 2-3 emu-slow on
+# node 1): a multi-node job on this host, one torchrun agent and supervisor per node
+TWO_NODE_CLUSTER = """\
+name: two_nodes_emulated
+node_groups:
+  - {name: fast, accelerator: emu-fast, nodes: 1, devices_per_node: 2,
+     nic_bandwidth_gbit_per_s: 10}
+  - {name: slow, accelerator: emu-slow, nodes: 1, devices_per_node: 2,
+     nic_bandwidth_gbit_per_s: 10}
+links:
+  - {groups: [fast, slow], bandwidth_gbps: 2.0, latency_us: 50, emulated: true}
+"""
 # EMULATION: cpu_emulated.yaml without rank 1 (one emu-fast device lost)
 CLUSTER_WITHOUT_RANK_1 = """\
 name: cpu_emulated_without_rank_1

@@ -1,7 +1,8 @@
 """Faults end to end with torchrun on the emulated cluster: a stopped or killed rank, or a whole
 lost node of a two-node job, ends the job within the timeout with one report line; the
-supervisor (tools/elastic_run.py) relaunches on the devices left under a new plan, which
-continues the run from the last committed checkpoint (EMULATION)."""
+supervisor (tools/elastic_run.py: one host, or one per node of a two-node job) relaunches on
+the devices left under a new plan, which continues the run from the last committed checkpoint
+(EMULATION)."""
 from __future__ import annotations
 
 import os
@@ -19,8 +20,8 @@ from megatron_het.checkpoint.reader import load_model_state
 from megatron_het.training.supervisor import read_failure
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-from fault_jobs import (CLUSTER, PLAN, REPO, Job, free_port, node_torchrun,  # noqa: E402
-                        supervised, torchrun, train_losses)
+from fault_jobs import (CLUSTER, MODEL_FLAGS, PLAN, REPO, TWO_NODE_CLUSTER,  # noqa: E402
+                        Job, free_port, node_torchrun, supervised, torchrun, train_losses)
 
 TIMEOUT_MIN = 0.1
 SCHEDULE = ["--train-iters", "500", "--distributed-timeout-minutes", str(TIMEOUT_MIN)]
@@ -172,3 +173,49 @@ def test_a_rank_that_never_starts_fails_start_up_with_one_line() -> None:
         "error: start-up: rank 0 could not join the 2-rank rendezvous"), result.stderr[-2000:]
     assert "raise --distributed-timeout-minutes" in errors[0]
 
+
+
+@pytest.mark.slow
+def test_the_supervisors_of_a_two_node_job_continue_on_the_devices_left(
+        tmp_path: pathlib.Path) -> None:
+    """One supervisor per node (node 0: ranks 0-1, emu-fast; node 1: ranks 2-3, emu-slow) on
+    this host; rank 3 is killed after 7 iterations. Both supervisors read the same record,
+    relaunch on the cluster left (node 1 with the devices it has left, or without node 1 if
+    its other rank was lost too) at the next port, and the run ends at --exit-interval 10
+    with the uninterrupted losses."""
+    save, metrics = tmp_path / "ckpt", tmp_path / "fault.jsonl"
+    cluster = tmp_path / "two_nodes.yaml"
+    cluster.write_text(TWO_NODE_CLUSTER)
+    flags = ["--cluster", str(cluster), "--plan", str(PLAN), *SCHEDULE, "--exit-interval", "10",
+             "--metrics-file", str(metrics), "--save", str(save), "--save-interval", "4"]
+    port = free_port()
+    nodes = [Job([sys.executable, str(REPO / "tools" / "elastic_run.py"), "--node-rank", str(n),
+                  "--master-addr", "127.0.0.1", "--master-port", str(port), "--node-addr",
+                  "127.0.0.1", "--job-id", "two-nodes", "--", *MODEL_FLAGS, *flags])
+             for n in (0, 1)]
+    try:
+        nodes[0].wait_for_iterations(metrics, 7)
+        sent = nodes[1].send(3, signal.SIGKILL)
+        while read_failure(save) is None:
+            assert time.monotonic() - sent < TIMEOUT_MIN * 60 + 60
+            time.sleep(0.05)
+        expected = train_losses(metrics)
+        lost = read_failure(save)["lost_ranks"]
+        assert 3 in lost and set(lost) <= {2, 3}, lost
+        assert nodes[0].wait(240) == 0, nodes[0].text("stderr")[-3000:]
+        status_1 = nodes[1].wait(60)
+    finally:
+        for node in nodes:
+            node.send_all(signal.SIGKILL)
+            node.wait(10)
+    out_0, out_1 = nodes[0].text("stdout"), nodes[1].text("stdout")
+    assert "restart 1 of 3" in out_0 and "this node now node 0 of" in out_0, out_0[-2000:]
+    if lost == [3]:  # node 1 kept one device: it ran the rest of the job too
+        assert status_1 == 0 and "this node now node 1 of 2 with 1 ranks" in out_1
+    else:  # node 1 lost both: it left the job
+        assert "no device of this node (node 1 of the first launch) is left" in out_1
+    got = train_losses(metrics)
+    assert sorted(got) == list(range(1, 11))
+    for i in range(5, 8):
+        assert abs(got[i] - expected[i]) <= 2e-4 * abs(expected[i]), (i, got[i], expected[i])
+    assert (save / "elastic" / "cluster_1.yaml").is_file()

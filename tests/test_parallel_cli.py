@@ -211,7 +211,10 @@ def test_launch_env_needs_torchrun_variables() -> None:
     env = read_launch_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
     assert (env.rank, env.world_size, env.local_rank) == (1, 4, 1)
-    assert env.init_method == "tcp://127.0.0.1:29500"
+    assert env.init_method == "tcp://127.0.0.1:29500" and env.run_id == ""
+    assert read_launch_env({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h",
+                            "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "job7-2"}).run_id \
+        == "job7-2"
     with pytest.raises(UserError, match="MASTER_ADDR, MASTER_PORT not set"):
         read_launch_env({"RANK": "0", "WORLD_SIZE": "2"})
     with pytest.raises(UserError, match="outside WORLD_SIZE"):

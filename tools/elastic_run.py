@@ -3,8 +3,12 @@
     python tools/elastic_run.py [--max-restarts 3] -- --cluster C.yaml --save DIR \\
         --plan P.json ... (the other flags of pretrain_llama.py)
 
+    # a multi-node job: on node K of the cluster file (DIR on a shared filesystem)
+    python tools/elastic_run.py --node-rank K --master-addr NODE0 --master-port 29500 -- ...
+
 After a lost peer the run is relaunched on the cluster without the lost devices, with
-``--plan auto`` and ``--load DIR`` (one host: torchrun --standalone). See
+``--plan auto`` and ``--load DIR`` (one host: torchrun --standalone; several: every node's
+supervisor relaunches its node at its place in the cluster left). See
 :mod:`megatron_het.training.supervisor`.
 """
 from __future__ import annotations

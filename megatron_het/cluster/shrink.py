@@ -21,6 +21,14 @@ from megatron_het.errors import UserError
 def without_ranks(cluster: ClusterSpec, lost: Iterable[int]) -> ClusterSpec:
     """``cluster`` without the devices of ranks ``lost`` (see the module docstring); UserError
     when a rank is outside it or nothing would be left."""
+    return shrink(cluster, lost)[0]
+
+
+def shrink(cluster: ClusterSpec, lost: Iterable[int]) -> tuple[ClusterSpec, dict[int, int]]:
+    """:func:`without_ranks` and where each node went: ``{node of cluster: node of the new
+    cluster}`` for every node that keeps a device (a node that lost all of them is absent).
+    Nodes keep their order within each new group, and the groups follow the old order, so
+    every node's supervisor works out the same map and its own new node rank."""
     lost = set(lost)
     outside = sorted(r for r in lost if not 0 <= r < cluster.world_size)
     if outside:
@@ -39,14 +47,19 @@ def without_ranks(cluster: ClusterSpec, lost: Iterable[int]) -> ClusterSpec:
     new_groups: list[dict[str, Any]] = []
     order: list[str] = []
     nodes_of_host = _nodes_by_host(cluster)
+    placed: dict[int, int] = {}
     for host in hosts:
         members = [host] + [n for n in data["rank_order"]
                             if groups[n].get("colocate_with") == host]
-        signatures = Counter(tuple(kept[node][m] for m in members)
-                             for node in nodes_of_host[host])
+        signature_of = {node: tuple(kept[node][m] for m in members)
+                        for node in nodes_of_host[host]}
+        signatures = Counter(signature_of[node] for node in nodes_of_host[host])
         for signature, count in signatures.items():
             if not any(signature):
                 continue
+            for node in nodes_of_host[host]:
+                if signature_of[node] == signature:
+                    placed[node] = len(placed)
             made = _variant(groups, members, signature, count)
             for original, group in made:
                 while group["name"] in order:  # two kinds of node with the same share
@@ -60,7 +73,7 @@ def without_ranks(cluster: ClusterSpec, lost: Iterable[int]) -> ClusterSpec:
         links += [{**link, "groups": [x, y]} for x in renamed[a] for y in renamed[b]]
     out = {**data, "name": f"{cluster.name}-without-{len(lost)}", "node_groups": new_groups,
            "links": links, "rank_order": order}
-    return ClusterSpec.from_dict(out)
+    return ClusterSpec.from_dict(out), placed
 
 
 def _nodes_by_host(cluster: ClusterSpec) -> dict[str, list[int]]:
@@ -95,4 +108,4 @@ def _variant(groups: dict[str, dict[str, Any]], members: list[str], signature: t
     return made
 
 
-__all__ = ["without_ranks"]
+__all__ = ["shrink", "without_ranks"]

@@ -28,6 +28,7 @@ class LaunchEnv:
     master_port: int
     restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: which launch of the job
     local_world_size: int = 0  # torchrun's LOCAL_WORLD_SIZE: ranks on this node (0: unknown)
+    run_id: str = ""  # torchrun's TORCHELASTIC_RUN_ID (--rdzv-id): which job ("": none given)
 
     @property
     def init_method(self) -> str:
@@ -41,7 +42,8 @@ def launched_by_torchrun(environ: Mapping[str, str]) -> bool:
 
 def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     """Parse RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (UserError if absent),
-    and torchrun's TORCHELASTIC_RESTART_COUNT and LOCAL_WORLD_SIZE where set."""
+    and torchrun's TORCHELASTIC_RESTART_COUNT, LOCAL_WORLD_SIZE and TORCHELASTIC_RUN_ID where
+    set."""
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     missing = [name for name in names if not environ.get(name)]
     if missing:
@@ -59,7 +61,8 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
                         "launch with torchrun")
     return LaunchEnv(values["RANK"], values["WORLD_SIZE"], local_rank, environ["MASTER_ADDR"],
                      values["MASTER_PORT"], _optional_int(environ, "TORCHELASTIC_RESTART_COUNT"),
-                     _optional_int(environ, "LOCAL_WORLD_SIZE"))
+                     _optional_int(environ, "LOCAL_WORLD_SIZE"),
+                     environ.get("TORCHELASTIC_RUN_ID", ""))
 
 
 def _optional_int(environ: Mapping[str, str], name: str) -> int:

@@ -87,9 +87,10 @@ class PeerWatch:
                  grace_s: Optional[float] = None, generation: int = 0,
                  logging_rank: int = 0, node_size: int = 0,
                  store_deadline_s: Optional[float] = None,
-                 stuck_operation: Callable[[float], Optional[CommError]] = lambda _s: None
-                 ) -> None:
+                 stuck_operation: Callable[[float], Optional[CommError]] = lambda _s: None,
+                 run_id: str = "") -> None:
         self.prefix = f"{PREFIX}{generation}/"
+        self.run_id = run_id  # the launcher's job id, for the failure record
         self.logging_rank = logging_rank
         self.rank, self.world_size = rank, world_size
         self.interval_s = heartbeat_interval(timeout_s)

@@ -61,7 +61,8 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
         watch = PeerWatch(connect_store(env, timeout), env.rank, env.world_size,
                           timeout.total_seconds(), describe=lambda r: describe_rank(setup, r),
                           generation=env.restart_count, logging_rank=logging_rank(setup.plan),
-                          node_size=env.local_world_size, stuck_operation=PENDING.stuck)
+                          node_size=env.local_world_size, stuck_operation=PENDING.stuck,
+                          run_id=env.run_id)
     lost_peer = False
     try:
         return train_prepared(setup, stop, out, watch)
@@ -82,7 +83,7 @@ def _peer_failure_line(setup: RunSetup, watch: PeerWatch, error: CommError) -> s
         remove_stale_staging(setup.train.save)
     if report.full and setup.train.save is not None:  # for a supervisor's restart
         write_failure(setup.train.save, iteration, watch.world_size, report.silent,
-                      report.stuck, report.failed, report.line)
+                      report.stuck, report.failed, report.line, run_id=watch.run_id)
     return report.line
 
 

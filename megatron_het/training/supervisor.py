@@ -4,15 +4,23 @@
         flags of pretrain_llama.py)
 
 The supervisor launches ``torchrun --standalone`` on every device of the cluster file (one
-host; a multi-host job gets the same restart from its scheduler with the cluster file and
-flags this module writes). When a run ends because a peer was lost, its reporting rank has
-written ``DIR/last_failure.json`` (:func:`write_failure`: the ranks that stopped answering or
-were stuck in compute). The supervisor then writes the cluster without those devices
+host). When a run ends because a peer was lost, its reporting rank has written
+``DIR/last_failure.json`` (:func:`write_failure`: the ranks that stopped answering or were
+stuck in compute). The supervisor then writes the cluster without those devices
 (:func:`~megatron_het.cluster.shrink.without_ranks`) to ``DIR/elastic/cluster_<k>.yaml`` and
 relaunches on it with ``--plan auto`` and ``--load DIR``: the run reshards the last committed
 checkpoint to the new plan and continues at the same global batch and data position (the
 start-up log says what changed). Any other end (success, a user error, a crash with no lost
 peer, no restarts left) is the supervisor's exit status.
+
+A multi-node job runs one supervisor per node of the cluster file (``--node-rank K
+--master-addr A --master-port P``; ``DIR`` on a filesystem every node shares, as its
+checkpoints need). Each launches its node's torchrun (static rendezvous at ``A:P``, job id
+``<job>-<k>`` for launch k) and publishes its own address in ``DIR/elastic/nodes/``. After a
+lost peer every supervisor reads the same record (the one of its launch's job id, waiting for
+it as long as the run's timeout), works out the same smaller cluster and where each node went
+(:func:`~megatron_het.cluster.shrink.shrink`), and relaunches its node at its new node rank,
+with the new node 0's address as master and port ``P + k``; a node with no device left ends.
 """
 from __future__ import annotations
 
@@ -20,11 +28,13 @@ import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.cluster.shrink import without_ranks
+from megatron_het.cluster.shrink import shrink, without_ranks
 from megatron_het.errors import UserError
 
 FAILURE_FILE = "last_failure.json"
@@ -33,15 +43,18 @@ DEFAULT_MAX_RESTARTS = 3
 
 
 def write_failure(save_dir: str | Path, iteration: int, world_size: int, silent: Sequence[int],
-                  stuck: Sequence[int], failed: Sequence[int], line: str) -> Path:
+                  stuck: Sequence[int], failed: Sequence[int], line: str,
+                  run_id: str = "") -> Path:
     """Record a lost peer for a supervisor (atomically, in ``save_dir``): the ranks lost
     (``silent`` ones stopped answering, ``stuck`` ones stayed in compute), those that failed
-    with an error of their own, the world size and the report line."""
+    with an error of their own, the world size, the report line and the launcher's job id
+    (``run_id``: torchrun's ``--rdzv-id``, which tells the supervisors of a multi-node job
+    their own launch's record from an older one)."""
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
     record = {"iteration": iteration, "world_size": world_size,
               "lost_ranks": sorted(set(silent) | set(stuck)), "silent": list(silent),
-              "stuck": list(stuck), "failed": list(failed), "line": line}
+              "stuck": list(stuck), "failed": list(failed), "line": line, "run_id": run_id}
     tmp = root / f".{FAILURE_FILE}.{os.getpid()}"
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, root / FAILURE_FILE)
@@ -88,17 +101,119 @@ def torchrun_command(nproc: int, flags: Sequence[str]) -> list[str]:
             str(nproc), str(PRETRAIN), *flags]
 
 
+@dataclass(frozen=True)
+class NodeLaunch:
+    """This supervisor's node of a multi-node job: its node rank in the cluster file, the
+    first launch's master (node 0's address and port), the address other nodes reach this one
+    at, and the job id (the same on every node; it names each launch's failure record)."""
+
+    node_rank: int
+    master_addr: str
+    master_port: int
+    node_addr: str
+    job_id: str
+
+
+def node_torchrun_command(nnodes: int, node_rank: int, nproc: int, master_addr: str,
+                          master_port: int, run_id: str, flags: Sequence[str]) -> list[str]:
+    """One node's torchrun of pretrain_llama.py in a job of ``nnodes`` nodes (static
+    rendezvous at ``master_addr:master_port``, node 0's agent serving the store)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            "--node_rank", str(node_rank), "--nproc_per_node", str(nproc), "--rdzv_backend",
+            "static", "--rdzv_id", run_id, "--master_addr", master_addr, "--master_port",
+            str(master_port), str(PRETRAIN), *flags]
+
+
+def _publish_address(save: str, identity: int, addr: str) -> None:
+    root = Path(save) / "elastic" / "nodes"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".node{identity}.{os.getpid()}"
+    tmp.write_text(json.dumps({"node": identity, "addr": addr}))
+    os.replace(tmp, root / f"node{identity}.json")
+
+
+def _address_of(save: str, identity: int) -> str:
+    path = Path(save) / "elastic" / "nodes" / f"node{identity}.json"
+    if not path.is_file():
+        raise UserError(f"elastic_run: node {identity} published no address in {path.parent}; "
+                        "start a supervisor on every node of the cluster file")
+    return json.loads(path.read_text())["addr"]
+
+
+def _wait_for_record(save: str, run_id: str, wait_s: float,
+                     sleep: Callable[[float], None], clock: Callable[[], float]
+                     ) -> Optional[dict]:
+    """The failure record of launch ``run_id``, waiting up to ``wait_s`` for it (another
+    node's rank may report it after this node's run ended); None if none comes."""
+    deadline = clock() + wait_s
+    while True:
+        record = read_failure(save)
+        if record is not None and record.get("run_id") == run_id:
+            return record
+        if clock() >= deadline:
+            return None
+        sleep(0.5)
+
+
+def supervise_node(flags: Sequence[str], node: NodeLaunch,
+                   max_restarts: int = DEFAULT_MAX_RESTARTS,
+                   launch: Callable[[list[str]], int] = subprocess.call,
+                   say: Callable[[str], None] = lambda line: print(line, flush=True),
+                   sleep: Callable[[float], None] = time.sleep,
+                   clock: Callable[[], float] = time.monotonic) -> int:
+    """:func:`supervise` for one node of a multi-node job (module docstring); returns this
+    node's last run's exit status."""
+    cluster_path, save = _cluster_and_save(flags)
+    cluster = ClusterSpec.load(cluster_path)
+    if not 0 <= node.node_rank < cluster.num_nodes:
+        raise UserError(f"--node-rank {node.node_rank} is not a node of cluster "
+                        f"{cluster.name} ({cluster.num_nodes} nodes)")
+    timeout = flag_value(flags, "--distributed-timeout-minutes")
+    wait_s = 60.0 * float(timeout if timeout is not None else 10) + 30.0
+    _publish_address(save, node.node_rank, node.node_addr)
+    flags = list(flags)
+    identities = list(range(cluster.num_nodes))  # the original node rank of each node now
+    index, master = node.node_rank, node.master_addr
+    restarts = 0
+    while True:
+        run_id = f"{node.job_id}-{restarts}"
+        stale = read_failure(save)  # an older job's, with this id: no run of it has started
+        if stale is not None and stale.get("run_id") == run_id:
+            (Path(save) / FAILURE_FILE).unlink(missing_ok=True)
+        status = launch(node_torchrun_command(
+            cluster.num_nodes, index, cluster.nodes()[index].nproc, master,
+            node.master_port + restarts, run_id, flags))
+        if status == 0:
+            return status
+        say(f"elastic_run: launch {run_id} ended with status {status}; waiting up to "
+            f"{wait_s:.0f} s for its failure record in {save}")
+        failure = _wait_for_record(save, run_id, wait_s, sleep, clock)
+        if _stops(failure, status, restarts, max_restarts, say):
+            return status
+        restarts += 1
+        cluster, placed = shrink(cluster, failure["lost_ranks"])
+        if index not in placed:
+            say(f"elastic_run: ranks {failure['lost_ranks']} lost; no device of this node "
+                f"(node {identities[index]} of the first launch) is left, so it leaves the job")
+            return status
+        identities = [identity for _, identity in sorted(
+            (new, identities[old]) for old, new in placed.items())]
+        index = placed[index]
+        master = _address_of(save, identities[0])
+        flags, path, resume = _relaunch(flags, cluster, save, restarts)
+        say(f"{_restart_line(failure, restarts, max_restarts, cluster, path)}, this node now "
+            f"node {index} of {cluster.num_nodes} with {cluster.nodes()[index].nproc} ranks, "
+            f"master {master}:{node.master_port + restarts}, --plan auto"
+            + (f", --load {save}" if resume else ", from the start"))
+
+
 def supervise(flags: Sequence[str], max_restarts: int = DEFAULT_MAX_RESTARTS,
               launch: Callable[[list[str]], int] = subprocess.call,
               say: Callable[[str], None] = lambda line: print(line, flush=True)) -> int:
     """Run ``flags`` (pretrain_llama.py's) under torchrun and relaunch on the devices that are
     left after each lost peer, at most ``max_restarts`` times; returns the last run's exit
     status. UserError without ``--cluster`` or ``--save``."""
-    cluster_path, save = flag_value(flags, "--cluster"), flag_value(flags, "--save")
-    if cluster_path is None or save is None:
-        raise UserError("tools/elastic_run.py needs --cluster (the devices to start on) and "
-                        "--save (where checkpoints and the failure record go) among the "
-                        "run's flags")
+    cluster_path, save = _cluster_and_save(flags)
     flags = list(flags)
     cluster = ClusterSpec.load(cluster_path)
     restarts = 0
@@ -108,25 +223,59 @@ def supervise(flags: Sequence[str], max_restarts: int = DEFAULT_MAX_RESTARTS,
             stale.unlink()
         status = launch(torchrun_command(cluster.world_size, flags))
         failure = read_failure(save)
-        if status == 0 or failure is None or not failure["lost_ranks"]:
-            return status
-        if restarts == max_restarts:
-            say(f"elastic_run: ranks {failure['lost_ranks']} lost and no restart left "
-                f"(--max-restarts {max_restarts}); exit status {status}")
+        if status == 0 or _stops(failure, status, restarts, max_restarts, say):
             return status
         restarts += 1
         cluster = without_ranks(cluster, failure["lost_ranks"])
-        path = Path(save) / "elastic" / f"cluster_{restarts}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(_yaml(cluster.to_dict()))
-        flags = with_flag(with_flag(flags, "--cluster", str(path)), "--plan", "auto")
-        resume = _has_checkpoint(save)
-        if resume:
-            flags = with_flag(flags, "--load", save)
-        say(f"elastic_run: iteration {failure['iteration']}: ranks {failure['lost_ranks']} "
-            f"lost ({failure['line']}); restart {restarts} of {max_restarts} on the "
-            f"{cluster.world_size} devices left ({path}), --plan auto"
+        flags, path, resume = _relaunch(flags, cluster, save, restarts)
+        say(f"{_restart_line(failure, restarts, max_restarts, cluster, path)}, --plan auto"
             + (f", --load {save}" if resume else ", from the start"))
+
+
+def _stops(failure: Optional[dict], status: int, restarts: int, max_restarts: int,
+           say: Callable[[str], None]) -> bool:
+    """Whether a run that ended with ``status`` ends the supervision: no lost peer recorded,
+    or no restart left (said)."""
+    if failure is None or not failure["lost_ranks"]:
+        return True
+    if restarts == max_restarts:
+        say(f"elastic_run: ranks {failure['lost_ranks']} lost and no restart left "
+            f"(--max-restarts {max_restarts}); exit status {status}")
+        return True
+    return False
+
+
+def _cluster_and_save(flags: Sequence[str]) -> tuple[str, str]:
+    """The run's ``--cluster`` and ``--save`` (UserError when one is missing)."""
+    cluster_path, save = flag_value(flags, "--cluster"), flag_value(flags, "--save")
+    if cluster_path is None or save is None:
+        raise UserError("tools/elastic_run.py needs --cluster (the devices to start on) and "
+                        "--save (where checkpoints and the failure record go) among the "
+                        "run's flags")
+    return cluster_path, save
+
+
+def _relaunch(flags: Sequence[str], cluster: ClusterSpec, save: str, restarts: int
+              ) -> tuple[list[str], Path, bool]:
+    """Write ``cluster`` to ``save/elastic/cluster_<restarts>.yaml`` (atomically: every node's
+    supervisor writes the same file) and return the relaunch's flags (that cluster,
+    ``--plan auto``, ``--load save`` when a checkpoint is committed), the file and whether
+    the run resumes."""
+    path = Path(save) / "elastic" / f"cluster_{restarts}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(_yaml(cluster.to_dict()))
+    os.replace(tmp, path)
+    flags = with_flag(with_flag(flags, "--cluster", str(path)), "--plan", "auto")
+    resume = _has_checkpoint(save)
+    return (with_flag(flags, "--load", save) if resume else flags), path, resume
+
+
+def _restart_line(failure: dict, restarts: int, max_restarts: int, cluster: ClusterSpec,
+                  path: Path) -> str:
+    return (f"elastic_run: iteration {failure['iteration']}: ranks {failure['lost_ranks']} "
+            f"lost ({failure['line']}); restart {restarts} of {max_restarts} on the "
+            f"{cluster.world_size} devices left ({path})")
 
 
 def _has_checkpoint(save: str) -> bool:
@@ -141,22 +290,50 @@ def _yaml(data: dict) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-def main(argv: Sequence[str]) -> int:
-    """``[--max-restarts N] -- FLAGS``: :func:`supervise` FLAGS; the last run's status."""
+USAGE = ("usage: tools/elastic_run.py [--max-restarts N] [--node-rank K --master-addr A "
+         "--master-port P [--node-addr B] [--job-id J]] -- <pretrain_llama.py flags>")
+
+
+def main(argv: Sequence[str], environ: Optional[dict] = None) -> int:
+    """``[--max-restarts N] [--node-rank K --master-addr A --master-port P [--node-addr B]
+    [--job-id J]] -- FLAGS``: :func:`supervise` FLAGS on this host, or :func:`supervise_node`
+    for node K of a multi-node job (``--node-addr`` defaults to this host's name, ``--job-id``
+    to $SLURM_JOB_ID, else ``A:P``); the last run's status."""
+    import socket
+
     argv = list(argv)
-    max_restarts = DEFAULT_MAX_RESTARTS
+    environ = dict(os.environ) if environ is None else environ
     if "--" not in argv:
-        raise UserError("usage: tools/elastic_run.py [--max-restarts N] -- <pretrain_llama.py "
-                        "flags>")
+        raise UserError(USAGE)
     split = argv.index("--")
     head, flags = argv[:split], argv[split + 1:]
-    if head:
-        if len(head) != 2 or head[0] != "--max-restarts" or not head[1].isdigit():
-            raise UserError(f"unknown supervisor flags {' '.join(head)}; only "
-                            "--max-restarts N goes before --")
-        max_restarts = int(head[1])
-    return supervise(flags, max_restarts)
+    names = ("--max-restarts", "--node-rank", "--master-addr", "--master-port", "--node-addr",
+             "--job-id")
+    if len(head) % 2 or any(name not in names for name in head[::2]):
+        raise UserError(f"unknown supervisor flags {' '.join(head)}; {USAGE}")
+    options = dict(zip(head[::2], head[1::2]))
+    for name in ("--max-restarts", "--node-rank", "--master-port"):
+        if name in options and not options[name].isdigit():
+            raise UserError(f"{name} takes a non-negative integer, got {options[name]!r}")
+    max_restarts = int(options.get("--max-restarts", DEFAULT_MAX_RESTARTS))
+    multi = [name for name in ("--node-rank", "--master-addr", "--master-port")
+             if name in options]
+    if not multi:
+        if "--node-addr" in options or "--job-id" in options:
+            raise UserError("--node-addr and --job-id are for a multi-node job: give "
+                            "--node-rank, --master-addr and --master-port too")
+        return supervise(flags, max_restarts)
+    if len(multi) != 3:
+        raise UserError("a multi-node job's supervisor needs --node-rank, --master-addr and "
+                        "--master-port together")
+    master_addr, master_port = options["--master-addr"], int(options["--master-port"])
+    node = NodeLaunch(int(options["--node-rank"]), master_addr, master_port,
+                      options.get("--node-addr", socket.gethostname()),
+                      options.get("--job-id", environ.get("SLURM_JOB_ID")
+                                  or f"{master_addr}:{master_port}"))
+    return supervise_node(flags, node, max_restarts)
 
 
-__all__ = ["FAILURE_FILE", "flag_value", "main", "read_failure", "supervise",
-           "torchrun_command", "with_flag", "write_failure"]
+__all__ = ["FAILURE_FILE", "NodeLaunch", "flag_value", "main", "node_torchrun_command",
+           "read_failure", "supervise", "supervise_node", "torchrun_command", "with_flag",
+           "write_failure"]

@@ -192,7 +192,7 @@ def test_a_stuck_operation_is_reported_and_ends_the_process(monkeypatch, capsys,
     from megatron_het.training.supervisor import read_failure
 
     class Watch:
-        rank, world_size = 1, 2
+        rank, world_size, run_id = 1, 2, "job-0"
 
         def progress(self) -> int:
             return 6
@@ -215,7 +215,8 @@ def test_a_stuck_operation_is_reported_and_ends_the_process(monkeypatch, capsys,
                           "unified group 'tp': all_reduce failed: not complete")
     assert err.count("\n") == 1
     # for a supervisor's relaunch, as a failed operation on the main thread records it
-    assert read_failure(tmp_path)["lost_ranks"] == [0]
+    record = read_failure(tmp_path)
+    assert record["lost_ranks"] == [0] and record["run_id"] == "job-0"
 
 
 def test_a_device_marker_is_queried_on_the_device_it_was_recorded_on(monkeypatch) -> None:

@@ -2,7 +2,9 @@
 and the relaunch it makes (the end-to-end run is in tests/test_faults_cli.py)."""
 from __future__ import annotations
 
+import json
 import pathlib
+import sys
 
 import pytest
 
@@ -46,6 +48,31 @@ def test_nodes_that_lost_devices_become_groups_of_their_own() -> None:
     # a whole node lost is gone
     gone = without_ranks(cluster, range(8))
     assert {g.name: g.nodes for g in gone.node_groups} == {"amd": 15, "accel_a": 80}
+
+
+@pytest.mark.parametrize("lost", [[3, 200, 201, 767], list(range(8)) + [130], [9, 17, 25]])
+def test_every_node_left_knows_its_place_in_the_new_cluster(lost: list) -> None:
+    """Each node's supervisor of a multi-node job relaunches at the node rank the map gives
+    it: that node of the new cluster holds exactly the old node's devices left, by kind."""
+    from collections import Counter
+
+    from megatron_het.cluster.shrink import shrink
+
+    cluster = ClusterSpec.load(HETHUB)
+    left, placed = shrink(cluster, lost)
+
+    def kinds_by_node(spec: ClusterSpec, skip: set) -> dict[int, Counter]:
+        out: dict[int, Counter] = {}
+        for info in spec.rank_map():
+            if info.rank not in skip:
+                out.setdefault(info.node, Counter())[info.accelerator.name] += 1
+        return out
+
+    before, after = kinds_by_node(cluster, set(lost)), kinds_by_node(left, set())
+    assert sorted(placed.values()) == list(range(left.num_nodes))
+    assert set(placed) == set(before)  # a node with nothing left is not placed
+    for old, new in placed.items():
+        assert after[new] == before[old], (old, new)
 
 
 def test_bad_losses_are_one_line_errors() -> None:
@@ -106,3 +133,112 @@ def test_the_supervisor_stops_without_a_lost_peer_or_restarts(tmp_path: pathlib.
     assert "no restart left" in said[1]
     with pytest.raises(UserError, match="needs --cluster"):
         supervise(["--save", str(save)], launch=always_lose)
+
+
+# ---- a multi-node job: one supervisor per node --------------------------------------------
+sys.path.insert(0, str(REPO / "bench"))
+from fault_jobs import TWO_NODE_CLUSTER as TWO_NODES  # noqa: E402
+
+
+def _node_job(tmp_path: pathlib.Path, node_rank: int, lost: list, outcomes: list):
+    """Node ``node_rank``'s supervisor of the two-node job; its first launch fails losing
+    ``lost`` (the record written as the reporting rank would), later ones end with
+    ``outcomes``. Returns (exit status, launched commands, lines said)."""
+    from megatron_het.training.supervisor import NodeLaunch, supervise_node
+
+    save = tmp_path / "ckpt"
+    save.mkdir(exist_ok=True)
+    (save / "latest_checkpointed_iteration.txt").write_text("4")
+    cluster = tmp_path / "two_nodes.yaml"
+    cluster.write_text(TWO_NODES)
+    # the other node's supervisor published its address (it runs elsewhere)
+    (save / "elastic" / "nodes").mkdir(parents=True, exist_ok=True)
+    for identity, addr in ((0, "host-a"), (1, "host-b")):
+        (save / "elastic" / "nodes" / f"node{identity}.json").write_text(
+            json.dumps({"node": identity, "addr": addr}))
+    launched: list[list[str]] = []
+
+    def launch(cmd: list[str]) -> int:
+        launched.append(cmd)
+        if len(launched) == 1:
+            write_failure(save, 7, 4, silent=lost, stuck=[], failed=[], line="lost",
+                          run_id=cmd[cmd.index("--rdzv_id") + 1])
+            return 1
+        return outcomes[len(launched) - 2]
+
+    said: list[str] = []
+    node = NodeLaunch(node_rank, "host-a", 29500, "host-a" if node_rank == 0 else "host-b",
+                      "job7")
+    flags = ["--cluster", str(cluster), "--plan", "p.json", "--save", str(save),
+             "--distributed-timeout-minutes", "0.01"]
+    status = supervise_node(flags, node, launch=launch, say=said.append, sleep=lambda s: None)
+    return status, launched, said
+
+
+def _arg(cmd: list, name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_each_node_relaunches_at_its_place_in_the_cluster_left(tmp_path) -> None:
+    status, launched, said = _node_job(tmp_path, 1, [3], [0])
+    assert status == 0 and len(launched) == 2
+    first, second = launched
+    assert [_arg(first, n) for n in ("--nnodes", "--node_rank", "--nproc_per_node",
+                                     "--master_addr", "--master_port", "--rdzv_id")] == \
+        ["2", "1", "2", "host-a", "29500", "job7-0"]
+    # one emu-slow device lost: node 1 keeps one rank and its place; master and port move on
+    assert [_arg(second, n) for n in ("--nnodes", "--node_rank", "--nproc_per_node",
+                                      "--master_addr", "--master_port", "--rdzv_id")] == \
+        ["2", "1", "1", "host-a", "29501", "job7-1"]
+    left = ClusterSpec.load(_arg(second, "--cluster"))
+    assert left.accelerator_counts() == {"emu-fast": 2, "emu-slow": 1}
+    assert _arg(second, "--plan") == "auto" and _arg(second, "--load") == str(tmp_path / "ckpt")
+    assert said[0].startswith("elastic_run: launch job7-0 ended with status 1; waiting up to "
+                              "31 s for its failure record")
+    assert "this node now node 1 of 2 with 1 ranks, master host-a:29501" in said[1]
+
+
+def test_when_node_0_is_lost_the_next_node_is_the_master(tmp_path) -> None:
+    status, launched, said = _node_job(tmp_path, 1, [0, 1], [0])
+    second = launched[1]
+    assert [_arg(second, n) for n in ("--nnodes", "--node_rank", "--master_addr")] == \
+        ["1", "0", "host-b"]
+    (tmp_path / "node0").mkdir()
+    status, launched, said = _node_job(tmp_path / "node0", 0, [0, 1], [0])
+    assert len(launched) == 1 and status == 1  # node 0 has nothing left: it leaves
+    assert "no device of this node (node 0 of the first launch) is left" in said[1]
+
+
+def test_a_node_without_a_record_of_its_launch_ends_with_the_runs_status(tmp_path) -> None:
+    from megatron_het.training.supervisor import NodeLaunch, supervise_node
+
+    save = tmp_path / "ckpt"
+    cluster = tmp_path / "two_nodes.yaml"
+    cluster.write_text(TWO_NODES)
+    save.mkdir()
+    # an older job's record with another id is not this launch's
+    write_failure(save, 3, 4, silent=[2], stuck=[], failed=[], line="old", run_id="job6-0")
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    flags = ["--cluster", str(cluster), "--save", str(save), "--distributed-timeout-minutes",
+             "0.1"]
+    status = supervise_node(flags, NodeLaunch(0, "127.0.0.1", 29500, "127.0.0.1", "job7"),
+                            launch=lambda cmd: 3, sleep=sleep, clock=lambda: now[0])
+    assert status == 3 and now[0] >= 36.0  # waited the timeout + 30 s for another node's
+
+
+@pytest.mark.parametrize("head, fragment", [
+    (["--node-rank", "0", "--master-addr", "a"], "needs --node-rank, --master-addr and "
+                                                 "--master-port together"),
+    (["--job-id", "j"], "--node-addr and --job-id are for a multi-node job"),
+    (["--node-rank", "x", "--master-addr", "a", "--master-port", "1"], "--node-rank takes"),
+    (["--nodes", "2"], "unknown supervisor flags --nodes 2"),
+])
+def test_supervisor_flags_that_do_not_make_a_job_are_one_line_errors(head, fragment) -> None:
+    from megatron_het.training.supervisor import main
+
+    with pytest.raises(UserError, match=fragment):
+        main([*head, "--", "--cluster", str(EMULATED), "--save", "ckpt"], environ={})

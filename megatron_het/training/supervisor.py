@@ -21,6 +21,7 @@ lost peer every supervisor reads the same record (the one of its launch's job id
 it as long as the run's timeout), works out the same smaller cluster and where each node went
 (:func:`~megatron_het.cluster.shrink.shrink`), and relaunches its node at its new node rank,
 with the new node 0's address as master and port ``P + k``; a node with no device left ends.
+Every relaunch leaves the lost ranks' devices out of the visible devices (:class:`HostDevices`).
 """
 from __future__ import annotations
 
@@ -31,13 +32,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from megatron_het.cluster import ClusterSpec
+from megatron_het.cluster.nodes import RankInfo
 from megatron_het.cluster.shrink import shrink, without_ranks
 from megatron_het.errors import UserError
 
 FAILURE_FILE = "last_failure.json"
+# The variable that lists a vendor's visible devices (a lost device is left out of it).
+VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES",
+                   "huawei": "ASCEND_RT_VISIBLE_DEVICES"}
 PRETRAIN = Path(__file__).resolve().parents[2] / "pretrain_llama.py"
 DEFAULT_MAX_RESTARTS = 3
 
@@ -93,6 +98,46 @@ def with_flag(flags: Sequence[str], name: str, value: str) -> list[str]:
             continue
         out.append(flag)
     return out + [name, value]
+
+
+class HostDevices:
+    """The devices this host's accelerator ranks run on, in local-rank order, kept across
+    relaunches: a relaunch must not put a rank back on the device that was lost, so the lost
+    ranks' devices leave the vendor's visible-devices list (``CUDA_VISIBLE_DEVICES``,
+    ``HIP_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``) that the relaunch gets. Starts
+    from that variable in ``environ`` (else devices 0..n-1). CPU and emulated ranks have no
+    device; a host with several vendors' devices is left as it is."""
+
+    def __init__(self, ranks: Sequence[RankInfo], environ: Mapping[str, str]) -> None:
+        self.environ = dict(environ)
+        devices = self._device_ranks(ranks)
+        vendors = {r.accelerator.vendor for r in devices}
+        self.var = VISIBLE_DEVICES.get(vendors.pop()) if len(vendors) == 1 else None
+        given = self.environ.get(self.var, "") if self.var else ""
+        self.ids = given.split(",") if given else [str(i) for i in range(len(devices))]
+        self._ranks = [r.rank for r in devices]
+        self.changed = False
+
+    @staticmethod
+    def _device_ranks(ranks: Sequence[RankInfo]) -> list[RankInfo]:
+        return [r for r in ranks
+                if r.accelerator.device_type != "cpu" and not r.accelerator.emulated]
+
+    def drop(self, lost: Sequence[int], ranks_after: Sequence[RankInfo]) -> None:
+        """Leave out the devices of the ``lost`` ranks (this launch's numbering); the host's
+        ranks are ``ranks_after`` from the next launch on."""
+        if self.var is None or len(self.ids) < len(self._ranks):
+            return
+        gone = {i for i, rank in enumerate(self._ranks) if rank in set(lost)}
+        self.ids = [d for i, d in enumerate(self.ids) if i not in gone]
+        self._ranks = [r.rank for r in self._device_ranks(ranks_after)]
+        self.changed = self.changed or bool(gone)
+
+    def env(self) -> Optional[dict[str, str]]:
+        """The environment of the next launch (None: this process's own, unchanged)."""
+        if not self.changed:
+            return None
+        return {**self.environ, self.var: ",".join(self.ids)}
 
 
 def torchrun_command(nproc: int, flags: Sequence[str]) -> list[str]:
@@ -157,12 +202,13 @@ def _wait_for_record(save: str, run_id: str, wait_s: float,
 
 def supervise_node(flags: Sequence[str], node: NodeLaunch,
                    max_restarts: int = DEFAULT_MAX_RESTARTS,
-                   launch: Callable[[list[str]], int] = subprocess.call,
+                   launch: Optional[Callable[[list[str], Optional[dict]], int]] = None,
                    say: Callable[[str], None] = lambda line: print(line, flush=True),
                    sleep: Callable[[float], None] = time.sleep,
                    clock: Callable[[], float] = time.monotonic) -> int:
     """:func:`supervise` for one node of a multi-node job (module docstring); returns this
     node's last run's exit status."""
+    launch = launch or _call
     cluster_path, save = _cluster_and_save(flags)
     cluster = ClusterSpec.load(cluster_path)
     if not 0 <= node.node_rank < cluster.num_nodes:
@@ -174,6 +220,7 @@ def supervise_node(flags: Sequence[str], node: NodeLaunch,
     flags = list(flags)
     identities = list(range(cluster.num_nodes))  # the original node rank of each node now
     index, master = node.node_rank, node.master_addr
+    devices = HostDevices(_ranks_of_node(cluster, index), os.environ)
     restarts = 0
     while True:
         run_id = f"{node.job_id}-{restarts}"
@@ -182,7 +229,7 @@ def supervise_node(flags: Sequence[str], node: NodeLaunch,
             (Path(save) / FAILURE_FILE).unlink(missing_ok=True)
         status = launch(node_torchrun_command(
             cluster.num_nodes, index, cluster.nodes()[index].nproc, master,
-            node.master_port + restarts, run_id, flags))
+            node.master_port + restarts, run_id, flags), devices.env())
         if status == 0:
             return status
         say(f"elastic_run: launch {run_id} ended with status {status}; waiting up to "
@@ -191,7 +238,8 @@ def supervise_node(flags: Sequence[str], node: NodeLaunch,
         if _stops(failure, status, restarts, max_restarts, say):
             return status
         restarts += 1
-        cluster, placed = shrink(cluster, failure["lost_ranks"])
+        lost = failure["lost_ranks"]
+        cluster, placed = shrink(cluster, lost)
         if index not in placed:
             say(f"elastic_run: ranks {failure['lost_ranks']} lost; no device of this node "
                 f"(node {identities[index]} of the first launch) is left, so it leaves the job")
@@ -199,6 +247,7 @@ def supervise_node(flags: Sequence[str], node: NodeLaunch,
         identities = [identity for _, identity in sorted(
             (new, identities[old]) for old, new in placed.items())]
         index = placed[index]
+        devices.drop(lost, _ranks_of_node(cluster, index))
         master = _address_of(save, identities[0])
         flags, path, resume = _relaunch(flags, cluster, save, restarts)
         say(f"{_restart_line(failure, restarts, max_restarts, cluster, path)}, this node now "
@@ -208,28 +257,39 @@ def supervise_node(flags: Sequence[str], node: NodeLaunch,
 
 
 def supervise(flags: Sequence[str], max_restarts: int = DEFAULT_MAX_RESTARTS,
-              launch: Callable[[list[str]], int] = subprocess.call,
+              launch: Optional[Callable[[list[str], Optional[dict]], int]] = None,
               say: Callable[[str], None] = lambda line: print(line, flush=True)) -> int:
     """Run ``flags`` (pretrain_llama.py's) under torchrun and relaunch on the devices that are
     left after each lost peer, at most ``max_restarts`` times; returns the last run's exit
     status. UserError without ``--cluster`` or ``--save``."""
+    launch = launch or _call
     cluster_path, save = _cluster_and_save(flags)
     flags = list(flags)
     cluster = ClusterSpec.load(cluster_path)
+    devices = HostDevices(cluster.rank_map(), os.environ)
     restarts = 0
     while True:
         stale = Path(save) / FAILURE_FILE
         if stale.exists():
             stale.unlink()
-        status = launch(torchrun_command(cluster.world_size, flags))
+        status = launch(torchrun_command(cluster.world_size, flags), devices.env())
         failure = read_failure(save)
         if status == 0 or _stops(failure, status, restarts, max_restarts, say):
             return status
         restarts += 1
         cluster = without_ranks(cluster, failure["lost_ranks"])
+        devices.drop(failure["lost_ranks"], cluster.rank_map())
         flags, path, resume = _relaunch(flags, cluster, save, restarts)
         say(f"{_restart_line(failure, restarts, max_restarts, cluster, path)}, --plan auto"
             + (f", --load {save}" if resume else ", from the start"))
+
+
+def _call(cmd: list[str], env: Optional[dict]) -> int:
+    return subprocess.call(cmd, env=env)
+
+
+def _ranks_of_node(cluster: ClusterSpec, node: int) -> list[RankInfo]:
+    return [info for info in cluster.rank_map() if info.node == node]
 
 
 def _stops(failure: Optional[dict], status: int, restarts: int, max_restarts: int,

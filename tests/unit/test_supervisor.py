@@ -97,7 +97,7 @@ def test_the_supervisor_relaunches_on_the_devices_left(tmp_path: pathlib.Path) -
     (save / "latest_checkpointed_iteration.txt").write_text("4")
     launched: list[list[str]] = []
 
-    def launch(cmd: list[str]) -> int:
+    def launch(cmd: list[str], env=None) -> int:
         launched.append(cmd)
         if len(launched) == 1:  # the first run loses rank 1
             write_failure(save, 7, 4, silent=[1], stuck=[], failed=[0, 3], line="lost")
@@ -121,9 +121,9 @@ def test_the_supervisor_relaunches_on_the_devices_left(tmp_path: pathlib.Path) -
 def test_the_supervisor_stops_without_a_lost_peer_or_restarts(tmp_path: pathlib.Path) -> None:
     save = tmp_path / "ckpt"
     flags = ["--cluster", str(EMULATED), "--save", str(save)]
-    assert supervise(flags, launch=lambda cmd: 2, say=print) == 2  # a user error: no record
+    assert supervise(flags, launch=lambda cmd, env: 2, say=print) == 2  # a user error: no record
 
-    def always_lose(cmd: list[str]) -> int:
+    def always_lose(cmd: list[str], env=None) -> int:
         write_failure(save, 1, 4, silent=[0], stuck=[], failed=[], line="lost")
         return 1
 
@@ -158,7 +158,7 @@ def _node_job(tmp_path: pathlib.Path, node_rank: int, lost: list, outcomes: list
             json.dumps({"node": identity, "addr": addr}))
     launched: list[list[str]] = []
 
-    def launch(cmd: list[str]) -> int:
+    def launch(cmd: list[str], env=None) -> int:
         launched.append(cmd)
         if len(launched) == 1:
             write_failure(save, 7, 4, silent=lost, stuck=[], failed=[], line="lost",
@@ -226,7 +226,7 @@ def test_a_node_without_a_record_of_its_launch_ends_with_the_runs_status(tmp_pat
     flags = ["--cluster", str(cluster), "--save", str(save), "--distributed-timeout-minutes",
              "0.1"]
     status = supervise_node(flags, NodeLaunch(0, "127.0.0.1", 29500, "127.0.0.1", "job7"),
-                            launch=lambda cmd: 3, sleep=sleep, clock=lambda: now[0])
+                            launch=lambda cmd, env: 3, sleep=sleep, clock=lambda: now[0])
     assert status == 3 and now[0] >= 36.0  # waited the timeout + 30 s for another node's
 
 
@@ -242,3 +242,45 @@ def test_supervisor_flags_that_do_not_make_a_job_are_one_line_errors(head, fragm
 
     with pytest.raises(UserError, match=fragment):
         main([*head, "--", "--cluster", str(EMULATED), "--save", "ckpt"], environ={})
+
+
+def test_a_relaunch_leaves_the_lost_device_out_of_the_visible_devices(monkeypatch,
+                                                                      tmp_path) -> None:
+    """A rank lost with its GPU: the relaunch must not put a rank back on that device."""
+    from megatron_het.training.supervisor import NodeLaunch, supervise_node
+
+    cluster = ClusterSpec.load(HETHUB)  # MI250X nodes first, 8 devices each
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    (tmp_path / "elastic" / "nodes").mkdir(parents=True)
+    for identity in range(cluster.num_nodes):
+        (tmp_path / "elastic" / "nodes" / f"node{identity}.json").write_text(
+            json.dumps({"node": identity, "addr": f"h{identity}"}))
+    launched: list = []
+
+    def launch(cmd: list[str], env=None) -> int:
+        launched.append(env)
+        now = ClusterSpec.load(_arg(cmd, "--cluster"))
+        mine = [r.rank for r in now.rank_map() if r.node == int(_arg(cmd, "--node_rank"))]
+        if len(launched) > 2:
+            return 0
+        # first the node's device 3 (rank 11) is lost, then the sixth device left
+        write_failure(tmp_path, 3, now.world_size, silent=[mine[3 if len(launched) == 1 else 5]],
+                      stuck=[], failed=[], line="lost", run_id=_arg(cmd, "--rdzv_id"))
+        return 1
+
+    flags = ["--cluster", str(HETHUB), "--save", str(tmp_path), "--distributed-timeout-minutes",
+             "1"]
+    assert supervise_node(flags, NodeLaunch(1, "h0", 29500, "h1", "j"), launch=launch,
+                          say=lambda line: None, sleep=lambda s: None) == 0
+    assert launched[0] is None  # the first launch keeps this process's environment
+    assert launched[1]["HIP_VISIBLE_DEVICES"] == "0,1,2,4,5,6,7"
+    assert launched[2]["HIP_VISIBLE_DEVICES"] == "0,1,2,4,5,7"
+
+
+def test_cpu_and_emulated_ranks_have_no_devices_to_leave_out() -> None:
+    from megatron_het.training.supervisor import HostDevices
+
+    cluster = ClusterSpec.load(EMULATED)
+    devices = HostDevices(cluster.rank_map(), {})
+    devices.drop([1], without_ranks(cluster, [1]).rank_map())
+    assert devices.env() is None

@@ -30,7 +30,8 @@ _SCRUB_PREFIXES = ("NCCL_", "HSA_", "HCCL_", "ASCEND_", "SLURM_", "HET_", "TORCH
 _SCRUB = {"NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DATA_PATH", "TOKENIZER_MODEL",
           "CHECKPOINT_DIR", "LOG_DIR", "TENSORBOARD_DIR", "CLUSTER", "PLAN", "BRIDGE", "LAUNCHER",
           "DRY_RUN", "PRINT_ONLY", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "TRAIN_ITERS",
-          "NULL_VOCAB_SIZE", "PYTHON", "OMP_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS"}
+          "NULL_VOCAB_SIZE", "PYTHON", "OMP_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS",
+          "ELASTIC", "MAX_RESTARTS", "NODE_ADDR"}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -205,6 +206,15 @@ def test_slurm_fans_out_one_task_per_node_then_runs_torchrun() -> None:
     assert cmd.endswith("scripts/h200_mi300x/pretrain_llama_70b.sh")
     env, cmd = _print_only("h200_mi300x", HET_SLURM_NODE="1", SLURM_NODEID="3", **slurm)
     assert "--nnodes 6 --nproc_per_node 8 --node_rank 3" in cmd and "HIP_VISIBLE_DEVICES" in env
+
+
+def test_elastic_runs_one_supervisor_per_node() -> None:
+    _, cmd = _print_only("h200_mi300x", NODE_RANK="3", ELASTIC="1", NODE_ADDR="node3",
+                         MAX_RESTARTS="2")
+    assert ("tools/elastic_run.py --max-restarts 2 --node-rank 3 --master-addr node0 "
+            "--master-port 29500 --node-addr node3 -- --model") in cmd, cmd
+    assert "torch.distributed.run" not in cmd and "pretrain_llama.py" not in cmd
+    assert "--save /ckpt" in cmd and "--cluster scripts/clusters/h200_mi300x.yaml" in cmd
 
 
 _NODE = {"NODE_RANK": "0", "MASTER_ADDR": "n0", "DATA_PATH": "/d", "CHECKPOINT_DIR": "/c"}

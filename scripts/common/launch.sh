@@ -154,6 +154,10 @@ Flags (or variables):
   --launcher torchrun|slurm (LAUNCHER)  torchrun: start the script on every node with NODE_RANK;
                                  slurm: inside sbatch/salloc, srun starts one torchrun per node
   --print-only (PRINT_ONLY=1)    print the node's environment changes and the command, run nothing
+  ELASTIC=1                      one supervisor per node (tools/elastic_run.py) instead of
+                                 torchrun: after a lost peer every node relaunches on the devices
+                                 left with --plan auto (MAX_RESTARTS, default 3; NODE_ADDR, this
+                                 node's address for the others, default its hostname)
   other arguments go to pretrain_llama.py (e.g. --train-iters 10)
 
 Variables:
@@ -330,6 +334,12 @@ het_main() {
     # while training. A c10d agent calls its store every monitor tick, and when the store's node
     # dies without closing its connections each call waits out the store's read timeout (60 s),
     # so the nodes left would not end within --distributed-timeout-minutes.
+    if [ "${ELASTIC:-0}" = 1 ]; then
+        het_exec "$PYTHON" tools/elastic_run.py --max-restarts "${MAX_RESTARTS:-3}" \
+            --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" \
+            --master-port "${MASTER_PORT:-29500}" --node-addr "${NODE_ADDR:-$(hostname)}" \
+            -- "${HET_ARGS[@]:1}"
+    fi
     het_exec "$PYTHON" -m torch.distributed.run --nnodes "$HET_NNODES" \
         --nproc_per_node "$HET_NODE_NPROC" --node_rank "$NODE_RANK" \
         --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \

@@ -214,8 +214,11 @@ def supervise_node(flags: Sequence[str], node: NodeLaunch,
     if not 0 <= node.node_rank < cluster.num_nodes:
         raise UserError(f"--node-rank {node.node_rank} is not a node of cluster "
                         f"{cluster.name} ({cluster.num_nodes} nodes)")
-    timeout = flag_value(flags, "--distributed-timeout-minutes")
-    wait_s = 60.0 * float(timeout if timeout is not None else 10) + 30.0
+    try:  # how long another node's rank may take to report a loss (the run checks the flag)
+        timeout_min = float(flag_value(flags, "--distributed-timeout-minutes") or 10)
+    except ValueError:
+        timeout_min = 10.0
+    wait_s = 60.0 * timeout_min + 30.0
     _publish_address(save, node.node_rank, node.node_addr)
     flags = list(flags)
     identities = list(range(cluster.num_nodes))  # the original node rank of each node now

@@ -5,6 +5,7 @@ the file and says how to fix it. What the parsed content means is checked by the
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,4 +53,14 @@ def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:
     return data
 
 
-__all__ = ["read_json_file", "read_text_file", "read_yaml_mapping"]
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in its directory (named for this
+    process, so several processes may write the same file) renamed over it: a reader sees the
+    old content or the new, never part of it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+__all__ = ["read_json_file", "read_text_file", "read_yaml_mapping", "write_text_atomically"]

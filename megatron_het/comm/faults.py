@@ -8,7 +8,10 @@ group it creates is created with it.
 from __future__ import annotations
 
 import re
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -28,6 +31,26 @@ class CollectiveMismatchError(CommError):
 
 _SOURCE_PREFIX = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 _BOILERPLATE = re.compile(r"\s*This is typically caused by .*$")
+
+
+def line_to_bytes(text: str, size: int) -> torch.Tensor:
+    """``text`` as a uint8 CPU tensor of ``size`` bytes (UTF-8, cut at ``size``, zero-padded),
+    to carry a one-line message across ranks in a collective; :func:`line_from_bytes` reads
+    it back."""
+    import torch
+
+    out = torch.zeros(size, dtype=torch.uint8)
+    encoded = text.encode()[:size]
+    if encoded:
+        out[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    return out
+
+
+def line_from_bytes(tensor: torch.Tensor) -> str:
+    """The text :func:`line_to_bytes` wrote (any integer dtype and device)."""
+    import torch
+
+    return bytes(tensor.to("cpu", torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def first_line(exc: BaseException) -> str:

@@ -28,6 +28,7 @@ from megatron_het.checkpoint.io import iteration_dir_name
 from megatron_het.checkpoint.reader import ReadStats
 from megatron_het.checkpoint.sharded import load_sharded, save_sharded, snapshot_sharded
 from megatron_het.checkpoint.verify import read_metadata_file
+from megatron_het.comm.faults import line_from_bytes, line_to_bytes
 from megatron_het.errors import UserError
 from megatron_het.training.state import Progress, rng_state, set_rng_state
 
@@ -183,16 +184,12 @@ def _agree_loaded(trainer: "Trainer", error: Optional[BaseException], stats: Rea
     if failed < 0:
         return int(total.item()), slowest_us / 1e6
     # Every rank takes this branch: the failing rank's line, summed in (the others add zeros).
-    line = torch.zeros(_ERROR_LINE_BYTES, dtype=torch.uint8)
-    if world.rank == failed:
-        encoded = str(error).encode()[:_ERROR_LINE_BYTES]
-        line[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    line = line_to_bytes(str(error) if world.rank == failed else "", _ERROR_LINE_BYTES)
     wire = line.to(device=trainer.device, dtype=torch.int32)
     world.all_reduce(wire, "sum")
     if error is not None:
         raise error
-    text = bytes(wire.to("cpu", torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
-    raise UserError(f"{text} (on rank {failed})")
+    raise UserError(f"{line_from_bytes(wire)} (on rank {failed})")
 
 
 def load(trainer: "Trainer") -> str:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional, TextIO
 
 from megatron_het.arguments import RunConfig
 from megatron_het.checkpoint.io import load_checkpoint_metadata, remove_stale_staging
-from megatron_het.comm.faults import CommError
+from megatron_het.comm.faults import CommError, line_from_bytes, line_to_bytes
 from megatron_het.comm.pending import PENDING
 from megatron_het.errors import EXIT_PEER_FAILURE, PeerFailure, UserError
 from megatron_het.training.checkpointing import load
@@ -194,18 +194,12 @@ def check_devices(setup: RunSetup, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    problem = device_problem(setup.accelerator(rank)) or ""
-    mine = torch.zeros(_PROBLEM_BYTES, dtype=torch.uint8)
-    encoded = problem.encode()[:_PROBLEM_BYTES]
-    if encoded:
-        mine[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    mine = line_to_bytes(device_problem(setup.accelerator(rank)) or "", _PROBLEM_BYTES)
     size = dist.get_world_size() if dist.is_initialized() else 1
     every = [mine] if size == 1 else [torch.zeros_like(mine) for _ in range(size)]
     if size > 1:
         dist.all_gather(every, mine)
-    problems = [(r, bytes(t.tolist()).rstrip(b"\0").decode(errors="replace"))
-                for r, t in enumerate(every)]
-    problems = [(r, text) for r, text in problems if text]
+    problems = [(r, text) for r, text in enumerate(map(line_from_bytes, every)) if text]
     if not problems:
         return
     shown = "; ".join(f"{describe_rank(setup, r)}: {text}" for r, text in problems[:3])

@@ -38,6 +38,7 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.cluster.nodes import RankInfo
 from megatron_het.cluster.shrink import shrink, without_ranks
 from megatron_het.errors import UserError
+from megatron_het.fileio import write_text_atomically
 
 FAILURE_FILE = "last_failure.json"
 # The variable that lists a vendor's visible devices (a lost device is left out of it).
@@ -60,9 +61,7 @@ def write_failure(save_dir: str | Path, iteration: int, world_size: int, silent:
     record = {"iteration": iteration, "world_size": world_size,
               "lost_ranks": sorted(set(silent) | set(stuck)), "silent": list(silent),
               "stuck": list(stuck), "failed": list(failed), "line": line, "run_id": run_id}
-    tmp = root / f".{FAILURE_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, root / FAILURE_FILE)
+    write_text_atomically(root / FAILURE_FILE, json.dumps(record, indent=1))
     return root / FAILURE_FILE
 
 
@@ -128,7 +127,8 @@ class HostDevices:
         ranks are ``ranks_after`` from the next launch on."""
         if self.var is None or len(self.ids) < len(self._ranks):
             return
-        gone = {i for i, rank in enumerate(self._ranks) if rank in set(lost)}
+        lost_ranks = set(lost)
+        gone = {i for i, rank in enumerate(self._ranks) if rank in lost_ranks}
         self.ids = [d for i, d in enumerate(self.ids) if i not in gone]
         self._ranks = [r.rank for r in self._device_ranks(ranks_after)]
         self.changed = self.changed or bool(gone)
@@ -172,9 +172,8 @@ def node_torchrun_command(nnodes: int, node_rank: int, nproc: int, master_addr: 
 def _publish_address(save: str, identity: int, addr: str) -> None:
     root = Path(save) / "elastic" / "nodes"
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".node{identity}.{os.getpid()}"
-    tmp.write_text(json.dumps({"node": identity, "addr": addr}))
-    os.replace(tmp, root / f"node{identity}.json")
+    write_text_atomically(root / f"node{identity}.json",
+                          json.dumps({"node": identity, "addr": addr}))
 
 
 def _address_of(save: str, identity: int) -> str:
@@ -326,9 +325,7 @@ def _relaunch(flags: Sequence[str], cluster: ClusterSpec, save: str, restarts: i
     the run resumes."""
     path = Path(save) / "elastic" / f"cluster_{restarts}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(_yaml(cluster.to_dict()))
-    os.replace(tmp, path)
+    write_text_atomically(path, _yaml(cluster.to_dict()))
     flags = with_flag(with_flag(flags, "--cluster", str(path)), "--plan", "auto")
     resume = _has_checkpoint(save)
     return (with_flag(flags, "--load", save) if resume else flags), path, resume

@@ -76,7 +76,9 @@ class UnifiedGroup:
             if pg is not None and me in ranks:
                 wire = bridge.wire_for(frozenset(layout.kinds[layout.kind_index(r)]
                                                  for r in ranks))
-                link = Link(pg, ranks, me, backend, label, name, wire)
+                bridged = label in ("bridge", "channel") and bridge.stages
+                starts = bridge.starts if bridged else None
+                link = Link(pg, ranks, me, backend, label, name, wire, starts)
                 if link.is_native_device_link:
                     link.warm_up()  # connect now (collective over the link's members)
                 links[(label, tuple(sorted(ranks)))] = link

@@ -25,7 +25,10 @@ all_reduce and reduce_scatter come in two parts (``start_*``): the call runs the
 inside the kind and starts the cross-kind transfers, which then proceed in the bridge backend's
 threads; the returned function finishes the rest. An asynchronous collective of a group calls
 the second part in ``wait()`` (see :mod:`megatron_het.comm.async_ops`). Device tensors cross on
-host buffers from the bridge's pool, copied on side streams (:mod:`megatron_het.comm.staging`).
+host buffers from the bridge's pool, copied on side streams (:mod:`megatron_het.comm.staging`);
+the all-reduce's cross-kind pieces are started by the bridge's start queue once their copy to
+the host is done (:mod:`megatron_het.comm.start_queue`), so the calling thread never waits for
+the device there (a backward hook that starts a bucket's reduction goes straight on).
 """
 from __future__ import annotations
 
@@ -136,9 +139,11 @@ class _ChannelStream:
         """Start the channel all-reduce of every piece inside ``shard[:ready]``."""
         while len(self.launched) < len(self.pieces) and self.pieces[len(self.launched)][1] <= ready:
             start, stop, owners = self.pieces[len(self.launched)]
-            staged = self.parts.bridge.stage(self.shard[start:stop])
-            work = self.parts.channel(owners).all_reduce_async(staged.host, self.op,
-                                                               name="all_reduce")
+            # The copy to the host is not waited for here: the bridge's start queue starts the
+            # transfer once it is done, and this thread goes on queueing device work.
+            staged = self.parts.bridge.stage(self.shard[start:stop], wait=False)
+            work = self.parts.channel(owners).all_reduce_async(
+                staged.host, self.op, name="all_reduce", after=staged.ready)
             self.launched.append((start, work, staged))
 
     def wait_below(self, _start: int, stop: int) -> None:

@@ -20,6 +20,7 @@ from torch._C import _distributed_c10d as c10d
 
 from megatron_het.comm import pending
 from megatron_het.comm.faults import CommError, guarded
+from megatron_het.comm.start_queue import Fence, StartQueue
 from megatron_het.comm.wire import Settle, Wire
 
 _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -92,10 +93,16 @@ class Link:
     the bytes this rank moves, counted as a ring would move them: all-reduce 2(n-1)/n of the
     buffer, all-gather and reduce-scatter (n-1)/n of the full buffer, broadcast and p2p the
     buffer.
+
+    ``starts`` (a bridge link's, see :mod:`megatron_het.comm.start_queue`): an operation given
+    a fence (``after``, the copy that fills its host buffer) is started from that queue's
+    thread once the fence has passed, and any operation that arrives while the queue is busy
+    is queued behind it. Without ``starts`` an operation's fence is waited for at the call.
     """
 
     def __init__(self, pg: Any, ranks: Sequence[int], me: int, backend: str, label: str,
-                 group_name: str, wire: Wire | None = None) -> None:
+                 group_name: str, wire: Wire | None = None,
+                 starts: StartQueue | None = None) -> None:
         self.pg = pg
         self.ranks = tuple(sorted(ranks))
         self.me = me
@@ -105,6 +112,7 @@ class Link:
         self.wire = wire
         self.size = len(self.ranks)
         self.rank = self.ranks.index(me)
+        self.starts = starts
 
     @property
     def where(self) -> str:
@@ -112,9 +120,15 @@ class Link:
 
     def _start(self, op: str, fn: Callable[[], Any], nbytes: float = 0,
                then: Callable[[], None] | None = None, direction: str = "tx",
-               watch: bool = False) -> Work:
+               watch: bool = False, after: Fence = None) -> Work:
         settle = self.wire.book(int(nbytes), direction) if self.wire is not None else None
-        work = guarded(self.group_name, op, self.where, fn)
+        starts = self.starts
+        if starts is not None and (after is not None or starts.busy):
+            work = starts.submit(after, lambda: guarded(self.group_name, op, self.where, fn))
+        else:
+            if after is not None:
+                after()
+            work = guarded(self.group_name, op, self.where, fn)
         return Work(work, self.group_name, op, self.where, then, settle, watch,
                     self.pending_device)
 
@@ -127,12 +141,13 @@ class Link:
         return self.ranks.index(rank)
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str, name: str = "all_reduce",
-                         then: Callable[[], None] | None = None) -> Work:
-        """Start an in-place all-reduce (``op`` in sum/max/min); ``then`` runs once it is done."""
+                         then: Callable[[], None] | None = None, after: Fence = None) -> Work:
+        """Start an in-place all-reduce (``op`` in sum/max/min) once ``after`` (the copy that
+        fills ``tensor``) has passed; ``then`` runs once it is done."""
         opts = c10d.AllreduceOptions()
         opts.reduceOp = _NATIVE_OPS[op]
         return self._start(name, lambda: self.pg.allreduce([tensor], opts),
-                           self._ring_bytes(tensor, 2), then)
+                           self._ring_bytes(tensor, 2), then, after=after)
 
     def all_reduce(self, tensor: torch.Tensor, op: str, name: str = "all_reduce") -> None:
         self.all_reduce_async(tensor, op, name).wait()

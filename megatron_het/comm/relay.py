@@ -21,8 +21,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_het.comm.staging import (Copier, CudaCopier, HostCopier, HostPool, Waitable,
-                                       relay_chunks)
+from megatron_het.comm.staging import (Copier, CudaCopier, Fence, HostCopier, HostPool,
+                                       Waitable, relay_chunks)
+from megatron_het.comm.start_queue import StartQueue
 from megatron_het.comm.wire import Wire, WireHooks
 from megatron_het.errors import UserError
 
@@ -41,12 +42,15 @@ class Staged:
 
     ``finish()`` copies received data back to the device (and gives the buffer back);
     ``release()`` gives it back without copying (after a send). Both are no-ops when ``host``
-    is the device tensor itself; the buffer goes back to its pool once.
+    is the device tensor itself; the buffer goes back to its pool once. ``ready`` is the fence
+    of the copy into ``host`` when :meth:`Bridge.stage` was asked not to wait for it (None: the
+    host buffer holds the data).
     """
 
     def __init__(self, host: torch.Tensor, device: torch.Tensor, pool: HostPool | None = None,
-                 copier: Copier | None = None, lease: torch.Tensor | None = None) -> None:
-        self.host, self.device = host, device
+                 copier: Copier | None = None, lease: torch.Tensor | None = None,
+                 ready: Fence = None) -> None:
+        self.host, self.device, self.ready = host, device, ready
         self._pool, self._copier, self._lease = pool, copier, lease
 
     def finish(self) -> None:
@@ -75,6 +79,9 @@ class Bridge:
     :mod:`megatron_het.comm.wire`; None: no booking). ``copier_for`` makes the copier of a
     device (tests inject recording copiers; default :func:`default_copier`). ``host_only``:
     every kind of the world runs on the CPU, so nothing is staged and transfers go whole.
+    ``starts`` starts the bridge links' operations whose host data is still being copied
+    (:mod:`megatron_het.comm.start_queue`); the groups give it to every link over this bridge's
+    backend.
     """
 
     def __init__(self, mode: str, backend: str = "gloo",
@@ -90,6 +97,7 @@ class Bridge:
         self._copiers: dict[torch.device, Copier] = {}
         self._pools: dict[bool, HostPool] = {}
         self._lock = threading.Lock()
+        self.starts = StartQueue()
 
     def wire_for(self, kinds: frozenset[str]) -> Optional[Wire]:
         """The wire of a backend link over ranks of ``kinds`` (None: none, or a single kind)."""
@@ -121,22 +129,24 @@ class Bridge:
                 self._copiers[device] = self._copier_for(device)
             return self._copiers[device]
 
-    def stage(self, tensor: torch.Tensor, copy_in: bool = True) -> Staged:
+    def stage(self, tensor: torch.Tensor, copy_in: bool = True, wait: bool = True) -> Staged:
         """Host buffer for ``tensor`` (the tensor itself when no staging is needed).
 
         ``copy_in=False`` skips copying the device data in (for receive buffers). The copy in
-        has finished when this returns; call ``finish()`` or ``release()`` when done.
+        has finished when this returns, unless ``wait=False``: then the returned ``ready``
+        fence says when (give it to the operation as its ``after``). Call ``finish()`` or
+        ``release()`` when done.
         """
         if not self.needs_staging(tensor):
             return Staged(tensor, tensor)
         pool, copier = self.pool(tensor), self.copier(tensor.device)
         lease = pool.acquire(tensor.numel(), tensor.dtype)
         host = lease.view(tensor.shape)
-        if copy_in:
-            fence = copier.to_host(host, tensor)
-            if fence is not None:
-                fence()
-        return Staged(host, tensor, pool, copier, lease)
+        fence = copier.to_host(host, tensor) if copy_in else None
+        if wait and fence is not None:
+            fence()
+            fence = None
+        return Staged(host, tensor, pool, copier, lease, fence)
 
     def relay(self, tensor: torch.Tensor, spans: Sequence[tuple[int, int]],
               launch: Callable[[torch.Tensor], Waitable], copy_in: bool = True,

@@ -174,3 +174,56 @@ def test_waiting_on_a_dead_peer_raises_comm_error(group_ranks: list[int]) -> Non
     survivors = [r for r in group_ranks[:-1] if f"rank {r} failed" in text]
     assert survivors, text
     assert text.count("CommError: unified group 'dp': all_reduce") == len(survivors), text
+
+
+def lagging_copies(rank: int, world_size: int) -> dict:
+    """Every rank stages as a device rank does, through a copier whose copies to the host only
+    finish when the gate opens (a device still busy with the work queued before them)."""
+    import threading
+
+    from megatron_het.comm import relay
+    from megatron_het.comm.staging import HostCopier
+
+    opened = threading.Event()
+
+    class LaggingCopier(HostCopier):
+        def to_host(self, host: torch.Tensor, device: torch.Tensor):
+            host.copy_(device)
+            return lambda: opened.wait(10)  # bounded: a caller that waits fails the test
+
+    relay.default_copier = lambda device: LaggingCopier()
+    relay.Bridge.needs_staging = lambda self, tensor: self.stages
+    comm = make_comm(["fast", "fast", "slow", "slow"])
+    tp = [comm.new_group([0, 1], name="tp-fast"), comm.new_group([2, 3], name="tp-slow")][rank // 2]
+    dp = [comm.new_group([0, 2], name="dp0"), comm.new_group([1, 3], name="dp1")][rank % 2]
+    starts = comm.bridge.starts
+    a = torch.full((3000,), float(rank + 1))
+    h_a = dp.all_reduce(a, async_op=True)  # returns with its copy to the host still running
+    queued_after_call = starts.busy and not opened.is_set()
+    t = torch.full((5,), float(rank))
+    tp.all_reduce(t)  # a native link goes on meanwhile
+    b = torch.arange(8.0) + rank
+    b_out = torch.empty(4)
+    h_b = dp.reduce_scatter_tensor(b_out, b, async_op=True)
+    still_queued = starts.busy
+    opened.set()
+    g = torch.empty(8)
+    dp.all_gather_into_tensor(g, torch.full((4,), float(rank)))  # sync, behind the queue
+    h_b.wait()
+    h_a.wait()
+    return {"a": a.unique().tolist(), "t": t[0].item(), "b": b_out.tolist(), "g": g.tolist(),
+            "queued_after_call": queued_after_call, "still_queued": still_queued,
+            "submitted": starts.submitted}
+
+
+def test_staged_transfers_start_once_their_copy_is_done_without_blocking_the_caller() -> None:
+    results = run_ranks(lagging_copies, 4, timeout=60)
+    for rank, r in enumerate(results):
+        peer = 2 + rank % 2 if rank < 2 else rank % 2
+        pair = sorted((rank, peer))
+        assert r["a"] == [float(pair[0] + pair[1] + 2)]
+        assert r["t"] == (1.0 if rank < 2 else 5.0)
+        block = pair.index(rank) * 4
+        assert r["b"] == [2 * i + pair[0] + pair[1] for i in range(block, block + 4)]
+        assert r["g"] == [float(pair[0])] * 4 + [float(pair[1])] * 4
+        assert r["queued_after_call"] and r["still_queued"] and r["submitted"] >= 2, r

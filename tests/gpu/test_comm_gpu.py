@@ -78,6 +78,15 @@ def mixed_world(rank: int, world_size: int) -> dict:
     comm.world.all_reduce(z, op="max")  # a sync op while the async one is pending
     handle.wait()
     out["async"] = torch.equal(y.cpu(), torch.arange(1000.0) * 2 + 1) and bool((z == 2).all())
+    w = torch.full((BIG,), float(rank + 1), device=dev)
+    if rank == 0:
+        torch.cuda._sleep(1_000_000_000)  # about half a second of device work queued first
+    handle = comm.world.all_reduce(w, async_op=True)
+    # the call did not wait for the device: its copy to the host is started by the bridge's
+    # start queue once the device gets there
+    out["async_without_host_sync"] = rank == 1 or not torch.cuda.current_stream().query()
+    handle.wait()
+    out["async_after_device_work"] = bool((w == 3).all())
     b = torch.arange(BIG, device=dev, dtype=torch.float32) if rank == 1 else torch.zeros(
         BIG, device=dev)
     comm.world.broadcast(b, src=1)

@@ -219,3 +219,34 @@ def test_the_supervisors_of_a_two_node_job_continue_on_the_devices_left(
     for i in range(5, 8):
         assert abs(got[i] - expected[i]) <= 2e-4 * abs(expected[i]), (i, got[i], expected[i])
     assert (save / "elastic" / "cluster_1.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_the_supervisors_of_a_two_node_job_stop_at_once_on_an_error_of_its_own(
+        tmp_path: pathlib.Path) -> None:
+    """A run that fails on a flag of its own (a plan file that does not exist) is not a lost
+    peer: its ranks record the error, and both supervisors stop with its status at once
+    instead of waiting the timeout (5 minutes here) for a lost peer's record."""
+    save = tmp_path / "ckpt"
+    cluster = tmp_path / "two_nodes.yaml"
+    cluster.write_text(TWO_NODE_CLUSTER)
+    flags = ["--cluster", str(cluster), "--plan", str(tmp_path / "missing.json"),
+             "--train-iters", "4", "--distributed-timeout-minutes", "5", "--save", str(save)]
+    port = free_port()
+    nodes = [Job([sys.executable, str(REPO / "tools" / "elastic_run.py"), "--node-rank", str(n),
+                  "--master-addr", "127.0.0.1", "--master-port", str(port), "--node-addr",
+                  "127.0.0.1", "--job-id", "bad-flag", "--", *MODEL_FLAGS, *flags])
+             for n in (0, 1)]
+    try:
+        statuses = [node.wait(150) for node in nodes]  # far below the 330 s wait of a peer loss
+    finally:
+        for node in nodes:
+            node.send_all(signal.SIGKILL)
+            node.wait(10)
+    record = read_failure(save)
+    assert record["run_id"] == "bad-flag-0" and record["lost_ranks"] == []
+    assert "missing.json" in record["line"], record
+    for node, status in zip(nodes, statuses):
+        out = node.text("stdout")
+        assert status != 0 and "an error of its own" in out and "no relaunch" in out, out[-2000:]
+    assert not (save / "elastic" / "cluster_1.yaml").exists()

@@ -10,7 +10,33 @@ from megatron_het.arguments import parse_run_config
 def main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
     """Parse ``argv`` (without the program name) and run it: ``--dry-run`` checks and
     predicts; otherwise train on torchrun's world (``environ`` has its variables) or on this
-    process alone. SIGTERM asks the run to save and stop at the end of the iteration."""
+    process alone. SIGTERM asks the run to save and stop at the end of the iteration.
+
+    Under an elastic supervisor, a rank that ends with an error of its own (not a lost peer)
+    records it for the supervisors (:func:`~megatron_het.training.supervisor.
+    record_own_error`) before the error goes on to its usual report."""
+    from megatron_het.errors import PeerFailure
+
+    try:
+        _main(argv, environ)
+    except PeerFailure:
+        raise
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            _record(argv, environ, exc)
+        raise
+    except Exception as exc:
+        _record(argv, environ, exc)
+        raise
+
+
+def _record(argv: Sequence[str], environ: Mapping[str, str], error: BaseException) -> None:
+    from megatron_het.training.supervisor import record_own_error
+
+    record_own_error(argv, environ, error)
+
+
+def _main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
     run = parse_run_config(argv)
     # Imported after parsing so --help and command-line mistakes answer without loading torch.
     from megatron_het.training.launch import (launched_by_torchrun, local_accelerator,

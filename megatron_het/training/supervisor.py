@@ -13,6 +13,13 @@ checkpoint to the new plan and continues at the same global batch and data posit
 start-up log says what changed). Any other end (success, a user error, a crash with no lost
 peer, no restarts left) is the supervisor's exit status.
 
+A launch has one record: the first rank to write one for its job id wins (:func:`write_failure`
+claims ``DIR/elastic/records/<job id>`` first), so every supervisor reads the same. Under a
+supervisor (``MEGATRON_HET_RECORD_ERRORS=1`` in the ranks' environment) a rank that ends with
+an error of its own (a bad flag, a bug, no lost peer) records that too
+(:func:`record_own_error`), so the supervisors of a multi-node job stop at once instead of
+waiting out the timeout for a lost peer's record that never comes.
+
 A multi-node job runs one supervisor per node of the cluster file (``--node-rank K
 --master-addr A --master-port P``; ``DIR`` on a filesystem every node shares, as its
 checkpoints need). Each launches its node's torchrun (static rendezvous at ``A:P``, job id
@@ -46,23 +53,73 @@ VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES
                    "huawei": "ASCEND_RT_VISIBLE_DEVICES"}
 PRETRAIN = Path(__file__).resolve().parents[2] / "pretrain_llama.py"
 DEFAULT_MAX_RESTARTS = 3
+# Set by the supervisors in their ranks' environment: a rank's own error is recorded too.
+RECORD_ERRORS_VAR = "MEGATRON_HET_RECORD_ERRORS"
 
 
 def write_failure(save_dir: str | Path, iteration: int, world_size: int, silent: Sequence[int],
                   stuck: Sequence[int], failed: Sequence[int], line: str,
-                  run_id: str = "") -> Path:
+                  run_id: str = "") -> bool:
     """Record a lost peer for a supervisor (atomically, in ``save_dir``): the ranks lost
     (``silent`` ones stopped answering, ``stuck`` ones stayed in compute), those that failed
     with an error of their own, the world size, the report line and the launcher's job id
     (``run_id``: torchrun's ``--rdzv-id``, which tells the supervisors of a multi-node job
-    their own launch's record from an older one)."""
+    their own launch's record from an older one). With a ``run_id`` the first record of that
+    launch stands: False (nothing written) when another rank's came first."""
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
+    if run_id and not _claim_record(root, run_id):
+        return False
     record = {"iteration": iteration, "world_size": world_size,
               "lost_ranks": sorted(set(silent) | set(stuck)), "silent": list(silent),
               "stuck": list(stuck), "failed": list(failed), "line": line, "run_id": run_id}
     write_text_atomically(root / FAILURE_FILE, json.dumps(record, indent=1))
-    return root / FAILURE_FILE
+    return True
+
+
+def _claim_path(root: Path, run_id: str) -> Path:
+    return root / "elastic" / "records" / "".join(
+        c if c.isalnum() or c in "-_." else "_" for c in run_id)
+
+
+def _claim_record(root: Path, run_id: str) -> bool:
+    """Create launch ``run_id``'s claim file, exclusively; False when it exists already."""
+    path = _claim_path(root, run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _forget_record(save: str, run_id: str) -> None:
+    """Remove an older job's record and claim for ``run_id`` (a job id used again) before
+    launching it: no rank of this launch has started yet."""
+    stale = read_failure(save)
+    if stale is not None and stale.get("run_id") == run_id:
+        (Path(save) / FAILURE_FILE).unlink(missing_ok=True)
+    _claim_path(Path(save), run_id).unlink(missing_ok=True)
+
+
+def record_own_error(argv: Sequence[str], environ: Mapping[str, str],
+                     error: BaseException) -> bool:
+    """Under a supervisor (:data:`RECORD_ERRORS_VAR` set), record that this rank of the
+    launch ended with an error of its own: no lost rank, this one failed, its first line.
+    ``argv`` (pretrain_llama.py's flags) gives ``--save``. Never raises; True if written."""
+    from megatron_het.comm.faults import first_line
+
+    save = flag_value(argv, "--save")
+    if environ.get(RECORD_ERRORS_VAR) != "1" or not save:
+        return False
+    try:
+        rank, world_size = int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
+        what = (f"exited with status {error.code}" if isinstance(error, SystemExit)
+                else first_line(error))
+        return write_failure(save, -1, world_size, [], [], [rank], f"rank {rank}: {what}",
+                             run_id=environ.get("TORCHELASTIC_RUN_ID", ""))
+    except (OSError, ValueError):
+        return False
 
 
 def read_failure(save_dir: str | Path) -> Optional[dict]:
@@ -133,11 +190,13 @@ class HostDevices:
         self._ranks = [r.rank for r in self._device_ranks(ranks_after)]
         self.changed = self.changed or bool(gone)
 
-    def env(self) -> Optional[dict[str, str]]:
-        """The environment of the next launch (None: this process's own, unchanged)."""
-        if not self.changed:
-            return None
-        return {**self.environ, self.var: ",".join(self.ids)}
+    def env(self) -> dict[str, str]:
+        """The environment of the next launch: the given one, the visible devices left, and
+        :data:`RECORD_ERRORS_VAR` (its ranks record their own errors)."""
+        env = {**self.environ, RECORD_ERRORS_VAR: "1"}
+        if self.changed:
+            env[self.var] = ",".join(self.ids)
+        return env
 
 
 def torchrun_command(nproc: int, flags: Sequence[str]) -> list[str]:
@@ -226,9 +285,7 @@ def supervise_node(flags: Sequence[str], node: NodeLaunch,
     restarts = 0
     while True:
         run_id = f"{node.job_id}-{restarts}"
-        stale = read_failure(save)  # an older job's, with this id: no run of it has started
-        if stale is not None and stale.get("run_id") == run_id:
-            (Path(save) / FAILURE_FILE).unlink(missing_ok=True)
+        _forget_record(save, run_id)
         status = launch(node_torchrun_command(
             cluster.num_nodes, index, cluster.nodes()[index].nproc, master,
             node.master_port + restarts, run_id, flags), devices.env())
@@ -298,7 +355,11 @@ def _stops(failure: Optional[dict], status: int, restarts: int, max_restarts: in
            say: Callable[[str], None]) -> bool:
     """Whether a run that ended with ``status`` ends the supervision: no lost peer recorded,
     or no restart left (said)."""
-    if failure is None or not failure["lost_ranks"]:
+    if failure is None:
+        return True
+    if not failure["lost_ranks"]:
+        say(f"elastic_run: the run ended with an error of its own ({failure['line']}), "
+            f"not a lost peer: no relaunch; exit status {status}")
         return True
     if restarts == max_restarts:
         say(f"elastic_run: ranks {failure['lost_ranks']} lost and no restart left "
@@ -394,6 +455,6 @@ def main(argv: Sequence[str], environ: Optional[dict] = None) -> int:
     return supervise_node(flags, node, max_restarts)
 
 
-__all__ = ["FAILURE_FILE", "NodeLaunch", "flag_value", "main", "node_torchrun_command",
-           "read_failure", "supervise", "supervise_node", "torchrun_command", "with_flag",
-           "write_failure"]
+__all__ = ["FAILURE_FILE", "RECORD_ERRORS_VAR", "NodeLaunch", "flag_value", "main",
+           "node_torchrun_command", "read_failure", "record_own_error", "supervise",
+           "supervise_node", "torchrun_command", "with_flag", "write_failure"]

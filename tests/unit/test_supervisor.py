@@ -272,7 +272,9 @@ def test_a_relaunch_leaves_the_lost_device_out_of_the_visible_devices(monkeypatc
              "1"]
     assert supervise_node(flags, NodeLaunch(1, "h0", 29500, "h1", "j"), launch=launch,
                           say=lambda line: None, sleep=lambda s: None) == 0
-    assert launched[0] is None  # the first launch keeps this process's environment
+    # the first launch keeps the devices; every launch's ranks record their own errors
+    assert launched[0]["HIP_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert all(env["MEGATRON_HET_RECORD_ERRORS"] == "1" for env in launched)
     assert launched[1]["HIP_VISIBLE_DEVICES"] == "0,1,2,4,5,6,7"
     assert launched[2]["HIP_VISIBLE_DEVICES"] == "0,1,2,4,5,7"
 
@@ -281,6 +283,62 @@ def test_cpu_and_emulated_ranks_have_no_devices_to_leave_out() -> None:
     from megatron_het.training.supervisor import HostDevices
 
     cluster = ClusterSpec.load(EMULATED)
-    devices = HostDevices(cluster.rank_map(), {})
+    devices = HostDevices(cluster.rank_map(), {"PATH": "/bin"})
     devices.drop([1], without_ranks(cluster, [1]).rank_map())
-    assert devices.env() is None
+    assert devices.env() == {"PATH": "/bin", "MEGATRON_HET_RECORD_ERRORS": "1"}
+
+
+def test_the_first_record_of_a_launch_stands(tmp_path: pathlib.Path) -> None:
+    from megatron_het.training.supervisor import _forget_record
+
+    assert write_failure(tmp_path, 5, 4, [2], [], [], "first", run_id="job-0")
+    assert not write_failure(tmp_path, 5, 4, [1, 2], [], [], "second", run_id="job-0")
+    assert read_failure(tmp_path)["line"] == "first"
+    assert write_failure(tmp_path, 9, 3, [1], [], [], "next launch", run_id="job-1")
+    assert read_failure(tmp_path)["run_id"] == "job-1"
+    assert write_failure(tmp_path, 9, 3, [1], [], [], "no id", run_id="")  # no launch to claim
+    assert write_failure(tmp_path, 9, 3, [1], [], [], "no id again", run_id="")
+    _forget_record(str(tmp_path), "job-0")  # the job id used again by a later job
+    assert write_failure(tmp_path, 1, 4, [3], [], [], "reused id", run_id="job-0")
+    assert read_failure(tmp_path)["line"] == "reused id"
+
+
+def test_a_rank_records_its_own_error_only_under_a_supervisor(tmp_path: pathlib.Path) -> None:
+    from megatron_het.training.supervisor import RECORD_ERRORS_VAR, record_own_error
+
+    argv = ["--model", "tiny", "--save", str(tmp_path)]
+    env = {"RANK": "3", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job-0"}
+    assert not record_own_error(argv, env, UserError("no plan file p.json"))
+    assert read_failure(tmp_path) is None  # a run without a supervisor leaves --save alone
+    env[RECORD_ERRORS_VAR] = "1"
+    assert not record_own_error(["--model", "tiny"], env, UserError("x"))  # no --save
+    assert record_own_error(argv, env, UserError("no plan file p.json"))
+    record = read_failure(tmp_path)
+    assert record["lost_ranks"] == [] and record["failed"] == [3] and record["world_size"] == 4
+    assert record["line"] == "rank 3: no plan file p.json" and record["run_id"] == "job-0"
+    assert not record_own_error(argv, {**env, "RANK": "0"}, SystemExit(2))  # rank 3's stands
+    assert record_own_error(argv, {**env, "TORCHELASTIC_RUN_ID": "job-1"}, SystemExit(2))
+    assert read_failure(tmp_path)["line"] == "rank 3: exited with status 2"
+
+
+def test_a_node_supervisor_stops_at_once_when_the_run_failed_on_its_own(
+        tmp_path: pathlib.Path) -> None:
+    from megatron_het.training.supervisor import NodeLaunch, supervise_node
+
+    save = tmp_path / "ckpt"
+    cluster = tmp_path / "two_nodes.yaml"
+    cluster.write_text(TWO_NODES)
+    waited: list[float] = []
+
+    def launch(cmd: list[str], env=None) -> int:
+        write_failure(save, -1, 4, [], [], [2], "rank 2: CUDA out of memory",
+                      run_id=_arg(cmd, "--rdzv_id"))
+        return 1
+
+    said: list[str] = []
+    flags = ["--cluster", str(cluster), "--save", str(save)]  # a 10-minute timeout
+    status = supervise_node(flags, NodeLaunch(0, "host-a", 29500, "host-a", "j"), launch=launch,
+                            say=said.append, sleep=waited.append)
+    assert status == 1 and waited == []  # the record was there: no wait for a lost peer's
+    assert said[-1] == ("elastic_run: the run ended with an error of its own (rank 2: CUDA out "
+                        "of memory), not a lost peer: no relaunch; exit status 1")

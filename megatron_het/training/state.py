@@ -3,8 +3,9 @@
 Stored with ``torch.save`` and read with ``weights_only=True``, so it holds only tensors and plain
 Python values: numpy's RNG key is kept as a tensor.
 
-The accelerator's generators (one state per device, by index, under the key "cuda" or "npu")
-are those of the rank's device type. A "cpu" rank never calls torch.cuda (a CPU rank on a GPU
+The accelerator's generator is that of the rank's own device (the current one, under the key
+"cuda" or "npu"), restored onto the device the rank runs on at load: a relaunch that moved the
+rank to another device index (fewer devices, an elastic restart) restores it there. A "cpu" rank never calls torch.cuda (a CPU rank on a GPU
 host must not create a CUDA context); without a device type, only an accelerator this process
 has already initialised is asked, so the call never initialises one either.
 """
@@ -61,8 +62,8 @@ def _accelerator_generators(device_type: Optional[str]) -> Optional[tuple[str, A
 
 
 def rng_state(device_type: Optional[str] = None) -> dict[str, Any]:
-    """Python, numpy and torch CPU generator states, and those of every visible device of the
-    rank's accelerator (``device_type`` "cuda" or "npu"; see the module docstring for "cpu" and
+    """Python, numpy and torch CPU generator states, and that of the rank's own device of its
+    accelerator (``device_type`` "cuda" or "npu"; see the module docstring for "cpu" and
     None)."""
     np_state = np.random.get_state(legacy=False)
     state: dict[str, Any] = {
@@ -76,15 +77,15 @@ def rng_state(device_type: Optional[str] = None) -> dict[str, Any]:
     generators = _accelerator_generators(device_type)
     if generators is not None:
         key, module = generators
-        state[key] = module.get_rng_state_all()
+        state[key] = module.get_rng_state(module.current_device())
     return state
 
 
 def set_rng_state(state: dict[str, Any], device_type: Optional[str] = None) -> None:
-    """Restore generator states saved by :func:`rng_state`. The accelerator's are restored for
-    the devices that exist now, by index (a run resumed with fewer visible devices than it saved
-    restores the first ones; devices beyond the saved ones keep their state); a state without
-    this rank's accelerator, or a "cpu" rank, restores none."""
+    """Restore generator states saved by :func:`rng_state`. The accelerator's goes to the
+    rank's current device, wherever it saved from (a state saved as one per visible device
+    restores the entry of the current device's index, if it has one); a state without this
+    rank's accelerator, or a "cpu" rank, restores none."""
     random.setstate(state["python"])
     np_state = state["numpy"]
     np.random.set_state({"bit_generator": np_state["bit_generator"],
@@ -96,6 +97,9 @@ def set_rng_state(state: dict[str, Any], device_type: Optional[str] = None) -> N
     if generators is None or generators[0] not in state:
         return
     key, module = generators
-    saved = list(state[key])
-    for index, device_state in enumerate(saved[:module.device_count()]):
-        module.set_rng_state(device_state, index)
+    saved, current = state[key], module.current_device()
+    if isinstance(saved, (list, tuple)):  # one state per visible device
+        if current < len(saved):
+            module.set_rng_state(saved[current], current)
+        return
+    module.set_rng_state(saved, current)

@@ -29,6 +29,7 @@ class FakeAccelerator:
         self.devices, self.initialised = devices, initialised
         self.states = [torch.tensor([10 + i], dtype=torch.uint8) for i in range(devices)]
         self.calls: list[tuple] = []
+        self.current = 0
 
     def is_initialized(self) -> bool:
         return self.initialised
@@ -38,9 +39,13 @@ class FakeAccelerator:
 
     def set_device(self, index: int) -> None:
         self.calls.append(("set_device", index))
+        self.current = index
 
-    def get_rng_state_all(self) -> list[torch.Tensor]:
-        return [s.clone() for s in self.states]
+    def current_device(self) -> int:
+        return self.current
+
+    def get_rng_state(self, device: int) -> torch.Tensor:
+        return self.states[device].clone()
 
     def set_rng_state(self, state: torch.Tensor, device: int) -> None:
         self.calls.append(("set_rng_state", device, int(state[0])))

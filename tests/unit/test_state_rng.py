@@ -1,5 +1,6 @@
 """Generator state capture and restore (training/state.py) with fake accelerator modules: a CPU
-rank never touches torch.cuda, a resume with fewer visible devices restores those it has."""
+rank never touches torch.cuda, a resume restores the rank's device generator onto the device
+it runs on now."""
 from __future__ import annotations
 
 import random
@@ -44,37 +45,53 @@ def test_a_cpu_rank_round_trips_without_torch_cuda(monkeypatch: pytest.MonkeyPat
     assert_same_draws(draws(), expected)
 
 
-def test_a_cuda_rank_captures_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch, "cuda", FakeAccelerator(3))
-    state = rng_state("cuda")
-    assert [int(s[0]) for s in state["cuda"]] == [10, 11, 12]
-    assert [int(s[0]) for s in rng_state()["cuda"]] == [10, 11, 12]  # initialised: asked
+def test_a_cuda_rank_captures_its_own_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = FakeAccelerator(3)
+    monkeypatch.setattr(torch, "cuda", cuda)
+    cuda.current = 2
+    assert int(rng_state("cuda")["cuda"][0]) == 12
+    assert int(rng_state()["cuda"][0]) == 12  # initialised: asked
 
 
-@pytest.mark.parametrize("devices, restored", [
-    (1, [("set_rng_state", 0, 10)]),  # fewer devices visible than saved: the first one
-    (2, [("set_rng_state", 0, 10), ("set_rng_state", 1, 11)]),
-    (4, [("set_rng_state", 0, 10), ("set_rng_state", 1, 11)]),  # the extra two keep theirs
+@pytest.mark.parametrize("saved_on, devices, now_on", [
+    (1, 2, 1),  # the same device
+    (1, 1, 0),  # relaunched with one visible device: the rank's device is now index 0
+    (0, 4, 3),  # moved to another device of the host
 ])
-def test_restore_goes_to_the_devices_that_exist_by_index(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, devices: int,
-        restored: list) -> None:
-    monkeypatch.setattr(torch, "cuda", FakeAccelerator(2))
+def test_restore_goes_to_the_device_the_rank_runs_on(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, saved_on: int,
+        devices: int, now_on: int) -> None:
+    before = FakeAccelerator(2)
+    before.current = saved_on
+    monkeypatch.setattr(torch, "cuda", before)
     state = rng_state("cuda")
     now = FakeAccelerator(devices)
+    now.current = now_on
     monkeypatch.setattr(torch, "cuda", now)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         set_rng_state(state, "cuda")
-    assert now.calls == restored
+    assert now.calls == [("set_rng_state", now_on, 10 + saved_on)]
     assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("current, restored", [
+    (1, [("set_rng_state", 1, 11)]), (2, [])])
+def test_a_state_of_every_visible_device_restores_the_current_ones_entry(
+        monkeypatch: pytest.MonkeyPatch, current: int, restored: list) -> None:
+    now = FakeAccelerator(3)
+    now.current = current
+    monkeypatch.setattr(torch, "cuda", now)
+    set_rng_state({**rng_state("cpu"), "cuda": [torch.tensor([10 + i], dtype=torch.uint8)
+                                                for i in range(2)]}, "cuda")
+    assert now.calls == restored
 
 
 def test_an_ascend_rank_keeps_its_npu_generators(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "cuda", Untouchable())
     install_npu(monkeypatch, FakeAccelerator(2))
     state = rng_state("npu")
-    assert [int(s[0]) for s in state["npu"]] == [10, 11] and "cuda" not in state
+    assert int(state["npu"][0]) == 10 and "cuda" not in state
     now = FakeAccelerator(1)
     install_npu(monkeypatch, now)
     set_rng_state(state, "npu")

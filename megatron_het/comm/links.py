@@ -96,8 +96,8 @@ class Link:
 
     ``starts`` (a bridge link's, see :mod:`megatron_het.comm.start_queue`): an operation given
     a fence (``after``, the copy that fills its host buffer) is started from that queue's
-    thread once the fence has passed, and any operation that arrives while the queue is busy
-    is queued behind it. Without ``starts`` an operation's fence is waited for at the call.
+    thread once the fence has passed, and any operation of this link that arrives while one
+    is queued is queued behind it. Without ``starts`` an operation's fence is waited for at the call.
     """
 
     def __init__(self, pg: Any, ranks: Sequence[int], me: int, backend: str, label: str,
@@ -123,8 +123,9 @@ class Link:
                watch: bool = False, after: Fence = None) -> Work:
         settle = self.wire.book(int(nbytes), direction) if self.wire is not None else None
         starts = self.starts
-        if starts is not None and (after is not None or starts.busy):
-            work = starts.submit(after, lambda: guarded(self.group_name, op, self.where, fn))
+        if starts is not None and (after is not None or starts.busy(self)):
+            work = starts.submit(after, lambda: guarded(self.group_name, op, self.where, fn),
+                                 key=self)
         else:
             if after is not None:
                 after()

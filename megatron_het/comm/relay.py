@@ -134,8 +134,9 @@ class Bridge:
 
         ``copy_in=False`` skips copying the device data in (for receive buffers). The copy in
         has finished when this returns, unless ``wait=False``: then the returned ``ready``
-        fence says when (give it to the operation as its ``after``). Call ``finish()`` or
-        ``release()`` when done.
+        fence says when (give it to the operation as its ``after``), and the device's stream is
+        not ordered after the copy, so ``tensor`` must not be written before the operation has
+        been waited for. Call ``finish()`` or ``release()`` when done.
         """
         if not self.needs_staging(tensor):
             return Staged(tensor, tensor)

@@ -145,7 +145,12 @@ class CudaCopier:
         device_tensor.record_stream(stream)  # the allocator must not reuse it before the copy
         event = torch.cuda.Event()
         event.record(stream)
-        return event.synchronize
+        device = self.device
+
+        def fence() -> None:  # on the tensor's device: another thread has none of its own
+            with torch.cuda.device(device):
+                event.synchronize()
+        return fence
 
     def to_host(self, host: torch.Tensor, device: torch.Tensor) -> Fence:
         return self._copy(self._to_host, host, device, device)

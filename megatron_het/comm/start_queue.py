@@ -9,17 +9,26 @@ for the copy (the operation's *fence*) and then starts the backend operation, in
 operations were submitted.
 
 Every rank submits the same operations in the same order, and one thread starts them in that
-order, so every rank's backend still sees its operations in one order. An operation on a bridge
-link that arrives while earlier ones are still queued is queued behind them (even if it has no
-fence of its own), so nothing overtakes.
+order, so every rank's backend still sees its operations in one order. An operation on a link
+that arrives while earlier ones of that link are still queued is queued behind them (even if it
+has no fence of its own), so nothing overtakes; other links' operations go on at once.
+
+A fence that fails is this rank's device failing (not a peer): its operation raises
+:class:`StagingError`, and so does every later one of the queue, which is never started (its
+peers would pair it with the wrong transfer otherwise).
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Optional
 
+from megatron_het.comm.faults import first_line
 from megatron_het.comm.staging import Fence
+
+
+class StagingError(Exception):
+    """The copy that fills a transfer's host buffer failed on this rank's own device."""
 
 
 class Deferred:
@@ -48,28 +57,35 @@ class Deferred:
         return self._error is not None or self._work.is_completed()
 
 
+def _STOP() -> None:  # the queue entry that ends the worker thread
+    return None
+
+
 class StartQueue:
     """Runs ``fence(); work = start()`` for each submitted operation on one worker thread,
     strictly in submission order; the thread is made on first use (never before a fork)."""
 
     def __init__(self) -> None:
-        self._queue: deque[tuple[Fence, Callable[[], Any], Deferred]] = deque()
+        self._queue: deque[tuple[Fence, Callable[[], Any], Deferred, Hashable]] = deque()
         self._cond = threading.Condition()
-        self._running = False  # an operation taken off the queue is being started
+        self._pending: dict[Hashable, int] = {}  # per key: submitted, not started yet
+        self._broken: Optional[BaseException] = None  # the first failed fence
         self._thread: threading.Thread | None = None
         self.submitted = 0  # operations that went through the queue (for tests and stats)
 
-    @property
-    def busy(self) -> bool:
-        """True while some submitted operation has not been started yet."""
+    def busy(self, key: Hashable = None) -> bool:
+        """True while some operation submitted with ``key`` (any, for None) has not been
+        started yet."""
         with self._cond:
-            return bool(self._queue) or self._running
+            return bool(self._pending) if key is None else key in self._pending
 
-    def submit(self, fence: Fence, start: Callable[[], Any]) -> Deferred:
-        """Queue ``start`` to run after ``fence`` and after every earlier submission."""
+    def submit(self, fence: Fence, start: Callable[[], Any], key: Hashable = None) -> Deferred:
+        """Queue ``start`` to run after ``fence`` and after every earlier submission;
+        ``key`` (the link) is what :meth:`busy` is asked about."""
         deferred = Deferred()
         with self._cond:
-            self._queue.append((fence, start, deferred))
+            self._queue.append((fence, start, deferred, key))
+            self._pending[key] = self._pending.get(key, 0) + 1
             self.submitted += 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="bridge-starts",
@@ -79,27 +95,55 @@ class StartQueue:
         return deferred
 
     def drain(self) -> None:
-        """Block until every operation submitted so far has been started."""
+        """Block until every operation submitted so far has been started (or failed)."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._queue and not self._running)
+            self._cond.wait_for(lambda: not self._pending)
+
+    def close(self) -> None:
+        """Start what is queued, then end the worker thread (a later submit makes a new one)."""
+        with self._cond:
+            thread = self._thread
+            if thread is None:
+                return
+            self._queue.append((None, _STOP, Deferred(), _STOP))
+            self._pending[_STOP] = 1
+            self._cond.notify()
+        thread.join()
+
+    def _run(self, fence: Fence, start: Callable[[], Any]) -> Any:
+        if self._broken is not None:
+            raise StagingError("not started: an earlier transfer's copy to the host failed "
+                               f"({first_line(self._broken)})")
+        if fence is not None:
+            try:
+                fence()
+            except BaseException as exc:
+                self._broken = exc
+                raise StagingError("the copy of a transfer's data to the host failed on this "
+                                   f"rank's device: {first_line(exc)}") from exc
+        return start()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._queue))
-                fence, start, deferred = self._queue.popleft()
-                self._running = True
+                fence, start, deferred, key = self._queue.popleft()
+                if start is _STOP:
+                    del self._pending[_STOP]
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
             try:
-                if fence is not None:
-                    fence()
-                work = start()
+                work = self._run(fence, start)
             except BaseException as exc:  # noqa: BLE001 - raised again by Deferred.wait()
                 deferred._set(error=exc)
             else:
                 deferred._set(work)
             with self._cond:
-                self._running = False
+                self._pending[key] -= 1
+                if not self._pending[key]:
+                    del self._pending[key]
                 self._cond.notify_all()
 
 
-__all__ = ["Deferred", "Fence", "StartQueue"]
+__all__ = ["Deferred", "Fence", "StagingError", "StartQueue"]

@@ -199,13 +199,13 @@ def lagging_copies(rank: int, world_size: int) -> dict:
     starts = comm.bridge.starts
     a = torch.full((3000,), float(rank + 1))
     h_a = dp.all_reduce(a, async_op=True)  # returns with its copy to the host still running
-    queued_after_call = starts.busy and not opened.is_set()
+    queued_after_call = starts.busy() and not opened.is_set()
     t = torch.full((5,), float(rank))
     tp.all_reduce(t)  # a native link goes on meanwhile
     b = torch.arange(8.0) + rank
     b_out = torch.empty(4)
     h_b = dp.reduce_scatter_tensor(b_out, b, async_op=True)
-    still_queued = starts.busy
+    still_queued = starts.busy()
     opened.set()
     g = torch.empty(8)
     dp.all_gather_into_tensor(g, torch.full((4,), float(rank)))  # sync, behind the queue

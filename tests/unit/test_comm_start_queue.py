@@ -10,9 +10,26 @@ import torch
 
 from megatron_het.comm.faults import CommError
 from megatron_het.comm.links import Link
-from megatron_het.comm.start_queue import StartQueue
+from megatron_het.comm.start_queue import StagingError, StartQueue
 
 WAIT_S = 20
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left(monkeypatch: pytest.MonkeyPatch):
+    """Every queue made here ends its worker thread afterwards (later tests fork workers)."""
+    made: list[StartQueue] = []
+    init = StartQueue.__init__
+
+    def record(self: StartQueue) -> None:
+        init(self)
+        made.append(self)
+
+    monkeypatch.setattr(StartQueue, "__init__", record)
+    yield
+    for queue in made:
+        queue.close()
+    assert not [t for t in threading.enumerate() if t.name == "bridge-starts"]
 
 
 class Done:
@@ -57,7 +74,7 @@ def test_an_operation_with_a_fence_returns_at_once_and_starts_after_it() -> None
 
     work = link.all_reduce_async(torch.ones(4), "sum", after=fence)
     assert reached.wait(WAIT_S)  # the queue's thread waits for the copy, not the caller
-    assert pg.started == [] and starts.busy and not work.is_completed()
+    assert pg.started == [] and starts.busy(link) and not work.is_completed()
     # a later operation on a bridge link, fence or not, queues behind it
     later = link.isend(torch.full((2,), 2.0), 1, tag=0)
     assert pg.started == []
@@ -67,7 +84,7 @@ def test_an_operation_with_a_fence_returns_at_once_and_starts_after_it() -> None
     assert pg.started == [("allreduce", 1.0), ("send", 2.0)]
     assert pg.threads == {"bridge-starts"} and starts.submitted == 2
     starts.drain()
-    assert not starts.busy
+    assert not starts.busy()
     link.isend(torch.full((2,), 3.0), 1, tag=0).wait()  # an idle queue: started at the call
     assert pg.started[-1] == ("send", 3.0) and starts.submitted == 2
 
@@ -109,7 +126,7 @@ def test_a_failed_start_is_raised_by_wait_as_a_comm_error() -> None:
     ok.all_reduce_async(torch.ones(1), "sum", after=lambda: None).wait()
 
 
-def test_a_failing_fence_fails_its_operation_only() -> None:
+def test_a_failing_copy_is_this_ranks_error_and_stops_the_queue() -> None:
     pg, starts = RecordingGroup(), StartQueue()
     link = Link(pg, [0, 1], 0, "gloo", "channel", "dp", starts=starts)
 
@@ -117,8 +134,28 @@ def test_a_failing_fence_fails_its_operation_only() -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     failed = link.all_reduce_async(torch.full((1,), 1.0), "sum", after=bad_copy)
-    fine = link.all_reduce_async(torch.full((1,), 2.0), "sum", after=lambda: None)
-    with pytest.raises(CommError, match="illegal memory access"):
+    later = link.all_reduce_async(torch.full((1,), 2.0), "sum", after=lambda: None)
+    # not a CommError (a peer's failure): the rank's own device failed
+    with pytest.raises(StagingError, match="failed on this rank's device: CUDA error: an "
+                                           "illegal memory access"):
         failed.wait()
-    fine.wait()
-    assert pg.started == [("allreduce", 2.0)]
+    # never started: its peers would pair it with the transfer this rank skipped
+    with pytest.raises(StagingError, match="not started: an earlier transfer's copy"):
+        later.wait()
+    assert pg.started == []
+
+
+def test_a_link_waits_only_behind_its_own_queued_operations() -> None:
+    starts = StartQueue()
+    dp, pp = RecordingGroup(), RecordingGroup()
+    dp_link = Link(dp, [0, 1], 0, "gloo", "channel", "dp", starts=starts)
+    pp_link = Link(pp, [0, 2], 0, "gloo", "bridge", "pp", starts=starts)
+    opened = threading.Event()
+    held = dp_link.all_reduce_async(torch.ones(1), "sum", after=lambda: opened.wait(WAIT_S))
+    assert starts.busy(dp_link) and not starts.busy(pp_link) and starts.busy()
+    pp_link.isend(torch.full((1,), 5.0), 2, tag=0).wait()  # another link: started at the call
+    assert pp.started == [("send", 5.0)] and pp.threads == {threading.current_thread().name}
+    opened.set()
+    held.wait()
+    starts.drain()
+    assert not starts.busy()

@@ -10,7 +10,7 @@
 #   mfu      125 s   ~1B Llama (TinyLlama's shape), bf16, seq 2048: MFU; peak memory and step time vs predicted
 #   profile   50 s   tools/profile_device.py on CUDA, each layer against its roofline
 #
-# No check starts after 465 s. Prints a table (check, status, value, threshold) and writes
+# No check starts after 450 s. Prints a table (check, status, value, threshold) and writes
 # gpu_check.json, gpu_check_table.txt and gpu_check_logs.txt to --out, else $OUT, else
 # ./gpu_check_out. Exit status 0 when no check failed, 1 otherwise.
 #

@@ -12,6 +12,7 @@ import pytest
 
 from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.errors import run_cli
+from megatron_het.perf.calibration import efficiency_for
 from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time
 from megatron_het.perf.profile import LayerEntry, Profile, ProfileConditions
 
@@ -97,7 +98,8 @@ def test_roofline_rows_set_the_cost_model_next_to_the_measurement(accelerator: s
     spec = AcceleratorRegistry.builtin().get(accelerator)
     for row, entry in zip(rows, entries[::-1]):
         shape = LayerShape(256, 688, 8, 4, entry.seq, 2, 1)
-        forward, backward = ops_time(layer_forward_ops(shape), spec, "bf16")
+        forward, backward = ops_time(layer_forward_ops(shape), spec, "bf16",
+                                     efficiency_for(spec))  # H100's calibrated factors
         assert (row["roofline_forward_s"], row["roofline_backward_s"]) == (forward, backward)
         assert row["forward_ratio"] == pytest.approx(entry.forward_s / forward)
         assert row["backward_ratio"] == pytest.approx(entry.backward_s / backward)

@@ -31,6 +31,7 @@ from megatron_het.emulation.host_measure import (measure_host_collective,  # noq
 from megatron_het.errors import UserError, run_cli  # noqa: E402
 from megatron_het.model_args import add_model_shape_args, model_config_from_args  # noqa: E402
 from megatron_het.parallel.plan_validation import valid_tp_sizes  # noqa: E402
+from megatron_het.perf.calibration import efficiency_for  # noqa: E402
 from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time  # noqa: E402
 from megatron_het.perf.profile import Profile, merge_profiles  # noqa: E402
 from megatron_het.perf.profiler import (PROFILE_DTYPES, Sweep, default_accelerator,  # noqa: E402
@@ -126,8 +127,9 @@ def roofline_rows(profile: Profile,
                   registry: Optional[AcceleratorRegistry] = None) -> list[dict[str, Any]]:
     """The profile's layer entries (sorted by shape), each with its cost-model roofline times
     (:func:`~megatron_het.perf.cost_model.ops_time` of the layer's kernels on the profile's
-    kind, with the cost model's default efficiency factors: the predictor's estimate without a
-    profile) and measured / roofline ratios; None for a kind ``registry`` does not know."""
+    kind, with the kind's efficiency factors, calibrated where it has them: the predictor's
+    estimate without a profile) and measured / roofline ratios; None for a kind ``registry``
+    does not know."""
     registry = registry or AcceleratorRegistry.builtin()
     spec = registry.get(profile.accelerator) if profile.accelerator in registry else None
     rows = []
@@ -137,7 +139,8 @@ def roofline_rows(profile: Profile,
                                "roofline_backward_s": None, "forward_ratio": None,
                                "backward_ratio": None}
         if spec is not None:
-            forward, backward = ops_time(layer_forward_ops(e.shape()), spec, e.dtype)
+            forward, backward = ops_time(layer_forward_ops(e.shape()), spec, e.dtype,
+                                         efficiency_for(spec))
             row.update(roofline_forward_s=forward, roofline_backward_s=backward,
                        forward_ratio=e.forward_s / forward, backward_ratio=e.backward_s / backward)
         rows.append(row)

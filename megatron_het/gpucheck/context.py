@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from megatron_het.gpucheck.report import RowWriter
-from megatron_het.gpucheck.runner import CommandResult, run_command
+from megatron_het.gpucheck.runner import GRACE_S, CommandResult, run_command
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DATA_DIR = REPO / "scripts" / "gpu_check"
@@ -49,9 +49,9 @@ class CheckContext:
         """Seconds left of this check's budget."""
         return self.deadline - time.monotonic()
 
-    def sub_timeout(self, wanted_s: float, reserve_s: float = 5.0) -> float:
+    def sub_timeout(self, wanted_s: float, reserve_s: float = GRACE_S + 4.0) -> float:
         """A sub-run's timeout: ``wanted_s``, cut to what the budget leaves after ``reserve_s``
-        (time to compare and report)."""
+        (a timed-out sub-run's grace before SIGKILL, then time to compare and report)."""
         return max(1.0, min(wanted_s, self.remaining() - reserve_s))
 
     def run(self, argv: Sequence[str], wanted_s: float, log_name: str,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +38,15 @@ SDPA_BACKENDS = {"flash": True, "mem_efficient": True, "cudnn": False}
 OPTIONAL_PACKAGES = ("flash_attn", "apex", "liger_kernel")
 
 
-def skip_all(ctx: CheckContext, names: tuple[str, ...], why: str = NO_GPU) -> None:
+def skip_all(ctx: CheckContext, names: tuple[str, ...], why: str = NO_GPU,
+             missing_fails: bool = True) -> None:
+    """Rows ``names`` that cannot run without a GPU: SKIP under ``--cpu-only`` (the GPU is
+    hidden on purpose), else FAIL (a GPU host whose device torch cannot see must not pass),
+    unless ``missing_fails`` is False (another row already failed for it)."""
+    fails = missing_fails and not ctx.options.cpu_only
     for name in names:
-        ctx.rows.add(name, SKIP, why)
+        ctx.rows.add(name, FAIL if fails else SKIP,
+                     f"{why} (not --cpu-only: a GPU was expected)" if fails else why)
 
 
 # ---- probe ---------------------------------------------------------------------------------
@@ -57,8 +63,9 @@ def check_probe(ctx: CheckContext) -> None:
                  tf32_cudnn=torch.backends.cudnn.allow_tf32)
     if not cuda:
         skip_all(ctx, ("probe.device", "probe.pending",
-                       *(f"probe.sdpa.{b}" for b in SDPA_BACKENDS),
-                       *(f"probe.{p}" for p in OPTIONAL_PACKAGES)))
+                       *(f"probe.sdpa.{b}" for b in SDPA_BACKENDS), "probe.gemm-fp32-out",
+                       "probe.attention",
+                       *(f"probe.{p}" for p in OPTIONAL_PACKAGES)), missing_fails=False)
         return
     _probe_device(ctx)
     _probe_pending(ctx)
@@ -69,8 +76,31 @@ def check_probe(ctx: CheckContext) -> None:
                      "bf16 causal fwd+bwd, vs math <= 2e-2 rel" + ("" if required
                                                                      else " (optional)"),
                      **details)
+    _probe_kernels(ctx)
     for package in OPTIONAL_PACKAGES:
         _probe_package(ctx, package)
+
+
+def _probe_kernels(ctx: CheckContext, device: Optional[torch.device] = None) -> None:
+    """Rows ``probe.gemm-fp32-out`` (bf16 GEMMs with float32 sums, which the fused head and
+    the TP layers' weight gradients need to stay in bf16) and ``probe.attention`` (the kernel
+    training picks for the MFU model's bf16 GQA attention)."""
+    from megatron_het.kernels.attention import FLASH_ATTN, SDPA_FLASH, kernel_for
+    from megatron_het.kernels.gemm import fp32_out_gemm_supported
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    ok = fp32_out_gemm_supported(device)
+    ctx.rows.add("probe.gemm-fp32-out", status_of(ok),
+                 "torch.mm/addmm(bf16, out_dtype=float32) run" if ok else
+                 "unsupported: the fused head's GEMMs fall back to float32 operands (slow)",
+                 "bf16 GEMMs with float32 sums")
+    q = torch.empty(1, 16, 16, 128, dtype=torch.bfloat16, device=device)
+    kernel = kernel_for(q, q[:, :, :4])
+    chosen = kernel.name + ("" if kernel.backends is None else
+                            "[" + ",".join(b.name for b in kernel.backends) + "]")
+    ctx.rows.add("probe.attention", status_of(kernel in (FLASH_ATTN, SDPA_FLASH)),
+                 f"bf16 GQA (16 heads, 4 kv, head 128) -> {chosen}", "a flash kernel",
+                 kernel=chosen)
 
 
 def _nccl_version() -> str:
@@ -138,7 +168,10 @@ def sdpa_usable(backend: str, device: str = "cuda",
             details[label] = max_rel_error(out, ref)
         except RuntimeError as exc:
             details[label] = f"unusable: {str(exc).splitlines()[0][:80]}"
-    ok = isinstance(details["mha"], float) and details["mha"] <= 2e-2
+    # flash runs training's grouped-query attention natively, so it must pass both; the
+    # memory-efficient backend gets kv heads repeated (plain heads) in training
+    needed = ("mha", "gqa") if backend == "flash" else ("mha",)
+    ok = all(isinstance(details[n], float) and details[n] <= 2e-2 for n in needed)
     value = ", ".join(f"{k} " + (f"rel diff {v:.1e}" if isinstance(v, float) else v)
                       for k, v in details.items())
     return ok, value, details

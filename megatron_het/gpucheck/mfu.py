@@ -69,6 +69,8 @@ def check_mfu(ctx: CheckContext) -> None:
     while micro_batch >= 1:
         metrics = ctx.work / f"metrics_mb{micro_batch}.jsonl"
         result_path = ctx.work / f"result_mb{micro_batch}.json"
+        for stale in (metrics, result_path):  # a reused --work: an earlier run's files
+            stale.unlink(missing_ok=True)
         flags = train_flags(micro_batch, ctx.options.mfu_iters, metrics, ctx.options.mfu_flags)
         run = ctx.run([ctx.python, "-m", "megatron_het.gpucheck.mfu", "--result",
                        str(result_path), "--", *flags], RUN_S, f"mfu_mb{micro_batch}.log")
@@ -103,7 +105,9 @@ def _report(ctx: CheckContext, micro_batch: int, tried: list[int],
                      f">= {MFU_MIN:.0%} of {result['accelerator']} bf16 dense peak",
                      mfu=mfu, tokens_per_s=tokens, tflops_per_device=tflops, tried=tried,
                      iteration_s=[r.get("iteration_time_s") for r in records],
-                     predicted_mfu=predicted, flags=result.get("flags"))
+                     predicted_mfu=predicted, flags=result.get("flags"),
+                     attention_kernel=result.get("attention_kernel"),
+                     fp32_out_gemm=result.get("fp32_out_gemm"))
     _report_step(ctx, records, result)
     peak, want = result["peak_bytes"], result.get("predicted_peak_bytes")
     if not want:
@@ -156,12 +160,38 @@ def driver_main(argv: Sequence[str]) -> int:
         if cuda:  # a CPU run (development) has no allocator figures
             result["peak_bytes"] = torch.cuda.max_memory_allocated()
             result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-    except torch.cuda.OutOfMemoryError as exc:
+            result.update(_kernels_used(setup))
+    except RuntimeError as exc:  # OutOfMemoryError is one; cuBLAS reports its own plainly
+        if not is_out_of_memory(exc):
+            raise
         result["oom"] = str(exc).splitlines()[0][:300]
     finally:
         shutdown_world()
         path.write_text(json.dumps(result) + "\n")
     return 3 if "oom" in result else 0
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is the device running out of memory (the allocator's error, or a
+    library's that could not allocate its workspace)."""
+    text = str(exc)
+    return (isinstance(exc, torch.cuda.OutOfMemoryError) or "CUBLAS_STATUS_ALLOC_FAILED" in text
+            or "out of memory" in text.lower())
+
+
+def _kernels_used(setup: RunSetup) -> dict[str, Any]:
+    """The attention kernel and GEMM path the run's shapes take on this device."""
+    from megatron_het.kernels.attention import kernel_for
+    from megatron_het.kernels.gemm import fp32_out_gemm_supported
+
+    config, device = setup.model_config, torch.device("cuda", torch.cuda.current_device())
+    q = torch.empty(1, 16, config.num_attention_heads, config.kv_channels,
+                    dtype=torch.bfloat16, device=device)
+    kernel = kernel_for(q, q[:, :, :config.num_query_groups])
+    return {"attention_kernel": kernel.name + ("" if kernel.backends is None else
+                                               "[" + ",".join(b.name for b in kernel.backends)
+                                               + "]"),
+            "fp32_out_gemm": fp32_out_gemm_supported(device)}
 
 
 def _prediction(setup: RunSetup) -> dict[str, Any]:

@@ -102,7 +102,12 @@ def run_command(argv: Sequence[str], timeout_s: float, log_path: str | os.PathLi
             except subprocess.TimeoutExpired:
                 pass
         _signal(proc.pid, family, signal.SIGKILL)  # whatever is left of the command
-        proc.wait()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU driver): leave it
+            log.write(f"process {proc.pid} did not die on SIGKILL within {grace_s:.0f} s; "
+                      "left behind\n".encode())
+            timed_out = True
     return CommandResult(proc.returncode, timed_out, time.monotonic() - start, log_path)
 
 

@@ -384,6 +384,14 @@ def test_roofline_row_compares_a_layer_with_the_peak_and_the_estimate():
     roof = details["roofline_forward_s"]
     assert 0 < roof < details["predicted_forward_s"] < entry.forward_s
     assert f"{roof / entry.forward_s:.0%} of roofline" in value and "est.)" in value
+    # the estimate is the predictor's: H200 takes the calibrated H100 factors
+    from megatron_het.perf.calibration import efficiency_for
+    from megatron_het.perf.cost_model import layer_forward_ops, ops_time
+
+    spec = AcceleratorRegistry.builtin().get("H200")
+    assert details["predicted_forward_s"] == ops_time(layer_forward_ops(entry.shape()), spec,
+                                                      "bf16", efficiency_for(spec))[0]
+    assert efficiency_for(spec).gemm < 0.6  # not the uncalibrated default
 
 
 def _mfu_rows(tmp_path: pathlib.Path, mfu_value: float, peak: float,
@@ -544,3 +552,32 @@ def test_the_script_in_cpu_only_mode_runs_each_check_in_its_own_process(tmp_path
     assert statuses.pop("mixed.files") == PASS  # needs no GPU
     assert set(statuses.values()) == {SKIP} and data["all_passed"] and data["cpu_only"]
     assert "check" in proc.stdout and (tmp_path / "out" / "gpu_check_logs.txt").exists()
+
+
+def test_the_kernel_probe_names_the_gemm_and_attention_paths_training_takes(tmp_path):
+    from megatron_het.gpucheck.device_checks import _probe_kernels
+
+    ctx = ctx_at(tmp_path)
+    _probe_kernels(ctx, torch.device("cpu"))  # the CPU: no out_dtype GEMMs, the flash kernel
+    rows = {r.check: r for r in ctx.rows.rows}
+    assert rows["probe.gemm-fp32-out"].status == FAIL
+    assert "fall back to float32" in rows["probe.gemm-fp32-out"].value
+    assert rows["probe.attention"].status == PASS
+    assert rows["probe.attention"].value.endswith("-> sdpa[FLASH_ATTENTION]")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible to this process")
+@pytest.mark.parametrize("name", ["numerics", "mfu", "profile", "mixed"])
+def test_a_check_without_a_device_fails_unless_the_gpu_was_hidden(tmp_path, name):
+    ctx = ctx_at(tmp_path)  # no --cpu-only: a GPU host whose GPU torch cannot see
+    module, function = cli.CHECKS[name][1].split(":")
+    getattr(importlib.import_module(module), function)(ctx)
+    rows = [r for r in read_rows(tmp_path / "rows.jsonl") if r.check != "mixed.files"]
+    assert rows and all(r.status == FAIL and "a GPU was expected" in r.value for r in rows)
+
+
+def test_out_of_memory_is_told_from_other_errors():
+    assert mfu.is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried ..."))
+    assert mfu.is_out_of_memory(RuntimeError(
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert not mfu.is_out_of_memory(RuntimeError("CUDA error: an illegal memory access"))

@@ -215,14 +215,15 @@ class Link:
             self.all_reduce(torch.zeros(1, device=_device_of(self.backend)), "sum", name)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, name: str = "send",
-              pollable: bool = False, then: Callable[[], None] | None = None) -> Work:
-        """Start sending to global rank ``dst``; ``then`` runs once it has gone. ``pollable``
-        makes ``is_completed()`` work on gloo (a watcher thread per transfer; internal rings
-        leave it off)."""
+              pollable: bool = False, then: Callable[[], None] | None = None,
+              after: Fence = None) -> Work:
+        """Start sending to global rank ``dst`` once ``after`` (the copy that fills ``tensor``)
+        has passed; ``then`` runs once it has gone. ``pollable`` makes ``is_completed()`` work
+        on gloo (a watcher thread per transfer; internal rings leave it off)."""
         peer = self.to_group_rank(dst)
         return self._start(f"{name} to rank {dst}", lambda: self.pg.send([tensor], peer, tag),
                            tensor.numel() * tensor.element_size(), then,
-                           watch=pollable and self.backend == "gloo")
+                           watch=pollable and self.backend == "gloo", after=after)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, name: str = "recv",
               then: Callable[[], None] | None = None, pollable: bool = False) -> Work:

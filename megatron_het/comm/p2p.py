@@ -79,9 +79,11 @@ def isend(parts: P2PParts, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PH
     link, crosses = route(parts, dst)
     if not crosses:
         return P2PHandle(link.isend(tensor, dst, tag, pollable=True))
-    staged = parts.bridge.stage(tensor)
+    # the copy to the host is not waited for here: the bridge's start queue sends once it
+    # is done, and this thread goes on queueing device work
+    staged = parts.bridge.stage(tensor, wait=False)
     work = link.isend(staged.host, dst, tag, then=parts.bridge.then_release(staged),
-                      pollable=True)
+                      pollable=True, after=staged.ready)
     return P2PHandle(work, staged)
 
 

@@ -329,11 +329,11 @@ class PipelineExecutor:
         for action in actions:
             key, payload, buffer = self._key(action), None, None
             if action.kind is ActionKind.SEND_FORWARD:
-                payload = run.outputs[key].detach().contiguous()
+                payload = run.outputs[key].detach().to(self.wire_dtype).contiguous()
                 if run.forward_only:
                     del run.outputs[key]
             elif action.kind is ActionKind.SEND_BACKWARD:
-                payload = run.input_grads.pop(key).contiguous()
+                payload = run.input_grads.pop(key).to(self.wire_dtype).contiguous()
             else:
                 buffer = self.pool.acquire(self.boundary_shape, self.wire_dtype)
                 received.append((action.kind, key, buffer))

@@ -211,9 +211,24 @@ def lagging_copies(rank: int, world_size: int) -> dict:
     dp.all_gather_into_tensor(g, torch.full((4,), float(rank)))  # sync, behind the queue
     h_b.wait()
     h_a.wait()
+    # a send across kinds (a pipeline's activation) returns before its copy is done too
+    opened.clear()
+    peer = 2 + rank if rank < 2 else rank - 2
+    if rank < 2:
+        sent = comm.isend(torch.full((700,), float(rank + 5)), peer)
+        send_queued = starts.busy() and not opened.is_set()
+        got = torch.empty(0)
+        opened.set()
+        sent.wait()
+    else:
+        opened.set()  # a receive stages nothing in
+        got = torch.empty(700)
+        comm.recv(got, peer)
+        send_queued = True
     return {"a": a.unique().tolist(), "t": t[0].item(), "b": b_out.tolist(), "g": g.tolist(),
             "queued_after_call": queued_after_call, "still_queued": still_queued,
-            "submitted": starts.submitted}
+            "submitted": starts.submitted, "send_queued": send_queued,
+            "got": got.unique().tolist()}
 
 
 def test_staged_transfers_start_once_their_copy_is_done_without_blocking_the_caller() -> None:
@@ -227,3 +242,4 @@ def test_staged_transfers_start_once_their_copy_is_done_without_blocking_the_cal
         assert r["b"] == [2 * i + pair[0] + pair[1] for i in range(block, block + 4)]
         assert r["g"] == [float(pair[0])] * 4 + [float(pair[1])] * 4
         assert r["queued_after_call"] and r["still_queued"] and r["submitted"] >= 2, r
+        assert r["send_queued"] and r["got"] == ([] if rank < 2 else [float(rank - 2 + 5)])

@@ -115,7 +115,8 @@ class ParallelOptimizer:
                                param_dtype, pieces)
         tp_size, tp_rank = groups.tp.size, groups.tp.rank
         self.counted = {n: counts_in_norm(n, stage, tp_size, tp_rank) for n, _ in self.named}
-        self.device = self.named[0][1].device if self.named else torch.device("cpu")
+        # a rank with nothing to train still takes part in the norm's collective, on its device
+        self.device = self.named[0][1].device if self.named else groups.comm.device
         self.steps = 0
         decay = [s.master for s in self.flat.shards if s.slot.param.ndim > 1]
         no_decay = [s.master for s in self.flat.shards if s.slot.param.ndim <= 1]
@@ -216,6 +217,7 @@ class ParallelOptimizer:
             raise UserError(f"the gradient norm is {norm}; lower --lr (or use --clip-grad) and "
                             "resume from the last checkpoint")
         scale_([s.grad for s in self.flat.shards], clip_coefficient(norm, clip_grad))
+        self.flat.finish_param_gather()  # nothing may still write the parameters below
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr

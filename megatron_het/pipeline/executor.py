@@ -205,13 +205,16 @@ class PipelineExecutor:
         return SCHEDULES[self.schedule](self.num_stages, num_micro_batches, self.stage_index)
 
     def run(self, micro_batches: Sequence[MicroBatch], loss_scale: float,
-            forward_only: bool = False) -> StageStats:
+            forward_only: bool = False, grads_zeroed: bool = False) -> StageStats:
         """Run every micro-batch of this pipeline through this stage.
 
         ``micro_batches``: ``(tokens[b, s], labels[b, s])`` pairs, the same list on every rank
         of the pipeline (the first stage reads tokens, the last labels). Side effects: adds
         into the parameters' ``.grad`` (unless ``forward_only``; never zeroes them) and, with
         tied embeddings, sums the two embedding copies' gradients over ``groups.embedding``.
+        ``grads_zeroed``: the gradients were zeroed after the last run (the trainer does so
+        every iteration), so all of the tied embedding's gradient is this run's; otherwise a
+        copy of what an earlier run summed is kept, to exchange only the rest.
         Collective over the pipeline (and the embedding group): all its ranks must call it.
         """
         if not micro_batches:
@@ -220,7 +223,7 @@ class PipelineExecutor:
         run = _Run(micro_batches, loss_scale, forward_only)
         tied = tied_embedding_weight(self.stage, self.groups)
         # Gradient already in .grad was summed by an earlier run: exchange only this run's part.
-        grad = None if tied is None else accumulated_grad(tied)
+        grad = None if tied is None or forward_only or grads_zeroed else accumulated_grad(tied)
         baseline = None if grad is None else grad.clone()
         self.clock.start()
         with torch.no_grad() if forward_only else contextlib.nullcontext():

@@ -173,7 +173,9 @@ def _run_global_batch(trainer: Trainer, dataset: SampleDataset, first_sample: in
     batches = pipeline_micro_batches(dataset, first_sample, plan, role.pipeline, trainer.device)
     scaler = trainer.optimizer.loss_scaler
     scale = 1.0 if scaler is None or forward_only else scaler.scale
-    stats = trainer.executor.run(batches, loss_scale=scale / total, forward_only=forward_only)
+    # train_step zeroed the gradients just before: no copy of the tied embedding's is kept
+    stats = trainer.executor.run(batches, loss_scale=scale / total, forward_only=forward_only,
+                                 grads_zeroed=not forward_only)
     contributes = role.is_last_stage and role.tp_rank == 0
     table = gather_rows(trainer.groups.world, {
         "loss_sum": stats.loss_sum if contributes else 0.0, "stop": float(stop),

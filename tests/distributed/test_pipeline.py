@@ -88,7 +88,7 @@ def _reference(config: ModelConfig, bf16: bool = False, count: int = NUM_MB) -> 
 
 def _run_case(comm: UnifiedCommunicator, plan: ParallelPlan, config: ModelConfig,
               schedule: str, repeat: int = 1, dtype: torch.dtype = torch.float32,
-              **executor_args: Any) -> dict[str, Any]:
+              zeroed_run: bool = False, **executor_args: Any) -> dict[str, Any]:
     groups = build_process_groups(comm, plan)
     stage = build_stage(config, plan, groups, SEED).to(dtype)
     executor = PipelineExecutor(stage, groups, config, SEQ, MBS, schedule=schedule,
@@ -101,12 +101,21 @@ def _run_case(comm: UnifiedCommunicator, plan: ParallelPlan, config: ModelConfig
         stats = executor.run(micro_batches, 1.0 / total)
         allocated.append(executor.pool.allocated)
     role = groups.role
-    return {"pipeline": pipeline, "stage": role.stage, "tp_rank": role.tp_rank, "tp": role.stage_plan.tp,
-            "last": role.is_last_stage, "stats": stats, "allocated": allocated,
-            "grads": {n: p.grad.float() for n, p in stage.named_parameters()},
-            "forward_only": executor.run(micro_batches, 1.0 / total, True),
-            "grads_after_forward_only": {n: p.grad.float()
-                                         for n, p in stage.named_parameters()}}
+    out = {"pipeline": pipeline, "stage": role.stage, "tp_rank": role.tp_rank,
+           "tp": role.stage_plan.tp, "last": role.is_last_stage, "stats": stats,
+           "allocated": allocated,
+           "grads": {n: p.grad.float().clone() for n, p in stage.named_parameters()},
+           "forward_only": executor.run(micro_batches, 1.0 / total, True),
+           "grads_after_forward_only": {n: p.grad.float().clone()
+                                        for n, p in stage.named_parameters()}}
+    if not zeroed_run:
+        return out
+    # as the trainer runs it: gradients zeroed first, so no copy of the tied one is kept
+    for param in stage.parameters():
+        param.grad.zero_()
+    executor.run(micro_batches, 1.0 / total, grads_zeroed=True)
+    out["grads_zeroed_run"] = {n: p.grad.float() for n, p in stage.named_parameters()}
+    return out
 
 
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -116,7 +125,8 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for i, (name, plan, config_name, schedule) in enumerate(CASES[world_size]):
         results[f"{name}/{config_name}/{schedule}"] = _run_case(
-            comm, plan, CONFIGS[config_name], schedule, repeat=2 if i == 0 else 1)
+            comm, plan, CONFIGS[config_name], schedule, repeat=2 if i == 0 else 1,
+            zeroed_run=True)
     if world_size == 4:  # two pipelines (DP replicas) of two stages
         results["dp2"] = _run_case(comm, DP2_PP2, TIED, "1f1b")
     if world_size == 3:
@@ -201,6 +211,9 @@ def test_pipeline_matches_single_process(outcomes: dict, references: dict, world
         assert forward_only.loss_sum == pytest.approx(stats.loss_sum, rel=1e-6)
         for name, grad in r["grads"].items():  # forward_only leaves gradients alone
             assert torch.equal(r["grads_after_forward_only"][name], grad), name
+    # one run on zeroed gradients (the trainer's way) gives the single-process gradients
+    _check_against_reference([{**r, "grads": r["grads_zeroed_run"]} for r in per_rank],
+                             CONFIGS[config_name], references[config_name])
 
 
 def test_emulated_slowdown_and_bf16(outcomes: dict, references: dict) -> None:

@@ -74,9 +74,10 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path: pathlib.Path) -> N
         time.sleep(0.1)
     assert time.monotonic() - sent < TIMEOUT_MIN * 60 + 60
     # the job itself ends in time too: torchrun kills the stopped worker (it cannot take the
-    # SIGTERM) 30 s after the others failed
+    # SIGTERM) 30 s after the others failed, so it gets those 30 s on top
+    deadline += 30
     status = job.wait(max(1.0, deadline - time.monotonic()))
-    assert time.monotonic() < deadline, "the job did not end within the timeout + 60 s"
+    assert time.monotonic() < deadline, "the job did not end within the timeout + 90 s"
     assert status != 0
     the_report(job, [3])
     assert_only_committed_checkpoints(tmp_path / "ckpt")

@@ -176,8 +176,10 @@ class UnifiedGroup:
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor,
                                async_op: bool = False) -> CollectiveHandle | None:
         """``output`` (``size * input.numel()`` elements, e.g. ``[size*d0, ...]``) receives every
-        rank's ``input`` in group-rank order. ``async_op``: return a handle at once; on a mixed
-        group the gather has already run when it returns."""
+        rank's ``input`` in group-rank order. ``async_op``: return a handle at once (``input``
+        must stay unchanged until ``wait()``); on a mixed group the gather across kinds is
+        started and the rest runs in ``wait()`` (with uneven kind sizes it has all run when
+        this returns)."""
         self._check("all_gather", input)
         if output.numel() != self.size * input.numel():
             raise ValueError(f"all_gather output has {output.numel()} elements, expected "
@@ -194,7 +196,8 @@ class UnifiedGroup:
         elif path == "flat":
             hier.flat_all_gather(self.flat, self.bridge, out, source)
         else:
-            hier.all_gather(self, out, source)
+            return self._phased(lambda _: hier.start_all_gather(self, out, source),
+                                view.write_back, async_op)
         view.write_back()
         return DONE if async_op else None
 

@@ -17,7 +17,8 @@ group), plus ``parts.bridge`` for host staging.
 - broadcast: the source sends over its entry channel (one rank of every kind), then each kind
   broadcasts natively from the rank that received it.
 - all_gather: with equal kind sizes, gather over the channel of equal local ranks, then gather
-  that natively; with uneven sizes it falls back to one flat gather on the bridge.
+  that natively; with uneven sizes it falls back to one flat gather on the bridge. It too
+  comes in two parts (``start_all_gather``): the channel gather is started at the call.
 - reduce_scatter: the first two phases of the all-reduce, then each rank collects its output
   block from the shards of its own kind's members (native point-to-point).
 
@@ -192,31 +193,48 @@ def relay_broadcast(link: Link, bridge: Bridge, flat: torch.Tensor, src: int) ->
                  copy_in=is_src, copy_out=not is_src)
 
 
-def all_gather(parts: MixedParts, output: torch.Tensor, input: torch.Tensor) -> None:
-    """``output`` (1-D, ``size * input.numel()``) receives every rank's ``input`` in group order."""
+def start_all_gather(parts: MixedParts, output: torch.Tensor, input: torch.Tensor
+                     ) -> Callable[[], None]:
+    """``output`` (1-D, ``size * input.numel()``) receives every rank's ``input`` in group
+    order, in two parts: this call starts the gather across kinds (from the bridge's start
+    queue once a device input's copy to the host is done); the returned function waits for
+    it, gathers inside the kind and places the blocks. ``input`` must stay unchanged until
+    then. Uneven kind sizes: one flat gather on the bridge, run here."""
     lay, me = parts.layout, parts.me
     if not lay.even:
         flat_all_gather(parts.flat, parts.bridge, output, input)
-        return
+        return lambda: None
     per_kind, numel = len(lay.members[0]), input.numel()
     link = parts.channel(lay.entry_channel(lay.local_index(me)))
-    staged_in = parts.bridge.stage(input)
+    staged_in = parts.bridge.stage(input, wait=False)
     gathered = torch.empty(link.size * numel, dtype=input.dtype, device=input.device)
     staged_out = parts.bridge.stage(gathered, copy_in=False)
-    ring.gather_on(link, staged_out.host, staged_in.host, "all_gather")
-    staged_out.finish()
-    staged_in.release()
-    if parts.native.size > 1:
-        everything = torch.empty(per_kind * gathered.numel(), dtype=input.dtype,
-                                 device=input.device)
-        ring.gather_on(parts.native, everything, gathered, "all_gather")
-    else:
-        everything = gathered
-    blocks = everything.view(per_kind, link.size, numel)
-    out = output.view(lay.size, numel)
-    for j in range(per_kind):
-        for c, rank in enumerate(sorted(lay.entry_channel(j))):
-            out[lay.group_rank(rank)].copy_(blocks[j, c])
+    across = link.run_async(
+        lambda: ring.gather_on(link, staged_out.host, staged_in.host, "all_gather"),
+        "all_gather", after=staged_in.ready)
+
+    def finish() -> None:
+        across.wait()
+        staged_out.finish()
+        staged_in.release()
+        if parts.native.size > 1:
+            everything = torch.empty(per_kind * gathered.numel(), dtype=input.dtype,
+                                     device=input.device)
+            ring.gather_on(parts.native, everything, gathered, "all_gather")
+        else:
+            everything = gathered
+        blocks = everything.view(per_kind, link.size, numel)
+        out = output.view(lay.size, numel)
+        for j in range(per_kind):
+            for c, rank in enumerate(sorted(lay.entry_channel(j))):
+                out[lay.group_rank(rank)].copy_(blocks[j, c])
+
+    return finish
+
+
+def all_gather(parts: MixedParts, output: torch.Tensor, input: torch.Tensor) -> None:
+    """Synchronous :func:`start_all_gather`."""
+    start_all_gather(parts, output, input)()
 
 
 def start_reduce_scatter(parts: MixedParts, output: torch.Tensor, input: torch.Tensor, op: str,

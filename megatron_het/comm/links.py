@@ -123,7 +123,8 @@ class Link:
                watch: bool = False, after: Fence = None) -> Work:
         settle = self.wire.book(int(nbytes), direction) if self.wire is not None else None
         starts = self.starts
-        if starts is not None and (after is not None or starts.busy(self)):
+        if (starts is not None and not starts.on_worker()
+                and (after is not None or starts.busy(self))):
             work = starts.submit(after, lambda: guarded(self.group_name, op, self.where, fn),
                                  key=self)
         else:
@@ -140,6 +141,16 @@ class Link:
         if rank not in self.ranks:
             raise ValueError(f"rank {rank} is not in {self.where}")
         return self.ranks.index(rank)
+
+    def run_async(self, job: Callable[[], None], name: str, after: Fence = None) -> Work:
+        """Run ``job`` (a whole algorithm of this link's operations, e.g. a ring) as one
+        operation: from the start queue's thread once ``after`` has passed, where the link has
+        a queue and there is a fence or queued work; else here, now. ``wait()`` returns once
+        it has run and raises what it raised."""
+        def run() -> _Ran:
+            job()
+            return _Ran()
+        return self._start(name, run, after=after)
 
     def all_reduce_async(self, tensor: torch.Tensor, op: str, name: str = "all_reduce",
                          then: Callable[[], None] | None = None, after: Fence = None) -> Work:
@@ -232,6 +243,16 @@ class Link:
         return self._start(f"{name} from rank {src}", lambda: self.pg.recv([tensor], peer, tag),
                            tensor.numel() * tensor.element_size(), then, direction="rx",
                            watch=pollable and self.backend == "gloo")
+
+
+class _Ran:
+    """The backend work of a job that has already run to its end."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 def _device_type(backend: str) -> str:

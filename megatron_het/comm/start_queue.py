@@ -73,6 +73,11 @@ class StartQueue:
         self._thread: threading.Thread | None = None
         self.submitted = 0  # operations that went through the queue (for tests and stats)
 
+    def on_worker(self) -> bool:
+        """Whether the caller is this queue's worker thread (a job it runs issuing its own
+        operations, which go straight to the backend)."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def busy(self, key: Hashable = None) -> bool:
         """True while some operation submitted with ``key`` (any, for None) has not been
         started yet."""

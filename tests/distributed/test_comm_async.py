@@ -205,8 +205,11 @@ def lagging_copies(rank: int, world_size: int) -> dict:
     b = torch.arange(8.0) + rank
     b_out = torch.empty(4)
     h_b = dp.reduce_scatter_tensor(b_out, b, async_op=True)
+    gathered = torch.empty(2 * 600)
+    h_g = dp.all_gather_into_tensor(gathered, torch.full((600,), float(rank)), async_op=True)
     still_queued = starts.busy()
     opened.set()
+    h_g.wait()  # out of order: the reduce-scatter started before it finishes first
     g = torch.empty(8)
     dp.all_gather_into_tensor(g, torch.full((4,), float(rank)))  # sync, behind the queue
     h_b.wait()
@@ -226,6 +229,7 @@ def lagging_copies(rank: int, world_size: int) -> dict:
         comm.recv(got, peer)
         send_queued = True
     return {"a": a.unique().tolist(), "t": t[0].item(), "b": b_out.tolist(), "g": g.tolist(),
+            "gathered": [gathered[:600].unique().tolist(), gathered[600:].unique().tolist()],
             "queued_after_call": queued_after_call, "still_queued": still_queued,
             "submitted": starts.submitted, "send_queued": send_queued,
             "got": got.unique().tolist()}
@@ -241,5 +245,6 @@ def test_staged_transfers_start_once_their_copy_is_done_without_blocking_the_cal
         block = pair.index(rank) * 4
         assert r["b"] == [2 * i + pair[0] + pair[1] for i in range(block, block + 4)]
         assert r["g"] == [float(pair[0])] * 4 + [float(pair[1])] * 4
+        assert r["gathered"] == [[float(pair[0])], [float(pair[1])]]
         assert r["queued_after_call"] and r["still_queued"] and r["submitted"] >= 2, r
         assert r["send_queued"] and r["got"] == ([] if rank < 2 else [float(rank - 2 + 5)])

@@ -63,6 +63,7 @@ class TensorParallelLlamaModel(LlamaModel):
         gather's backward sums the ranks' partial input gradients)."""
         if not self.has_head:
             raise RuntimeError("this stage has no head")
+        self._ready("head")  # --overlap-param-gather: the head's buckets may be in flight
         normed = self.final_norm(hidden)
         if self.sequence_parallel:
             normed = gather_from_sp(normed, self.tp_group)

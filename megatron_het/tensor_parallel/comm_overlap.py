@@ -19,7 +19,9 @@ block at hand at step k is ``(r - k) mod tp``; in the reduce-scatter ring rank r
 product for block ``(r - 1 - k) mod tp`` to the sum arriving from rank r - 1 and passes it on,
 so at the last step it holds the whole sum of its own block. Results equal the
 non-overlapped path up to the order of floating-point sums (the weight gradient is summed over
-blocks). The bytes on the wire are the same as the collectives'; only the waiting is hidden.
+blocks, in float32, and rounded to a low-precision weight's dtype once, or added straight into
+its float32 ``main_grad``). The bytes on the wire are the same as the collectives'; only the
+waiting is hidden.
 
 Tensors are ``[B, S, H]`` (batch first, the sequence on dim 1). Shape legend: B batch, S
 sequence, s = S/tp this rank's block, H input features, O output features.
@@ -34,6 +36,8 @@ import torch.nn.functional as F
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.comm.p2p import P2PHandle, P2POp
 from megatron_het.kernels.autocast import autocast_dtype, autocast_off
+from megatron_het.kernels.gemm import addmm_fp32_out_
+from megatron_het.kernels.main_grad import add_to_main_grad
 from megatron_het.kernels.graph_break import graph_break
 
 SEQ_DIM = 1
@@ -150,7 +154,7 @@ class _AllGatherLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup,
                 *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+        ctx.group, ctx.params = group, weights
         x, *weights = _as_autocast(x, *weights)
         ctx.save_for_backward(x, *weights)
         with autocast_off(x.device.type):
@@ -164,19 +168,19 @@ class _AllGatherLinear(torch.autograd.Function):
         ring = _Ring(ctx.group)
         B, s, H = x.shape
         grads = [g.contiguous() for g in grads]
-        wgrads = [torch.zeros_like(w) for w in weights]
+        wgrads = [_accumulator(w) for w in weights]
         blocks = _arriving_blocks(ring, x)
 
         def weight_gradients() -> None:
             index, here = next(blocks)
             rows = here.reshape(B * s, H)
             for wgrad, g in zip(wgrads, grads):
-                wgrad.add_(_seq_block(g, index, s).reshape(B * s, -1).t().matmul(rows))
+                addmm_fp32_out_(wgrad, _seq_block(g, index, s).reshape(B * s, -1).t(), rows)
 
         dx = _scattered_sum(ring, lambda block: sum(
             _seq_block(g, block, s).matmul(w) for g, w in zip(grads, weights)),
             beside=weight_gradients)
-        return (dx, None, *wgrads)
+        return (dx, None, *(_weight_grad(p, g) for p, g in zip(ctx.params, wgrads)))
 
 
 class _LinearReduceScatter(torch.autograd.Function):
@@ -185,7 +189,7 @@ class _LinearReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
                 group: UnifiedGroup) -> torch.Tensor:
-        ctx.group = group
+        ctx.group, ctx.param = group, weight
         x, weight = _as_autocast(x, weight)
         ctx.save_for_backward(x, weight)
         ring = _Ring(group)
@@ -203,12 +207,26 @@ class _LinearReduceScatter(torch.autograd.Function):
         B, S, H = x.shape
         s = S // ring.size
         dx = torch.empty_like(x)
-        wgrad = torch.zeros_like(weight)
+        wgrad = _accumulator(weight)
         for index, here in _arriving_blocks(ring, grad):
             _product_into(_seq_block(dx, index, s), here, weight)
-            wgrad.add_(here.reshape(B * s, -1).t().matmul(
-                _seq_block(x, index, s).reshape(B * s, H)))
-        return dx, wgrad, None
+            addmm_fp32_out_(wgrad, here.reshape(B * s, -1).t(),
+                            _seq_block(x, index, s).reshape(B * s, H))
+        return dx, _weight_grad(ctx.param, wgrad), None
+
+
+def _accumulator(weight: torch.Tensor) -> torch.Tensor:
+    """A zero float32 (float64 stays) buffer for the weight gradient's per-block products: one
+    rounding to the weight's dtype at the end, as a single GEMM makes, not one per block."""
+    dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+
+
+def _weight_grad(param: torch.Tensor, total: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient autograd gets for ``param``: None once ``total`` went into its float32
+    ``main_grad`` (:func:`~megatron_het.kernels.main_grad.add_to_main_grad`), else ``total``
+    in ``param``'s dtype."""
+    return None if add_to_main_grad(param, total) else total.to(param.dtype)
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups

@@ -39,3 +39,36 @@ def test_rings_under_autocast_give_the_autocast_dtype_and_fp32_gradients() -> No
                                    rtol=2e-2)
         torch.testing.assert_close(w_grad, x.reshape(8, 16).sum(0).expand(12, 16), atol=0.1,
                                    rtol=2e-2)
+
+
+def test_bf16_weight_gradients_are_summed_in_float32_into_main_grad() -> None:
+    """bf16 parameters (Megatron's mixed precision): the per-block weight-gradient products are
+    summed in float32 and go straight into ``main_grad``, never rounded to bf16 per block."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 8, 16, generator=g).bfloat16()
+    gate = torch.randn(2, 12, 16, generator=g).bfloat16()
+    act = torch.randn(2, 2, 8, 12, generator=g).bfloat16()
+    down = torch.randn(2, 16, 12, generator=g).bfloat16()
+    dout = torch.randn(2, 2, 8, 12, generator=g).bfloat16()
+
+    def work(member):
+        r = member.rank
+        xs = x[:, r * 4:(r + 1) * 4].clone()
+        w, wd = gate[r].clone().requires_grad_(), down[r].clone().requires_grad_()
+        added = []
+        for param in (w, wd):
+            param.main_grad = torch.zeros(param.shape)
+            param.on_main_grad_added = lambda param=param: added.append(param)
+        (out,) = all_gather_linear(xs, [w], member)
+        y = linear_reduce_scatter(act[r].clone(), wd, member)
+        ((out.float() * dout[r].float()).sum() + y.float().sum()).backward()
+        return w, wd, len(added)
+
+    results = ThreadRing(2).run(work)
+    for r, (w, wd, added) in enumerate(results):
+        assert w.grad is None and wd.grad is None and added == 2
+        want_w = dout[r].float().reshape(16, 12).t() @ x.float().reshape(16, 16)
+        torch.testing.assert_close(w.main_grad, want_w, rtol=1e-5, atol=1e-5)
+        # y's gradient is ones on every rank's block: gathered, ones over the whole sequence
+        want_wd = torch.ones(16, 16) @ act[r].float().reshape(16, 12)
+        torch.testing.assert_close(wd.main_grad, want_wd, rtol=1e-5, atol=1e-5)

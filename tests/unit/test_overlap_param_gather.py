@@ -83,3 +83,20 @@ def test_compiled_layers_run_with_the_waits_set() -> None:
     got.backward()
     assert torch.allclose(got, expected, rtol=1e-5)
     assert len(flat.waits) == TIED.num_layers + 2
+
+
+def test_a_tensor_parallel_head_waits_for_its_buckets_too(monkeypatch) -> None:
+    """The TP model overrides the head: it must wait like LlamaModel's (a head reading a
+    bucket still being gathered would read half-written weights)."""
+    from megatron_het.tensor_parallel import apply
+
+    config = model_preset("tiny")
+    stage = LlamaModel(config, layer_range=(3, 4), has_embedding=False, has_head=True)
+    stage.__class__ = apply.TensorParallelLlamaModel  # a one-rank group's TP model
+    stage.tp_group, stage.vocab_range, stage.sequence_parallel = None, (0, config.vocab_size), False
+    monkeypatch.setattr(apply, "vocab_parallel_linear_cross_entropy",
+                        lambda normed, *_, **__: normed.sum())
+    flat = Gathers(stage)
+    _wait_for_gathers(stage, flat)
+    stage(torch.randn(1, 4, config.hidden_size), labels=torch.randint(0, 8, (1, 4)))
+    assert [flat.names(w) for w in flat.waits][-1] == {"final_norm.weight", "output.weight"}

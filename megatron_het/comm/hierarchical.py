@@ -206,17 +206,31 @@ def start_all_gather(parts: MixedParts, output: torch.Tensor, input: torch.Tenso
         return lambda: None
     per_kind, numel = len(lay.members[0]), input.numel()
     link = parts.channel(lay.entry_channel(lay.local_index(me)))
-    staged_in = parts.bridge.stage(input, wait=False)
-    gathered = torch.empty(link.size * numel, dtype=input.dtype, device=input.device)
-    staged_out = parts.bridge.stage(gathered, copy_in=False)
-    across = link.run_async(
-        lambda: ring.gather_on(link, staged_out.host, staged_in.host, "all_gather"),
-        "all_gather", after=staged_in.ready)
+    bridge = parts.bridge
+    staged_in = bridge.stage(input, wait=False)
+    # The gather lands in a host buffer; the device copy of it is made only in finish(), so
+    # gathers left in flight (--overlap-param-gather) hold no device memory of their own.
+    staging = bridge.needs_staging(input)
+    pool = bridge.pool(input) if staging else None
+    host = (pool.acquire(link.size * numel, input.dtype) if pool is not None else
+            torch.empty(link.size * numel, dtype=input.dtype, device=input.device))
+    across = link.run_async(lambda: ring.gather_on(link, host, staged_in.host, "all_gather"),
+                            "all_gather", after=staged_in.ready)
 
     def finish() -> None:
-        across.wait()
-        staged_out.finish()
-        staged_in.release()
+        try:
+            across.wait()
+        except BaseException:
+            if pool is not None:  # the ring has ended (or never started): nothing writes it
+                pool.release(host)
+            raise
+        finally:
+            staged_in.release()
+        if pool is None:
+            gathered = host
+        else:
+            gathered = torch.empty(link.size * numel, dtype=input.dtype, device=input.device)
+            Staged(host, gathered, pool, bridge.copier(input.device), host).finish()
         if parts.native.size > 1:
             everything = torch.empty(per_kind * gathered.numel(), dtype=input.dtype,
                                      device=input.device)

@@ -124,7 +124,7 @@ class Link:
         settle = self.wire.book(int(nbytes), direction) if self.wire is not None else None
         starts = self.starts
         if (starts is not None and not starts.on_worker()
-                and (after is not None or starts.busy(self))):
+                and (after is not None or starts.broken or starts.busy(self))):
             work = starts.submit(after, lambda: guarded(self.group_name, op, self.where, fn),
                                  key=self)
         else:

@@ -11,11 +11,12 @@ operations were submitted.
 Every rank submits the same operations in the same order, and one thread starts them in that
 order, so every rank's backend still sees its operations in one order. An operation on a link
 that arrives while earlier ones of that link are still queued is queued behind them (even if it
-has no fence of its own), so nothing overtakes; other links' operations go on at once.
+has no fence of its own), so nothing overtakes; other links' operations without a fence go on
+at once (fenced ones take their turn on the one thread, behind whatever it is running).
 
 A fence that fails is this rank's device failing (not a peer): its operation raises
-:class:`StagingError`, and so does every later one of the queue, which is never started (its
-peers would pair it with the wrong transfer otherwise).
+:class:`StagingError`, and so does every later operation of the queue's links, which is never
+started (its peers would pair it with the wrong transfer otherwise).
 """
 from __future__ import annotations
 
@@ -77,6 +78,11 @@ class StartQueue:
         """Whether the caller is this queue's worker thread (a job it runs issuing its own
         operations, which go straight to the backend)."""
         return self._thread is not None and threading.current_thread() is self._thread
+
+    @property
+    def broken(self) -> bool:
+        """True once a fence has failed: every later operation fails without starting."""
+        return self._broken is not None
 
     def busy(self, key: Hashable = None) -> bool:
         """True while some operation submitted with ``key`` (any, for None) has not been

@@ -36,6 +36,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,15 +66,17 @@ def write_failure(save_dir: str | Path, iteration: int, world_size: int, silent:
     with an error of their own, the world size, the report line and the launcher's job id
     (``run_id``: torchrun's ``--rdzv-id``, which tells the supervisors of a multi-node job
     their own launch's record from an older one). With a ``run_id`` the first record of that
-    launch stands: False (nothing written) when another rank's came first."""
+    launch stands: it is linked into place whole as ``elastic/records/<run_id>``, which fails
+    for every later one (False: nothing written)."""
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
-    if run_id and not _claim_record(root, run_id):
-        return False
     record = {"iteration": iteration, "world_size": world_size,
               "lost_ranks": sorted(set(silent) | set(stuck)), "silent": list(silent),
               "stuck": list(stuck), "failed": list(failed), "line": line, "run_id": run_id}
-    write_text_atomically(root / FAILURE_FILE, json.dumps(record, indent=1))
+    text = json.dumps(record, indent=1)
+    if run_id and not _claim_record(root, run_id, text):
+        return False
+    write_text_atomically(root / FAILURE_FILE, text)
     return True
 
 
@@ -82,14 +85,22 @@ def _claim_path(root: Path, run_id: str) -> Path:
         c if c.isalnum() or c in "-_." else "_" for c in run_id)
 
 
-def _claim_record(root: Path, run_id: str) -> bool:
-    """Create launch ``run_id``'s claim file, exclusively; False when it exists already."""
+def _claim_record(root: Path, run_id: str, text: str) -> bool:
+    """Put launch ``run_id``'s record in place with its content at once (a hard link of a
+    written file, which fails where one exists); False when another came first."""
     path = _claim_path(root, run_id)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".claim-")
     try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.link(tmp, path)
     except FileExistsError:
         return False
+    finally:
+        os.unlink(tmp)
     return True
 
 
@@ -122,10 +133,18 @@ def record_own_error(argv: Sequence[str], environ: Mapping[str, str],
         return False
 
 
-def read_failure(save_dir: str | Path) -> Optional[dict]:
-    """The record :func:`write_failure` left in ``save_dir`` (None: none)."""
+def read_failure(save_dir: str | Path, run_id: str = "") -> Optional[dict]:
+    """The record :func:`write_failure` left in ``save_dir`` (None: none); with ``run_id``,
+    that launch's own record only."""
+    if run_id:
+        claim = _claim_path(Path(save_dir), run_id)
+        if claim.is_file():
+            return json.loads(claim.read_text())
     path = Path(save_dir) / FAILURE_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    record = json.loads(path.read_text()) if path.is_file() else None
+    if run_id and record is not None and record.get("run_id") != run_id:
+        return None
+    return record
 
 
 def flag_value(flags: Sequence[str], name: str) -> Optional[str]:
@@ -250,8 +269,8 @@ def _wait_for_record(save: str, run_id: str, wait_s: float,
     node's rank may report it after this node's run ended); None if none comes."""
     deadline = clock() + wait_s
     while True:
-        record = read_failure(save)
-        if record is not None and record.get("run_id") == run_id:
+        record = read_failure(save, run_id)
+        if record is not None:
             return record
         if clock() >= deadline:
             return None

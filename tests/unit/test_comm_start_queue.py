@@ -142,7 +142,10 @@ def test_a_failing_copy_is_this_ranks_error_and_stops_the_queue() -> None:
     # never started: its peers would pair it with the transfer this rank skipped
     with pytest.raises(StagingError, match="not started: an earlier transfer's copy"):
         later.wait()
-    assert pg.started == []
+    # nor does anything after it, fence or not, queued or not
+    with pytest.raises(StagingError, match="not started"):
+        link.isend(torch.ones(1), 1, tag=0).wait()
+    assert pg.started == [] and starts.broken
 
 
 def test_a_link_waits_only_behind_its_own_queued_operations() -> None:

@@ -294,6 +294,12 @@ def test_the_first_record_of_a_launch_stands(tmp_path: pathlib.Path) -> None:
     assert write_failure(tmp_path, 5, 4, [2], [], [], "first", run_id="job-0")
     assert not write_failure(tmp_path, 5, 4, [1, 2], [], [], "second", run_id="job-0")
     assert read_failure(tmp_path)["line"] == "first"
+    # the launch's own record holds the content too (a writer killed before the last_failure
+    # copy leaves it whole), and nothing else is left in the records directory
+    (tmp_path / "last_failure.json").unlink()
+    assert read_failure(tmp_path, "job-0")["line"] == "first"
+    assert read_failure(tmp_path, "job-9") is None and read_failure(tmp_path) is None
+    assert [p.name for p in (tmp_path / "elastic" / "records").iterdir()] == ["job-0"]
     assert write_failure(tmp_path, 9, 3, [1], [], [], "next launch", run_id="job-1")
     assert read_failure(tmp_path)["run_id"] == "job-1"
     assert write_failure(tmp_path, 9, 3, [1], [], [], "no id", run_id="")  # no launch to claim

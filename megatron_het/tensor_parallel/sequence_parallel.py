@@ -24,12 +24,13 @@ sequence, H hidden, tp the group size.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.kernels.graph_break import graph_break
+from megatron_het.kernels.main_grad import add_to_main_grad
 
 SEQ_DIM = 1
 
@@ -86,13 +87,15 @@ class _NormWeight(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
-        ctx.group = group
+        ctx.group, ctx.param = group, weight
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
         total = grad.float().contiguous()  # sum partial gradients once, in float32
         ctx.group.all_reduce(total, op="sum")
+        if add_to_main_grad(ctx.param, total):  # a bf16 weight: kept in float32
+            return None, None
         return total.to(grad.dtype), None
 
 

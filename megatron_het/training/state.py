@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -101,5 +102,9 @@ def set_rng_state(state: dict[str, Any], device_type: Optional[str] = None) -> N
     if isinstance(saved, (list, tuple)):  # one state per visible device
         if current < len(saved):
             module.set_rng_state(saved[current], current)
+        else:
+            warnings.warn(f"the checkpoint holds {key} generator states of {len(saved)} "
+                          f"devices, none for device {current}: its generator keeps its "
+                          "state", stacklevel=2)
         return
     module.set_rng_state(saved, current)

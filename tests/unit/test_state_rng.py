@@ -82,8 +82,13 @@ def test_a_state_of_every_visible_device_restores_the_current_ones_entry(
     now = FakeAccelerator(3)
     now.current = current
     monkeypatch.setattr(torch, "cuda", now)
-    set_rng_state({**rng_state("cpu"), "cuda": [torch.tensor([10 + i], dtype=torch.uint8)
-                                                for i in range(2)]}, "cuda")
+    state = {**rng_state("cpu"), "cuda": [torch.tensor([10 + i], dtype=torch.uint8)
+                                          for i in range(2)]}
+    if restored:
+        set_rng_state(state, "cuda")
+    else:
+        with pytest.warns(UserWarning, match="none for device 2"):
+            set_rng_state(state, "cuda")
     assert now.calls == restored
 
 

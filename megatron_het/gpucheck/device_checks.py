@@ -96,8 +96,7 @@ def _probe_kernels(ctx: CheckContext, device: Optional[torch.device] = None) -> 
                  "bf16 GEMMs with float32 sums")
     q = torch.empty(1, 16, 16, 128, dtype=torch.bfloat16, device=device)
     kernel = kernel_for(q, q[:, :, :4])
-    chosen = kernel.name + ("" if kernel.backends is None else
-                            "[" + ",".join(b.name for b in kernel.backends) + "]")
+    chosen = kernel.label
     ctx.rows.add("probe.attention", status_of(kernel in (FLASH_ATTN, SDPA_FLASH)),
                  f"bf16 GQA (16 heads, 4 kv, head 128) -> {chosen}", "a flash kernel",
                  kernel=chosen)

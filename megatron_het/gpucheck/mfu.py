@@ -188,9 +188,7 @@ def _kernels_used(setup: RunSetup) -> dict[str, Any]:
     q = torch.empty(1, 16, config.num_attention_heads, config.kv_channels,
                     dtype=torch.bfloat16, device=device)
     kernel = kernel_for(q, q[:, :, :config.num_query_groups])
-    return {"attention_kernel": kernel.name + ("" if kernel.backends is None else
-                                               "[" + ",".join(b.name for b in kernel.backends)
-                                               + "]"),
+    return {"attention_kernel": kernel.label,
             "fp32_out_gemm": fp32_out_gemm_supported(device)}
 
 

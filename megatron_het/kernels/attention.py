@@ -59,6 +59,13 @@ class AttentionKernel:
     backends: Optional[tuple[SDPBackend, ...]] = None
     expand_kv: bool = False
 
+    @property
+    def label(self) -> str:
+        """The name with the allowed SDPA backends, e.g. ``sdpa[FLASH_ATTENTION]``."""
+        if self.backends is None:
+            return self.name
+        return self.name + "[" + ",".join(b.name for b in self.backends) + "]"
+
 
 FLASH_ATTN = AttentionKernel("flash_attn")
 SDPA_FLASH = AttentionKernel("sdpa", (SDPBackend.FLASH_ATTENTION,))

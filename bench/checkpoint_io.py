@@ -38,7 +38,6 @@ import os
 import pathlib
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from megatron_het.checkpoint.reader import ReadStats  # noqa: E402
 from megatron_het.checkpoint.verify import read_metadata_file  # noqa: E402
 from megatron_het.config import ModelConfig  # noqa: E402
 from megatron_het.parallel.plan import ParallelPlan  # noqa: E402
+from megatron_het.perf.measure_procs import free_loopback_port  # noqa: E402
 
 _GB = 1e9
 
@@ -164,9 +164,7 @@ def measure_plan(world_size: int, args: argparse.Namespace, root: pathlib.Path,
     """Write/read GB/s of ``world_size`` forked ranks (pp plan), medians over the rounds; also
     the load of the checkpoint in ``reshard_from`` (another plan's save directory) when given.
     ``keep`` leaves this plan's save directory (``root/plan<world_size>``) in place."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_loopback_port()
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     target = root / f"plan{world_size}"

@@ -11,7 +11,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,9 @@ import time
 from typing import Optional, Sequence
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from megatron_het.perf.measure_procs import free_loopback_port  # noqa: E402
+
 CLUSTER = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
 PLAN = REPO / "scripts" / "plans" / "cpu_emulated_dp2_fast_heavy.json"  # logging rank: 2
 MODEL_FLAGS = ("--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -62,10 +64,9 @@ def torchrun(nproc: int, flags: Sequence[str]) -> list[str]:
 
 
 def free_port() -> int:
-    """A TCP port free on the loopback interface now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port of the loopback interface free now, with the 3 after it (a supervisor's
+    relaunches take the next ports)."""
+    return free_loopback_port(span=4)
 
 
 def node_torchrun(node_rank: int, nnodes: int, nproc: int, port: int,

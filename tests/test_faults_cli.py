@@ -155,11 +155,7 @@ def test_a_lost_node_is_named_on_the_node_left_within_the_timeout(
 
 @pytest.mark.slow
 def test_a_rank_that_never_starts_fails_start_up_with_one_line() -> None:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port))
     result = subprocess.run([sys.executable, "pretrain_llama.py", "--model", "tiny",

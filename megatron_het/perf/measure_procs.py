@@ -18,11 +18,45 @@ import traceback
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 
-def free_loopback_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago (for a gloo rendezvous)."""
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to sockets bound to port 0 (Linux's
+    ip_local_port_range; 32768 where it cannot be read)."""
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_loopback_port(span: int = 1) -> int:
+    """A TCP port P of 127.0.0.1 such that P .. P + span - 1 were all free a moment ago (for a
+    rendezvous; a supervisor's relaunch k takes P + k).
+
+    The port is drawn at random below the kernel's ephemeral range. A port the kernel handed
+    out for binding port 0 and then released could be handed out again to another process's
+    socket (a gloo pair, a store client) before the caller binds it; ports below the range are
+    never handed out that way, so only another explicit pick can collide, and random picks
+    among some 20,000 ports rarely do."""
+    import random
+
+    high = max(_LOWEST_PORT + span + 1, _ephemeral_low()) - span
+    chooser = random.Random()  # seeded from the OS: independent of any seeded global state
+    for _ in range(200):
+        port = chooser.randrange(_LOWEST_PORT, high)
+        if all(_bindable(port + k) for k in range(span)):
+            return port
+    raise RuntimeError(f"no {span} consecutive free TCP ports on 127.0.0.1 below {high + span}")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def process_context() -> Any:

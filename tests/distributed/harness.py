@@ -16,7 +16,6 @@ import gc
 import multiprocessing
 import os
 import pickle
-import socket
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -24,6 +23,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from megatron_het.perf.measure_procs import free_loopback_port
 
 # After the first failure, how long the other ranks get to report their own error before they are
 # killed (their error often names the real cause, e.g. the peer that hung up).
@@ -35,10 +36,8 @@ class RankFailure(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free when this ran (bind to port 0, read it, release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 free when this ran, below the kernel's ephemeral range."""
+    return free_loopback_port()
 
 
 def start_method() -> str:

@@ -55,5 +55,21 @@ def test_a_worker_that_dies_silently():
         _run(_exit_silently, [()])
 
 
-def test_free_loopback_port_is_a_port():
-    assert 0 < free_loopback_port() < 65536
+def test_free_loopback_ports_lie_below_the_ephemeral_range_and_are_free(monkeypatch):
+    """Ports the kernel hands out for port 0 can be handed out again to another process's
+    socket before a rendezvous binds them; picks below that range cannot."""
+    import socket
+
+    from megatron_het.perf import measure_procs
+
+    low = measure_procs._ephemeral_low()
+    ports = {free_loopback_port(span=4) for _ in range(20)}
+    assert all(10000 <= p and p + 4 <= low for p in ports), (ports, low)
+    assert len(ports) > 1  # drawn at random, not one fixed port for every caller
+    monkeypatch.setattr(measure_procs, "_LOWEST_PORT", 20000)
+    monkeypatch.setattr(measure_procs, "_ephemeral_low", lambda: 20003)
+    with socket.socket() as busy:  # of 20000 and 20001 (span 1), only 20000 is free
+        busy.bind(("127.0.0.1", 20001))
+        assert free_loopback_port() == 20000
+        with pytest.raises(RuntimeError, match="no 2 consecutive free"):
+            free_loopback_port(span=2)

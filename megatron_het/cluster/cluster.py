@@ -224,7 +224,7 @@ class ClusterSpec:
         for g in self.node_groups:
             ranks = [r.rank for r in self._ranks if r.group == g.name]
             rows.append((g.name, g.accelerator.label, str(g.nodes), str(g.devices_per_node),
-                         _ranges(ranks), f"{g.nic_bandwidth_gbps:g}",
+                         format_ranks(ranks), f"{g.nic_bandwidth_gbps:g}",
                          f"{g.intra_bandwidth_gbps:g}", f"{g.accelerator.peak_tflops_bf16:g}",
                          f"{g.accelerator.memory_gib:g}"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -282,7 +282,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _ranges(values: Sequence[int]) -> str:
+def format_ranks(values: Sequence[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5"."""
     parts: list[str] = []
     start = prev = None

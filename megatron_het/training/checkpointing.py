@@ -245,3 +245,63 @@ def _restore_progress(trainer: "Trainer", train_state: dict) -> None:
     trainer.skipped_nonfinite = int(train_state.get("nonfinite_skipped_iterations", 0))
     trainer.progress = Progress(iteration=int(train_state["iteration"]),
                                 consumed_samples=int(train_state["consumed_samples"]))
+
+
+# How long a rank looks for rank 0's marker before calling --save unshared (a network
+# filesystem may show another client's new file a moment late).
+_SHARED_LOOK_S = 5.0
+
+
+def check_save_is_shared(save_dir: pathlib.Path, describe: Any) -> None:
+    """Collective over the world (gloo, host tensors), at start-up: UserError on every rank when
+    ``save_dir`` (``--save``) is not one directory for every rank, naming the ranks that do not
+    see what rank 0 writes there. Every rank writes into rank 0's staging directory at each
+    save, so a directory local to each node would otherwise fail only at the first save, and
+    the elastic supervisors read their failure records there. ``describe(ranks)`` names ranks.
+    Rank 0 creates ``save_dir`` if needed and removes its marker afterwards."""
+    import secrets
+
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if size == 1:
+        return
+    token = torch.zeros(16, dtype=torch.uint8)
+    marker_error = ""
+    if rank == 0:
+        token = torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8)
+        marker = _marker(save_dir, token)
+        try:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            marker.write_text(marker.name)
+        except OSError as exc:
+            marker_error = f"rank 0 cannot write to --save {save_dir} ({exc})"
+    failed = line_to_bytes(marker_error, 200)
+    dist.broadcast(failed, 0)
+    dist.broadcast(token, 0)
+    if line_from_bytes(failed):
+        raise UserError(line_from_bytes(failed))
+    marker = _marker(save_dir, token)
+    deadline = time.monotonic() + _SHARED_LOOK_S
+    while not (seen := _reads(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    flags = [torch.zeros(1, dtype=torch.uint8) for _ in range(size)]
+    dist.all_gather(flags, torch.tensor([int(seen)], dtype=torch.uint8))
+    if rank == 0:
+        marker.unlink(missing_ok=True)
+    blind = [r for r, flag in enumerate(flags) if not int(flag)]
+    if blind:
+        raise UserError(f"--save {save_dir} is not shared by every rank: {describe(blind)} do "
+                        "not see the file rank 0 wrote there; put --save (CHECKPOINT_DIR) on a "
+                        "filesystem every node mounts at the same path")
+
+
+def _marker(save_dir: pathlib.Path, token: torch.Tensor) -> pathlib.Path:
+    return save_dir / f".shared-{bytes(token.tolist()).hex()}"
+
+
+def _reads(marker: pathlib.Path) -> bool:
+    try:
+        return marker.read_text() == marker.name
+    except OSError:
+        return False

@@ -8,8 +8,10 @@ Everything after the world group is built goes through the unified communicator.
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import socket
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from megatron_het.comm.faults import first_line
 from megatron_het.errors import PeerFailure, UserError
@@ -29,6 +31,7 @@ class LaunchEnv:
     restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: which launch of the job
     local_world_size: int = 0  # torchrun's LOCAL_WORLD_SIZE: ranks on this node (0: unknown)
     run_id: str = ""  # torchrun's TORCHELASTIC_RUN_ID (--rdzv-id): which job ("": none given)
+    gloo_socket_ifname: str = ""  # GLOO_SOCKET_IFNAME: the interface gloo listens on ("": unset)
 
     @property
     def init_method(self) -> str:
@@ -42,8 +45,8 @@ def launched_by_torchrun(environ: Mapping[str, str]) -> bool:
 
 def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     """Parse RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (UserError if absent),
-    and torchrun's TORCHELASTIC_RESTART_COUNT, LOCAL_WORLD_SIZE and TORCHELASTIC_RUN_ID where
-    set."""
+    and torchrun's TORCHELASTIC_RESTART_COUNT, LOCAL_WORLD_SIZE and TORCHELASTIC_RUN_ID and
+    gloo's GLOO_SOCKET_IFNAME where set."""
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     missing = [name for name in names if not environ.get(name)]
     if missing:
@@ -62,7 +65,8 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     return LaunchEnv(values["RANK"], values["WORLD_SIZE"], local_rank, environ["MASTER_ADDR"],
                      values["MASTER_PORT"], _optional_int(environ, "TORCHELASTIC_RESTART_COUNT"),
                      _optional_int(environ, "LOCAL_WORLD_SIZE"),
-                     environ.get("TORCHELASTIC_RUN_ID", ""))
+                     environ.get("TORCHELASTIC_RUN_ID", ""),
+                     environ.get("GLOO_SOCKET_IFNAME", ""))
 
 
 def _optional_int(environ: Mapping[str, str], name: str) -> int:
@@ -74,13 +78,14 @@ def _optional_int(environ: Mapping[str, str], name: str) -> int:
 
 
 def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-               device_type: Optional[str] = None) -> None:
+               device_type: Optional[str] = None, device_index: int = 0) -> None:
     """Initialise torch.distributed's default (world) group with gloo: over
     ``env.init_method``, or, without an env, a world of this one process (an in-memory store).
 
     The world group only bootstraps the unified communicator, which builds each kind's native
-    groups itself; gloo works for every kind. The rank's local device is selected first (see
-    :func:`select_local_device`; a "cpu" rank leaves torch.cuda alone). Side effect: global
+    groups itself; gloo works for every kind. The rank's local device (visible device
+    ``device_index``) is selected first (see :func:`select_local_device`; a "cpu" rank leaves
+    torch.cuda alone). Side effect: global
     torch.distributed state; raises RuntimeError when a world is already initialised.
     """
     import torch.distributed as dist
@@ -88,7 +93,10 @@ def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_T
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised; train on that world with "
                            "megatron_het.training.pretrain_on_world")
-    select_local_device(device_type, env.local_rank if env is not None else 0)
+    select_local_device(device_type, device_index)
+    problem = gloo_address_problem(env) if env is not None else None
+    if problem is not None:
+        raise UserError(problem)
     if env is None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
@@ -102,6 +110,48 @@ def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_T
             f"{env.master_addr}:{env.master_port} within {timeout.total_seconds() / 60:g} "
             f"min ({first_line(exc)}); start every rank (torchrun on every node) or raise "
             "--distributed-timeout-minutes") from None
+
+
+def gloo_address_problem(env: LaunchEnv,
+                         resolve: Optional[Callable[[str], str]] = None,
+                         hostname: Callable[[], str] = socket.gethostname) -> Optional[str]:
+    """Why gloo could not reach this rank from other nodes, or None.
+
+    Without GLOO_SOCKET_IFNAME gloo listens on the address this host's name resolves to and
+    tells the other ranks to connect there. Where /etc/hosts maps the name to a loopback
+    address (127.0.1.1 on Debian and Ubuntu), ranks on other nodes would connect to
+    themselves and the world would never form; the same when the name does not resolve. Only
+    a job over several nodes (LOCAL_WORLD_SIZE below WORLD_SIZE) is affected, and not one
+    whose master is a loopback address: its "nodes" all run on this host."""
+    if env.gloo_socket_ifname or not 0 < env.local_world_size < env.world_size:
+        return None
+    resolve = resolve or _first_address
+    if _is_loopback(env.master_addr, resolve):
+        return None
+    name = hostname()
+    try:
+        address = resolve(name)
+    except OSError as exc:
+        found = f"does not resolve ({exc})"
+    else:
+        if not ipaddress.ip_address(address).is_loopback:
+            return None
+        found = f"resolves to the loopback address {address}"
+    return (f"this host's name {name!r} {found}, where gloo would listen for ranks on the other "
+            "nodes; set GLOO_SOCKET_IFNAME to the network interface they reach this node on "
+            "(HET_SOCKET_IFNAME in scripts/<mix>/ launch scripts), or fix /etc/hosts")
+
+
+def _first_address(host: str) -> str:
+    """The first address ``host`` resolves to (IPv4 or IPv6), as gloo's lookup finds it."""
+    return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+
+
+def _is_loopback(host: str, resolve: Callable[[str], str]) -> bool:
+    try:
+        return ipaddress.ip_address(resolve(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 class StartupError(PeerFailure):
@@ -129,39 +179,63 @@ def npu_module() -> Optional[Any]:
     return getattr(torch, "npu", None)
 
 
-def select_local_device(device_type: Optional[str], local_rank: int) -> None:
-    """Make device ``local_rank`` (modulo the visible devices) this process's current one: on a
-    "cuda" rank (CUDA and ROCm) through ``torch.cuda.set_device``, on an "npu" rank (Ascend)
-    through ``torch.npu.set_device`` when torch_npu is importable. Nothing where no device is
-    visible, and for any other device type ("cpu" included), which never touches torch.cuda:
-    a CPU rank on a GPU host creates no CUDA context."""
+def local_device_index(device_types: Sequence[str], local_rank: int) -> int:
+    """Which of this node's visible devices local rank ``local_rank`` drives: its place among
+    the node's ranks of its own device type. ``device_types`` holds the device type of each
+    local rank of the node up to this one, in order. The launch scripts expose the node's
+    first devices (CUDA_VISIBLE_DEVICES=0,...), so on a node of GPU and CPU ranks the i-th GPU
+    rank drives GPU i whichever local ranks the CPU ranks take."""
+    mine = device_types[local_rank]
+    return sum(1 for kind in device_types[:local_rank] if kind == mine)
+
+
+def select_local_device(device_type: Optional[str], index: int) -> None:
+    """Make visible device ``index`` (:func:`local_device_index`) this process's current one:
+    on a "cuda" rank (CUDA and ROCm) through ``torch.cuda.set_device``, on an "npu" rank
+    (Ascend) through ``torch.npu.set_device`` when torch_npu is importable. Nothing when that
+    device is not visible (:func:`device_problem` reports it on every rank; two ranks must
+    never share a device), and nothing for any other device type ("cpu" included), which
+    never touches torch.cuda: a CPU rank on a GPU host creates no CUDA context."""
+    module = _device_module(device_type)
+    if module is not None and index < module.device_count():
+        module.set_device(index)
+
+
+def _device_module(device_type: Optional[str]) -> Optional[Any]:
     if device_type == "cuda":
         import torch
 
-        module: Optional[Any] = torch.cuda
-    elif device_type == "npu":
-        module = npu_module()
-    else:
-        return
-    count = module.device_count() if module is not None else 0
-    if count > 0:
-        module.set_device(local_rank % count)
+        return torch.cuda
+    return npu_module() if device_type == "npu" else None
 
 
-def device_problem(spec: Any) -> Optional[str]:
-    """Why this process cannot be a rank of kind ``spec`` (an AcceleratorSpec), or None.
+# A device with less memory than this share of its kind's nominal memory is not that kind (a
+# GPU reports a little less than its nominal size: an H200 139.8 of 141, an A100-80G 79.2).
+_MEMORY_SHARE = 0.9
 
-    Checks what would otherwise hang or fail deep inside a backend: a GPU kind with no GPU
-    visible, an AMD kind on a CUDA build of torch or an NVIDIA kind on a ROCm build (NCCL and
-    RCCL ranks in one kind's group never connect), an Ascend kind without torch_npu. CPU and
-    emulated kinds always fit. Reads only this process's torch build and visible devices."""
+
+def device_problem(spec: Any, index: int = 0) -> Optional[str]:
+    """Why this process cannot be a rank of kind ``spec`` (an AcceleratorSpec) driving visible
+    device ``index`` (:func:`local_device_index`), or None.
+
+    Checks what would otherwise hang or fail deep inside a backend, or run a plan made for
+    other hardware: a GPU kind with no GPU visible, an AMD kind on a CUDA build of torch or an
+    NVIDIA kind on a ROCm build (NCCL and RCCL ranks in one kind's group never connect), an
+    Ascend kind without torch_npu, fewer devices visible than the node's ranks of the kind
+    (ranks would share one), and a device that is not the kind: one of the built-in GPU
+    models other than the kind's, or less memory than the kind has (nodes started in another
+    order than the cluster file's). CPU and emulated kinds always fit. Reads only this
+    process's torch build and visible devices."""
     if spec.device_type == "cpu" or spec.emulated:
         return None
     if spec.device_type == "npu":
         module = npu_module()
         if module is None:
             return "torch_npu is not importable here"
-        return None if module.device_count() > 0 else "no Ascend device is visible"
+        count = module.device_count()
+        if count == 0:
+            return "no Ascend device is visible"
+        return _too_few(index, count, "Ascend devices", "ASCEND_RT_VISIBLE_DEVICES")
     if spec.device_type != "cuda":
         return None
     import torch
@@ -173,7 +247,42 @@ def device_problem(spec: Any) -> Optional[str]:
         return "an NVIDIA kind on a torch built for ROCm"
     if not torch.cuda.is_available():
         return "no GPU is visible"
+    too_few = _too_few(index, torch.cuda.device_count(), "GPUs",
+                       "HIP_VISIBLE_DEVICES" if rocm else "CUDA_VISIBLE_DEVICES")
+    if too_few is not None:
+        return too_few
+    name = torch.cuda.get_device_name(index)
+    memory_gib = torch.cuda.get_device_properties(index).total_memory / 2 ** 30
+    models = gpu_models(name)
+    own = gpu_models(spec.name)
+    if models and own and not models & own:
+        return f"GPU {index} is {name!r}, not kind {spec.name}"
+    if memory_gib < _MEMORY_SHARE * spec.memory_gib:
+        return (f"GPU {index} ({name or 'unnamed'}) has {memory_gib:.1f} GiB, kind {spec.name} "
+                f"{spec.memory_gib:g} GiB")
     return None
+
+
+def _too_few(index: int, count: int, what: str, variable: str) -> Optional[str]:
+    if index < count:
+        return None
+    return (f"it is the node's rank {index + 1} of its kind but only {count} {what} are "
+            f"visible (set {variable}; under Slurm request the node's devices, e.g. "
+            "sbatch --gpus-per-node)")
+
+
+def gpu_models(name: str) -> set[str]:
+    """The built-in GPU models (the accelerator table's kind names without a memory suffix:
+    H100, A100, MI300X ...) that a device or kind name names."""
+    from megatron_het.cluster.accelerators import AcceleratorRegistry
+
+    flat = name.upper().replace(" ", "").replace("-", "")
+    return {_model(spec.name) for spec in AcceleratorRegistry.builtin()
+            if spec.device_type == "cuda" and not spec.emulated and _model(spec.name) in flat}
+
+
+def _model(kind: str) -> str:
+    return kind.upper().split("-")[0]
 
 
 def local_accelerator() -> str:
@@ -188,9 +297,9 @@ def local_accelerator() -> str:
         return "cpu"
     device_name = torch.cuda.get_device_name(0)
     memory_gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
-    flat = device_name.upper().replace(" ", "").replace("-", "")
+    models = gpu_models(device_name)
     matches = [spec for spec in AcceleratorRegistry.builtin()
-               if spec.device_type == "cuda" and spec.name.upper().split("-")[0] in flat]
+               if spec.device_type == "cuda" and _model(spec.name) in models]
     if matches:  # A100-40G or A100-80G: the nearest memory size
         return min(matches, key=lambda spec: abs(spec.memory_gib - memory_gib)).name
     raise UserError(f"this machine's GPU {device_name!r} is not in the accelerator table; pass "

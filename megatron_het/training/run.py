@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import datetime
 import os
+import pathlib
 import sys
 import time
 from typing import TYPE_CHECKING, Optional, TextIO
 
 from megatron_het.arguments import RunConfig
 from megatron_het.checkpoint.io import load_checkpoint_metadata, remove_stale_staging
+from megatron_het.cluster.cluster import format_ranks
 from megatron_het.comm.faults import CommError, line_from_bytes, line_to_bytes
 from megatron_het.comm.pending import PENDING
 from megatron_het.errors import EXIT_PEER_FAILURE, PeerFailure, UserError
-from megatron_het.training.checkpointing import load
+from megatron_het.training.checkpointing import check_save_is_shared, load
 from megatron_het.training.describe import (describe_cluster, describe_iterations,
                                             describe_model, describe_plan, describe_rank)
 from megatron_het.training.elastic import describe_restart
 from megatron_het.training.launch import (LaunchEnv, connect_store, device_problem, init_world,
-                                          shutdown_world)
+                                          local_device_index, shutdown_world)
 from megatron_het.training.loop import train
 from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.peer_watch import PeerWatch
@@ -55,7 +57,9 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
     setup = prepare_run(run, env.world_size if env is not None else 1, accelerator)
     rank = env.rank if env is not None else 0
     timeout = distributed_timeout(setup)
-    init_world(env, timeout=timeout, device_type=setup.accelerator(rank).device_type)
+    index = device_index(setup, rank, env.local_rank if env is not None else 0)
+    init_world(env, timeout=timeout, device_type=setup.accelerator(rank).device_type,
+               device_index=index)
     watch = None
     if env is not None and env.world_size > 1:
         watch = PeerWatch(connect_store(env, timeout), env.rank, env.world_size,
@@ -65,7 +69,7 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
                           run_id=env.run_id)
     lost_peer = False
     try:
-        return train_prepared(setup, stop, out, watch)
+        return train_prepared(setup, stop, out, watch, index)
     except PeerFailure:
         lost_peer = True  # tearing the world down could wait on the lost peer: exit instead
         raise
@@ -156,8 +160,11 @@ def predicted_iteration_s(setup: RunSetup) -> Optional[float]:
 
 
 def train_prepared(setup: RunSetup, stop: Optional[StopRequest] = None,
-                   out: Optional[TextIO] = None, watch: Optional[PeerWatch] = None) -> Progress:
+                   out: Optional[TextIO] = None, watch: Optional[PeerWatch] = None,
+                   device: Optional[int] = None) -> Progress:
     """Build this rank's trainer from a checked ``setup`` and train it (collective).
+    ``device`` is the visible device the rank drives (:func:`device_index`; None: every rank
+    of the world on one node).
 
     With a ``watch`` (a launched multi-rank run) the rank keeps a heartbeat, and a failure of
     the run's communication (a peer dead, hung or unreachable past the timeout) raises
@@ -165,11 +172,11 @@ def train_prepared(setup: RunSetup, stop: Optional[StopRequest] = None,
     (:mod:`megatron_het.training.peer_watch`); any other failure is recorded for the peers'
     reports and re-raised."""
     if watch is None:
-        return _train(setup, stop or StopRequest(), out or sys.stdout, None)
+        return _train(setup, stop or StopRequest(), out or sys.stdout, None, device)
     watch.on_stuck = lambda error: _end_stuck(setup, watch, error)
     watch.start()
     try:
-        progress = _train(setup, stop or StopRequest(), out or sys.stdout, watch)
+        progress = _train(setup, stop or StopRequest(), out or sys.stdout, watch, device)
     except CommError as error:
         raise PeerFailure(_peer_failure_line(setup, watch, error)) from None
     except BaseException as error:
@@ -180,12 +187,21 @@ def train_prepared(setup: RunSetup, stop: Optional[StopRequest] = None,
 
 
 # Bytes of each rank's device problem that every rank receives.
-_PROBLEM_BYTES = 160
+_PROBLEM_BYTES = 240
 
 
-def check_devices(setup: RunSetup, rank: int) -> None:
+def device_index(setup: RunSetup, rank: int, local_rank: int) -> int:
+    """The visible device that ``rank`` (``local_rank`` on its node) drives: its place among
+    its node's ranks of its device type (:func:`~megatron_het.training.launch.local_device_index`)."""
+    first = max(0, rank - local_rank)
+    return local_device_index([setup.accelerator(r).device_type for r in range(first, rank + 1)],
+                              rank - first)
+
+
+def check_devices(setup: RunSetup, rank: int, device: int) -> None:
     """UserError on every rank when some rank's process cannot be the kind the cluster file
-    gives it (:func:`~megatron_het.training.launch.device_problem`), naming those ranks.
+    gives it driving visible device ``device`` (:func:`~megatron_het.training.launch.device_problem`),
+    naming those ranks.
 
     Collective over the world (gloo, host tensors), before any device group is built: a GPU
     rank placed in another vendor's kind (nodes started in another order than the cluster
@@ -194,7 +210,7 @@ def check_devices(setup: RunSetup, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    mine = line_to_bytes(device_problem(setup.accelerator(rank)) or "", _PROBLEM_BYTES)
+    mine = line_to_bytes(device_problem(setup.accelerator(rank), device) or "", _PROBLEM_BYTES)
     size = dist.get_world_size() if dist.is_initialized() else 1
     every = [mine] if size == 1 else [torch.zeros_like(mine) for _ in range(size)]
     if size > 1:
@@ -210,12 +226,17 @@ def check_devices(setup: RunSetup, rank: int) -> None:
 
 
 def _train(setup: RunSetup, stop: StopRequest, out: TextIO,
-           watch: Optional[PeerWatch]) -> Progress:
+           watch: Optional[PeerWatch], device: Optional[int]) -> Progress:
     from megatron_het.comm import UnifiedCommunicator
 
     run = setup.run
     world_rank = _world_rank()
-    check_devices(setup, world_rank)
+    check_devices(setup, world_rank,
+                  device_index(setup, world_rank, world_rank) if device is None else device)
+    if setup.train.save is not None:
+        check_save_is_shared(pathlib.Path(setup.train.save),
+                             lambda ranks: f"rank{'s' if len(ranks) > 1 else ''} "
+                                           f"{format_ranks(ranks)}")
     emulation = rank_emulation(setup, world_rank)
     comm = UnifiedCommunicator.from_cluster(setup.cluster, bridge=run.parallel.bridge,
                                             wire_hooks=emulation.wire_hooks,

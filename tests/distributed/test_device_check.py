@@ -20,7 +20,7 @@ def _check(rank: int, world_size: int, kinds: list[str]) -> str:
     from megatron_het.training.run import check_devices
 
     try:
-        check_devices(_setup(kinds), rank)
+        check_devices(_setup(kinds), rank, 0)
     except UserError as error:
         return str(error)
     return "ok"

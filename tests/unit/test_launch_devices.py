@@ -25,8 +25,10 @@ class FakeAccelerator:
     """A torch.cuda / torch.npu of ``devices`` devices whose generator state ``i`` is
     ``tensor([10 + i])``; records the calls that change anything."""
 
-    def __init__(self, devices: int, initialised: bool = True) -> None:
+    def __init__(self, devices: int, initialised: bool = True, name: str = "",
+                 memory_gib: float = 80.0) -> None:
         self.devices, self.initialised = devices, initialised
+        self.name, self.memory_gib = name, memory_gib
         self.states = [torch.tensor([10 + i], dtype=torch.uint8) for i in range(devices)]
         self.calls: list[tuple] = []
         self.current = 0
@@ -43,6 +45,17 @@ class FakeAccelerator:
 
     def current_device(self) -> int:
         return self.current
+
+    def is_available(self) -> bool:
+        return self.devices > 0
+
+    def get_device_name(self, index: int) -> str:
+        assert index < self.devices
+        return self.name
+
+    def get_device_properties(self, index: int) -> types.SimpleNamespace:
+        assert index < self.devices
+        return types.SimpleNamespace(total_memory=int(self.memory_gib * 2 ** 30))
 
     def get_rng_state(self, device: int) -> torch.Tensor:
         return self.states[device].clone()
@@ -73,21 +86,36 @@ def test_a_cpu_rank_leaves_torch_cuda_alone(no_cuda: None) -> None:
         shutdown_world()
 
 
-@pytest.mark.parametrize("devices, local_rank, expected", [
-    (2, 3, [("set_device", 1)]), (4, 2, [("set_device", 2)]), (0, 1, [])])
-def test_a_cuda_rank_selects_its_local_device(monkeypatch: pytest.MonkeyPatch, devices: int,
-                                              local_rank: int, expected: list) -> None:
+@pytest.mark.parametrize("devices, index, expected", [
+    (4, 2, [("set_device", 2)]), (2, 3, []), (0, 1, [])])
+def test_a_cuda_rank_selects_its_device_and_never_shares_one(
+        monkeypatch: pytest.MonkeyPatch, devices: int, index: int, expected: list) -> None:
+    """A rank whose device is not visible selects none (device_problem reports it): it must
+    not wrap around onto another rank's device."""
     cuda = FakeAccelerator(devices)
     monkeypatch.setattr(torch, "cuda", cuda)
-    select_local_device("cuda", local_rank)
+    select_local_device("cuda", index)
     assert cuda.calls == expected
 
 
 def test_an_ascend_rank_selects_its_npu(monkeypatch: pytest.MonkeyPatch, no_cuda: None) -> None:
     npu = FakeAccelerator(8)
     install_npu(monkeypatch, npu)
-    select_local_device("npu", 11)
+    select_local_device("npu", 3)
     assert npu.calls == [("set_device", 3)]
+
+
+@pytest.mark.parametrize("types_, local_rank, expected", [
+    (["cuda"] * 8, 5, 5),
+    (["cuda", "cpu"], 1, 0),  # the GPU check's pair: the CPU rank counts its own kind
+    (["cpu", "cpu", "cuda", "cuda"], 3, 1),  # GPU ranks after CPU ranks drive GPUs 0 and 1
+    (["cuda", "cpu", "cuda"], 2, 1),
+])
+def test_a_rank_drives_the_device_of_its_place_among_its_kind_on_the_node(
+        types_: list, local_rank: int, expected: int) -> None:
+    from megatron_het.training.launch import local_device_index
+
+    assert local_device_index(types_[:local_rank + 1], local_rank) == expected
 
 
 def test_an_ascend_rank_without_torch_npu_selects_nothing(monkeypatch: pytest.MonkeyPatch,
@@ -123,8 +151,7 @@ def test_a_gpu_kind_needs_its_vendors_build_and_a_gpu(monkeypatch, name, hip, de
                                                       problem) -> None:
     from megatron_het.training.launch import device_problem
 
-    fake = FakeAccelerator(devices)
-    fake.is_available = lambda: devices > 0
+    fake = FakeAccelerator(devices, name="", memory_gib=192)
     monkeypatch.setattr(torch, "cuda", fake)
     monkeypatch.setattr(torch.version, "hip", hip)
     assert device_problem(_kind(name)) == problem
@@ -138,4 +165,102 @@ def test_an_ascend_kind_needs_torch_npu_and_a_device(monkeypatch) -> None:
     install_npu(monkeypatch, FakeAccelerator(0))
     assert device_problem(_kind("Ascend910B")) == "no Ascend device is visible"
     install_npu(monkeypatch, FakeAccelerator(8))
-    assert device_problem(_kind("Ascend910B")) is None
+    assert device_problem(_kind("Ascend910B"), 7) is None
+    assert device_problem(_kind("Ascend910B"), 8).startswith(
+        "it is the node's rank 9 of its kind but only 8 Ascend devices are visible (set "
+        "ASCEND_RT_VISIBLE_DEVICES")
+
+
+@pytest.mark.parametrize("kind, name, memory_gib, index, problem", [
+    ("H100", "NVIDIA H100 80GB HBM3", 79.1, 3, None),
+    ("H200", "NVIDIA H200", 139.8, 0, None),
+    ("A100-40G", "NVIDIA A100-SXM4-80GB", 79.2, 0, None),  # more memory than planned fits
+    ("A100-80G", "NVIDIA A100-SXM4-80GB", 79.2, 0, None),
+    # nodes of one vendor started in another order than the cluster file's
+    ("H100", "NVIDIA A100-SXM4-80GB", 79.2, 0, "GPU 0 is 'NVIDIA A100-SXM4-80GB', not kind H100"),
+    ("H200", "NVIDIA H100 80GB HBM3", 79.1, 2, "GPU 2 is 'NVIDIA H100 80GB HBM3', not kind H200"),
+    ("A100-80G", "NVIDIA A100-SXM4-40GB", 39.4, 0,
+     "GPU 0 (NVIDIA A100-SXM4-40GB) has 39.4 GiB, kind A100-80G 80 GiB"),
+    # a kind of the site's own: judged by its memory only
+    ("site-gpu", "NVIDIA A100-SXM4-80GB", 79.2, 0, None),
+    ("site-gpu", "NVIDIA A100-SXM4-40GB", 39.4, 0,
+     "GPU 0 (NVIDIA A100-SXM4-40GB) has 39.4 GiB, kind site-gpu 80 GiB"),
+    ("H100", "NVIDIA H100 80GB HBM3", 79.1, 4,
+     "it is the node's rank 5 of its kind but only 4 GPUs are visible (set "
+     "CUDA_VISIBLE_DEVICES; under Slurm request the node's devices, e.g. sbatch "
+     "--gpus-per-node)"),
+])
+def test_a_gpu_rank_needs_its_own_device_of_its_kind(monkeypatch, kind, name, memory_gib, index,
+                                                     problem) -> None:
+    import dataclasses
+
+    from megatron_het.training.launch import device_problem
+
+    spec = (dataclasses.replace(_kind("H100"), name="site-gpu", memory_gib=80)
+            if kind == "site-gpu" else _kind(kind))
+    monkeypatch.setattr(torch, "cuda", FakeAccelerator(4, name=name, memory_gib=memory_gib))
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert device_problem(spec, index) == problem
+
+
+# ---- the address gloo listens on, for ranks on other nodes ---------------------------------
+def _env(world_size: int, local_world_size: int, ifname: str = ""):
+    from megatron_het.training.launch import LaunchEnv
+
+    return LaunchEnv(0, world_size, 0, "node0", 29500, local_world_size=local_world_size,
+                     gloo_socket_ifname=ifname)
+
+
+def _resolves_to(address: str):
+    """This host's name resolves to ``address``; node 0 (the master) to 10.0.0.1."""
+    return lambda name: "10.0.0.1" if name == "node0" else address
+
+
+def test_a_multi_node_job_fails_when_the_hostname_resolves_to_loopback() -> None:
+    from megatron_het.training.launch import gloo_address_problem
+
+    problem = gloo_address_problem(_env(16, 8), _resolves_to("127.0.1.1"), lambda: "gpu-07")
+    assert problem.startswith("this host's name 'gpu-07' resolves to the loopback address "
+                              "127.0.1.1, where gloo would listen for ranks on the other nodes; "
+                              "set GLOO_SOCKET_IFNAME")
+
+
+def test_an_unresolvable_hostname_is_named() -> None:
+    from megatron_het.training.launch import gloo_address_problem
+
+    def fail(name: str) -> str:
+        raise OSError("Name or service not known")
+
+    assert "'gpu-07' does not resolve (Name or service not known)" in gloo_address_problem(
+        _env(16, 8), fail, lambda: "gpu-07")
+
+
+@pytest.mark.parametrize("env, address", [
+    (_env(16, 8), "10.1.2.3"),  # a routable address
+    (_env(16, 8, ifname="ib0"), "127.0.1.1"),  # the interface is named
+    (_env(8, 8), "127.0.1.1"),  # one node: loopback is right
+    (_env(8, 0), "127.0.1.1"),  # node size unknown (not torchrun)
+])
+def test_gloo_addresses_that_work(env, address: str) -> None:
+    from megatron_het.training.launch import gloo_address_problem
+
+    assert gloo_address_problem(env, _resolves_to(address), lambda: "gpu-07") is None
+
+
+def test_nodes_on_one_host_may_use_loopback() -> None:
+    """A master on a loopback address: every "node" of the job runs on this host."""
+    import dataclasses
+
+    from megatron_het.training.launch import gloo_address_problem
+
+    env = dataclasses.replace(_env(4, 2), master_addr="127.0.0.1")
+    assert gloo_address_problem(env, lambda name: "127.0.1.1" if name == "gpu-07"
+                                else "127.0.0.1", lambda: "gpu-07") is None
+
+
+def test_read_launch_env_takes_the_gloo_interface() -> None:
+    from megatron_het.training.launch import read_launch_env
+
+    env = read_launch_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "a",
+                           "MASTER_PORT": "1", "GLOO_SOCKET_IFNAME": "eth1"})
+    assert env.gloo_socket_ifname == "eth1" and env.local_rank == 1

@@ -31,7 +31,7 @@ _SCRUB = {"NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DATA_PATH", "TOKENIZER_MOD
           "CHECKPOINT_DIR", "LOG_DIR", "TENSORBOARD_DIR", "CLUSTER", "PLAN", "BRIDGE", "LAUNCHER",
           "DRY_RUN", "PRINT_ONLY", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "TRAIN_ITERS",
           "NULL_VOCAB_SIZE", "PYTHON", "OMP_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS",
-          "ELASTIC", "MAX_RESTARTS", "NODE_ADDR"}
+          "ELASTIC", "MAX_RESTARTS", "NODE_ADDR", "NODE_ORDER", "SLURMD_NODENAME"}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -96,6 +96,13 @@ def test_mix_script_is_its_settings_and_the_shared_body(script: Path) -> None:
     assert (REPO / settings["HET_PLAN"]).is_file()
     cluster = ClusterSpec.load(REPO / settings["HET_CLUSTER"])
     assert f"#SBATCH --nodes={cluster.num_nodes}\n" in text
+    # Slurm's cgroups hide devices a job did not request: a mix of GPUs only asks for them
+    vendors = {cluster.accelerator_of(r).vendor for r in range(cluster.world_size)}
+    per_node = {node.nproc for node in cluster.nodes()}
+    if vendors <= {"nvidia", "amd"} and len(per_node) == 1:
+        assert f"#SBATCH --gpus-per-node={per_node.pop()}\n" in text
+    else:
+        assert "--gpus-per-node" not in text and "request each as the site names them" in text
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.parent.name)
@@ -208,6 +215,25 @@ def test_slurm_fans_out_one_task_per_node_then_runs_torchrun() -> None:
     assert "--nnodes 6 --nproc_per_node 8 --node_rank 3" in cmd and "HIP_VISIBLE_DEVICES" in env
 
 
+def test_slurm_nodes_take_their_place_in_node_order() -> None:
+    """Slurm numbers nodes in its own order; NODE_ORDER puts them in the cluster file's."""
+    slurm = {"LAUNCHER": "slurm", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "6",
+             "HET_SLURM_NODE": "1", "SLURM_NODEID": "0", "MASTER_ADDR": "",
+             "NODE_ORDER": "h200-1,h200-2 mi-1 mi-2,mi-3,mi-4"}
+    env, cmd = _print_only("h200_mi300x", SLURMD_NODENAME="mi-2", **slurm)
+    assert "--node_rank 3 --master_addr h200-1" in cmd and "HIP_VISIBLE_DEVICES" in env, cmd
+    env, cmd = _print_only("h200_mi300x", SLURMD_NODENAME="h200-2", **slurm)
+    assert "--node_rank 1 --master_addr h200-1" in cmd and "CUDA_VISIBLE_DEVICES" in env, cmd
+
+
+def test_slurm_fanout_of_an_elastic_job_outlives_a_lost_node() -> None:
+    slurm = {"LAUNCHER": "slurm", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "6"}
+    _, cmd = _print_only("h200_mi300x", **slurm)
+    assert "--kill-on-bad-exit=1 --export" in cmd and "--no-kill" not in cmd
+    _, cmd = _print_only("h200_mi300x", ELASTIC="1", **slurm)
+    assert "--kill-on-bad-exit=0 --no-kill --export" in cmd
+
+
 def test_elastic_runs_one_supervisor_per_node() -> None:
     _, cmd = _print_only("h200_mi300x", NODE_RANK="3", ELASTIC="1", NODE_ADDR="node3",
                          MAX_RESTARTS="2")
@@ -230,6 +256,13 @@ _NODE = {"NODE_RANK": "0", "MASTER_ADDR": "n0", "DATA_PATH": "/d", "CHECKPOINT_D
     ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
     ({"NODE_RANK": ""}, "NODE_RANK is not set"),
     ({"PLAN": "/nonexistent/plan.json"}, "plan file"),
+    ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "6",
+      "NODE_ORDER": "a b c"}, "NODE_ORDER lists 3 hosts but cluster h200_mi300x.yaml has 6"),
+    ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "HET_SLURM_NODE": "1", "SLURMD_NODENAME": "x",
+      "NODE_ORDER": "a b c d e f"}, "this node (x) is not in NODE_ORDER"),
+    ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "HET_SLURM_NODE": "1", "SLURM_NODEID": "0",
+      "SLURM_GPUS_ON_NODE": "4"},
+     "Slurm gave node 0 4 GPUs but it runs 8 ranks; submit with sbatch --gpus-per-node=8"),
 ])
 def test_launch_mistakes_fail_with_one_error_line(env: dict[str, str], expected: str) -> None:
     result = _run(_script("h200_mi300x"), **{**_NODE, "PRINT_ONLY": "1", **env})

@@ -10,6 +10,7 @@
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
+#SBATCH --gpus-per-node=8
 set -euo pipefail
 
 HET_MIX=a100_mi250x

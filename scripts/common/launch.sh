@@ -146,8 +146,9 @@ Usage:
   # on every node (torchrun):
   NODE_RANK=<n> MASTER_ADDR=<node 0> DATA_PATH=... TOKENIZER_MODEL=... CHECKPOINT_DIR=... \\
       $script
-  # Slurm ($nodes nodes, listed in the cluster file's order; from the repository root):
-  LAUNCHER=slurm DATA_PATH=... TOKENIZER_MODEL=... CHECKPOINT_DIR=... sbatch $script
+  # Slurm ($nodes nodes; from the repository root):
+  LAUNCHER=slurm NODE_ORDER="<hosts in the cluster file's order>" DATA_PATH=... \
+      TOKENIZER_MODEL=... CHECKPOINT_DIR=... sbatch $script
 
 Flags (or variables):
   --dry-run (DRY_RUN=1)          pretrain_llama.py --dry-run with the mix's settings
@@ -157,7 +158,9 @@ Flags (or variables):
   ELASTIC=1                      one supervisor per node (tools/elastic_run.py) instead of
                                  torchrun: after a lost peer every node relaunches on the devices
                                  left with --plan auto (MAX_RESTARTS, default 3; NODE_ADDR, this
-                                 node's address for the others, default its hostname)
+                                 node's address for the others, default its hostname); under
+                                 Slurm submit with sbatch --no-kill, so a lost node does not end
+                                 the job
   other arguments go to pretrain_llama.py (e.g. --train-iters 10)
 
 Variables:
@@ -166,18 +169,26 @@ Variables:
   TOKENIZER_MODEL  SentencePiece model; without it NullTokenizer over pre-tokenized ids
   NULL_VOCAB_SIZE  NullTokenizer --vocab-size (default $HET_NULL_VOCAB: the model's vocabulary
                    minus its eod id)
-  CHECKPOINT_DIR   --save/--load directory (resumes from its latest checkpoint); required for
+  CHECKPOINT_DIR   --save/--load directory (resumes from its latest checkpoint) on a filesystem
+                   every node mounts at the same path (checked at start-up); required for
                    training; SAVE_INTERVAL (default 500)
   LOG_DIR          metrics.jsonl and tensorboard/ (default \$CHECKPOINT_DIR/logs);
                    TENSORBOARD_DIR overrides \$LOG_DIR/tensorboard
   MASTER_ADDR, MASTER_PORT  rendezvous host (node 0) and port (default 29500)
   NODE_RANK        this node's index in the cluster file's node order (node 0: the first node
                    of its first node group)
+  NODE_ORDER       Slurm: the allocation's hosts in the cluster file's node order ("a1 a2 m1",
+                   "a1,a2,m1" or "a[1-2],m1"); each node task takes its place in it as NODE_RANK
+                   and its first host as MASTER_ADDR. Without it Slurm's node order is used,
+                   and a job whose nodes come in another order stops at start-up (each rank
+                   checks its device against the kind the cluster file gives it)
   CLUSTER, PLAN    override $HET_CLUSTER / $HET_PLAN
   BRIDGE           relay | direct (default $HET_BRIDGE)
   TRAIN_ITERS, LR_WARMUP_ITERS, SEED, SPLIT   run length, warm-up, seed, data split
   PYTHON           interpreter (default: the repository's .venv, else python3)
-  HET_SOCKET_IFNAME, HET_IB_HCA  site network interface and IB/RoCE adapters
+  HET_SOCKET_IFNAME, HET_IB_HCA  site network interface (gloo, NCCL and HCCL bind to it; needed
+                   where a node's hostname resolves to a loopback address such as 127.0.1.1)
+                   and IB/RoCE adapters
   HET_EXTRA_ENV    a file sourced last on every node (another vendor's variables, site tweaks)
 EOF
 }
@@ -240,7 +251,8 @@ het_build_args() {
         HET_ARGS+=(--log-interval 1 --metrics-file "$log_dir/metrics.jsonl"
                    --tensorboard-dir "${TENSORBOARD_DIR:-$log_dir/tensorboard}")
     fi
-    HET_ARGS+=("${HET_EXTRA[@]}")
+    # (the +-form: an empty array under `set -u` is an error in bash before 4.4)
+    HET_ARGS+=(${HET_EXTRA[@]+"${HET_EXTRA[@]}"})
 }
 
 # The HET_* facts of node NODE (scripts/common/node_info.py reads the cluster file).
@@ -275,6 +287,17 @@ het_exec() {
     exec "$@"
 }
 
+# The host names of a Slurm host list ("gpu[01-02] mi[01-04]", or names separated by commas
+# or spaces), one per line, in its order.
+het_hostnames() {
+    local list="$1"
+    if [[ "$list" == *"["* ]]; then
+        scontrol show hostnames "$list" || het_die "scontrol cannot expand the host list '$list'"
+    else
+        tr ', ' '\n\n' <<< "$list" | sed '/^$/d'
+    fi
+}
+
 # Slurm, in the batch step: one task per node, each re-entering the mix script as a node task.
 het_slurm_fanout() {
     [ -n "${SLURM_JOB_ID:-}" ] || het_die "LAUNCHER=slurm needs a Slurm allocation; submit with sbatch or run inside salloc"
@@ -282,9 +305,55 @@ het_slurm_fanout() {
     if [ -n "${SLURM_JOB_NUM_NODES:-}" ] && [ "$SLURM_JOB_NUM_NODES" != "$HET_NNODES" ]; then
         het_die "the allocation has $SLURM_JOB_NUM_NODES nodes but cluster $(basename "$CLUSTER") needs $HET_NNODES; use sbatch --nodes=$HET_NNODES"
     fi
+    if [ -n "${NODE_ORDER:-}" ]; then
+        local listed
+        listed="$(het_hostnames "$NODE_ORDER" | wc -l)"
+        [ "$listed" -eq "$HET_NNODES" ] \
+            || het_die "NODE_ORDER lists $listed hosts but cluster $(basename "$CLUSTER") has $HET_NNODES nodes; list every node once, in the cluster file's order"
+    fi
+    # A plain job ends when any node's task fails. An elastic one must outlive a lost node:
+    # the supervisors left relaunch on the devices left (submit it with sbatch --no-kill too,
+    # or Slurm ends the whole job when a node fails).
+    local -a keep=(--kill-on-bad-exit=1)
+    if [ "${ELASTIC:-0}" = 1 ]; then keep=(--kill-on-bad-exit=0 --no-kill); fi
     het_exec srun --nodes="$HET_NNODES" --ntasks="$HET_NNODES" --ntasks-per-node=1 \
-        --kill-on-bad-exit=1 --export=ALL,HET_SLURM_NODE=1 \
+        "${keep[@]}" --export=ALL,HET_SLURM_NODE=1 \
         bash "$HET_REPO/scripts/$HET_MIX/pretrain_llama_$HET_SIZE.sh" "$@"
+}
+
+# A Slurm node task's NODE_RANK and MASTER_ADDR: with NODE_ORDER, this host's place in it and
+# its first host; otherwise Slurm's node index and the allocation's first host, which is the
+# cluster file's order only when Slurm lists the nodes in that order (the start-up device
+# check stops a job whose nodes are out of order).
+het_slurm_node() {
+    local me="${SLURMD_NODENAME:-$(hostname -s)}"
+    if [ -n "${NODE_ORDER:-}" ]; then
+        local -a hosts
+        mapfile -t hosts < <(het_hostnames "$NODE_ORDER")
+        local i
+        NODE_RANK=""
+        for i in "${!hosts[@]}"; do
+            if [ "${hosts[$i]}" = "$me" ]; then NODE_RANK="$i"; fi
+        done
+        [ -n "$NODE_RANK" ] || het_die "this node ($me) is not in NODE_ORDER; list the allocation's hosts in the cluster file's order"
+        MASTER_ADDR="${MASTER_ADDR:-${hosts[0]}}"
+    else
+        NODE_RANK="${SLURM_NODEID:?SLURM_NODEID is not set; srun starts the node tasks}"
+        if [ -z "${MASTER_ADDR:-}" ]; then
+            MASTER_ADDR="$(het_hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+        fi
+    fi
+}
+
+# Stop early when Slurm gave this node fewer GPUs than its ranks (cgroups hide the rest).
+het_slurm_devices() {
+    local vendor
+    for vendor in $HET_NODE_VENDORS; do
+        case "$vendor" in nvidia|amd) ;; *) continue ;; esac
+        if [ -n "${SLURM_GPUS_ON_NODE:-}" ] && [ "$SLURM_GPUS_ON_NODE" -lt "$HET_NODE_NPROC" ]; then
+            het_die "Slurm gave node $NODE_RANK $SLURM_GPUS_ON_NODE GPUs but it runs $HET_NODE_NPROC ranks; submit with sbatch --gpus-per-node=$HET_NODE_NPROC"
+        fi
+    done
 }
 
 # The repository root: two levels above this file, or (sbatch runs a copy of the mix script,
@@ -319,14 +388,14 @@ het_main() {
         het_slurm_fanout "$@"
     fi
     if [ "$LAUNCHER" = slurm ]; then
-        NODE_RANK="${SLURM_NODEID:?SLURM_NODEID is not set; srun starts the node tasks}"
-        if [ -z "${MASTER_ADDR:-}" ]; then
-            MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-        fi
+        het_slurm_node
     fi
     [ -n "${NODE_RANK:-}" ] || het_die "NODE_RANK is not set; export NODE_RANK=<this node's index in $CLUSTER> on every node"
     [ -n "${MASTER_ADDR:-}" ] || het_die "MASTER_ADDR is not set; export MASTER_ADDR=<hostname of node 0>"
     het_node_env "$NODE_RANK"
+    if [ "$LAUNCHER" = slurm ]; then
+        het_slurm_devices
+    fi
     echo "[launch] $HET_MIX node $NODE_RANK/$HET_NNODES: $HET_NODE_NPROC x $HET_NODE_ACCELERATORS" \
          "(ranks $HET_NODE_FIRST_RANK..$((HET_NODE_FIRST_RANK + HET_NODE_NPROC - 1)) of $HET_WORLD_SIZE)" >&2
     # Static rendezvous, even where a PET_RDZV_BACKEND in the site's environment says otherwise:

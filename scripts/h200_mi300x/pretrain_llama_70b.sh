@@ -9,6 +9,7 @@
 #SBATCH --nodes=6
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
+#SBATCH --gpus-per-node=8
 set -euo pipefail
 
 HET_MIX=h200_mi300x

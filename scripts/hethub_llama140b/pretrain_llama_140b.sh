@@ -11,6 +11,8 @@
 #SBATCH --nodes=96
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
+# No device request above: its kinds' devices are different GRES on most sites (gpu,
+# npu, ...); where Slurm constrains devices, request each as the site names them.
 set -euo pipefail
 
 HET_MIX=hethub_llama140b

@@ -9,6 +9,8 @@
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
+# No device request above: its kinds' devices are different GRES on most sites (gpu,
+# npu, ...); where Slurm constrains devices, request each as the site names them.
 set -euo pipefail
 
 HET_MIX=mi250x_ascend910b

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_het.comm.staging import (Copier, CudaCopier, Fence, HostCopier, HostPool,
-                                       Waitable, relay_chunks)
+                                       Marker, Waitable, relay_chunks)
 from megatron_het.comm.start_queue import StartQueue
 from megatron_het.comm.wire import Wire, WireHooks
 from megatron_het.errors import UserError
@@ -44,14 +44,16 @@ class Staged:
     ``release()`` gives it back without copying (after a send). Both are no-ops when ``host``
     is the device tensor itself; the buffer goes back to its pool once. ``ready`` is the fence
     of the copy into ``host`` when :meth:`Bridge.stage` was asked not to wait for it (None: the
-    host buffer holds the data).
+    host buffer holds the data). ``posted`` marks the device's stream when a receive buffer was
+    staged: the copy back waits only for the work queued before it.
     """
 
     def __init__(self, host: torch.Tensor, device: torch.Tensor, pool: HostPool | None = None,
                  copier: Copier | None = None, lease: torch.Tensor | None = None,
-                 ready: Fence = None) -> None:
+                 ready: Fence = None, posted: Marker = None) -> None:
         self.host, self.device, self.ready = host, device, ready
         self._pool, self._copier, self._lease = pool, copier, lease
+        self._posted = posted
 
     def finish(self) -> None:
         if self.host is self.device:
@@ -59,7 +61,7 @@ class Staged:
         if self._copier is None:
             self.device.copy_(self.host)
             return
-        fence = self._copier.to_device(self.device, self.host)
+        fence = self._copier.to_device(self.device, self.host, since=self._posted)
         self._copier.join()
         self._give_back(fence)
 
@@ -132,7 +134,9 @@ class Bridge:
     def stage(self, tensor: torch.Tensor, copy_in: bool = True, wait: bool = True) -> Staged:
         """Host buffer for ``tensor`` (the tensor itself when no staging is needed).
 
-        ``copy_in=False`` skips copying the device data in (for receive buffers). The copy in
+        ``copy_in=False`` skips copying the device data in (for receive buffers: nothing queued
+        on the device after this call may use ``tensor`` until the transfer is waited for, so
+        the copy back waits only for the work queued before this call). The copy in
         has finished when this returns, unless ``wait=False``: then the returned ``ready``
         fence says when (give it to the operation as its ``after``), and the device's stream is
         not ordered after the copy, so ``tensor`` must not be written before the operation has
@@ -147,7 +151,8 @@ class Bridge:
         if wait and fence is not None:
             fence()
             fence = None
-        return Staged(host, tensor, pool, copier, lease, fence)
+        return Staged(host, tensor, pool, copier, lease, fence,
+                      posted=None if copy_in else copier.mark())
 
     def relay(self, tensor: torch.Tensor, spans: Sequence[tuple[int, int]],
               launch: Callable[[torch.Tensor], Waitable], copy_in: bool = True,

@@ -23,6 +23,8 @@ import torch
 
 # Blocks the calling thread until a copy has finished (None: it already has).
 Fence = Optional[Callable[[], None]]
+# A point in a device's stream (a CUDA event; None: no such point, or a device without streams).
+Marker = Optional[object]
 MIN_BUFFER_ELEMENTS = 1 << 12
 WINDOW = 2  # chunks on the wire at once in relay_chunks
 
@@ -37,8 +39,16 @@ class Copier(Protocol):
     def to_host(self, host: torch.Tensor, device: torch.Tensor) -> Fence:
         """Start copying ``device`` into ``host``; the fence says when ``host`` holds it."""
 
-    def to_device(self, device: torch.Tensor, host: torch.Tensor) -> Fence:
-        """Start copying ``host`` into ``device``; the fence says when ``host`` is free again."""
+    def to_device(self, device: torch.Tensor, host: torch.Tensor,
+                  since: Marker = None) -> Fence:
+        """Start copying ``host`` into ``device``; the fence says when ``host`` is free again.
+        The copy waits for the device work queued before ``since`` (a :meth:`mark`), or, with
+        None, for all work queued so far."""
+
+    def mark(self) -> Marker:
+        """The point the device's current stream has reached in program order now. A receive
+        buffer marked when it is posted need not wait, when its data arrives, for the compute
+        queued after it (which never touches it)."""
 
     def join(self) -> None:
         """Order the device's current stream after every copy to the device issued so far."""
@@ -123,8 +133,12 @@ class HostCopier:
         host.copy_(device)
         return None
 
-    def to_device(self, device: torch.Tensor, host: torch.Tensor) -> Fence:
+    def to_device(self, device: torch.Tensor, host: torch.Tensor,
+                  since: Marker = None) -> Fence:
         device.copy_(host)
+        return None
+
+    def mark(self) -> Marker:
         return None
 
     def join(self) -> None:
@@ -140,9 +154,13 @@ class CudaCopier:
         self._to_device = torch.cuda.Stream(device)
 
     def _copy(self, stream: "torch.cuda.Stream", dst: torch.Tensor, src: torch.Tensor,
-              device_tensor: torch.Tensor) -> Fence:
-        # Start after what the current stream has queued (it produced or still reads the data).
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+              device_tensor: torch.Tensor, since: Marker = None) -> Fence:
+        # Start after what the current stream has queued (it produced or still reads the data),
+        # or, for a buffer marked when it was posted, after what was queued before that.
+        if since is None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            stream.wait_event(since)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         device_tensor.record_stream(stream)  # the allocator must not reuse it before the copy
@@ -158,8 +176,14 @@ class CudaCopier:
     def to_host(self, host: torch.Tensor, device: torch.Tensor) -> Fence:
         return self._copy(self._to_host, host, device, device)
 
-    def to_device(self, device: torch.Tensor, host: torch.Tensor) -> Fence:
-        return self._copy(self._to_device, device, host, device)
+    def to_device(self, device: torch.Tensor, host: torch.Tensor,
+                  since: Marker = None) -> Fence:
+        return self._copy(self._to_device, device, host, device, since)
+
+    def mark(self) -> Marker:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def join(self) -> None:
         torch.cuda.current_stream(self.device).wait_stream(self._to_device)

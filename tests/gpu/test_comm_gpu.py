@@ -41,6 +41,27 @@ def test_pinned_pool_round_trip_and_reuse() -> None:
     assert pool.allocated == 1 and pool.reused == 1 and pool.outstanding == 0
 
 
+def test_a_received_buffer_reaches_the_device_without_waiting_for_compute_queued_after_it(
+        ) -> None:
+    """A receive buffer posted before more compute is queued: when its data arrives, the copy
+    to the device runs beside that compute, and the work queued after finish() sees it."""
+    from megatron_het.comm.relay import Bridge
+
+    bridge = Bridge("relay")
+    got = torch.empty(1 << 20, device="cuda")
+    staged = bridge.stage(got, copy_in=False)  # posted: marks the stream here
+    torch.cuda._sleep(2_000_000_000)  # about a second of compute queued after the post
+    staged.host.copy_(torch.arange(1 << 20, dtype=torch.float32))  # the data arrives
+    copier = bridge.copier(got.device)
+    staged.finish()
+    done = torch.cuda.Event()
+    done.record(copier._to_device)
+    done.synchronize()  # the copy finished ...
+    assert not torch.cuda.current_stream().query()  # ... while the compute still runs
+    torch.testing.assert_close(got + 0, torch.arange(1 << 20, dtype=torch.float32,
+                                                     device="cuda"), rtol=0, atol=0)
+
+
 def test_relay_chunks_through_side_streams() -> None:
     from megatron_het.comm.relay import Bridge
     from megatron_het.comm.ring import chunks

@@ -163,6 +163,38 @@ def test_cpu_staging_is_free_or_unpinned_and_never_touches_cuda(no_cuda: None) -
     assert seen == [6, 6]
 
 
+def test_a_receive_buffer_is_copied_back_after_the_point_it_was_posted() -> None:
+    """The bridge marks the device's stream when it stages a receive buffer (not when it
+    stages a send, whose copy back must follow everything queued) and the copy back waits for
+    that mark only."""
+    from megatron_het.comm.staging import HostCopier
+
+    calls: list = []
+
+    class Marking(HostCopier):
+        def mark(self):
+            calls.append("mark")
+            return f"mark {len(calls)}"
+
+        def to_device(self, device, host, since=None):
+            calls.append(("to_device", since))
+            return super().to_device(device, host, since)
+
+    bridge = Bridge("relay", copier_for=lambda device: Marking())
+    bridge.needs_staging = lambda tensor: True
+    out = torch.zeros(6)
+    received = bridge.stage(out, copy_in=False)
+    received.host.fill_(7)
+    calls.append("compute queued after the post")
+    received.finish()
+    assert calls == ["mark", "compute queued after the post", ("to_device", "mark 1")]
+    assert out.tolist() == [7.0] * 6
+    calls.clear()
+    sent = bridge.stage(torch.ones(3))  # in place (a reduction): back after everything
+    sent.finish()
+    assert calls == [("to_device", None)]
+
+
 def test_a_direct_bridge_on_a_device_backend_sends_whole_tensors() -> None:
     bridge = Bridge("direct", "nccl")
     x = torch.arange(12.0).view(3, 4).t()

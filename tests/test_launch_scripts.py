@@ -262,7 +262,7 @@ _NODE = {"NODE_RANK": "0", "MASTER_ADDR": "n0", "DATA_PATH": "/d", "CHECKPOINT_D
       "NODE_ORDER": "a b c d e f"}, "this node (x) is not in NODE_ORDER"),
     ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "HET_SLURM_NODE": "1", "SLURM_NODEID": "0",
       "SLURM_GPUS_ON_NODE": "4"},
-     "Slurm gave node 0 4 GPUs but it runs 8 ranks; submit with sbatch --gpus-per-node=8"),
+     "Slurm gave node 0 4 GPUs but it runs 8 GPU ranks; submit with sbatch --gpus-per-node=8"),
 ])
 def test_launch_mistakes_fail_with_one_error_line(env: dict[str, str], expected: str) -> None:
     result = _run(_script("h200_mi300x"), **{**_NODE, "PRINT_ONLY": "1", **env})
@@ -285,3 +285,13 @@ def test_scripts_do_not_depend_on_the_working_directory(tmp_path: Path) -> None:
                             cwd=copy, env=_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "pretrain_llama.py" in result.stdout and "--dry-run" in result.stdout
+
+
+def test_a_node_of_gpu_and_cpu_ranks_exposes_and_counts_its_gpus_only() -> None:
+    """The GPU check's pair (one H200 rank and one CPU rank on one node): one GPU visible,
+    Slurm's GPU count compared with the one GPU rank, not with both ranks."""
+    pair = {"CLUSTER": "scripts/gpu_check/h200_cpu_pair.yaml",
+            "PLAN": "scripts/gpu_check/pair_pp2.json", "NODE_RANK": "0"}
+    env, cmd = _print_only("h200_mi300x", SLURM_GPUS_ON_NODE="1", LAUNCHER="slurm",
+                           SLURM_JOB_ID="1", HET_SLURM_NODE="1", SLURM_NODEID="0", **pair)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and "--nproc_per_node 2" in cmd, (env, cmd)

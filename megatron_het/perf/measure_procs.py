@@ -21,13 +21,18 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 _LOWEST_PORT = 10000
 
 
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out to sockets bound to port 0 (Linux's
-    ip_local_port_range; 32768 where it cannot be read)."""
+_ENOUGH_PORTS = 1000  # a range of fewer explicit ports than this makes collisions likely
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out to sockets bound to port 0 (Linux's
+    ip_local_port_range; 32768-60999 where it cannot be read)."""
     try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def free_loopback_port(span: int = 1) -> int:
@@ -38,16 +43,34 @@ def free_loopback_port(span: int = 1) -> int:
     out for binding port 0 and then released could be handed out again to another process's
     socket (a gloo pair, a store client) before the caller binds it; ports below the range are
     never handed out that way, so only another explicit pick can collide, and random picks
-    among some 20,000 ports rarely do."""
+    among some 20,000 ports rarely do. Where the range leaves too few ports below it, they
+    are drawn above it; where it leaves too few on either side, the kernel picks (port 0)."""
     import random
 
-    high = max(_LOWEST_PORT + span + 1, _ephemeral_low()) - span
+    low, high = _ephemeral_range()
+    if low - _LOWEST_PORT - span >= _ENOUGH_PORTS:
+        first, last = _LOWEST_PORT, low - span
+    elif 65536 - (high + 1) - span >= _ENOUGH_PORTS:
+        first, last = high + 1, 65536 - span
+    else:
+        return _kernel_port(span)
     chooser = random.Random()  # seeded from the OS: independent of any seeded global state
     for _ in range(200):
-        port = chooser.randrange(_LOWEST_PORT, high)
+        port = chooser.randrange(first, last)
         if all(_bindable(port + k) for k in range(span)):
             return port
-    raise RuntimeError(f"no {span} consecutive free TCP ports on 127.0.0.1 below {high + span}")
+    raise RuntimeError(f"no {span} consecutive free TCP ports on 127.0.0.1 in "
+                       f"{first}-{last + span - 1}")
+
+
+def _kernel_port(span: int) -> int:
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port + span <= 65536 and all(_bindable(port + k) for k in range(span)):
+            return port
+    raise RuntimeError(f"no {span} consecutive free TCP ports on 127.0.0.1")
 
 
 def _bindable(port: int) -> bool:

@@ -249,7 +249,7 @@ def _restore_progress(trainer: "Trainer", train_state: dict) -> None:
 
 # How long a rank looks for rank 0's marker before calling --save unshared (a network
 # filesystem may show another client's new file a moment late).
-_SHARED_LOOK_S = 5.0
+_SHARED_LOOK_S = 10.0
 
 
 def check_save_is_shared(save_dir: pathlib.Path, describe: Any) -> None:
@@ -282,6 +282,12 @@ def check_save_is_shared(save_dir: pathlib.Path, describe: Any) -> None:
     if line_from_bytes(failed):
         raise UserError(line_from_bytes(failed))
     marker = _marker(save_dir, token)
+    # A network filesystem's client that found no directory there before (the --load lookup
+    # of a first run) may go on believing so for a while; creating it asks the server.
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # then the marker is not seen, and that is reported
     deadline = time.monotonic() + _SHARED_LOOK_S
     while not (seen := _reads(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -122,12 +122,14 @@ def gloo_address_problem(env: LaunchEnv,
     address (127.0.1.1 on Debian and Ubuntu), ranks on other nodes would connect to
     themselves and the world would never form; the same when the name does not resolve. Only
     a job over several nodes (LOCAL_WORLD_SIZE below WORLD_SIZE) is affected, and not one
-    whose master is a loopback address: its "nodes" all run on this host."""
+    whose master is given as a loopback address (127.0.0.1, ::1, localhost): its "nodes" all
+    run on this host. A master given by name is not looked up: on node 0 it is this host's
+    own name, which is what is being checked."""
     if env.gloo_socket_ifname or not 0 < env.local_world_size < env.world_size:
         return None
-    resolve = resolve or _first_address
-    if _is_loopback(env.master_addr, resolve):
+    if _is_loopback_literal(env.master_addr):
         return None
+    resolve = resolve or _first_address
     name = hostname()
     try:
         address = resolve(name)
@@ -147,10 +149,12 @@ def _first_address(host: str) -> str:
     return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
 
 
-def _is_loopback(host: str, resolve: Callable[[str], str]) -> bool:
+def _is_loopback_literal(host: str) -> bool:
+    if host == "localhost":
+        return True
     try:
-        return ipaddress.ip_address(resolve(host)).is_loopback
-    except (OSError, ValueError):
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
         return False
 
 
@@ -214,9 +218,11 @@ def _device_module(device_type: Optional[str]) -> Optional[Any]:
 _MEMORY_SHARE = 0.9
 
 
-def device_problem(spec: Any, index: int = 0) -> Optional[str]:
+def device_problem(spec: Any, index: int = 0, identity: bool = True) -> Optional[str]:
     """Why this process cannot be a rank of kind ``spec`` (an AcceleratorSpec) driving visible
-    device ``index`` (:func:`local_device_index`), or None.
+    device ``index`` (:func:`local_device_index`), or None. ``identity=False`` leaves out the
+    device's model and memory (a run without a cluster file, whose kind was taken from this
+    device by its name: :func:`local_accelerator`).
 
     Checks what would otherwise hang or fail deep inside a backend, or run a plan made for
     other hardware: a GPU kind with no GPU visible, an AMD kind on a CUDA build of torch or an
@@ -249,7 +255,7 @@ def device_problem(spec: Any, index: int = 0) -> Optional[str]:
         return "no GPU is visible"
     too_few = _too_few(index, torch.cuda.device_count(), "GPUs",
                        "HIP_VISIBLE_DEVICES" if rocm else "CUDA_VISIBLE_DEVICES")
-    if too_few is not None:
+    if too_few is not None or not identity:
         return too_few
     name = torch.cuda.get_device_name(index)
     memory_gib = torch.cuda.get_device_properties(index).total_memory / 2 ** 30

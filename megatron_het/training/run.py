@@ -210,7 +210,9 @@ def check_devices(setup: RunSetup, rank: int, device: int) -> None:
     import torch
     import torch.distributed as dist
 
-    mine = line_to_bytes(device_problem(setup.accelerator(rank), device) or "", _PROBLEM_BYTES)
+    problem = device_problem(setup.accelerator(rank), device,
+                             identity=setup.run.parallel.cluster is not None)
+    mine = line_to_bytes(problem or "", _PROBLEM_BYTES)
     size = dist.get_world_size() if dist.is_initialized() else 1
     every = [mine] if size == 1 else [torch.zeros_like(mine) for _ in range(size)]
     if size > 1:

@@ -51,7 +51,7 @@ het_env_nvidia() {
     # One hardware work queue, so a tensor-parallel collective is issued before the compute that
     # follows it (Megatron's ordering assumption for overlapping TP communication).
     export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
-    # Expose exactly this node's ranks' GPUs; local rank i drives GPU i.
+    # Expose exactly this node's GPUs for its ranks; its i-th GPU rank drives GPU i.
     export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-$(het_device_list "$1")}"
     # A failed or hung collective aborts the process (and the job) instead of hanging forever.
     export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
@@ -64,7 +64,8 @@ het_env_nvidia() {
 
 # AMD Instinct GPUs (ROCm): torch's nccl backend runs RCCL.
 het_env_amd() {
-    # Expose exactly this node's ranks' GPUs (GCDs on MI250X); local rank i drives device i.
+    # Expose exactly this node's GPUs for its ranks (GCDs on MI250X); its i-th GPU rank drives
+    # device i.
     export HIP_VISIBLE_DEVICES="${HIP_VISIBLE_DEVICES:-$(het_device_list "$1")}"
     # Same ordering assumption as on NVIDIA (ROCm's torch honours the CUDA name).
     export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
@@ -91,7 +92,7 @@ het_env_huawei() {
         source "$cann_env"
         set -u
     fi
-    # Expose exactly this node's ranks' NPUs; local rank i drives NPU i.
+    # Expose exactly this node's NPUs for its ranks; its i-th NPU rank drives NPU i.
     export ASCEND_RT_VISIBLE_DEVICES="${ASCEND_RT_VISIBLE_DEVICES:-$(het_device_list "$1")}"
     # Seconds HCCL waits for every rank to join a communicator: hundreds of ranks need minutes.
     export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1200}"
@@ -110,7 +111,8 @@ het_env_huawei() {
     fi
 }
 
-# Export the settings of VENDOR (the cluster files' names) for a node running NPROC ranks.
+# Export the settings of VENDOR (the cluster files' names) for a node whose NPROC ranks drive
+# that vendor's devices.
 # Another vendor's accelerators get nothing beyond the abort-on-failure setting: put the
 # vendor's own variables in the file named by HET_EXTRA_ENV. CPU ranks (plain or emulated
 # kinds) run gloo only.
@@ -269,7 +271,10 @@ het_node_env() {
     het_env_common
     local vendor
     for vendor in $HET_NODE_VENDORS; do
-        het_vendor_env "$vendor" "$HET_NODE_NPROC" || exit 2
+        case "$vendor" in
+            huawei) het_vendor_env "$vendor" "$HET_NODE_NPUS" || exit 2 ;;
+            *) het_vendor_env "$vendor" "$HET_NODE_GPUS" || exit 2 ;;
+        esac
     done
     if [ -n "${HET_EXTRA_ENV:-}" ]; then
         # shellcheck disable=SC1090
@@ -294,7 +299,7 @@ het_hostnames() {
     if [[ "$list" == *"["* ]]; then
         scontrol show hostnames "$list" || het_die "scontrol cannot expand the host list '$list'"
     else
-        tr ', ' '\n\n' <<< "$list" | sed '/^$/d'
+        tr ', \t' '\n\n\n' <<< "$list" | sed '/^$/d'
     fi
 }
 
@@ -345,15 +350,11 @@ het_slurm_node() {
     fi
 }
 
-# Stop early when Slurm gave this node fewer GPUs than its ranks (cgroups hide the rest).
+# Stop early when Slurm gave this node fewer GPUs than its GPU ranks (cgroups hide the rest).
 het_slurm_devices() {
-    local vendor
-    for vendor in $HET_NODE_VENDORS; do
-        case "$vendor" in nvidia|amd) ;; *) continue ;; esac
-        if [ -n "${SLURM_GPUS_ON_NODE:-}" ] && [ "$SLURM_GPUS_ON_NODE" -lt "$HET_NODE_NPROC" ]; then
-            het_die "Slurm gave node $NODE_RANK $SLURM_GPUS_ON_NODE GPUs but it runs $HET_NODE_NPROC ranks; submit with sbatch --gpus-per-node=$HET_NODE_NPROC"
-        fi
-    done
+    if [ -n "${SLURM_GPUS_ON_NODE:-}" ] && [ "$SLURM_GPUS_ON_NODE" -lt "$HET_NODE_GPUS" ]; then
+        het_die "Slurm gave node $NODE_RANK $SLURM_GPUS_ON_NODE GPUs but it runs $HET_NODE_GPUS GPU ranks; submit with sbatch --gpus-per-node=$HET_NODE_GPUS"
+    fi
 }
 
 # The repository root: two levels above this file, or (sbatch runs a copy of the mix script,

@@ -11,6 +11,8 @@ Used by scripts/common/launch.sh: ``eval "$(python scripts/common/node_info.py -
     HET_NODE_VENDORS    vendors of those groups' accelerators, without repeats (nvidia, amd,
                         huawei, cpu, other)
     HET_NODE_ACCELERATORS accelerator kinds on this node
+    HET_NODE_GPUS       ranks on this node that drive a CUDA/ROCm GPU (Slurm's GPU count)
+    HET_NODE_NPUS       ranks on this node that drive an Ascend NPU
 
 Node ranks follow the cluster file: the nodes of its first node group come first. A bad cluster
 file or node rank prints one ``error:`` line and exits with status 2.
@@ -46,7 +48,16 @@ def node_assignments(cluster: ClusterSpec, node_rank: int) -> dict[str, str]:
         "HET_NODE_GROUPS": " ".join(node.groups),
         "HET_NODE_VENDORS": " ".join(vendors),
         "HET_NODE_ACCELERATORS": " ".join(kinds),
+        "HET_NODE_GPUS": str(_driving(infos, "cuda")),
+        "HET_NODE_NPUS": str(_driving(infos, "npu")),
     }
+
+
+def _driving(infos: list, device_type: str) -> int:
+    """How many of ``infos``' ranks drive a device of ``device_type`` (emulated kinds run on
+    the CPU)."""
+    return sum(1 for info in infos
+               if info.accelerator.device_type == device_type and not info.accelerator.emulated)
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ from tests.distributed.harness import run_ranks
 def _setup(kinds: list[str]) -> SimpleNamespace:
     specs = [get_accelerator(kind) for kind in kinds]
     plan = SimpleNamespace(rank_role=lambda r: SimpleNamespace(pipeline=0, stage=r))
-    return SimpleNamespace(accelerator=lambda r: specs[r], plan=plan)
+    run = SimpleNamespace(parallel=SimpleNamespace(cluster="cluster.yaml"))
+    return SimpleNamespace(accelerator=lambda r: specs[r], plan=plan, run=run)
 
 
 def _check(rank: int, world_size: int, kinds: list[str]) -> str:

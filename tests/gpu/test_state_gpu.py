@@ -10,12 +10,15 @@ from megatron_het.training.state import rng_state, set_rng_state
 pytestmark = pytest.mark.gpu
 
 
-def test_a_cuda_rank_selects_its_local_device():
+def test_a_cuda_rank_selects_its_device_and_never_wraps_onto_another():
     count = torch.cuda.device_count()
     before = torch.cuda.current_device()
     try:
-        select_local_device("cuda", count + 1)
-        assert torch.cuda.current_device() == (count + 1) % count
+        select_local_device("cuda", count - 1)
+        assert torch.cuda.current_device() == count - 1
+        torch.cuda.set_device(before)
+        select_local_device("cuda", count)  # not visible: no device selected (it is reported)
+        assert torch.cuda.current_device() == before
     finally:
         torch.cuda.set_device(before)
 

@@ -201,6 +201,9 @@ def test_a_gpu_rank_needs_its_own_device_of_its_kind(monkeypatch, kind, name, me
     monkeypatch.setattr(torch, "cuda", FakeAccelerator(4, name=name, memory_gib=memory_gib))
     monkeypatch.setattr(torch.version, "hip", None)
     assert device_problem(spec, index) == problem
+    # without a cluster file the kind was named after this device: only the count is judged
+    assert device_problem(spec, index, identity=False) == (
+        problem if problem and problem.startswith("it is the node's") else None)
 
 
 # ---- the address gloo listens on, for ranks on other nodes ---------------------------------
@@ -214,6 +217,16 @@ def _env(world_size: int, local_world_size: int, ifname: str = ""):
 def _resolves_to(address: str):
     """This host's name resolves to ``address``; node 0 (the master) to 10.0.0.1."""
     return lambda name: "10.0.0.1" if name == "node0" else address
+
+
+def test_node_0_itself_is_checked() -> None:
+    """On node 0 the master is this host's own name: it must not exempt the check."""
+    import dataclasses
+
+    from megatron_het.training.launch import gloo_address_problem
+
+    env = dataclasses.replace(_env(16, 8), master_addr="gpu-07")
+    assert "127.0.1.1" in gloo_address_problem(env, lambda name: "127.0.1.1", lambda: "gpu-07")
 
 
 def test_a_multi_node_job_fails_when_the_hostname_resolves_to_loopback() -> None:
@@ -253,9 +266,9 @@ def test_nodes_on_one_host_may_use_loopback() -> None:
 
     from megatron_het.training.launch import gloo_address_problem
 
-    env = dataclasses.replace(_env(4, 2), master_addr="127.0.0.1")
-    assert gloo_address_problem(env, lambda name: "127.0.1.1" if name == "gpu-07"
-                                else "127.0.0.1", lambda: "gpu-07") is None
+    for master in ("127.0.0.1", "localhost", "::1"):
+        env = dataclasses.replace(_env(4, 2), master_addr=master)
+        assert gloo_address_problem(env, lambda name: "127.0.1.1", lambda: "gpu-07") is None
 
 
 def test_read_launch_env_takes_the_gloo_interface() -> None:

@@ -62,14 +62,28 @@ def test_free_loopback_ports_lie_below_the_ephemeral_range_and_are_free(monkeypa
 
     from megatron_het.perf import measure_procs
 
-    low = measure_procs._ephemeral_low()
+    low, high = measure_procs._ephemeral_range()
     ports = {free_loopback_port(span=4) for _ in range(20)}
-    assert all(10000 <= p and p + 4 <= low for p in ports), (ports, low)
+    assert all(10000 <= p and p + 4 <= low or p > high for p in ports), (ports, low, high)
     assert len(ports) > 1  # drawn at random, not one fixed port for every caller
+    monkeypatch.setattr(measure_procs, "_ENOUGH_PORTS", 1)
     monkeypatch.setattr(measure_procs, "_LOWEST_PORT", 20000)
-    monkeypatch.setattr(measure_procs, "_ephemeral_low", lambda: 20003)
+    monkeypatch.setattr(measure_procs, "_ephemeral_range", lambda: (20003, 60999))
     with socket.socket() as busy:  # of 20000 and 20001 (span 1), only 20000 is free
         busy.bind(("127.0.0.1", 20001))
         assert free_loopback_port() == 20000
         with pytest.raises(RuntimeError, match="no 2 consecutive free"):
             free_loopback_port(span=2)
+
+
+@pytest.mark.parametrize("ephemeral, expected", [
+    ((1024, 60999), lambda p: p > 60999),  # too few ports below: drawn above the range
+    ((1024, 65535), lambda p: 1024 <= p <= 65535),  # none outside: the kernel's pick
+])
+def test_free_loopback_ports_where_the_ephemeral_range_is_wide(monkeypatch, ephemeral,
+                                                              expected) -> None:
+    from megatron_het.perf import measure_procs
+
+    monkeypatch.setattr(measure_procs, "_ephemeral_range", lambda: ephemeral)
+    ports = [free_loopback_port(span=4) for _ in range(10)]
+    assert all(expected(p) and p + 3 <= 65535 for p in ports), ports

@@ -53,7 +53,39 @@ def describe_plan(setup: RunSetup) -> str:
                          f"{format_bound(stage.num_layers)} "
                          f"layer{'s' if stage.num_layers != 1 else ''} {stage.layers_label}"
                          f"{extras}, ranks {list(stage.ranks)}")
+    mixed = replicas_across_vendors(setup)
+    if mixed and not setup.use_distributed_optimizer:
+        lines.append(f"  note: parameters have replicas on {' and '.join(mixed)}, each stepping "
+                     "its own optimizer copy; their kernels may round differently, so the "
+                     "copies can drift apart in the last bits (--use-distributed-optimizer "
+                     "steps each element once and keeps them equal)")
     return "\n".join(lines)
+
+
+def replicas_across_vendors(setup: RunSetup) -> list[str]:
+    """The vendors' devices (``nvidia cuda``, ``cpu``, ...) holding replicas of one parameter,
+    where some parameter's replicas sit on more than one; empty otherwise. A tied head is the
+    embedding's replica. Emulated kinds all run on this host's CPU, so they count as the
+    CPU."""
+    def platform(rank: int) -> str:
+        spec = setup.accelerator(rank)
+        return "cpu" if spec.emulated or spec.device_type == "cpu" else (
+            f"{spec.vendor} {spec.device_type}")
+
+    head = "embedding" if setup.model_config.tie_embeddings else "head"
+    holders: dict[str, set[str]] = {}
+    for pipeline in setup.plan.pipelines:
+        for stage in pipeline.stages:
+            where = {platform(r) for r in stage.ranks}
+            units = [f"layer {i}" for i in stage.layer_indices]
+            units += ["embedding"] * stage.has_embedding + [head] * stage.has_head
+            for unit in units:
+                holders.setdefault(unit, set()).update(where)
+    mixed: set[str] = set()
+    for where in holders.values():
+        if len(where) > 1:
+            mixed |= where
+    return sorted(mixed)
 
 
 def describe_iterations(setup: RunSetup, progress: Progress) -> str:

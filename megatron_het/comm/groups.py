@@ -57,6 +57,9 @@ def reduce_op_name(op: Any) -> str:
     raise ValueError(f"unsupported reduce op {op!r}; use one of sum, avg, max, min")
 
 
+# Scratch sets a group keeps for its asynchronous hierarchical operations (see _phased).
+_SPARE_SCRATCH = 2
+
 class UnifiedGroup:
     """Ranks ``layout.ranks`` (global, sorted; group rank = position) as one group.
 
@@ -92,7 +95,10 @@ class UnifiedGroup:
             make("channel", owners, bridge.backend)
         self._links = links
         self.scratch = Scratch()  # reusable buffers of the hierarchical algorithms
-        self._spare_scratch: list[Scratch] = []  # lent to pending asynchronous operations
+        # Scratch lent to pending asynchronous operations and given back after; at most
+        # _SPARE_SCRATCH kept (a gradient sync starts every bucket before waiting on any, and
+        # keeping one set per bucket would hold another copy of the gradients for good).
+        self._spare_scratch: list[Scratch] = []
         self._pending = FinishQueue()
         if self.is_member:
             self.flat = links[("bridge", layout.ranks)]
@@ -270,7 +276,8 @@ class UnifiedGroup:
                 finish()
                 done()
             finally:
-                self._spare_scratch.append(scratch)
+                if len(self._spare_scratch) < _SPARE_SCRATCH:
+                    self._spare_scratch.append(scratch)
 
         return self._pending.add(last_phase)
 

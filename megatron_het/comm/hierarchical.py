@@ -261,9 +261,12 @@ def start_reduce_scatter(parts: MixedParts, output: torch.Tensor, input: torch.T
     instead of all-gathering, each member then sends the parts of its shard that fall in
     another member's output block to that member (native p2p)."""
     lay, units, numel = parts.layout, parts.layout.units, input.numel()
-    buf = scratch.get(PAD_SLOT, -(-numel // units) * units, input)  # works in place
-    buf[:numel].copy_(input)
-    buf[numel:].zero_()
+    if numel % units == 0 and parts.native.size > 1 and parts.native.backend != "gloo":
+        buf = input  # a device backend's reduce-scatter only reads it (into a shard scratch)
+    else:  # the gloo ring and a lone member reduce in place: work on a copy
+        buf = scratch.get(PAD_SLOT, -(-numel // units) * units, input)
+        buf[:numel].copy_(input)
+        buf[numel:].zero_()
     shard, stream = _reduce_shards(parts, buf, op, scratch)
 
     def finish() -> None:

@@ -70,14 +70,16 @@ class HostPool:
     ``allocate(numel, dtype)`` makes a new buffer (default: ``torch.empty`` on the CPU).
     ``allocated``/``reused`` count how often :meth:`acquire` made or recycled a buffer. Safe to
     share between threads (a bridge serves every group of a communicator). At most
-    ``max_free`` free buffers are kept (the largest), enough for the pieces of a few gradient
-    buckets in flight at once (a 25 MB bucket crosses in about 13): dropping one first waits
+    ``max_free`` free buffers of a dtype are kept (the largest), enough for the pieces of a
+    few gradient buckets in flight at once (a 25 MB bucket crosses in about 13), and at most
+    ``max_free_bytes`` in all (page-locked memory is the host's, and every rank of a node has
+    a pool), the smallest going first but the largest always kept: dropping one first waits
     for the copy still reading it.
     """
 
-    def __init__(self, pin: bool = False, max_free: int = 64,
+    def __init__(self, pin: bool = False, max_free: int = 64, max_free_bytes: int = 2 << 30,
                  allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> None:
-        self.pin, self.max_free = pin, max_free
+        self.pin, self.max_free, self.max_free_bytes = pin, max_free, max_free_bytes
         self._allocate = allocate or self._empty
         self._free: dict[torch.dtype, list[tuple[torch.Tensor, Fence]]] = {}
         self._out: dict[int, torch.Tensor] = {}  # id of a handed-out view -> its buffer
@@ -113,12 +115,32 @@ class HostPool:
             buf = self._out.pop(id(view))
             free = self._free.setdefault(buf.dtype, [])
             free.append((buf, fence))
-            dropped = None
+            dropped = []
             if len(free) > self.max_free:  # keep the largest buffers
                 free.sort(key=lambda entry: entry[0].numel())
-                dropped = free.pop(0)
-        if dropped is not None:
-            _run(dropped[1])  # its last copy must finish before the memory goes
+                dropped.append(free.pop(0))
+            dropped += self._over_bytes()
+        for _, last_copy in dropped:
+            _run(last_copy)  # its last copy must finish before the memory goes
+
+    def _over_bytes(self) -> list[tuple[torch.Tensor, Fence]]:
+        """Take the smallest free buffers out until at most ``max_free_bytes`` are free or one
+        buffer is left (under the lock)."""
+        entries = [(buf.numel() * buf.element_size(), dtype, i)
+                   for dtype, free in self._free.items() for i, (buf, _) in enumerate(free)]
+        total = sum(size for size, _, _ in entries)
+        taken: dict[torch.dtype, set[int]] = {}
+        for size, dtype, i in sorted(entries, key=lambda e: e[0])[:-1]:
+            if total <= self.max_free_bytes:
+                break
+            taken.setdefault(dtype, set()).add(i)
+            total -= size
+        out = []
+        for dtype, indices in taken.items():
+            free = self._free[dtype]
+            out += [free[i] for i in indices]
+            self._free[dtype] = [e for i, e in enumerate(free) if i not in indices]
+        return out
 
     @property
     def outstanding(self) -> int:

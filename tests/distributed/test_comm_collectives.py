@@ -81,7 +81,9 @@ def check_reductions(chk: Checker, ug, ref, tag: str) -> None:
             big = data(11 + me, (n * block.numel(),), dtype)
             for op in ("sum", "max"):
                 got, want = torch.empty_like(block), torch.empty_like(block)
+                before = big.clone()
                 ug.reduce_scatter_tensor(got, big.view(n * shape[0], *shape[1:]), op)
+                chk.equal(f"{tag} reduce_scatter_tensor {op} leaves its input", big, before)
                 dist.reduce_scatter_tensor(want.view(-1), big,
                                            getattr(dist.ReduceOp, op.upper()), group=ref)
                 chk.equal(f"{tag} reduce_scatter_tensor {op} {dtype} {shape}", got, want)

@@ -82,6 +82,25 @@ def test_pool_keeps_at_most_max_free_buffers() -> None:
     assert sorted(buf.numel() for buf, _ in pool._free[torch.float32]) == [8192, 16384]
 
 
+def test_pool_keeps_at_most_max_free_bytes_but_always_its_largest_buffer() -> None:
+    """Free buffers over the byte cap go smallest first, across dtypes; each dropped one's
+    fence (a copy still reading it) runs before it goes."""
+    fenced: list[int] = []
+    pool = HostPool(max_free_bytes=100_000)
+    small = pool.acquire(4096, torch.float32)  # 16 KiB
+    half = pool.acquire(4096, torch.float16)  # 8 KiB
+    big = pool.acquire(16384, torch.float32)  # 64 KiB
+    pool.release(small, lambda: fenced.append(4096))
+    pool.release(half)
+    pool.release(big)
+    assert fenced == []  # 88 KiB free: under the cap
+    huge = pool.acquire(40_000, torch.float32)  # 256 KiB on its own
+    pool.release(huge)
+    assert fenced == [4096]
+    assert {dtype: [b.numel() for b, _ in free] for dtype, free in pool._free.items()} == {
+        torch.float32: [65536], torch.float16: []}
+
+
 def run_relay(numel: int, spans: list[tuple[int, int]], **flags: bool
               ) -> tuple[torch.Tensor, Recorder, HostPool]:
     rec, pool = Recorder(), HostPool()

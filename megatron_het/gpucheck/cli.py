@@ -33,8 +33,8 @@ from megatron_het.gpucheck.runner import Check, run_checks
 CHECKS: dict[str, tuple[float, str]] = {
     "probe": (35.0, "megatron_het.gpucheck.device_checks:check_probe"),
     "numerics": (40.0, "megatron_het.gpucheck.device_checks:check_numerics"),
-    "relay": (50.0, "megatron_het.gpucheck.relay_check:check_relay"),
-    "mixed": (150.0, "megatron_het.gpucheck.mixed_pair:check_mixed_pair"),
+    "relay": (60.0, "megatron_het.gpucheck.relay_check:check_relay"),
+    "mixed": (140.0, "megatron_het.gpucheck.mixed_pair:check_mixed_pair"),
     "mfu": (125.0, "megatron_het.gpucheck.mfu:check_mfu"),
     "profile": (50.0, "megatron_het.gpucheck.profile_check:check_profile"),
 }
@@ -125,13 +125,20 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     print(f"gpu check: {', '.join(names)}; budget {args.deadline:.0f} s; work {work}",
           flush=True)
     start, started = time.monotonic(), time.strftime("%Y-%m-%d %H:%M:%S")
-    rows, runs = run_checks(checks, work, args.deadline, echo=sys.stdout, env=env)
-    meta = {"started": started, "host": platform.node(),
-            "python": sys.executable, "argv": list(argv), "cpu_only": args.cpu_only,
-            "elapsed_s": round(time.monotonic() - start, 1), "deadline_s": args.deadline,
-            "work": str(work), "checks": [vars(run) for run in runs]}
-    path = write_summary(out, rows, meta)
-    (out / LOGS_NAME).write_text(collect_logs(work), encoding="utf-8")
+
+    def summarise(rows: list, runs: list, finished: bool) -> tuple[pathlib.Path, dict]:
+        meta = {"started": started, "host": platform.node(),
+                "python": sys.executable, "argv": list(argv), "cpu_only": args.cpu_only,
+                "elapsed_s": round(time.monotonic() - start, 1), "deadline_s": args.deadline,
+                "work": str(work), "finished": finished, "checks": [vars(run) for run in runs]}
+        path = write_summary(out, rows, meta)
+        (out / LOGS_NAME).write_text(collect_logs(work), encoding="utf-8")
+        return path, meta
+
+    # the summary so far after every check: a run killed from outside still leaves it
+    rows, runs = run_checks(checks, work, args.deadline, echo=sys.stdout, env=env,
+                            after_each=lambda rows, runs: summarise(rows, runs, False))
+    path, meta = summarise(rows, runs, True)
     print("\n" + format_table(rows))
     passed = all_passed(rows)
     print(f"\n{'all checks passed' if passed else 'some checks FAILED'} in "

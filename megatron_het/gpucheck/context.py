@@ -15,6 +15,22 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 DATA_DIR = REPO / "scripts" / "gpu_check"
 
 
+
+def loopback_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with gloo on the loopback interface unless it names one (every rank of the
+    check runs on this host, whose name need not resolve to a usable address)."""
+    env = dict(environ)
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def _torchrun_has(option: str) -> bool:
+    """Whether this torch's torchrun takes ``option``."""
+    from torch.distributed.run import get_args_parser
+
+    return option in get_args_parser()._option_string_actions
+
 @dataclass(frozen=True)
 class Options:
     """The command line's settings that checks read.
@@ -43,7 +59,7 @@ class CheckContext:
     deadline: float
     options: Options = field(default_factory=Options)
     python: str = sys.executable
-    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    env: Mapping[str, str] = field(default_factory=lambda: loopback_env(os.environ))
 
     def remaining(self) -> float:
         """Seconds left of this check's budget."""
@@ -62,6 +78,8 @@ class CheckContext:
                            env=self.env if env is None else env, cwd=str(REPO))
 
     def torchrun(self, nproc: int) -> list[str]:
-        """The launcher prefix for ``nproc`` local ranks (a free port of its own)."""
+        """The launcher prefix for ``nproc`` local ranks (a free port of its own), on the
+        loopback address: this host's name need not resolve."""
         return [self.python, "-m", "torch.distributed.run", "--standalone",
+                *(["--local-addr", "127.0.0.1"] if _torchrun_has("--local-addr") else []),
                 "--nproc_per_node", str(nproc)]

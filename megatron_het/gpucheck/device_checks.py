@@ -14,14 +14,16 @@ rings of ``--tp-comm-overlap`` with two ranks as threads on the GPU
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
+from megatron_het.comm.faults import first_line
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.gpucheck.context import CheckContext
@@ -36,6 +38,20 @@ NO_GPU = "no CUDA device"
 # name -> (required: FAIL when unusable, else SKIP), for bf16 causal attention.
 SDPA_BACKENDS = {"flash": True, "mem_efficient": True, "cudnn": False}
 OPTIONAL_PACKAGES = ("flash_attn", "apex", "liger_kernel")
+
+
+@contextlib.contextmanager
+def rows_or_fail(ctx: CheckContext, names: tuple[str, ...]) -> Iterator[None]:
+    """Run a block that reports rows ``names``: an exception in it gives each of those not
+    reported yet a FAIL row naming the error, and the check goes on with its next block."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - reported as rows; the next block still runs
+        reported = {row.check for row in ctx.rows.rows}
+        for name in names:
+            if name not in reported:
+                ctx.rows.add(name, FAIL, f"raised {type(exc).__name__}: {first_line(exc)}",
+                             "runs without an error")
 
 
 def skip_all(ctx: CheckContext, names: tuple[str, ...], why: str = NO_GPU,
@@ -67,18 +83,34 @@ def check_probe(ctx: CheckContext) -> None:
                        "probe.attention",
                        *(f"probe.{p}" for p in OPTIONAL_PACKAGES)), missing_fails=False)
         return
-    _probe_device(ctx)
-    _probe_pending(ctx)
-    for backend, required in SDPA_BACKENDS.items():
-        ok, value, details = sdpa_usable(backend)
-        status = PASS if ok else (FAIL if required else SKIP)
-        ctx.rows.add(f"probe.sdpa.{backend}", status, value,
-                     "bf16 causal fwd+bwd, vs math <= 2e-2 rel" + ("" if required
-                                                                     else " (optional)"),
-                     **details)
-    _probe_kernels(ctx)
+    with rows_or_fail(ctx, ("probe.device",)):
+        _probe_device(ctx)
+    with rows_or_fail(ctx, ("probe.pending",)):
+        _probe_pending(ctx)
+    # the optional backends last: a crash inside one (a segfault takes the process) leaves
+    # every other row reported
+    order = sorted(SDPA_BACKENDS, key=lambda backend: not SDPA_BACKENDS[backend])
+    for backend in order[:sum(SDPA_BACKENDS.values())]:
+        with rows_or_fail(ctx, (f"probe.sdpa.{backend}",)):
+            _probe_sdpa(ctx, backend)
+    with rows_or_fail(ctx, ("probe.gemm-fp32-out", "probe.attention")):
+        _probe_kernels(ctx)
     for package in OPTIONAL_PACKAGES:
-        _probe_package(ctx, package)
+        with rows_or_fail(ctx, (f"probe.{package}",)):
+            _probe_package(ctx, package)
+    for backend in order[sum(SDPA_BACKENDS.values()):]:
+        with rows_or_fail(ctx, (f"probe.sdpa.{backend}",)):
+            _probe_sdpa(ctx, backend)
+
+
+def _probe_sdpa(ctx: CheckContext, backend: str) -> None:
+    required = SDPA_BACKENDS[backend]
+    ok, value, details = sdpa_usable(backend)
+    status = PASS if ok else (FAIL if required else SKIP)
+    ctx.rows.add(f"probe.sdpa.{backend}", status, value,
+                 "bf16 causal fwd+bwd, vs math <= 2e-2 rel" + ("" if required
+                                                                 else " (optional)"),
+                 **details)
 
 
 def _probe_kernels(ctx: CheckContext, device: Optional[torch.device] = None) -> None:
@@ -86,14 +118,18 @@ def _probe_kernels(ctx: CheckContext, device: Optional[torch.device] = None) -> 
     the TP layers' weight gradients need to stay in bf16) and ``probe.attention`` (the kernel
     training picks for the MFU model's bf16 GQA attention)."""
     from megatron_het.kernels.attention import FLASH_ATTN, SDPA_FLASH, kernel_for
-    from megatron_het.kernels.gemm import fp32_out_gemm_supported
+    from megatron_het.kernels.gemm import fp32_out_addmm_supported, fp32_out_gemm_supported
 
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     ok = fp32_out_gemm_supported(device)
-    ctx.rows.add("probe.gemm-fp32-out", status_of(ok),
-                 "torch.mm/addmm(bf16, out_dtype=float32) run" if ok else
-                 "unsupported: the fused head's GEMMs fall back to float32 operands (slow)",
-                 "bf16 GEMMs with float32 sums")
+    if ok and fp32_out_addmm_supported(device):
+        value = "torch.mm/addmm(bf16, out_dtype=float32) run"
+    elif ok:
+        value = (f"torch.mm(bf16, out_dtype=float32) runs; addmm with a float32 sum does not "
+                 f"in torch {torch.__version__}: sums add a float32 product")
+    else:
+        value = "unsupported: the fused head's GEMMs fall back to float32 operands (slow)"
+    ctx.rows.add("probe.gemm-fp32-out", status_of(ok), value, "bf16 GEMMs with float32 sums")
     q = torch.empty(1, 16, 16, 128, dtype=torch.bfloat16, device=device)
     kernel = kernel_for(q, q[:, :, :4])
     chosen = kernel.label
@@ -230,31 +266,40 @@ def check_numerics(ctx: CheckContext) -> None:
         return
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    cpu_loss, cpu_grads = tiny_loss_and_grads("cpu", torch.float32)
-    gpu_loss, gpu_grads = tiny_loss_and_grads("cuda", torch.float32)
-    rel = abs(gpu_loss - cpu_loss) / abs(cpu_loss)
-    ctx.rows.add("numerics.fp32-loss", status_of(rel <= 1e-4), f"rel diff {rel:.2e} (cpu "
-                 f"{cpu_loss:.6f}, cuda {gpu_loss:.6f})", "<= 1e-4 rel")
-    worst, name = max((max_rel_error(gpu_grads[n], cpu_grads[n]), n) for n in cpu_grads)
-    ctx.rows.add("numerics.fp32-grads", status_of(worst <= 1e-4), f"max rel diff {worst:.2e} "
-                 f"({name})", "<= 1e-4 of each tensor's max")
-    bf16_loss, bf16_grads = tiny_loss_and_grads("cuda", torch.bfloat16)
-    rel = abs(bf16_loss - gpu_loss) / abs(gpu_loss)
-    finite = all(bool(torch.isfinite(g).all()) for g in bf16_grads.values())
-    ctx.rows.add("numerics.bf16-loss", status_of(rel <= 2e-2 and finite), f"rel diff {rel:.2e} "
-                 f"vs fp32 ({bf16_loss:.5f}), gradients finite: {finite}", "<= 2e-2 rel")
+    gpu_loss = None
+    with rows_or_fail(ctx, ("numerics.fp32-loss", "numerics.fp32-grads")):
+        cpu_loss, cpu_grads = tiny_loss_and_grads("cpu", torch.float32)
+        gpu_loss, gpu_grads = tiny_loss_and_grads("cuda", torch.float32)
+        rel = abs(gpu_loss - cpu_loss) / abs(cpu_loss)
+        ctx.rows.add("numerics.fp32-loss", status_of(rel <= 1e-4), f"rel diff {rel:.2e} (cpu "
+                     f"{cpu_loss:.6f}, cuda {gpu_loss:.6f})", "<= 1e-4 rel")
+        worst, name = max((max_rel_error(gpu_grads[n], cpu_grads[n]), n) for n in cpu_grads)
+        ctx.rows.add("numerics.fp32-grads", status_of(worst <= 1e-4), f"max rel diff "
+                     f"{worst:.2e} ({name})", "<= 1e-4 of each tensor's max")
+    with rows_or_fail(ctx, ("numerics.bf16-loss",)):
+        if gpu_loss is None:  # the fp32 run failed: the bf16 one has nothing to compare with
+            gpu_loss, _ = tiny_loss_and_grads("cuda", torch.float32)
+        bf16_loss, bf16_grads = tiny_loss_and_grads("cuda", torch.bfloat16)
+        rel = abs(bf16_loss - gpu_loss) / abs(gpu_loss)
+        finite = all(bool(torch.isfinite(g).all()) for g in bf16_grads.values())
+        ctx.rows.add("numerics.bf16-loss", status_of(rel <= 2e-2 and finite), f"rel diff "
+                     f"{rel:.2e} vs fp32 ({bf16_loss:.5f}), gradients finite: {finite}",
+                     "<= 2e-2 rel")
     for dtype, loss_tol, grad_tol in ((torch.float32, 1e-5, 1e-4), (torch.bfloat16, 1e-3, 2e-2)):
-        loss_rel, grad_rel = fused_loss_errors("cuda", dtype)
-        ok = loss_rel <= loss_tol and grad_rel <= grad_tol
         label = "fp32" if dtype == torch.float32 else "bf16"
-        ctx.rows.add(f"numerics.fused-loss-{label}", status_of(ok), f"loss {loss_rel:.2e}, "
-                     f"grads {grad_rel:.2e} rel", f"loss <= {loss_tol:g}, grads <= {grad_tol:g}")
+        with rows_or_fail(ctx, (f"numerics.fused-loss-{label}",)):
+            loss_rel, grad_rel = fused_loss_errors("cuda", dtype)
+            ok = loss_rel <= loss_tol and grad_rel <= grad_tol
+            ctx.rows.add(f"numerics.fused-loss-{label}", status_of(ok), f"loss "
+                         f"{loss_rel:.2e}, grads {grad_rel:.2e} rel",
+                         f"loss <= {loss_tol:g}, grads <= {grad_tol:g}")
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         label = "fp32" if dtype == torch.float32 else "bf16"
-        worst = ring_errors("cuda", dtype)
-        ctx.rows.add(f"numerics.tp-rings-{label}", status_of(worst <= tol),
-                     f"max rel diff {worst:.2e} (2 ranks as threads)", f"<= {tol:g} of each "
-                     "tensor's max")
+        with rows_or_fail(ctx, (f"numerics.tp-rings-{label}",)):
+            worst = ring_errors("cuda", dtype)
+            ctx.rows.add(f"numerics.tp-rings-{label}", status_of(worst <= tol),
+                         f"max rel diff {worst:.2e} (2 ranks as threads)", f"<= {tol:g} of "
+                         "each tensor's max")
 
 
 def tiny_loss_and_grads(device: str, dtype: torch.dtype) -> tuple[float, dict[str, torch.Tensor]]:

@@ -169,10 +169,13 @@ class CheckRun:
 
 def run_checks(checks: Sequence[Check], work_dir: str | os.PathLike, deadline_s: float,
                echo: Optional[TextIO] = None, env: Optional[Mapping[str, str]] = None,
-               cwd: Optional[str] = None) -> tuple[list[Row], list[CheckRun]]:
+               cwd: Optional[str] = None,
+               after_each: Optional[Callable[[list[Row], list[CheckRun]], None]] = None
+               ) -> tuple[list[Row], list[CheckRun]]:
     """Run ``checks`` one after another, each in its own process (see the module docstring),
     all within ``deadline_s`` seconds from now; returns every row and one CheckRun per check
-    that was started."""
+    that was started. ``after_each(rows, runs)`` sees the results so far after every check
+    (to keep a summary that a run killed from outside still leaves)."""
     work = pathlib.Path(work_dir)
     end = time.monotonic() + deadline_s
     rows: list[Row] = []
@@ -203,6 +206,8 @@ def run_checks(checks: Sequence[Check], work_dir: str | os.PathLike, deadline_s:
             print(f"   ({result.seconds:.1f} s)", file=echo, flush=True)
         runs.append(CheckRun(check.name, check.budget_s, timeout, result.seconds,
                              result.returncode, result.timed_out, str(result.log_path)))
+        if after_each is not None:
+            after_each(rows, runs)
     return rows, runs
 
 

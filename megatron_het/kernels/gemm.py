@@ -18,32 +18,49 @@ from typing import Optional
 import torch
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-# (device type, index) -> whether torch.mm(..., out_dtype=torch.float32) runs there.
-_OUT_DTYPE_GEMM: dict[tuple[str, Optional[int]], bool] = {}
+# (device type, index) -> whether torch.mm(..., out_dtype=torch.float32) runs there, and
+# whether torch.addmm(acc, ..., out_dtype=torch.float32, out=acc) with a float32 acc does too
+# (torch before late 2025 refuses a float32 ``self`` with bf16 operands).
+_OUT_DTYPE_GEMM: dict[tuple[str, Optional[int]], tuple[bool, bool]] = {}
 
 
-def fp32_out_gemm_supported(device: torch.device) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` and the in-place accumulation
-    ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` (``acc`` float32) work for
-    bf16 operands on ``device`` and give the right sums (tried once per device, with one host
-    synchronisation)."""
+def _probe(device: torch.device) -> tuple[bool, bool]:
+    """(mm, addmm) with ``out_dtype=torch.float32`` on bf16 operands work on ``device`` and
+    give the right sums; tried once per device, with one host synchronisation each."""
     device = torch.device(device)
     if device.type != "cuda":
-        return False
+        return False, False
     key = (device.type, device.index)
     known = _OUT_DTYPE_GEMM.get(key)
     if known is None:
+        probe = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
         try:
-            probe = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
             product = torch.mm(probe, probe, out_dtype=torch.float32)
+            mm = product.dtype == torch.float32 and bool((product == 16).all())
+        except (RuntimeError, TypeError, NotImplementedError):  # older torch, or no kernel
+            mm = False
+        try:
             acc = torch.ones(16, 16, dtype=torch.float32, device=device)
             torch.addmm(acc, probe, probe, out_dtype=torch.float32, out=acc)
-            known = (product.dtype == torch.float32 and bool((product == 16).all())
-                     and bool((acc == 17).all()))
-        except (RuntimeError, TypeError, NotImplementedError):  # older torch, or no kernel
-            known = False
-        _OUT_DTYPE_GEMM[key] = known
+            addmm = mm and bool((acc == 17).all())
+        except (RuntimeError, TypeError, NotImplementedError):
+            addmm = False
+        known = _OUT_DTYPE_GEMM[key] = (mm, addmm)
     return known
+
+
+def fp32_out_gemm_supported(device: torch.device) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` works for bf16 operands on
+    ``device`` (then :func:`mm_fp32_out` and :func:`addmm_fp32_out_` keep the operands in
+    bf16)."""
+    return _probe(device)[0]
+
+
+def fp32_out_addmm_supported(device: torch.device) -> bool:
+    """Whether the in-place accumulation ``torch.addmm(acc, a, b, out_dtype=torch.float32,
+    out=acc)`` (``acc`` float32, bf16 operands) works on ``device``; where only the product
+    does, :func:`addmm_fp32_out_` adds a float32 product instead."""
+    return _probe(device)[1]
 
 
 def gemm_operand_dtype(compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -72,7 +89,9 @@ def addmm_fp32_out_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torc
     """``acc[M, N] += a[M, K] @ b[K, N]`` in place, ``acc`` float32 (or float64): the product is
     never rounded to the operands' dtype. Returns ``acc``."""
     if a.dtype in _LOW_PRECISION and a.dtype == b.dtype and fp32_out_gemm_supported(a.device):
-        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        if fp32_out_addmm_supported(a.device):
+            return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return acc.add_(torch.mm(a, b, out_dtype=torch.float32))
     if a.dtype != acc.dtype or b.dtype != acc.dtype:
         a, b = a.to(acc.dtype), b.to(acc.dtype)
     return acc.addmm_(a, b)

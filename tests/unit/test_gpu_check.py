@@ -121,6 +121,18 @@ def test_checks_past_the_deadline_are_skipped_not_started(tmp_path, monkeypatch)
     assert [run.name for run in runs] == ["slow"] and "budget is spent" in rows[1].value
 
 
+def test_the_results_so_far_are_handed_over_after_every_check(tmp_path):
+    """So the script can rewrite its summary after each check: a run killed from outside
+    still leaves the rows of the checks that finished."""
+    seen = []
+    checks = [Check("one", 10, _script("row('one.a', 'PASS')")),
+              Check("two", 10, _script("row('two.a', 'FAIL')"))]
+    run_checks(checks, tmp_path, deadline_s=60,
+               after_each=lambda rows, runs: seen.append(([r.check for r in rows],
+                                                          [run.name for run in runs])))
+    assert seen == [(["one.a"], ["one"]), (["one.a", "two.a"], ["one", "two"])]
+
+
 def test_a_check_is_told_its_budget_and_where_to_write(tmp_path):
     code = ("budget = float(sys.argv[sys.argv.index('--budget') + 1])\n"
             "row('told.%g' % budget, 'PASS')\n"
@@ -434,20 +446,21 @@ def _flag(argv: list, name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-def test_mixed_pair_reports_each_comparison_and_names_the_run_that_failed(tmp_path, monkeypatch):
+def _pair_rows(tmp_path, monkeypatch, cpu_off: float, pp_off: float, seen: list) -> dict:
+    """The mixed check's rows with the CPU reference ``cpu_off`` and the pp runs ``pp_off``
+    (relative) off the GPU run's losses; the dp run hangs. ``seen``: the rows out before it."""
     monkeypatch.setattr(mixed_pair.torch.cuda, "is_available", lambda: True)
     ctx = ctx_at(tmp_path)
     ref = {i: 8.0 - 0.01 * i for i in range(1, 9)}
-    rows_before_dp = []
 
     def outcome(name, argv):
         if name == "dp":
-            rows_before_dp.extend(r.check for r in ctx.rows.rows)
+            seen.extend(r.check for r in ctx.rows.rows)
             return None, True  # hangs and is killed
         metrics = pathlib.Path(_flag(argv, "--metrics-file"))
         first = 5 if "--load" in argv else 1
         last = 4 if "--exit-interval" in argv else 8
-        scale = 1 + (3e-4 if name == "ref_cpu" else 2e-5 if name.startswith("pp") else 0)
+        scale = 1 + (cpu_off if name == "ref_cpu" else pp_off if name.startswith("pp") else 0)
         with open(metrics, "a") as handle:
             for i in range(first, last + 1):
                 handle.write(json.dumps({"split": "train", "iteration": i,
@@ -456,7 +469,12 @@ def test_mixed_pair_reports_each_comparison_and_names_the_run_that_failed(tmp_pa
 
     _fake_runs(ctx, outcome)
     mixed_pair.check_mixed_pair(ctx)
-    rows = {r.check: r for r in ctx.rows.rows}
+    return {r.check: r for r in ctx.rows.rows}
+
+
+def test_mixed_pair_reports_each_comparison_and_names_the_run_that_failed(tmp_path, monkeypatch):
+    rows_before_dp: list = []
+    rows = _pair_rows(tmp_path, monkeypatch, 3e-4, 2e-5, rows_before_dp)
     assert rows["mixed.files"].status == PASS
     assert rows["mixed.reference"].status == FAIL  # 3e-4 apart: over 1e-4
     assert rows["mixed.pp"].status == PASS and "2.00e-05" in rows["mixed.pp"].value
@@ -464,6 +482,16 @@ def test_mixed_pair_reports_each_comparison_and_names_the_run_that_failed(tmp_pa
     assert rows["mixed.dp"].status == FAIL and rows["mixed.dp"].value == "dp timed out after 0 s"
     # The first wave's rows are out before the second wave runs.
     assert rows_before_dp == ["mixed.files", "mixed.reference", "mixed.pp"]
+
+
+@pytest.mark.parametrize("cpu_off, status, threshold", [
+    (3e-4, PASS, "<= 0.0006 rel"),  # the CPU floor fails mixed.reference alone
+    (1e-5, FAIL, "<= 0.0001 rel"),
+])
+def test_the_pair_is_held_to_twice_the_gpu_vs_cpu_floor_where_it_is_over_the_tolerance(
+        tmp_path, monkeypatch, cpu_off, status, threshold):
+    rows = _pair_rows(tmp_path, monkeypatch, cpu_off, 5e-4, [])
+    assert (rows["mixed.pp"].status, rows["mixed.pp"].threshold) == (status, threshold)
 
 
 def test_mixed_pair_resume_is_not_run_when_the_first_half_fails(tmp_path, monkeypatch):
@@ -551,6 +579,7 @@ def test_the_script_in_cpu_only_mode_runs_each_check_in_its_own_process(tmp_path
     assert [c["name"] for c in data["checks"]] == ["probe", "mixed"]
     assert statuses.pop("mixed.files") == PASS  # needs no GPU
     assert set(statuses.values()) == {SKIP} and data["all_passed"] and data["cpu_only"]
+    assert data["finished"]
     assert "check" in proc.stdout and (tmp_path / "out" / "gpu_check_logs.txt").exists()
 
 
@@ -581,3 +610,18 @@ def test_out_of_memory_is_told_from_other_errors():
     assert mfu.is_out_of_memory(RuntimeError(
         "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
     assert not mfu.is_out_of_memory(RuntimeError("CUDA error: an illegal memory access"))
+
+
+def test_an_error_in_one_block_fails_its_rows_and_the_check_goes_on(tmp_path):
+    from megatron_het.gpucheck.device_checks import rows_or_fail
+
+    ctx = ctx_at(tmp_path)
+    with rows_or_fail(ctx, ("x.first", "x.second")):
+        ctx.rows.add("x.first", PASS, "fine")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+    with rows_or_fail(ctx, ("x.third",)):
+        ctx.rows.add("x.third", PASS, "still runs")
+    rows = {r.check: r for r in read_rows(tmp_path / "rows.jsonl")}
+    assert rows["x.first"].status == PASS and rows["x.third"].status == PASS
+    assert rows["x.second"].status == FAIL and rows["x.second"].value == (
+        "raised RuntimeError: CUDA error: an illegal memory access was encountered")

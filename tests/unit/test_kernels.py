@@ -180,6 +180,29 @@ def test_fp32_out_gemms_on_cpu_upcast_and_accumulate_in_float32():
     assert (acc.double() - exact - 1).abs().max() < 1e-4
 
 
+def test_where_only_the_product_has_a_float32_output_sums_add_it(monkeypatch):
+    """A torch whose mm takes out_dtype but whose addmm refuses a float32 sum with bf16
+    operands (before late 2025): the sum adds a float32 product, never a bf16 one."""
+    from megatron_het.kernels import gemm
+
+    calls = []
+    real_mm = torch.mm
+
+    def mm(a, b, out_dtype=None):  # stands in for a device's aten::mm.dtype kernel
+        calls.append(out_dtype)
+        return real_mm(a.float(), b.float()) if out_dtype is not None else real_mm(a, b)
+
+    monkeypatch.setattr(gemm, "_probe", lambda device: (True, False))
+    monkeypatch.setattr(torch, "mm", mm)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 32, generator=g).to(BF16), torch.randn(32, 8, generator=g).to(BF16)
+    acc = torch.ones(16, 8)
+    gemm.addmm_fp32_out_(acc, a, b)
+    assert calls == [FP32]
+    assert (acc.double() - a.double() @ b.double() - 1).abs().max() < 1e-4
+    assert gemm.gemm_operand_dtype(BF16, torch.device("cpu")) == BF16
+
+
 # -- attention ----------------------------------------------------------------------------------
 FLASH = AttentionKernel("flash_attn")
 SDPA_FLASH = AttentionKernel("sdpa", (SDPBackend.FLASH_ATTENTION,))

@@ -120,8 +120,16 @@ class HostPool:
                 free.sort(key=lambda entry: entry[0].numel())
                 dropped.append(free.pop(0))
             dropped += self._over_bytes()
-        for _, last_copy in dropped:
-            _run(last_copy)  # its last copy must finish before the memory goes
+        for entry in dropped:
+            _run(entry[1])  # its last copy must finish before the memory goes
+        if dropped and self.pin:
+            # torch keeps freed page-locked blocks in a cache of its own: once the last
+            # references are gone, give them back to the host
+            del entry
+            dropped.clear()
+            release_cached = getattr(torch._C, "_host_emptyCache", None)
+            if release_cached is not None:
+                release_cached()
 
     def _over_bytes(self) -> list[tuple[torch.Tensor, Fence]]:
         """Take the smallest free buffers out until at most ``max_free_bytes`` are free or one

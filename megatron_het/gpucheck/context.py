@@ -15,7 +15,6 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 DATA_DIR = REPO / "scripts" / "gpu_check"
 
 
-
 def loopback_env(environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` with gloo on the loopback interface unless it names one (every rank of the
     check runs on this host, whose name need not resolve to a usable address)."""
@@ -30,6 +29,7 @@ def _torchrun_has(option: str) -> bool:
     from torch.distributed.run import get_args_parser
 
     return option in get_args_parser()._option_string_actions
+
 
 @dataclass(frozen=True)
 class Options:

@@ -59,33 +59,56 @@ def describe_plan(setup: RunSetup) -> str:
                      "its own optimizer copy; their kernels may round differently, so the "
                      "copies can drift apart in the last bits (--use-distributed-optimizer "
                      "steps each element once and keeps them equal)")
+    tied = tied_copies_across_vendors(setup)
+    if tied:
+        lines.append(f"  note: the tied embedding's copies (the first stages' embedding, the "
+                     f"last stages' head) sit on {' and '.join(tied)}, each stepping its own "
+                     "optimizer copy from the same gradient sum; their kernels may round "
+                     "differently, so the copies can drift apart in the last bits")
     return "\n".join(lines)
 
 
-def replicas_across_vendors(setup: RunSetup) -> list[str]:
-    """The vendors' devices (``nvidia cuda``, ``cpu``, ...) holding replicas of one parameter,
-    where some parameter's replicas sit on more than one; empty otherwise. A tied head is the
-    embedding's replica. Emulated kinds all run on this host's CPU, so they count as the
-    CPU."""
-    def platform(rank: int) -> str:
-        spec = setup.accelerator(rank)
-        return "cpu" if spec.emulated or spec.device_type == "cpu" else (
-            f"{spec.vendor} {spec.device_type}")
+def _platform(setup: RunSetup, rank: int) -> str:
+    """``nvidia cuda``, ``amd cuda``, ``cpu`` ...: whose kernels step a rank's parameters
+    (emulated kinds all run on this host's CPU)."""
+    spec = setup.accelerator(rank)
+    return "cpu" if spec.emulated or spec.device_type == "cpu" else (
+        f"{spec.vendor} {spec.device_type}")
 
-    head = "embedding" if setup.model_config.tie_embeddings else "head"
+
+def _holders(setup: RunSetup) -> dict[str, set[str]]:
+    """Each parameter unit (a layer's block, the embedding, the head) -> the platforms of the
+    ranks holding a replica of it."""
     holders: dict[str, set[str]] = {}
     for pipeline in setup.plan.pipelines:
         for stage in pipeline.stages:
-            where = {platform(r) for r in stage.ranks}
-            units = [f"layer {i}" for i in stage.layer_indices]
-            units += ["embedding"] * stage.has_embedding + [head] * stage.has_head
+            where = {_platform(setup, r) for r in stage.ranks}
+            units = [f"layer {i} {part}" for i in stage.layer_indices
+                     for part in stage.layer_parts(i)]
+            units += ["embedding"] * stage.has_embedding + ["head"] * stage.has_head
             for unit in units:
                 holders.setdefault(unit, set()).update(where)
+    return holders
+
+
+def replicas_across_vendors(setup: RunSetup) -> list[str]:
+    """The platforms (:func:`_platform`) holding data-parallel replicas of one parameter, where
+    some parameter's replicas sit on more than one; empty otherwise."""
     mixed: set[str] = set()
-    for where in holders.values():
+    for where in _holders(setup).values():
         if len(where) > 1:
             mixed |= where
     return sorted(mixed)
+
+
+def tied_copies_across_vendors(setup: RunSetup) -> list[str]:
+    """With tied embeddings, the platforms of the embedding's and the head's copies where they
+    differ (each steps its own copy, ZeRO-1 or not); empty otherwise."""
+    if not setup.model_config.tie_embeddings:
+        return []
+    holders = _holders(setup)
+    where = holders.get("embedding", set()) | holders.get("head", set())
+    return sorted(where) if len(where) > 1 else []
 
 
 def describe_iterations(setup: RunSetup, progress: Progress) -> str:

@@ -11,7 +11,8 @@ import pytest
 from megatron_het.cluster.accelerators import get_accelerator
 from megatron_het.config import MODEL_PRESETS
 from megatron_het.parallel.plan import ParallelPlan
-from megatron_het.training.describe import describe_plan, replicas_across_vendors
+from megatron_het.training.describe import (describe_plan, replicas_across_vendors,
+                                            tied_copies_across_vendors)
 
 REPO = Path(__file__).resolve().parents[2]
 HETERO_DP = json.loads((REPO / "scripts/plans/cpu_emulated_hetero_dp.json").read_text())
@@ -55,5 +56,14 @@ def test_mixed_pipelines_whose_stages_match_across_replicas_get_none() -> None:
     plan = {"format": "megatron_het.plan/1", "micro_batch_size": 1, "pipelines": [
         _pipeline([([0], 0, 2), ([2], 2, 4)]), _pipeline([([1], 0, 2), ([3], 2, 4)])]}
     assert replicas_across_vendors(_setup(["H100", "H100", "MI300X", "MI300X"], plan)) == []
-    tied = _setup(["H100", "H100", "MI300X", "MI300X"], plan, tied=True)
-    assert replicas_across_vendors(tied) == ["amd cuda", "nvidia cuda"]  # the tied head
+    tied = _setup(["H100", "H100", "MI300X", "MI300X"], plan, tied=True, zero=True)
+    assert replicas_across_vendors(tied) == []
+    # the tied head steps its own copy of the embedding, ZeRO-1 or not
+    assert tied_copies_across_vendors(tied) == ["amd cuda", "nvidia cuda"]
+    assert "the tied embedding's copies" in describe_plan(tied)
+
+
+def test_stages_that_split_a_layer_hold_different_blocks_not_replicas() -> None:
+    plan = {"format": "megatron_het.plan/1", "micro_batch_size": 1, "pipelines": [
+        _pipeline([([0], 0, 2.5), ([1], 2.5, 4)])]}
+    assert replicas_across_vendors(_setup(["H100", "MI300X"], plan)) == []

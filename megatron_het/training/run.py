@@ -106,10 +106,18 @@ def distributed_timeout(setup: RunSetup) -> datetime.timedelta:
 
 
 def pretrain_on_world(run: RunConfig, world_size: int, stop: Optional[StopRequest] = None,
-                      out: Optional[TextIO] = None) -> Progress:
+                      out: Optional[TextIO] = None,
+                      local_rank: Optional[int] = None) -> Progress:
     """Train ``run`` on an initialised ``world_size``-rank world (collective: every rank calls
-    it with the same ``run``); returns this rank's progress."""
-    return train_prepared(prepare_run(run, world_size), stop, out)
+    it with the same ``run``); returns this rank's progress. ``local_rank`` is this rank's
+    place on its node (None: every rank of the world on one node)."""
+    setup = prepare_run(run, world_size)
+    device = None
+    if local_rank is not None:
+        import torch.distributed as dist
+
+        device = device_index(setup, dist.get_rank(), local_rank)
+    return train_prepared(setup, stop, out, device=device)
 
 
 def rank_emulation(setup: RunSetup, rank: int,

@@ -34,7 +34,7 @@ from megatron_het.cluster import ClusterSpec  # noqa: E402
 from megatron_het.comm.communicator import UnifiedCommunicator  # noqa: E402
 from megatron_het.emulation.links import emulated_wires  # noqa: E402
 from megatron_het.errors import UserError, run_cli  # noqa: E402
-from megatron_het.training.launch import local_device_index, select_local_device  # noqa: E402
+from megatron_het.training.launch import rank_device_index, select_local_device  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 IMPLS = ("flat", "unified")
@@ -203,9 +203,10 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))  # torchrun's environment gives rank/world
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if rank < cluster.world_size:  # a CPU rank leaves torch.cuda alone
-        types = [cluster.accelerator_of(r).device_type
-                 for r in range(rank - local_rank, rank + 1)]
-        select_local_device(types[-1], local_device_index(types, local_rank))
+        def device_type(r: int) -> str:
+            return cluster.accelerator_of(r).device_type
+
+        select_local_device(device_type(rank), rank_device_index(device_type, rank, local_rank))
     dist.init_process_group("gloo", timeout=timeout)
     hooks = emulated_wires(cluster) if args.emulate_bridge else None  # EMULATION
     comm = UnifiedCommunicator.from_cluster(cluster, bridge=args.bridge, timeout=timeout,

@@ -134,20 +134,17 @@ class HostPool:
     def _over_bytes(self) -> list[tuple[torch.Tensor, Fence]]:
         """Take the smallest free buffers out until at most ``max_free_bytes`` are free or one
         buffer is left (under the lock)."""
-        entries = [(buf.numel() * buf.element_size(), dtype, i)
-                   for dtype, free in self._free.items() for i, (buf, _) in enumerate(free)]
+        entries = sorted(((entry[0].numel() * entry[0].element_size(), dtype, entry)
+                          for dtype, free in self._free.items() for entry in free),
+                         key=lambda e: e[0])
         total = sum(size for size, _, _ in entries)
-        taken: dict[torch.dtype, set[int]] = {}
-        for size, dtype, i in sorted(entries, key=lambda e: e[0])[:-1]:
+        out = []
+        for size, dtype, entry in entries[:-1]:
             if total <= self.max_free_bytes:
                 break
-            taken.setdefault(dtype, set()).add(i)
+            self._free[dtype] = [e for e in self._free[dtype] if e is not entry]
+            out.append(entry)
             total -= size
-        out = []
-        for dtype, indices in taken.items():
-            free = self._free[dtype]
-            out += [free[i] for i in indices]
-            self._free[dtype] = [e for i, e in enumerate(free) if i not in indices]
         return out
 
     @property

@@ -2,7 +2,7 @@
 each in its own process and time budget, then a table and a JSON summary.
 
 Budgets (seconds; the whole run stops starting checks at :data:`DEADLINE_S`, under 8 minutes on
-one H200 host with 16 cores): probe 35, numerics 40, relay 50, mixed pair 150, MFU 125,
+one H200 host with 16 cores): probe 35, numerics 40, relay 60, mixed pair 140, MFU 125,
 profile 50. ``--cpu-only`` hides the GPU from every check (``CUDA_VISIBLE_DEVICES=``), so each
 reports SKIP at once; it runs the same processes, for machines without a GPU and for the tests.
 

@@ -89,8 +89,8 @@ def check_probe(ctx: CheckContext) -> None:
         _probe_pending(ctx)
     # the optional backends last: a crash inside one (a segfault takes the process) leaves
     # every other row reported
-    order = sorted(SDPA_BACKENDS, key=lambda backend: not SDPA_BACKENDS[backend])
-    for backend in order[:sum(SDPA_BACKENDS.values())]:
+    required = [backend for backend, needed in SDPA_BACKENDS.items() if needed]
+    for backend in required:
         with rows_or_fail(ctx, (f"probe.sdpa.{backend}",)):
             _probe_sdpa(ctx, backend)
     with rows_or_fail(ctx, ("probe.gemm-fp32-out", "probe.attention")):
@@ -98,7 +98,7 @@ def check_probe(ctx: CheckContext) -> None:
     for package in OPTIONAL_PACKAGES:
         with rows_or_fail(ctx, (f"probe.{package}",)):
             _probe_package(ctx, package)
-    for backend in order[sum(SDPA_BACKENDS.values()):]:
+    for backend in (b for b in SDPA_BACKENDS if b not in required):
         with rows_or_fail(ctx, (f"probe.sdpa.{backend}",)):
             _probe_sdpa(ctx, backend)
 

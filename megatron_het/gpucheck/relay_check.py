@@ -34,7 +34,7 @@ from megatron_het.gpucheck.device_checks import skip_all
 from megatron_het.gpucheck.pair_files import pair_files
 from megatron_het.gpucheck.report import FAIL, SKIP, status_of
 from megatron_het.pipeline.timing import synchronize
-from megatron_het.training.launch import (init_world, local_device_index, read_launch_env,
+from megatron_het.training.launch import (init_world, rank_device_index, read_launch_env,
                                           shutdown_world)
 
 MIN_GBPS = 1.0
@@ -116,9 +116,11 @@ def worker_main(argv: Sequence[str], environ: dict) -> None:
     args = parser.parse_args(list(argv))
     env = read_launch_env(environ)
     cluster = ClusterSpec.load(args.cluster)
-    first = env.rank - env.local_rank
-    kinds = [cluster.accelerator_of(r).device_type for r in range(first, env.rank + 1)]
-    init_world(env, device_type=kinds[-1], device_index=local_device_index(kinds, env.local_rank))
+    def device_type(rank: int) -> str:
+        return cluster.accelerator_of(rank).device_type
+
+    init_world(env, device_type=device_type(env.rank),
+               device_index=rank_device_index(device_type, env.rank, env.local_rank))
     try:
         comm = UnifiedCommunicator.from_cluster(cluster, bridge="relay")
         figures = _round_trips(comm)

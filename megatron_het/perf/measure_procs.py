@@ -19,8 +19,6 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 
 _LOWEST_PORT = 10000
-
-
 _ENOUGH_PORTS = 1000  # a range of fewer explicit ports than this makes collisions likely
 
 

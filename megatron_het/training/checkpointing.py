@@ -284,10 +284,11 @@ def check_save_is_shared(save_dir: pathlib.Path, describe: Any) -> None:
     marker = _marker(save_dir, token)
     # A network filesystem's client that found no directory there before (the --load lookup
     # of a first run) may go on believing so for a while; creating it asks the server.
-    try:
-        save_dir.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        pass  # then the marker is not seen, and that is reported
+    if rank != 0:
+        try:
+            save_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # then the marker is not seen, and that is reported
     deadline = time.monotonic() + _SHARED_LOOK_S
     while not (seen := _reads(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -193,6 +193,14 @@ def local_device_index(device_types: Sequence[str], local_rank: int) -> int:
     return sum(1 for kind in device_types[:local_rank] if kind == mine)
 
 
+def rank_device_index(device_type_of: Callable[[int], str], rank: int, local_rank: int) -> int:
+    """:func:`local_device_index` of global ``rank``, ``local_rank`` on its node, where
+    ``device_type_of(r)`` is global rank r's device type (its node's ranks are the
+    ``local_rank`` before it)."""
+    first = max(0, rank - local_rank)
+    return local_device_index([device_type_of(r) for r in range(first, rank + 1)], rank - first)
+
+
 def select_local_device(device_type: Optional[str], index: int) -> None:
     """Make visible device ``index`` (:func:`local_device_index`) this process's current one:
     on a "cuda" rank (CUDA and ROCm) through ``torch.cuda.set_device``, on an "npu" rank

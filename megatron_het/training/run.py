@@ -28,7 +28,7 @@ from megatron_het.training.describe import (describe_cluster, describe_iteration
                                             describe_model, describe_plan, describe_rank)
 from megatron_het.training.elastic import describe_restart
 from megatron_het.training.launch import (LaunchEnv, connect_store, device_problem, init_world,
-                                          local_device_index, shutdown_world)
+                                          rank_device_index, shutdown_world)
 from megatron_het.training.loop import train
 from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.peer_watch import PeerWatch
@@ -201,9 +201,7 @@ _PROBLEM_BYTES = 240
 def device_index(setup: RunSetup, rank: int, local_rank: int) -> int:
     """The visible device that ``rank`` (``local_rank`` on its node) drives: its place among
     its node's ranks of its device type (:func:`~megatron_het.training.launch.local_device_index`)."""
-    first = max(0, rank - local_rank)
-    return local_device_index([setup.accelerator(r).device_type for r in range(first, rank + 1)],
-                              rank - first)
+    return rank_device_index(lambda r: setup.accelerator(r).device_type, rank, local_rank)
 
 
 def check_devices(setup: RunSetup, rank: int, device: int) -> None:

@@ -7,9 +7,11 @@ Everything after the world group is built goes through the unified communicator.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -32,6 +34,7 @@ class LaunchEnv:
     local_world_size: int = 0  # torchrun's LOCAL_WORLD_SIZE: ranks on this node (0: unknown)
     run_id: str = ""  # torchrun's TORCHELASTIC_RUN_ID (--rdzv-id): which job ("": none given)
     gloo_socket_ifname: str = ""  # GLOO_SOCKET_IFNAME: the interface gloo listens on ("": unset)
+    agent_store: bool = False  # TORCHELASTIC_USE_AGENT_STORE: torchrun's agent serves the store
 
     @property
     def init_method(self) -> str:
@@ -45,8 +48,8 @@ def launched_by_torchrun(environ: Mapping[str, str]) -> bool:
 
 def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     """Parse RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (UserError if absent),
-    and torchrun's TORCHELASTIC_RESTART_COUNT, LOCAL_WORLD_SIZE and TORCHELASTIC_RUN_ID and
-    gloo's GLOO_SOCKET_IFNAME where set."""
+    and torchrun's TORCHELASTIC_RESTART_COUNT, LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID and
+    TORCHELASTIC_USE_AGENT_STORE and gloo's GLOO_SOCKET_IFNAME where set."""
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     missing = [name for name in names if not environ.get(name)]
     if missing:
@@ -66,7 +69,8 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
                      values["MASTER_PORT"], _optional_int(environ, "TORCHELASTIC_RESTART_COUNT"),
                      _optional_int(environ, "LOCAL_WORLD_SIZE"),
                      environ.get("TORCHELASTIC_RUN_ID", ""),
-                     environ.get("GLOO_SOCKET_IFNAME", ""))
+                     environ.get("GLOO_SOCKET_IFNAME", ""),
+                     environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
 
 def _optional_int(environ: Mapping[str, str], name: str) -> int:
@@ -94,22 +98,121 @@ def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_T
         raise RuntimeError("torch.distributed is already initialised; train on that world with "
                            "megatron_het.training.pretrain_on_world")
     select_local_device(device_type, device_index)
-    problem = gloo_address_problem(env) if env is not None else None
-    if problem is not None:
-        raise UserError(problem)
     if env is None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
+    join_world(env, timeout, gloo_address_problem(env))
+
+
+def join_world(env: LaunchEnv, timeout: datetime.timedelta, problem: Optional[str]) -> None:
+    """Join the job's rendezvous, agree at start-up, then build the gloo world group.
+
+    Every rank posts ``problem`` (why it cannot take part, e.g. :func:`gloo_address_problem`;
+    None when it can) to the rendezvous store and waits for every other rank's (the
+    rendezvous itself, within ``timeout``). Where any rank has one, every rank raises the same
+    UserError naming the ranks and their problems, instead of the others waiting out the
+    timeout for a rank that left. A rank missing at the timeout is named in a
+    :class:`StartupError`. Side effect: global torch.distributed state.
+    """
+    import torch.distributed as dist
+
+    store = _rendezvous_store(env, timeout)
+    problems = agree_at_start(store, env, problem, timeout)
+    if problems:
+        raise UserError(f"start-up: {problems}")
+    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=env.rank,
+                            world_size=env.world_size, timeout=timeout)
+
+
+def _rendezvous_store(env: LaunchEnv, timeout: datetime.timedelta) -> Any:
+    """The job's rendezvous store: a client of torchrun's agent's store, or, without torchrun,
+    one that rank 0 serves. Rank 0 does not wait for the others to connect: they are counted
+    at the agreement (:func:`agree_at_start`), which can name the ones missing."""
+    import torch.distributed as dist
+
+    serve = env.rank == 0 and not env.agent_store
     try:
-        dist.init_process_group("gloo", init_method=env.init_method, rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=serve,
+                             timeout=timeout, wait_for_workers=False, multi_tenant=serve)
     except RuntimeError as exc:
-        raise StartupError(
-            f"start-up: rank {env.rank} could not join the {env.world_size}-rank rendezvous at "
-            f"{env.master_addr}:{env.master_port} within {timeout.total_seconds() / 60:g} "
-            f"min ({first_line(exc)}); start every rank (torchrun on every node) or raise "
-            "--distributed-timeout-minutes") from None
+        raise _startup_error(env, timeout, first_line(exc)) from None
+
+
+def _startup_error(env: LaunchEnv, timeout: datetime.timedelta, why: str) -> "StartupError":
+    return StartupError(
+        f"start-up: rank {env.rank} could not join the {env.world_size}-rank rendezvous at "
+        f"{env.master_addr}:{env.master_port} within {timeout.total_seconds() / 60:g} min "
+        f"({why}); start every rank (torchrun on every node) or raise "
+        "--distributed-timeout-minutes")
+
+
+# How long a rank that is about to stop waits for the others to read the store first (see
+# _linger).
+_READ_GRACE_S = 10.0
+# How long a rank with a problem waits for the others to arrive and read it.
+_PROBLEM_WAIT = datetime.timedelta(seconds=60)
+
+
+def agree_at_start(store: Any, env: LaunchEnv, problem: Optional[str],
+                   timeout: datetime.timedelta) -> str:
+    """Post this rank's start-up ``problem`` (None: none) to ``store`` and wait for every
+    rank's; returns "" when no rank has one, else one line: each problem with the ranks that
+    have it ("ranks 8-15: ..."). Keys are per job and launch (``env.run_id``,
+    ``env.restart_count``): torchrun's agent store outlives a launch.
+
+    A rank without a problem waits ``timeout`` for the others (StartupError naming the ranks
+    that never arrived); one with a problem waits at most a minute, then reports its own."""
+    import torch.distributed as dist
+
+    from megatron_het.cluster.cluster import format_ranks
+
+    prefix = f"megatron_het/start/{env.run_id}/{env.restart_count}/"
+    own = None if problem is None else first_line(problem)
+    if own is not None:
+        store.append(prefix + "problems", f"{env.rank}\t{own}\n")
+    store.append(prefix + "arrived", f"{env.rank},")
+    if store.add(prefix + "count", 1) == env.world_size:
+        store.set(prefix + "all", "1")
+    try:
+        store.wait([prefix + "all"], timeout if own is None else min(timeout, _PROBLEM_WAIT))
+    except RuntimeError as exc:  # DistStoreError at the timeout; the store went away
+        if own is not None:
+            return f"rank {env.rank}: {own}"
+        why = first_line(exc)
+        if isinstance(exc, dist.DistStoreError):
+            with contextlib.suppress(RuntimeError):
+                arrived = {int(r) for r in store.get(prefix + "arrived").decode().split(",")
+                           if r}
+                missing = [r for r in range(env.world_size) if r not in arrived]
+                why = f"rank(s) {format_ranks(missing)} never arrived"
+                _linger(store, prefix + "gave_up", len(arrived))
+        raise _startup_error(env, timeout, why) from None
+    if not store.check([prefix + "problems"]):
+        return ""
+    by_line: dict[str, list[int]] = {}
+    for entry in store.get(prefix + "problems").decode().splitlines():
+        rank, line = entry.split("\t", 1)
+        by_line.setdefault(line, []).append(int(rank))
+    _linger(store, prefix + "read", env.world_size)
+    parts = []
+    for line, ranks in sorted(by_line.items(), key=lambda item: min(item[1])):
+        ranks.sort()
+        parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}: {line}")
+    return "; ".join(parts)
+
+
+def _linger(store: Any, key: str, ranks: int) -> None:
+    """Count this rank at ``key`` and wait until ``ranks`` ranks are counted there, at most
+    :data:`_READ_GRACE_S`: the store may be served by a rank, or by the agent of a node whose
+    ranks all exit, and the others must read it first."""
+    deadline = time.monotonic() + _READ_GRACE_S
+    try:
+        store.add(key, 1)
+        while store.add(key, 0) < ranks and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except RuntimeError:
+        pass  # the store left with the rank or agent that served it; this rank has read it
 
 
 def gloo_address_problem(env: LaunchEnv,

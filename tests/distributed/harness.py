@@ -19,7 +19,7 @@ import pickle
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,17 +59,20 @@ def _check_spawnable(fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
 
 
 def _worker(conn: Connection, fn: Callable[..., Any], rank: int, world_size: int, port: int,
-            backend: str, timeout: float, args: tuple, kwargs: dict) -> None:
+            backend: Optional[str], timeout: float, args: tuple, kwargs: dict) -> None:
     torch.set_num_threads(1)
     status, payload = "ok", None
     try:
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout))
-        try:
-            payload = fn(rank, world_size, *args, **kwargs)
-        finally:
-            dist.destroy_process_group()
+        if backend is None:  # fn builds what it needs on the port
+            payload = fn(rank, world_size, *args, port=port, **kwargs)
+        else:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+            try:
+                payload = fn(rank, world_size, *args, **kwargs)
+            finally:
+                dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         status, payload = "error", traceback.format_exc()
     try:
@@ -108,12 +111,13 @@ def _collect(procs: list, conns: list[Connection], deadline: float
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60,
-              backend: str = "gloo", **kwargs: Any) -> list[Any]:
+              backend: Optional[str] = "gloo", **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` forked workers.
 
     Each worker sets one intra-op thread, then joins a process group of ``backend`` over
     ``tcp://127.0.0.1:<free port>`` whose collective timeout is ``timeout`` seconds, and destroys
-    it after ``fn`` returns. ``fn`` may be a closure (fork start, nothing is pickled on the way
+    it after ``fn`` returns. ``backend=None`` builds no group: ``fn`` gets the free port as
+    keyword ``port`` instead. ``fn`` may be a closure (fork start, nothing is pickled on the way
     in), except where this process has initialised CUDA: the workers are spawned then and ``fn``
     and its arguments must be picklable (RuntimeError before any worker starts otherwise). Its
     return value must be picklable.

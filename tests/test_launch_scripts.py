@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,7 +103,12 @@ def test_mix_script_is_its_settings_and_the_shared_body(script: Path) -> None:
     if vendors <= {"nvidia", "amd"} and len(per_node) == 1:
         assert f"#SBATCH --gpus-per-node={per_node.pop()}\n" in text
     else:
-        assert "--gpus-per-node" not in text and "request each as the site names them" in text
+        # ... and one of other GRES shows the heterogeneous job, a component per node group
+        assert "--gpus-per-node" not in text and "submit a heterogeneous job" in text
+        components = " : ".join(f"--nodes={group.nodes}" for group in cluster.node_groups)
+        example = next(line for line in text.splitlines() if line.startswith("#   sbatch "))
+        assert re.sub(r" --gres=\S+", "", example) == (
+            f"#   sbatch {components} {script.relative_to(REPO)}"), example
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.parent.name)
@@ -234,6 +240,59 @@ def test_slurm_fanout_of_an_elastic_job_outlives_a_lost_node() -> None:
     assert "--kill-on-bad-exit=0 --no-kill --export" in cmd
 
 
+_HET_JOB = {"LAUNCHER": "slurm", "SLURM_JOB_ID": "42", "SLURM_HET_SIZE": "2",
+            "SLURM_JOB_NODELIST_HET_GROUP_0": "h200-1,h200-2",
+            "SLURM_JOB_NODELIST_HET_GROUP_1": "mi-1,mi-2,mi-3,mi-4"}
+
+
+def test_a_heterogeneous_slurm_job_runs_one_step_per_component() -> None:
+    """sbatch --nodes=2 ... : --nodes=4 ...: one srun step per component, and the components'
+    hosts in order as the node order every node task takes its place in."""
+    result = _run(_script("h200_mi300x"), **{**_NODE, "MASTER_ADDR": "", "PRINT_ONLY": "1",
+                                            **_HET_JOB})
+    assert result.returncode == 0, result.stderr
+    steps = [line for line in result.stdout.splitlines() if line.startswith("+ ")]
+    assert [step.split(" --kill-on-bad-exit")[0] for step in steps] == [
+        "+ srun --het-group=0 --nodes=2 --ntasks=2 --ntasks-per-node=1",
+        "+ srun --het-group=1 --nodes=4 --ntasks=4 --ntasks-per-node=1"]
+    assert all(step.endswith("scripts/h200_mi300x/pretrain_llama_70b.sh") for step in steps)
+    assert 'declare -x NODE_ORDER="h200-1 h200-2 mi-1 mi-2 mi-3 mi-4"' in result.stdout
+    env, cmd = _print_only("h200_mi300x", HET_SLURM_NODE="1", SLURMD_NODENAME="mi-1",
+                           NODE_ORDER="h200-1 h200-2 mi-1 mi-2 mi-3 mi-4",
+                           **{**_HET_JOB, "MASTER_ADDR": ""})
+    assert "--node_rank 2 --master_addr h200-1" in cmd and "HIP_VISIBLE_DEVICES" in env, cmd
+
+
+def _fake_srun(tmp_path: Path) -> dict[str, str]:
+    """An srun on PATH whose step for component 1 fails with status 3 after 0.2 s and whose
+    other steps run for FAKE_STEP_S seconds (ending early, status 143, on SIGTERM); each
+    writes its end to tmp_path/steps."""
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text(f"""#!/usr/bin/env bash
+group="${{1#--het-group=}}"
+log="{tmp_path}/steps"
+if [ "$group" = 1 ]; then sleep 0.2; echo "$group failed" >> "$log"; exit 3; fi
+sleep "$FAKE_STEP_S" &
+trap 'kill $!; echo "$group stopped" >> "$log"; exit 143' TERM
+wait $!
+echo "$group done" >> "$log"
+""")
+    srun.chmod(0o755)
+    return {"PATH": f"{srun.parent}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("elastic", ["0", "1"])
+def test_a_failed_component_step_ends_a_plain_job_and_not_an_elastic_one(
+        tmp_path: Path, elastic: str) -> None:
+    env = {**_NODE, "MASTER_ADDR": "", **_HET_JOB, **_fake_srun(tmp_path), "ELASTIC": elastic,
+           "FAKE_STEP_S": "60" if elastic == "0" else "1"}
+    result = _run(_script("h200_mi300x"), **env)
+    assert result.returncode == 3, result.stdout + result.stderr
+    ends = sorted((tmp_path / "steps").read_text().splitlines())
+    assert ends == (["0 stopped", "1 failed"] if elastic == "0" else ["0 done", "1 failed"])
+
+
 def test_elastic_runs_one_supervisor_per_node() -> None:
     _, cmd = _print_only("h200_mi300x", NODE_RANK="3", ELASTIC="1", NODE_ADDR="node3",
                          MAX_RESTARTS="2")
@@ -260,6 +319,10 @@ _NODE = {"NODE_RANK": "0", "MASTER_ADDR": "n0", "DATA_PATH": "/d", "CHECKPOINT_D
       "NODE_ORDER": "a b c"}, "NODE_ORDER lists 3 hosts but cluster h200_mi300x.yaml has 6"),
     ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "HET_SLURM_NODE": "1", "SLURMD_NODENAME": "x",
       "NODE_ORDER": "a b c d e f"}, "this node (x) is not in NODE_ORDER"),
+    ({**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_1": "mi-1,mi-2"},
+     "the heterogeneous job's 2 components have 4 nodes (2 2) but cluster h200_mi300x.yaml "
+     "needs 6"),
+    ({**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_1": ""}, "SLURM_JOB_NODELIST_HET_GROUP_1 is not"),
     ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "HET_SLURM_NODE": "1", "SLURM_NODEID": "0",
       "SLURM_GPUS_ON_NODE": "4"},
      "Slurm gave node 0 4 GPUs but it runs 8 GPU ranks; submit with sbatch --gpus-per-node=8"),

@@ -149,13 +149,18 @@ Usage:
   NODE_RANK=<n> MASTER_ADDR=<node 0> DATA_PATH=... TOKENIZER_MODEL=... CHECKPOINT_DIR=... \\
       $script
   # Slurm ($nodes nodes; from the repository root):
-  LAUNCHER=slurm NODE_ORDER="<hosts in the cluster file's order>" DATA_PATH=... \
+  LAUNCHER=slurm NODE_ORDER="<hosts in the cluster file's order>" DATA_PATH=... \\
       TOKENIZER_MODEL=... CHECKPOINT_DIR=... sbatch $script
+  # Slurm heterogeneous job: one component per node group, in the cluster file's order,
+  # each with its own device request; its hosts in that order are the node order:
+  LAUNCHER=slurm DATA_PATH=... CHECKPOINT_DIR=... \\
+      sbatch --nodes=<n0> <devices> : --nodes=<n1> <devices> $script
 
 Flags (or variables):
   --dry-run (DRY_RUN=1)          pretrain_llama.py --dry-run with the mix's settings
   --launcher torchrun|slurm (LAUNCHER)  torchrun: start the script on every node with NODE_RANK;
                                  slurm: inside sbatch/salloc, srun starts one torchrun per node
+                                 (one srun step per component of a heterogeneous job)
   --print-only (PRINT_ONLY=1)    print the node's environment changes and the command, run nothing
   ELASTIC=1                      one supervisor per node (tools/elastic_run.py) instead of
                                  torchrun: after a lost peer every node relaunches on the devices
@@ -304,10 +309,16 @@ het_hostnames() {
 }
 
 # Slurm, in the batch step: one task per node, each re-entering the mix script as a node task.
+# A heterogeneous job (sbatch OPTS0 : OPTS1 ..., e.g. one component per device GRES) gets one
+# step per component, its components' hosts in order being the cluster file's node order.
 het_slurm_fanout() {
     [ -n "${SLURM_JOB_ID:-}" ] || het_die "LAUNCHER=slurm needs a Slurm allocation; submit with sbatch or run inside salloc"
     het_node_facts 0
-    if [ -n "${SLURM_JOB_NUM_NODES:-}" ] && [ "$SLURM_JOB_NUM_NODES" != "$HET_NNODES" ]; then
+    local -a counts=("$HET_NNODES")
+    if [ "${SLURM_HET_SIZE:-1}" -gt 1 ]; then
+        het_slurm_components
+        counts=("${HET_COMPONENT_NODES[@]}")
+    elif [ -n "${SLURM_JOB_NUM_NODES:-}" ] && [ "$SLURM_JOB_NUM_NODES" != "$HET_NNODES" ]; then
         het_die "the allocation has $SLURM_JOB_NUM_NODES nodes but cluster $(basename "$CLUSTER") needs $HET_NNODES; use sbatch --nodes=$HET_NNODES"
     fi
     if [ -n "${NODE_ORDER:-}" ]; then
@@ -321,9 +332,88 @@ het_slurm_fanout() {
     # or Slurm ends the whole job when a node fails).
     local -a keep=(--kill-on-bad-exit=1)
     if [ "${ELASTIC:-0}" = 1 ]; then keep=(--kill-on-bad-exit=0 --no-kill); fi
-    het_exec srun --nodes="$HET_NNODES" --ntasks="$HET_NNODES" --ntasks-per-node=1 \
-        "${keep[@]}" --export=ALL,HET_SLURM_NODE=1 \
-        bash "$HET_REPO/scripts/$HET_MIX/pretrain_llama_$HET_SIZE.sh" "$@"
+    local -a task=("${keep[@]}" --export=ALL,HET_SLURM_NODE=1
+                   bash "$HET_REPO/scripts/$HET_MIX/pretrain_llama_$HET_SIZE.sh" "$@")
+    if [ "${#counts[@]}" -eq 1 ]; then
+        het_exec srun --nodes="$HET_NNODES" --ntasks="$HET_NNODES" --ntasks-per-node=1 \
+            "${task[@]}"
+    fi
+    local -a steps=()
+    local i
+    for i in "${!counts[@]}"; do
+        steps+=("srun --het-group=$i --nodes=${counts[$i]} --ntasks=${counts[$i]} --ntasks-per-node=1")
+    done
+    het_run_steps "${#task[@]}" "${task[@]}" "${steps[@]}"
+}
+
+# A heterogeneous job's components: HET_COMPONENT_NODES (each one's node count), and, unless
+# given, NODE_ORDER exported as their hosts in component order.
+het_slurm_components() {
+    local i var list hosts="" total=0
+    HET_COMPONENT_NODES=()
+    for ((i = 0; i < SLURM_HET_SIZE; i++)); do
+        var="SLURM_JOB_NODELIST_HET_GROUP_$i"
+        list="${!var:-}"
+        [ -n "$list" ] || het_die "the heterogeneous job has $SLURM_HET_SIZE components but $var is not set; run the script as the job's batch script"
+        local -a names
+        mapfile -t names < <(het_hostnames "$list")
+        HET_COMPONENT_NODES+=("${#names[@]}")
+        total=$((total + ${#names[@]}))
+        hosts="$hosts ${names[*]}"
+    done
+    [ "$total" -eq "$HET_NNODES" ] \
+        || het_die "the heterogeneous job's $SLURM_HET_SIZE components have $total nodes (${HET_COMPONENT_NODES[*]}) but cluster $(basename "$CLUSTER") needs $HET_NNODES; give each node group's nodes to the components, in the cluster file's order"
+    if [ -z "${NODE_ORDER:-}" ]; then
+        NODE_ORDER="${hosts# }"
+        export NODE_ORDER
+    fi
+}
+
+# Run one srun step per component at once: het_run_steps N TASK(N words) STEP... where each
+# STEP is an srun command line before TASK. A plain job stops the other steps when one fails
+# (as --kill-on-bad-exit does inside a step); an elastic one lets them go on. Exits with the
+# first failed step's status, else 0.
+het_run_steps() {
+    local n="$1"
+    shift
+    local -a task=("${@:1:$n}")
+    shift "$n"
+    local step
+    if [ "${PRINT_ONLY:-0}" = 1 ]; then
+        comm -13 <(printf '%s\n' "$HET_ENV_BEFORE") <(export -p | sort)
+        for step in "$@"; do
+            local -a words
+            read -r -a words <<< "$step"
+            printf '+'; printf ' %q' "${words[@]}" "${task[@]}"; printf '\n'
+        done
+        exit 0
+    fi
+    local -a pids=()
+    for step in "$@"; do
+        local -a words
+        read -r -a words <<< "$step"
+        "${words[@]}" "${task[@]}" &
+        pids+=("$!")
+    done
+    # Poll the steps (wait -n needs bash 4.3): a step no longer among the running jobs ended.
+    local status=0 code pid
+    local -A ended=()
+    while [ "${#ended[@]}" -lt "${#pids[@]}" ]; do
+        sleep 0.5
+        local running
+        running=" $(jobs -rp | tr '\n' ' ') "
+        for pid in "${pids[@]}"; do
+            if [ -n "${ended[$pid]:-}" ] || [[ "$running" == *" $pid "* ]]; then continue; fi
+            ended[$pid]=1
+            code=0
+            wait "$pid" || code=$?
+            if [ "$code" -ne 0 ] && [ "$status" -eq 0 ]; then
+                status="$code"
+                if [ "${ELASTIC:-0}" != 1 ]; then kill -TERM "${pids[@]}" 2>/dev/null || true; fi
+            fi
+        done
+    done
+    exit "$status"
 }
 
 # A Slurm node task's NODE_RANK and MASTER_ADDR: with NODE_ORDER, this host's place in it and

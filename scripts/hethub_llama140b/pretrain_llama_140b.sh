@@ -12,7 +12,9 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
 # No device request above: its kinds' devices are different GRES on most sites (gpu,
-# npu, ...); where Slurm constrains devices, request each as the site names them.
+# npu, ...). Where Slurm constrains devices, submit a heterogeneous job, one component per
+# node group in the cluster file's order, each requesting its devices as the site names them:
+#   sbatch --nodes=16 --gres=gpu:8 : --nodes=80 --gres=<site-gres>:8 scripts/hethub_llama140b/pretrain_llama_140b.sh
 set -euo pipefail
 
 HET_MIX=hethub_llama140b

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -105,10 +107,15 @@ def test_mix_script_is_its_settings_and_the_shared_body(script: Path) -> None:
     else:
         # ... and one of other GRES shows the heterogeneous job, a component per node group
         assert "--gpus-per-node" not in text and "submit a heterogeneous job" in text
-        components = " : ".join(f"--nodes={group.nodes}" for group in cluster.node_groups)
-        example = next(line for line in text.splitlines() if line.startswith("#   sbatch "))
-        assert re.sub(r" --gres=\S+", "", example) == (
-            f"#   sbatch {components} {script.relative_to(REPO)}"), example
+        lines = text.splitlines()
+        first = next(i for i, line in enumerate(lines) if line.startswith("#   sbatch "))
+        example = " ".join(line.lstrip("# ").rstrip(" \\") for line in lines[first:first + 3])
+        parts = example.removeprefix("sbatch ").split(" : ")
+        assert [re.sub(r" --gres=\S+", "", part) for part in parts[:-1]] + [
+            re.sub(r" --gres=\S+ \S+$", "", parts[-1])] == [
+            f"--nodes={group.nodes} --exclusive --ntasks-per-node=1"
+            for group in cluster.node_groups], example
+        assert example.endswith(f" {script.relative_to(REPO)}"), example
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.parent.name)
@@ -264,15 +271,16 @@ def test_a_heterogeneous_slurm_job_runs_one_step_per_component() -> None:
 
 
 def _fake_srun(tmp_path: Path) -> dict[str, str]:
-    """An srun on PATH whose step for component 1 fails with status 3 after 0.2 s and whose
-    other steps run for FAKE_STEP_S seconds (ending early, status 143, on SIGTERM); each
-    writes its end to tmp_path/steps."""
+    """An srun on PATH whose step for component FAKE_FAIL_GROUP fails with status 3 after
+    0.2 s and whose other steps run for FAKE_STEP_S seconds (ending early, status 143, on
+    SIGTERM); each writes its start and end to tmp_path/steps."""
     srun = tmp_path / "bin" / "srun"
     srun.parent.mkdir()
     srun.write_text(f"""#!/usr/bin/env bash
 group="${{1#--het-group=}}"
 log="{tmp_path}/steps"
-if [ "$group" = 1 ]; then sleep 0.2; echo "$group failed" >> "$log"; exit 3; fi
+echo "$group started" >> "$log"
+if [ "$group" = "$FAKE_FAIL_GROUP" ]; then sleep 0.2; echo "$group failed" >> "$log"; exit 3; fi
 sleep "$FAKE_STEP_S" &
 trap 'kill $!; echo "$group stopped" >> "$log"; exit 143' TERM
 wait $!
@@ -286,11 +294,31 @@ echo "$group done" >> "$log"
 def test_a_failed_component_step_ends_a_plain_job_and_not_an_elastic_one(
         tmp_path: Path, elastic: str) -> None:
     env = {**_NODE, "MASTER_ADDR": "", **_HET_JOB, **_fake_srun(tmp_path), "ELASTIC": elastic,
-           "FAKE_STEP_S": "60" if elastic == "0" else "1"}
+           "FAKE_FAIL_GROUP": "1", "FAKE_STEP_S": "60" if elastic == "0" else "1"}
     result = _run(_script("h200_mi300x"), **env)
     assert result.returncode == 3, result.stdout + result.stderr
-    ends = sorted((tmp_path / "steps").read_text().splitlines())
+    ends = sorted(line for line in (tmp_path / "steps").read_text().splitlines()
+                  if not line.endswith("started"))
     assert ends == (["0 stopped", "1 failed"] if elastic == "0" else ["0 done", "1 failed"])
+
+
+def test_a_signal_for_the_batch_step_reaches_every_component_step(tmp_path: Path) -> None:
+    """scancel -b -s TERM (or sbatch --signal=B:TERM@...): each step's srun gets it, so the
+    run saves and exits as it would under one srun."""
+    env = _env(**{**_NODE, "MASTER_ADDR": "", **_HET_JOB, **_fake_srun(tmp_path),
+                  "FAKE_FAIL_GROUP": "none", "FAKE_STEP_S": "60"})
+    job = subprocess.Popen(["bash", str(_script("h200_mi300x"))], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "steps"
+    deadline = time.monotonic() + 60
+    while not (log.exists() and len(log.read_text().splitlines()) == 2):
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 143, err
+    assert sorted(log.read_text().splitlines()) == [
+        "0 started", "0 stopped", "1 started", "1 stopped"]
 
 
 def test_elastic_runs_one_supervisor_per_node() -> None:
@@ -323,6 +351,9 @@ _NODE = {"NODE_RANK": "0", "MASTER_ADDR": "n0", "DATA_PATH": "/d", "CHECKPOINT_D
      "the heterogeneous job's 2 components have 4 nodes (2 2) but cluster h200_mi300x.yaml "
      "needs 6"),
     ({**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_1": ""}, "SLURM_JOB_NODELIST_HET_GROUP_1 is not"),
+    ({**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_0": "a,b,c", "SLURM_JOB_NODELIST_HET_GROUP_1":
+      "d,e,f"}, "component 0 ends at node 3 of cluster h200_mi300x.yaml, inside a run of nodes "
+     "of one kind (runs of 2 4 nodes"),
     ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "HET_SLURM_NODE": "1", "SLURM_NODEID": "0",
       "SLURM_GPUS_ON_NODE": "4"},
      "Slurm gave node 0 4 GPUs but it runs 8 GPU ranks; submit with sbatch --gpus-per-node=8"),

@@ -7,7 +7,6 @@ Everything after the world group is built goes through the unified communicator.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import ipaddress
 import socket
@@ -35,6 +34,7 @@ class LaunchEnv:
     run_id: str = ""  # torchrun's TORCHELASTIC_RUN_ID (--rdzv-id): which job ("": none given)
     gloo_socket_ifname: str = ""  # GLOO_SOCKET_IFNAME: the interface gloo listens on ("": unset)
     agent_store: bool = False  # TORCHELASTIC_USE_AGENT_STORE: torchrun's agent serves the store
+    use_libuv: bool = True  # USE_LIBUV (torch.distributed's): the store's server runs on libuv
 
     @property
     def init_method(self) -> str:
@@ -49,7 +49,7 @@ def launched_by_torchrun(environ: Mapping[str, str]) -> bool:
 def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     """Parse RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (UserError if absent),
     and torchrun's TORCHELASTIC_RESTART_COUNT, LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID and
-    TORCHELASTIC_USE_AGENT_STORE and gloo's GLOO_SOCKET_IFNAME where set."""
+    TORCHELASTIC_USE_AGENT_STORE, gloo's GLOO_SOCKET_IFNAME and torch's USE_LIBUV where set."""
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     missing = [name for name in names if not environ.get(name)]
     if missing:
@@ -62,6 +62,8 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     except ValueError:
         raise UserError("RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be integers; launch "
                         "with torchrun") from None
+    if not 0 < values["MASTER_PORT"] < 2 ** 16:
+        raise UserError(f"MASTER_PORT {values['MASTER_PORT']} is not a TCP port (1-65535)")
     if not 0 <= values["RANK"] < values["WORLD_SIZE"]:
         raise UserError(f"RANK {values['RANK']} is outside WORLD_SIZE {values['WORLD_SIZE']}; "
                         "launch with torchrun")
@@ -70,7 +72,8 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
                      _optional_int(environ, "LOCAL_WORLD_SIZE"),
                      environ.get("TORCHELASTIC_RUN_ID", ""),
                      environ.get("GLOO_SOCKET_IFNAME", ""),
-                     environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                     environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                     environ.get("USE_LIBUV", "1") == "1")
 
 
 def _optional_int(environ: Mapping[str, str], name: str) -> int:
@@ -106,14 +109,15 @@ def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_T
 
 
 def join_world(env: LaunchEnv, timeout: datetime.timedelta, problem: Optional[str]) -> None:
-    """Join the job's rendezvous, agree at start-up, then build the gloo world group.
+    """Join the job's rendezvous, agree at start-up (:func:`agree_at_start`), then build the
+    gloo world group.
 
     Every rank posts ``problem`` (why it cannot take part, e.g. :func:`gloo_address_problem`;
     None when it can) to the rendezvous store and waits for every other rank's (the
     rendezvous itself, within ``timeout``). Where any rank has one, every rank raises the same
     UserError naming the ranks and their problems, instead of the others waiting out the
-    timeout for a rank that left. A rank missing at the timeout is named in a
-    :class:`StartupError`. Side effect: global torch.distributed state.
+    timeout for a rank that left; ranks missing at the timeout are named by every rank.
+    Side effect: global torch.distributed state.
     """
     import torch.distributed as dist
 
@@ -134,7 +138,8 @@ def _rendezvous_store(env: LaunchEnv, timeout: datetime.timedelta) -> Any:
     serve = env.rank == 0 and not env.agent_store
     try:
         return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=serve,
-                             timeout=timeout, wait_for_workers=False, multi_tenant=serve)
+                             timeout=timeout, wait_for_workers=False, multi_tenant=serve,
+                             use_libuv=env.use_libuv)
     except RuntimeError as exc:
         raise _startup_error(env, timeout, first_line(exc)) from None
 
@@ -147,65 +152,81 @@ def _startup_error(env: LaunchEnv, timeout: datetime.timedelta, why: str) -> "St
         "--distributed-timeout-minutes")
 
 
-# How long a rank that is about to stop waits for the others to read the store first (see
-# _linger).
+# How long a rank that is about to stop waits for the others to read the store first: it may
+# be served by a rank that stops, or by the agent of a node whose ranks all stop.
 _READ_GRACE_S = 10.0
-# How long a rank with a problem waits for the others to arrive and read it.
-_PROBLEM_WAIT = datetime.timedelta(seconds=60)
 
 
 def agree_at_start(store: Any, env: LaunchEnv, problem: Optional[str],
                    timeout: datetime.timedelta) -> str:
     """Post this rank's start-up ``problem`` (None: none) to ``store`` and wait for every
     rank's; returns "" when no rank has one, else one line: each problem with the ranks that
-    have it ("ranks 8-15: ..."). Keys are per job and launch (``env.run_id``,
-    ``env.restart_count``): torchrun's agent store outlives a launch.
+    have it ("ranks 8-15: ...").
 
-    A rank without a problem waits ``timeout`` for the others (StartupError naming the ranks
-    that never arrived); one with a problem waits at most a minute, then reports its own."""
+    The last rank to arrive, or the first to wait ``timeout`` since it arrived, settles the
+    outcome for all (one key, set once): every rank then stops, or goes on, together. Ranks
+    missing at the timeout are named in a :class:`StartupError` (in the UserError, after the
+    problems, where there are any). Keys are per job and launch (``env.run_id``,
+    ``env.restart_count``, as the launch scripts' static rendezvous and the elastic
+    supervisors keep them distinct): torchrun's agent store outlives a launch."""
+    own = None if problem is None else first_line(problem)
+    try:
+        problems, missing = _agree(store, env, own, timeout)
+    except RuntimeError as exc:  # the store went away: its rank or agent stopped
+        if own is not None:
+            return f"rank {env.rank}: {own}"
+        raise StartupError(
+            f"start-up: rank {env.rank} lost the rendezvous store at {env.master_addr}:"
+            f"{env.master_port} ({first_line(exc)}); a rank on the store's node stopped, see "
+            "its output") from None
+    if problems and missing:
+        return f"{problems}; rank(s) {missing} had not arrived at the timeout"
+    if missing:
+        raise _startup_error(env, timeout, f"rank(s) {missing} had not arrived at the timeout")
+    return problems
+
+
+def _agree(store: Any, env: LaunchEnv, own: Optional[str],
+           timeout: datetime.timedelta) -> tuple[str, str]:
+    """(the problems line, the ranks missing at the timeout) of :func:`agree_at_start`; both
+    "" when every rank arrived without a problem."""
     import torch.distributed as dist
 
     from megatron_het.cluster.cluster import format_ranks
 
     prefix = f"megatron_het/start/{env.run_id}/{env.restart_count}/"
-    own = None if problem is None else first_line(problem)
     if own is not None:
         store.append(prefix + "problems", f"{env.rank}\t{own}\n")
     store.append(prefix + "arrived", f"{env.rank},")
+    outcome = prefix + "outcome"  # "all", or "missing:<ranks>" from the first to give up
     if store.add(prefix + "count", 1) == env.world_size:
-        store.set(prefix + "all", "1")
+        store.compare_set(outcome, "", "all")
     try:
-        store.wait([prefix + "all"], timeout if own is None else min(timeout, _PROBLEM_WAIT))
-    except RuntimeError as exc:  # DistStoreError at the timeout; the store went away
-        if own is not None:
-            return f"rank {env.rank}: {own}"
-        why = first_line(exc)
-        if isinstance(exc, dist.DistStoreError):
-            with contextlib.suppress(RuntimeError):
-                arrived = {int(r) for r in store.get(prefix + "arrived").decode().split(",")
-                           if r}
-                missing = [r for r in range(env.world_size) if r not in arrived]
-                why = f"rank(s) {format_ranks(missing)} never arrived"
-                _linger(store, prefix + "gave_up", len(arrived))
-        raise _startup_error(env, timeout, why) from None
-    if not store.check([prefix + "problems"]):
-        return ""
-    by_line: dict[str, list[int]] = {}
-    for entry in store.get(prefix + "problems").decode().splitlines():
-        rank, line = entry.split("\t", 1)
-        by_line.setdefault(line, []).append(int(rank))
-    _linger(store, prefix + "read", env.world_size)
-    parts = []
-    for line, ranks in sorted(by_line.items(), key=lambda item: min(item[1])):
-        ranks.sort()
-        parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}: {line}")
-    return "; ".join(parts)
+        store.wait([outcome], timeout)
+    except dist.DistStoreError:  # this rank's timeout: give up, unless another settled it
+        arrived = {int(r) for r in store.get(prefix + "arrived").decode().split(",") if r}
+        missing = [r for r in range(env.world_size) if r not in arrived]
+        store.compare_set(outcome, "", f"missing:{format_ranks(missing)}")
+    settled = store.get(outcome).decode()
+    missing_ranks = settled.removeprefix("missing:") if settled != "all" else ""
+    problems = ""
+    if store.check([prefix + "problems"]):
+        by_line: dict[str, list[int]] = {}
+        for entry in store.get(prefix + "problems").decode().splitlines():
+            rank, line = entry.split("\t", 1)
+            by_line.setdefault(line, []).append(int(rank))
+        problems = "; ".join(
+            f"{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(sorted(ranks))}: {line}"
+            for line, ranks in sorted(by_line.items(), key=lambda item: min(item[1])))
+    if problems or missing_ranks:
+        arrived_count = int(store.add(prefix + "count", 0))
+        _linger(store, prefix + "read", arrived_count)
+    return problems, missing_ranks
 
 
 def _linger(store: Any, key: str, ranks: int) -> None:
     """Count this rank at ``key`` and wait until ``ranks`` ranks are counted there, at most
-    :data:`_READ_GRACE_S`: the store may be served by a rank, or by the agent of a node whose
-    ranks all exit, and the others must read it first."""
+    :data:`_READ_GRACE_S` (see there)."""
     deadline = time.monotonic() + _READ_GRACE_S
     try:
         store.add(key, 1)

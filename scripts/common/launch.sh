@@ -153,8 +153,9 @@ Usage:
       TOKENIZER_MODEL=... CHECKPOINT_DIR=... sbatch $script
   # Slurm heterogeneous job: one component per node group, in the cluster file's order,
   # each with its own device request; its hosts in that order are the node order:
-  LAUNCHER=slurm DATA_PATH=... CHECKPOINT_DIR=... \\
-      sbatch --nodes=<n0> <devices> : --nodes=<n1> <devices> $script
+  LAUNCHER=slurm DATA_PATH=... CHECKPOINT_DIR=... sbatch \\
+      --nodes=<n0> --exclusive --ntasks-per-node=1 <devices> \\
+      : --nodes=<n1> --exclusive --ntasks-per-node=1 <devices> $script
 
 Flags (or variables):
   --dry-run (DRY_RUN=1)          pretrain_llama.py --dry-run with the mix's settings
@@ -347,22 +348,36 @@ het_slurm_fanout() {
 }
 
 # A heterogeneous job's components: HET_COMPONENT_NODES (each one's node count), and, unless
-# given, NODE_ORDER exported as their hosts in component order.
+# given, NODE_ORDER exported as their hosts in component order. Each component must hold whole
+# runs of nodes of one kind (HET_KIND_RUNS): it requests one kind's devices.
 het_slurm_components() {
-    local i var list hosts="" total=0
+    local i var list text hosts="" total=0
     HET_COMPONENT_NODES=()
     for ((i = 0; i < SLURM_HET_SIZE; i++)); do
         var="SLURM_JOB_NODELIST_HET_GROUP_$i"
         list="${!var:-}"
         [ -n "$list" ] || het_die "the heterogeneous job has $SLURM_HET_SIZE components but $var is not set; run the script as the job's batch script"
+        text="$(het_hostnames "$list")" || exit 2
         local -a names
-        mapfile -t names < <(het_hostnames "$list")
+        mapfile -t names <<< "$text"
         HET_COMPONENT_NODES+=("${#names[@]}")
         total=$((total + ${#names[@]}))
         hosts="$hosts ${names[*]}"
     done
     [ "$total" -eq "$HET_NNODES" ] \
         || het_die "the heterogeneous job's $SLURM_HET_SIZE components have $total nodes (${HET_COMPONENT_NODES[*]}) but cluster $(basename "$CLUSTER") needs $HET_NNODES; give each node group's nodes to the components, in the cluster file's order"
+    local -A run_ends=()
+    local end=0 run
+    for run in $HET_KIND_RUNS; do
+        end=$((end + run))
+        run_ends[$end]=1
+    done
+    end=0
+    for i in "${!HET_COMPONENT_NODES[@]}"; do
+        end=$((end + HET_COMPONENT_NODES[i]))
+        [ -n "${run_ends[$end]:-}" ] \
+            || het_die "the heterogeneous job's component $i ends at node $end of cluster $(basename "$CLUSTER"), inside a run of nodes of one kind (runs of $HET_KIND_RUNS nodes in the cluster file's order); give each component whole node groups, in that order"
+    done
     if [ -z "${NODE_ORDER:-}" ]; then
         NODE_ORDER="${hosts# }"
         export NODE_ORDER
@@ -395,6 +410,14 @@ het_run_steps() {
         "${words[@]}" "${task[@]}" &
         pids+=("$!")
     done
+    # A signal for the batch step (scancel -b, sbatch --signal=B:...) goes on to the steps, as
+    # it would reach the one srun the batch step otherwise becomes (SIGTERM: the run saves at
+    # the end of its iteration and exits).
+    local sig
+    for sig in TERM INT HUP USR1 USR2; do
+        # shellcheck disable=SC2064
+        trap "kill -s $sig ${pids[*]} 2>/dev/null || true" "$sig"
+    done
     # Poll the steps (wait -n needs bash 4.3): a step no longer among the running jobs ended.
     local status=0 code pid
     local -A ended=()
@@ -424,7 +447,9 @@ het_slurm_node() {
     local me="${SLURMD_NODENAME:-$(hostname -s)}"
     if [ -n "${NODE_ORDER:-}" ]; then
         local -a hosts
-        mapfile -t hosts < <(het_hostnames "$NODE_ORDER")
+        local text
+        text="$(het_hostnames "$NODE_ORDER")" || exit 2
+        mapfile -t hosts <<< "$text"
         local i
         NODE_RANK=""
         for i in "${!hosts[@]}"; do

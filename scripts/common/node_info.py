@@ -13,6 +13,9 @@ Used by scripts/common/launch.sh: ``eval "$(python scripts/common/node_info.py -
     HET_NODE_ACCELERATORS accelerator kinds on this node
     HET_NODE_GPUS       ranks on this node that drive a CUDA/ROCm GPU (Slurm's GPU count)
     HET_NODE_NPUS       ranks on this node that drive an Ascend NPU
+    HET_KIND_RUNS       node counts of the runs of consecutive nodes with the same accelerator
+                        kinds, in node order ("4 8": 4 nodes of one kind, then 8 of another);
+                        a Slurm heterogeneous job's components must not split a run
 
 Node ranks follow the cluster file: the nodes of its first node group come first. A bad cluster
 file or node rank prints one ``error:`` line and exits with status 2.
@@ -50,7 +53,23 @@ def node_assignments(cluster: ClusterSpec, node_rank: int) -> dict[str, str]:
         "HET_NODE_ACCELERATORS": " ".join(kinds),
         "HET_NODE_GPUS": str(_driving(infos, "cuda")),
         "HET_NODE_NPUS": str(_driving(infos, "npu")),
+        "HET_KIND_RUNS": " ".join(str(n) for n in kind_runs(cluster)),
     }
+
+
+def kind_runs(cluster: ClusterSpec) -> list[int]:
+    """How many consecutive nodes share each run of accelerator kinds, in node order."""
+    runs: list[int] = []
+    last = None
+    for node in cluster.nodes():
+        kinds = tuple(sorted({cluster.rank_info(r).accelerator.name
+                              for r in range(node.first_rank, node.first_rank + node.nproc)}))
+        if kinds == last:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+            last = kinds
+    return runs
 
 
 def _driving(infos: list, device_type: str) -> int:

@@ -11,10 +11,12 @@
 #SBATCH --nodes=96
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
-# No device request above: its kinds' devices are different GRES on most sites (gpu,
-# npu, ...). Where Slurm constrains devices, submit a heterogeneous job, one component per
-# node group in the cluster file's order, each requesting its devices as the site names them:
-#   sbatch --nodes=16 --gres=gpu:8 : --nodes=80 --gres=<site-gres>:8 scripts/hethub_llama140b/pretrain_llama_140b.sh
+# No device request above: its kinds are different GRES on most sites (gpu, npu, ...).
+# Where Slurm constrains devices, submit a heterogeneous job, one component per node group
+# in the cluster file's order (sbatch applies the lines above to the first one only):
+#   sbatch --nodes=16 --exclusive --ntasks-per-node=1 --gres=gpu:8 \
+#       : --nodes=80 --exclusive --ntasks-per-node=1 --gres=<site-gres>:8 \
+#       scripts/hethub_llama140b/pretrain_llama_140b.sh
 set -euo pipefail
 
 HET_MIX=hethub_llama140b

@@ -9,10 +9,12 @@
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
-# No device request above: its kinds' devices are different GRES on most sites (gpu,
-# npu, ...). Where Slurm constrains devices, submit a heterogeneous job, one component per
-# node group in the cluster file's order, each requesting its devices as the site names them:
-#   sbatch --nodes=4 --gres=gpu:8 : --nodes=4 --gres=npu:8 scripts/mi250x_ascend910b/pretrain_llama_70b.sh
+# No device request above: its kinds are different GRES on most sites (gpu, npu, ...).
+# Where Slurm constrains devices, submit a heterogeneous job, one component per node group
+# in the cluster file's order (sbatch applies the lines above to the first one only):
+#   sbatch --nodes=4 --exclusive --ntasks-per-node=1 --gres=gpu:8 \
+#       : --nodes=4 --exclusive --ntasks-per-node=1 --gres=npu:8 \
+#       scripts/mi250x_ascend910b/pretrain_llama_70b.sh
 set -euo pipefail
 
 HET_MIX=mi250x_ascend910b

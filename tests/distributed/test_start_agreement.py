@@ -7,26 +7,41 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import subprocess
+import sys
 import time
 from typing import Iterator, Optional
 
 import pytest
-import torch.distributed as dist
 
 from megatron_het.training.launch import LaunchEnv
 from tests.distributed.harness import free_port, run_ranks
 
 
+# The agent: a store served by a process of its own, as torchrun's agent serves one (served
+# from this process instead, a worker forked while the store's thread held a lock could hang).
+_AGENT = """
+import datetime, sys
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=60))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
 @contextlib.contextmanager
 def _agent_store() -> Iterator[int]:
-    """A store served by this process, as torchrun's agent serves one; its port."""
+    """A store served by another process, as torchrun's agent serves one; its port."""
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+    agent = subprocess.Popen([sys.executable, "-c", _AGENT, str(port)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
     try:
+        assert agent.stdout is not None and agent.stdout.readline().strip() == "ready"
         yield port
     finally:
-        del store
+        agent.kill()
+        agent.wait(10)
 
 
 def _ranks(fn, world_size: int, *args, agent: bool):  # type: ignore[no-untyped-def]
@@ -45,17 +60,20 @@ def _as_agent_client(rank: int, world_size: int, fn, agent_port: int, args: tupl
 
 
 def _join(rank: int, world_size: int, problems: dict[int, str], timeout_s: float,
-          port: int, agent: bool = False) -> tuple[str, float]:
-    """Join a world of ``world_size`` ranks; "ok" with an all-reduce's result, or the error's
-    class and text; and the seconds it took."""
+          delays: Optional[dict[int, float]] = None, launch: int = 0, *, port: int,
+          agent: bool = False) -> tuple[str, float]:
+    """Join a world of ``world_size`` ranks (rank r after ``delays[r]`` seconds, at restart
+    ``launch``); "ok" with an all-reduce's result, or the error's class and text; and the
+    seconds it took."""
     import torch
     import torch.distributed as dist
 
     from megatron_het.errors import UserError
     from megatron_het.training.launch import StartupError, join_world
 
-    env = LaunchEnv(rank, world_size, rank, "127.0.0.1", port, local_world_size=world_size,
-                    agent_store=agent)
+    time.sleep((delays or {}).get(rank, 0.0))
+    env = LaunchEnv(rank, world_size, rank, "127.0.0.1", port, restart_count=launch,
+                    local_world_size=world_size, agent_store=agent)
     started = time.monotonic()
     try:
         join_world(env, datetime.timedelta(seconds=timeout_s), problems.get(rank))
@@ -70,10 +88,19 @@ def _join(rank: int, world_size: int, problems: dict[int, str], timeout_s: float
 
 
 def _absent(rank: int, world_size: int, absent: int, timeout_s: float,
-            port: int, agent: bool = False) -> Optional[tuple[str, float]]:
+            problems: Optional[dict[int, str]] = None,
+            delays: Optional[dict[int, float]] = None, *, port: int,
+            agent: bool = False) -> Optional[tuple[str, float]]:
     if rank == absent:
         return None
-    return _join(rank, world_size, {}, timeout_s, port, agent)
+    return _join(rank, world_size, problems or {}, timeout_s, delays, port=port, agent=agent)
+
+
+def _two_launches(rank: int, world_size: int, *, port: int, agent: bool = False) -> list[str]:
+    """Launch 0 with a problem on rank 1, then launch 1 without, on the same store."""
+    first, _ = _join(rank, world_size, {1: "a problem"}, 30.0, port=port, agent=agent)
+    second, _ = _join(rank, world_size, {}, 30.0, launch=1, port=port, agent=agent)
+    return [first, second]
 
 
 AGENT = pytest.mark.parametrize("agent", [False, True], ids=["rank0-store", "agent-store"])
@@ -113,4 +140,24 @@ def test_a_rank_that_never_starts_is_named(agent: bool, absent: int) -> None:
         text = results[rank][0]
         assert text.startswith(f"StartupError: start-up: rank {rank} could not join the "
                                "3-rank rendezvous at 127.0.0.1:"), text
-        assert f"(rank(s) {absent} never arrived)" in text
+        assert f"(rank(s) {absent} had not arrived at the timeout)" in text
+
+
+def test_a_rank_that_arrives_late_hears_who_was_missing_from_the_first_to_give_up() -> None:
+    """Rank 1 never joins and rank 2 joins 2.5 s after rank 0, which serves the store: rank 0
+    gives up at its timeout (3 s) and rank 2 hears of it then, not at its own timeout."""
+    results = _ranks(_absent, 3, 1, 3.0, {}, {2: 2.5}, agent=False)
+    for rank in (0, 2):
+        assert "(rank(s) 1 had not arrived at the timeout)" in results[rank][0], results[rank]
+    assert results[2][1] < 2.5  # its own timeout would end at 3 s
+
+
+def test_problems_and_a_missing_rank_are_named_together() -> None:
+    results = _ranks(_absent, 3, 2, 3.0, {1: "a problem"}, agent=True)
+    line = "UserError: start-up: rank 1: a problem; rank(s) 2 had not arrived at the timeout"
+    assert [results[0][0], results[1][0]] == [line, line]
+
+
+def test_a_later_launch_on_the_same_agent_store_agrees_afresh() -> None:
+    results = _ranks(_two_launches, 2, agent=True)
+    assert results == [["UserError: start-up: rank 1: a problem", "ok 2"]] * 2

@@ -277,3 +277,16 @@ def test_read_launch_env_takes_the_gloo_interface() -> None:
     env = read_launch_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "a",
                            "MASTER_PORT": "1", "GLOO_SOCKET_IFNAME": "eth1"})
     assert env.gloo_socket_ifname == "eth1" and env.local_rank == 1
+
+
+def test_read_launch_env_takes_the_store_settings_and_checks_the_port() -> None:
+    from megatron_het.errors import UserError
+    from megatron_het.training.launch import read_launch_env
+
+    base = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "29500"}
+    env = read_launch_env(base)
+    assert not env.agent_store and env.use_libuv
+    env = read_launch_env({**base, "TORCHELASTIC_USE_AGENT_STORE": "True", "USE_LIBUV": "0"})
+    assert env.agent_store and not env.use_libuv
+    with pytest.raises(UserError, match="MASTER_PORT 70000 is not a TCP port"):
+        read_launch_env({**base, "MASTER_PORT": "70000"})

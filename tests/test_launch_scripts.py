@@ -282,7 +282,7 @@ log="{tmp_path}/steps"
 echo "$group started" >> "$log"
 if [ "$group" = "$FAKE_FAIL_GROUP" ]; then sleep 0.2; echo "$group failed" >> "$log"; exit 3; fi
 sleep "$FAKE_STEP_S" &
-trap 'kill $!; echo "$group stopped" >> "$log"; exit 143' TERM
+trap 'kill $!; sleep 0.3; echo "$group stopped" >> "$log"; exit 143' TERM
 wait $!
 echo "$group done" >> "$log"
 """)
@@ -302,21 +302,29 @@ def test_a_failed_component_step_ends_a_plain_job_and_not_an_elastic_one(
     assert ends == (["0 stopped", "1 failed"] if elastic == "0" else ["0 done", "1 failed"])
 
 
-def test_a_signal_for_the_batch_step_reaches_every_component_step(tmp_path: Path) -> None:
-    """scancel -b -s TERM (or sbatch --signal=B:TERM@...): each step's srun gets it, so the
-    run saves and exits as it would under one srun."""
+@pytest.mark.parametrize("whom", ["batch-shell", "job-step"])
+def test_a_signal_reaches_every_component_step_and_the_batch_step_waits_for_them(
+        tmp_path: Path, whom: str) -> None:
+    """scancel -b -s TERM or sbatch --signal=B:TERM@... (the batch shell alone), or a job's
+    cancel or time limit (every process of the step): each step's srun gets it, so the run
+    saves and exits as under one srun, and the batch step ends only after the steps (each
+    takes 0.3 s to stop)."""
     env = _env(**{**_NODE, "MASTER_ADDR": "", **_HET_JOB, **_fake_srun(tmp_path),
                   "FAKE_FAIL_GROUP": "none", "FAKE_STEP_S": "60"})
-    job = subprocess.Popen(["bash", str(_script("h200_mi300x"))], cwd=REPO, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    output = tmp_path / "output"
+    with output.open("w") as out:  # a file, not a pipe: the steps would hold a pipe open
+        job = subprocess.Popen(["bash", str(_script("h200_mi300x"))], cwd=REPO, env=env,
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     log = tmp_path / "steps"
     deadline = time.monotonic() + 60
     while not (log.exists() and len(log.read_text().splitlines()) == 2):
-        assert time.monotonic() < deadline and job.poll() is None, job.communicate()
+        assert time.monotonic() < deadline and job.poll() is None, output.read_text()
         time.sleep(0.05)
-    job.send_signal(signal.SIGTERM)
-    _, err = job.communicate(timeout=30)
-    assert job.returncode == 143, err
+    if whom == "batch-shell":
+        job.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(job.pid, signal.SIGTERM)
+    assert job.wait(timeout=30) == 143, output.read_text()
     assert sorted(log.read_text().splitlines()) == [
         "0 started", "0 stopped", "1 started", "1 stopped"]
 

@@ -155,6 +155,8 @@ def _startup_error(env: LaunchEnv, timeout: datetime.timedelta, why: str) -> "St
 # How long a rank that is about to stop waits for the others to read the store first: it may
 # be served by a rank that stops, or by the agent of a node whose ranks all stop.
 _READ_GRACE_S = 10.0
+# How long the rank that serves the store (rank 0 without torchrun) stays after the last read.
+_SERVER_GRACE_S = 0.5
 
 
 def agree_at_start(store: Any, env: LaunchEnv, problem: Optional[str],
@@ -198,15 +200,20 @@ def _agree(store: Any, env: LaunchEnv, own: Optional[str],
     if own is not None:
         store.append(prefix + "problems", f"{env.rank}\t{own}\n")
     store.append(prefix + "arrived", f"{env.rank},")
-    outcome = prefix + "outcome"  # "all", or "missing:<ranks>" from the first to give up
+    # The outcome, set once: "all", or "missing:<ranks>" from the first rank to give up; then
+    # "settled", whose plain set wakes the waiting ranks on either kind of store server (the
+    # one without libuv does not wake them at a compare_set).
+    outcome, settled_key = prefix + "outcome", prefix + "settled"
     if store.add(prefix + "count", 1) == env.world_size:
         store.compare_set(outcome, "", "all")
+        store.set(settled_key, "1")
     try:
-        store.wait([outcome], timeout)
+        store.wait([settled_key], timeout)
     except dist.DistStoreError:  # this rank's timeout: give up, unless another settled it
         arrived = {int(r) for r in store.get(prefix + "arrived").decode().split(",") if r}
         missing = [r for r in range(env.world_size) if r not in arrived]
         store.compare_set(outcome, "", f"missing:{format_ranks(missing)}")
+        store.set(settled_key, "1")
     settled = store.get(outcome).decode()
     missing_ranks = settled.removeprefix("missing:") if settled != "all" else ""
     problems = ""
@@ -220,20 +227,23 @@ def _agree(store: Any, env: LaunchEnv, own: Optional[str],
             for line, ranks in sorted(by_line.items(), key=lambda item: min(item[1])))
     if problems or missing_ranks:
         arrived_count = int(store.add(prefix + "count", 0))
-        _linger(store, prefix + "read", arrived_count)
+        _linger(store, prefix + "read", arrived_count, env.rank == 0 and not env.agent_store)
     return problems, missing_ranks
 
 
-def _linger(store: Any, key: str, ranks: int) -> None:
+def _linger(store: Any, key: str, ranks: int, serves: bool) -> None:
     """Count this rank at ``key`` and wait until ``ranks`` ranks are counted there, at most
-    :data:`_READ_GRACE_S` (see there)."""
-    deadline = time.monotonic() + _READ_GRACE_S
+    :data:`_READ_GRACE_S` (see there): the rank that completes the count wakes the others. The
+    rank that ``serves`` the store then gives their wake-ups time to leave before it exits."""
     try:
-        store.add(key, 1)
-        while store.add(key, 0) < ranks and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if store.add(key, 1) >= ranks:
+            store.set(key + "/done", "1")
+        else:
+            store.wait([key + "/done"], datetime.timedelta(seconds=_READ_GRACE_S))
     except RuntimeError:
         pass  # the store left with the rank or agent that served it; this rank has read it
+    if serves:
+        time.sleep(_SERVER_GRACE_S)
 
 
 def gloo_address_problem(env: LaunchEnv,

@@ -348,8 +348,9 @@ het_slurm_fanout() {
 }
 
 # A heterogeneous job's components: HET_COMPONENT_NODES (each one's node count), and, unless
-# given, NODE_ORDER exported as their hosts in component order. Each component must hold whole
-# runs of nodes of one kind (HET_KIND_RUNS): it requests one kind's devices.
+# given, NODE_ORDER exported as their hosts in component order. A component must end where the
+# nodes' kinds change (HET_KIND_RUNS): components are node groups, or runs of them, in the
+# cluster file's order, and a boundary elsewhere means the counts do not match the groups.
 het_slurm_components() {
     local i var list text hosts="" total=0
     HET_COMPONENT_NODES=()
@@ -384,6 +385,14 @@ het_slurm_components() {
     fi
 }
 
+# Send signal $1 to the steps of het_run_steps still running (its pids and ended).
+het_signal_steps() {
+    local pid
+    for pid in ${pids[@]+"${pids[@]}"}; do
+        if [ -z "${ended[$pid]:-}" ]; then kill -s "$1" "$pid" 2>/dev/null || true; fi
+    done
+}
+
 # Run one srun step per component at once: het_run_steps N TASK(N words) STEP... where each
 # STEP is an srun command line before TASK. A plain job stops the other steps when one fails
 # (as --kill-on-bad-exit does inside a step); an elastic one lets them go on. Exits with the
@@ -403,28 +412,29 @@ het_run_steps() {
         done
         exit 0
     fi
+    # A signal for the batch step (scancel -b, sbatch --signal=B:...) goes on to the steps, as
+    # it would reach the one srun the batch step otherwise becomes (SIGTERM: the run saves at
+    # the end of its iteration and exits). Set before the steps start; ended steps are skipped.
     local -a pids=()
+    local -A ended=()
+    local sig
+    for sig in TERM INT HUP USR1 USR2; do
+        # shellcheck disable=SC2064
+        trap "het_signal_steps $sig" "$sig"
+    done
     for step in "$@"; do
         local -a words
         read -r -a words <<< "$step"
         "${words[@]}" "${task[@]}" &
         pids+=("$!")
     done
-    # A signal for the batch step (scancel -b, sbatch --signal=B:...) goes on to the steps, as
-    # it would reach the one srun the batch step otherwise becomes (SIGTERM: the run saves at
-    # the end of its iteration and exits).
-    local sig
-    for sig in TERM INT HUP USR1 USR2; do
-        # shellcheck disable=SC2064
-        trap "kill -s $sig ${pids[*]} 2>/dev/null || true" "$sig"
-    done
     # Poll the steps (wait -n needs bash 4.3): a step no longer among the running jobs ended.
-    local status=0 code pid
-    local -A ended=()
+    # A signal to the whole job step also ends the poll's sleep: carry on waiting for the
+    # steps, which are saving.
+    local status=0 code pid running
     while [ "${#ended[@]}" -lt "${#pids[@]}" ]; do
-        sleep 0.5
-        local running
-        running=" $(jobs -rp | tr '\n' ' ') "
+        sleep 0.5 || true
+        running=" $(jobs -rp | tr '\n' ' ') " || true
         for pid in "${pids[@]}"; do
             if [ -n "${ended[$pid]:-}" ] || [[ "$running" == *" $pid "* ]]; then continue; fi
             ended[$pid]=1
@@ -432,7 +442,7 @@ het_run_steps() {
             wait "$pid" || code=$?
             if [ "$code" -ne 0 ] && [ "$status" -eq 0 ]; then
                 status="$code"
-                if [ "${ELASTIC:-0}" != 1 ]; then kill -TERM "${pids[@]}" 2>/dev/null || true; fi
+                if [ "${ELASTIC:-0}" != 1 ]; then het_signal_steps TERM; fi
             fi
         done
     done

@@ -60,8 +60,8 @@ def _as_agent_client(rank: int, world_size: int, fn, agent_port: int, args: tupl
 
 
 def _join(rank: int, world_size: int, problems: dict[int, str], timeout_s: float,
-          delays: Optional[dict[int, float]] = None, launch: int = 0, *, port: int,
-          agent: bool = False) -> tuple[str, float]:
+          delays: Optional[dict[int, float]] = None, launch: int = 0, libuv: bool = True, *,
+          port: int, agent: bool = False) -> tuple[str, float]:
     """Join a world of ``world_size`` ranks (rank r after ``delays[r]`` seconds, at restart
     ``launch``); "ok" with an all-reduce's result, or the error's class and text; and the
     seconds it took."""
@@ -73,7 +73,7 @@ def _join(rank: int, world_size: int, problems: dict[int, str], timeout_s: float
 
     time.sleep((delays or {}).get(rank, 0.0))
     env = LaunchEnv(rank, world_size, rank, "127.0.0.1", port, restart_count=launch,
-                    local_world_size=world_size, agent_store=agent)
+                    local_world_size=world_size, agent_store=agent, use_libuv=libuv)
     started = time.monotonic()
     try:
         join_world(env, datetime.timedelta(seconds=timeout_s), problems.get(rank))
@@ -161,3 +161,14 @@ def test_problems_and_a_missing_rank_are_named_together() -> None:
 def test_a_later_launch_on_the_same_agent_store_agrees_afresh() -> None:
     results = _ranks(_two_launches, 2, agent=True)
     assert results == [["UserError: start-up: rank 1: a problem", "ok 2"]] * 2
+
+
+@pytest.mark.parametrize("problems", [{}, {1: "a problem"}], ids=["none", "one"])
+def test_the_store_server_without_libuv_wakes_the_ranks_at_once(problems: dict[int, str]
+                                                                ) -> None:
+    """USE_LIBUV=0: rank 0 serves the older store, which does not wake a waiting rank at a
+    compare_set; the ranks still agree at once, not at the 30 s timeout."""
+    results = _ranks(_join, 3, problems, 30.0, None, 0, False, agent=False)
+    expected = "ok 3" if not problems else "UserError: start-up: rank 1: a problem"
+    assert [text for text, _ in results] == [expected] * 3
+    assert max(seconds for _, seconds in results) < 15

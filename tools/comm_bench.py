@@ -34,7 +34,8 @@ from megatron_het.cluster import ClusterSpec  # noqa: E402
 from megatron_het.comm.communicator import UnifiedCommunicator  # noqa: E402
 from megatron_het.emulation.links import emulated_wires  # noqa: E402
 from megatron_het.errors import UserError, run_cli  # noqa: E402
-from megatron_het.training.launch import rank_device_index, select_local_device  # noqa: E402
+from megatron_het.training.launch import (init_world, rank_device_index,  # noqa: E402
+                                          read_launch_env)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 IMPLS = ("flat", "unified")
@@ -200,14 +201,19 @@ def main() -> None:
     cluster = ClusterSpec.load(args.cluster)
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=args.timeout_s)
-    rank = int(os.environ.get("RANK", "0"))  # torchrun's environment gives rank/world
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if rank < cluster.world_size:  # a CPU rank leaves torch.cuda alone
-        def device_type(r: int) -> str:
-            return cluster.accelerator_of(r).device_type
+    env = read_launch_env(os.environ)  # torchrun's: rank, world, rendezvous
+    if env.world_size != cluster.world_size:
+        raise UserError(f"torchrun started {env.world_size} ranks but cluster "
+                        f"{cluster.name} has {cluster.world_size}; use --nproc_per_node (and "
+                        "--nnodes) to match it")
 
-        select_local_device(device_type(rank), rank_device_index(device_type, rank, local_rank))
-    dist.init_process_group("gloo", timeout=timeout)
+    def device_type(r: int) -> str:
+        return cluster.accelerator_of(r).device_type
+
+    # The same start as training: the rank's device (a CPU rank leaves torch.cuda alone), then
+    # the world after every rank has agreed at start-up.
+    init_world(env, timeout, device_type(env.rank),
+               rank_device_index(device_type, env.rank, env.local_rank))
     hooks = emulated_wires(cluster) if args.emulate_bridge else None  # EMULATION
     comm = UnifiedCommunicator.from_cluster(cluster, bridge=args.bridge, timeout=timeout,
                                             wire_hooks=hooks)

@@ -247,3 +247,29 @@ def test_the_supervisors_of_a_two_node_job_stop_at_once_on_an_error_of_its_own(
         out = node.text("stdout")
         assert status != 0 and "an error of its own" in out and "no relaunch" in out, out[-2000:]
     assert not (save / "elastic" / "cluster_1.yaml").exists()
+
+
+@pytest.mark.slow
+def test_a_file_one_node_lacks_stops_every_rank_with_one_line() -> None:
+    """Rank 1's data path does not exist (its node lacks the dataset): both ranks stop at once
+    with the same line naming rank 1, instead of rank 0 waiting out the timeout."""
+    port = free_port()
+    common = ["--model", "tiny", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+              "--seq-length", "32", "--train-iters", "2", "--tensor-model-parallel-size", "2",
+              "--distributed-timeout-minutes", "5"]
+    data = {0: ["--mock-data"], 1: ["--data-path", "/nonexistent/corpus_text_document"]}
+    ranks = [subprocess.Popen([sys.executable, "pretrain_llama.py", *common, *data[rank]],
+                              cwd=REPO, env=dict(os.environ, RANK=str(rank), WORLD_SIZE="2",
+                                                 LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                                                 MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    started = time.monotonic()
+    outputs = [proc.communicate(timeout=120) for proc in ranks]
+    assert time.monotonic() - started < 60  # not the 5-minute timeout
+    for proc, (_, err) in zip(ranks, outputs):
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and errors == [
+            "error: rank 1: data file /nonexistent/corpus_text_document.idx does not exist; "
+            "check --data-path (a prefix without .bin/.idx) or run tools/preprocess_data.py"
+        ], err[-2000:]

@@ -124,9 +124,16 @@ def join_world(env: LaunchEnv, timeout: datetime.timedelta, problem: Optional[st
     store = _rendezvous_store(env, timeout)
     problems = agree_at_start(store, env, problem, timeout)
     if problems:
-        raise UserError(f"start-up: {problems}")
+        raise UserError(problems)
     dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=env.rank,
                             world_size=env.world_size, timeout=timeout)
+
+
+def stop_together(env: LaunchEnv, timeout: datetime.timedelta, problem: str) -> str:
+    """For a rank that cannot start (``problem``, e.g. a file its node lacks), before the
+    world exists: the line every rank stops with (:func:`agree_at_start`), once the others
+    have heard of it. The ranks that can start stop with the same line."""
+    return agree_at_start(_rendezvous_store(env, timeout), env, problem, timeout)
 
 
 def _rendezvous_store(env: LaunchEnv, timeout: datetime.timedelta) -> Any:
@@ -222,9 +229,12 @@ def _agree(store: Any, env: LaunchEnv, own: Optional[str],
         for entry in store.get(prefix + "problems").decode().splitlines():
             rank, line = entry.split("\t", 1)
             by_line.setdefault(line, []).append(int(rank))
-        problems = "; ".join(
-            f"{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(sorted(ranks))}: {line}"
-            for line, ranks in sorted(by_line.items(), key=lambda item: min(item[1])))
+        if len(by_line) == 1 and len(next(iter(by_line.values()))) == env.world_size:
+            problems = next(iter(by_line))  # every rank's: the line alone
+        else:
+            problems = "; ".join(
+                f"{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(sorted(ranks))}: "
+                f"{line}" for line, ranks in sorted(by_line.items(), key=lambda item: min(item[1])))
     if problems or missing_ranks:
         arrived_count = int(store.add(prefix + "count", 0))
         _linger(store, prefix + "read", arrived_count, env.rank == 0 and not env.agent_store)

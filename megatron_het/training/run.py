@@ -28,7 +28,7 @@ from megatron_het.training.describe import (describe_cluster, describe_iteration
                                             describe_model, describe_plan, describe_rank)
 from megatron_het.training.elastic import describe_restart
 from megatron_het.training.launch import (LaunchEnv, connect_store, device_problem, init_world,
-                                          rank_device_index, shutdown_world)
+                                          rank_device_index, shutdown_world, stop_together)
 from megatron_het.training.loop import train
 from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.peer_watch import PeerWatch
@@ -54,9 +54,16 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
     checked before the world is built, so a bad command line fails with one UserError and
     leaves ``--save``, the metrics file and tensorboard untouched.
     """
-    setup = prepare_run(run, env.world_size if env is not None else 1, accelerator)
+    try:
+        setup = prepare_run(run, env.world_size if env is not None else 1, accelerator)
+    except UserError as error:
+        if env is None or env.world_size == 1:
+            raise
+        # A file that some node lacks (data, tokenizer, checkpoint): stop every rank with it,
+        # rather than leave the other nodes waiting out the timeout for this one.
+        raise UserError(stop_together(env, distributed_timeout(run), str(error))) from None
     rank = env.rank if env is not None else 0
-    timeout = distributed_timeout(setup)
+    timeout = distributed_timeout(setup.run)
     index = device_index(setup, rank, env.local_rank if env is not None else 0)
     init_world(env, timeout=timeout, device_type=setup.accelerator(rank).device_type,
                device_index=index)
@@ -100,9 +107,9 @@ def _end_stuck(setup: RunSetup, watch: PeerWatch, error: CommError) -> None:
     os._exit(EXIT_PEER_FAILURE)
 
 
-def distributed_timeout(setup: RunSetup) -> datetime.timedelta:
+def distributed_timeout(run: RunConfig) -> datetime.timedelta:
     """``--distributed-timeout-minutes`` as the timeout of the world and every group."""
-    return datetime.timedelta(minutes=setup.run.faults.distributed_timeout_minutes)
+    return datetime.timedelta(minutes=run.faults.distributed_timeout_minutes)
 
 
 def pretrain_on_world(run: RunConfig, world_size: int, stop: Optional[StopRequest] = None,
@@ -248,7 +255,7 @@ def _train(setup: RunSetup, stop: StopRequest, out: TextIO,
     emulation = rank_emulation(setup, world_rank)
     comm = UnifiedCommunicator.from_cluster(setup.cluster, bridge=run.parallel.bridge,
                                             wire_hooks=emulation.wire_hooks,
-                                            timeout=distributed_timeout(setup))
+                                            timeout=distributed_timeout(setup.run))
     trainer = build_trainer(setup, comm, region_timer=emulation.region_timer)
     if watch is not None:
         watch.progress = lambda: trainer.progress.iteration

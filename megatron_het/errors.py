@@ -17,6 +17,15 @@ class UserError(Exception):
     """An error caused by user input; its message is one line that says how to fix it."""
 
 
+class RanksError(UserError):
+    """A UserError that every rank of a launched run raises alike: its message names the ranks
+    it concerns (``ranks``; empty: every rank)."""
+
+    def __init__(self, message: str, ranks: "tuple[int, ...]" = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
 class PeerFailure(Exception):
     """A peer of a parallel run died, hung or became unreachable; the message is one line."""
 

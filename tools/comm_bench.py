@@ -34,8 +34,10 @@ from megatron_het.cluster import ClusterSpec  # noqa: E402
 from megatron_het.comm.communicator import UnifiedCommunicator  # noqa: E402
 from megatron_het.emulation.links import emulated_wires  # noqa: E402
 from megatron_het.errors import UserError, run_cli  # noqa: E402
-from megatron_het.training.launch import (init_world, rank_device_index,  # noqa: E402
-                                          read_launch_env)
+from megatron_het.training.launch import (device_problem, gloo_address_problem,  # noqa: E402
+                                          join_world, launched_by_torchrun,
+                                          rank_device_index, read_launch_env,
+                                          select_local_device)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 IMPLS = ("flat", "unified")
@@ -201,6 +203,9 @@ def main() -> None:
     cluster = ClusterSpec.load(args.cluster)
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=args.timeout_s)
+    if not launched_by_torchrun(os.environ):
+        raise UserError("run comm_bench under torchrun, one process per rank of the cluster "
+                        "file: torchrun --nproc_per_node N tools/comm_bench.py --cluster ...")
     env = read_launch_env(os.environ)  # torchrun's: rank, world, rendezvous
     if env.world_size != cluster.world_size:
         raise UserError(f"torchrun started {env.world_size} ranks but cluster "
@@ -211,9 +216,13 @@ def main() -> None:
         return cluster.accelerator_of(r).device_type
 
     # The same start as training: the rank's device (a CPU rank leaves torch.cuda alone), then
-    # the world after every rank has agreed at start-up.
-    init_world(env, timeout, device_type(env.rank),
-               rank_device_index(device_type, env.rank, env.local_rank))
+    # the world once every rank has agreed that each can drive its kind's device and be
+    # reached by the others.
+    index = rank_device_index(device_type, env.rank, env.local_rank)
+    select_local_device(device_type(env.rank), index)
+    problem = (device_problem(cluster.accelerator_of(env.rank), index)
+               or gloo_address_problem(env))
+    join_world(env, timeout, problem)
     hooks = emulated_wires(cluster) if args.emulate_bridge else None  # EMULATION
     comm = UnifiedCommunicator.from_cluster(cluster, bridge=args.bridge, timeout=timeout,
                                             wire_hooks=hooks)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from megatron_het.comm.faults import first_line
-from megatron_het.errors import PeerFailure, UserError
+from megatron_het.errors import PeerFailure, RanksError, UserError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -115,25 +115,32 @@ def join_world(env: LaunchEnv, timeout: datetime.timedelta, problem: Optional[st
     Every rank posts ``problem`` (why it cannot take part, e.g. :func:`gloo_address_problem`;
     None when it can) to the rendezvous store and waits for every other rank's (the
     rendezvous itself, within ``timeout``). Where any rank has one, every rank raises the same
-    UserError naming the ranks and their problems, instead of the others waiting out the
-    timeout for a rank that left; ranks missing at the timeout are named by every rank.
+    :class:`~megatron_het.errors.RanksError` naming the ranks and their problems (a problem
+    of every rank alone), instead of the others waiting out the timeout for a rank that left;
+    ranks missing at the timeout are named by every rank.
     Side effect: global torch.distributed state.
     """
     import torch.distributed as dist
 
     store = _rendezvous_store(env, timeout)
-    problems = agree_at_start(store, env, problem, timeout)
-    if problems:
-        raise UserError(problems)
+    error = agree_at_start(store, env, problem, timeout)
+    if error is not None:
+        raise error
     dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=env.rank,
                             world_size=env.world_size, timeout=timeout)
 
 
-def stop_together(env: LaunchEnv, timeout: datetime.timedelta, problem: str) -> str:
+def stop_together(env: LaunchEnv, timeout: datetime.timedelta, problem: str) -> RanksError:
     """For a rank that cannot start (``problem``, e.g. a file its node lacks), before the
-    world exists: the line every rank stops with (:func:`agree_at_start`), once the others
-    have heard of it. The ranks that can start stop with the same line."""
-    return agree_at_start(_rendezvous_store(env, timeout), env, problem, timeout)
+    world exists: the error every rank stops with (:func:`agree_at_start`), once the others
+    have heard of it; the ranks that can start stop with the same one. Where the store cannot
+    be reached, this rank's own problem alone."""
+    try:
+        store = _rendezvous_store(env, timeout)
+    except StartupError:
+        return _own(env, problem)
+    error = agree_at_start(store, env, problem, timeout)
+    return error if error is not None else _own(env, problem)
 
 
 def _rendezvous_store(env: LaunchEnv, timeout: datetime.timedelta) -> Any:
@@ -167,10 +174,11 @@ _SERVER_GRACE_S = 0.5
 
 
 def agree_at_start(store: Any, env: LaunchEnv, problem: Optional[str],
-                   timeout: datetime.timedelta) -> str:
+                   timeout: datetime.timedelta) -> Optional[RanksError]:
     """Post this rank's start-up ``problem`` (None: none) to ``store`` and wait for every
-    rank's; returns "" when no rank has one, else one line: each problem with the ranks that
-    have it ("ranks 8-15: ...").
+    rank's; returns None when no rank has one, else the error every rank raises: one line of
+    each problem with the ranks that have it ("ranks 8-15: ..."; a problem of every rank
+    alone), and those ranks.
 
     The last rank to arrive, or the first to wait ``timeout`` since it arrived, settles the
     outcome for all (one key, set once): every rank then stops, or goes on, together. Ranks
@@ -180,25 +188,31 @@ def agree_at_start(store: Any, env: LaunchEnv, problem: Optional[str],
     supervisors keep them distinct): torchrun's agent store outlives a launch."""
     own = None if problem is None else first_line(problem)
     try:
-        problems, missing = _agree(store, env, own, timeout)
+        problems, ranks, missing = _agree(store, env, own, timeout)
     except RuntimeError as exc:  # the store went away: its rank or agent stopped
         if own is not None:
-            return f"rank {env.rank}: {own}"
+            return _own(env, own)
         raise StartupError(
             f"start-up: rank {env.rank} lost the rendezvous store at {env.master_addr}:"
             f"{env.master_port} ({first_line(exc)}); a rank on the store's node stopped, see "
             "its output") from None
     if problems and missing:
-        return f"{problems}; rank(s) {missing} had not arrived at the timeout"
+        return RanksError(f"{problems}; rank(s) {missing} had not arrived at the timeout",
+                          ranks)
     if missing:
         raise _startup_error(env, timeout, f"rank(s) {missing} had not arrived at the timeout")
-    return problems
+    return RanksError(problems, ranks) if problems else None
+
+
+def _own(env: LaunchEnv, problem: str) -> RanksError:
+    """This rank's ``problem`` alone, where the other ranks could not be told."""
+    return RanksError(f"rank {env.rank}: {first_line(problem)}", (env.rank,))
 
 
 def _agree(store: Any, env: LaunchEnv, own: Optional[str],
-           timeout: datetime.timedelta) -> tuple[str, str]:
-    """(the problems line, the ranks missing at the timeout) of :func:`agree_at_start`; both
-    "" when every rank arrived without a problem."""
+           timeout: datetime.timedelta) -> tuple[str, tuple[int, ...], str]:
+    """(the problems line, the ranks with problems, the ranks missing at the timeout) of
+    :func:`agree_at_start`; "", (), "" when every rank arrived without a problem."""
     import torch.distributed as dist
 
     from megatron_het.cluster.cluster import format_ranks
@@ -223,12 +237,13 @@ def _agree(store: Any, env: LaunchEnv, own: Optional[str],
         store.set(settled_key, "1")
     settled = store.get(outcome).decode()
     missing_ranks = settled.removeprefix("missing:") if settled != "all" else ""
-    problems = ""
+    problems, with_problems = "", ()
     if store.check([prefix + "problems"]):
         by_line: dict[str, list[int]] = {}
         for entry in store.get(prefix + "problems").decode().splitlines():
             rank, line = entry.split("\t", 1)
             by_line.setdefault(line, []).append(int(rank))
+        with_problems = tuple(sorted(r for ranks in by_line.values() for r in ranks))
         if len(by_line) == 1 and len(next(iter(by_line.values()))) == env.world_size:
             problems = next(iter(by_line))  # every rank's: the line alone
         else:
@@ -238,7 +253,7 @@ def _agree(store: Any, env: LaunchEnv, own: Optional[str],
     if problems or missing_ranks:
         arrived_count = int(store.add(prefix + "count", 0))
         _linger(store, prefix + "read", arrived_count, env.rank == 0 and not env.agent_store)
-    return problems, missing_ranks
+    return problems, with_problems, missing_ranks
 
 
 def _linger(store: Any, key: str, ranks: int, serves: bool) -> None:

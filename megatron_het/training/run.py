@@ -52,7 +52,9 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
 
     ``accelerator`` is every rank's kind when the run has no ``--cluster``. Every input is
     checked before the world is built, so a bad command line fails with one UserError and
-    leaves ``--save``, the metrics file and tensorboard untouched.
+    leaves ``--save``, the metrics file and tensorboard untouched; on a launched rank that
+    error goes through the start-up agreement first, so that every rank stops with it
+    (:func:`~megatron_het.training.launch.stop_together`).
     """
     try:
         setup = prepare_run(run, env.world_size if env is not None else 1, accelerator)
@@ -61,7 +63,7 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
             raise
         # A file that some node lacks (data, tokenizer, checkpoint): stop every rank with it,
         # rather than leave the other nodes waiting out the timeout for this one.
-        raise UserError(stop_together(env, distributed_timeout(run), str(error))) from None
+        raise stop_together(env, distributed_timeout(run), str(error)) from None
     rank = env.rank if env is not None else 0
     timeout = distributed_timeout(setup.run)
     index = device_index(setup, rank, env.local_rank if env is not None else 0)

@@ -45,7 +45,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from megatron_het.cluster import ClusterSpec
 from megatron_het.cluster.nodes import RankInfo
 from megatron_het.cluster.shrink import shrink, without_ranks
-from megatron_het.errors import UserError
+from megatron_het.errors import RanksError, UserError
 from megatron_het.fileio import write_text_atomically
 
 FAILURE_FILE = "last_failure.json"
@@ -116,7 +116,9 @@ def _forget_record(save: str, run_id: str) -> None:
 def record_own_error(argv: Sequence[str], environ: Mapping[str, str],
                      error: BaseException) -> bool:
     """Under a supervisor (:data:`RECORD_ERRORS_VAR` set), record that this rank of the
-    launch ended with an error of its own: no lost rank, this one failed, its first line.
+    launch ended with an error of its own: no lost rank, this one failed, its first line (a
+    :class:`~megatron_het.errors.RanksError`, which every rank raises alike: the ranks and the
+    line it names).
     ``argv`` (pretrain_llama.py's flags) gives ``--save``. Never raises; True if written."""
     from megatron_het.comm.faults import first_line
 
@@ -125,9 +127,13 @@ def record_own_error(argv: Sequence[str], environ: Mapping[str, str],
         return False
     try:
         rank, world_size = int(environ.get("RANK", "0")), int(environ.get("WORLD_SIZE", "1"))
-        what = (f"exited with status {error.code}" if isinstance(error, SystemExit)
-                else first_line(error))
-        return write_failure(save, -1, world_size, [], [], [rank], f"rank {rank}: {what}",
+        if isinstance(error, RanksError):  # every rank's, naming the ranks it concerns
+            failed, line = list(error.ranks) or list(range(world_size)), first_line(error)
+        else:
+            what = (f"exited with status {error.code}" if isinstance(error, SystemExit)
+                    else first_line(error))
+            failed, line = [rank], f"rank {rank}: {what}"
+        return write_failure(save, -1, world_size, [], [], failed, line,
                              run_id=environ.get("TORCHELASTIC_RUN_ID", ""))
     except (OSError, ValueError):
         return False

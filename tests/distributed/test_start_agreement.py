@@ -117,7 +117,7 @@ def test_a_rank_with_a_problem_stops_every_rank_with_the_same_line_at_once(agent
     problems = {1: "this host's name 'gpu-07' resolves to the loopback address 127.0.1.1",
                 2: "this host's name 'gpu-07' resolves to the loopback address 127.0.1.1"}
     results = _ranks(_join, 4, problems, 120.0, agent=agent)
-    line = ("UserError: ranks 1-2: this host's name 'gpu-07' resolves to the "
+    line = ("RanksError: ranks 1-2: this host's name 'gpu-07' resolves to the "
             "loopback address 127.0.1.1")
     assert [text for text, _ in results] == [line] * 4
     assert max(seconds for _, seconds in results) < 60  # not the 120 s timeout
@@ -126,7 +126,7 @@ def test_a_rank_with_a_problem_stops_every_rank_with_the_same_line_at_once(agent
 def test_distinct_problems_are_each_named_with_their_ranks() -> None:
     problems = {0: "first problem", 2: "second problem\nits details"}
     results = _ranks(_join, 3, problems, 30.0, agent=False)
-    line = "UserError: rank 0: first problem; rank 2: second problem"
+    line = "RanksError: rank 0: first problem; rank 2: second problem"
     assert [text for text, _ in results] == [line] * 3
 
 
@@ -154,13 +154,13 @@ def test_a_rank_that_arrives_late_hears_who_was_missing_from_the_first_to_give_u
 
 def test_problems_and_a_missing_rank_are_named_together() -> None:
     results = _ranks(_absent, 3, 2, 3.0, {1: "a problem"}, agent=True)
-    line = "UserError: rank 1: a problem; rank(s) 2 had not arrived at the timeout"
+    line = "RanksError: rank 1: a problem; rank(s) 2 had not arrived at the timeout"
     assert [results[0][0], results[1][0]] == [line, line]
 
 
 def test_a_later_launch_on_the_same_agent_store_agrees_afresh() -> None:
     results = _ranks(_two_launches, 2, agent=True)
-    assert results == [["UserError: rank 1: a problem", "ok 2"]] * 2
+    assert results == [["RanksError: rank 1: a problem", "ok 2"]] * 2
 
 
 @pytest.mark.parametrize("problems", [{}, {1: "a problem"}], ids=["none", "one"])
@@ -169,6 +169,14 @@ def test_the_store_server_without_libuv_wakes_the_ranks_at_once(problems: dict[i
     """USE_LIBUV=0: rank 0 serves the older store, which does not wake a waiting rank at a
     compare_set; the ranks still agree at once, not at the 30 s timeout."""
     results = _ranks(_join, 3, problems, 30.0, None, 0, False, agent=False)
-    expected = "ok 3" if not problems else "UserError: rank 1: a problem"
+    expected = "ok 3" if not problems else "RanksError: rank 1: a problem"
     assert [text for text, _ in results] == [expected] * 3
     assert max(seconds for _, seconds in results) < 15
+
+
+def test_a_rank_that_cannot_reach_the_store_stops_with_its_own_problem() -> None:
+    from megatron_het.training.launch import stop_together
+
+    env = LaunchEnv(1, 2, 1, "127.0.0.1", free_port(), local_world_size=2)
+    error = stop_together(env, datetime.timedelta(seconds=1), "data file /d.idx does not exist")
+    assert str(error) == "rank 1: data file /d.idx does not exist" and error.ranks == (1,)

@@ -327,6 +327,25 @@ def test_a_rank_records_its_own_error_only_under_a_supervisor(tmp_path: pathlib.
     assert read_failure(tmp_path)["line"] == "rank 3: exited with status 2"
 
 
+def test_an_error_every_rank_raises_alike_is_recorded_with_the_ranks_it_names(
+        tmp_path: pathlib.Path) -> None:
+    """A start-up problem agreed by every rank: whichever rank records it first, the record
+    names the ranks with the problem and its line once."""
+    from megatron_het.errors import RanksError
+    from megatron_het.training.supervisor import RECORD_ERRORS_VAR, record_own_error
+
+    argv = ["--model", "tiny", "--save", str(tmp_path)]
+    env = {"RANK": "0", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job-0",
+           RECORD_ERRORS_VAR: "1"}
+    line = "ranks 2-3: data file /d.idx does not exist"
+    assert record_own_error(argv, env, RanksError(line, (2, 3)))
+    record = read_failure(tmp_path)
+    assert record["failed"] == [2, 3] and record["line"] == line and record["lost_ranks"] == []
+    assert record_own_error(argv, {**env, "TORCHELASTIC_RUN_ID": "job-1"},
+                            RanksError("every rank's problem"))
+    assert read_failure(tmp_path)["failed"] == [0, 1, 2, 3]
+
+
 def test_a_node_supervisor_stops_at_once_when_the_run_failed_on_its_own(
         tmp_path: pathlib.Path) -> None:
     from megatron_het.training.supervisor import NodeLaunch, supervise_node

@@ -182,7 +182,7 @@ def agree_at_start(store: Any, env: LaunchEnv, problem: Optional[str],
 
     The last rank to arrive, or the first to wait ``timeout`` since it arrived, settles the
     outcome for all (one key, set once): every rank then stops, or goes on, together. Ranks
-    missing at the timeout are named in a :class:`StartupError` (in the UserError, after the
+    missing at the timeout are named in a :class:`StartupError` (in the RanksError, after the
     problems, where there are any). Keys are per job and launch (``env.run_id``,
     ``env.restart_count``, as the launch scripts' static rendezvous and the elastic
     supervisors keep them distinct): torchrun's agent store outlives a launch."""

@@ -264,6 +264,10 @@ def test_a_heterogeneous_slurm_job_runs_one_step_per_component() -> None:
         "+ srun --het-group=1 --nodes=4 --ntasks=4 --ntasks-per-node=1"]
     assert all(step.endswith("scripts/h200_mi300x/pretrain_llama_70b.sh") for step in steps)
     assert 'declare -x NODE_ORDER="h200-1 h200-2 mi-1 mi-2 mi-3 mi-4"' in result.stdout
+    reordered = "mi-1 h200-2 h200-1 mi-2 mi-3 mi-4"  # given: the same hosts, kept as given
+    result = _run(_script("h200_mi300x"), **{**_NODE, "MASTER_ADDR": "", "PRINT_ONLY": "1",
+                                            **_HET_JOB, "NODE_ORDER": reordered})
+    assert result.returncode == 0 and "--het-group=1" in result.stdout, result.stderr
     env, cmd = _print_only("h200_mi300x", HET_SLURM_NODE="1", SLURMD_NODENAME="mi-1",
                            NODE_ORDER="h200-1 h200-2 mi-1 mi-2 mi-3 mi-4",
                            **{**_HET_JOB, "MASTER_ADDR": ""})
@@ -359,6 +363,9 @@ _NODE = {"NODE_RANK": "0", "MASTER_ADDR": "n0", "DATA_PATH": "/d", "CHECKPOINT_D
      "the heterogeneous job's 2 components have 4 nodes (2 2) but cluster h200_mi300x.yaml "
      "needs 6"),
     ({**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_1": ""}, "SLURM_JOB_NODELIST_HET_GROUP_1 is not"),
+    ({**_HET_JOB, "NODE_ORDER": "h200-1 h200-2 mi-1 mi-2 mi-3 mi-9"},
+     "NODE_ORDER (h200-1 h200-2 mi-1 mi-2 mi-3 mi-9) does not list the heterogeneous job's "
+     "hosts (h200-1 h200-2 mi-1 mi-2 mi-3 mi-4)"),
     ({**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_0": "a,b,c", "SLURM_JOB_NODELIST_HET_GROUP_1":
       "d,e,f"}, "component 0 ends at node 3 of cluster h200_mi300x.yaml, inside a run of nodes "
      "of one kind (runs of 2 4 nodes"),

@@ -187,9 +187,10 @@ Variables:
                    of its first node group)
   NODE_ORDER       Slurm: the allocation's hosts in the cluster file's node order ("a1 a2 m1",
                    "a1,a2,m1" or "a[1-2],m1"); each node task takes its place in it as NODE_RANK
-                   and its first host as MASTER_ADDR. Without it Slurm's node order is used,
-                   and a job whose nodes come in another order stops at start-up (each rank
-                   checks its device against the kind the cluster file gives it)
+                   and its first host as MASTER_ADDR. Without it Slurm's node order is used
+                   (a heterogeneous job's: its components' hosts in order), and a job whose
+                   nodes come in another order stops at start-up (each rank checks its device
+                   against the kind the cluster file gives it)
   CLUSTER, PLAN    override $HET_CLUSTER / $HET_PLAN
   BRIDGE           relay | direct (default $HET_BRIDGE)
   TRAIN_ITERS, LR_WARMUP_ITERS, SEED, SPLIT   run length, warm-up, seed, data split
@@ -382,7 +383,12 @@ het_slurm_components() {
     if [ -z "${NODE_ORDER:-}" ]; then
         NODE_ORDER="${hosts# }"
         export NODE_ORDER
+        return
     fi
+    local given
+    given="$(het_hostnames "$NODE_ORDER")" || exit 2
+    [ "$(sort <<< "$given")" = "$(tr ' ' '\n' <<< "${hosts# }" | sort)" ] \
+        || het_die "NODE_ORDER ($NODE_ORDER) does not list the heterogeneous job's hosts (${hosts# }); list each of them once, in the cluster file's order, or leave NODE_ORDER unset to take the components' order"
 }
 
 # Send signal $1 to the steps of het_run_steps still running (its pids and ended).

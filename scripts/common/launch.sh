@@ -292,11 +292,20 @@ het_node_env() {
 # Run (or, with PRINT_ONLY=1, print) a command, listing the variables this script exported.
 het_exec() {
     if [ "${PRINT_ONLY:-0}" = 1 ]; then
-        comm -13 <(printf '%s\n' "$HET_ENV_BEFORE") <(export -p | sort)
-        printf '+'; printf ' %q' "$@"; printf '\n'
+        het_show_env
+        het_show_command "$@"
         exit 0
     fi
     exec "$@"
+}
+
+# PRINT_ONLY's output: the variables this script exported or changed, and a command line.
+het_show_env() {
+    comm -13 <(printf '%s\n' "$HET_ENV_BEFORE") <(export -p | sort)
+}
+
+het_show_command() {
+    printf '+'; printf ' %q' "$@"; printf '\n'
 }
 
 # The host names of a Slurm host list ("gpu[01-02] mi[01-04]", or names separated by commas
@@ -340,12 +349,7 @@ het_slurm_fanout() {
         het_exec srun --nodes="$HET_NNODES" --ntasks="$HET_NNODES" --ntasks-per-node=1 \
             "${task[@]}"
     fi
-    local -a steps=()
-    local i
-    for i in "${!counts[@]}"; do
-        steps+=("srun --het-group=$i --nodes=${counts[$i]} --ntasks=${counts[$i]} --ntasks-per-node=1")
-    done
-    het_run_steps "${#task[@]}" "${task[@]}" "${steps[@]}"
+    het_run_steps "${counts[*]}" "${task[@]}"
 }
 
 # A heterogeneous job's components: HET_COMPONENT_NODES (each one's node count), and, unless
@@ -399,22 +403,20 @@ het_signal_steps() {
     done
 }
 
-# Run one srun step per component at once: het_run_steps N TASK(N words) STEP... where each
-# STEP is an srun command line before TASK. A plain job stops the other steps when one fails
-# (as --kill-on-bad-exit does inside a step); an elastic one lets them go on. Exits with the
-# first failed step's status, else 0.
+# Run one srun step per component at once: het_run_steps "N0 N1 ..." TASK..., where Ni is
+# component i's node count and TASK what its step runs (srun options, then the command). A
+# plain job stops the other steps when one fails (as --kill-on-bad-exit does inside a step);
+# an elastic one lets them go on. Exits with the first failed step's status, else 0.
 het_run_steps() {
-    local n="$1"
+    local -a counts
+    read -r -a counts <<< "$1"
     shift
-    local -a task=("${@:1:$n}")
-    shift "$n"
-    local step
+    local i
     if [ "${PRINT_ONLY:-0}" = 1 ]; then
-        comm -13 <(printf '%s\n' "$HET_ENV_BEFORE") <(export -p | sort)
-        for step in "$@"; do
-            local -a words
-            read -r -a words <<< "$step"
-            printf '+'; printf ' %q' "${words[@]}" "${task[@]}"; printf '\n'
+        het_show_env
+        for i in "${!counts[@]}"; do
+            het_show_command srun --het-group="$i" --nodes="${counts[$i]}" \
+                --ntasks="${counts[$i]}" --ntasks-per-node=1 "$@"
         done
         exit 0
     fi
@@ -428,10 +430,9 @@ het_run_steps() {
         # shellcheck disable=SC2064
         trap "het_signal_steps $sig" "$sig"
     done
-    for step in "$@"; do
-        local -a words
-        read -r -a words <<< "$step"
-        "${words[@]}" "${task[@]}" &
+    for i in "${!counts[@]}"; do
+        srun --het-group="$i" --nodes="${counts[$i]}" --ntasks="${counts[$i]}" \
+            --ntasks-per-node=1 "$@" &
         pids+=("$!")
     done
     # Poll the steps (wait -n needs bash 4.3): a step no longer among the running jobs ended.

@@ -2,6 +2,9 @@
 #   make demo   train a small Llama on a packaged corpus (emulated CPU cluster)
 #   make test   run the whole test suite
 #   make test-fast  unit tests and in-process CLI checks (no slow or multi-process tests)
+#   make test-gpu   the tests marked gpu, with the GPU visible (every other session hides it,
+#                   since its tests fork workers: tests/conftest.py); make test runs it after the
+#                   rest where torch is built for CUDA/ROCm
 #   make gpu-check  the prepared GPU check (scripts/gpu_check.sh; GPU rows SKIP without one)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,7 +16,7 @@ XDIST := -n $(TEST_WORKERS) --dist worksteal
 # package and the test modules again, seconds each.
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
-.PHONY: setup demo test test-fast gpu-check
+.PHONY: setup demo test test-fast test-gpu gpu-check
 
 setup:
 	@VENV=$(VENV) bash scripts/setup_env.sh
@@ -23,6 +26,12 @@ demo: setup
 
 test: setup
 	$(PYTEST) -q $(XDIST) $(PYTEST_ARGS)
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.backends.cuda.is_built())"; then \
+		$(MAKE) --no-print-directory test-gpu; fi
+
+# (pytest's status 5: PYTEST_ARGS selected no GPU test)
+test-gpu: setup
+	MEGATRON_HET_TEST_GPU=1 $(PYTEST) -q tests/gpu $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-fast: setup
 	$(PYTEST) -q $(XDIST) -m "not slow and not distributed and not gpu" $(PYTEST_ARGS)

@@ -1,10 +1,41 @@
+import json
 import os
 import pathlib
 
+from megatron_het.perf.measure_procs import HIDING_VARIABLES
+
 # Where some code still asks torch.cuda.is_available(), torch answers from NVML (it reads this
-# variable at every call), which leaves the CUDA driver uninitialised in this process, so the
-# workers forked later can still use CUDA. The GPU probe below does not rely on it.
+# variable at every call), which leaves the CUDA driver uninitialised in this process. The GPU
+# probe below does not rely on it.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+# Two sessions on a GPU host. A process that forks workers (tests/distributed, the
+# measurements) must not use a GPU: once CUDA is initialised, or once any backward pass has run
+# with a device visible (autograd then starts its per-device threads), a forked child cannot
+# run torch code. So every session hides the GPUs from its processes, and the tests run on the
+# CPU as on a machine without one, except the GPU session (MEGATRON_HET_TEST_GPU=1, ``make
+# test-gpu``), which keeps them visible and runs only the tests marked gpu.
+GPU_SESSION_VARIABLE = "MEGATRON_HET_TEST_GPU"
+GPU_SESSION = os.environ.get(GPU_SESSION_VARIABLE) == "1"
+# The hiding variables as the session found them (kept for pytest-xdist's workers, which
+# inherit the hidden ones), to tell "hidden" from "absent" in the GPU tests' skip reason.
+HIDDEN_VARIABLE = "MEGATRON_HET_TEST_HIDDEN"
+if not GPU_SESSION:
+    os.environ.setdefault(HIDDEN_VARIABLE, json.dumps({n: os.environ.get(n)
+                                                       for n in HIDING_VARIABLES}))
+    for _name in HIDING_VARIABLES:
+        os.environ[_name] = ""
+
+
+def unhidden_environ() -> dict:
+    """This process's environment with the hiding variables as the session found them."""
+    env = dict(os.environ)
+    for name, value in json.loads(env.get(HIDDEN_VARIABLE, "{}")).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -29,10 +60,23 @@ def pytest_collection_modifyitems(config, items):
         if GPU in parents:  # everything under tests/gpu/ needs a device
             item.add_marker(pytest.mark.gpu)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if GPU_SESSION:
+        only_gpu = pytest.mark.skip(reason=f"{GPU_SESSION_VARIABLE}=1 runs the tests marked gpu "
+                                           "only")
+        for item in items:
+            if item.get_closest_marker("gpu") is None:
+                item.add_marker(only_gpu)
     # Decided without initialising CUDA here (see tests/gpu/__init__.py); asked only when a
     # selected test needs a device.
-    if not gpu_items or device_present():
+    if not gpu_items:
         return
-    skip_gpu = pytest.mark.skip(reason="no CUDA/ROCm device present")
+    if GPU_SESSION and device_present():
+        return
+    if not GPU_SESSION and device_present(environ=unhidden_environ()):
+        why = ("the GPUs are hidden from this session, whose tests fork workers; make test-gpu "
+               f"({GPU_SESSION_VARIABLE}=1) runs the GPU tests")
+    else:
+        why = "no CUDA/ROCm device present"
+    skip_gpu = pytest.mark.skip(reason=why)
     for item in gpu_items:
         item.add_marker(skip_gpu)

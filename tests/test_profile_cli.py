@@ -3,18 +3,23 @@ comparison of its table and JSON line, one-line errors (in this process). Every 
 ``--device cpu``: on a GPU host the default would measure the GPU (and initialise CUDA here)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_het.cluster.accelerators import AcceleratorRegistry
+from megatron_het.config import model_preset
 from megatron_het.errors import run_cli
 from megatron_het.perf.calibration import efficiency_for
-from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time
+from megatron_het.perf.cost_model import (EAGER_ELEMENTWISE_TRAFFIC, LayerShape,
+                                          layer_forward_ops, ops_time)
 from megatron_het.perf.profile import LayerEntry, Profile, ProfileConditions
+from megatron_het.perf.profiler import KernelRow, kernel_breakdown, layer_case, rank_stage
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "tools" / "profile_device.py")
@@ -98,8 +103,12 @@ def test_roofline_rows_set_the_cost_model_next_to_the_measurement(accelerator: s
     spec = AcceleratorRegistry.builtin().get(accelerator)
     for row, entry in zip(rows, entries[::-1]):
         shape = LayerShape(256, 688, 8, 4, entry.seq, 2, 1)
-        forward, backward = ops_time(layer_forward_ops(shape), spec, "bf16",
-                                     efficiency_for(spec))  # H100's calibrated factors
+        # H100's calibrated factors, for the eager layers a profile measures
+        efficiency = efficiency_for(spec)
+        if accelerator == "H100":
+            efficiency = dataclasses.replace(efficiency,
+                                             elementwise_traffic=EAGER_ELEMENTWISE_TRAFFIC)
+        forward, backward = ops_time(layer_forward_ops(shape), spec, "bf16", efficiency)
         assert (row["roofline_forward_s"], row["roofline_backward_s"]) == (forward, backward)
         assert row["forward_ratio"] == pytest.approx(entry.forward_s / forward)
         assert row["backward_ratio"] == pytest.approx(entry.backward_s / backward)
@@ -131,3 +140,39 @@ def test_json_line_carries_the_roofline_comparison(tmp_path: pathlib.Path,
     assert (row["seq"], row["micro_batch"], row["tp"]) == (16, 1, 1)
     assert row["forward_ratio"] == pytest.approx(row["forward_s"] / row["roofline_forward_s"])
     assert any(line.lstrip().startswith("64 ") and "x" in line for line in lines)  # the table
+
+
+def test_kernels_flag_breaks_each_layer_case_down(tmp_path: pathlib.Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    profile_device.main(["--model", "tiny", "--seq-lengths", "16", "--micro-batch-sizes",
+                         "1,2", "--tp", "1", "--warmup", "0", "--iters", "1", "--device", "cpu",
+                         "--out", str(tmp_path), "--kernels", "3"])
+    out = capsys.readouterr().out
+    tables = out.split("kernels of one layer forward + backward: ")[1:]
+    assert [t.splitlines()[0] for t in tables] == ["tp=1 mb=1 seq=16 fp32",
+                                                  "tp=1 mb=2 seq=16 fp32"]
+    for table in tables:
+        lines = table.strip().splitlines()
+        assert lines[1].split()[:1] == ["ms/pass"] and len(lines) == 2 + 3 + 2
+        times = [float(line.split()[0]) for line in lines[2:5]]
+        assert times == sorted(times, reverse=True) and times[0] > 0  # most time first
+        assert "device idle: pass" in lines[-1]
+
+
+def test_kernel_breakdown_finds_the_layers_matrix_products() -> None:
+    stage = rank_stage(model_preset("tiny"), 1, (0, 1), False, False, torch.device("cpu"), 1)
+    case = layer_case(stage, 16, 2, 1, "fp32", torch.device("cpu"))
+    rows, pass_s = kernel_breakdown(case, torch.device("cpu"), iters=2)
+    names = {row.name: row for row in rows}
+    assert pass_s > 0 and "aten::mm" in names
+    assert names["aten::mm"].calls >= 5 * 2  # forward and input gradient of each linear
+    assert [row.seconds for row in rows] == sorted((row.seconds for row in rows), reverse=True)
+
+
+def test_kernel_table_sums_the_rest_and_the_idle_time() -> None:
+    rows = [KernelRow("gemm", 3.0, 0.004), KernelRow("norm", 2.0, 0.002),
+            KernelRow("rope", 1.0, 0.001)]
+    lines = profile_device.kernel_table(rows, 0.010, 2).splitlines()
+    assert lines[1].split()[:3] == ["4.000", "40.0%", "3.0"] and lines[1].endswith("gemm")
+    assert lines[3].split()[:2] == ["1.000", "10.0%"] and "(1 other kernels)" in lines[3]
+    assert lines[4].split()[:2] == ["3.000", "30.0%"]  # 10 ms pass, 7 ms of kernels

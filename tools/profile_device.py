@@ -31,11 +31,12 @@ from megatron_het.emulation.host_measure import (measure_host_collective,  # noq
 from megatron_het.errors import UserError, run_cli  # noqa: E402
 from megatron_het.model_args import add_model_shape_args, model_config_from_args  # noqa: E402
 from megatron_het.parallel.plan_validation import valid_tp_sizes  # noqa: E402
-from megatron_het.perf.calibration import efficiency_for  # noqa: E402
+from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency  # noqa: E402
 from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time  # noqa: E402
 from megatron_het.perf.profile import Profile, merge_profiles  # noqa: E402
-from megatron_het.perf.profiler import (PROFILE_DTYPES, Sweep, default_accelerator,  # noqa: E402
-                                        profile_device)
+from megatron_het.perf.profiler import (PROFILE_DTYPES, KernelRow, Sweep,  # noqa: E402
+                                        default_accelerator, kernel_breakdown, layer_case,
+                                        profile_device, rank_stage)
 
 PROG = "tools/profile_device.py"
 DESCRIPTION = """\
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "computing at once on this host, and one TP collective's wall and CPU "
                         "time between two computing processes (CPU runs only; for "
                         "CPU-emulated clusters, where ranks share the host)")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also print the N kernels taking the most device time in one forward "
+                        "+ backward pass of each layer case (torch.profiler), and how much of "
+                        "the pass the device sat idle")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", action="store_true",
                    help="print a JSON summary line last (conditions, measured and roofline "
@@ -127,9 +132,10 @@ def roofline_rows(profile: Profile,
                   registry: Optional[AcceleratorRegistry] = None) -> list[dict[str, Any]]:
     """The profile's layer entries (sorted by shape), each with its cost-model roofline times
     (:func:`~megatron_het.perf.cost_model.ops_time` of the layer's kernels on the profile's
-    kind, with the kind's efficiency factors, calibrated where it has them: the predictor's
-    estimate without a profile) and measured / roofline ratios; None for a kind ``registry``
-    does not know."""
+    kind, with the kind's efficiency factors, calibrated where it has them, for the eager
+    layers a profile measures: the predictor's estimate of an eager run without a profile,
+    :func:`~megatron_het.perf.calibration.layer_efficiency`) and measured / roofline ratios;
+    None for a kind ``registry`` does not know."""
     registry = registry or AcceleratorRegistry.builtin()
     spec = registry.get(profile.accelerator) if profile.accelerator in registry else None
     rows = []
@@ -139,8 +145,9 @@ def roofline_rows(profile: Profile,
                                "roofline_backward_s": None, "forward_ratio": None,
                                "backward_ratio": None}
         if spec is not None:
+            efficiency = resolve_efficiency(spec, layer_efficiency(spec, e.dtype, False))
             forward, backward = ops_time(layer_forward_ops(e.shape()), spec, e.dtype,
-                                         efficiency_for(spec))
+                                         efficiency)
             row.update(roofline_forward_s=forward, roofline_backward_s=backward,
                        forward_ratio=e.forward_s / forward, backward_ratio=e.backward_s / backward)
         rows.append(row)
@@ -191,9 +198,46 @@ def with_host_figures(profile: Profile, model: ModelConfig,
     return dataclasses.replace(profile, host_sharing=sharing, host_collective_s=collective)
 
 
+def kernel_table(rows: Sequence[KernelRow], pass_s: float, top: int) -> str:
+    """The ``top`` rows of a :func:`kernel_breakdown` with their share of the pass, then the
+    rest summed and the idle time."""
+    busy = sum(row.seconds for row in rows)
+    lines = [f"{'ms/pass':>8}  {'share':>6}  {'calls':>6}  kernel"]
+    for row in rows[:top]:
+        lines.append(f"{row.seconds * 1e3:8.3f}  {row.seconds / pass_s:6.1%}  {row.calls:6.1f}  "
+                     f"{row.name[:110]}")
+    rest = sum(row.seconds for row in rows[top:])
+    lines.append(f"{rest * 1e3:8.3f}  {rest / pass_s:6.1%}  {'':6}  ({max(0, len(rows) - top)} "
+                 "other kernels)")
+    lines.append(f"{max(0.0, pass_s - busy) * 1e3:8.3f}  {max(0.0, pass_s - busy) / pass_s:6.1%}"
+                 f"  {'':6}  (device idle: pass {pass_s * 1e3:.3f} ms, kernels "
+                 f"{busy * 1e3:.3f} ms)")
+    return "\n".join(lines)
+
+
+def print_kernel_breakdowns(model: ModelConfig, sweep: Sweep, device: torch.device,
+                            top: int) -> None:
+    """:func:`kernel_breakdown` of the first layer at every (seq, micro-batch, tp) of the
+    sweep, as :func:`kernel_table`."""
+    for tp in sweep.tp_sizes:
+        stage = rank_stage(model, tp, (0, 1), False, False, device, sweep.seed, sweep.dtype)
+        for seq in sweep.seq_lengths:
+            for micro_batch in sweep.micro_batch_sizes:
+                case = layer_case(stage, seq, micro_batch, tp, sweep.dtype, device)
+                rows, pass_s = kernel_breakdown(case, device)
+                print(f"\nkernels of one layer forward + backward: tp={tp} mb={micro_batch} "
+                      f"seq={seq} {sweep.dtype}", flush=True)
+                if not rows:
+                    print(f"torch.profiler recorded no kernel on {device.type} (only CUDA and "
+                          "ROCm kernels and CPU operators are read)", flush=True)
+                    continue
+                print(kernel_table(rows, pass_s, top), flush=True)
+
+
 def main(argv: Sequence[str]) -> Path:
     args = build_parser().parse_args(list(argv))
     for flag, value, low in (("--warmup", args.warmup, 0), ("--iters", args.iters, 1),
+                             ("--kernels", args.kernels, 0),
                              ("--threads", args.threads or 1, 1)):
         if value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}")
@@ -234,6 +278,8 @@ def main(argv: Sequence[str]) -> Path:
     rows = roofline_rows(profile)
     print(layer_table(rows))
     print(f"wrote {path} in {time.perf_counter() - start:.1f} s")
+    if args.kernels > 0:
+        print_kernel_breakdowns(model, sweep, device, args.kernels)
     if args.json:
         print(json.dumps({"profile": str(path), "accelerator": accelerator,
                           "device": str(device),

@@ -178,6 +178,9 @@ class UnifiedProcessGroup(dist.ProcessGroup):
             dst.copy_(src)
         return _DoneWork([output])
 
+    # the name torch.distributed's all_to_all_single calls before torch 2.13
+    alltoall_base = all_to_all_single
+
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
         self.flush()
         root = self._global(opts.rootRank if opts is not None else 0)

@@ -38,8 +38,9 @@ class Options:
     ``cpu_only``: the GPU is hidden on purpose, so a missing device is a SKIP, not a FAIL.
     ``pair_kind`` is the accelerator of the pair's first rank (H200 on the GPU host; "cpu" runs
     the pair's logic without a GPU, for development). ``mfu_micro_batch`` is the first
-    micro-batch size the MFU run tries (halved on out-of-memory); ``mfu_flags`` are extra
-    ``pretrain_llama.py`` flags for it (e.g. flags that are added later).
+    micro-batch size the MFU runs try (halved on out-of-memory); ``mfu_flags`` are extra
+    ``pretrain_llama.py`` flags for both (``--compile`` among them leaves the compiled run
+    alone).
     """
 
     cpu_only: bool = False

@@ -9,6 +9,10 @@ Runs (each under its own timeout; independent ones at the same time):
 - ``dp``: the dp=2 plan (one pipeline per kind) with ``--use-distributed-optimizer``,
   ``--overlap-grad-reduce`` and ``--overlap-param-gather``.
 
+While the second wave (``pp_resume`` and ``dp``, two pairs) runs, NVML is sampled for the
+processes holding a context on the GPU (:mod:`megatron_het.gpucheck.gpu_processes`): the
+pairs' CPU ranks (local rank 1) must hold none (``mixed.cpu-context``).
+
 Tolerances. The CPU and the GPU sum in different orders (blocked GEMMs, SDPA kernels), so the
 fp32 losses of a pair cannot be expected to equal a one-device run bit for bit: a forward pass
 differs in the ~1e-7 relative range, and training with Adam lets such differences grow. As in
@@ -21,7 +25,9 @@ agree far closer (1e-5; equal unless a kernel is non-deterministic).
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import time
 from typing import Callable, Optional
 
 import torch
@@ -32,10 +38,11 @@ from megatron_het.data.tokenizer import build_tokenizer
 from megatron_het.errors import UserError
 from megatron_het.gpucheck.context import REPO, CheckContext
 from megatron_het.gpucheck.device_checks import skip_all
+from megatron_het.gpucheck.gpu_processes import GpuProcessWatch, nvml
 from megatron_het.gpucheck.metrics_file import compare_losses, losses
 from megatron_het.gpucheck.pair_files import (GLOBAL_BATCH, MICRO_BATCH, PairFiles,
                                               load_and_validate, pair_files)
-from megatron_het.gpucheck.report import FAIL, PASS, status_of
+from megatron_het.gpucheck.report import FAIL, PASS, SKIP, status_of
 from megatron_het.gpucheck.runner import CommandResult, run_parallel
 
 HALF = 4  # N: the resume run stops at N and resumes to 2N
@@ -61,7 +68,8 @@ def pair_model_config() -> ModelConfig:
 
 
 def check_mixed_pair(ctx: CheckContext) -> None:
-    """Rows ``mixed.files``, ``mixed.reference``, ``mixed.pp``, ``mixed.resume``, ``mixed.dp``."""
+    """Rows ``mixed.files``, ``mixed.reference``, ``mixed.pp``, ``mixed.resume``, ``mixed.dp``,
+    ``mixed.cpu-context``."""
     kind = ctx.options.pair_kind
     files = pair_files(kind, ctx.work / "files")
     try:
@@ -97,7 +105,15 @@ def check_mixed_pair(ctx: CheckContext) -> None:
     _compare(ctx, "mixed.pp", f"pp=2 {kind}+cpu vs single process", metrics("pp_full"), ref,
              [results["pp_full"], results["ref_gpu"]], pair_rtol)
     second = (["pp_resume"] if results["pp_half"].ok else []) + ["dp"]
-    results.update(_wave(ctx, runs, second))
+    module = nvml() if with_cpu_ref else None
+    watch = (GpuProcessWatch(module, ("LOCAL_RANK", RUN_MARKER)).start()
+             if module is not None else None)
+    try:
+        results.update(_wave(ctx, runs, second))
+    finally:
+        seen = watch.stop() if watch is not None else None
+    _cpu_context_row(ctx, seen, watch.samples if watch is not None else 0,
+                     runs["dp"][1][RUN_MARKER], module is None and with_cpu_ref)
     _compare(ctx, "mixed.resume", f"save at {HALF}, resume to {2 * HALF} vs uninterrupted",
              metrics("pp_resume"), metrics("pp_full"),
              [results["pp_half"], results.get("pp_resume"), results["pp_full"]], RESUME_RTOL)
@@ -105,13 +121,44 @@ def check_mixed_pair(ctx: CheckContext) -> None:
              metrics("dp"), ref, [results["dp"], results["ref_gpu"]], pair_rtol)
 
 
-RUN_ROWS = ("mixed.reference", "mixed.pp", "mixed.resume", "mixed.dp")
+RUN_ROWS = ("mixed.reference", "mixed.pp", "mixed.resume", "mixed.dp", "mixed.cpu-context")
+CPU_LOCAL_RANK = 1  # the pair's CPU rank (pair_files: rank 0 on the GPU, rank 1 on the CPU)
+# in the environment of this check's runs (a token of its own), to tell them from other jobs'
+# processes on the host's GPUs
+RUN_MARKER = "MEGATRON_HET_GPU_CHECK_RUN"
+
+
+def _cpu_context_row(ctx: CheckContext, seen: Optional[dict[int, dict[str, str]]],
+                     samples: int, token: str, no_nvml: bool) -> None:
+    """Row ``mixed.cpu-context`` from the processes NVML saw on the GPU during the second
+    wave (``seen``: pid -> its LOCAL_RANK and marker; None: not watched): of this check's
+    runs (marker ``token``), FAIL where a pair's CPU rank held a context, PASS where only the
+    GPU ranks did, SKIP where NVML cannot tell (missing, or no GPU rank of ours seen, as in
+    a container whose process ids NVML does not share)."""
+    threshold = "the CPU ranks hold no CUDA context"
+    if seen is None:
+        ctx.rows.add("mixed.cpu-context", SKIP, "NVML (pynvml) is not usable here" if no_nvml
+                     else "no GPU rank in this pair", threshold)
+        return
+    ours = [env.get("LOCAL_RANK") for env in seen.values() if env.get(RUN_MARKER) == token]
+    gpu, cpu = ours.count("0"), ours.count(str(CPU_LOCAL_RANK))
+    value = (f"{gpu} GPU rank(s) and {cpu} CPU rank(s) of the pairs on the GPU over {samples} "
+             f"samples ({len(seen)} processes seen)")
+    if cpu:
+        ctx.rows.add("mixed.cpu-context", FAIL, value, threshold, processes=seen)
+    elif not gpu:
+        ctx.rows.add("mixed.cpu-context", SKIP, f"cannot tell: {value}", threshold)
+    else:
+        ctx.rows.add("mixed.cpu-context", PASS, value, threshold)
+
+
 _METRICS = ("ref_gpu", "ref_cpu", "pp_full", "pp_resume", "dp")  # metrics files, work/NAME.jsonl
 
 
 def _runs(ctx: CheckContext, files: PairFiles) -> dict[str, tuple[list[str], dict]]:
     """The sub-runs (module docstring): name -> (argv, environment)."""
-    env = {**ctx.env, "OMP_NUM_THREADS": THREADS}
+    env = {**ctx.env, "OMP_NUM_THREADS": THREADS,
+           RUN_MARKER: f"{os.getpid()}-{time.monotonic_ns()}"}
     metrics = {name: str(ctx.work / f"{name}.jsonl") for name in _METRICS}
     single = [ctx.python, str(REPO / "pretrain_llama.py"), *MODEL_FLAGS, *TRAIN_FLAGS,
               "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH)]

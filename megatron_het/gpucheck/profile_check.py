@@ -4,9 +4,10 @@ against its roofline.
 The peak roofline of a layer entry is :func:`megatron_het.perf.cost_model.ops_time` of its
 kernels at 100% of the kind's datasheet peak and bandwidth (causal attention counted at half its
 S x S work, as the cost model does); a row shows roofline time / measured time ("40% of
-roofline"). The cost model's estimate is the same with the kind's efficiency factors (the
-calibrated ones where the kind has them, :func:`~megatron_het.perf.calibration.efficiency_for`:
-what the predictor uses without a profile, and the roofline column the tool prints);
+roofline"). The cost model's estimate is the same with the kind's efficiency factors for the
+eager layers the tool measures (the calibrated ones where the kind has them, with the eager
+elementwise traffic: :func:`~megatron_het.perf.calibration.layer_efficiency`, what the
+predictor uses for an eager run without a profile, and the roofline column the tool prints);
 measured / estimate ("x1.30 est.") says how far the predictor is off. The rows are a record (PASS when the tool ran
 and wrote entries); the tool's printed layer table is kept in the details.
 """
@@ -22,11 +23,11 @@ from megatron_het.errors import UserError
 from megatron_het.gpucheck.context import REPO, CheckContext
 from megatron_het.gpucheck.device_checks import skip_all
 from megatron_het.gpucheck.report import FAIL, PASS
-from megatron_het.perf.calibration import efficiency_for
+from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
 from megatron_het.perf.cost_model import Efficiency, layer_forward_ops, ops_time
 from megatron_het.perf.profile import LayerEntry, Profile
 
-RUN_S = 45.0
+RUN_S = 35.0
 PEAK = Efficiency(gemm=1.0, attention=1.0, memory=1.0)
 SHAPE_FLAGS = ["--num-layers", "22", "--hidden-size", "2048", "--ffn-hidden-size", "5632",
                "--num-attention-heads", "16", "--num-query-groups", "4", "--vocab-size", "32000"]
@@ -65,7 +66,8 @@ def roofline_row(entry: LayerEntry, spec: AcceleratorSpec) -> tuple[str, str, di
     ``spec`` at full peak, with the predictor's estimate beside it."""
     ops = layer_forward_ops(entry.shape())
     roof_f, roof_b = ops_time(ops, spec, entry.dtype, PEAK)
-    model_f, model_b = ops_time(ops, spec, entry.dtype, efficiency_for(spec))
+    eager = resolve_efficiency(spec, layer_efficiency(spec, entry.dtype, False))
+    model_f, model_b = ops_time(ops, spec, entry.dtype, eager)
     name = f"profile.layer.s{entry.seq}-b{entry.micro_batch}-tp{entry.tp}"
     value = "; ".join(
         f"{part} {measured * 1e3:.3g} ms ({roof / measured:.0%} of roofline {roof * 1e3:.3g}, "

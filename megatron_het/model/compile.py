@@ -25,6 +25,7 @@ import torch
 
 from megatron_het.errors import UserError
 from megatron_het.kernels.attention import device_runs_flash
+from megatron_het.kernels.autocast import autocast_available
 from megatron_het.kernels.graph_break import apply_graph_breaks
 from megatron_het.model import rope
 from megatron_het.model.llama import LlamaModel
@@ -138,6 +139,7 @@ def compile_layers(model: LlamaModel, mode: Optional[str] = None) -> None:
                 device_runs_flash(layer.attention.proj.weight.device, layer.attention.head_dim)
                 break
     _register_traceable_rope()
+    autocast_available(device_type)  # asked now: the compiled graph reads the kept answer
     apply_graph_breaks()  # the TP collectives stay eager
     for layer in model.layers.values():
         layer.compile(mode=mode, fullgraph=fullgraph, dynamic=False)

@@ -81,7 +81,8 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from megatron_het.cluster import AcceleratorSpec
-from megatron_het.perf.cost_model import DEFAULT_EFFICIENCY, MEMORY_EFFICIENCY, Efficiency
+from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, EAGER_ELEMENTWISE_TRAFFIC,
+                                          MEMORY_EFFICIENCY, Efficiency)
 
 # A100 dense FP16/BF16 peak (TFLOP/s), the figure the published kernel speeds are shares of.
 A100_PEAK_TFLOPS = 312.0
@@ -152,6 +153,29 @@ def efficiency_for(spec: AcceleratorSpec) -> Efficiency:
 def resolve_efficiency(spec: AcceleratorSpec, efficiency: Optional[Efficiency]) -> Efficiency:
     """``efficiency`` if given (an explicit override), else :func:`efficiency_for` ``spec``."""
     return efficiency_for(spec) if efficiency is None else efficiency
+
+
+# Where the eager layers' elementwise traffic was measured: bf16 (and fp16, the same kernels)
+# on a CUDA/ROCm GPU. fp32 has no dtype copies, and other kinds run other kernels.
+EAGER_TRAFFIC_DTYPES = ("bf16", "fp16")
+
+
+def layer_efficiency(spec: AcceleratorSpec, dtype: str, fused_elementwise: bool,
+                     efficiency: Optional[Efficiency] = None) -> Optional[Efficiency]:
+    """What prices ``spec``'s decoder layers: ``efficiency`` (None: the kind's calibrated
+    figures, left to the stage costs), or, for the runtime's eager layers
+    (``fused_elementwise`` False: no ``--compile``) on a real CUDA/ROCm kind in bf16 or fp16,
+    those figures with
+    :data:`~megatron_het.perf.cost_model.EAGER_ELEMENTWISE_TRAFFIC` (an ``efficiency`` that
+    sets its own ``elementwise_traffic`` keeps it). CPU and emulated kinds are priced from
+    host profiles and emulation, fused or not."""
+    if (fused_elementwise or spec.emulated or spec.device_type != "cuda"
+            or dtype not in EAGER_TRAFFIC_DTYPES):
+        return efficiency
+    base = resolve_efficiency(spec, efficiency)
+    if base.elementwise_traffic != 1.0:
+        return base
+    return dataclasses.replace(base, elementwise_traffic=EAGER_ELEMENTWISE_TRAFFIC)
 
 
 @dataclass(frozen=True)
@@ -240,5 +264,5 @@ def _solve(augmented: list[list[float]]) -> list[float]:
 __all__ = ["A100_EFFICIENCY", "A100_PEAK_TFLOPS", "BEST_MATMUL_FRACTION", "CALIBRATED",
            "CalibrationFit", "FACTORS", "FLASH_ATTENTION_2_A100_TFLOPS", "H100_EFFICIENCY",
            "MI250X_EFFICIENCY", "MI300X_EFFICIENCY", "carried_gemm",
-           "RunSensitivity", "SINGULAR", "STEP", "efficiency_for", "least_squares",
-           "resolve_efficiency", "sensitivity"]
+           "RunSensitivity", "SINGULAR", "STEP", "EAGER_TRAFFIC_DTYPES", "efficiency_for",
+           "layer_efficiency", "least_squares", "resolve_efficiency", "sensitivity"]

@@ -4,15 +4,14 @@ gloo ranks, fitted to ``time = latency + bytes / bandwidth`` (:func:`measure_com
 """
 from __future__ import annotations
 
-import multiprocessing
 import statistics
 import time
 from typing import Any
 
 import torch
 
-from megatron_het.perf.measure_procs import (free_loopback_port, gloo_pair, report_to_parent,
-                                             run_measurement_processes)
+from megatron_het.perf.measure_procs import (free_loopback_port, gloo_pair, process_context,
+                                             report_to_parent, run_measurement_processes)
 from megatron_het.perf.profile import CommEntry
 
 COMM_SIZES = tuple(4 ** k * 1024 for k in range(7))  # 1 KiB .. 4 MiB
@@ -29,10 +28,9 @@ def measure_comm(sizes: tuple[int, ...] = COMM_SIZES, warmup: int = 2, iters: in
     2 latency + bytes / bandwidth`` to the all-reduce (the predictor's 2-rank ring), through
     the smallest and the largest size. Returned with link kind "intra_node".
     """
-    method = "spawn" if torch.cuda.is_initialized() else "fork"
     port = free_loopback_port()
     (p2p, reduce), = run_measurement_processes(
-        multiprocessing.get_context(method), _comm_worker,
+        process_context(), _comm_worker,
         [(rank, port, sizes, warmup, iters, timeout_s) for rank in range(2)], 1, timeout_s,
         f"the communicator measurement did not finish in {timeout_s} s",
         "communicator measurement failed",

@@ -49,6 +49,13 @@ GEMM_EFFICIENCY = 0.6
 ATTENTION_EFFICIENCY = 0.4
 # Streaming kernels (norms, elementwise, optimizer) reach about 80% of the HBM bandwidth.
 MEMORY_EFFICIENCY = 0.8
+# How many times the fused minimum (one read and one write of each norm, RoPE, SwiGLU and
+# residual add, what compiled layers and Megatron's fused kernels move) the runtime's eager
+# decoder layer moves in its elementwise kernels on a GPU: float32 intermediates of the norms
+# and RoPE, dtype copies, one kernel per operation. Measured on one H200 (torch 2.11, bf16,
+# TinyLlama-1.1B's layer, micro-batch 4, seq 2048; tools/profile_device.py --kernels): 4.25 ms
+# of elementwise kernels per forward + backward against the 0.544 ms this model prices fused.
+EAGER_ELEMENTWISE_TRAFFIC = 7.8
 # A causal kernel skips the masked half of the S x S scores; model FLOPs still count all of it.
 CAUSAL_ATTENTION_WORK = 0.5
 # Flash attention's backward recomputes the scores: about 2.5x the forward work (not 2x).
@@ -80,8 +87,14 @@ class Efficiency:
     attention: float = ATTENTION_EFFICIENCY
     memory: float = MEMORY_EFFICIENCY
     attention_kernel: str = "flash"
+    # the layers' elementwise traffic over the fused minimum (1: fused; eager layers on a GPU:
+    # EAGER_ELEMENTWISE_TRAFFIC), a property of the software like attention_kernel
+    elementwise_traffic: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.elementwise_traffic < 1.0:
+            raise UserError(f"elementwise_traffic is at least 1 (the fused minimum), got "
+                            f"{self.elementwise_traffic:g}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise UserError(f"unknown attention kernel {self.attention_kernel!r}; use "
                             f"{' or '.join(ATTENTION_KERNELS)}")
@@ -405,6 +418,8 @@ def op_time(op: Op, spec: AcceleratorSpec, dtype: str,
     peak = spec.peak_tflops(dtype) * 1e12 * slowdown
     bandwidth = spec.memory_bandwidth_gbps * 1e9 * slowdown * efficiency.memory
     flops, nbytes = op.flops, op.bytes(dtype)
+    if op.name == "elementwise":  # the layers' norms, RoPE, SwiGLU and residual adds
+        nbytes *= efficiency.elementwise_traffic
     if op.kind == "attention":
         flops *= CAUSAL_ATTENTION_WORK * (ATTENTION_BACKWARD_FACTOR if backward else 1.0)
         nbytes *= 2.0 if backward else 1.0

@@ -6,13 +6,14 @@ forked (or spawned) processes. Each worker reports once through a one-way pipe: 
 result)`` or ``("error", traceback text)``; :func:`run_measurement_processes` starts them,
 waits for the reports and cleans up, and :func:`report_to_parent` is the worker's side. :func:`gloo_pair` joins two
 workers into a 2-rank gloo group behind the unified communicator. :func:`process_context` forks
-unless this process has initialised CUDA, whose forked children could not use it.
+where :func:`fork_is_safe` says so, and spawns elsewhere.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import multiprocessing
+import os
 import socket
 import traceback
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -80,14 +81,52 @@ def _bindable(port: int) -> bool:
         return True
 
 
-def process_context() -> Any:
-    """multiprocessing's "fork" context, or its "spawn" context once this process has
-    initialised CUDA (a forked child could not use CUDA then; spawned workers need a
-    module-level target and picklable arguments). ``torch.cuda.is_initialized`` never
-    initialises CUDA itself, so asking is safe on a GPU host."""
+# The variables that hide every GPU from a process when set to the empty string.
+# The variables that hide every GPU from a process when set to the empty string, before the
+# driver is first asked: CUDA's, and ROCm's two (some ROCm releases ignore an empty
+# HIP_VISIBLE_DEVICES; an empty ROCR_VISIBLE_DEVICES hides the devices there).
+HIDING_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+# Device nodes of a host with an NVIDIA or an AMD GPU (a container given one has them too).
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
+
+
+def gpus_hidden(environ: Optional[Any] = None) -> bool:
+    """Whether ``environ`` (default this process's) hides every GPU from torch's build: an
+    empty ``CUDA_VISIBLE_DEVICES`` on a CUDA build; on a ROCm build an empty
+    ``ROCR_VISIBLE_DEVICES``, or empty ``HIP_VISIBLE_DEVICES`` and ``CUDA_VISIBLE_DEVICES``."""
     import torch
 
-    return multiprocessing.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+    env = os.environ if environ is None else environ
+    if torch.version.hip is None:
+        return env.get("CUDA_VISIBLE_DEVICES") == ""
+    return (env.get("ROCR_VISIBLE_DEVICES") == ""
+            or env.get("HIP_VISIBLE_DEVICES") == env.get("CUDA_VISIBLE_DEVICES") == "")
+
+
+def fork_is_safe(environ: Optional[Any] = None) -> bool:
+    """Whether a child forked from this process can run torch code: never once this process
+    has initialised CUDA (the child could not use it), and not on a torch built for CUDA or
+    ROCm with a device visible either. There the first backward pass, even of CPU tensors,
+    starts autograd's per-device threads and marks every later fork as unable to run autograd
+    ("Unable to handle autograd's threading in combination with fork-based multiprocessing").
+    Forking is safe on a CPU-only torch, on a host without GPU device nodes
+    (:data:`GPU_DEVICE_NODES`), and with the devices hidden from this process since its start
+    (:func:`gpus_hidden`). Initialises nothing itself."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return False
+    if not torch.backends.cuda.is_built():
+        return True
+    if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return True
+    return gpus_hidden(environ)
+
+
+def process_context() -> Any:
+    """multiprocessing's "fork" context where :func:`fork_is_safe`, else its "spawn" context
+    (spawned workers need a module-level target and picklable arguments)."""
+    return multiprocessing.get_context("fork" if fork_is_safe() else "spawn")
 
 
 def run_measurement_processes(ctx: Optional[Any], target: Callable[..., None],

@@ -64,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional, Sequence
 
-from megatron_het.cluster import ClusterSpec
+from megatron_het.cluster import AcceleratorSpec, ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB, bucket_size_mb
@@ -76,7 +76,7 @@ from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
                                             closed_form_interleaved, group_sums,
                                             last_backward_ends, lower_bound_1f1b,
                                             lower_bound_interleaved)
-from megatron_het.perf.calibration import resolve_efficiency
+from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
 from megatron_het.perf.comm_cost import CommCost, SyncCost
 from megatron_het.perf.cost_model import (DTYPE_BYTES, FP32_BYTES, Efficiency, LayerShape,
                                           TPCollectives, dtype_bytes, layer_forward_ops,
@@ -110,7 +110,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
             overlap_param_gather: Optional[bool] = None,
             tp_comm_overlap: Optional[bool] = None,
             ddp_bucket_size: Optional[int] = None,
-            scatter_gather_tensors_in_pipeline: bool = False) -> Prediction:
+            scatter_gather_tensors_in_pipeline: bool = False,
+            fused_elementwise: bool = True) -> Prediction:
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
     ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
@@ -124,6 +125,12 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     default: interleaved pipelines overlap their transfers with compute).
     ``ddp_bucket_size`` (``--ddp-bucket-size``: parameters per gradient bucket; None: the
     runtime's default) lays out the buckets whose reductions the DP overlaps start one by one.
+    ``fused_elementwise`` False prices the runtime's eager decoder layers on GPU kinds in
+    bf16/fp16 (``--compile`` off): their elementwise kernels move
+    :data:`~megatron_het.perf.cost_model.EAGER_ELEMENTWISE_TRAFFIC` times the fused minimum
+    (:func:`~megatron_het.perf.calibration.layer_efficiency`; True, the default, prices fused
+    layers, as the calibration's published runs have them; CPU and emulated kinds are priced
+    as before either way). A kind with a measured profile keeps its measured layer times.
     ``scatter_gather_tensors_in_pipeline`` (Megatron-LM 2021's, not a runtime option): the
     boundaries of tp > 1 stages move ``1/tp`` shares as under sequence parallelism, in a plan
     without it (module docstring).
@@ -161,7 +168,8 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     ctx = PredictionContext(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
                             efficiency, comm or CommCost(cluster, profiles), overlap,
                             bf16_reduce, cache, gather_overlap, tp_overlap,
-                            bucket_size_mb(ddp_bucket_size), scatter_gather_tensors_in_pipeline)
+                            bucket_size_mb(ddp_bucket_size), scatter_gather_tensors_in_pipeline,
+                            fused_elementwise)
     overlapped = overlap and ctx.sync.uniform and plan.dp_size > 1
     gathered_under_forward = gather_overlap and ctx.sync.uniform and plan.dp_size > 1
     every = pipelines is None
@@ -227,12 +235,13 @@ class PredictionContext:
                  cache: Optional[SimulationCache] = None,
                  overlap_param_gather: bool = False, tp_comm_overlap: bool = False,
                  bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
-                 scatter_gather: bool = False) -> None:
+                 scatter_gather: bool = False, fused_elementwise: bool = True) -> None:
         self.model, self.plan, self.cluster, self.seq = model, plan, cluster, seq_length
         self.tp_comm_overlap = tp_comm_overlap
         self.bucket_size_mb = bucket_size_mb
         self.profiles, self.dtype, self.zero1 = profiles, dtype, zero1
         self.recompute, self.efficiency, self.comm = recompute, efficiency, comm
+        self.fused_elementwise = fused_elementwise
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.grad_reduce_in_bf16 = grad_reduce_in_bf16
@@ -249,6 +258,11 @@ class PredictionContext:
                    if scatter_gather and not plan.sequence_parallel else plan)
         self.boundaries = BoundaryCost(bounded, comm, self.act_bytes, seq_length)
         self.sync = DPSync(model, plan, dtype, zero1, grad_reduce_in_bf16)
+
+    def efficiency_of(self, spec: AcceleratorSpec) -> Optional[Efficiency]:
+        """What prices ``spec``'s stages (:func:`~megatron_het.perf.calibration.
+        layer_efficiency`: eager layers on GPU kinds when they are not fused)."""
+        return layer_efficiency(spec, self.dtype, self.fused_elementwise, self.efficiency)
 
     def recomputed_layers_of(self, stage: StagePlan) -> int:
         if self.recompute is None:
@@ -267,7 +281,7 @@ class PredictionContext:
             shape = LayerShape.of(self.model, self.seq, self.plan.micro_batch_size, stage.tp)
             choice = choose_profile(spec, self.profiles)
             args = (self.model, spec, shape, stage.num_layers, stage.has_embedding,
-                    stage.has_head, recompute, self.dtype, choice, self.efficiency,
+                    stage.has_head, recompute, self.dtype, choice, self.efficiency_of(spec),
                     sharded, sharded and self.tp_comm_overlap, blocks)
             self._computes[key] = (stage_compute(*args) if self._shared is None
                                    else self._shared.stage_compute(args))

@@ -390,3 +390,45 @@ __all__ = ["COMM_SIZES", "PROFILE_DTYPES", "Case", "ComputeOnlyGroup", "EventTim
            "conditions", "default_accelerator", "device_name", "embedding_case", "head_case",
            "layer_case", "measure_comm", "measure_optimizer_step", "pass_timer",
            "profile_device", "rank_stage", "run_cases"]
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """One kernel (or, on the CPU, one operator) of a breakdown: its name, launches per pass
+    and device seconds per pass (self time: its own work, not its children's)."""
+
+    name: str
+    calls: float
+    seconds: float
+
+
+def kernel_breakdown(case: Case, device: torch.device, iters: int = 3,
+                     warmup: int = 1) -> tuple[list[KernelRow], float]:
+    """Where one forward + backward pass of ``case`` spends its device time, from
+    ``torch.profiler`` over ``iters`` passes after ``warmup`` untimed ones: every kernel that
+    ran on ``device`` (operators on the CPU), most time first, and the pass's time between
+    timing marks (:func:`pass_timer`). The kernels' sum below the pass time is time the
+    device sat idle (launch latency, host synchronisation)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        case.backward(case.forward())
+    on_cpu = device.type == "cpu"
+    activities = [ProfilerActivity.CPU] + ([] if on_cpu else [ProfilerActivity.CUDA])
+    timer = pass_timer(device)
+    with profile(activities=activities) as prof:
+        marks = [_one_pass(case, timer) for _ in range(iters)]
+        timer.finish()
+    pass_s = statistics.median(timer.elapsed_s(a, c) for a, _, c in marks)
+    rows = []
+    for event in prof.key_averages():
+        own_us = getattr(event, "self_device_time_total", None)
+        if own_us is None:  # releases before torch 2.4
+            own_us = getattr(event, "self_cuda_time_total", 0.0)
+        kernel = str(getattr(event, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
+        if on_cpu:
+            own_us, kernel = event.self_cpu_time_total, not event.key.startswith("[")
+        if kernel and own_us > 0:
+            rows.append(KernelRow(event.key, event.count / iters, own_us / 1e6 / iters))
+    rows.sort(key=lambda row: row.seconds, reverse=True)
+    return rows, pass_s

@@ -1,7 +1,8 @@
 """torchrun's environment (or a single process) -> the world process group.
 
 The entry point hands :func:`read_launch_env` ``os.environ`` and gets a :class:`LaunchEnv` back;
-library code reads no environment variable. A single process gets a world of one rank in this
+library code reads no environment variable (a launched CPU rank writes two, to hide the host's
+GPUs from itself: :func:`select_local_device`). A single process gets a world of one rank in this
 process (:func:`init_world` without an env), so it runs the same trainer as a launched job.
 Everything after the world group is built goes through the unified communicator.
 """
@@ -9,13 +10,15 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, MutableMapping, Optional, Sequence
 
 from megatron_het.comm.faults import first_line
 from megatron_het.errors import PeerFailure, RanksError, UserError
+from megatron_het.perf.measure_procs import HIDING_VARIABLES
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -100,7 +103,8 @@ def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_T
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised; train on that world with "
                            "megatron_het.training.pretrain_on_world")
-    select_local_device(device_type, device_index)
+    # a single process may be someone's Python session: its GPUs stay visible
+    select_local_device(device_type, device_index, hide_gpus=env is not None)
     if env is None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
@@ -360,13 +364,30 @@ def rank_device_index(device_type_of: Callable[[int], str], rank: int, local_ran
     return local_device_index([device_type_of(r) for r in range(first, rank + 1)], rank - first)
 
 
-def select_local_device(device_type: Optional[str], index: int) -> None:
+def select_local_device(device_type: Optional[str], index: int,
+                        environ: Optional[MutableMapping[str, str]] = None,
+                        hide_gpus: bool = True) -> None:
     """Make visible device ``index`` (:func:`local_device_index`) this process's current one:
     on a "cuda" rank (CUDA and ROCm) through ``torch.cuda.set_device``, on an "npu" rank
     (Ascend) through ``torch.npu.set_device`` when torch_npu is importable. Nothing when that
     device is not visible (:func:`device_problem` reports it on every rank; two ranks must
-    never share a device), and nothing for any other device type ("cpu" included), which
-    never touches torch.cuda: a CPU rank on a GPU host creates no CUDA context."""
+    never share a device).
+
+    A "cpu" rank never touches torch.cuda and, with ``hide_gpus`` (a launched rank: the
+    process is the rank's for its whole life), hides the host's GPUs from itself: the
+    variables of :data:`~megatron_het.perf.measure_procs.HIDING_VARIABLES` set empty in
+    ``environ`` (default this process's environment, which the driver reads when first asked,
+    so before that; it is then for the rest of the process and its children). So torch's own
+    calls on such a rank (``torch.optim``'s step asks the current CUDA stream whether it is
+    being captured; autograd starts per-device threads) create no CUDA context on GPU 0 beside
+    the GPU ranks'. Nothing for any other device type (None: a run that chose no kind)."""
+    if device_type == "cpu":
+        if not hide_gpus:
+            return
+        env = os.environ if environ is None else environ
+        for name in HIDING_VARIABLES:
+            env[name] = ""
+        return
     module = _device_module(device_type)
     if module is not None and index < module.device_count():
         module.set_device(index)

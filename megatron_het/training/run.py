@@ -163,7 +163,8 @@ def predict_run(setup: RunSetup) -> "Prediction":
                    overlap_param_gather=setup.overlap_param_gather,
                    grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
                    overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm,
-                   ddp_bucket_size=setup.run.parallel.ddp_bucket_size)
+                   ddp_bucket_size=setup.run.parallel.ddp_bucket_size,
+                   fused_elementwise=setup.run.train.compile)
 
 
 def predicted_iteration_s(setup: RunSetup) -> Optional[float]:

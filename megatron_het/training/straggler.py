@@ -264,7 +264,8 @@ def build_monitor(setup: Any, threshold: float) -> StragglerMonitor:
                              overlap_param_gather=setup.overlap_param_gather,
                              grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
                              overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm,
-                             ddp_bucket_size=setup.run.parallel.ddp_bucket_size)
+                             ddp_bucket_size=setup.run.parallel.ddp_bucket_size,
+                             fused_elementwise=setup.run.train.compile)
         expected, basis = predicted_compute(prediction, plan), PREDICTED
     except UserError:
         expected, basis = layer_compute(plan), LAYERS

@@ -5,9 +5,12 @@ and a torch.distributed process group on a free loopback port, runs ``fn(rank, w
 in every worker and returns the per-rank return values. A worker's exception is re-raised in the
 parent with the rank and the worker's traceback; a hang is killed at the timeout and reported.
 
-Workers are forked, unless CUDA is already initialised in this process: a forked child cannot
-use CUDA then (and a GPU test's workers need it), so they are spawned instead, which needs a
-picklable ``fn`` and arguments; a closure is refused there with an error that says so.
+Workers are forked where a forked child can run torch code
+(:func:`megatron_het.perf.measure_procs.fork_is_safe`: not once this process has initialised
+CUDA, nor on a GPU build of torch with a device visible, where autograd's device threads forbid
+it; the test suite hides the GPU outside its GPU session, see tests/conftest.py). Elsewhere they
+are spawned, which needs a picklable ``fn`` and arguments; a closure is refused there with an
+error that says so.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_het.perf.measure_procs import free_loopback_port
+from megatron_het.perf.measure_procs import fork_is_safe, free_loopback_port
 
 # After the first failure, how long the other ranks get to report their own error before they are
 # killed (their error often names the real cause, e.g. the peer that hung up).
@@ -41,9 +44,9 @@ def free_port() -> int:
 
 
 def start_method() -> str:
-    """"fork", or "spawn" when this process has initialised CUDA (``torch.cuda.is_initialized``
-    never initialises it itself, so the check is safe before a fork)."""
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    """"fork" where :func:`~megatron_het.perf.measure_procs.fork_is_safe` (which initialises
+    nothing), else "spawn"."""
+    return "fork" if fork_is_safe() else "spawn"
 
 
 def _check_spawnable(fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
@@ -51,11 +54,10 @@ def _check_spawnable(fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         pickle.dumps((fn, args, kwargs))
     except Exception as exc:  # noqa: BLE001 - pickling raises several kinds
         raise RuntimeError(
-            "CUDA is initialised in this process, so run_ranks cannot fork its workers (a "
-            "forked child cannot use CUDA) and spawns them instead, which needs fn and its "
-            f"arguments to be picklable: {exc}. Make {getattr(fn, '__qualname__', fn)!r} a "
-            "module-level function, or run the test before anything in this process "
-            "initialises CUDA") from None
+            "a child forked from this process could not run torch code (CUDA is initialised "
+            "here, or a GPU is visible to autograd), so run_ranks spawns its workers instead, "
+            f"which needs fn and its arguments to be picklable: {exc}. Make "
+            f"{getattr(fn, '__qualname__', fn)!r} a module-level function") from None
 
 
 def _worker(conn: Connection, fn: Callable[..., Any], rank: int, world_size: int, port: int,

@@ -87,5 +87,5 @@ def test_a_closure_is_refused_once_cuda_is_initialised(monkeypatch: pytest.Monke
     def closure(rank: int, world_size: int) -> int:
         return rank
 
-    with pytest.raises(RuntimeError, match=r"cannot fork .* module-level function"):
+    with pytest.raises(RuntimeError, match=r"could not run torch code .* module-level function"):
         run_ranks(closure, 2, timeout=20)

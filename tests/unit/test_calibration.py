@@ -9,6 +9,7 @@ import pytest
 
 from megatron_het.cluster import AcceleratorRegistry
 from megatron_het.config import model_preset
+from megatron_het.errors import UserError
 from megatron_het.perf.calibration import (A100_EFFICIENCY, FACTORS, H100_EFFICIENCY,
                                            MI250X_EFFICIENCY, MI300X_EFFICIENCY, STEP,
                                            RunSensitivity, carried_gemm, efficiency_for,
@@ -184,3 +185,54 @@ def test_stored_h100_gemm_is_the_refit_of_its_rows_without_a_pipeline() -> None:
     assert len(held) == 5
     for run in held:
         assert abs(predict_run(run).iteration_time_s / run.published_iteration_s - 1) < 0.10
+
+
+# Iteration times measured on one H200 (torch 2.11+cu130) by scripts/gpu_check.sh's MFU check:
+# TinyLlama-1.1B's shape, bf16, seq 2048, micro-batch 4 x 4 per iteration, median after the
+# first two of 10 iterations (the mfu.eager.step and mfu.compile.step rows).
+MEASURED_H200_ITERATION_S = {"eager": 0.803, "compile": 0.500}
+
+
+@pytest.mark.parametrize("variant", sorted(MEASURED_H200_ITERATION_S))
+def test_the_predictor_matches_the_measured_h200_runs(variant: str, tmp_path) -> None:
+    from megatron_het.arguments import parse_run_config
+    from megatron_het.gpucheck import mfu
+    from megatron_het.training.run import predict_run
+    from megatron_het.training.setup import prepare_run
+
+    extra = ["--compile"] if variant == "compile" else []
+    flags = mfu.train_flags(4, 10, tmp_path / "metrics.jsonl", extra)
+    predicted = predict_run(prepare_run(parse_run_config(flags), 1, "H200")).iteration_time_s
+    assert predicted == pytest.approx(MEASURED_H200_ITERATION_S[variant], rel=0.15)
+
+
+def test_eager_layers_move_more_elementwise_bytes_on_gpu_kinds_only() -> None:
+    from megatron_het.perf.cost_model import (EAGER_ELEMENTWISE_TRAFFIC, LayerShape,
+                                              layer_forward_ops, op_time)
+    from megatron_het.perf.calibration import layer_efficiency
+    from megatron_het.perf.predictor import PredictionContext
+
+    spec = KINDS.get("H200")
+    shape = LayerShape(2048, 5632, 16, 4, 2048, 4, 1)
+    ops = {op.name: op for op in layer_forward_ops(shape)}
+    eager = dataclasses.replace(H100_EFFICIENCY, elementwise_traffic=EAGER_ELEMENTWISE_TRAFFIC)
+    for backward in (False, True):
+        assert op_time(ops["elementwise"], spec, "bf16", eager, backward) == pytest.approx(
+            EAGER_ELEMENTWISE_TRAFFIC * op_time(ops["elementwise"], spec, "bf16",
+                                                H100_EFFICIENCY, backward))
+        assert op_time(ops["down"], spec, "bf16", eager, backward) == op_time(
+            ops["down"], spec, "bf16", H100_EFFICIENCY, backward)
+    with pytest.raises(UserError, match="at least 1"):
+        Efficiency(elementwise_traffic=0.5)
+    context = PredictionContext.__new__(PredictionContext)  # only what efficiency_of reads
+    context.efficiency, context.fused_elementwise, context.dtype = None, False, "bf16"
+    assert context.efficiency_of(spec) == eager
+    for other in ("cpu", "emu-slow"):  # priced as before: host profiles, emulation
+        assert context.efficiency_of(KINDS.get(other)) is None
+    context.dtype = "fp32"  # measured in bf16, whose dtype copies fp32 does not make
+    assert context.efficiency_of(spec) is None
+    context.fused_elementwise, context.dtype = True, "bf16"
+    assert context.efficiency_of(spec) is None
+    # an explicit override that sets its own traffic keeps it
+    own = Efficiency(elementwise_traffic=2.0)
+    assert layer_efficiency(spec, "bf16", False, own) is own

@@ -4,6 +4,7 @@ loaders and validation; the flags its runs use; the checks' CPU-side arithmetic;
 script in --cpu-only mode, where every GPU check reports SKIP."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -396,18 +397,22 @@ def test_roofline_row_compares_a_layer_with_the_peak_and_the_estimate():
     roof = details["roofline_forward_s"]
     assert 0 < roof < details["predicted_forward_s"] < entry.forward_s
     assert f"{roof / entry.forward_s:.0%} of roofline" in value and "est.)" in value
-    # the estimate is the predictor's: H200 takes the calibrated H100 factors
+    # the estimate is the predictor's for an eager run: H200 takes the calibrated H100
+    # factors, with the eager layers' elementwise traffic (the tool measures eager layers)
     from megatron_het.perf.calibration import efficiency_for
-    from megatron_het.perf.cost_model import layer_forward_ops, ops_time
+    from megatron_het.perf.cost_model import (EAGER_ELEMENTWISE_TRAFFIC, layer_forward_ops,
+                                              ops_time)
 
     spec = AcceleratorRegistry.builtin().get("H200")
+    eager = dataclasses.replace(efficiency_for(spec),
+                                elementwise_traffic=EAGER_ELEMENTWISE_TRAFFIC)
     assert details["predicted_forward_s"] == ops_time(layer_forward_ops(entry.shape()), spec,
-                                                      "bf16", efficiency_for(spec))[0]
+                                                      "bf16", eager)[0]
     assert efficiency_for(spec).gemm < 0.6  # not the uncalibrated default
 
 
 def _mfu_rows(tmp_path: pathlib.Path, mfu_value: float, peak: float,
-              step_s: float = 1.0) -> dict[str, Row]:
+              step_s: float = 1.0, variant: str = "compile") -> dict[str, Row]:
     ctx = ctx_at(tmp_path)
     records = [{"iteration": i, "mfu": 0.01 if i <= mfu.WARMUP_ITERS else mfu_value,
                 "iteration_time_s": 9.0 if i <= mfu.WARMUP_ITERS else step_s,
@@ -415,19 +420,34 @@ def _mfu_rows(tmp_path: pathlib.Path, mfu_value: float, peak: float,
     result = {"accelerator": "H200", "peak_bytes": peak, "peak_reserved_bytes": peak * 1.1,
               "predicted_peak_bytes": 30 * 2**30, "predicted_mfu": 0.52,
               "predicted_iteration_s": 1.1}
-    mfu._report(ctx, 4, [4], records, result)
+    mfu._report(ctx, variant, 4, [4], records, result)
     return {r.check: r for r in ctx.rows.rows}
 
 
 def test_mfu_rows_use_the_median_after_warm_up_and_the_thresholds(tmp_path):
     good = _mfu_rows(tmp_path / "a", 0.45, 33 * 2**30)
-    assert good["mfu.mfu"].status == PASS and good["mfu.mfu"].value.startswith("45.0%")
-    assert good["mfu.memory"].status == PASS and "x1.10" in good["mfu.memory"].value
-    assert good["mfu.step"].status == PASS
-    assert good["mfu.step"].value == "measured 1.000 s vs predicted 1.100 s (+10.0%)"
+    assert good["mfu.compile"].status == PASS and good["mfu.compile"].value.startswith("45.0%")
+    assert good["mfu.compile.memory"].status == PASS
+    assert "x1.10" in good["mfu.compile.memory"].value
+    assert good["mfu.compile.step"].status == PASS
+    assert good["mfu.compile.step"].value == "measured 1.000 s vs predicted 1.100 s (+10.0%)"
     bad = _mfu_rows(tmp_path / "b", 0.30, 45 * 2**30, step_s=0.8)
-    assert bad["mfu.mfu"].status == FAIL and bad["mfu.memory"].status == FAIL
-    assert bad["mfu.step"].status == FAIL and "(+37.5%)" in bad["mfu.step"].value
+    assert bad["mfu.compile"].status == FAIL and bad["mfu.compile.memory"].status == FAIL
+    assert bad["mfu.compile.step"].status == FAIL
+    assert "(+37.5%)" in bad["mfu.compile.step"].value
+    # the eager run's MFU is recorded, not held to the target; its other rows are
+    eager = _mfu_rows(tmp_path / "c", 0.30, 45 * 2**30, step_s=0.8, variant="eager")
+    assert eager["mfu.eager"].status == PASS and eager["mfu.eager"].value.startswith("30.0%")
+    assert eager["mfu.eager.memory"].status == FAIL and eager["mfu.eager.step"].status == FAIL
+
+
+@pytest.mark.parametrize("extra, runs", [
+    ((), [("eager", ()), ("compile", ("--compile",))]),
+    (("--recompute-activations",), [("eager", ("--recompute-activations",)),
+                                    ("compile", ("--recompute-activations", "--compile"))]),
+    (("--compile",), [("compile", ("--compile",))])])
+def test_mfu_runs_eager_and_compiled_unless_asked_to_compile(extra, runs):
+    assert mfu.variants(extra) == runs
 
 
 # ---- the checks' control flow, with fake sub-runs -------------------------------------------
@@ -526,15 +546,20 @@ def test_mfu_halves_the_micro_batch_after_out_of_memory(tmp_path, monkeypatch):
                                          "tokens_per_s": 5e4, "tflops_per_device": 415}) + "\n")
         result.write_text(json.dumps({"accelerator": "H200", "peak_bytes": 20 * 2**30,
                                       "peak_reserved_bytes": 22 * 2**30,
-                                      "predicted_peak_bytes": 21 * 2**30}))
+                                      "predicted_peak_bytes": 21 * 2**30,
+                                      "flags": argv[argv.index("--") + 1:]}))
         return 0, False
 
     _fake_runs(ctx, outcome)
     mfu.check_mfu(ctx)
     rows = {r.check: r for r in ctx.rows.rows}
-    assert rows["mfu.mfu"].status == PASS and rows["mfu.mfu"].details["tried"] == [4, 2]
-    assert "micro-batch 2 x 4" in rows["mfu.mfu"].value
-    assert rows["mfu.memory"].status == PASS
+    for variant in ("eager", "compile"):
+        assert rows[f"mfu.{variant}"].status == PASS
+        assert rows[f"mfu.{variant}"].details["tried"] == [4, 2]
+        assert "micro-batch 2 x 4" in rows[f"mfu.{variant}"].value
+        assert rows[f"mfu.{variant}.memory"].status == PASS
+    assert "--compile" in rows["mfu.compile"].details["flags"]
+    assert "--compile" not in rows["mfu.eager"].details["flags"]
 
 
 # ---- the command line and the whole script ---------------------------------------------------

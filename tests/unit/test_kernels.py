@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+import megatron_het.kernels.autocast as autocast_queries
 from megatron_het.kernels import (AttentionKernel, LIGER, LigerKernels, apex_rms_norm_available,
                                   causal_attention, choose_attention_kernel, reference_attention,
                                   rms_norm, swiglu)
@@ -362,3 +363,33 @@ def test_swiglu_autograd_matches_torch_and_saves_only_its_inputs(dtype):
     torch.testing.assert_close(gate.grad.float(), gate_ref.grad, **tol)
     torch.testing.assert_close(up.grad.float(), up_ref.grad, **tol)
     assert len(saved) == 2 and saved[0] is gate and saved[1] is up
+
+
+def test_autocast_is_asked_of_the_build_once_per_device_type(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list = []
+    monkeypatch.setattr(autocast_queries, "_AVAILABLE", {"cpu": True})
+    monkeypatch.setattr(torch.amp, "is_autocast_available",
+                        lambda device_type: calls.append(device_type) or False)
+    assert autocast_queries.autocast_dtype("meta") is None
+    assert autocast_queries.autocast_dtype("meta") is None
+    assert calls == ["meta"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_queries.autocast_dtype("cpu") is torch.bfloat16  # the kept answer
+    assert calls == ["meta"]
+
+
+def test_compiled_code_reads_the_kept_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some torch releases' dynamo cannot trace the build's answer (a C function), so compiled
+    code must not ask it; here asking fails the test."""
+    def forbidden(device_type: str) -> bool:
+        raise AssertionError("asked the build inside compiled code")
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        with autocast_queries.autocast_off(x.device.type):
+            return x * 2 if autocast_queries.autocast_dtype(x.device.type) is None else x
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", forbidden)
+    assert torch.equal(scaled(torch.ones(3)), torch.full((3,), 2.0))
+    torch._dynamo.reset()

@@ -1,7 +1,9 @@
 """Selecting a rank's local device (training/launch.py) with fake accelerator modules: CUDA and
-Ascend ranks select theirs, a CPU rank never touches torch.cuda (no CUDA context on GPU hosts)."""
+Ascend ranks select theirs, a CPU rank never touches torch.cuda and hides the GPUs from itself
+(no CUDA context on GPU hosts)."""
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_het.perf.measure_procs import HIDING_VARIABLES
 from megatron_het.training.launch import init_world, select_local_device, shutdown_world
 
 
@@ -76,12 +79,20 @@ def install_npu(monkeypatch: pytest.MonkeyPatch, npu: object) -> None:
     monkeypatch.setattr(torch, "npu", npu, raising=False)
 
 
-def test_a_cpu_rank_leaves_torch_cuda_alone(no_cuda: None) -> None:
-    select_local_device("cpu", 3)
-    select_local_device(None, 3)
-    init_world(None, device_type="cpu")
+def test_a_cpu_rank_leaves_torch_cuda_alone_and_hides_the_gpus(
+        no_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # restored after the test
+    monkeypatch.delenv("HIP_VISIBLE_DEVICES", raising=False)
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    select_local_device("cpu", 3, environ)
+    assert environ == dict.fromkeys(HIDING_VARIABLES, "")
+    select_local_device(None, 3)  # a run that chose no kind: nothing changes
+    select_local_device("cpu", 3, hide_gpus=False)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    init_world(None, device_type="cpu")  # a single process keeps the GPUs visible
     try:
         assert dist.get_world_size() == 1
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
     finally:
         shutdown_world()
 

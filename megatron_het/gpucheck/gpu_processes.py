@@ -1,0 +1,89 @@
+"""Which processes hold a context on the GPU while a run goes on, from NVML (``pynvml``, which
+``nvidia-ml-py`` installs): a CPU rank on a GPU host must hold none (no CUDA context on GPU 0
+beside the GPU ranks', see :func:`megatron_het.training.launch.select_local_device`).
+
+A thread samples NVML's compute processes every ``interval_s`` and keeps, per process id, the
+variables ``names`` of its environment (``LOCAL_RANK``, which torchrun sets, and a marker the
+check gives its own runs, since NVML lists every process on the host's GPUs, other jobs' too).
+NVML calls create no CUDA context.
+"""
+from __future__ import annotations
+
+import pathlib
+import threading
+from typing import Any, Optional, Sequence
+
+
+def nvml() -> Optional[Any]:
+    """The initialised ``pynvml`` module, or None where it is missing or NVML fails."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML here, whatever the reason
+        return None
+    return pynvml
+
+
+def environment_of(pid: int, names: Sequence[str]) -> dict[str, str]:
+    """The variables ``names`` that process ``pid`` started with (its ``/proc`` environ);
+    empty where the process is gone or not readable (another user's, another namespace's)."""
+    try:
+        raw = pathlib.Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    found = {}
+    for entry in raw.split(b"\0"):
+        name, sep, value = entry.partition(b"=")
+        if sep and name.decode(errors="replace") in names:
+            found[name.decode()] = value.decode(errors="replace")
+    return found
+
+
+class GpuProcessWatch:
+    """Samples the compute processes of every GPU from a thread between ``start()`` and
+    ``stop()``; ``seen`` maps each process id to the variables ``names`` of its environment."""
+
+    def __init__(self, module: Any, names: Sequence[str], interval_s: float = 0.25) -> None:
+        self.nvml, self.names, self.interval_s = module, tuple(names), interval_s
+        self.seen: dict[int, dict[str, str]] = {}
+        self.samples = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpu-process-watch",
+                                        daemon=True)
+
+    def start(self) -> "GpuProcessWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[int, dict[str, str]]:
+        """Stop sampling (and NVML); what was seen."""
+        self._stop.set()
+        self._thread.join(timeout=5 * self.interval_s + 5)
+        try:
+            self.nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - shutting down is best effort
+            pass
+        with self._lock:
+            return dict(self.seen)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def sample(self) -> None:
+        """One sample of every device's compute processes."""
+        try:
+            count = self.nvml.nvmlDeviceGetCount()
+            pids = [process.pid for index in range(count)
+                    for process in self.nvml.nvmlDeviceGetComputeRunningProcesses(
+                        self.nvml.nvmlDeviceGetHandleByIndex(index))]
+        except Exception:  # noqa: BLE001 - a failed sample is skipped; the next one counts
+            return
+        with self._lock:
+            for pid in pids:
+                if not self.seen.get(pid):
+                    self.seen[pid] = environment_of(pid, self.names)
+            self.samples += 1

@@ -1,0 +1,93 @@
+"""The GPU check's watch of the processes holding a GPU context (NVML faked), and the row it
+gives the mixed pair."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_het.gpucheck import mixed_pair
+from megatron_het.gpucheck.context import CheckContext, Options
+from megatron_het.gpucheck.gpu_processes import GpuProcessWatch, environment_of
+from megatron_het.gpucheck.report import FAIL, PASS, SKIP, RowWriter
+
+NAMES = ("LOCAL_RANK", mixed_pair.RUN_MARKER)
+
+
+class FakeNvml:
+    """Two devices; device 1 lists ``pids`` (as NVML's process records)."""
+
+    def __init__(self, pids: list[int], fail_first: int = 0) -> None:
+        self.pids, self.fail_first, self.shut = pids, fail_first, False
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list:
+        if self.fail_first:
+            self.fail_first -= 1
+            raise RuntimeError("NVML_ERROR_UNKNOWN")
+        return [SimpleNamespace(pid=pid) for pid in self.pids] if handle == 1 else []
+
+    def nvmlShutdown(self) -> None:
+        self.shut = True
+
+
+def sleeper(**env: str) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k not in NAMES}
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                            env={**base, **env})
+
+
+def test_the_environment_a_process_started_with() -> None:
+    child = sleeper(LOCAL_RANK="1")
+    try:
+        assert environment_of(child.pid, NAMES) == {"LOCAL_RANK": "1"}
+    finally:
+        child.kill()
+        child.wait()
+    assert environment_of(2 ** 22 + 7, NAMES) == {}  # no such process
+
+
+def test_the_watch_keeps_every_process_seen_and_skips_failed_samples() -> None:
+    ranked, plain = sleeper(LOCAL_RANK="0", **{mixed_pair.RUN_MARKER: "t"}), sleeper()
+    try:
+        fake = FakeNvml([ranked.pid, plain.pid], fail_first=1)
+        watch = GpuProcessWatch(fake, NAMES, interval_s=0.01).start()
+        deadline = time.monotonic() + 10
+        while watch.samples < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen = watch.stop()
+    finally:
+        for child in (ranked, plain):
+            child.kill()
+            child.wait()
+    assert seen == {ranked.pid: {"LOCAL_RANK": "0", mixed_pair.RUN_MARKER: "t"}, plain.pid: {}}
+    assert watch.samples >= 2 and fake.shut
+
+
+def rank(local: str, token: str = "ours") -> dict:
+    return {"LOCAL_RANK": local, mixed_pair.RUN_MARKER: token}
+
+
+@pytest.mark.parametrize("seen, status", [
+    ({1: rank("0"), 2: rank("0")}, PASS),
+    ({1: rank("0"), 2: rank("1")}, FAIL),
+    ({1: rank("0"), 2: rank("1", token="another job")}, PASS),  # not this check's run
+    ({1: {}, 2: rank("1", token="another job")}, SKIP),  # none of ours identified
+    ({}, SKIP),
+    (None, SKIP)])
+def test_the_cpu_context_row(tmp_path: pathlib.Path, seen, status) -> None:
+    ctx = CheckContext(RowWriter(str(tmp_path / "rows.jsonl")), tmp_path, time.monotonic() + 60,
+                       Options())
+    mixed_pair._cpu_context_row(ctx, seen, 12, "ours", no_nvml=seen is None)
+    (row,) = ctx.rows.rows
+    assert (row.check, row.status) == ("mixed.cpu-context", status)

@@ -2,7 +2,9 @@ import json
 import os
 import pathlib
 
-from megatron_het.perf.measure_procs import HIDING_VARIABLES
+# (megatron_het.perf.measure_procs.HIDING_VARIABLES, spelled out: the GPUs are hidden below
+# before anything of the package is imported; checked against it after)
+_HIDING = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 # Where some code still asks torch.cuda.is_available(), torch answers from NVML (it reads this
 # variable at every call), which leaves the CUDA driver uninitialised in this process. The GPU
@@ -21,9 +23,8 @@ GPU_SESSION = os.environ.get(GPU_SESSION_VARIABLE) == "1"
 # inherit the hidden ones), to tell "hidden" from "absent" in the GPU tests' skip reason.
 HIDDEN_VARIABLE = "MEGATRON_HET_TEST_HIDDEN"
 if not GPU_SESSION:
-    os.environ.setdefault(HIDDEN_VARIABLE, json.dumps({n: os.environ.get(n)
-                                                       for n in HIDING_VARIABLES}))
-    for _name in HIDING_VARIABLES:
+    os.environ.setdefault(HIDDEN_VARIABLE, json.dumps({n: os.environ.get(n) for n in _HIDING}))
+    for _name in _HIDING:
         os.environ[_name] = ""
 
 
@@ -40,7 +41,11 @@ def unhidden_environ() -> dict:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from megatron_het.perf.measure_procs import HIDING_VARIABLES  # noqa: E402
+
 from tests.gpu import device_present  # noqa: E402
+
+assert _HIDING == HIDING_VARIABLES, "tests/conftest.py hides other variables than the package"
 
 # Keep the suite deterministic and light on a 2-core machine: one thread per pytest-xdist
 # worker (the workers share the cores), at most two in a single-process run.

@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also print the N kernels taking the most device time in one forward "
                         "+ backward pass of each layer case (torch.profiler), and how much of "
-                        "the pass the device sat idle")
+                        "the pass the device sat idle (an upper bound: the profiler's own "
+                        "overhead widens the gaps between launches)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", action="store_true",
                    help="print a JSON summary line last (conditions, measured and roofline "

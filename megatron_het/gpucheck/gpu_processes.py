@@ -1,5 +1,5 @@
 """Which processes hold a context on the GPU while a run goes on, from NVML (``pynvml``, which
-``nvidia-ml-py`` installs): a CPU rank on a GPU host must hold none (no CUDA context on GPU 0
+``nvidia-ml-py`` installs, else ``nvidia-smi``, which comes with the driver): a CPU rank on a GPU host must hold none (no CUDA context on GPU 0
 beside the GPU ranks', see :func:`megatron_het.training.launch.select_local_device`).
 
 A thread samples NVML's compute processes every ``interval_s`` and keeps, per process id, the
@@ -10,19 +10,51 @@ NVML calls create no CUDA context.
 from __future__ import annotations
 
 import pathlib
+import shutil
+import subprocess
 import threading
 from typing import Any, Optional, Sequence
 
 
 def nvml() -> Optional[Any]:
-    """The initialised ``pynvml`` module, or None where it is missing or NVML fails."""
+    """The initialised ``pynvml`` module, else :class:`SmiProcesses` where ``nvidia-smi`` is
+    on the PATH, else None."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no NVML here, whatever the reason
-        return None
+    except Exception:  # noqa: BLE001 - no NVML module here, whatever the reason
+        smi = shutil.which("nvidia-smi")
+        return SmiProcesses(smi) if smi else None
     return pynvml
+
+
+class SmiProcesses:
+    """The part of ``pynvml`` the watch uses, from ``nvidia-smi --query-compute-apps=pid``:
+    one handle that lists the compute processes of every GPU."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802 - pynvml's names
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:  # noqa: N802
+        out = subprocess.run([self.command, "--query-compute-apps=pid",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout
+        return [_Process(int(line)) for line in out.split() if line.strip().isdigit()]
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        pass
+
+
+class _Process:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
 
 
 def environment_of(pid: int, names: Sequence[str]) -> dict[str, str]:

@@ -29,7 +29,7 @@ import torch
 from megatron_het.arguments import parse_run_config
 from megatron_het.errors import UserError, run_cli
 from megatron_het.gpucheck.context import CheckContext
-from megatron_het.gpucheck.device_checks import skip_all
+from megatron_het.gpucheck.device_checks import rows_or_fail, skip_all
 from megatron_het.gpucheck.metrics_file import median_field, train_records
 from megatron_het.gpucheck.report import FAIL, status_of
 from megatron_het.training.launch import init_world, local_accelerator, shutdown_world
@@ -83,8 +83,9 @@ def check_mfu(ctx: CheckContext) -> None:
     if not torch.cuda.is_available():
         skip_all(ctx, tuple(row for variant, _ in runs for row in rows_of(variant)))
         return
-    for variant, extra in runs:
-        _check_variant(ctx, variant, extra)
+    for variant, extra in runs:  # an error in one run fails its rows; the other still runs
+        with rows_or_fail(ctx, rows_of(variant)):
+            _check_variant(ctx, variant, extra)
 
 
 def _check_variant(ctx: CheckContext, variant: str, extra: Sequence[str]) -> None:

@@ -81,13 +81,13 @@ def _bindable(port: int) -> bool:
         return True
 
 
-# The variables that hide every GPU from a process when set to the empty string.
 # The variables that hide every GPU from a process when set to the empty string, before the
 # driver is first asked: CUDA's, and ROCm's two (some ROCm releases ignore an empty
 # HIP_VISIBLE_DEVICES; an empty ROCR_VISIBLE_DEVICES hides the devices there).
 HIDING_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
-# Device nodes of a host with an NVIDIA or an AMD GPU (a container given one has them too).
-GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
+# Device nodes of a host with an NVIDIA or an AMD GPU (a container given one has them too;
+# /dev/dxg: CUDA under WSL2).
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 
 def gpus_hidden(environ: Optional[Any] = None) -> bool:

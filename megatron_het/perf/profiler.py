@@ -385,13 +385,6 @@ def conditions(device: torch.device, dtype: str) -> ProfileConditions:
                              dtype, socket.gethostname())
 
 
-__all__ = ["COMM_SIZES", "PROFILE_DTYPES", "Case", "ComputeOnlyGroup", "EventTimer", "HostTimer",
-           "SavedActivations", "Sweep", "accelerator_for_device", "activation_bytes",
-           "conditions", "default_accelerator", "device_name", "embedding_case", "head_case",
-           "layer_case", "measure_comm", "measure_optimizer_step", "pass_timer",
-           "profile_device", "rank_stage", "run_cases"]
-
-
 @dataclass(frozen=True)
 class KernelRow:
     """One kernel (or, on the CPU, one operator) of a breakdown: its name, launches per pass
@@ -432,3 +425,10 @@ def kernel_breakdown(case: Case, device: torch.device, iters: int = 3,
             rows.append(KernelRow(event.key, event.count / iters, own_us / 1e6 / iters))
     rows.sort(key=lambda row: row.seconds, reverse=True)
     return rows, pass_s
+
+
+__all__ = ["COMM_SIZES", "PROFILE_DTYPES", "Case", "ComputeOnlyGroup", "EventTimer", "HostTimer",
+           "SavedActivations", "Sweep", "accelerator_for_device", "activation_bytes",
+           "conditions", "default_accelerator", "device_name", "embedding_case", "head_case",
+           "layer_case", "measure_comm", "measure_optimizer_step", "pass_timer", "profile_device",
+           "rank_stage", "run_cases", "KernelRow", "kernel_breakdown"]

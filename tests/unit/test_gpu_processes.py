@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_het.gpucheck import mixed_pair
+from megatron_het.gpucheck import gpu_processes, mixed_pair
 from megatron_het.gpucheck.context import CheckContext, Options
 from megatron_het.gpucheck.gpu_processes import GpuProcessWatch, environment_of
 from megatron_het.gpucheck.report import FAIL, PASS, SKIP, RowWriter
@@ -91,3 +91,19 @@ def test_the_cpu_context_row(tmp_path: pathlib.Path, seen, status) -> None:
     mixed_pair._cpu_context_row(ctx, seen, 12, "ours", no_nvml=seen is None)
     (row,) = ctx.rows.rows
     assert (row.check, row.status) == ("mixed.cpu-context", status)
+
+
+def test_without_pynvml_nvidia_smi_lists_the_processes(tmp_path: pathlib.Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\n[ "$1" = "--query-compute-apps=pid" ] || exit 3\n'
+                   'printf "4242\\n77\\n"\n')
+    smi.chmod(0o755)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not importable
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    module = gpu_processes.nvml()
+    assert isinstance(module, gpu_processes.SmiProcesses)
+    handle = module.nvmlDeviceGetHandleByIndex(0)
+    assert [p.pid for p in module.nvmlDeviceGetComputeRunningProcesses(handle)] == [4242, 77]
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert gpu_processes.nvml() is None

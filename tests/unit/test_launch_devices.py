@@ -301,3 +301,22 @@ def test_read_launch_env_takes_the_store_settings_and_checks_the_port() -> None:
     assert env.agent_store and not env.use_libuv
     with pytest.raises(UserError, match="MASTER_PORT 70000 is not a TCP port"):
         read_launch_env({**base, "MASTER_PORT": "70000"})
+
+
+def test_a_launched_cpu_rank_hides_the_gpus_before_joining(
+        no_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What init_world does on a torchrun rank of a cpu kind: the variables are empty before
+    the rendezvous (the world itself is not built here)."""
+    import megatron_het.training.launch as launch
+
+    for name in HIDING_VARIABLES:
+        monkeypatch.setenv(name, "0")  # restored after the test
+    seen = {}
+
+    def join(env, timeout, problem):
+        seen.update({name: os.environ[name] for name in HIDING_VARIABLES})
+
+    monkeypatch.setattr(launch, "join_world", join)
+    monkeypatch.setattr(launch, "gloo_address_problem", lambda env: None)
+    launch.init_world(types.SimpleNamespace(rank=1, world_size=2), device_type="cpu")
+    assert seen == dict.fromkeys(HIDING_VARIABLES, "")

@@ -42,9 +42,14 @@ class FakeNvml:
 
 
 def sleeper(**env: str) -> subprocess.Popen:
+    """A child with ``env`` added, returned once it runs (its /proc environ is its own only
+    after the exec)."""
     base = {k: v for k, v in os.environ.items() if k not in NAMES}
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
-                            env={**base, **env})
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time; print('up', flush=True); time.sleep(30)"],
+                             env={**base, **env}, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "up"
+    return child
 
 
 def test_the_environment_a_process_started_with() -> None:
@@ -54,6 +59,7 @@ def test_the_environment_a_process_started_with() -> None:
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
     assert environment_of(2 ** 22 + 7, NAMES) == {}  # no such process
 
 
@@ -70,6 +76,7 @@ def test_the_watch_keeps_every_process_seen_and_skips_failed_samples() -> None:
         for child in (ranked, plain):
             child.kill()
             child.wait()
+            child.stdout.close()
     assert seen == {ranked.pid: {"LOCAL_RANK": "0", mixed_pair.RUN_MARKER: "t"}, plain.pid: {}}
     assert watch.samples >= 2 and fake.shut
 

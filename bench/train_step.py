@@ -13,6 +13,11 @@ median step over our matrix products and attention alone: the ratio our step wou
 everything else (norms, RoPE, SwiGLU, the loss, the optimizer, framework overhead) cost nothing.
 The two models call the same kernels for both, so no fusion can take ``ratio_vs_hf`` past it.
 
+``--device cuda`` runs both on the GPU (CUDA or ROCm): every step ends in its loss's
+``.item()``, queued after the optimizer's kernels, so the host clock around the steps times the
+device's work, one synchronisation per step on both sides; ``--breakdown`` then reads the
+matrix products' and attention's device time.
+
 ``--compile`` compiles our decoder layers with :func:`megatron_het.model.compile.compile_layers`
 (Hugging Face's model stays eager). Compilation happens in the first step, which is timed on its
 own and reported as ``first_step_s`` and ``compile_s`` (first step minus the median step); it
@@ -21,6 +26,7 @@ never enters the medians, nor do the ``--warmup`` steps.
     .venv/bin/python bench/train_step.py --model small --micro-batch-size 8 --seq-length 256
     .venv/bin/python bench/train_step.py --model small --micro-batch-size 8 --seq-length 256 \
         --compile --breakdown
+    python3 bench/train_step.py --device cuda --dtype bf16 --model llama2-7b ...  # on a GPU
 """
 from __future__ import annotations
 
@@ -53,6 +59,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where both models run (cuda: CUDA or ROCm)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--rounds", type=int, default=9, help="alternating timing rounds")
     p.add_argument("--iters", type=int, default=2, help="timed steps per model per round")
@@ -77,6 +85,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         p.error("--warmup must be at least 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA/ROCm device here")
     return args
 
 
@@ -127,19 +137,20 @@ def build_pair(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
     With ``args.compile`` our layers are compiled (lazily: the first step compiles)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    dtype = DTYPES[args.dtype]
+    dtype, device = DTYPES[args.dtype], torch.device(args.device)
     cfg = model_preset(args.model)
-    ours = build_model(cfg, seed=args.seed).to(dtype).train()
+    ours = build_model(cfg, seed=args.seed).to(device=device, dtype=dtype).train()
     if args.compile:
         compile_layers(ours, mode=args.compile_mode)
     hf_config = LlamaConfig.from_dict(model_config_to_hf_config(cfg),
                                       attn_implementation=args.hf_attn)
-    theirs = LlamaForCausalLM(hf_config).to(dtype).train()
+    theirs = LlamaForCausalLM(hf_config).to(device=device, dtype=dtype).train()
     theirs.load_state_dict(megatron_het_to_hf_state(ours.state_dict(), cfg),
                            strict=not cfg.tie_embeddings)
     generator = torch.Generator().manual_seed(args.seed)
     data = torch.randint(0, cfg.vocab_size, (args.micro_batch_size, args.seq_length + 1),
                          generator=generator)
+    data = data.to(device)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     ours_loss, hf_loss = loss_functions(ours, theirs, tokens, labels, args.loss)
     return {"ours": make_step(ours, ours_loss), "hf": make_step(theirs, hf_loss)}
@@ -183,31 +194,38 @@ ATTENTION_PREFIXES = ("aten::scaled_dot_product", "aten::_scaled_dot_product",
                       "aten::_flash_attention", "aten::_efficient_attention")
 
 
-def kernel_seconds(step: Callable[[], float], steps: int = 2) -> dict[str, float]:
-    """Seconds per step in matrix products and in attention kernels: the self CPU time of those
-    aten ops under torch.profiler over ``steps`` steps (compiled graphs call the same aten
-    kernels for both, so they are counted too)."""
+def kernel_seconds(step: Callable[[], float], steps: int = 2,
+                   device: str = "cpu") -> dict[str, float]:
+    """Seconds per step in matrix products and in attention kernels: the self time of those
+    aten ops under torch.profiler over ``steps`` steps, on the CPU or, on a GPU, the device
+    time of the kernels they launch (compiled graphs call the same aten kernels for both, so
+    they are counted too)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    on_gpu = device != "cpu"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
     gemm = attention = 0.0
     for event in prof.key_averages():
+        own = (getattr(event, "self_device_time_total", None)
+               or getattr(event, "self_cuda_time_total", 0.0)) if on_gpu \
+            else event.self_cpu_time_total
         if event.key in GEMM_OPS:
-            gemm += event.self_cpu_time_total
+            gemm += own
         elif event.key.startswith(ATTENTION_PREFIXES):
-            attention += event.self_cpu_time_total
+            attention += own
     return {"gemm_s": gemm / 1e6 / steps, "attention_s": attention / 1e6 / steps}
 
 
-def breakdown(steps: dict[str, Callable[[], float]], median_s: dict[str, float]
-              ) -> dict[str, Any]:
+def breakdown(steps: dict[str, Callable[[], float]], median_s: dict[str, float],
+              device: str = "cpu") -> dict[str, Any]:
     """Each model's median step split into matrix products, attention and the rest, and
     ``ratio_bound``: Hugging Face's median step over our matrix products and attention."""
     parts = {}
     for name, step in steps.items():
-        kernels = kernel_seconds(step)
+        kernels = kernel_seconds(step, device=device)
         rest = median_s[name] - kernels["gemm_s"] - kernels["attention_s"]
         parts[name] = {key: round(value, 5) for key, value in
                        {**kernels, "rest_s": rest, "step_s": median_s[name]}.items()}
@@ -228,7 +246,9 @@ def report(args: argparse.Namespace, seconds: dict[str, list[float]], ratios: li
         "benchmark": "train_step", "model": cfg.name, "params": cfg.num_parameters(),
         "config": cfg.to_dict(),
         "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length,
-        "dtype": args.dtype, "threads": torch.get_num_threads(), "rounds": args.rounds,
+        "dtype": args.dtype, "device": args.device,
+        "device_name": (torch.cuda.get_device_name() if args.device == "cuda" else None),
+        "threads": torch.get_num_threads(), "rounds": args.rounds,
         "iters_per_round": args.iters, "warmup_steps": args.warmup,
         "hf_attn_implementation": args.hf_attn, "loss": args.loss,
         "compile": args.compile, "compile_mode": args.compile_mode,
@@ -263,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     record = report(args, seconds, ratios, first_loss, first_seconds)
     if args.breakdown:
         record.update(breakdown(steps, {name: statistics.median(s)
-                                        for name, s in seconds.items()}))
+                                        for name, s in seconds.items()}, args.device))
     print(json.dumps(record), flush=True)
     return record
 

@@ -49,6 +49,7 @@ from megatron_het.checkpoint.hf import (megatron_het_to_hf_state,  # noqa: E402
 from megatron_het.config import model_preset  # noqa: E402
 from megatron_het.model.compile import compile_layers  # noqa: E402
 from megatron_het.model.llama import build_model  # noqa: E402
+from megatron_het.perf.profiler import self_time_us  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -209,9 +210,7 @@ def kernel_seconds(step: Callable[[], float], steps: int = 2,
             step()
     gemm = attention = 0.0
     for event in prof.key_averages():
-        own = (getattr(event, "self_device_time_total", None)
-               or getattr(event, "self_cuda_time_total", 0.0)) if on_gpu \
-            else event.self_cpu_time_total
+        own = self_time_us(event, on_gpu)
         if event.key in GEMM_OPS:
             gemm += own
         elif event.key.startswith(ATTENTION_PREFIXES):

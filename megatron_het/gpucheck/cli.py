@@ -3,9 +3,9 @@ each in its own process and time budget, then a table and a JSON summary.
 
 Budgets (seconds; the whole run stops starting checks at :data:`DEADLINE_S`, under 8 minutes on
 one H200 host with 16 cores): probe 30, numerics 35, relay 45, mixed pair 140, MFU 160,
-profile 40; each takes far less when it passes (on one H200: 7, 8, 13, 33, 61, 15). ``--cpu-only`` hides the GPU from every check
-(``CUDA_VISIBLE_DEVICES=``), so each reports SKIP at once; it runs the same processes, for
-machines without a GPU and for the tests.
+profile 40; each takes far less when it passes (on one H200: 7, 8, 13, 33, 61, 15).
+``--cpu-only`` hides the GPU from every check (``CUDA_VISIBLE_DEVICES=``), so each reports SKIP
+at once; it runs the same processes, for machines without a GPU and for the tests.
 
 The summary goes to ``--out``, else ``$OUT`` when set, else ``./gpu_check_out``: gpu_check.json,
 gpu_check_table.txt and gpu_check_logs.txt (the end of every check's and sub-run's log). Exit

@@ -8,8 +8,9 @@ roofline"). The cost model's estimate is the same with the kind's efficiency fac
 eager layers the tool measures (the calibrated ones where the kind has them, with the eager
 elementwise traffic: :func:`~megatron_het.perf.calibration.layer_efficiency`, what the
 predictor uses for an eager run without a profile, and the roofline column the tool prints);
-measured / estimate ("x1.30 est.") says how far the predictor is off. The rows are a record (PASS when the tool ran
-and wrote entries); the tool's printed layer table is kept in the details.
+measured / estimate ("x1.30 est.") says how far the predictor is off. The rows are a record
+(PASS when the tool ran and wrote entries); the tool's printed layer table is kept in the
+details.
 """
 from __future__ import annotations
 

@@ -395,6 +395,15 @@ class KernelRow:
     seconds: float
 
 
+def self_time_us(event: Any, on_device: bool) -> float:
+    """A ``torch.profiler`` average's own time in microseconds: on the device (its kernels'
+    time; ``self_cuda_time_total`` in releases before torch 2.4) or on the CPU."""
+    if not on_device:
+        return event.self_cpu_time_total
+    own = getattr(event, "self_device_time_total", None)
+    return own if own is not None else getattr(event, "self_cuda_time_total", 0.0)
+
+
 def kernel_breakdown(case: Case, device: torch.device, iters: int = 3,
                      warmup: int = 1) -> tuple[list[KernelRow], float]:
     """Where one forward + backward pass of ``case`` spends its device time, from
@@ -415,12 +424,9 @@ def kernel_breakdown(case: Case, device: torch.device, iters: int = 3,
     pass_s = statistics.median(timer.elapsed_s(a, c) for a, _, c in marks)
     rows = []
     for event in prof.key_averages():
-        own_us = getattr(event, "self_device_time_total", None)
-        if own_us is None:  # releases before torch 2.4
-            own_us = getattr(event, "self_cuda_time_total", 0.0)
-        kernel = str(getattr(event, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
-        if on_cpu:
-            own_us, kernel = event.self_cpu_time_total, not event.key.startswith("[")
+        own_us = self_time_us(event, not on_cpu)
+        kernel = (not event.key.startswith("[") if on_cpu
+                  else str(getattr(event, "device_type", "")).endswith(("CUDA", "PrivateUse1")))
         if kernel and own_us > 0:
             rows.append(KernelRow(event.key, event.count / iters, own_us / 1e6 / iters))
     rows.sort(key=lambda row: row.seconds, reverse=True)
@@ -431,4 +437,4 @@ __all__ = ["COMM_SIZES", "PROFILE_DTYPES", "Case", "ComputeOnlyGroup", "EventTim
            "SavedActivations", "Sweep", "accelerator_for_device", "activation_bytes",
            "conditions", "default_accelerator", "device_name", "embedding_case", "head_case",
            "layer_case", "measure_comm", "measure_optimizer_step", "pass_timer", "profile_device",
-           "rank_stage", "run_cases", "KernelRow", "kernel_breakdown"]
+           "rank_stage", "run_cases", "KernelRow", "kernel_breakdown", "self_time_us"]

@@ -4,9 +4,10 @@ device is present.
 
 Whether a device is present is decided without initialising CUDA in the test process, because
 a process that has initialised the CUDA driver cannot hand it on to forked children (the GPU
-session's workers are spawned then: tests/distributed/harness.py). ``torch.cuda.is_available()`` initialises the
-driver (``cudaGetDeviceCount``), so the question goes to a child interpreter instead. GPU tests
-must not touch CUDA at import time either: only inside the test functions.
+session's workers are spawned then: tests/distributed/harness.py).
+``torch.cuda.is_available()`` initialises the driver (``cudaGetDeviceCount``), so the question
+goes to a child interpreter instead. GPU tests must not touch CUDA at import time either: only
+inside the test functions.
 """
 from __future__ import annotations
 

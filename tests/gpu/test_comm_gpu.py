@@ -1,8 +1,9 @@
 """The communicator on a real CUDA/ROCm device (skipped without one; see tests/gpu/__init__.py).
 
 Nothing here touches CUDA at import time. The two-process tests start (spawn, in the GPU
-session: see tests/distributed/harness.py) one rank that uses GPU 0 and one CPU rank: they cross the relay bridge (pinned pool, side-stream copies, chunk pipeline)
-and check that the CPU rank never creates a CUDA context. One GPU cannot hold two NCCL ranks,
+session: see tests/distributed/harness.py) one rank that uses GPU 0 and one CPU rank: they
+cross the relay bridge (pinned pool, side-stream copies, chunk pipeline) and check that the
+CPU rank never creates a CUDA context. One GPU cannot hold two NCCL ranks,
 so NCCL links here have one member each (still built, connected eagerly and used).
 """
 from __future__ import annotations

@@ -45,13 +45,15 @@ class LayerCost:
 
 
 class KindCosts:
-    """:class:`LayerCost` per (kind, tp, micro-batch size, recompute), predicted on demand."""
+    """:class:`LayerCost` per (kind, tp, micro-batch size, recompute), predicted on demand
+    (``fused_elementwise``: as :func:`~megatron_het.perf.predict` prices the layers)."""
 
     def __init__(self, model: ModelConfig, cluster: ClusterSpec, placement: Placement,
                  seq_length: int, profiles: Optional[Mapping[str, Profile]], dtype: str,
-                 cache: SimulationCache) -> None:
+                 cache: SimulationCache, fused_elementwise: bool = True) -> None:
         self.model, self.cluster, self.placement = model, cluster, placement
         self.seq, self.profiles, self.dtype, self.cache = seq_length, profiles, dtype, cache
+        self.fused_elementwise = fused_elementwise
         self._costs: dict[tuple[str, int, int, bool, bool], LayerCost] = {}
         self._syncs: dict[tuple[str, int, int, bool], float] = {}
 
@@ -100,7 +102,8 @@ class KindCosts:
                                 tp_comm_overlap=sequence_parallel or None)
             rows.append(predict(self.model, plan, self.cluster, self.seq, self.profiles,
                                 self.dtype, pipeline_model="closed_form", cache=self.cache,
-                                validate=False).stages[0])
+                                validate=False,
+                                fused_elementwise=self.fused_elementwise).stages[0])
         one, two = rows
         spec = self.cluster.accelerator_of(ranks[0])
         return LayerCost(

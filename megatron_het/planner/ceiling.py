@@ -30,6 +30,7 @@ from megatron_het.cluster import AcceleratorSpec, ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.perf import Profile
+from megatron_het.perf.calibration import layer_efficiency
 from megatron_het.perf.cost_model import Efficiency, LayerShape
 from megatron_het.perf.stage_cost import choose_profile, stage_compute
 from megatron_het.planner.space import micro_batch_sizes
@@ -85,11 +86,14 @@ class Ceiling:
 
 def kind_seconds_per_token(model: ModelConfig, spec: AcceleratorSpec, seq_length: int,
                            sizes: list[int], profiles: Optional[Mapping[str, Profile]] = None,
-                           dtype: str = "bf16", efficiency: Optional[Efficiency] = None
-                           ) -> tuple[float, int, str]:
+                           dtype: str = "bf16", efficiency: Optional[Efficiency] = None,
+                           fused_elementwise: bool = True) -> tuple[float, int, str]:
     """(seconds per token, micro-batch size, source) of the fastest of ``sizes`` for the whole
-    model's forward + backward on one device of ``spec`` (tp=1, no recompute)."""
+    model's forward + backward on one device of ``spec`` (tp=1, no recompute; its layers
+    priced eager where ``fused_elementwise`` is False, as :func:`~megatron_het.perf.predict`
+    prices them)."""
     choice = choose_profile(spec, profiles)
+    efficiency = layer_efficiency(spec, dtype, fused_elementwise, efficiency)
     best: Optional[tuple[float, int, str]] = None
     for mbs in sizes:
         compute = stage_compute(model, spec, LayerShape.of(model, seq_length, mbs, 1),
@@ -104,13 +108,15 @@ def kind_seconds_per_token(model: ModelConfig, spec: AcceleratorSpec, seq_length
 def compute_ceiling(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int,
                     seq_length: int, profiles: Optional[Mapping[str, Profile]] = None,
                     dtype: str = "bf16", *, max_micro_batch_size: int = MAX_MICRO_BATCH_SIZE,
-                    efficiency: Optional[Efficiency] = None) -> Ceiling:
+                    efficiency: Optional[Efficiency] = None,
+                    fused_elementwise: bool = True) -> Ceiling:
     """The compute ceiling of ``cluster`` for ``model`` (see the module docstring).
 
     Micro-batch sizes tried: those the planner may use for ``global_batch_size`` (divisors up
     to ``max_micro_batch_size``; pass at least a given plan's own size when it is larger).
     ``efficiency`` must be the one the plans are predicted with: None, the predictor's
-    default, is each kind's calibrated figures (:mod:`megatron_het.perf.calibration`)."""
+    default, is each kind's calibrated figures (:mod:`megatron_het.perf.calibration`), and
+    ``fused_elementwise`` too (False: the layers of a run without ``--compile``)."""
     if global_batch_size < 1 or seq_length < 1:
         raise UserError(f"--global-batch-size ({global_batch_size}) and --seq-length "
                         f"({seq_length}) must be at least 1")
@@ -121,7 +127,8 @@ def compute_ceiling(model: ModelConfig, cluster: ClusterSpec, global_batch_size:
     kinds = []
     for kind, devices in cluster.accelerator_counts().items():
         seconds, mbs, source = kind_seconds_per_token(model, specs[kind], seq_length, sizes,
-                                                      profiles, dtype, efficiency)
+                                                      profiles, dtype, efficiency,
+                                                      fused_elementwise)
         kinds.append(KindCeiling(kind, devices, seconds, mbs, source))
     return Ceiling(tuple(kinds))
 

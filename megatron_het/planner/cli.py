@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per iteration (required unless --evaluate)")
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--dtype", choices=PLAN_DTYPES, default="bf16")
+    p.add_argument("--compile", action="store_true",
+                   help="plan for a run with --compile: GPU kinds' decoder layers are priced "
+                        "fused (by default they are priced eager in bf16/fp16, as a run "
+                        "without --compile computes them)")
     p.add_argument("--profile-dir", metavar="DIR",
                    help="measured profiles (*.json, one per accelerator kind); roofline "
                         "estimates for kinds without one")
@@ -112,19 +116,23 @@ def run(argv: Sequence[str]) -> SearchResult:
     if args.evaluate is not None:
         plan = interleave_plan(ParallelPlan.load(args.evaluate), args.virtual_stages or 1)
         result = evaluate_plan(model, cluster, plan, args.seq_length, profiles, args.dtype,
-                               args.global_batch_size, not args.no_baseline)
+                               args.global_batch_size, not args.no_baseline,
+                               fused_elementwise=args.compile)
     else:
         result = search_plan(model, cluster, args.global_batch_size, args.seq_length, profiles,
                              args.dtype, top_k=args.top,
                              max_virtual_stages=args.virtual_stages or MAX_VIRTUAL_STAGES,
-                             heterogeneous_dp=not args.no_heterogeneous_dp)
+                             heterogeneous_dp=not args.no_heterogeneous_dp,
+                             fused_elementwise=args.compile)
         if not args.no_baseline:
             result = result.with_baseline(homogeneous_baseline(
-                model, cluster, args.global_batch_size, args.seq_length, profiles, args.dtype))
+                model, cluster, args.global_batch_size, args.seq_length, profiles, args.dtype,
+                fused_elementwise=args.compile))
     result = result.with_ceiling(compute_ceiling(
         model, cluster, result.plan.global_batch_size, args.seq_length, profiles,
         result.plan.dtype or args.dtype,
-        max_micro_batch_size=max(MAX_MICRO_BATCH_SIZE, result.plan.micro_batch_size)))
+        max_micro_batch_size=max(MAX_MICRO_BATCH_SIZE, result.plan.micro_batch_size),
+        fused_elementwise=args.compile))
     if args.out:
         result.plan.save(args.out)
     if args.report:

@@ -16,18 +16,21 @@ from megatron_het.planner.baseline import homogeneous_baseline
 def evaluate_plan(model: ModelConfig, cluster: ClusterSpec, plan: ParallelPlan, seq_length: int,
                   profiles: Optional[Mapping[str, Profile]] = None, dtype: str = "bf16",
                   global_batch_size: Optional[int] = None,
-                  with_baseline: bool = True) -> SearchResult:
+                  with_baseline: bool = True, fused_elementwise: bool = True) -> SearchResult:
     """Validate ``plan`` against the model and the cluster (and ``global_batch_size`` when
     given; a mismatch raises the validator's UserError), predict it with the 1F1B simulation
     and, with ``with_baseline``, search the homogeneous baseline for its batch. Memory is not
-    enforced: the caller reports :func:`megatron_het.perf.fits`."""
+    enforced: the caller reports :func:`megatron_het.perf.fits`. ``fused_elementwise`` as in
+    :func:`~megatron_het.perf.predict` (False: a run without ``--compile``)."""
     start = time.perf_counter()
     validate(plan, model, cluster, global_batch_size, seq_length=seq_length)
-    prediction = predict(model, plan, cluster, seq_length, profiles, dtype, validate=False)
+    prediction = predict(model, plan, cluster, seq_length, profiles, dtype, validate=False,
+                         fused_elementwise=fused_elementwise)
     result = SearchResult(plan, prediction, (), 0, time.perf_counter() - start)
     if with_baseline:
         result = result.with_baseline(homogeneous_baseline(
-            model, cluster, plan.global_batch_size, seq_length, profiles, plan.dtype or dtype))
+            model, cluster, plan.global_batch_size, seq_length, profiles, plan.dtype or dtype,
+            fused_elementwise=fused_elementwise))
     return result
 
 

@@ -148,7 +148,7 @@ class _Kind:
         if self._costs is None:
             self._costs = KindCosts(search.model, self.cluster, self.placement,
                                     search.seq_length, search.profiles, search.dtype,
-                                    search.cache)
+                                    search.cache, search.fused_elementwise)
         return self._costs
 
 
@@ -166,6 +166,7 @@ class ReplicaSearch:
     check_memory: bool
     cache: SimulationCache
     comm: CommCost
+    fused_elementwise: bool = True
     probes: int = 0
     _kinds: list[_Kind] = field(default_factory=list)
 
@@ -185,14 +186,15 @@ class ReplicaSearch:
             layout, plan = built
             closed = predict(self.model, plan, self.cluster, self.seq_length, self.profiles,
                              self.dtype, pipeline_model="closed_form", cache=self.cache,
-                             validate=False, comm=self.comm)
+                             validate=False, comm=self.comm,
+                             fused_elementwise=self.fused_elementwise)
             found.append((closed.iteration_time_s, layout, plan))
             found.sort(key=lambda item: item[0])
         out = []
         for closed, layout, plan in found[:keep]:
             prediction = predict(self.model, plan, self.cluster, self.seq_length,
                                  self.profiles, self.dtype, cache=self.cache, comm=self.comm,
-                                 validate=False)
+                                 validate=False, fused_elementwise=self.fused_elementwise)
             if self.check_memory and not fits(prediction, self.cluster).ok:
                 continue
             out.append((layout, plan, prediction, closed))
@@ -324,7 +326,7 @@ class ReplicaSearch:
             attempt = replace(attempt, micro_batches=attempt.num_stages)
             sm = probe_stage_model(self.model, attempt, kind.placement, kind.cluster,
                                    self.seq_length, self.profiles, self.dtype, self.cache,
-                                   kind.comm)
+                                   kind.comm, self.fused_elementwise)
             sm = _with_replica_buffers(sm, self.model)
             layers = balance_layers(sm, self.model.num_layers, check_memory=self.check_memory)
             if layers is not None:

@@ -97,6 +97,7 @@ class _Search:
     check_memory: bool
     top_k: int
     max_chunks: int = 1
+    fused_elementwise: bool = True
     placement: Placement = field(init=False)
     costs: KindCosts = field(init=False)
     comm: CommCost = field(init=False)
@@ -111,12 +112,14 @@ class _Search:
         self.placement = Placement(self.cluster)
         self.comm = CommCost(self.cluster, self.profiles)
         self.costs = KindCosts(self.model, self.cluster, self.placement, self.seq_length,
-                               self.profiles, self.dtype, self.cache)
+                               self.profiles, self.dtype, self.cache,
+                               self.fused_elementwise)
 
     def predict(self, plan: ParallelPlan) -> Prediction:
         """The simulated prediction of a finalist plan."""
         return predict(self.model, plan, self.cluster, self.seq_length, self.profiles,
-                       self.dtype, cache=self.cache, comm=self.comm)
+                       self.dtype, cache=self.cache, comm=self.comm,
+                       fused_elementwise=self.fused_elementwise)
 
     def fits(self, prediction: Prediction) -> bool:
         return not self.check_memory or fits(prediction, self.cluster).ok
@@ -125,7 +128,7 @@ class _Search:
         self.evaluated += 1
         return probe_stage_model(self.model, layout, self.placement, self.cluster,
                                  self.seq_length, self.profiles, self.dtype, self.cache,
-                                 self.comm)
+                                 self.comm, self.fused_elementwise)
 
     def score(self, layout: Layout) -> None:
         """Probe and balance one layout; remember its time, or its memory shortfall."""
@@ -272,7 +275,7 @@ def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
                 dtype: str = "bf16", *, top_k: int = 5, refine: int = 16,
                 max_micro_batch_size: int = 16, check_memory: bool = True,
                 max_virtual_stages: int = MAX_VIRTUAL_STAGES,
-                heterogeneous_dp: bool = True) -> SearchResult:
+                heterogeneous_dp: bool = True, fused_elementwise: bool = True) -> SearchResult:
     """Search the best plan for ``model`` on every device of ``cluster``.
 
     Returns the fastest plan by the simulated prediction among the ``top_k`` best closed-form
@@ -285,6 +288,9 @@ def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
     the model alone). ``max_virtual_stages`` caps the interleaving degree (1: plain 1F1B only).
     ``heterogeneous_dp`` also searches replicas of one kind each with batch shares by speed
     (:mod:`megatron_het.planner.kind_replicas`; clusters of two or more kinds).
+    ``fused_elementwise`` False plans for a run without ``--compile``: GPU kinds' decoder
+    layers are priced eager in bf16/fp16, as :func:`~megatron_het.perf.predict` prices them
+    (True, the default, prices fused layers, as the predictor's default does).
     Raises UserError when no plan fits, with the smallest shortfall.
     """
     if global_batch_size < 1 or seq_length < 1:
@@ -293,7 +299,8 @@ def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
     start = time.perf_counter()
     with _fewer_collections():
         search = _Search(model, cluster, global_batch_size, seq_length, profiles, dtype,
-                         check_memory, max(1, top_k), max(1, max_virtual_stages))
+                         check_memory, max(1, top_k), max(1, max_virtual_stages),
+                         fused_elementwise)
         search.run(max_micro_batch_size)
         candidates = _finalists(search, top_k, refine) if search.scored else []
         beat = min((c.closed_form_s for c in candidates), default=math.inf)
@@ -314,7 +321,8 @@ def _replica_candidates(search: _Search, max_micro_batch_size: int,
     ``beat`` seconds (the closed-form time of the best other plan), predicted in full."""
     replicas = ReplicaSearch(search.model, search.cluster, search.placement,
                              search.global_batch_size, search.seq_length, search.profiles,
-                             search.dtype, search.check_memory, search.cache, search.comm)
+                             search.dtype, search.check_memory, search.cache, search.comm,
+                             search.fused_elementwise)
     found = replicas.candidates(max_micro_batch_size, search.top_k, beat)
     search.evaluated += replicas.probes
     out = []
@@ -410,7 +418,8 @@ def _rings_or_collectives(plan: ParallelPlan, search: _Search, prediction: Predi
     if distinct is not None:
         quick = predict(search.model, whole, search.cluster, search.seq_length,
                         search.profiles, search.dtype, cache=search.cache, validate=False,
-                        comm=search.comm, pipelines=distinct)
+                        comm=search.comm, pipelines=distinct,
+                        fused_elementwise=search.fused_elementwise)
         if quick.iteration_time_s >= prediction.iteration_time_s * (1 - 1e-9):
             return plan, prediction
     other = search.predict(whole)
@@ -439,7 +448,8 @@ def _overlapped(search: _Search, time_s: float, sm: StageModel, layers: list[int
                          search.profiles, search.dtype, pipeline_model="closed_form",
                          cache=search.cache, validate=False, comm=search.comm,
                          overlap_grad_reduce=True, overlap_param_gather=True,
-                         pipelines=search.placement.distinct_pipelines(sm.layout))
+                         pipelines=search.placement.distinct_pipelines(sm.layout),
+                         fused_elementwise=search.fused_elementwise)
     if overlapped.iteration_time_s < time_s * (1 - 1e-9):
         return overlapped.iteration_time_s, sm, layers, True
     return time_s, sm, layers, False

@@ -174,9 +174,11 @@ def _affine(low: float, high: float, at_low: int = 1) -> Affine:
 def probe_stage_model(model: ModelConfig, layout: Layout, placement: Placement,
                       cluster: ClusterSpec, seq_length: int,
                       profiles: Optional[Mapping[str, Profile]], dtype: str,
-                      cache: SimulationCache, comm: Optional[CommCost] = None) -> StageModel:
+                      cache: SimulationCache, comm: Optional[CommCost] = None,
+                      fused_elementwise: bool = True) -> StageModel:
     """Two closed-form predictions of ``layout`` (``v`` and ``2 v`` layers per stage or device
-    group, ``v`` its chunks) -> its StageModel; ``comm``: a communication model to reuse."""
+    group, ``v`` its chunks) -> its StageModel; ``comm``: a communication model to reuse;
+    ``fused_elementwise``: as :func:`~megatron_het.perf.predict` prices the layers."""
     v, p = layout.num_chunks, layout.num_stages
     replicas = placement.distinct_pipelines(layout)
     probes: list[Prediction] = []
@@ -184,7 +186,8 @@ def probe_stage_model(model: ModelConfig, layout: Layout, placement: Placement,
         plan = build_plan(layout, [layers] * p, placement, dtype)
         probes.append(predict(model, plan, cluster, seq_length, profiles, dtype,
                               pipeline_model="closed_form", cache=cache, validate=False,
-                              pipelines=replicas, comm=comm))
+                              pipelines=replicas, comm=comm,
+                              fused_elementwise=fused_elementwise))
     n = v * p  # stages (chunks) of one pipeline
     sums = [_group_rows(probe.stages[:n], p) for probe in probes]
     one, two = probes[0].stages[:p], probes[1].stages[:p]

@@ -123,7 +123,7 @@ def _search_or_flags(run: RunConfig, model: ModelConfig, cluster: ClusterSpec, d
         from megatron_het.planner import search_plan
 
         return search_plan(model, cluster, train.global_batch_size, run.data.seq_length,
-                           profiles, dtype=dtype).plan
+                           profiles, dtype=dtype, fused_elementwise=train.compile).plan
     return plan_from_megatron_flags(
         model, cluster.world_size, spec.tensor_model_parallel_size,
         spec.pipeline_model_parallel_size, train.micro_batch_size, train.global_batch_size,

@@ -1,0 +1,109 @@
+"""The planner prices the layers the run will compute: eager without ``--compile``.
+
+On GPU kinds in bf16 the runtime's eager decoder layers move
+:data:`~megatron_het.perf.cost_model.EAGER_ELEMENTWISE_TRAFFIC` times the fused elementwise
+bytes; the search, its bounds, the heterogeneous-DP family, the homogeneous baseline, the
+compute ceiling, ``tools/plan.py`` and ``--plan auto`` all follow ``fused_elementwise``.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from megatron_het.arguments import parse_run_config
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import model_preset
+from megatron_het.perf import predict
+from megatron_het.planner import search_plan
+from megatron_het.planner.baseline import homogeneous_baseline
+from megatron_het.planner.ceiling import compute_ceiling
+from megatron_het.planner.cli import run
+from megatron_het.training.setup import prepare_run
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+GPU_CLUSTER = str(REPO / "scripts" / "clusters" / "h100_a100.yaml")
+CPU_CLUSTER = str(REPO / "scripts" / "clusters" / "cpu_emulated.yaml")
+MODEL = model_preset("llama2-7b")
+SEQ, GBS = 2048, 64
+
+
+@pytest.fixture(scope="module")
+def searched() -> dict[bool, object]:
+    cluster = ClusterSpec.load(GPU_CLUSTER)
+    return {fused: search_plan(MODEL, cluster, GBS, SEQ, top_k=2, heterogeneous_dp=False,
+                               fused_elementwise=fused) for fused in (True, False)}
+
+
+def test_eager_search_prices_and_chooses_for_eager_layers(searched) -> None:
+    cluster = ClusterSpec.load(GPU_CLUSTER)
+    fused, eager = searched[True], searched[False]
+    # each result is its plan's prediction under its own pricing
+    for flag, result in searched.items():
+        again = predict(MODEL, result.plan, cluster, SEQ, fused_elementwise=flag)
+        assert result.prediction.iteration_time_s == pytest.approx(again.iteration_time_s,
+                                                                   rel=1e-9)
+    assert eager.prediction.iteration_time_s > 1.3 * fused.prediction.iteration_time_s
+    assert eager.plan.pipelines != fused.plan.pipelines
+    # the plan searched for fused layers is worse for an eager run than the eager plan
+    fused_plan_eager = predict(MODEL, fused.plan, cluster, SEQ, fused_elementwise=False)
+    assert eager.prediction.iteration_time_s < 0.97 * fused_plan_eager.iteration_time_s
+
+
+@pytest.mark.slow  # two whole searches with the heterogeneous-DP family (about 8 s)
+def test_heterogeneous_dp_family_follows_the_pricing() -> None:
+    cluster = ClusterSpec.load(GPU_CLUSTER)
+    results = {fused: search_plan(MODEL, cluster, GBS, SEQ, top_k=1, max_virtual_stages=1,
+                                  fused_elementwise=fused) for fused in (True, False)}
+    for flag, result in results.items():
+        kinds = [c for c in result.candidates
+                 if len({s.accelerator for s in c.plan.pipelines[0].stages}) == 1
+                 and len(c.plan.pipelines) > 1]
+        for candidate in kinds or result.candidates:
+            again = predict(MODEL, candidate.plan, cluster, SEQ, fused_elementwise=flag)
+            assert candidate.prediction.iteration_time_s == pytest.approx(
+                again.iteration_time_s, rel=1e-9)
+
+
+def test_ceiling_and_baseline_follow_the_pricing() -> None:
+    cluster = ClusterSpec.load(GPU_CLUSTER)
+    fused, eager = (compute_ceiling(MODEL, cluster, GBS, SEQ, fused_elementwise=f)
+                    for f in (True, False))
+    for a, b in zip(fused.kinds, eager.kinds):
+        assert a.kind == b.kind and b.seconds_per_token > 1.3 * a.seconds_per_token
+    base_fused, base_eager = (
+        homogeneous_baseline(MODEL, cluster, GBS, SEQ, top_k=1, heterogeneous_dp=False,
+                             max_virtual_stages=1, fused_elementwise=f) for f in (True, False))
+    for a, b in zip(base_fused.kinds, base_eager.kinds):
+        assert b.tokens_per_s_per_device < a.tokens_per_s_per_device / 1.3
+    # CPU and emulated kinds are priced from host figures, the same either way
+    cpu = ClusterSpec.load(CPU_CLUSTER)
+    small = model_preset("small")
+    assert (compute_ceiling(small, cpu, 8, 256, dtype="bf16", fused_elementwise=False)
+            == compute_ceiling(small, cpu, 8, 256, dtype="bf16", fused_elementwise=True))
+
+
+def test_plan_cli_prices_eager_unless_compile(capsys) -> None:
+    common = ["--cluster", GPU_CLUSTER, "--model", "llama2-7b", "--seq-length", str(SEQ),
+              "--global-batch-size", str(GBS), "--no-baseline", "--no-heterogeneous-dp",
+              "--top", "2", "--json"]
+    lines = {}
+    for extra in ([], ["--compile"]):
+        run(common + extra)
+        lines[bool(extra)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert lines[False]["iteration_time_s"] > 1.3 * lines[True]["iteration_time_s"]
+    assert lines[False]["ceiling_tokens_per_s"] < lines[True]["ceiling_tokens_per_s"] / 1.3
+
+
+@pytest.mark.slow  # a whole search per case (about 13 s)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_auto_plan_follows_compile(compiled: bool) -> None:
+    flags = ["--model", "llama2-7b", "--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--seq-length", str(SEQ), "--cluster", GPU_CLUSTER, "--plan", "auto",
+             "--global-batch-size", str(GBS), "--train-iters", "1", "--vocab-size", "31999", "--bf16"]
+    setup = prepare_run(parse_run_config(flags + (["--compile"] if compiled else [])), 64)
+    cluster = ClusterSpec.load(GPU_CLUSTER)
+    expected = search_plan(MODEL, cluster, GBS, SEQ, dtype="bf16",
+                           fused_elementwise=compiled).plan
+    assert setup.plan.pipelines == expected.pipelines

@@ -124,7 +124,7 @@ def test_a_kind_without_figures_has_no_roofline() -> None:
                       layers=(layer_entry(128, "fp32", 1e-3),))
     (row,) = profile_device.roofline_rows(profile)
     assert row["roofline_forward_s"] is None and row["forward_ratio"] is None
-    assert profile_device.layer_table([row]).splitlines()[1].split()[6:8] == ["-", "-"]
+    assert profile_device.layer_table([row]).splitlines()[1].split()[7:9] == ["-", "-"]
 
 
 def test_json_line_carries_the_roofline_comparison(tmp_path: pathlib.Path,
@@ -149,8 +149,8 @@ def test_kernels_flag_breaks_each_layer_case_down(tmp_path: pathlib.Path,
                          "--out", str(tmp_path), "--kernels", "3"])
     out = capsys.readouterr().out
     tables = out.split("kernels of one layer forward + backward: ")[1:]
-    assert [t.splitlines()[0] for t in tables] == ["tp=1 mb=1 seq=16 fp32",
-                                                  "tp=1 mb=2 seq=16 fp32"]
+    assert [t.splitlines()[0] for t in tables] == ["tp=1 mb=1 seq=16 fp32 eager",
+                                                  "tp=1 mb=2 seq=16 fp32 eager"]
     for table in tables:
         lines = table.strip().splitlines()
         assert lines[1].split()[:1] == ["ms/pass"] and len(lines) == 2 + 3 + 2

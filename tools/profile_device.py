@@ -11,6 +11,7 @@ roofline times for the kind's datasheet figures, with their ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,9 +35,10 @@ from megatron_het.parallel.plan_validation import valid_tp_sizes  # noqa: E402
 from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency  # noqa: E402
 from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time  # noqa: E402
 from megatron_het.perf.profile import Profile, merge_profiles  # noqa: E402
+from megatron_het.model.compile import compile_layers  # noqa: E402
 from megatron_het.perf.profiler import (PROFILE_DTYPES, KernelRow, Sweep,  # noqa: E402
                                         default_accelerator, kernel_breakdown, layer_case,
-                                        profile_device, rank_stage)
+                                        profile_device, rank_stage, shapes_compiled)
 
 PROG = "tools/profile_device.py"
 DESCRIPTION = """\
@@ -77,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(PROFILE_DTYPES), default="fp32",
                    help="bf16: bf16 weights and activations without autocast, as training "
                         "runs it")
+    p.add_argument("--compile", action="store_true",
+                   help="measure the decoder layer compiled with torch.compile, as training's "
+                        "--compile runs it (entries marked compiled; the predictor prices "
+                        "--compile runs from them and eager runs from eager entries)")
     p.add_argument("--accelerator", metavar="NAME",
                    help='the kind the profile is for (default: "cpu" on a CPU; on a GPU the '
                         "registry kind of its name, else the name itself)")
@@ -133,20 +139,20 @@ def roofline_rows(profile: Profile,
                   registry: Optional[AcceleratorRegistry] = None) -> list[dict[str, Any]]:
     """The profile's layer entries (sorted by shape), each with its cost-model roofline times
     (:func:`~megatron_het.perf.cost_model.ops_time` of the layer's kernels on the profile's
-    kind, with the kind's efficiency factors, calibrated where it has them, for the eager
-    layers a profile measures: the predictor's estimate of an eager run without a profile,
+    kind, with the kind's efficiency factors, calibrated where it has them, for the entry's
+    mode, eager or compiled: the predictor's estimate of such a run without a profile,
     :func:`~megatron_het.perf.calibration.layer_efficiency`) and measured / roofline ratios;
     None for a kind ``registry`` does not know."""
     registry = registry or AcceleratorRegistry.builtin()
     spec = registry.get(profile.accelerator) if profile.accelerator in registry else None
     rows = []
-    for e in sorted(profile.layers, key=lambda e: (e.hidden, e.dtype, e.tp, e.micro_batch,
-                                                   e.seq)):
+    for e in sorted(profile.layers, key=lambda e: (e.hidden, e.dtype, e.compiled, e.tp,
+                                                   e.micro_batch, e.seq)):
         row: dict[str, Any] = {**dataclasses.asdict(e), "roofline_forward_s": None,
                                "roofline_backward_s": None, "forward_ratio": None,
                                "backward_ratio": None}
         if spec is not None:
-            efficiency = resolve_efficiency(spec, layer_efficiency(spec, e.dtype, False))
+            efficiency = resolve_efficiency(spec, layer_efficiency(spec, e.dtype, e.compiled))
             forward, backward = ops_time(layer_forward_ops(e.shape()), spec, e.dtype,
                                          efficiency)
             row.update(roofline_forward_s=forward, roofline_backward_s=backward,
@@ -165,11 +171,12 @@ def _ratio(value: Optional[float]) -> str:
 
 def layer_table(rows: list[dict[str, Any]]) -> str:
     """:func:`roofline_rows` as text: times in ms, measured / roofline, activations in MiB."""
-    lines = ["hidden  dtype  tp   mb   seq    fwd ms  roof ms    ratio    bwd ms  roof ms    ratio"
-             "   act MiB"]
+    lines = ["hidden  dtype     mode  tp   mb   seq    fwd ms  roof ms    ratio    bwd ms  roof ms"
+             "    ratio   act MiB"]
     for r in rows:
-        lines.append(f"{r['hidden']:>6} {r['dtype']:>6} {r['tp']:>3} {r['micro_batch']:>4} "
-                     f"{r['seq']:>5} {_ms(r['forward_s']):>9} {_ms(r['roofline_forward_s']):>8} "
+        mode = "compiled" if r["compiled"] else "eager"
+        lines.append(f"{r['hidden']:>6} {r['dtype']:>6} {mode:>8} {r['tp']:>3} "
+                     f"{r['micro_batch']:>4} {r['seq']:>5} {_ms(r['forward_s']):>9} {_ms(r['roofline_forward_s']):>8} "
                      f"{_ratio(r['forward_ratio']):>8} {_ms(r['backward_s']):>9} "
                      f"{_ms(r['roofline_backward_s']):>8} {_ratio(r['backward_ratio']):>8} "
                      f"{r['activation_bytes'] / 2**20:>9.2f}")
@@ -220,14 +227,20 @@ def print_kernel_breakdowns(model: ModelConfig, sweep: Sweep, device: torch.devi
                             top: int) -> None:
     """:func:`kernel_breakdown` of the first layer at every (seq, micro-batch, tp) of the
     sweep, as :func:`kernel_table`."""
+    variants = len(sweep.seq_lengths) * len(sweep.micro_batch_sizes) * len(sweep.tp_sizes) + 1
     for tp in sweep.tp_sizes:
         stage = rank_stage(model, tp, (0, 1), False, False, device, sweep.seed, sweep.dtype)
+        if sweep.compile:
+            compile_layers(stage)
         for seq in sweep.seq_lengths:
             for micro_batch in sweep.micro_batch_sizes:
-                case = layer_case(stage, seq, micro_batch, tp, sweep.dtype, device)
-                rows, pass_s = kernel_breakdown(case, device)
+                case = layer_case(stage, seq, micro_batch, tp, sweep.dtype, device,
+                                  sweep.compile)
+                with shapes_compiled(variants) if sweep.compile else contextlib.nullcontext():
+                    rows, pass_s = kernel_breakdown(case, device)
+                mode = "compiled" if sweep.compile else "eager"
                 print(f"\nkernels of one layer forward + backward: tp={tp} mb={micro_batch} "
-                      f"seq={seq} {sweep.dtype}", flush=True)
+                      f"seq={seq} {sweep.dtype} {mode}", flush=True)
                 if not rows:
                     print(f"torch.profiler recorded no kernel on {device.type} (only CUDA and "
                           "ROCm kernels and CPU operators are read)", flush=True)
@@ -245,7 +258,7 @@ def main(argv: Sequence[str]) -> Path:
     # Without a preset the model gets as many positions as the longest sequence swept.
     model = model_config_from_args(args, seq_length=max(args.seq_lengths))
     sweep = Sweep(args.seq_lengths, args.micro_batch_sizes, args.tp, args.dtype, args.warmup,
-                  args.iters, args.seed)
+                  args.iters, args.seed, args.compile)
     sweep.check_model(model)
     if args.host_sharing < 0:
         raise UserError(f"--host-sharing must be at least 0, got {args.host_sharing}")

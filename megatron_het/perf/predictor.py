@@ -76,7 +76,7 @@ from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
                                             closed_form_interleaved, group_sums,
                                             last_backward_ends, lower_bound_1f1b,
                                             lower_bound_interleaved)
-from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
+from megatron_het.perf.calibration import resolve_efficiency
 from megatron_het.perf.comm_cost import CommCost, SyncCost
 from megatron_het.perf.cost_model import (DTYPE_BYTES, FP32_BYTES, Efficiency, LayerShape,
                                           TPCollectives, dtype_bytes, layer_forward_ops,
@@ -130,7 +130,9 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
     :data:`~megatron_het.perf.cost_model.EAGER_ELEMENTWISE_TRAFFIC` times the fused minimum
     (:func:`~megatron_het.perf.calibration.layer_efficiency`; True, the default, prices fused
     layers, as the calibration's published runs have them; CPU and emulated kinds are priced
-    as before either way). A kind with a measured profile keeps its measured layer times.
+    as before either way); a kind's measured profile gives its entries of that mode, or those
+    of the other mode scaled by the roofline's ratio of the modes
+    (:func:`~megatron_het.perf.stage_cost.stage_compute`).
     ``scatter_gather_tensors_in_pipeline`` (Megatron-LM 2021's, not a runtime option): the
     boundaries of tp > 1 stages move ``1/tp`` shares as under sequence parallelism, in a plan
     without it (module docstring).
@@ -259,11 +261,6 @@ class PredictionContext:
         self.boundaries = BoundaryCost(bounded, comm, self.act_bytes, seq_length)
         self.sync = DPSync(model, plan, dtype, zero1, grad_reduce_in_bf16)
 
-    def efficiency_of(self, spec: AcceleratorSpec) -> Optional[Efficiency]:
-        """What prices ``spec``'s stages (:func:`~megatron_het.perf.calibration.
-        layer_efficiency`: eager layers on GPU kinds when they are not fused)."""
-        return layer_efficiency(spec, self.dtype, self.fused_elementwise, self.efficiency)
-
     def recomputed_layers_of(self, stage: StagePlan) -> int:
         if self.recompute is None:
             return stage.recomputed_layers
@@ -281,8 +278,8 @@ class PredictionContext:
             shape = LayerShape.of(self.model, self.seq, self.plan.micro_batch_size, stage.tp)
             choice = choose_profile(spec, self.profiles)
             args = (self.model, spec, shape, stage.num_layers, stage.has_embedding,
-                    stage.has_head, recompute, self.dtype, choice, self.efficiency_of(spec),
-                    sharded, sharded and self.tp_comm_overlap, blocks)
+                    stage.has_head, recompute, self.dtype, choice, self.efficiency,
+                    sharded, sharded and self.tp_comm_overlap, blocks, self.fused_elementwise)
             self._computes[key] = (stage_compute(*args) if self._shared is None
                                    else self._shared.stage_compute(args))
         return self._computes[key]

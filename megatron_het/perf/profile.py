@@ -7,7 +7,8 @@ JSON form ("megatron_het.profile/1"), one file per accelerator kind; times in se
                     "threads": 8, "date": "2026-11-30", "dtype": "bf16", "host": "node17"},
      "layers": [{"hidden": 4096, "ffn": 14336, "heads": 32, "kv_groups": 8, "seq": 4096,
                  "micro_batch": 1, "tp": 2, "dtype": "bf16", "forward_s": 0.0061,
-                 "backward_s": 0.0125, "activation_bytes": 419430400}],
+                 "backward_s": 0.0125, "activation_bytes": 419430400,
+                 "compiled": false}],
      "embedding": [{"hidden": 4096, "vocab": 128256, "seq": 4096, "micro_batch": 1, "tp": 2,
                     "dtype": "bf16", "forward_s": 0.0002, "backward_s": 0.0004}],
      "head": [{... same keys ...}],          # final norm + output layer + cross-entropy
@@ -25,7 +26,10 @@ friends) returns the figures and says how they were found: ``exact``; ``interpol
 ``scaled`` in proportion to tokens from the one entry of that shape; otherwise ``nearest``: the
 entry of the same dtype whose shape is closest (sum of |log ratios|), scaled by the ratio of
 roofline work (FLOPs for layers and the head, bytes for the embedding). No entry of the dtype:
-None, and the caller falls back to roofline estimates.
+None, and the caller falls back to roofline estimates. A layer entry's ``compiled`` (optional,
+false by default) says whether the layer ran compiled (``tools/profile_device.py --compile``,
+as training's ``--compile`` runs it) or eager; :meth:`Profile.layer` looks among the entries of
+the mode it is asked for.
 
 ``host_sharing`` (CPU hosts, where several ranks run as processes of one machine, as CPU-emulated
 kinds do): entry ``n - 1`` is how many times longer a single-threaded compute pass takes when
@@ -70,7 +74,8 @@ class ProfileConditions:
 
 @dataclass(frozen=True)
 class LayerEntry:
-    """One decoder layer on one TP rank, one micro-batch: measured times and saved bytes."""
+    """One decoder layer on one TP rank, one micro-batch: measured times and saved bytes;
+    ``compiled``: the layer ran compiled with torch.compile (else eager)."""
 
     hidden: int
     ffn: int
@@ -83,6 +88,7 @@ class LayerEntry:
     forward_s: float
     backward_s: float
     activation_bytes: float
+    compiled: bool = False
 
     def shape(self) -> LayerShape:
         return LayerShape(self.hidden, self.ffn, self.heads, self.kv_groups, self.seq,
@@ -139,12 +145,15 @@ class Profile:
     host_collective_s: tuple[float, ...] = ()
 
     # ---- lookup ---------------------------------------------------------------------------
-    def layer(self, shape: LayerShape, dtype: str) -> Optional[Measured]:
-        """One layer's forward/backward seconds and activation bytes for ``shape``."""
+    def layer(self, shape: LayerShape, dtype: str,
+              compiled: Optional[bool] = None) -> Optional[Measured]:
+        """One layer's forward/backward seconds and activation bytes for ``shape``, from the
+        entries of ``dtype`` (and, unless ``compiled`` is None, of that mode only)."""
         key = (shape.hidden, shape.ffn, shape.heads, shape.kv_groups, shape.tp)
         candidates = [(e, (e.hidden, e.ffn, e.heads, e.kv_groups, e.tp), e.seq, e.micro_batch,
                        (e.forward_s, e.backward_s, e.activation_bytes))
-                      for e in self.layers if e.dtype == dtype]
+                      for e in self.layers if e.dtype == dtype
+                      and (compiled is None or e.compiled == compiled)]
 
         def work(entry: LayerEntry) -> tuple[float, float]:
             s = entry.shape()
@@ -155,7 +164,8 @@ class Profile:
         if found is None:
             return None
         (fwd, bwd, act), source = found
-        return Measured(fwd, bwd, act, f"profile {self.accelerator}: {source}")
+        mode = "" if compiled is None else ("compiled " if compiled else "eager ")
+        return Measured(fwd, bwd, act, f"profile {self.accelerator}: {mode}{source}")
 
     def end(self, part: str, shape: LayerShape, vocab: int, dtype: str) -> Optional[Measured]:
         """``part`` "embedding" or "head": forward/backward seconds on one TP rank."""
@@ -216,8 +226,9 @@ class Profile:
 
 def merge_profiles(old: Profile, new: Profile) -> Profile:
     """``old`` with every entry of ``new`` added, replacing entries about the same thing (same
-    dtype, widths, seq, micro-batch and tp; same op and link for comm). The conditions are
-    ``new``'s; so are the optimizer and host figures unless ``new`` has none."""
+    dtype, mode (compiled or eager), widths, seq, micro-batch and tp; same op and link for
+    comm). The conditions are ``new``'s; so are the optimizer and host figures unless ``new``
+    has none."""
     if old.accelerator != new.accelerator:
         raise UserError(f"cannot merge a profile of {new.accelerator!r} into one of "
                         f"{old.accelerator!r}; write it to its own file")
@@ -330,6 +341,7 @@ def _record(cls: type, where: str, d: Any) -> Any:
             continue
         value = d[name]
         ok = (isinstance(value, str) if kind == "str" else
+              isinstance(value, bool) if kind == "bool" else
               not isinstance(value, bool) and isinstance(value, int) if kind == "int" else
               not isinstance(value, bool) and isinstance(value, (int, float)) and value >= 0)
         if not ok:
@@ -337,7 +349,8 @@ def _record(cls: type, where: str, d: Any) -> Any:
     return cls(**d)
 
 
-_KIND_WORDS = {"str": "a string", "int": "an integer", "float": "a number >= 0"}
+_KIND_WORDS = {"str": "a string", "int": "an integer", "float": "a number >= 0",
+               "bool": "true or false"}
 
 
 def _parse(d: Any) -> Profile:

@@ -38,12 +38,13 @@ import datetime
 import socket
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from megatron_het.config import ModelConfig, OptimizerConfig
 from megatron_het.errors import UserError
+from megatron_het.model.compile import compile_layers
 from megatron_het.model.llama import LlamaModel, build_model
 from megatron_het.optim.clip_grad import clip_grad_norm
 from megatron_het.optim.optimizer import build_optimizer
@@ -77,6 +78,7 @@ class Sweep:
     warmup: int = 2
     iters: int = 5
     seed: int = 1234
+    compile: bool = False  # the decoder layer compiled, as training's --compile runs it
 
     def __post_init__(self) -> None:
         for name in ("seq_lengths", "micro_batch_sizes", "tp_sizes"):
@@ -90,6 +92,9 @@ class Sweep:
         if self.warmup < 0 or self.iters < 1:
             raise UserError(f"need warmup >= 0 and iters >= 1, got {self.warmup} and "
                             f"{self.iters}")
+        if self.compile and self.warmup < 1:
+            raise UserError("a compiled layer compiles on its first pass of each shape; give "
+                            "at least one warmup pass")
 
     def check_model(self, config: ModelConfig) -> None:
         """Raise UserError unless every size of the sweep fits ``config``."""
@@ -245,10 +250,12 @@ def _check_dtype(module: torch.nn.Module, dtype: str) -> torch.dtype:
 
 
 def layer_case(stage: LlamaModel, seq: int, micro_batch: int, tp: int, dtype: str,
-               device: torch.device) -> Case:
+               device: torch.device, compiled: bool = False) -> Case:
     """The first decoder layer of ``stage`` (a :func:`rank_stage` shard of ``dtype``) on a
     ``[micro_batch, seq, hidden]`` input of ``dtype`` (the residual stream's dtype in
-    training); makes a :class:`LayerEntry` with its activation bytes."""
+    training); makes a :class:`LayerEntry` with its activation bytes, marked ``compiled``
+    (the caller compiled the stage's layers with
+    :func:`~megatron_het.model.compile.compile_layers`)."""
     config = stage.config
     layer = next(iter(stage.layers.values()))
     torch_dtype = _check_dtype(layer, dtype)
@@ -267,7 +274,7 @@ def layer_case(stage: LlamaModel, seq: int, micro_batch: int, tp: int, dtype: st
     def entry(fwd: float, bwd: float, saved: float) -> LayerEntry:
         return LayerEntry(config.hidden_size, config.ffn_hidden_size,
                           config.num_attention_heads, config.num_query_groups, seq, micro_batch,
-                          tp, dtype, fwd, bwd, float(saved))
+                          tp, dtype, fwd, bwd, float(saved), compiled)
 
     return Case(forward, backward, entry, lambda: activation_bytes(
         forward, list(layer.parameters()), (cos, sin), device))
@@ -330,6 +337,16 @@ def measure_optimizer_step(config: ModelConfig, device: torch.device, warmup: in
     return run_cases([case], device, warmup, iters)[0] / params
 
 
+@contextlib.contextmanager
+def shapes_compiled(count: int) -> Iterator[None]:
+    """Let dynamo keep ``count`` compiled variants of the layers' code (a sweep compiles one
+    per shard and shape; past the recompile limit a layer would run eager, unmarked)."""
+    from torch._dynamo import config
+
+    with config.patch(recompile_limit=max(config.recompile_limit, count)):
+        yield
+
+
 # ---- the whole profile -------------------------------------------------------------------------
 def profile_device(config: ModelConfig, sweep: Sweep, accelerator: str, device: torch.device,
                    comm: bool = False, progress: Progress = None) -> Profile:
@@ -346,18 +363,25 @@ def profile_device(config: ModelConfig, sweep: Sweep, accelerator: str, device: 
                 f"{entry.latency_s * 1e6:.1f} us")
     layers, embedding, head = [], [], []
     n = config.num_layers
+    shapes = [(seq, mb) for mb in sorted(set(sweep.micro_batch_sizes))
+              for seq in sorted(set(sweep.seq_lengths))]
     for tp in sorted(set(sweep.tp_sizes)):
         stages = tuple(rank_stage(config, tp, layers, embedding, head, device, sweep.seed,
                                   sweep.dtype)
                        for layers, embedding, head in (((0, 1), False, False),
                                                        ((0, 0), True, False),
                                                        ((n, n), False, True)))
-        shapes = [(seq, mb) for mb in sorted(set(sweep.micro_batch_sizes))
-                  for seq in sorted(set(sweep.seq_lengths))]
-        cases = [make(stage, seq, mb, tp, sweep.dtype, device)
+        if sweep.compile:
+            compile_layers(stages[0])  # as training's --compile does
+        cases = [case
                  for seq, mb in shapes
-                 for make, stage in zip((layer_case, embedding_case, head_case), stages)]
-        entries = run_cases(cases, device, sweep.warmup, sweep.iters)
+                 for case in (layer_case(stages[0], seq, mb, tp, sweep.dtype, device,
+                                         sweep.compile),
+                              embedding_case(stages[1], seq, mb, tp, sweep.dtype, device),
+                              head_case(stages[2], seq, mb, tp, sweep.dtype, device))]
+        variants = len(shapes) * len(set(sweep.tp_sizes)) + 1  # every shard's every shape
+        with shapes_compiled(variants) if sweep.compile else contextlib.nullcontext():
+            entries = run_cases(cases, device, sweep.warmup, sweep.iters)
         for i in range(0, len(entries), 3):
             layers.append(entries[i])
             embedding.append(entries[i + 1])

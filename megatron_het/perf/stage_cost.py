@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
-from megatron_het.perf.calibration import resolve_efficiency
+from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
 from megatron_het.perf.cost_model import (OPTIMIZER_BYTES_PER_PARAM,
                                           Efficiency, LayerShape, Op, block_forward_ops,
                                           embedding_forward_ops,
@@ -91,11 +91,34 @@ def _scaled(m: Optional[Measured], factor: float) -> Optional[Measured]:
                     f"{m.source} x{factor:g} (emulated slowdown)")
 
 
+def _profiled_layer(profile: Profile, shape: LayerShape, dtype: str, compiled: bool,
+                    spec: AcceleratorSpec, efficiency: Efficiency,
+                    other: Efficiency) -> Optional[Measured]:
+    """A layer of ``profile`` run ``compiled`` (or eager): its entries of that mode, else those
+    of the other mode times the roofline's ratio of the modes (priced by ``efficiency`` and
+    ``other``), else None."""
+    found = profile.layer(shape, dtype, compiled)
+    if found is not None:
+        return found
+    found = profile.layer(shape, dtype, not compiled)
+    if found is None or other == efficiency:
+        return found
+    ops = layer_forward_ops(shape, efficiency.attention_kernel)
+    (fwd, bwd), (fwd_other, bwd_other) = (ops_time(ops, spec, dtype, e)
+                                          for e in (efficiency, other))
+    mode = "compiled" if compiled else "eager"
+    return Measured(found.forward_s * fwd / fwd_other, found.backward_s * bwd / bwd_other,
+                    found.activation_bytes,
+                    f"{found.source} x{fwd / fwd_other:.3g}/{bwd / bwd_other:.3g} ({mode} by "
+                    f"the roofline's ratio)")
+
+
 def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, num_layers: int,
                   has_embedding: bool, has_head: bool, recompute_layers: int, dtype: str,
                   choice: ProfileChoice, efficiency: Optional[Efficiency] = None,
                   sequence_parallel: bool = False, tp_comm_overlap: bool = False,
-                  blocks: Optional[LayerBlocks] = None) -> StageCompute:
+                  blocks: Optional[LayerBlocks] = None,
+                  fused_elementwise: bool = True) -> StageCompute:
     """The compute of a stage with ``num_layers`` layers of ``shape`` on one device of ``spec``,
     the first ``recompute_layers`` of them recomputing their forward in backward (keeping only
     their input).
@@ -115,14 +138,26 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     each block costs its share of a layer's time and of its saved activations, the shares
     those of the block's kernels and tensors in the roofline model (also when a profile gives
     the whole layer's figures); recompute is all or none there, keeping each touched layer's
-    input."""
-    efficiency = resolve_efficiency(spec, efficiency)
+    input.
+
+    ``fused_elementwise`` False prices the runtime's eager layers (no ``--compile``): the
+    roofline with :func:`~megatron_het.perf.calibration.layer_efficiency`'s figures, and a
+    profile's eager entries; True, compiled ones. Where a profile has entries of the other mode
+    only, they are scaled by the roofline's ratio of the two modes (1 where the predictor
+    prices both alike: CPU and emulated kinds, fp32)."""
+    raw = efficiency
+    efficiency = resolve_efficiency(spec, layer_efficiency(spec, dtype, fused_elementwise, raw))
     kernel = efficiency.attention_kernel
     profile, factor = choice.profile, choice.time_factor
     sources = []
     sp = sequence_parallel and shape.tp > 1
     overlap = sp and tp_comm_overlap
-    layer = _scaled(profile.layer(shape, dtype), factor) if profile else None
+    layer = None
+    if profile is not None:
+        other = resolve_efficiency(spec, layer_efficiency(spec, dtype, not fused_elementwise,
+                                                          raw))
+        layer = _scaled(_profiled_layer(profile, shape, dtype, fused_elementwise, spec,
+                                        efficiency, other), factor)
     if layer is None:
         fwd, bwd = ops_time(layer_forward_ops(shape, kernel, sp), spec, dtype, efficiency)
         layer = Measured(fwd, bwd, layer_activation_bytes(shape, dtype, sp, kernel, overlap),

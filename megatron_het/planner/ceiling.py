@@ -30,7 +30,6 @@ from megatron_het.cluster import AcceleratorSpec, ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.perf import Profile
-from megatron_het.perf.calibration import layer_efficiency
 from megatron_het.perf.cost_model import Efficiency, LayerShape
 from megatron_het.perf.stage_cost import choose_profile, stage_compute
 from megatron_het.planner.space import micro_batch_sizes
@@ -93,11 +92,11 @@ def kind_seconds_per_token(model: ModelConfig, spec: AcceleratorSpec, seq_length
     priced eager where ``fused_elementwise`` is False, as :func:`~megatron_het.perf.predict`
     prices them)."""
     choice = choose_profile(spec, profiles)
-    efficiency = layer_efficiency(spec, dtype, fused_elementwise, efficiency)
     best: Optional[tuple[float, int, str]] = None
     for mbs in sizes:
         compute = stage_compute(model, spec, LayerShape.of(model, seq_length, mbs, 1),
-                                model.num_layers, True, True, 0, dtype, choice, efficiency)
+                                model.num_layers, True, True, 0, dtype, choice, efficiency,
+                                fused_elementwise=fused_elementwise)
         per_token = (compute.forward_s + compute.backward_s) / (mbs * seq_length)
         if best is None or per_token < best[0]:
             best = (per_token, mbs, compute.source)

@@ -210,7 +210,6 @@ def test_eager_layers_move_more_elementwise_bytes_on_gpu_kinds_only() -> None:
     from megatron_het.perf.cost_model import (EAGER_ELEMENTWISE_TRAFFIC, LayerShape,
                                               layer_forward_ops, op_time)
     from megatron_het.perf.calibration import layer_efficiency
-    from megatron_het.perf.predictor import PredictionContext
 
     spec = KINDS.get("H200")
     shape = LayerShape(2048, 5632, 16, 4, 2048, 4, 1)
@@ -224,15 +223,53 @@ def test_eager_layers_move_more_elementwise_bytes_on_gpu_kinds_only() -> None:
             ops["down"], spec, "bf16", H100_EFFICIENCY, backward)
     with pytest.raises(UserError, match="at least 1"):
         Efficiency(elementwise_traffic=0.5)
-    context = PredictionContext.__new__(PredictionContext)  # only what efficiency_of reads
-    context.efficiency, context.fused_elementwise, context.dtype = None, False, "bf16"
-    assert context.efficiency_of(spec) == eager
+    assert layer_efficiency(spec, "bf16", False) == eager
     for other in ("cpu", "emu-slow"):  # priced as before: host profiles, emulation
-        assert context.efficiency_of(KINDS.get(other)) is None
-    context.dtype = "fp32"  # measured in bf16, whose dtype copies fp32 does not make
-    assert context.efficiency_of(spec) is None
-    context.fused_elementwise, context.dtype = True, "bf16"
-    assert context.efficiency_of(spec) is None
+        assert layer_efficiency(KINDS.get(other), "bf16", False) is None
+    # measured in bf16, whose dtype copies fp32 does not make
+    assert layer_efficiency(spec, "fp32", False) is None
+    assert layer_efficiency(spec, "bf16", True) is None
     # an explicit override that sets its own traffic keeps it
     own = Efficiency(elementwise_traffic=2.0)
     assert layer_efficiency(spec, "bf16", False, own) is own
+
+
+def test_profiled_layers_of_the_other_mode_scale_by_the_roofline_ratio() -> None:
+    from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time
+    from megatron_het.perf.calibration import layer_efficiency
+    from megatron_het.perf.profile import LayerEntry, Profile, ProfileConditions
+
+    model = model_preset("llama2-7b")
+    shape = LayerShape.of(model, 2048, 1, 1)
+    conditions = ProfileConditions("dev", "2.11", 16, "2026-12-04", "bf16")
+
+    def layer(fwd: float, bwd: float, compiled: bool) -> LayerEntry:
+        return LayerEntry(shape.hidden, shape.ffn, shape.heads, shape.kv_groups, shape.seq,
+                          shape.micro_batch, 1, "bf16", fwd, bwd, 1e8, compiled)
+
+    def priced(kind: str, profile: Profile, fused: bool) -> tuple[float, float]:
+        compute = stage_compute(model, KINDS.get(kind), shape, 1, False, False, 0, "bf16",
+                                ProfileChoice(profile), fused_elementwise=fused)
+        return compute.forward_s, compute.backward_s
+
+    spec = KINDS.get("H200")
+    eager_only = Profile("H200", conditions, layers=(layer(0.02, 0.05, False),))
+    assert priced("H200", eager_only, False) == (0.02, 0.05)  # as measured
+    ops = layer_forward_ops(shape)
+    fused_roof = ops_time(ops, spec, "bf16", efficiency_for(spec))
+    eager_roof = ops_time(ops, spec, "bf16", layer_efficiency(spec, "bf16", False))
+    forward, backward = priced("H200", eager_only, True)
+    assert forward == pytest.approx(0.02 * fused_roof[0] / eager_roof[0])
+    assert backward == pytest.approx(0.05 * fused_roof[1] / eager_roof[1])
+    assert forward < 0.9 * 0.02 and backward < 0.9 * 0.05
+    # with entries of both modes each mode reads its own
+    both = Profile("H200", conditions, layers=(layer(0.02, 0.05, False),
+                                               layer(0.012, 0.03, True)))
+    assert priced("H200", both, True) == (0.012, 0.03)
+    assert priced("H200", both, False) == (0.02, 0.05)
+    compiled_only = Profile("H200", conditions, layers=(layer(0.012, 0.03, True),))
+    assert priced("H200", compiled_only, False)[0] == pytest.approx(
+        0.012 * eager_roof[0] / fused_roof[0])
+    # a kind priced alike in both modes (the host CPU) keeps its measured figures
+    cpu = Profile("cpu", conditions, layers=(layer(0.02, 0.05, False),))
+    assert priced("cpu", cpu, True) == priced("cpu", cpu, False) == (0.02, 0.05)

@@ -7,7 +7,7 @@ from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.perf.cost_model import LayerShape, layer_forward_flops
 from megatron_het.perf.profile import (CommEntry, EndEntry, LayerEntry, Profile,
-                                       ProfileConditions, load_profiles)
+                                       ProfileConditions, load_profiles, merge_profiles)
 
 CONDITIONS = ProfileConditions("Intel Xeon (host)", "2.13.0", 2, "2026-11-30")
 MODEL = model_preset("small")  # h=256, ffn=688, 8 heads, 4 kv groups
@@ -98,3 +98,28 @@ def test_bad_profiles_say_what_is_wrong(data, match):
 def test_missing_file(tmp_path):
     with pytest.raises(UserError, match="not found"):
         Profile.load(tmp_path / "nope.json")
+
+
+def test_compiled_entries_are_their_own_mode(tmp_path):
+    eager = entry(128, 1, 0.02, 0.04, 1000.0)
+    compiled = LayerEntry(256, 688, 8, 4, 128, 1, 1, "fp32", 0.01, 0.03, 900.0, True)
+    p = profile(eager, compiled)
+    path = tmp_path / "cpu.json"
+    p.save(path)
+    assert Profile.load(path) == p
+    assert p.layer(shape(128, 1), "fp32", compiled=True).forward_s == 0.01
+    assert p.layer(shape(128, 1), "fp32", compiled=False).forward_s == 0.02
+    assert "compiled exact" in p.layer(shape(128, 1), "fp32", compiled=True).source
+    assert profile(eager).layer(shape(128, 1), "fp32", compiled=True) is None
+    # a file written before the mode existed holds eager entries
+    data = json.loads(path.read_text())
+    del data["layers"][0]["compiled"]
+    assert Profile.from_dict(data).layers[0].compiled is False
+    data["layers"][0]["compiled"] = "yes"
+    with pytest.raises(UserError, match="compiled must be true or false, got 'yes'"):
+        Profile.from_dict(data)
+    # merging keeps both modes of one shape; a new entry of one mode replaces that mode's
+    faster = LayerEntry(256, 688, 8, 4, 128, 1, 1, "fp32", 0.005, 0.02, 900.0, True)
+    merged = merge_profiles(p, profile(faster))
+    assert sorted((e.compiled, e.forward_s) for e in merged.layers) == [(False, 0.02),
+                                                                        (True, 0.005)]

@@ -101,7 +101,8 @@ def test_plan_cli_prices_eager_unless_compile(capsys) -> None:
 def test_auto_plan_follows_compile(compiled: bool) -> None:
     flags = ["--model", "llama2-7b", "--mock-data", "--tokenizer-type", "NullTokenizer",
              "--seq-length", str(SEQ), "--cluster", GPU_CLUSTER, "--plan", "auto",
-             "--global-batch-size", str(GBS), "--train-iters", "1", "--vocab-size", "31999", "--bf16"]
+             "--global-batch-size", str(GBS), "--train-iters", "1", "--vocab-size", "31999",
+             "--bf16"]
     setup = prepare_run(parse_run_config(flags + (["--compile"] if compiled else [])), 64)
     cluster = ClusterSpec.load(GPU_CLUSTER)
     expected = search_plan(MODEL, cluster, GBS, SEQ, dtype="bf16",

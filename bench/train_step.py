@@ -26,7 +26,12 @@ never enters the medians, nor do the ``--warmup`` steps.
     .venv/bin/python bench/train_step.py --model small --micro-batch-size 8 --seq-length 256
     .venv/bin/python bench/train_step.py --model small --micro-batch-size 8 --seq-length 256 \
         --compile --breakdown
-    python3 bench/train_step.py --device cuda --dtype bf16 --model llama2-7b ...  # on a GPU
+    python3 bench/train_step.py --device cuda --dtype bf16 --compile --num-layers 4 \
+        --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 \
+        --num-query-groups 4 --vocab-size 32000 --micro-batch-size 4 --seq-length 2048  # GPU
+
+The model is a preset (``--model``) and/or the shape flags (Megatron's names), as
+``tools/plan.py`` takes them; with neither, the ``small`` preset.
 """
 from __future__ import annotations
 
@@ -46,17 +51,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_het.checkpoint.hf import (megatron_het_to_hf_state,  # noqa: E402
                                         model_config_to_hf_config)
-from megatron_het.config import model_preset  # noqa: E402
+from megatron_het.cli_args import shape_overrides  # noqa: E402
+from megatron_het.errors import UserError  # noqa: E402
+from megatron_het.model_args import add_model_shape_args, model_config_from_args  # noqa: E402
 from megatron_het.model.compile import compile_layers  # noqa: E402
 from megatron_het.model.llama import build_model  # noqa: E402
 from megatron_het.perf.profiler import self_time_us  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_MODEL = "small"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small", help="a ModelConfig preset name")
+    add_model_shape_args(p)  # neither a preset nor a shape flag: the "small" preset
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -88,6 +96,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--warmup must be at least 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA/ROCm device here")
+    if args.model is None and not shape_overrides(args):
+        args.model = DEFAULT_MODEL
+    try:
+        args.config = model_config_from_args(args, seq_length=args.seq_length)
+    except UserError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -139,7 +153,7 @@ def build_pair(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
-    cfg = model_preset(args.model)
+    cfg = args.config
     ours = build_model(cfg, seed=args.seed).to(device=device, dtype=dtype).train()
     if args.compile:
         compile_layers(ours, mode=args.compile_mode)
@@ -236,7 +250,7 @@ def report(args: argparse.Namespace, seconds: dict[str, list[float]], ratios: li
            first_loss: dict[str, float], first_seconds: dict[str, float]) -> dict[str, Any]:
     """The JSON record: figures (medians over rounds; first step and warm-up excluded) and the
     conditions they were measured under."""
-    cfg = model_preset(args.model)
+    cfg = args.config
     tokens_per_step = args.micro_batch_size * args.seq_length
     median_s = {name: statistics.median(s) for name, s in seconds.items()}
     tps = {name: tokens_per_step / s for name, s in median_s.items()}

@@ -3,14 +3,16 @@
 # in under 8 minutes. Each check runs in its own process with its own time budget, so one that
 # fails or hangs cannot stop the others:
 #
-#   probe     30 s   torch/CUDA/NCCL, the device and its kind, SDPA backends, flash-attn/apex/liger
-#   numerics  35 s   tiny model CUDA vs CPU (fp32), bf16 parameters vs fp32, fused loss vs torch's
-#   relay     45 s   relay bridge round trip of a CUDA tensor (staging; H200 rank <-> CPU rank)
+#   probe     25 s   torch/CUDA/NCCL, the device and its kind, SDPA backends, flash-attn/apex/liger
+#   numerics  30 s   tiny model CUDA vs CPU (fp32), bf16 parameters vs fp32, fused loss vs torch's
+#   relay     40 s   relay bridge round trip of a CUDA tensor (staging; H200 rank <-> CPU rank)
 #   mixed    140 s   torchrun pair (1 x H200 + 1 x cpu): pp=2 vs 1 process, resume, dp=2 ZeRO-1;
 #                    the CPU ranks hold no CUDA context (NVML)
-#   mfu      160 s   ~1B Llama (TinyLlama's shape), bf16, seq 2048, eager and --compile: MFU
+#   mfu      110 s   ~1B Llama (TinyLlama's shape), bf16, seq 2048, eager and --compile: MFU
 #                    (>= 40% compiled); peak memory and step time vs predicted
-#   profile   40 s   tools/profile_device.py on CUDA, each layer against its roofline
+#   profile   65 s   tools/profile_device.py on CUDA, eager and --compile, each layer against
+#                    its roofline
+#   bench     40 s   bench/train_step.py: our compiled step vs transformers' Llama (>= 1.0)
 #
 # No check starts after 450 s. Prints a table (check, status, value, threshold) and writes
 # gpu_check.json, gpu_check_table.txt and gpu_check_logs.txt to --out, else $OUT, else

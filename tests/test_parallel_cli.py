@@ -54,6 +54,12 @@ def test_dry_run_prints_plan_and_prediction() -> None:
     assert "stage 1: emu-slow (emulated), tp=1, 2 layers [1, 3), ranks [2]" in text
     assert "global batch 8 = 2 x 4 micro-batches" in text
     assert "> predicted iteration time:" in text
+    assert "decoder layers eager (no --compile)" in text
+    out = io.StringIO()
+    dry_run(parse_run_config([*COMMON, "--cluster", CLUSTER, "--plan",
+                              str(PLANS / "cpu_emulated_3stage.json"), "--dry-run",
+                              "--compile"]), out)
+    assert "decoder layers compiled (--compile)" in out.getvalue()
 
 
 def test_dry_run_megatron_flags_without_cluster_use_cpu_ranks() -> None:

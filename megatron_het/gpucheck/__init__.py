@@ -8,7 +8,8 @@ in one run of a few minutes on one GPU host, each check in its own process and t
 - checks: :mod:`~megatron_het.gpucheck.device_checks` (probe, numerics),
   :mod:`~megatron_het.gpucheck.relay_check`, :mod:`~megatron_het.gpucheck.mixed_pair` (with
   :mod:`~megatron_het.gpucheck.pair_files` and :mod:`~megatron_het.gpucheck.gpu_processes`),
-  :mod:`~megatron_het.gpucheck.mfu`, :mod:`~megatron_het.gpucheck.profile_check`.
+  :mod:`~megatron_het.gpucheck.mfu`, :mod:`~megatron_het.gpucheck.profile_check`,
+  :mod:`~megatron_het.gpucheck.bench_check`.
 
 Nothing here initialises CUDA at import time; the product does not import this package.
 """

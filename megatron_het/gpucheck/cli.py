@@ -32,12 +32,13 @@ from megatron_het.gpucheck.runner import Check, run_checks
 
 # name -> (budget seconds, "module:function" of the check)
 CHECKS: dict[str, tuple[float, str]] = {
-    "probe": (30.0, "megatron_het.gpucheck.device_checks:check_probe"),
-    "numerics": (35.0, "megatron_het.gpucheck.device_checks:check_numerics"),
-    "relay": (45.0, "megatron_het.gpucheck.relay_check:check_relay"),
+    "probe": (25.0, "megatron_het.gpucheck.device_checks:check_probe"),
+    "numerics": (30.0, "megatron_het.gpucheck.device_checks:check_numerics"),
+    "relay": (40.0, "megatron_het.gpucheck.relay_check:check_relay"),
     "mixed": (140.0, "megatron_het.gpucheck.mixed_pair:check_mixed_pair"),
-    "mfu": (160.0, "megatron_het.gpucheck.mfu:check_mfu"),
-    "profile": (40.0, "megatron_het.gpucheck.profile_check:check_profile"),
+    "mfu": (110.0, "megatron_het.gpucheck.mfu:check_mfu"),
+    "profile": (65.0, "megatron_het.gpucheck.profile_check:check_profile"),
+    "bench": (40.0, "megatron_het.gpucheck.bench_check:check_bench"),
 }
 DEADLINE_S = 450.0  # + a last check's grace and the script's start-up: under 8 minutes
 _LOG_TAIL_LINES = 120

@@ -27,7 +27,8 @@ def dry_run(run: RunConfig, out: TextIO, accelerator: str = "cpu") -> None:
     print(describe_plan(setup), file=out)
     if device_times:
         print(device_times, file=out)
-    print("> predicted (roofline/profile estimate):", file=out)
+    layers = "compiled (--compile)" if run.train.compile else "eager (no --compile)"
+    print(f"> predicted (roofline/profile estimate, decoder layers {layers}):", file=out)
     print(prediction.table(), file=out)
     print(f"> predicted iteration time: {prediction.iteration_time_s:.4f} s; plan, cluster, "
           "model and batch are consistent", file=out, flush=True)

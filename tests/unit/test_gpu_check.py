@@ -318,7 +318,36 @@ def test_the_profile_run_uses_flags_that_profile_device_has(tmp_path):
     spec.loader.exec_module(tool)
     args = tool.build_parser().parse_args([*profile_check.SHAPE_FLAGS, *profile_check.SWEEP_FLAGS,
                                            "--device", "cuda", "--out", str(tmp_path)])
-    assert args.seq_lengths == (2048,) and args.dtype == "bf16"
+    assert args.seq_lengths == (2048,) and args.dtype == "bf16" and not args.compile
+    args = tool.build_parser().parse_args([*profile_check.SHAPE_FLAGS,
+                                           *profile_check.COMPILED_FLAGS, "--device", "cuda",
+                                           "--out", str(tmp_path)])
+    assert args.compile and args.micro_batch_sizes == (4,) and args.warmup >= 1
+
+
+def test_the_bench_run_uses_flags_that_the_bench_has():
+    from megatron_het.gpucheck import bench_check
+
+    spec = importlib.util.spec_from_file_location("train_step_bench",
+                                                  REPO / "bench" / "train_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    flags = [f for f in bench_check.BENCH_FLAGS if f != "cuda"]
+    flags[flags.index("--device"):flags.index("--device") + 1] = ["--device", "cpu"]
+    args = bench.parse_args(flags)  # on the CPU: parsing refuses --device cuda without a GPU
+    assert args.compile and args.dtype == "bf16" and args.seq_length == 2048
+    assert (args.config.num_layers, args.config.hidden_size, args.config.ffn_hidden_size,
+            args.config.num_attention_heads, args.config.num_query_groups) == (4, 2048, 5632,
+                                                                               16, 4)
+    record = {"ratio_vs_hf": 1.62, "ours_tokens_per_s": 81234.5, "hf_tokens_per_s": 50111.0,
+              "dtype": "bf16", "config": {"num_layers": 4}, "micro_batch_size": 4,
+              "seq_length": 2048, "compile_s": 21.4}
+    text = "compiling...\n" + json.dumps(record) + "\n"
+    assert bench_check.last_json_line(text) == record
+    assert bench_check.last_json_line("no record\n[1, 2]\n") is None
+    assert bench_check.bench_value(record) == ("ratio_vs_hf 1.62: ours 81,234 tokens/s, HF "
+                                               "50,111 (bf16, 4 layers, mb 4 x seq 2048, "
+                                               "compile 21 s)")
 
 
 # ---- the checks' arithmetic, on the CPU ------------------------------------------------------
@@ -409,6 +438,12 @@ def test_roofline_row_compares_a_layer_with_the_peak_and_the_estimate():
     assert details["predicted_forward_s"] == ops_time(layer_forward_ops(entry.shape()), spec,
                                                       "bf16", eager)[0]
     assert efficiency_for(spec).gemm < 0.6  # not the uncalibrated default
+    # a compiled entry: its own row, against the estimate for compiled (fused) layers
+    compiled = dataclasses.replace(entry, compiled=True)
+    name, _, details = profile_check.roofline_row(compiled, spec)
+    assert name == "profile.layer.s2048-b4-tp1.compiled" and details["compiled"]
+    assert details["predicted_forward_s"] == ops_time(layer_forward_ops(entry.shape()), spec,
+                                                      "bf16", efficiency_for(spec))[0]
 
 
 def _mfu_rows(tmp_path: pathlib.Path, mfu_value: float, peak: float,
@@ -621,7 +656,7 @@ def test_the_kernel_probe_names_the_gemm_and_attention_paths_training_takes(tmp_
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible to this process")
-@pytest.mark.parametrize("name", ["numerics", "mfu", "profile", "mixed"])
+@pytest.mark.parametrize("name", ["numerics", "mfu", "profile", "mixed", "bench"])
 def test_a_check_without_a_device_fails_unless_the_gpu_was_hidden(tmp_path, name):
     ctx = ctx_at(tmp_path)  # no --cpu-only: a GPU host whose GPU torch cannot see
     module, function = cli.CHECKS[name][1].split(":")
@@ -650,3 +685,19 @@ def test_an_error_in_one_block_fails_its_rows_and_the_check_goes_on(tmp_path):
     assert rows["x.first"].status == PASS and rows["x.third"].status == PASS
     assert rows["x.second"].status == FAIL and rows["x.second"].value == (
         "raised RuntimeError: CUDA error: an illegal memory access was encountered")
+
+
+def test_the_mode_ratio_row_pairs_eager_and_compiled_entries_of_one_shape():
+    from megatron_het.perf.profile import Profile, ProfileConditions
+
+    spec = AcceleratorRegistry.builtin().get("H200")
+    eager = LayerEntry(2048, 5632, 16, 4, 2048, 4, 1, "bf16", 0.004, 0.012, 1e9)
+    other = dataclasses.replace(eager, micro_batch=1)
+    compiled = dataclasses.replace(eager, forward_s=0.002, backward_s=0.009, compiled=True)
+    profile = Profile("H200", ProfileConditions("H200", "2.11", 16, "d"),
+                      layers=(eager, other, compiled))
+    assert profile_check.mode_pairs(profile) == [(eager, compiled)]
+    name, value, details = profile_check.mode_ratio_row(eager, compiled, spec)
+    assert name == "profile.mode-ratio.s2048-b4-tp1"
+    assert details["measured"] == pytest.approx((0.5, 0.75)) and "fwd compiled/eager x0.50" in value
+    assert all(0.2 < r < 1.0 for r in details["roofline"])  # fusion saves time in the model

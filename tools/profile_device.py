@@ -176,7 +176,8 @@ def layer_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         mode = "compiled" if r["compiled"] else "eager"
         lines.append(f"{r['hidden']:>6} {r['dtype']:>6} {mode:>8} {r['tp']:>3} "
-                     f"{r['micro_batch']:>4} {r['seq']:>5} {_ms(r['forward_s']):>9} {_ms(r['roofline_forward_s']):>8} "
+                     f"{r['micro_batch']:>4} {r['seq']:>5} {_ms(r['forward_s']):>9} "
+                     f"{_ms(r['roofline_forward_s']):>8} "
                      f"{_ratio(r['forward_ratio']):>8} {_ms(r['backward_s']):>9} "
                      f"{_ms(r['roofline_backward_s']):>8} {_ratio(r['backward_ratio']):>8} "
                      f"{r['activation_bytes'] / 2**20:>9.2f}")

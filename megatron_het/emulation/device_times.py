@@ -25,12 +25,14 @@ RegionKey = tuple[str, bool, int]
 
 def emulated_device_times(profiles: Optional[Mapping[str, Profile]],
                           profile_source: Optional[str], model: ModelConfig, plan: ParallelPlan,
-                          cluster: ClusterSpec, seq_length: int,
-                          dtype: str) -> dict[int, tuple[tuple[float, float], ...]]:
+                          cluster: ClusterSpec, seq_length: int, dtype: str,
+                          fused_elementwise: bool = False
+                          ) -> dict[int, tuple[tuple[float, float], ...]]:
     """EMULATION: each emulated rank's (forward, backward) seconds per micro-batch of each of
     its stages (one per interleaved chunk, in pipeline order) on this host from the host
     profile ``profiles[HOST_PROFILE]`` (read from ``profile_source``, named in errors); empty
-    without a profile. UserError when the cluster has no emulated rank or the profile lacks the
+    without a profile (its entries of the run's mode: ``fused_elementwise``, the run's
+    ``--compile``). UserError when the cluster has no emulated rank or the profile lacks the
     stage's shape or dtype."""
     if not profiles:
         return {}
@@ -44,7 +46,8 @@ def emulated_device_times(profiles: Optional[Mapping[str, Profile]],
             shape = LayerShape.of(model, seq_length, plan.micro_batch_size, stage.tp)
             compute = stage_compute(model, spec, shape, stage.num_layers, stage.has_embedding,
                                     stage.has_head, stage.recomputed_layers, dtype,
-                                    ProfileChoice(profile), blocks=LayerBlocks.of(stage))
+                                    ProfileChoice(profile), blocks=LayerBlocks.of(stage),
+                                    fused_elementwise=fused_elementwise)
             if "roofline" in compute.source:
                 raise UserError(f"--emulation-profile {profile_source}: no {dtype} figures for "
                                 f"the stage on ranks {list(stage.ranks)} ({compute.source}); "

@@ -22,21 +22,24 @@ from megatron_het.perf.profile import Profile
 
 def check_memory_caps(model_config: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec,
                       seq_length: int, dtype: str, use_distributed_optimizer: bool = False,
-                      profiles: Optional[Mapping[str, Profile]] = None) -> None:
+                      profiles: Optional[Mapping[str, Profile]] = None,
+                      fused_elementwise: bool = False) -> None:
     """Raise a one-line UserError naming the first stage (pipeline, stage, kind, ranks) of an
     emulated kind with a memory cap whose predicted peak per device exceeds that cap.
 
     ``plan`` must be valid for ``model_config`` and ``cluster``. ``dtype`` and
     ``use_distributed_optimizer`` apply where the plan leaves them unset, as in
     :func:`~megatron_het.perf.predict`; ``profiles`` (e.g. the host profile) give measured
-    activation sizes where they have them (the analytic model otherwise)."""
+    activation sizes where they have them (the analytic model otherwise), of the run's mode
+    (``fused_elementwise``: ``--compile``)."""
     capped = [s for pipeline in plan.pipelines for s in pipeline.stages
               if _cap_gib(cluster, s.ranks[0]) is not None]
     if not capped:
         return
     prediction = predict(model_config, plan, cluster, seq_length, profiles, dtype=dtype,
                          use_distributed_optimizer=use_distributed_optimizer,
-                         pipeline_model="closed_form", validate=False)
+                         pipeline_model="closed_form", validate=False,
+                         fused_elementwise=fused_elementwise)
     for row in prediction.stages:
         cap = _cap_gib(cluster, row.ranks[0])
         need = row.memory.total_bytes / GIB

@@ -91,14 +91,16 @@ def build_emulation(cluster: ClusterSpec, plan: ParallelPlan, rank: int,
                     profile: Union[Profile, Mapping[str, Profile], None] = None,
                     profile_source: Optional[str] = None,
                     threads: Optional[int] = None,
-                    extra_slowdown: Sequence[tuple[int, float]] = ()) -> RankEmulation:
+                    extra_slowdown: Sequence[tuple[int, float]] = (),
+                    fused_elementwise: bool = False) -> RankEmulation:
     """The emulation of global ``rank`` of a run of ``plan`` on ``cluster``.
 
     ``profile`` is the host profile of ``--emulation-profile`` (a :class:`Profile`, or the
     predictor's profile map with it under ``"cpu"``), read from ``profile_source`` (named in
     messages); with it every emulated stage's regions last ``slowdown x`` its figures.
     ``extra_slowdown`` (``--emulation-extra-slowdown``) lists (rank, factor) pairs: those ranks'
-    regions last ``factor x`` their kind's time. Raises UserError when the profile lacks a
+    regions last ``factor x`` their kind's time. ``fused_elementwise`` (the run's ``--compile``)
+    picks the profile's compiled or eager layer entries. Raises UserError when the profile lacks a
     stage's shape or dtype, when the cluster has no emulated kind for it to time, when this
     rank computes on more than one thread (``threads``, default ``torch.get_num_threads()``)
     with a profile, or when an extra slowdown names a rank outside the cluster, one that is not
@@ -106,7 +108,7 @@ def build_emulation(cluster: ClusterSpec, plan: ParallelPlan, rank: int,
     extra = check_extra_slowdown(cluster, extra_slowdown)
     profiles = {HOST_PROFILE: profile} if isinstance(profile, Profile) else profile
     times = emulated_device_times(profiles, profile_source, model_config, plan, cluster,
-                                  seq_length, dtype)
+                                  seq_length, dtype, fused_elementwise)
     spec = cluster.accelerator_of(rank)
     timer = None
     if spec.emulated:

@@ -1,8 +1,8 @@
 """``bench/train_step.py`` on the GPU: our training step, decoder layers compiled, against
 transformers' ``LlamaForCausalLM`` (eager, SDPA attention) on the same weights and batch.
 
-The shape is the MFU model's with 4 layers (TinyLlama's widths), bf16 weights, seq 2048,
-micro-batch 4, each library's own loss; one step is forward, loss, backward and AdamW. The row
+The shape has TinyLlama's widths (the MFU model's) with 4 layers and a tied 32000-token
+embedding, bf16 weights, seq 2048, micro-batch 4, each library's own loss; one step is forward, loss, backward and AdamW. The row
 gives ``ratio_vs_hf`` (the median of the per-round ratios of step times, HF / ours) with both
 tokens/s figures and the compile time; it fails below 1.0 (our compiled step slower than
 Hugging Face's eager one). The whole JSON record is in the row's details.
@@ -17,7 +17,7 @@ from megatron_het.gpucheck.context import REPO, CheckContext
 from megatron_het.gpucheck.device_checks import skip_all
 from megatron_het.gpucheck.report import FAIL, PASS
 
-RUN_S = 40.0
+RUN_S = 50.0  # transformers' import, both models, one layer compiled cold, 5 rounds
 RATIO_MIN = 1.0
 BENCH_FLAGS = ["--num-layers", "4", "--hidden-size", "2048", "--ffn-hidden-size", "5632",
                "--num-attention-heads", "16", "--num-query-groups", "4", "--vocab-size", "32000",

@@ -167,6 +167,14 @@ class Profile:
         mode = "" if compiled is None else ("compiled " if compiled else "eager ")
         return Measured(fwd, bwd, act, f"profile {self.accelerator}: {mode}{source}")
 
+    def has_layer_shape(self, shape: LayerShape, dtype: str, compiled: bool) -> bool:
+        """Whether an entry of ``dtype`` and mode ``compiled`` has ``shape``'s widths and tp
+        (at any sequence length and micro-batch: :meth:`layer` then scales it in tokens, not
+        from another shape)."""
+        key = (shape.hidden, shape.ffn, shape.heads, shape.kv_groups, shape.tp)
+        return any((e.hidden, e.ffn, e.heads, e.kv_groups, e.tp) == key and e.dtype == dtype
+                   and e.compiled == compiled for e in self.layers)
+
     def end(self, part: str, shape: LayerShape, vocab: int, dtype: str) -> Optional[Measured]:
         """``part`` "embedding" or "head": forward/backward seconds on one TP rank."""
         entries = {"embedding": self.embedding, "head": self.head}[part]

@@ -94,13 +94,19 @@ def _scaled(m: Optional[Measured], factor: float) -> Optional[Measured]:
 def _profiled_layer(profile: Profile, shape: LayerShape, dtype: str, compiled: bool,
                     spec: AcceleratorSpec, efficiency: Efficiency,
                     other: Efficiency) -> Optional[Measured]:
-    """A layer of ``profile`` run ``compiled`` (or eager): its entries of that mode, else those
-    of the other mode times the roofline's ratio of the modes (priced by ``efficiency`` and
-    ``other``), else None."""
-    found = profile.layer(shape, dtype, compiled)
-    if found is not None:
-        return found
-    found = profile.layer(shape, dtype, not compiled)
+    """A layer of ``profile`` run ``compiled`` (or eager): from its entries of that mode where
+    one has the layer's widths, else from the other mode's where one has (times the roofline's
+    ratio of the modes, priced by ``efficiency`` and ``other``, with the analytic activation
+    bytes: compilation changes what a layer saves), else from the nearest shape of that mode,
+    then of the other; None without an entry of ``dtype``."""
+    same = profile.has_layer_shape(shape, dtype, compiled)
+    if not same and profile.has_layer_shape(shape, dtype, not compiled):
+        found = profile.layer(shape, dtype, not compiled)
+    else:
+        found = profile.layer(shape, dtype, compiled)
+        if found is not None:
+            return found
+        found = profile.layer(shape, dtype, not compiled)
     if found is None or other == efficiency:
         return found
     ops = layer_forward_ops(shape, efficiency.attention_kernel)
@@ -108,9 +114,8 @@ def _profiled_layer(profile: Profile, shape: LayerShape, dtype: str, compiled: b
                                           for e in (efficiency, other))
     mode = "compiled" if compiled else "eager"
     return Measured(found.forward_s * fwd / fwd_other, found.backward_s * bwd / bwd_other,
-                    found.activation_bytes,
-                    f"{found.source} x{fwd / fwd_other:.3g}/{bwd / bwd_other:.3g} ({mode} by "
-                    f"the roofline's ratio)")
+                    None, f"{found.source} x{fwd / fwd_other:.3g}/{bwd / bwd_other:.3g} ({mode} "
+                    f"by the roofline's ratio)")
 
 
 def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, num_layers: int,

@@ -140,12 +140,13 @@ def rank_emulation(setup: RunSetup, rank: int,
 
     check_memory_caps(setup.model_config, setup.plan, setup.cluster, setup.run.data.seq_length,
                       setup.dtype, use_distributed_optimizer=setup.use_distributed_optimizer,
-                      profiles=setup.host_profiles)
+                      profiles=setup.host_profiles, fused_elementwise=setup.run.train.compile)
     parallel = setup.run.parallel
     return build_emulation(setup.cluster, setup.plan, rank, setup.model_config,
                            setup.run.data.seq_length, setup.dtype, setup.host_profiles,
                            parallel.emulation_profile, threads=threads,
-                           extra_slowdown=parallel.emulation_extra_slowdown)
+                           extra_slowdown=parallel.emulation_extra_slowdown,
+                           fused_elementwise=setup.run.train.compile)
 
 
 def predict_run(setup: RunSetup) -> "Prediction":

@@ -235,7 +235,8 @@ def test_eager_layers_move_more_elementwise_bytes_on_gpu_kinds_only() -> None:
 
 
 def test_profiled_layers_of_the_other_mode_scale_by_the_roofline_ratio() -> None:
-    from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time
+    from megatron_het.perf.cost_model import (LayerShape, layer_activation_bytes,
+                                              layer_forward_ops, ops_time)
     from megatron_het.perf.calibration import layer_efficiency
     from megatron_het.perf.profile import LayerEntry, Profile, ProfileConditions
 
@@ -247,9 +248,12 @@ def test_profiled_layers_of_the_other_mode_scale_by_the_roofline_ratio() -> None
         return LayerEntry(shape.hidden, shape.ffn, shape.heads, shape.kv_groups, shape.seq,
                           shape.micro_batch, 1, "bf16", fwd, bwd, 1e8, compiled)
 
+    def computed(kind: str, profile: Profile, fused: bool):
+        return stage_compute(model, KINDS.get(kind), shape, 1, False, False, 0, "bf16",
+                             ProfileChoice(profile), fused_elementwise=fused)
+
     def priced(kind: str, profile: Profile, fused: bool) -> tuple[float, float]:
-        compute = stage_compute(model, KINDS.get(kind), shape, 1, False, False, 0, "bf16",
-                                ProfileChoice(profile), fused_elementwise=fused)
+        compute = computed(kind, profile, fused)
         return compute.forward_s, compute.backward_s
 
     spec = KINDS.get("H200")
@@ -262,6 +266,15 @@ def test_profiled_layers_of_the_other_mode_scale_by_the_roofline_ratio() -> None
     assert forward == pytest.approx(0.02 * fused_roof[0] / eager_roof[0])
     assert backward == pytest.approx(0.05 * fused_roof[1] / eager_roof[1])
     assert forward < 0.9 * 0.02 and backward < 0.9 * 0.05
+    # compilation changes what a layer saves: the other mode's bytes are not taken
+    assert computed("H200", eager_only, False).activation_bytes == 1e8
+    assert computed("H200", eager_only, True).activation_bytes == layer_activation_bytes(
+        shape, "bf16")
+    # the other mode's entry of this shape beats a compiled entry of another width
+    wider = dataclasses.replace(layer(0.03, 0.08, True), hidden=2 * shape.hidden)
+    mixed = Profile("H200", conditions, layers=(layer(0.02, 0.05, False), wider))
+    assert priced("H200", mixed, True) == (forward, backward)
+    assert "by the roofline's ratio" in computed("H200", mixed, True).source
     # with entries of both modes each mode reads its own
     both = Profile("H200", conditions, layers=(layer(0.02, 0.05, False),
                                                layer(0.012, 0.03, True)))

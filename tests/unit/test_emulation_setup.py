@@ -139,3 +139,22 @@ def test_memory_caps_follow_the_memory_model():
     check_memory_caps(MODEL, plan, capped_cluster(between), SEQ, "bf16")
     with pytest.raises(UserError, match="pipeline 0 stage 1"):
         check_memory_caps(MODEL, plan, capped_cluster(between), SEQ, "fp32")
+
+
+def test_the_host_profile_s_entries_of_the_run_s_mode_time_the_ranks():
+    """A host profile with eager and compiled layers: a --compile run's emulated ranks take
+    the compiled figures, an eager run's the eager ones."""
+    import dataclasses
+
+    eager = host_profile()
+    compiled = tuple(dataclasses.replace(e, forward_s=e.forward_s / 2,
+                                         backward_s=e.backward_s / 2, compiled=True)
+                     for e in eager.layers)
+    both = dataclasses.replace(eager, layers=eager.layers + compiled)
+    times = {fused: setup(2, threads=1, profile=both, profile_source="cpu.json",
+                          fused_elementwise=fused).device_times for fused in (False, True)}
+    assert times[False] == setup(2, threads=1, profile=eager,
+                                 profile_source="cpu.json").device_times
+    for rank, stages in times[True].items():
+        for (fwd, bwd), (eager_fwd, eager_bwd) in zip(stages, times[False][rank]):
+            assert fwd < eager_fwd and bwd < eager_bwd

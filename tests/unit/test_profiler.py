@@ -302,12 +302,23 @@ def test_sweep_rejects_what_cannot_be_measured():
 
 
 @pytest.mark.slow  # inductor compiles the layer for two shards (about 20 s on 2 cores)
-def test_a_compiled_profile_marks_its_layers() -> None:
+def test_a_compiled_profile_marks_its_layers(monkeypatch) -> None:
+    from megatron_het.model.compile import compile_layers, is_compiled
+    from megatron_het.perf import profiler
+
     with pytest.raises(UserError, match="at least one warmup pass"):
         Sweep(compile=True, warmup=0)
+    compiled = []
+
+    def spy(stage, mode=None):
+        compile_layers(stage, mode)
+        compiled.append(all(is_compiled(layer) for layer in stage.layers.values()))
+
+    monkeypatch.setattr(profiler, "compile_layers", spy)
     sweep = Sweep(seq_lengths=(32,), micro_batch_sizes=(2,), tp_sizes=(1, 2), warmup=1,
                   iters=1, compile=True)
     p = profile_device(TINY, sweep, "cpu", CPU)
+    assert compiled == [True, True]  # the layer shard of each TP size
     assert [(e.tp, e.compiled) for e in p.layers] == [(1, True), (2, True)]
     assert all(e.forward_s > 0 and e.backward_s > 0 and e.activation_bytes > 0
                for e in p.layers)

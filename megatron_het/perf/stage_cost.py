@@ -147,9 +147,9 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
 
     ``fused_elementwise`` False prices the runtime's eager layers (no ``--compile``): the
     roofline with :func:`~megatron_het.perf.calibration.layer_efficiency`'s figures, and a
-    profile's eager entries; True, compiled ones. Where a profile has entries of the other mode
-    only, they are scaled by the roofline's ratio of the two modes (1 where the predictor
-    prices both alike: CPU and emulated kinds, fp32)."""
+    profile's eager entries; True, compiled ones. Where a profile has only the other mode's
+    entries for the shape, they are scaled by the roofline's ratio of the two modes (1 where
+    the predictor prices both alike: CPU and emulated kinds, fp32; :func:`_profiled_layer`)."""
     raw = efficiency
     efficiency = resolve_efficiency(spec, layer_efficiency(spec, dtype, fused_elementwise, raw))
     kernel = efficiency.attention_kernel

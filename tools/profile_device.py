@@ -11,7 +11,6 @@ roofline times for the kind's datasheet figures, with their ratio.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -218,7 +217,8 @@ def kernel_table(rows: Sequence[KernelRow], pass_s: float, top: int) -> str:
     rest = sum(row.seconds for row in rows[top:])
     lines.append(f"{rest * 1e3:8.3f}  {rest / pass_s:6.1%}  {'':6}  ({max(0, len(rows) - top)} "
                  "other kernels)")
-    lines.append(f"{max(0.0, pass_s - busy) * 1e3:8.3f}  {max(0.0, pass_s - busy) / pass_s:6.1%}"
+    idle = max(0.0, pass_s - busy)
+    lines.append(f"{idle * 1e3:8.3f}  {idle / pass_s:6.1%}"
                  f"  {'':6}  (device idle: pass {pass_s * 1e3:.3f} ms, kernels "
                  f"{busy * 1e3:.3f} ms)")
     return "\n".join(lines)
@@ -228,7 +228,6 @@ def print_kernel_breakdowns(model: ModelConfig, sweep: Sweep, device: torch.devi
                             top: int) -> None:
     """:func:`kernel_breakdown` of the first layer at every (seq, micro-batch, tp) of the
     sweep, as :func:`kernel_table`."""
-    variants = len(sweep.seq_lengths) * len(sweep.micro_batch_sizes) * len(sweep.tp_sizes) + 1
     for tp in sweep.tp_sizes:
         stage = rank_stage(model, tp, (0, 1), False, False, device, sweep.seed, sweep.dtype)
         if sweep.compile:
@@ -237,7 +236,7 @@ def print_kernel_breakdowns(model: ModelConfig, sweep: Sweep, device: torch.devi
             for micro_batch in sweep.micro_batch_sizes:
                 case = layer_case(stage, seq, micro_batch, tp, sweep.dtype, device,
                                   sweep.compile)
-                with shapes_compiled(variants) if sweep.compile else contextlib.nullcontext():
+                with shapes_compiled(sweep):
                     rows, pass_s = kernel_breakdown(case, device)
                 mode = "compiled" if sweep.compile else "eager"
                 print(f"\nkernels of one layer forward + backward: tp={tp} mb={micro_batch} "

@@ -2,10 +2,10 @@
 transformers' ``LlamaForCausalLM`` (eager, SDPA attention) on the same weights and batch.
 
 The shape has TinyLlama's widths (the MFU model's) with 4 layers and a tied 32000-token
-embedding, bf16 weights, seq 2048, micro-batch 4, each library's own loss; one step is forward, loss, backward and AdamW. The row
-gives ``ratio_vs_hf`` (the median of the per-round ratios of step times, HF / ours) with both
-tokens/s figures and the compile time; it fails below 1.0 (our compiled step slower than
-Hugging Face's eager one). The whole JSON record is in the row's details.
+embedding, bf16 weights, seq 2048, micro-batch 4, each library's own loss; one step is forward,
+loss, backward and AdamW. The row gives ``ratio_vs_hf`` (the median of the per-round ratios
+of step times, HF / ours) with both tokens/s figures and the compile time; it fails below 1.0
+(our compiled step slower than Hugging Face's eager one). The whole JSON record is in the row's details.
 """
 from __future__ import annotations
 

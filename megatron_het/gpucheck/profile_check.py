@@ -28,6 +28,7 @@ from megatron_het.gpucheck.report import FAIL, PASS
 from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
 from megatron_het.perf.cost_model import Efficiency, layer_forward_ops, ops_time
 from megatron_het.perf.profile import LayerEntry, Profile
+from megatron_het.perf.stage_cost import mode_ratio
 
 RUN_S = 20.0  # the eager sweep (the whole check took 15 s on one H200)
 COMPILED_RUN_S = 30.0
@@ -97,13 +98,8 @@ def mode_ratio_row(eager: LayerEntry, compiled: LayerEntry, spec: AcceleratorSpe
     """(row name, table text, details): compiled / eager time of one layer shape, measured,
     beside the roofline's ratio of the modes (what the predictor scales a profile's entries
     of one mode by where the other mode has none)."""
-    ops = layer_forward_ops(eager.shape())
-    fused = ops_time(ops, spec, eager.dtype,
-                     resolve_efficiency(spec, layer_efficiency(spec, eager.dtype, True)))
-    unfused = ops_time(ops, spec, eager.dtype,
-                       resolve_efficiency(spec, layer_efficiency(spec, eager.dtype, False)))
     measured = (compiled.forward_s / eager.forward_s, compiled.backward_s / eager.backward_s)
-    model = (fused[0] / unfused[0], fused[1] / unfused[1])
+    model = mode_ratio(eager.shape(), spec, eager.dtype, True) or (1.0, 1.0)
     name = f"profile.mode-ratio.s{eager.seq}-b{eager.micro_batch}-tp{eager.tp}"
     value = "; ".join(f"{part} compiled/eager x{m:.2f} (roofline x{r:.2f})"
                       for part, m, r in zip(("fwd", "bwd"), measured, model))

@@ -149,8 +149,8 @@ class Profile:
               compiled: Optional[bool] = None) -> Optional[Measured]:
         """One layer's forward/backward seconds and activation bytes for ``shape``, from the
         entries of ``dtype`` (and, unless ``compiled`` is None, of that mode only)."""
-        key = (shape.hidden, shape.ffn, shape.heads, shape.kv_groups, shape.tp)
-        candidates = [(e, (e.hidden, e.ffn, e.heads, e.kv_groups, e.tp), e.seq, e.micro_batch,
+        key = _widths(shape)
+        candidates = [(e, _widths(e), e.seq, e.micro_batch,
                        (e.forward_s, e.backward_s, e.activation_bytes))
                       for e in self.layers if e.dtype == dtype
                       and (compiled is None or e.compiled == compiled)]
@@ -171,8 +171,7 @@ class Profile:
         """Whether an entry of ``dtype`` and mode ``compiled`` has ``shape``'s widths and tp
         (at any sequence length and micro-batch: :meth:`layer` then scales it in tokens, not
         from another shape)."""
-        key = (shape.hidden, shape.ffn, shape.heads, shape.kv_groups, shape.tp)
-        return any((e.hidden, e.ffn, e.heads, e.kv_groups, e.tp) == key and e.dtype == dtype
+        return any(_widths(e) == _widths(shape) and e.dtype == dtype
                    and e.compiled == compiled for e in self.layers)
 
     def end(self, part: str, shape: LayerShape, vocab: int, dtype: str) -> Optional[Measured]:
@@ -271,6 +270,11 @@ def load_profiles(paths: Sequence[str | Path]) -> dict[str, Profile]:
                             f"(the second is {path}); pass one profile per kind")
         out[profile.accelerator] = profile
     return out
+
+
+def _widths(layer: "LayerEntry | LayerShape") -> tuple[int, ...]:
+    """What a layer lookup matches exactly: the widths and the TP degree."""
+    return (layer.hidden, layer.ffn, layer.heads, layer.kv_groups, layer.tp)
 
 
 # ---- lookup core --------------------------------------------------------------------------

@@ -338,11 +338,17 @@ def measure_optimizer_step(config: ModelConfig, device: torch.device, warmup: in
 
 
 @contextlib.contextmanager
-def shapes_compiled(count: int) -> Iterator[None]:
-    """Let dynamo keep ``count`` compiled variants of the layers' code (a sweep compiles one
-    per shard and shape; past the recompile limit a layer would run eager, unmarked)."""
+def shapes_compiled(sweep: Sweep) -> Iterator[None]:
+    """Under ``sweep.compile``, let dynamo keep a compiled variant of the layers' code for
+    every shard and shape of ``sweep`` (past the recompile limit a layer would run eager,
+    unmarked); nothing otherwise."""
+    if not sweep.compile:
+        yield
+        return
     from torch._dynamo import config
 
+    count = (len(set(sweep.seq_lengths)) * len(set(sweep.micro_batch_sizes))
+             * len(set(sweep.tp_sizes)) + 1)
     with config.patch(recompile_limit=max(config.recompile_limit, count)):
         yield
 
@@ -379,8 +385,7 @@ def profile_device(config: ModelConfig, sweep: Sweep, accelerator: str, device: 
                                          sweep.compile),
                               embedding_case(stages[1], seq, mb, tp, sweep.dtype, device),
                               head_case(stages[2], seq, mb, tp, sweep.dtype, device))]
-        variants = len(shapes) * len(set(sweep.tp_sizes)) + 1  # every shard's every shape
-        with shapes_compiled(variants) if sweep.compile else contextlib.nullcontext():
+        with shapes_compiled(sweep):
             entries = run_cases(cases, device, sweep.warmup, sweep.iters)
         for i in range(0, len(entries), 3):
             layers.append(entries[i])

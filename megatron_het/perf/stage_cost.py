@@ -91,14 +91,30 @@ def _scaled(m: Optional[Measured], factor: float) -> Optional[Measured]:
                     f"{m.source} x{factor:g} (emulated slowdown)")
 
 
+def mode_ratio(shape: LayerShape, spec: AcceleratorSpec, dtype: str, compiled: bool,
+               efficiency: Optional[Efficiency] = None) -> Optional[tuple[float, float]]:
+    """(forward, backward) roofline time of a layer of ``shape`` run ``compiled`` (else eager)
+    over its time in the other mode, each mode priced by
+    :func:`~megatron_het.perf.calibration.layer_efficiency` (``efficiency``: an explicit
+    override, as :func:`stage_compute` takes it); None where both modes are priced alike (CPU
+    and emulated kinds, fp32)."""
+    mine, other = (resolve_efficiency(spec, layer_efficiency(spec, dtype, mode, efficiency))
+                   for mode in (compiled, not compiled))
+    if mine == other:
+        return None
+    ops = layer_forward_ops(shape, mine.attention_kernel)
+    (fwd, bwd), (fwd_other, bwd_other) = (ops_time(ops, spec, dtype, e) for e in (mine, other))
+    return fwd / fwd_other, bwd / bwd_other
+
+
 def _profiled_layer(profile: Profile, shape: LayerShape, dtype: str, compiled: bool,
-                    spec: AcceleratorSpec, efficiency: Efficiency,
-                    other: Efficiency) -> Optional[Measured]:
+                    spec: AcceleratorSpec,
+                    efficiency: Optional[Efficiency]) -> Optional[Measured]:
     """A layer of ``profile`` run ``compiled`` (or eager): from its entries of that mode where
-    one has the layer's widths, else from the other mode's where one has (times the roofline's
-    ratio of the modes, priced by ``efficiency`` and ``other``, with the analytic activation
-    bytes: compilation changes what a layer saves), else from the nearest shape of that mode,
-    then of the other; None without an entry of ``dtype``."""
+    one has the layer's widths, else from the other mode's where one has (times
+    :func:`mode_ratio`, with the analytic activation bytes: compilation changes what a layer
+    saves), else from the nearest shape of that mode, then of the other; None without an
+    entry of ``dtype``."""
     same = profile.has_layer_shape(shape, dtype, compiled)
     if not same and profile.has_layer_shape(shape, dtype, not compiled):
         found = profile.layer(shape, dtype, not compiled)
@@ -107,15 +123,13 @@ def _profiled_layer(profile: Profile, shape: LayerShape, dtype: str, compiled: b
         if found is not None:
             return found
         found = profile.layer(shape, dtype, not compiled)
-    if found is None or other == efficiency:
+    ratio = None if found is None else mode_ratio(shape, spec, dtype, compiled, efficiency)
+    if ratio is None:
         return found
-    ops = layer_forward_ops(shape, efficiency.attention_kernel)
-    (fwd, bwd), (fwd_other, bwd_other) = (ops_time(ops, spec, dtype, e)
-                                          for e in (efficiency, other))
     mode = "compiled" if compiled else "eager"
-    return Measured(found.forward_s * fwd / fwd_other, found.backward_s * bwd / bwd_other,
-                    None, f"{found.source} x{fwd / fwd_other:.3g}/{bwd / bwd_other:.3g} ({mode} "
-                    f"by the roofline's ratio)")
+    return Measured(found.forward_s * ratio[0], found.backward_s * ratio[1], None,
+                    f"{found.source} x{ratio[0]:.3g}/{ratio[1]:.3g} ({mode} by the roofline's "
+                    f"ratio)")
 
 
 def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, num_layers: int,
@@ -149,7 +163,7 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     roofline with :func:`~megatron_het.perf.calibration.layer_efficiency`'s figures, and a
     profile's eager entries; True, compiled ones. Where a profile has only the other mode's
     entries for the shape, they are scaled by the roofline's ratio of the two modes (1 where
-    the predictor prices both alike: CPU and emulated kinds, fp32; :func:`_profiled_layer`)."""
+    the predictor prices both alike: CPU and emulated kinds, fp32; :func:`mode_ratio`)."""
     raw = efficiency
     efficiency = resolve_efficiency(spec, layer_efficiency(spec, dtype, fused_elementwise, raw))
     kernel = efficiency.attention_kernel
@@ -159,10 +173,8 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     overlap = sp and tp_comm_overlap
     layer = None
     if profile is not None:
-        other = resolve_efficiency(spec, layer_efficiency(spec, dtype, not fused_elementwise,
-                                                          raw))
-        layer = _scaled(_profiled_layer(profile, shape, dtype, fused_elementwise, spec,
-                                        efficiency, other), factor)
+        layer = _scaled(_profiled_layer(profile, shape, dtype, fused_elementwise, spec, raw),
+                        factor)
     if layer is None:
         fwd, bwd = ops_time(layer_forward_ops(shape, kernel, sp), spec, dtype, efficiency)
         layer = Measured(fwd, bwd, layer_activation_bytes(shape, dtype, sp, kernel, overlap),
@@ -237,4 +249,4 @@ def _block_weights(blocks: LayerBlocks, shape: LayerShape, spec: AcceleratorSpec
 
 
 __all__ = ["HOST_PROFILE", "LayerBlocks", "ProfileChoice", "StageCompute", "choose_profile",
-           "optimizer_time", "stage_compute"]
+           "mode_ratio", "optimizer_time", "stage_compute"]

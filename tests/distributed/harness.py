@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import multiprocessing
 import os
 import pickle
 import time
@@ -27,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_het.perf.measure_procs import fork_is_safe, free_loopback_port
+from megatron_het.perf.measure_procs import free_loopback_port, process_context
 
 # After the first failure, how long the other ranks get to report their own error before they are
 # killed (their error often names the real cause, e.g. the peer that hung up).
@@ -41,12 +40,6 @@ class RankFailure(RuntimeError):
 def free_port() -> int:
     """A TCP port on 127.0.0.1 free when this ran, below the kernel's ephemeral range."""
     return free_loopback_port()
-
-
-def start_method() -> str:
-    """"fork" where :func:`~megatron_het.perf.measure_procs.fork_is_safe` (which initialises
-    nothing), else "spawn"."""
-    return "fork" if fork_is_safe() else "spawn"
 
 
 def _check_spawnable(fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
@@ -129,10 +122,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     raised (with its traceback) or that had not finished after ``timeout`` seconds (those are
     killed).
     """
-    method = start_method()
-    if method == "spawn":
+    ctx = process_context()  # fork where it is safe (it initialises nothing), else spawn
+    if ctx.get_start_method() == "spawn":
         _check_spawnable(fn, args, kwargs)
-    ctx = multiprocessing.get_context(method)
     port = free_port()
     procs, conns = [], []
     # Objects this process no longer reaches may still hold backend groups (a run in this

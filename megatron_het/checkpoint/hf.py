@@ -164,10 +164,74 @@ def write_hf_tokenizer(tokenizer_model: str | Path, save_dir: str | Path,
         # transformers converts a SentencePiece model it finds as tokenizer.model in a folder.
         shutil.copyfile(tokenizer_model, Path(tmp) / "tokenizer.model")
         tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp)
+    pieces = _set_spm_text_pipeline(tokenizer.backend_tokenizer, str(tokenizer_model))
+    _check_round_trip(tokenizer, source, pieces)
     tokenizer.save_pretrained(str(out))
     shutil.copyfile(tokenizer_model, out / "tokenizer.model")
     return {"bos_token_id": source.bos, "eos_token_id": source.eod,
             "pad_token_id": source.pad}
+
+
+_SPACE = "\u2581"  # SentencePiece's escaped space
+
+
+def _set_spm_text_pipeline(backend: Any, tokenizer_model: str) -> list[str]:
+    """Give ``backend`` (a ``tokenizers.Tokenizer``) the normalizer, pre-tokenizer and decoder
+    the SentencePiece model's own ``NormalizerSpec`` prescribes; returns the model's pieces.
+
+    transformers' conversion builds the vocabulary and merges the same way across versions but
+    not the text handling around them: 5.17, for one, drops the dummy prefix and the whitespace
+    clean-up, so every first word and repeated space encodes to other ids. Setting these three
+    parts from the model file keeps the written tokenizer independent of the installed version.
+    """
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(tokenizer_model).read_bytes())
+    spec = proto.normalizer_spec
+    steps = []
+    if spec.precompiled_charsmap:
+        steps.append(normalizers.Precompiled(spec.precompiled_charsmap))
+    if spec.remove_extra_whitespaces:  # strip both ends, collapse runs of spaces
+        steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""),
+                  normalizers.Replace(Regex(" {2,}"), " ")]
+    if spec.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", _SPACE))
+    if spec.add_dummy_prefix:
+        # SentencePiece always prepends one; the Metaspace step below does not when the text
+        # already starts with an (escaped) space, so that space is doubled here first.
+        steps.append(normalizers.Replace(Regex(f"\\A{_SPACE}"), _SPACE * 2))
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPACE, prepend_scheme="always" if spec.add_dummy_prefix else "never",
+        split=False)
+    parts = [decoders.Replace(_SPACE, " ")]
+    if proto.trainer_spec.byte_fallback:
+        parts.append(decoders.ByteFallback())
+    parts.append(decoders.Fuse())
+    if spec.add_dummy_prefix:
+        parts.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(parts)
+    return [piece.piece for piece in proto.pieces]
+
+
+def _check_round_trip(tokenizer: Any, source: Any, pieces: list[str]) -> None:
+    """Raise UserError unless ``tokenizer`` (transformers) encodes probe texts, the model's own
+    pieces among them, to the ids the SentencePiece tokenizer ``source`` gives: a tokenizer
+    written wrong would silently change every id a converted model sees."""
+    import transformers
+
+    words = " ".join(piece.replace(_SPACE, " ").strip() for piece in pieces[:200]
+                     if not piece.startswith("<"))
+    for text in ("the quick brown fox", "  leading, double  and trailing spaces  ",
+                 "two\nlines\tand a tab", "Zürich 42! ÀÉÎ", words):
+        got = tokenizer(text, add_special_tokens=False)["input_ids"]
+        want = source.tokenize(text)
+        if got != want:
+            raise UserError(f"transformers {transformers.__version__} tokenizes {text[:40]!r} "
+                            f"to {got[:8]}... but the SentencePiece model to {want[:8]}...; "
+                            f"the written tokenizer would not match the run's")
 
 
 def _group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

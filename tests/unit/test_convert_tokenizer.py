@@ -29,13 +29,14 @@ TEXTS = ["the quick brown fox", "  two  spaces and\na newline", "Zürich 42! uns
 VOCAB = 64
 
 
-def train_tokenizer(path: pathlib.Path, model_type: str) -> pathlib.Path:
+def train_tokenizer(path: pathlib.Path, model_type: str, **options) -> pathlib.Path:
     rng = random.Random(0)
     lines = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(300)]
     model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=50, model_type=model_type,
-        character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    settings = dict(vocab_size=50, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
+                    pad_id=-1, minloglevel=2)
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
+                                             model_type=model_type, **{**settings, **options})
     path.write_bytes(model.getvalue())
     return path
 
@@ -84,6 +85,51 @@ def test_recorded_tokenizer_loads_with_auto_classes(tmp_path, model_type) -> Non
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=1e-4, rtol=1e-4)
     assert (tmp_path / "out" / "tokenizer.model").read_bytes() == spm.read_bytes()
+
+
+@pytest.mark.parametrize("options", [
+    {"add_dummy_prefix": False},
+    {"remove_extra_whitespaces": False},
+    {"add_dummy_prefix": False, "remove_extra_whitespaces": False},
+    {"byte_fallback": True, "vocab_size": 300},
+], ids=["no-dummy-prefix", "keep-spaces", "neither", "byte-fallback"])
+def test_the_model_files_own_text_options_are_followed(tmp_path, options) -> None:
+    """The normalizer, pre-tokenizer and decoder come from the model's NormalizerSpec, not
+    from what the installed transformers version's conversion happens to build."""
+    model_type = "unigram" if options.get("byte_fallback") else "bpe"
+    spm = train_tokenizer(tmp_path / "tok.model", model_type, **options)
+    tiny_checkpoint(tmp_path / "ckpt", run_metadata(spm), 512)
+    to_hf(tmp_path / "ckpt", tmp_path / "out")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(spm))
+    for text in TEXTS + [" leading space", "trailing  ", "\u4e2d\u6587 bytes \u00e9"]:
+        ids = processor.encode(text)
+        assert tokenizer(text)["input_ids"] == ids, text
+        if processor.unk_id() not in ids:  # the two render an unknown piece differently
+            assert tokenizer.decode(ids) == processor.decode(ids), text
+
+
+def test_a_conversion_that_tokenizes_differently_is_refused(tmp_path, monkeypatch) -> None:
+    """What transformers 5.17's conversion wrote (no dummy prefix, no whitespace clean-up)
+    fails the round trip with one clear error; nothing is written."""
+    from tokenizers import normalizers
+
+    from megatron_het.checkpoint import hf as hf_module
+
+    def as_517_wrote(backend, tokenizer_model):
+        pieces = real(backend, tokenizer_model)
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = None
+        return pieces
+
+    real = hf_module._set_spm_text_pipeline
+    monkeypatch.setattr(hf_module, "_set_spm_text_pipeline", as_517_wrote)
+    spm = train_tokenizer(tmp_path / "tok.model", "bpe")
+    tiny_checkpoint(tmp_path / "ckpt", run_metadata(spm))
+    with pytest.raises(UserError, match=r"tokenizes 'the quick brown fox' to \[.*but the "
+                                        r"SentencePiece model to"):
+        hf_module.write_hf_tokenizer(spm, tmp_path / "out")
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
 
 
 def test_flag_supplies_a_tokenizer_the_metadata_lacks(tmp_path, capsys) -> None:

@@ -12,6 +12,9 @@ into its matrix products, its attention kernels and the rest; ``ratio_bound`` is
 median step over our matrix products and attention alone: the ratio our step would reach if
 everything else (norms, RoPE, SwiGLU, the loss, the optimizer, framework overhead) cost nothing.
 The two models call the same kernels for both, so no fusion can take ``ratio_vs_hf`` past it.
+Each side's ``gemm_tflops`` (the profiler's flop count of its matrix products over their time)
+stands beside ``matmul_peak_tflops``, one large square matrix product of the run's dtype on the
+run's device: how far faster matrix products could still move the bound.
 
 ``--device cuda`` runs both on the GPU (CUDA or ROCm): every step ends in its loss's
 ``.item()``, queued after the optimizer's kernels, so the host clock around the steps times the
@@ -214,28 +217,50 @@ def kernel_seconds(step: Callable[[], float], steps: int = 2,
     """Seconds per step in matrix products and in attention kernels: the self time of those
     aten ops under torch.profiler over ``steps`` steps, on the CPU or, on a GPU, the device
     time of the kernels they launch (compiled graphs call the same aten kernels for both, so
-    they are counted too)."""
+    they are counted too); and the matrix products' rate, ``gemm_tflops``, from the
+    profiler's flop count of them."""
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = device != "cpu"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_flops=True) as prof:
         for _ in range(steps):
             step()
-    gemm = attention = 0.0
+    gemm = attention = gemm_flops = 0.0
     for event in prof.key_averages():
         own = self_time_us(event, on_gpu)
         if event.key in GEMM_OPS:
             gemm += own
+            gemm_flops += event.flops or 0
         elif event.key.startswith(ATTENTION_PREFIXES):
             attention += own
-    return {"gemm_s": gemm / 1e6 / steps, "attention_s": attention / 1e6 / steps}
+    return {"gemm_s": gemm / 1e6 / steps, "attention_s": attention / 1e6 / steps,
+            "gemm_tflops": gemm_flops / (gemm * 1e6) if gemm else 0.0}
+
+
+def matmul_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 5) -> float:
+    """The rate of one large square matrix product (n = 2048 on the CPU, 8192 on a GPU) in
+    ``dtype`` on ``device``: the median of ``repeats`` timed products after two untimed."""
+    n = 2048 if device == "cpu" else 8192
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    synchronize = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    times = []
+    for index in range(repeats + 2):
+        synchronize()
+        start = time.perf_counter()
+        torch.mm(a, b)
+        synchronize()
+        if index >= 2:
+            times.append(time.perf_counter() - start)
+    return 2 * n ** 3 / statistics.median(times) / 1e12
 
 
 def breakdown(steps: dict[str, Callable[[], float]], median_s: dict[str, float],
-              device: str = "cpu") -> dict[str, Any]:
-    """Each model's median step split into matrix products, attention and the rest, and
-    ``ratio_bound``: Hugging Face's median step over our matrix products and attention."""
+              device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Each model's median step split into matrix products, attention and the rest,
+    ``ratio_bound``: Hugging Face's median step over our matrix products and attention, and
+    the matrix products' rate beside the device's (:func:`matmul_peak_tflops`)."""
     parts = {}
     for name, step in steps.items():
         kernels = kernel_seconds(step, device=device)
@@ -243,7 +268,8 @@ def breakdown(steps: dict[str, Callable[[], float]], median_s: dict[str, float],
         parts[name] = {key: round(value, 5) for key, value in
                        {**kernels, "rest_s": rest, "step_s": median_s[name]}.items()}
     ours_kernels = parts["ours"]["gemm_s"] + parts["ours"]["attention_s"]
-    return {"breakdown": parts, "ratio_bound": round(median_s["hf"] / ours_kernels, 3)}
+    return {"breakdown": parts, "ratio_bound": round(median_s["hf"] / ours_kernels, 3),
+            "matmul_peak_tflops": round(matmul_peak_tflops(device, dtype), 5)}
 
 
 def report(args: argparse.Namespace, seconds: dict[str, list[float]], ratios: list[float],
@@ -296,7 +322,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     record = report(args, seconds, ratios, first_loss, first_seconds)
     if args.breakdown:
         record.update(breakdown(steps, {name: statistics.median(s)
-                                        for name, s in seconds.items()}, args.device))
+                                        for name, s in seconds.items()},
+                                args.device, DTYPES[args.dtype]))
     print(json.dumps(record), flush=True)
     return record
 

@@ -247,6 +247,20 @@ def test_bench_report_shape() -> None:
     assert bench.report(args, seconds, ratios, {}, {"ours": 1.0, "hf": 1.0})["compile_s"] is None
 
 
+def test_bench_gemm_rate_counts_the_products_flops() -> None:
+    """``gemm_tflops`` times ``gemm_s`` is the flop count of the step's matrix products."""
+    bench = load_bench()
+    a, b = torch.randn(128, 64), torch.randn(64, 32)
+
+    def step() -> float:
+        return float(torch.mm(a, b).sum() + torch.softmax(a, dim=-1).sum())
+
+    kernels = bench.kernel_seconds(step, steps=2)
+    assert kernels["gemm_s"] > 0 and kernels["attention_s"] == 0
+    assert kernels["gemm_tflops"] * 1e12 * kernels["gemm_s"] == pytest.approx(2 * 128 * 64 * 32)
+    assert bench.matmul_peak_tflops("cpu", torch.float32, repeats=1) > 0
+
+
 @pytest.mark.slow
 def test_bench_runs_compiled_on_a_tiny_config(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")

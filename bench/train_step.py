@@ -157,12 +157,19 @@ def build_pair(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
 
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     cfg = args.config
-    ours = build_model(cfg, seed=args.seed).to(device=device, dtype=dtype).train()
+    ours = build_model(cfg, seed=args.seed, device=device).to(dtype=dtype).train()
     if args.compile:
         compile_layers(ours, mode=args.compile_mode)
     hf_config = LlamaConfig.from_dict(model_config_to_hf_config(cfg),
                                       attn_implementation=args.hf_attn)
-    theirs = LlamaForCausalLM(hf_config).to(device=device, dtype=dtype).train()
+    with device:  # initialised where it runs
+        theirs = LlamaForCausalLM(hf_config)
+    rope_buffers = {name: buffer.clone() for name, buffer in theirs.named_buffers()
+                    if name.endswith("inv_freq")}
+    theirs = theirs.to(dtype=dtype).train()
+    for name, buffer in rope_buffers.items():  # RoPE's frequencies stay fp32, as ours do
+        theirs.get_submodule(name.rpartition(".")[0]).register_buffer(
+            name.rpartition(".")[2], buffer, persistent=False)
     theirs.load_state_dict(megatron_het_to_hf_state(ours.state_dict(), cfg),
                            strict=not cfg.tie_embeddings)
     generator = torch.Generator().manual_seed(args.seed)

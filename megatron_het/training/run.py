@@ -32,7 +32,7 @@ from megatron_het.training.launch import (LaunchEnv, connect_store, device_probl
 from megatron_het.training.loop import train
 from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.peer_watch import PeerWatch
-from megatron_het.training.setup import RunSetup, prepare_run
+from megatron_het.training.setup import RunSetup, predict_plan, prepare_run
 from megatron_het.training.state import Progress
 from megatron_het.training.stop import StopRequest
 from megatron_het.training.supervisor import write_failure
@@ -150,22 +150,13 @@ def rank_emulation(setup: RunSetup, rank: int,
 
 
 def predict_run(setup: RunSetup) -> "Prediction":
-    """The predictor on the run's plan (the dry run's, the summary's and the demo's chart's)
-    with the run's resolved DP and p2p options, and the host-sharing model where the ranks are
-    emulated on a shared host whose profile has the figures. UserError if the predictor
-    cannot price the plan."""
+    """:func:`~megatron_het.training.setup.predict_plan` with the host-sharing model where the
+    ranks are emulated on a shared host whose profile has the figures: the dry run's, the
+    summary's and the demo's chart's prediction. UserError if the predictor cannot price the
+    plan."""
     from megatron_het.emulation import SharedHostModel
-    from megatron_het.perf import predict
 
-    return predict(setup.model_config, setup.plan, setup.cluster, setup.run.data.seq_length,
-                   setup.host_profiles, dtype=setup.dtype,
-                   use_distributed_optimizer=setup.use_distributed_optimizer,
-                   rate_model=SharedHostModel(), overlap_grad_reduce=setup.overlap_grad_reduce,
-                   overlap_param_gather=setup.overlap_param_gather,
-                   grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
-                   overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm,
-                   ddp_bucket_size=setup.run.parallel.ddp_bucket_size,
-                   fused_elementwise=setup.run.train.compile)
+    return predict_plan(setup, rate_model=SharedHostModel())
 
 
 def predicted_iteration_s(setup: RunSetup) -> Optional[float]:

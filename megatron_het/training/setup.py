@@ -27,6 +27,7 @@ from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.training.plan_setup import choose_plan, host_profiles
 
 if TYPE_CHECKING:  # pragma: no cover
+    from megatron_het.perf.prediction import Prediction
     from megatron_het.perf.profile import Profile
 
 # ModelConfig fields that do not change what a checkpoint's weights mean.
@@ -200,3 +201,22 @@ def prepare_run(run: RunConfig, world_size: Optional[int] = 1,
                     dtype=choice.dtype, use_distributed_optimizer=choice.use_distributed_optimizer,
                     train_data=train_data, valid_data=valid_data, load_dir=load_dir,
                     host_profiles=profiles)
+
+
+def predict_plan(setup: RunSetup, **options: Any) -> "Prediction":
+    """The predictor on the run's plan with the run's resolved DP and p2p options and its
+    layers' mode (``--compile``); ``options`` add to or replace any of
+    :func:`~megatron_het.perf.predict`'s keyword options (a rate model, the pipeline model).
+    UserError if the predictor cannot price the plan."""
+    from megatron_het.perf import predict
+
+    run_options = dict(dtype=setup.dtype,
+                       use_distributed_optimizer=setup.use_distributed_optimizer,
+                       overlap_grad_reduce=setup.overlap_grad_reduce,
+                       overlap_param_gather=setup.overlap_param_gather,
+                       grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
+                       overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm,
+                       ddp_bucket_size=setup.run.parallel.ddp_bucket_size,
+                       fused_elementwise=setup.run.train.compile)
+    return predict(setup.model_config, setup.plan, setup.cluster, setup.run.data.seq_length,
+                   setup.host_profiles, **{**run_options, **options})

@@ -252,20 +252,11 @@ def build_monitor(setup: Any, threshold: float) -> StragglerMonitor:
     """The monitor of a run's ``setup`` (a :class:`~megatron_het.training.setup.RunSetup`):
     expectations from the predictor on the run's plan (its per-stage rows; the pipeline model
     does not change them), or per layer when the predictor cannot price the plan."""
-    from megatron_het.perf import predict
+    from megatron_het.training.setup import predict_plan
 
     plan = setup.plan
     try:
-        prediction = predict(setup.model_config, plan, setup.cluster,
-                             setup.run.data.seq_length, setup.host_profiles, dtype=setup.dtype,
-                             use_distributed_optimizer=setup.use_distributed_optimizer,
-                             pipeline_model="closed_form",
-                             overlap_grad_reduce=setup.overlap_grad_reduce,
-                             overlap_param_gather=setup.overlap_param_gather,
-                             grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
-                             overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm,
-                             ddp_bucket_size=setup.run.parallel.ddp_bucket_size,
-                             fused_elementwise=setup.run.train.compile)
+        prediction = predict_plan(setup, pipeline_model="closed_form")
         expected, basis = predicted_compute(prediction, plan), PREDICTED
     except UserError:
         expected, basis = layer_compute(plan), LAYERS

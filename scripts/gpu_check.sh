@@ -6,11 +6,11 @@
 #   probe     25 s   torch/CUDA/NCCL, the device and its kind, SDPA backends, flash-attn/apex/liger
 #   numerics  30 s   tiny model CUDA vs CPU (fp32), bf16 parameters vs fp32, fused loss vs torch's
 #   relay     35 s   relay bridge round trip of a CUDA tensor (staging; H200 rank <-> CPU rank)
-#   mixed    130 s   torchrun pair (1 x H200 + 1 x cpu): pp=2 vs 1 process, resume, dp=2 ZeRO-1;
+#   mixed    115 s   torchrun pair (1 x H200 + 1 x cpu): pp=2 vs 1 process, resume, dp=2 ZeRO-1;
 #                    the CPU ranks hold no CUDA context (NVML)
 #   mfu      105 s   ~1B Llama (TinyLlama's shape), bf16, seq 2048, eager and --compile: MFU
 #                    (>= 40% compiled); peak memory and step time vs predicted
-#   profile   60 s   tools/profile_device.py on CUDA, eager and --compile, each layer against
+#   profile   75 s   tools/profile_device.py on CUDA, eager and --compile, each layer against
 #                    its roofline
 #   bench     65 s   bench/train_step.py: our compiled step vs transformers' Llama (>= 1.0)
 #

@@ -12,7 +12,7 @@ into its matrix products, its attention kernels and the rest; ``ratio_bound`` is
 median step over our matrix products and attention alone: the ratio our step would reach if
 everything else (norms, RoPE, SwiGLU, the loss, the optimizer, framework overhead) cost nothing.
 The two models call the same kernels for both, so no fusion can take ``ratio_vs_hf`` past it.
-Each side's ``gemm_tflops`` (the profiler's flop count of its matrix products over their time)
+Each side's ``gemm_tflops`` (its matrix products' flops, from their shapes, over their time)
 stands beside ``matmul_peak_tflops``, one large square matrix product of the run's dtype on the
 run's device: how far faster matrix products could still move the bound.
 
@@ -224,30 +224,42 @@ def kernel_seconds(step: Callable[[], float], steps: int = 2,
     """Seconds per step in matrix products and in attention kernels: the self time of those
     aten ops under torch.profiler over ``steps`` steps, on the CPU or, on a GPU, the device
     time of the kernels they launch (compiled graphs call the same aten kernels for both, so
-    they are counted too); and the matrix products' rate, ``gemm_tflops``, from the
-    profiler's flop count of them."""
+    they are counted too); and the matrix products' rate, ``gemm_tflops``, their flops
+    (:func:`gemm_flop_count` of the recorded shapes) over their time."""
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = device != "cpu"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities, with_flops=True) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(steps):
             step()
     gemm = attention = gemm_flops = 0.0
-    for event in prof.key_averages():
+    for event in prof.key_averages(group_by_input_shape=True):
         own = self_time_us(event, on_gpu)
         if event.key in GEMM_OPS:
             gemm += own
-            gemm_flops += event.flops or 0
+            gemm_flops += event.count * gemm_flop_count(event.key, event.input_shapes)
         elif event.key.startswith(ATTENTION_PREFIXES):
             attention += own
     return {"gemm_s": gemm / 1e6 / steps, "attention_s": attention / 1e6 / steps,
             "gemm_tflops": gemm_flops / (gemm * 1e6) if gemm else 0.0}
 
 
-def matmul_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 5) -> float:
+def gemm_flop_count(op: str, input_shapes: Sequence[Sequence[int]]) -> int:
+    """Flops of one call of the matrix-product ``op`` (one of :data:`GEMM_OPS`) on inputs of
+    ``input_shapes``: 2 x batch x M x K x N. ``mm``/``bmm`` multiply their first two inputs,
+    the ``addmm`` family its second and third (after the tensor it adds to or into; the
+    profiler's own flop count leaves out the in-place ``addmm_``)."""
+    first = 0 if op in ("aten::mm", "aten::bmm") else 1
+    a, b = input_shapes[first], input_shapes[first + 1]
+    batch = a[0] if len(a) == 3 else 1
+    return 2 * batch * a[-2] * a[-1] * b[-1]
+
+
+def matmul_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 10) -> float:
     """The rate of one large square matrix product (n = 2048 on the CPU, 8192 on a GPU) in
-    ``dtype`` on ``device``: the median of ``repeats`` timed products after two untimed."""
+    ``dtype`` on ``device``: the fastest of ``repeats`` timed products after two untimed (a
+    peak, so the least disturbed one)."""
     n = 2048 if device == "cpu" else 8192
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
@@ -260,14 +272,14 @@ def matmul_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 5) -> flo
         synchronize()
         if index >= 2:
             times.append(time.perf_counter() - start)
-    return 2 * n ** 3 / statistics.median(times) / 1e12
+    return 2 * n ** 3 / min(times) / 1e12
 
 
 def breakdown(steps: dict[str, Callable[[], float]], median_s: dict[str, float],
-              device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Each model's median step split into matrix products, attention and the rest,
-    ``ratio_bound``: Hugging Face's median step over our matrix products and attention, and
-    the matrix products' rate beside the device's (:func:`matmul_peak_tflops`)."""
+              device: str = "cpu") -> dict[str, Any]:
+    """Each model's median step split into matrix products (with their rate) attention and the
+    rest, and ``ratio_bound``: Hugging Face's median step over our matrix products and
+    attention."""
     parts = {}
     for name, step in steps.items():
         kernels = kernel_seconds(step, device=device)
@@ -275,8 +287,7 @@ def breakdown(steps: dict[str, Callable[[], float]], median_s: dict[str, float],
         parts[name] = {key: round(value, 5) for key, value in
                        {**kernels, "rest_s": rest, "step_s": median_s[name]}.items()}
     ours_kernels = parts["ours"]["gemm_s"] + parts["ours"]["attention_s"]
-    return {"breakdown": parts, "ratio_bound": round(median_s["hf"] / ours_kernels, 3),
-            "matmul_peak_tflops": round(matmul_peak_tflops(device, dtype), 5)}
+    return {"breakdown": parts, "ratio_bound": round(median_s["hf"] / ours_kernels, 3)}
 
 
 def report(args: argparse.Namespace, seconds: dict[str, list[float]], ratios: list[float],
@@ -323,14 +334,17 @@ def _transformers_version() -> Optional[str]:
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    # Before anything else runs: compiled kernels' OpenMP threads that spin on after a step
+    # would take the cores from it.
+    peak = matmul_peak_tflops(args.device, DTYPES[args.dtype]) if args.breakdown else None
     steps = build_pair(args)
     first_loss, first_seconds = first_steps(steps)
     seconds, ratios = measure(steps, args)
     record = report(args, seconds, ratios, first_loss, first_seconds)
     if args.breakdown:
         record.update(breakdown(steps, {name: statistics.median(s)
-                                        for name, s in seconds.items()},
-                                args.device, DTYPES[args.dtype]))
+                                        for name, s in seconds.items()}, args.device))
+        record["matmul_peak_tflops"] = round(peak, 5)
     print(json.dumps(record), flush=True)
     return record
 

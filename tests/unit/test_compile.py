@@ -248,16 +248,21 @@ def test_bench_report_shape() -> None:
 
 
 def test_bench_gemm_rate_counts_the_products_flops() -> None:
-    """``gemm_tflops`` times ``gemm_s`` is the flop count of the step's matrix products."""
+    """``gemm_tflops`` times ``gemm_s`` is the flop count of the step's matrix products, the
+    in-place ``addmm_`` among them."""
     bench = load_bench()
-    a, b = torch.randn(128, 64), torch.randn(64, 32)
+    a, b, c = torch.randn(128, 64), torch.randn(64, 32), torch.zeros(128, 32)
+    batched = torch.randn(3, 16, 8), torch.randn(3, 8, 4)
 
     def step() -> float:
-        return float(torch.mm(a, b).sum() + torch.softmax(a, dim=-1).sum())
+        c.addmm_(a, b)  # in place, as the fused head accumulates its weight gradient
+        return float(torch.mm(a, b).sum() + torch.addmm(c, a, b).sum() + torch.bmm(*batched).sum()
+                     + torch.softmax(a, dim=-1).sum())
 
     kernels = bench.kernel_seconds(step, steps=2)
     assert kernels["gemm_s"] > 0 and kernels["attention_s"] == 0
-    assert kernels["gemm_tflops"] * 1e12 * kernels["gemm_s"] == pytest.approx(2 * 128 * 64 * 32)
+    flops = 3 * 2 * 128 * 64 * 32 + 2 * 3 * 16 * 8 * 4
+    assert kernels["gemm_tflops"] * 1e12 * kernels["gemm_s"] == pytest.approx(flops)
     assert bench.matmul_peak_tflops("cpu", torch.float32, repeats=1) > 0
 
 

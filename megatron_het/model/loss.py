@@ -197,10 +197,15 @@ def _run_chunks(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torc
         part = slice(start, start + chunk)
         h, y, w = h_all[part], labels_N[part, None], weights_N[part]
         logits = chunk_logits(h, weight)  # float32 [Nc, V]
-        lse = torch.logsumexp(logits, dim=-1)
-        total += ((lse - logits.gather(1, y).squeeze(1)) * w).sum()
+        target = logits.gather(1, y)
+        top = logits.amax(dim=-1, keepdim=True)
+        # One exp pass, in place of the logits, serves both the loss and the softmax:
+        # lse - target = log(sum(exp(logits - top))) + top - target.
+        exps = logits.sub_(top).exp_()
+        sum_exp = exps.sum(dim=-1, keepdim=True)
+        total += ((sum_exp.log() + (top - target)).squeeze(1) * w).sum()
         if settings.need_grads:
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            probs = exps.div_(sum_exp)  # softmax
             probs.scatter_add_(1, y, minus_one[:h.shape[0]].to(probs.dtype))  # minus one-hot
             project_logit_grads(probs, h, weight, units_N[part],
                                 None if grad_hidden is None else grad_hidden[part],

@@ -233,14 +233,19 @@ def kernel_seconds(step: Callable[[], float], steps: int = 2,
     with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(steps):
             step()
-    gemm = attention = gemm_flops = 0.0
-    for event in prof.key_averages(group_by_input_shape=True):
+    gemm = attention = 0.0
+    for event in prof.key_averages():
         own = self_time_us(event, on_gpu)
         if event.key in GEMM_OPS:
             gemm += own
-            gemm_flops += event.count * gemm_flop_count(event.key, event.input_shapes)
         elif event.key.startswith(ATTENTION_PREFIXES):
             attention += own
+    # Flops of the outermost products only: a product may run as others (CPU bf16 baddbmm
+    # calls one addmm_ per batch entry), whose own times the self times above already split.
+    gemm_flops = sum(gemm_flop_count(event.name, event.input_shapes)
+                     for event in prof.events() if event.name in GEMM_OPS
+                     and not (event.cpu_parent is not None
+                              and event.cpu_parent.name in GEMM_OPS))
     return {"gemm_s": gemm / 1e6 / steps, "attention_s": attention / 1e6 / steps,
             "gemm_tflops": gemm_flops / (gemm * 1e6) if gemm else 0.0}
 
@@ -257,10 +262,11 @@ def gemm_flop_count(op: str, input_shapes: Sequence[Sequence[int]]) -> int:
 
 
 def matmul_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 10) -> float:
-    """The rate of one large square matrix product (n = 2048 on the CPU, 8192 on a GPU) in
+    """The rate of one large square matrix product (n = 8192 on a GPU; on the CPU 2048, or 512
+    in the 16-bit types, which CPUs without their instructions run at a few GFLOP/s) in
     ``dtype`` on ``device``: the fastest of ``repeats`` timed products after two untimed (a
     peak, so the least disturbed one)."""
-    n = 2048 if device == "cpu" else 8192
+    n = 8192 if device != "cpu" else 2048 if dtype == torch.float32 else 512
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     synchronize = torch.cuda.synchronize if device != "cpu" else (lambda: None)

@@ -3,7 +3,8 @@
     python tools/convert_checkpoint.py --source-format hf --target-format megatron_het \\
         --load-dir HF_DIR --save-dir OUT [--dtype bf16]
     python tools/convert_checkpoint.py --source-format megatron_het --target-format hf \\
-        --load-dir SAVE_DIR [--iteration N] --save-dir HF_OUT [--tokenizer-model M.model]
+        --load-dir SAVE_DIR [--iteration N] --save-dir HF_OUT \\
+        [--tokenizer-model M.model | --no-tokenizer]
     python tools/convert_checkpoint.py --mode reshard --load-dir SAVE_DIR [--iteration N] \\
         --save-dir OUT --target-plan plan.json
 
@@ -16,7 +17,9 @@ have been saved by any parallel plan or by a single process.
 and the SentencePiece tokenizer.model), so ``AutoTokenizer.from_pretrained(HF_OUT)`` loads next
 to ``AutoModelForCausalLM.from_pretrained(HF_OUT)``. The tokenizer is the ``--tokenizer-model``
 the checkpoint's run recorded in its metadata, or the one passed here (which takes precedence);
-a run without one (NullTokenizer, converted weights) gets the weights only, with a note.
+a run without one (NullTokenizer, converted weights) gets the weights only, with a note, as does
+``--no-tokenizer``. A tokenizer that transformers would not encode exactly as the SentencePiece
+model does is refused with one line, before anything is written.
 
 ``--mode reshard`` rewrites a megatron_het checkpoint (of any plan) offline, in one process, as
 the target plan would have saved it: per-rank model and optimizer shards cut to that plan's
@@ -76,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--target-format hf: the run's SentencePiece model to write as the "
                              "Hugging Face tokenizer (default: the one the checkpoint's "
                              "metadata records)")
+    parser.add_argument("--no-tokenizer", action="store_true",
+                        help="--target-format hf: write the weights and config alone, no "
+                             "tokenizer")
     return parser
 
 
@@ -177,17 +183,19 @@ def _tokenizer_model(args: argparse.Namespace) -> Optional[str]:
     if recorded is not None and not pathlib.Path(recorded).is_file():
         raise UserError(f"the checkpoint's run used tokenizer model {recorded}, which does not "
                         f"exist here (a relative path is the run's); pass --tokenizer-model PATH "
-                        f"to that SentencePiece .model")
+                        f"to that SentencePiece .model, or --no-tokenizer for the weights alone")
     return recorded
 
 
 def megatron_het_to_hf(args: argparse.Namespace) -> pathlib.Path:
     cfg, state = load_model_state(args.load_dir, iteration=args.iteration)
-    tokenizer_model = _tokenizer_model(args)
+    tokenizer_model = None if args.no_tokenizer else _tokenizer_model(args)
     hf_state = cast(megatron_het_to_hf_state(state, cfg), DTYPES.get(args.dtype))
     save_dir = pathlib.Path(args.save_dir)
     special_ids = None
-    if tokenizer_model is not None:
+    if args.no_tokenizer:
+        print("note: no tokenizer written (--no-tokenizer)", file=sys.stderr)
+    elif tokenizer_model is not None:
         special_ids = write_hf_tokenizer(tokenizer_model, save_dir, cfg.vocab_size)
     else:
         print("note: no tokenizer written: the checkpoint records no SentencePiece "
@@ -203,9 +211,9 @@ def reshard(args: argparse.Namespace) -> pathlib.Path:
                         "checkpoint out for)")
     if args.dtype is not None:
         raise UserError("--dtype applies to --mode convert only; drop it when resharding")
-    if args.tokenizer_model is not None:
-        raise UserError("--tokenizer-model applies to --target-format hf only; drop it when "
-                        "resharding")
+    if args.tokenizer_model is not None or args.no_tokenizer:
+        flag = "--tokenizer-model" if args.tokenizer_model is not None else "--no-tokenizer"
+        raise UserError(f"{flag} applies to --target-format hf only; drop it when resharding")
     plan = ParallelPlan.load(args.target_plan)
     return reshard_checkpoint(args.load_dir, args.save_dir, plan, iteration=args.iteration)
 
@@ -232,8 +240,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if conversion is None:
         raise UserError(f"--source-format {source_format} and --target-format "
                         f"{target_format} are the same; pick two different formats")
-    if args.tokenizer_model is not None and target_format != "hf":
-        raise UserError("--tokenizer-model applies to --target-format hf only; drop it")
+    for flag, given in (("--tokenizer-model", args.tokenizer_model is not None),
+                        ("--no-tokenizer", args.no_tokenizer)):
+        if given and target_format != "hf":
+            raise UserError(f"{flag} applies to --target-format hf only; drop it")
+    if args.tokenizer_model is not None and args.no_tokenizer:
+        raise UserError("--tokenizer-model and --no-tokenizer contradict each other; keep one")
     written = conversion(args)
     print(f"wrote {target_format} checkpoint to {written}")
 

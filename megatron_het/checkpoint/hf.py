@@ -141,13 +141,17 @@ def write_hf_tokenizer(tokenizer_model: str | Path, save_dir: str | Path,
                        vocab_size: Optional[int] = None) -> dict[str, Optional[int]]:
     """Write a run's SentencePiece ``tokenizer_model`` into ``save_dir`` for transformers.
 
-    transformers builds ``tokenizer.json`` from the model's own settings (BPE or unigram,
-    normalizer, byte fallback), so ``AutoTokenizer.from_pretrained(save_dir)`` encodes a text
-    to the ids ``SentencePieceProcessor.encode`` gives, adding no BOS/EOS, as the training data
-    was tokenized. ``tokenizer_config.json`` and a copy of the ``.model`` go beside it.
-    ``vocab_size`` (the model's) must hold every piece. Returns the special ids for
-    ``config.json``. A missing or unreadable model, or one larger than ``vocab_size``, raises
-    UserError.
+    transformers converts the model's pieces (BPE or unigram, byte fallback) into
+    ``tokenizer.json``; its normalizer, pre-tokenizer and decoder are then set from the
+    model's own ``NormalizerSpec`` (:func:`_set_spm_text_pipeline`), so
+    ``AutoTokenizer.from_pretrained(save_dir)`` encodes a text to the ids
+    ``SentencePieceProcessor.encode`` gives, adding no BOS/EOS, as the training data was
+    tokenized, whatever the installed transformers version. ``tokenizer_config.json`` and a
+    copy of the ``.model`` go beside it. ``vocab_size`` (the model's) must hold every piece.
+    Returns the special ids for ``config.json``. Raises UserError, writing nothing, for a
+    missing or unreadable model, one larger than ``vocab_size``, a normalizer option the
+    tokenizers library cannot express, or a written tokenizer that encodes a probe text
+    differently from SentencePiece (:func:`_check_round_trip`).
     """
     from transformers import PreTrainedTokenizerFast
 
@@ -158,14 +162,14 @@ def write_hf_tokenizer(tokenizer_model: str | Path, save_dir: str | Path,
         raise UserError(f"tokenizer model {tokenizer_model} has {source.vocab_size} pieces but "
                         f"the checkpoint's vocabulary is {vocab_size}; pass the run's own "
                         f"--tokenizer-model")
-    out = Path(save_dir)
-    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         # transformers converts a SentencePiece model it finds as tokenizer.model in a folder.
         shutil.copyfile(tokenizer_model, Path(tmp) / "tokenizer.model")
         tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp)
     pieces = _set_spm_text_pipeline(tokenizer.backend_tokenizer, str(tokenizer_model))
     _check_round_trip(tokenizer, source, pieces)
+    out = Path(save_dir)
+    out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out))
     shutil.copyfile(tokenizer_model, out / "tokenizer.model")
     return {"bos_token_id": source.bos, "eos_token_id": source.eod,
@@ -177,7 +181,8 @@ _SPACE = "\u2581"  # SentencePiece's escaped space
 
 def _set_spm_text_pipeline(backend: Any, tokenizer_model: str) -> list[str]:
     """Give ``backend`` (a ``tokenizers.Tokenizer``) the normalizer, pre-tokenizer and decoder
-    the SentencePiece model's own ``NormalizerSpec`` prescribes; returns the model's pieces.
+    the SentencePiece model's own ``NormalizerSpec`` prescribes; returns the model's ordinary
+    pieces (not control, unknown, byte, unused or user-defined ones).
 
     transformers' conversion builds the vocabulary and merges the same way across versions but
     not the text handling around them: 5.17, for one, drops the dummy prefix and the whitespace
@@ -190,14 +195,20 @@ def _set_spm_text_pipeline(backend: Any, tokenizer_model: str) -> list[str]:
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(Path(tokenizer_model).read_bytes())
     spec = proto.normalizer_spec
+    for unsupported, option in ((proto.trainer_spec.treat_whitespace_as_suffix,
+                                 "treat_whitespace_as_suffix"),
+                                (not spec.escape_whitespaces, "escape_whitespaces=false")):
+        if unsupported:
+            raise UserError(f"tokenizer model {tokenizer_model} is trained with {option}, "
+                            "which the Hugging Face tokenizer cannot reproduce; --no-tokenizer "
+                            "converts the weights alone")
     steps = []
     if spec.precompiled_charsmap:
         steps.append(normalizers.Precompiled(spec.precompiled_charsmap))
     if spec.remove_extra_whitespaces:  # strip both ends, collapse runs of spaces
         steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""),
                   normalizers.Replace(Regex(" {2,}"), " ")]
-    if spec.escape_whitespaces:
-        steps.append(normalizers.Replace(" ", _SPACE))
+    steps.append(normalizers.Replace(" ", _SPACE))
     if spec.add_dummy_prefix:
         # SentencePiece always prepends one; the Metaspace step below does not when the text
         # already starts with an (escaped) space, so that space is doubled here first.
@@ -210,20 +221,27 @@ def _set_spm_text_pipeline(backend: Any, tokenizer_model: str) -> list[str]:
     if proto.trainer_spec.byte_fallback:
         parts.append(decoders.ByteFallback())
     parts.append(decoders.Fuse())
-    if spec.add_dummy_prefix:
+    # SentencePiece's decoding drops the text's leading spaces: all of them when it removes
+    # extra whitespace (then no piece holds two spaces, so each leading space is a piece it
+    # drops), else the one dummy prefix.
+    if spec.remove_extra_whitespaces:
+        parts.append(decoders.Strip(" ", 1 << 30, 0))
+    elif spec.add_dummy_prefix:
         parts.append(decoders.Strip(" ", 1, 0))
     backend.decoder = decoders.Sequence(parts)
-    return [piece.piece for piece in proto.pieces]
+    normal = sentencepiece_model_pb2.ModelProto.SentencePiece.NORMAL
+    return [piece.piece for piece in proto.pieces if piece.type == normal]
 
 
 def _check_round_trip(tokenizer: Any, source: Any, pieces: list[str]) -> None:
-    """Raise UserError unless ``tokenizer`` (transformers) encodes probe texts, the model's own
-    pieces among them, to the ids the SentencePiece tokenizer ``source`` gives: a tokenizer
-    written wrong would silently change every id a converted model sees."""
+    """Raise UserError unless ``tokenizer`` (transformers) encodes probe texts, some 200 of the
+    model's ordinary ``pieces`` spread over its vocabulary among them, to the ids the
+    SentencePiece tokenizer ``source`` gives: a tokenizer written wrong would silently change
+    every id a converted model sees."""
     import transformers
 
-    words = " ".join(piece.replace(_SPACE, " ").strip() for piece in pieces[:200]
-                     if not piece.startswith("<"))
+    step = max(len(pieces) // 200, 1)
+    words = " ".join(piece.replace(_SPACE, " ").strip() for piece in pieces[::step])
     for text in ("the quick brown fox", "  leading, double  and trailing spaces  ",
                  "two\nlines\tand a tab", "Zürich 42! ÀÉÎ", words):
         got = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -231,7 +249,8 @@ def _check_round_trip(tokenizer: Any, source: Any, pieces: list[str]) -> None:
         if got != want:
             raise UserError(f"transformers {transformers.__version__} tokenizes {text[:40]!r} "
                             f"to {got[:8]}... but the SentencePiece model to {want[:8]}...; "
-                            f"the written tokenizer would not match the run's")
+                            f"the written tokenizer would not match the run's (--no-tokenizer "
+                            f"converts the weights alone)")
 
 
 def _group_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
@@ -252,16 +253,21 @@ def test_bench_gemm_rate_counts_the_products_flops() -> None:
     in-place ``addmm_`` among them."""
     bench = load_bench()
     a, b, c = torch.randn(128, 64), torch.randn(64, 32), torch.zeros(128, 32)
+    weight, bias = torch.randn(32, 64), torch.randn(32)
     batched = torch.randn(3, 16, 8), torch.randn(3, 8, 4)
+    added = torch.randn(3, 16, 4)
 
     def step() -> float:
         c.addmm_(a, b)  # in place, as the fused head accumulates its weight gradient
-        return float(torch.mm(a, b).sum() + torch.addmm(c, a, b).sum() + torch.bmm(*batched).sum()
-                     + torch.softmax(a, dim=-1).sum())
+        products = (torch.mm(a, b), F.linear(a, weight, bias),  # addmm with a 1-D bias
+                    torch.bmm(*batched), torch.baddbmm(added, *batched),
+                    torch.baddbmm(added.bfloat16(), *(t.bfloat16() for t in batched)))
+        return float(sum(p.float().sum() for p in products) + torch.softmax(a, dim=-1).sum())
 
     kernels = bench.kernel_seconds(step, steps=2)
     assert kernels["gemm_s"] > 0 and kernels["attention_s"] == 0
-    flops = 3 * 2 * 128 * 64 * 32 + 2 * 3 * 16 * 8 * 4
+    # bf16 baddbmm runs as addmm_ per batch entry on the CPU: counted once
+    flops = 3 * 2 * 128 * 64 * 32 + 3 * 2 * 3 * 16 * 8 * 4
     assert kernels["gemm_tflops"] * 1e12 * kernels["gemm_s"] == pytest.approx(flops)
     assert bench.matmul_peak_tflops("cpu", torch.float32, repeats=1) > 0
 

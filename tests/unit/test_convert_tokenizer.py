@@ -107,6 +107,11 @@ def test_the_model_files_own_text_options_are_followed(tmp_path, options) -> Non
         assert tokenizer(text)["input_ids"] == ids, text
         if processor.unk_id() not in ids:  # the two render an unknown piece differently
             assert tokenizer.decode(ids) == processor.decode(ids), text
+    # Ids no encoding gives but a model may generate: leading whitespace pieces.
+    space, word = processor.piece_to_id("\u2581"), processor.piece_to_id("t")
+    the = processor.piece_to_id("\u2581the")
+    for ids in ([space, the], [space, space, word], [the], [word, space, the], [space]):
+        assert tokenizer.decode(ids) == processor.decode(ids), ids
 
 
 def test_a_conversion_that_tokenizes_differently_is_refused(tmp_path, monkeypatch) -> None:
@@ -130,6 +135,52 @@ def test_a_conversion_that_tokenizes_differently_is_refused(tmp_path, monkeypatc
                                         r"SentencePiece model to"):
         hf_module.write_hf_tokenizer(spm, tmp_path / "out")
     assert not (tmp_path / "out" / "tokenizer.json").exists()
+
+
+def test_control_symbols_do_not_fail_the_round_trip(tmp_path) -> None:
+    """A control piece ("[CTL]") is never matched in text by SentencePiece but always by
+    transformers; the probe texts hold ordinary pieces only, so a correct tokenizer passes."""
+    spm = train_tokenizer(tmp_path / "tok.model", "bpe", control_symbols=["[CTL]"])
+    tiny_checkpoint(tmp_path / "ckpt", run_metadata(spm))
+    to_hf(tmp_path / "ckpt", tmp_path / "out")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(spm))
+    assert tokenizer(TEXTS[0])["input_ids"] == processor.encode(TEXTS[0])
+
+
+@pytest.mark.parametrize("option", ["treat_whitespace_as_suffix", "escape_whitespaces=false"])
+def test_options_the_hf_tokenizer_cannot_express_are_refused(tmp_path, option) -> None:
+    if option == "treat_whitespace_as_suffix":
+        spm = train_tokenizer(tmp_path / "tok.model", "bpe", treat_whitespace_as_suffix=True)
+    else:  # the trainers refuse it; a model file may still carry it
+        from sentencepiece import sentencepiece_model_pb2
+
+        spm = train_tokenizer(tmp_path / "tok.model", "bpe")
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(spm.read_bytes())
+        proto.normalizer_spec.escape_whitespaces = False
+        spm.write_bytes(proto.SerializeToString())
+    tiny_checkpoint(tmp_path / "ckpt", run_metadata(spm))
+    with pytest.raises(UserError, match=f"trained with {option}.*--no-tokenizer"):
+        to_hf(tmp_path / "ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    to_hf(tmp_path / "ckpt", tmp_path / "out", "--no-tokenizer")  # the weights alone
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+
+
+def test_no_tokenizer_flag_conflicts_and_formats(tmp_path) -> None:
+    spm = train_tokenizer(tmp_path / "tok.model", "bpe")
+    tiny_checkpoint(tmp_path / "ckpt", run_metadata(tmp_path / "gone.model"))
+    with pytest.raises(UserError, match="contradict"):
+        to_hf(tmp_path / "ckpt", tmp_path / "out", "--tokenizer-model", str(spm),
+              "--no-tokenizer")
+    with pytest.raises(UserError, match="--no-tokenizer applies to --target-format hf only"):
+        convert_checkpoint.main(["--source-format", "hf", "--target-format", "megatron_het",
+                                 "--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "x"),
+                                 "--no-tokenizer"])
+    to_hf(tmp_path / "ckpt", tmp_path / "out", "--no-tokenizer")  # the recorded model is gone
+    assert (tmp_path / "out" / "config.json").is_file()
 
 
 def test_flag_supplies_a_tokenizer_the_metadata_lacks(tmp_path, capsys) -> None:

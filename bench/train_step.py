@@ -283,8 +283,8 @@ def matmul_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 10) -> fl
 
 def breakdown(steps: dict[str, Callable[[], float]], median_s: dict[str, float],
               device: str = "cpu") -> dict[str, Any]:
-    """Each model's median step split into matrix products (with their rate) attention and the
-    rest, and ``ratio_bound``: Hugging Face's median step over our matrix products and
+    """Each model's median step split into matrix products (with their rate), attention and
+    the rest, and ``ratio_bound``: Hugging Face's median step over our matrix products and
     attention."""
     parts = {}
     for name, step in steps.items():
@@ -340,8 +340,7 @@ def _transformers_version() -> Optional[str]:
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    # Before anything else runs: compiled kernels' OpenMP threads that spin on after a step
-    # would take the cores from it.
+    # Measured first, before either model runs, so that nothing of theirs shares the device.
     peak = matmul_peak_tflops(args.device, DTYPES[args.dtype]) if args.breakdown else None
     steps = build_pair(args)
     first_loss, first_seconds = first_steps(steps)

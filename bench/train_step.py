@@ -60,6 +60,7 @@ from megatron_het.model_args import add_model_shape_args, model_config_from_args
 from megatron_het.model.compile import compile_layers  # noqa: E402
 from megatron_het.model.llama import build_model  # noqa: E402
 from megatron_het.perf.profiler import self_time_us  # noqa: E402
+from megatron_het.pipeline.timing import synchronize  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MODEL = "small"
@@ -269,13 +270,12 @@ def matmul_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 10) -> fl
     n = 8192 if device != "cpu" else 2048 if dtype == torch.float32 else 512
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    synchronize = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     times = []
     for index in range(repeats + 2):
-        synchronize()
+        synchronize(a.device)
         start = time.perf_counter()
         torch.mm(a, b)
-        synchronize()
+        synchronize(a.device)
         if index >= 2:
             times.append(time.perf_counter() - start)
     return 2 * n ** 3 / min(times) / 1e12

@@ -34,10 +34,10 @@ from megatron_het.parallel.plan_validation import valid_tp_sizes  # noqa: E402
 from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency  # noqa: E402
 from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time  # noqa: E402
 from megatron_het.perf.profile import Profile, merge_profiles  # noqa: E402
-from megatron_het.model.compile import compile_layers  # noqa: E402
+from megatron_het.model.llama import LlamaModel  # noqa: E402
 from megatron_het.perf.profiler import (PROFILE_DTYPES, KernelRow, Sweep,  # noqa: E402
                                         default_accelerator, kernel_breakdown, layer_case,
-                                        profile_device, rank_stage, shapes_compiled)
+                                        profile_device, shapes_compiled)
 
 PROG = "tools/profile_device.py"
 DESCRIPTION = """\
@@ -224,14 +224,12 @@ def kernel_table(rows: Sequence[KernelRow], pass_s: float, top: int) -> str:
     return "\n".join(lines)
 
 
-def print_kernel_breakdowns(model: ModelConfig, sweep: Sweep, device: torch.device,
-                            top: int) -> None:
+def print_kernel_breakdowns(layer_stages: dict[int, LlamaModel], sweep: Sweep,
+                            device: torch.device, top: int) -> None:
     """:func:`kernel_breakdown` of the first layer at every (seq, micro-batch, tp) of the
-    sweep, as :func:`kernel_table`."""
-    for tp in sweep.tp_sizes:
-        stage = rank_stage(model, tp, (0, 1), False, False, device, sweep.seed, sweep.dtype)
-        if sweep.compile:
-            compile_layers(stage)
+    sweep, as :func:`kernel_table`; ``layer_stages`` are the sweep's one-layer stages by TP
+    size (filled by :func:`profile_device`, compiled under ``--compile``)."""
+    for tp, stage in layer_stages.items():
         for seq in sweep.seq_lengths:
             for micro_batch in sweep.micro_batch_sizes:
                 case = layer_case(stage, seq, micro_batch, tp, sweep.dtype, device,
@@ -281,8 +279,10 @@ def main(argv: Sequence[str]) -> Path:
     print(f"profiling {model.name} on {device} as {accelerator!r}, {args.dtype}, "
           f"{torch.get_num_threads()} threads", flush=True)
     start = time.perf_counter()
+    layer_stages: dict[int, LlamaModel] = {}
     profile = profile_device(model, sweep, accelerator, device, args.comm,
-                             progress=lambda line: print(line, flush=True))
+                             progress=lambda line: print(line, flush=True),
+                             layer_stages=layer_stages)
     if args.host_sharing:
         profile = with_host_figures(profile, model, args)
     if old is not None:
@@ -293,7 +293,7 @@ def main(argv: Sequence[str]) -> Path:
     print(layer_table(rows))
     print(f"wrote {path} in {time.perf_counter() - start:.1f} s")
     if args.kernels > 0:
-        print_kernel_breakdowns(model, sweep, device, args.kernels)
+        print_kernel_breakdowns(layer_stages, sweep, device, args.kernels)
     if args.json:
         print(json.dumps({"profile": str(path), "accelerator": accelerator,
                           "device": str(device),

@@ -166,7 +166,7 @@ def write_hf_tokenizer(tokenizer_model: str | Path, save_dir: str | Path,
         # transformers converts a SentencePiece model it finds as tokenizer.model in a folder.
         shutil.copyfile(tokenizer_model, Path(tmp) / "tokenizer.model")
         tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp)
-    pieces = _set_spm_text_pipeline(tokenizer.backend_tokenizer, str(tokenizer_model))
+    pieces = _set_spm_text_pipeline(tokenizer.backend_tokenizer, source)
     _check_round_trip(tokenizer, source, pieces)
     out = Path(save_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,10 +179,11 @@ def write_hf_tokenizer(tokenizer_model: str | Path, save_dir: str | Path,
 _SPACE = "\u2581"  # SentencePiece's escaped space
 
 
-def _set_spm_text_pipeline(backend: Any, tokenizer_model: str) -> list[str]:
+def _set_spm_text_pipeline(backend: Any, source: Any) -> list[str]:
     """Give ``backend`` (a ``tokenizers.Tokenizer``) the normalizer, pre-tokenizer and decoder
-    the SentencePiece model's own ``NormalizerSpec`` prescribes; returns the model's ordinary
-    pieces (not control, unknown, byte, unused or user-defined ones).
+    the SentencePiece model of ``source`` (a loaded SentencePieceTokenizer) prescribes in its
+    ``NormalizerSpec``; returns the model's ordinary pieces (not control, unknown, byte,
+    unused or user-defined ones).
 
     transformers' conversion builds the vocabulary and merges the same way across versions but
     not the text handling around them: 5.17, for one, drops the dummy prefix and the whitespace
@@ -193,13 +194,13 @@ def _set_spm_text_pipeline(backend: Any, tokenizer_model: str) -> list[str]:
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
     proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(Path(tokenizer_model).read_bytes())
+    proto.ParseFromString(source.model_proto())
     spec = proto.normalizer_spec
     for unsupported, option in ((proto.trainer_spec.treat_whitespace_as_suffix,
                                  "treat_whitespace_as_suffix"),
                                 (not spec.escape_whitespaces, "escape_whitespaces=false")):
         if unsupported:
-            raise UserError(f"tokenizer model {tokenizer_model} is trained with {option}, "
+            raise UserError(f"tokenizer model {source.model_path} is trained with {option}, "
                             "which the Hugging Face tokenizer cannot reproduce; --no-tokenizer "
                             "converts the weights alone")
     steps = []

@@ -58,6 +58,10 @@ class SentencePieceTokenizer:
             raise UserError(f"tokenizer model {model_path} has no end-of-sequence piece; "
                             "train it with an eos id (eos_id >= 0)")
 
+    def model_proto(self) -> bytes:
+        """The loaded model, serialised (a ``sentencepiece_model_pb2.ModelProto``)."""
+        return bytes(self._processor.serialized_model_proto())
+
     @property
     def vocab_size(self) -> int:
         return int(self._processor.GetPieceSize())

@@ -68,8 +68,9 @@ def environment_of(pid: int, names: Sequence[str]) -> dict[str, str]:
     found = {}
     for entry in raw.split(b"\0"):
         name, sep, value = entry.partition(b"=")
-        if sep and name.decode(errors="replace") in names:
-            found[name.decode()] = value.decode(errors="replace")
+        key = name.decode(errors="replace")
+        if sep and key in names:
+            found[key] = value.decode(errors="replace")
     return found
 
 

@@ -38,10 +38,16 @@ COMPILED_RUN_S = 45.0
 PEAK = Efficiency(gemm=1.0, attention=1.0, memory=1.0)
 SHAPE_FLAGS = ["--num-layers", "22", "--hidden-size", "2048", "--ffn-hidden-size", "5632",
                "--num-attention-heads", "16", "--num-query-groups", "4", "--vocab-size", "32000"]
-SWEEP_FLAGS = ["--seq-lengths", "2048", "--micro-batch-sizes", "1,4", "--tp", "1",
-               "--dtype", "bf16", "--warmup", "2", "--iters", "5"]
-COMPILED_FLAGS = ["--seq-lengths", "2048", "--micro-batch-sizes", "4", "--tp", "1",
-                  "--dtype", "bf16", "--warmup", "2", "--iters", "5", "--compile"]
+
+
+def sweep_flags(micro_batch_sizes: str) -> list[str]:
+    """tools/profile_device.py's sweep at seq 2048, TP 1, bf16 over ``micro_batch_sizes``."""
+    return ["--seq-lengths", "2048", "--micro-batch-sizes", micro_batch_sizes, "--tp", "1",
+            "--dtype", "bf16", "--warmup", "2", "--iters", "5"]
+
+
+SWEEP_FLAGS = sweep_flags("1,4")
+COMPILED_FLAGS = [*sweep_flags("4"), "--compile"]
 
 
 def check_profile(ctx: CheckContext) -> None:
@@ -51,9 +57,9 @@ def check_profile(ctx: CheckContext) -> None:
         skip_all(ctx, ("profile.run", "profile.run.compiled"))
         return
     out = ctx.work / "profiles"
-    tool = [ctx.python, str(REPO / "tools" / "profile_device.py"), *SHAPE_FLAGS]
-    run = ctx.run([*tool, *SWEEP_FLAGS, "--device", "cuda", "--out", str(out)], RUN_S,
-                  "profile.log")
+    tool = [ctx.python, str(REPO / "tools" / "profile_device.py"), *SHAPE_FLAGS,
+            "--device", "cuda", "--out", str(out)]
+    run = ctx.run([*tool, *SWEEP_FLAGS], RUN_S, "profile.log")
     files = sorted(out.glob("*.json"))
     if not run.ok or not files:
         ctx.rows.add("profile.run", FAIL, f"profile_device.py {run.why()}",
@@ -62,8 +68,7 @@ def check_profile(ctx: CheckContext) -> None:
     profile = Profile.load(files[0])
     ctx.rows.add("profile.run", PASS, f"{files[0].name}: {len(profile.layers)} layer entries",
                  "writes a profile", printed_table=_printed_table(run.log_path))
-    compiled = ctx.run([*tool, *COMPILED_FLAGS, "--device", "cuda", "--out", str(out)],
-                       COMPILED_RUN_S, "profile_compiled.log")
+    compiled = ctx.run([*tool, *COMPILED_FLAGS], COMPILED_RUN_S, "profile_compiled.log")
     if compiled.ok:
         profile = Profile.load(files[0])  # the compiled entries merged beside the eager ones
         count = sum(e.compiled for e in profile.layers)

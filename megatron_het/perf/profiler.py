@@ -355,10 +355,13 @@ def shapes_compiled(sweep: Sweep) -> Iterator[None]:
 
 # ---- the whole profile -------------------------------------------------------------------------
 def profile_device(config: ModelConfig, sweep: Sweep, accelerator: str, device: torch.device,
-                   comm: bool = False, progress: Progress = None) -> Profile:
+                   comm: bool = False, progress: Progress = None,
+                   layer_stages: Optional[dict[int, LlamaModel]] = None) -> Profile:
     """Measure everything of ``sweep`` for ``config`` on ``device`` and return the profile of
     kind ``accelerator``. With ``comm``, also the communicator's figures (2 local gloo ranks,
-    see :func:`measure_comm`). ``progress`` receives one line per measured shape."""
+    see :func:`measure_comm`). ``progress`` receives one line per measured shape. A
+    ``layer_stages`` dict receives each TP size's one-layer stage as measured (compiled under
+    ``sweep.compile``), for a later look at its kernels."""
     sweep.check_model(config)
     say = progress or (lambda line: None)
     comm_entries: tuple[CommEntry, ...] = ()
@@ -379,6 +382,8 @@ def profile_device(config: ModelConfig, sweep: Sweep, accelerator: str, device: 
                                                        ((n, n), False, True)))
         if sweep.compile:
             compile_layers(stages[0])  # as training's --compile does
+        if layer_stages is not None:
+            layer_stages[tp] = stages[0]
         cases = [case
                  for seq, mb in shapes
                  for case in (layer_case(stages[0], seq, mb, tp, sweep.dtype, device,

@@ -115,14 +115,12 @@ def _profiled_layer(profile: Profile, shape: LayerShape, dtype: str, compiled: b
     :func:`mode_ratio`, with the analytic activation bytes: compilation changes what a layer
     saves), else from the nearest shape of that mode, then of the other; None without an
     entry of ``dtype``."""
-    same = profile.has_layer_shape(shape, dtype, compiled)
-    if not same and profile.has_layer_shape(shape, dtype, not compiled):
-        found = profile.layer(shape, dtype, not compiled)
-    else:
+    if (profile.has_layer_shape(shape, dtype, compiled)
+            or not profile.has_layer_shape(shape, dtype, not compiled)):
         found = profile.layer(shape, dtype, compiled)
         if found is not None:
             return found
-        found = profile.layer(shape, dtype, not compiled)
+    found = profile.layer(shape, dtype, not compiled)
     ratio = None if found is None else mode_ratio(shape, spec, dtype, compiled, efficiency)
     if ratio is None:
         return found

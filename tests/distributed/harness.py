@@ -113,10 +113,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ``tcp://127.0.0.1:<free port>`` whose collective timeout is ``timeout`` seconds, and destroys
     it after ``fn`` returns. ``backend=None`` builds no group: ``fn`` gets the free port as
     keyword ``port`` instead. ``fn`` may be a closure (fork start, nothing is pickled on the way
-    in), except where a forked child could not run torch (:func:`start_method`: CUDA initialised
-    here, or a GPU visible to autograd): the workers are spawned then and ``fn`` and its
-    arguments must be picklable (RuntimeError before any worker starts otherwise). Its return
-    value must be picklable.
+    in), except where a forked child could not run torch
+    (:func:`~megatron_het.perf.measure_procs.fork_is_safe`: CUDA initialised here, or a GPU
+    visible to autograd): the workers are spawned then and ``fn`` and its arguments must be
+    picklable (RuntimeError before any worker starts otherwise). Its return value must be
+    picklable.
 
     Returns the return values ordered by rank. Raises :class:`RankFailure` naming every rank that
     raised (with its traceback) or that had not finished after ``timeout`` seconds (those are

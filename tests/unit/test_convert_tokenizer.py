@@ -121,8 +121,8 @@ def test_a_conversion_that_tokenizes_differently_is_refused(tmp_path, monkeypatc
 
     from megatron_het.checkpoint import hf as hf_module
 
-    def as_517_wrote(backend, tokenizer_model):
-        pieces = real(backend, tokenizer_model)
+    def as_517_wrote(backend, source):
+        pieces = real(backend, source)
         backend.normalizer = normalizers.Replace(" ", "\u2581")
         backend.pre_tokenizer = None
         return pieces

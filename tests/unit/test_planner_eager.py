@@ -7,7 +7,6 @@ compute ceiling, ``tools/plan.py`` and ``--plan auto`` all follow ``fused_elemen
 """
 from __future__ import annotations
 
-import json
 import pathlib
 
 import pytest
@@ -19,8 +18,8 @@ from megatron_het.perf import predict
 from megatron_het.planner import search_plan
 from megatron_het.planner.baseline import homogeneous_baseline
 from megatron_het.planner.ceiling import compute_ceiling
-from megatron_het.planner.cli import run
 from megatron_het.training.setup import prepare_run
+from tests.test_plan_cli import plan_json
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 GPU_CLUSTER = str(REPO / "scripts" / "clusters" / "h100_a100.yaml")
@@ -103,11 +102,8 @@ def test_ceiling_and_baseline_follow_the_pricing() -> None:
 def test_plan_cli_prices_eager_unless_compile(capsys) -> None:
     common = ["--cluster", GPU_CLUSTER, "--model", "llama2-7b", "--seq-length", str(SEQ),
               "--global-batch-size", str(GBS), "--no-baseline", "--no-heterogeneous-dp",
-              "--top", "2", "--json"]
-    lines = {}
-    for extra in ([], ["--compile"]):
-        run(common + extra)
-        lines[bool(extra)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+              "--top", "2"]
+    lines = {bool(extra): plan_json(capsys, *common, *extra) for extra in ([], ["--compile"])}
     assert lines[False]["iteration_time_s"] > 1.3 * lines[True]["iteration_time_s"]
     assert lines[False]["ceiling_tokens_per_s"] < lines[True]["ceiling_tokens_per_s"] / 1.3
 

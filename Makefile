@@ -6,6 +6,7 @@
 #                   since its tests fork workers: tests/conftest.py); make test runs it after the
 #                   rest where torch is built for CUDA/ROCm
 #   make gpu-check  the prepared GPU check (scripts/gpu_check.sh; GPU rows SKIP without one)
+#   make lint       ruff (lint and format); make test runs it first
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # pytest-xdist workers, one thread each (TEST_WORKERS=0 runs the tests in one process).
@@ -16,7 +17,7 @@ XDIST := -n $(TEST_WORKERS) --dist worksteal
 # package and the test modules again, seconds each.
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
-.PHONY: setup demo test test-fast test-gpu gpu-check
+.PHONY: setup demo lint test test-fast test-gpu gpu-check
 
 setup:
 	@VENV=$(VENV) bash scripts/setup_env.sh
@@ -24,7 +25,11 @@ setup:
 demo: setup
 	$(PY) -m megatron_het.demo $(DEMO_ARGS)
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check --quiet .
+	$(VENV)/bin/ruff format --check --quiet .
+
+test: setup lint
 	$(PYTEST) -q $(XDIST) $(PYTEST_ARGS)
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.backends.cuda.is_built())"; then \
 		$(MAKE) --no-print-directory test-gpu; fi

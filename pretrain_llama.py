@@ -9,6 +9,7 @@ time without starting processes.
 SIGTERM makes the run save a checkpoint at the end of the current iteration (with --save; every
 rank agrees on that iteration) and exit with status 0; resume it with --load.
 """
+
 from __future__ import annotations
 
 import os

@@ -28,6 +28,7 @@ Two measurements, printed as one JSON object (the last line) with the conditions
     .venv/bin/python bench/checkpoint_io.py --skip-io --overhead-io-model --save-interval 10
                                                                   # saves that weigh
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,57 +43,80 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_het.checkpoint.integrity import files_total_bytes  # noqa: E402
-from megatron_het.checkpoint.reader import ReadStats  # noqa: E402
-from megatron_het.checkpoint.verify import read_metadata_file  # noqa: E402
-from megatron_het.config import ModelConfig  # noqa: E402
-from megatron_het.parallel.plan import ParallelPlan  # noqa: E402
-from megatron_het.perf.measure_procs import free_loopback_port  # noqa: E402
+from megatron_het.checkpoint.integrity import files_total_bytes
+from megatron_het.checkpoint.reader import ReadStats
+from megatron_het.checkpoint.verify import read_metadata_file
+from megatron_het.config import ModelConfig
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.perf.measure_procs import free_loopback_port
 
 _GB = 1e9
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden-size", type=int, default=1024)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=16384)
     p.add_argument("--rounds", type=int, default=3, help="save+load rounds per plan")
-    p.add_argument("--save-interval", type=int, default=100,
-                   help="iterations between saves in the overhead runs (the demo's: 100)")
+    p.add_argument(
+        "--save-interval",
+        type=int,
+        default=100,
+        help="iterations between saves in the overhead runs (the demo's: 100)",
+    )
     p.add_argument("--runs", type=int, default=3, help="overhead runs per mode")
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--skip-io", action="store_true")
-    p.add_argument("--overhead-io-model", action="store_true",
-                   help="time the overhead runs on the io model's layers (--hidden-size, "
-                        "--num-layers; the demo's vocabulary) instead of the demo's small "
-                        "preset: a checkpoint whose save weighs on training")
+    p.add_argument(
+        "--overhead-io-model",
+        action="store_true",
+        help="time the overhead runs on the io model's layers (--hidden-size, "
+        "--num-layers; the demo's vocabulary) instead of the demo's small "
+        "preset: a checkpoint whose save weighs on training",
+    )
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     return p.parse_args(argv)
 
 
 def io_model(args: argparse.Namespace) -> ModelConfig:
     hidden = args.hidden_size
-    return ModelConfig(num_layers=args.num_layers, hidden_size=hidden,
-                       ffn_hidden_size=hidden * 11 // 4, num_attention_heads=max(1, hidden // 64),
-                       num_query_groups=max(1, hidden // 128), vocab_size=args.vocab_size,
-                       name="bench-ckpt")
+    return ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=hidden,
+        ffn_hidden_size=hidden * 11 // 4,
+        num_attention_heads=max(1, hidden // 64),
+        num_query_groups=max(1, hidden // 128),
+        vocab_size=args.vocab_size,
+        name="bench-ckpt",
+    )
 
 
 def pp_plan(config: ModelConfig, world_size: int) -> ParallelPlan:
     per = config.num_layers // world_size
-    stages = [{"accelerator": "cpu", "tp": 1, "ranks": [r],
-               "layers": [r * per, config.num_layers if r == world_size - 1 else (r + 1) * per]}
-              for r in range(world_size)]
-    return ParallelPlan.from_dict({"format": "megatron_het.plan/1", "micro_batch_size": 1,
-                                   "pipelines": [{"micro_batches": world_size,
-                                                  "stages": stages}]})
+    stages = [
+        {
+            "accelerator": "cpu",
+            "tp": 1,
+            "ranks": [r],
+            "layers": [r * per, config.num_layers if r == world_size - 1 else (r + 1) * per],
+        }
+        for r in range(world_size)
+    ]
+    return ParallelPlan.from_dict(
+        {
+            "format": "megatron_het.plan/1",
+            "micro_batch_size": 1,
+            "pipelines": [{"micro_batches": world_size, "stages": stages}],
+        }
+    )
 
 
 def _timed_load(load: Any) -> dict[str, float]:
@@ -100,12 +124,22 @@ def _timed_load(load: Any) -> dict[str, float]:
     stats = ReadStats()
     start = time.perf_counter()
     load(stats)
-    return {"s": time.perf_counter() - start, "bytes": stats.bytes,
-            "verified": stats.verified_bytes}
+    return {
+        "s": time.perf_counter() - start,
+        "bytes": stats.bytes,
+        "verified": stats.verified_bytes,
+    }
 
 
-def _io_rank(rank: int, world_size: int, port: int, args: argparse.Namespace,
-             root: str, reshard_from: Optional[str], queue: Any) -> None:
+def _io_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    args: argparse.Namespace,
+    root: str,
+    reshard_from: str | None,
+    queue: Any,
+) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -116,29 +150,49 @@ def _io_rank(rank: int, world_size: int, port: int, args: argparse.Namespace,
     from megatron_het.pipeline.stage import build_stage
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(minutes=10),
+    )
     config, plan = io_model(args), pp_plan(io_model(args), world_size)
     comm = UnifiedCommunicator(["cpu"] * world_size, {"cpu": "gloo"}, {"cpu": "cpu"})
     groups = build_process_groups(comm, plan)
     stage = build_stage(config, plan, groups, seed=1)
-    optimizer = {n: {"step": 1, "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
-                 for n, p in stage.named_parameters()}
+    optimizer = {
+        n: {"step": 1, "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+        for n, p in stage.named_parameters()
+    }
     rows = []
     for round_index in range(args.rounds):
         comm.barrier()
         start = time.perf_counter()
-        path = save_sharded(root, round_index + 1, config, plan, groups, stage, optimizer,
-                            {"iteration": round_index + 1, "consumed_samples": 0})
+        path = save_sharded(
+            root,
+            round_index + 1,
+            config,
+            plan,
+            groups,
+            stage,
+            optimizer,
+            {"iteration": round_index + 1, "consumed_samples": 0},
+        )
         write_s = time.perf_counter() - start
         comm.barrier()
-        row = {"write_s": write_s, "bytes": files_total_bytes(read_metadata_file(path) or {}),
-               "read": _timed_load(lambda stats: load_sharded(root, config, plan, groups, stage,
-                                                              stats=stats))}
+        row = {
+            "write_s": write_s,
+            "bytes": files_total_bytes(read_metadata_file(path) or {}),
+            "read": _timed_load(
+                lambda stats: load_sharded(root, config, plan, groups, stage, stats=stats)
+            ),
+        }
         comm.barrier()
         if reshard_from is not None:
-            row["resharded"] = _timed_load(lambda stats: load_sharded(
-                reshard_from, config, plan, groups, stage, stats=stats))
+            row["resharded"] = _timed_load(
+                lambda stats: load_sharded(reshard_from, config, plan, groups, stage, stats=stats)
+            )
             comm.barrier()
         rows.append(row)
         if rank == 0 and round_index > 0:
@@ -150,17 +204,26 @@ def _io_rank(rank: int, world_size: int, port: int, args: argparse.Namespace,
 def _reads(rounds: list, key: str) -> dict[str, Any]:
     """Read GB/s (bytes read by all ranks / the slowest rank's time), GB read and GB verified
     of the loads ``key`` (read | resharded), medians over the rounds."""
-    gbps = [sum(row[key]["bytes"] for row in rows) / _GB / max(row[key]["s"] for row in rows)
-            for rows in rounds]
-    return {"read_gbps": round(statistics.median(gbps), 3),
-            "read_gb": round(sum(row[key]["bytes"] for row in rounds[-1]) / _GB, 3),
-            "read_gb_per_rank": [round(row[key]["bytes"] / _GB, 3) for row in rounds[-1]],
-            "verified_gb": round(sum(row[key]["verified"] for row in rounds[-1]) / _GB, 3),
-            "read_gbps_rounds": [round(v, 3) for v in gbps]}
+    gbps = [
+        sum(row[key]["bytes"] for row in rows) / _GB / max(row[key]["s"] for row in rows)
+        for rows in rounds
+    ]
+    return {
+        "read_gbps": round(statistics.median(gbps), 3),
+        "read_gb": round(sum(row[key]["bytes"] for row in rounds[-1]) / _GB, 3),
+        "read_gb_per_rank": [round(row[key]["bytes"] / _GB, 3) for row in rounds[-1]],
+        "verified_gb": round(sum(row[key]["verified"] for row in rounds[-1]) / _GB, 3),
+        "read_gbps_rounds": [round(v, 3) for v in gbps],
+    }
 
 
-def measure_plan(world_size: int, args: argparse.Namespace, root: pathlib.Path,
-                 reshard_from: Optional[pathlib.Path] = None, keep: bool = False) -> dict:
+def measure_plan(
+    world_size: int,
+    args: argparse.Namespace,
+    root: pathlib.Path,
+    reshard_from: pathlib.Path | None = None,
+    keep: bool = False,
+) -> dict:
     """Write/read GB/s of ``world_size`` forked ranks (pp plan), medians over the rounds; also
     the load of the checkpoint in ``reshard_from`` (another plan's save directory) when given.
     ``keep`` leaves this plan's save directory (``root/plan<world_size>``) in place."""
@@ -169,9 +232,10 @@ def measure_plan(world_size: int, args: argparse.Namespace, root: pathlib.Path,
     queue = ctx.Queue()
     target = root / f"plan{world_size}"
     source = None if reshard_from is None else str(reshard_from)
-    procs = [ctx.Process(target=_io_rank,
-                         args=(r, world_size, port, args, str(target), source, queue))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_io_rank, args=(r, world_size, port, args, str(target), source, queue))
+        for r in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     results = dict(queue.get(timeout=1800) for _ in procs)
@@ -182,14 +246,22 @@ def measure_plan(world_size: int, args: argparse.Namespace, root: pathlib.Path,
     rounds = list(zip(*(results[r] for r in range(world_size))))
     nbytes = rounds[0][0]["bytes"]
     write = [nbytes / _GB / max(row["write_s"] for row in rows) for rows in rounds]
-    out = {"ranks": world_size, "checkpoint_gb": round(nbytes / _GB, 3),
-           "write_gbps": round(statistics.median(write), 3), **_reads(rounds, "read"),
-           "write_gbps_rounds": [round(v, 3) for v in write]}
+    out = {
+        "ranks": world_size,
+        "checkpoint_gb": round(nbytes / _GB, 3),
+        "write_gbps": round(statistics.median(write), 3),
+        **_reads(rounds, "read"),
+        "write_gbps_rounds": [round(v, 3) for v in write],
+    }
     if reshard_from is not None:
-        source_bytes = files_total_bytes(read_metadata_file(
-            reshard_from / f"iter_{args.rounds:07d}") or {})
-        out["resharded"] = {"from": reshard_from.name, "source_checkpoint_gb":
-                            round((source_bytes or 0) / _GB, 3), **_reads(rounds, "resharded")}
+        source_bytes = files_total_bytes(
+            read_metadata_file(reshard_from / f"iter_{args.rounds:07d}") or {}
+        )
+        out["resharded"] = {
+            "from": reshard_from.name,
+            "source_checkpoint_gb": round((source_bytes or 0) / _GB, 3),
+            **_reads(rounds, "resharded"),
+        }
     return out
 
 
@@ -202,10 +274,31 @@ def sha256_gbps(nbytes: int = 256 << 20) -> float:
 
 # ---- what --async-save costs training --------------------------------------------------------
 # The demo's model and batch; NullTokenizer adds an end-of-document token: 4095 + 1 = 4096.
-DEMO_RUN = ["--model", "small", "--vocab-size", "4095", "--seq-length", "256",
-            "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data",
-            "--tokenizer-type", "NullTokenizer", "--lr", "1e-3", "--seed", "1234",
-            "--eval-interval", "100000", "--eval-iters", "0", "--log-interval", "100000"]
+DEMO_RUN = [
+    "--model",
+    "small",
+    "--vocab-size",
+    "4095",
+    "--seq-length",
+    "256",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "1234",
+    "--eval-interval",
+    "100000",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "100000",
+]
 MODES = ("sync", "async", "none")
 
 
@@ -221,7 +314,7 @@ def _overhead_run(mode: str, args: argparse.Namespace, root: pathlib.Path) -> fl
     from megatron_het.training.trainer import build_trainer
 
     class TimedSaver(CheckpointSaver):
-        first_poll: Optional[float] = None  # the end of iteration 1 (the process warms up)
+        first_poll: float | None = None  # the end of iteration 1 (the process warms up)
         last_save_point = 0.0
 
         def poll(self) -> None:
@@ -229,7 +322,7 @@ def _overhead_run(mode: str, args: argparse.Namespace, root: pathlib.Path) -> fl
                 self.first_poll = time.perf_counter()
             super().poll()
 
-        def save(self) -> Optional[pathlib.Path]:
+        def save(self) -> pathlib.Path | None:
             self.last_save_point = time.perf_counter()
             return super().save()
 
@@ -259,10 +352,18 @@ def _overhead_model(args: argparse.Namespace) -> list[str]:
     if not args.overhead_io_model:
         return []
     config = io_model(args)
-    return ["--num-layers", str(config.num_layers), "--hidden-size", str(config.hidden_size),
-            "--ffn-hidden-size", str(config.ffn_hidden_size),
-            "--num-attention-heads", str(config.num_attention_heads),
-            "--num-query-groups", str(config.num_query_groups)]  # the demo's vocabulary
+    return [
+        "--num-layers",
+        str(config.num_layers),
+        "--hidden-size",
+        str(config.hidden_size),
+        "--ffn-hidden-size",
+        str(config.ffn_hidden_size),
+        "--num-attention-heads",
+        str(config.num_attention_heads),
+        "--num-query-groups",
+        str(config.num_query_groups),
+    ]  # the demo's vocabulary
 
 
 def measure_overhead(args: argparse.Namespace, root: pathlib.Path) -> dict:
@@ -272,16 +373,20 @@ def measure_overhead(args: argparse.Namespace, root: pathlib.Path) -> dict:
             times[mode].append(_overhead_run(mode, args, root))
     median = {mode: statistics.median(values) for mode, values in times.items()}
     model = "io model" if args.overhead_io_model else "small"
-    return {"model": model, "save_interval": args.save_interval,
-            "iterations_per_run": 2 * args.save_interval, "runs": args.runs,
-            "iteration_s": {m: round(v, 5) for m, v in median.items()},
-            "iteration_s_runs": {m: [round(v, 5) for v in vs] for m, vs in times.items()},
-            "ratio_async_vs_sync": round(median["async"] / median["sync"], 4),
-            "ratio_sync_vs_none": round(median["sync"] / median["none"], 4),
-            "ratio_async_vs_none": round(median["async"] / median["none"], 4)}
+    return {
+        "model": model,
+        "save_interval": args.save_interval,
+        "iterations_per_run": 2 * args.save_interval,
+        "runs": args.runs,
+        "iteration_s": {m: round(v, 5) for m, v in median.items()},
+        "iteration_s_runs": {m: [round(v, 5) for v in vs] for m, vs in times.items()},
+        "ratio_async_vs_sync": round(median["async"] / median["sync"], 4),
+        "ratio_sync_vs_none": round(median["sync"] / median["none"], 4),
+        "ratio_async_vs_none": round(median["async"] / median["none"], 4),
+    }
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     config = io_model(args)
     root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
@@ -289,23 +394,33 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         result: dict[str, Any] = {
             "benchmark": "checkpoint_io",
-            "conditions": {"host": platform.node(), "cpus": os.cpu_count(),
-                           "torch": torch.__version__, "threads": torch.get_num_threads(),
-                           "dir": str(root), "io_model_parameters": config.num_parameters(),
-                           "io_model_weights_gb": round(config.num_parameters() * 4 / _GB, 3),
-                           "io_model": {"hidden_size": config.hidden_size,
-                                        "num_layers": config.num_layers,
-                                        "vocab_size": config.vocab_size},
-                           "reads": "page cache (just written); every opened file's size "
-                                    "checked, every tensor piece read sha256-verified (files "
-                                    "are not hashed whole): see read_gb / verified_gb",
-                           "overhead_run": "one process, mock data, "
-                                           + ("the io model" if args.overhead_io_model
-                                              else "the demo's small preset")},
+            "conditions": {
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "dir": str(root),
+                "io_model_parameters": config.num_parameters(),
+                "io_model_weights_gb": round(config.num_parameters() * 4 / _GB, 3),
+                "io_model": {
+                    "hidden_size": config.hidden_size,
+                    "num_layers": config.num_layers,
+                    "vocab_size": config.vocab_size,
+                },
+                "reads": "page cache (just written); every opened file's size "
+                "checked, every tensor piece read sha256-verified (files "
+                "are not hashed whole): see read_gb / verified_gb",
+                "overhead_run": "one process, mock data, "
+                + ("the io model" if args.overhead_io_model else "the demo's small preset"),
+            },
             "sha256_gbps": sha256_gbps(),
-            "io": [] if args.skip_io else [
+            "io": []
+            if args.skip_io
+            else [
                 measure_plan(1, args, root, keep=True),
-                measure_plan(2, args, root, reshard_from=root / "plan1")]}
+                measure_plan(2, args, root, reshard_from=root / "plan1"),
+            ],
+        }
         shutil.rmtree(root / "plan1", ignore_errors=True)
         if not args.skip_overhead:
             result["async_overhead"] = measure_overhead(args, root)

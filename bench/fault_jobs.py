@@ -5,6 +5,7 @@ some iterations, send a signal to the worker of one rank (or to a whole node: it
 and workers), and collect its output with the time every line arrived. A multi-node job runs
 one torchrun agent per node on this host (:func:`node_torchrun`).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -23,9 +24,23 @@ from megatron_het.perf.measure_procs import free_loopback_port  # noqa: E402
 
 CLUSTER = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
 PLAN = REPO / "scripts" / "plans" / "cpu_emulated_dp2_fast_heavy.json"  # logging rank: 2
-MODEL_FLAGS = ("--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
-               "--vocab-size", "300", "--seq-length", "32", "--lr", "1e-3", "--log-interval",
-               "1", "--eval-iters", "0")
+MODEL_FLAGS = (
+    "--model",
+    "tiny",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "300",
+    "--seq-length",
+    "32",
+    "--lr",
+    "1e-3",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+)
 # EMULATION: the emulated kinds on two nodes (ranks 0-1 emu-fast on node 0, 2-3 emu-slow on
 # node 1): a multi-node job on this host, one torchrun agent and supervisor per node
 TWO_NODE_CLUSTER = """\
@@ -59,8 +74,17 @@ def supervised(flags: Sequence[str]) -> list[str]:
 
 def torchrun(nproc: int, flags: Sequence[str]) -> list[str]:
     """The torchrun command of ``pretrain_llama.py`` on ``nproc`` local ranks."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-            str(nproc), "pretrain_llama.py", *MODEL_FLAGS, *flags]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "pretrain_llama.py",
+        *MODEL_FLAGS,
+        *flags,
+    ]
 
 
 def free_port() -> int:
@@ -69,20 +93,39 @@ def free_port() -> int:
     return free_loopback_port(span=4)
 
 
-def node_torchrun(node_rank: int, nnodes: int, nproc: int, port: int,
-                  flags: Sequence[str]) -> list[str]:
+def node_torchrun(
+    node_rank: int, nnodes: int, nproc: int, port: int, flags: Sequence[str]
+) -> list[str]:
     """Node ``node_rank``'s torchrun of ``pretrain_llama.py`` in a job of ``nnodes`` nodes of
     ``nproc`` ranks each, with static rendezvous at 127.0.0.1:``port``: node 0's agent serves
     the job's store (as scripts/common/launch.sh starts each node)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-            "--node-rank", str(node_rank), "--nproc-per-node", str(nproc), "--master-addr",
-            "127.0.0.1", "--master-port", str(port), "pretrain_llama.py", *MODEL_FLAGS, *flags]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "pretrain_llama.py",
+        *MODEL_FLAGS,
+        *flags,
+    ]
 
 
 def train_losses(metrics: pathlib.Path) -> dict[int, float]:
     """Iteration -> training loss from a metrics file."""
-    return {r["iteration"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines())
-            if r.get("split", "train") == "train"}
+    return {
+        r["iteration"]: r["loss"]
+        for r in map(json.loads, metrics.read_text().splitlines())
+        if r.get("split", "train") == "train"
+    }
 
 
 class Job:
@@ -90,13 +133,19 @@ class Job:
 
     def __init__(self, cmd: Sequence[str]) -> None:
         self.cmd = list(cmd)
-        self.launcher = subprocess.Popen(self.cmd, cwd=REPO, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True,
-                                         start_new_session=True)
+        self.launcher = subprocess.Popen(
+            self.cmd,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
-        self._readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
-                         for name, stream in (("stdout", self.launcher.stdout),
-                                              ("stderr", self.launcher.stderr))]
+        self._readers = [
+            threading.Thread(target=self._read, args=(name, stream), daemon=True)
+            for name, stream in (("stdout", self.launcher.stdout), ("stderr", self.launcher.stderr))
+        ]
         for reader in self._readers:
             reader.start()
 
@@ -107,8 +156,9 @@ class Job:
     def text(self, name: str) -> str:
         return "\n".join(line for _, line in self.lines[name])
 
-    def wait_for_iterations(self, metrics: pathlib.Path, count: int,
-                            timeout_s: float = 120) -> None:
+    def wait_for_iterations(
+        self, metrics: pathlib.Path, count: int, timeout_s: float = 120
+    ) -> None:
         """Block until ``metrics`` holds ``count`` lines; AssertionError if the job ends or
         does not get there in ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
@@ -188,6 +238,6 @@ class Job:
             reader.join(timeout=5)
         return self.launcher.returncode
 
-    def first_line_time(self, name: str, needle: str) -> Optional[float]:
+    def first_line_time(self, name: str, needle: str) -> float | None:
         """Arrival time of the first ``name`` line containing ``needle`` (None: none)."""
         return next((t for t, line in self.lines[name] if needle in line), None)

@@ -15,6 +15,7 @@ Resume: an uninterrupted run of 6 iterations, a run killed after a checkpoint, i
 with the same command, and a restart on 3 ranks (``--plan auto``); the figures are the largest
 loss differences against the uninterrupted run. Prints one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,20 +27,42 @@ import subprocess
 import tempfile
 from typing import Any
 
-from fault_jobs import (CLUSTER, CLUSTER_WITHOUT_RANK_1, PLAN, REPO, Job, free_port,
-                        node_torchrun, torchrun, train_losses)
+from fault_jobs import (
+    CLUSTER,
+    CLUSTER_WITHOUT_RANK_1,
+    PLAN,
+    REPO,
+    Job,
+    free_port,
+    node_torchrun,
+    torchrun,
+    train_losses,
+)
 
 
 def detection(tmp: pathlib.Path, timeout_min: float, victim: int, signum: int) -> dict:
     metrics = tmp / f"detect_{victim}.jsonl"
-    job = Job(torchrun(4, ["--cluster", str(CLUSTER), "--plan", str(PLAN), "--train-iters",
-                           "100000", "--metrics-file", str(metrics),
-                           "--distributed-timeout-minutes", str(timeout_min)]))
+    job = Job(
+        torchrun(
+            4,
+            [
+                "--cluster",
+                str(CLUSTER),
+                "--plan",
+                str(PLAN),
+                "--train-iters",
+                "100000",
+                "--metrics-file",
+                str(metrics),
+                "--distributed-timeout-minutes",
+                str(timeout_min),
+            ],
+        )
+    )
     job.wait_for_iterations(metrics, 3)
     sent = job.send(victim, signum)
     status = job.wait(timeout_min * 60 + 120)
-    return {"signal": signal.Signals(signum).name, "rank": victim,
-            **_outcome(job, sent, status)}
+    return {"signal": signal.Signals(signum).name, "rank": victim, **_outcome(job, sent, status)}
 
 
 def _outcome(job: Job, sent: float, status: int) -> dict:
@@ -47,15 +70,28 @@ def _outcome(job: Job, sent: float, status: int) -> dict:
     report = job.first_line_time("stderr", "stopped answering")
     end = max(t for name in job.lines for t, _ in job.lines[name])
     line = next((l for _, l in job.lines["stderr"] if "stopped answering" in l), None)
-    return {"exit_status": status,
-            "report_after_s": None if report is None else round(report - sent, 2),
-            "job_end_after_s": round(end - sent, 2), "report_line": line}
+    return {
+        "exit_status": status,
+        "report_after_s": None if report is None else round(report - sent, 2),
+        "job_end_after_s": round(end - sent, 2),
+        "report_line": line,
+    }
 
 
 def node_detection(tmp: pathlib.Path, timeout_min: float, victim: int, signum: int) -> dict:
     metrics = tmp / f"node_{victim}.jsonl"
-    flags = ["--cluster", str(CLUSTER), "--plan", str(PLAN), "--train-iters", "100000",
-             "--metrics-file", str(metrics), "--distributed-timeout-minutes", str(timeout_min)]
+    flags = [
+        "--cluster",
+        str(CLUSTER),
+        "--plan",
+        str(PLAN),
+        "--train-iters",
+        "100000",
+        "--metrics-file",
+        str(metrics),
+        "--distributed-timeout-minutes",
+        str(timeout_min),
+    ]
     port = free_port()
     nodes = [Job(node_torchrun(n, 2, 2, port, flags)) for n in (0, 1)]
     left = nodes[1 - victim]
@@ -67,8 +103,7 @@ def node_detection(tmp: pathlib.Path, timeout_min: float, victim: int, signum: i
         for node in nodes:
             node.send_all(signal.SIGKILL)
             node.wait(10)
-    return {"signal": signal.Signals(signum).name, "node": victim,
-            **_outcome(left, sent, status)}
+    return {"signal": signal.Signals(signum).name, "node": victim, **_outcome(left, sent, status)}
 
 
 def _finished(cmd: list[str]) -> None:
@@ -78,30 +113,65 @@ def _finished(cmd: list[str]) -> None:
 
 
 def resume(tmp: pathlib.Path) -> dict[str, Any]:
-    schedule = ["--train-iters", "500", "--exit-interval", "6",
-                "--distributed-timeout-minutes", "0.1"]
+    schedule = [
+        "--train-iters",
+        "500",
+        "--exit-interval",
+        "6",
+        "--distributed-timeout-minutes",
+        "0.1",
+    ]
     base = ["--cluster", str(CLUSTER), "--plan", str(PLAN), *schedule]
     _finished(torchrun(4, [*base, "--metrics-file", str(tmp / "ref.jsonl")]))
     expected = train_losses(tmp / "ref.jsonl")
     save = tmp / "ckpt"
-    job = Job(torchrun(4, [*base, "--metrics-file", str(tmp / "killed.jsonl"), "--save",
-                           str(save), "--save-interval", "2", "--exit-interval", "100000"]))
+    job = Job(
+        torchrun(
+            4,
+            [
+                *base,
+                "--metrics-file",
+                str(tmp / "killed.jsonl"),
+                "--save",
+                str(save),
+                "--save-interval",
+                "2",
+                "--exit-interval",
+                "100000",
+            ],
+        )
+    )
     job.wait_for_iterations(tmp / "killed.jsonl", 3)
     job.send(1, signal.SIGKILL)
     job.wait(120)
-    _finished(torchrun(4, [*base, "--load", str(save), "--metrics-file",
-                           str(tmp / "resumed.jsonl")]))
+    _finished(
+        torchrun(4, [*base, "--load", str(save), "--metrics-file", str(tmp / "resumed.jsonl")])
+    )
     (tmp / "cluster3.yaml").write_text(CLUSTER_WITHOUT_RANK_1)
-    _finished(torchrun(3, ["--cluster", str(tmp / "cluster3.yaml"), "--plan", "auto",
-                           *schedule, "--load", str(save), "--save", str(tmp / "c3"),
-                           "--metrics-file", str(tmp / "elastic.jsonl")]))
+    _finished(
+        torchrun(
+            3,
+            [
+                "--cluster",
+                str(tmp / "cluster3.yaml"),
+                "--plan",
+                "auto",
+                *schedule,
+                "--load",
+                str(save),
+                "--save",
+                str(tmp / "c3"),
+                "--metrics-file",
+                str(tmp / "elastic.jsonl"),
+            ],
+        )
+    )
     out: dict[str, Any] = {}
     for name in ("resumed", "elastic"):
         got = train_losses(tmp / f"{name}.jsonl")
         out[f"{name}_iterations"] = sorted(got)
         out[f"{name}_max_abs_diff"] = max(abs(got[i] - expected[i]) for i in got)
-        out[f"{name}_max_rel_diff"] = max(abs(got[i] - expected[i]) / abs(expected[i])
-                                          for i in got)
+        out[f"{name}_max_rel_diff"] = max(abs(got[i] - expected[i]) / abs(expected[i]) for i in got)
     return out
 
 
@@ -113,13 +183,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = pathlib.Path(tmp_name)
         result: dict[str, Any] = {
-            "bench": "faults", "emulated": True, "host": platform.node(),
+            "bench": "faults",
+            "emulated": True,
+            "host": platform.node(),
             "cluster": "scripts/clusters/cpu_emulated.yaml (4 ranks, EMULATION)",
             "timeout_minutes": args.timeout_minutes,
-            "detection": [detection(tmp, args.timeout_minutes, 3, signal.SIGSTOP),
-                          detection(tmp, args.timeout_minutes, 1, signal.SIGKILL)],
-            "lost_node": [node_detection(tmp, args.timeout_minutes, 1, signal.SIGKILL),
-                          node_detection(tmp, args.timeout_minutes, 0, signal.SIGSTOP)]}
+            "detection": [
+                detection(tmp, args.timeout_minutes, 3, signal.SIGSTOP),
+                detection(tmp, args.timeout_minutes, 1, signal.SIGKILL),
+            ],
+            "lost_node": [
+                node_detection(tmp, args.timeout_minutes, 1, signal.SIGKILL),
+                node_detection(tmp, args.timeout_minutes, 0, signal.SIGSTOP),
+            ],
+        }
         if not args.skip_resume:
             result["resume"] = resume(tmp)
     print(json.dumps(result, indent=2))

@@ -54,11 +54,12 @@ speeds; ``efficiency_per_round`` shows the spread. The defaults (1 round of 3 it
 them warm-up) finish in about 13 minutes on 2 cores; ``--long --global-batch-size 256`` adds
 (c) and runs 2 rounds of 5 iterations (2 warm-up), about 50 minutes. The last line printed is
 one JSON object with the figures and the conditions, next to ``predicted_efficiency`` (the
-predictor's figures for the mixed plans, with the planner's costs) and ``late_regions`` (regions the host could not finish within their kind's time: they
-make a kind slower than its nominal speed).
+predictor's figures for the mixed plans, with the planner's costs) and ``late_regions`` (regions the
+host could not finish within their kind's time: they make a kind slower than its nominal speed).
 
     .venv/bin/python bench/hetero_efficiency.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,13 +72,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from hetero_plans import (  # noqa: E402
+    BASE_CLUSTER,
+    cluster_dicts,
+    describe,
+    interleaved,
+    replicas_by_kind,
+    uniform_split,
+)
 
 from megatron_het.cluster import ClusterSpec  # noqa: E402
 from megatron_het.config import ModelConfig, model_preset  # noqa: E402
@@ -87,47 +97,83 @@ from megatron_het.perf.profiler import Sweep, profile_device  # noqa: E402
 from megatron_het.planner import search_plan  # noqa: E402
 from megatron_het.planner.search import MAX_VIRTUAL_STAGES  # noqa: E402
 
-from hetero_plans import (BASE_CLUSTER, cluster_dicts, describe,  # noqa: E402
-                          interleaved, replicas_by_kind, uniform_split)
-
 CONFIGS = ("fast", "slow", "uniform", "planned", "interleaved", "hetero_dp")
 INTERLEAVED_CHUNKS = 2
-LABELS = {"fast": "a_fast_only", "slow": "b_slow_only", "uniform": "c_uniform_split",
-          "planned": "d_planned_split", "interleaved": "e_interleaved",
-          "hetero_dp": "f_hetero_dp"}
+LABELS = {
+    "fast": "a_fast_only",
+    "slow": "b_slow_only",
+    "uniform": "c_uniform_split",
+    "planned": "d_planned_split",
+    "interleaved": "e_interleaved",
+    "hetero_dp": "f_hetero_dp",
+}
 LATE_WARNING = re.compile(r"(\d+) of (\d+) compute regions (?:took longer than|overran)")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small", help="model preset")
-    p.add_argument("--num-layers", type=int, default=11,
-                   help="layers (overrides the preset's; more layers give the split a finer "
-                        "grain)")
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=11,
+        help="layers (overrides the preset's; more layers give the split a finer grain)",
+    )
     p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--global-batch-size", type=int, default=192,
-                   help="sequences per iteration, the same for every configuration")
-    p.add_argument("--iters", type=int, default=None,
-                   help="training iterations per run (default 3, --long 5)")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="first iterations left out (default 1, --long 2)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="interleaved rounds of the runs (default 1, --long 2)")
-    p.add_argument("--long", action="store_true",
-                   help="the longer mode: also the uniform split, 2 rounds of 5 iterations")
-    p.add_argument("--dilation", type=float, default=2.0,
-                   help="multiply both kinds' slowdown by this (>= 1; see the module doc)")
-    p.add_argument("--baselines", choices=("together", "apart"), default="together",
-                   help="run the fast-only and slow-only jobs at the same time (default) or "
-                        "one after the other")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=192,
+        help="sequences per iteration, the same for every configuration",
+    )
+    p.add_argument(
+        "--iters", type=int, default=None, help="training iterations per run (default 3, --long 5)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=None, help="first iterations left out (default 1, --long 2)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds of the runs (default 1, --long 2)",
+    )
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help="the longer mode: also the uniform split, 2 rounds of 5 iterations",
+    )
+    p.add_argument(
+        "--dilation",
+        type=float,
+        default=2.0,
+        help="multiply both kinds' slowdown by this (>= 1; see the module doc)",
+    )
+    p.add_argument(
+        "--baselines",
+        choices=("together", "apart"),
+        default="together",
+        help="run the fast-only and slow-only jobs at the same time (default) or "
+        "one after the other",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    p.add_argument("--profile", help="the host's cpu profile for the planner (default: "
-                                     "measure one first, about ten seconds)")
-    p.add_argument("--device-time", choices=("profile", "measured"), default="profile",
-                   help="what an emulated stage's forward and backward last: slowdown x the "
-                        "host profile's figures (default) or x their measured CPU time")
-    p.add_argument("--roofline", action="store_true",
-                   help="plan with the kinds' roofline estimates instead of a profile")
+    p.add_argument(
+        "--profile",
+        help="the host's cpu profile for the planner (default: "
+        "measure one first, about ten seconds)",
+    )
+    p.add_argument(
+        "--device-time",
+        choices=("profile", "measured"),
+        default="profile",
+        help="what an emulated stage's forward and backward last: slowdown x the "
+        "host profile's figures (default) or x their measured CPU time",
+    )
+    p.add_argument(
+        "--roofline",
+        action="store_true",
+        help="plan with the kinds' roofline estimates instead of a profile",
+    )
     p.add_argument("--work-dir", default=None, help="keep clusters, plans and metrics here")
     args = p.parse_args()
     for key, quick, long in (("iters", 3, 5), ("warmup", 1, 2), ("rounds", 1, 2)):
@@ -141,8 +187,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def host_profile(model: ModelConfig, args: argparse.Namespace,
-                 work: Path) -> tuple[Optional[Profile], Optional[Path]]:
+def host_profile(
+    model: ModelConfig, args: argparse.Namespace, work: Path
+) -> tuple[Profile | None, Path | None]:
     """The "cpu" profile the planner uses (None with ``--roofline``) and the profile file that
     times the emulated stages (None with ``--device-time measured``): ``--profile``, else one
     measured now on one thread, as a rank computes (emulated kinds are this host times their
@@ -154,38 +201,61 @@ def host_profile(model: ModelConfig, args: argparse.Namespace,
         profile = Profile.load(path)
     else:
         torch.set_num_threads(1)
-        sweep = Sweep(seq_lengths=(args.seq_length,), micro_batch_sizes=(1, 2, 4),
-                      tp_sizes=(1, 2), dtype="fp32", warmup=2, iters=7)
-        print("[bench] profiling this host as 'cpu' (1 thread) for the planner and the "
-              "emulated device times", file=sys.stderr, flush=True)
+        sweep = Sweep(
+            seq_lengths=(args.seq_length,),
+            micro_batch_sizes=(1, 2, 4),
+            tp_sizes=(1, 2),
+            dtype="fp32",
+            warmup=2,
+            iters=7,
+        )
+        print(
+            "[bench] profiling this host as 'cpu' (1 thread) for the planner and the "
+            "emulated device times",
+            file=sys.stderr,
+            flush=True,
+        )
         profile = profile_device(model, sweep, "cpu", torch.device("cpu"))
         path = work / "cpu.json"
         profile.save(path)
-    return (None if args.roofline else profile,
-            path.resolve() if args.device_time == "profile" else None)
+    return (
+        None if args.roofline else profile,
+        path.resolve() if args.device_time == "profile" else None,
+    )
 
 
-def searched_plan(model: ModelConfig, cluster_file: Path, args: argparse.Namespace,
-                  distributed_optimizer: Optional[bool],
-                  profiles: Optional[dict[str, Profile]],
-                  heterogeneous_dp: bool = True, plain: bool = False) -> dict[str, Any]:
+def searched_plan(
+    model: ModelConfig,
+    cluster_file: Path,
+    args: argparse.Namespace,
+    distributed_optimizer: bool | None,
+    profiles: dict[str, Profile] | None,
+    heterogeneous_dp: bool = True,
+    plain: bool = False,
+) -> dict[str, Any]:
     """The planner's best fp32 plan for the cluster (with the host profile, else roofline
     estimates of the kinds), with ``use_distributed_optimizer`` forced to
     ``distributed_optimizer`` when given; ``heterogeneous_dp=False``: the best plan of
     identical replicas; ``plain``: without interleaving."""
-    result = search_plan(model, ClusterSpec.load(cluster_file), args.global_batch_size,
-                         args.seq_length, profiles=profiles, dtype="fp32",
-                         heterogeneous_dp=heterogeneous_dp,
-                         max_virtual_stages=1 if plain else MAX_VIRTUAL_STAGES)
+    result = search_plan(
+        model,
+        ClusterSpec.load(cluster_file),
+        args.global_batch_size,
+        args.seq_length,
+        profiles=profiles,
+        dtype="fp32",
+        heterogeneous_dp=heterogeneous_dp,
+        max_virtual_stages=1 if plain else MAX_VIRTUAL_STAGES,
+    )
     plan = result.plan.to_dict()
     if distributed_optimizer is not None:
         plan["use_distributed_optimizer"] = distributed_optimizer
     return plan
 
 
-def write_inputs(work: Path, model: ModelConfig, args: argparse.Namespace
-                 ) -> tuple[dict[str, tuple[Path, Path, int]], Optional[Path],
-                            dict[str, float]]:
+def write_inputs(
+    work: Path, model: ModelConfig, args: argparse.Namespace
+) -> tuple[dict[str, tuple[Path, Path, int]], Path | None, dict[str, float]]:
     """Cluster and plan files of every configuration: name -> (cluster, plan, ranks); the
     profile that times the emulated stages (None: measured CPU time); and each
     configuration's tokens/s as the predictor gives it with the planner's costs."""
@@ -197,27 +267,39 @@ def write_inputs(work: Path, model: ModelConfig, args: argparse.Namespace
     profile, device_profile = host_profile(model, args, work)
     profiles = {"cpu": profile} if profile is not None else None
     planned = searched_plan(model, clusters["mixed"], args, None, profiles)
-    pipelined = searched_plan(model, clusters["mixed"], args, None, profiles,
-                              heterogeneous_dp=False, plain=True)
+    pipelined = searched_plan(
+        model, clusters["mixed"], args, None, profiles, heterogeneous_dp=False, plain=True
+    )
     zero1 = bool(pipelined.get("use_distributed_optimizer"))
-    plans = {"planned": planned, "uniform": uniform_split(pipelined, model.num_layers),
-             "fast": searched_plan(model, clusters["fast"], args, zero1, profiles),
-             "slow": searched_plan(model, clusters["slow"], args, zero1, profiles)}
+    plans = {
+        "planned": planned,
+        "uniform": uniform_split(pipelined, model.num_layers),
+        "fast": searched_plan(model, clusters["fast"], args, zero1, profiles),
+        "slow": searched_plan(model, clusters["slow"], args, zero1, profiles),
+    }
     plans["interleaved"] = interleaved(pipelined, INTERLEAVED_CHUNKS)
-    predicted = {name: _predicted(model, plans[name], clusters[cluster_key(name)], args,
-                                  profiles) for name in ("fast", "slow")}
+    predicted = {
+        name: _predicted(model, plans[name], clusters[cluster_key(name)], args, profiles)
+        for name in ("fast", "slow")
+    }
     fast_ranks = ClusterSpec.load(clusters["fast"]).world_size
     # Finer micro-batches share the batch closer to the speeds: take the predictor's pick.
-    options = [replicas_by_kind(plans["fast"], plans["slow"], fast_ranks, predicted["fast"],
-                                predicted["slow"], mbs) for mbs in (None, 1)]
-    plans["hetero_dp"] = max(options, key=lambda plan: _predicted(
-        model, plan, clusters["mixed"], args, profiles))
+    options = [
+        replicas_by_kind(
+            plans["fast"], plans["slow"], fast_ranks, predicted["fast"], predicted["slow"], mbs
+        )
+        for mbs in (None, 1)
+    ]
+    plans["hetero_dp"] = max(
+        options, key=lambda plan: _predicted(model, plan, clusters["mixed"], args, profiles)
+    )
     # the planner may pick that very plan (heterogeneous DP is in its space): run it once
     args.hetero_dp_is_planned = _same_plan(plans["hetero_dp"], plans["planned"])
     if args.hetero_dp_is_planned:
         args.configs = tuple(c for c in args.configs if c != "hetero_dp")
-        predicted["hetero_dp"] = _predicted(model, plans["hetero_dp"], clusters["mixed"], args,
-                                            profiles)
+        predicted["hetero_dp"] = _predicted(
+            model, plans["hetero_dp"], clusters["mixed"], args, profiles
+        )
     inputs = {}
     for name in args.configs:
         plan = plans[name]
@@ -231,8 +313,10 @@ def write_inputs(work: Path, model: ModelConfig, args: argparse.Namespace
 
 def _same_plan(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two plan mappings run alike (their descriptions aside)."""
+
     def key(plan: dict[str, Any]) -> Any:
         return ParallelPlan.load({**plan, "description": ""}).to_dict()
+
     return key(a) == key(b)
 
 
@@ -241,32 +325,80 @@ def cluster_key(name: str) -> str:
     return name if name in ("fast", "slow") else "mixed"
 
 
-def _predicted(model: ModelConfig, plan: dict[str, Any], cluster: Path,
-               args: argparse.Namespace, profiles: Optional[dict[str, Profile]]) -> float:
-    return predict(model, ParallelPlan.load(plan), ClusterSpec.load(cluster), args.seq_length,
-                   profiles, dtype="fp32").tokens_per_s
+def _predicted(
+    model: ModelConfig,
+    plan: dict[str, Any],
+    cluster: Path,
+    args: argparse.Namespace,
+    profiles: dict[str, Profile] | None,
+) -> float:
+    return predict(
+        model,
+        ParallelPlan.load(plan),
+        ClusterSpec.load(cluster),
+        args.seq_length,
+        profiles,
+        dtype="fp32",
+    ).tokens_per_s
 
 
-def launch(name: str, cluster: Path, plan: Path, ranks: int, iters: int, metrics: Path,
-           args: argparse.Namespace, model: ModelConfig,
-           device_profile: Optional[Path]) -> subprocess.Popen:
+def launch(
+    name: str,
+    cluster: Path,
+    plan: Path,
+    ranks: int,
+    iters: int,
+    metrics: Path,
+    args: argparse.Namespace,
+    model: ModelConfig,
+    device_profile: Path | None,
+) -> subprocess.Popen:
     """Start one configuration's training under torchrun (stdout and stderr to a log file);
     ``device_profile`` times the emulated stages (None: their measured CPU time)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(ranks), str(REPO / "pretrain_llama.py"),
-           "--model", args.model, "--num-layers", str(model.num_layers),
-           "--seq-length", str(args.seq_length), "--cluster", str(cluster), "--plan", str(plan),
-           "--mock-data", "--tokenizer-type", "NullTokenizer",
-           "--vocab-size", str(model.vocab_size - 1),  # + its eod id = the model's vocabulary
-           "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "0",
-           "--eval-iters", "0", "--log-interval", "1", "--metrics-file", str(metrics)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(ranks),
+        str(REPO / "pretrain_llama.py"),
+        "--model",
+        args.model,
+        "--num-layers",
+        str(model.num_layers),
+        "--seq-length",
+        str(args.seq_length),
+        "--cluster",
+        str(cluster),
+        "--plan",
+        str(plan),
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(model.vocab_size - 1),  # + its eod id = the model's vocabulary
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "1e-4",
+        "--lr-warmup-iters",
+        "0",
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "1",
+        "--metrics-file",
+        str(metrics),
+    ]
     if device_profile is not None:
         cmd += ["--emulation-profile", str(device_profile)]
     # One thread per rank: the ranks share the host's cores, and more threads only contend.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with metrics.with_suffix(".log").open("w") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                text=True)
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True
+        )
 
 
 def late_regions(log: str) -> tuple[int, int]:
@@ -279,24 +411,33 @@ def late_regions(log: str) -> tuple[int, int]:
     return late, of
 
 
-def finish(name: str, proc: subprocess.Popen, metrics: Path, iters: int, start: float,
-           args: argparse.Namespace) -> tuple[list[dict[str, Any]], tuple[int, int]]:
+def finish(
+    name: str,
+    proc: subprocess.Popen,
+    metrics: Path,
+    iters: int,
+    start: float,
+    args: argparse.Namespace,
+) -> tuple[list[dict[str, Any]], tuple[int, int]]:
     """Wait for a launched run; its metrics-file lines of split "train" and its
     :func:`late_regions`."""
     try:
         code = proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - start)))
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise SystemExit(f"error: run {name} did not finish in {args.timeout:g} s")
+        raise SystemExit(f"error: run {name} did not finish in {args.timeout:g} s") from None
     if code != 0:
         lines = metrics.with_suffix(".log").read_text().strip().splitlines()
         tail = "\n".join(lines[-15:])
         raise SystemExit(f"error: run {name} failed (exit {code}):\n{tail}")
     lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [line for line in lines if line.get("split") == "train"]
-    print(f"[bench] {name}: {len(train)} iterations in {time.perf_counter() - start:.1f} s, "
-          f"tokens/s {[round(t['tokens_per_s'], 1) for t in train]}", file=sys.stderr,
-          flush=True)
+    print(
+        f"[bench] {name}: {len(train)} iterations in {time.perf_counter() - start:.1f} s, "
+        f"tokens/s {[round(t['tokens_per_s'], 1) for t in train]}",
+        file=sys.stderr,
+        flush=True,
+    )
     if len(train) != iters:
         raise SystemExit(f"error: run {name} logged {len(train)} iterations, expected {iters}")
     return train, late_regions(metrics.with_suffix(".log").read_text())
@@ -305,8 +446,10 @@ def finish(name: str, proc: subprocess.Popen, metrics: Path, iters: int, start: 
 def slowdown_ratio() -> float:
     """emu-slow's slowdown over emu-fast's in the cluster file (2 in cpu_emulated.yaml)."""
     cluster = ClusterSpec.load(BASE_CLUSTER)  # the undilated one
-    kinds = {cluster.accelerator_of(r).name: cluster.accelerator_of(r).slowdown
-             for r in range(cluster.world_size)}
+    kinds = {
+        cluster.accelerator_of(r).name: cluster.accelerator_of(r).slowdown
+        for r in range(cluster.world_size)
+    }
     return kinds["emu-slow"] / kinds["emu-fast"]
 
 
@@ -318,32 +461,49 @@ def iterations(name: str, args: argparse.Namespace) -> int:
     return args.iters
 
 
-def measure(inputs: dict[str, tuple[Path, Path, int]], work: Path, args: argparse.Namespace,
-            model: ModelConfig, device_profile: Optional[Path]) -> dict[str, dict[str, Any]]:
+def measure(
+    inputs: dict[str, tuple[Path, Path, int]],
+    work: Path,
+    args: argparse.Namespace,
+    model: ModelConfig,
+    device_profile: Path | None,
+) -> dict[str, dict[str, Any]]:
     """Run the configurations in interleaved rounds, every other round in reverse order (a
     host speed drifting steadily then favours no configuration over two rounds); per
     configuration, the post-warm-up tokens/s and iteration times of every round, and the late
     regions its ranks reported (summed over rounds)."""
     samples: dict[str, dict[str, Any]] = {
         name: {"tokens_per_s": [], "iteration_time_s": [], "round_medians": [], "late": [0, 0]}
-        for name in args.configs}
-    batches = ([("fast", "slow")] if args.baselines == "together" else [("fast",), ("slow",)])
+        for name in args.configs
+    }
+    batches = [("fast", "slow")] if args.baselines == "together" else [("fast",), ("slow",)]
     batches += [(name,) for name in args.configs if name not in ("fast", "slow")]
     for round_index in range(args.rounds):
-        for batch in (batches if round_index % 2 == 0 else batches[::-1]):
+        for batch in batches if round_index % 2 == 0 else batches[::-1]:
             start = time.perf_counter()
             running = {}
             for name in batch:
                 cluster, plan, ranks = inputs[name]
                 metrics = work / f"metrics_{name}_r{round_index}.jsonl"
-                running[name] = (launch(name, cluster, plan, ranks, iterations(name, args),
-                                        metrics, args, model, device_profile), metrics)
+                running[name] = (
+                    launch(
+                        name,
+                        cluster,
+                        plan,
+                        ranks,
+                        iterations(name, args),
+                        metrics,
+                        args,
+                        model,
+                        device_profile,
+                    ),
+                    metrics,
+                )
             for name, (proc, metrics) in running.items():
-                train, (late, of) = finish(name, proc, metrics, iterations(name, args), start,
-                                           args)
+                train, (late, of) = finish(name, proc, metrics, iterations(name, args), start, args)
                 samples[name]["late"][0] += late
                 samples[name]["late"][1] += of
-                kept = train[args.warmup:]
+                kept = train[args.warmup :]
                 tokens = [line["tokens_per_s"] for line in kept]
                 samples[name]["tokens_per_s"] += tokens
                 samples[name]["iteration_time_s"] += [line["iteration_time_s"] for line in kept]
@@ -351,57 +511,89 @@ def measure(inputs: dict[str, tuple[Path, Path, int]], work: Path, args: argpars
     return samples
 
 
-def summary(samples: dict[str, dict[str, Any]], inputs: dict[str, tuple[Path, Path, int]],
-            predicted: dict[str, float], model: ModelConfig, args: argparse.Namespace,
-            load_before: tuple[float, ...]) -> dict[str, Any]:
+def summary(
+    samples: dict[str, dict[str, Any]],
+    inputs: dict[str, tuple[Path, Path, int]],
+    predicted: dict[str, float],
+    model: ModelConfig,
+    args: argparse.Namespace,
+    load_before: tuple[float, ...],
+) -> dict[str, Any]:
     tps = {name: statistics.median(samples[name]["tokens_per_s"]) for name in args.configs}
     if getattr(args, "hetero_dp_is_planned", False):
         tps["hetero_dp"] = tps["planned"]
     both = tps["fast"] + tps["slow"]
     mixed = [name for name in ("planned", "interleaved", "hetero_dp") if name in tps]
     best = max(mixed, key=lambda name: tps[name])
-    timing = ("its slowdown x the host profile's time for the work (--device-time profile)"
-              if args.device_time == "profile" else
-              "its slowdown x the measured CPU time of the work (--device-time measured)")
-    per_round = [samples["planned"]["round_medians"][r]
-                 / (samples["fast"]["round_medians"][r] + samples["slow"]["round_medians"][r])
-                 for r in range(args.rounds)]
+    timing = (
+        "its slowdown x the host profile's time for the work (--device-time profile)"
+        if args.device_time == "profile"
+        else "its slowdown x the measured CPU time of the work (--device-time measured)"
+    )
+    per_round = [
+        samples["planned"]["round_medians"][r]
+        / (samples["fast"]["round_medians"][r] + samples["slow"]["round_medians"][r])
+        for r in range(args.rounds)
+    ]
     return {
         "benchmark": "hetero_efficiency",
-        "emulation": (f"CPU emulation: each kind is a CPU process whose compute regions are "
-                      f"padded to {timing}; not a measurement of real accelerators"),
+        "emulation": (
+            f"CPU emulation: each kind is a CPU process whose compute regions are "
+            f"padded to {timing}; not a measurement of real accelerators"
+        ),
         "tokens_per_s": {label: tps[name] for name, label in LABELS.items() if name in tps},
         "efficiency": tps["planned"] / both,
         "uniform_efficiency": tps["uniform"] / both if "uniform" in tps else None,
         "interleaved_efficiency": tps["interleaved"] / both,
         "hetero_dp_efficiency": tps["hetero_dp"] / both,
-        "best_efficiency": tps[best] / both, "best_plan": best,
+        "best_efficiency": tps[best] / both,
+        "best_plan": best,
         "hetero_dp_is_the_planned_plan": bool(getattr(args, "hetero_dp_is_planned", False)),
         "efficiency_per_round": per_round,
-        "predicted_efficiency": {name: predicted[name] / (predicted["fast"] + predicted["slow"])
-                                 for name in mixed},
+        "predicted_efficiency": {
+            name: predicted[name] / (predicted["fast"] + predicted["slow"]) for name in mixed
+        },
         "predicted_tokens_per_s": predicted,
-        "iteration_time_s": {name: statistics.median(samples[name]["iteration_time_s"])
-                             for name in args.configs},
-        "late_regions": {name: {"late": samples[name]["late"][0],
-                                "of_regions_on_reporting_ranks": samples[name]["late"][1]}
-                         for name in args.configs},
+        "iteration_time_s": {
+            name: statistics.median(samples[name]["iteration_time_s"]) for name in args.configs
+        },
+        "late_regions": {
+            name: {
+                "late": samples[name]["late"][0],
+                "of_regions_on_reporting_ranks": samples[name]["late"][1],
+            }
+            for name in args.configs
+        },
         "conditions": {
-            "model": args.model, "num_layers": model.num_layers,
+            "model": args.model,
+            "num_layers": model.num_layers,
             "parameters_m": round(model.num_parameters() / 1e6, 2),
-            "seq_length": args.seq_length, "global_batch_size": args.global_batch_size,
-            "iterations": args.iters, "warmup_iterations": args.warmup, "rounds": args.rounds,
-            "dtype": "fp32", "data": "mock", "dilation": args.dilation,
-            "baselines": args.baselines, "device_time": args.device_time,
-            "planner_costs": ("roofline" if args.roofline else
-                              f"profile {args.profile}" if args.profile else
-                              "profile of this host measured by the bench"),
+            "seq_length": args.seq_length,
+            "global_batch_size": args.global_batch_size,
+            "iterations": args.iters,
+            "warmup_iterations": args.warmup,
+            "rounds": args.rounds,
+            "dtype": "fp32",
+            "data": "mock",
+            "dilation": args.dilation,
+            "baselines": args.baselines,
+            "device_time": args.device_time,
+            "planner_costs": (
+                "roofline"
+                if args.roofline
+                else f"profile {args.profile}"
+                if args.profile
+                else "profile of this host measured by the bench"
+            ),
             "fast_only_iterations": iterations("fast", args),
             "slowdowns": {"emu-fast": args.dilation, "emu-slow": 2.0 * args.dilation},
-            "host_cpus": os.cpu_count(), "threads_per_rank": 1,
-            "load_average_before": load_before, "load_average_after": os.getloadavg(),
-            "plans": {name: describe(json.loads(inputs[name][1].read_text()))
-                      for name in args.configs},
+            "host_cpus": os.cpu_count(),
+            "threads_per_rank": 1,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "plans": {
+                name: describe(json.loads(inputs[name][1].read_text())) for name in args.configs
+            },
             "long_mode": args.long,
         },
     }
@@ -411,17 +603,21 @@ def main() -> None:
     args = parse_args()
     model = model_preset(args.model).replace(num_layers=args.num_layers)
     load_before = os.getloadavg()
-    print("[bench] EMULATION on this CPU host: emulated ranks are CPU processes that wait after "
-          "each compute region until it has lasted their kind's slowdown x its reference time "
-          f"({args.device_time}); the figures describe the system, not real accelerators",
-          file=sys.stderr)
+    print(
+        "[bench] EMULATION on this CPU host: emulated ranks are CPU processes that wait after "
+        "each compute region until it has lasted their kind's slowdown x its reference time "
+        f"({args.device_time}); the figures describe the system, not real accelerators",
+        file=sys.stderr,
+    )
     with tempfile.TemporaryDirectory(prefix="hetero_eff_") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         inputs, device_profile, predicted = write_inputs(work, model, args)
         for name in args.configs:
-            print(f"[bench] plan {name}: {describe(json.loads(inputs[name][1].read_text()))}",
-                  file=sys.stderr)
+            print(
+                f"[bench] plan {name}: {describe(json.loads(inputs[name][1].read_text()))}",
+                file=sys.stderr,
+            )
         samples = measure(inputs, work, args, model, device_profile)
         result = summary(samples, inputs, predicted, model, args, load_before)
     print(json.dumps(result), flush=True)

@@ -14,6 +14,7 @@ Prints one line per case and repeat (stderr), then one JSON line last: per case 
 search seconds over the repeats, the layouts probed, the plan and its predicted iteration time.
 The search is deterministic, so repeats differ only by the machine's noise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,10 +43,14 @@ def run_case(name: str) -> dict:
     model = model_preset(model_name)
     start = time.perf_counter()
     result = search_plan(model, cluster, gbs, seq)
-    out = {"search_s": time.perf_counter() - start, "layouts": result.layouts_evaluated,
-           "plan": result.plan.description, "devices": cluster.world_size,
-           "iteration_s": result.prediction.iteration_time_s,
-           "tokens_per_s": result.prediction.tokens_per_s}
+    out = {
+        "search_s": time.perf_counter() - start,
+        "layouts": result.layouts_evaluated,
+        "plan": result.plan.description,
+        "devices": cluster.world_size,
+        "iteration_s": result.prediction.iteration_time_s,
+        "tokens_per_s": result.prediction.tokens_per_s,
+    }
     if with_baseline:
         start = time.perf_counter()
         homogeneous_baseline(model, cluster, gbs, seq)
@@ -67,12 +72,17 @@ def main(argv: list[str]) -> int:
         runs = []
         for i in range(args.repeat):
             runs.append(run_case(name))
-            extra = (f", baseline {runs[-1]['baseline_s']:.1f} s"
-                     if "baseline_s" in runs[-1] else "")
-            print(f"{name} #{i + 1}: search {runs[-1]['search_s']:.1f} s over "
-                  f"{runs[-1]['layouts']} layouts{extra}; {runs[-1]['plan']}", file=sys.stderr)
-        summary[name] = {**runs[-1], "search_s": statistics.median(r["search_s"] for r in runs),
-                         "repeats": args.repeat}
+            extra = f", baseline {runs[-1]['baseline_s']:.1f} s" if "baseline_s" in runs[-1] else ""
+            print(
+                f"{name} #{i + 1}: search {runs[-1]['search_s']:.1f} s over "
+                f"{runs[-1]['layouts']} layouts{extra}; {runs[-1]['plan']}",
+                file=sys.stderr,
+            )
+        summary[name] = {
+            **runs[-1],
+            "search_s": statistics.median(r["search_s"] for r in runs),
+            "repeats": args.repeat,
+        }
         if "baseline_s" in runs[-1]:
             summary[name]["baseline_s"] = statistics.median(r["baseline_s"] for r in runs)
     print(json.dumps(summary))

@@ -20,6 +20,7 @@ max_abs_error over all rows, the calibration set's and the held-out set's median
 (and the held-out set's medians per study), every row's error, what each row did that the
 predictor cannot express, and the conditions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,19 +34,28 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_het.perf.cost_model import DEFAULT_EFFICIENCY  # noqa: E402
-from megatron_het.perf.published_runs import (ALL_RUNS, PublishedRun,  # noqa: E402
-                                              plain_schedule, predict_run, run_efficiency)
+from megatron_het.perf.published_runs import (  # noqa: E402
+    ALL_RUNS,
+    PublishedRun,
+    plain_schedule,
+    predict_run,
+    run_efficiency,
+)
 from megatron_het.perf.simulator import SimulationCache  # noqa: E402
 
-HEADER = (f"{'run':28s} {'split':11s} {'gpu':9s} {'GPUs':>5s} {'TPxPPxDP':>10s} {'v':>3s} "
-          f"{'mbs':>3s} {'published s':>11s} {'predicted s':>11s} {'error':>7s}")
+HEADER = (
+    f"{'run':28s} {'split':11s} {'gpu':9s} {'GPUs':>5s} {'TPxPPxDP':>10s} {'v':>3s} "
+    f"{'mbs':>3s} {'published s':>11s} {'predicted s':>11s} {'error':>7s}"
+)
 
 
 def row_line(run: PublishedRun, predicted: float, error: float) -> str:
     layout = f"{run.tp}x{run.pp}x{run.dp}"
-    return (f"{run.name:28s} {run.split:11s} {run.gpu:9s} {run.num_gpus:5d} {layout:>10s} "
-            f"{run.virtual_stages:3d} {run.micro_batch:3d} "
-            f"{run.published_iteration_s:11.3f} {predicted:11.3f} {error:+7.1%}")
+    return (
+        f"{run.name:28s} {run.split:11s} {run.gpu:9s} {run.num_gpus:5d} {layout:>10s} "
+        f"{run.virtual_stages:3d} {run.micro_batch:3d} "
+        f"{run.published_iteration_s:11.3f} {predicted:11.3f} {error:+7.1%}"
+    )
 
 
 def median_abs(errors: list[float]) -> float:
@@ -54,12 +64,17 @@ def median_abs(errors: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pipeline-model", choices=("simulate", "closed_form"),
-                        default="simulate")
-    parser.add_argument("--uncalibrated", action="store_true",
-                        help="the cost model's default efficiencies for every kind")
-    parser.add_argument("--h100-plain-schedule", action="store_true",
-                        help="the H100 rows with micro-batch 1 and no interleaving")
+    parser.add_argument("--pipeline-model", choices=("simulate", "closed_form"), default="simulate")
+    parser.add_argument(
+        "--uncalibrated",
+        action="store_true",
+        help="the cost model's default efficiencies for every kind",
+    )
+    parser.add_argument(
+        "--h100-plain-schedule",
+        action="store_true",
+        help="the H100 rows with micro-batch 1 and no interleaving",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     cache = SimulationCache()
@@ -75,37 +90,57 @@ def main() -> None:
         predicted = prediction.iteration_time_s
         error = predicted / run.published_iteration_s - 1
         print(row_line(run, predicted, error), file=sys.stderr)
-        rows.append({"run": run.name, "split": run.split, "study": run.study,
-                     "source": run.source,
-                     "gpu": run.gpu, "num_gpus": run.num_gpus, "tp": run.tp, "pp": run.pp,
-                     "dp": run.dp, "virtual_stages": run.virtual_stages,
-                     "micro_batch": run.micro_batch,
-                     "published_s": run.published_iteration_s, "predicted_s": predicted,
-                     "error": error, "efficiency": vars(efficiency),
-                     "not_expressed": list(run.not_expressed)})
+        rows.append(
+            {
+                "run": run.name,
+                "split": run.split,
+                "study": run.study,
+                "source": run.source,
+                "gpu": run.gpu,
+                "num_gpus": run.num_gpus,
+                "tp": run.tp,
+                "pp": run.pp,
+                "dp": run.dp,
+                "virtual_stages": run.virtual_stages,
+                "micro_batch": run.micro_batch,
+                "published_s": run.published_iteration_s,
+                "predicted_s": predicted,
+                "error": error,
+                "efficiency": vars(efficiency),
+                "not_expressed": list(run.not_expressed),
+            }
+        )
     errors = [r["error"] for r in rows]
     calibration = [r["error"] for r in rows if r["split"] == "calibration"]
     held_out = [r for r in rows if r["split"] == "held_out"]
     by_study: dict[str, list[float]] = {}
     for r in held_out:
         by_study.setdefault(r["study"], []).append(r["error"])
-    print(json.dumps({
-        "benchmark": "published_runs",
-        "median_abs_error": median_abs(errors),
-        "max_abs_error": max(abs(e) for e in errors),
-        "calibration_median_abs_error": median_abs(calibration),
-        "calibration_max_abs_error": max(abs(e) for e in calibration),
-        "held_out_median_abs_error": median_abs([r["error"] for r in held_out]),
-        "held_out_max_abs_error": max(abs(r["error"]) for r in held_out),
-        "held_out_median_abs_error_by_study": {k: median_abs(v) for k, v in by_study.items()},
-        "errors": {r["run"]: r["error"] for r in rows},
-        "rows": rows,
-        "conditions": {"pipeline_model": args.pipeline_model,
-                       "efficiency": "defaults" if args.uncalibrated else "calibrated",
-                       "h100_schedule": "plain" if args.h100_plain_schedule else "inferred",
-                       "error": "predicted / published - 1",
-                       "wall_s": time.perf_counter() - start},
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "published_runs",
+                "median_abs_error": median_abs(errors),
+                "max_abs_error": max(abs(e) for e in errors),
+                "calibration_median_abs_error": median_abs(calibration),
+                "calibration_max_abs_error": max(abs(e) for e in calibration),
+                "held_out_median_abs_error": median_abs([r["error"] for r in held_out]),
+                "held_out_max_abs_error": max(abs(r["error"]) for r in held_out),
+                "held_out_median_abs_error_by_study": {
+                    k: median_abs(v) for k, v in by_study.items()
+                },
+                "errors": {r["run"]: r["error"] for r in rows},
+                "rows": rows,
+                "conditions": {
+                    "pipeline_model": args.pipeline_model,
+                    "efficiency": "defaults" if args.uncalibrated else "calibrated",
+                    "h100_schedule": "plain" if args.h100_plain_schedule else "inferred",
+                    "error": "predicted / published - 1",
+                    "wall_s": time.perf_counter() - start,
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ never enters the medians, nor do the ``--warmup`` steps.
 The model is a preset (``--model``) and/or the shape flags (Megatron's names), as
 ``tools/plan.py`` takes them; with neither, the ``small`` preset.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,50 +46,67 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_het.checkpoint.hf import (megatron_het_to_hf_state,  # noqa: E402
-                                        model_config_to_hf_config)
-from megatron_het.cli_args import shape_overrides  # noqa: E402
-from megatron_het.errors import UserError  # noqa: E402
-from megatron_het.model_args import add_model_shape_args, model_config_from_args  # noqa: E402
-from megatron_het.model.compile import compile_layers  # noqa: E402
-from megatron_het.model.llama import build_model  # noqa: E402
-from megatron_het.perf.profiler import self_time_us  # noqa: E402
-from megatron_het.pipeline.timing import synchronize  # noqa: E402
+from megatron_het.checkpoint.hf import megatron_het_to_hf_state, model_config_to_hf_config
+from megatron_het.cli_args import shape_overrides
+from megatron_het.errors import UserError
+from megatron_het.model.compile import compile_layers
+from megatron_het.model.llama import build_model
+from megatron_het.model_args import add_model_shape_args, model_config_from_args
+from megatron_het.perf.profiler import self_time_us
+from megatron_het.pipeline.timing import synchronize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MODEL = "small"
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_shape_args(p)  # neither a preset nor a shape flag: the "small" preset
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where both models run (cuda: CUDA or ROCm)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where both models run (cuda: CUDA or ROCm)",
+    )
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--rounds", type=int, default=9, help="alternating timing rounds")
     p.add_argument("--iters", type=int, default=2, help="timed steps per model per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per model first")
     p.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation")
-    p.add_argument("--loss", choices=("native", "logits"), default="native",
-                   help="native: each library's own loss path; logits: one shared "
-                        "cross-entropy on both models' logits")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile our decoder layers (compile_layers); HF stays eager")
-    p.add_argument("--compile-mode", default=None,
-                   help="torch.compile mode with --compile (default: inductor's default)")
-    p.add_argument("--breakdown", action="store_true",
-                   help="profile two more steps per model: matrix products, attention, the "
-                        "rest, and ratio_bound")
+    p.add_argument(
+        "--loss",
+        choices=("native", "logits"),
+        default="native",
+        help="native: each library's own loss path; logits: one shared "
+        "cross-entropy on both models' logits",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile our decoder layers (compile_layers); HF stays eager",
+    )
+    p.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode with --compile (default: inductor's default)",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="profile two more steps per model: matrix products, attention, the "
+        "rest, and ratio_bound",
+    )
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
     if args.compile_mode is not None and not args.compile:
@@ -109,8 +127,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def make_step(model: torch.nn.Module,
-              loss_of: Callable[[], torch.Tensor]) -> Callable[[], float]:
+def make_step(model: torch.nn.Module, loss_of: Callable[[], torch.Tensor]) -> Callable[[], float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
 
     def step() -> float:
@@ -123,8 +140,13 @@ def make_step(model: torch.nn.Module,
     return step
 
 
-def loss_functions(ours: torch.nn.Module, theirs: torch.nn.Module, tokens: torch.Tensor,
-                   labels: torch.Tensor, mode: str) -> tuple[Callable[[], torch.Tensor], ...]:
+def loss_functions(
+    ours: torch.nn.Module,
+    theirs: torch.nn.Module,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    mode: str,
+) -> tuple[Callable[[], torch.Tensor], ...]:
     """(our loss, their loss) closures for one micro-batch.
 
     "native": each library's own training loss: ours the fused chunked output + cross-entropy
@@ -133,14 +155,18 @@ def loss_functions(ours: torch.nn.Module, theirs: torch.nn.Module, tokens: torch
     and the same ``F.cross_entropy`` call computes the loss.
     """
     if mode == "native":
-        return (lambda: ours(tokens, labels),
-                lambda: theirs(input_ids=tokens, labels=tokens, use_cache=False).loss)
+        return (
+            lambda: ours(tokens, labels),
+            lambda: theirs(input_ids=tokens, labels=tokens, use_cache=False).loss,
+        )
 
     def on_logits(logits: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.view(-1))
 
-    return (lambda: on_logits(ours(tokens)),
-            lambda: on_logits(theirs(input_ids=tokens, use_cache=False).logits))
+    return (
+        lambda: on_logits(ours(tokens)),
+        lambda: on_logits(theirs(input_ids=tokens, use_cache=False).logits),
+    )
 
 
 def timed(step: Callable[[], float], iters: int) -> float:
@@ -161,29 +187,35 @@ def build_pair(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
     ours = build_model(cfg, seed=args.seed, device=device).to(dtype=dtype).train()
     if args.compile:
         compile_layers(ours, mode=args.compile_mode)
-    hf_config = LlamaConfig.from_dict(model_config_to_hf_config(cfg),
-                                      attn_implementation=args.hf_attn)
+    hf_config = LlamaConfig.from_dict(
+        model_config_to_hf_config(cfg), attn_implementation=args.hf_attn
+    )
     with device:  # initialised where it runs
         theirs = LlamaForCausalLM(hf_config)
-    rope_buffers = {name: buffer.clone() for name, buffer in theirs.named_buffers()
-                    if name.endswith("inv_freq")}
+    rope_buffers = {
+        name: buffer.clone() for name, buffer in theirs.named_buffers() if name.endswith("inv_freq")
+    }
     theirs = theirs.to(dtype=dtype).train()
     for name, buffer in rope_buffers.items():  # RoPE's frequencies stay fp32, as ours do
         theirs.get_submodule(name.rpartition(".")[0]).register_buffer(
-            name.rpartition(".")[2], buffer, persistent=False)
-    theirs.load_state_dict(megatron_het_to_hf_state(ours.state_dict(), cfg),
-                           strict=not cfg.tie_embeddings)
+            name.rpartition(".")[2], buffer, persistent=False
+        )
+    theirs.load_state_dict(
+        megatron_het_to_hf_state(ours.state_dict(), cfg), strict=not cfg.tie_embeddings
+    )
     generator = torch.Generator().manual_seed(args.seed)
-    data = torch.randint(0, cfg.vocab_size, (args.micro_batch_size, args.seq_length + 1),
-                         generator=generator)
+    data = torch.randint(
+        0, cfg.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=generator
+    )
     data = data.to(device)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     ours_loss, hf_loss = loss_functions(ours, theirs, tokens, labels, args.loss)
     return {"ours": make_step(ours, ours_loss), "hf": make_step(theirs, hf_loss)}
 
 
-def measure(steps: dict[str, Callable[[], float]], args: argparse.Namespace
-            ) -> tuple[dict[str, list[float]], list[float]]:
+def measure(
+    steps: dict[str, Callable[[], float]], args: argparse.Namespace
+) -> tuple[dict[str, list[float]], list[float]]:
     """Seconds per step per round for each model, and each round's paired ratio hf / ours.
 
     The two run back to back in every round (order alternating), so a ratio of one round sees
@@ -203,8 +235,7 @@ def measure(steps: dict[str, Callable[[], float]], args: argparse.Namespace
     return seconds, ratios
 
 
-def first_steps(steps: dict[str, Callable[[], float]]
-                ) -> tuple[dict[str, float], dict[str, float]]:
+def first_steps(steps: dict[str, Callable[[], float]]) -> tuple[dict[str, float], dict[str, float]]:
     """Run each model's first step (where compilation happens): ``(loss, seconds)`` by name."""
     losses, seconds = {}, {}
     for name, step in steps.items():
@@ -214,14 +245,27 @@ def first_steps(steps: dict[str, Callable[[], float]]
     return losses, seconds
 
 
-GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
-                      "aten::_addmm_activation"})
-ATTENTION_PREFIXES = ("aten::scaled_dot_product", "aten::_scaled_dot_product",
-                      "aten::_flash_attention", "aten::_efficient_attention")
+GEMM_OPS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::addmm_",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_addmm_activation",
+    }
+)
+ATTENTION_PREFIXES = (
+    "aten::scaled_dot_product",
+    "aten::_scaled_dot_product",
+    "aten::_flash_attention",
+    "aten::_efficient_attention",
+)
 
 
-def kernel_seconds(step: Callable[[], float], steps: int = 2,
-                   device: str = "cpu") -> dict[str, float]:
+def kernel_seconds(
+    step: Callable[[], float], steps: int = 2, device: str = "cpu"
+) -> dict[str, float]:
     """Seconds per step in matrix products and in attention kernels: the self time of those
     aten ops under torch.profiler over ``steps`` steps, on the CPU or, on a GPU, the device
     time of the kernels they launch (compiled graphs call the same aten kernels for both, so
@@ -243,12 +287,17 @@ def kernel_seconds(step: Callable[[], float], steps: int = 2,
             attention += own
     # Flops of the outermost products only: a product may run as others (CPU bf16 baddbmm
     # calls one addmm_ per batch entry), whose own times the self times above already split.
-    gemm_flops = sum(gemm_flop_count(event.name, event.input_shapes)
-                     for event in prof.events() if event.name in GEMM_OPS
-                     and not (event.cpu_parent is not None
-                              and event.cpu_parent.name in GEMM_OPS))
-    return {"gemm_s": gemm / 1e6 / steps, "attention_s": attention / 1e6 / steps,
-            "gemm_tflops": gemm_flops / (gemm * 1e6) if gemm else 0.0}
+    gemm_flops = sum(
+        gemm_flop_count(event.name, event.input_shapes)
+        for event in prof.events()
+        if event.name in GEMM_OPS
+        and not (event.cpu_parent is not None and event.cpu_parent.name in GEMM_OPS)
+    )
+    return {
+        "gemm_s": gemm / 1e6 / steps,
+        "attention_s": attention / 1e6 / steps,
+        "gemm_tflops": gemm_flops / (gemm * 1e6) if gemm else 0.0,
+    }
 
 
 def gemm_flop_count(op: str, input_shapes: Sequence[Sequence[int]]) -> int:
@@ -278,11 +327,12 @@ def matmul_peak_tflops(device: str, dtype: torch.dtype, repeats: int = 10) -> fl
         synchronize(a.device)
         if index >= 2:
             times.append(time.perf_counter() - start)
-    return 2 * n ** 3 / min(times) / 1e12
+    return 2 * n**3 / min(times) / 1e12
 
 
-def breakdown(steps: dict[str, Callable[[], float]], median_s: dict[str, float],
-              device: str = "cpu") -> dict[str, Any]:
+def breakdown(
+    steps: dict[str, Callable[[], float]], median_s: dict[str, float], device: str = "cpu"
+) -> dict[str, Any]:
     """Each model's median step split into matrix products (with their rate), attention and
     the rest, and ``ratio_bound``: Hugging Face's median step over our matrix products and
     attention."""
@@ -290,33 +340,49 @@ def breakdown(steps: dict[str, Callable[[], float]], median_s: dict[str, float],
     for name, step in steps.items():
         kernels = kernel_seconds(step, device=device)
         rest = median_s[name] - kernels["gemm_s"] - kernels["attention_s"]
-        parts[name] = {key: round(value, 5) for key, value in
-                       {**kernels, "rest_s": rest, "step_s": median_s[name]}.items()}
+        parts[name] = {
+            key: round(value, 5)
+            for key, value in {**kernels, "rest_s": rest, "step_s": median_s[name]}.items()
+        }
     ours_kernels = parts["ours"]["gemm_s"] + parts["ours"]["attention_s"]
     return {"breakdown": parts, "ratio_bound": round(median_s["hf"] / ours_kernels, 3)}
 
 
-def report(args: argparse.Namespace, seconds: dict[str, list[float]], ratios: list[float],
-           first_loss: dict[str, float], first_seconds: dict[str, float]) -> dict[str, Any]:
+def report(
+    args: argparse.Namespace,
+    seconds: dict[str, list[float]],
+    ratios: list[float],
+    first_loss: dict[str, float],
+    first_seconds: dict[str, float],
+) -> dict[str, Any]:
     """The JSON record: figures (medians over rounds; first step and warm-up excluded) and the
     conditions they were measured under."""
     cfg = args.config
     tokens_per_step = args.micro_batch_size * args.seq_length
     median_s = {name: statistics.median(s) for name, s in seconds.items()}
     tps = {name: tokens_per_step / s for name, s in median_s.items()}
-    compile_s = (round(first_seconds["ours"] - median_s["ours"], 3) if args.compile else None)
+    compile_s = round(first_seconds["ours"] - median_s["ours"], 3) if args.compile else None
     return {
-        "benchmark": "train_step", "model": cfg.name, "params": cfg.num_parameters(),
+        "benchmark": "train_step",
+        "model": cfg.name,
+        "params": cfg.num_parameters(),
         "config": cfg.to_dict(),
-        "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length,
-        "dtype": args.dtype, "device": args.device,
+        "micro_batch_size": args.micro_batch_size,
+        "seq_length": args.seq_length,
+        "dtype": args.dtype,
+        "device": args.device,
         "device_name": (torch.cuda.get_device_name() if args.device == "cuda" else None),
-        "threads": torch.get_num_threads(), "rounds": args.rounds,
-        "iters_per_round": args.iters, "warmup_steps": args.warmup,
-        "hf_attn_implementation": args.hf_attn, "loss": args.loss,
-        "compile": args.compile, "compile_mode": args.compile_mode,
+        "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
+        "iters_per_round": args.iters,
+        "warmup_steps": args.warmup,
+        "hf_attn_implementation": args.hf_attn,
+        "loss": args.loss,
+        "compile": args.compile,
+        "compile_mode": args.compile_mode,
         "step": "forward + cross-entropy + backward + AdamW",
-        "ours_tokens_per_s": round(tps["ours"], 1), "hf_tokens_per_s": round(tps["hf"], 1),
+        "ours_tokens_per_s": round(tps["ours"], 1),
+        "hf_tokens_per_s": round(tps["hf"], 1),
         "ratio_vs_hf": round(statistics.median(ratios), 3),
         "ratio_of_medians": round(tps["ours"] / tps["hf"], 3),
         "round_ratios": [round(r, 3) for r in ratios],
@@ -324,12 +390,14 @@ def report(args: argparse.Namespace, seconds: dict[str, list[float]], ratios: li
         "first_step_s": {k: round(v, 3) for k, v in first_seconds.items()},
         "compile_s": compile_s,
         "first_step_loss": {k: round(v, 5) for k, v in first_loss.items()},
-        "torch": torch.__version__, "transformers": _transformers_version(),
-        "python": platform.python_version(), "machine": platform.machine(),
+        "torch": torch.__version__,
+        "transformers": _transformers_version(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
     }
 
 
-def _transformers_version() -> Optional[str]:
+def _transformers_version() -> str | None:
     try:
         import transformers
     except ImportError:
@@ -337,7 +405,7 @@ def _transformers_version() -> Optional[str]:
     return transformers.__version__
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     # Measured first, before either model runs, so that nothing of theirs shares the device.
@@ -347,8 +415,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     seconds, ratios = measure(steps, args)
     record = report(args, seconds, ratios, first_loss, first_seconds)
     if args.breakdown:
-        record.update(breakdown(steps, {name: statistics.median(s)
-                                        for name, s in seconds.items()}, args.device))
+        record.update(
+            breakdown(
+                steps, {name: statistics.median(s) for name, s in seconds.items()}, args.device
+            )
+        )
         record["matmul_peak_tflops"] = round(peak, 5)
     print(json.dumps(record), flush=True)
     return record
@@ -356,4 +427,5 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     from megatron_het.errors import run_cli
+
     run_cli(main)

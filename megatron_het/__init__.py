@@ -1,4 +1,5 @@
 """megatron_het: Megatron-style Llama pretraining on clusters that mix accelerator types."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -9,8 +10,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from megatron_het.model.llama import LlamaModel
 
 
-def load_pretrained(checkpoint_dir: str, iteration: int | None = None,
-                    map_location: Any = "cpu") -> "LlamaModel":
+def load_pretrained(
+    checkpoint_dir: str, iteration: int | None = None, map_location: Any = "cpu"
+) -> LlamaModel:
     """Load a trained model for single-process use.
 
     ``checkpoint_dir`` is a ``--save`` directory (the latest iteration is used unless

@@ -1,5 +1,6 @@
 """``pretrain_llama.py``'s flags for checkpoints, logging and faults (Megatron's names where it
 has them) -> :class:`~megatron_het.config.FaultConfig` and the I/O fields of TrainConfig."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,52 +14,86 @@ def add_io_flags(p: argparse.ArgumentParser) -> None:
     t, f = TrainConfig(), FaultConfig()
     g = p.add_argument_group("checkpoints and logging")
     g.add_argument("--save", default=None, help="checkpoint directory to write")
-    g.add_argument("--load", default=None,
-                   help="checkpoint to resume from: a --save directory (its latest iteration) "
-                        "or one iter_XXXXXXX directory. A model-only checkpoint (e.g. converted "
-                        "weights) starts a fresh optimizer at iteration 0. When --load equals "
-                        "--save and holds no checkpoint yet, training starts from scratch")
+    g.add_argument(
+        "--load",
+        default=None,
+        help="checkpoint to resume from: a --save directory (its latest iteration) "
+        "or one iter_XXXXXXX directory. A model-only checkpoint (e.g. converted "
+        "weights) starts a fresh optimizer at iteration 0. When --load equals "
+        "--save and holds no checkpoint yet, training starts from scratch",
+    )
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--async-save", action="store_true",
-                   help="write checkpoints from a background thread while training goes on; "
-                        "an iteration is committed (renamed, recorded as the latest) once "
-                        "every rank's files are complete")
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        help="write checkpoints from a background thread while training goes on; "
+        "an iteration is committed (renamed, recorded as the latest) once "
+        "every rank's files are complete",
+    )
     g.add_argument("--eval-interval", type=int, default=t.eval_interval)
-    g.add_argument("--eval-iters", type=int, default=t.eval_iters,
-                   help="global batches of the valid split per evaluation (the same ones "
-                        "every time); 0 disables evaluation")
+    g.add_argument(
+        "--eval-iters",
+        type=int,
+        default=t.eval_iters,
+        help="global batches of the valid split per evaluation (the same ones "
+        "every time); 0 disables evaluation",
+    )
     g.add_argument("--log-interval", type=int, default=t.log_interval)
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--metrics-file", default=None, metavar="PATH",
-                   help="JSON lines: one per iteration (split 'train') and one per evaluation "
-                        "(split 'valid'). Truncated at a fresh start; on resume, lines past the "
-                        "loaded iteration are dropped and new ones appended")
+    g.add_argument(
+        "--metrics-file",
+        default=None,
+        metavar="PATH",
+        help="JSON lines: one per iteration (split 'train') and one per evaluation "
+        "(split 'valid'). Truncated at a fresh start; on resume, lines past the "
+        "loaded iteration are dropped and new ones appended",
+    )
     g = p.add_argument_group("faults")
-    g.add_argument("--distributed-timeout-minutes", type=float,
-                   default=f.distributed_timeout_minutes, metavar="N",
-                   help="fail instead of waiting longer than N minutes for a peer (every "
-                        "collective, transfer, barrier, start-up and checkpoint commit; "
-                        "fractions allowed)")
-    g.add_argument("--log-straggler", action="store_true",
-                   help="every --log-interval, compare each rank's compute time with the "
-                        "median of its accelerator kind and name the ranks slower by more than "
-                        "--straggler-threshold")
-    g.add_argument("--straggler-threshold", type=float, default=f.straggler_threshold,
-                   metavar="F", help="a straggler is slower than its kind's median by more "
-                                     f"than this fraction (default {f.straggler_threshold})")
-    g.add_argument("--skip-nonfinite-steps", action="store_true",
-                   help="skip (and count) an iteration whose loss or gradient norm is NaN or "
-                        "Inf instead of stopping the run")
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=f.distributed_timeout_minutes,
+        metavar="N",
+        help="fail instead of waiting longer than N minutes for a peer (every "
+        "collective, transfer, barrier, start-up and checkpoint commit; "
+        "fractions allowed)",
+    )
+    g.add_argument(
+        "--log-straggler",
+        action="store_true",
+        help="every --log-interval, compare each rank's compute time with the "
+        "median of its accelerator kind and name the ranks slower by more than "
+        "--straggler-threshold",
+    )
+    g.add_argument(
+        "--straggler-threshold",
+        type=float,
+        default=f.straggler_threshold,
+        metavar="F",
+        help="a straggler is slower than its kind's median by more "
+        f"than this fraction (default {f.straggler_threshold})",
+    )
+    g.add_argument(
+        "--skip-nonfinite-steps",
+        action="store_true",
+        help="skip (and count) an iteration whose loss or gradient norm is NaN or "
+        "Inf instead of stopping the run",
+    )
 
 
 def fault_config(args: argparse.Namespace) -> FaultConfig:
     """The parsed fault flags; UserError for a timeout or threshold that is not positive."""
     if not args.distributed_timeout_minutes > 0:
-        raise UserError("--distributed-timeout-minutes must be positive, got "
-                        f"{args.distributed_timeout_minutes}")
+        raise UserError(
+            "--distributed-timeout-minutes must be positive, got "
+            f"{args.distributed_timeout_minutes}"
+        )
     if not args.straggler_threshold > 0:
         raise UserError(f"--straggler-threshold must be positive, got {args.straggler_threshold}")
-    return FaultConfig(distributed_timeout_minutes=args.distributed_timeout_minutes,
-                       async_save=args.async_save, log_straggler=args.log_straggler,
-                       straggler_threshold=args.straggler_threshold,
-                       skip_nonfinite_steps=args.skip_nonfinite_steps)
+    return FaultConfig(
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        async_save=args.async_save,
+        log_straggler=args.log_straggler,
+        straggler_threshold=args.straggler_threshold,
+        skip_nonfinite_steps=args.skip_nonfinite_steps,
+    )

@@ -4,11 +4,12 @@
 one UserError line) into raw arguments, which each entry point resolves once into frozen
 configs. The model's shape flags are listed once, in :data:`SHAPE_FLAGS`.
 """
+
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 from megatron_het.errors import UserError
 
@@ -29,7 +30,7 @@ class ShapeFlag:
     flag: str
     field: str
     type: type
-    help: Optional[str] = None
+    help: str | None = None
     common: bool = True
 
     @property
@@ -40,18 +41,30 @@ class ShapeFlag:
 SHAPE_FLAGS = (
     ShapeFlag("--num-layers", "num_layers", int),
     ShapeFlag("--hidden-size", "hidden_size", int),
-    ShapeFlag("--ffn-hidden-size", "ffn_hidden_size", int,
-              "default without a preset: 4 * hidden"),
+    ShapeFlag("--ffn-hidden-size", "ffn_hidden_size", int, "default without a preset: 4 * hidden"),
     ShapeFlag("--num-attention-heads", "num_attention_heads", int),
-    ShapeFlag("--num-query-groups", "num_query_groups", int,
-              "key/value heads (GQA); default without a preset: attention heads"),
-    ShapeFlag("--max-position-embeddings", "max_position_embeddings", int,
-              "default without a preset: --seq-length", common=False),
+    ShapeFlag(
+        "--num-query-groups",
+        "num_query_groups",
+        int,
+        "key/value heads (GQA); default without a preset: attention heads",
+    ),
+    ShapeFlag(
+        "--max-position-embeddings",
+        "max_position_embeddings",
+        int,
+        "default without a preset: --seq-length",
+        common=False,
+    ),
     ShapeFlag("--rotary-base", "rope_theta", float, "RoPE theta (default 10000)", common=False),
-    ShapeFlag("--norm-epsilon", "norm_eps", float, "RMSNorm epsilon (default 1e-5)",
-              common=False),
-    ShapeFlag("--init-method-std", "init_method_std", float, "weight init std (default 0.02)",
-              common=False),
+    ShapeFlag("--norm-epsilon", "norm_eps", float, "RMSNorm epsilon (default 1e-5)", common=False),
+    ShapeFlag(
+        "--init-method-std",
+        "init_method_std",
+        float,
+        "weight init std (default 0.02)",
+        common=False,
+    ),
 )
 
 
@@ -64,11 +77,13 @@ def add_shape_flags(parser: Any, common_only: bool) -> None:
 
 def shape_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """ModelConfig field -> value for every shape flag given on the command line."""
-    return {shape.field: getattr(args, shape.dest) for shape in SHAPE_FLAGS
-            if getattr(args, shape.dest, None) is not None}
+    return {
+        shape.field: getattr(args, shape.dest)
+        for shape in SHAPE_FLAGS
+        if getattr(args, shape.dest, None) is not None
+    }
 
 
 def integer_shape_dests(common_only: bool = False) -> tuple[str, ...]:
     """The argparse names of the integer shape flags (they must be positive)."""
-    return tuple(s.dest for s in SHAPE_FLAGS
-                 if s.type is int and (s.common or not common_only))
+    return tuple(s.dest for s in SHAPE_FLAGS if s.type is int and (s.common or not common_only))

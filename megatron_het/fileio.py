@@ -2,6 +2,7 @@
 unreadable or malformed file is a :class:`~megatron_het.errors.UserError` of one line that names
 the file and says how to fix it. What the parsed content means is checked by the caller.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ def read_json_file(path: str | Path, name: str, missing_hint: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UserError(f"{name} is not valid JSON: {exc.msg} at line {exc.lineno} column "
-                        f"{exc.colno}") from None
+        raise UserError(
+            f"{name} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
 
 
 def read_yaml_mapping(path: str | Path, what: str) -> dict[str, Any]:

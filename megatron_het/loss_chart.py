@@ -6,6 +6,7 @@ Reads the records written by :class:`megatron_het.training.metrics.TrainingLogge
 per iteration (with a running mean over long runs), the validation losses as points. Drawn with
 matplotlib on the Agg canvas, imported only when a chart is drawn.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,11 @@ SMOOTH_FROM = 100
 def read_losses(metrics_file: str | Path) -> dict[str, list[tuple[int, float]]]:
     """``{"train": [(iteration, loss), ...], "valid": [...]}`` in file order; lines cut short by
     a crash and records without a loss are skipped. Missing file: UserError."""
-    text = read_text_file(metrics_file, f"metrics file {metrics_file}",
-                          "pass the --metrics-file that pretrain_llama.py wrote")
+    text = read_text_file(
+        metrics_file,
+        f"metrics file {metrics_file}",
+        "pass the --metrics-file that pretrain_llama.py wrote",
+    )
     out: dict[str, list[tuple[int, float]]] = {"train": [], "valid": []}
     for line in text.splitlines():
         try:
@@ -55,17 +59,20 @@ def _running_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
-def save_loss_chart(metrics_file: str | Path, out_png: str | Path,
-                    title: str = "training loss") -> Path:
+def save_loss_chart(
+    metrics_file: str | Path, out_png: str | Path, title: str = "training loss"
+) -> Path:
     """Draw the train loss per iteration and the validation loss points of ``metrics_file`` into
     ``out_png`` (overwrites) and return its path. Raises UserError when the file is missing or
     holds no train records."""
     losses = read_losses(metrics_file)
     train, valid = losses["train"], losses["valid"]
     if not train:
-        raise UserError(f"metrics file {metrics_file} has no train records (lines with "
-                        f'"split": "train", "iteration" and "loss"); pass the --metrics-file '
-                        f"of a run that trained at least one iteration")
+        raise UserError(
+            f"metrics file {metrics_file} has no train records (lines with "
+            f'"split": "train", "iteration" and "loss"); pass the --metrics-file '
+            f"of a run that trained at least one iteration"
+        )
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -74,15 +81,32 @@ def save_loss_chart(metrics_file: str | Path, out_png: str | Path,
     ax = fig.add_subplot()
     iterations, values = [i for i, _ in train], [v for _, v in train]
     smooth = len(train) >= SMOOTH_FROM
-    ax.plot(iterations, values, color="#1f77b4", linewidth=1.0, alpha=0.35 if smooth else 1.0,
-            label="train loss")
+    ax.plot(
+        iterations,
+        values,
+        color="#1f77b4",
+        linewidth=1.0,
+        alpha=0.35 if smooth else 1.0,
+        label="train loss",
+    )
     if smooth:
         window = max(2, len(train) // 50)
-        ax.plot(iterations, _running_mean(values, window), color="#1f77b4", linewidth=1.8,
-                label=f"train loss, mean of {window} iterations")
+        ax.plot(
+            iterations,
+            _running_mean(values, window),
+            color="#1f77b4",
+            linewidth=1.8,
+            label=f"train loss, mean of {window} iterations",
+        )
     if valid:
-        ax.plot([i for i, _ in valid], [v for _, v in valid], "o", color="#d62728",
-                markersize=5, label="validation loss")
+        ax.plot(
+            [i for i, _ in valid],
+            [v for _, v in valid],
+            "o",
+            color="#d62728",
+            markersize=5,
+            label="validation loss",
+        )
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss")
     ax.set_title(title)

@@ -5,10 +5,10 @@ The flags are the common ones of :data:`megatron_het.cli_args.SHAPE_FLAGS` (``pr
 takes all of them, its vocabulary coming from the tokenizer); here a model without a preset gets
 :data:`DEFAULT_VOCAB`.
 """
+
 from __future__ import annotations
 
 import argparse
-from typing import Optional
 
 from megatron_het.arguments import ModelSpec, resolve_model_config
 from megatron_het.cli_args import add_shape_flags, shape_overrides
@@ -17,14 +17,15 @@ from megatron_het.config import MODEL_PRESETS, ModelConfig
 DEFAULT_VOCAB = 32000
 
 
-def add_model_shape_args(parser: argparse.ArgumentParser,
-                         vocab_help: Optional[str] = None) -> None:
+def add_model_shape_args(parser: argparse.ArgumentParser, vocab_help: str | None = None) -> None:
     """Add ``--model``, ``--num-layers``, ``--hidden-size``, ``--ffn-hidden-size``,
     ``--num-attention-heads``, ``--num-query-groups`` and ``--vocab-size`` (help text
     ``vocab_help``) to ``parser``, in that order; read them with :func:`model_config_from_args`."""
-    parser.add_argument("--model", metavar="PRESET",
-                        help=f"model preset ({', '.join(sorted(MODEL_PRESETS))}); shape flags "
-                             "override its fields")
+    parser.add_argument(
+        "--model",
+        metavar="PRESET",
+        help=f"model preset ({', '.join(sorted(MODEL_PRESETS))}); shape flags override its fields",
+    )
     add_shape_flags(parser, common_only=True)
     parser.add_argument("--vocab-size", type=int, help=vocab_help)
 
@@ -35,8 +36,9 @@ def model_config_from_args(args: argparse.Namespace, seq_length: int) -> ModelCo
     without a preset, ``seq_length`` positions). Raises UserError for a shape that does not
     make a model."""
     overrides = shape_overrides(args)
-    vocab = args.vocab_size if args.vocab_size is not None else (
-        None if args.model else DEFAULT_VOCAB)
+    vocab = (
+        args.vocab_size if args.vocab_size is not None else (None if args.model else DEFAULT_VOCAB)
+    )
     spec = ModelSpec(preset=args.model, overrides=overrides, vocab_size=vocab)
     return resolve_model_config(spec, tokenizer_vocab_size=1, seq_length=seq_length)
 

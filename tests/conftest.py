@@ -38,19 +38,20 @@ def unhidden_environ() -> dict:
             env[name] = value
     return env
 
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_het.perf.measure_procs import HIDING_VARIABLES  # noqa: E402
-
 from tests.gpu import device_present  # noqa: E402
 
 assert _HIDING == HIDING_VARIABLES, "tests/conftest.py hides other variables than the package"
 
 # Keep the suite deterministic and light on a 2-core machine: one thread per pytest-xdist
 # worker (the workers share the cores), at most two in a single-process run.
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER")
-                      else max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(
+    1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1))
+)
 
 TESTS = pathlib.Path(__file__).resolve().parent
 DISTRIBUTED, GPU = TESTS / "distributed", TESTS / "gpu"
@@ -66,8 +67,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if GPU_SESSION:
-        only_gpu = pytest.mark.skip(reason=f"{GPU_SESSION_VARIABLE}=1 runs the tests marked gpu "
-                                           "only")
+        only_gpu = pytest.mark.skip(
+            reason=f"{GPU_SESSION_VARIABLE}=1 runs the tests marked gpu only"
+        )
         for item in items:
             if item.get_closest_marker("gpu") is None:
                 item.add_marker(only_gpu)
@@ -78,8 +80,10 @@ def pytest_collection_modifyitems(config, items):
     if GPU_SESSION and device_present():
         return
     if not GPU_SESSION and device_present(environ=unhidden_environ()):
-        why = ("the GPUs are hidden from this session, whose tests fork workers; make test-gpu "
-               f"({GPU_SESSION_VARIABLE}=1) runs the GPU tests")
+        why = (
+            "the GPUs are hidden from this session, whose tests fork workers; make test-gpu "
+            f"({GPU_SESSION_VARIABLE}=1) runs the GPU tests"
+        )
     else:
         why = "no CUDA/ROCm device present"
     skip_gpu = pytest.mark.skip(reason=why)

@@ -5,12 +5,13 @@ This is deliberately not the product's training path (which runs every plan, one
 included, through the pipeline executor and the parallel optimizer): it is the independent
 computation those runs must equal.
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -38,8 +39,12 @@ def _autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextMan
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def forward_backward(model: nn.Module, micro_batches: Sequence[MicroBatch], bf16: bool = False,
-                     forward_only: bool = False) -> torch.Tensor:
+def forward_backward(
+    model: nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    bf16: bool = False,
+    forward_only: bool = False,
+) -> torch.Tensor:
     """Every micro-batch forward (and backward unless ``forward_only``), each token-mean loss
     divided by the number of micro-batches: ``.grad`` accumulates the gradient of the mean loss
     over the global batch. Returns that mean loss (detached)."""
@@ -55,8 +60,9 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[MicroBatch], bf16
     return total / count
 
 
-def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, lr: float,
-                   clip_grad: float, iteration: int) -> float:
+def optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, clip_grad: float, iteration: int
+) -> float:
     """Clip the accumulated gradients, set ``lr`` and step; returns the pre-clip norm."""
     grad_norm = clip_grad_norm(model.parameters(), clip_grad)
     if not math.isfinite(grad_norm):
@@ -67,9 +73,15 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, lr: float
     return grad_norm
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-               micro_batches: Sequence[MicroBatch], lr: float, clip_grad: float, bf16: bool,
-               iteration: int) -> StepResult:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[MicroBatch],
+    lr: float,
+    clip_grad: float,
+    bf16: bool,
+    iteration: int,
+) -> StepResult:
     """Zero grads, :func:`forward_backward`, :func:`optimizer_step`."""
     optimizer.zero_grad(set_to_none=True)
     loss = float(forward_backward(model, micro_batches, bf16=bf16))
@@ -80,33 +92,44 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: SampleDataset, train: TrainConfig,
-             device: torch.device) -> float:
+def evaluate(
+    model: nn.Module, dataset: SampleDataset, train: TrainConfig, device: torch.device
+) -> float:
     """Mean loss over the first ``eval_iters`` global batches of ``dataset``."""
     model.eval()
     losses = []
     for step in range(train.eval_iters):
-        batches = get_micro_batches(dataset, step * train.global_batch_size,
-                                    train.global_batch_size, train.micro_batch_size, device)
-        losses.append(float(forward_backward(model, batches, bf16=train.bf16,
-                                              forward_only=True)))
+        batches = get_micro_batches(
+            dataset,
+            step * train.global_batch_size,
+            train.global_batch_size,
+            train.micro_batch_size,
+            device,
+        )
+        losses.append(float(forward_backward(model, batches, bf16=train.bf16, forward_only=True)))
     model.train()
     return sum(losses) / len(losses)
 
 
-def capture_train_state(optimizer: torch.optim.Optimizer, schedule: LRSchedule,
-                        progress: Progress) -> dict:
+def capture_train_state(
+    optimizer: torch.optim.Optimizer, schedule: LRSchedule, progress: Progress
+) -> dict:
     """The training state in the single-process format checkpoints had before every run
     became a plan (optimizer state by parameter name): what old checkpoints hold."""
-    return {"version": 1, "iteration": progress.iteration,
-            "consumed_samples": progress.consumed_samples,
-            "optimizer": optimizer_state_by_name(optimizer),
-            "lr_schedule": schedule.state_dict(), "rng": rng_state("cpu")}
+    return {
+        "version": 1,
+        "iteration": progress.iteration,
+        "consumed_samples": progress.consumed_samples,
+        "optimizer": optimizer_state_by_name(optimizer),
+        "lr_schedule": schedule.state_dict(),
+        "rng": rng_state("cpu"),
+    }
 
 
 def restore_train_state(state: dict, optimizer: torch.optim.Optimizer) -> Progress:
     """Load a :func:`capture_train_state`-shaped state into ``optimizer``; the saved progress."""
     load_optimizer_state_by_name(optimizer, state["optimizer"])
     set_rng_state(state["rng"], "cpu")
-    return Progress(iteration=int(state["iteration"]),
-                    consumed_samples=int(state["consumed_samples"]))
+    return Progress(
+        iteration=int(state["iteration"]), consumed_samples=int(state["consumed_samples"])
+    )

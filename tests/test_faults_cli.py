@@ -3,6 +3,7 @@ lost node of a two-node job, ends the job within the timeout with one report lin
 supervisor (tools/elastic_run.py: one host, or one per node of a two-node job) relaunches on
 the devices left under a new plan, which continues the run from the last committed checkpoint
 (EMULATION)."""
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -20,37 +21,70 @@ from megatron_het.checkpoint.reader import load_model_state
 from megatron_het.training.supervisor import read_failure
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-from fault_jobs import (CLUSTER, MODEL_FLAGS, PLAN, REPO, TWO_NODE_CLUSTER,  # noqa: E402
-                        Job, free_port, node_torchrun, supervised, torchrun, train_losses)
+from fault_jobs import (
+    CLUSTER,
+    MODEL_FLAGS,
+    PLAN,
+    REPO,
+    TWO_NODE_CLUSTER,
+    Job,
+    free_port,
+    node_torchrun,
+    supervised,
+    torchrun,
+    train_losses,
+)
 
 TIMEOUT_MIN = 0.1
 SCHEDULE = ["--train-iters", "500", "--distributed-timeout-minutes", str(TIMEOUT_MIN)]
 
 
-def start_and_fault(tmp: pathlib.Path, victim: int, signum: int, save_interval: int = 2,
-                    logged: int = 3) -> tuple[Job, float]:
+def start_and_fault(
+    tmp: pathlib.Path, victim: int, signum: int, save_interval: int = 2, logged: int = 3
+) -> tuple[Job, float]:
     """The 4-rank job, saving every ``save_interval`` iterations into ``tmp/ckpt`` and logging
     to ``tmp/fault.jsonl``; ``signum`` to rank ``victim`` once ``logged`` iterations are
     logged. Returns the running job and the time of the signal."""
     metrics = tmp / "fault.jsonl"
-    job = Job(torchrun(4, ["--cluster", str(CLUSTER), "--plan", str(PLAN), *SCHEDULE,
-                           "--metrics-file", str(metrics), "--save", str(tmp / "ckpt"),
-                           "--save-interval", str(save_interval)]))
+    job = Job(
+        torchrun(
+            4,
+            [
+                "--cluster",
+                str(CLUSTER),
+                "--plan",
+                str(PLAN),
+                *SCHEDULE,
+                "--metrics-file",
+                str(metrics),
+                "--save",
+                str(tmp / "ckpt"),
+                "--save-interval",
+                str(save_interval),
+            ],
+        )
+    )
     job.wait_for_iterations(metrics, logged)
     return job, job.send(victim, signum)
 
 
 def the_report(job: Job, lost: Sequence[int], reporter: int = 2) -> str:
     stderr = job.text("stderr")
-    reports = [line for line in stderr.splitlines()
-               if line.startswith("error: iteration") and "stopped answering" in line]
+    reports = [
+        line
+        for line in stderr.splitlines()
+        if line.startswith("error: iteration") and "stopped answering" in line
+    ]
     assert len(reports) == 1, stderr[-4000:]
     assert all(f"rank {r} (emu-" in reports[0] for r in lost), reports[0]
     assert f"on rank {reporter}:" in reports[0], reports[0]
     assert "unified group '" in reports[0] and "failed" in reports[0]
     # no worker traceback (torchrun prints its own for the failed child)
-    assert not [line for line in stderr.splitlines()
-                if line.strip().startswith("File ") and "megatron_het" in line]
+    assert not [
+        line
+        for line in stderr.splitlines()
+        if line.strip().startswith("File ") and "megatron_het" in line
+    ]
     return reports[0]
 
 
@@ -63,13 +97,20 @@ def assert_only_committed_checkpoints(save: pathlib.Path) -> int:
     return latest
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (it may end while this reads)."""
+    try:
+        return "zombie" not in pathlib.Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_within_the_timeout(tmp_path: pathlib.Path) -> None:
     job, sent = start_and_fault(tmp_path, 3, signal.SIGSTOP)
     others = [job.worker_pid(r) for r in (0, 1, 2)]
     deadline = sent + TIMEOUT_MIN * 60 + 60
-    while any(pathlib.Path(f"/proc/{pid}").exists() and "zombie" not in
-              pathlib.Path(f"/proc/{pid}/status").read_text() for pid in others):
+    while any(_running(pid) for pid in others):
         assert time.monotonic() < deadline, "the other ranks did not fail in time"
         time.sleep(0.1)
     assert time.monotonic() - sent < TIMEOUT_MIN * 60 + 60
@@ -86,14 +127,28 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path: pathlib.Path) -> N
 
 @pytest.mark.slow
 def test_a_killed_rank_is_named_and_the_supervisor_continues_on_fewer_devices(
-        tmp_path: pathlib.Path) -> None:
+    tmp_path: pathlib.Path,
+) -> None:
     """tools/elastic_run.py launches the 4-rank job; rank 1 is killed after 7 iterations (the
     checkpoint of iteration 4 the latest); the supervisor relaunches on the 3 devices left with
     --plan auto and --load, and the run ends at --exit-interval 10 with the uninterrupted
     losses."""
     save, metrics = tmp_path / "ckpt", tmp_path / "fault.jsonl"
-    flags = ["--cluster", str(CLUSTER), "--plan", str(PLAN), *SCHEDULE, "--exit-interval", "10",
-             "--metrics-file", str(metrics), "--save", str(save), "--save-interval", "4"]
+    flags = [
+        "--cluster",
+        str(CLUSTER),
+        "--plan",
+        str(PLAN),
+        *SCHEDULE,
+        "--exit-interval",
+        "10",
+        "--metrics-file",
+        str(metrics),
+        "--save",
+        str(save),
+        "--save-interval",
+        "4",
+    ]
     job = Job(supervised(flags))
     job.wait_for_iterations(metrics, 7)
     sent = job.send(1, signal.SIGKILL)
@@ -109,8 +164,10 @@ def test_a_killed_rank_is_named_and_the_supervisor_continues_on_fewer_devices(
     out = job.text("stdout")
     assert "elastic_run: iteration" in out and "ranks [1] lost" in out, out[-3000:]
     assert "restart 1 of 3 on the 3 devices left" in out and f"--load {save}" in out
-    assert ("> elastic restart from iteration 4: the checkpoint was written by 4 ranks "
-            "(2 x emu-fast (emulated), 2 x emu-slow (emulated))") in out, out[-3000:]
+    assert (
+        "> elastic restart from iteration 4: the checkpoint was written by 4 ranks "
+        "(2 x emu-fast (emulated), 2 x emu-slow (emulated))"
+    ) in out, out[-3000:]
     assert "now 3 ranks (1 x emu-fast (emulated), 2 x emu-slow (emulated))" in out
     assert "devices lost: 1 x emu-fast (emulated)" in out
     assert "global batch 8 kept" in out and "predicted iteration time now" in out
@@ -123,14 +180,24 @@ def test_a_killed_rank_is_named_and_the_supervisor_continues_on_fewer_devices(
 
 
 @pytest.mark.slow
-def test_a_lost_node_is_named_on_the_node_left_within_the_timeout(
-        tmp_path: pathlib.Path) -> None:
+def test_a_lost_node_is_named_on_the_node_left_within_the_timeout(tmp_path: pathlib.Path) -> None:
     """Two torchrun agents (nodes) of 2 ranks each; node 1 (ranks 2-3, the logging rank among
     them; node 0's agent serves the store) is killed whole, agent and workers: node 0's job
     ends within the timeout with one report line, on rank 0, naming ranks 2 and 3."""
     save, metrics = tmp_path / "ckpt", tmp_path / "fault.jsonl"
-    flags = ["--cluster", str(CLUSTER), "--plan", str(PLAN), *SCHEDULE, "--metrics-file",
-             str(metrics), "--save", str(save), "--save-interval", "2"]
+    flags = [
+        "--cluster",
+        str(CLUSTER),
+        "--plan",
+        str(PLAN),
+        *SCHEDULE,
+        "--metrics-file",
+        str(metrics),
+        "--save",
+        str(save),
+        "--save-interval",
+        "2",
+    ]
     port = free_port()
     nodes = [Job(node_torchrun(n, 2, 2, port, flags)) for n in (0, 1)]
     try:
@@ -145,8 +212,9 @@ def test_a_lost_node_is_named_on_the_node_left_within_the_timeout(
     assert status != 0
     report = the_report(nodes[0], [2, 3], reporter=0)
     assert "pipeline 0 stage 1" in report and "pipeline 1 stage 1" in report
-    short = [line for line in nodes[0].text("stderr").splitlines()
-             if line.startswith("error: rank 1:")]
+    short = [
+        line for line in nodes[0].text("stderr").splitlines() if line.startswith("error: rank 1:")
+    ]
     assert all(line.endswith("(the report is on rank 0)") for line in short), short
     assert read_failure(save)["lost_ranks"] == [2, 3]
     assert_only_committed_checkpoints(save)
@@ -156,25 +224,52 @@ def test_a_lost_node_is_named_on_the_node_left_within_the_timeout(
 @pytest.mark.slow
 def test_a_rank_that_never_starts_fails_start_up_with_one_line() -> None:
     port = free_port()
-    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port))
-    result = subprocess.run([sys.executable, "pretrain_llama.py", "--model", "tiny",
-                             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-                             "300", "--seq-length", "32", "--train-iters", "2",
-                             "--tensor-model-parallel-size", "2",
-                             "--distributed-timeout-minutes", "0.05"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "pretrain_llama.py",
+            "--model",
+            "tiny",
+            "--mock-data",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "300",
+            "--seq-length",
+            "32",
+            "--train-iters",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--distributed-timeout-minutes",
+            "0.05",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(
-        "error: start-up: rank 0 could not join the 2-rank rendezvous"), result.stderr[-2000:]
+        "error: start-up: rank 0 could not join the 2-rank rendezvous"
+    ), result.stderr[-2000:]
     assert "raise --distributed-timeout-minutes" in errors[0]
-
 
 
 @pytest.mark.slow
 def test_the_supervisors_of_a_two_node_job_continue_on_the_devices_left(
-        tmp_path: pathlib.Path) -> None:
+    tmp_path: pathlib.Path,
+) -> None:
     """One supervisor per node (node 0: ranks 0-1, emu-fast; node 1: ranks 2-3, emu-slow) on
     this host; rank 3 is killed after 7 iterations. Both supervisors read the same record,
     relaunch on the cluster left (node 1 with the devices it has left, or without node 1 if
@@ -183,13 +278,44 @@ def test_the_supervisors_of_a_two_node_job_continue_on_the_devices_left(
     save, metrics = tmp_path / "ckpt", tmp_path / "fault.jsonl"
     cluster = tmp_path / "two_nodes.yaml"
     cluster.write_text(TWO_NODE_CLUSTER)
-    flags = ["--cluster", str(cluster), "--plan", str(PLAN), *SCHEDULE, "--exit-interval", "10",
-             "--metrics-file", str(metrics), "--save", str(save), "--save-interval", "4"]
+    flags = [
+        "--cluster",
+        str(cluster),
+        "--plan",
+        str(PLAN),
+        *SCHEDULE,
+        "--exit-interval",
+        "10",
+        "--metrics-file",
+        str(metrics),
+        "--save",
+        str(save),
+        "--save-interval",
+        "4",
+    ]
     port = free_port()
-    nodes = [Job([sys.executable, str(REPO / "tools" / "elastic_run.py"), "--node-rank", str(n),
-                  "--master-addr", "127.0.0.1", "--master-port", str(port), "--node-addr",
-                  "127.0.0.1", "--job-id", "two-nodes", "--", *MODEL_FLAGS, *flags])
-             for n in (0, 1)]
+    nodes = [
+        Job(
+            [
+                sys.executable,
+                str(REPO / "tools" / "elastic_run.py"),
+                "--node-rank",
+                str(n),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--node-addr",
+                "127.0.0.1",
+                "--job-id",
+                "two-nodes",
+                "--",
+                *MODEL_FLAGS,
+                *flags,
+            ]
+        )
+        for n in (0, 1)
+    ]
     try:
         nodes[0].wait_for_iterations(metrics, 7)
         sent = nodes[1].send(3, signal.SIGKILL)
@@ -220,20 +346,49 @@ def test_the_supervisors_of_a_two_node_job_continue_on_the_devices_left(
 
 @pytest.mark.slow
 def test_the_supervisors_of_a_two_node_job_stop_at_once_on_an_error_of_its_own(
-        tmp_path: pathlib.Path) -> None:
+    tmp_path: pathlib.Path,
+) -> None:
     """A run that fails on a flag of its own (a plan file that does not exist) is not a lost
     peer: its ranks record the error, and both supervisors stop with its status at once
     instead of waiting the timeout (5 minutes here) for a lost peer's record."""
     save = tmp_path / "ckpt"
     cluster = tmp_path / "two_nodes.yaml"
     cluster.write_text(TWO_NODE_CLUSTER)
-    flags = ["--cluster", str(cluster), "--plan", str(tmp_path / "missing.json"),
-             "--train-iters", "4", "--distributed-timeout-minutes", "5", "--save", str(save)]
+    flags = [
+        "--cluster",
+        str(cluster),
+        "--plan",
+        str(tmp_path / "missing.json"),
+        "--train-iters",
+        "4",
+        "--distributed-timeout-minutes",
+        "5",
+        "--save",
+        str(save),
+    ]
     port = free_port()
-    nodes = [Job([sys.executable, str(REPO / "tools" / "elastic_run.py"), "--node-rank", str(n),
-                  "--master-addr", "127.0.0.1", "--master-port", str(port), "--node-addr",
-                  "127.0.0.1", "--job-id", "bad-flag", "--", *MODEL_FLAGS, *flags])
-             for n in (0, 1)]
+    nodes = [
+        Job(
+            [
+                sys.executable,
+                str(REPO / "tools" / "elastic_run.py"),
+                "--node-rank",
+                str(n),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--node-addr",
+                "127.0.0.1",
+                "--job-id",
+                "bad-flag",
+                "--",
+                *MODEL_FLAGS,
+                *flags,
+            ]
+        )
+        for n in (0, 1)
+    ]
     try:
         statuses = [node.wait(150) for node in nodes]  # far below the 330 s wait of a peer loss
     finally:
@@ -254,16 +409,41 @@ def test_a_file_one_node_lacks_stops_every_rank_with_one_line() -> None:
     """Rank 1's data path does not exist (its node lacks the dataset): both ranks stop at once
     with the same line naming rank 1, instead of rank 0 waiting out the timeout."""
     port = free_port()
-    common = ["--model", "tiny", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
-              "--seq-length", "32", "--train-iters", "2", "--tensor-model-parallel-size", "2",
-              "--distributed-timeout-minutes", "5"]
+    common = [
+        "--model",
+        "tiny",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "300",
+        "--seq-length",
+        "32",
+        "--train-iters",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--distributed-timeout-minutes",
+        "5",
+    ]
     data = {0: ["--mock-data"], 1: ["--data-path", "/nonexistent/corpus_text_document"]}
-    ranks = [subprocess.Popen([sys.executable, "pretrain_llama.py", *common, *data[rank]],
-                              cwd=REPO, env=dict(os.environ, RANK=str(rank), WORLD_SIZE="2",
-                                                 LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                                                 MASTER_PORT=str(port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "pretrain_llama.py", *common, *data[rank]],
+            cwd=REPO,
+            env=dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     started = time.monotonic()
     outputs = [proc.communicate(timeout=120) for proc in ranks]
     assert time.monotonic() - started < 60  # not the 5-minute timeout

@@ -7,6 +7,7 @@ an edited, broken copy of a plan must make the dry run fail with one ``error:`` 
 ``--print-only`` shows what a node would run, which checks the vendor settings chosen by the
 node's group and the torchrun/Slurm commands without any process being started.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -26,28 +27,59 @@ SCRIPTS = sorted(REPO.glob("scripts/*/pretrain_llama_*.sh"))
 # Clusters that are not launched from here: the emulated one (make demo runs it) and the
 # 16,384-device one, an example for planning at scale.
 NOT_LAUNCHED = {"cpu_emulated", "h100_mi300x_a100_16k"}
-MIXES = sorted(p.stem for p in (REPO / "scripts" / "clusters").glob("*.yaml")
-               if p.stem not in NOT_LAUNCHED)
+MIXES = sorted(
+    p.stem for p in (REPO / "scripts" / "clusters").glob("*.yaml") if p.stem not in NOT_LAUNCHED
+)
 # Variables the scripts read or export: the tests start from an environment without them.
 _SCRUB_PREFIXES = ("NCCL_", "HSA_", "HCCL_", "ASCEND_", "SLURM_", "HET_", "TORCH_NCCL_")
-_SCRUB = {"NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DATA_PATH", "TOKENIZER_MODEL",
-          "CHECKPOINT_DIR", "LOG_DIR", "TENSORBOARD_DIR", "CLUSTER", "PLAN", "BRIDGE", "LAUNCHER",
-          "DRY_RUN", "PRINT_ONLY", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "TRAIN_ITERS",
-          "NULL_VOCAB_SIZE", "PYTHON", "OMP_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS",
-          "ELASTIC", "MAX_RESTARTS", "NODE_ADDR", "NODE_ORDER", "SLURMD_NODENAME"}
+_SCRUB = {
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "DATA_PATH",
+    "TOKENIZER_MODEL",
+    "CHECKPOINT_DIR",
+    "LOG_DIR",
+    "TENSORBOARD_DIR",
+    "CLUSTER",
+    "PLAN",
+    "BRIDGE",
+    "LAUNCHER",
+    "DRY_RUN",
+    "PRINT_ONLY",
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "TRAIN_ITERS",
+    "NULL_VOCAB_SIZE",
+    "PYTHON",
+    "OMP_NUM_THREADS",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "ELASTIC",
+    "MAX_RESTARTS",
+    "NODE_ADDR",
+    "NODE_ORDER",
+    "SLURMD_NODENAME",
+}
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _SCRUB and not k.startswith(_SCRUB_PREFIXES)}
+    env = {
+        k: v for k, v in os.environ.items() if k not in _SCRUB and not k.startswith(_SCRUB_PREFIXES)
+    }
     env["PYTHON"] = sys.executable
     env.update(extra)
     return env
 
 
 def _run(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(script), *args], cwd=REPO, env=_env(**env),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["bash", str(script), *args],
+        cwd=REPO,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _script(mix: str) -> Path:
@@ -72,8 +104,19 @@ def test_every_mix_has_a_script_and_plan() -> None:
 
 
 # What a mix script sets before it sources the shared body.
-SETTINGS = ("HET_MIX", "HET_SIZE", "HET_CLUSTER", "HET_PLAN", "HET_MODEL", "HET_SEQ_LENGTH",
-            "HET_NULL_VOCAB", "HET_BRIDGE", "HET_LR", "HET_MIN_LR", "HET_WARMUP_ITERS")
+SETTINGS = (
+    "HET_MIX",
+    "HET_SIZE",
+    "HET_CLUSTER",
+    "HET_PLAN",
+    "HET_MODEL",
+    "HET_SEQ_LENGTH",
+    "HET_NULL_VOCAB",
+    "HET_BRIDGE",
+    "HET_LR",
+    "HET_MIN_LR",
+    "HET_WARMUP_ITERS",
+)
 
 
 def _settings(script: Path) -> dict[str, str]:
@@ -90,12 +133,13 @@ def test_mix_script_is_its_settings_and_the_shared_body(script: Path) -> None:
     from megatron_het.cluster import ClusterSpec
 
     text = script.read_text()
-    assert len(text.splitlines()) <= 40 and "het_main \"$@\"" in text
+    assert len(text.splitlines()) <= 40 and 'het_main "$@"' in text
     assert "common/launch.sh" in text and "het_env_" not in text and "HET_ARGS" not in text
     settings = _settings(script)
     assert set(settings) == set(SETTINGS), set(SETTINGS) - set(settings)
     assert script == REPO / "scripts" / settings["HET_MIX"] / (
-        f"pretrain_llama_{settings['HET_SIZE']}.sh")
+        f"pretrain_llama_{settings['HET_SIZE']}.sh"
+    )
     assert (REPO / settings["HET_PLAN"]).is_file()
     cluster = ClusterSpec.load(REPO / settings["HET_CLUSTER"])
     assert f"#SBATCH --nodes={cluster.num_nodes}\n" in text
@@ -109,12 +153,14 @@ def test_mix_script_is_its_settings_and_the_shared_body(script: Path) -> None:
         assert "--gpus-per-node" not in text and "submit a heterogeneous job" in text
         lines = text.splitlines()
         first = next(i for i, line in enumerate(lines) if line.startswith("#   sbatch "))
-        example = " ".join(line.lstrip("# ").rstrip(" \\") for line in lines[first:first + 3])
+        example = " ".join(line.lstrip("# ").rstrip(" \\") for line in lines[first : first + 3])
         parts = example.removeprefix("sbatch ").split(" : ")
         assert [re.sub(r" --gres=\S+", "", part) for part in parts[:-1]] + [
-            re.sub(r" --gres=\S+ \S+$", "", parts[-1])] == [
+            re.sub(r" --gres=\S+ \S+$", "", parts[-1])
+        ] == [
             f"--nodes={group.nodes} --exclusive --ntasks-per-node=1"
-            for group in cluster.node_groups], example
+            for group in cluster.node_groups
+        ], example
         assert example.endswith(f" {script.relative_to(REPO)}"), example
 
 
@@ -151,12 +197,14 @@ def _drop_a_pipeline(plan: dict) -> None:
     plan["pipelines"].pop()
 
 
-@pytest.mark.parametrize("break_plan, expected", [
-    (_drop_last_layer, "on no stage"), (_drop_a_pipeline, "give every rank")])
+@pytest.mark.parametrize(
+    "break_plan, expected",
+    [(_drop_last_layer, "on no stage"), (_drop_a_pipeline, "give every rank")],
+)
 @pytest.mark.slow
-def test_broken_plan_fails_with_one_error_line(tmp_path: Path,
-                                              break_plan: Callable[[dict], None],
-                                              expected: str) -> None:
+def test_broken_plan_fails_with_one_error_line(
+    tmp_path: Path, break_plan: Callable[[dict], None], expected: str
+) -> None:
     if not _dry_run_available():
         pytest.skip("pretrain_llama.py has no --dry-run yet")
     script = _script("h100_mi300x")
@@ -172,15 +220,19 @@ def test_broken_plan_fails_with_one_error_line(tmp_path: Path,
 
 def _print_only(mix: str, *args: str, **env: str) -> tuple[dict[str, str], str]:
     """(exported variables, command line) that the script prints with PRINT_ONLY=1."""
-    base = {"DATA_PATH": "/data/corpus_text_document", "CHECKPOINT_DIR": "/ckpt",
-            "MASTER_ADDR": "node0", "PRINT_ONLY": "1"}
+    base = {
+        "DATA_PATH": "/data/corpus_text_document",
+        "CHECKPOINT_DIR": "/ckpt",
+        "MASTER_ADDR": "node0",
+        "PRINT_ONLY": "1",
+    }
     base.update(env)
     result = _run(_script(mix), *args, **base)
     assert result.returncode == 0, result.stderr
     exported, command = {}, ""
     for line in result.stdout.splitlines():
         if line.startswith("declare -x ") and "=" in line:
-            name, _, value = line[len("declare -x "):].partition("=")
+            name, _, value = line[len("declare -x ") :].partition("=")
             exported[name] = value.strip('"')
         elif line.startswith("+ "):
             command = line
@@ -198,21 +250,30 @@ def test_vendor_settings_follow_the_node_group() -> None:
     ascend, _ = _print_only("a100_ascend910b", NODE_RANK="11")
     assert ascend["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
     assert "HCCL_CONNECT_TIMEOUT" in ascend and "NCCL_IB_TIMEOUT" not in ascend
-    site, _ = _print_only("h100_mi300x", NODE_RANK="4", HET_SOCKET_IFNAME="ib0",
-                          NCCL_IB_GID_INDEX="5")
+    site, _ = _print_only(
+        "h100_mi300x", NODE_RANK="4", HET_SOCKET_IFNAME="ib0", NCCL_IB_GID_INDEX="5"
+    )
     assert site["NCCL_SOCKET_IFNAME"] == "ib0" and site["GLOO_SOCKET_IFNAME"] == "ib0"
     # A site's own value is kept: the script does not change it (changes are what it lists).
     assert "NCCL_IB_GID_INDEX" not in site
 
 
 def test_training_command_carries_the_megatron_flags() -> None:
-    _, cmd = _print_only("h200_mi300x", "--train-iters", "20", NODE_RANK="2",
-                         TOKENIZER_MODEL="/tok/tokenizer.model")
-    for flag in ("--plan scripts/h200_mi300x/plan_70b.json", "--cluster scripts/clusters/"
-                 "h200_mi300x.yaml", "--data-path /data/corpus_text_document",
-                 "--tokenizer-model /tok/tokenizer.model", "--save /ckpt", "--load /ckpt",
-                 "--lr-decay-style cosine", "--tensorboard-dir /ckpt/logs/tensorboard",
-                 "--metrics-file /ckpt/logs/metrics.jsonl", "--bridge relay"):
+    _, cmd = _print_only(
+        "h200_mi300x", "--train-iters", "20", NODE_RANK="2", TOKENIZER_MODEL="/tok/tokenizer.model"
+    )
+    for flag in (
+        "--plan scripts/h200_mi300x/plan_70b.json",
+        "--cluster scripts/clusters/h200_mi300x.yaml",
+        "--data-path /data/corpus_text_document",
+        "--tokenizer-model /tok/tokenizer.model",
+        "--save /ckpt",
+        "--load /ckpt",
+        "--lr-decay-style cosine",
+        "--tensorboard-dir /ckpt/logs/tensorboard",
+        "--metrics-file /ckpt/logs/metrics.jsonl",
+        "--bridge relay",
+    ):
         assert flag in cmd, flag
     assert cmd.endswith("--train-iters 20")
     _, cmd = _print_only("h100_a100", NODE_RANK="0")
@@ -230,9 +291,15 @@ def test_slurm_fans_out_one_task_per_node_then_runs_torchrun() -> None:
 
 def test_slurm_nodes_take_their_place_in_node_order() -> None:
     """Slurm numbers nodes in its own order; NODE_ORDER puts them in the cluster file's."""
-    slurm = {"LAUNCHER": "slurm", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "6",
-             "HET_SLURM_NODE": "1", "SLURM_NODEID": "0", "MASTER_ADDR": "",
-             "NODE_ORDER": "h200-1,h200-2 mi-1 mi-2,mi-3,mi-4"}
+    slurm = {
+        "LAUNCHER": "slurm",
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NUM_NODES": "6",
+        "HET_SLURM_NODE": "1",
+        "SLURM_NODEID": "0",
+        "MASTER_ADDR": "",
+        "NODE_ORDER": "h200-1,h200-2 mi-1 mi-2,mi-3,mi-4",
+    }
     env, cmd = _print_only("h200_mi300x", SLURMD_NODENAME="mi-2", **slurm)
     assert "--node_rank 3 --master_addr h200-1" in cmd and "HIP_VISIBLE_DEVICES" in env, cmd
     env, cmd = _print_only("h200_mi300x", SLURMD_NODENAME="h200-2", **slurm)
@@ -247,30 +314,42 @@ def test_slurm_fanout_of_an_elastic_job_outlives_a_lost_node() -> None:
     assert "--kill-on-bad-exit=0 --no-kill --export" in cmd
 
 
-_HET_JOB = {"LAUNCHER": "slurm", "SLURM_JOB_ID": "42", "SLURM_HET_SIZE": "2",
-            "SLURM_JOB_NODELIST_HET_GROUP_0": "h200-1,h200-2",
-            "SLURM_JOB_NODELIST_HET_GROUP_1": "mi-1,mi-2,mi-3,mi-4"}
+_HET_JOB = {
+    "LAUNCHER": "slurm",
+    "SLURM_JOB_ID": "42",
+    "SLURM_HET_SIZE": "2",
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "h200-1,h200-2",
+    "SLURM_JOB_NODELIST_HET_GROUP_1": "mi-1,mi-2,mi-3,mi-4",
+}
 
 
 def test_a_heterogeneous_slurm_job_runs_one_step_per_component() -> None:
     """sbatch --nodes=2 ... : --nodes=4 ...: one srun step per component, and the components'
     hosts in order as the node order every node task takes its place in."""
-    result = _run(_script("h200_mi300x"), **{**_NODE, "MASTER_ADDR": "", "PRINT_ONLY": "1",
-                                            **_HET_JOB})
+    result = _run(
+        _script("h200_mi300x"), **{**_NODE, "MASTER_ADDR": "", "PRINT_ONLY": "1", **_HET_JOB}
+    )
     assert result.returncode == 0, result.stderr
     steps = [line for line in result.stdout.splitlines() if line.startswith("+ ")]
     assert [step.split(" --kill-on-bad-exit")[0] for step in steps] == [
         "+ srun --het-group=0 --nodes=2 --ntasks=2 --ntasks-per-node=1",
-        "+ srun --het-group=1 --nodes=4 --ntasks=4 --ntasks-per-node=1"]
+        "+ srun --het-group=1 --nodes=4 --ntasks=4 --ntasks-per-node=1",
+    ]
     assert all(step.endswith("scripts/h200_mi300x/pretrain_llama_70b.sh") for step in steps)
     assert 'declare -x NODE_ORDER="h200-1 h200-2 mi-1 mi-2 mi-3 mi-4"' in result.stdout
     reordered = "mi-1 h200-2 h200-1 mi-2 mi-3 mi-4"  # given: the same hosts, kept as given
-    result = _run(_script("h200_mi300x"), **{**_NODE, "MASTER_ADDR": "", "PRINT_ONLY": "1",
-                                            **_HET_JOB, "NODE_ORDER": reordered})
+    result = _run(
+        _script("h200_mi300x"),
+        **{**_NODE, "MASTER_ADDR": "", "PRINT_ONLY": "1", **_HET_JOB, "NODE_ORDER": reordered},
+    )
     assert result.returncode == 0 and "--het-group=1" in result.stdout, result.stderr
-    env, cmd = _print_only("h200_mi300x", HET_SLURM_NODE="1", SLURMD_NODENAME="mi-1",
-                           NODE_ORDER="h200-1 h200-2 mi-1 mi-2 mi-3 mi-4",
-                           **{**_HET_JOB, "MASTER_ADDR": ""})
+    env, cmd = _print_only(
+        "h200_mi300x",
+        HET_SLURM_NODE="1",
+        SLURMD_NODENAME="mi-1",
+        NODE_ORDER="h200-1 h200-2 mi-1 mi-2 mi-3 mi-4",
+        **{**_HET_JOB, "MASTER_ADDR": ""},
+    )
     assert "--node_rank 2 --master_addr h200-1" in cmd and "HIP_VISIBLE_DEVICES" in env, cmd
 
 
@@ -296,29 +375,55 @@ echo "$group done" >> "$log"
 
 @pytest.mark.parametrize("elastic", ["0", "1"])
 def test_a_failed_component_step_ends_a_plain_job_and_not_an_elastic_one(
-        tmp_path: Path, elastic: str) -> None:
-    env = {**_NODE, "MASTER_ADDR": "", **_HET_JOB, **_fake_srun(tmp_path), "ELASTIC": elastic,
-           "FAKE_FAIL_GROUP": "1", "FAKE_STEP_S": "60" if elastic == "0" else "1"}
+    tmp_path: Path, elastic: str
+) -> None:
+    env = {
+        **_NODE,
+        "MASTER_ADDR": "",
+        **_HET_JOB,
+        **_fake_srun(tmp_path),
+        "ELASTIC": elastic,
+        "FAKE_FAIL_GROUP": "1",
+        "FAKE_STEP_S": "60" if elastic == "0" else "1",
+    }
     result = _run(_script("h200_mi300x"), **env)
     assert result.returncode == 3, result.stdout + result.stderr
-    ends = sorted(line for line in (tmp_path / "steps").read_text().splitlines()
-                  if not line.endswith("started"))
+    ends = sorted(
+        line
+        for line in (tmp_path / "steps").read_text().splitlines()
+        if not line.endswith("started")
+    )
     assert ends == (["0 stopped", "1 failed"] if elastic == "0" else ["0 done", "1 failed"])
 
 
 @pytest.mark.parametrize("whom", ["batch-shell", "job-step"])
 def test_a_signal_reaches_every_component_step_and_the_batch_step_waits_for_them(
-        tmp_path: Path, whom: str) -> None:
+    tmp_path: Path, whom: str
+) -> None:
     """scancel -b -s TERM or sbatch --signal=B:TERM@... (the batch shell alone), or a job's
     cancel or time limit (every process of the step): each step's srun gets it, so the run
     saves and exits as under one srun, and the batch step ends only after the steps (each
     takes 0.3 s to stop)."""
-    env = _env(**{**_NODE, "MASTER_ADDR": "", **_HET_JOB, **_fake_srun(tmp_path),
-                  "FAKE_FAIL_GROUP": "none", "FAKE_STEP_S": "60"})
+    env = _env(
+        **{
+            **_NODE,
+            "MASTER_ADDR": "",
+            **_HET_JOB,
+            **_fake_srun(tmp_path),
+            "FAKE_FAIL_GROUP": "none",
+            "FAKE_STEP_S": "60",
+        }
+    )
     output = tmp_path / "output"
     with output.open("w") as out:  # a file, not a pipe: the steps would hold a pipe open
-        job = subprocess.Popen(["bash", str(_script("h200_mi300x"))], cwd=REPO, env=env,
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        job = subprocess.Popen(
+            ["bash", str(_script("h200_mi300x"))],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     log = tmp_path / "steps"
     deadline = time.monotonic() + 60
     while not (log.exists() and len(log.read_text().splitlines()) == 2):
@@ -330,14 +435,21 @@ def test_a_signal_reaches_every_component_step_and_the_batch_step_waits_for_them
         os.killpg(job.pid, signal.SIGTERM)
     assert job.wait(timeout=30) == 143, output.read_text()
     assert sorted(log.read_text().splitlines()) == [
-        "0 started", "0 stopped", "1 started", "1 stopped"]
+        "0 started",
+        "0 stopped",
+        "1 started",
+        "1 stopped",
+    ]
 
 
 def test_elastic_runs_one_supervisor_per_node() -> None:
-    _, cmd = _print_only("h200_mi300x", NODE_RANK="3", ELASTIC="1", NODE_ADDR="node3",
-                         MAX_RESTARTS="2")
-    assert ("tools/elastic_run.py --max-restarts 2 --node-rank 3 --master-addr node0 "
-            "--master-port 29500 --node-addr node3 -- --model") in cmd, cmd
+    _, cmd = _print_only(
+        "h200_mi300x", NODE_RANK="3", ELASTIC="1", NODE_ADDR="node3", MAX_RESTARTS="2"
+    )
+    assert (
+        "tools/elastic_run.py --max-restarts 2 --node-rank 3 --master-addr node0 "
+        "--master-port 29500 --node-addr node3 -- --model"
+    ) in cmd, cmd
     assert "torch.distributed.run" not in cmd and "pretrain_llama.py" not in cmd
     assert "--save /ckpt" in cmd and "--cluster scripts/clusters/h200_mi300x.yaml" in cmd
 
@@ -345,34 +457,72 @@ def test_elastic_runs_one_supervisor_per_node() -> None:
 _NODE = {"NODE_RANK": "0", "MASTER_ADDR": "n0", "DATA_PATH": "/d", "CHECKPOINT_DIR": "/c"}
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "3"}, "needs 6"),
-    ({"LAUNCHER": "slurm"}, "Slurm allocation"),
-    ({"LAUNCHER": "mpirun"}, "torchrun or slurm"),
-    ({"NODE_RANK": "6"}, "NODE_RANK 6 is outside"),
-    ({"DATA_PATH": ""}, "DATA_PATH is not set"),
-    ({"CHECKPOINT_DIR": ""}, "CHECKPOINT_DIR is not set"),
-    ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
-    ({"NODE_RANK": ""}, "NODE_RANK is not set"),
-    ({"PLAN": "/nonexistent/plan.json"}, "plan file"),
-    ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "6",
-      "NODE_ORDER": "a b c"}, "NODE_ORDER lists 3 hosts but cluster h200_mi300x.yaml has 6"),
-    ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "HET_SLURM_NODE": "1", "SLURMD_NODENAME": "x",
-      "NODE_ORDER": "a b c d e f"}, "this node (x) is not in NODE_ORDER"),
-    ({**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_1": "mi-1,mi-2"},
-     "the heterogeneous job's 2 components have 4 nodes (2 2) but cluster h200_mi300x.yaml "
-     "needs 6"),
-    ({**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_1": ""}, "SLURM_JOB_NODELIST_HET_GROUP_1 is not"),
-    ({**_HET_JOB, "NODE_ORDER": "h200-1 h200-2 mi-1 mi-2 mi-3 mi-9"},
-     "NODE_ORDER (h200-1 h200-2 mi-1 mi-2 mi-3 mi-9) does not list the heterogeneous job's "
-     "hosts (h200-1 h200-2 mi-1 mi-2 mi-3 mi-4)"),
-    ({**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_0": "a,b,c", "SLURM_JOB_NODELIST_HET_GROUP_1":
-      "d,e,f"}, "component 0 ends at node 3 of cluster h200_mi300x.yaml, inside a run of nodes "
-     "of one kind (runs of 2 4 nodes"),
-    ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "HET_SLURM_NODE": "1", "SLURM_NODEID": "0",
-      "SLURM_GPUS_ON_NODE": "4"},
-     "Slurm gave node 0 4 GPUs but it runs 8 GPU ranks; submit with sbatch --gpus-per-node=8"),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "3"}, "needs 6"),
+        ({"LAUNCHER": "slurm"}, "Slurm allocation"),
+        ({"LAUNCHER": "mpirun"}, "torchrun or slurm"),
+        ({"NODE_RANK": "6"}, "NODE_RANK 6 is outside"),
+        ({"DATA_PATH": ""}, "DATA_PATH is not set"),
+        ({"CHECKPOINT_DIR": ""}, "CHECKPOINT_DIR is not set"),
+        ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
+        ({"NODE_RANK": ""}, "NODE_RANK is not set"),
+        ({"PLAN": "/nonexistent/plan.json"}, "plan file"),
+        (
+            {
+                "LAUNCHER": "slurm",
+                "SLURM_JOB_ID": "1",
+                "SLURM_JOB_NUM_NODES": "6",
+                "NODE_ORDER": "a b c",
+            },
+            "NODE_ORDER lists 3 hosts but cluster h200_mi300x.yaml has 6",
+        ),
+        (
+            {
+                "LAUNCHER": "slurm",
+                "SLURM_JOB_ID": "1",
+                "HET_SLURM_NODE": "1",
+                "SLURMD_NODENAME": "x",
+                "NODE_ORDER": "a b c d e f",
+            },
+            "this node (x) is not in NODE_ORDER",
+        ),
+        (
+            {**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_1": "mi-1,mi-2"},
+            "the heterogeneous job's 2 components have 4 nodes (2 2) but cluster h200_mi300x.yaml "
+            "needs 6",
+        ),
+        (
+            {**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_1": ""},
+            "SLURM_JOB_NODELIST_HET_GROUP_1 is not",
+        ),
+        (
+            {**_HET_JOB, "NODE_ORDER": "h200-1 h200-2 mi-1 mi-2 mi-3 mi-9"},
+            "NODE_ORDER (h200-1 h200-2 mi-1 mi-2 mi-3 mi-9) does not list the heterogeneous job's "
+            "hosts (h200-1 h200-2 mi-1 mi-2 mi-3 mi-4)",
+        ),
+        (
+            {
+                **_HET_JOB,
+                "SLURM_JOB_NODELIST_HET_GROUP_0": "a,b,c",
+                "SLURM_JOB_NODELIST_HET_GROUP_1": "d,e,f",
+            },
+            "component 0 ends at node 3 of cluster h200_mi300x.yaml, inside a run of nodes "
+            "of one kind (runs of 2 4 nodes",
+        ),
+        (
+            {
+                "LAUNCHER": "slurm",
+                "SLURM_JOB_ID": "1",
+                "HET_SLURM_NODE": "1",
+                "SLURM_NODEID": "0",
+                "SLURM_GPUS_ON_NODE": "4",
+            },
+            "Slurm gave node 0 4 GPUs but it runs 8 GPU ranks; submit with sbatch --gpus-per-node=8",
+        ),
+    ],
+)
 def test_launch_mistakes_fail_with_one_error_line(env: dict[str, str], expected: str) -> None:
     result = _run(_script("h200_mi300x"), **{**_NODE, "PRINT_ONLY": "1", **env})
     assert result.returncode == 2, result.stdout + result.stderr
@@ -390,8 +540,14 @@ def test_help_lists_the_modes() -> None:
 def test_scripts_do_not_depend_on_the_working_directory(tmp_path: Path) -> None:
     copy = tmp_path / "elsewhere"
     copy.mkdir()
-    result = subprocess.run(["bash", str(_script("h100_mi300x")), "--print-only", "--dry-run"],
-                            cwd=copy, env=_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", str(_script("h100_mi300x")), "--print-only", "--dry-run"],
+        cwd=copy,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "pretrain_llama.py" in result.stdout and "--dry-run" in result.stdout
 
@@ -399,8 +555,18 @@ def test_scripts_do_not_depend_on_the_working_directory(tmp_path: Path) -> None:
 def test_a_node_of_gpu_and_cpu_ranks_exposes_and_counts_its_gpus_only() -> None:
     """The GPU check's pair (one H200 rank and one CPU rank on one node): one GPU visible,
     Slurm's GPU count compared with the one GPU rank, not with both ranks."""
-    pair = {"CLUSTER": "scripts/gpu_check/h200_cpu_pair.yaml",
-            "PLAN": "scripts/gpu_check/pair_pp2.json", "NODE_RANK": "0"}
-    env, cmd = _print_only("h200_mi300x", SLURM_GPUS_ON_NODE="1", LAUNCHER="slurm",
-                           SLURM_JOB_ID="1", HET_SLURM_NODE="1", SLURM_NODEID="0", **pair)
+    pair = {
+        "CLUSTER": "scripts/gpu_check/h200_cpu_pair.yaml",
+        "PLAN": "scripts/gpu_check/pair_pp2.json",
+        "NODE_RANK": "0",
+    }
+    env, cmd = _print_only(
+        "h200_mi300x",
+        SLURM_GPUS_ON_NODE="1",
+        LAUNCHER="slurm",
+        SLURM_JOB_ID="1",
+        HET_SLURM_NODE="1",
+        SLURM_NODEID="0",
+        **pair,
+    )
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and "--nproc_per_node 2" in cmd, (env, cmd)

@@ -1,4 +1,5 @@
 """The parallel command line: torchrun end to end, --dry-run, and one-line errors."""
+
 from __future__ import annotations
 
 import io
@@ -12,34 +13,64 @@ import pytest
 
 from megatron_het.arguments import parse_run_config
 from megatron_het.errors import UserError
-from megatron_het.training.launch import read_launch_env
 from megatron_het.training.dry_run import dry_run
+from megatron_het.training.launch import read_launch_env
 from megatron_het.training.setup import prepare_run
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CLUSTER = str(REPO / "scripts" / "clusters" / "cpu_emulated.yaml")
 PLANS = REPO / "scripts" / "plans"
-COMMON = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
-          "--vocab-size", "300", "--seq-length", "32"]
+COMMON = [
+    "--model",
+    "tiny",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "300",
+    "--seq-length",
+    "32",
+]
 
 
 @pytest.mark.slow
 def test_torchrun_trains_on_the_emulated_cluster(tmp_path: pathlib.Path) -> None:
     metrics, save = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "4", "pretrain_llama.py", *COMMON, "--cluster", CLUSTER,
-           "--plan", str(PLANS / "cpu_emulated_pp4.json"), "--train-iters", "3",
-           "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
-           "--metrics-file", str(metrics), "--save", str(save)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "4",
+        "pretrain_llama.py",
+        *COMMON,
+        "--cluster",
+        CLUSTER,
+        "--plan",
+        str(PLANS / "cpu_emulated_pp4.json"),
+        "--train-iters",
+        "3",
+        "--lr",
+        "1e-3",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--metrics-file",
+        str(metrics),
+        "--save",
+        str(save),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in lines] == [1, 2, 3]
     assert lines[0]["global_batch_size"] == 8  # from the plan: 2 x 4 micro-batches
-    assert set(lines[0]["tflops_per_accelerator"]) == {"emu-fast (emulated)",
-                                                       "emu-slow (emulated)"}
-    assert [s["accelerator"] for s in lines[0]["stages"]] == [
-        "emu-fast (emulated)"] * 2 + ["emu-slow (emulated)"] * 2
+    assert set(lines[0]["tflops_per_accelerator"]) == {"emu-fast (emulated)", "emu-slow (emulated)"}
+    assert [s["accelerator"] for s in lines[0]["stages"]] == ["emu-fast (emulated)"] * 2 + [
+        "emu-slow (emulated)"
+    ] * 2
     assert proc.stdout.count(" iteration        3/       3 |") == 1  # one rank logs
     assert "MFU:" in proc.stdout
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
@@ -47,8 +78,19 @@ def test_torchrun_trains_on_the_emulated_cluster(tmp_path: pathlib.Path) -> None
 
 def test_dry_run_prints_plan_and_prediction() -> None:
     out = io.StringIO()
-    dry_run(parse_run_config([*COMMON, "--cluster", CLUSTER, "--plan",
-                              str(PLANS / "cpu_emulated_3stage.json"), "--dry-run"]), out)
+    dry_run(
+        parse_run_config(
+            [
+                *COMMON,
+                "--cluster",
+                CLUSTER,
+                "--plan",
+                str(PLANS / "cpu_emulated_3stage.json"),
+                "--dry-run",
+            ]
+        ),
+        out,
+    )
     text = out.getvalue()
     assert "stage 0: emu-fast (emulated), tp=2, 1 layer [0, 1) +embedding, ranks [0, 1]" in text
     assert "stage 1: emu-slow (emulated), tp=1, 2 layers [1, 3), ranks [2]" in text
@@ -56,75 +98,206 @@ def test_dry_run_prints_plan_and_prediction() -> None:
     assert "> predicted iteration time:" in text
     assert "decoder layers eager (no --compile)" in text
     out = io.StringIO()
-    dry_run(parse_run_config([*COMMON, "--cluster", CLUSTER, "--plan",
-                              str(PLANS / "cpu_emulated_3stage.json"), "--dry-run",
-                              "--compile"]), out)
+    dry_run(
+        parse_run_config(
+            [
+                *COMMON,
+                "--cluster",
+                CLUSTER,
+                "--plan",
+                str(PLANS / "cpu_emulated_3stage.json"),
+                "--dry-run",
+                "--compile",
+            ]
+        ),
+        out,
+    )
     assert "decoder layers compiled (--compile)" in out.getvalue()
 
 
 def test_dry_run_megatron_flags_without_cluster_use_cpu_ranks() -> None:
-    setup = prepare_run(parse_run_config(
-        [*COMMON, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
-         "3", "--global-batch-size", "4", "--dry-run"]), world_size=None)
+    setup = prepare_run(
+        parse_run_config(
+            [
+                *COMMON,
+                "--pipeline-model-parallel-size",
+                "2",
+                "--decoder-first-pipeline-num-layers",
+                "3",
+                "--global-batch-size",
+                "4",
+                "--dry-run",
+            ]
+        ),
+        world_size=None,
+    )
     assert [s.layers for s in setup.plan.pipelines[0].stages] == [(0, 3), (3, 4)]
     assert setup.cluster.world_size == 2 and setup.accelerator(1).name == "cpu"
 
 
-@pytest.mark.parametrize("flags", [
-    ["--num-layers-per-virtual-pipeline-stage", "2"],
-    ["--virtual-pipeline-model-parallel-size", "2"],
-    ["--pipeline-model-parallel-layout", "Et*2|t*2|t*2|t*2L"],
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--num-layers-per-virtual-pipeline-stage", "2"],
+        ["--virtual-pipeline-model-parallel-size", "2"],
+        ["--pipeline-model-parallel-layout", "Et*2|t*2|t*2|t*2L"],
+    ],
+)
 def test_megatron_interleaving_flags_give_round_robin_chunks(flags: list[str]) -> None:
-    setup = prepare_run(parse_run_config(
-        [*COMMON, "--num-layers", "8", "--pipeline-model-parallel-size", "2",
-         "--global-batch-size", "4", *flags]), world_size=None)
+    setup = prepare_run(
+        parse_run_config(
+            [
+                *COMMON,
+                "--num-layers",
+                "8",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--global-batch-size",
+                "4",
+                *flags,
+            ]
+        ),
+        world_size=None,
+    )
     stages = setup.plan.pipelines[0].stages
     assert [(s.layers, s.ranks) for s in stages] == [
-        ((0, 2), (0,)), ((2, 4), (1,)), ((4, 6), (0,)), ((6, 8), (1,))]
+        ((0, 2), (0,)),
+        ((2, 4), (1,)),
+        ((4, 6), (0,)),
+        ((6, 8), (1,)),
+    ]
     assert stages[0].has_embedding and stages[-1].has_head
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--num-layers-per-virtual-pipeline-stage", "2", "--virtual-pipeline-model-parallel-size",
-      "2"], "not both"),
-    (["--num-layers-per-virtual-pipeline-stage", "3"],
-     "--num-layers 8 is not a multiple of --num-layers-per-virtual-pipeline-stage 3"),
-    (["--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "4"],
-     "needs at least 2 micro_batches (got 1): use 2 or more"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            [
+                "--num-layers-per-virtual-pipeline-stage",
+                "2",
+                "--virtual-pipeline-model-parallel-size",
+                "2",
+            ],
+            "not both",
+        ),
+        (
+            ["--num-layers-per-virtual-pipeline-stage", "3"],
+            "--num-layers 8 is not a multiple of --num-layers-per-virtual-pipeline-stage 3",
+        ),
+        (
+            ["--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "4"],
+            "needs at least 2 micro_batches (got 1): use 2 or more",
+        ),
+    ],
+)
 def test_megatron_interleaving_flag_mistakes_are_one_line(flags: list[str], message: str) -> None:
     with pytest.raises(UserError) as info:
-        prepare_run(parse_run_config(
-            [*COMMON, "--num-layers", "8", "--pipeline-model-parallel-size", "2",
-             "--global-batch-size", "4", *flags]), world_size=None)
+        prepare_run(
+            parse_run_config(
+                [
+                    *COMMON,
+                    "--num-layers",
+                    "8",
+                    "--pipeline-model-parallel-size",
+                    "2",
+                    "--global-batch-size",
+                    "4",
+                    *flags,
+                ]
+            ),
+            world_size=None,
+        )
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
 def test_auto_plan_fills_the_cluster() -> None:
-    setup = prepare_run(parse_run_config(
-        [*COMMON, "--cluster", CLUSTER, "--plan", "auto", "--global-batch-size", "8"]), 4)
+    setup = prepare_run(
+        parse_run_config(
+            [*COMMON, "--cluster", CLUSTER, "--plan", "auto", "--global-batch-size", "8"]
+        ),
+        4,
+    )
     assert setup.plan.world_size == 4 and setup.plan.global_batch_size == 8
     assert setup.train.micro_batch_size == setup.plan.micro_batch_size
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_3stage.json"),
-      "--global-batch-size", "6"], "--global-batch-size 6 differs from the plan's 8"),
-    (["--plan", str(PLANS / "cpu_emulated_3stage.json")],
-     "stage 0 of pipeline 0 says emu-fast but rank 0 is cpu"),
-    (["--plan", str(PLANS / "cpu_emulated_3stage.json"), "--tensor-model-parallel-size", "2"],
-     "--plan and --tensor-model-parallel-size both describe the layout"),
-    (["--cluster", CLUSTER, "--tensor-model-parallel-size", "2",
-      "--pipeline-model-parallel-size", "3"], "is not divisible by"),
-    (["--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_tp2_pp2.json"),
-      "--micro-batch-size", "4"], "--micro-batch-size 4 differs from the plan's"),
-    (["--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_tp2_pp2.json"),
-      "--num-attention-heads", "3", "--num-query-groups", "3", "--hidden-size", "48"],
-     "has tp=2, which does not divide"),
-    (["--cluster", CLUSTER, "--plan", str(PLANS / "cpu_emulated_tp2_pp2.json"),
-      "--tp-comm-overlap"], "--tp-comm-overlap overlaps sequence parallelism's all-gathers"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            [
+                "--cluster",
+                CLUSTER,
+                "--plan",
+                str(PLANS / "cpu_emulated_3stage.json"),
+                "--global-batch-size",
+                "6",
+            ],
+            "--global-batch-size 6 differs from the plan's 8",
+        ),
+        (
+            ["--plan", str(PLANS / "cpu_emulated_3stage.json")],
+            "stage 0 of pipeline 0 says emu-fast but rank 0 is cpu",
+        ),
+        (
+            [
+                "--plan",
+                str(PLANS / "cpu_emulated_3stage.json"),
+                "--tensor-model-parallel-size",
+                "2",
+            ],
+            "--plan and --tensor-model-parallel-size both describe the layout",
+        ),
+        (
+            [
+                "--cluster",
+                CLUSTER,
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "3",
+            ],
+            "is not divisible by",
+        ),
+        (
+            [
+                "--cluster",
+                CLUSTER,
+                "--plan",
+                str(PLANS / "cpu_emulated_tp2_pp2.json"),
+                "--micro-batch-size",
+                "4",
+            ],
+            "--micro-batch-size 4 differs from the plan's",
+        ),
+        (
+            [
+                "--cluster",
+                CLUSTER,
+                "--plan",
+                str(PLANS / "cpu_emulated_tp2_pp2.json"),
+                "--num-attention-heads",
+                "3",
+                "--num-query-groups",
+                "3",
+                "--hidden-size",
+                "48",
+            ],
+            "has tp=2, which does not divide",
+        ),
+        (
+            [
+                "--cluster",
+                CLUSTER,
+                "--plan",
+                str(PLANS / "cpu_emulated_tp2_pp2.json"),
+                "--tp-comm-overlap",
+            ],
+            "--tp-comm-overlap overlaps sequence parallelism's all-gathers",
+        ),
+    ],
+)
 def test_mismatches_are_one_line_errors(flags: list[str], message: str) -> None:
     with pytest.raises(UserError) as info:
         prepare_run(parse_run_config([*COMMON, *flags]), world_size=None)
@@ -138,13 +311,22 @@ def test_launched_world_must_match_the_cluster() -> None:
 
 @pytest.mark.slow
 def test_dry_run_exit_status_and_error_line() -> None:
-    base = [sys.executable, "pretrain_llama.py", *COMMON, "--cluster", CLUSTER, "--plan",
-            str(PLANS / "cpu_emulated_tp2_pp2.json"), "--dry-run"]
+    base = [
+        sys.executable,
+        "pretrain_llama.py",
+        *COMMON,
+        "--cluster",
+        CLUSTER,
+        "--plan",
+        str(PLANS / "cpu_emulated_tp2_pp2.json"),
+        "--dry-run",
+    ]
     ok = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert "emu-slow (emulated), tp=2, 2 layers [2, 4) +head, ranks [2, 3]" in ok.stdout
-    bad = subprocess.run(base + ["--global-batch-size", "16"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
+    bad = subprocess.run(
+        base + ["--global-batch-size", "16"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: --global-batch-size 16 differs from the plan's 8")
     assert bad.stderr.count("\n") == 1
@@ -165,10 +347,16 @@ def _host_profile(path: pathlib.Path, vocab: int, dtype: str = "fp32") -> str:
     def ends(fwd: float, bwd: float) -> tuple:
         return tuple(EndEntry(64, vocab, 32, 2, tp, dtype, fwd / tp, bwd / tp) for tp in (1, 2))
 
-    layers = tuple(LayerEntry(64, 176, 4, 2, 32, 2, tp, dtype, 0.010 / tp, 0.020 / tp, 1e5)
-                   for tp in (1, 2))
-    Profile("cpu", ProfileConditions("host", "2.13", 1, "2026-11-30"), layers=layers,
-            embedding=ends(0.001, 0.002), head=ends(0.003, 0.004)).save(path)
+    layers = tuple(
+        LayerEntry(64, 176, 4, 2, 32, 2, tp, dtype, 0.010 / tp, 0.020 / tp, 1e5) for tp in (1, 2)
+    )
+    Profile(
+        "cpu",
+        ProfileConditions("host", "2.13", 1, "2026-11-30"),
+        layers=layers,
+        embedding=ends(0.001, 0.002),
+        head=ends(0.003, 0.004),
+    ).save(path)
     return str(path)
 
 
@@ -180,19 +368,38 @@ def test_emulation_profile_times_each_emulated_stage(tmp_path: pathlib.Path) -> 
     times = device_times(prepare_run(run, None))
     # Stage 0: tp=2, 1 layer + embedding; stage 1: 2 layers; stage 2: 1 layer + head.
     # One (forward, backward) pair per stage a rank runs (several when it interleaves chunks).
-    assert times == {0: (pytest.approx((0.0055, 0.011)),), 1: (pytest.approx((0.0055, 0.011)),),
-                     2: (pytest.approx((0.020, 0.040)),), 3: (pytest.approx((0.013, 0.024)),)}
+    assert times == {
+        0: (pytest.approx((0.0055, 0.011)),),
+        1: (pytest.approx((0.0055, 0.011)),),
+        2: (pytest.approx((0.020, 0.040)),),
+        3: (pytest.approx((0.013, 0.024)),),
+    }
     out = io.StringIO()
     dry_run(run, out)
-    assert (f"> EMULATION: stage compute of emulated ranks timed from profile {profile} "
-            f"(slowdown x forward + backward per micro-batch): rank 0 1 x (5.5 + 11.0) ms; "
-            f"rank 1 1 x (5.5 + 11.0) ms; rank 2 2 x (20.0 + 40.0) ms; rank 3 2 x (13.0 + "
-            f"24.0) ms") in out.getvalue()
+    assert (
+        f"> EMULATION: stage compute of emulated ranks timed from profile {profile} "
+        f"(slowdown x forward + backward per micro-batch): rank 0 1 x (5.5 + 11.0) ms; "
+        f"rank 1 1 x (5.5 + 11.0) ms; rank 2 2 x (20.0 + 40.0) ms; rank 3 2 x (13.0 + "
+        f"24.0) ms"
+    ) in out.getvalue()
     # The prediction uses the same figures (x the kind's slowdown): stage 1 is 2 emu-slow layers.
     assert re.search(r"emu-slow \(emulated\) +1 +1-3 +40\.00 +80\.00 ", out.getvalue())
-    auto = prepare_run(parse_run_config(
-        [*COMMON, "--cluster", CLUSTER, "--plan", "auto", "--global-batch-size", "8",
-         "--emulation-profile", profile]), 4)
+    auto = prepare_run(
+        parse_run_config(
+            [
+                *COMMON,
+                "--cluster",
+                CLUSTER,
+                "--plan",
+                "auto",
+                "--global-batch-size",
+                "8",
+                "--emulation-profile",
+                profile,
+            ]
+        ),
+        4,
+    )
     assert sorted(device_times(auto)) == [0, 1, 2, 3]
 
 
@@ -201,31 +408,61 @@ def test_emulation_profile_errors_are_one_line(tmp_path: pathlib.Path) -> None:
     vocab = prepare_run(parse_run_config(flags), None).model_config.vocab_size
     bf16_only = _host_profile(tmp_path / "bf16.json", vocab, dtype="bf16")
     with pytest.raises(UserError, match="no fp32 figures for the stage on ranks \\[0, 1\\]"):
-        device_times(prepare_run(parse_run_config([*flags, "--emulation-profile", bf16_only]),
-                                 None))
+        device_times(
+            prepare_run(parse_run_config([*flags, "--emulation-profile", bf16_only]), None)
+        )
     profile = _host_profile(tmp_path / "cpu.json", vocab)
     with pytest.raises(UserError, match="cluster cpu has none; drop the flag"):
-        device_times(prepare_run(parse_run_config(
-            [*COMMON, "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
-             "--emulation-profile", profile]), None))
+        device_times(
+            prepare_run(
+                parse_run_config(
+                    [
+                        *COMMON,
+                        "--pipeline-model-parallel-size",
+                        "2",
+                        "--global-batch-size",
+                        "4",
+                        "--emulation-profile",
+                        profile,
+                    ]
+                ),
+                None,
+            )
+        )
     with pytest.raises(UserError, match="missing.json"):
-        prepare_run(parse_run_config(
-            [*flags, "--emulation-profile", str(tmp_path / "missing.json")]), None)
+        prepare_run(
+            parse_run_config([*flags, "--emulation-profile", str(tmp_path / "missing.json")]), None
+        )
 
 
 def test_launch_env_needs_torchrun_variables() -> None:
-    env = read_launch_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    env = read_launch_env(
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500",
+        }
+    )
     assert (env.rank, env.world_size, env.local_rank) == (1, 4, 1)
     assert env.init_method == "tcp://127.0.0.1:29500" and env.run_id == ""
-    assert read_launch_env({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h",
-                            "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "job7-2"}).run_id \
+    assert (
+        read_launch_env(
+            {
+                "RANK": "1",
+                "WORLD_SIZE": "4",
+                "MASTER_ADDR": "h",
+                "MASTER_PORT": "1",
+                "TORCHELASTIC_RUN_ID": "job7-2",
+            }
+        ).run_id
         == "job7-2"
+    )
     with pytest.raises(UserError, match="MASTER_ADDR, MASTER_PORT not set"):
         read_launch_env({"RANK": "0", "WORLD_SIZE": "2"})
     with pytest.raises(UserError, match="outside WORLD_SIZE"):
-        read_launch_env({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
-                         "MASTER_PORT": "1"})
+        read_launch_env({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
 
 
 def test_a_stage_over_its_emulated_memory_cap_fails_at_start(tmp_path: pathlib.Path) -> None:
@@ -236,8 +473,16 @@ def test_a_stage_over_its_emulated_memory_cap_fails_at_start(tmp_path: pathlib.P
     data["accelerators"] = {"emu-slow": {"memory_cap_gib": 1e-4}}
     capped = tmp_path / "capped.yaml"
     capped.write_text(yaml.safe_dump(data))
-    run = parse_run_config([*COMMON, "--cluster", str(capped), "--plan",
-                            str(PLANS / "cpu_emulated_3stage.json"), "--dry-run"])
+    run = parse_run_config(
+        [
+            *COMMON,
+            "--cluster",
+            str(capped),
+            "--plan",
+            str(PLANS / "cpu_emulated_3stage.json"),
+            "--dry-run",
+        ]
+    )
     with pytest.raises(UserError) as info:
         dry_run(run, io.StringIO())
     message = str(info.value)

@@ -6,6 +6,7 @@
 Exits 1 when the latest committed iteration does not verify. See
 :mod:`megatron_het.checkpoint.info`.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_het.checkpoint.info import main  # noqa: E402
-from megatron_het.errors import run_cli  # noqa: E402
+from megatron_het.checkpoint.info import main
+from megatron_het.errors import run_cli
 
 if __name__ == "__main__":
     run_cli(lambda: sys.exit(main(sys.argv[1:])))

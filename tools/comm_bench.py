@@ -10,10 +10,12 @@ ranks) and "unified" (the communicator's world group over the cluster's kinds), 
 results against values computed locally from the known inputs, prints a table and writes a JSON
 list of records. Sizes are the total bytes of the op's buffer as in nccl-tests (all_gather:
 output; reduce_scatter: input; all_to_all: per-rank send buffer). ``time_us`` is the median over
-iterations of the slowest rank's time (``time_us_mean`` the mean); ``algbw = bytes / time``; ``busbw = algbw x factor`` with
-nccl-tests' factors (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n;
-broadcast 1). Broadcast sends from the last rank (of the last kind, so it crosses kinds).
+iterations of the slowest rank's time (``time_us_mean`` the mean); ``algbw = bytes / time``; ``busbw
+= algbw x factor`` with nccl-tests' factors (all_reduce 2(n-1)/n; all_gather, reduce_scatter,
+all_to_all (n-1)/n; broadcast 1). Broadcast sends from the last rank (of the last kind, so it
+crosses kinds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,22 +24,27 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_het.cli_args import ArgParser  # noqa: E402
-from megatron_het.cluster import ClusterSpec  # noqa: E402
-from megatron_het.comm.communicator import UnifiedCommunicator  # noqa: E402
-from megatron_het.emulation.links import emulated_wires  # noqa: E402
-from megatron_het.errors import UserError, run_cli  # noqa: E402
-from megatron_het.training.launch import (device_problem, gloo_address_problem,  # noqa: E402
-                                          join_world, launched_by_torchrun,
-                                          rank_device_index, read_launch_env,
-                                          select_local_device)
+from megatron_het.cli_args import ArgParser
+from megatron_het.cluster import ClusterSpec
+from megatron_het.comm.communicator import UnifiedCommunicator
+from megatron_het.emulation.links import emulated_wires
+from megatron_het.errors import UserError, run_cli
+from megatron_het.training.launch import (
+    device_problem,
+    gloo_address_problem,
+    join_world,
+    launched_by_torchrun,
+    rank_device_index,
+    read_launch_env,
+    select_local_device,
+)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 IMPLS = ("flat", "unified")
@@ -64,8 +71,14 @@ class Case:
     expected outputs follow in closed form.
     """
 
-    def __init__(self, op: str, nbytes: int, dtype: torch.dtype, comm: UnifiedCommunicator,
-                 flat: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        op: str,
+        nbytes: int,
+        dtype: torch.dtype,
+        comm: UnifiedCommunicator,
+        flat: dist.ProcessGroup,
+    ) -> None:
         n, me, esize = comm.world_size, comm.rank, torch.tensor([], dtype=dtype).element_size()
         self.op, self.n, self.me = op, n, me
         per = max(1, nbytes // esize // (n if op in ("all_gather",) else 1))
@@ -81,20 +94,28 @@ class Case:
         w = comm.world
         m = per // n
         self.run: dict[str, Callable[[], None]] = {
-            "all_reduce": {"flat": lambda: dist.all_reduce(self.output, group=flat),
-                           "unified": lambda: w.all_reduce(self.output)},
+            "all_reduce": {
+                "flat": lambda: dist.all_reduce(self.output, group=flat),
+                "unified": lambda: w.all_reduce(self.output),
+            },
             "all_gather": {
                 "flat": lambda: dist.all_gather_into_tensor(self.output, self.input, group=flat),
-                "unified": lambda: w.all_gather_into_tensor(self.output, self.input)},
+                "unified": lambda: w.all_gather_into_tensor(self.output, self.input),
+            },
             "reduce_scatter": {
                 "flat": lambda: dist.reduce_scatter_tensor(self.output, self.input, group=flat),
-                "unified": lambda: w.reduce_scatter_tensor(self.output, self.input)},
-            "broadcast": {"flat": lambda: dist.broadcast(self.output, self.src, group=flat),
-                          "unified": lambda: w.broadcast(self.output, self.src)},
+                "unified": lambda: w.reduce_scatter_tensor(self.output, self.input),
+            },
+            "broadcast": {
+                "flat": lambda: dist.broadcast(self.output, self.src, group=flat),
+                "unified": lambda: w.broadcast(self.output, self.src),
+            },
             "all_to_all": {
                 "flat": lambda: dist.all_to_all_single(self.output, self.input, group=flat),
-                "unified": lambda: w.all_to_all(list(self.output.split(m)),
-                                                list(self.input.split(m)))},
+                "unified": lambda: w.all_to_all(
+                    list(self.output.split(m)), list(self.input.split(m))
+                ),
+            },
         }[op]
 
     def reset(self) -> None:
@@ -117,14 +138,15 @@ class Case:
         if self.op == "all_gather":
             return torch.cat([base + r for r in range(n)])
         if self.op == "reduce_scatter":
-            return base[me * m:(me + 1) * m] * n + ranks_sum
+            return base[me * m : (me + 1) * m] * n + ranks_sum
         if self.op == "broadcast":
             return base + self.src
-        return torch.cat([base[me * m:(me + 1) * m] + r for r in range(n)])  # all_to_all
+        return torch.cat([base[me * m : (me + 1) * m] + r for r in range(n)])  # all_to_all
 
 
-def time_cases(case: Case, impls: list[str], warmup: int, iters: int,
-               flat: dist.ProcessGroup) -> list[dict]:
+def time_cases(
+    case: Case, impls: list[str], warmup: int, iters: int, flat: dist.ProcessGroup
+) -> list[dict]:
     """Time every impl of ``case``; iterations of the impls alternate, so load from other
     processes on the machine falls on all of them alike. Per iteration the slowest rank's time
     counts; the record holds the median over iterations (and the mean)."""
@@ -150,13 +172,19 @@ def time_cases(case: Case, impls: list[str], warmup: int, iters: int,
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=flat)
         seconds = float(times[k].median())
         algbw = case.bytes / seconds / 1e9
-        records.append({
-            "op": case.op, "impl": impl, "bytes": case.bytes, "count": case.numel,
-            "time_us": round(seconds * 1e6, 1),
-            "time_us_mean": round(float(times[k].mean()) * 1e6, 1),
-            "algbw_gbps": round(algbw, 4),
-            "busbw_gbps": round(algbw * bus_factor(case.op, case.n), 4),
-            "correct": bool(ok.item())})
+        records.append(
+            {
+                "op": case.op,
+                "impl": impl,
+                "bytes": case.bytes,
+                "count": case.numel,
+                "time_us": round(seconds * 1e6, 1),
+                "time_us_mean": round(float(times[k].mean()) * 1e6, 1),
+                "algbw_gbps": round(algbw, 4),
+                "busbw_gbps": round(algbw * bus_factor(case.op, case.n), 4),
+                "correct": bool(ok.item()),
+            }
+        )
     return records
 
 
@@ -179,13 +207,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
     p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--bridge", default="relay", choices=("relay", "direct"),
-                   help="direct: the one native backend all kinds share (error if none)")
+    p.add_argument(
+        "--bridge",
+        default="relay",
+        choices=("relay", "direct"),
+        help="direct: the one native backend all kinds share (error if none)",
+    )
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--timeout-s", type=float, default=600)
-    p.add_argument("--emulate-bridge", action="store_true",
-                   help="slow cross-kind traffic to the cluster's emulated links (off: measure "
-                        "the communicator itself against flat gloo)")
+    p.add_argument(
+        "--emulate-bridge",
+        action="store_true",
+        help="slow cross-kind traffic to the cluster's emulated links (off: measure "
+        "the communicator itself against flat gloo)",
+    )
     args = p.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
     args.impls = [i for i in args.impls.split(",") if i]
@@ -204,13 +239,17 @@ def main() -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=args.timeout_s)
     if not launched_by_torchrun(os.environ):
-        raise UserError("run comm_bench under torchrun, one process per rank of the cluster "
-                        "file: torchrun --nproc_per_node N tools/comm_bench.py --cluster ...")
+        raise UserError(
+            "run comm_bench under torchrun, one process per rank of the cluster "
+            "file: torchrun --nproc_per_node N tools/comm_bench.py --cluster ..."
+        )
     env = read_launch_env(os.environ)  # torchrun's: rank, world, rendezvous
     if env.world_size != cluster.world_size:
-        raise UserError(f"torchrun started {env.world_size} ranks but cluster "
-                        f"{cluster.name} has {cluster.world_size}; use --nproc_per_node (and "
-                        "--nnodes) to match it")
+        raise UserError(
+            f"torchrun started {env.world_size} ranks but cluster "
+            f"{cluster.name} has {cluster.world_size}; use --nproc_per_node (and "
+            "--nnodes) to match it"
+        )
 
     def device_type(r: int) -> str:
         return cluster.accelerator_of(r).device_type
@@ -220,36 +259,52 @@ def main() -> None:
     # reached by the others.
     index = rank_device_index(device_type, env.rank, env.local_rank)
     select_local_device(device_type(env.rank), index)
-    problem = (device_problem(cluster.accelerator_of(env.rank), index)
-               or gloo_address_problem(env))
+    problem = device_problem(cluster.accelerator_of(env.rank), index) or gloo_address_problem(env)
     join_world(env, timeout, problem)
     hooks = emulated_wires(cluster) if args.emulate_bridge else None  # EMULATION
-    comm = UnifiedCommunicator.from_cluster(cluster, bridge=args.bridge, timeout=timeout,
-                                            wire_hooks=hooks)
+    comm = UnifiedCommunicator.from_cluster(
+        cluster, bridge=args.bridge, timeout=timeout, wire_hooks=hooks
+    )
     if "flat" in args.impls and comm.device.type != "cpu":
-        raise UserError(f"--impls flat runs plain gloo on CPU tensors, but this rank's tensors "
-                        f"live on {comm.device.type}; use --impls unified")
+        raise UserError(
+            f"--impls flat runs plain gloo on CPU tensors, but this rank's tensors "
+            f"live on {comm.device.type}; use --impls unified"
+        )
     flat = dist.new_group(list(range(comm.world_size)), backend="gloo", timeout=timeout)
     records = []
     if comm.rank == 0:
         kinds = "+".join(f"{comm.rank_kinds.count(k)}x{k}" for k in dict.fromkeys(comm.rank_kinds))
-        print(f"# comm_bench: {comm.world_size} ranks ({kinds}), bridge {args.bridge}, "
-              f"{args.dtype}, {args.iters} iters, {args.warmup} warmup")
-        print(f"{'op':>15} {'impl':>8} {'bytes':>11} {'time_us':>11} {'algbw GB/s':>11} "
-              f"{'busbw GB/s':>11} {'correct':>8}")
+        print(
+            f"# comm_bench: {comm.world_size} ranks ({kinds}), bridge {args.bridge}, "
+            f"{args.dtype}, {args.iters} iters, {args.warmup} warmup"
+        )
+        print(
+            f"{'op':>15} {'impl':>8} {'bytes':>11} {'time_us':>11} {'algbw GB/s':>11} "
+            f"{'busbw GB/s':>11} {'correct':>8}"
+        )
     for op in args.ops:
-        for nbytes in sizes(parse_size(args.min_bytes), parse_size(args.max_bytes),
-                            args.step_factor):
+        for nbytes in sizes(
+            parse_size(args.min_bytes), parse_size(args.max_bytes), args.step_factor
+        ):
             case = Case(op, nbytes, DTYPES[args.dtype], comm, flat)
             for rec in time_cases(case, args.impls, args.warmup, args.iters, flat):
-                rec.update(dtype=args.dtype, world_size=comm.world_size, bridge=args.bridge,
-                           cluster=args.cluster, kinds=list(comm.rank_kinds),
-                           emulated_bridge=args.emulate_bridge, iters=args.iters)
+                rec.update(
+                    dtype=args.dtype,
+                    world_size=comm.world_size,
+                    bridge=args.bridge,
+                    cluster=args.cluster,
+                    kinds=list(comm.rank_kinds),
+                    emulated_bridge=args.emulate_bridge,
+                    iters=args.iters,
+                )
                 records.append(rec)
                 if comm.rank == 0:
-                    print(f"{op:>15} {rec['impl']:>8} {rec['bytes']:>11} {rec['time_us']:>11.1f} "
-                          f"{rec['algbw_gbps']:>11.4f} {rec['busbw_gbps']:>11.4f} "
-                          f"{str(rec['correct']):>8}", flush=True)
+                    print(
+                        f"{op:>15} {rec['impl']:>8} {rec['bytes']:>11} {rec['time_us']:>11.1f} "
+                        f"{rec['algbw_gbps']:>11.4f} {rec['busbw_gbps']:>11.4f} "
+                        f"{str(rec['correct']):>8}",
+                        flush=True,
+                    )
     if comm.rank == 0:
         summarize(records)
         if args.json:
@@ -266,8 +321,10 @@ def summarize(records: list[dict]) -> None:
     for r in records:
         key = (r["op"], r["bytes"])
         if r["impl"] == "unified" and flat.get(key):
-            print(f"# {r['op']} {r['bytes']} B: unified/flat busbw = "
-                  f"{r['busbw_gbps'] / flat[key]:.3f}")
+            print(
+                f"# {r['op']} {r['bytes']} B: unified/flat busbw = "
+                f"{r['busbw_gbps'] / flat[key]:.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ model does is refused with one line, before anything is written.
 the target plan would have saved it: per-rank model and optimizer shards cut to that plan's
 stages and TP slices, the same iteration and training state, metadata recording the plan.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,21 +33,24 @@ import json
 import os
 import pathlib
 import sys
-from typing import Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_het.checkpoint.hf import (hf_config_to_model_config,  # noqa: E402
-                                        hf_to_megatron_het_state, megatron_het_to_hf_state,
-                                        model_config_to_hf_config, write_hf_tokenizer)
-from megatron_het.checkpoint.io import load_checkpoint_metadata, save_checkpoint  # noqa: E402
-from megatron_het.checkpoint.reader import load_model_state  # noqa: E402
-from megatron_het.checkpoint.sharded import reshard_checkpoint  # noqa: E402
-from megatron_het.cli_args import ArgParser  # noqa: E402
-from megatron_het.errors import UserError, run_cli  # noqa: E402
-from megatron_het.parallel.plan import ParallelPlan  # noqa: E402
+from megatron_het.checkpoint.hf import (
+    hf_config_to_model_config,
+    hf_to_megatron_het_state,
+    megatron_het_to_hf_state,
+    model_config_to_hf_config,
+    write_hf_tokenizer,
+)
+from megatron_het.checkpoint.io import load_checkpoint_metadata, save_checkpoint
+from megatron_het.checkpoint.reader import load_model_state
+from megatron_het.checkpoint.sharded import reshard_checkpoint
+from megatron_het.cli_args import ArgParser
+from megatron_het.errors import UserError, run_cli
+from megatron_het.parallel.plan import ParallelPlan
 
 FORMATS = ("hf", "megatron_het")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,31 +61,57 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags; ``--mode`` chooses the operation (format conversion or resharding)."""
-    parser = ArgParser(prog="tools/convert_checkpoint.py",
-                       description="Convert or reshard Llama checkpoints.")
-    parser.add_argument("--mode", choices=("convert", "reshard"), default="convert",
-                        help="'convert' changes the checkpoint format; 'reshard' lays a "
-                             "megatron_het checkpoint out for --target-plan")
-    parser.add_argument("--source-format", choices=FORMATS, default=None,
-                        help="convert: format of --load-dir (default: the one that is not "
-                             "--target-format)")
-    parser.add_argument("--target-format", choices=FORMATS, default=None,
-                        help="convert: format to write")
-    parser.add_argument("--target-plan", default=None,
-                        help="reshard: parallel plan JSON the checkpoint is laid out for")
+    parser = ArgParser(
+        prog="tools/convert_checkpoint.py", description="Convert or reshard Llama checkpoints."
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("convert", "reshard"),
+        default="convert",
+        help="'convert' changes the checkpoint format; 'reshard' lays a "
+        "megatron_het checkpoint out for --target-plan",
+    )
+    parser.add_argument(
+        "--source-format",
+        choices=FORMATS,
+        default=None,
+        help="convert: format of --load-dir (default: the one that is not --target-format)",
+    )
+    parser.add_argument(
+        "--target-format", choices=FORMATS, default=None, help="convert: format to write"
+    )
+    parser.add_argument(
+        "--target-plan",
+        default=None,
+        help="reshard: parallel plan JSON the checkpoint is laid out for",
+    )
     parser.add_argument("--load-dir", required=True, help="checkpoint to read")
     parser.add_argument("--save-dir", required=True, help="directory to write")
-    parser.add_argument("--iteration", type=int, default=None,
-                        help="megatron_het source: iteration to read (default: latest)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="cast floating-point tensors (default: keep their dtype)")
-    parser.add_argument("--tokenizer-model", default=None, metavar="M.model",
-                        help="--target-format hf: the run's SentencePiece model to write as the "
-                             "Hugging Face tokenizer (default: the one the checkpoint's "
-                             "metadata records)")
-    parser.add_argument("--no-tokenizer", action="store_true",
-                        help="--target-format hf: write the weights and config alone, no "
-                             "tokenizer")
+    parser.add_argument(
+        "--iteration",
+        type=int,
+        default=None,
+        help="megatron_het source: iteration to read (default: latest)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="cast floating-point tensors (default: keep their dtype)",
+    )
+    parser.add_argument(
+        "--tokenizer-model",
+        default=None,
+        metavar="M.model",
+        help="--target-format hf: the run's SentencePiece model to write as the "
+        "Hugging Face tokenizer (default: the one the checkpoint's "
+        "metadata records)",
+    )
+    parser.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="--target-format hf: write the weights and config alone, no tokenizer",
+    )
     return parser
 
 
@@ -90,8 +120,10 @@ def read_hf_dir(load_dir: pathlib.Path) -> tuple[dict, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     if not load_dir.is_dir():
-        raise UserError(f"--load-dir {load_dir} is not a directory; pass a Hugging Face model "
-                        "directory holding config.json and *.safetensors")
+        raise UserError(
+            f"--load-dir {load_dir} is not a directory; pass a Hugging Face model "
+            "directory holding config.json and *.safetensors"
+        )
     config_path = load_dir / "config.json"
     if not config_path.is_file():
         raise UserError(f"{load_dir} has no config.json; pass a Hugging Face model directory")
@@ -106,12 +138,15 @@ def read_hf_dir(load_dir: pathlib.Path) -> tuple[dict, dict[str, torch.Tensor]]:
         try:
             weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{index_path} is not a safetensors index (no weight_map); "
-                            "fix or re-download it") from None
+            raise UserError(
+                f"{index_path} is not a safetensors index (no weight_map); fix or re-download it"
+            ) from None
         files = [load_dir / name for name in sorted(set(weight_map.values()))]
     else:
-        raise UserError(f"{load_dir} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}; "
-                        "save the model with safe_serialization=True")
+        raise UserError(
+            f"{load_dir} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}; "
+            "save the model with safe_serialization=True"
+        )
     state: dict[str, torch.Tensor] = {}
     for path in files:
         if not path.is_file():
@@ -119,24 +154,26 @@ def read_hf_dir(load_dir: pathlib.Path) -> tuple[dict, dict[str, torch.Tensor]]:
         try:
             state.update(load_file(str(path)))
         except Exception as exc:  # safetensors raises its own error type for damaged files
-            raise UserError(f"cannot read {path} ({str(exc).splitlines()[0][:120]}); "
-                            "re-download or re-save it") from None
+            raise UserError(
+                f"cannot read {path} ({str(exc).splitlines()[0][:120]}); re-download or re-save it"
+            ) from None
     return hf_config, state
 
 
-def write_hf_dir(save_dir: pathlib.Path, hf_config: dict,
-                 state: dict[str, torch.Tensor]) -> None:
+def write_hf_dir(save_dir: pathlib.Path, hf_config: dict, state: dict[str, torch.Tensor]) -> None:
     """Write config.json and one model.safetensors into ``save_dir``."""
     from safetensors.torch import save_file
 
     save_dir.mkdir(parents=True, exist_ok=True)
-    (save_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n",
-                                          encoding="utf-8")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(save_dir / SAFETENSORS_FILE),
-              metadata={"format": "pt"})
+    (save_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        str(save_dir / SAFETENSORS_FILE),
+        metadata={"format": "pt"},
+    )
 
 
-def cast(state: dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+def cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Floating-point tensors cast to ``dtype`` (None keeps them)."""
     if dtype is None:
         return state
@@ -152,11 +189,17 @@ def hf_to_megatron_het(args: argparse.Namespace) -> pathlib.Path:
     hf_config, hf_state = read_hf_dir(pathlib.Path(args.load_dir))
     cfg = hf_config_to_model_config(hf_config)
     state = cast(hf_to_megatron_het_state(hf_state, cfg), DTYPES.get(args.dtype))
-    return save_checkpoint(args.save_dir, 0, cfg, state, train_state=None,
-                           metadata={"converted_from": "hf", "source": str(args.load_dir)})
+    return save_checkpoint(
+        args.save_dir,
+        0,
+        cfg,
+        state,
+        train_state=None,
+        metadata={"converted_from": "hf", "source": str(args.load_dir)},
+    )
 
 
-def recorded_tokenizer_model(metadata: dict) -> Optional[str]:
+def recorded_tokenizer_model(metadata: dict) -> str | None:
     """The SentencePiece ``--tokenizer-model`` a training run recorded in its checkpoint's
     metadata (its run_config, else its argv); None for NullTokenizer runs and converted
     weights."""
@@ -175,15 +218,17 @@ def recorded_tokenizer_model(metadata: dict) -> Optional[str]:
     return None
 
 
-def _tokenizer_model(args: argparse.Namespace) -> Optional[str]:
+def _tokenizer_model(args: argparse.Namespace) -> str | None:
     """--tokenizer-model, else the checkpoint's; a recorded path that is gone is a UserError."""
     if args.tokenizer_model is not None:
         return args.tokenizer_model
     recorded = recorded_tokenizer_model(load_checkpoint_metadata(args.load_dir, args.iteration))
     if recorded is not None and not pathlib.Path(recorded).is_file():
-        raise UserError(f"the checkpoint's run used tokenizer model {recorded}, which does not "
-                        f"exist here (a relative path is the run's); pass --tokenizer-model PATH "
-                        f"to that SentencePiece .model, or --no-tokenizer for the weights alone")
+        raise UserError(
+            f"the checkpoint's run used tokenizer model {recorded}, which does not "
+            f"exist here (a relative path is the run's); pass --tokenizer-model PATH "
+            f"to that SentencePiece .model, or --no-tokenizer for the weights alone"
+        )
     return recorded
 
 
@@ -198,17 +243,22 @@ def megatron_het_to_hf(args: argparse.Namespace) -> pathlib.Path:
     elif tokenizer_model is not None:
         special_ids = write_hf_tokenizer(tokenizer_model, save_dir, cfg.vocab_size)
     else:
-        print("note: no tokenizer written: the checkpoint records no SentencePiece "
-              "--tokenizer-model; pass --tokenizer-model M.model to add one", file=sys.stderr)
-    write_hf_dir(save_dir, model_config_to_hf_config(cfg, state_dtype_name(hf_state),
-                                                     special_ids), hf_state)
+        print(
+            "note: no tokenizer written: the checkpoint records no SentencePiece "
+            "--tokenizer-model; pass --tokenizer-model M.model to add one",
+            file=sys.stderr,
+        )
+    write_hf_dir(
+        save_dir, model_config_to_hf_config(cfg, state_dtype_name(hf_state), special_ids), hf_state
+    )
     return save_dir
 
 
 def reshard(args: argparse.Namespace) -> pathlib.Path:
     if args.target_plan is None:
-        raise UserError("--mode reshard needs --target-plan PLAN.json (the plan to lay the "
-                        "checkpoint out for)")
+        raise UserError(
+            "--mode reshard needs --target-plan PLAN.json (the plan to lay the checkpoint out for)"
+        )
     if args.dtype is not None:
         raise UserError("--dtype applies to --mode convert only; drop it when resharding")
     if args.tokenizer_model is not None or args.no_tokenizer:
@@ -227,21 +277,27 @@ def _formats(args: argparse.Namespace) -> tuple[str, str]:
     return source, target
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.mode == "reshard":
         written = reshard(args)
         print(f"wrote megatron_het checkpoint for plan {args.target_plan} to {written}")
         return
     source_format, target_format = _formats(args)
-    conversions = {("hf", "megatron_het"): hf_to_megatron_het,
-                   ("megatron_het", "hf"): megatron_het_to_hf}
+    conversions = {
+        ("hf", "megatron_het"): hf_to_megatron_het,
+        ("megatron_het", "hf"): megatron_het_to_hf,
+    }
     conversion = conversions.get((source_format, target_format))
     if conversion is None:
-        raise UserError(f"--source-format {source_format} and --target-format "
-                        f"{target_format} are the same; pick two different formats")
-    for flag, given in (("--tokenizer-model", args.tokenizer_model is not None),
-                        ("--no-tokenizer", args.no_tokenizer)):
+        raise UserError(
+            f"--source-format {source_format} and --target-format "
+            f"{target_format} are the same; pick two different formats"
+        )
+    for flag, given in (
+        ("--tokenizer-model", args.tokenizer_model is not None),
+        ("--no-tokenizer", args.no_tokenizer),
+    ):
         if given and target_format != "hf":
             raise UserError(f"{flag} applies to --target-format hf only; drop it")
     if args.tokenizer_model is not None and args.no_tokenizer:

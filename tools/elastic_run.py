@@ -11,6 +11,7 @@ After a lost peer the run is relaunched on the cluster without the lost devices,
 supervisor relaunches its node at its place in the cluster left). See
 :mod:`megatron_het.training.supervisor`.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_het.errors import run_cli  # noqa: E402
-from megatron_het.training.supervisor import main  # noqa: E402
+from megatron_het.errors import run_cli
+from megatron_het.training.supervisor import main
 
 if __name__ == "__main__":
     run_cli(lambda: sys.exit(main(sys.argv[1:])))

@@ -5,6 +5,7 @@
 
 See ``python tools/plan.py --help`` and :mod:`megatron_het.planner.cli`.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_het.errors import run_cli  # noqa: E402
-from megatron_het.planner.cli import run  # noqa: E402
+from megatron_het.errors import run_cli
+from megatron_het.planner.cli import run
 
 if __name__ == "__main__":
     run_cli(lambda: run(sys.argv[1:]))

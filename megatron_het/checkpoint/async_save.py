@@ -12,13 +12,15 @@ and the previous checkpoint stays the latest; a process killed mid-write leaves 
 directory, which the next save removes. One save is in flight at a time: a new one first
 finishes (waits for and commits) the previous one.
 """
+
 from __future__ import annotations
 
 import pathlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -40,7 +42,7 @@ class WriteOutcome:
 
     seconds: float
     records: tuple[FileRecord, ...] = ()
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
 
 
 class BackgroundWriter:
@@ -50,11 +52,11 @@ class BackgroundWriter:
     block or break a save with it).
     """
 
-    def __init__(self, before_file: Optional[BeforeFile] = None) -> None:
+    def __init__(self, before_file: BeforeFile | None = None) -> None:
         self._before_file = before_file
-        self._thread: Optional[threading.Thread] = None
-        self._outcome: Optional[WriteOutcome] = None
-        self._given_up: Optional[WriteOutcome] = None
+        self._thread: threading.Thread | None = None
+        self._outcome: WriteOutcome | None = None
+        self._given_up: WriteOutcome | None = None
 
     def start(self, files: RankFiles, iteration: int) -> None:
         """Start writing ``files``; RuntimeError if the previous write was not collected."""
@@ -69,11 +71,12 @@ class BackgroundWriter:
             try:
                 records = tuple(files.write(before))
                 self._outcome = WriteOutcome(time.perf_counter() - start, records)
-            except BaseException as error:  # noqa: BLE001 - reported by the next check
+            except BaseException as error:
                 self._outcome = WriteOutcome(time.perf_counter() - start, error=error)
 
-        self._thread = threading.Thread(target=run, name=f"checkpoint-writer-{iteration}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=run, name=f"checkpoint-writer-{iteration}", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -81,7 +84,7 @@ class BackgroundWriter:
         """Whether a write was started and not collected."""
         return self._thread is not None
 
-    def outcome(self) -> Optional[WriteOutcome]:
+    def outcome(self) -> WriteOutcome | None:
         """The finished write's outcome, or None while it runs (or when none was started)."""
         if self._given_up is not None:
             return self._given_up
@@ -89,7 +92,7 @@ class BackgroundWriter:
             return None
         return self._outcome
 
-    def wait(self, timeout_s: Optional[float] = None) -> Optional[WriteOutcome]:
+    def wait(self, timeout_s: float | None = None) -> WriteOutcome | None:
         """Wait up to ``timeout_s`` for the write; its outcome, None if it still runs."""
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -114,7 +117,7 @@ class PendingCommit:
     plan: ParallelPlan
     has_optimizer: bool
     has_train_state: bool
-    metadata: Optional[dict]
+    metadata: dict | None
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ class CommitReport:
     iteration: int
     path: pathlib.Path
     write_s: float
-    bytes: Optional[int]
+    bytes: int | None
     since_save_point_s: float
 
 
@@ -136,15 +139,20 @@ class AsyncCheckpointSaver:
     how long :meth:`finish` waits for this rank's writer.
     """
 
-    def __init__(self, world: Any, device: torch.device, before_file: Optional[BeforeFile] = None,
-                 timeout_s: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        world: Any,
+        device: torch.device,
+        before_file: BeforeFile | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         self.world, self.device, self.timeout_s = world, device, timeout_s
         self.writer = BackgroundWriter(before_file)
-        self._pending: Optional[PendingCommit] = None
+        self._pending: PendingCommit | None = None
         self._started = 0.0
 
     @property
-    def pending(self) -> Optional[PendingCommit]:
+    def pending(self) -> PendingCommit | None:
         """The save in flight (started, not committed), or None."""
         return self._pending
 
@@ -152,12 +160,14 @@ class AsyncCheckpointSaver:
         """Hand this rank's snapshot to the writer (no communication). Call :meth:`finish`
         first if a save may be pending."""
         if self._pending is not None:
-            raise RuntimeError(f"checkpoint iteration {self._pending.iteration} is still "
-                               "pending; finish it before starting another")
+            raise RuntimeError(
+                f"checkpoint iteration {self._pending.iteration} is still "
+                "pending; finish it before starting another"
+            )
         self.writer.start(files, commit.iteration)
         self._pending, self._started = commit, time.perf_counter()
 
-    def poll(self) -> Optional[CommitReport]:
+    def poll(self) -> CommitReport | None:
         """Collective over ``world`` while a save is pending (identical calls on every rank):
         commit it if every rank's files are complete. Returns the commit's report, None when
         nothing was committed; UserError on every rank if some rank's writer failed."""
@@ -167,10 +177,15 @@ class AsyncCheckpointSaver:
         outcome = self.writer.outcome()
         failed = outcome is not None and outcome.error is not None
         # int64 (the write time in microseconds): HCCL has no float64 all-reduce.
-        flags = torch.tensor([1 if outcome is None else 0,
-                              self.world.rank + 1 if failed else 0,
-                              0 if outcome is None else round(outcome.seconds * 1e6)],
-                             dtype=torch.int64, device=self.device)
+        flags = torch.tensor(
+            [
+                1 if outcome is None else 0,
+                self.world.rank + 1 if failed else 0,
+                0 if outcome is None else round(outcome.seconds * 1e6),
+            ],
+            dtype=torch.int64,
+            device=self.device,
+        )
         self.world.all_reduce(flags, "max")
         writing, failed_rank, write_us = flags.cpu().tolist()
         write_s = write_us / 1e6
@@ -181,22 +196,35 @@ class AsyncCheckpointSaver:
             return None
         self.writer.collect()
         self._pending = None
-        path = commit_sharded(pending.save_dir, pending.iteration, pending.model_config,
-                              pending.plan, self.world, pending.has_optimizer,
-                              pending.has_train_state, pending.metadata, self.device)
+        path = commit_sharded(
+            pending.save_dir,
+            pending.iteration,
+            pending.model_config,
+            pending.plan,
+            self.world,
+            pending.has_optimizer,
+            pending.has_train_state,
+            pending.metadata,
+            self.device,
+        )
         metadata = read_metadata_file(path)
-        return CommitReport(pending.iteration, path, write_s,
-                            None if metadata is None else files_total_bytes(metadata),
-                            time.perf_counter() - self._started)
+        return CommitReport(
+            pending.iteration,
+            path,
+            write_s,
+            None if metadata is None else files_total_bytes(metadata),
+            time.perf_counter() - self._started,
+        )
 
-    def finish(self) -> Optional[CommitReport]:
+    def finish(self) -> CommitReport | None:
         """Collective: wait for this rank's writer, then commit as :meth:`poll` does (every
         rank calls it at the same point, so every rank is done)."""
         if self._pending is None:
             return None
         if self.writer.wait(self.timeout_s) is None:
-            self.writer.give_up(TimeoutError(f"the writer did not finish within "
-                                             f"{self.timeout_s:g} s"))
+            self.writer.give_up(
+                TimeoutError(f"the writer did not finish within {self.timeout_s:g} s")
+            )
         return self.poll()
 
     def close(self, timeout_s: float = 60.0) -> None:
@@ -206,17 +234,24 @@ class AsyncCheckpointSaver:
         self.writer.collect()
         self._pending = None
 
-    def _raise_failure(self, pending: PendingCommit, rank: int,
-                       outcome: Optional[WriteOutcome]) -> None:
+    def _raise_failure(
+        self, pending: PendingCommit, rank: int, outcome: WriteOutcome | None
+    ) -> None:
         latest = read_latest_iteration(pending.save_dir)
-        kept = ("there is no committed checkpoint yet" if latest is None else
-                f"the latest checkpoint is still iteration {latest}")
+        kept = (
+            "there is no committed checkpoint yet"
+            if latest is None
+            else f"the latest checkpoint is still iteration {latest}"
+        )
         if outcome is not None and outcome.error is not None and rank == self.world.rank:
             error = outcome.error
             text = str(error).splitlines()[0] if str(error) else ""
             cause = f"{type(error).__name__}: {text}" if text else type(error).__name__
-            raise UserError(f"writing checkpoint iteration {pending.iteration} in the "
-                            f"background failed on rank {rank} ({cause}); {kept}") from error
-        raise UserError(f"writing checkpoint iteration {pending.iteration} in the background "
-                        f"failed on rank {rank} (see its error); {kept}")
-
+            raise UserError(
+                f"writing checkpoint iteration {pending.iteration} in the "
+                f"background failed on rank {rank} ({cause}); {kept}"
+            ) from error
+        raise UserError(
+            f"writing checkpoint iteration {pending.iteration} in the background "
+            f"failed on rank {rank} (see its error); {kept}"
+        )

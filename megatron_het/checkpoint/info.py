@@ -6,23 +6,31 @@ directory given): committed ``iter_*`` directories, ``iter_*`` directories witho
 marked. For each: the plan that wrote it (one short line per pipeline), the consumed samples,
 every file with its size and its verification (size and whole-file sha256 against
 metadata.json's record, which covers every byte, the tensor pieces a load checks one by one
-included; an uncommitted save's files against the per-rank indexes written so far). :func:`main` prints it
-as text or JSON and exits non-zero when the latest committed iteration does not verify.
+included; an uncommitted save's files against the per-rank indexes written so far). :func:`main`
+prints it as text or JSON and exits non-zero when the latest committed iteration does not verify.
 """
+
 from __future__ import annotations
 
 import json
 import pathlib
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, TextIO
 
 from megatron_het.checkpoint.integrity import FILES_KEY, file_problem
-from megatron_het.checkpoint.io import (METADATA_FILE, STAGING_PREFIX, TRACKER_FILE,
-                                        model_shard_name, optimizer_shard_name,
-                                        parse_iteration_dir, read_latest_iteration,
-                                        train_state_name)
+from megatron_het.checkpoint.io import (
+    METADATA_FILE,
+    STAGING_PREFIX,
+    TRACKER_FILE,
+    model_shard_name,
+    optimizer_shard_name,
+    parse_iteration_dir,
+    read_latest_iteration,
+    train_state_name,
+)
 from megatron_het.checkpoint.rank_files import INDEX_PREFIX
 from megatron_het.checkpoint.verify import read_metadata_file
 from megatron_het.cli_args import ArgParser
@@ -38,7 +46,7 @@ class FileStatus:
     """One file of an iteration: its size on disk (None: missing) and "OK" or the problem."""
 
     name: str
-    bytes: Optional[int]
+    bytes: int | None
     status: str
 
 
@@ -52,9 +60,9 @@ class IterationInfo:
     state: str
     latest: bool = False
     plan: list[str] = field(default_factory=list)
-    consumed_samples: Optional[int] = None
+    consumed_samples: int | None = None
     files: list[FileStatus] = field(default_factory=list)
-    problem: Optional[str] = None
+    problem: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -63,8 +71,11 @@ class IterationInfo:
     @property
     def verified(self) -> bool:
         """Committed, and every file present and matching its record."""
-        return (self.state == "committed" and self.problem is None
-                and all(f.status in (OK, NOT_CHECKSUMMED) for f in self.files))
+        return (
+            self.state == "committed"
+            and self.problem is None
+            and all(f.status in (OK, NOT_CHECKSUMMED) for f in self.files)
+        )
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -79,19 +90,24 @@ def plan_lines(metadata: dict[str, Any]) -> list[str]:
         return ["single process (one shard of full tensors)"]
     plan = sharded["plan"]
     pipelines = plan.get("pipelines", [])
-    lines = [f"{sharded.get('world_size', '?')} rank(s), dp={len(pipelines)}, micro batch "
-             f"size {plan.get('micro_batch_size', '?')}"]
+    lines = [
+        f"{sharded.get('world_size', '?')} rank(s), dp={len(pipelines)}, micro batch "
+        f"size {plan.get('micro_batch_size', '?')}"
+    ]
     for index, pipeline in enumerate(pipelines):
         stages = " | ".join(
             f"{s.get('accelerator', '?')} tp{s.get('tp', '?')} layers "
             f"{s['layers'][0]}-{s['layers'][1] - 1} ranks {','.join(map(str, s.get('ranks', [])))}"
-            for s in pipeline.get("stages", []))
-        lines.append(f"pipeline {index}: {len(pipeline.get('stages', []))} stage(s), "
-                     f"{pipeline.get('micro_batches', '?')} micro-batches: {stages}")
+            for s in pipeline.get("stages", [])
+        )
+        lines.append(
+            f"pipeline {index}: {len(pipeline.get('stages', []))} stage(s), "
+            f"{pipeline.get('micro_batches', '?')} micro-batches: {stages}"
+        )
     return lines
 
 
-def _size(path: pathlib.Path) -> Optional[int]:
+def _size(path: pathlib.Path) -> int | None:
     try:
         return path.stat().st_size
     except FileNotFoundError:
@@ -101,28 +117,47 @@ def _size(path: pathlib.Path) -> Optional[int]:
 def _recorded_files(directory: pathlib.Path, metadata: dict[str, Any]) -> list[FileStatus]:
     records = metadata.get(FILES_KEY)
     if records is not None:
-        return [FileStatus(name, _size(directory / name),
-                           file_problem(directory / name, entry) or OK)
-                for name, entry in sorted(records.items())]
+        return [
+            FileStatus(name, _size(directory / name), file_problem(directory / name, entry) or OK)
+            for name, entry in sorted(records.items())
+        ]
     # Written before files were recorded: the shard counts say which files must be there.
     names = [model_shard_name(i) for i in range(int(metadata.get("num_model_shards", 0)))]
     names += [optimizer_shard_name(i) for i in range(int(metadata.get("num_optimizer_shards", 0)))]
     names += [train_state_name(i) for i in range(int(metadata.get("num_train_state_shards", 0)))]
-    return [FileStatus(name, _size(directory / name),
-                       NOT_CHECKSUMMED if _size(directory / name) is not None else "missing")
-            for name in names]
+    return [
+        FileStatus(
+            name,
+            _size(directory / name),
+            NOT_CHECKSUMMED if _size(directory / name) is not None else "missing",
+        )
+        for name in names
+    ]
 
 
 def _committed(directory: pathlib.Path, iteration: int) -> IterationInfo:
     metadata = read_metadata_file(directory)
     if metadata is None:
-        problem = (f"no {METADATA_FILE}" if not (directory / METADATA_FILE).exists()
-                   else f"{METADATA_FILE} is unreadable")
-        return IterationInfo(iteration, str(directory), "incomplete",
-                             files=_present_files(directory, {}), problem=problem)
-    info = IterationInfo(iteration, str(directory), "committed", plan=plan_lines(metadata),
-                         consumed_samples=metadata.get("consumed_samples"),
-                         files=_recorded_files(directory, metadata))
+        problem = (
+            f"no {METADATA_FILE}"
+            if not (directory / METADATA_FILE).exists()
+            else f"{METADATA_FILE} is unreadable"
+        )
+        return IterationInfo(
+            iteration,
+            str(directory),
+            "incomplete",
+            files=_present_files(directory, {}),
+            problem=problem,
+        )
+    info = IterationInfo(
+        iteration,
+        str(directory),
+        "committed",
+        plan=plan_lines(metadata),
+        consumed_samples=metadata.get("consumed_samples"),
+        files=_recorded_files(directory, metadata),
+    )
     if metadata.get("iteration") != iteration:
         info.problem = f"{METADATA_FILE} says iteration {metadata.get('iteration')}"
     return info
@@ -133,8 +168,11 @@ def _present_files(directory: pathlib.Path, records: dict[str, Any]) -> list[Fil
     out = []
     for path in sorted(directory.glob("*.pt")):
         entry = records.get(path.name)
-        status = ("not recorded (its write did not finish)" if entry is None
-                  else file_problem(path, entry) or OK)
+        status = (
+            "not recorded (its write did not finish)"
+            if entry is None
+            else file_problem(path, entry) or OK
+        )
         out.append(FileStatus(path.name, _size(path), status))
     return out
 
@@ -146,10 +184,13 @@ def _uncommitted(directory: pathlib.Path, iteration: int) -> IterationInfo:
             records.update(json.loads(index.read_text(encoding="utf-8")).get(FILES_KEY, {}))
         except (OSError, ValueError):
             continue
-    return IterationInfo(iteration, str(directory), "uncommitted",
-                         files=_present_files(directory, records),
-                         problem="never committed: a save that was interrupted (the next save "
-                                 "removes it)")
+    return IterationInfo(
+        iteration,
+        str(directory),
+        "uncommitted",
+        files=_present_files(directory, records),
+        problem="never committed: a save that was interrupted (the next save removes it)",
+    )
 
 
 @dataclass
@@ -159,21 +200,31 @@ class Listing:
     iteration directory."""
 
     path: pathlib.Path
-    tracker: Optional[int]
+    tracker: int | None
     iterations: list[IterationInfo]
     single: bool = False
 
-    def latest_committed(self) -> Optional[IterationInfo]:
+    def latest_committed(self) -> IterationInfo | None:
         """The iteration that loads: the one given, or the tracker's (a "missing" placeholder
         when its directory is gone), or without a tracker the newest committed one."""
         if self.single:
             return self.iterations[0]
         if self.tracker is not None:
-            named = [i for i in self.iterations
-                     if i.iteration == self.tracker and i.state != "uncommitted"]
-            return named[0] if named else IterationInfo(
-                self.tracker, "", "missing",
-                problem="the tracker names an iteration whose directory is missing")
+            named = [
+                i
+                for i in self.iterations
+                if i.iteration == self.tracker and i.state != "uncommitted"
+            ]
+            return (
+                named[0]
+                if named
+                else IterationInfo(
+                    self.tracker,
+                    "",
+                    "missing",
+                    problem="the tracker names an iteration whose directory is missing",
+                )
+            )
         committed = [i for i in self.iterations if i.state == "committed"]
         return committed[-1] if committed else None
 
@@ -182,8 +233,10 @@ def inspect_checkpoints(path: pathlib.Path) -> Listing:
     """Every iteration of a save directory, or the one iteration directory ``path``, each
     verified (reads every file once). UserError if there is none."""
     if not path.is_dir():
-        raise UserError(f"{path} is not a directory; pass a --save directory or one of its "
-                        "iter_XXXXXXX directories")
+        raise UserError(
+            f"{path} is not a directory; pass a --save directory or one of its "
+            "iter_XXXXXXX directories"
+        )
     single = (path / METADATA_FILE).is_file() or parse_iteration_dir(path.name) is not None
     if single:
         tracker = read_latest_iteration(path.parent)
@@ -201,8 +254,7 @@ def inspect_checkpoints(path: pathlib.Path) -> Listing:
             elif entry.is_dir() and staging:
                 found.append(_uncommitted(entry, int(staging.group(1))))
     if not found:
-        raise UserError(f"no checkpoint in {path}: no iter_XXXXXXX directories, no "
-                        f"{TRACKER_FILE}")
+        raise UserError(f"no checkpoint in {path}: no iter_XXXXXXX directories, no {TRACKER_FILE}")
     for info in found:
         info.latest = info.state == "committed" and info.iteration == tracker
     found.sort(key=lambda i: (i.iteration, i.state != "committed"))
@@ -220,8 +272,9 @@ def format_text(listing: Listing) -> str:
     for info in listing.iterations:
         mark = " [latest]" if info.latest else ""
         lines.append(f"iteration {info.iteration} ({info.state}){mark}: {info.directory}")
-        lines.extend(f"  plan: {line}" if i == 0 else f"        {line}"
-                     for i, line in enumerate(info.plan))
+        lines.extend(
+            f"  plan: {line}" if i == 0 else f"        {line}" for i, line in enumerate(info.plan)
+        )
         if info.state == "committed":
             samples = "unknown" if info.consumed_samples is None else info.consumed_samples
             lines.append(f"  consumed samples: {samples}")
@@ -236,7 +289,7 @@ def format_text(listing: Listing) -> str:
     return "\n".join(lines)
 
 
-def _verdict(target: Optional[IterationInfo]) -> str:
+def _verdict(target: IterationInfo | None) -> str:
     if target is None:
         return "nothing is committed"
     if target.verified:
@@ -246,7 +299,7 @@ def _verdict(target: Optional[IterationInfo]) -> str:
     return f"latest committed iteration {target.iteration} does NOT verify ({reasons})"
 
 
-def main(argv: Sequence[str], out: Optional[TextIO] = None) -> int:
+def main(argv: Sequence[str], out: TextIO | None = None) -> int:
     """``checkpoint_info.py DIR [--json]``: print the listing; 0 when the latest committed
     iteration verifies, 1 when it does not or nothing is committed."""
     parser = ArgParser(prog="checkpoint_info.py", description=__doc__.splitlines()[0])
@@ -258,11 +311,20 @@ def main(argv: Sequence[str], out: Optional[TextIO] = None) -> int:
     target = listing.latest_committed()
     ok = target is not None and target.verified
     if args.json:
-        print(json.dumps({"path": str(listing.path), "tracker": listing.tracker,
-                          "latest_committed": None if target is None else target.iteration,
-                          "latest_verified": ok, "verdict": _verdict(target),
-                          "iterations": [i.to_json() for i in listing.iterations]}, indent=2),
-              file=out)
+        print(
+            json.dumps(
+                {
+                    "path": str(listing.path),
+                    "tracker": listing.tracker,
+                    "latest_committed": None if target is None else target.iteration,
+                    "latest_verified": ok,
+                    "verdict": _verdict(target),
+                    "iterations": [i.to_json() for i in listing.iterations],
+                },
+                indent=2,
+            ),
+            file=out,
+        )
     else:
         print(format_text(listing), file=out)
         print(_verdict(target), file=out)

@@ -27,14 +27,16 @@ only those. A recorded file without tensor digests (written before tensors were 
 hashed whole (:func:`file_sha256`); checkpoints written before files were recorded have no
 ``files`` map and are not verified.
 """
+
 from __future__ import annotations
 
 import hashlib
 import os
 import pathlib
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Mapping, Optional
+from typing import Any, BinaryIO
 
 import torch
 
@@ -52,7 +54,7 @@ class FileRecord:
     path: pathlib.Path
     bytes: int
     sha256: str
-    tensors: Optional[Mapping[str, str]] = None
+    tensors: Mapping[str, str] | None = None
 
     @property
     def name(self) -> str:
@@ -154,8 +156,8 @@ def file_sha256(path: pathlib.Path) -> str:
             digest.update(chunk)
 
 
-def size_problem(path: pathlib.Path, expected: Mapping[str, Any]) -> Optional[str]:
-    """"missing", "truncated: N of M bytes" or "N bytes, M expected" for the file at ``path``
+def size_problem(path: pathlib.Path, expected: Mapping[str, Any]) -> str | None:
+    """ "missing", "truncated: N of M bytes" or "N bytes, M expected" for the file at ``path``
     against its ``files`` entry (one ``stat``); None when the size matches."""
     try:
         size = os.stat(path).st_size
@@ -169,8 +171,9 @@ def size_problem(path: pathlib.Path, expected: Mapping[str, Any]) -> Optional[st
     return None
 
 
-def file_problem(path: pathlib.Path, expected: Mapping[str, Any],
-                 checksum: bool = True) -> Optional[str]:
+def file_problem(
+    path: pathlib.Path, expected: Mapping[str, Any], checksum: bool = True
+) -> str | None:
     """What is wrong with the file at ``path`` against its ``files`` entry, or None when it is
     intact: a :func:`size_problem` or "checksum mismatch" (the whole file's sha256, read once).
     ``checksum`` False checks the size only."""
@@ -180,7 +183,7 @@ def file_problem(path: pathlib.Path, expected: Mapping[str, Any],
     return problem
 
 
-def archive_problem(path: pathlib.Path) -> Optional[str]:
+def archive_problem(path: pathlib.Path) -> str | None:
     """What is wrong with the zip structure of the ``torch.save`` archive at ``path`` and its
     small non-tensor records (the pickle naming the tensors, version and byte-order records),
     each checked against its zip CRC-32; None when intact. Tensor data (``*/data/N``) is not
@@ -190,13 +193,13 @@ def archive_problem(path: pathlib.Path) -> Optional[str]:
             for info in archive.infolist():
                 if info.filename.split("/")[-2:-1] != ["data"]:  # not a tensor's storage
                     archive.read(info)  # raises on a CRC-32 mismatch
-    except Exception as exc:  # noqa: BLE001 - any failure to parse damaged bytes is damage
+    except Exception as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return f"its archive structure is damaged: {first_line}"
     return None
 
 
-def files_total_bytes(metadata: Mapping[str, Any]) -> Optional[int]:
+def files_total_bytes(metadata: Mapping[str, Any]) -> int | None:
     """The summed size of every file recorded in a checkpoint's metadata (None if unrecorded)."""
     files = metadata.get(FILES_KEY)
     if files is None:

@@ -23,28 +23,39 @@ An iteration is written into a hidden staging directory in SAVE, fsync'ed, renam
 only then recorded in the tracker file, so a crash mid-save leaves the previous checkpoint the
 one that loads; stale staging directories are removed by the next save.
 """
+
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import pathlib
+import pickle
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
-from megatron_het.checkpoint.integrity import (FILES_KEY, FileRecord, HashingWriter,
-                                               optimizer_key, tensor_paths, tensor_sha256)
-from megatron_het.checkpoint.names import (METADATA_FILE, TRACKER_FILE, iteration_dir_name,
-                                           parse_iteration_dir)
+from megatron_het.checkpoint.integrity import (
+    FILES_KEY,
+    FileRecord,
+    HashingWriter,
+    optimizer_key,
+    tensor_paths,
+    tensor_sha256,
+)
+from megatron_het.checkpoint.names import (
+    METADATA_FILE,
+    TRACKER_FILE,
+    iteration_dir_name,
+    parse_iteration_dir,
+)
 from megatron_het.checkpoint.verify import damaged_file_message
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 FORMAT_VERSION = 1
 STAGING_PREFIX = ".staging_iter_"
 _TRASH_PREFIX = ".trash_iter_"
@@ -74,7 +85,7 @@ class TensorPiece:
     offsets: tuple[int, ...]
 
     @classmethod
-    def full(cls, tensor: torch.Tensor) -> "TensorPiece":
+    def full(cls, tensor: torch.Tensor) -> TensorPiece:
         """The whole tensor as its own single piece."""
         return cls(tensor, tuple(tensor.shape), (0,) * tensor.dim())
 
@@ -99,14 +110,14 @@ def _fsync_dir(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _save_torch(obj: Any, path: pathlib.Path,
-                tensors: Optional[dict[str, torch.Tensor]] = None) -> FileRecord:
+def _save_torch(
+    obj: Any, path: pathlib.Path, tensors: dict[str, torch.Tensor] | None = None
+) -> FileRecord:
     """``torch.save`` ``obj`` to ``path`` (fsync'ed); the record holds the digest of each of
     ``tensors`` (the storage-exact CPU tensors inside ``obj``, by tensor key), hashed on a
     second thread while the file is written (hashlib releases the GIL)."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        digests = pool.submit(lambda: {key: tensor_sha256(t)
-                                       for key, t in (tensors or {}).items()})
+        digests = pool.submit(lambda: {key: tensor_sha256(t) for key, t in (tensors or {}).items()})
         with open(path, "wb") as handle:
             writer = HashingWriter(handle)
             torch.save(obj, writer)
@@ -126,26 +137,33 @@ def _write_json(obj: Any, path: pathlib.Path) -> None:
 def _compact(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU tensor owning exactly its elements (torch.save writes a view's whole storage)."""
     tensor = tensor.detach().cpu()
-    if (not tensor.is_contiguous()
-            or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()):
+    if (
+        not tensor.is_contiguous()
+        or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
+    ):
         tensor = tensor.clone(memory_format=torch.contiguous_format)
     return tensor
 
 
-def write_model_shard(directory: PathLike, shard_index: int,
-                      pieces: dict[str, TensorPiece]) -> FileRecord:
+def write_model_shard(
+    directory: PathLike, shard_index: int, pieces: dict[str, TensorPiece]
+) -> FileRecord:
     """Write one model shard (CPU copies of the pieces) into ``directory``; returns its record
     (path, size, checksum, each piece's digest under its global name)."""
     path = pathlib.Path(directory) / model_shard_name(shard_index)
     tensors = {n: _compact(p.tensor) for n, p in pieces.items()}
-    payload = {"format_version": FORMAT_VERSION, "tensors": tensors,
-               "global_shapes": {n: list(p.global_shape) for n, p in pieces.items()},
-               "offsets": {n: list(p.offsets) for n, p in pieces.items()}}
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "tensors": tensors,
+        "global_shapes": {n: list(p.global_shape) for n, p in pieces.items()},
+        "offsets": {n: list(p.offsets) for n, p in pieces.items()},
+    }
     return _save_torch(payload, path, tensors)
 
 
-def write_optimizer_shard(directory: PathLike, shard_index: int,
-                          pieces: dict[str, OptimizerPiece]) -> FileRecord:
+def write_optimizer_shard(
+    directory: PathLike, shard_index: int, pieces: dict[str, OptimizerPiece]
+) -> FileRecord:
     """Write one optimizer shard (CPU copies of the moments) into ``directory``; returns its
     record (path, size, checksum, each moment's digest under ``name/exp_avg`` and
     ``name/exp_avg_sq``).
@@ -154,13 +172,25 @@ def write_optimizer_shard(directory: PathLike, shard_index: int,
     ``offsets`` by name, as in a model shard.
     """
     path = pathlib.Path(directory) / optimizer_shard_name(shard_index)
-    state = {n: {"step": int(p.step), "exp_avg": _compact(p.exp_avg),
-                 "exp_avg_sq": _compact(p.exp_avg_sq)} for n, p in pieces.items()}
-    payload = {"format_version": FORMAT_VERSION, "state": state,
-               "global_shapes": {n: list(p.global_shape) for n, p in pieces.items()},
-               "offsets": {n: list(p.offsets) for n, p in pieces.items()}}
-    tensors = {optimizer_key(n, moment): entry[moment] for n, entry in state.items()
-               for moment in ("exp_avg", "exp_avg_sq")}
+    state = {
+        n: {
+            "step": int(p.step),
+            "exp_avg": _compact(p.exp_avg),
+            "exp_avg_sq": _compact(p.exp_avg_sq),
+        }
+        for n, p in pieces.items()
+    }
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "state": state,
+        "global_shapes": {n: list(p.global_shape) for n, p in pieces.items()},
+        "offsets": {n: list(p.offsets) for n, p in pieces.items()},
+    }
+    tensors = {
+        optimizer_key(n, moment): entry[moment]
+        for n, entry in state.items()
+        for moment in ("exp_avg", "exp_avg_sq")
+    }
     return _save_torch(payload, path, tensors)
 
 
@@ -172,8 +202,11 @@ def write_json_file(obj: Any, path: PathLike) -> None:
 def write_train_state(directory: PathLike, shard_index: int, train_state: dict) -> FileRecord:
     """Write one training-state file into ``directory``; returns its record, with every
     tensor's digest under its path (:func:`~megatron_het.checkpoint.integrity.tensor_paths`)."""
-    return _save_torch(train_state, pathlib.Path(directory) / train_state_name(shard_index),
-                       tensor_paths(train_state))
+    return _save_torch(
+        train_state,
+        pathlib.Path(directory) / train_state_name(shard_index),
+        tensor_paths(train_state),
+    )
 
 
 def remove_stale_staging(save_dir: PathLike) -> None:
@@ -186,15 +219,14 @@ def remove_stale_staging(save_dir: PathLike) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def staging_dir(save_dir: PathLike, iteration: int, tag: Optional[str] = None) -> pathlib.Path:
+def staging_dir(save_dir: PathLike, iteration: int, tag: str | None = None) -> pathlib.Path:
     """The staging directory path of ``iteration``; ``tag`` (default: this process id) names
     it, so ranks of a parallel save agree on one directory by passing the same tag."""
     tag = str(os.getpid()) if tag is None else tag
     return pathlib.Path(save_dir) / f"{STAGING_PREFIX}{iteration:07d}_{tag}"
 
 
-def begin_checkpoint(save_dir: PathLike, iteration: int,
-                     tag: Optional[str] = None) -> pathlib.Path:
+def begin_checkpoint(save_dir: PathLike, iteration: int, tag: str | None = None) -> pathlib.Path:
     """Create (empty) and return the staging directory for ``iteration`` inside ``save_dir``.
 
     Side effect: removes staging directories left by interrupted saves. See :func:`staging_dir`
@@ -208,8 +240,9 @@ def begin_checkpoint(save_dir: PathLike, iteration: int,
     return staging
 
 
-def commit_checkpoint(staging: pathlib.Path, save_dir: PathLike, iteration: int,
-                      metadata: dict[str, Any]) -> pathlib.Path:
+def commit_checkpoint(
+    staging: pathlib.Path, save_dir: PathLike, iteration: int, metadata: dict[str, Any]
+) -> pathlib.Path:
     """Write metadata.json, move ``staging`` to ``iter_XXXXXXX`` and point the tracker at it.
 
     Side effects: replaces an existing directory of the same iteration; the tracker file is
@@ -237,9 +270,14 @@ def commit_checkpoint(staging: pathlib.Path, save_dir: PathLike, iteration: int,
     return final
 
 
-def save_checkpoint(save_dir: PathLike, iteration: int, model_config: ModelConfig,
-                    model_state: dict[str, torch.Tensor], train_state: Optional[dict] = None,
-                    metadata: Optional[dict] = None) -> pathlib.Path:
+def save_checkpoint(
+    save_dir: PathLike,
+    iteration: int,
+    model_config: ModelConfig,
+    model_state: dict[str, torch.Tensor],
+    train_state: dict | None = None,
+    metadata: dict | None = None,
+) -> pathlib.Path:
     """Save full (unsharded) model tensors and optional training state as ``iteration``.
 
     ``model_state`` maps global parameter names to full tensors (any device; CPU copies are
@@ -250,15 +288,22 @@ def save_checkpoint(save_dir: PathLike, iteration: int, model_config: ModelConfi
     """
     staging = begin_checkpoint(save_dir, iteration)
     try:
-        records = [write_model_shard(staging, 0, {n: TensorPiece.full(t)
-                                                  for n, t in model_state.items()})]
+        records = [
+            write_model_shard(staging, 0, {n: TensorPiece.full(t) for n, t in model_state.items()})
+        ]
         if train_state is not None:
             records.append(write_train_state(staging, 0, train_state))
         info = dict(metadata or {})
-        info.update({"format_version": FORMAT_VERSION, "iteration": int(iteration),
-                     "model_config": model_config.to_dict(), "num_model_shards": 1,
-                     "num_train_state_shards": 0 if train_state is None else 1,
-                     FILES_KEY: {r.name: r.to_json() for r in records}})
+        info.update(
+            {
+                "format_version": FORMAT_VERSION,
+                "iteration": int(iteration),
+                "model_config": model_config.to_dict(),
+                "num_model_shards": 1,
+                "num_train_state_shards": 0 if train_state is None else 1,
+                FILES_KEY: {r.name: r.to_json() for r in records},
+            }
+        )
         return commit_checkpoint(staging, save_dir, iteration, info)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -266,7 +311,7 @@ def save_checkpoint(save_dir: PathLike, iteration: int, model_config: ModelConfi
 
 
 # ---- reading ---------------------------------------------------------------------------------
-def read_latest_iteration(save_dir: PathLike) -> Optional[int]:
+def read_latest_iteration(save_dir: PathLike) -> int | None:
     """The iteration recorded in ``save_dir``'s tracker file, or None when there is none."""
     tracker = pathlib.Path(save_dir) / TRACKER_FILE
     if not tracker.is_file():
@@ -275,11 +320,12 @@ def read_latest_iteration(save_dir: PathLike) -> Optional[int]:
     try:
         return int(text)
     except ValueError:
-        raise UserError(f"{tracker} holds {text[:40]!r} instead of an iteration number; "
-                        "fix or delete that file") from None
+        raise UserError(
+            f"{tracker} holds {text[:40]!r} instead of an iteration number; fix or delete that file"
+        ) from None
 
 
-def resolve_checkpoint_dir(path: PathLike, iteration: Optional[int] = None) -> pathlib.Path:
+def resolve_checkpoint_dir(path: PathLike, iteration: int | None = None) -> pathlib.Path:
     """The ``iter_XXXXXXX`` directory meant by ``path``.
 
     ``path`` is either an iteration directory (holding metadata.json) or a save directory; in the
@@ -288,16 +334,20 @@ def resolve_checkpoint_dir(path: PathLike, iteration: Optional[int] = None) -> p
     """
     root = pathlib.Path(path)
     if not root.exists():
-        raise UserError(f"checkpoint path {root} does not exist; pass a --save directory or "
-                        "one of its iter_XXXXXXX directories")
+        raise UserError(
+            f"checkpoint path {root} does not exist; pass a --save directory or "
+            "one of its iter_XXXXXXX directories"
+        )
     if (root / METADATA_FILE).is_file():
         return root
     if iteration is None:
         iteration = read_latest_iteration(root)
         if iteration is None:
-            raise UserError(f"no checkpoint in {root}: it has neither {TRACKER_FILE} nor "
-                            f"{METADATA_FILE}; pass a --save directory or an iter_XXXXXXX "
-                            "directory")
+            raise UserError(
+                f"no checkpoint in {root}: it has neither {TRACKER_FILE} nor "
+                f"{METADATA_FILE}; pass a --save directory or an iter_XXXXXXX "
+                "directory"
+            )
     directory = root / iteration_dir_name(iteration)
     if not (directory / METADATA_FILE).is_file():
         raise UserError(_damaged_metadata_line(directory, "missing"))
@@ -307,11 +357,12 @@ def resolve_checkpoint_dir(path: PathLike, iteration: Optional[int] = None) -> p
 def _damaged_metadata_line(directory: pathlib.Path, problem: str) -> str:
     """One line: ``directory``'s metadata.json is missing or unreadable, and which older
     checkpoint of its save directory is intact."""
-    return damaged_file_message(directory / METADATA_FILE, problem,
-                                parse_iteration_dir(directory.name))
+    return damaged_file_message(
+        directory / METADATA_FILE, problem, parse_iteration_dir(directory.name)
+    )
 
 
-def load_checkpoint_metadata(path: PathLike, iteration: Optional[int] = None) -> dict[str, Any]:
+def load_checkpoint_metadata(path: PathLike, iteration: int | None = None) -> dict[str, Any]:
     """metadata.json of the checkpoint at ``path`` (see :func:`resolve_checkpoint_dir`).
 
     Always holds ``iteration``, ``model_config`` (a ModelConfig dict), ``num_model_shards`` and
@@ -326,8 +377,10 @@ def load_checkpoint_metadata(path: PathLike, iteration: Optional[int] = None) ->
     if not isinstance(metadata, dict):
         raise UserError(_damaged_metadata_line(directory, "not a JSON object"))
     if metadata.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"{directory} has checkpoint format {metadata.get('format_version')!r}, "
-                        f"this version reads format {FORMAT_VERSION}")
+        raise UserError(
+            f"{directory} has checkpoint format {metadata.get('format_version')!r}, "
+            f"this version reads format {FORMAT_VERSION}"
+        )
     return metadata
 
 
@@ -344,10 +397,12 @@ def _load_file(path: pathlib.Path, map_location: Any, mmap: bool = False) -> Any
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except FileNotFoundError:
-        raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, "
-                        "load another one") from None
-    except (OSError, RuntimeError, EOFError, ValueError, KeyError,
-            pickle.UnpicklingError) as exc:
+        raise UserError(
+            f"checkpoint file {path} is missing; the checkpoint is incomplete, load another one"
+        ) from None
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"cannot read checkpoint file {path} ({first_line}); "
-                        "the checkpoint is damaged, load another one") from None
+        raise UserError(
+            f"cannot read checkpoint file {path} ({first_line}); "
+            "the checkpoint is damaged, load another one"
+        ) from None

@@ -1,9 +1,9 @@
 """The names in a save directory: the tracker, iteration directories and their metadata file
 (the layout :mod:`megatron_het.checkpoint.io` describes)."""
+
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
@@ -15,7 +15,7 @@ def iteration_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def parse_iteration_dir(name: str) -> Optional[int]:
+def parse_iteration_dir(name: str) -> int | None:
     """12 for ``iter_0000012``; None for any other name."""
     match = _ITERATION_DIR.fullmatch(name)
     return int(match.group(1)) if match else None

@@ -13,29 +13,43 @@ checkpoints) is hashed whole when opened; checkpoints written without records ar
 :func:`load_model_state` and :func:`load_train_state` assemble FULL tensors and the full
 optimizer state from it, for tools and for loading weights outside a run.
 """
+
 from __future__ import annotations
 
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from megatron_het.checkpoint.integrity import (FILES_KEY, TRAIN_STATE_MOMENTS,
-                                               is_train_state_moment, optimizer_key,
-                                               tensor_nbytes, tensor_paths)
-from megatron_het.checkpoint.io import (PathLike, load_checkpoint_metadata, model_shard_name,
-                                        optimizer_shard_name, read_checkpoint_file,
-                                        resolve_checkpoint_dir, train_state_name)
+from megatron_het.checkpoint.integrity import (
+    FILES_KEY,
+    TRAIN_STATE_MOMENTS,
+    is_train_state_moment,
+    optimizer_key,
+    tensor_nbytes,
+    tensor_paths,
+)
+from megatron_het.checkpoint.io import (
+    PathLike,
+    load_checkpoint_metadata,
+    model_shard_name,
+    optimizer_shard_name,
+    read_checkpoint_file,
+    resolve_checkpoint_dir,
+    train_state_name,
+)
 from megatron_het.checkpoint.reshard import Box, SavedPiece, assemble_slice, covering_pieces
 from megatron_het.checkpoint.verify import check_opened_file, check_tensor, unreadable_file
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 
-
-_FILE_NAMES = {"model": model_shard_name, "optim": optimizer_shard_name,
-               "train_state": train_state_name}
+_FILE_NAMES = {
+    "model": model_shard_name,
+    "optim": optimizer_shard_name,
+    "train_state": train_state_name,
+}
 
 
 @dataclass
@@ -61,7 +75,7 @@ class CheckpointReader:
     and an intact older checkpoint.
     """
 
-    def __init__(self, directory: PathLike, stats: Optional[ReadStats] = None) -> None:
+    def __init__(self, directory: PathLike, stats: ReadStats | None = None) -> None:
         self.directory = pathlib.Path(directory)
         self.stats = ReadStats() if stats is None else stats  # shared with the caller if given
         self.metadata = load_checkpoint_metadata(self.directory)
@@ -71,15 +85,16 @@ class CheckpointReader:
         self._read_whole: set[tuple[str, int]] = set()
         self._used: set[tuple[tuple[str, int], str]] = set()  # (file, tensor key) read so far
         sharded = self.metadata.get("sharded")
-        self.saved_plan: Optional[dict] = sharded["plan"] if sharded else None
+        self.saved_plan: dict | None = sharded["plan"] if sharded else None
         if sharded:
             self.model_index = _parse_index(sharded.get("model", {}), "model")
             self.optimizer_index = _parse_index(sharded.get("optimizer", {}), "optim")
         else:
             self.model_index = self._scan_model_shards()
             self.optimizer_index = self._single_process_optimizer_index()
-        self.has_optimizer = (int(self.metadata.get("num_optimizer_shards", 0)) > 0
-                              or bool(self.optimizer_index))
+        self.has_optimizer = int(self.metadata.get("num_optimizer_shards", 0)) > 0 or bool(
+            self.optimizer_index
+        )
 
     @property
     def opened_files(self) -> list[tuple[str, int]]:
@@ -115,8 +130,13 @@ class CheckpointReader:
             self._files[key] = payload  # only once its checks passed
         return self._files[key]
 
-    def _checked(self, source: tuple[str, int], key: str, tensor: torch.Tensor,
-                 shape: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+    def _checked(
+        self,
+        source: tuple[str, int],
+        key: str,
+        tensor: torch.Tensor,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
         """``tensor`` (tensor ``key`` of file ``source``), verified the first time it is used:
         its shape against ``shape`` (the index's) and, where recorded, its digest (reads it)."""
         used = (source, key)
@@ -141,8 +161,9 @@ class CheckpointReader:
             payload = self._file("model", shard)
             for name, tensor in payload["tensors"].items():
                 shape = tuple(payload["global_shapes"][name])
-                piece = SavedPiece(tuple(payload["offsets"][name]), tuple(tensor.shape),
-                                   ("model", shard))
+                piece = SavedPiece(
+                    tuple(payload["offsets"][name]), tuple(tensor.shape), ("model", shard)
+                )
                 index.setdefault(name, (shape, []))[1].append(piece)
         return index
 
@@ -150,10 +171,19 @@ class CheckpointReader:
         if int(self.metadata.get("num_train_state_shards", 0)) == 0:
             return {}
         state = self._file("train_state", 0).get("optimizer", {}).get("state", {})
-        return {name: (tuple(entry["exp_avg"].shape),
-                       [SavedPiece((0,) * entry["exp_avg"].dim(), tuple(entry["exp_avg"].shape),
-                                   ("train_state", 0))])
-                for name, entry in state.items()}
+        return {
+            name: (
+                tuple(entry["exp_avg"].shape),
+                [
+                    SavedPiece(
+                        (0,) * entry["exp_avg"].dim(),
+                        tuple(entry["exp_avg"].shape),
+                        ("train_state", 0),
+                    )
+                ],
+            )
+            for name, entry in state.items()
+        }
 
     def _model_tensor(self, piece: SavedPiece, name: str) -> torch.Tensor:
         tensor = self._file(*piece.source)["tensors"][name]
@@ -168,11 +198,14 @@ class CheckpointReader:
             self._checked(piece.source, key, entry[moment], piece.shape)
         return entry
 
-    def _pieces(self, index: dict, name: str, box: Box, what: str
-                ) -> tuple[tuple[int, ...], list[SavedPiece]]:
+    def _pieces(
+        self, index: dict, name: str, box: Box, what: str
+    ) -> tuple[tuple[int, ...], list[SavedPiece]]:
         if name not in index:
-            raise UserError(f"checkpoint {self.directory} has no {what} for {name}; load a "
-                            "checkpoint of this model")
+            raise UserError(
+                f"checkpoint {self.directory} has no {what} for {name}; load a "
+                "checkpoint of this model"
+            )
         global_shape, pieces = index[name]
         return global_shape, covering_pieces(pieces, *box)
 
@@ -190,11 +223,12 @@ class CheckpointReader:
         entries = [(self._optimizer_entry(p, name), p.offsets) for p in pieces]
         out: dict[str, Any] = {"step": int(entries[0][0]["step"]) if entries else 0}
         for key in ("exp_avg", "exp_avg_sq"):
-            out[key] = assemble_slice(f"{name} {key}", global_shape, *box,
-                                      [(e[key], o) for e, o in entries])
+            out[key] = assemble_slice(
+                f"{name} {key}", global_shape, *box, [(e[key], o) for e, o in entries]
+            )
         return out
 
-    def train_state(self, rank: int) -> Optional[dict]:
+    def train_state(self, rank: int) -> dict | None:
         """The saved training state of ``rank`` (rank 0's when that rank was not saved), without
         the optimizer; None for a model-only checkpoint."""
         shards = int(self.metadata.get("num_train_state_shards", 0))
@@ -206,29 +240,36 @@ class CheckpointReader:
 
 
 def _parse_index(entries: dict, kind: str) -> dict[str, tuple[tuple[int, ...], list]]:
-    return {name: (tuple(e["global_shape"]),
-                   [SavedPiece(tuple(o), tuple(s), (kind, int(r))) for r, o, s in e["pieces"]])
-            for name, e in entries.items()}
+    return {
+        name: (
+            tuple(e["global_shape"]),
+            [SavedPiece(tuple(o), tuple(s), (kind, int(r))) for r, o, s in e["pieces"]],
+        )
+        for name, e in entries.items()
+    }
 
 
 def _full_box(global_shape: tuple[int, ...]) -> Box:
     return ((0,) * len(global_shape), global_shape)
 
 
-def load_model_state(path: PathLike, iteration: Optional[int] = None, map_location: Any = "cpu"
-                     ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_model_state(
+    path: PathLike, iteration: int | None = None, map_location: Any = "cpu"
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The model config and FULL tensors (by global name) of the checkpoint at ``path``.
 
     Assembles each tensor from its pieces, whatever the parallel layout that wrote them;
     raises UserError if a piece is missing or a file is damaged.
     """
     reader = CheckpointReader(resolve_checkpoint_dir(path, iteration))
-    state = {name: reader.model_slice(name, _full_box(shape)).to(map_location)
-             for name, (shape, _) in reader.model_index.items()}
+    state = {
+        name: reader.model_slice(name, _full_box(shape)).to(map_location)
+        for name, (shape, _) in reader.model_index.items()
+    }
     return reader.config, state
 
 
-def load_train_state(path: PathLike, iteration: Optional[int] = None) -> Optional[dict]:
+def load_train_state(path: PathLike, iteration: int | None = None) -> dict | None:
     """The training state saved with the checkpoint (rank 0's: counters, schedule, RNG), None
     for a model-only checkpoint; ``optimizer`` holds the FULL per-parameter state in the
     single-process form ``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}},
@@ -240,7 +281,7 @@ def load_train_state(path: PathLike, iteration: Optional[int] = None) -> Optiona
     return state
 
 
-def full_optimizer_state(reader: "CheckpointReader | PathLike") -> dict[str, Any]:
+def full_optimizer_state(reader: CheckpointReader | PathLike) -> dict[str, Any]:
     """The FULL optimizer state of a checkpoint, in single-process form:
     ``{"state": {name: {"step": tensor, "exp_avg", "exp_avg_sq"}}, "param_groups": []}``."""
     if not isinstance(reader, CheckpointReader):

@@ -11,10 +11,12 @@ Which parameters a rank of a plan holds and which of them it writes (:func:`stag
 :func:`written_names`) are also computed here from the plan alone, so an offline tool can lay a
 checkpoint out exactly as a running plan would save it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -36,7 +38,7 @@ class SavedPiece:
     source: Any = None
 
 
-def intersect(a: Box, b: Box) -> Optional[Box]:
+def intersect(a: Box, b: Box) -> Box | None:
     """The intersection of two boxes of the same tensor, or None when they do not overlap."""
     (a_off, a_shape), (b_off, b_shape) = a, b
     if len(a_off) != len(b_off):
@@ -51,8 +53,9 @@ def intersect(a: Box, b: Box) -> Optional[Box]:
     return tuple(offsets), tuple(shape)
 
 
-def covering_pieces(pieces: Sequence[SavedPiece], offsets: Sequence[int],
-                    shape: Sequence[int]) -> list[SavedPiece]:
+def covering_pieces(
+    pieces: Sequence[SavedPiece], offsets: Sequence[int], shape: Sequence[int]
+) -> list[SavedPiece]:
     """The saved pieces that overlap the box ``(offsets, shape)``, in their given order.
 
     A zero-dimensional tensor (empty box) is covered by every piece.
@@ -65,9 +68,13 @@ def _index(offsets: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offsets, shape))
 
 
-def assemble_slice(name: str, global_shape: Sequence[int], offsets: Sequence[int],
-                   shape: Sequence[int],
-                   pieces: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> torch.Tensor:
+def assemble_slice(
+    name: str,
+    global_shape: Sequence[int],
+    offsets: Sequence[int],
+    shape: Sequence[int],
+    pieces: Sequence[tuple[torch.Tensor, Sequence[int]]],
+) -> torch.Tensor:
     """The box ``(offsets, shape)`` of global tensor ``name`` built from saved pieces.
 
     Args:
@@ -82,15 +89,18 @@ def assemble_slice(name: str, global_shape: Sequence[int], offsets: Sequence[int
     """
     global_shape, offsets, shape = tuple(global_shape), tuple(offsets), tuple(shape)
     box = (offsets, shape)
-    out: Optional[torch.Tensor] = None
+    out: torch.Tensor | None = None
     covered = torch.zeros(shape, dtype=torch.bool)
     for tensor, piece_offsets in pieces:
         piece_box = (tuple(piece_offsets), tuple(tensor.shape))
         if len(piece_box[0]) != len(global_shape) or any(
-                o < 0 or o + s > g for o, s, g in zip(*piece_box, global_shape)):
-            raise UserError(f"checkpoint tensor {name}: a piece of shape {piece_box[1]} at "
-                            f"{piece_box[0]} lies outside {global_shape}; the checkpoint is "
-                            "damaged")
+            o < 0 or o + s > g for o, s, g in zip(*piece_box, global_shape)
+        ):
+            raise UserError(
+                f"checkpoint tensor {name}: a piece of shape {piece_box[1]} at "
+                f"{piece_box[0]} lies outside {global_shape}; the checkpoint is "
+                "damaged"
+            )
         common = intersect(piece_box, box)
         if common is None:
             continue
@@ -101,9 +111,11 @@ def assemble_slice(name: str, global_shape: Sequence[int], offsets: Sequence[int
         out[_index(target, common[1])] = tensor[_index(source, common[1])].to(out.device)
         covered[_index(target, common[1])] = True
     if out is None or not bool(covered.all()):
-        raise UserError(f"checkpoint tensor {name} is only partly covered by its saved pieces "
-                        f"(needed offsets {offsets} shape {shape}); the checkpoint is "
-                        "incomplete, load another one")
+        raise UserError(
+            f"checkpoint tensor {name} is only partly covered by its saved pieces "
+            f"(needed offsets {offsets} shape {shape}); the checkpoint is "
+            "incomplete, load another one"
+        )
     return out
 
 
@@ -116,8 +128,7 @@ def target_slice(name: str, config: ModelConfig, tp: int, tp_rank: int) -> Box:
     """The box of parameter ``name`` held by rank ``tp_rank`` of a stage with ``tp`` ranks."""
     full_shape = parameter_shape(name, config)
     spec = shard_spec(name, config, tp)
-    return (spec.offsets(tp_rank, len(full_shape)),
-            tuple(spec.shard_shape(full_shape, tp_rank)))
+    return (spec.offsets(tp_rank, len(full_shape)), tuple(spec.shard_shape(full_shape, tp_rank)))
 
 
 def stage_parameter_names(config: ModelConfig, stage: StagePlan) -> list[str]:
@@ -153,8 +164,9 @@ def is_written_by(name: str, config: ModelConfig, stage: StagePlan, tp_rank: int
 
 def written_names(config: ModelConfig, stage: StagePlan, tp_rank: int) -> list[str]:
     """The names a rank of ``stage`` saves, in :func:`stage_parameter_names` order."""
-    return [n for n in stage_parameter_names(config, stage)
-            if is_written_by(n, config, stage, tp_rank)]
+    return [
+        n for n in stage_parameter_names(config, stage) if is_written_by(n, config, stage, tp_rank)
+    ]
 
 
 def rank_writes(config: ModelConfig, plan: ParallelPlan, rank: int) -> dict[str, Box]:
@@ -163,6 +175,8 @@ def rank_writes(config: ModelConfig, plan: ParallelPlan, rank: int) -> dict[str,
     role = plan.rank_role(rank)
     if role.pipeline != 0:
         return {}
-    return {name: target_slice(name, config, stage.tp, role.tp_rank)
-            for stage in role.chunk_plans  # every chunk of an interleaved device group
-            for name in written_names(config, stage, role.tp_rank)}
+    return {
+        name: target_slice(name, config, stage.tp, role.tp_rank)
+        for stage in role.chunk_plans  # every chunk of an interleaved device group
+        for name in written_names(config, stage, role.tp_rank)
+    }

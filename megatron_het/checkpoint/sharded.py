@@ -27,21 +27,36 @@ rank reads, and hashes to verify, only the pieces it needs
 (:class:`~megatron_het.checkpoint.reader.CheckpointReader`, the one reader of the on-disk
 format).
 """
+
 from __future__ import annotations
 
 import pathlib
 import shutil
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from megatron_het.checkpoint.io import (OptimizerPiece, PathLike, TensorPiece, begin_checkpoint,
-                                        commit_checkpoint, iteration_dir_name,
-                                        resolve_checkpoint_dir, staging_dir)
-from megatron_het.checkpoint.rank_files import (OptimizerState, RankFiles, first_holders,
-                                                model_pieces, optimizer_pieces,
-                                                sharded_metadata, write_rank_files)
+from megatron_het.checkpoint.io import (
+    OptimizerPiece,
+    PathLike,
+    TensorPiece,
+    begin_checkpoint,
+    commit_checkpoint,
+    iteration_dir_name,
+    resolve_checkpoint_dir,
+    staging_dir,
+)
+from megatron_het.checkpoint.rank_files import (
+    OptimizerState,
+    RankFiles,
+    first_holders,
+    model_pieces,
+    optimizer_pieces,
+    sharded_metadata,
+    write_rank_files,
+)
 from megatron_het.checkpoint.reader import CheckpointReader, ReadStats
 from megatron_het.checkpoint.reshard import is_written_by, rank_writes, target_slice
 from megatron_het.config import ModelConfig
@@ -54,69 +69,94 @@ SHARED_STAGING_TAG = "sharded"
 
 
 # ---- saving ---------------------------------------------------------------------------------
-def _agree(world: Any, error: Optional[BaseException], iteration: int, step: str,
-           device: torch.device) -> None:
+def _agree(
+    world: Any, error: BaseException | None, iteration: int, step: str, device: torch.device
+) -> None:
     """Collective: raise on every rank if any rank failed ``step`` (acts as a barrier)."""
     failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
     world.all_reduce(failed, "sum")
     if error is not None:
         raise error
     if int(failed.item()):
-        raise RuntimeError(f"saving checkpoint iteration {iteration} failed on {int(failed)} "
-                           f"other rank(s) while {step}; the previous checkpoint stays the latest")
+        raise RuntimeError(
+            f"saving checkpoint iteration {iteration} failed on {int(failed)} "
+            f"other rank(s) while {step}; the previous checkpoint stays the latest"
+        )
 
 
-def _attempt(action: Callable[[], Any]) -> tuple[Any, Optional[BaseException]]:
+def _attempt(action: Callable[[], Any]) -> tuple[Any, BaseException | None]:
     try:
         return action(), None
-    except Exception as exc:  # noqa: BLE001 - re-raised by _agree after the other ranks know
+    except Exception as exc:
         return None, exc
 
 
-def _prepare(save_dir: PathLike, iteration: int, model_config: ModelConfig, groups: Any,
-             stage: nn.Module, optimizer_state: Optional[OptimizerState], train_state,
-             weights: Optional[dict[str, torch.Tensor]], copy: bool
-             ) -> tuple[Callable[[], RankFiles], torch.device]:
+def _prepare(
+    save_dir: PathLike,
+    iteration: int,
+    model_config: ModelConfig,
+    groups: Any,
+    stage: nn.Module,
+    optimizer_state: OptimizerState | None,
+    train_state,
+    weights: dict[str, torch.Tensor] | None,
+    copy: bool,
+) -> tuple[Callable[[], RankFiles], torch.device]:
     """Collective: rank 0 creates the shared staging directory (all agree), then the DP ranks
     settle who writes which optimizer state. Returns a no-communication builder of this rank's
     :class:`RankFiles` and the device of the agreement tensors."""
     role, world, rank = groups.role, groups.world, groups.world.rank
     device = next(stage.parameters()).device
     staging = staging_dir(save_dir, iteration, SHARED_STAGING_TAG)
-    _, error = _attempt(lambda: begin_checkpoint(save_dir, iteration, SHARED_STAGING_TAG)
-                        if rank == 0 else None)
+    _, error = _attempt(
+        lambda: begin_checkpoint(save_dir, iteration, SHARED_STAGING_TAG) if rank == 0 else None
+    )
     _agree(world, error, iteration, "creating the staging directory", device)
     stage_plan = role.stage_plan
     names = None  # the parameters whose optimizer state this rank writes
     if optimizer_state is not None:
-        candidates = [n for n, _ in stage.named_parameters()
-                      if is_written_by(n, model_config, stage_plan, role.tp_rank)]
+        candidates = [
+            n
+            for n, _ in stage.named_parameters()
+            if is_written_by(n, model_config, stage_plan, role.tp_rank)
+        ]
         if getattr(groups, "uniform_dp", True):
             names = first_holders(groups.dp, candidates, set(optimizer_state), device)
         else:  # replicas of different layouts: pipeline 0 holds (and writes) everything
             names = [n for n in candidates if n in optimizer_state] if role.pipeline == 0 else []
 
     def build() -> RankFiles:
-        model = (model_pieces(stage, model_config, role, weights, copy)
-                 if role.pipeline == 0 else {})
-        optimizer = (None if names is None else optimizer_pieces(
-            names, optimizer_state, model_config, stage_plan.tp, role.tp_rank))
+        model = model_pieces(stage, model_config, role, weights, copy) if role.pipeline == 0 else {}
+        optimizer = (
+            None
+            if names is None
+            else optimizer_pieces(names, optimizer_state, model_config, stage_plan.tp, role.tp_rank)
+        )
         return RankFiles(staging, rank, model, optimizer, train_state)
 
     return build, device
 
 
-def commit_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
-                   plan: ParallelPlan, world: Any, has_optimizer: bool, has_train_state: bool,
-                   metadata: Optional[dict], device: torch.device) -> pathlib.Path:
+def commit_sharded(
+    save_dir: PathLike,
+    iteration: int,
+    model_config: ModelConfig,
+    plan: ParallelPlan,
+    world: Any,
+    has_optimizer: bool,
+    has_train_state: bool,
+    metadata: dict | None,
+    device: torch.device,
+) -> pathlib.Path:
     """Collective over ``world``, once every rank's files are complete: world rank 0 merges the
     indexes into metadata.json and commits (rename + tracker); every rank raises if it failed.
     Returns the committed iteration directory."""
     staging = staging_dir(save_dir, iteration, SHARED_STAGING_TAG)
 
     def commit() -> None:
-        info = sharded_metadata(staging, iteration, model_config, plan, has_optimizer,
-                                has_train_state, metadata)
+        info = sharded_metadata(
+            staging, iteration, model_config, plan, has_optimizer, has_train_state, metadata
+        )
         commit_checkpoint(staging, save_dir, iteration, info)
 
     _, error = _attempt(commit if world.rank == 0 else lambda: None)
@@ -124,11 +164,18 @@ def commit_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig
     return pathlib.Path(save_dir) / iteration_dir_name(iteration)
 
 
-def save_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
-                 plan: ParallelPlan, groups: Any, stage: nn.Module,
-                 optimizer_state: Optional[OptimizerState], train_state: Optional[dict],
-                 metadata: Optional[dict] = None,
-                 weights: Optional[dict[str, torch.Tensor]] = None) -> pathlib.Path:
+def save_sharded(
+    save_dir: PathLike,
+    iteration: int,
+    model_config: ModelConfig,
+    plan: ParallelPlan,
+    groups: Any,
+    stage: nn.Module,
+    optimizer_state: OptimizerState | None,
+    train_state: dict | None,
+    metadata: dict | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> pathlib.Path:
     """Save this rank's share of the model, optimizer state and training state; collective.
 
     Args:
@@ -149,18 +196,42 @@ def save_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
     after writing, after the commit). Returns the committed iteration directory. If any rank
     fails, every rank raises and the previous checkpoint stays the latest.
     """
-    build, device = _prepare(save_dir, iteration, model_config, groups, stage, optimizer_state,
-                             train_state, weights, copy=False)
+    build, device = _prepare(
+        save_dir,
+        iteration,
+        model_config,
+        groups,
+        stage,
+        optimizer_state,
+        train_state,
+        weights,
+        copy=False,
+    )
     _, error = _attempt(lambda: build().write())
     _agree(groups.world, error, iteration, "writing its shards", device)
-    return commit_sharded(save_dir, iteration, model_config, plan, groups.world,
-                          optimizer_state is not None, train_state is not None, metadata, device)
+    return commit_sharded(
+        save_dir,
+        iteration,
+        model_config,
+        plan,
+        groups.world,
+        optimizer_state is not None,
+        train_state is not None,
+        metadata,
+        device,
+    )
 
 
-def snapshot_sharded(save_dir: PathLike, iteration: int, model_config: ModelConfig,
-                     groups: Any, stage: nn.Module, optimizer_state: Optional[OptimizerState],
-                     train_state: Optional[dict],
-                     weights: Optional[dict[str, torch.Tensor]] = None) -> RankFiles:
+def snapshot_sharded(
+    save_dir: PathLike,
+    iteration: int,
+    model_config: ModelConfig,
+    groups: Any,
+    stage: nn.Module,
+    optimizer_state: OptimizerState | None,
+    train_state: dict | None,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> RankFiles:
     """This rank's files of a save, with CPU copies of the parameters, for a background write.
 
     Arguments as for :func:`save_sharded`; ``optimizer_state``, ``weights`` and
@@ -171,8 +242,17 @@ def snapshot_sharded(save_dir: PathLike, iteration: int, model_config: ModelConf
     :meth:`RankFiles.write` (no communication) and commit with :func:`commit_sharded` once
     every rank's files are complete.
     """
-    build, device = _prepare(save_dir, iteration, model_config, groups, stage, optimizer_state,
-                             train_state, weights, copy=True)
+    build, device = _prepare(
+        save_dir,
+        iteration,
+        model_config,
+        groups,
+        stage,
+        optimizer_state,
+        train_state,
+        weights,
+        copy=True,
+    )
     files, error = _attempt(build)
     _agree(groups.world, error, iteration, "copying its state", device)
     return files
@@ -180,12 +260,17 @@ def snapshot_sharded(save_dir: PathLike, iteration: int, model_config: ModelConf
 
 # ---- reading --------------------------------------------------------------------------------
 @torch.no_grad()
-def load_sharded(load_dir: PathLike, model_config: ModelConfig, plan: ParallelPlan,
-                 groups: Any, stage: nn.Module, iteration: Optional[int] = None,
-                 map_location: Any = "cpu",
-                 weights: Optional[dict[str, torch.Tensor]] = None,
-                 stats: Optional[ReadStats] = None
-                 ) -> tuple[Optional[OptimizerState], Optional[dict]]:
+def load_sharded(
+    load_dir: PathLike,
+    model_config: ModelConfig,
+    plan: ParallelPlan,
+    groups: Any,
+    stage: nn.Module,
+    iteration: int | None = None,
+    map_location: Any = "cpu",
+    weights: dict[str, torch.Tensor] | None = None,
+    stats: ReadStats | None = None,
+) -> tuple[OptimizerState | None, dict | None]:
     """Load this rank's slices from a checkpoint of any plan (or a single process) into ``stage``.
 
     Every parameter of ``stage`` is overwritten with its box under ``plan`` (this rank's TP
@@ -204,31 +289,36 @@ def load_sharded(load_dir: PathLike, model_config: ModelConfig, plan: ParallelPl
     """
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir, iteration), stats)
     role = groups.role
-    optimizer: Optional[OptimizerState] = {} if reader.has_optimizer else None
+    optimizer: OptimizerState | None = {} if reader.has_optimizer else None
     for name, param in stage.named_parameters():
         box = target_slice(name, model_config, role.stage_plan.tp, role.tp_rank)
         saved_shape = reader.model_index.get(name, (None,))[0]
         if saved_shape is not None and saved_shape != parameter_shape(name, model_config):
-            raise UserError(f"checkpoint tensor {name} has shape {saved_shape} but the model "
-                            f"needs {parameter_shape(name, model_config)}; load a checkpoint "
-                            "of this model")
+            raise UserError(
+                f"checkpoint tensor {name} has shape {saved_shape} but the model "
+                f"needs {parameter_shape(name, model_config)}; load a checkpoint "
+                "of this model"
+            )
         value = reader.model_slice(name, box)
         param.copy_(value)
         if weights is not None:
             weights[name] = value
         if optimizer is not None:
             entry = reader.optimizer_slice(name, box)
-            optimizer[name] = {"step": entry["step"],
-                               "exp_avg": entry["exp_avg"].to(map_location),
-                               "exp_avg_sq": entry["exp_avg_sq"].to(map_location)}
+            optimizer[name] = {
+                "step": entry["step"],
+                "exp_avg": entry["exp_avg"].to(map_location),
+                "exp_avg_sq": entry["exp_avg_sq"].to(map_location),
+            }
     same_plan = reader.saved_plan == plan.to_dict()
     train_state = reader.train_state(groups.world.rank if same_plan else 0)
     return optimizer, train_state
 
 
 # ---- offline resharding ---------------------------------------------------------------------
-def reshard_checkpoint(load_dir: PathLike, save_dir: PathLike, target_plan: ParallelPlan,
-                       iteration: Optional[int] = None) -> pathlib.Path:
+def reshard_checkpoint(
+    load_dir: PathLike, save_dir: PathLike, target_plan: ParallelPlan, iteration: int | None = None
+) -> pathlib.Path:
     """Write the checkpoint at ``load_dir`` into ``save_dir`` as ``target_plan`` would save it.
 
     One process, no communication: for every rank of the plan its model and optimizer pieces
@@ -245,21 +335,34 @@ def reshard_checkpoint(load_dir: PathLike, save_dir: PathLike, target_plan: Para
     try:
         for rank in range(target_plan.world_size):
             writes = rank_writes(config, target_plan, rank)
-            model = {n: TensorPiece(reader.model_slice(n, box), parameter_shape(n, config),
-                                    box[0]) for n, box in writes.items()}
+            model = {
+                n: TensorPiece(reader.model_slice(n, box), parameter_shape(n, config), box[0])
+                for n, box in writes.items()
+            }
             optimizer = None
             if reader.has_optimizer:
                 optimizer = {}
                 for name, box in writes.items():
                     entry = reader.optimizer_slice(name, box)
-                    optimizer[name] = OptimizerPiece(entry["step"], entry["exp_avg"],
-                                                     entry["exp_avg_sq"],
-                                                     parameter_shape(name, config), box[0])
+                    optimizer[name] = OptimizerPiece(
+                        entry["step"],
+                        entry["exp_avg"],
+                        entry["exp_avg_sq"],
+                        parameter_shape(name, config),
+                        box[0],
+                    )
             write_rank_files(staging, rank, model, optimizer, train_state)
         extra = {k: v for k, v in reader.metadata.items() if k not in ("sharded",)}
         extra["resharded_from"] = str(reader.directory)
-        info = sharded_metadata(staging, saved_iteration, config, target_plan,
-                                reader.has_optimizer, train_state is not None, extra)
+        info = sharded_metadata(
+            staging,
+            saved_iteration,
+            config,
+            target_plan,
+            reader.has_optimizer,
+            train_state is not None,
+            extra,
+        )
         return commit_checkpoint(staging, save_dir, saved_iteration, info)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -9,21 +9,29 @@ tensors, else its whole checksum) and each tensor when it first reads it
 names the file (and the tensor) and the newest older checkpoint of the same save directory that
 is intact (:func:`newest_intact_before` verifies them, newest first).
 """
+
 from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from megatron_het.checkpoint.integrity import (FILES_KEY, TENSORS_KEY, archive_problem,
-                                               file_problem, size_problem, tensor_sha256)
+from megatron_het.checkpoint.integrity import (
+    FILES_KEY,
+    TENSORS_KEY,
+    archive_problem,
+    file_problem,
+    size_problem,
+    tensor_sha256,
+)
 from megatron_het.checkpoint.names import METADATA_FILE, parse_iteration_dir
 from megatron_het.errors import UserError
 
 
-def read_metadata_file(directory: pathlib.Path) -> Optional[dict[str, Any]]:
+def read_metadata_file(directory: pathlib.Path) -> dict[str, Any] | None:
     """metadata.json of ``directory`` as a dict, or None when it is missing or unreadable."""
     try:
         with open(directory / METADATA_FILE, encoding="utf-8") as handle:
@@ -33,8 +41,9 @@ def read_metadata_file(directory: pathlib.Path) -> Optional[dict[str, Any]]:
     return metadata if isinstance(metadata, dict) else None
 
 
-def verify_files(directory: pathlib.Path, metadata: Mapping[str, Any]
-                 ) -> Optional[dict[str, Optional[str]]]:
+def verify_files(
+    directory: pathlib.Path, metadata: Mapping[str, Any]
+) -> dict[str, str | None] | None:
     """``{file name: problem or None}`` for every file recorded in ``metadata`` (sizes and
     checksums, reading every file once); None for a checkpoint written without records."""
     files = metadata.get(FILES_KEY)
@@ -43,8 +52,9 @@ def verify_files(directory: pathlib.Path, metadata: Mapping[str, Any]
     return {name: file_problem(directory / name, entry) for name, entry in sorted(files.items())}
 
 
-def newest_intact_before(save_dir: pathlib.Path, iteration: Optional[int]
-                         ) -> Optional[tuple[pathlib.Path, bool]]:
+def newest_intact_before(
+    save_dir: pathlib.Path, iteration: int | None
+) -> tuple[pathlib.Path, bool] | None:
     """The newest committed checkpoint of ``save_dir`` older than ``iteration`` (any, for None)
     whose files all verify, and whether it was verified (False: written without checksums, so
     only its metadata was readable). None when there is none."""
@@ -66,7 +76,7 @@ def newest_intact_before(save_dir: pathlib.Path, iteration: Optional[int]
     return None
 
 
-def damaged_file_message(path: pathlib.Path, problem: str, iteration: Optional[int]) -> str:
+def damaged_file_message(path: pathlib.Path, problem: str, iteration: int | None) -> str:
     """One line: ``path`` is damaged (``problem``) and which older checkpoint to load instead."""
     save_dir = path.parent.parent
     older = newest_intact_before(save_dir, iteration)
@@ -75,20 +85,24 @@ def damaged_file_message(path: pathlib.Path, problem: str, iteration: Optional[i
     else:
         directory, verified = older
         note = "" if verified else " (written without checksums, so not verified)"
-        hint = (f"the newest intact older checkpoint is {directory}{note}; resume from it with "
-                f"--load {directory}")
+        hint = (
+            f"the newest intact older checkpoint is {directory}{note}; resume from it with "
+            f"--load {directory}"
+        )
     what = "is missing" if problem == "missing" else f"is damaged ({problem})"
     return f"checkpoint file {path} {what}; {hint}"
 
 
 def _raise_damaged(path: pathlib.Path, metadata: Mapping[str, Any], problem: str) -> None:
     iteration = metadata.get("iteration")
-    raise UserError(damaged_file_message(path, problem,
-                                         None if iteration is None else int(iteration)))
+    raise UserError(
+        damaged_file_message(path, problem, None if iteration is None else int(iteration))
+    )
 
 
-def check_file(directory: pathlib.Path, metadata: Mapping[str, Any], name: str,
-               checksum: bool = True) -> None:
+def check_file(
+    directory: pathlib.Path, metadata: Mapping[str, Any], name: str, checksum: bool = True
+) -> None:
     """Raise one UserError line unless file ``name`` of ``directory`` matches its record (size,
     and with ``checksum`` its whole sha256). No-op for checkpoints written without records."""
     files = metadata.get(FILES_KEY)
@@ -96,14 +110,16 @@ def check_file(directory: pathlib.Path, metadata: Mapping[str, Any], name: str,
         return
     entry = files.get(name)
     path = directory / name
-    problem = ("not listed in metadata.json" if entry is None
-               else file_problem(path, entry, checksum))
+    problem = (
+        "not listed in metadata.json" if entry is None else file_problem(path, entry, checksum)
+    )
     if problem is not None:
         _raise_damaged(path, metadata, problem)
 
 
-def check_opened_file(directory: pathlib.Path, metadata: Mapping[str, Any], name: str
-                      ) -> Optional[Mapping[str, str]]:
+def check_opened_file(
+    directory: pathlib.Path, metadata: Mapping[str, Any], name: str
+) -> Mapping[str, str] | None:
     """Check file ``name`` before a reader opens it; returns its tensors' digests by key, or
     None when none are recorded.
 
@@ -128,20 +144,31 @@ def check_opened_file(directory: pathlib.Path, metadata: Mapping[str, Any], name
     return digests
 
 
-def check_tensor(path: pathlib.Path, metadata: Mapping[str, Any], digests: Mapping[str, str],
-                 key: str, tensor: torch.Tensor,
-                 shape: Optional[tuple[int, ...]] = None) -> None:
+def check_tensor(
+    path: pathlib.Path,
+    metadata: Mapping[str, Any],
+    digests: Mapping[str, str],
+    key: str,
+    tensor: torch.Tensor,
+    shape: tuple[int, ...] | None = None,
+) -> None:
     """Raise one UserError line naming ``path`` and tensor ``key`` unless ``tensor`` (as read
     from that file; reads its bytes) has the recorded digest and, when given, ``shape``."""
     if shape is not None and tuple(tensor.shape) != tuple(shape):
-        _raise_damaged(path, metadata, f"tensor {key} has shape {tuple(tensor.shape)}, "
-                                       f"metadata.json says {tuple(shape)}")
+        _raise_damaged(
+            path,
+            metadata,
+            f"tensor {key} has shape {tuple(tensor.shape)}, metadata.json says {tuple(shape)}",
+        )
     want = digests.get(key)
     if want is None:
         _raise_damaged(path, metadata, f"tensor {key} has no digest in metadata.json")
     if tensor_sha256(tensor) != want:
-        _raise_damaged(path, metadata, f"tensor {key} does not match its sha256: its bytes "
-                                       "changed after it was written")
+        _raise_damaged(
+            path,
+            metadata,
+            f"tensor {key} does not match its sha256: its bytes changed after it was written",
+        )
 
 
 def unreadable_file(path: pathlib.Path, metadata: Mapping[str, Any]) -> None:

@@ -14,18 +14,28 @@ every node that is torchrun's ``node_rank * nproc_per_node + local_rank``; with 
 it is what torchrun's agent assigns when each node is launched with its own ``--nproc_per_node``
 and ``--node_rank`` (ranks are the cumulative sum of the nodes' local world sizes).
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from megatron_het.cluster.accelerators import AcceleratorRegistry, AcceleratorSpec
 from megatron_het.cluster.cluster_yaml import parse_cluster
+
 # The parts are re-exported: callers import them from here or from megatron_het.cluster.
-from megatron_het.cluster.nodes import (DEFAULT_NIC_LATENCY_US,  # noqa: F401
-                                        INTRA_NODE_LATENCY_US, LINK_KINDS, GroupLink, Link,
-                                        NodeGroup, NodeInfo, RankInfo)
+from megatron_het.cluster.nodes import (  # noqa: F401
+    DEFAULT_NIC_LATENCY_US,
+    INTRA_NODE_LATENCY_US,
+    LINK_KINDS,
+    GroupLink,
+    Link,
+    NodeGroup,
+    NodeInfo,
+    RankInfo,
+)
 from megatron_het.errors import UserError
 from megatron_het.fileio import read_yaml_mapping
 
@@ -33,8 +43,13 @@ from megatron_het.fileio import read_yaml_mapping
 class ClusterSpec:
     """A validated cluster. Build it with :meth:`load` or :meth:`from_dict`; it is immutable."""
 
-    def __init__(self, node_groups: Sequence[NodeGroup], links: Sequence[GroupLink] = (),
-                 rank_order: Optional[Sequence[str]] = None, name: str = "cluster") -> None:
+    def __init__(
+        self,
+        node_groups: Sequence[NodeGroup],
+        links: Sequence[GroupLink] = (),
+        rank_order: Sequence[str] | None = None,
+        name: str = "cluster",
+    ) -> None:
         self.name = name
         self.node_groups: tuple[NodeGroup, ...] = tuple(node_groups)
         if not self.node_groups:
@@ -42,8 +57,10 @@ class ClusterSpec:
         self._groups: dict[str, NodeGroup] = {}
         for group in self.node_groups:
             if group.name in self._groups:
-                raise UserError(f"node group name {group.name!r} is used twice; give each node "
-                                f"group a unique name")
+                raise UserError(
+                    f"node group name {group.name!r} is used twice; give each node "
+                    f"group a unique name"
+                )
             self._groups[group.name] = group
         self.rank_order: tuple[str, ...] = self._check_rank_order(rank_order)
         self._links = self._resolve_links(links)
@@ -51,8 +68,12 @@ class ClusterSpec:
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, accelerators_file: Optional[str | Path] = None,
-             registry: Optional[AcceleratorRegistry] = None) -> "ClusterSpec":
+    def load(
+        cls,
+        path: str | Path,
+        accelerators_file: str | Path | None = None,
+        registry: AcceleratorRegistry | None = None,
+    ) -> ClusterSpec:
         """Read and validate a cluster YAML file; ``accelerators_file`` adds or overrides kinds."""
         path = Path(path)
         data = read_yaml_mapping(path, "cluster file")
@@ -63,21 +84,28 @@ class ClusterSpec:
         return cls.from_dict(data, registry=registry, base_dir=path.parent)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], registry: Optional[AcceleratorRegistry] = None,
-                  base_dir: Optional[str | Path] = None) -> "ClusterSpec":
+    def from_dict(
+        cls,
+        d: Mapping[str, Any],
+        registry: AcceleratorRegistry | None = None,
+        base_dir: str | Path | None = None,
+    ) -> ClusterSpec:
         """Build from the plain-data form of the YAML schema
         (:mod:`megatron_het.cluster.cluster_yaml`); any mistake is a one-line UserError."""
         groups, links, rank_order, name = parse_cluster(
-            d, registry or AcceleratorRegistry.builtin(), base_dir)
+            d, registry or AcceleratorRegistry.builtin(), base_dir
+        )
         return cls(groups, links, rank_order, name=name)
 
-    def _check_rank_order(self, rank_order: Optional[Sequence[str]]) -> tuple[str, ...]:
+    def _check_rank_order(self, rank_order: Sequence[str] | None) -> tuple[str, ...]:
         names = [g.name for g in self.node_groups]
         if rank_order is None:
             return tuple(names)
         if sorted(map(str, rank_order)) != sorted(names):
-            raise UserError(f"rank_order {list(rank_order)} must list every node group exactly "
-                            f"once: {', '.join(names)}")
+            raise UserError(
+                f"rank_order {list(rank_order)} must list every node group exactly "
+                f"once: {', '.join(names)}"
+            )
         return tuple(rank_order)
 
     def _resolve_links(self, links: Sequence[GroupLink]) -> dict[frozenset, GroupLink]:
@@ -87,21 +115,31 @@ class ClusterSpec:
             a, b = link.groups
             for g in (a, b):
                 if g not in self._groups:
-                    raise UserError(f"link {a} <-> {b}: unknown node group {g!r}; node groups: "
-                                    f"{names}")
+                    raise UserError(
+                        f"link {a} <-> {b}: unknown node group {g!r}; node groups: {names}"
+                    )
             if frozenset((a, b)) in resolved:
                 raise UserError(f"link {a} <-> {b} is given twice; keep one")
-            emulated_kinds = (self._groups[a].accelerator.emulated
-                              and self._groups[b].accelerator.emulated)
+            emulated_kinds = (
+                self._groups[a].accelerator.emulated and self._groups[b].accelerator.emulated
+            )
             if link.emulated and not emulated_kinds:
-                raise UserError(f"link {a} <-> {b}: emulated: true needs both node groups to use "
-                                f"emulated accelerators")
+                raise UserError(
+                    f"link {a} <-> {b}: emulated: true needs both node groups to use "
+                    f"emulated accelerators"
+                )
             resolved[frozenset((a, b))] = link
         for i, a in enumerate(self.node_groups):
-            for b in self.node_groups[i + 1:]:
-                resolved.setdefault(frozenset((a.name, b.name)), GroupLink(
-                    (a.name, b.name), min(a.nic_bandwidth_gbps, b.nic_bandwidth_gbps),
-                    max(a.nic_latency_us, b.nic_latency_us), explicit=False))
+            for b in self.node_groups[i + 1 :]:
+                resolved.setdefault(
+                    frozenset((a.name, b.name)),
+                    GroupLink(
+                        (a.name, b.name),
+                        min(a.nic_bandwidth_gbps, b.nic_bandwidth_gbps),
+                        max(a.nic_latency_us, b.nic_latency_us),
+                        explicit=False,
+                    ),
+                )
         return resolved
 
     def _build_rank_map(self) -> tuple[list[NodeInfo], list[RankInfo]]:
@@ -122,11 +160,13 @@ class ClusterSpec:
                 local = 0
                 for group in members:
                     for _ in range(group.devices_per_node):
-                        ranks.append(RankInfo(len(ranks), group.name, node, local,
-                                              group.accelerator))
+                        ranks.append(
+                            RankInfo(len(ranks), group.name, node, local, group.accelerator)
+                        )
                         local += 1
-                nodes.append(NodeInfo(node, tuple(g.name for g in members), local,
-                                      len(ranks) - local))
+                nodes.append(
+                    NodeInfo(node, tuple(g.name for g in members), local, len(ranks) - local)
+                )
         return nodes, ranks
 
     def _check_host(self, group: NodeGroup) -> NodeGroup:
@@ -134,14 +174,20 @@ class ClusterSpec:
         host = self._groups.get(str(group.colocate_with))
         if host is None or host is group:
             others = ", ".join(n for n in self._groups if n != group.name)
-            raise UserError(f"{where}: colocate_with names unknown node group "
-                            f"{group.colocate_with!r}; other node groups: {others}")
+            raise UserError(
+                f"{where}: colocate_with names unknown node group "
+                f"{group.colocate_with!r}; other node groups: {others}"
+            )
         if host.colocate_with is not None:
-            raise UserError(f"{where}: colocate_with {host.name!r}, which is itself colocated; "
-                            f"name the group that owns the nodes")
+            raise UserError(
+                f"{where}: colocate_with {host.name!r}, which is itself colocated; "
+                f"name the group that owns the nodes"
+            )
         if host.nodes != group.nodes:
-            raise UserError(f"{where}: colocate_with {host.name!r} needs nodes: {host.nodes} "
-                            f"(the same nodes), got {group.nodes}")
+            raise UserError(
+                f"{where}: colocate_with {host.name!r} needs nodes: {host.nodes} "
+                f"(the same nodes), got {group.nodes}"
+            )
         return host
 
     # ---- queries --------------------------------------------------------------------------
@@ -157,8 +203,9 @@ class ClusterSpec:
         try:
             return self._groups[name]
         except KeyError:
-            raise UserError(f"unknown node group {name!r}; node groups: "
-                            f"{', '.join(self._groups)}") from None
+            raise UserError(
+                f"unknown node group {name!r}; node groups: {', '.join(self._groups)}"
+            ) from None
 
     def rank_map(self) -> list[RankInfo]:
         """One RankInfo per global rank, in rank order."""
@@ -174,7 +221,7 @@ class ClusterSpec:
         return list(self._nodes)
 
     @property
-    def uniform_nproc_per_node(self) -> Optional[int]:
+    def uniform_nproc_per_node(self) -> int | None:
         """The devices per node if every node has the same count (torchrun's single
         ``--nproc_per_node``), else None: launch each node with its own count."""
         counts = {n.nproc for n in self._nodes}
@@ -218,28 +265,50 @@ class ClusterSpec:
     # ---- output ---------------------------------------------------------------------------
     def describe(self) -> str:
         """A table of node groups and links; emulated kinds are marked "(emulated)"."""
-        header = ("group", "accelerator", "nodes", "dev/node", "ranks", "NIC GB/s",
-                  "intra GB/s", "bf16 TFLOP/s", "mem GiB")
+        header = (
+            "group",
+            "accelerator",
+            "nodes",
+            "dev/node",
+            "ranks",
+            "NIC GB/s",
+            "intra GB/s",
+            "bf16 TFLOP/s",
+            "mem GiB",
+        )
         rows = [header]
         for g in self.node_groups:
             ranks = [r.rank for r in self._ranks if r.group == g.name]
-            rows.append((g.name, g.accelerator.label, str(g.nodes), str(g.devices_per_node),
-                         format_ranks(ranks), f"{g.nic_bandwidth_gbps:g}",
-                         f"{g.intra_bandwidth_gbps:g}", f"{g.accelerator.peak_tflops_bf16:g}",
-                         f"{g.accelerator.memory_gib:g}"))
+            rows.append(
+                (
+                    g.name,
+                    g.accelerator.label,
+                    str(g.nodes),
+                    str(g.devices_per_node),
+                    format_ranks(ranks),
+                    f"{g.nic_bandwidth_gbps:g}",
+                    f"{g.intra_bandwidth_gbps:g}",
+                    f"{g.accelerator.peak_tflops_bf16:g}",
+                    f"{g.accelerator.memory_gib:g}",
+                )
+            )
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         emulation = any(g.accelerator.emulated for g in self.node_groups)
-        lines = [f"cluster {self.name}{' (emulation)' if emulation else ''}: "
-                 f"{_count(self.world_size, 'rank')} on {_count(self.num_nodes, 'node')}, "
-                 f"{_count(len(self.node_groups), 'node group')}"]
-        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-                  for row in rows]
+        lines = [
+            f"cluster {self.name}{' (emulation)' if emulation else ''}: "
+            f"{_count(self.world_size, 'rank')} on {_count(self.num_nodes, 'node')}, "
+            f"{_count(len(self.node_groups), 'node group')}"
+        ]
+        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         for link in self._links.values():
-            tags = [t for t, on in (("emulated", link.emulated), ("default", not link.explicit))
-                    if on]
+            tags = [
+                t for t, on in (("emulated", link.emulated), ("default", not link.explicit)) if on
+            ]
             tag = f" ({', '.join(tags)})" if tags else ""
-            lines.append(f"link {link.groups[0]} <-> {link.groups[1]}: {link.bandwidth_gbps:g} "
-                         f"GB/s, {link.latency_us:g} us{tag}")
+            lines.append(
+                f"link {link.groups[0]} <-> {link.groups[1]}: {link.bandwidth_gbps:g} "
+                f"GB/s, {link.latency_us:g} us{tag}"
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -255,18 +324,29 @@ class ClusterSpec:
                 kinds[spec.name] = {k: v for k, v in spec.to_dict().items() if k != "name"}
         groups = []
         for g in self.node_groups:
-            entry: dict[str, Any] = {"name": g.name, "accelerator": g.accelerator.name,
-                                     "nodes": g.nodes, "devices_per_node": g.devices_per_node,
-                                     "nic_bandwidth_gbps": g.nic_bandwidth_gbps,
-                                     "nic_latency_us": g.nic_latency_us}
+            entry: dict[str, Any] = {
+                "name": g.name,
+                "accelerator": g.accelerator.name,
+                "nodes": g.nodes,
+                "devices_per_node": g.devices_per_node,
+                "nic_bandwidth_gbps": g.nic_bandwidth_gbps,
+                "nic_latency_us": g.nic_latency_us,
+            }
             if g.intra_node_bandwidth_gbps is not None:
                 entry["intra_node_bandwidth_gbps"] = g.intra_node_bandwidth_gbps
             if g.colocate_with is not None:
                 entry["colocate_with"] = g.colocate_with
             groups.append(entry)
-        links = [{"groups": list(link.groups), "bandwidth_gbps": link.bandwidth_gbps,
-                  "latency_us": link.latency_us, "emulated": link.emulated}
-                 for link in self._links.values() if link.explicit]
+        links = [
+            {
+                "groups": list(link.groups),
+                "bandwidth_gbps": link.bandwidth_gbps,
+                "latency_us": link.latency_us,
+                "emulated": link.emulated,
+            }
+            for link in self._links.values()
+            if link.explicit
+        ]
         out: dict[str, Any] = {"name": self.name}
         if kinds:
             out["accelerators"] = kinds
@@ -274,8 +354,10 @@ class ClusterSpec:
         return out
 
     def __repr__(self) -> str:
-        return (f"ClusterSpec({self.name!r}, world_size={self.world_size}, "
-                f"groups={[g.name for g in self.node_groups]})")
+        return (
+            f"ClusterSpec({self.name!r}, world_size={self.world_size}, "
+            f"groups={[g.name for g in self.node_groups]})"
+        )
 
 
 def _count(n: int, noun: str) -> str:
@@ -305,9 +387,12 @@ def kind_subcluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:
     names = {g.name for g in groups}
     if not groups:
         raise UserError(f"cluster {cluster.name} has no {kind} devices")
-    groups = [g if g.colocate_with is None or g.colocate_with in names
-              else replace(g, colocate_with=None) for g in groups]
-    links = [cluster.group_link(a.name, b.name) for i, a in enumerate(groups)
-             for b in groups[i + 1:]]
+    groups = [
+        g if g.colocate_with is None or g.colocate_with in names else replace(g, colocate_with=None)
+        for g in groups
+    ]
+    links = [
+        cluster.group_link(a.name, b.name) for i, a in enumerate(groups) for b in groups[i + 1 :]
+    ]
     order = [name for name in cluster.rank_order if name in names]
     return ClusterSpec(groups, links, order, name=f"{cluster.name}[{kind}]")

@@ -28,25 +28,35 @@ A link's bandwidth is what one node of each group gets between them (a pair of r
 all of it). A pair of groups with no link gets a default one (see
 :mod:`megatron_het.cluster.cluster`).
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from megatron_het.cluster.accelerators import GBIT_PER_GBYTE, AcceleratorRegistry
 from megatron_het.cluster.nodes import DEFAULT_NIC_LATENCY_US, GroupLink, NodeGroup
 from megatron_het.errors import UserError
 
 _CLUSTER_KEYS = ("name", "accelerators_file", "accelerators", "node_groups", "links", "rank_order")
-_GROUP_KEYS = ("name", "accelerator", "nodes", "devices_per_node", "nic_bandwidth_gbps",
-               "nic_bandwidth_gbit_per_s", "nic_latency_us", "intra_node_bandwidth_gbps",
-               "colocate_with")
+_GROUP_KEYS = (
+    "name",
+    "accelerator",
+    "nodes",
+    "devices_per_node",
+    "nic_bandwidth_gbps",
+    "nic_bandwidth_gbit_per_s",
+    "nic_latency_us",
+    "intra_node_bandwidth_gbps",
+    "colocate_with",
+)
 _LINK_KEYS = ("groups", "bandwidth_gbps", "bandwidth_gbit_per_s", "latency_us", "emulated")
 
 
-def parse_cluster(d: Mapping[str, Any], registry: AcceleratorRegistry,
-                  base_dir: Optional[str | Path] = None
-                  ) -> tuple[list[NodeGroup], list[GroupLink], Optional[list], str]:
+def parse_cluster(
+    d: Mapping[str, Any], registry: AcceleratorRegistry, base_dir: str | Path | None = None
+) -> tuple[list[NodeGroup], list[GroupLink], list | None, str]:
     """``(node groups, links, rank_order or None, name)`` of the plain-data form ``d`` of the
     schema above, the kinds looked up in ``registry`` (plus ``d``'s accelerators_file, relative
     to ``base_dir``, and its accelerators); any mistake is a one-line UserError."""
@@ -63,8 +73,7 @@ def parse_cluster(d: Mapping[str, Any], registry: AcceleratorRegistry,
     groups = [_parse_group(i, g, registry) for i, g in enumerate(raw_groups)]
     raw_links = d.get("links") or []
     if not isinstance(raw_links, list):
-        raise UserError("cluster: links must be a list of "
-                        "{groups: [a, b], bandwidth_gbps: ...}")
+        raise UserError("cluster: links must be a list of {groups: [a, b], bandwidth_gbps: ...}")
     links = [_parse_link(i, link) for i, link in enumerate(raw_links)]
     rank_order = d.get("rank_order")
     if rank_order is not None and not isinstance(rank_order, list):
@@ -80,8 +89,12 @@ def _check_keys(where: str, d: Mapping[str, Any], known: Sequence[str]) -> None:
 
 def _number(where: str, d: Mapping[str, Any], key: str, positive: bool = True) -> float:
     value = d[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-            positive and value == 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value < 0
+        or (positive and value == 0)
+    ):
         rule = "positive" if positive else "zero or more"
         raise UserError(f"{where}: {key} must be {rule}, got {value!r}")
     return float(value)
@@ -114,31 +127,45 @@ def _parse_group(index: int, d: Any, registry: AcceleratorRegistry) -> NodeGroup
     intra = d.get("intra_node_bandwidth_gbps")
     colocate = d.get("colocate_with")
     return NodeGroup(
-        name=d["name"], accelerator=accelerator, nodes=d["nodes"],
+        name=d["name"],
+        accelerator=accelerator,
+        nodes=d["nodes"],
         devices_per_node=d["devices_per_node"],
         nic_bandwidth_gbps=_bandwidth(where, d, "nic_bandwidth"),
-        nic_latency_us=(_number(where, d, "nic_latency_us", positive=False)
-                        if "nic_latency_us" in d else DEFAULT_NIC_LATENCY_US),
-        intra_node_bandwidth_gbps=(None if intra is None
-                                   else _number(where, d, "intra_node_bandwidth_gbps")),
-        colocate_with=None if colocate is None else str(colocate))
+        nic_latency_us=(
+            _number(where, d, "nic_latency_us", positive=False)
+            if "nic_latency_us" in d
+            else DEFAULT_NIC_LATENCY_US
+        ),
+        intra_node_bandwidth_gbps=(
+            None if intra is None else _number(where, d, "intra_node_bandwidth_gbps")
+        ),
+        colocate_with=None if colocate is None else str(colocate),
+    )
 
 
 def _parse_link(index: int, d: Any) -> GroupLink:
     groups = d.get("groups") if isinstance(d, Mapping) else None
-    if (not isinstance(groups, list) or len(groups) != 2 or groups[0] == groups[1]
-            or not all(isinstance(g, str) for g in groups)):
-        raise UserError(f"link #{index}: groups must name two different node groups, "
-                        f"got {groups!r}")
+    if (
+        not isinstance(groups, list)
+        or len(groups) != 2
+        or groups[0] == groups[1]
+        or not all(isinstance(g, str) for g in groups)
+    ):
+        raise UserError(
+            f"link #{index}: groups must name two different node groups, got {groups!r}"
+        )
     where = f"link {groups[0]} <-> {groups[1]}"
     _check_keys(where, d, _LINK_KEYS)
     emulated = d.get("emulated", False)
     if not isinstance(emulated, bool):
         raise UserError(f"{where}: emulated must be true or false, got {emulated!r}")
-    latency = (_number(where, d, "latency_us", positive=False) if "latency_us" in d
-               else DEFAULT_NIC_LATENCY_US)
+    latency = (
+        _number(where, d, "latency_us", positive=False)
+        if "latency_us" in d
+        else DEFAULT_NIC_LATENCY_US
+    )
     return GroupLink((groups[0], groups[1]), _bandwidth(where, d, "bandwidth"), latency, emulated)
-
 
 
 __all__ = ["parse_cluster"]

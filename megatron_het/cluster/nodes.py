@@ -3,10 +3,10 @@
 Bandwidths are GB/s (gigabytes per second); see :mod:`megatron_het.cluster.accelerators` for the
 units. :class:`~megatron_het.cluster.cluster.ClusterSpec` puts the parts together.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron_het.cluster.accelerators import AcceleratorSpec
 from megatron_het.errors import UserError
@@ -26,15 +26,16 @@ class NodeGroup:
     devices_per_node: int
     nic_bandwidth_gbps: float  # per node, GB/s
     nic_latency_us: float = DEFAULT_NIC_LATENCY_US
-    intra_node_bandwidth_gbps: Optional[float] = None  # None: the accelerator's figure
-    colocate_with: Optional[str] = None
+    intra_node_bandwidth_gbps: float | None = None  # None: the accelerator's figure
+    colocate_with: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("nodes", "devices_per_node"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise UserError(f"node group {self.name!r}: {key} must be a positive integer, "
-                                f"got {value!r}")
+                raise UserError(
+                    f"node group {self.name!r}: {key} must be a positive integer, got {value!r}"
+                )
 
     @property
     def num_devices(self) -> int:
@@ -96,5 +97,13 @@ class NodeInfo:
     first_rank: int
 
 
-__all__ = ["DEFAULT_NIC_LATENCY_US", "INTRA_NODE_LATENCY_US", "LINK_KINDS", "GroupLink", "Link",
-           "NodeGroup", "NodeInfo", "RankInfo"]
+__all__ = [
+    "DEFAULT_NIC_LATENCY_US",
+    "INTRA_NODE_LATENCY_US",
+    "LINK_KINDS",
+    "GroupLink",
+    "Link",
+    "NodeGroup",
+    "NodeInfo",
+    "RankInfo",
+]

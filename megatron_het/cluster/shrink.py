@@ -9,10 +9,12 @@ of the same name gets ``-b``); a node that lost every device is gone. Ranks are 
 in the new cluster's order (a restart reshards its checkpoint to any plan, so the numbering
 is free).
 """
+
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from megatron_het.cluster.cluster import ClusterSpec
 from megatron_het.errors import UserError
@@ -32,8 +34,9 @@ def shrink(cluster: ClusterSpec, lost: Iterable[int]) -> tuple[ClusterSpec, dict
     lost = set(lost)
     outside = sorted(r for r in lost if not 0 <= r < cluster.world_size)
     if outside:
-        raise UserError(f"ranks {outside} are not in cluster {cluster.name} "
-                        f"({cluster.world_size} ranks)")
+        raise UserError(
+            f"ranks {outside} are not in cluster {cluster.name} ({cluster.world_size} ranks)"
+        )
     if len(lost) == cluster.world_size:
         raise UserError(f"no device of cluster {cluster.name} would be left")
     data = cluster.to_dict()
@@ -49,10 +52,8 @@ def shrink(cluster: ClusterSpec, lost: Iterable[int]) -> tuple[ClusterSpec, dict
     nodes_of_host = _nodes_by_host(cluster)
     placed: dict[int, int] = {}
     for host in hosts:
-        members = [host] + [n for n in data["rank_order"]
-                            if groups[n].get("colocate_with") == host]
-        signature_of = {node: tuple(kept[node][m] for m in members)
-                        for node in nodes_of_host[host]}
+        members = [host] + [n for n in data["rank_order"] if groups[n].get("colocate_with") == host]
+        signature_of = {node: tuple(kept[node][m] for m in members) for node in nodes_of_host[host]}
         signatures = Counter(signature_of[node] for node in nodes_of_host[host])
         for signature, count in signatures.items():
             if not any(signature):
@@ -71,8 +72,13 @@ def shrink(cluster: ClusterSpec, lost: Iterable[int]) -> tuple[ClusterSpec, dict
     for link in data["links"]:
         a, b = link["groups"]
         links += [{**link, "groups": [x, y]} for x in renamed[a] for y in renamed[b]]
-    out = {**data, "name": f"{cluster.name}-without-{len(lost)}", "node_groups": new_groups,
-           "links": links, "rank_order": order}
+    out = {
+        **data,
+        "name": f"{cluster.name}-without-{len(lost)}",
+        "node_groups": new_groups,
+        "links": links,
+        "rank_order": order,
+    }
     return ClusterSpec.from_dict(out), placed
 
 
@@ -84,8 +90,9 @@ def _nodes_by_host(cluster: ClusterSpec) -> dict[str, list[int]]:
     return out
 
 
-def _variant(groups: dict[str, dict[str, Any]], members: list[str], signature: tuple[int, ...],
-             count: int) -> list[tuple[str, dict[str, Any]]]:
+def _variant(
+    groups: dict[str, dict[str, Any]], members: list[str], signature: tuple[int, ...], count: int
+) -> list[tuple[str, dict[str, Any]]]:
     """The groups of ``count`` nodes that keep ``signature`` devices of each member (the host
     first): the members' entries with their node and device counts, renamed where they lost
     devices; the first member left with devices owns the nodes, the rest colocate with it."""

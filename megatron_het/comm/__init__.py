@@ -7,6 +7,7 @@ initialised), its :class:`UnifiedGroup` objects (collectives may be asynchronous
 hook (:class:`WireHooks`) through which a wire model paces cross-kind links, and
 :func:`choose_direct_backend`, which says which backend a direct bridge would use.
 """
+
 from __future__ import annotations
 
 from megatron_het.comm.async_ops import CollectiveHandle
@@ -19,6 +20,18 @@ from megatron_het.comm.layout import GroupLayout
 from megatron_het.comm.p2p import P2PHandle, P2POp
 from megatron_het.comm.wire import Wire, WireHooks
 
-__all__ = ["CollectiveHandle", "CollectiveMismatchError", "CommError", "GroupLayout",
-           "P2PHandle", "P2POp", "UnifiedCommunicator", "UnifiedGroup", "UnifiedProcessGroup",
-           "Wire", "WireHooks", "choose_direct_backend", "register_unified_backend"]
+__all__ = [
+    "CollectiveHandle",
+    "CollectiveMismatchError",
+    "CommError",
+    "GroupLayout",
+    "P2PHandle",
+    "P2POp",
+    "UnifiedCommunicator",
+    "UnifiedGroup",
+    "UnifiedProcessGroup",
+    "Wire",
+    "WireHooks",
+    "choose_direct_backend",
+    "register_unified_backend",
+]

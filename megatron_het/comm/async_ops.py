@@ -20,9 +20,11 @@ Because a pending handle's last phase needs the other members of this rank's kin
 share several mixed groups must also wait on those groups' handles in one order (within one
 group the order of waits does not matter).
 """
+
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from megatron_het.comm.links import Work
 
@@ -59,7 +61,7 @@ class DoneHandle:
 class PendingHandle:
     """A hierarchical operation whose last phase runs in ``wait()`` (see module docstring)."""
 
-    def __init__(self, queue: "FinishQueue", finish: Callable[[], None]) -> None:
+    def __init__(self, queue: FinishQueue, finish: Callable[[], None]) -> None:
         self._queue, self._finish = queue, finish
         self._done = False
         self._error: BaseException | None = None
@@ -109,5 +111,4 @@ class FinishQueue:
 
 DONE = DoneHandle()
 
-__all__ = ["DONE", "CollectiveHandle", "DoneHandle", "FinishQueue", "PendingHandle",
-           "WorkHandle"]
+__all__ = ["DONE", "CollectiveHandle", "DoneHandle", "FinishQueue", "PendingHandle", "WorkHandle"]

@@ -19,10 +19,12 @@ variants are not provided. Its links are gloo and NCCL (CUDA and ROCm) only: on 
 Ascend ranks (HCCL) a group made with it fails with one line, and code uses the communicator's
 own groups (:meth:`UnifiedCommunicator.new_group`), as the trainer does.
 """
+
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,8 +61,12 @@ class _DoneWork(dist._Work):
 class _P2PWork(dist._Work):
     """A send or receive; a held one is issued (with every other held one) on first wait."""
 
-    def __init__(self, owner: "UnifiedProcessGroup", tensors: list[torch.Tensor],
-                 handle: P2PHandle | None = None) -> None:
+    def __init__(
+        self,
+        owner: UnifiedProcessGroup,
+        tensors: list[torch.Tensor],
+        handle: P2PHandle | None = None,
+    ) -> None:
         super().__init__()
         self._owner, self._tensors, self._handle = owner, tensors, handle
 
@@ -129,29 +135,33 @@ class UnifiedProcessGroup(dist.ProcessGroup):
             self.group.all_reduce(tensor, op)
         return _DoneWork(tensors)
 
-    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                  opts: Any = None) -> dist._Work:
+    def allgather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist._Work:
         self.flush()
         for outputs, tensor in zip(output_lists, inputs):
             self.group.all_gather(outputs, tensor)
         return _DoneWork([t for outputs in output_lists for t in outputs])
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
-                        opts: Any = None) -> dist._Work:
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> dist._Work:
         self.flush()
         self.group.all_gather_into_tensor(output, input)
         return _DoneWork([output])
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
-                       opts: Any = None) -> dist._Work:
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> dist._Work:
         self.flush()
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for output, inputs in zip(outputs, input_lists):
             self.group.reduce_scatter(output, inputs, op)
         return _DoneWork(outputs)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
-                             opts: Any = None) -> dist._Work:
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> dist._Work:
         self.flush()
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         self.group.reduce_scatter_tensor(output, input, op)
@@ -164,13 +174,17 @@ class UnifiedProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
         return self.allreduce(tensors, opts)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
-                          output_split_sizes: list[int], input_split_sizes: list[int],
-                          opts: Any = None) -> dist._Work:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist._Work:
         self.flush()
         n = self.group.size
-        outs = (output.split(list(output_split_sizes)) if output_split_sizes
-                else output.chunk(n))
+        outs = output.split(list(output_split_sizes)) if output_split_sizes else output.chunk(n)
         ins = input.split(list(input_split_sizes)) if input_split_sizes else input.chunk(n)
         received = [torch.empty_like(t) for t in outs]
         self.group.all_to_all(received, list(ins))
@@ -188,8 +202,9 @@ class UnifiedProcessGroup(dist.ProcessGroup):
             self.group.broadcast(tensor, root)
         return _DoneWork(tensors)
 
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                 opts: Any = None) -> dist._Work:
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist._Work:
         self.flush()
         self.group.all_to_all(outputs, inputs)
         return _DoneWork(outputs)
@@ -210,8 +225,9 @@ class UnifiedProcessGroup(dist.ProcessGroup):
 LinkBuilder = Callable[[Any, int, int, datetime.timedelta, str], Any]
 
 
-def build_backend(store: Any, rank: int, size: int, timeout: datetime.timedelta,
-                  backend: str) -> Any:
+def build_backend(
+    store: Any, rank: int, size: int, timeout: datetime.timedelta, backend: str
+) -> Any:
     """A gloo or NCCL backend straight from a store (torch's own classes; c10d does not
     register it as a process group, so the links call it directly)."""
     if backend == "gloo":
@@ -220,15 +236,18 @@ def build_backend(store: Any, rank: int, size: int, timeout: datetime.timedelta,
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = device_timeout(timeout)  # the backstop (comm/pending.py)
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    raise UserError(f"the 'unified' torch.distributed backend cannot build {backend!r} "
-                    "groups; use UnifiedCommunicator.new_group for this cluster")
+    raise UserError(
+        f"the 'unified' torch.distributed backend cannot build {backend!r} "
+        "groups; use UnifiedCommunicator.new_group for this cluster"
+    )
 
 
 class _StoreLinkFactory:
     """Builds links from a group's store on member ranks only (see module docstring)."""
 
-    def __init__(self, store: Any, me: int, timeout: datetime.timedelta,
-                 builder: LinkBuilder = build_backend) -> None:
+    def __init__(
+        self, store: Any, me: int, timeout: datetime.timedelta, builder: LinkBuilder = build_backend
+    ) -> None:
         self.store, self.me, self.timeout, self.builder = store, me, timeout, builder
         self.count = 0
 
@@ -240,11 +259,15 @@ class _StoreLinkFactory:
         return self.builder(store, ranks.index(self.me), len(ranks), self.timeout, backend)
 
 
-def register_unified_backend(rank_kinds: Sequence[str], native_backends: Mapping[str, str],
-                             bridge: str = "relay", debug: bool = False,
-                             direct_backend: str = "gloo",
-                             wire_hooks: WireHooks | None = None,
-                             link_builder: LinkBuilder = build_backend) -> None:
+def register_unified_backend(
+    rank_kinds: Sequence[str],
+    native_backends: Mapping[str, str],
+    bridge: str = "relay",
+    debug: bool = False,
+    direct_backend: str = "gloo",
+    wire_hooks: WireHooks | None = None,
+    link_builder: LinkBuilder = build_backend,
+) -> None:
     """Register (or re-register) the "unified" backend with torch.distributed.
 
     ``rank_kinds``/``native_backends`` are those of the communicator; ``bridge``, ``debug``,
@@ -262,9 +285,9 @@ def register_unified_backend(rank_kinds: Sequence[str], native_backends: Mapping
         me = ranks[opts.group_rank]
         layout = GroupLayout.build(ranks, kinds)
         factory = _StoreLinkFactory(opts.store, me, opts.timeout, link_builder)
-        group = UnifiedGroup(layout, me, f"{BACKEND_NAME}:{opts.group_id}", bridge_obj,
-                             backends, factory, debug)
+        group = UnifiedGroup(
+            layout, me, f"{BACKEND_NAME}:{opts.group_id}", bridge_obj, backends, factory, debug
+        )
         return UnifiedProcessGroup(group)
 
-    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True,
-                                  devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu", "cuda"])

@@ -6,11 +6,13 @@ and makes further :class:`UnifiedGroup` objects with :meth:`new_group`. Rank, wo
 barrier and point-to-point transfers over the world are exposed here too, so no other module
 needs to call ``torch.distributed`` directly.
 """
+
 from __future__ import annotations
 
 import datetime
 import inspect
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,16 +38,24 @@ def native_backend_available(backend: str) -> bool:
     return backend.upper() in dist.Backend._plugins or hasattr(dist.Backend, backend.upper())
 
 
-def validate_kinds(rank_kinds: Sequence[str], native_backends: Mapping[str, str],
-                   device_types: Mapping[str, str], world_size: int) -> None:
+def validate_kinds(
+    rank_kinds: Sequence[str],
+    native_backends: Mapping[str, str],
+    device_types: Mapping[str, str],
+    world_size: int,
+) -> None:
     """Raise UserError when the kinds do not describe this world."""
     if len(rank_kinds) != world_size:
-        raise UserError(f"the cluster describes {len(rank_kinds)} ranks but {world_size} were "
-                        f"launched; launch {len(rank_kinds)} processes or fix the cluster file")
+        raise UserError(
+            f"the cluster describes {len(rank_kinds)} ranks but {world_size} were "
+            f"launched; launch {len(rank_kinds)} processes or fix the cluster file"
+        )
     for kind in dict.fromkeys(rank_kinds):
         if kind not in native_backends or kind not in device_types:
-            raise UserError(f"accelerator kind {kind!r} has no native backend or device type; "
-                            "add it to the cluster's accelerator table")
+            raise UserError(
+                f"accelerator kind {kind!r} has no native backend or device type; "
+                "add it to the cluster's accelerator table"
+            )
 
 
 def _new_group_takes_device() -> bool:
@@ -71,12 +81,18 @@ class UnifiedCommunicator:
     Construction is collective over all ranks (it builds ``world``).
     """
 
-    def __init__(self, rank_kinds: Sequence[str], native_backends: Mapping[str, str],
-                 device_types: Mapping[str, str], bridge: str = "relay",
-                 timeout: datetime.timedelta = DEFAULT_TIMEOUT, debug: bool = False,
-                 direct_backend: Optional[str] = None,
-                 wire_hooks: Optional[WireHooks] = None,
-                 collective_libraries: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(
+        self,
+        rank_kinds: Sequence[str],
+        native_backends: Mapping[str, str],
+        device_types: Mapping[str, str],
+        bridge: str = "relay",
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        debug: bool = False,
+        direct_backend: str | None = None,
+        wire_hooks: WireHooks | None = None,
+        collective_libraries: Mapping[str, str] | None = None,
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed before building the communicator")
         validate_kinds(rank_kinds, native_backends, device_types, dist.get_world_size())
@@ -84,8 +100,9 @@ class UnifiedCommunicator:
         self.native_backends = dict(native_backends)
         self.device_types = dict(device_types)
         if bridge == "direct" and direct_backend is None:
-            direct_backend = choose_direct_backend(self.rank_kinds, self.native_backends,
-                                                   self.device_types, collective_libraries)
+            direct_backend = choose_direct_backend(
+                self.rank_kinds, self.native_backends, self.device_types, collective_libraries
+            )
         host_only = all(self.device_types[k] == "cpu" for k in self.rank_kinds)
         self.bridge = Bridge(bridge, direct_backend or "gloo", wire_hooks, host_only=host_only)
         self.timeout = timeout
@@ -95,10 +112,15 @@ class UnifiedCommunicator:
         self.world = self.new_group(range(len(self.rank_kinds)), name="world")
 
     @classmethod
-    def from_cluster(cls, cluster: Any, bridge: str = "relay",
-                     timeout: datetime.timedelta = DEFAULT_TIMEOUT, debug: bool = False,
-                     direct_backend: Optional[str] = None,
-                     wire_hooks: Optional[WireHooks] = None) -> "UnifiedCommunicator":
+    def from_cluster(
+        cls,
+        cluster: Any,
+        bridge: str = "relay",
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        debug: bool = False,
+        direct_backend: str | None = None,
+        wire_hooks: WireHooks | None = None,
+    ) -> UnifiedCommunicator:
         """Build from a ``ClusterSpec`` (its ``rank_map()`` gives every rank's accelerator).
 
         With ``bridge="direct"`` and no ``direct_backend``, the backend is chosen from the
@@ -112,9 +134,17 @@ class UnifiedCommunicator:
         backends = {k: a.native_backend for k, a in accels.items()}
         devices = {k: a.device_type for k, a in accels.items()}
         libraries = {k: a.collective_library for k, a in accels.items()}
-        return cls(kinds, backends, devices, bridge=bridge, timeout=timeout, debug=debug,
-                   direct_backend=direct_backend, wire_hooks=wire_hooks,
-                   collective_libraries=libraries)
+        return cls(
+            kinds,
+            backends,
+            devices,
+            bridge=bridge,
+            timeout=timeout,
+            debug=debug,
+            direct_backend=direct_backend,
+            wire_hooks=wire_hooks,
+            collective_libraries=libraries,
+        )
 
     # -- facts -------------------------------------------------------------------------------
     @property
@@ -151,10 +181,19 @@ class UnifiedCommunicator:
         for kind in layout.kinds:
             backend = self.native_backends[kind]
             if self.rank_kinds[self._rank] == kind and not self._backend_available(backend):
-                raise UserError(f"native backend {backend!r} of {kind!r} is not available in "
-                                "this torch build; install the vendor's torch build")
-        return UnifiedGroup(layout, self._rank, name, self.bridge, self.native_backends,
-                            self._new_backend_group, self.debug)
+                raise UserError(
+                    f"native backend {backend!r} of {kind!r} is not available in "
+                    "this torch build; install the vendor's torch build"
+                )
+        return UnifiedGroup(
+            layout,
+            self._rank,
+            name,
+            self.bridge,
+            self.native_backends,
+            self._new_backend_group,
+            self.debug,
+        )
 
     def _backend_available(self, backend: str) -> bool:
         return native_backend_available(backend)
@@ -163,9 +202,13 @@ class UnifiedCommunicator:
         """``dist.new_group`` (collective over all ranks). A member of an NCCL group passes its
         device, where this torch takes one, so the communicator is created right away."""
         kwargs: dict[str, Any] = {}
-        if (backend == "nccl" and self._rank in ranks
-                and self.device_types[self.kind] == "cuda" and _new_group_takes_device()
-                and getattr(dist.group.WORLD, "bound_device_id", None) is None):
+        if (
+            backend == "nccl"
+            and self._rank in ranks
+            and self.device_types[self.kind] == "cuda"
+            and _new_group_takes_device()
+            and getattr(dist.group.WORLD, "bound_device_id", None) is None
+        ):
             kwargs["device_id"] = self.device
         # A device backend's watchdog is the backstop behind the run's own deadline on its
         # operations (megatron_het.comm.pending), so it gets a little longer.
@@ -177,8 +220,14 @@ class UnifiedCommunicator:
         so ``dist.new_group(ranks, backend="unified")`` (and DDP on it) spans the kinds."""
         from megatron_het.comm.backend import register_unified_backend
 
-        register_unified_backend(self.rank_kinds, self.native_backends, self.bridge.mode,
-                                 self.debug, self.bridge.backend, self.bridge.wire_hooks)
+        register_unified_backend(
+            self.rank_kinds,
+            self.native_backends,
+            self.bridge.mode,
+            self.debug,
+            self.bridge.backend,
+            self.bridge.wire_hooks,
+        )
 
     # -- world shortcuts ---------------------------------------------------------------------
     def barrier(self) -> None:

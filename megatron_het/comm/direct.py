@@ -10,9 +10,10 @@ must relay through host memory (``--bridge relay``).
 
 Pure functions of the kind tables, so the choice is the same on every rank.
 """
+
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 from megatron_het.errors import UserError
 
@@ -22,25 +23,33 @@ def _describe(kind: str, backend: str, device_type: str, library: str) -> str:
     return f"{kind} uses {via} on {device_type}"
 
 
-def spanning_backend(rank_kinds: Sequence[str], native_backends: Mapping[str, str],
-                     device_types: Mapping[str, str],
-                     collective_libraries: Optional[Mapping[str, str]] = None) -> Optional[str]:
+def spanning_backend(
+    rank_kinds: Sequence[str],
+    native_backends: Mapping[str, str],
+    device_types: Mapping[str, str],
+    collective_libraries: Mapping[str, str] | None = None,
+) -> str | None:
     """The native backend every kind of ``rank_kinds`` shares, or None when there is none.
 
     ``collective_libraries[kind]`` names the library behind the backend ("nccl", "rccl");
     kinds missing from it (or no table) count as running the backend's own library.
     """
     libraries = collective_libraries or {}
-    seen = {(native_backends[k], device_types[k], libraries.get(k, native_backends[k]))
-            for k in dict.fromkeys(rank_kinds)}
+    seen = {
+        (native_backends[k], device_types[k], libraries.get(k, native_backends[k]))
+        for k in dict.fromkeys(rank_kinds)
+    }
     if len(seen) != 1:
         return None
     return next(iter(seen))[0]
 
 
-def choose_direct_backend(rank_kinds: Sequence[str], native_backends: Mapping[str, str],
-                          device_types: Mapping[str, str],
-                          collective_libraries: Optional[Mapping[str, str]] = None) -> str:
+def choose_direct_backend(
+    rank_kinds: Sequence[str],
+    native_backends: Mapping[str, str],
+    device_types: Mapping[str, str],
+    collective_libraries: Mapping[str, str] | None = None,
+) -> str:
     """The backend of a direct bridge over these kinds; raises a one-line UserError saying to
     use the relay bridge when no backend spans them all (see the module docstring)."""
     backend = spanning_backend(rank_kinds, native_backends, device_types, collective_libraries)
@@ -49,13 +58,18 @@ def choose_direct_backend(rank_kinds: Sequence[str], native_backends: Mapping[st
     libraries = collective_libraries or {}
     parts, shown = [], set()
     for kind in dict.fromkeys(rank_kinds):
-        key = (native_backends[kind], device_types[kind],
-               libraries.get(kind, native_backends[kind]))
+        key = (
+            native_backends[kind],
+            device_types[kind],
+            libraries.get(kind, native_backends[kind]),
+        )
         if key not in shown:  # one kind per distinct stack keeps the line short
             shown.add(key)
             parts.append(_describe(kind, *key))
-    raise UserError("bridge 'direct' needs one backend that spans every accelerator kind, but "
-                    f"{' and '.join(parts)}; use --bridge relay")
+    raise UserError(
+        "bridge 'direct' needs one backend that spans every accelerator kind, but "
+        f"{' and '.join(parts)}; use --bridge relay"
+    )
 
 
 __all__ = ["choose_direct_backend", "spanning_backend"]

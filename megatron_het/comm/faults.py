@@ -5,10 +5,12 @@ naming the unified group, the operation and the backend group it was running on,
 bare backend message or a hang. The timeout is the one given to the communicator; every backend
 group it creates is created with it.
 """
+
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Callable, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +44,7 @@ def line_to_bytes(text: str, size: int) -> torch.Tensor:
     out = torch.zeros(size, dtype=torch.uint8)
     encoded = text.encode()[:size]
     if encoded:
-        out[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        out[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
     return out
 
 

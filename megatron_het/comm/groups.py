@@ -22,9 +22,11 @@ the members. Reduce ops: "sum",
 group add in a different order than a flat ring, so they agree with torch.distributed to
 rounding; integer results and max/min agree bitwise.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,8 +45,12 @@ from megatron_het.comm.ring import Scratch
 LinkFactory = Callable[[tuple[int, ...], str], Any]
 
 _REDUCE_OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min"}
-_DIST_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
-             dist.ReduceOp.MIN: "min"}
+_DIST_OPS = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.AVG: "avg",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.MIN: "min",
+}
 
 
 def reduce_op_name(op: Any) -> str:
@@ -60,6 +66,7 @@ def reduce_op_name(op: Any) -> str:
 # Scratch sets a group keeps for its asynchronous hierarchical operations (see _phased).
 _SPARE_SCRATCH = 2
 
+
 class UnifiedGroup:
     """Ranks ``layout.ranks`` (global, sorted; group rank = position) as one group.
 
@@ -68,8 +75,16 @@ class UnifiedGroup:
     its largest padded all-reduce or reduce-scatter, so repeated calls do not allocate.
     """
 
-    def __init__(self, layout: GroupLayout, me: int, name: str, bridge: Bridge,
-                 native_backends: dict[str, str], factory: LinkFactory, debug: bool) -> None:
+    def __init__(
+        self,
+        layout: GroupLayout,
+        me: int,
+        name: str,
+        bridge: Bridge,
+        native_backends: dict[str, str],
+        factory: LinkFactory,
+        debug: bool,
+    ) -> None:
         self.layout, self.me, self.name, self.bridge, self.debug = layout, me, name, bridge, debug
         self.is_member = me in layout.ranks
         links: dict[tuple[str, tuple[int, ...]], Link] = {}
@@ -77,8 +92,7 @@ class UnifiedGroup:
         def make(label: str, ranks: tuple[int, ...], backend: str) -> None:
             pg = factory(tuple(sorted(ranks)), backend)
             if pg is not None and me in ranks:
-                wire = bridge.wire_for(frozenset(layout.kinds[layout.kind_index(r)]
-                                                 for r in ranks))
+                wire = bridge.wire_for(frozenset(layout.kinds[layout.kind_index(r)] for r in ranks))
                 bridged = label in ("bridge", "channel") and bridge.stages
                 starts = bridge.starts if bridged else None
                 link = Link(pg, ranks, me, backend, label, name, wire, starts)
@@ -137,11 +151,19 @@ class UnifiedGroup:
 
     def _member(self) -> None:
         if not self.is_member:
-            raise ValueError(f"rank {self.me} is not a member of unified group '{self.name}' "
-                             f"(ranks {list(self.ranks)})")
+            raise ValueError(
+                f"rank {self.me} is not a member of unified group '{self.name}' "
+                f"(ranks {list(self.ranks)})"
+            )
 
-    def _check(self, op: str, tensor: torch.Tensor | None, argument: int = 0,
-               argument_name: str = "", check_shape: bool = True) -> None:
+    def _check(
+        self,
+        op: str,
+        tensor: torch.Tensor | None,
+        argument: int = 0,
+        argument_name: str = "",
+        check_shape: bool = True,
+    ) -> None:
         self._member()
         if self.debug:
             check_matching(self.control, op, tensor, argument, argument_name, check_shape)
@@ -152,8 +174,9 @@ class UnifiedGroup:
         return "flat" if self.bridge.mode == "direct" else "hierarchical"
 
     # -- collectives -------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum",
-                   async_op: bool = False) -> CollectiveHandle | None:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Any = "sum", async_op: bool = False
+    ) -> CollectiveHandle | None:
         """In-place reduction of ``tensor`` over the group (every rank gets the result).
 
         ``async_op``: return a handle at once (the result is in place after ``wait()``)."""
@@ -173,14 +196,16 @@ class UnifiedGroup:
         if path == "native":
             return self._native(self.native.all_reduce_async(flat, base, then=done), async_op)
         if path == "hierarchical":
-            return self._phased(lambda s: hier.start_all_reduce(self, flat, base, s), done,
-                                async_op)
+            return self._phased(
+                lambda s: hier.start_all_reduce(self, flat, base, s), done, async_op
+            )
         hier.flat_all_reduce(self.flat, self.bridge, flat, base)
         done()
         return DONE if async_op else None
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor,
-                               async_op: bool = False) -> CollectiveHandle | None:
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> CollectiveHandle | None:
         """``output`` (``size * input.numel()`` elements, e.g. ``[size*d0, ...]``) receives every
         rank's ``input`` in group-rank order. ``async_op``: return a handle at once (``input``
         must stay unchanged until ``wait()``); on a mixed group the gather across kinds is
@@ -188,8 +213,10 @@ class UnifiedGroup:
         this returns)."""
         self._check("all_gather", input)
         if output.numel() != self.size * input.numel():
-            raise ValueError(f"all_gather output has {output.numel()} elements, expected "
-                             f"{self.size} x {input.numel()}")
+            raise ValueError(
+                f"all_gather output has {output.numel()} elements, expected "
+                f"{self.size} x {input.numel()}"
+            )
         source = input.contiguous().view(-1)
         view = FlatView(output, copy_in=False)
         out = view.flat
@@ -202,8 +229,9 @@ class UnifiedGroup:
         elif path == "flat":
             hier.flat_all_gather(self.flat, self.bridge, out, source)
         else:
-            return self._phased(lambda _: hier.start_all_gather(self, out, source),
-                                view.write_back, async_op)
+            return self._phased(
+                lambda _: hier.start_all_gather(self, out, source), view.write_back, async_op
+            )
         view.write_back()
         return DONE if async_op else None
 
@@ -212,18 +240,20 @@ class UnifiedGroup:
         out = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         self.all_gather_into_tensor(out, tensor)
         for i, dst in enumerate(tensor_list):
-            dst.copy_(out[i * tensor.numel():(i + 1) * tensor.numel()].view(tensor.shape))
+            dst.copy_(out[i * tensor.numel() : (i + 1) * tensor.numel()].view(tensor.shape))
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
-                              op: Any = "sum", async_op: bool = False
-                              ) -> CollectiveHandle | None:
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: Any = "sum", async_op: bool = False
+    ) -> CollectiveHandle | None:
         """``input`` holds ``size`` blocks shaped like ``output``; block i reduced over the group
         lands in group rank i's ``output``. ``async_op``: return a handle at once."""
         name = reduce_op_name(op)
         self._check("reduce_scatter", input, REDUCE_OPS.index(name), "op")
         if input.numel() != self.size * output.numel():
-            raise ValueError(f"reduce_scatter input has {input.numel()} elements, expected "
-                             f"{self.size} x {output.numel()}")
+            raise ValueError(
+                f"reduce_scatter input has {input.numel()} elements, expected "
+                f"{self.size} x {output.numel()}"
+            )
         base = "sum" if name == "avg" else name
         _check_avg(name, input)
         source = input.contiguous().view(-1)
@@ -240,8 +270,9 @@ class UnifiedGroup:
             work = self.native.reduce_scatter_tensor_async(out, source, base, then=done)
             return self._native(work, async_op)
         if path == "hierarchical":
-            return self._phased(lambda s: hier.start_reduce_scatter(self, out, source, base, s),
-                                done, async_op)
+            return self._phased(
+                lambda s: hier.start_reduce_scatter(self, out, source, base, s), done, async_op
+            )
         if path == "native":  # gloo: the ring is faster than gloo's own (see ring.py)
             ring.reduce_scatter(self.native, out, source, base, self.scratch, "reduce_scatter")
         else:
@@ -255,8 +286,12 @@ class UnifiedGroup:
         work.wait()
         return None
 
-    def _phased(self, start: Callable[[Scratch], Callable[[], None]], done: Callable[[], None],
-                async_op: bool) -> CollectiveHandle | None:
+    def _phased(
+        self,
+        start: Callable[[Scratch], Callable[[], None]],
+        done: Callable[[], None],
+        async_op: bool,
+    ) -> CollectiveHandle | None:
         """Run a hierarchical collective: ``start(scratch)`` runs its first phases and returns
         its last one. Synchronous calls run both now on the group's scratch; asynchronous ones
         get scratch of their own and finish in ``wait()``, in the order they were started."""
@@ -285,8 +320,9 @@ class UnifiedGroup:
         """Finish every asynchronous operation of this group that has not been waited on."""
         self._pending.finish_all()
 
-    def reduce_scatter(self, output: torch.Tensor, input_list: Sequence[torch.Tensor],
-                       op: Any = "sum") -> None:
+    def reduce_scatter(
+        self, output: torch.Tensor, input_list: Sequence[torch.Tensor], op: Any = "sum"
+    ) -> None:
         """List form of :meth:`reduce_scatter_tensor` (``input_list[i]`` goes to group rank i)."""
         if len(input_list) != self.size:
             raise ValueError(f"reduce_scatter needs {self.size} inputs, got {len(input_list)}")
@@ -307,8 +343,9 @@ class UnifiedGroup:
             hier.broadcast(self, view.flat, src)
         view.write_back()
 
-    def all_to_all(self, output_list: Sequence[torch.Tensor],
-                   input_list: Sequence[torch.Tensor]) -> None:
+    def all_to_all(
+        self, output_list: Sequence[torch.Tensor], input_list: Sequence[torch.Tensor]
+    ) -> None:
         """``output_list[i]`` receives group rank i's ``input_list[my rank]``; shapes may differ
         per pair, so output tensors must be preallocated (and contiguous) with the right size."""
         self._check("all_to_all", input_list[0] if input_list else None, check_shape=False)

@@ -10,10 +10,10 @@ group), plus ``parts.bridge`` for host staging.
   separate backend groups), so cross-type traffic is spread over several rank pairs instead of
   one leader. Last, all-gather inside each kind. The three phases are pipelined in chunks: a
   chunk goes onto its channel as soon as the reduce-scatter has finished it, and the
-  all-gather sends a chunk as soon as its channel is done with it. Uneven kind sizes use the lcm sharding of
-  :mod:`megatron_het.comm.layout`: same three steps, a rank of a smaller kind joins several
-  channels. Float sums therefore add in a different order than a flat ring does: results match a
-  flat all-reduce to rounding (bitwise for integers and for max/min).
+  all-gather sends a chunk as soon as its channel is done with it. Uneven kind sizes use the lcm
+  sharding of :mod:`megatron_het.comm.layout`: same three steps, a rank of a smaller kind joins
+  several channels. Float sums therefore add in a different order than a flat ring does: results
+  match a flat all-reduce to rounding (bitwise for integers and for max/min).
 - broadcast: the source sends over its entry channel (one rank of every kind), then each kind
   broadcasts natively from the rank that received it.
 - all_gather: with equal kind sizes, gather over the channel of equal local ranks, then gather
@@ -31,9 +31,11 @@ the all-reduce's cross-kind pieces are started by the bridge's start queue once 
 the host is done (:mod:`megatron_het.comm.start_queue`), so the calling thread never waits for
 the device there (a backward hook that starts a bucket's reduction goes straight on).
 """
+
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -60,8 +62,9 @@ class MixedParts(Protocol):
     def channel(self, owners: tuple[int, ...]) -> Link: ...
 
 
-def start_all_reduce(parts: MixedParts, flat: torch.Tensor, op: str,
-                     scratch: Scratch) -> Callable[[], None]:
+def start_all_reduce(
+    parts: MixedParts, flat: torch.Tensor, op: str, scratch: Scratch
+) -> Callable[[], None]:
     """In-place all-reduce of a 1-D contiguous tensor (``op`` in sum/max/min), in two parts:
     this call reduces inside the kind and starts the cross-kind transfers; the returned
     function finishes them, all-gathers inside the kind and leaves the result in ``flat``.
@@ -77,7 +80,7 @@ def start_all_reduce(parts: MixedParts, flat: torch.Tensor, op: str,
             native_all_gather(parts, buf, shard, stream.wait_below)
         stream.wait_below(0, shard.numel())
         if buf is not flat:
-            flat.copy_(buf[:flat.numel()])
+            flat.copy_(buf[: flat.numel()])
 
     return finish
 
@@ -100,8 +103,9 @@ def _padded(flat: torch.Tensor, units: int, scratch: Scratch) -> torch.Tensor:
     return buf
 
 
-def _reduce_shards(parts: MixedParts, buf: torch.Tensor, op: str, scratch: Scratch
-                   ) -> tuple[torch.Tensor, "_ChannelStream"]:
+def _reduce_shards(
+    parts: MixedParts, buf: torch.Tensor, op: str, scratch: Scratch
+) -> tuple[torch.Tensor, _ChannelStream]:
     """Reduce-scatter inside the kind, then (streamed) reduce each shard piece across kinds.
 
     Returns this rank's shard and the stream whose pieces must be waited on before the shard
@@ -110,12 +114,19 @@ def _reduce_shards(parts: MixedParts, buf: torch.Tensor, op: str, scratch: Scrat
     lay, me = parts.layout, parts.me
     chunk = buf.numel() // lay.units
     u0, u1 = lay.shard_units(me)
-    shard = buf[u0 * chunk:u1 * chunk]
+    shard = buf[u0 * chunk : u1 * chunk]
     if parts.native.size > 1 and parts.native.backend != "gloo":
         shard = scratch.get(SHARD_SLOT, (u1 - u0) * chunk, buf)
-    stream = _ChannelStream(parts, shard, [
-        ((seg.start - u0) * chunk, (seg.stop - u0) * chunk, seg.owners)
-        for seg in lay.segments() if me in seg.owners], op)
+    stream = _ChannelStream(
+        parts,
+        shard,
+        [
+            ((seg.start - u0) * chunk, (seg.stop - u0) * chunk, seg.owners)
+            for seg in lay.segments()
+            if me in seg.owners
+        ],
+        op,
+    )
     if parts.native.size > 1:
         native_reduce_scatter(parts, shard, buf, op, stream.launch_upto)
     stream.launch_upto(shard.numel())
@@ -128,11 +139,19 @@ class _ChannelStream:
     waits only for the pieces it is about to send. Pieces are cut from each segment by a
     function of the segment length alone, so both ends of a channel cut alike."""
 
-    def __init__(self, parts: MixedParts, shard: torch.Tensor,
-                 segments: list[tuple[int, int, tuple[int, ...]]], op: str) -> None:
+    def __init__(
+        self,
+        parts: MixedParts,
+        shard: torch.Tensor,
+        segments: list[tuple[int, int, tuple[int, ...]]],
+        op: str,
+    ) -> None:
         self.parts, self.shard, self.op = parts, shard, op
-        self.pieces = [(start + a, start + b, owners) for start, stop, owners in segments
-                       for a, b in ring.chunks(stop - start)]
+        self.pieces = [
+            (start + a, start + b, owners)
+            for start, stop, owners in segments
+            for a, b in ring.chunks(stop - start)
+        ]
         self.launched: list[tuple[int, Work, Staged]] = []
         self.done = 0
 
@@ -144,7 +163,8 @@ class _ChannelStream:
             # transfer once it is done, and this thread goes on queueing device work.
             staged = self.parts.bridge.stage(self.shard[start:stop], wait=False)
             work = self.parts.channel(owners).all_reduce_async(
-                staged.host, self.op, name="all_reduce", after=staged.ready)
+                staged.host, self.op, name="all_reduce", after=staged.ready
+            )
             self.launched.append((start, work, staged))
 
     def wait_below(self, _start: int, stop: int) -> None:
@@ -156,18 +176,26 @@ class _ChannelStream:
             self.done += 1
 
 
-def native_reduce_scatter(parts: MixedParts, shard: torch.Tensor, buf: torch.Tensor, op: str,
-                          on_progress: Callable[[int], None]) -> None:
+def native_reduce_scatter(
+    parts: MixedParts,
+    shard: torch.Tensor,
+    buf: torch.Tensor,
+    op: str,
+    on_progress: Callable[[int], None],
+) -> None:
     """Reduce-scatter inside this rank's kind (a ring of send/recv on gloo, see ring.py)."""
     if parts.native.backend == "gloo":
-        ring.reduce_scatter(parts.native, shard, buf, op, parts.scratch, "all_reduce",
-                            on_progress)
+        ring.reduce_scatter(parts.native, shard, buf, op, parts.scratch, "all_reduce", on_progress)
     else:
         parts.native.reduce_scatter_tensor(shard, buf, op, name="all_reduce")
 
 
-def native_all_gather(parts: MixedParts, buf: torch.Tensor, shard: torch.Tensor,
-                      before_send: Callable[[int, int], None]) -> None:
+def native_all_gather(
+    parts: MixedParts,
+    buf: torch.Tensor,
+    shard: torch.Tensor,
+    before_send: Callable[[int, int], None],
+) -> None:
     """All-gather inside this rank's kind (a ring of send/recv on gloo, see ring.py)."""
     if parts.native.backend == "gloo":
         ring.all_gather(parts.native, buf, shard, "all_reduce", before_send)
@@ -189,12 +217,18 @@ def broadcast(parts: MixedParts, tensor: torch.Tensor, src: int) -> None:
 def relay_broadcast(link: Link, bridge: Bridge, flat: torch.Tensor, src: int) -> None:
     """Broadcast a 1-D tensor on a bridge link, chunk by chunk through host buffers."""
     is_src = link.me == src
-    bridge.relay(flat, ring.chunks(flat.numel()), lambda host: link.broadcast_async(host, src),
-                 copy_in=is_src, copy_out=not is_src)
+    bridge.relay(
+        flat,
+        ring.chunks(flat.numel()),
+        lambda host: link.broadcast_async(host, src),
+        copy_in=is_src,
+        copy_out=not is_src,
+    )
 
 
-def start_all_gather(parts: MixedParts, output: torch.Tensor, input: torch.Tensor
-                     ) -> Callable[[], None]:
+def start_all_gather(
+    parts: MixedParts, output: torch.Tensor, input: torch.Tensor
+) -> Callable[[], None]:
     """``output`` (1-D, ``size * input.numel()``) receives every rank's ``input`` in group
     order, in two parts: this call starts the gather across kinds (from the bridge's start
     queue once a device input's copy to the host is done); the returned function waits for
@@ -212,10 +246,16 @@ def start_all_gather(parts: MixedParts, output: torch.Tensor, input: torch.Tenso
     # gathers left in flight (--overlap-param-gather) hold no device memory of their own.
     staging = bridge.needs_staging(input)
     pool = bridge.pool(input) if staging else None
-    host = (pool.acquire(link.size * numel, input.dtype) if pool is not None else
-            torch.empty(link.size * numel, dtype=input.dtype, device=input.device))
-    across = link.run_async(lambda: ring.gather_on(link, host, staged_in.host, "all_gather"),
-                            "all_gather", after=staged_in.ready)
+    host = (
+        pool.acquire(link.size * numel, input.dtype)
+        if pool is not None
+        else torch.empty(link.size * numel, dtype=input.dtype, device=input.device)
+    )
+    across = link.run_async(
+        lambda: ring.gather_on(link, host, staged_in.host, "all_gather"),
+        "all_gather",
+        after=staged_in.ready,
+    )
 
     def finish() -> None:
         try:
@@ -232,8 +272,9 @@ def start_all_gather(parts: MixedParts, output: torch.Tensor, input: torch.Tenso
             gathered = torch.empty(link.size * numel, dtype=input.dtype, device=input.device)
             Staged(host, gathered, pool, bridge.copier(input.device), host).finish()
         if parts.native.size > 1:
-            everything = torch.empty(per_kind * gathered.numel(), dtype=input.dtype,
-                                     device=input.device)
+            everything = torch.empty(
+                per_kind * gathered.numel(), dtype=input.dtype, device=input.device
+            )
             ring.gather_on(parts.native, everything, gathered, "all_gather")
         else:
             everything = gathered
@@ -251,8 +292,9 @@ def all_gather(parts: MixedParts, output: torch.Tensor, input: torch.Tensor) -> 
     start_all_gather(parts, output, input)()
 
 
-def start_reduce_scatter(parts: MixedParts, output: torch.Tensor, input: torch.Tensor, op: str,
-                         scratch: Scratch) -> Callable[[], None]:
+def start_reduce_scatter(
+    parts: MixedParts, output: torch.Tensor, input: torch.Tensor, op: str, scratch: Scratch
+) -> Callable[[], None]:
     """``input`` (1-D, ``size`` blocks) is reduced over the group; block ``group rank`` lands in
     ``output``. This call runs the first two phases of the all-reduce (the reduction inside the
     kind and the start of the cross-kind one); the returned function finishes them.
@@ -276,14 +318,14 @@ def start_reduce_scatter(parts: MixedParts, output: torch.Tensor, input: torch.T
     return finish
 
 
-def reduce_scatter(parts: MixedParts, output: torch.Tensor, input: torch.Tensor,
-                   op: str) -> None:
+def reduce_scatter(parts: MixedParts, output: torch.Tensor, input: torch.Tensor, op: str) -> None:
     """Synchronous :func:`start_reduce_scatter`."""
     start_reduce_scatter(parts, output, input, op, parts.scratch)()
 
 
-def _exchange_blocks(parts: MixedParts, output: torch.Tensor, shard: torch.Tensor,
-                     chunk: int) -> None:
+def _exchange_blocks(
+    parts: MixedParts, output: torch.Tensor, shard: torch.Tensor, chunk: int
+) -> None:
     """Move the pieces of every member's shard into the member whose output block they are."""
     lay, me, m = parts.layout, parts.me, output.numel()
     members = lay.members[lay.kind_index(me)]
@@ -300,20 +342,19 @@ def _exchange_blocks(parts: MixedParts, output: torch.Tensor, shard: torch.Tenso
         if peer == me:
             lo, hi = max(s0, b0), min(s1, b1)
             if lo < hi:
-                output[lo - b0:hi - b0].copy_(shard[lo - s0:hi - s0])
+                output[lo - b0 : hi - b0].copy_(shard[lo - s0 : hi - s0])
             continue
         lo, hi = max(s0, q0), min(s1, q1)  # my shard inside the peer's block
         if lo < hi:
-            ops.append(p2p.P2POp("isend", shard[lo - s0:hi - s0], peer, RS_TAG))
+            ops.append(p2p.P2POp("isend", shard[lo - s0 : hi - s0], peer, RS_TAG))
         lo, hi = max(p0, b0), min(p1, b1)  # the peer's shard inside my block
         if lo < hi:
-            ops.append(p2p.P2POp("irecv", output[lo - b0:hi - b0], peer, RS_TAG))
+            ops.append(p2p.P2POp("irecv", output[lo - b0 : hi - b0], peer, RS_TAG))
     for handle in p2p.batch_isend_irecv(parts, ops):
         handle.wait()
 
 
-def flat_all_gather(link: Link, bridge: Bridge, output: torch.Tensor,
-                    input: torch.Tensor) -> None:
+def flat_all_gather(link: Link, bridge: Bridge, output: torch.Tensor, input: torch.Tensor) -> None:
     """One all-gather on ``link`` (staged through the host when its backend is gloo)."""
     staged_in = bridge.stage(input)
     staged_out = bridge.stage(output, copy_in=False)
@@ -331,8 +372,9 @@ def flat_broadcast(link: Link, bridge: Bridge, tensor: torch.Tensor, src: int) -
     relay_broadcast(link, bridge, tensor.view(-1), src)
 
 
-def flat_reduce_scatter(link: Link, bridge: Bridge, output: torch.Tensor, input: torch.Tensor,
-                        op: str, scratch: Scratch) -> None:
+def flat_reduce_scatter(
+    link: Link, bridge: Bridge, output: torch.Tensor, input: torch.Tensor, op: str, scratch: Scratch
+) -> None:
     staged_in = bridge.stage(input)
     staged_out = bridge.stage(output, copy_in=False)
     ring.reduce_scatter_on(link, staged_out.host, staged_in.host, op, scratch, "reduce_scatter")

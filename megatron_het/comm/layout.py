@@ -14,11 +14,12 @@ segment over the bridge. With equal kind sizes the channels are "local rank i of
 with uneven sizes (3+1, 1+1+2) a rank of the smaller kind sits in several channels, which is
 correct and still spreads the cross-type traffic over several pairs.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class GroupLayout:
     members: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def build(cls, ranks: Sequence[int], rank_kinds: Sequence[str]) -> "GroupLayout":
+    def build(cls, ranks: Sequence[int], rank_kinds: Sequence[str]) -> GroupLayout:
         """Layout of ``ranks`` (global, distinct) given the kind of every global rank."""
         ranks = tuple(sorted(int(r) for r in ranks))
         if len(set(ranks)) != len(ranks):
@@ -102,8 +103,7 @@ class GroupLayout:
     def segments(self) -> list[Segment]:
         """The chunk range cut at every kind's shard boundary, with one owner per kind each."""
         units = self.units
-        cuts = sorted({j * units // len(m) for m in self.members for j in range(len(m))}
-                      | {units})
+        cuts = sorted({j * units // len(m) for m in self.members for j in range(len(m))} | {units})
         segs = []
         for start, stop in zip(cuts[:-1], cuts[1:]):
             owners = tuple(m[start * len(m) // units] for m in self.members)

@@ -9,10 +9,12 @@ backend failure becomes a :class:`CommError` naming the unified group, the op an
 Peers and roots are given as *global* ranks; the link maps them to its own group ranks (its ranks
 are kept sorted, as ``dist.new_group`` orders them).
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,10 +36,17 @@ class Work:
     backend's type, e.g. "cuda") notes the operation in :data:`~megatron_het.comm.pending.
     PENDING` once waited for: such a ``wait()`` returns before the operation completes."""
 
-    def __init__(self, work: Any, group: str, op: str, where: str,
-                 then: Callable[[], None] | None = None,
-                 settle: Settle | None = None, watch: bool = False,
-                 device: str | None = None) -> None:
+    def __init__(
+        self,
+        work: Any,
+        group: str,
+        op: str,
+        where: str,
+        then: Callable[[], None] | None = None,
+        settle: Settle | None = None,
+        watch: bool = False,
+        device: str | None = None,
+    ) -> None:
         self._work, self._group, self._op, self._where = work, group, op, where
         self._then, self._settle, self._done = then, settle, False
         self._device = device
@@ -50,7 +59,7 @@ class Work:
     def _watch(self) -> None:
         try:
             self._work.wait()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the caller's thread
+        except BaseException as exc:
             self._error = exc
 
     def _backend_wait(self) -> None:
@@ -79,8 +88,11 @@ class Work:
     def is_completed(self) -> bool:
         """True once finished; completes the copy back to the device when the transfer is done."""
         if not self._done:
-            finished = (not self._watcher.is_alive() if self._watcher is not None
-                        else self._work.is_completed())
+            finished = (
+                not self._watcher.is_alive()
+                if self._watcher is not None
+                else self._work.is_completed()
+            )
             if finished:
                 self.wait()
         return self._done
@@ -97,12 +109,21 @@ class Link:
     ``starts`` (a bridge link's, see :mod:`megatron_het.comm.start_queue`): an operation given
     a fence (``after``, the copy that fills its host buffer) is started from that queue's
     thread once the fence has passed, and any operation of this link that arrives while one
-    is queued is queued behind it. Without ``starts`` an operation's fence is waited for at the call.
+    is queued is queued behind it. Without ``starts`` an operation's fence is waited for at the
+    call.
     """
 
-    def __init__(self, pg: Any, ranks: Sequence[int], me: int, backend: str, label: str,
-                 group_name: str, wire: Wire | None = None,
-                 starts: StartQueue | None = None) -> None:
+    def __init__(
+        self,
+        pg: Any,
+        ranks: Sequence[int],
+        me: int,
+        backend: str,
+        label: str,
+        group_name: str,
+        wire: Wire | None = None,
+        starts: StartQueue | None = None,
+    ) -> None:
         self.pg = pg
         self.ranks = tuple(sorted(ranks))
         self.me = me
@@ -118,21 +139,31 @@ class Link:
     def where(self) -> str:
         return f"{self.label} ({self.backend} over ranks {list(self.ranks)})"
 
-    def _start(self, op: str, fn: Callable[[], Any], nbytes: float = 0,
-               then: Callable[[], None] | None = None, direction: str = "tx",
-               watch: bool = False, after: Fence = None) -> Work:
+    def _start(
+        self,
+        op: str,
+        fn: Callable[[], Any],
+        nbytes: float = 0,
+        then: Callable[[], None] | None = None,
+        direction: str = "tx",
+        watch: bool = False,
+        after: Fence = None,
+    ) -> Work:
         settle = self.wire.book(int(nbytes), direction) if self.wire is not None else None
         starts = self.starts
-        if (starts is not None and not starts.on_worker()
-                and (after is not None or starts.broken or starts.busy(self))):
-            work = starts.submit(after, lambda: guarded(self.group_name, op, self.where, fn),
-                                 key=self)
+        if (
+            starts is not None
+            and not starts.on_worker()
+            and (after is not None or starts.broken or starts.busy(self))
+        ):
+            work = starts.submit(
+                after, lambda: guarded(self.group_name, op, self.where, fn), key=self
+            )
         else:
             if after is not None:
                 after()
             work = guarded(self.group_name, op, self.where, fn)
-        return Work(work, self.group_name, op, self.where, then, settle, watch,
-                    self.pending_device)
+        return Work(work, self.group_name, op, self.where, then, settle, watch, self.pending_device)
 
     def _ring_bytes(self, tensor: torch.Tensor, factor: float) -> float:
         return tensor.numel() * tensor.element_size() * factor * (self.size - 1) / self.size
@@ -147,47 +178,79 @@ class Link:
         operation: from the start queue's thread once ``after`` has passed, where the link has
         a queue and there is a fence or queued work; else here, now. ``wait()`` returns once
         it has run and raises what it raised."""
+
         def run() -> _Ran:
             job()
             return _Ran()
+
         return self._start(name, run, after=after)
 
-    def all_reduce_async(self, tensor: torch.Tensor, op: str, name: str = "all_reduce",
-                         then: Callable[[], None] | None = None, after: Fence = None) -> Work:
+    def all_reduce_async(
+        self,
+        tensor: torch.Tensor,
+        op: str,
+        name: str = "all_reduce",
+        then: Callable[[], None] | None = None,
+        after: Fence = None,
+    ) -> Work:
         """Start an in-place all-reduce (``op`` in sum/max/min) once ``after`` (the copy that
         fills ``tensor``) has passed; ``then`` runs once it is done."""
         opts = c10d.AllreduceOptions()
         opts.reduceOp = _NATIVE_OPS[op]
-        return self._start(name, lambda: self.pg.allreduce([tensor], opts),
-                           self._ring_bytes(tensor, 2), then, after=after)
+        return self._start(
+            name,
+            lambda: self.pg.allreduce([tensor], opts),
+            self._ring_bytes(tensor, 2),
+            then,
+            after=after,
+        )
 
     def all_reduce(self, tensor: torch.Tensor, op: str, name: str = "all_reduce") -> None:
         self.all_reduce_async(tensor, op, name).wait()
 
-    def reduce_scatter_tensor_async(self, output: torch.Tensor, input: torch.Tensor, op: str,
-                                    name: str = "reduce_scatter",
-                                    then: Callable[[], None] | None = None) -> Work:
+    def reduce_scatter_tensor_async(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: str,
+        name: str = "reduce_scatter",
+        then: Callable[[], None] | None = None,
+    ) -> Work:
         """Start: ``input`` holds ``size`` equal blocks; block ``rank`` reduced over the ranks
         lands in ``output``."""
         opts = c10d.ReduceScatterOptions()
         opts.reduceOp = _NATIVE_OPS[op]
-        return self._start(name, lambda: self.pg._reduce_scatter_base(output, input, opts),
-                           self._ring_bytes(input, 1), then)
+        return self._start(
+            name,
+            lambda: self.pg._reduce_scatter_base(output, input, opts),
+            self._ring_bytes(input, 1),
+            then,
+        )
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str,
-                              name: str = "reduce_scatter") -> None:
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: str, name: str = "reduce_scatter"
+    ) -> None:
         self.reduce_scatter_tensor_async(output, input, op, name).wait()
 
-    def all_gather_tensor_async(self, output: torch.Tensor, input: torch.Tensor,
-                                name: str = "all_gather",
-                                then: Callable[[], None] | None = None) -> Work:
+    def all_gather_tensor_async(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        name: str = "all_gather",
+        then: Callable[[], None] | None = None,
+    ) -> Work:
         """Start: ``output`` receives ``size`` blocks shaped like ``input``, in link-rank order."""
         opts = c10d.AllgatherOptions()
-        return self._start(name, lambda: self.pg._allgather_base(output, input, opts),
-                           self._ring_bytes(output, 1), then)
+        return self._start(
+            name,
+            lambda: self.pg._allgather_base(output, input, opts),
+            self._ring_bytes(output, 1),
+            then,
+        )
 
-    def all_gather_tensor(self, output: torch.Tensor, input: torch.Tensor,
-                          name: str = "all_gather") -> None:
+    def all_gather_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, name: str = "all_gather"
+    ) -> None:
         self.all_gather_tensor_async(output, input, name).wait()
 
     def broadcast_async(self, tensor: torch.Tensor, root: int, name: str = "broadcast") -> Work:
@@ -195,8 +258,9 @@ class Link:
         opts = c10d.BroadcastOptions()
         opts.rootRank = self.to_group_rank(root)
         opts.rootTensor = 0
-        return self._start(name, lambda: self.pg.broadcast([tensor], opts),
-                           tensor.numel() * tensor.element_size())
+        return self._start(
+            name, lambda: self.pg.broadcast([tensor], opts), tensor.numel() * tensor.element_size()
+        )
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str = "broadcast") -> None:
         self.broadcast_async(tensor, root, name).wait()
@@ -225,24 +289,48 @@ class Link:
         else:  # a one-element all-reduce works on every backend without a device id
             self.all_reduce(torch.zeros(1, device=_device_of(self.backend)), "sum", name)
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int, name: str = "send",
-              pollable: bool = False, then: Callable[[], None] | None = None,
-              after: Fence = None) -> Work:
+    def isend(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        tag: int,
+        name: str = "send",
+        pollable: bool = False,
+        then: Callable[[], None] | None = None,
+        after: Fence = None,
+    ) -> Work:
         """Start sending to global rank ``dst`` once ``after`` (the copy that fills ``tensor``)
         has passed; ``then`` runs once it has gone. ``pollable`` makes ``is_completed()`` work
         on gloo (a watcher thread per transfer; internal rings leave it off)."""
         peer = self.to_group_rank(dst)
-        return self._start(f"{name} to rank {dst}", lambda: self.pg.send([tensor], peer, tag),
-                           tensor.numel() * tensor.element_size(), then,
-                           watch=pollable and self.backend == "gloo", after=after)
+        return self._start(
+            f"{name} to rank {dst}",
+            lambda: self.pg.send([tensor], peer, tag),
+            tensor.numel() * tensor.element_size(),
+            then,
+            watch=pollable and self.backend == "gloo",
+            after=after,
+        )
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int, name: str = "recv",
-              then: Callable[[], None] | None = None, pollable: bool = False) -> Work:
+    def irecv(
+        self,
+        tensor: torch.Tensor,
+        src: int,
+        tag: int,
+        name: str = "recv",
+        then: Callable[[], None] | None = None,
+        pollable: bool = False,
+    ) -> Work:
         """Start receiving from global rank ``src``; ``then`` runs once the data is in."""
         peer = self.to_group_rank(src)
-        return self._start(f"{name} from rank {src}", lambda: self.pg.recv([tensor], peer, tag),
-                           tensor.numel() * tensor.element_size(), then, direction="rx",
-                           watch=pollable and self.backend == "gloo")
+        return self._start(
+            f"{name} from rank {src}",
+            lambda: self.pg.recv([tensor], peer, tag),
+            tensor.numel() * tensor.element_size(),
+            then,
+            direction="rx",
+            watch=pollable and self.backend == "gloo",
+        )
 
 
 class _Ran:

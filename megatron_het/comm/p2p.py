@@ -5,10 +5,12 @@ kinds goes over the bridge (staged through host memory in relay mode). Sender an
 the same link because both know every rank's kind. ``all_to_all`` is built from these transfers,
 so it accepts uneven block shapes (the receive buffers say how much arrives from whom).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,7 @@ class P2PHandle:
     """Handle of an ``isend``/``irecv``: ``wait()`` blocks (raising ``CommError`` on failure),
     ``is_completed()`` polls."""
 
-    def __init__(self, work: "Work | _AllOf", keep: object = None) -> None:
+    def __init__(self, work: Work | _AllOf, keep: object = None) -> None:
         self._work = work
         self._keep = keep  # the staged host buffer must outlive the transfer
 
@@ -82,8 +84,14 @@ def isend(parts: P2PParts, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PH
     # the copy to the host is not waited for here: the bridge's start queue sends once it
     # is done, and this thread goes on queueing device work
     staged = parts.bridge.stage(tensor, wait=False)
-    work = link.isend(staged.host, dst, tag, then=parts.bridge.then_release(staged),
-                      pollable=True, after=staged.ready)
+    work = link.isend(
+        staged.host,
+        dst,
+        tag,
+        then=parts.bridge.then_release(staged),
+        pollable=True,
+        after=staged.ready,
+    )
     return P2PHandle(work, staged)
 
 
@@ -94,8 +102,7 @@ def irecv(parts: P2PParts, tensor: torch.Tensor, src: int, tag: int = 0) -> P2PH
     if not crosses:
         return P2PHandle(link.irecv(tensor, src, tag, pollable=True))
     staged = parts.bridge.stage(tensor, copy_in=False)
-    work = link.irecv(staged.host, src, tag, then=parts.bridge.then_finish(staged),
-                      pollable=True)
+    work = link.irecv(staged.host, src, tag, then=parts.bridge.then_finish(staged), pollable=True)
     return P2PHandle(work, staged)
 
 
@@ -132,8 +139,9 @@ def batch_isend_irecv(parts: P2PParts, ops: Sequence[P2POp]) -> list[P2PHandle]:
         shared = P2PHandle(_AllOf(coalesced(link, [ops[i] for i in indices])))
         for i in indices:
             handles[i] = shared
-    order = sorted((i for i in range(len(ops)) if handles[i] is None),
-                   key=lambda i: ops[i].op != "isend")
+    order = sorted(
+        (i for i in range(len(ops)) if handles[i] is None), key=lambda i: ops[i].op != "isend"
+    )
     for i in order:
         op = ops[i]
         handles[i] = starters[op.op](parts, op.tensor, op.peer, op.tag)
@@ -168,17 +176,22 @@ def coalesced(link: Link, ops: Sequence[P2POp]) -> list[Work]:
         return [end] if end is not None else [w for w in works if w is not None]
 
     works = guarded(link.group_name, "batch_isend_irecv", link.where, issue)
-    return [Work(w, link.group_name, "batch_isend_irecv", link.where,
-                 device=link.pending_device) for w in works]
+    return [
+        Work(w, link.group_name, "batch_isend_irecv", link.where, device=link.pending_device)
+        for w in works
+    ]
 
 
-def all_to_all(parts: P2PParts, outputs: Sequence[torch.Tensor],
-               inputs: Sequence[torch.Tensor], tag: int = 0) -> None:
+def all_to_all(
+    parts: P2PParts, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], tag: int = 0
+) -> None:
     """``outputs[i]`` receives group rank i's ``inputs[my group rank]``; shapes may differ."""
     lay = parts.layout
     if len(outputs) != lay.size or len(inputs) != lay.size:
-        raise ValueError(f"all_to_all needs {lay.size} input and output tensors, got "
-                         f"{len(inputs)} and {len(outputs)}")
+        raise ValueError(
+            f"all_to_all needs {lay.size} input and output tensors, got "
+            f"{len(inputs)} and {len(outputs)}"
+        )
     mine = lay.group_rank(parts.me)
     ops = []
     for i, rank in enumerate(lay.ranks):

@@ -15,14 +15,16 @@ the oldest one still running after the timeout: the run then reports and ends on
 terms as a gloo failure, while the device backend's watchdog, given the timeout plus
 :data:`DEVICE_BACKSTOP` (:func:`device_timeout`), is left as the backstop.
 """
+
 from __future__ import annotations
 
 import datetime
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from megatron_het.comm.faults import CommError
 
@@ -52,7 +54,7 @@ class PendingOps:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._ops: "OrderedDict[int, _Op]" = OrderedDict()
+        self._ops: OrderedDict[int, _Op] = OrderedDict()
         self._next = 0
 
     def __len__(self) -> int:
@@ -75,7 +77,7 @@ class PendingOps:
                 return
             del self._ops[key]
 
-    def stuck(self, timeout_s: float) -> Optional[CommError]:
+    def stuck(self, timeout_s: float) -> CommError | None:
         """A CommError for the oldest operation still running ``timeout_s`` after it started
         (naming its unified group, op and backend group), else None; drops completed ones."""
         with self._lock:
@@ -86,14 +88,18 @@ class PendingOps:
             age = self._clock() - op.started
             if age < timeout_s:
                 return None  # the younger ones are younger still
-            return CommError(op.group, op.op, f"{op.where}: not complete {age:.0f} s after it "
-                                              f"started (timeout {timeout_s:.0f} s)")
+            return CommError(
+                op.group,
+                op.op,
+                f"{op.where}: not complete {age:.0f} s after it "
+                f"started (timeout {timeout_s:.0f} s)",
+            )
 
 
 def _completed(marker: Any) -> bool:
     try:
         return bool(marker.query())
-    except Exception:  # noqa: BLE001 - a failed device op surfaces on the thread that reads it
+    except Exception:
         return True
 
 
@@ -112,7 +118,7 @@ class _DeviceMarker:
             return bool(self.event.query())
 
 
-def stream_marker(device_type: str) -> Optional[Any]:
+def stream_marker(device_type: str) -> Any | None:
     """An event recorded now on the current stream of ``device_type``, queried on its device
     from any thread (None where the device has no events this torch knows)."""
     import torch

@@ -14,15 +14,24 @@ Host buffers come from a pool per bridge and copies run on side streams
 (:mod:`megatron_het.comm.staging`). On CPU ranks staging is free: a contiguous CPU tensor is its
 own host buffer, and nothing here touches CUDA on a rank whose tensors are on the CPU.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_het.comm.staging import (Copier, CudaCopier, Fence, HostCopier, HostPool,
-                                       Marker, Waitable, relay_chunks)
+from megatron_het.comm.staging import (
+    Copier,
+    CudaCopier,
+    Fence,
+    HostCopier,
+    HostPool,
+    Marker,
+    Waitable,
+    relay_chunks,
+)
 from megatron_het.comm.start_queue import StartQueue
 from megatron_het.comm.wire import Wire, WireHooks
 from megatron_het.errors import UserError
@@ -48,9 +57,16 @@ class Staged:
     staged: the copy back waits only for the work queued before it.
     """
 
-    def __init__(self, host: torch.Tensor, device: torch.Tensor, pool: HostPool | None = None,
-                 copier: Copier | None = None, lease: torch.Tensor | None = None,
-                 ready: Fence = None, posted: Marker = None) -> None:
+    def __init__(
+        self,
+        host: torch.Tensor,
+        device: torch.Tensor,
+        pool: HostPool | None = None,
+        copier: Copier | None = None,
+        lease: torch.Tensor | None = None,
+        ready: Fence = None,
+        posted: Marker = None,
+    ) -> None:
         self.host, self.device, self.ready = host, device, ready
         self._pool, self._copier, self._lease = pool, copier, lease
         self._posted = posted
@@ -86,9 +102,14 @@ class Bridge:
     backend.
     """
 
-    def __init__(self, mode: str, backend: str = "gloo",
-                 wire_hooks: Optional[WireHooks] = None,
-                 copier_for: CopierFactory | None = None, host_only: bool = False) -> None:
+    def __init__(
+        self,
+        mode: str,
+        backend: str = "gloo",
+        wire_hooks: WireHooks | None = None,
+        copier_for: CopierFactory | None = None,
+        host_only: bool = False,
+    ) -> None:
         if mode not in BRIDGE_MODES:
             raise UserError(f"unknown bridge mode {mode!r}; use one of {', '.join(BRIDGE_MODES)}")
         self.mode = mode
@@ -101,7 +122,7 @@ class Bridge:
         self._lock = threading.Lock()
         self.starts = StartQueue()
 
-    def wire_for(self, kinds: frozenset[str]) -> Optional[Wire]:
+    def wire_for(self, kinds: frozenset[str]) -> Wire | None:
         """The wire of a backend link over ranks of ``kinds`` (None: none, or a single kind)."""
         if self.wire_hooks is None or len(kinds) < 2:
             return None
@@ -151,12 +172,18 @@ class Bridge:
         if wait and fence is not None:
             fence()
             fence = None
-        return Staged(host, tensor, pool, copier, lease, fence,
-                      posted=None if copy_in else copier.mark())
+        return Staged(
+            host, tensor, pool, copier, lease, fence, posted=None if copy_in else copier.mark()
+        )
 
-    def relay(self, tensor: torch.Tensor, spans: Sequence[tuple[int, int]],
-              launch: Callable[[torch.Tensor], Waitable], copy_in: bool = True,
-              copy_out: bool = True) -> None:
+    def relay(
+        self,
+        tensor: torch.Tensor,
+        spans: Sequence[tuple[int, int]],
+        launch: Callable[[torch.Tensor], Waitable],
+        copy_in: bool = True,
+        copy_out: bool = True,
+    ) -> None:
         """Run the asynchronous in-place transfer ``launch`` over the 1-D contiguous ``tensor``
         and wait.
 
@@ -172,8 +199,15 @@ class Bridge:
         elif not self.needs_staging(tensor):
             relay_chunks(tensor, spans, launch, None, HostCopier())
         else:
-            relay_chunks(tensor, spans, launch, self.pool(tensor), self.copier(tensor.device),
-                         copy_in=copy_in, copy_out=copy_out)
+            relay_chunks(
+                tensor,
+                spans,
+                launch,
+                self.pool(tensor),
+                self.copier(tensor.device),
+                copy_in=copy_in,
+                copy_out=copy_out,
+            )
 
     def then_finish(self, staged: Staged) -> Callable[[], None] | None:
         """Callback that copies a staged receive back to the device, or None when not needed."""

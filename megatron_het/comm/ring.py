@@ -10,9 +10,10 @@ reduce-scatter takes ``n-1`` steps; in each, the block is cut in chunks that are
 once and combined as they arrive, so reduction overlaps the transfer. Scratch buffers are kept by
 the caller (:class:`Scratch`) so repeated calls do not page-fault fresh memory.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -22,7 +23,10 @@ from megatron_het.comm.links import Link
 RING_TAG = 1 << 30
 CHUNK_ELEMENTS = 1 << 19
 _COMBINE: dict[str, Callable[..., torch.Tensor]] = {
-    "sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+    "sum": torch.add,
+    "max": torch.maximum,
+    "min": torch.minimum,
+}
 
 
 class Scratch:
@@ -46,9 +50,15 @@ def chunks(numel: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, numel)) for i in range(0, numel, step)] or [(0, 0)]
 
 
-def reduce_scatter(link: Link, output: torch.Tensor, input: torch.Tensor, op: str,
-                   scratch: Scratch, name: str,
-                   on_progress: Callable[[int], None] | None = None) -> None:
+def reduce_scatter(
+    link: Link,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: str,
+    scratch: Scratch,
+    name: str,
+    on_progress: Callable[[int], None] | None = None,
+) -> None:
     """``input`` (1-D, ``link.size`` blocks); block ``link.rank`` reduced over the link lands in
     ``output``, which may be that very block of ``input`` (it is only written at the last step,
     element by element from itself). ``on_progress(k)`` is called whenever ``output[:k]`` has
@@ -78,8 +88,13 @@ def reduce_scatter(link: Link, output: torch.Tensor, input: torch.Tensor, op: st
         send = dest
 
 
-def all_gather(link: Link, output: torch.Tensor, input: torch.Tensor, name: str,
-               before_send: Callable[[int, int], None] | None = None) -> None:
+def all_gather(
+    link: Link,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    name: str,
+    before_send: Callable[[int, int], None] | None = None,
+) -> None:
     """``output`` (1-D, ``link.size`` blocks) receives every link rank's ``input`` in link-rank
     order. ``before_send(a, b)`` is called before ``input[a:b]`` is first sent (the caller may
     still be finishing it). Collective over ``link``."""
@@ -96,8 +111,7 @@ def all_gather(link: Link, output: torch.Tensor, input: torch.Tensor, name: str,
     spans = chunks(m)
     for step in range(n - 1):
         send, recv = blocks[(r - step) % n], blocks[(r - step - 1) % n]
-        works = [link.irecv(recv[a:b], prv, RING_TAG + i, name)
-                 for i, (a, b) in enumerate(spans)]
+        works = [link.irecv(recv[a:b], prv, RING_TAG + i, name) for i, (a, b) in enumerate(spans)]
         for i, (a, b) in enumerate(spans):
             if step == 0:
                 if before_send is not None:
@@ -117,8 +131,9 @@ def gather_on(link: Link, output: torch.Tensor, input: torch.Tensor, name: str) 
         link.all_gather_tensor(output, input, name=name)
 
 
-def reduce_scatter_on(link: Link, output: torch.Tensor, input: torch.Tensor, op: str,
-                      scratch: Scratch, name: str) -> None:
+def reduce_scatter_on(
+    link: Link, output: torch.Tensor, input: torch.Tensor, op: str, scratch: Scratch, name: str
+) -> None:
     """Reduce-scatter on ``link``: the ring on gloo links, the backend's own elsewhere."""
     if link.backend == "gloo":
         reduce_scatter(link, output, input, op, scratch, name)

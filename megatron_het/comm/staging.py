@@ -14,17 +14,19 @@
   the device-to-host copy of chunk i+1 runs while chunk i is on the wire, and the copy of chunk
   i back to the device runs while chunk i+1 is on the wire.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 # Blocks the calling thread until a copy has finished (None: it already has).
-Fence = Optional[Callable[[], None]]
+Fence = Callable[[], None] | None
 # A point in a device's stream (a CUDA event; None: no such point, or a device without streams).
-Marker = Optional[object]
+Marker = object | None
 MIN_BUFFER_ELEMENTS = 1 << 12
 WINDOW = 2  # chunks on the wire at once in relay_chunks
 
@@ -39,8 +41,7 @@ class Copier(Protocol):
     def to_host(self, host: torch.Tensor, device: torch.Tensor) -> Fence:
         """Start copying ``device`` into ``host``; the fence says when ``host`` holds it."""
 
-    def to_device(self, device: torch.Tensor, host: torch.Tensor,
-                  since: Marker = None) -> Fence:
+    def to_device(self, device: torch.Tensor, host: torch.Tensor, since: Marker = None) -> Fence:
         """Start copying ``host`` into ``device``; the fence says when ``host`` is free again.
         The copy waits for the device work queued before ``since`` (a :meth:`mark`), or, with
         None, for all work queued so far."""
@@ -77,8 +78,13 @@ class HostPool:
     for the copy still reading it.
     """
 
-    def __init__(self, pin: bool = False, max_free: int = 64, max_free_bytes: int = 2 << 30,
-                 allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        pin: bool = False,
+        max_free: int = 64,
+        max_free_bytes: int = 2 << 30,
+        allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+    ) -> None:
         self.pin, self.max_free, self.max_free_bytes = pin, max_free, max_free_bytes
         self._allocate = allocate or self._empty
         self._free: dict[torch.dtype, list[tuple[torch.Tensor, Fence]]] = {}
@@ -134,9 +140,14 @@ class HostPool:
     def _over_bytes(self) -> list[tuple[torch.Tensor, Fence]]:
         """Take the smallest free buffers out until at most ``max_free_bytes`` are free or one
         buffer is left (under the lock)."""
-        entries = sorted(((entry[0].numel() * entry[0].element_size(), dtype, entry)
-                          for dtype, free in self._free.items() for entry in free),
-                         key=lambda e: e[0])
+        entries = sorted(
+            (
+                (entry[0].numel() * entry[0].element_size(), dtype, entry)
+                for dtype, free in self._free.items()
+                for entry in free
+            ),
+            key=lambda e: e[0],
+        )
         total = sum(size for size, _, _ in entries)
         out = []
         for size, dtype, entry in entries[:-1]:
@@ -160,8 +171,7 @@ class HostCopier:
         host.copy_(device)
         return None
 
-    def to_device(self, device: torch.Tensor, host: torch.Tensor,
-                  since: Marker = None) -> Fence:
+    def to_device(self, device: torch.Tensor, host: torch.Tensor, since: Marker = None) -> Fence:
         device.copy_(host)
         return None
 
@@ -180,8 +190,14 @@ class CudaCopier:
         self._to_host = torch.cuda.Stream(device)
         self._to_device = torch.cuda.Stream(device)
 
-    def _copy(self, stream: "torch.cuda.Stream", dst: torch.Tensor, src: torch.Tensor,
-              device_tensor: torch.Tensor, since: Marker = None) -> Fence:
+    def _copy(
+        self,
+        stream: torch.cuda.Stream,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        device_tensor: torch.Tensor,
+        since: Marker = None,
+    ) -> Fence:
         # Start after what the current stream has queued (it produced or still reads the data),
         # or, for a buffer marked when it was posted, after what was queued before that.
         if since is None:
@@ -198,13 +214,13 @@ class CudaCopier:
         def fence() -> None:  # on the tensor's device: another thread has none of its own
             with torch.cuda.device(device):
                 event.synchronize()
+
         return fence
 
     def to_host(self, host: torch.Tensor, device: torch.Tensor) -> Fence:
         return self._copy(self._to_host, host, device, device)
 
-    def to_device(self, device: torch.Tensor, host: torch.Tensor,
-                  since: Marker = None) -> Fence:
+    def to_device(self, device: torch.Tensor, host: torch.Tensor, since: Marker = None) -> Fence:
         return self._copy(self._to_device, device, host, device, since)
 
     def mark(self) -> Marker:
@@ -216,10 +232,16 @@ class CudaCopier:
         torch.cuda.current_stream(self.device).wait_stream(self._to_device)
 
 
-def relay_chunks(tensor: torch.Tensor, spans: Sequence[tuple[int, int]],
-                 launch: Callable[[torch.Tensor], Waitable], pool: HostPool | None,
-                 copier: Copier, copy_in: bool = True, copy_out: bool = True,
-                 window: int = WINDOW) -> None:
+def relay_chunks(
+    tensor: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    launch: Callable[[torch.Tensor], Waitable],
+    pool: HostPool | None,
+    copier: Copier,
+    copy_in: bool = True,
+    copy_out: bool = True,
+    window: int = WINDOW,
+) -> None:
     """Run ``launch(host_chunk)`` (an asynchronous transfer in place on the chunk) on every span
     ``[a, b)`` of the 1-D ``tensor``, in span order, staging each chunk through a host buffer.
 
@@ -264,5 +286,4 @@ def relay_chunks(tensor: torch.Tensor, spans: Sequence[tuple[int, int]],
         copier.join()
 
 
-__all__ = ["Copier", "CudaCopier", "Fence", "HostCopier", "HostPool", "relay_chunks",
-           "size_class"]
+__all__ = ["Copier", "CudaCopier", "Fence", "HostCopier", "HostPool", "relay_chunks", "size_class"]

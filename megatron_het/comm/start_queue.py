@@ -18,11 +18,13 @@ A fence that fails is this rank's device failing (not a peer): its operation rai
 :class:`StagingError`, and so does every later operation of the queue's links, which is never
 started (its peers would pair it with the wrong transfer otherwise).
 """
+
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any, Callable, Hashable, Optional
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from megatron_het.comm.faults import first_line
 from megatron_het.comm.staging import Fence
@@ -70,7 +72,7 @@ class StartQueue:
         self._queue: deque[tuple[Fence, Callable[[], Any], Deferred, Hashable]] = deque()
         self._cond = threading.Condition()
         self._pending: dict[Hashable, int] = {}  # per key: submitted, not started yet
-        self._broken: Optional[BaseException] = None  # the first failed fence
+        self._broken: BaseException | None = None  # the first failed fence
         self._thread: threading.Thread | None = None
         self.submitted = 0  # operations that went through the queue (for tests and stats)
 
@@ -99,8 +101,9 @@ class StartQueue:
             self._pending[key] = self._pending.get(key, 0) + 1
             self.submitted += 1
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="bridge-starts",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._loop, name="bridge-starts", daemon=True
+                )
                 self._thread.start()
             self._cond.notify()
         return deferred
@@ -123,15 +126,19 @@ class StartQueue:
 
     def _run(self, fence: Fence, start: Callable[[], Any]) -> Any:
         if self._broken is not None:
-            raise StagingError("not started: an earlier transfer's copy to the host failed "
-                               f"({first_line(self._broken)})")
+            raise StagingError(
+                "not started: an earlier transfer's copy to the host failed "
+                f"({first_line(self._broken)})"
+            )
         if fence is not None:
             try:
                 fence()
             except BaseException as exc:
                 self._broken = exc
-                raise StagingError("the copy of a transfer's data to the host failed on this "
-                                   f"rank's device: {first_line(exc)}") from exc
+                raise StagingError(
+                    "the copy of a transfer's data to the host failed on this "
+                    f"rank's device: {first_line(exc)}"
+                ) from exc
         return start()
 
     def _loop(self) -> None:
@@ -146,7 +153,7 @@ class StartQueue:
                     return
             try:
                 work = self._run(fence, start)
-            except BaseException as exc:  # noqa: BLE001 - raised again by Deferred.wait()
+            except BaseException as exc:
                 deferred._set(error=exc)
             else:
                 deferred._set(work)

@@ -8,9 +8,11 @@ starts (:meth:`Wire.book`) and calls what the booking returned once the backend 
 CPU emulation plugs in here (:mod:`megatron_het.emulation.links` slows cross-kind traffic to an
 emulated bridge link); without hooks nothing is booked.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 # Called once the backend has finished the booked transfer; may block (e.g. to pace the link).
 Settle = Callable[[], None]
@@ -27,7 +29,7 @@ class Wire(Protocol):
 class WireHooks(Protocol):
     """Gives the wire of a backend link from the accelerator kinds it spans."""
 
-    def wire_for(self, kinds: frozenset[str]) -> Optional[Wire]:
+    def wire_for(self, kinds: frozenset[str]) -> Wire | None:
         """The wire of a link over ranks of ``kinds``, or None (no booking)."""
 
 

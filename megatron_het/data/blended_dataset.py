@@ -5,9 +5,11 @@ target share: ``argmax_d(weight_d * max(i, 1) - count_d)``, ties to the lowest i
 dataset's samples are consumed in order, so after ``n`` samples every dataset has
 contributed ``weight_d * n`` samples up to about one.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -18,8 +20,10 @@ def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     """Weights as float64 summing to 1; UserError if any is negative or all are zero."""
     array = np.asarray([float(w) for w in weights], dtype=np.float64)
     if array.size == 0 or np.any(array < 0) or not np.all(np.isfinite(array)) or array.sum() <= 0:
-        raise UserError(f"blend weights {list(weights)} are not valid; give non-negative "
-                        "weights with a positive sum in --data-path")
+        raise UserError(
+            f"blend weights {list(weights)} are not valid; give non-negative "
+            "weights with a positive sum in --data-path"
+        )
     return array / array.sum()
 
 
@@ -57,8 +61,13 @@ class BlendedDataset:
     given, must be ``build_blending_indices(normalised weights, num_samples)`` (saves recomputing).
     """
 
-    def __init__(self, datasets: Sequence[Any], weights: Sequence[float], num_samples: int,
-                 blending_indices: Optional[tuple[np.ndarray, np.ndarray]] = None) -> None:
+    def __init__(
+        self,
+        datasets: Sequence[Any],
+        weights: Sequence[float],
+        num_samples: int,
+        blending_indices: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         if len(datasets) > np.iinfo(np.int16).max:
@@ -72,8 +81,9 @@ class BlendedDataset:
         taken = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for d, dataset in enumerate(self.datasets):
             if taken[d] > len(dataset):
-                raise ValueError(f"blend takes {taken[d]} samples from dataset {d} which has "
-                                 f"only {len(dataset)}")
+                raise ValueError(
+                    f"blend takes {taken[d]} samples from dataset {d} which has only {len(dataset)}"
+                )
 
     def __len__(self) -> int:
         return self.num_samples

@@ -12,6 +12,7 @@ samples of the full epochs keep covering every token once per epoch.
 Everything is a pure function of (files, documents, num_samples, seq_length, seed): numpy's
 ``RandomState(seed)`` shuffles the document index and then the samples.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,8 +35,14 @@ class GPTDataset:
     ``shuffle_index`` expose the construction.
     """
 
-    def __init__(self, indexed: IndexedDataset, document_ids: np.ndarray,
-                 num_samples: int, seq_length: int, seed: int) -> None:
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        document_ids: np.ndarray,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+    ) -> None:
         if seq_length <= 0:
             raise UserError(f"--seq-length must be positive, got {seq_length}")
         if num_samples <= 0:
@@ -45,12 +52,13 @@ class GPTDataset:
         self.num_samples = int(num_samples)
         self.seq_length = int(seq_length)
         self.seed = int(seed)
-        self.tokens_per_epoch = int(indexed.sequence_lengths[self.document_ids]
-                                    .sum(dtype=np.int64))
+        self.tokens_per_epoch = int(indexed.sequence_lengths[self.document_ids].sum(dtype=np.int64))
         if self.tokens_per_epoch <= 1:
-            raise UserError(f"data {indexed.path_prefix}: the split's {len(self.document_ids)} "
-                            f"documents hold {self.tokens_per_epoch} tokens, too few for a "
-                            "sample; use more data or change --split")
+            raise UserError(
+                f"data {indexed.path_prefix}: the split's {len(self.document_ids)} "
+                f"documents hold {self.tokens_per_epoch} tokens, too few for a "
+                "sample; use more data or change --split"
+            )
         self._build_indices()
 
     def _build_indices(self) -> None:
@@ -63,17 +71,22 @@ class GPTDataset:
             samples_before_final = ((self.num_epochs - 1) * per_epoch - 1) // L
             samples_per_epoch = (per_epoch - 1) // L
             from_final = self.num_samples - samples_before_final
-            separate_final_epoch = from_final < int(_SEPARATE_FINAL_EPOCH_THRESHOLD
-                                                    * samples_per_epoch)
+            separate_final_epoch = from_final < int(
+                _SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch
+            )
         rng = np.random.RandomState(self.seed)
         if separate_final_epoch:
-            self.document_index = np.concatenate([
-                _shuffled_epochs(self.document_ids, self.num_epochs - 1, rng),
-                _shuffled_epochs(self.document_ids, 1, rng)])
+            self.document_index = np.concatenate(
+                [
+                    _shuffled_epochs(self.document_ids, self.num_epochs - 1, rng),
+                    _shuffled_epochs(self.document_ids, 1, rng),
+                ]
+            )
         else:
             self.document_index = _shuffled_epochs(self.document_ids, self.num_epochs, rng)
         self.sample_index = _build_sample_index(
-            self.indexed.sequence_lengths[self.document_index], L)
+            self.indexed.sequence_lengths[self.document_index], L
+        )
         total = len(self.sample_index) - 1
         first = samples_before_final if separate_final_epoch else total
         self.shuffle_index = _shuffled_range(first, total, rng)
@@ -98,8 +111,9 @@ class GPTDataset:
         return np.concatenate(parts).astype(np.int64)
 
 
-def _shuffled_epochs(document_ids: np.ndarray, num_epochs: int,
-                     rng: np.random.RandomState) -> np.ndarray:
+def _shuffled_epochs(
+    document_ids: np.ndarray, num_epochs: int, rng: np.random.RandomState
+) -> np.ndarray:
     """``document_ids`` repeated ``num_epochs`` times, shuffled in place by ``rng`` (int32)."""
     index = np.tile(document_ids.astype(np.int32), num_epochs)
     rng.shuffle(index)
@@ -149,15 +163,18 @@ def parse_split(split: str) -> tuple[float, float, float]:
     except ValueError:
         weights = []
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise UserError(f"--split {split!r} is not valid; give up to three non-negative weights "
-                        "for train,valid,test such as 949,50,1")
+        raise UserError(
+            f"--split {split!r} is not valid; give up to three non-negative weights "
+            "for train,valid,test such as 949,50,1"
+        )
     weights += [0.0] * (3 - len(weights))
     total = sum(weights)
     return weights[0] / total, weights[1] / total, weights[2] / total
 
 
-def split_document_ranges(num_documents: int,
-                          split: tuple[float, float, float]) -> list[tuple[int, int]]:
+def split_document_ranges(
+    num_documents: int, split: tuple[float, float, float]
+) -> list[tuple[int, int]]:
     """``[begin, end)`` of the train, valid and test documents, in file order (Megatron's
     rounding of the cumulative split fractions)."""
     bounds = [0]
@@ -170,6 +187,7 @@ def split_document_ranges(num_documents: int,
 
 def split_documents(num_documents: int, split: tuple[float, float, float]) -> list[np.ndarray]:
     """The document ids of each split as int32 arrays."""
-    return [np.arange(begin, end, dtype=np.int32)
-            for begin, end in split_document_ranges(num_documents, split)]
-
+    return [
+        np.arange(begin, end, dtype=np.int32)
+        for begin, end in split_document_ranges(num_documents, split)
+    ]

@@ -18,11 +18,12 @@ int64[D]              document index: document ``d`` is sequences
 Files written here read in Megatron-LM and the other way round. Each document written by
 :class:`IndexedDatasetBuilder` is one sequence, so ``len(dataset)`` counts documents too.
 """
+
 from __future__ import annotations
 
 import os
 import struct
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -34,8 +35,14 @@ INDEX_VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")
 
 DTYPE_CODES: dict[int, type] = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
-    5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
 }
 _CODE_OF_DTYPE = {np.dtype(dtype): code for code, dtype in DTYPE_CODES.items()}
 
@@ -50,7 +57,7 @@ def idx_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
-def optimal_dtype(vocab_size: Optional[int]) -> type:
+def optimal_dtype(vocab_size: int | None) -> type:
     """Token dtype Megatron picks for a vocabulary: uint16 below 65500 ids, else int32."""
     if vocab_size is not None and vocab_size < 65500:
         return np.uint16
@@ -70,8 +77,10 @@ class IndexedDataset:
         self.path_prefix = path_prefix
         for path in (idx_path(path_prefix), bin_path(path_prefix)):
             if not os.path.isfile(path):
-                raise UserError(f"data file {path} does not exist; check --data-path (a prefix "
-                                "without .bin/.idx) or run tools/preprocess_data.py")
+                raise UserError(
+                    f"data file {path} does not exist; check --data-path (a prefix "
+                    "without .bin/.idx) or run tools/preprocess_data.py"
+                )
         self._read_index(idx_path(path_prefix))
         self._open_bin(bin_path(path_prefix))
 
@@ -79,24 +88,34 @@ class IndexedDataset:
     def _read_index(self, path: str) -> None:
         size = os.path.getsize(path)
         if size < _HEADER.size:
-            raise UserError(f"index file {path} is truncated: {size} bytes, shorter than the "
-                            f"{_HEADER.size}-byte header; re-run preprocessing")
+            raise UserError(
+                f"index file {path} is truncated: {size} bytes, shorter than the "
+                f"{_HEADER.size}-byte header; re-run preprocessing"
+            )
         with open(path, "rb") as f:
             magic, version, code, seq_count, doc_count = _HEADER.unpack(f.read(_HEADER.size))
         if magic != INDEX_MAGIC:
-            raise UserError(f"index file {path} has a bad header {magic!r} (expected "
-                            f"{INDEX_MAGIC!r}); it is not a Megatron MMIDIDX index")
+            raise UserError(
+                f"index file {path} has a bad header {magic!r} (expected "
+                f"{INDEX_MAGIC!r}); it is not a Megatron MMIDIDX index"
+            )
         if version != INDEX_VERSION:
-            raise UserError(f"index file {path} has version {version}; only version "
-                            f"{INDEX_VERSION} is supported")
+            raise UserError(
+                f"index file {path} has version {version}; only version "
+                f"{INDEX_VERSION} is supported"
+            )
         if code not in DTYPE_CODES:
-            raise UserError(f"index file {path} has unknown dtype code {code}; known codes: "
-                            f"{sorted(DTYPE_CODES)}")
+            raise UserError(
+                f"index file {path} has unknown dtype code {code}; known codes: "
+                f"{sorted(DTYPE_CODES)}"
+            )
         expected = _HEADER.size + seq_count * (4 + 8) + doc_count * 8
         if size != expected:
-            raise UserError(f"index file {path} is {size} bytes but its header ({seq_count} "
-                            f"sequences, {doc_count} document entries) implies {expected}; "
-                            "the file is truncated or corrupt")
+            raise UserError(
+                f"index file {path} is {size} bytes but its header ({seq_count} "
+                f"sequences, {doc_count} document entries) implies {expected}; "
+                "the file is truncated or corrupt"
+            )
         self.dtype = np.dtype(DTYPE_CODES[code])
         mm = np.memmap(path, dtype=np.uint8, mode="r")
         offset = _HEADER.size
@@ -111,8 +130,10 @@ class IndexedDataset:
     def _check_document_indices(self, path: str, seq_count: int) -> None:
         doc = self.document_indices
         if doc.size == 0 or doc[0] != 0 or doc[-1] != seq_count:
-            raise UserError(f"index file {path} is corrupt: the document index must run from 0 "
-                            f"to the sequence count {seq_count}")
+            raise UserError(
+                f"index file {path} is corrupt: the document index must run from 0 "
+                f"to the sequence count {seq_count}"
+            )
         if doc.size > 1 and np.any(np.diff(doc) < 0):
             raise UserError(f"index file {path} is corrupt: the document index decreases")
         if seq_count and self.sequence_lengths.min() < 0:
@@ -130,13 +151,17 @@ class IndexedDataset:
                     f"data file {path} is {size} bytes but sequence {i} of "
                     f"{idx_path(self.path_prefix)} "
                     f"points to bytes [{int(self.sequence_pointers[i])}, {int(ends[i])}); "
-                    "the .bin is truncated or does not belong to this .idx")
+                    "the .bin is truncated or does not belong to this .idx"
+                )
             if np.any(self.sequence_pointers % self.dtype.itemsize):
-                raise UserError(f"index file {idx_path(self.path_prefix)} is corrupt: a sequence "
-                                f"pointer is not a multiple of the {self.dtype} item size")
+                raise UserError(
+                    f"index file {idx_path(self.path_prefix)} is corrupt: a sequence "
+                    f"pointer is not a multiple of the {self.dtype} item size"
+                )
         # np.memmap refuses empty files; an empty dataset needs no mapping.
-        self._bin = (np.memmap(path, dtype=np.uint8, mode="r") if size
-                     else np.zeros(0, dtype=np.uint8))
+        self._bin = (
+            np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, dtype=np.uint8)
+        )
 
     def __getstate__(self) -> str:
         return self.path_prefix
@@ -148,14 +173,13 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
-    def __getitem__(self, idx: Union[int, np.integer, slice]
-                    ) -> Union[np.ndarray, list[np.ndarray]]:
+    def __getitem__(self, idx: int | np.integer | slice) -> np.ndarray | list[np.ndarray]:
         """One sequence's tokens, or a list of them for a slice."""
         if isinstance(idx, slice):
             return [self.get(i) for i in range(*idx.indices(len(self)))]
         return self.get(int(idx))
 
-    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end if no length)."""
         n = len(self)
         if idx < 0:
@@ -166,8 +190,10 @@ class IndexedDataset:
         if length is None:
             length = seq_len - offset
         if offset < 0 or length < 0 or offset + length > seq_len:
-            raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence "
-                             f"{idx} of length {seq_len}")
+            raise IndexError(
+                f"tokens [{offset}, {offset + length}) out of range for sequence "
+                f"{idx} of length {seq_len}"
+            )
         start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin, self.dtype, length, start)
 
@@ -195,13 +221,16 @@ def max_token_id(dataset: IndexedDataset, chunk_tokens: int = 1 << 26) -> int:
     if packed:
         ranges = [(0, int(lengths.sum()))]
     else:
-        ranges = [(int(p) // itemsize, int(p) // itemsize + int(n))
-                  for p, n in zip(pointers, lengths) if n]
+        ranges = [
+            (int(p) // itemsize, int(p) // itemsize + int(n))
+            for p, n in zip(pointers, lengths)
+            if n
+        ]
     tokens = np.frombuffer(dataset._bin, dataset.dtype, len(dataset._bin) // itemsize)
     best = None
     for begin, end in ranges:
         for start in range(begin, end, chunk_tokens):
-            value = tokens[start:min(end, start + chunk_tokens)].max()
+            value = tokens[start : min(end, start + chunk_tokens)].max()
             best = value if best is None else max(best, value)
     return int(best)
 
@@ -223,15 +252,16 @@ class IndexedDatasetBuilder:
         self._sequence_lengths: list[int] = []
         self._document_indices: list[int] = [0]
 
-    def add_document(self, tokens: Union[Sequence[int], np.ndarray]) -> None:
+    def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append one document (one sequence) of token ids; ids must fit the dtype."""
         array = np.asarray(tokens)
         if array.ndim != 1:
             raise ValueError(f"a document is a 1-D token list, got shape {array.shape}")
         converted = array.astype(self.dtype)
         if array.size and not np.array_equal(converted, array):
-            raise ValueError(f"token ids do not fit {self.dtype} "
-                             f"(range {array.min()}..{array.max()})")
+            raise ValueError(
+                f"token ids do not fit {self.dtype} (range {array.min()}..{array.max()})"
+            )
         self._bin_file.write(converted.tobytes(order="C"))
         self._sequence_lengths.append(int(array.size))
         self._document_indices.append(len(self._sequence_lengths))
@@ -245,8 +275,15 @@ class IndexedDatasetBuilder:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         documents = np.asarray(self._document_indices, dtype=np.int64)
         with open(idx_path, "wb") as f:
-            f.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, _CODE_OF_DTYPE[self.dtype],
-                                 len(lengths), len(documents)))
+            f.write(
+                _HEADER.pack(
+                    INDEX_MAGIC,
+                    INDEX_VERSION,
+                    _CODE_OF_DTYPE[self.dtype],
+                    len(lengths),
+                    len(documents),
+                )
+            )
             f.write(lengths.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(documents.tobytes(order="C"))

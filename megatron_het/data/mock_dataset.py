@@ -1,4 +1,5 @@
 """Synthetic training samples, for smoke tests and throughput runs without data files."""
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -18,8 +19,9 @@ class MockDataset:
     """Uniformly random ids in ``[0, vocab_size)``, a pure function of
     ``(seed, split_id, index)`` (``--mock-data``)."""
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int,
-                 split_id: int) -> None:
+    def __init__(
+        self, num_samples: int, seq_length: int, vocab_size: int, seed: int, split_id: int
+    ) -> None:
         self.num_samples = num_samples
         self.seq_length = seq_length
         self.vocab_size = vocab_size

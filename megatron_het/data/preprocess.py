@@ -6,14 +6,15 @@ output ``{output_prefix}_{key}_document``. Tokenisation runs on a pool of worker
 order); outputs are written under temporary names and renamed only when every line succeeded, so
 a failed run leaves no partial dataset behind.
 """
+
 from __future__ import annotations
 
 import json
 import multiprocessing
 import os
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
 
 from megatron_het.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from megatron_het.data.tokenizer import Tokenizer, build_tokenizer
@@ -28,8 +29,8 @@ class PreprocessConfig:
     output_prefix: str
     json_keys: tuple[str, ...] = ("text",)
     tokenizer_type: str = "SentencePieceTokenizer"
-    tokenizer_model: Optional[str] = None
-    vocab_size: Optional[int] = None
+    tokenizer_model: str | None = None
+    vocab_size: int | None = None
     append_eod: bool = False
     workers: int = 1
     log_interval: int = 1000
@@ -44,7 +45,7 @@ class PreprocessStats:
     documents: int = 0
     empty_documents: int = 0
     tokens: int = 0
-    outputs: Optional[dict[str, str]] = None
+    outputs: dict[str, str] | None = None
 
 
 class _Encoder:
@@ -52,36 +53,42 @@ class _Encoder:
 
     def __init__(self, config: PreprocessConfig) -> None:
         self.config = config
-        self.tokenizer: Tokenizer = build_tokenizer(config.tokenizer_type, config.tokenizer_model,
-                                                    config.vocab_size)
+        self.tokenizer: Tokenizer = build_tokenizer(
+            config.tokenizer_type, config.tokenizer_model, config.vocab_size
+        )
 
-    def encode(self, numbered_line: tuple[int, bytes]) -> tuple[int, Optional[list[list[int]]]]:
+    def encode(self, numbered_line: tuple[int, bytes]) -> tuple[int, list[list[int]] | None]:
         """``(line_number, tokens per key)``; tokens is None for a blank line."""
         line_number, raw = numbered_line
         where = f"{self.config.input_path} line {line_number}"
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise UserError(f"{where} is not valid UTF-8 ({exc.reason} at byte "
-                            f"{exc.start})") from None
+            raise UserError(
+                f"{where} is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+            ) from None
         if not text.strip():
             return line_number, None
         try:
             record = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise UserError(f"{where} is not valid JSON ({exc.msg} at column {exc.colno}); "
-                            "the input must hold one JSON object per line") from None
+            raise UserError(
+                f"{where} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                "the input must hold one JSON object per line"
+            ) from None
         if not isinstance(record, dict):
             raise UserError(f"{where} is a JSON {type(record).__name__}, not an object")
         tokens = []
         for key in self.config.json_keys:
             if key not in record:
                 keys = ", ".join(sorted(record))[:200]
-                raise UserError(f"{where} has no key {key!r} (keys: {keys}); choose the field "
-                                "with --json-keys")
+                raise UserError(
+                    f"{where} has no key {key!r} (keys: {keys}); choose the field with --json-keys"
+                )
             if not isinstance(record[key], str):
-                raise UserError(f"{where}: key {key!r} holds a {type(record[key]).__name__}, "
-                                "not a string")
+                raise UserError(
+                    f"{where}: key {key!r} holds a {type(record[key]).__name__}, not a string"
+                )
             ids = self.tokenizer.tokenize(record[key])
             if ids and self.config.append_eod:
                 ids.append(self.tokenizer.eod)
@@ -90,7 +97,7 @@ class _Encoder:
 
 
 # Set only inside pool worker processes, by _init_worker: each worker loads the tokenizer once.
-_worker_encoder: Optional[_Encoder] = None
+_worker_encoder: _Encoder | None = None
 
 
 def _init_worker(config: PreprocessConfig) -> None:
@@ -98,7 +105,7 @@ def _init_worker(config: PreprocessConfig) -> None:
     _worker_encoder = _Encoder(config)
 
 
-def _encode_in_worker(numbered_line: tuple[int, bytes]) -> tuple[int, Optional[list[list[int]]]]:
+def _encode_in_worker(numbered_line: tuple[int, bytes]) -> tuple[int, list[list[int]] | None]:
     assert _worker_encoder is not None, "worker used before _init_worker"
     return _worker_encoder.encode(numbered_line)
 
@@ -115,8 +122,9 @@ def _numbered_lines(path: str, on_bytes) -> Iterator[tuple[int, bytes]]:
             yield number, raw
 
 
-def _encoded(config: PreprocessConfig, lines: Iterable[tuple[int, bytes]],
-             encoder: _Encoder) -> Iterator[tuple[int, Optional[list[list[int]]]]]:
+def _encoded(
+    config: PreprocessConfig, lines: Iterable[tuple[int, bytes]], encoder: _Encoder
+) -> Iterator[tuple[int, list[list[int]] | None]]:
     if config.workers <= 1:
         yield from map(encoder.encode, lines)
         return
@@ -135,8 +143,9 @@ def preprocess_jsonl(config: PreprocessConfig) -> PreprocessStats:
     from tqdm import tqdm
 
     if not os.path.isfile(config.input_path):
-        raise UserError(f"input file {config.input_path} does not exist; pass a JSONL file to "
-                        "--input")
+        raise UserError(
+            f"input file {config.input_path} does not exist; pass a JSONL file to --input"
+        )
     if not config.json_keys:
         raise UserError("--json-keys needs at least one key")
     encoder = _Encoder(config)  # also checks the tokenizer before any worker starts
@@ -148,8 +157,14 @@ def preprocess_jsonl(config: PreprocessConfig) -> PreprocessStats:
     temporary = {key: (f"{p}.bin.tmp", f"{p}.idx.tmp") for key, p in prefixes.items()}
     builders = {key: IndexedDatasetBuilder(temporary[key][0], dtype) for key in config.json_keys}
     stats = PreprocessStats(outputs=dict(prefixes))
-    bar = tqdm(total=os.path.getsize(config.input_path), unit="B", unit_scale=True,
-               file=sys.stderr, disable=not config.progress, desc="tokenizing")
+    bar = tqdm(
+        total=os.path.getsize(config.input_path),
+        unit="B",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=not config.progress,
+        desc="tokenizing",
+    )
     encoded = _encoded(config, _numbered_lines(config.input_path, bar.update), encoder)
     try:
         for _, per_key in encoded:
@@ -162,11 +177,11 @@ def preprocess_jsonl(config: PreprocessConfig) -> PreprocessStats:
                 stats.documents += 1
                 stats.tokens += len(ids)
             if config.log_interval > 0 and stats.lines % config.log_interval == 0:
-                bar.set_postfix_str(f"{stats.documents} documents, {stats.tokens} tokens",
-                                    refresh=False)
+                bar.set_postfix_str(
+                    f"{stats.documents} documents, {stats.tokens} tokens", refresh=False
+                )
         # The final counts (drawn when the bar closes) agree with the summary line.
-        bar.set_postfix_str(f"{stats.documents} documents, {stats.tokens} tokens",
-                            refresh=False)
+        bar.set_postfix_str(f"{stats.documents} documents, {stats.tokens} tokens", refresh=False)
         for key, builder in builders.items():
             builder.finalize(temporary[key][1])
     except BaseException:

@@ -4,10 +4,12 @@ Every tokenizer offers the same small surface: ``vocab_size``, ``tokenize(text) 
 ``detokenize(ids) -> str`` and the special ids ``eod``, ``bos`` and ``pad`` (``bos`` and ``pad``
 may be ``None`` when the vocabulary has no such token).
 """
+
 from __future__ import annotations
 
 import os
-from typing import Optional, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from megatron_het.errors import UserError
 
@@ -22,10 +24,10 @@ class Tokenizer(Protocol):
     def eod(self) -> int: ...
 
     @property
-    def bos(self) -> Optional[int]: ...
+    def bos(self) -> int | None: ...
 
     @property
-    def pad(self) -> Optional[int]: ...
+    def pad(self) -> int | None: ...
 
     def tokenize(self, text: str) -> list[int]: ...
 
@@ -44,19 +46,25 @@ class SentencePieceTokenizer:
         import sentencepiece
 
         if not os.path.isfile(model_path):
-            raise UserError(f"tokenizer model {model_path} does not exist; "
-                            "pass an existing SentencePiece .model file to --tokenizer-model")
+            raise UserError(
+                f"tokenizer model {model_path} does not exist; "
+                "pass an existing SentencePiece .model file to --tokenizer-model"
+            )
         self._processor = sentencepiece.SentencePieceProcessor()
         try:
             self._processor.Load(model_path)
         except (OSError, RuntimeError) as exc:
-            raise UserError(f"cannot read tokenizer model {model_path} as a SentencePiece model "
-                            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
-                            "pass a valid .model file to --tokenizer-model") from None
+            raise UserError(
+                f"cannot read tokenizer model {model_path} as a SentencePiece model "
+                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                "pass a valid .model file to --tokenizer-model"
+            ) from None
         self.model_path = model_path
         if self._processor.eos_id() < 0:
-            raise UserError(f"tokenizer model {model_path} has no end-of-sequence piece; "
-                            "train it with an eos id (eos_id >= 0)")
+            raise UserError(
+                f"tokenizer model {model_path} has no end-of-sequence piece; "
+                "train it with an eos id (eos_id >= 0)"
+            )
 
     def model_proto(self) -> bytes:
         """The loaded model, serialised (a ``sentencepiece_model_pb2.ModelProto``)."""
@@ -71,11 +79,11 @@ class SentencePieceTokenizer:
         return int(self._processor.eos_id())
 
     @property
-    def bos(self) -> Optional[int]:
+    def bos(self) -> int | None:
         return _optional_id(self._processor.bos_id())
 
     @property
-    def pad(self) -> Optional[int]:
+    def pad(self) -> int | None:
         return _optional_id(self._processor.pad_id())
 
     def tokenize(self, text: str) -> list[int]:
@@ -106,11 +114,11 @@ class NullTokenizer:
         return self._text_vocab_size
 
     @property
-    def bos(self) -> Optional[int]:
+    def bos(self) -> int | None:
         return None
 
     @property
-    def pad(self) -> Optional[int]:
+    def pad(self) -> int | None:
         return None
 
     def tokenize(self, text: str) -> list[int]:
@@ -119,11 +127,14 @@ class NullTokenizer:
             try:
                 token = int(word)
             except ValueError:
-                raise UserError(f"NullTokenizer expects whitespace-separated integer ids, "
-                                f"got {word[:40]!r}") from None
+                raise UserError(
+                    f"NullTokenizer expects whitespace-separated integer ids, got {word[:40]!r}"
+                ) from None
             if not 0 <= token < self.vocab_size:
-                raise UserError(f"NullTokenizer: token id {token} is outside [0, "
-                                f"{self.vocab_size}); raise --vocab-size")
+                raise UserError(
+                    f"NullTokenizer: token id {token} is outside [0, "
+                    f"{self.vocab_size}); raise --vocab-size"
+                )
             ids.append(token)
         return ids
 
@@ -131,15 +142,16 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-def _optional_id(token_id: int) -> Optional[int]:
+def _optional_id(token_id: int) -> int | None:
     return int(token_id) if token_id >= 0 else None
 
 
 TOKENIZER_TYPES = ("NullTokenizer", "SentencePieceTokenizer")
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
-                    vocab_size: int | None = None) -> Tokenizer:
+def build_tokenizer(
+    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
+) -> Tokenizer:
     """The tokenizer named by ``--tokenizer-type``.
 
     ``SentencePieceTokenizer`` reads ``tokenizer_model``; ``NullTokenizer`` needs
@@ -147,12 +159,15 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
     """
     if tokenizer_type == "SentencePieceTokenizer":
         if not tokenizer_model:
-            raise UserError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model "
-                            "PATH to a SentencePiece .model file")
+            raise UserError(
+                "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model "
+                "PATH to a SentencePiece .model file"
+            )
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise UserError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
-    raise UserError(f"unknown --tokenizer-type {tokenizer_type!r}; known types: "
-                    f"{', '.join(TOKENIZER_TYPES)}")
+    raise UserError(
+        f"unknown --tokenizer-type {tokenizer_type!r}; known types: {', '.join(TOKENIZER_TYPES)}"
+    )

@@ -16,15 +16,32 @@ host profile), :mod:`.memory_caps` (the memory cap checked before a run) and :mo
 (:func:`build_emulation`, the one call of a run's composition root). Everything here is
 emulation; callers label its results as such.
 """
+
 from __future__ import annotations
 
-from megatron_het.emulation.emulator import (REFERENCE_QUANTILE, REFERENCE_WINDOW,
-                                             EmulatedOutOfMemory, EmulationStats, Emulator)
+from megatron_het.emulation.emulator import (
+    REFERENCE_QUANTILE,
+    REFERENCE_WINDOW,
+    EmulatedOutOfMemory,
+    EmulationStats,
+    Emulator,
+)
 from megatron_het.emulation.host_model import SharedHostModel
 from megatron_het.emulation.links import EmulatedLink, EmulatedWires, emulated_wires
 from megatron_het.emulation.memory_caps import check_memory_caps
 from megatron_het.emulation.setup import RankEmulation, build_emulation
 
-__all__ = ["REFERENCE_QUANTILE", "REFERENCE_WINDOW", "EmulatedLink", "EmulatedOutOfMemory",
-           "EmulatedWires", "EmulationStats", "Emulator", "RankEmulation", "SharedHostModel",
-           "build_emulation", "check_memory_caps", "emulated_wires"]
+__all__ = [
+    "REFERENCE_QUANTILE",
+    "REFERENCE_WINDOW",
+    "EmulatedLink",
+    "EmulatedOutOfMemory",
+    "EmulatedWires",
+    "EmulationStats",
+    "Emulator",
+    "RankEmulation",
+    "SharedHostModel",
+    "build_emulation",
+    "check_memory_caps",
+    "emulated_wires",
+]

@@ -7,9 +7,10 @@ while the host's own speed drifts. :func:`emulated_device_times` gives every emu
 figures; :func:`fixed_reference_times` turns one rank's into the emulator's fixed reference CPU
 times per region key of the pipeline executor. Everything here is emulation.
 """
+
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
@@ -23,11 +24,16 @@ from megatron_het.pipeline.executor import compute_region_key
 RegionKey = tuple[str, bool, int]
 
 
-def emulated_device_times(profiles: Optional[Mapping[str, Profile]],
-                          profile_source: Optional[str], model: ModelConfig, plan: ParallelPlan,
-                          cluster: ClusterSpec, seq_length: int, dtype: str,
-                          fused_elementwise: bool = False
-                          ) -> dict[int, tuple[tuple[float, float], ...]]:
+def emulated_device_times(
+    profiles: Mapping[str, Profile] | None,
+    profile_source: str | None,
+    model: ModelConfig,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    seq_length: int,
+    dtype: str,
+    fused_elementwise: bool = False,
+) -> dict[int, tuple[tuple[float, float], ...]]:
     """EMULATION: each emulated rank's (forward, backward) seconds per micro-batch of each of
     its stages (one per interleaved chunk, in pipeline order) on this host from the host
     profile ``profiles[HOST_PROFILE]`` (read from ``profile_source``, named in errors); empty
@@ -44,25 +50,39 @@ def emulated_device_times(profiles: Optional[Mapping[str, Profile]],
             if not spec.emulated:
                 continue
             shape = LayerShape.of(model, seq_length, plan.micro_batch_size, stage.tp)
-            compute = stage_compute(model, spec, shape, stage.num_layers, stage.has_embedding,
-                                    stage.has_head, stage.recomputed_layers, dtype,
-                                    ProfileChoice(profile), blocks=LayerBlocks.of(stage),
-                                    fused_elementwise=fused_elementwise)
+            compute = stage_compute(
+                model,
+                spec,
+                shape,
+                stage.num_layers,
+                stage.has_embedding,
+                stage.has_head,
+                stage.recomputed_layers,
+                dtype,
+                ProfileChoice(profile),
+                blocks=LayerBlocks.of(stage),
+                fused_elementwise=fused_elementwise,
+            )
             if "roofline" in compute.source:
-                raise UserError(f"--emulation-profile {profile_source}: no {dtype} figures for "
-                                f"the stage on ranks {list(stage.ranks)} ({compute.source}); "
-                                f"profile this model's shape with tools/profile_device.py "
-                                f"--threads 1 --dtype {dtype}")
+                raise UserError(
+                    f"--emulation-profile {profile_source}: no {dtype} figures for "
+                    f"the stage on ranks {list(stage.ranks)} ({compute.source}); "
+                    f"profile this model's shape with tools/profile_device.py "
+                    f"--threads 1 --dtype {dtype}"
+                )
             for rank in stage.ranks:
                 times[rank] = times.get(rank, ()) + ((compute.forward_s, compute.backward_s),)
     if not times:
-        raise UserError(f"--emulation-profile times emulated accelerator kinds, and cluster "
-                        f"{cluster.name} has none; drop the flag")
+        raise UserError(
+            f"--emulation-profile times emulated accelerator kinds, and cluster "
+            f"{cluster.name} has none; drop the flag"
+        )
     return times
 
 
-def fixed_reference_times(times: Optional[tuple[tuple[float, float], ...]]
-                          ) -> Optional[dict[RegionKey, float]]:
+def fixed_reference_times(
+    times: tuple[tuple[float, float], ...] | None,
+) -> dict[RegionKey, float] | None:
     """The emulator's fixed reference CPU times of a rank's stage regions from its (forward,
     backward) seconds per chunk (None: measured): training forward and backward, and
     evaluation forward (the same work as the training forward), of each chunk."""
@@ -76,15 +96,22 @@ def fixed_reference_times(times: Optional[tuple[tuple[float, float], ...]]
     return keys
 
 
-def describe_device_times(times: Mapping[int, tuple[tuple[float, float], ...]],
-                          cluster: ClusterSpec, profile_source: Optional[str]) -> str:
+def describe_device_times(
+    times: Mapping[int, tuple[tuple[float, float], ...]],
+    cluster: ClusterSpec,
+    profile_source: str | None,
+) -> str:
     """One line: the profile that times the emulated ranks, and each rank's figures."""
-    ranks = "; ".join(f"rank {rank} {cluster.accelerator_of(rank).slowdown:g} x "
-                      + " + ".join(f"({fwd * 1e3:.1f} + {bwd * 1e3:.1f})" for fwd, bwd in chunks)
-                      + " ms"
-                      for rank, chunks in sorted(times.items()))
-    return (f"> EMULATION: stage compute of emulated ranks timed from profile "
-            f"{profile_source} (slowdown x forward + backward per micro-batch): {ranks}")
+    ranks = "; ".join(
+        f"rank {rank} {cluster.accelerator_of(rank).slowdown:g} x "
+        + " + ".join(f"({fwd * 1e3:.1f} + {bwd * 1e3:.1f})" for fwd, bwd in chunks)
+        + " ms"
+        for rank, chunks in sorted(times.items())
+    )
+    return (
+        f"> EMULATION: stage compute of emulated ranks timed from profile "
+        f"{profile_source} (slowdown x forward + backward per micro-batch): {ranks}"
+    )
 
 
 __all__ = ["describe_device_times", "emulated_device_times", "fixed_reference_times"]

@@ -5,6 +5,7 @@ emulated device need 1 / F of a host core per unit of its own time, so a host wi
 than emulated devices does not decide the figures (see :mod:`megatron_het.emulation.emulator`).
 Everything here is EMULATION.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,6 +28,8 @@ def dilated_cluster(path: Path, dilation: float) -> dict[str, Any]:
     overrides = dict(data.get("accelerators") or {})
     for group in data["node_groups"]:
         kind = spec.accelerator_of(spec.ranks_of_accelerator(group["accelerator"])[0])
-        overrides[kind.name] = {**overrides.get(kind.name, {}),
-                                "slowdown": kind.slowdown * dilation}
+        overrides[kind.name] = {
+            **overrides.get(kind.name, {}),
+            "slowdown": kind.slowdown * dilation,
+        }
     return {**data, "accelerators": overrides, "name": f"{data['name']}_x{dilation:g}"}

@@ -33,15 +33,16 @@ callables so tests can drive it with a fake clock. It is the pipeline executor's
 
 Everything here is emulation; callers label its results as such.
 """
+
 from __future__ import annotations
 
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Any, Callable, Hashable, Iterator, Mapping, Optional,
-                    TypeVar)
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_het.errors import UserError
 
@@ -49,7 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from megatron_het.cluster.accelerators import AcceleratorSpec
 
 T = TypeVar("T")
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 # Keyed regions are padded to this quantile (0: the least) of the CPU times of the key's last
@@ -113,17 +114,23 @@ class Emulator:
     The emulator is not thread-safe: use one per rank.
     """
 
-    def __init__(self, slowdown: float, memory_cap_gib: Optional[float] = None,
-                 name: str = "emulated",
-                 clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], Any] = time.sleep,
-                 cpu_clock: Optional[Callable[[], float]] = None,
-                 reference_window: int = REFERENCE_WINDOW,
-                 reference_quantile: float = REFERENCE_QUANTILE,
-                 fixed_reference_s: Optional[Mapping[Hashable, float]] = None) -> None:
+    def __init__(
+        self,
+        slowdown: float,
+        memory_cap_gib: float | None = None,
+        name: str = "emulated",
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], Any] = time.sleep,
+        cpu_clock: Callable[[], float] | None = None,
+        reference_window: int = REFERENCE_WINDOW,
+        reference_quantile: float = REFERENCE_QUANTILE,
+        fixed_reference_s: Mapping[Hashable, float] | None = None,
+    ) -> None:
         if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or slowdown < 1.0:
-            raise UserError(f"{name}: slowdown must be a number >= 1.0 (an emulated kind can only "
-                            f"be slower than the host CPU), got {slowdown!r}")
+            raise UserError(
+                f"{name}: slowdown must be a number >= 1.0 (an emulated kind can only "
+                f"be slower than the host CPU), got {slowdown!r}"
+            )
         if memory_cap_gib is not None and memory_cap_gib <= 0:
             raise UserError(f"{name}: memory_cap_gib must be positive, got {memory_cap_gib!r}")
         self.slowdown = float(slowdown)
@@ -133,32 +140,42 @@ class Emulator:
         self._sleep = sleep
         self._cpu_clock = cpu_clock
         if reference_window < 1 or not 0.0 <= reference_quantile < 1.0:
-            raise ValueError(f"need reference_window >= 1 and 0 <= reference_quantile < 1, got "
-                             f"{reference_window} and {reference_quantile}")
+            raise ValueError(
+                f"need reference_window >= 1 and 0 <= reference_quantile < 1, got "
+                f"{reference_window} and {reference_quantile}"
+            )
         self._reference = (reference_window, reference_quantile)
         fixed = dict(fixed_reference_s or {})
         if fixed and cpu_clock is None:
             raise ValueError("fixed reference CPU times need the CPU basis (a cpu_clock)")
         for key, seconds in fixed.items():
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
-                    or not seconds > 0:
-                raise ValueError(f"fixed reference CPU time of {key!r} must be positive, got "
-                                 f"{seconds!r}")
+            if (
+                isinstance(seconds, bool)
+                or not isinstance(seconds, (int, float))
+                or not seconds > 0
+            ):
+                raise ValueError(
+                    f"fixed reference CPU time of {key!r} must be positive, got {seconds!r}"
+                )
         self._fixed = {key: float(seconds) for key, seconds in fixed.items()}
         self.reset()
 
     @property
     def basis(self) -> str:
-        """"cpu" (the thread's CPU time sets the region's length) or "wall"."""
+        """ "cpu" (the thread's CPU time sets the region's length) or "wall"."""
         return "wall" if self._cpu_clock is None else "cpu"
 
     @classmethod
-    def from_spec(cls, spec: "AcceleratorSpec", clock: Callable[[], float] = time.perf_counter,
-                  sleep: Callable[[float], Any] = time.sleep,
-                  cpu_clock: Optional[Callable[[], float]] = None,
-                  threads: Optional[int] = None,
-                  fixed_reference_s: Optional[Mapping[Hashable, float]] = None,
-                  extra_slowdown: float = 1.0) -> "Emulator":
+    def from_spec(
+        cls,
+        spec: AcceleratorSpec,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], Any] = time.sleep,
+        cpu_clock: Callable[[], float] | None = None,
+        threads: int | None = None,
+        fixed_reference_s: Mapping[Hashable, float] | None = None,
+        extra_slowdown: float = 1.0,
+    ) -> Emulator:
         """The emulator of an accelerator kind; a real kind gets slowdown 1 (no waiting).
         Without ``cpu_clock`` the CPU basis (``time.thread_time``) is used when the rank computes
         on one thread (``threads``, default ``torch.get_num_threads()``), else the wall basis.
@@ -167,17 +184,27 @@ class Emulator:
         if cpu_clock is None:
             if threads is None:
                 import torch
+
                 threads = torch.get_num_threads()
             cpu_clock = time.thread_time if threads == 1 else None
         if fixed_reference_s and cpu_clock is None:
-            raise UserError(f"{spec.label}: device times from a profile need one compute thread "
-                            f"per rank (OMP_NUM_THREADS=1); this rank has {threads}")
+            raise UserError(
+                f"{spec.label}: device times from a profile need one compute thread "
+                f"per rank (OMP_NUM_THREADS=1); this rank has {threads}"
+            )
         if isinstance(extra_slowdown, bool) or not extra_slowdown >= 1.0:
-            raise UserError(f"{spec.label}: an extra slowdown must be >= 1.0, got "
-                            f"{extra_slowdown!r}")
-        return cls(spec.slowdown * extra_slowdown, spec.memory_cap_gib, name=spec.label,
-                   clock=clock, sleep=sleep, cpu_clock=cpu_clock,
-                   fixed_reference_s=fixed_reference_s)
+            raise UserError(
+                f"{spec.label}: an extra slowdown must be >= 1.0, got {extra_slowdown!r}"
+            )
+        return cls(
+            spec.slowdown * extra_slowdown,
+            spec.memory_cap_gib,
+            name=spec.label,
+            clock=clock,
+            sleep=sleep,
+            cpu_clock=cpu_clock,
+            fixed_reference_s=fixed_reference_s,
+        )
 
     @property
     def fixed_reference_s(self) -> dict[Hashable, float]:
@@ -185,7 +212,7 @@ class Emulator:
         return dict(self._fixed)
 
     @contextmanager
-    def timed_region(self, key: Optional[Hashable] = None) -> Iterator[None]:
+    def timed_region(self, key: Hashable | None = None) -> Iterator[None]:
         """Time the body, then wait until it has lasted ``slowdown`` x its CPU time (CPU basis;
         with a ``key``, the key's reference CPU time, this region included) or wait
         ``(slowdown - 1)`` x its wall time (wall basis); a key with a fixed reference is padded
@@ -238,11 +265,19 @@ class Emulator:
         raise EmulatedOutOfMemory(
             f"{self.name}: {what} needs {nbytes / GIB:.2f} GiB but the emulated memory cap is "
             f"{self.memory_cap_gib:g} GiB; use a plan with less memory per device (more stages, "
-            f"tp or recompute) or raise memory_cap_gib")
+            f"tp or recompute) or raise memory_cap_gib"
+        )
 
     def stats(self) -> EmulationStats:
-        return EmulationStats(self._regions, self._measured_s, self._injected_s, self._cpu_s,
-                              self._late, self._behind_s, self._scheduled_s)
+        return EmulationStats(
+            self._regions,
+            self._measured_s,
+            self._injected_s,
+            self._cpu_s,
+            self._late,
+            self._behind_s,
+            self._scheduled_s,
+        )
 
     def reset(self) -> None:
         """Zero the counters and forget every key's reference CPU times."""
@@ -252,5 +287,10 @@ class Emulator:
         self._history: dict[Hashable, _KeyHistory] = {}
 
 
-__all__ = ["REFERENCE_QUANTILE", "REFERENCE_WINDOW", "EmulatedOutOfMemory", "EmulationStats",
-           "Emulator"]
+__all__ = [
+    "REFERENCE_QUANTILE",
+    "REFERENCE_WINDOW",
+    "EmulatedOutOfMemory",
+    "EmulationStats",
+    "Emulator",
+]

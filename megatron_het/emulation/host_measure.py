@@ -12,26 +12,40 @@ run on the same cores as the compute. All processes start in sessions of their o
 starts ranks (see :func:`_worker`). These figures exist for CPU emulation, where ranks share a
 host's cores.
 """
+
 from __future__ import annotations
 
 import os
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.perf.cost_model import tp_collectives
-from megatron_het.perf.measure_procs import (free_loopback_port, gloo_pair, process_context,
-                                             report_to_parent, run_measurement_processes)
+from megatron_het.perf.measure_procs import (
+    free_loopback_port,
+    gloo_pair,
+    process_context,
+    report_to_parent,
+    run_measurement_processes,
+)
 
 
-def measure_host_sharing(config: ModelConfig, seq: int, micro_batch: int, tp: int = 1,
-                         max_processes: int = 4, passes: int = 6, warmup: int = 1,
-                         rounds: int = 2, reference_s: Optional[float] = None,
-                         timeout_s: float = 300.0) -> tuple[float, ...]:
+def measure_host_sharing(
+    config: ModelConfig,
+    seq: int,
+    micro_batch: int,
+    tp: int = 1,
+    max_processes: int = 4,
+    passes: int = 6,
+    warmup: int = 1,
+    rounds: int = 2,
+    reference_s: float | None = None,
+    timeout_s: float = 300.0,
+) -> tuple[float, ...]:
     """The :attr:`Profile.host_sharing` figures of this host for 1 .. ``max_processes``.
 
     Per ``rounds`` (the counts go round, so a drift in outside load falls on all of them):
@@ -44,19 +58,27 @@ def measure_host_sharing(config: ModelConfig, seq: int, micro_batch: int, tp: in
     measured (a host whose load from other work changes). Side effects: starts processes.
     """
     if max_processes < 1 or passes < 1 or rounds < 1:
-        raise UserError(f"need max_processes, passes and rounds >= 1, got {max_processes}, "
-                        f"{passes}, {rounds}")
+        raise UserError(
+            f"need max_processes, passes and rounds >= 1, got {max_processes}, {passes}, {rounds}"
+        )
     times: dict[int, list[float]] = {n: [] for n in range(1, max_processes + 1)}
     for _ in range(rounds):
         for n in times:
-            times[n] += _concurrent_passes(config, seq, micro_batch, tp, n, passes, warmup,
-                                           timeout_s)
+            times[n] += _concurrent_passes(
+                config, seq, micro_batch, tp, n, passes, warmup, timeout_s
+            )
     alone = statistics.median(times[1]) if reference_s is None else reference_s
     return tuple(statistics.median(times[n]) / alone for n in sorted(times))
 
 
-def measure_host_collective(config: ModelConfig, seq: int, micro_batch: int, passes: int = 8,
-                            rounds: int = 1, timeout_s: float = 300.0) -> tuple[float, float]:
+def measure_host_collective(
+    config: ModelConfig,
+    seq: int,
+    micro_batch: int,
+    passes: int = 8,
+    rounds: int = 1,
+    timeout_s: float = 300.0,
+) -> tuple[float, float]:
     """The :attr:`Profile.host_collective_s` figures: (wall, CPU) seconds of one TP collective
     between two processes computing between their collectives, as TP ranks do.
 
@@ -81,14 +103,20 @@ def measure_host_collective(config: ModelConfig, seq: int, micro_batch: int, pas
     return wall, min(max(statistics.median(cpus), 1e-9), wall)
 
 
-def _collective_round(config: ModelConfig, seq: int, micro_batch: int, passes: int,
-                      timeout_s: float) -> tuple[float, float]:
+def _collective_round(
+    config: ModelConfig, seq: int, micro_batch: int, passes: int, timeout_s: float
+) -> tuple[float, float]:
     port = free_loopback_port()
     (payload,) = run_measurement_processes(
-        process_context(), _pair_worker,
-        [(config, seq, micro_batch, rank, port, passes, timeout_s) for rank in range(2)], 1,
-        timeout_s, f"host collective measurement did not finish in {timeout_s} s",
-        "host collective measurement failed", join_s=10.0)
+        process_context(),
+        _pair_worker,
+        [(config, seq, micro_batch, rank, port, passes, timeout_s) for rank in range(2)],
+        1,
+        timeout_s,
+        f"host collective measurement did not finish in {timeout_s} s",
+        "host collective measurement failed",
+        join_s=10.0,
+    )
     return payload
 
 
@@ -97,8 +125,16 @@ _LAYER = tp_collectives(2, 1)
 LAYER_TP_COLLECTIVES = _LAYER.forward + _LAYER.backward
 
 
-def _pair_worker(config: ModelConfig, seq: int, micro_batch: int, rank: int, port: int,
-                 passes: int, timeout_s: float, conn: Any) -> None:
+def _pair_worker(
+    config: ModelConfig,
+    seq: int,
+    micro_batch: int,
+    rank: int,
+    port: int,
+    passes: int,
+    timeout_s: float,
+    conn: Any,
+) -> None:
     os.setsid()
     torch.set_num_threads(1)
 
@@ -109,8 +145,9 @@ def _pair_worker(config: ModelConfig, seq: int, micro_batch: int, rank: int, por
     report_to_parent(conn, measure)
 
 
-def _collective_times(comm: Any, config: ModelConfig, seq: int, micro_batch: int, rank: int,
-                      passes: int) -> tuple[float, float]:
+def _collective_times(
+    comm: Any, config: ModelConfig, seq: int, micro_batch: int, rank: int, passes: int
+) -> tuple[float, float]:
     """(wall, CPU) seconds of one TP collective, from passes with and without them."""
     from megatron_het.model.llama import build_model
     from megatron_het.perf.profiler import ComputeOnlyGroup, layer_case
@@ -137,20 +174,42 @@ def _collective_times(comm: Any, config: ModelConfig, seq: int, micro_batch: int
     return extra / LAYER_TP_COLLECTIVES, extra_cpu / LAYER_TP_COLLECTIVES
 
 
-def _concurrent_passes(config: ModelConfig, seq: int, micro_batch: int, tp: int, n: int,
-                       passes: int, warmup: int, timeout_s: float) -> list[float]:
+def _concurrent_passes(
+    config: ModelConfig,
+    seq: int,
+    micro_batch: int,
+    tp: int,
+    n: int,
+    passes: int,
+    warmup: int,
+    timeout_s: float,
+) -> list[float]:
     """Pass times (seconds) of ``n`` processes computing at once, all of them."""
     ctx = process_context()
     barrier = ctx.Barrier(n)
     reports = run_measurement_processes(
-        ctx, _worker, [(config, seq, micro_batch, tp, passes, warmup, barrier, timeout_s)] * n,
-        n, timeout_s, f"host sharing: {n} processes did not finish in {timeout_s} s",
-        "host sharing measurement failed")
+        ctx,
+        _worker,
+        [(config, seq, micro_batch, tp, passes, warmup, barrier, timeout_s)] * n,
+        n,
+        timeout_s,
+        f"host sharing: {n} processes did not finish in {timeout_s} s",
+        "host sharing measurement failed",
+    )
     return [t for times in reports for t in times]
 
 
-def _worker(config: ModelConfig, seq: int, micro_batch: int, tp: int, passes: int, warmup: int,
-            barrier: Any, timeout_s: float, conn: Any) -> None:
+def _worker(
+    config: ModelConfig,
+    seq: int,
+    micro_batch: int,
+    tp: int,
+    passes: int,
+    warmup: int,
+    barrier: Any,
+    timeout_s: float,
+    conn: Any,
+) -> None:
     from megatron_het.perf.profiler import layer_case, rank_stage
 
     # Each in its own session, as torchrun starts ranks: under Linux's autogroup scheduling a

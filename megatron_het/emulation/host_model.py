@@ -40,9 +40,10 @@ What changes against the one-device-per-rank model, each from a measured figure:
 
 Everything here is emulation.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from megatron_het.emulation.host_sharing import HostCores, HostSharing
 from megatron_het.parallel.plan import PipelinePlan
@@ -60,7 +61,7 @@ WORLD_COLLECTIVES_PER_ITERATION = 2
 WORLD_COLLECTIVE_BYTES = 64
 
 
-def host_sharing_by_node(inputs: PredictionInputs) -> Optional[dict[int, HostSharing]]:
+def host_sharing_by_node(inputs: PredictionInputs) -> dict[int, HostSharing] | None:
     """Per node, the host figures when every rank of the plan is emulated and its host profile
     has them; None otherwise."""
     out: dict[int, HostSharing] = {}
@@ -76,26 +77,42 @@ def host_sharing_by_node(inputs: PredictionInputs) -> Optional[dict[int, HostSha
 class SharedHostModel:
     """The rate model of ranks sharing host cores (see the module docstring)."""
 
-    def shared_iteration(self, inputs: PredictionInputs,
-                         rows: Sequence[StagePrediction]) -> Optional[SharedIteration]:
+    def shared_iteration(
+        self, inputs: PredictionInputs, rows: Sequence[StagePrediction]
+    ) -> SharedIteration | None:
         sharing = host_sharing_by_node(inputs)
         if sharing is None:
             return None
         cores = HostCores(sharing)
         row_of = {(r.pipeline, r.stage): r for r in rows}
         transfer = _transfer_cpu_s(inputs)
-        stages = tuple(tuple(_stage_timing(inputs, p, s, pipeline, row_of[(p, s)], transfer)
-                             for s in range(pipeline.num_stages))
-                       for p, pipeline in enumerate(inputs.plan.pipelines))
-        return SharedIteration(stages, cores, _dp_sync(inputs, rows, cores),
-                               _optimizer(inputs, rows, cores), _overhead(inputs))
+        stages = tuple(
+            tuple(
+                _stage_timing(inputs, p, s, pipeline, row_of[(p, s)], transfer)
+                for s in range(pipeline.num_stages)
+            )
+            for p, pipeline in enumerate(inputs.plan.pipelines)
+        )
+        return SharedIteration(
+            stages,
+            cores,
+            _dp_sync(inputs, rows, cores),
+            _optimizer(inputs, rows, cores),
+            _overhead(inputs),
+        )
 
     def __repr__(self) -> str:
         return "SharedHostModel() (emulation)"
 
 
-def _stage_timing(inputs: PredictionInputs, p: int, s: int, pipeline: PipelinePlan,
-                  row: StagePrediction, transfer: float) -> StageTiming:
+def _stage_timing(
+    inputs: PredictionInputs,
+    p: int,
+    s: int,
+    pipeline: PipelinePlan,
+    row: StagePrediction,
+    transfer: float,
+) -> StageTiming:
     """Stage ``s`` of pipeline ``p`` (a chunk of its device group when interleaved) on its
     host: CPU work, in-region waits and the floor."""
     stage = pipeline.stages[s]
@@ -137,17 +154,22 @@ def _stage_timing(inputs: PredictionInputs, p: int, s: int, pipeline: PipelinePl
     # output).
     transfers = (s > 0) + (s < pipeline.num_stages - 1)
     if inputs.plan.sequence_parallel:  # a rank moves its positions only
-        transfer = _transfer_cpu_s(inputs, rank_activation_bytes(inputs.plan, stage,
-                                                                  inputs.act_bytes))
+        transfer = _transfer_cpu_s(
+            inputs, rank_activation_bytes(inputs.plan, stage, inputs.act_bytes)
+        )
     work_forward += transfers * transfer
     work_backward += transfers * transfer
     return StageTiming(
         Region(work_forward, tp_forward, spec.slowdown * slowed_forward),
         Region(work_backward, tp_backward, spec.slowdown * slowed_backward),
-        row.p2p_forward_s, row.p2p_backward_s, inputs.comm.node_of(stage.ranks[0]), stage.tp)
+        row.p2p_forward_s,
+        row.p2p_backward_s,
+        inputs.comm.node_of(stage.ranks[0]),
+        stage.tp,
+    )
 
 
-def _transfer_cpu_s(inputs: PredictionInputs, nbytes: Optional[float] = None) -> float:
+def _transfer_cpu_s(inputs: PredictionInputs, nbytes: float | None = None) -> float:
     """CPU seconds one end spends on a stage-boundary transfer: the host's measured gloo p2p
     time of the activations (``nbytes``, default all of them; a loopback copy runs on the CPUs
     of both ends); 0 unmeasured."""
@@ -160,8 +182,7 @@ def _transfer_cpu_s(inputs: PredictionInputs, nbytes: Optional[float] = None) ->
     return entry.latency_s + nbytes / (entry.bandwidth_gbps * 1e9)
 
 
-def _dp_sync(inputs: PredictionInputs, rows: Sequence[StagePrediction],
-             cores: HostCores) -> float:
+def _dp_sync(inputs: PredictionInputs, rows: Sequence[StagePrediction], cores: HostCores) -> float:
     """The slowest stage's gradient sync: its host part (gloo copies and reduces) slowed as CPU
     work on the host's cores, where every rank of a stage with dp > 1 syncs at once, or the
     link model's time where an emulated link's pace (a wait) takes longer. (An interleaved
@@ -177,9 +198,11 @@ def _dp_sync(inputs: PredictionInputs, rows: Sequence[StagePrediction],
     cpu_share = _collective_cpu_share(inputs)
     slowed = cpu_share * slowest + (1.0 - cpu_share)
     host = CommCost(inputs.comm.cluster, inputs.profiles, paced_links=False)
-    return max(max(row.dp_sync_s,
-                   inputs.dp_sync_over(host, row.stage, row.pipeline).time_s * slowed)
-               for row in rows if row.dp_sync_s > 0)
+    return max(
+        max(row.dp_sync_s, inputs.dp_sync_over(host, row.stage, row.pipeline).time_s * slowed)
+        for row in rows
+        if row.dp_sync_s > 0
+    )
 
 
 def _collective_cpu_share(inputs: PredictionInputs) -> float:
@@ -193,8 +216,9 @@ def _collective_cpu_share(inputs: PredictionInputs) -> float:
     return min(1.0, cpu / wall) if wall > 0 else 1.0
 
 
-def _optimizer(inputs: PredictionInputs, rows: Sequence[StagePrediction],
-               cores: HostCores) -> float:
+def _optimizer(
+    inputs: PredictionInputs, rows: Sequence[StagePrediction], cores: HostCores
+) -> float:
     """Every rank's step at host speed, all at once, sharing each node (a row carries its
     device's step over all its chunks, so a rank of an interleaved group counts once)."""
     works: dict[int, list[float]] = {}
@@ -208,12 +232,15 @@ def _optimizer(inputs: PredictionInputs, rows: Sequence[StagePrediction],
             if rank not in seen:
                 seen.add(rank)
                 works.setdefault(inputs.comm.node_of(rank), []).append(per_rank)
-    return max(cores.sharing[node].finish_time(w) if node in cores.sharing else max(w)
-               for node, w in works.items())
+    return max(
+        cores.sharing[node].finish_time(w) if node in cores.sharing else max(w)
+        for node, w in works.items()
+    )
 
 
-def _ranks_of(rows: Sequence[StagePrediction],
-              keep: Callable[[StagePrediction], bool]) -> list[int]:
+def _ranks_of(
+    rows: Sequence[StagePrediction], keep: Callable[[StagePrediction], bool]
+) -> list[int]:
     """The distinct ranks of the rows ``keep`` selects, in order of first appearance."""
     return list(dict.fromkeys(rank for row in rows if keep(row) for rank in row.ranks))
 
@@ -226,5 +253,9 @@ def _overhead(inputs: PredictionInputs) -> float:
     return WORLD_COLLECTIVES_PER_ITERATION * one
 
 
-__all__ = ["SharedHostModel", "WORLD_COLLECTIVES_PER_ITERATION", "WORLD_COLLECTIVE_BYTES",
-           "host_sharing_by_node"]
+__all__ = [
+    "SharedHostModel",
+    "WORLD_COLLECTIVES_PER_ITERATION",
+    "WORLD_COLLECTIVE_BYTES",
+    "host_sharing_by_node",
+]

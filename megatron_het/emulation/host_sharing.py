@@ -12,10 +12,11 @@ progress rate of one computing process; :class:`HostCores` is the rate model of 
 hosts for the predictor's simulator (:class:`~megatron_het.perf.simulator.CoreSharing`).
 Everything here is emulation.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from megatron_het.errors import UserError
 
@@ -30,8 +31,10 @@ class HostSharing:
 
     def __post_init__(self) -> None:
         if not self.slowdown or any(v <= 0 for v in self.slowdown):
-            raise UserError(f"host sharing figures must be positive numbers, got "
-                            f"{list(self.slowdown)}; measure them with measure_host_sharing")
+            raise UserError(
+                f"host sharing figures must be positive numbers, got "
+                f"{list(self.slowdown)}; measure them with measure_host_sharing"
+            )
 
     def factor(self, processes: float) -> float:
         """The slowdown with ``processes`` computing (interpolated between whole counts; past

@@ -14,11 +14,13 @@ bandwidth with each other. Every object here keeps its own counters (no global s
 ``clock``/``sleep`` callables so tests can drive it with a fake clock. Everything here is
 emulation; its ``repr`` says so.
 """
+
 from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from megatron_het.errors import UserError
 
@@ -30,11 +32,13 @@ class EmulatedLink:
     it the real transfer (``elapsed_s``) did not already take, and accounts it.
     """
 
-    def __init__(self, bandwidth_gbps: float, latency_s: float,
-                 sleep: Callable[[float], Any] = time.sleep) -> None:
+    def __init__(
+        self, bandwidth_gbps: float, latency_s: float, sleep: Callable[[float], Any] = time.sleep
+    ) -> None:
         if isinstance(bandwidth_gbps, bool) or not bandwidth_gbps > 0:
-            raise UserError(f"emulated link: bandwidth_gbps must be positive, got "
-                            f"{bandwidth_gbps!r}")
+            raise UserError(
+                f"emulated link: bandwidth_gbps must be positive, got {bandwidth_gbps!r}"
+            )
         if isinstance(latency_s, bool) or not latency_s >= 0:
             raise UserError(f"emulated link: latency_s must be zero or more, got {latency_s!r}")
         self.bandwidth_gbps = float(bandwidth_gbps)
@@ -73,8 +77,10 @@ class EmulatedLink:
         return self._transfers
 
     def __repr__(self) -> str:
-        return (f"EmulatedLink(bandwidth_gbps={self.bandwidth_gbps:g}, "
-                f"latency_s={self.latency_s:g}) (emulated)")
+        return (
+            f"EmulatedLink(bandwidth_gbps={self.bandwidth_gbps:g}, "
+            f"latency_s={self.latency_s:g}) (emulated)"
+        )
 
 
 def emulated_link(link: Any, sleep: Callable[[float], Any] = time.sleep) -> EmulatedLink:
@@ -101,8 +107,7 @@ class EmulatedWire:
     """Virtual clocks (one per direction) in front of one :class:`EmulatedLink`; a
     :class:`~megatron_het.comm.wire.Wire`."""
 
-    def __init__(self, link: EmulatedLink, clock: Callable[[], float] = time.perf_counter
-                 ) -> None:
+    def __init__(self, link: EmulatedLink, clock: Callable[[], float] = time.perf_counter) -> None:
         self.link = link
         self._clock = clock
         self._free_at = {"tx": 0.0, "rx": 0.0}
@@ -132,13 +137,16 @@ class EmulatedWires:
     """The wire hooks of one process (:class:`~megatron_het.comm.wire.WireHooks`): the wire
     of the slowest emulated link between any two kinds a backend link spans."""
 
-    def __init__(self, links: Mapping[frozenset[str], EmulatedLink],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        links: Mapping[frozenset[str], EmulatedLink],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.links = dict(links)
         self._clock = clock
         self._wires: dict[int, EmulatedWire] = {}
 
-    def wire_for(self, kinds: frozenset[str]) -> Optional[EmulatedWire]:
+    def wire_for(self, kinds: frozenset[str]) -> EmulatedWire | None:
         """The wire of the slowest emulated link between two of ``kinds`` (None: no such link)."""
         found = [link for pair, link in self.links.items() if len(pair) == 2 and pair <= kinds]
         if len(kinds) < 2 or not found:
@@ -148,21 +156,28 @@ class EmulatedWires:
 
     def describe(self) -> str:
         """The emulated links, e.g. "emu-fast <-> emu-slow 2 GB/s, 50 us" ("" without any)."""
-        return "; ".join(f"{' <-> '.join(sorted(pair))} {link.bandwidth_gbps:g} GB/s, "
-                         f"{link.latency_s * 1e6:g} us"
-                         for pair, link in sorted(self.links.items(),
-                                                  key=lambda item: sorted(item[0])))
+        return "; ".join(
+            f"{' <-> '.join(sorted(pair))} {link.bandwidth_gbps:g} GB/s, "
+            f"{link.latency_s * 1e6:g} us"
+            for pair, link in sorted(self.links.items(), key=lambda item: sorted(item[0]))
+        )
 
     def __repr__(self) -> str:
         return f"EmulatedWires({self.describe() or 'no links'}) (emulated)"
 
 
-def emulated_wires(cluster: Any) -> Optional[EmulatedWires]:
+def emulated_wires(cluster: Any) -> EmulatedWires | None:
     """The communicator's wire hooks for ``cluster``'s emulated links; None when it has none
     (then nothing is booked)."""
     links = emulated_bridge_links(cluster)
     return EmulatedWires(links) if links else None
 
 
-__all__ = ["EmulatedLink", "EmulatedWire", "EmulatedWires", "emulated_bridge_links",
-           "emulated_link", "emulated_wires"]
+__all__ = [
+    "EmulatedLink",
+    "EmulatedWire",
+    "EmulatedWires",
+    "emulated_bridge_links",
+    "emulated_link",
+    "emulated_wires",
+]

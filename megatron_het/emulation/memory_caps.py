@@ -7,9 +7,10 @@ predictor's per-stage peak, :mod:`megatron_het.perf.memory`: weights, fp32 gradi
 state, activations of the micro-batches in flight). Kinds without a cap, and real kinds, are
 not checked here (the planner and :func:`megatron_het.perf.fits` judge real devices).
 """
+
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
@@ -20,10 +21,16 @@ from megatron_het.perf.predictor import predict
 from megatron_het.perf.profile import Profile
 
 
-def check_memory_caps(model_config: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec,
-                      seq_length: int, dtype: str, use_distributed_optimizer: bool = False,
-                      profiles: Optional[Mapping[str, Profile]] = None,
-                      fused_elementwise: bool = False) -> None:
+def check_memory_caps(
+    model_config: ModelConfig,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    seq_length: int,
+    dtype: str,
+    use_distributed_optimizer: bool = False,
+    profiles: Mapping[str, Profile] | None = None,
+    fused_elementwise: bool = False,
+) -> None:
     """Raise a one-line UserError naming the first stage (pipeline, stage, kind, ranks) of an
     emulated kind with a memory cap whose predicted peak per device exceeds that cap.
 
@@ -32,14 +39,26 @@ def check_memory_caps(model_config: ModelConfig, plan: ParallelPlan, cluster: Cl
     :func:`~megatron_het.perf.predict`; ``profiles`` (e.g. the host profile) give measured
     activation sizes where they have them (the analytic model otherwise), of the run's mode
     (``fused_elementwise``: ``--compile``)."""
-    capped = [s for pipeline in plan.pipelines for s in pipeline.stages
-              if _cap_gib(cluster, s.ranks[0]) is not None]
+    capped = [
+        s
+        for pipeline in plan.pipelines
+        for s in pipeline.stages
+        if _cap_gib(cluster, s.ranks[0]) is not None
+    ]
     if not capped:
         return
-    prediction = predict(model_config, plan, cluster, seq_length, profiles, dtype=dtype,
-                         use_distributed_optimizer=use_distributed_optimizer,
-                         pipeline_model="closed_form", validate=False,
-                         fused_elementwise=fused_elementwise)
+    prediction = predict(
+        model_config,
+        plan,
+        cluster,
+        seq_length,
+        profiles,
+        dtype=dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
+        pipeline_model="closed_form",
+        validate=False,
+        fused_elementwise=fused_elementwise,
+    )
     for row in prediction.stages:
         cap = _cap_gib(cluster, row.ranks[0])
         need = row.memory.total_bytes / GIB
@@ -50,10 +69,11 @@ def check_memory_caps(model_config: ModelConfig, plan: ParallelPlan, cluster: Cl
             f"pipeline {row.pipeline} stage {row.stage} ({spec.label}, tp={row.tp}, ranks "
             f"{list(row.ranks)}) needs {need:.3g} GiB per device but the emulated memory cap "
             f"of {spec.name} is {cap:g} GiB; give it fewer layers, a larger tp, recompute or "
-            f"the distributed optimizer, or raise memory_cap_gib")
+            f"the distributed optimizer, or raise memory_cap_gib"
+        )
 
 
-def _cap_gib(cluster: ClusterSpec, rank: int) -> Optional[float]:
+def _cap_gib(cluster: ClusterSpec, rank: int) -> float | None:
     spec = cluster.accelerator_of(rank)
     return spec.memory_cap_gib if spec.emulated else None
 

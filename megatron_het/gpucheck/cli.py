@@ -13,6 +13,7 @@ The summary goes to ``--out``, else ``$OUT`` when set, else ``./gpu_check_out``:
 gpu_check_table.txt and gpu_check_logs.txt (the end of every check's and sub-run's log). Exit
 status 0 when no check failed, 1 otherwise, 2 for a bad command line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,17 @@ import shlex
 import sys
 import tempfile
 import time
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 from megatron_het.errors import UserError, run_cli
 from megatron_het.gpucheck.context import CheckContext, Options
-from megatron_het.gpucheck.report import (LOGS_NAME, RowWriter, all_passed, format_table,
-                                          write_summary)
+from megatron_het.gpucheck.report import (
+    LOGS_NAME,
+    RowWriter,
+    all_passed,
+    format_table,
+    write_summary,
+)
 from megatron_het.gpucheck.runner import Check, run_checks
 
 # name -> (budget seconds, "module:function" of the check)
@@ -47,46 +53,85 @@ _LOG_TAIL_LINES = 120
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cpu-only", action="store_true",
-                   help="hide the GPU: every GPU check reports SKIP (no-GPU machines, tests)")
+    p = argparse.ArgumentParser(
+        prog="scripts/gpu_check.sh",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="hide the GPU: every GPU check reports SKIP (no-GPU machines, tests)",
+    )
     p.add_argument("--only", metavar="NAMES", help=f"comma-separated subset of {','.join(CHECKS)}")
-    p.add_argument("--out", metavar="DIR", help="summary directory (default $OUT, else "
-                   "./gpu_check_out)")
-    p.add_argument("--work", metavar="DIR", help="scratch files: checkpoints, metrics, logs "
-                   "(default: a new directory under the system's temp directory)")
-    p.add_argument("--deadline", type=float, default=DEADLINE_S, metavar="S",
-                   help=f"start no check after S seconds (default {DEADLINE_S:g})")
-    p.add_argument("--pair-kind", default="H200", metavar="KIND",
-                   help="accelerator of the mixed pair's rank 0 (default H200; cpu runs the "
-                        "pair and relay checks' logic on a machine without a GPU)")
-    p.add_argument("--mfu-micro-batch", type=int, default=4, metavar="N",
-                   help="first micro-batch size of the MFU run, halved on out-of-memory")
+    p.add_argument(
+        "--out", metavar="DIR", help="summary directory (default $OUT, else ./gpu_check_out)"
+    )
+    p.add_argument(
+        "--work",
+        metavar="DIR",
+        help="scratch files: checkpoints, metrics, logs "
+        "(default: a new directory under the system's temp directory)",
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=DEADLINE_S,
+        metavar="S",
+        help=f"start no check after S seconds (default {DEADLINE_S:g})",
+    )
+    p.add_argument(
+        "--pair-kind",
+        default="H200",
+        metavar="KIND",
+        help="accelerator of the mixed pair's rank 0 (default H200; cpu runs the "
+        "pair and relay checks' logic on a machine without a GPU)",
+    )
+    p.add_argument(
+        "--mfu-micro-batch",
+        type=int,
+        default=4,
+        metavar="N",
+        help="first micro-batch size of the MFU run, halved on out-of-memory",
+    )
     p.add_argument("--mfu-iters", type=int, default=10, metavar="N")
-    p.add_argument("--mfu-flags", default="", metavar="FLAGS",
-                   help='extra pretrain_llama.py flags of the MFU runs (eager and --compile), '
-                        'given with "=", e.g. --mfu-flags="--recompute-activations"; with '
-                        '--compile among them only the compiled run is made')
+    p.add_argument(
+        "--mfu-flags",
+        default="",
+        metavar="FLAGS",
+        help="extra pretrain_llama.py flags of the MFU runs (eager and --compile), "
+        'given with "=", e.g. --mfu-flags="--recompute-activations"; with '
+        "--compile among them only the compiled run is made",
+    )
     return p
 
 
 def options_of(args: argparse.Namespace) -> Options:
     if args.mfu_micro_batch < 1 or args.mfu_iters < 3:
         raise UserError("--mfu-micro-batch must be at least 1 and --mfu-iters at least 3")
-    return Options(cpu_only=args.cpu_only, pair_kind=args.pair_kind,
-                   mfu_micro_batch=args.mfu_micro_batch, mfu_iters=args.mfu_iters,
-                   mfu_flags=tuple(shlex.split(args.mfu_flags)))
+    return Options(
+        cpu_only=args.cpu_only,
+        pair_kind=args.pair_kind,
+        mfu_micro_batch=args.mfu_micro_batch,
+        mfu_iters=args.mfu_iters,
+        mfu_flags=tuple(shlex.split(args.mfu_flags)),
+    )
 
 
 def _option_argv(args: argparse.Namespace) -> list[str]:
     """The options a check process needs, as flags of ``run-one``."""
     return ["--cpu-only"] * args.cpu_only + [
-        "--pair-kind", args.pair_kind, "--mfu-micro-batch", str(args.mfu_micro_batch),
-        "--mfu-iters", str(args.mfu_iters), f"--mfu-flags={args.mfu_flags}"]
+        "--pair-kind",
+        args.pair_kind,
+        "--mfu-micro-batch",
+        str(args.mfu_micro_batch),
+        "--mfu-iters",
+        str(args.mfu_iters),
+        f"--mfu-flags={args.mfu_flags}",
+    ]
 
 
-def selected_checks(only: Optional[str]) -> list[str]:
+def selected_checks(only: str | None) -> list[str]:
     if not only:
         return list(CHECKS)
     names = [n.strip() for n in only.split(",") if n.strip()]
@@ -105,8 +150,12 @@ def run_one(argv: Sequence[str]) -> None:
     args = parser.parse_args(list(argv))
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    ctx = CheckContext(RowWriter(args.rows, echo=sys.stdout), work,
-                       time.monotonic() + args.budget, options_of(args))
+    ctx = CheckContext(
+        RowWriter(args.rows, echo=sys.stdout),
+        work,
+        time.monotonic() + args.budget,
+        options_of(args),
+    )
     module, function = CHECKS[args.name][1].split(":")
     getattr(importlib.import_module(module), function)(ctx)
 
@@ -125,29 +174,44 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     if args.cpu_only:
         env["CUDA_VISIBLE_DEVICES"] = ""
     prefix = (sys.executable, "-m", "megatron_het.gpucheck", "run-one")
-    checks = [Check(name, CHECKS[name][0], (*prefix, name, *_option_argv(args)))
-              for name in names]
-    print(f"gpu check: {', '.join(names)}; budget {args.deadline:.0f} s; work {work}",
-          flush=True)
+    checks = [Check(name, CHECKS[name][0], (*prefix, name, *_option_argv(args))) for name in names]
+    print(f"gpu check: {', '.join(names)}; budget {args.deadline:.0f} s; work {work}", flush=True)
     start, started = time.monotonic(), time.strftime("%Y-%m-%d %H:%M:%S")
 
     def summarise(rows: list, runs: list, finished: bool) -> tuple[pathlib.Path, dict]:
-        meta = {"started": started, "host": platform.node(),
-                "python": sys.executable, "argv": list(argv), "cpu_only": args.cpu_only,
-                "elapsed_s": round(time.monotonic() - start, 1), "deadline_s": args.deadline,
-                "work": str(work), "finished": finished, "checks": [vars(run) for run in runs]}
+        meta = {
+            "started": started,
+            "host": platform.node(),
+            "python": sys.executable,
+            "argv": list(argv),
+            "cpu_only": args.cpu_only,
+            "elapsed_s": round(time.monotonic() - start, 1),
+            "deadline_s": args.deadline,
+            "work": str(work),
+            "finished": finished,
+            "checks": [vars(run) for run in runs],
+        }
         path = write_summary(out, rows, meta)
         (out / LOGS_NAME).write_text(collect_logs(work), encoding="utf-8")
         return path, meta
 
     # the summary so far after every check: a run killed from outside still leaves it
-    rows, runs = run_checks(checks, work, args.deadline, echo=sys.stdout, env=env,
-                            after_each=lambda rows, runs: summarise(rows, runs, False))
+    rows, runs = run_checks(
+        checks,
+        work,
+        args.deadline,
+        echo=sys.stdout,
+        env=env,
+        after_each=lambda rows, runs: summarise(rows, runs, False),
+    )
     path, meta = summarise(rows, runs, True)
     print("\n" + format_table(rows))
     passed = all_passed(rows)
-    print(f"\n{'all checks passed' if passed else 'some checks FAILED'} in "
-          f"{meta['elapsed_s']:.0f} s; summary {path}", flush=True)
+    print(
+        f"\n{'all checks passed' if passed else 'some checks FAILED'} in "
+        f"{meta['elapsed_s']:.0f} s; summary {path}",
+        flush=True,
+    )
     return 0 if passed else 1
 
 

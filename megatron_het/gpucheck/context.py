@@ -1,12 +1,13 @@
 """What a check process gets: where to write rows and files, how long it has, the options."""
+
 from __future__ import annotations
 
 import os
 import pathlib
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
 
 from megatron_het.gpucheck.report import RowWriter
 from megatron_het.gpucheck.runner import GRACE_S, CommandResult, run_command
@@ -71,16 +72,32 @@ class CheckContext:
         (a timed-out sub-run's grace before SIGKILL, then time to compare and report)."""
         return max(1.0, min(wanted_s, self.remaining() - reserve_s))
 
-    def run(self, argv: Sequence[str], wanted_s: float, log_name: str,
-            env: Optional[Mapping[str, str]] = None) -> CommandResult:
+    def run(
+        self,
+        argv: Sequence[str],
+        wanted_s: float,
+        log_name: str,
+        env: Mapping[str, str] | None = None,
+    ) -> CommandResult:
         """Run a sub-command in the repository root under :meth:`sub_timeout`; its log is
         ``work/log_name``."""
-        return run_command(argv, self.sub_timeout(wanted_s), self.work / log_name,
-                           env=self.env if env is None else env, cwd=str(REPO))
+        return run_command(
+            argv,
+            self.sub_timeout(wanted_s),
+            self.work / log_name,
+            env=self.env if env is None else env,
+            cwd=str(REPO),
+        )
 
     def torchrun(self, nproc: int) -> list[str]:
         """The launcher prefix for ``nproc`` local ranks (a free port of its own), on the
         loopback address: this host's name need not resolve."""
-        return [self.python, "-m", "torch.distributed.run", "--standalone",
-                *(["--local-addr", "127.0.0.1"] if _torchrun_has("--local-addr") else []),
-                "--nproc_per_node", str(nproc)]
+        return [
+            self.python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            *(["--local-addr", "127.0.0.1"] if _torchrun_has("--local-addr") else []),
+            "--nproc_per_node",
+            str(nproc),
+        ]

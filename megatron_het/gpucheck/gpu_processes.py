@@ -8,23 +8,25 @@ variables ``names`` of its environment (``LOCAL_RANK``, which torchrun sets, and
 check gives its own runs, since NVML lists every process on the host's GPUs, other jobs' too).
 NVML calls create no CUDA context.
 """
+
 from __future__ import annotations
 
 import pathlib
 import shutil
 import subprocess
 import threading
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
-def nvml() -> Optional[Any]:
+def nvml() -> Any | None:
     """The initialised ``pynvml`` module, else :class:`SmiProcesses` where ``nvidia-smi`` is
     on the PATH, else None."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no NVML module here, whatever the reason
+    except Exception:
         smi = shutil.which("nvidia-smi")
         return SmiProcesses(smi) if smi else None
     return pynvml
@@ -37,19 +39,23 @@ class SmiProcesses:
     def __init__(self, command: str) -> None:
         self.command = command
 
-    def nvmlDeviceGetCount(self) -> int:  # noqa: N802 - pynvml's names
+    def nvmlDeviceGetCount(self) -> int:
         return 1
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
         return index
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:  # noqa: N802
-        out = subprocess.run([self.command, "--query-compute-apps=pid",
-                              "--format=csv,noheader"], capture_output=True, text=True,
-                             timeout=10, check=True).stdout
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        out = subprocess.run(
+            [self.command, "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
         return [_Process(int(line)) for line in out.split() if line.strip().isdigit()]
 
-    def nvmlShutdown(self) -> None:  # noqa: N802
+    def nvmlShutdown(self) -> None:
         pass
 
 
@@ -84,10 +90,9 @@ class GpuProcessWatch:
         self.samples = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gpu-process-watch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="gpu-process-watch", daemon=True)
 
-    def start(self) -> "GpuProcessWatch":
+    def start(self) -> GpuProcessWatch:
         self._thread.start()
         return self
 
@@ -97,7 +102,7 @@ class GpuProcessWatch:
         self._thread.join(timeout=5 * self.interval_s + 5)
         try:
             self.nvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - shutting down is best effort
+        except Exception:
             pass
         with self._lock:
             return dict(self.seen)
@@ -111,10 +116,14 @@ class GpuProcessWatch:
         """One sample of every device's compute processes."""
         try:
             count = self.nvml.nvmlDeviceGetCount()
-            pids = [process.pid for index in range(count)
-                    for process in self.nvml.nvmlDeviceGetComputeRunningProcesses(
-                        self.nvml.nvmlDeviceGetHandleByIndex(index))]
-        except Exception:  # noqa: BLE001 - a failed sample is skipped; the next one counts
+            pids = [
+                process.pid
+                for index in range(count)
+                for process in self.nvml.nvmlDeviceGetComputeRunningProcesses(
+                    self.nvml.nvmlDeviceGetHandleByIndex(index)
+                )
+            ]
+        except Exception:
             return
         with self._lock:
             for pid in pids:

@@ -5,6 +5,7 @@ A resumed run drops the lines past the loaded iteration and appends its own, so 
 each iteration once; a line cut short by a killed run is skipped, and should an iteration
 appear twice the later line counts.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,9 @@ import math
 import os
 import pathlib
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 
 def train_records(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -78,12 +80,12 @@ def compare_losses(run: dict[int, float], reference: dict[int, float]) -> LossCo
             continue
         worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
     exact = bool(shared) and all(run[i] == reference[i] for i in shared)
-    return LossComparison(worst, len(shared), missing, exact,
-                          tuple((i, run[i], reference[i]) for i in shared))
+    return LossComparison(
+        worst, len(shared), missing, exact, tuple((i, run[i], reference[i]) for i in shared)
+    )
 
 
-def median_field(records: Sequence[dict[str, Any]], name: str,
-                 skip_first: int = 0) -> Optional[float]:
+def median_field(records: Sequence[dict[str, Any]], name: str, skip_first: int = 0) -> float | None:
     """The median of ``name`` over ``records`` after the first ``skip_first`` (warm-up)
     iterations, or over all of them when there are no more; None when no record has it."""
     values = [float(r[name]) for r in records[skip_first:] if name in r]

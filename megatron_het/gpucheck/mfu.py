@@ -16,13 +16,15 @@ fragmentation, as ``max_memory_allocated`` does); the measured iteration time (m
 first two) within 25% of the predictor's for the same run (its calibrated figures for the kind:
 :mod:`megatron_het.perf.calibration`).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -42,24 +44,63 @@ STEP_RTOL = 0.25
 MICRO_BATCHES = 4  # per iteration (gradient accumulation): global batch = 4 x micro-batch
 WARMUP_ITERS = 2
 RUN_S = {"eager": 40.0, "compile": 60.0}  # per run (both took 61 s together on one H200)
-GIB = 2 ** 30
+GIB = 2**30
 # TinyLlama-1.1B's shape: 1123M parameters with an untied 32000-token head.
-MODEL_FLAGS = ["--num-layers", "22", "--hidden-size", "2048", "--ffn-hidden-size", "5632",
-               "--num-attention-heads", "16", "--num-query-groups", "4",
-               "--untie-embeddings-and-output-weights", "--max-position-embeddings", "2048",
-               "--seq-length", "2048", "--mock-data", "--tokenizer-type", "NullTokenizer",
-               "--vocab-size", "31999"]
+MODEL_FLAGS = [
+    "--num-layers",
+    "22",
+    "--hidden-size",
+    "2048",
+    "--ffn-hidden-size",
+    "5632",
+    "--num-attention-heads",
+    "16",
+    "--num-query-groups",
+    "4",
+    "--untie-embeddings-and-output-weights",
+    "--max-position-embeddings",
+    "2048",
+    "--seq-length",
+    "2048",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "31999",
+]
 
 
-def train_flags(micro_batch: int, iters: int, metrics: pathlib.Path,
-                extra: Sequence[str] = ()) -> list[str]:
+def train_flags(
+    micro_batch: int, iters: int, metrics: pathlib.Path, extra: Sequence[str] = ()
+) -> list[str]:
     """``pretrain_llama.py`` flags of one MFU run: ``--bf16`` as training defines it (bf16
     weights and activations, fp32 main gradients, master weights and Adam state), eager
     (``extra`` may add ``--compile``), one global batch of 4 micro-batches per iteration."""
-    return [*MODEL_FLAGS, "--bf16", "--micro-batch-size", str(micro_batch),
-            "--global-batch-size", str(MICRO_BATCHES * micro_batch), "--train-iters", str(iters),
-            "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "2", "--seed", "1234",
-            "--eval-iters", "0", "--log-interval", "1", "--metrics-file", str(metrics), *extra]
+    return [
+        *MODEL_FLAGS,
+        "--bf16",
+        "--micro-batch-size",
+        str(micro_batch),
+        "--global-batch-size",
+        str(MICRO_BATCHES * micro_batch),
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "1e-4",
+        "--min-lr",
+        "1e-5",
+        "--lr-warmup-iters",
+        "2",
+        "--seed",
+        "1234",
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "1",
+        "--metrics-file",
+        str(metrics),
+        *extra,
+    ]
 
 
 def variants(extra: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
@@ -96,9 +137,19 @@ def _check_variant(ctx: CheckContext, variant: str, extra: Sequence[str]) -> Non
         for stale in (metrics, result_path):  # a reused --work: an earlier run's files
             stale.unlink(missing_ok=True)
         flags = train_flags(micro_batch, ctx.options.mfu_iters, metrics, extra)
-        run = ctx.run([ctx.python, "-m", "megatron_het.gpucheck.mfu", "--result",
-                       str(result_path), "--", *flags], RUN_S[variant],
-                      f"mfu_{variant}_mb{micro_batch}.log")
+        run = ctx.run(
+            [
+                ctx.python,
+                "-m",
+                "megatron_het.gpucheck.mfu",
+                "--result",
+                str(result_path),
+                "--",
+                *flags,
+            ],
+            RUN_S[variant],
+            f"mfu_{variant}_mb{micro_batch}.log",
+        )
         result = json.loads(result_path.read_text()) if result_path.exists() else {}
         tried.append(micro_batch)
         if result.get("oom") and micro_batch > 1:
@@ -108,14 +159,26 @@ def _check_variant(ctx: CheckContext, variant: str, extra: Sequence[str]) -> Non
     if not run.ok or "peak_bytes" not in result:
         why = "out of memory" if result.get("oom") else run.why()
         for name in rows_of(variant):
-            ctx.rows.add(name, FAIL, f"micro-batch {micro_batch}: {why}", "run finishes",
-                         tried=tried, log_tail=run.tail())
+            ctx.rows.add(
+                name,
+                FAIL,
+                f"micro-batch {micro_batch}: {why}",
+                "run finishes",
+                tried=tried,
+                log_tail=run.tail(),
+            )
         return
     _report(ctx, variant, micro_batch, tried, train_records(metrics), result)
 
 
-def _report(ctx: CheckContext, variant: str, micro_batch: int, tried: list[int],
-            records: list[dict[str, Any]], result: dict[str, Any]) -> None:
+def _report(
+    ctx: CheckContext,
+    variant: str,
+    micro_batch: int,
+    tried: list[int],
+    records: list[dict[str, Any]],
+    result: dict[str, Any],
+) -> None:
     mfu_row, step_row, memory_row = rows_of(variant)
     mfu = median_field(records, "mfu", WARMUP_ITERS)
     tokens = median_field(records, "tokens_per_s", WARMUP_ITERS)
@@ -124,49 +187,81 @@ def _report(ctx: CheckContext, variant: str, micro_batch: int, tried: list[int],
     # the target is the compiled run's (fused elementwise work, as production runs have it);
     # the eager run is recorded beside it
     target = variant == "compile"
-    threshold = (f">= {MFU_MIN:.0%} of {result['accelerator']} bf16 dense peak" if target
-                 else "recorded (eager: unfused elementwise kernels)")
+    threshold = (
+        f">= {MFU_MIN:.0%} of {result['accelerator']} bf16 dense peak"
+        if target
+        else "recorded (eager: unfused elementwise kernels)"
+    )
     if mfu is None:
         ctx.rows.add(mfu_row, FAIL, "the metrics file has no mfu", threshold)
     else:
-        ctx.rows.add(mfu_row, status_of(mfu >= MFU_MIN or not target),
-                     f"{mfu:.1%} ({tflops:.0f} TFLOP/s, {tokens:,.0f} tokens/s, micro-batch "
-                     f"{micro_batch} x {MICRO_BATCHES}; predicted "
-                     + (f"{predicted:.1%})" if predicted is not None else "n/a)"),
-                     threshold, mfu=mfu, tokens_per_s=tokens, tflops_per_device=tflops,
-                     tried=tried, iteration_s=[r.get("iteration_time_s") for r in records],
-                     predicted_mfu=predicted, flags=result.get("flags"),
-                     attention_kernel=result.get("attention_kernel"),
-                     fp32_out_gemm=result.get("fp32_out_gemm"))
+        ctx.rows.add(
+            mfu_row,
+            status_of(mfu >= MFU_MIN or not target),
+            f"{mfu:.1%} ({tflops:.0f} TFLOP/s, {tokens:,.0f} tokens/s, micro-batch "
+            f"{micro_batch} x {MICRO_BATCHES}; predicted "
+            + (f"{predicted:.1%})" if predicted is not None else "n/a)"),
+            threshold,
+            mfu=mfu,
+            tokens_per_s=tokens,
+            tflops_per_device=tflops,
+            tried=tried,
+            iteration_s=[r.get("iteration_time_s") for r in records],
+            predicted_mfu=predicted,
+            flags=result.get("flags"),
+            attention_kernel=result.get("attention_kernel"),
+            fp32_out_gemm=result.get("fp32_out_gemm"),
+        )
     _report_step(ctx, step_row, records, result)
     peak, want = result["peak_bytes"], result.get("predicted_peak_bytes")
     if not want:
-        ctx.rows.add(memory_row, FAIL, f"peak {peak / GIB:.1f} GiB; the predictor gave no "
-                     f"figure: {result.get('prediction_error')}", f"within {MEMORY_RTOL:.0%}")
+        ctx.rows.add(
+            memory_row,
+            FAIL,
+            f"peak {peak / GIB:.1f} GiB; the predictor gave no "
+            f"figure: {result.get('prediction_error')}",
+            f"within {MEMORY_RTOL:.0%}",
+        )
         return
     ratio = peak / want
-    ctx.rows.add(memory_row, status_of(abs(ratio - 1) <= MEMORY_RTOL),
-                 f"peak {peak / GIB:.1f} GiB allocated ({result['peak_reserved_bytes'] / GIB:.1f}"
-                 f" reserved) vs predicted {want / GIB:.1f} GiB (x{ratio:.2f})",
-                 f"within {MEMORY_RTOL:.0%} of the prediction", ratio=ratio,
-                 breakdown=result.get("predicted_memory"))
+    ctx.rows.add(
+        memory_row,
+        status_of(abs(ratio - 1) <= MEMORY_RTOL),
+        f"peak {peak / GIB:.1f} GiB allocated ({result['peak_reserved_bytes'] / GIB:.1f}"
+        f" reserved) vs predicted {want / GIB:.1f} GiB (x{ratio:.2f})",
+        f"within {MEMORY_RTOL:.0%} of the prediction",
+        ratio=ratio,
+        breakdown=result.get("predicted_memory"),
+    )
 
 
-def _report_step(ctx: CheckContext, row: str, records: list[dict[str, Any]],
-                 result: dict[str, Any]) -> None:
+def _report_step(
+    ctx: CheckContext, row: str, records: list[dict[str, Any]], result: dict[str, Any]
+) -> None:
     """Row ``row``: the measured single-GPU iteration against the predicted one."""
     measured = median_field(records, "iteration_time_s", WARMUP_ITERS)
     predicted = result.get("predicted_iteration_s")
     threshold = f"predicted within {STEP_RTOL:.0%} of measured"
     if measured is None or not predicted:
-        ctx.rows.add(row, FAIL, "no measured iteration time" if measured is None else
-                     f"the predictor gave no figure: {result.get('prediction_error')}",
-                     threshold)
+        ctx.rows.add(
+            row,
+            FAIL,
+            "no measured iteration time"
+            if measured is None
+            else f"the predictor gave no figure: {result.get('prediction_error')}",
+            threshold,
+        )
         return
     error = predicted / measured - 1
-    ctx.rows.add(row, status_of(abs(error) <= STEP_RTOL),
-                 f"measured {measured:.3f} s vs predicted {predicted:.3f} s ({error:+.1%})",
-                 threshold, measured_s=measured, predicted_s=predicted, error=error)
+    ctx.rows.add(
+        row,
+        status_of(abs(error) <= STEP_RTOL),
+        f"measured {measured:.3f} s vs predicted {predicted:.3f} s ({error:+.1%})",
+        threshold,
+        measured_s=measured,
+        predicted_s=predicted,
+        error=error,
+    )
 
 
 # ---- the driver process ----------------------------------------------------------------------
@@ -205,8 +300,11 @@ def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is the device running out of memory (the allocator's error, or a
     library's that could not allocate its workspace)."""
     text = str(exc)
-    return (isinstance(exc, torch.cuda.OutOfMemoryError) or "CUBLAS_STATUS_ALLOC_FAILED" in text
-            or "out of memory" in text.lower())
+    return (
+        isinstance(exc, torch.cuda.OutOfMemoryError)
+        or "CUBLAS_STATUS_ALLOC_FAILED" in text
+        or "out of memory" in text.lower()
+    )
 
 
 def _kernels_used(setup: RunSetup) -> dict[str, Any]:
@@ -215,11 +313,11 @@ def _kernels_used(setup: RunSetup) -> dict[str, Any]:
     from megatron_het.kernels.gemm import fp32_out_gemm_supported
 
     config, device = setup.model_config, torch.device("cuda", torch.cuda.current_device())
-    q = torch.empty(1, 16, config.num_attention_heads, config.kv_channels,
-                    dtype=torch.bfloat16, device=device)
-    kernel = kernel_for(q, q[:, :, :config.num_query_groups])
-    return {"attention_kernel": kernel.label,
-            "fp32_out_gemm": fp32_out_gemm_supported(device)}
+    q = torch.empty(
+        1, 16, config.num_attention_heads, config.kv_channels, dtype=torch.bfloat16, device=device
+    )
+    kernel = kernel_for(q, q[:, :, : config.num_query_groups])
+    return {"attention_kernel": kernel.label, "fp32_out_gemm": fp32_out_gemm_supported(device)}
 
 
 def _prediction(setup: RunSetup) -> dict[str, Any]:
@@ -229,9 +327,12 @@ def _prediction(setup: RunSetup) -> dict[str, Any]:
     except UserError as exc:
         return {"prediction_error": str(exc)}
     stage = max(prediction.stages, key=lambda s: s.memory.total_bytes)
-    return {"predicted_peak_bytes": prediction.peak_memory_bytes,
-            "predicted_memory": stage.memory.to_dict(), "predicted_mfu": prediction.mfu,
-            "predicted_iteration_s": prediction.iteration_time_s}
+    return {
+        "predicted_peak_bytes": prediction.peak_memory_bytes,
+        "predicted_memory": stage.memory.to_dict(),
+        "predicted_mfu": prediction.mfu,
+        "predicted_iteration_s": prediction.iteration_time_s,
+    }
 
 
 if __name__ == "__main__":

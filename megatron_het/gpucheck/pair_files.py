@@ -7,6 +7,7 @@ kinds, each holding the whole model (data parallelism across the kinds). Both ha
 8 (micro-batch 2). For another first kind (``cpu``, to exercise the check without a GPU) the
 files are rewritten with that kind into a work directory.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,8 +68,9 @@ def _replace_kind(plan: dict[str, Any], kind: str) -> None:
                 stage["accelerator"] = kind
 
 
-def load_and_validate(files: PairFiles, model: ModelConfig) -> tuple[ClusterSpec, ParallelPlan,
-                                                                      ParallelPlan]:
+def load_and_validate(
+    files: PairFiles, model: ModelConfig
+) -> tuple[ClusterSpec, ParallelPlan, ParallelPlan]:
     """Load the cluster and both plans with the project's loaders and validate each plan
     against ``model``, the cluster and the global batch; UserError names the first problem."""
     cluster = ClusterSpec.load(files.cluster)

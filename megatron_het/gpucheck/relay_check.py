@@ -13,6 +13,7 @@ figures. Bandwidth counts the bytes of both directions over the round trip's tim
 Threshold > 1 GB/s for both: pinned PCIe copies run at tens of GB/s and loopback gloo at a few
 GB/s; less means unpinned staging or a transport problem.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -34,8 +35,12 @@ from megatron_het.gpucheck.device_checks import skip_all
 from megatron_het.gpucheck.pair_files import pair_files
 from megatron_het.gpucheck.report import FAIL, SKIP, status_of
 from megatron_het.pipeline.timing import synchronize
-from megatron_het.training.launch import (init_world, rank_device_index, read_launch_env,
-                                          shutdown_world)
+from megatron_het.training.launch import (
+    init_world,
+    rank_device_index,
+    read_launch_env,
+    shutdown_world,
+)
 
 MIN_GBPS = 1.0
 STAGE_BYTES = 256 * 2**20
@@ -58,8 +63,9 @@ def _negate(host_chunk: torch.Tensor) -> _Done:
     return _Done()
 
 
-def relay_round_trip(device: str, nbytes: int = STAGE_BYTES,
-                     rounds: int = ROUNDS) -> tuple[bool, float]:
+def relay_round_trip(
+    device: str, nbytes: int = STAGE_BYTES, rounds: int = ROUNDS
+) -> tuple[bool, float]:
     """(data intact, GB/s) of ``rounds`` trips of an fp32 tensor of ``nbytes`` on ``device``
     through :meth:`Bridge.relay` (chunks staged to host buffers and back, as the bridge's
     collectives run them) with a host-side negation as the wire; the first trip is an untimed
@@ -89,23 +95,50 @@ def check_relay(ctx: CheckContext) -> None:
         return
     else:
         intact, gbps = relay_round_trip("cuda")
-        ctx.rows.add("relay.stage", status_of(intact and gbps > MIN_GBPS),
-                     f"{gbps:.2f} GB/s D2H+H2D, data intact: {intact}", f"> {MIN_GBPS:g} GB/s",
-                     nbytes=STAGE_BYTES, rounds=ROUNDS)
+        ctx.rows.add(
+            "relay.stage",
+            status_of(intact and gbps > MIN_GBPS),
+            f"{gbps:.2f} GB/s D2H+H2D, data intact: {intact}",
+            f"> {MIN_GBPS:g} GB/s",
+            nbytes=STAGE_BYTES,
+            rounds=ROUNDS,
+        )
     files = pair_files(ctx.options.pair_kind, ctx.work / "files")
     result_path = ctx.work / "cross_kind.json"
-    run = ctx.run([*ctx.torchrun(2), "-m", "megatron_het.gpucheck.relay_check",
-                   "--cluster", str(files.cluster), "--result", str(result_path)],
-                  WORKER_S, "cross_kind.log", {**ctx.env, "OMP_NUM_THREADS": "2"})
+    run = ctx.run(
+        [
+            *ctx.torchrun(2),
+            "-m",
+            "megatron_het.gpucheck.relay_check",
+            "--cluster",
+            str(files.cluster),
+            "--result",
+            str(result_path),
+        ],
+        WORKER_S,
+        "cross_kind.log",
+        {**ctx.env, "OMP_NUM_THREADS": "2"},
+    )
     if not run.ok or not result_path.exists():
-        ctx.rows.add("relay.cross-kind", FAIL, f"2-rank run {run.why()}", f"> {MIN_GBPS:g} GB/s",
-                     log_tail=run.tail())
+        ctx.rows.add(
+            "relay.cross-kind",
+            FAIL,
+            f"2-rank run {run.why()}",
+            f"> {MIN_GBPS:g} GB/s",
+            log_tail=run.tail(),
+        )
         return
     figures = json.loads(result_path.read_text())
     ok = figures["intact"] and figures["all_reduce_ok"] and figures["gbps"] > MIN_GBPS
-    ctx.rows.add("relay.cross-kind", status_of(ok), f"{figures['gbps']:.2f} GB/s round trip "
-                 f"{figures['kinds']}, data intact: {figures['intact']}, mixed all-reduce ok: "
-                 f"{figures['all_reduce_ok']}", f"> {MIN_GBPS:g} GB/s", **figures)
+    ctx.rows.add(
+        "relay.cross-kind",
+        status_of(ok),
+        f"{figures['gbps']:.2f} GB/s round trip "
+        f"{figures['kinds']}, data intact: {figures['intact']}, mixed all-reduce ok: "
+        f"{figures['all_reduce_ok']}",
+        f"> {MIN_GBPS:g} GB/s",
+        **figures,
+    )
 
 
 def worker_main(argv: Sequence[str], environ: dict) -> None:
@@ -116,11 +149,15 @@ def worker_main(argv: Sequence[str], environ: dict) -> None:
     args = parser.parse_args(list(argv))
     env = read_launch_env(environ)
     cluster = ClusterSpec.load(args.cluster)
+
     def device_type(rank: int) -> str:
         return cluster.accelerator_of(rank).device_type
 
-    init_world(env, device_type=device_type(env.rank),
-               device_index=rank_device_index(device_type, env.rank, env.local_rank))
+    init_world(
+        env,
+        device_type=device_type(env.rank),
+        device_index=rank_device_index(device_type, env.rank, env.local_rank),
+    )
     try:
         comm = UnifiedCommunicator.from_cluster(cluster, bridge="relay")
         figures = _round_trips(comm)
@@ -151,9 +188,13 @@ def _round_trips(comm: UnifiedCommunicator) -> dict:
     ones = torch.full((1 << 20,), float(comm.rank + 1), device=device)
     comm.world.all_reduce(ones)
     expected = comm.world_size * (comm.world_size + 1) / 2
-    return {"intact": bool(torch.equal(buffer, source)), "gbps":
-            2 * WIRE_BYTES * ROUNDS / max(seconds, 1e-9) / 1e9, "nbytes": WIRE_BYTES,
-            "rounds": ROUNDS, "all_reduce_ok": bool((ones == expected).all())}
+    return {
+        "intact": bool(torch.equal(buffer, source)),
+        "gbps": 2 * WIRE_BYTES * ROUNDS / max(seconds, 1e-9) / 1e9,
+        "nbytes": WIRE_BYTES,
+        "rounds": ROUNDS,
+        "all_reduce_ok": bool((ones == expected).all()),
+    }
 
 
 if __name__ == "__main__":

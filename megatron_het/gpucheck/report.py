@@ -5,13 +5,15 @@ A check process appends one JSON line per result to its rows file as soon as it 
 finished. The runner reads them back with :func:`read_rows` (a line cut short by the kill is
 dropped), prints :func:`format_table` and writes :func:`write_summary`.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 STATUSES = (PASS, FAIL, SKIP)
@@ -35,16 +37,22 @@ class Row:
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
-            raise ValueError(f"row {self.check!r}: status must be one of {STATUSES}, "
-                             f"got {self.status!r}")
+            raise ValueError(
+                f"row {self.check!r}: status must be one of {STATUSES}, got {self.status!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Row":
-        return cls(str(d["check"]), str(d["status"]), str(d.get("value", "")),
-                   str(d.get("threshold", "")), dict(d.get("details") or {}))
+    def from_dict(cls, d: Mapping[str, Any]) -> Row:
+        return cls(
+            str(d["check"]),
+            str(d["status"]),
+            str(d.get("value", "")),
+            str(d.get("threshold", "")),
+            dict(d.get("details") or {}),
+        )
 
 
 def status_of(ok: bool) -> str:
@@ -61,15 +69,19 @@ class RowWriter:
         self.echo = echo
         self.rows: list[Row] = []
 
-    def add(self, check: str, status: str, value: Any = "", threshold: Any = "",
-            **details: Any) -> Row:
+    def add(
+        self, check: str, status: str, value: Any = "", threshold: Any = "", **details: Any
+    ) -> Row:
         row = Row(check, status, _text(value), _text(threshold), _jsonable(details))
         self.rows.append(row)
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(row.to_dict()) + "\n")
         if self.echo is not None:
-            print(f"  [{row.status}] {row.check}: {row.value} ({row.threshold})",
-                  file=self.echo, flush=True)
+            print(
+                f"  [{row.status}] {row.check}: {row.value} ({row.threshold})",
+                file=self.echo,
+                flush=True,
+            )
         return row
 
 
@@ -101,16 +113,21 @@ def format_table(rows: Iterable[Row]) -> str:
     return "\n".join(lines)
 
 
-def summary(rows: Iterable[Row], meta: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+def summary(rows: Iterable[Row], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The JSON summary: ``meta`` (conditions), counts per status, ``all_passed`` and the rows."""
     rows = list(rows)
     counts = {status: sum(r.status == status for r in rows) for status in STATUSES}
-    return {**_jsonable(dict(meta or {})), "all_passed": all_passed(rows), "counts": counts,
-            "rows": [r.to_dict() for r in rows]}
+    return {
+        **_jsonable(dict(meta or {})),
+        "all_passed": all_passed(rows),
+        "counts": counts,
+        "rows": [r.to_dict() for r in rows],
+    }
 
 
-def write_summary(out_dir: str | os.PathLike, rows: Iterable[Row],
-                  meta: Optional[Mapping[str, Any]] = None) -> pathlib.Path:
+def write_summary(
+    out_dir: str | os.PathLike, rows: Iterable[Row], meta: Mapping[str, Any] | None = None
+) -> pathlib.Path:
     """Write ``out_dir``/gpu_check.json and the table beside it; returns the JSON's path."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -125,7 +142,7 @@ def write_summary(out_dir: str | os.PathLike, rows: Iterable[Row],
 
 def _clip(text: str) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= _MAX_CELL else text[:_MAX_CELL - 3] + "..."
+    return text if len(text) <= _MAX_CELL else text[: _MAX_CELL - 3] + "..."
 
 
 def _text(value: Any) -> str:

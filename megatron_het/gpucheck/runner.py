@@ -10,6 +10,7 @@ are kept, and the runner adds a FAIL row for a timeout, a non-zero exit or a che
 nothing. Sub-runs inside a check (training runs, torchrun jobs) go through :func:`run_command`
 the same way.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,10 @@ import pathlib
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence, TextIO
+from typing import TextIO
 
 from megatron_het.gpucheck.report import FAIL, SKIP, Row, read_rows
 
@@ -42,7 +44,7 @@ class CommandResult:
     """How a command ended: ``returncode`` (None if it could not be started), whether it hit
     its timeout, its wall seconds, and the log file holding its stdout and stderr."""
 
-    returncode: Optional[int]
+    returncode: int | None
     timed_out: bool
     seconds: float
     log_path: pathlib.Path
@@ -68,9 +70,14 @@ class CommandResult:
         return f"exited with status {self.returncode}"
 
 
-def run_command(argv: Sequence[str], timeout_s: float, log_path: str | os.PathLike,
-                env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
-                grace_s: float = GRACE_S) -> CommandResult:
+def run_command(
+    argv: Sequence[str],
+    timeout_s: float,
+    log_path: str | os.PathLike,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    grace_s: float = GRACE_S,
+) -> CommandResult:
     """Run ``argv`` in a new process session with stdout+stderr appended to ``log_path``.
 
     At ``timeout_s`` the session is sent SIGTERM, and SIGKILL ``grace_s`` later; processes the
@@ -83,10 +90,15 @@ def run_command(argv: Sequence[str], timeout_s: float, log_path: str | os.PathLi
         log.write(("$ " + " ".join(argv) + "\n").encode())
         log.flush()
         try:
-            proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, cwd=cwd,
-                                    env=None if env is None else dict(env),
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                list(argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=cwd,
+                env=None if env is None else dict(env),
+                start_new_session=True,
+            )
         except OSError as exc:
             log.write(f"could not start: {exc}\n".encode())
             return CommandResult(None, False, 0.0, log_path)
@@ -105,8 +117,10 @@ def run_command(argv: Sequence[str], timeout_s: float, log_path: str | os.PathLi
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU driver): leave it
-            log.write(f"process {proc.pid} did not die on SIGKILL within {grace_s:.0f} s; "
-                      "left behind\n".encode())
+            log.write(
+                f"process {proc.pid} did not die on SIGKILL within {grace_s:.0f} s; "
+                "left behind\n".encode()
+            )
             timed_out = True
     return CommandResult(proc.returncode, timed_out, time.monotonic() - start, log_path)
 
@@ -146,8 +160,9 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def run_parallel(jobs: Sequence[Callable[[], CommandResult]],
-                 max_workers: int) -> list[CommandResult]:
+def run_parallel(
+    jobs: Sequence[Callable[[], CommandResult]], max_workers: int
+) -> list[CommandResult]:
     """Run independent command jobs (each a call of :func:`run_command`) at most
     ``max_workers`` at a time; results in the jobs' order."""
     with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
@@ -162,16 +177,20 @@ class CheckRun:
     budget_s: float
     timeout_s: float
     seconds: float
-    returncode: Optional[int]
+    returncode: int | None
     timed_out: bool
     log_path: str
 
 
-def run_checks(checks: Sequence[Check], work_dir: str | os.PathLike, deadline_s: float,
-               echo: Optional[TextIO] = None, env: Optional[Mapping[str, str]] = None,
-               cwd: Optional[str] = None,
-               after_each: Optional[Callable[[list[Row], list[CheckRun]], None]] = None
-               ) -> tuple[list[Row], list[CheckRun]]:
+def run_checks(
+    checks: Sequence[Check],
+    work_dir: str | os.PathLike,
+    deadline_s: float,
+    echo: TextIO | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    after_each: Callable[[list[Row], list[CheckRun]], None] | None = None,
+) -> tuple[list[Row], list[CheckRun]]:
     """Run ``checks`` one after another, each in its own process (see the module docstring),
     all within ``deadline_s`` seconds from now; returns every row and one CheckRun per check
     that was started. ``after_each(rows, runs)`` sees the results so far after every check
@@ -183,8 +202,14 @@ def run_checks(checks: Sequence[Check], work_dir: str | os.PathLike, deadline_s:
     for check in checks:
         left = end - time.monotonic()
         if left < MIN_START_S:
-            rows.append(Row(check.name, SKIP, "not started: the run's time budget is spent",
-                            f"budget {check.budget_s:.0f} s"))
+            rows.append(
+                Row(
+                    check.name,
+                    SKIP,
+                    "not started: the run's time budget is spent",
+                    f"budget {check.budget_s:.0f} s",
+                )
+            )
             continue
         timeout = min(check.budget_s, left)
         if echo is not None:
@@ -193,8 +218,15 @@ def run_checks(checks: Sequence[Check], work_dir: str | os.PathLike, deadline_s:
         check_dir.mkdir(parents=True, exist_ok=True)
         rows_path = check_dir / "rows.jsonl"
         rows_path.unlink(missing_ok=True)
-        argv = [*check.argv, "--rows", str(rows_path), "--work", str(check_dir),
-                "--budget", f"{timeout:.1f}"]
+        argv = [
+            *check.argv,
+            "--rows",
+            str(rows_path),
+            "--work",
+            str(check_dir),
+            "--budget",
+            f"{timeout:.1f}",
+        ]
         result = run_command(argv, timeout, check_dir / "log.txt", env=env, cwd=cwd)
         found = read_rows(rows_path)
         failure = _check_failure(check, result, found, timeout)
@@ -204,15 +236,25 @@ def run_checks(checks: Sequence[Check], work_dir: str | os.PathLike, deadline_s:
             for row in found:
                 print(f"  [{row.status}] {row.check}: {row.value}", file=echo, flush=True)
             print(f"   ({result.seconds:.1f} s)", file=echo, flush=True)
-        runs.append(CheckRun(check.name, check.budget_s, timeout, result.seconds,
-                             result.returncode, result.timed_out, str(result.log_path)))
+        runs.append(
+            CheckRun(
+                check.name,
+                check.budget_s,
+                timeout,
+                result.seconds,
+                result.returncode,
+                result.timed_out,
+                str(result.log_path),
+            )
+        )
         if after_each is not None:
             after_each(rows, runs)
     return rows, runs
 
 
-def _check_failure(check: Check, result: CommandResult, found: list[Row],
-                   timeout: float) -> Optional[Row]:
+def _check_failure(
+    check: Check, result: CommandResult, found: list[Row], timeout: float
+) -> Row | None:
     """The runner's own FAIL row for a check that did not end well, or None."""
     if result.timed_out:
         value = f"timed out after {timeout:.0f} s; {len(found)} rows were reported before"
@@ -222,5 +264,10 @@ def _check_failure(check: Check, result: CommandResult, found: list[Row],
         value = "reported no result"
     else:
         return None
-    return Row(check.name, FAIL, value, f"budget {check.budget_s:.0f} s",
-               {"log_tail": result.tail(), "log": str(result.log_path)})
+    return Row(
+        check.name,
+        FAIL,
+        value,
+        f"budget {check.budget_s:.0f} s",
+        {"log_tail": result.tail(), "log": str(result.log_path)},
+    )

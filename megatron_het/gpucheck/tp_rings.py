@@ -7,11 +7,13 @@ queues in place of a process group, and :func:`ring_errors` compares each rank's
 (forward and backward of both ring operations, a micro-batch of one and of two) with the plain
 products of the whole tensors computed in float32 on the CPU.
 """
+
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +91,7 @@ class ThreadRing:
             try:
                 with torch.autograd.set_multithreading_enabled(False):
                     results[r] = work(self.member(r))
-            except BaseException as error:  # noqa: BLE001 - re-raised below with its rank
+            except BaseException as error:
                 errors.append((r, error))
 
         threads = [threading.Thread(target=target, args=(r,)) for r in range(self.size)]
@@ -107,8 +109,9 @@ def _randn(generator: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=generator)
 
 
-def ring_errors(device: str, dtype: torch.dtype, tp: int = 2, seq: int = 256,
-                hidden: int = 128) -> float:
+def ring_errors(
+    device: str, dtype: torch.dtype, tp: int = 2, seq: int = 256, hidden: int = 128
+) -> float:
     """The largest error (max |difference| over max |value| of each tensor) of the rings'
     outputs and gradients on ``device`` in ``dtype`` against float32 products of the whole
     tensors on the CPU, over micro-batches of one and two."""
@@ -129,29 +132,43 @@ def ring_errors(device: str, dtype: torch.dtype, tp: int = 2, seq: int = 256,
 
         def rank_work(group: Any) -> dict[str, torch.Tensor]:
             r = group.rank
-            xs = on_device(x[:, r * block:(r + 1) * block])
+            xs = on_device(x[:, r * block : (r + 1) * block])
             ws = [on_device(gate[r]), on_device(up[r])]
             outs = all_gather_linear(xs, ws, group)
-            sum((o * d[r].to(device=device, dtype=dtype)).sum()
-                for o, d in zip(outs, dy_gather)).backward()
+            sum(
+                (o * d[r].to(device=device, dtype=dtype)).sum() for o, d in zip(outs, dy_gather)
+            ).backward()
             a, wd = on_device(act[r]), on_device(down[r])
             y = linear_reduce_scatter(a, wd, group)
-            (y * dy_scatter[:, r * block:(r + 1) * block].to(device=device, dtype=dtype)
-             ).sum().backward()
-            return {"gate": outs[0], "up": outs[1], "x.grad": xs.grad, "gate.grad": ws[0].grad,
-                    "up.grad": ws[1].grad, "y": y, "act.grad": a.grad, "down.grad": wd.grad}
+            (
+                y * dy_scatter[:, r * block : (r + 1) * block].to(device=device, dtype=dtype)
+            ).sum().backward()
+            return {
+                "gate": outs[0],
+                "up": outs[1],
+                "x.grad": xs.grad,
+                "gate.grad": ws[0].grad,
+                "up.grad": ws[1].grad,
+                "y": y,
+                "act.grad": a.grad,
+                "down.grad": wd.grad,
+            }
 
         results = ring.run(rank_work)
         expected_y = sum(F.linear(act[r], down[r]) for r in range(tp))
         dx = sum(dy_gather[0][r] @ gate[r] + dy_gather[1][r] @ up[r] for r in range(tp))
         for r, got in enumerate(results):
             rows = slice(r * block, (r + 1) * block)
-            want = {"gate": F.linear(x, gate[r]), "up": F.linear(x, up[r]),
-                    "x.grad": dx[:, rows],
-                    "gate.grad": dy_gather[0][r].reshape(-1, 48).t() @ x.reshape(-1, hidden),
-                    "up.grad": dy_gather[1][r].reshape(-1, 32).t() @ x.reshape(-1, hidden),
-                    "y": expected_y[:, rows], "act.grad": dy_scatter @ down[r],
-                    "down.grad": dy_scatter.reshape(-1, hidden).t() @ act[r].reshape(-1, 40)}
+            want = {
+                "gate": F.linear(x, gate[r]),
+                "up": F.linear(x, up[r]),
+                "x.grad": dx[:, rows],
+                "gate.grad": dy_gather[0][r].reshape(-1, 48).t() @ x.reshape(-1, hidden),
+                "up.grad": dy_gather[1][r].reshape(-1, 32).t() @ x.reshape(-1, hidden),
+                "y": expected_y[:, rows],
+                "act.grad": dy_scatter @ down[r],
+                "down.grad": dy_scatter.reshape(-1, hidden).t() @ act[r].reshape(-1, 40),
+            }
             for name, expected in want.items():
                 actual = got[name].detach().float().cpu()
                 scale = float(expected.abs().max())

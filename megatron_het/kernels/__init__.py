@@ -6,12 +6,25 @@ used; everywhere else the torch implementation runs. Attention picks its kernel 
 (:mod:`megatron_het.kernels.attention`). ``csrc/`` will add our own kernels behind the same
 functions.
 """
-from megatron_het.kernels.attention import (AttentionKernel, causal_attention,
-                                            choose_attention_kernel, reference_attention)
+
+from megatron_het.kernels.attention import (
+    AttentionKernel,
+    causal_attention,
+    choose_attention_kernel,
+    reference_attention,
+)
 from megatron_het.kernels.liger import LIGER, LigerKernels
 from megatron_het.kernels.norms import apex_rms_norm_available, rms_norm
 from megatron_het.kernels.swiglu import swiglu
 
-__all__ = ["AttentionKernel", "LIGER", "LigerKernels", "apex_rms_norm_available",
-           "causal_attention", "choose_attention_kernel", "reference_attention", "rms_norm",
-           "swiglu"]
+__all__ = [
+    "AttentionKernel",
+    "LIGER",
+    "LigerKernels",
+    "apex_rms_norm_available",
+    "causal_attention",
+    "choose_attention_kernel",
+    "reference_attention",
+    "rms_norm",
+    "swiglu",
+]

@@ -28,12 +28,13 @@ with kv head ``j // (N / G)`` on every path, as in Hugging Face's GQA.
 
 Shape legend: B batch, S sequence, N query heads, G kv heads, D head dim.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,7 @@ class AttentionKernel:
     """
 
     name: str
-    backends: Optional[tuple[SDPBackend, ...]] = None
+    backends: tuple[SDPBackend, ...] | None = None
     expand_kv: bool = False
 
     @property
@@ -77,9 +78,14 @@ def _sdpa_efficient(gqa: bool) -> AttentionKernel:
     return AttentionKernel("sdpa", (SDPBackend.EFFICIENT_ATTENTION,), expand_kv=gqa)
 
 
-def choose_attention_kernel(device_type: str, dtype: torch.dtype, gqa: bool, head_dim: int,
-                            flash_attn_installed: bool, device_runs_flash: bool = True
-                            ) -> AttentionKernel:
+def choose_attention_kernel(
+    device_type: str,
+    dtype: torch.dtype,
+    gqa: bool,
+    head_dim: int,
+    flash_attn_installed: bool,
+    device_runs_flash: bool = True,
+) -> AttentionKernel:
     """The kernel for causal attention over these inputs (the table in the module docstring).
 
     Args:
@@ -109,8 +115,9 @@ def choose_attention_kernel(device_type: str, dtype: torch.dtype, gqa: bool, hea
     return SDPA_MATH
 
 
-def load_flash_attn(import_module: ImportModule = importlib.import_module
-                    ) -> Optional[Callable[..., torch.Tensor]]:
+def load_flash_attn(
+    import_module: ImportModule = importlib.import_module,
+) -> Callable[..., torch.Tensor] | None:
     """flash-attn's ``flash_attn_func``, or None when the package (or its CUDA extension,
     ``flash_attn_2_cuda``, which it imports itself) is missing."""
     return optional_attr("flash_attn", "flash_attn_func", import_module=import_module)
@@ -139,8 +146,7 @@ def device_runs_flash(device: torch.device, head_dim: int = 64) -> bool:
 
 
 def _ask_torch_about_flash(device: torch.device, head_dim: int) -> bool:
-    probe = torch.zeros(1, 2, 16, head_dim, dtype=torch.bfloat16, device=device,
-                        requires_grad=True)
+    probe = torch.zeros(1, 2, 16, head_dim, dtype=torch.bfloat16, device=device, requires_grad=True)
     try:
         params = torch.backends.cuda.SDPAParams(probe, probe, probe, None, 0.0, True, False)
         return bool(torch.backends.cuda.can_use_flash_attention(params, False))
@@ -155,14 +161,22 @@ def kernel_for(q_BSND: torch.Tensor, k_BSGD: torch.Tensor) -> AttentionKernel:
     device = q_BSND.device
     flash_ok = device.type != "cuda" or device_runs_flash(device, q_BSND.shape[-1])
     return choose_attention_kernel(
-        device.type, q_BSND.dtype, q_BSND.shape[2] != k_BSGD.shape[2], q_BSND.shape[-1],
-        _FLASH_ATTN_FUNC is not None and not torch.compiler.is_compiling(), flash_ok)
+        device.type,
+        q_BSND.dtype,
+        q_BSND.shape[2] != k_BSGD.shape[2],
+        q_BSND.shape[-1],
+        _FLASH_ATTN_FUNC is not None and not torch.compiler.is_compiling(),
+        flash_ok,
+    )
 
 
-def causal_attention(q_BSND: torch.Tensor, k_BSGD: torch.Tensor, v_BSGD: torch.Tensor,
-                     kernel: Optional[AttentionKernel] = None,
-                     flash_attn_func: Optional[Callable[..., torch.Tensor]] = None
-                     ) -> torch.Tensor:
+def causal_attention(
+    q_BSND: torch.Tensor,
+    k_BSGD: torch.Tensor,
+    v_BSGD: torch.Tensor,
+    kernel: AttentionKernel | None = None,
+    flash_attn_func: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Causal softmax attention, ``[B, S, N, D]`` out, scale ``1/sqrt(D)``.
 
     ``q[B, S, N, D]``, ``k``/``v[B, S, G, D]`` with ``G`` dividing ``N`` (last dimension
@@ -183,8 +197,7 @@ def causal_attention(q_BSND: torch.Tensor, k_BSGD: torch.Tensor, v_BSGD: torch.T
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=per_group > 1)
     else:
         with sdpa_kernel(list(kernel.backends)):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 enable_gqa=per_group > 1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=per_group > 1)
     return out.transpose(1, 2)
 
 
@@ -195,8 +208,9 @@ def _repeat_kv(x_BSGD: torch.Tensor, per_group: int) -> torch.Tensor:
     return x_BSGD[:, :, :, None].expand(B, S, G, per_group, D).reshape(B, S, G * per_group, D)
 
 
-def reference_attention(q_BSND: torch.Tensor, k_BSGD: torch.Tensor,
-                        v_BSGD: torch.Tensor) -> torch.Tensor:
+def reference_attention(
+    q_BSND: torch.Tensor, k_BSGD: torch.Tensor, v_BSGD: torch.Tensor
+) -> torch.Tensor:
     """Pure-torch causal GQA with the explicit ``S x S`` scores (softmax in float32 or wider);
     the
     reference :func:`causal_attention` is tested against. Returns ``[B, S, N, D]``."""

@@ -6,15 +6,17 @@ per device type and kept: the question is a C function that some torch releases'
 trace (torch 2.11 breaks the graph on ``torch._C._is_autocast_available``), so compiled code
 reads the kept answer instead (the common device types are asked at import).
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional
+from contextlib import AbstractContextManager
 
 import torch
 
 _AVAILABLE: dict[str, bool] = {
-    device_type: torch.amp.is_autocast_available(device_type) for device_type in ("cpu", "cuda")}
+    device_type: torch.amp.is_autocast_available(device_type) for device_type in ("cpu", "cuda")
+}
 
 
 def autocast_available(device_type: str) -> bool:
@@ -29,7 +31,7 @@ def autocast_available(device_type: str) -> bool:
     return known
 
 
-def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The autocast dtype when autocast is on for ``device_type``, else None."""
     if not autocast_available(device_type):
         return None
@@ -38,7 +40,7 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device_type)
 
 
-def autocast_off(device_type: str) -> ContextManager[object]:
+def autocast_off(device_type: str) -> AbstractContextManager[object]:
     """Autocast disabled for ``device_type`` (a no-op context when it is off already)."""
     if autocast_dtype(device_type) is None:
         return contextlib.nullcontext()

@@ -11,9 +11,8 @@ would throw both away. So the head holds its GEMM operands in :func:`gemm_operan
   operands are upcast once, so every product of the bf16 values is exact and summed in
   float32. Same numbers, slower on an accelerator.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -21,7 +20,7 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # (device type, index) -> whether torch.mm(..., out_dtype=torch.float32) runs there, and
 # whether torch.addmm(acc, ..., out_dtype=torch.float32, out=acc) with a float32 acc does too
 # (torch before late 2025 refuses a float32 ``self`` with bf16 operands).
-_OUT_DTYPE_GEMM: dict[tuple[str, Optional[int]], tuple[bool, bool]] = {}
+_OUT_DTYPE_GEMM: dict[tuple[str, int | None], tuple[bool, bool]] = {}
 
 
 def _probe(device: torch.device) -> tuple[bool, bool]:

@@ -7,10 +7,12 @@ at each call; :func:`apply_graph_breaks`, run before anything is compiled
 (:func:`megatron_het.model.compile.compile_layers`), swaps in the disabled version. Eager calls
 pay one dictionary lookup; a compiled graph breaks at the call, as with the decorator.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -10,9 +10,10 @@ their bf16 gradient in ``param.grad`` and the optimizer's post-accumulate hook a
 the optimizer the parameter's gradient for this backward pass is in, and returns None as the
 weight's gradient to autograd.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -30,18 +31,18 @@ def add_to_main_grad(param: torch.Tensor, grad: torch.Tensor) -> bool:
     """``param.main_grad += grad`` (in float32) and notify the optimizer; False, doing
     nothing, when ``param`` has no main gradient (the caller then returns ``grad`` to
     autograd as usual)."""
-    main: Optional[torch.Tensor] = getattr(param, MAIN_GRAD, None)
+    main: torch.Tensor | None = getattr(param, MAIN_GRAD, None)
     if main is None:
         return False
     main.add_(grad)
-    callback: Optional[Callable[[], None]] = getattr(param, ON_MAIN_GRAD_ADDED, None)
+    callback: Callable[[], None] | None = getattr(param, ON_MAIN_GRAD_ADDED, None)
     if callback is not None:
         callback()
     return True
 
 
-def accumulated_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+def accumulated_grad(param: torch.Tensor) -> torch.Tensor | None:
     """Where ``param``'s gradient of the iteration accumulates: ``main_grad`` when it has one,
     else ``.grad`` (None before any backward pass)."""
-    main: Optional[torch.Tensor] = getattr(param, MAIN_GRAD, None)
+    main: torch.Tensor | None = getattr(param, MAIN_GRAD, None)
     return main if main is not None else param.grad

@@ -18,10 +18,11 @@ apex counts as present only when its compiled extension ``fused_layer_norm_cuda`
 well as its Python wrapper (a pure-Python apex install then falls back to torch). apex is
 preferred to liger where both are installed.
 """
+
 from __future__ import annotations
 
 import importlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,17 +35,23 @@ from megatron_het.kernels.optional import ImportModule, optional_attr
 APEX_NORM_EXTENSION = "fused_layer_norm_cuda"
 
 
-def load_apex_rms_norm(import_module: ImportModule = importlib.import_module
-                       ) -> Optional[RmsNormKernel]:
+def load_apex_rms_norm(
+    import_module: ImportModule = importlib.import_module,
+) -> RmsNormKernel | None:
     """apex's fused affine RMSNorm as ``(x, weight, eps) -> y``, or None when apex or its
     compiled extension is missing."""
-    fused = optional_attr("apex.normalization.fused_layer_norm", "fused_rms_norm_affine",
-                          requires=(APEX_NORM_EXTENSION,), import_module=import_module)
+    fused = optional_attr(
+        "apex.normalization.fused_layer_norm",
+        "fused_rms_norm_affine",
+        requires=(APEX_NORM_EXTENSION,),
+        import_module=import_module,
+    )
     if fused is None:
         return None
 
     def apex_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return fused(x, weight, weight.shape, eps)
+
     return apex_rms_norm
 
 
@@ -56,9 +63,13 @@ def apex_rms_norm_available() -> bool:
     return _APEX_RMS_NORM is not None
 
 
-def fused_rms_norm_kernel(device_type: str, x_dtype: torch.dtype, weight_dtype: torch.dtype,
-                          apex: Optional[RmsNormKernel] = _APEX_RMS_NORM,
-                          liger: LigerKernels = LIGER) -> Optional[RmsNormKernel]:
+def fused_rms_norm_kernel(
+    device_type: str,
+    x_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    apex: RmsNormKernel | None = _APEX_RMS_NORM,
+    liger: LigerKernels = LIGER,
+) -> RmsNormKernel | None:
     """The fused kernel :func:`rms_norm` uses for these tensors, or None for torch's op:
     apex's, else liger's, on CUDA/ROCm when ``x`` and ``weight`` share a dtype, not while
     ``torch.compile`` traces (inductor fuses torch's op with its neighbours itself)."""
@@ -71,8 +82,9 @@ def fused_rms_norm_kernel(device_type: str, x_dtype: torch.dtype, weight_dtype: 
     return None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             fused: Optional[RmsNormKernel] = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, fused: RmsNormKernel | None = None
+) -> torch.Tensor:
     """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dimension, in ``x``'s dtype.
 
     ``x[..., H]``, ``weight[H]`` of any float dtypes; see the module docstring for the dtype
@@ -84,8 +96,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if x.dtype != weight.dtype:
             normed = F.rms_norm(x.float(), weight.shape, None, eps)
             return (normed * weight.float()).to(x.dtype)
-        kernel = fused if fused is not None else fused_rms_norm_kernel(
-            x.device.type, x.dtype, weight.dtype)
+        kernel = (
+            fused
+            if fused is not None
+            else fused_rms_norm_kernel(x.device.type, x.dtype, weight.dtype)
+        )
         if kernel is not None:
             return kernel(x, weight, eps)
         if torch.compiler.is_compiling():  # inductor fuses torch's op and picks what to save
@@ -107,7 +122,7 @@ class _RMSNorm(torch.autograd.Function):
         return (x32 * rstd).to(x.dtype) * weight
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, rstd = ctx.saved_tensors
         x32, grad32 = x.float(), grad.float()
         normed = x32 * rstd

@@ -5,16 +5,22 @@ present only when every module its kernel needs imports: a Python wrapper whose 
 extension (or Triton) is missing is absent, so the caller falls back to torch instead of
 failing at the first call.
 """
+
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 ImportModule = Callable[[str], Any]
 
 
-def optional_attr(module: str, attr: str, requires: Sequence[str] = (),
-                  import_module: ImportModule = importlib.import_module) -> Optional[Any]:
+def optional_attr(
+    module: str,
+    attr: str,
+    requires: Sequence[str] = (),
+    import_module: ImportModule = importlib.import_module,
+) -> Any | None:
     """``module.attr``, or None when ``module``, ``attr`` or any module named in ``requires``
     (a compiled extension the wrapper loads lazily, say) cannot be imported.
 

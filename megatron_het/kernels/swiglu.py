@@ -1,8 +1,9 @@
 """SwiGLU's gating product ``silu(gate) * up``: liger's fused kernel where available, torch's
 ops otherwise (the same result up to rounding; the output has the inputs' dtype)."""
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -10,8 +11,7 @@ import torch.nn.functional as F
 from megatron_het.kernels.liger import LIGER, LigerKernels
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, liger: Optional[LigerKernels] = None
-           ) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, liger: LigerKernels | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate``/``up`` of one shape ``[..., F]``.
 
     liger's kernel (one pass forward and backward instead of three) runs on CUDA/ROCm tensors

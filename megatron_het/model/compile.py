@@ -15,11 +15,11 @@ shape compiles anew (training uses one shape; dynamo keeps at most
 Compilation happens lazily, on a layer's first forward and backward. Tensor-parallel stages are
 refused for now: dynamo cannot trace the communicator's collectives inside the TP linears.
 """
+
 from __future__ import annotations
 
 import functools
 import platform
-from typing import Optional
 
 import torch
 
@@ -66,9 +66,12 @@ def compile_available(device_type: str = "cpu") -> tuple[bool, str]:
     """
     try:
         from torch import _dynamo
+
         if not _dynamo.is_dynamo_supported():
-            return False, (f"torch {torch.__version__}'s torch.compile does not support "
-                           f"Python {platform.python_version()}")
+            return False, (
+                f"torch {torch.__version__}'s torch.compile does not support "
+                f"Python {platform.python_version()}"
+            )
         x = torch.linspace(-2.0, 2.0, 16, device=device_type)
         got = torch.compile(_probe, backend="inductor", fullgraph=True, dynamic=False)(x)
         if not torch.allclose(got, _probe(x)):
@@ -79,10 +82,11 @@ def compile_available(device_type: str = "cpu") -> tuple[bool, str]:
     return True, ""
 
 
-def _check_mode(mode: Optional[str]) -> None:
+def _check_mode(mode: str | None) -> None:
     if mode is None:
         return
     from torch import _inductor
+
     options = _inductor.list_mode_options()
     usable = [name for name, opts in options.items() if not opts.get("triton.cudagraphs")]
     if mode not in options:
@@ -90,12 +94,14 @@ def _check_mode(mode: Optional[str]) -> None:
     if options[mode].get("triton.cudagraphs"):
         # A CUDA graph's outputs live in its pool until the next replay overwrites them, while
         # a pipeline schedule still holds earlier micro-batches' layer outputs for backward.
-        raise UserError(f"torch.compile mode {mode!r} captures CUDA graphs per layer, whose "
-                        "outputs the next micro-batch's replay overwrites while the schedule "
-                        f"still holds them; use one of {', '.join(usable)}")
+        raise UserError(
+            f"torch.compile mode {mode!r} captures CUDA graphs per layer, whose "
+            "outputs the next micro-batch's replay overwrites while the schedule "
+            f"still holds them; use one of {', '.join(usable)}"
+        )
 
 
-def _layers_device_type(model: LlamaModel) -> Optional[str]:
+def _layers_device_type(model: LlamaModel) -> str | None:
     for param in model.layers.parameters():
         return param.device.type
     return None
@@ -106,7 +112,7 @@ def _tp_size(model: LlamaModel) -> int:
     return 1 if group is None else group.size
 
 
-def compile_layers(model: LlamaModel, mode: Optional[str] = None) -> None:
+def compile_layers(model: LlamaModel, mode: str | None = None) -> None:
     """Compile each of ``model.layers`` in place with ``torch.compile(dynamic=False)``
     (``fullgraph=True`` without TP).
 
@@ -131,8 +137,10 @@ def compile_layers(model: LlamaModel, mode: Optional[str] = None) -> None:
     if device_type != "meta":
         ok, reason = compile_available(device_type)
         if not ok:
-            raise UserError(f"--compile: torch.compile cannot compile for {device_type} here "
-                            f"({reason}); drop --compile")
+            raise UserError(
+                f"--compile: torch.compile cannot compile for {device_type} here "
+                f"({reason}); drop --compile"
+            )
     if device_type == "cuda":  # decided eagerly: a compiled graph cannot ask torch
         for layer in model.layers.values():
             if hasattr(layer, "attention"):  # a stage may hold a layer's MLP block only

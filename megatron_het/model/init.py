@@ -8,6 +8,7 @@ draws the full tensor with :func:`initial_value` and keeps its slice.
 Values are drawn on the CPU in float32 and then copied to the parameter's device and dtype, so
 they also do not depend on the device kind.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,11 +28,12 @@ def parameter_seed(seed: int, name: str) -> int:
 
     32 bits, because the CPU generator (mt19937) keeps only the low 32 bits of its seed.
     """
-    return zlib.crc32(f"{seed}/{name}".encode("utf-8"))
+    return zlib.crc32(f"{seed}/{name}".encode())
 
 
-def initial_value(name: str, shape: tuple[int, ...] | torch.Size, config: ModelConfig,
-                  seed: int) -> torch.Tensor:
+def initial_value(
+    name: str, shape: tuple[int, ...] | torch.Size, config: ModelConfig, seed: int
+) -> torch.Tensor:
     """The initial float32 CPU tensor of the parameter called ``name`` (full, unsharded shape).
 
     Norm weights are ones; other weights are ``normal(0, init_method_std)``, with the output

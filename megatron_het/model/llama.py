@@ -2,8 +2,9 @@
 
 A :class:`LlamaModel` may hold a contiguous slice of the layers (a pipeline stage) with or
 without the embedding and the head, or several such slices ("model chunks", the virtual stages
-of an interleaved pipeline that one device group runs), each run on its own. Parameter names are GLOBAL and do not depend on the
-parallel plan; checkpoints, initialisation and tensor-parallel code rely on them.
+of an interleaved pipeline that one device group runs), each run on its own. Parameter names are
+GLOBAL and do not depend on the parallel plan; checkpoints, initialisation and tensor-parallel code
+rely on them.
 
 Parameter names and layouts (nh query heads, ng kv groups, r = nh/ng, d head dim, H hidden,
 F ffn hidden, V vocabulary). All linear weights are ``[out, in]`` and there are no biases.
@@ -31,10 +32,11 @@ summing their gradients across the first and last stages, as Megatron does.
 
 Shape legend: B batch, S sequence, H hidden, N heads, D head dim, V vocabulary.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -172,10 +174,15 @@ class LlamaModel(nn.Module):
     hooks, which would run inside a compiled layer (``--compile``).
     """
 
-    def __init__(self, config: ModelConfig, layer_range: Optional[tuple[int, int]] = None,
-                 has_embedding: bool = True, has_head: bool = True,
-                 recompute: bool = False,
-                 chunks: Optional[Sequence[tuple[int, int, Union[bool, int]]]] = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_range: tuple[int, int] | None = None,
+        has_embedding: bool = True,
+        has_head: bool = True,
+        recompute: bool = False,
+        chunks: Sequence[tuple[int, int, bool | int]] | None = None,
+    ) -> None:
         super().__init__()
         if chunks is None:
             start, stop = (0, config.num_layers) if layer_range is None else layer_range
@@ -185,31 +192,43 @@ class LlamaModel(nn.Module):
         previous = 0
         for start, stop, _ in chunks:
             if not previous <= start <= stop <= config.num_layers:
-                raise UserError(f"layer range [{start}, {stop}) does not fit a model of "
-                                f"{config.num_layers} layers after layer {previous}; use "
-                                f"ascending, disjoint ranges inside [0, {config.num_layers})")
+                raise UserError(
+                    f"layer range [{start}, {stop}) does not fit a model of "
+                    f"{config.num_layers} layers after layer {previous}; use "
+                    f"ascending, disjoint ranges inside [0, {config.num_layers})"
+                )
             if start == previous and start != int(start):
-                raise UserError(f"two chunks of one model share layer {math.floor(start)} "
-                                f"(bound {start}); keep both of its blocks in one chunk")
+                raise UserError(
+                    f"two chunks of one model share layer {math.floor(start)} "
+                    f"(bound {start}); keep both of its blocks in one chunk"
+                )
             previous = stop
         self.config = config
         # (start, stop, how many of the first layers recompute)
-        self.chunks = tuple((start, stop, _recomputed(start, stop, rc))
-                            for start, stop, rc in chunks)
+        self.chunks = tuple(
+            (start, stop, _recomputed(start, stop, rc)) for start, stop, rc in chunks
+        )
         self.layer_range = (self.chunks[0][0], self.chunks[-1][1])
         self.has_embedding = has_embedding
         self.has_head = has_head
         self.recompute = any(count for _, _, count in self.chunks)
         self.rotary = RotaryEmbedding(config)
-        self.wait_for: Optional[Callable[[str], None]] = None
+        self.wait_for: Callable[[str], None] | None = None
         needs_embedding = has_embedding or (has_head and config.tie_embeddings)
         self.embedding = _embedding(config) if needs_embedding else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, layer_parts((start, stop), i))
-                                     for start, stop, _ in self.chunks
-                                     for i in _touched(start, stop)})
+        self.layers = nn.ModuleDict(
+            {
+                str(i): DecoderLayer(config, layer_parts((start, stop), i))
+                for start, stop, _ in self.chunks
+                for i in _touched(start, stop)
+            }
+        )
         self.final_norm = RMSNorm(config.hidden_size, config.norm_eps) if has_head else None
-        self.output = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-                       if has_head and not config.tie_embeddings else None)
+        self.output = (
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if has_head and not config.tie_embeddings
+            else None
+        )
 
     @property
     def num_chunks(self) -> int:
@@ -223,8 +242,13 @@ class LlamaModel(nn.Module):
             return self.embedding.weight
         return self.output.weight
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_weights: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
+        chunk: int = 0,
+    ) -> torch.Tensor:
         """Run model chunk ``chunk`` (0 when the model holds one): :meth:`hidden_states`, then
         :meth:`head` when the chunk is the last and the model has the head.
 
@@ -256,8 +280,9 @@ class LlamaModel(nn.Module):
             hidden = self.embedding(x)
         else:
             hidden = x
-        cos, sin = self.rotary.cos_sin(self.sequence_length(hidden), hidden.device,
-                                       rope_table_dtype(hidden))
+        cos, sin = self.rotary.cos_sin(
+            self.sequence_length(hidden), hidden.device, rope_table_dtype(hidden)
+        )
         use_recompute = recomputed > 0 and self.training and torch.is_grad_enabled()
         for n, index in enumerate(_touched(start, stop)):
             layer = self.layers[str(index)]
@@ -277,8 +302,12 @@ class LlamaModel(nn.Module):
         stage holds ``S / tp`` positions of them)."""
         return hidden.shape[1]
 
-    def head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None,
-             loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def head(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Final norm and output projection of hidden states ``[B, S, H]`` (head stages only):
         logits ``[B, S, V]``, or with ``labels`` the fused float32 scalar loss (see
         :meth:`forward`)."""
@@ -286,16 +315,18 @@ class LlamaModel(nn.Module):
             raise RuntimeError("this stage has no head")
         self._ready("head")
         if labels is not None:
-            return linear_cross_entropy(self.final_norm(hidden), self.output_weight(), labels,
-                                        loss_weights)
+            return linear_cross_entropy(
+                self.final_norm(hidden), self.output_weight(), labels, loss_weights
+            )
         return F.linear(self.final_norm(hidden), self.output_weight())
+
 
 def _touched(start: float, stop: float) -> range:
     """The layers of which chunk ``[start, stop)`` holds a block or both."""
     return range(math.floor(start), math.ceil(stop))
 
 
-def _recomputed(start: float, stop: float, recompute: Union[bool, int]) -> int:
+def _recomputed(start: float, stop: float, recompute: bool | int) -> int:
     """How many of the first layers (or blocks of split layers) of chunk ``[start, stop)``
     recompute: all for True, none for False, else the count (at most the chunk's)."""
     pieces = len(_touched(start, stop))
@@ -318,9 +349,15 @@ def _embedding(config: ModelConfig) -> nn.Embedding:
     return nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
 
 
-def build_model(config: ModelConfig, seed: int, layer_range: Optional[tuple[int, int]] = None,
-                has_embedding: bool = True, has_head: bool = True, recompute: bool = False,
-                device: torch.device | str = "cpu") -> LlamaModel:
+def build_model(
+    config: ModelConfig,
+    seed: int,
+    layer_range: tuple[int, int] | None = None,
+    has_embedding: bool = True,
+    has_head: bool = True,
+    recompute: bool = False,
+    device: torch.device | str = "cpu",
+) -> LlamaModel:
     """A :class:`LlamaModel` on ``device`` with the layout-independent initialisation.
 
     Parameters are allocated directly on ``device`` (built on "meta" first, so PyTorch's

@@ -29,10 +29,11 @@ to the weight's dtype, so a ``main_grad`` weight keeps ours).
 
 Shape legend: N tokens, Nc tokens of a chunk, H hidden, V vocabulary.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -81,21 +82,28 @@ class HeadSettings:
         return self.hidden_grad or self.weight_grad
 
 
-def fused_head_settings(hidden: torch.Tensor, weight_VH: torch.Tensor,
-                        chunk_tokens: Optional[int] = None) -> HeadSettings:
+def fused_head_settings(
+    hidden: torch.Tensor, weight_VH: torch.Tensor, chunk_tokens: int | None = None
+) -> HeadSettings:
     """:class:`HeadSettings` of a fused output layer + loss over the ``[V, H]`` (or one rank's
     ``[Vr, H]``) ``weight_VH``: ``chunk_tokens`` when given, else :func:`default_chunk_tokens`."""
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(weight_VH.shape[0], hidden.device.type)
     grad_on = torch.is_grad_enabled()
-    compute_dtype = (autocast_dtype(hidden.device.type)
-                     or torch.promote_types(hidden.dtype, weight_VH.dtype))
-    return HeadSettings(max(1, chunk_tokens), grad_on and hidden.requires_grad,
-                        grad_on and weight_VH.requires_grad, compute_dtype)
+    compute_dtype = autocast_dtype(hidden.device.type) or torch.promote_types(
+        hidden.dtype, weight_VH.dtype
+    )
+    return HeadSettings(
+        max(1, chunk_tokens),
+        grad_on and hidden.requires_grad,
+        grad_on and weight_VH.requires_grad,
+        compute_dtype,
+    )
 
 
-def head_operands(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, settings: HeadSettings
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def head_operands(
+    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, settings: HeadSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden`` and ``weight`` in the dtype the head's GEMMs take (see
     :func:`~megatron_het.kernels.gemm.gemm_operand_dtype`)."""
     dtype = gemm_operand_dtype(settings.compute_dtype, hidden_NH.device)
@@ -120,10 +128,14 @@ def split_token_weights(weights_N: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return scale, weights_N / scale
 
 
-def project_logit_grads(dlogits_NcV: torch.Tensor, h_NcH: torch.Tensor,
-                        weight_VH: torch.Tensor, units_Nc: torch.Tensor,
-                        grad_hidden_NcH: Optional[torch.Tensor],
-                        grad_weight_VH: Optional[torch.Tensor]) -> None:
+def project_logit_grads(
+    dlogits_NcV: torch.Tensor,
+    h_NcH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    units_Nc: torch.Tensor,
+    grad_hidden_NcH: torch.Tensor | None,
+    grad_weight_VH: torch.Tensor | None,
+) -> None:
     """From one chunk's float32 ``d CE_i / d logits`` (unweighted), write the chunk's hidden
     gradient into ``grad_hidden_NcH`` and add its weight gradient into the float32
     ``grad_weight_VH``, both scaled by the unit weights of :func:`split_token_weights` (the
@@ -138,10 +150,14 @@ def project_logit_grads(dlogits_NcV: torch.Tensor, h_NcH: torch.Tensor,
         addmm_fp32_out_(grad_weight_VH, dlogits.t(), scaled_h)
 
 
-def save_head_grads(ctx: Any, hidden: torch.Tensor, weight_VH: torch.Tensor,
-                    grad_hidden: Optional[torch.Tensor],
-                    grad_weight_fp32: Optional[torch.Tensor],
-                    hidden_scale: torch.Tensor) -> None:
+def save_head_grads(
+    ctx: Any,
+    hidden: torch.Tensor,
+    weight_VH: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight_fp32: torch.Tensor | None,
+    hidden_scale: torch.Tensor,
+) -> None:
     """Keep a head's gradients for :func:`head_backward`: the hidden gradient, still to be
     multiplied by the float32 ``hidden_scale``, in ``hidden``'s dtype; the weight gradient in
     float32 when ``weight_VH`` has a ``main_grad`` (it is added there in backward), else in the
@@ -151,12 +167,14 @@ def save_head_grads(ctx: Any, hidden: torch.Tensor, weight_VH: torch.Tensor,
         ctx.main_grad_weight = weight_VH
     elif grad_weight_fp32 is not None:
         grad_weight_fp32 = grad_weight_fp32.to(weight_VH.dtype)
-    ctx.save_for_backward(None if grad_hidden is None else grad_hidden.to(hidden.dtype),
-                          grad_weight_fp32)
+    ctx.save_for_backward(
+        None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_weight_fp32
+    )
 
 
-def head_backward(ctx: Any, grad_total: torch.Tensor
-                  ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def head_backward(
+    ctx: Any, grad_total: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(grad_hidden, grad_weight)`` of a head whose gradients :func:`save_head_grads` kept,
     scaled by ``grad_total``; a ``main_grad`` weight gets its float32 gradient added into
     ``main_grad`` here (the optimizer is notified) and None is returned for it."""
@@ -180,17 +198,24 @@ def head_backward(ctx: Any, grad_total: torch.Tensor
     return grad_hidden, scaled.to(weight.dtype)  # main_grad was removed since forward
 
 
-def _run_chunks(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor,
-                weights_N: torch.Tensor, settings: HeadSettings
-                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
+def _run_chunks(
+    hidden_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    labels_N: torch.Tensor,
+    weights_N: torch.Tensor,
+    settings: HeadSettings,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """``(grad_hidden, grad_weight float32, loss, scale)`` of the single-rank head; grads None
     where not needed; ``grad_hidden`` still to be multiplied by ``scale``."""
     h_all, weight = head_operands(hidden_NH, weight_VH, settings)
     N, chunk = h_all.shape[0], settings.chunk_tokens
     total = torch.zeros((), dtype=torch.float32, device=h_all.device)
     grad_hidden = torch.empty_like(hidden_NH) if settings.hidden_grad else None
-    grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-                   if settings.weight_grad else None)
+    grad_weight = (
+        torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if settings.weight_grad
+        else None
+    )
     minus_one = torch.full((min(chunk, N), 1), -1.0, dtype=torch.float32, device=h_all.device)
     scale, units_N = split_token_weights(weights_N)
     for start in range(0, N, chunk):
@@ -206,10 +231,15 @@ def _run_chunks(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torc
         total += ((sum_exp.log() + (top - target)).squeeze(1) * w).sum()
         if settings.need_grads:
             probs = exps.div_(sum_exp)  # softmax
-            probs.scatter_add_(1, y, minus_one[:h.shape[0]].to(probs.dtype))  # minus one-hot
-            project_logit_grads(probs, h, weight, units_N[part],
-                                None if grad_hidden is None else grad_hidden[part],
-                                grad_weight)
+            probs.scatter_add_(1, y, minus_one[: h.shape[0]].to(probs.dtype))  # minus one-hot
+            project_logit_grads(
+                probs,
+                h,
+                weight,
+                units_N[part],
+                None if grad_hidden is None else grad_hidden[part],
+                grad_weight,
+            )
     if grad_weight is not None:
         grad_weight.mul_(scale)
     return grad_hidden, grad_weight, total, scale
@@ -219,24 +249,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and, when asked, both gradients; backward only scales them."""
 
     @staticmethod
-    def forward(ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor,
-                labels_N: torch.Tensor, weights_N: torch.Tensor,
-                settings: HeadSettings) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        hidden_NH: torch.Tensor,
+        weight_VH: torch.Tensor,
+        labels_N: torch.Tensor,
+        weights_N: torch.Tensor,
+        settings: HeadSettings,
+    ) -> torch.Tensor:
         with autocast_off(hidden_NH.device.type):
-            grad_hidden, grad_weight, total, scale = _run_chunks(hidden_NH, weight_VH,
-                                                                 labels_N, weights_N, settings)
+            grad_hidden, grad_weight, total, scale = _run_chunks(
+                hidden_NH, weight_VH, labels_N, weights_N, settings
+            )
         save_head_grads(ctx, hidden_NH, weight_VH, grad_hidden, grad_weight, scale)
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (*head_backward(ctx, grad_total), None, None, None)
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight_VH: torch.Tensor, labels: torch.Tensor,
-                         loss_weights: Optional[torch.Tensor] = None,
-                         chunk_tokens: Optional[int] = None,
-                         liger: Optional[LigerKernels] = None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight_VH: torch.Tensor,
+    labels: torch.Tensor,
+    loss_weights: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+    liger: LigerKernels | None = None,
+) -> torch.Tensor:
     """``sum_i loss_weights[i] * CE(hidden[i] @ weight.T, labels[i])`` as a float32 scalar.
 
     Args:
@@ -264,20 +304,29 @@ def linear_cross_entropy(hidden: torch.Tensor, weight_VH: torch.Tensor, labels: 
     return _LinearCrossEntropy.apply(hidden_NH, weight_VH, labels_N, weights_N, settings)
 
 
-def _liger_head(hidden: torch.Tensor, weight_VH: torch.Tensor,
-                loss_weights: Optional[torch.Tensor], chunk_tokens: Optional[int],
-                liger: Optional[LigerKernels]) -> Optional[Any]:
+def _liger_head(
+    hidden: torch.Tensor,
+    weight_VH: torch.Tensor,
+    loss_weights: torch.Tensor | None,
+    chunk_tokens: int | None,
+    liger: LigerKernels | None,
+) -> Any | None:
     """liger's fused linear cross-entropy when it may stand in for ours: installed, on its
     device, the default mean loss, no chunk override and no ``main_grad`` on the weight."""
     kernels = LIGER if liger is None else liger
-    if (loss_weights is not None or chunk_tokens is not None or has_main_grad(weight_VH)
-            or not kernels.usable(kernels.linear_cross_entropy, hidden.device.type)):
+    if (
+        loss_weights is not None
+        or chunk_tokens is not None
+        or has_main_grad(weight_VH)
+        or not kernels.usable(kernels.linear_cross_entropy, hidden.device.type)
+    ):
         return None
     return kernels.linear_cross_entropy
 
 
-def token_loss_weights(labels_N: torch.Tensor,
-                       loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+def token_loss_weights(
+    labels_N: torch.Tensor, loss_weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Float32 ``[N]`` weight of each token's loss: ``loss_weights`` (any shape of ``N``
     elements), else the mean over tokens; 0 where ``labels_N`` is ``IGNORE_INDEX``."""
     keep = labels_N != IGNORE_INDEX

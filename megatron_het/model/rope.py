@@ -9,10 +9,11 @@ wavelengths are divided by ``factor``, short ones kept, and the band in between 
 
 Shape legend: B batch, S sequence, N heads, D head dimension.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,12 +22,13 @@ from megatron_het.config import ModelConfig, RopeScaling
 from megatron_het.kernels.autocast import autocast_dtype
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float,
-                             scaling: Optional[RopeScaling] = None) -> torch.Tensor:
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> torch.Tensor:
     """``inv_freq[D/2]`` in float32, with Llama-3.1 scaling applied when ``scaling`` is given."""
     # Explicit CPU device: the tables must be real even when the model is built on "meta".
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     old_context = scaling.original_max_position_embeddings
@@ -37,7 +39,8 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
     # Between the two wavelengths, blend the scaled and unscaled frequencies linearly in
     # old_context / wavelen.
     smooth = (old_context / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(in_band, blended, scaled)
@@ -60,13 +63,16 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.head_dim = config.kv_channels
-        self.inv_freq = rope_inverse_frequencies(self.head_dim, config.rope_theta,
-                                                 config.rope_scaling)
-        self._cache: dict[tuple[int, torch.device, torch.dtype],
-                          tuple[torch.Tensor, torch.Tensor]] = {}
+        self.inv_freq = rope_inverse_frequencies(
+            self.head_dim, config.rope_theta, config.rope_scaling
+        )
+        self._cache: dict[
+            tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]
+        ] = {}
 
-    def cos_sin(self, seq_len: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, seq_len: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos[S, 1, D/2]`` and ``sin[S, 1, D/2]`` for positions ``0 .. S-1``.
 
         Half width: channels ``j`` and ``j + D/2`` share an angle, see :func:`apply_rope`.
@@ -87,8 +93,7 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            sign: float) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     """``[x1 cos - sign x2 sin, x2 cos + sign x1 sin]`` into one fresh contiguous tensor."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -110,7 +115,7 @@ class _Rope(torch.autograd.Function):
         return _rotate(x, cos, sin, 1.0)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         cos, sin = ctx.saved_tensors
         return _rotate(grad, cos, sin, -1.0), None, None
 

@@ -5,10 +5,11 @@ The single-process entry point is :func:`clip_grad_norm`. Sharded runs use its p
 squares across ranks, then :func:`clip_coefficient` and :func:`scale_` with the same coefficient
 on every rank (see :mod:`megatron_het.optim.parallel_optimizer`).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -16,8 +17,9 @@ import torch
 _EPS = 1.0e-6
 
 
-def tensors_norm_squared(tensors: Sequence[torch.Tensor],
-                         device: Optional[torch.device] = None) -> torch.Tensor:
+def tensors_norm_squared(
+    tensors: Sequence[torch.Tensor], device: torch.device | None = None
+) -> torch.Tensor:
     """Sum of squared entries of ``tensors`` as a float32 scalar.
 
     The scalar lives on the tensors' device, or on ``device`` (default CPU) when ``tensors`` is
@@ -54,9 +56,11 @@ def scale_(tensors: Sequence[torch.Tensor], coefficient: float) -> None:
         torch._foreach_mul_(tensors, coefficient)
 
 
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float,
-                   reduce_squared: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                   ) -> float:
+def clip_grad_norm(
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    reduce_squared: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> float:
     """Scale all gradients in place so their global L2 norm is at most ``max_norm``.
 
     Returns the norm BEFORE clipping (what training logs report). ``max_norm <= 0`` only

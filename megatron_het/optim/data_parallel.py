@@ -38,18 +38,18 @@ same stage layout and backward graph, so every rank starts the same collectives 
 order on the one thread that runs backward. Buckets held back (a tied embedding whose
 cross-stage sum happens after the pipeline's last backward) are reduced at sync time.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from megatron_het.kernels.main_grad import MAIN_GRAD, ON_MAIN_GRAD_ADDED
-from megatron_het.parallel.buckets import (DEFAULT_BUCKET_SIZE_MB, bucket_ranges,
-                                           padded_elements)
-
+from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB, bucket_ranges, padded_elements
 
 
 @dataclass
@@ -82,8 +82,9 @@ class Bucket:
         return dp_rank * size, (dp_rank + 1) * size
 
 
-def plan_buckets(named_params: Sequence[tuple[str, nn.Parameter]], bucket_size_mb: float,
-                 dp_size: int) -> list[Bucket]:
+def plan_buckets(
+    named_params: Sequence[tuple[str, nn.Parameter]], bucket_size_mb: float, dp_size: int
+) -> list[Bucket]:
     """Assign parameters (reverse order) to buckets of about ``bucket_size_mb`` MiB of fp32.
 
     A bucket closes once it holds at least that much; a parameter is never split across
@@ -122,9 +123,13 @@ class GradBuckets:
     :meth:`close`); low-precision parameters get ``main_grad`` at :meth:`zero_grad`.
     """
 
-    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], dp_group: Any,
-                 bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
-                 reduce_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        dp_group: Any,
+        bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = dp_group.size, dp_group.rank
         self.reduce_dtype = reduce_dtype
@@ -134,13 +139,17 @@ class GradBuckets:
             bucket.grad = torch.zeros(bucket.numel, dtype=torch.float32, device=device)
         self.slots = [slot for bucket in self.buckets for slot in bucket.slots]
         self._pending: dict[int, _Pending] = {}
-        self._overlap: Optional[_Overlap] = None
-        self._hooks = [slot.param.register_post_accumulate_grad_hook(
-            lambda _param, slot=slot: self._on_accumulated(slot)) for slot in self.slots]
+        self._overlap: _Overlap | None = None
+        self._hooks = [
+            slot.param.register_post_accumulate_grad_hook(
+                lambda _param, slot=slot: self._on_accumulated(slot)
+            )
+            for slot in self.slots
+        ]
 
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
         """The slice of the bucket buffer holding ``slot``'s gradient, shaped like the param."""
-        flat = self.buckets[slot.bucket].grad[slot.start:slot.stop]
+        flat = self.buckets[slot.bucket].grad[slot.start : slot.stop]
         return flat.view(slot.param.shape)
 
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
@@ -166,8 +175,9 @@ class GradBuckets:
                 self._launch(self.buckets[slot.bucket], self._overlap.mode)
 
     # -- overlap -----------------------------------------------------------------------------
-    def enable_overlap(self, held_back: Collection[str] = (),
-                       events_per_backward: Optional[Mapping[str, int]] = None) -> None:
+    def enable_overlap(
+        self, held_back: Collection[str] = (), events_per_backward: Mapping[str, int] | None = None
+    ) -> None:
         """Start a bucket's reduction from the backward hooks once its gradients of the
         iteration's last backward pass are in.
 
@@ -181,7 +191,7 @@ class GradBuckets:
         if self.dp_size > 1 and self._overlap is None:
             self._overlap = _Overlap(self, set(held_back), dict(events_per_backward or {}))
 
-    def start_iteration(self, num_backward: Optional[int], mode: str) -> None:
+    def start_iteration(self, num_backward: int | None, mode: str) -> None:
         """Expect ``num_backward`` backward passes (micro-batches) before the next sync, whose
         kind is ``mode`` ("all_reduce" or "reduce_scatter"). None: no early launches."""
         if self._pending:
@@ -225,8 +235,7 @@ class GradBuckets:
             else:
                 param.grad = None
                 setattr(param, MAIN_GRAD, self.grad_view(slot))
-                setattr(param, ON_MAIN_GRAD_ADDED,
-                        lambda slot=slot: self._gradient_event(slot))
+                setattr(param, ON_MAIN_GRAD_ADDED, lambda slot=slot: self._gradient_event(slot))
 
     def _is_view(self, slot: ParamSlot) -> bool:
         grad = slot.param.grad
@@ -301,18 +310,20 @@ class GradBuckets:
 class _Overlap:
     """Counts gradient events per bucket; says when a bucket's last expected one is in."""
 
-    def __init__(self, buckets: GradBuckets, held_back: set[str],
-                 events_per_backward: dict[str, int]) -> None:
+    def __init__(
+        self, buckets: GradBuckets, held_back: set[str], events_per_backward: dict[str, int]
+    ) -> None:
         self.eligible = [not any(s.name in held_back for s in b.slots) for b in buckets.buckets]
-        self.per_backward = [sum(events_per_backward.get(s.name, 1) for s in b.slots)
-                             for b in buckets.buckets]
-        self.expected: Optional[int] = None
+        self.per_backward = [
+            sum(events_per_backward.get(s.name, 1) for s in b.slots) for b in buckets.buckets
+        ]
+        self.expected: int | None = None
         self.mode = "all_reduce"
         self.counts = [0] * len(buckets.buckets)
         self.launched_early = 0
         self.error = ""
 
-    def start(self, num_backward: Optional[int], mode: str) -> None:
+    def start(self, num_backward: int | None, mode: str) -> None:
         self.expected, self.mode = num_backward, mode
         self.counts = [0] * len(self.counts)
         self.error = ""
@@ -324,8 +335,10 @@ class _Overlap:
         self.counts[slot.bucket] += 1
         needed = self.expected * self.per_backward[slot.bucket]
         if self.counts[slot.bucket] > needed:
-            self.error = (f"{slot.name} received more backward passes than the "
-                          f"{self.expected} announced to start_iteration")
+            self.error = (
+                f"{slot.name} received more backward passes than the "
+                f"{self.expected} announced to start_iteration"
+            )
         return self.counts[slot.bucket] == needed
 
     def finish(self, launched: int) -> None:

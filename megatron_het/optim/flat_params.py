@@ -20,10 +20,12 @@ own float32 master) and the optimizer shares the updated pieces across the repli
 (:mod:`megatron_het.optim.replica_sync`), so :meth:`all_gather_params` does nothing and
 :meth:`gather` returns this rank's pieces in place, zeros elsewhere.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,23 +58,29 @@ class FlatParams:
     :meth:`gather`.
     """
 
-    def __init__(self, buckets: GradBuckets, sharded: bool, param_dtype: torch.dtype,
-                 pieces: Optional[Callable[[ParamSlot], list[tuple[int, int]]]] = None) -> None:
+    def __init__(
+        self,
+        buckets: GradBuckets,
+        sharded: bool,
+        param_dtype: torch.dtype,
+        pieces: Callable[[ParamSlot], list[tuple[int, int]]] | None = None,
+    ) -> None:
         self.buckets, self.sharded, self.param_dtype = buckets, sharded, param_dtype
         self.pieces = pieces
         self.low_precision = param_dtype != torch.float32
         self.param_buffers: list[torch.Tensor] = []
         self._gathers: dict[int, Any] = {}  # bucket index -> all-gather handle in flight
-        self.master_buffers: list[Optional[torch.Tensor]] = []
+        self.master_buffers: list[torch.Tensor | None] = []
         all_values = []
         for bucket in buckets.buckets:
             values = self._float32_values(bucket)
             start, stop = self.owned_range(bucket)
             buffer = values.to(param_dtype) if self.low_precision else values
-            self.master_buffers.append(values[start:stop].clone()
-                                       if self.low_precision and pieces is None else None)
+            self.master_buffers.append(
+                values[start:stop].clone() if self.low_precision and pieces is None else None
+            )
             for slot in bucket.slots:
-                slot.param.data = buffer[slot.start:slot.stop].view(slot.param.shape)
+                slot.param.data = buffer[slot.start : slot.stop].view(slot.param.shape)
             self.param_buffers.append(buffer)
             all_values.append(values)
         self.shards = self._owned_shards() if pieces is None else self._piece_shards(all_values)
@@ -82,9 +90,11 @@ class FlatParams:
         values = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.grad.device)
         for slot in bucket.slots:
             if slot.param.dtype != torch.float32:
-                raise ValueError(f"{slot.name}: build the stage in float32 (the optimizer keeps "
-                                 f"the float32 values as master weights), got {slot.param.dtype}")
-            values[slot.start:slot.stop].copy_(slot.param.detach().reshape(-1))
+                raise ValueError(
+                    f"{slot.name}: build the stage in float32 (the optimizer keeps "
+                    f"the float32 values as master weights), got {slot.param.dtype}"
+                )
+            values[slot.start : slot.stop].copy_(slot.param.detach().reshape(-1))
         return values
 
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:
@@ -93,16 +103,18 @@ class FlatParams:
 
     def _owned_shards(self) -> list[Shard]:
         shards = []
-        for bucket, buffer, master in zip(self.buckets.buckets, self.param_buffers,
-                                          self.master_buffers):
+        for bucket, buffer, master in zip(
+            self.buckets.buckets, self.param_buffers, self.master_buffers
+        ):
             start, stop = self.owned_range(bucket)
             source, offset = (buffer, 0) if master is None else (master, start)
             for slot in bucket.slots:
                 a, b = max(slot.start, start), min(slot.stop, stop)
                 if a < b:
-                    view = nn.Parameter(source[a - offset:b - offset])
-                    shards.append(Shard(slot, a - slot.start, b - slot.start, view,
-                                        bucket.grad[a:b]))
+                    view = nn.Parameter(source[a - offset : b - offset])
+                    shards.append(
+                        Shard(slot, a - slot.start, b - slot.start, view, bucket.grad[a:b])
+                    )
         for shard in shards:
             shard.master.grad = shard.grad
         return shards
@@ -114,8 +126,9 @@ class FlatParams:
             for slot in bucket.slots:
                 for lo, hi in self.pieces(slot):
                     a, b = slot.start + lo, slot.start + hi
-                    master = (values[bucket.index][a:b].clone() if self.low_precision
-                              else buffer[a:b])
+                    master = (
+                        values[bucket.index][a:b].clone() if self.low_precision else buffer[a:b]
+                    )
                     shards.append(Shard(slot, lo, hi, nn.Parameter(master), bucket.grad[a:b]))
         for shard in shards:
             shard.master.grad = shard.grad
@@ -130,11 +143,13 @@ class FlatParams:
         if self.pieces is not None:
             for shard in self.shards:
                 start = shard.slot.start
-                self.param_buffers[shard.slot.bucket][start + shard.lo:start + shard.hi].copy_(
-                    shard.master)
+                self.param_buffers[shard.slot.bucket][start + shard.lo : start + shard.hi].copy_(
+                    shard.master
+                )
             return
-        for bucket, buffer, master in zip(self.buckets.buckets, self.param_buffers,
-                                          self.master_buffers):
+        for bucket, buffer, master in zip(
+            self.buckets.buckets, self.param_buffers, self.master_buffers
+        ):
             start, stop = self.owned_range(bucket)
             buffer[start:stop].copy_(master)
 
@@ -157,7 +172,8 @@ class FlatParams:
             start, stop = self.owned_range(bucket)
             # The input must not alias the output the collective writes.
             self._gathers[bucket.index] = group.all_gather_into_tensor(
-                buffer, buffer[start:stop].clone(), async_op=True)
+                buffer, buffer[start:stop].clone(), async_op=True
+            )
         if not overlap:
             self.finish_param_gather()
 
@@ -181,20 +197,23 @@ class FlatParams:
         self._gathers.clear()
 
     # -- by name -----------------------------------------------------------------------------
-    def gather(self, value_of: Callable[[Shard], Optional[torch.Tensor]], keep: bool = True
-               ) -> dict[str, torch.Tensor]:
+    def gather(
+        self, value_of: Callable[[Shard], torch.Tensor | None], keep: bool = True
+    ) -> dict[str, torch.Tensor]:
         """``{name: float32 CPU tensor shaped like the parameter}`` assembled from
         ``value_of(shard)`` (the shard's ``hi - lo`` elements; None: zeros) of every owned
         shard; sharded, the owned ranges are all-gathered over the DP group (collective).
         ``keep=False`` takes part in the collective but copies nothing to the host and returns
         ``{}`` (a DP rank that writes none of it); this rank's own pieces are always returned."""
         if self.pieces is not None:  # this rank's pieces; the caller shares them
-            out = {slot.name: torch.zeros(slot.param.shape, dtype=torch.float32)
-                   for slot in self.buckets.slots}
+            out = {
+                slot.name: torch.zeros(slot.param.shape, dtype=torch.float32)
+                for slot in self.buckets.slots
+            }
             for shard in self.shards:
                 value = value_of(shard)
                 if value is not None:
-                    out[shard.slot.name].view(-1)[shard.lo:shard.hi].copy_(value.reshape(-1))
+                    out[shard.slot.name].view(-1)[shard.lo : shard.hi].copy_(value.reshape(-1))
             return out
         device = self.buckets.buckets[0].grad.device if self.buckets.buckets else None
         out: dict[str, torch.Tensor] = {}
@@ -208,7 +227,7 @@ class FlatParams:
                 value = value_of(shard)
                 if value is not None:
                     offset = shard.slot.start + shard.lo - start
-                    local[offset:offset + shard.hi - shard.lo].copy_(value.reshape(-1))
+                    local[offset : offset + shard.hi - shard.lo].copy_(value.reshape(-1))
             full = local
             if self.sharded and self.buckets.dp_size > 1:
                 full = torch.empty(bucket.numel, dtype=torch.float32, device=device)
@@ -216,7 +235,7 @@ class FlatParams:
             if not keep:
                 continue
             for slot in bucket.slots:
-                out[slot.name] = full[slot.start:slot.stop].view(slot.param.shape).cpu().clone()
+                out[slot.name] = full[slot.start : slot.stop].view(slot.param.shape).cpu().clone()
         return out
 
     @torch.no_grad()
@@ -228,7 +247,7 @@ class FlatParams:
             slot.param.copy_(weights[slot.name].reshape(slot.param.shape))
         if self.low_precision:
             for shard in self.shards:
-                value = weights[shard.slot.name].reshape(-1)[shard.lo:shard.hi]
+                value = weights[shard.slot.name].reshape(-1)[shard.lo : shard.hi]
                 shard.master.copy_(value.to(shard.master.device, torch.float32))
 
     def master_bytes(self) -> int:

@@ -6,10 +6,11 @@ float32 main gradients by ``S`` before it clips and steps. A dynamic scaler star
 ``S`` whenever a gradient overflowed (that step is skipped), ``hysteresis`` overflows in a row
 allowing one halving; after ``growth_interval`` steps without overflow it doubles ``S``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from megatron_het.errors import UserError
 
@@ -23,20 +24,22 @@ class LossScaler:
     and doubles it after ``growth_interval`` clean steps in a row.
     """
 
-    scale: float = 2.0 ** 32
+    scale: float = 2.0**32
     dynamic: bool = True
     min_scale: float = 1.0
     growth_interval: int = 1000
     hysteresis: int = 2
     clean_steps: int = 0
-    hysteresis_left: Optional[int] = None  # overflows left before a halving; starts full
+    hysteresis_left: int | None = None  # overflows left before a halving; starts full
 
     def __post_init__(self) -> None:
         if self.hysteresis_left is None:
             self.hysteresis_left = self.hysteresis
         if self.scale <= 0 or self.min_scale <= 0:
-            raise UserError(f"the loss scale ({self.scale}) and --min-loss-scale "
-                            f"({self.min_scale}) must be positive")
+            raise UserError(
+                f"the loss scale ({self.scale}) and --min-loss-scale "
+                f"({self.min_scale}) must be positive"
+            )
         if self.growth_interval < 1 or self.hysteresis < 1:
             raise UserError("--loss-scale-window and --hysteresis must be at least 1")
 
@@ -47,8 +50,10 @@ class LossScaler:
         them; train in bf16)."""
         if not self.dynamic:
             if found_inf:
-                raise UserError(f"the gradients overflow fp16 at --loss-scale {self.scale:g}; "
-                                "lower it, drop it for dynamic scaling, or use --bf16")
+                raise UserError(
+                    f"the gradients overflow fp16 at --loss-scale {self.scale:g}; "
+                    "lower it, drop it for dynamic scaling, or use --bf16"
+                )
             return
         if not found_inf:
             self.clean_steps += 1
@@ -57,8 +62,10 @@ class LossScaler:
                 self.hysteresis_left = self.hysteresis
             return
         if self.scale <= self.min_scale:
-            raise UserError(f"the gradients overflow fp16 even at loss scale {self.scale:g} "
-                            "(--min-loss-scale); use --bf16")
+            raise UserError(
+                f"the gradients overflow fp16 even at loss scale {self.scale:g} "
+                "(--min-loss-scale); use --bf16"
+            )
         self.clean_steps = 0
         self.hysteresis_left -= 1
         if self.hysteresis_left <= 0:
@@ -66,8 +73,11 @@ class LossScaler:
             self.hysteresis_left = self.hysteresis
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "clean_steps": self.clean_steps,
-                "hysteresis_left": self.hysteresis_left}
+        return {
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "hysteresis_left": self.hysteresis_left,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])

@@ -3,11 +3,12 @@
 The schedule is a pure function of the iteration number, so resuming from a checkpoint only needs
 the iteration to reproduce the learning rate exactly.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 from megatron_het.config import OptimizerConfig
 from megatron_het.errors import UserError
@@ -33,26 +34,35 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         if self.decay_style not in DECAY_STYLES:
-            raise UserError(f"unknown --lr-decay-style {self.decay_style!r}; "
-                            f"use one of {', '.join(DECAY_STYLES)}")
+            raise UserError(
+                f"unknown --lr-decay-style {self.decay_style!r}; "
+                f"use one of {', '.join(DECAY_STYLES)}"
+            )
         if self.max_lr < 0 or self.min_lr < 0:
             raise UserError(f"--lr {self.max_lr} and --min-lr {self.min_lr} must be >= 0")
         if self.min_lr > self.max_lr:
-            raise UserError(f"--min-lr {self.min_lr} is larger than --lr {self.max_lr}; "
-                            "lower --min-lr")
+            raise UserError(
+                f"--min-lr {self.min_lr} is larger than --lr {self.max_lr}; lower --min-lr"
+            )
         if self.warmup_iters < 0:
             raise UserError(f"--lr-warmup-iters must be >= 0, got {self.warmup_iters}")
         if self.decay_style != "constant" and self.decay_iters <= self.warmup_iters:
-            raise UserError(f"--lr-decay-iters {self.decay_iters} must be larger than "
-                            f"--lr-warmup-iters {self.warmup_iters}")
+            raise UserError(
+                f"--lr-decay-iters {self.decay_iters} must be larger than "
+                f"--lr-warmup-iters {self.warmup_iters}"
+            )
 
     @classmethod
-    def from_config(cls, config: OptimizerConfig, train_iters: int) -> "LRSchedule":
+    def from_config(cls, config: OptimizerConfig, train_iters: int) -> LRSchedule:
         """Build from the optimizer config; ``lr_decay_iters`` defaults to ``train_iters``."""
-        decay_iters: Optional[int] = config.lr_decay_iters
-        return cls(max_lr=config.lr, min_lr=config.min_lr, warmup_iters=config.lr_warmup_iters,
-                   decay_iters=train_iters if decay_iters is None else decay_iters,
-                   decay_style=config.lr_decay_style)
+        decay_iters: int | None = config.lr_decay_iters
+        return cls(
+            max_lr=config.lr,
+            min_lr=config.min_lr,
+            warmup_iters=config.lr_warmup_iters,
+            decay_iters=train_iters if decay_iters is None else decay_iters,
+            decay_style=config.lr_decay_style,
+        )
 
     def lr_at(self, iteration: int) -> float:
         """Learning rate used by optimizer step number ``iteration`` (1-based)."""

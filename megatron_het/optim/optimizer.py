@@ -5,6 +5,7 @@ get no weight decay; every other parameter, embeddings included, does. The optim
 saved and loaded by GLOBAL parameter name rather than by position, so a checkpoint does not depend
 on the order in which a rank happens to build its parameters.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,8 +33,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     groups = []
     for members, wd in ((decay, weight_decay), (no_decay, 0.0)):
         if members:
-            groups.append({"params": [p for _, p in members],
-                           "param_names": [n for n, _ in members], "weight_decay": wd})
+            groups.append(
+                {
+                    "params": [p for _, p in members],
+                    "param_names": [n for n, _ in members],
+                    "weight_decay": wd,
+                }
+            )
     return groups
 
 
@@ -46,9 +52,13 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Ad
     """
     on_cuda = any(p.is_cuda for p in model.parameters())
     kind = {"fused": True} if on_cuda else {"foreach": True}
-    return torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr,
-                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                             **kind)
+    return torch.optim.AdamW(
+        param_groups(model, config.weight_decay),
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        **kind,
+    )
 
 
 def _names_by_index(optimizer: torch.optim.Optimizer) -> list[str]:
@@ -68,9 +78,13 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """
     raw = optimizer.state_dict()
     names = _names_by_index(optimizer)
-    state = {names[index]: {key: (value.detach().cpu().clone() if torch.is_tensor(value)
-                                  else value) for key, value in entry.items()}
-             for index, entry in raw["state"].items()}
+    state = {
+        names[index]: {
+            key: (value.detach().cpu().clone() if torch.is_tensor(value) else value)
+            for key, value in entry.items()
+        }
+        for index, entry in raw["state"].items()
+    }
     groups = []
     for group in raw["param_groups"]:
         group = dict(group)
@@ -80,8 +94,9 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer,
-                                 state_by_name: dict[str, Any]) -> None:
+def load_optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer, state_by_name: dict[str, Any]
+) -> None:
     """Load a state saved by :func:`optimizer_state_by_name` into ``optimizer`` in place.
 
     Matching is by parameter name; the hyper-parameters of the current groups (from the command
@@ -96,9 +111,12 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer,
         raise UserError(
             "checkpoint optimizer state does not match the model's parameters "
             f"(missing: {', '.join(missing[:3]) or 'none'}; unexpected: "
-            f"{', '.join(unexpected[:3]) or 'none'}); load it with the model it was saved with")
+            f"{', '.join(unexpected[:3]) or 'none'}); load it with the model it was saved with"
+        )
     current = optimizer.state_dict()
-    optimizer.load_state_dict({
-        "state": {index: saved[name] for index, name in enumerate(names)},
-        "param_groups": current["param_groups"],
-    })
+    optimizer.load_state_dict(
+        {
+            "state": {index: saved[name] for index, name in enumerate(names)},
+            "param_groups": current["param_groups"],
+        }
+    )

@@ -34,10 +34,11 @@ replicas once (pipeline 0 without ZeRO; with ZeRO each DP rank its owned range),
 a tied embedding held by the last stage not at all. The squared sums are added over
 ``groups.world``, so every rank clips with the same coefficient.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,11 +64,17 @@ def counts_in_norm(name: str, stage: nn.Module, tp_size: int, tp_rank: int) -> b
     return tp_rank == 0 or not shard_spec(name, stage.config, tp_size).replicated
 
 
-def _adamw(groups: list[dict[str, Any]], config: OptimizerConfig,
-           on_cuda: bool) -> torch.optim.AdamW:
+def _adamw(
+    groups: list[dict[str, Any]], config: OptimizerConfig, on_cuda: bool
+) -> torch.optim.AdamW:
     kind = {"fused": True} if on_cuda else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                             eps=config.adam_eps, **kind)
+    return torch.optim.AdamW(
+        groups,
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        **kind,
+    )
 
 
 def _events_per_backward(stage: nn.Module, low_precision: bool) -> dict[str, int]:
@@ -88,13 +95,19 @@ class ParallelOptimizer:
     collective over the group it names and must be called by all its members.
     """
 
-    def __init__(self, stage: nn.Module, groups: ProcessGroups, config: OptimizerConfig,
-                 use_distributed_optimizer: bool,
-                 bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
-                 overlap_grad_reduce: bool = False, param_dtype: torch.dtype = torch.float32,
-                 grad_reduce_dtype: torch.dtype = torch.float32,
-                 loss_scaler: Optional[LossScaler] = None,
-                 overlap_param_gather: bool = False) -> None:
+    def __init__(
+        self,
+        stage: nn.Module,
+        groups: ProcessGroups,
+        config: OptimizerConfig,
+        use_distributed_optimizer: bool,
+        bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
+        overlap_grad_reduce: bool = False,
+        param_dtype: torch.dtype = torch.float32,
+        grad_reduce_dtype: torch.dtype = torch.float32,
+        loss_scaler: LossScaler | None = None,
+        overlap_param_gather: bool = False,
+    ) -> None:
         self.stage, self.groups, self.config = stage, groups, config
         self.loss_scaler = loss_scaler
         self.skipped_iterations = 0
@@ -105,14 +118,26 @@ class ParallelOptimizer:
         # Replicas of different layouts sum over parameter units instead (replica_sync.py),
         # and with ZeRO-1 own rows of every parameter rather than ranges of buckets.
         role = groups.role
-        self.replica = (ReplicaSync([n for n, _ in self.named], groups.replica_units,
-                                    stage.config, role.stage_plan, role.tp_rank, role.pipeline,
-                                    groups.plan.dp_size, grad_reduce_dtype)
-                        if groups.replica_units else None)
-        pieces = self._owned_pieces if self.replica is not None and use_distributed_optimizer \
+        self.replica = (
+            ReplicaSync(
+                [n for n, _ in self.named],
+                groups.replica_units,
+                stage.config,
+                role.stage_plan,
+                role.tp_rank,
+                role.pipeline,
+                groups.plan.dp_size,
+                grad_reduce_dtype,
+            )
+            if groups.replica_units
             else None
-        self.flat = FlatParams(self.buckets, use_distributed_optimizer and pieces is None,
-                               param_dtype, pieces)
+        )
+        pieces = (
+            self._owned_pieces if self.replica is not None and use_distributed_optimizer else None
+        )
+        self.flat = FlatParams(
+            self.buckets, use_distributed_optimizer and pieces is None, param_dtype, pieces
+        )
         tp_size, tp_rank = groups.tp.size, groups.tp.rank
         self.counted = {n: counts_in_norm(n, stage, tp_size, tp_rank) for n, _ in self.named}
         # a rank with nothing to train still takes part in the norm's collective, on its device
@@ -120,18 +145,26 @@ class ParallelOptimizer:
         self.steps = 0
         decay = [s.master for s in self.flat.shards if s.slot.param.ndim > 1]
         no_decay = [s.master for s in self.flat.shards if s.slot.param.ndim <= 1]
-        adam_groups = [{"params": ps, "weight_decay": wd}
-                       for ps, wd in ((decay, config.weight_decay), (no_decay, 0.0)) if ps]
+        adam_groups = [
+            {"params": ps, "weight_decay": wd}
+            for ps, wd in ((decay, config.weight_decay), (no_decay, 0.0))
+            if ps
+        ]
         # AdamW refuses an empty parameter list; a rank owning nothing keeps no optimizer.
-        self.optimizer = (_adamw(adam_groups, config, self.device.type == "cuda")
-                          if adam_groups else None)
+        self.optimizer = (
+            _adamw(adam_groups, config, self.device.type == "cuda") if adam_groups else None
+        )
         if overlap_grad_reduce:
-            tied_across_stages = (getattr(stage.config, "tie_embeddings", False)
-                                  and getattr(groups, "embedding", None) is not None)
+            tied_across_stages = (
+                getattr(stage.config, "tie_embeddings", False)
+                and getattr(groups, "embedding", None) is not None
+            )
             # The pipeline sums the two embedding copies after its last backward; the DP
             # reduction of that bucket must come after, so it waits for sync_grads.
-            self.buckets.enable_overlap({"embedding.weight"} if tied_across_stages else (),
-                                        _events_per_backward(stage, self.flat.low_precision))
+            self.buckets.enable_overlap(
+                {"embedding.weight"} if tied_across_stages else (),
+                _events_per_backward(stage, self.flat.low_precision),
+            )
         # --overlap-param-gather: ZeRO-1's all-gather of the updated parameters runs under the
         # next forward; each part of the stage waits for the buckets it reads (pipelines of
         # different layouts share their pieces in the step instead: nothing to overlap).
@@ -155,7 +188,7 @@ class ParallelOptimizer:
         return values
 
     # -- iteration ---------------------------------------------------------------------------
-    def zero_grad(self, num_micro_batches: Optional[int] = None) -> None:
+    def zero_grad(self, num_micro_batches: int | None = None) -> None:
         """Zero the float32 main gradients (float32 parameters' ``.grad`` become views of them,
         low-precision ones get ``main_grad``).
 
@@ -177,14 +210,12 @@ class ParallelOptimizer:
         else:
             self.buckets.all_reduce()
         if self.replica is not None:
-            self.replica.sum_(lambda name: self.buckets.grad_view(self.slot_of[name]),
-                              self.device)
+            self.replica.sum_(lambda name: self.buckets.grad_view(self.slot_of[name]), self.device)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the synced gradients (collective over ``groups.world``)."""
         counting = self.distributed or self.groups.role.pipeline == 0  # one replica counts
-        counted = [s.grad for s in self.flat.shards
-                   if counting and self.counted[s.slot.name]]
+        counted = [s.grad for s in self.flat.shards if counting and self.counted[s.slot.name]]
         squared = tensors_norm_squared(counted, self.device)
         if self.groups.world.size > 1:
             self.groups.world.all_reduce(squared, "sum")
@@ -214,8 +245,10 @@ class ParallelOptimizer:
         if not math.isfinite(norm):
             if skip_nonfinite:
                 return norm
-            raise UserError(f"the gradient norm is {norm}; lower --lr (or use --clip-grad) and "
-                            "resume from the last checkpoint")
+            raise UserError(
+                f"the gradient norm is {norm}; lower --lr (or use --clip-grad) and "
+                "resume from the last checkpoint"
+            )
         scale_([s.grad for s in self.flat.shards], clip_coefficient(norm, clip_grad))
         self.flat.finish_param_gather()  # nothing may still write the parameters below
         if self.optimizer is not None:
@@ -226,8 +259,9 @@ class ParallelOptimizer:
         self.flat.copy_masters_to_params()
         self.flat.all_gather_params(overlap=self.overlap_param_gather)
         if self.replica is not None and self.flat.pieces is not None:
-            self.replica.share_owned(lambda name: self.slot_of[name].param.data,
-                                     self.flat.param_dtype, self.device)
+            self.replica.share_owned(
+                lambda name: self.slot_of[name].param.data, self.flat.param_dtype, self.device
+            )
         return norm
 
     def params_ready(self) -> None:
@@ -248,9 +282,12 @@ class ParallelOptimizer:
         """Bytes of Adam moment tensors this rank holds (~1/dp of the stage's with ZeRO-1)."""
         if self.optimizer is None:
             return 0
-        return sum(value.numel() * value.element_size()
-                   for state in self.optimizer.state.values()
-                   for key, value in state.items() if key in _STATE_KEYS)
+        return sum(
+            value.numel() * value.element_size()
+            for state in self.optimizer.state.values()
+            for key, value in state.items()
+            if key in _STATE_KEYS
+        )
 
     # -- state by global name ------------------------------------------------------------------
     def state_dict(self, keep: bool = True) -> dict[str, dict[str, Any]]:
@@ -266,18 +303,19 @@ class ParallelOptimizer:
         keep = keep or self.flat.pieces is not None  # replica pieces are shared, then kept
         state: dict[str, dict[str, Any]] = {name: {"step": self.steps} for name, _ in self.named}
         for key in _STATE_KEYS:
-            values = self._share_owned(self.flat.gather(lambda shard: self._moment(shard, key),
-                                                        keep))
+            values = self._share_owned(
+                self.flat.gather(lambda shard: self._moment(shard, key), keep)
+            )
             for name, value in values.items():
                 state[name][key] = value
         return state if keep else {}
 
-    def _moment(self, shard: Any, key: str) -> Optional[torch.Tensor]:
+    def _moment(self, shard: Any, key: str) -> torch.Tensor | None:
         if self.optimizer is None:
             return None
         return self.optimizer.state.get(shard.master, {}).get(key)
 
-    def master_weights(self, keep: bool = True) -> Optional[dict[str, torch.Tensor]]:
+    def master_weights(self, keep: bool = True) -> dict[str, torch.Tensor] | None:
         """``{global name: float32 CPU tensor}`` of the master weights (this rank's TP-shard
         shapes) when they differ from the parameters (low-precision training), else None.
         Collective over ``groups.dp`` with ZeRO-1; ``keep=False`` as for :meth:`state_dict`."""
@@ -303,11 +341,16 @@ class ParallelOptimizer:
         loaded = {}
         for shard in self.flat.shards:
             entry, part = state[shard.slot.name], slice(shard.lo, shard.hi)
-            loaded[index[id(shard.master)]] = {"step": torch.tensor(float(entry["step"])), **{
-                key: torch.as_tensor(entry[key]).reshape(-1)[part].clone()
-                for key in _STATE_KEYS}}
-        self.optimizer.load_state_dict({
-            "state": loaded, "param_groups": self.optimizer.state_dict()["param_groups"]})
+            loaded[index[id(shard.master)]] = {
+                "step": torch.tensor(float(entry["step"])),
+                **{
+                    key: torch.as_tensor(entry[key]).reshape(-1)[part].clone()
+                    for key in _STATE_KEYS
+                },
+            }
+        self.optimizer.load_state_dict(
+            {"state": loaded, "param_groups": self.optimizer.state_dict()["param_groups"]}
+        )
 
     def _check_state(self, state: dict[str, dict[str, Any]]) -> None:
         names = {n for n, _ in self.named}
@@ -317,18 +360,22 @@ class ParallelOptimizer:
                 "optimizer state does not match this stage's parameters (missing: "
                 f"{', '.join(missing[:3]) or 'none'}; unexpected: "
                 f"{', '.join(unexpected[:3]) or 'none'}); load it with the plan it was saved "
-                "with or reshard the checkpoint")
+                "with or reshard the checkpoint"
+            )
         for name, param in self.named:
             for key in ("step",) + _STATE_KEYS:
                 if key not in state[name]:
-                    raise UserError(f"optimizer state of {name} lacks {key!r}; the checkpoint "
-                                    "is incomplete, load an earlier one")
+                    raise UserError(
+                        f"optimizer state of {name} lacks {key!r}; the checkpoint "
+                        "is incomplete, load an earlier one"
+                    )
             for key in _STATE_KEYS:
                 shape = tuple(torch.as_tensor(state[name][key]).shape)
                 if shape != tuple(param.shape):
                     raise UserError(
                         f"optimizer state {key} of {name} has shape {shape} but this rank's "
-                        f"shard is {tuple(param.shape)}; reshard the checkpoint for this plan")
+                        f"shard is {tuple(param.shape)}; reshard the checkpoint for this plan"
+                    )
 
 
 def _part_of(name: str) -> str:
@@ -356,15 +403,18 @@ def _wait_for_gathers(stage: nn.Module, flat: FlatParams) -> None:
     stage.wait_for = wait_for
 
 
-def build_parallel_optimizer(stage: nn.Module, groups: ProcessGroups,
-                             optimizer_config: OptimizerConfig,
-                             use_distributed_optimizer: bool,
-                             bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
-                             overlap_grad_reduce: bool = False,
-                             param_dtype: torch.dtype = torch.float32,
-                             grad_reduce_dtype: torch.dtype = torch.float32,
-                             loss_scaler: Optional[LossScaler] = None,
-                             overlap_param_gather: bool = False) -> ParallelOptimizer:
+def build_parallel_optimizer(
+    stage: nn.Module,
+    groups: ProcessGroups,
+    optimizer_config: OptimizerConfig,
+    use_distributed_optimizer: bool,
+    bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
+    overlap_grad_reduce: bool = False,
+    param_dtype: torch.dtype = torch.float32,
+    grad_reduce_dtype: torch.dtype = torch.float32,
+    loss_scaler: LossScaler | None = None,
+    overlap_param_gather: bool = False,
+) -> ParallelOptimizer:
     """The AdamW optimizer of this rank's ``stage`` (a TP-applied :class:`LlamaModel` slice,
     built in float32).
 
@@ -380,6 +430,15 @@ def build_parallel_optimizer(stage: nn.Module, groups: ProcessGroups,
     next forward, whose parts wait for their own buckets (:meth:`ParallelOptimizer.
     params_ready` waits for all of them). Collective-free.
     """
-    return ParallelOptimizer(stage, groups, optimizer_config, use_distributed_optimizer,
-                             bucket_size_mb, overlap_grad_reduce, param_dtype, grad_reduce_dtype,
-                             loss_scaler, overlap_param_gather)
+    return ParallelOptimizer(
+        stage,
+        groups,
+        optimizer_config,
+        use_distributed_optimizer,
+        bucket_size_mb,
+        overlap_grad_reduce,
+        param_dtype,
+        grad_reduce_dtype,
+        loss_scaler,
+        overlap_param_gather,
+    )

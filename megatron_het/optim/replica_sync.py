@@ -26,18 +26,20 @@ holding a row owns that row of its box (a contiguous range of its local shard). 
 full-size buffers, one all-reduce per unit, every holder reads its box (exact: each element
 has one non-zero term). The same exchange completes optimizer state for a checkpoint.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from megatron_het.checkpoint.reshard import is_written_by, target_slice
 from megatron_het.config import ModelConfig
-from megatron_het.parallel.replicas import ReplicaUnit, owned_rows
 from megatron_het.parallel.plan import StagePlan
+from megatron_het.parallel.replicas import ReplicaUnit, owned_rows
 from megatron_het.tensor_parallel.sharding import parameter_shape
 
 
@@ -56,8 +58,9 @@ class _Entry:
 
     def box(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's box of the parameter inside a unit's full ``buffer`` (a view)."""
-        return buffer[self.offset:self.offset + math.prod(self.full_shape)].view(
-            self.full_shape)[self.index]
+        return buffer[self.offset : self.offset + math.prod(self.full_shape)].view(self.full_shape)[
+            self.index
+        ]
 
 
 class ReplicaSync:
@@ -69,9 +72,17 @@ class ReplicaSync:
     it owns. Every method that communicates is collective over each unit's group.
     """
 
-    def __init__(self, names: Sequence[str], units: Sequence[tuple[ReplicaUnit, Any]],
-                 config: ModelConfig, stage: StagePlan, tp_rank: int, pipeline: int,
-                 num_pipelines: int, reduce_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        units: Sequence[tuple[ReplicaUnit, Any]],
+        config: ModelConfig,
+        stage: StagePlan,
+        tp_rank: int,
+        pipeline: int,
+        num_pipelines: int,
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.reduce_dtype = reduce_dtype
         self.units: list[tuple[Any, int, list[_Entry]]] = []
         self.entry: dict[str, _Entry] = {}
@@ -81,11 +92,21 @@ class ReplicaSync:
                 full = tuple(parameter_shape(name, config))
                 offsets, shape = target_slice(name, config, stage.tp, tp_rank)
                 contributes = is_written_by(name, config, stage, tp_rank)
-                rows = (owned_rows(full[0], offsets[0], shape[0], pipeline, num_pipelines)
-                        if contributes else (0, 0))
-                entries.append(_Entry(name, offset, full,
-                                      tuple(slice(o, o + n) for o, n in zip(offsets, shape)),
-                                      contributes, rows))
+                rows = (
+                    owned_rows(full[0], offsets[0], shape[0], pipeline, num_pipelines)
+                    if contributes
+                    else (0, 0)
+                )
+                entries.append(
+                    _Entry(
+                        name,
+                        offset,
+                        full,
+                        tuple(slice(o, o + n) for o, n in zip(offsets, shape)),
+                        contributes,
+                        rows,
+                    )
+                )
                 offset += math.prod(full)
             if not entries:  # every holder of a unit holds all of its parameters
                 raise ValueError(f"this rank is in the group of {unit} but holds none of it")
@@ -103,14 +124,20 @@ class ReplicaSync:
         self._exchange(grad_of, self.reduce_dtype, device, owned_only=False)
 
     @torch.no_grad()
-    def share_owned(self, value_of: Callable[[str], torch.Tensor], dtype: torch.dtype,
-                    device: torch.device) -> None:
+    def share_owned(
+        self, value_of: Callable[[str], torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
         """Fill every ``value_of(name)`` (this rank's TP shape) with the owners' rows: each
         rank contributes only the rows it owns (in ``dtype``), every holder reads its box."""
         self._exchange(value_of, dtype, device, owned_only=True)
 
-    def _exchange(self, value_of: Callable[[str], torch.Tensor], dtype: torch.dtype,
-                  device: torch.device, owned_only: bool) -> None:
+    def _exchange(
+        self,
+        value_of: Callable[[str], torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        owned_only: bool,
+    ) -> None:
         """Sum per unit, over its group, what each rank writes into zeroed full-size buffers
         (its owned rows, or its whole box where it contributes); read every box back."""
         pending = []

@@ -8,9 +8,10 @@ order backward produces gradients); a bucket closes once it holds at least
 is padded to a multiple of the DP size. ``--ddp-bucket-size N`` (Megatron-LM's flag, in
 parameters) sets the size: :func:`bucket_size_mb` of ``N``.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 DEFAULT_BUCKET_SIZE_MB = 25.0
 FP32_BYTES = 4
@@ -33,7 +34,7 @@ def bucket_ranges(numels: Sequence[int], bucket_size_mb: float) -> list[tuple[in
     return ranges
 
 
-def bucket_size_mb(ddp_bucket_size: Optional[int]) -> float:
+def bucket_size_mb(ddp_bucket_size: int | None) -> float:
     """The bucket size in MiB of float32 gradients for ``--ddp-bucket-size`` (parameters per
     bucket; None: :data:`DEFAULT_BUCKET_SIZE_MB`)."""
     if ddp_bucket_size is None:
@@ -54,5 +55,11 @@ def padded_elements(elements: int, dp_size: int) -> int:
     return -(-elements // dp_size) * dp_size
 
 
-__all__ = ["DEFAULT_BUCKET_SIZE_MB", "FP32_BYTES", "bucket_ranges", "bucket_size_mb",
-           "megatron_default_bucket_size", "padded_elements"]
+__all__ = [
+    "DEFAULT_BUCKET_SIZE_MB",
+    "FP32_BYTES",
+    "bucket_ranges",
+    "bucket_size_mb",
+    "megatron_default_bucket_size",
+    "padded_elements",
+]

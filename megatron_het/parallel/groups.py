@@ -30,10 +30,10 @@ stage pairs with rank t of the last stage (they hold the same vocabulary rows). 
 differ, the rows do not line up, so the group is all ranks of both end stages and the gradient
 sum runs over full-vocabulary buffers (see ``megatron_het.pipeline.p2p.sync_tied_embedding_grads``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from megatron_het.comm.communicator import UnifiedCommunicator
 from megatron_het.comm.groups import UnifiedGroup
@@ -72,7 +72,7 @@ class ProcessGroups:
     tp: UnifiedGroup
     dp: UnifiedGroup
     pipeline: UnifiedGroup
-    embedding: Optional[UnifiedGroup]
+    embedding: UnifiedGroup | None
     stage_cross_dp: UnifiedGroup
     embedding_pairs: bool = True
     replica_units: list[tuple[ReplicaUnit, UnifiedGroup]] = field(default_factory=list)
@@ -94,9 +94,11 @@ def _check_stage_ranks(plan: ParallelPlan) -> None:
     for p, pipeline in enumerate(plan.pipelines):
         for s, stage in enumerate(pipeline.stages):
             if list(stage.ranks) != sorted(stage.ranks):
-                raise UserError(f"stage {s} of pipeline {p} lists ranks {list(stage.ranks)}; "
-                                f"list a stage's ranks in ascending order "
-                                f"({sorted(stage.ranks)})")
+                raise UserError(
+                    f"stage {s} of pipeline {p} lists ranks {list(stage.ranks)}; "
+                    f"list a stage's ranks in ascending order "
+                    f"({sorted(stage.ranks)})"
+                )
 
 
 def dp_members(plan: ParallelPlan, stage: int, tp_rank: int) -> tuple[int, ...]:
@@ -125,9 +127,12 @@ def embedding_members(plan: ParallelPlan, pipeline: int) -> tuple[list[tuple[int
     return [first.ranks + last.ranks], False
 
 
-def build_process_groups(comm: UnifiedCommunicator, plan: ParallelPlan,
-                         tie_embeddings: Optional[bool] = None,
-                         num_layers: Optional[int] = None) -> ProcessGroups:
+def build_process_groups(
+    comm: UnifiedCommunicator,
+    plan: ParallelPlan,
+    tie_embeddings: bool | None = None,
+    num_layers: int | None = None,
+) -> ProcessGroups:
     """Create every group of ``plan`` on every rank and return this rank's.
 
     Collective over all ranks of ``comm`` (call it on every rank, with the same plan). The plan
@@ -138,8 +143,10 @@ def build_process_groups(comm: UnifiedCommunicator, plan: ParallelPlan,
     layer). Raises UserError for a plan this world cannot run.
     """
     if plan.world_size != comm.world_size or plan.ranks() != tuple(range(comm.world_size)):
-        raise UserError(f"the plan places ranks {list(plan.ranks())} but {comm.world_size} "
-                        f"ranks were launched; launch {plan.world_size} ranks or fix the plan")
+        raise UserError(
+            f"the plan places ranks {list(plan.ranks())} but {comm.world_size} "
+            f"ranks were launched; launch {plan.world_size} ranks or fix the plan"
+        )
     _check_stage_ranks(plan)
     me = comm.rank
     role = plan.rank_role(me)
@@ -173,8 +180,9 @@ def build_process_groups(comm: UnifiedCommunicator, plan: ParallelPlan,
     else:
         mine["dp"] = mine["stage_cross_dp"] = LocalGroup(me)  # type: ignore[assignment]
         layers = num_layers or plan.pipelines[0].stages[-1].layers[1]
-        for u, (unit, members) in enumerate(replica_units(plan, layers,
-                                                          tie_embeddings is not False)):
+        for u, (unit, members) in enumerate(
+            replica_units(plan, layers, tie_embeddings is not False)
+        ):
             g = group(members, f"replica-u{u}")
             if me in members:
                 units.append((unit, g))
@@ -190,7 +198,16 @@ def build_process_groups(comm: UnifiedCommunicator, plan: ParallelPlan,
                 g = group(members, f"embedding-p{p}-{i}")
                 if me in members:
                     mine["embedding"], pairs = g, paired
-    return ProcessGroups(comm=comm, plan=plan, role=role, world=comm.world, tp=mine["tp"],
-                         dp=mine["dp"], pipeline=mine["pipeline"],
-                         embedding=mine.get("embedding"), stage_cross_dp=mine["stage_cross_dp"],
-                         embedding_pairs=pairs, replica_units=units)
+    return ProcessGroups(
+        comm=comm,
+        plan=plan,
+        role=role,
+        world=comm.world,
+        tp=mine["tp"],
+        dp=mine["dp"],
+        pipeline=mine["pipeline"],
+        embedding=mine.get("embedding"),
+        stage_cross_dp=mine["stage_cross_dp"],
+        embedding_pairs=pairs,
+        replica_units=units,
+    )

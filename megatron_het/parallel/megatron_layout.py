@@ -12,6 +12,7 @@ Each stage must hold at least one decoder layer (a plan's stages do); ``E`` must
 first stage and ``L`` close the last; other tokens (such as Megatron's ``m`` for multi-token
 prediction) are refused with one line.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,9 +30,11 @@ def _expand(text: str) -> str:
         match = _TOKEN.match(text, position)
         if match is None:
             bad = text[position:].strip()[:1]
-            raise UserError(f"--pipeline-model-parallel-layout {text!r}: unknown symbol {bad!r} "
-                            f"at position {position}; use E (embedding), t (decoder layer), "
-                            f"L (loss), | (stage break), ( ) and *N")
+            raise UserError(
+                f"--pipeline-model-parallel-layout {text!r}: unknown symbol {bad!r} "
+                f"at position {position}; use E (embedding), t (decoder layer), "
+                f"L (loss), | (stage break), ( ) and *N"
+            )
         position = match.end()
         item, repeat = match.group("item"), match.group("repeat")
         if item == "(":
@@ -45,8 +48,10 @@ def _expand(text: str) -> str:
             stack[-1].append(item)
         elif repeat is not None:
             if not stack[-1]:
-                raise UserError(f"--pipeline-model-parallel-layout {text!r}: '*' must follow a "
-                                f"symbol or a group")
+                raise UserError(
+                    f"--pipeline-model-parallel-layout {text!r}: '*' must follow a "
+                    f"symbol or a group"
+                )
             stack[-1][-1] *= int(repeat.lstrip("*").strip())
     if len(stack) != 1:
         raise UserError(f"--pipeline-model-parallel-layout {text!r}: '(' without ')'")
@@ -64,13 +69,17 @@ def layout_layer_counts(layout: str, num_layers: int, pp: int) -> list[int]:
         raise UserError(f"{where}: L (the loss) must close the last stage, once")
     counts = [stage.count("t") for stage in stages]
     if sum(counts) != num_layers:
-        raise UserError(f"{where} places {sum(counts)} decoder layers but the model has "
-                        f"{num_layers}")
+        raise UserError(
+            f"{where} places {sum(counts)} decoder layers but the model has {num_layers}"
+        )
     if len(stages) % pp:
-        raise UserError(f"{where} has {len(stages)} stages, not a multiple of "
-                        f"--pipeline-model-parallel-size {pp}")
+        raise UserError(
+            f"{where} has {len(stages)} stages, not a multiple of "
+            f"--pipeline-model-parallel-size {pp}"
+        )
     empty = [i for i, count in enumerate(counts) if count == 0]
     if empty:
-        raise UserError(f"{where}: stage {empty[0]} holds no decoder layer; give every stage "
-                        f"at least one t")
+        raise UserError(
+            f"{where}: stage {empty[0]} holds no decoder layer; give every stage at least one t"
+        )
     return counts

@@ -40,25 +40,37 @@ Loading checks types only (and that ``grad_reduce_in_bf16`` does not come with a
 than bf16); :func:`megatron_het.parallel.plan_validation.validate` checks that the
 plan is consistent and fits a model and a cluster. The queries below assume a validated plan.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from megatron_het.errors import UserError
 from megatron_het.fileio import read_json_file
 
 PLAN_FORMAT = "megatron_het.plan/1"
 PLAN_DTYPES = ("fp32", "bf16", "fp16")
-_PLAN_KEYS = ("format", "micro_batch_size", "pipelines", "description", "dtype",
-              "use_distributed_optimizer", "sequence_parallel", "tp_comm_overlap",
-              "overlap_grad_reduce",
-              "overlap_param_gather", "grad_reduce_in_bf16", "overlap_p2p_comm")
+_PLAN_KEYS = (
+    "format",
+    "micro_batch_size",
+    "pipelines",
+    "description",
+    "dtype",
+    "use_distributed_optimizer",
+    "sequence_parallel",
+    "tp_comm_overlap",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "grad_reduce_in_bf16",
+    "overlap_p2p_comm",
+)
 _PIPELINE_KEYS = ("micro_batches", "stages")
 _STAGE_KEYS = ("accelerator", "tp", "layers", "ranks", "recompute", "recompute_num_layers")
 
@@ -66,9 +78,15 @@ _STAGE_KEYS = ("accelerator", "tp", "layers", "ranks", "recompute", "recompute_n
 ATTENTION_BLOCK, MLP_BLOCK = "attention", "mlp"
 LAYER_PARTS = (ATTENTION_BLOCK, MLP_BLOCK)
 # A decoder layer's parameters (names inside the layer), in the order the model registers them.
-LAYER_PARAMETERS = ("input_norm.weight", "attention.qkv.weight", "attention.proj.weight",
-                    "post_attention_norm.weight", "mlp.gate.weight", "mlp.up.weight",
-                    "mlp.down.weight")
+LAYER_PARAMETERS = (
+    "input_norm.weight",
+    "attention.qkv.weight",
+    "attention.proj.weight",
+    "post_attention_norm.weight",
+    "mlp.gate.weight",
+    "mlp.up.weight",
+    "mlp.down.weight",
+)
 # A layer's parameters of its MLP block start with these (the rest are its attention block's).
 _MLP_PREFIXES = ("post_attention_norm.", "mlp.")
 
@@ -131,7 +149,7 @@ class StagePlan:
     has_embedding: bool = False
     has_head: bool = False
     recompute: bool = False
-    recompute_num_layers: Optional[int] = None
+    recompute_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         layers = tuple(self.layers)
@@ -142,16 +160,31 @@ class StagePlan:
         object.__setattr__(self, "ranks", tuple(self.ranks))
 
     @classmethod
-    def trusted(cls, accelerator: str, tp: int, layers: tuple[LayerBound, LayerBound],
-                ranks: tuple[int, ...], has_embedding: bool, has_head: bool,
-                recompute: bool, recompute_num_layers: Optional[int] = None) -> "StagePlan":
+    def trusted(
+        cls,
+        accelerator: str,
+        tp: int,
+        layers: tuple[LayerBound, LayerBound],
+        ranks: tuple[int, ...],
+        has_embedding: bool,
+        has_head: bool,
+        recompute: bool,
+        recompute_num_layers: int | None = None,
+    ) -> StagePlan:
         """The same stage as the constructor's, built without its conversions: for callers
         that build many stages at once from tuples (a planner's probes of thousands of
         devices)."""
         stage = object.__new__(cls)
-        stage.__dict__.update(accelerator=accelerator, tp=tp, layers=layers, ranks=ranks,
-                              has_embedding=has_embedding, has_head=has_head,
-                              recompute=recompute, recompute_num_layers=recompute_num_layers)
+        stage.__dict__.update(
+            accelerator=accelerator,
+            tp=tp,
+            layers=layers,
+            ranks=ranks,
+            has_embedding=has_embedding,
+            has_head=has_head,
+            recompute=recompute,
+            recompute_num_layers=recompute_num_layers,
+        )
         return stage
 
     @property
@@ -218,13 +251,16 @@ class PipelinePlan:
 
     def __post_init__(self) -> None:
         last = len(self.stages) - 1
-        stages = tuple(stage if (stage.has_embedding, stage.has_head) == (i == 0, i == last)
-                       else dataclasses.replace(stage, has_embedding=i == 0, has_head=i == last)
-                       for i, stage in enumerate(self.stages))
+        stages = tuple(
+            stage
+            if (stage.has_embedding, stage.has_head) == (i == 0, i == last)
+            else dataclasses.replace(stage, has_embedding=i == 0, has_head=i == last)
+            for i, stage in enumerate(self.stages)
+        )
         object.__setattr__(self, "stages", stages)
 
     @classmethod
-    def trusted(cls, micro_batches: int, stages: tuple[StagePlan, ...]) -> "PipelinePlan":
+    def trusted(cls, micro_batches: int, stages: tuple[StagePlan, ...]) -> PipelinePlan:
         """The same pipeline as the constructor's for ``stages`` whose first stage alone has
         ``has_embedding`` and last alone ``has_head`` (not checked): a planner's fast path."""
         pipeline = object.__new__(cls)
@@ -314,15 +350,15 @@ class ParallelPlan:
 
     micro_batch_size: int
     pipelines: tuple[PipelinePlan, ...]
-    dtype: Optional[str] = None
-    use_distributed_optimizer: Optional[bool] = None
+    dtype: str | None = None
+    use_distributed_optimizer: bool | None = None
     description: str = ""
-    sequence_parallel: Optional[bool] = None
-    overlap_grad_reduce: Optional[bool] = None
-    grad_reduce_in_bf16: Optional[bool] = None
-    overlap_p2p_comm: Optional[bool] = None
-    overlap_param_gather: Optional[bool] = None
-    tp_comm_overlap: Optional[bool] = None
+    sequence_parallel: bool | None = None
+    overlap_grad_reduce: bool | None = None
+    grad_reduce_in_bf16: bool | None = None
+    overlap_p2p_comm: bool | None = None
+    overlap_param_gather: bool | None = None
+    tp_comm_overlap: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(self.pipelines))
@@ -358,25 +394,39 @@ class ParallelPlan:
                     chunks = pipeline.group_stages(g)
                     plans = tuple(pipeline.stages[s] for s in chunks)
                     return RankRole(p, chunks[0], ranks.index(rank), plans[0], chunks, plans)
-        raise UserError(f"rank {rank} is on no stage of the plan; add it to a stage's ranks or "
-                        f"launch {self.world_size} ranks")
+        raise UserError(
+            f"rank {rank} is on no stage of the plan; add it to a stage's ranks or "
+            f"launch {self.world_size} ranks"
+        )
 
     def describe(self) -> str:
         """A few human-readable lines: one per stage, with its ranks and layers."""
-        lines = [f"plan: dp={self.dp_size} micro_batch_size={self.micro_batch_size} "
-                 f"global_batch_size={self.global_batch_size}"
-                 + (" sequence_parallel" if self.sequence_parallel else "")
-                 + (" tp_comm_overlap" if self.tp_comm_overlap else "")]
+        lines = [
+            f"plan: dp={self.dp_size} micro_batch_size={self.micro_batch_size} "
+            f"global_batch_size={self.global_batch_size}"
+            + (" sequence_parallel" if self.sequence_parallel else "")
+            + (" tp_comm_overlap" if self.tp_comm_overlap else "")
+        ]
         for p, pipeline in enumerate(self.pipelines):
-            interleave = (f", {pipeline.num_chunks} interleaved chunks on each of "
-                          f"{pipeline.pp_size} device groups" if pipeline.interleaved else "")
+            interleave = (
+                f", {pipeline.num_chunks} interleaved chunks on each of "
+                f"{pipeline.pp_size} device groups"
+                if pipeline.interleaved
+                else ""
+            )
             lines.append(f"  pipeline {p}: {pipeline.micro_batches} micro-batches{interleave}")
             for s, st in enumerate(pipeline.stages):
-                extras = "".join([" +embedding" if st.has_embedding else "",
-                                  " +head" if st.has_head else "",
-                                  f" {st.recompute_label}" if st.recompute else ""])
-                lines.append(f"    stage {s}: {st.accelerator} tp={st.tp} ranks="
-                             f"{list(st.ranks)} layers {st.layers_label}{extras}")
+                extras = "".join(
+                    [
+                        " +embedding" if st.has_embedding else "",
+                        " +head" if st.has_head else "",
+                        f" {st.recompute_label}" if st.recompute else "",
+                    ]
+                )
+                lines.append(
+                    f"    stage {s}: {st.accelerator} tp={st.tp} ranks="
+                    f"{list(st.ranks)} layers {st.layers_label}{extras}"
+                )
         return "\n".join(lines)
 
     # ---- JSON -----------------------------------------------------------------------------
@@ -402,9 +452,10 @@ class ParallelPlan:
             out["grad_reduce_in_bf16"] = self.grad_reduce_in_bf16
         if self.overlap_p2p_comm is not None:
             out["overlap_p2p_comm"] = self.overlap_p2p_comm
-        out["pipelines"] = [{"micro_batches": p.micro_batches,
-                             "stages": [_stage_to_dict(s) for s in p.stages]}
-                            for p in self.pipelines]
+        out["pipelines"] = [
+            {"micro_batches": p.micro_batches, "stages": [_stage_to_dict(s) for s in p.stages]}
+            for p in self.pipelines
+        ]
         return out
 
     def save(self, path: str | Path) -> None:
@@ -412,12 +463,12 @@ class ParallelPlan:
         Path(path).write_text(dumps_plan(self) + "\n")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ParallelPlan":
+    def from_dict(cls, d: Mapping[str, Any]) -> ParallelPlan:
         """Parse the JSON form; wrong keys or types raise a one-line UserError."""
         return _parse_plan(d)
 
     @classmethod
-    def load(cls, source: str | Path | Mapping[str, Any]) -> "ParallelPlan":
+    def load(cls, source: str | Path | Mapping[str, Any]) -> ParallelPlan:
         """Load a plan from a JSON file path or from an already-parsed mapping."""
         if isinstance(source, Mapping):
             return _parse_plan(source)
@@ -443,8 +494,12 @@ def dumps_plan(plan: ParallelPlan) -> str:
 
 
 def _stage_to_dict(stage: StagePlan) -> dict[str, Any]:
-    out: dict[str, Any] = {"accelerator": stage.accelerator, "tp": stage.tp,
-                           "layers": list(stage.layers), "ranks": list(stage.ranks)}
+    out: dict[str, Any] = {
+        "accelerator": stage.accelerator,
+        "tp": stage.tp,
+        "layers": list(stage.layers),
+        "ranks": list(stage.ranks),
+    }
     if stage.recompute:
         out["recompute"] = True
     if stage.recompute_num_layers is not None:
@@ -472,11 +527,17 @@ def _int(where: str, key: str, value: Any) -> int:
 
 def _layer_bound(where: str, value: Any) -> LayerBound:
     """A layer bound: an integer, or a number ending in .5 (a half-layer bound)."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or 2 * value != int(2 * value)):
-        raise UserError(f"{where}: layers must be [first, end) as two integers, or numbers "
-                        f"ending in .5 for a bound between a layer's attention and MLP blocks; "
-                        f"got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or 2 * value != int(2 * value)
+    ):
+        raise UserError(
+            f"{where}: layers must be [first, end) as two integers, or numbers "
+            f"ending in .5 for a bound between a layer's attention and MLP blocks; "
+            f"got {value!r}"
+        )
     return value  # StagePlan keeps a whole bound as an int
 
 
@@ -489,12 +550,15 @@ def _bool(where: str, key: str, value: Any) -> bool:
 def _parse_stage(where: str, d: Any) -> StagePlan:
     _check_keys(where, d, _STAGE_KEYS, ("accelerator", "tp", "layers", "ranks"))
     if not isinstance(d["accelerator"], str) or not d["accelerator"]:
-        raise UserError(f"{where}: accelerator must be a kind name such as \"H100\", "
-                        f"got {d['accelerator']!r}")
+        raise UserError(
+            f'{where}: accelerator must be a kind name such as "H100", got {d["accelerator"]!r}'
+        )
     layers = d["layers"]
     if not isinstance(layers, list) or len(layers) != 2:
-        raise UserError(f"{where}: layers must be [first, end) as two integers (or numbers "
-                        f"ending in .5), got {layers!r}")
+        raise UserError(
+            f"{where}: layers must be [first, end) as two integers (or numbers "
+            f"ending in .5), got {layers!r}"
+        )
     ranks = d["ranks"]
     if not isinstance(ranks, list):
         raise UserError(f"{where}: ranks must be a list of integers, got {ranks!r}")
@@ -503,13 +567,19 @@ def _parse_stage(where: str, d: Any) -> StagePlan:
     if count is not None:
         count = _int(where, "recompute_num_layers", count)
         if count < 1 or not recompute:
-            raise UserError(f"{where}: recompute_num_layers (the first N layers recomputed) "
-                            f"needs \"recompute\": true and N >= 1, got {count} with recompute "
-                            f"{str(recompute).lower()}")
-    return StagePlan(accelerator=d["accelerator"], tp=_int(where, "tp", d["tp"]),
-                     layers=(_layer_bound(where, layers[0]), _layer_bound(where, layers[1])),
-                     ranks=tuple(_int(where, "ranks", r) for r in ranks),
-                     recompute=recompute, recompute_num_layers=count)
+            raise UserError(
+                f"{where}: recompute_num_layers (the first N layers recomputed) "
+                f'needs "recompute": true and N >= 1, got {count} with recompute '
+                f"{str(recompute).lower()}"
+            )
+    return StagePlan(
+        accelerator=d["accelerator"],
+        tp=_int(where, "tp", d["tp"]),
+        layers=(_layer_bound(where, layers[0]), _layer_bound(where, layers[1])),
+        ranks=tuple(_int(where, "ranks", r) for r in ranks),
+        recompute=recompute,
+        recompute_num_layers=count,
+    )
 
 
 def _parse_pipeline(index: int, d: Any) -> PipelinePlan:
@@ -520,7 +590,8 @@ def _parse_pipeline(index: int, d: Any) -> PipelinePlan:
         raise UserError(f"{where}: stages must be a non-empty list of stages")
     return PipelinePlan(
         micro_batches=_int(where, "micro_batches", d["micro_batches"]),
-        stages=tuple(_parse_stage(f"stage {s} of {where}", st) for s, st in enumerate(stages)))
+        stages=tuple(_parse_stage(f"stage {s} of {where}", st) for s, st in enumerate(stages)),
+    )
 
 
 def _parse_plan(d: Any) -> ParallelPlan:
@@ -529,30 +600,46 @@ def _parse_plan(d: Any) -> ParallelPlan:
         raise UserError(f"plan: format must be {PLAN_FORMAT!r}, got {d['format']!r}")
     pipelines = d["pipelines"]
     if not isinstance(pipelines, list) or not pipelines:
-        raise UserError("plan: pipelines must be a non-empty list (one per data-parallel "
-                        "replica)")
+        raise UserError("plan: pipelines must be a non-empty list (one per data-parallel replica)")
     dtype = d.get("dtype")
     if dtype is not None and dtype not in PLAN_DTYPES:
         raise UserError(f"plan: dtype must be one of {', '.join(PLAN_DTYPES)}, got {dtype!r}")
-    options = {key: None if d.get(key) is None else _bool("plan", key, d[key])
-               for key in ("use_distributed_optimizer", "sequence_parallel", "tp_comm_overlap",
-                           "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_bf16",
-                           "overlap_p2p_comm")}
+    options = {
+        key: None if d.get(key) is None else _bool("plan", key, d[key])
+        for key in (
+            "use_distributed_optimizer",
+            "sequence_parallel",
+            "tp_comm_overlap",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+            "grad_reduce_in_bf16",
+            "overlap_p2p_comm",
+        )
+    }
     if options["grad_reduce_in_bf16"] and dtype not in (None, "bf16"):
-        raise UserError(f"plan: grad_reduce_in_bf16 needs bf16 training but dtype is {dtype}; "
-                        "set \"dtype\": \"bf16\" or drop grad_reduce_in_bf16")
+        raise UserError(
+            f"plan: grad_reduce_in_bf16 needs bf16 training but dtype is {dtype}; "
+            'set "dtype": "bf16" or drop grad_reduce_in_bf16'
+        )
     if options["tp_comm_overlap"] and options["sequence_parallel"] is False:
-        raise UserError("plan: tp_comm_overlap overlaps sequence parallelism's all-gathers and "
-                        "reduce-scatters but sequence_parallel is false; set it true or drop "
-                        "tp_comm_overlap")
+        raise UserError(
+            "plan: tp_comm_overlap overlaps sequence parallelism's all-gathers and "
+            "reduce-scatters but sequence_parallel is false; set it true or drop "
+            "tp_comm_overlap"
+        )
     if options["overlap_param_gather"] and options["use_distributed_optimizer"] is False:
-        raise UserError("plan: overlap_param_gather overlaps the distributed optimizer's "
-                        "all-gather but use_distributed_optimizer is false; set it true or drop "
-                        "overlap_param_gather")
+        raise UserError(
+            "plan: overlap_param_gather overlaps the distributed optimizer's "
+            "all-gather but use_distributed_optimizer is false; set it true or drop "
+            "overlap_param_gather"
+        )
     description = d.get("description", "")
     if not isinstance(description, str):
         raise UserError(f"plan: description must be a string, got {description!r}")
     return ParallelPlan(
         micro_batch_size=_int("plan", "micro_batch_size", d["micro_batch_size"]),
         pipelines=tuple(_parse_pipeline(i, p) for i, p in enumerate(pipelines)),
-        dtype=dtype, description=description, **options)
+        dtype=dtype,
+        description=description,
+        **options,
+    )

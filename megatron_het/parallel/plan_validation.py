@@ -4,9 +4,10 @@ Every problem a user can cause raises :class:`UserError` with one line that name
 pipeline, layers or ranks at fault and says how to fix it. The first problem found is reported;
 checks run from the plan's own shape outwards (sizes, layers, ranks, TP, cluster, batch).
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
@@ -14,21 +15,25 @@ from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 
 
-def validate(plan: ParallelPlan, model: ModelConfig, cluster: Optional[ClusterSpec] = None,
-             global_batch_size: Optional[int] = None,
-             seq_length: Optional[int] = None) -> None:
+def validate(
+    plan: ParallelPlan,
+    model: ModelConfig,
+    cluster: ClusterSpec | None = None,
+    global_batch_size: int | None = None,
+    seq_length: int | None = None,
+) -> None:
     """Raise UserError for the first thing wrong with ``plan``; return None if it is sound.
 
     Checks: positive sizes; each pipeline covers layers ``0..model.num_layers-1`` exactly once in
     stage order (bounds may be half-layer bounds ``x.5``); every stage lists ``tp`` ranks;
     ``tp`` divides the attention heads, the query groups and the FFN size (pipelines may split
-    the model differently: heterogeneous data parallelism); ranks are used once and are exactly ``0..world-1`` (world from ``cluster`` if
-    given, else the number of ranks placed); each stage's accelerator is that of its ranks in
-    ``cluster``; the batch adds up to ``global_batch_size`` if given.
-    Interleaved pipelines (stages sharing ranks): at least two device groups, each holding the
-    same number of stages, round-robin (stage i on group i mod pp), one accelerator per group,
-    and at least as many micro_batches as groups. Sequence parallelism: ``seq_length``
-    (when given) divisible by every stage's tp.
+    the model differently: heterogeneous data parallelism); ranks are used once and are exactly
+    ``0..world-1`` (world from ``cluster`` if given, else the number of ranks placed); each stage's
+    accelerator is that of its ranks in ``cluster``; the batch adds up to ``global_batch_size`` if
+    given. Interleaved pipelines (stages sharing ranks): at least two device groups, each holding
+    the same number of stages, round-robin (stage i on group i mod pp), one accelerator per group,
+    and at least as many micro_batches as groups. Sequence parallelism: ``seq_length`` (when given)
+    divisible by every stage's tp.
     """
     _check_sizes(plan)
     for p, pipeline in enumerate(plan.pipelines):
@@ -37,13 +42,17 @@ def validate(plan: ParallelPlan, model: ModelConfig, cluster: Optional[ClusterSp
             _check_stage_tp(_where(p, s), stage, model)
             count = stage.recompute_num_layers
             if count is not None and stage.splits_layers:
-                raise UserError(f"{_where(p, s)} has half-layer bounds {stage.layers_label} and "
-                                f"recompute_num_layers {count}; recompute all of it (drop "
-                                f"recompute_num_layers) or give it whole layers")
+                raise UserError(
+                    f"{_where(p, s)} has half-layer bounds {stage.layers_label} and "
+                    f"recompute_num_layers {count}; recompute all of it (drop "
+                    f"recompute_num_layers) or give it whole layers"
+                )
             if count is not None and count > stage.num_layers:
-                raise UserError(f"{_where(p, s)} recomputes its first {count} layers but holds "
-                                f"{stage.num_layers}; use recompute_num_layers <= "
-                                f"{stage.num_layers}, or leave it out to recompute all")
+                raise UserError(
+                    f"{_where(p, s)} recomputes its first {count} layers but holds "
+                    f"{stage.num_layers}; use recompute_num_layers <= "
+                    f"{stage.num_layers}, or leave it out to recompute all"
+                )
         _check_interleaving(p, pipeline)
     _check_ranks(plan, cluster)
     if cluster is not None:
@@ -58,17 +67,23 @@ def _check_sequence(plan: ParallelPlan, seq_length: int) -> None:
     for p, pipeline in enumerate(plan.pipelines):
         for s, stage in enumerate(pipeline.stages):
             if seq_length % stage.tp:
-                raise UserError(f"{_where(p, s)} has tp={stage.tp}, which does not divide "
-                                f"--seq-length {seq_length}; sequence parallelism splits the "
-                                f"sequence over the TP ranks: use a multiple of {stage.tp} or "
-                                f"drop sequence parallelism")
+                raise UserError(
+                    f"{_where(p, s)} has tp={stage.tp}, which does not divide "
+                    f"--seq-length {seq_length}; sequence parallelism splits the "
+                    f"sequence over the TP ranks: use a multiple of {stage.tp} or "
+                    f"drop sequence parallelism"
+                )
 
 
 def valid_tp_sizes(model: ModelConfig) -> list[int]:
     """TP degrees that divide the attention heads, the query groups and the FFN size."""
-    return [t for t in range(1, model.num_attention_heads + 1)
-            if not (model.num_attention_heads % t or model.num_query_groups % t
-                    or model.ffn_hidden_size % t)]
+    return [
+        t
+        for t in range(1, model.num_attention_heads + 1)
+        if not (
+            model.num_attention_heads % t or model.num_query_groups % t or model.ffn_hidden_size % t
+        )
+    ]
 
 
 def _where(pipeline: int, stage: int) -> str:
@@ -97,8 +112,10 @@ def _check_sizes(plan: ParallelPlan) -> None:
         raise UserError("plan: give at least one pipeline (one per data-parallel replica)")
     for p, pipeline in enumerate(plan.pipelines):
         if pipeline.micro_batches < 1:
-            raise UserError(f"pipeline {p}: micro_batches must be at least 1, got "
-                            f"{pipeline.micro_batches}; give every pipeline a share of the batch")
+            raise UserError(
+                f"pipeline {p}: micro_batches must be at least 1, got "
+                f"{pipeline.micro_batches}; give every pipeline a share of the batch"
+            )
         if not pipeline.stages:
             raise UserError(f"pipeline {p}: give at least one stage")
         for s, stage in enumerate(pipeline.stages):
@@ -113,41 +130,59 @@ def _check_layers(p: int, pipeline: PipelinePlan, num_layers: int) -> None:
         start, end = stage.layers
         where = _where(p, s)
         if end <= start:
-            raise UserError(f"{where} has an empty layer range [{start}, {end}); give it at least "
-                            f"one layer (end > start)")
+            raise UserError(
+                f"{where} has an empty layer range [{start}, {end}); give it at least "
+                f"one layer (end > start)"
+            )
         if start < 0 or end > num_layers:
-            raise UserError(f"{where} has layers [{start}, {end}) but the model's layers are "
-                            f"[0, {num_layers}); keep every range inside it")
+            raise UserError(
+                f"{where} has layers [{start}, {end}) but the model's layers are "
+                f"[0, {num_layers}); keep every range inside it"
+            )
         if start > expected:
-            raise UserError(f"layers [{expected}, {start}) are on no stage of pipeline {p}: "
-                            f"{where} starts at layer {start}; make it start at {expected}")
+            raise UserError(
+                f"layers [{expected}, {start}) are on no stage of pipeline {p}: "
+                f"{where} starts at layer {start}; make it start at {expected}"
+            )
         if start < expected:
-            raise UserError(f"layers [{start}, {min(expected, end)}) are on both stage {s - 1} and "
-                            f"stage {s} of pipeline {p}; make stage {s} start at layer {expected}, "
-                            f"where stage {s - 1} ends")
+            raise UserError(
+                f"layers [{start}, {min(expected, end)}) are on both stage {s - 1} and "
+                f"stage {s} of pipeline {p}; make stage {s} start at layer {expected}, "
+                f"where stage {s - 1} ends"
+            )
         expected = end
     if expected < num_layers:
-        raise UserError(f"layers [{expected}, {num_layers}) are on no stage of pipeline {p}: its "
-                        f"last stage ends at layer {expected}; end it at {num_layers}")
+        raise UserError(
+            f"layers [{expected}, {num_layers}) are on no stage of pipeline {p}: its "
+            f"last stage ends at layer {expected}; end it at {num_layers}"
+        )
 
 
 def _check_stage_tp(where: str, stage: StagePlan, model: ModelConfig) -> None:
     if len(stage.ranks) != stage.tp:
-        raise UserError(f"{where} has tp={stage.tp} but lists {_plural(len(stage.ranks), 'rank')} "
-                        f"{list(stage.ranks)}; list exactly {stage.tp} (its TP group in tp_rank "
-                        f"order)")
+        raise UserError(
+            f"{where} has tp={stage.tp} but lists {_plural(len(stage.ranks), 'rank')} "
+            f"{list(stage.ranks)}; list exactly {stage.tp} (its TP group in tp_rank "
+            f"order)"
+        )
     if list(stage.ranks) != sorted(stage.ranks):
-        raise UserError(f"{where} lists ranks {list(stage.ranks)} out of order; list a stage's "
-                        f"ranks in ascending order ({sorted(stage.ranks)}): tp_rank follows the "
-                        f"global rank order inside a TP group")
-    sizes = ((model.num_attention_heads, f"{model.num_attention_heads} attention heads"),
-             (model.num_query_groups, f"{model.num_query_groups} query groups (kv heads)"),
-             (model.ffn_hidden_size, f"ffn_hidden_size {model.ffn_hidden_size}"))
+        raise UserError(
+            f"{where} lists ranks {list(stage.ranks)} out of order; list a stage's "
+            f"ranks in ascending order ({sorted(stage.ranks)}): tp_rank follows the "
+            f"global rank order inside a TP group"
+        )
+    sizes = (
+        (model.num_attention_heads, f"{model.num_attention_heads} attention heads"),
+        (model.num_query_groups, f"{model.num_query_groups} query groups (kv heads)"),
+        (model.ffn_hidden_size, f"ffn_hidden_size {model.ffn_hidden_size}"),
+    )
     bad = [what for n, what in sizes if n % stage.tp]
     if bad:
         valid = ", ".join(map(str, valid_tp_sizes(model)))
-        raise UserError(f"{where} has tp={stage.tp}, which does not divide the model's "
-                        f"{' or '.join(bad)}; use tp in {{{valid}}}")
+        raise UserError(
+            f"{where} has tp={stage.tp}, which does not divide the model's "
+            f"{' or '.join(bad)}; use tp in {{{valid}}}"
+        )
 
 
 def _check_interleaving(p: int, pipeline: PipelinePlan) -> None:
@@ -161,38 +196,51 @@ def _check_interleaving(p: int, pipeline: PipelinePlan) -> None:
         for rank in stage.ranks:
             other = pipeline.stages[holder.setdefault(rank, s)]
             if other.ranks != stage.ranks:
-                raise UserError(f"rank {rank} is on {_where(p, holder[rank])} (ranks "
-                                f"{list(other.ranks)}) and on {_where(p, s)} (ranks "
-                                f"{list(stage.ranks)}); the stages of one device group list the "
-                                f"same ranks")
+                raise UserError(
+                    f"rank {rank} is on {_where(p, holder[rank])} (ranks "
+                    f"{list(other.ranks)}) and on {_where(p, s)} (ranks "
+                    f"{list(stage.ranks)}); the stages of one device group list the "
+                    f"same ranks"
+                )
     if pp == 1:
-        raise UserError(f"pipeline {p} runs all {n} stages on ranks {list(groups[0])}; "
-                        f"interleaving needs at least 2 device groups: merge the stages into "
-                        f"one or give them different ranks")
+        raise UserError(
+            f"pipeline {p} runs all {n} stages on ranks {list(groups[0])}; "
+            f"interleaving needs at least 2 device groups: merge the stages into "
+            f"one or give them different ranks"
+        )
     if n % pp:
-        counts = ", ".join(f"ranks {list(g)}: {len(pipeline.group_stages(i))}"
-                           for i, g in enumerate(groups))
-        raise UserError(f"pipeline {p} has {n} stages on {pp} device groups ({counts}); "
-                        f"stages that share ranks are interleaved chunks of one group, and "
-                        f"every group must hold the same number: use a multiple of {pp} "
-                        f"stages, or give each stage ranks of its own")
+        counts = ", ".join(
+            f"ranks {list(g)}: {len(pipeline.group_stages(i))}" for i, g in enumerate(groups)
+        )
+        raise UserError(
+            f"pipeline {p} has {n} stages on {pp} device groups ({counts}); "
+            f"stages that share ranks are interleaved chunks of one group, and "
+            f"every group must hold the same number: use a multiple of {pp} "
+            f"stages, or give each stage ranks of its own"
+        )
     for s, stage in enumerate(pipeline.stages):
         want = groups[s % pp]
         if stage.ranks != want:
-            raise UserError(f"{_where(p, s)} runs on ranks {list(stage.ranks)} but interleaved "
-                            f"stages go round-robin over the device groups (stage i on group "
-                            f"i mod {pp}): give it ranks {list(want)}")
+            raise UserError(
+                f"{_where(p, s)} runs on ranks {list(stage.ranks)} but interleaved "
+                f"stages go round-robin over the device groups (stage i on group "
+                f"i mod {pp}): give it ranks {list(want)}"
+            )
         first = pipeline.stages[s % pp]
         if stage.accelerator.lower() != first.accelerator.lower():
-            raise UserError(f"{_where(p, s)} says {stage.accelerator} but stage {s % pp} on the "
-                            f"same ranks says {first.accelerator}; a device group has one kind")
+            raise UserError(
+                f"{_where(p, s)} says {stage.accelerator} but stage {s % pp} on the "
+                f"same ranks says {first.accelerator}; a device group has one kind"
+            )
     m = pipeline.micro_batches
     if m < pp:
-        raise UserError(f"pipeline {p} interleaves {n // pp} chunks on {pp} device groups, so "
-                        f"it needs at least {pp} micro_batches (got {m}): use {pp} or more")
+        raise UserError(
+            f"pipeline {p} interleaves {n // pp} chunks on {pp} device groups, so "
+            f"it needs at least {pp} micro_batches (got {m}): use {pp} or more"
+        )
 
 
-def _check_ranks(plan: ParallelPlan, cluster: Optional[ClusterSpec]) -> None:
+def _check_ranks(plan: ParallelPlan, cluster: ClusterSpec | None) -> None:
     placed: dict[int, str] = {}
     group_of: dict[int, tuple[int, tuple[int, ...]]] = {}
     for p, pipeline in enumerate(plan.pipelines):
@@ -201,9 +249,11 @@ def _check_ranks(plan: ParallelPlan, cluster: Optional[ClusterSpec]) -> None:
                 if rank < 0:
                     raise UserError(f"{_where(p, s)} lists rank {rank}; ranks are numbered from 0")
                 if rank in placed and group_of[rank] != (p, stage.ranks):
-                    raise UserError(f"rank {rank} is on {placed[rank]} and on {_where(p, s)}; "
-                                    f"give every rank exactly one stage, or (interleaving) "
-                                    f"list the same ranks on every stage of its device group")
+                    raise UserError(
+                        f"rank {rank} is on {placed[rank]} and on {_where(p, s)}; "
+                        f"give every rank exactly one stage, or (interleaving) "
+                        f"list the same ranks on every stage of its device group"
+                    )
                 placed.setdefault(rank, _where(p, s))
                 group_of[rank] = (p, stage.ranks)
     if cluster is None:
@@ -213,13 +263,17 @@ def _check_ranks(plan: ParallelPlan, cluster: Optional[ClusterSpec]) -> None:
         world, owner = cluster.world_size, f"the ranks of cluster {cluster.name}"
     outside = sorted(r for r in placed if r >= world)
     if outside:
-        raise UserError(f"{placed[outside[0]]} lists rank {outside[0]} but {owner} are "
-                        f"0-{world - 1}; use ranks in that range")
+        raise UserError(
+            f"{placed[outside[0]]} lists rank {outside[0]} but {owner} are "
+            f"0-{world - 1}; use ranks in that range"
+        )
     missing = sorted(set(range(world)) - set(placed))
     if missing:
-        raise UserError(f"{'rank' if len(missing) == 1 else 'ranks'} {_span(missing)} "
-                        f"{'is' if len(missing) == 1 else 'are'} on no stage but {owner} are "
-                        f"0-{world - 1}; put every rank on exactly one stage")
+        raise UserError(
+            f"{'rank' if len(missing) == 1 else 'ranks'} {_span(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} on no stage but {owner} are "
+            f"0-{world - 1}; put every rank on exactly one stage"
+        )
 
 
 def _check_accelerators(plan: ParallelPlan, cluster: ClusterSpec) -> None:
@@ -230,11 +284,16 @@ def _check_accelerators(plan: ParallelPlan, cluster: ClusterSpec) -> None:
                 if actual.lower() == stage.accelerator.lower():
                     continue
                 have = cluster.ranks_of_accelerator(stage.accelerator)
-                hint = (f"or use {stage.accelerator} ranks ({_span(have)})" if have
-                        else f"(the cluster has no {stage.accelerator})")
-                raise UserError(f"{_where(p, s)} says {stage.accelerator} but rank {rank} is "
-                                f"{actual} in cluster {cluster.name}; set the stage's "
-                                f"accelerator to {actual} {hint}")
+                hint = (
+                    f"or use {stage.accelerator} ranks ({_span(have)})"
+                    if have
+                    else f"(the cluster has no {stage.accelerator})"
+                )
+                raise UserError(
+                    f"{_where(p, s)} says {stage.accelerator} but rank {rank} is "
+                    f"{actual} in cluster {cluster.name}; set the stage's "
+                    f"accelerator to {actual} {hint}"
+                )
 
 
 def _check_batch(plan: ParallelPlan, global_batch_size: int) -> None:
@@ -243,11 +302,17 @@ def _check_batch(plan: ParallelPlan, global_batch_size: int) -> None:
     counts = " + ".join(str(p.micro_batches) for p in plan.pipelines)
     mbs = plan.micro_batch_size
     if global_batch_size % mbs:
-        fix = (f"{global_batch_size} is not a multiple of micro_batch_size {mbs}; set "
-               f"--global-batch-size {plan.global_batch_size}")
+        fix = (
+            f"{global_batch_size} is not a multiple of micro_batch_size {mbs}; set "
+            f"--global-batch-size {plan.global_batch_size}"
+        )
     else:
-        fix = (f"set --global-batch-size {plan.global_batch_size} or make the pipelines' "
-               f"micro_batches sum to {global_batch_size // mbs}")
-    raise UserError(f"the plan's batch is micro_batch_size {mbs} x ({counts}) micro-batches = "
-                    f"{plan.global_batch_size} sequences but --global-batch-size is "
-                    f"{global_batch_size}; {fix}")
+        fix = (
+            f"set --global-batch-size {plan.global_batch_size} or make the pipelines' "
+            f"micro_batches sum to {global_batch_size // mbs}"
+        )
+    raise UserError(
+        f"the plan's batch is micro_batch_size {mbs} x ({counts}) micro-batches = "
+        f"{plan.global_batch_size} sequences but --global-batch-size is "
+        f"{global_batch_size}; {fix}"
+    )

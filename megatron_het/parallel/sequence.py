@@ -6,6 +6,7 @@ stage boundaries (:mod:`megatron_het.pipeline.p2p`) and the predictor's
 (:mod:`megatron_het.perf.boundary_cost`) both exchange the overlaps that
 :func:`position_overlaps` lists. No torch.
 """
+
 from __future__ import annotations
 
 from megatron_het.parallel.plan import ParallelPlan, StagePlan
@@ -24,8 +25,9 @@ def sequence_sharded(plan: ParallelPlan, stage: StagePlan) -> bool:
     return bool(plan.sequence_parallel) and stage.tp > 1
 
 
-def local_positions(plan: ParallelPlan, stage: StagePlan, tp_rank: int,
-                    seq_length: int) -> tuple[int, int]:
+def local_positions(
+    plan: ParallelPlan, stage: StagePlan, tp_rank: int, seq_length: int
+) -> tuple[int, int]:
     """Sequence positions a rank of ``stage`` holds between layers: all of them, or its
     ``S / tp`` block under sequence parallelism."""
     if sequence_sharded(plan, stage):
@@ -33,8 +35,9 @@ def local_positions(plan: ParallelPlan, stage: StagePlan, tp_rank: int,
     return 0, seq_length
 
 
-def position_overlaps(plan: ParallelPlan, src: StagePlan, dst: StagePlan,
-                      seq_length: int) -> list[tuple[int, int, int, int]]:
+def position_overlaps(
+    plan: ParallelPlan, src: StagePlan, dst: StagePlan, seq_length: int
+) -> list[tuple[int, int, int, int]]:
     """``(i, j, lo, hi)`` for every tp_rank ``i`` of ``src`` and ``j`` of ``dst`` whose blocks
     share the positions ``[lo, hi)`` (non-empty), in ``(i, j)`` order."""
     out = []

@@ -25,6 +25,7 @@ parallelism these are streams (tp per pipeline with equal degrees, else 1, count
 sending stage's node); with it, the ranks of the node that have a cross-node message over that
 boundary, and a message takes the larger share of its two ends.
 """
+
 from __future__ import annotations
 
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
@@ -38,25 +39,30 @@ def rank_activation_bytes(plan: ParallelPlan, stage: StagePlan, act_bytes: float
     return act_bytes / stage.tp if sequence_sharded(plan, stage) else act_bytes
 
 
-def position_messages(plan: ParallelPlan, src: StagePlan, dst: StagePlan,
-                      seq: int) -> list[tuple[int, int, float]]:
+def position_messages(
+    plan: ParallelPlan, src: StagePlan, dst: StagePlan, seq: int
+) -> list[tuple[int, int, float]]:
     """The messages of a sequence-parallel boundary from ``src`` to ``dst`` (the backward's
     are the same pairs the other way): ``(src rank, dst rank, share of the activation)``."""
-    return [(src.ranks[i], dst.ranks[j], (hi - lo) / seq)
-            for i, j, lo, hi in position_overlaps(plan, src, dst, seq)]
+    return [
+        (src.ranks[i], dst.ranks[j], (hi - lo) / seq)
+        for i, j, lo, hi in position_overlaps(plan, src, dst, seq)
+    ]
 
 
 class BoundaryCost:
     """The transfer times of every boundary of a plan, for one prediction (see the module
     docstring); ``act_bytes`` as there, ``seq`` the sequence length."""
 
-    def __init__(self, plan: ParallelPlan, comm: CommCost, act_bytes: float,
-                 seq: int) -> None:
+    def __init__(self, plan: ParallelPlan, comm: CommCost, act_bytes: float, seq: int) -> None:
         self.plan, self.comm, self.act_bytes, self.seq = plan, comm, act_bytes, seq
         self._overlaps: dict[tuple[int, int, bool, bool], list] = {}
         # the counts depend on the stages' ranks and sharding only, not on their layers
-        key = (bool(plan.sequence_parallel), seq,
-               tuple(tuple(st.ranks for st in p.stages) for p in plan.pipelines))
+        key = (
+            bool(plan.sequence_parallel),
+            seq,
+            tuple(tuple(st.ranks for st in p.stages) for p in plan.pipelines),
+        )
         if key not in comm.boundary_shares:
             comm.boundary_shares[key] = self._node_shares()
         self._shares = comm.boundary_shares[key]
@@ -64,11 +70,12 @@ class BoundaryCost:
     def _messages(self, src: StagePlan, dst: StagePlan) -> list[tuple[int, int, float]]:
         """:func:`position_messages`, its overlaps memoized by the two sides' TP and sharding
         (all a boundary's positions depend on)."""
-        key = (src.tp, dst.tp, sequence_sharded(self.plan, src),
-               sequence_sharded(self.plan, dst))
+        key = (src.tp, dst.tp, sequence_sharded(self.plan, src), sequence_sharded(self.plan, dst))
         if key not in self._overlaps:
-            self._overlaps[key] = [(i, j, (hi - lo) / self.seq) for i, j, lo, hi in
-                                   position_overlaps(self.plan, src, dst, self.seq)]
+            self._overlaps[key] = [
+                (i, j, (hi - lo) / self.seq)
+                for i, j, lo, hi in position_overlaps(self.plan, src, dst, self.seq)
+            ]
         return [(src.ranks[i], dst.ranks[j], share) for i, j, share in self._overlaps[key]]
 
     def _by_position(self, src: StagePlan, dst: StagePlan) -> bool:
@@ -92,8 +99,7 @@ class BoundaryCost:
                     continue
                 here = node(src.ranks[-1])
                 if here != node(dst.ranks[0]):
-                    counts[b][here] = counts[b].get(here, 0) + (src.tp if src.tp == dst.tp
-                                                                else 1)
+                    counts[b][here] = counts[b].get(here, 0) + (src.tp if src.tp == dst.tp else 1)
         for b, nodes in enumerate(crossing):
             for n, ranks in nodes.items():
                 counts[b][n] = counts[b].get(n, 0) + len(ranks)

@@ -74,15 +74,20 @@ Links: one efficiency for every link kind (``LINK_EFFICIENCY`` of
 signs among the runs with the most communication (TP 8 with large micro-batches, DP over
 hundreds of nodes), so a per-kind link figure would have nothing consistent to correct.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
 
 from megatron_het.cluster import AcceleratorSpec
-from megatron_het.perf.cost_model import (DEFAULT_EFFICIENCY, EAGER_ELEMENTWISE_TRAFFIC,
-                                          MEMORY_EFFICIENCY, Efficiency)
+from megatron_het.perf.cost_model import (
+    DEFAULT_EFFICIENCY,
+    EAGER_ELEMENTWISE_TRAFFIC,
+    MEMORY_EFFICIENCY,
+    Efficiency,
+)
 
 # A100 dense FP16/BF16 peak (TFLOP/s), the figure the published kernel speeds are shares of.
 A100_PEAK_TFLOPS = 312.0
@@ -97,22 +102,30 @@ FLASH_ATTENTION_2_A100_TFLOPS = (155.0, 173.0)
 # as a share of the peak. Memory: not fitted (module docstring), the default.
 A100_EFFICIENCY = Efficiency(
     gemm=0.627,
-    attention=round(sum(FLASH_ATTENTION_2_A100_TFLOPS) / len(FLASH_ATTENTION_2_A100_TFLOPS)
-                    / A100_PEAK_TFLOPS, 3),
-    memory=MEMORY_EFFICIENCY)
+    attention=round(
+        sum(FLASH_ATTENTION_2_A100_TFLOPS) / len(FLASH_ATTENTION_2_A100_TFLOPS) / A100_PEAK_TFLOPS,
+        3,
+    ),
+    memory=MEMORY_EFFICIENCY,
+)
 # Best measured BF16 matmul as a fraction of the dense peak of our spec ("maximum achievable
 # matmul FLOPS", S. Bekman, ml-engineering, compute/accelerator/README.md, its first table:
 # CUDA 12.1 / ROCm 6.2): A100 SXM 267.9 / 312, H100 SXM 792.1 / 989, MI250X 147.0 of one
 # GCD's 191.5, MI300X 781.9 / 1307.4 TFLOP/s.
-BEST_MATMUL_FRACTION = {"A100": 267.9 / A100_PEAK_TFLOPS, "H100": 792.1 / 989,
-                        "MI250X": 147.0 / 191.5, "MI300X": 781.9 / 1307.4}
+BEST_MATMUL_FRACTION = {
+    "A100": 267.9 / A100_PEAK_TFLOPS,
+    "H100": 792.1 / 989,
+    "MI250X": 147.0 / 191.5,
+    "MI300X": 781.9 / 1307.4,
+}
 
 
 def carried_gemm(kind: str) -> float:
     """The A100 fit's share of A100's best matmul, carried to ``kind``'s best matmul (three
     figures): what training GEMMs reach of a kind whose BLAS reaches that best."""
-    return round(A100_EFFICIENCY.gemm * BEST_MATMUL_FRACTION[kind]
-                 / BEST_MATMUL_FRACTION["A100"], 3)
+    return round(
+        A100_EFFICIENCY.gemm * BEST_MATMUL_FRACTION[kind] / BEST_MATMUL_FRACTION["A100"], 3
+    )
 
 
 # GEMM: fitted on the H100 weak-scaling rows without a pipeline (module docstring; redo it
@@ -126,12 +139,12 @@ MI250X_EFFICIENCY = dataclasses.replace(DEFAULT_EFFICIENCY, gemm=carried_gemm("M
 MI300X_EFFICIENCY = dataclasses.replace(DEFAULT_EFFICIENCY, gemm=carried_gemm("MI300X"))
 
 CALIBRATED: dict[str, Efficiency] = {
-    "a100-80g": A100_EFFICIENCY,   # GEMM fitted: Narayanan et al. 2021, Table 1 (A100 80GB)
-    "a100-40g": A100_EFFICIENCY,   # same silicon; its lower HBM bandwidth is in the spec
-    "h100": H100_EFFICIENCY,       # GEMM fitted: Megatron-LM's H100 weak-scaling rows
-    "h200": H100_EFFICIENCY,       # H100 compute with more, faster HBM (in the spec)
-    "mi250x": MI250X_EFFICIENCY,   # GEMM from its published best matmul (module docstring)
-    "mi300x": MI300X_EFFICIENCY,   # GEMM from its published best matmul (module docstring)
+    "a100-80g": A100_EFFICIENCY,  # GEMM fitted: Narayanan et al. 2021, Table 1 (A100 80GB)
+    "a100-40g": A100_EFFICIENCY,  # same silicon; its lower HBM bandwidth is in the spec
+    "h100": H100_EFFICIENCY,  # GEMM fitted: Megatron-LM's H100 weak-scaling rows
+    "h200": H100_EFFICIENCY,  # H100 compute with more, faster HBM (in the spec)
+    "mi250x": MI250X_EFFICIENCY,  # GEMM from its published best matmul (module docstring)
+    "mi300x": MI300X_EFFICIENCY,  # GEMM from its published best matmul (module docstring)
 }
 
 # Each factor is raised by this much to measure a run's sensitivity to it.
@@ -150,7 +163,7 @@ def efficiency_for(spec: AcceleratorSpec) -> Efficiency:
     return CALIBRATED.get(spec.name.lower(), DEFAULT_EFFICIENCY)
 
 
-def resolve_efficiency(spec: AcceleratorSpec, efficiency: Optional[Efficiency]) -> Efficiency:
+def resolve_efficiency(spec: AcceleratorSpec, efficiency: Efficiency | None) -> Efficiency:
     """``efficiency`` if given (an explicit override), else :func:`efficiency_for` ``spec``."""
     return efficiency_for(spec) if efficiency is None else efficiency
 
@@ -160,8 +173,9 @@ def resolve_efficiency(spec: AcceleratorSpec, efficiency: Optional[Efficiency]) 
 EAGER_TRAFFIC_DTYPES = ("bf16", "fp16")
 
 
-def layer_efficiency(spec: AcceleratorSpec, dtype: str, fused_elementwise: bool,
-                     efficiency: Optional[Efficiency] = None) -> Optional[Efficiency]:
+def layer_efficiency(
+    spec: AcceleratorSpec, dtype: str, fused_elementwise: bool, efficiency: Efficiency | None = None
+) -> Efficiency | None:
     """What prices ``spec``'s decoder layers: ``efficiency`` (None: the kind's calibrated
     figures, left to the stage costs), or, for the runtime's eager layers
     (``fused_elementwise`` False: no ``--compile``) on a real CUDA/ROCm kind in bf16 or fp16,
@@ -169,8 +183,12 @@ def layer_efficiency(spec: AcceleratorSpec, dtype: str, fused_elementwise: bool,
     :data:`~megatron_het.perf.cost_model.EAGER_ELEMENTWISE_TRAFFIC` (an ``efficiency`` that
     sets its own ``elementwise_traffic`` keeps it). CPU and emulated kinds are priced from
     host profiles and emulation, fused or not."""
-    if (fused_elementwise or spec.emulated or spec.device_type != "cuda"
-            or dtype not in EAGER_TRAFFIC_DTYPES):
+    if (
+        fused_elementwise
+        or spec.emulated
+        or spec.device_type != "cuda"
+        or dtype not in EAGER_TRAFFIC_DTYPES
+    ):
         return efficiency
     base = resolve_efficiency(spec, efficiency)
     if base.elementwise_traffic != 1.0:
@@ -206,8 +224,9 @@ class CalibrationFit:
         return {r.name: r.predicted_s(self.efficiency) / r.published_s - 1 for r in self.runs}
 
 
-def sensitivity(name: str, published_s: float, base: Efficiency, at_base: float,
-                raised: Mapping[str, float]) -> RunSensitivity:
+def sensitivity(
+    name: str, published_s: float, base: Efficiency, at_base: float, raised: Mapping[str, float]
+) -> RunSensitivity:
     """A run's :class:`RunSensitivity` from its predicted time at ``base`` and, per factor
     ``f`` of ``raised``, the time with ``f`` raised by ``STEP`` (the time is linear in
     ``1 / f`` while no op changes sides of its roofline)."""
@@ -226,18 +245,24 @@ def least_squares(runs: Sequence[RunSensitivity], base: Efficiency) -> Efficienc
         raise ValueError("a fit needs at least one run")
     factors = tuple(runs[0].seconds)
     if len(runs) < len(factors):
-        raise ValueError(f"a fit of {len(factors)} factors needs at least {len(factors)} runs, "
-                         f"got {len(runs)}")
+        raise ValueError(
+            f"a fit of {len(factors)} factors needs at least {len(factors)} runs, got {len(runs)}"
+        )
     rows = [[r.seconds[f] / r.published_s for f in factors] for r in runs]
     rhs = [1.0 - r.constant_s / r.published_s for r in runs]
     k = len(factors)
-    normal = [[sum(a[i] * a[j] for a in rows) for j in range(k)]
-              + [sum(a[i] * b for a, b in zip(rows, rhs))] for i in range(k)]
+    normal = [
+        [sum(a[i] * a[j] for a in rows) for j in range(k)]
+        + [sum(a[i] * b for a, b in zip(rows, rhs))]
+        for i in range(k)
+    ]
     x = _solve(normal)
     if any(v <= 0 for v in x):
-        raise ValueError(f"the fit gives non-positive 1/efficiency "
-                         f"({', '.join(f'{v:.3g}' for v in x)}); the runs' fixed costs alone "
-                         f"exceed their published times")
+        raise ValueError(
+            f"the fit gives non-positive 1/efficiency "
+            f"({', '.join(f'{v:.3g}' for v in x)}); the runs' fixed costs alone "
+            f"exceed their published times"
+        )
     return dataclasses.replace(base, **{f: 1.0 / v for f, v in zip(factors, x)})
 
 
@@ -261,8 +286,25 @@ def _solve(augmented: list[list[float]]) -> list[float]:
     return x
 
 
-__all__ = ["A100_EFFICIENCY", "A100_PEAK_TFLOPS", "BEST_MATMUL_FRACTION", "CALIBRATED",
-           "CalibrationFit", "FACTORS", "FLASH_ATTENTION_2_A100_TFLOPS", "H100_EFFICIENCY",
-           "MI250X_EFFICIENCY", "MI300X_EFFICIENCY", "carried_gemm",
-           "RunSensitivity", "SINGULAR", "STEP", "EAGER_TRAFFIC_DTYPES", "efficiency_for",
-           "layer_efficiency", "least_squares", "resolve_efficiency", "sensitivity"]
+__all__ = [
+    "A100_EFFICIENCY",
+    "A100_PEAK_TFLOPS",
+    "BEST_MATMUL_FRACTION",
+    "CALIBRATED",
+    "CalibrationFit",
+    "FACTORS",
+    "FLASH_ATTENTION_2_A100_TFLOPS",
+    "H100_EFFICIENCY",
+    "MI250X_EFFICIENCY",
+    "MI300X_EFFICIENCY",
+    "carried_gemm",
+    "RunSensitivity",
+    "SINGULAR",
+    "STEP",
+    "EAGER_TRAFFIC_DTYPES",
+    "efficiency_for",
+    "layer_efficiency",
+    "least_squares",
+    "resolve_efficiency",
+    "sensitivity",
+]

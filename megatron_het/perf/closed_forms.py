@@ -7,16 +7,21 @@ Inputs are per stage (a model chunk of an interleaved device group), in seconds 
 micro-batch; ``p2p_*_s[b]`` is the transfer over boundary b (stage b to b + 1) each way. See each
 docstring for its formula and when it is exact.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from megatron_het.pipeline.schedules import interleaved_warmup
 
 
-def closed_form_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],
-                     num_micro_batches: int, p2p_forward_s: Optional[Sequence[float]] = None,
-                     p2p_backward_s: Optional[Sequence[float]] = None) -> float:
+def closed_form_1f1b(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    num_micro_batches: int,
+    p2p_forward_s: Sequence[float] | None = None,
+    p2p_backward_s: Sequence[float] | None = None,
+) -> float:
     """Iteration time of non-interleaved 1F1B with non-uniform stages, analytically.
 
     ``T = sum_s (f_s + b_s) + sum_b (c_b^f + c_b^b) + (m - 1) * max_s (f_s + b_s + k_s)``
@@ -37,13 +42,19 @@ def closed_form_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],
     p = len(f)
     cf = list(p2p_forward_s or [0.0] * (p - 1))
     cb = list(p2p_backward_s or [0.0] * (p - 1))
-    cycle = [f[s] + b[s] + (max(cf[s], cb[s]) if s < p - 1 else 0.0)
-             + (max(cf[s - 1], cb[s - 1]) if s > 0 else 0.0) for s in range(p)]
+    cycle = [
+        f[s]
+        + b[s]
+        + (max(cf[s], cb[s]) if s < p - 1 else 0.0)
+        + (max(cf[s - 1], cb[s - 1]) if s > 0 else 0.0)
+        for s in range(p)
+    ]
     return sum(f) + sum(b) + sum(cf) + sum(cb) + (m - 1) * max(cycle)
 
 
-def closed_form_interleaved_bubble(num_groups: int, num_chunks: int,
-                                   num_micro_batches: int) -> float:
+def closed_form_interleaved_bubble(
+    num_groups: int, num_chunks: int, num_micro_batches: int
+) -> float:
     """The bubble of interleaved 1F1B relative to the ideal time ``m (F + B)`` (F, B: a group's
     forward and backward per micro-batch over all its chunks): ``(p - 1) / (v m)``.
 
@@ -54,16 +65,21 @@ def closed_form_interleaved_bubble(num_groups: int, num_chunks: int,
     return (num_groups - 1) / (num_chunks * num_micro_batches)
 
 
-def lower_bound_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],
-                     num_micro_batches: int) -> float:
+def lower_bound_1f1b(
+    forward_s: Sequence[float], backward_s: Sequence[float], num_micro_batches: int
+) -> float:
     """No schedule beats this: some stage k must run all m micro-batches' forward and backward,
     after the first micro-batch reached it and before its gradient leaves for stage 0."""
     f, b, m = list(forward_s), list(backward_s), num_micro_batches
     return max(sum(f[:k]) + sum(b[:k]) + m * (f[k] + b[k]) for k in range(len(f)))
 
 
-def bubble_fraction(makespan_s: float, forward_s: Sequence[float], backward_s: Sequence[float],
-                    num_micro_batches: int) -> float:
+def bubble_fraction(
+    makespan_s: float,
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    num_micro_batches: int,
+) -> float:
     """Fraction of the pipeline time the busiest stage is idle: ``1 - m (f+b)_max / T``.
 
     For uniform 1F1B without p2p it is ``(p - 1) / (m + p - 1)``. (Interleaved: pass the
@@ -73,8 +89,9 @@ def bubble_fraction(makespan_s: float, forward_s: Sequence[float], backward_s: S
     return 0.0 if makespan_s <= 0 else max(0.0, 1.0 - busiest / makespan_s)
 
 
-def group_sums(num_groups: int, forward_s: Sequence[float],
-               backward_s: Sequence[float]) -> tuple[list[float], list[float]]:
+def group_sums(
+    num_groups: int, forward_s: Sequence[float], backward_s: Sequence[float]
+) -> tuple[list[float], list[float]]:
     """Per device group, the forward and backward seconds of all its chunks (stage s on group
     s % num_groups) per micro-batch."""
     f = [sum(forward_s[g::num_groups]) for g in range(num_groups)]
@@ -82,8 +99,12 @@ def group_sums(num_groups: int, forward_s: Sequence[float],
     return f, b
 
 
-def last_backward_ends(backward_s: Sequence[float], makespan_s: float, num_groups: int,
-                       p2p_backward_s: Optional[Sequence[float]] = None) -> list[float]:
+def last_backward_ends(
+    backward_s: Sequence[float],
+    makespan_s: float,
+    num_groups: int,
+    p2p_backward_s: Sequence[float] | None = None,
+) -> list[float]:
     """When each device group's last backward ends, 1F1B plain or interleaved (stage s on group
     ``s % num_groups``; per-stage inputs), given the pipeline's ``makespan_s``.
 
@@ -108,21 +129,33 @@ def last_backward_ends(backward_s: Sequence[float], makespan_s: float, num_group
     return ends
 
 
-def _group_work(forward_s: Sequence[float], backward_s: Sequence[float], num_chunks: int,
-                p2p_forward_s: Optional[Sequence[float]], p2p_backward_s: Optional[Sequence[float]]
-                ) -> tuple[int, list[float], list[float], list[float]]:
+def _group_work(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    num_chunks: int,
+    p2p_forward_s: Sequence[float] | None,
+    p2p_backward_s: Sequence[float] | None,
+) -> tuple[int, list[float], list[float], list[float]]:
     """(groups, per-group forward + backward per micro-batch, per-boundary p2p each way)."""
     n = len(forward_s)
     work = [x + y for x, y in zip(*group_sums(n // num_chunks, forward_s, backward_s))]
-    return (n // num_chunks, work, list(p2p_forward_s or [0.0] * (n - 1)),
-            list(p2p_backward_s or [0.0] * (n - 1)))
+    return (
+        n // num_chunks,
+        work,
+        list(p2p_forward_s or [0.0] * (n - 1)),
+        list(p2p_backward_s or [0.0] * (n - 1)),
+    )
 
 
-def closed_form_interleaved(forward_s: Sequence[float], backward_s: Sequence[float],
-                            num_micro_batches: int, num_chunks: int,
-                            p2p_forward_s: Optional[Sequence[float]] = None,
-                            p2p_backward_s: Optional[Sequence[float]] = None,
-                            overlap_p2p: bool = False) -> float:
+def closed_form_interleaved(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    num_micro_batches: int,
+    num_chunks: int,
+    p2p_forward_s: Sequence[float] | None = None,
+    p2p_backward_s: Sequence[float] | None = None,
+    overlap_p2p: bool = False,
+) -> float:
     """Iteration time of interleaved 1F1B, analytically; per-stage inputs, ``n = v p`` stages,
     stage s on device group ``s % p``.
 
@@ -160,15 +193,24 @@ def closed_form_interleaved(forward_s: Sequence[float], backward_s: Sequence[flo
     m, v = num_micro_batches, num_chunks
     p, work, cf, cb = _group_work(forward_s, backward_s, v, p2p_forward_s, p2p_backward_s)
     chunk = [f + b for f, b in zip(forward_s, backward_s)]
-    rounds = sum(max(chunk[c * p:(c + 1) * p]) for c in range(v))
-    return (m * rounds + (sum(work) - max(work)) / v
-            + exchange_time(m, v, p, forward_s, backward_s, cf, cb, overlap_p2p))
+    rounds = sum(max(chunk[c * p : (c + 1) * p]) for c in range(v))
+    return (
+        m * rounds
+        + (sum(work) - max(work)) / v
+        + exchange_time(m, v, p, forward_s, backward_s, cf, cb, overlap_p2p)
+    )
 
 
-def exchange_time(num_micro_batches: int, num_chunks: int, num_groups: int,
-                  forward_s: Sequence[float], backward_s: Sequence[float],
-                  p2p_forward_s: Sequence[float], p2p_backward_s: Sequence[float],
-                  overlap_p2p: bool) -> float:
+def exchange_time(
+    num_micro_batches: int,
+    num_chunks: int,
+    num_groups: int,
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    p2p_forward_s: Sequence[float],
+    p2p_backward_s: Sequence[float],
+    overlap_p2p: bool,
+) -> float:
     """The transfer time :func:`closed_form_interleaved` adds to the compute's (see there):
     per-stage compute and per-boundary p2p, ``p`` device groups, ``v`` chunks."""
     m, v, p = num_micro_batches, num_chunks, num_groups
@@ -176,18 +218,23 @@ def exchange_time(num_micro_batches: int, num_chunks: int, num_groups: int,
     if overlap_p2p and m > p:
         f, b = forward_s, backward_s
         chunk = [x + y for x, y in zip(f, b)]
-        slack = [max(chunk[(s // p) * p:(s // p + 1) * p]) - chunk[s] for s in range(len(f))]
-        exceed = (max([0.0] + [cf[s] - b[s] - slack[s] for s in range(len(cf))])
-                  + max([0.0] + [cb[s] - f[s + 1] - slack[s + 1] for s in range(len(cb))]))
+        slack = [max(chunk[(s // p) * p : (s // p + 1) * p]) - chunk[s] for s in range(len(f))]
+        exceed = max([0.0] + [cf[s] - b[s] - slack[s] for s in range(len(cf))]) + max(
+            [0.0] + [cb[s] - f[s + 1] - slack[s + 1] for s in range(len(cb))]
+        )
         return sum(cf) + sum(cb) + m * v * exceed
     x = max((max(a, c) for a, c in zip(cf, cb)), default=0.0)
     return x * (m * v + interleaved_warmup(p, v, m, 0) - 1)
 
 
-def lower_bound_interleaved(forward_s: Sequence[float], backward_s: Sequence[float],
-                            num_micro_batches: int, num_chunks: int,
-                            p2p_forward_s: Optional[Sequence[float]] = None,
-                            p2p_backward_s: Optional[Sequence[float]] = None) -> float:
+def lower_bound_interleaved(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    num_micro_batches: int,
+    num_chunks: int,
+    p2p_forward_s: Sequence[float] | None = None,
+    p2p_backward_s: Sequence[float] | None = None,
+) -> float:
     """No schedule of ``n = v p`` stages on ``p`` device groups (stage s on group ``s % p``)
     with blocking transfers beats this.
 
@@ -205,6 +252,14 @@ def lower_bound_interleaved(forward_s: Sequence[float], backward_s: Sequence[flo
     return max(chain, max(r + m * w for r, w in zip(ramp, work)))
 
 
-__all__ = ["bubble_fraction", "closed_form_1f1b", "closed_form_interleaved",
-           "closed_form_interleaved_bubble", "exchange_time", "group_sums", "last_backward_ends",
-           "lower_bound_1f1b", "lower_bound_interleaved"]
+__all__ = [
+    "bubble_fraction",
+    "closed_form_1f1b",
+    "closed_form_interleaved",
+    "closed_form_interleaved_bubble",
+    "exchange_time",
+    "group_sums",
+    "last_backward_ends",
+    "lower_bound_1f1b",
+    "lower_bound_interleaved",
+]

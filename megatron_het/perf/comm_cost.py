@@ -20,10 +20,12 @@ kind, all-reduce of each shard across kinds on parallel channels over the bridge
 inside each kind. Its reduce-scatter (ZeRO-1 gradients) is that whole all-reduce; its all-gather
 is a gather across kinds then a native gather with equal kind sizes, else one flat ring.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from megatron_het.cluster import AcceleratorSpec, ClusterSpec
 from megatron_het.perf.profile import Profile
@@ -75,8 +77,13 @@ def broadcast_time(nbytes: float, k: int, path: PathFigures) -> float:
 class CommCost:
     """Path figures between ranks of one cluster; one object per prediction (it caches links)."""
 
-    def __init__(self, cluster: ClusterSpec, profiles: Optional[Mapping[str, Profile]] = None,
-                 link_efficiency: float = LINK_EFFICIENCY, paced_links: bool = True) -> None:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        profiles: Mapping[str, Profile] | None = None,
+        link_efficiency: float = LINK_EFFICIENCY,
+        paced_links: bool = True,
+    ) -> None:
         """``paced_links=False`` costs a link the cluster marks emulated at what the host's own
         transfer takes (its measured figures), without the link's pace: the CPU work of a
         transfer whose rest is a wait."""
@@ -111,7 +118,7 @@ class CommCost:
         """The name of ``rank``'s node group."""
         return self._group_of[rank]
 
-    def _profile_of(self, rank: int) -> Optional[Profile]:
+    def _profile_of(self, rank: int) -> Profile | None:
         """The profile describing ``rank``'s communicator: its kind's own, or for an emulated
         kind without one the host CPU's (an emulated rank is a host process talking gloo)."""
         return choose_profile(self._spec_of[rank], self.profiles).profile
@@ -128,21 +135,29 @@ class CommCost:
             if link.emulated:
                 found = self._emulated(a, b, op, link)
             elif found is None:
-                found = (link.bandwidth_gbps * 1e9 * self.link_efficiency, link.latency_s,
-                         link.kind)
+                found = (
+                    link.bandwidth_gbps * 1e9 * self.link_efficiency,
+                    link.latency_s,
+                    link.kind,
+                )
             self._links[key] = found
         return found
 
-    def _measured(self, a: int, b: int, op: str,
-                  link_kind: str) -> Optional[tuple[float, float, str]]:
+    def _measured(self, a: int, b: int, op: str, link_kind: str) -> tuple[float, float, str] | None:
         """The profiles' figures of ``op`` over ``link_kind`` (the slower side's), if any."""
-        measured = [p.comm_figures(op, link_kind) for p in
-                    (self._profile_of(a), self._profile_of(b)) if p is not None]
+        measured = [
+            p.comm_figures(op, link_kind)
+            for p in (self._profile_of(a), self._profile_of(b))
+            if p is not None
+        ]
         measured = [m for m in measured if m is not None]
         if not measured:
             return None
-        return (min(m.bandwidth_gbps for m in measured) * 1e9,
-                max(m.latency_s for m in measured), link_kind)
+        return (
+            min(m.bandwidth_gbps for m in measured) * 1e9,
+            max(m.latency_s for m in measured),
+            link_kind,
+        )
 
     def _emulated(self, a: int, b: int, op: str, link: Any) -> tuple[float, float, str]:
         """An emulated link: the relay moves the bytes over the host's gloo (the measured
@@ -164,8 +179,9 @@ class CommCost:
             bandwidth /= max(1.0, share)
         return PathFigures(bandwidth, latency, kind)
 
-    def ring_path(self, ranks: Sequence[int], op: str = "collective",
-                  all_cross: bool = False) -> PathFigures:
+    def ring_path(
+        self, ranks: Sequence[int], op: str = "collective", all_cross: bool = False
+    ) -> PathFigures:
         """The slowest neighbour path of a ring over ``ranks`` (in order, at least 2), with
         NIC sharing; ``all_cross``: every member crosses its NIC at once. Memoized per ring
         (a planner prices the same DP rings for many layer splits)."""
@@ -179,8 +195,10 @@ class CommCost:
         if len(ranks) < 2:
             raise ValueError(f"a ring needs at least 2 ranks, got {list(ranks)}")
         first = ranks[0]
-        if all(self._node_of[r] == self._node_of[first] and self._group_of[r] ==
-               self._group_of[first] for r in ranks[1:]):
+        if all(
+            self._node_of[r] == self._node_of[first] and self._group_of[r] == self._group_of[first]
+            for r in ranks[1:]
+        ):
             # One node of one group: every pair has the same intra-node link, nothing shared.
             return self.path(first, ranks[1], op)
         members: dict[int, int] = {}
@@ -191,8 +209,10 @@ class CommCost:
         paths = []
         for i in range(k if k > 2 else 1):
             a, b = ranks[i], ranks[(i + 1) % k]
-            share = max(self._share(self._node_of[a], members, all_cross),
-                        self._share(self._node_of[b], members, all_cross))
+            share = max(
+                self._share(self._node_of[a], members, all_cross),
+                self._share(self._node_of[b], members, all_cross),
+            )
             paths.append(self.path(a, b, op, share))
         slowest = min(paths, key=lambda p: p.bandwidth)
         return PathFigures(slowest.bandwidth, max(p.latency_s for p in paths), slowest.kind)
@@ -214,8 +234,9 @@ class CommCost:
             return 0.0
         return gather_time(nbytes, len(ranks), self.ring_path(ranks))
 
-    def dp_sync(self, ranks: Sequence[int], grad_bytes: float,
-                param_bytes: Optional[float] = None) -> SyncCost:
+    def dp_sync(
+        self, ranks: Sequence[int], grad_bytes: float, param_bytes: float | None = None
+    ) -> SyncCost:
         """Gradient sync of one DP group (``ranks`` in pipeline order).
 
         ``grad_bytes``: this rank's gradient buffer. ``param_bytes`` given (ZeRO-1): gradients
@@ -226,8 +247,9 @@ class CommCost:
             self._syncs[key] = self._dp_sync(ranks, grad_bytes, param_bytes)
         return self._syncs[key]
 
-    def _dp_sync(self, ranks: Sequence[int], grad_bytes: float,
-                 param_bytes: Optional[float]) -> SyncCost:
+    def _dp_sync(
+        self, ranks: Sequence[int], grad_bytes: float, param_bytes: float | None
+    ) -> SyncCost:
         n = len(ranks)
         if n <= 1:
             return SyncCost(0.0, "none (dp=1)")
@@ -244,12 +266,15 @@ class CommCost:
         reduce = self._hierarchical_all_reduce(kinds, grad_bytes)
         if param_bytes is None:
             return SyncCost(reduce, f"hierarchical all-reduce over {len(kinds)} kinds")
-        return SyncCost(reduce + self._mixed_all_gather(ranks, kinds, param_bytes),
-                        f"hierarchical reduce-scatter + all-gather over {len(kinds)} kinds")
+        return SyncCost(
+            reduce + self._mixed_all_gather(ranks, kinds, param_bytes),
+            f"hierarchical reduce-scatter + all-gather over {len(kinds)} kinds",
+        )
 
     def _hierarchical_all_reduce(self, kinds: list[list[int]], nbytes: float) -> float:
-        native = max(gather_time(nbytes, len(k), self.ring_path(k)) if len(k) > 1 else 0.0
-                     for k in kinds)
+        native = max(
+            gather_time(nbytes, len(k), self.ring_path(k)) if len(k) > 1 else 0.0 for k in kinds
+        )
         cross = 0.0
         for k in kinds:  # each rank all-reduces its shard with one rank of every other kind
             channel = [k[0]] + [other[0] for other in kinds if other is not k]
@@ -257,14 +282,16 @@ class CommCost:
             cross = max(cross, all_reduce_time(nbytes / len(k), len(kinds), path))
         return 2 * native + cross  # reduce-scatter, exchange, all-gather
 
-    def _mixed_all_gather(self, ranks: Sequence[int], kinds: list[list[int]],
-                          nbytes: float) -> float:
+    def _mixed_all_gather(
+        self, ranks: Sequence[int], kinds: list[list[int]], nbytes: float
+    ) -> float:
         sizes = {len(k) for k in kinds}
         if len(sizes) > 1:
             return gather_time(nbytes, len(ranks), self.ring_path(ranks))
         per_rank = nbytes / len(ranks)
         channel = [k[0] for k in kinds]
         cross = (len(kinds) - 1) * p2p_time(per_rank, self.ring_path(channel, all_cross=True))
-        native = max(gather_time(nbytes, len(k), self.ring_path(k)) if len(k) > 1 else 0.0
-                     for k in kinds)
+        native = max(
+            gather_time(nbytes, len(k), self.ring_path(k)) if len(k) > 1 else 0.0 for k in kinds
+        )
         return cross + native

@@ -2,6 +2,7 @@
 gloo ranks, fitted to ``time = latency + bytes / bandwidth`` (:func:`measure_comm`, called by
 :func:`megatron_het.perf.profiler.profile_device` with ``comm=True``).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -10,15 +11,21 @@ from typing import Any
 
 import torch
 
-from megatron_het.perf.measure_procs import (free_loopback_port, gloo_pair, process_context,
-                                             report_to_parent, run_measurement_processes)
+from megatron_het.perf.measure_procs import (
+    free_loopback_port,
+    gloo_pair,
+    process_context,
+    report_to_parent,
+    run_measurement_processes,
+)
 from megatron_het.perf.profile import CommEntry
 
-COMM_SIZES = tuple(4 ** k * 1024 for k in range(7))  # 1 KiB .. 4 MiB
+COMM_SIZES = tuple(4**k * 1024 for k in range(7))  # 1 KiB .. 4 MiB
 
 
-def measure_comm(sizes: tuple[int, ...] = COMM_SIZES, warmup: int = 2, iters: int = 5,
-                 timeout_s: float = 120.0) -> tuple[CommEntry, ...]:
+def measure_comm(
+    sizes: tuple[int, ...] = COMM_SIZES, warmup: int = 2, iters: int = 5, timeout_s: float = 120.0
+) -> tuple[CommEntry, ...]:
     """p2p and all-reduce figures of the communicator between 2 gloo ranks on this host.
 
     Starts two worker processes (one thread each) on a free loopback port; each builds a
@@ -29,17 +36,20 @@ def measure_comm(sizes: tuple[int, ...] = COMM_SIZES, warmup: int = 2, iters: in
     the smallest and the largest size. Returned with link kind "intra_node".
     """
     port = free_loopback_port()
-    (p2p, reduce), = run_measurement_processes(
-        process_context(), _comm_worker,
-        [(rank, port, sizes, warmup, iters, timeout_s) for rank in range(2)], 1, timeout_s,
+    ((p2p, reduce),) = run_measurement_processes(
+        process_context(),
+        _comm_worker,
+        [(rank, port, sizes, warmup, iters, timeout_s) for rank in range(2)],
+        1,
+        timeout_s,
         f"the communicator measurement did not finish in {timeout_s} s",
         "communicator measurement failed",
-        died_message="a communicator measurement worker died before reporting")
+        died_message="a communicator measurement worker died before reporting",
+    )
     entries = []
     for op, times, latencies in (("p2p", p2p, 1), ("collective", reduce, 2)):
         latency, seconds_per_byte = _fit_alpha_beta(sizes, times)
-        entries.append(CommEntry(op, "intra_node", 1e-9 / seconds_per_byte,
-                                 latency / latencies))
+        entries.append(CommEntry(op, "intra_node", 1e-9 / seconds_per_byte, latency / latencies))
     return tuple(entries)
 
 
@@ -53,8 +63,15 @@ def _fit_alpha_beta(sizes: tuple[int, ...], times: list[float]) -> tuple[float, 
     return min(t0, t1), t1 / n1
 
 
-def _comm_worker(rank: int, port: int, sizes: tuple[int, ...], warmup: int, iters: int,
-                 timeout_s: float, conn: Any) -> None:
+def _comm_worker(
+    rank: int,
+    port: int,
+    sizes: tuple[int, ...],
+    warmup: int,
+    iters: int,
+    timeout_s: float,
+    conn: Any,
+) -> None:
     torch.set_num_threads(1)
 
     def measure() -> tuple[list[float], list[float]]:
@@ -64,8 +81,9 @@ def _comm_worker(rank: int, port: int, sizes: tuple[int, ...], warmup: int, iter
     report_to_parent(conn, measure)
 
 
-def _comm_times(comm: Any, sizes: tuple[int, ...], warmup: int,
-                iters: int) -> tuple[list[float], list[float]]:
+def _comm_times(
+    comm: Any, sizes: tuple[int, ...], warmup: int, iters: int
+) -> tuple[list[float], list[float]]:
     """Median one-way p2p and all-reduce seconds per size, as rank 0 sees them."""
     p2p, reduce = [], []
     peer = 1 - comm.rank

@@ -30,10 +30,11 @@ Emulated kinds: their spec figures are the host CPU's divided by the slowdown (s
 :mod:`megatron_het.cluster.accelerators`), so the estimate is made for the host (figures times
 the slowdown) and then multiplied by the slowdown, as an emulated run waits that much longer.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
@@ -93,11 +94,15 @@ class Efficiency:
 
     def __post_init__(self) -> None:
         if self.elementwise_traffic < 1.0:
-            raise UserError(f"elementwise_traffic is at least 1 (the fused minimum), got "
-                            f"{self.elementwise_traffic:g}")
+            raise UserError(
+                f"elementwise_traffic is at least 1 (the fused minimum), got "
+                f"{self.elementwise_traffic:g}"
+            )
         if self.attention_kernel not in ATTENTION_KERNELS:
-            raise UserError(f"unknown attention kernel {self.attention_kernel!r}; use "
-                            f"{' or '.join(ATTENTION_KERNELS)}")
+            raise UserError(
+                f"unknown attention kernel {self.attention_kernel!r}; use "
+                f"{' or '.join(ATTENTION_KERNELS)}"
+            )
 
 
 DEFAULT_EFFICIENCY = Efficiency()
@@ -116,9 +121,16 @@ class LayerShape:
     tp: int
 
     @classmethod
-    def of(cls, model: ModelConfig, seq: int, micro_batch: int, tp: int) -> "LayerShape":
-        return cls(model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
-                   model.num_query_groups, seq, micro_batch, tp)
+    def of(cls, model: ModelConfig, seq: int, micro_batch: int, tp: int) -> LayerShape:
+        return cls(
+            model.hidden_size,
+            model.ffn_hidden_size,
+            model.num_attention_heads,
+            model.num_query_groups,
+            seq,
+            micro_batch,
+            tp,
+        )
 
     @property
     def tokens(self) -> int:
@@ -196,16 +208,23 @@ def attention_ops(shape: LayerShape, kernel: str = "flash") -> list[Op]:
         attn_flops = 4.0 * shape.micro_batch * shape.seq * shape.seq * q
         return [Op("attention", "attention", attn_flops, t * (2 * q + 2 * kv))]
     if kernel != "unfused":
-        raise UserError(f"unknown attention kernel {kernel!r}; use "
-                        f"{' or '.join(ATTENTION_KERNELS)}")
+        raise UserError(
+            f"unknown attention kernel {kernel!r}; use {' or '.join(ATTENTION_KERNELS)}"
+        )
     s, d = shape.seq, shape.head_dim
     batches = shape.micro_batch * (shape.heads // tp)
     scores = batches * s * s
     return [
         Op("scores", "gemm", 2.0 * scores * d, batches * 2 * s * d + scores),
         Op("softmax", "memory", 0.0, 1.5 * scores, backward_factor=2.0 / 1.5),
-        Op("dropout", "memory", 0.0, 2.0 * scores, extra_bytes=DROPOUT_MASK_BYTES * scores,
-           backward_factor=1.0),
+        Op(
+            "dropout",
+            "memory",
+            0.0,
+            2.0 * scores,
+            extra_bytes=DROPOUT_MASK_BYTES * scores,
+            backward_factor=1.0,
+        ),
         Op("context", "gemm", 2.0 * scores * d, scores + batches * 2 * s * d),
         Op("context_transpose", "memory", 0.0, 2.0 * t * q, backward_factor=1.0),
     ]
@@ -225,8 +244,9 @@ def _elementwise_elements(shape: LayerShape, sequence_parallel: bool) -> tuple[f
     return t * 2 * (q + kv) + between * 5 * h, t * 3 * f + between * 5 * h
 
 
-def layer_forward_ops(shape: LayerShape, attention_kernel: str = "flash",
-                      sequence_parallel: bool = False) -> list[Op]:
+def layer_forward_ops(
+    shape: LayerShape, attention_kernel: str = "flash", sequence_parallel: bool = False
+) -> list[Op]:
     """The kernels of one layer's forward on one TP rank (attention as ``attention_kernel``
     runs it, :func:`attention_ops`); with ``sequence_parallel`` the norms and residual adds
     run on the rank's ``1/tp`` of the positions."""
@@ -244,16 +264,16 @@ def layer_forward_ops(shape: LayerShape, attention_kernel: str = "flash",
     ]
 
 
-def block_forward_ops(shape: LayerShape, attention_kernel: str = "flash",
-                      sequence_parallel: bool = False) -> tuple[list[Op], list[Op]]:
+def block_forward_ops(
+    shape: LayerShape, attention_kernel: str = "flash", sequence_parallel: bool = False
+) -> tuple[list[Op], list[Op]]:
     """:func:`layer_forward_ops` split between the layer's attention block (input norm, qkv,
     RoPE, attention, proj, residual add) and its MLP block (post-attention norm, gate/up,
     SwiGLU, down, residual add): the two lists cost what the layer's list costs."""
     ops = layer_forward_ops(shape, attention_kernel, sequence_parallel)
     attention = [op for op in ops if op.name not in ("gate_up", "down", "elementwise")]
     mlp = [op for op in ops if op.name in ("gate_up", "down")]
-    for block, elements in zip((attention, mlp),
-                               _elementwise_elements(shape, sequence_parallel)):
+    for block, elements in zip((attention, mlp), _elementwise_elements(shape, sequence_parallel)):
         block.append(Op("elementwise", "memory", 0.0, elements))
     return attention, mlp
 
@@ -263,14 +283,15 @@ def layer_forward_flops(shape: LayerShape) -> float:
     return sum(op.flops for op in layer_forward_ops(shape))
 
 
-def head_forward_ops(shape: LayerShape, vocab: int, sequence_parallel: bool = False
-                     ) -> list[Op]:
+def head_forward_ops(shape: LayerShape, vocab: int, sequence_parallel: bool = False) -> list[Op]:
     """Final norm (on the rank's ``1/tp`` of the positions with ``sequence_parallel``), the
     vocab-parallel output GEMM and the cross-entropy (fp32 softmax)."""
     t, h, v = shape.tokens, shape.hidden, vocab / shape.tp
-    return [Op("final_norm", "memory", 0.0, 2 * _between_blocks(shape, sequence_parallel) * h),
-            gemm("output", t, v, h),
-            Op("cross_entropy", "memory", 0.0, t * v, extra_bytes=2 * FP32_BYTES * t * v)]
+    return [
+        Op("final_norm", "memory", 0.0, 2 * _between_blocks(shape, sequence_parallel) * h),
+        gemm("output", t, v, h),
+        Op("cross_entropy", "memory", 0.0, t * v, extra_bytes=2 * FP32_BYTES * t * v),
+    ]
 
 
 def head_forward_flops(shape: LayerShape, vocab: int) -> float:
@@ -329,9 +350,14 @@ def recomputed_count(recompute_layers: int, num_layers: int) -> int:
     return max(0, min(recompute_layers, num_layers))
 
 
-def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,
-                   has_head: bool = False, recompute_layers: int = 0,
-                   sequence_parallel: bool = False) -> TPCollectives:
+def tp_collectives(
+    tp: int,
+    num_layers: int,
+    has_embedding: bool = False,
+    has_head: bool = False,
+    recompute_layers: int = 0,
+    sequence_parallel: bool = False,
+) -> TPCollectives:
     """The TP collectives per micro-batch of a stage of ``tp`` ranks (none at tp=1).
 
     Without sequence parallelism: each layer's 2 all-reduces forward (attention and MLP
@@ -354,9 +380,14 @@ def tp_collectives(tp: int, num_layers: int, has_embedding: bool = False,
     cross_entropy = CROSS_ENTROPY_COLLECTIVES if has_head else 0
     if sequence_parallel:
         ends = (1 if has_embedding else 0) + (1 if has_head else 0)
-        return TPCollectives(0, 0, cross_entropy, 4 * num_layers + ends,
-                             4 * (num_layers + recomputed) + ends,
-                             2 * num_layers + (1 if has_head else 0))
+        return TPCollectives(
+            0,
+            0,
+            cross_entropy,
+            4 * num_layers + ends,
+            4 * (num_layers + recomputed) + ends,
+            2 * num_layers + (1 if has_head else 0),
+        )
     forward = 2 * num_layers + (1 if has_embedding else 0)
     backward = 2 * (num_layers + recomputed) + (1 if has_head else 0)
     return TPCollectives(forward, backward, cross_entropy)
@@ -386,8 +417,9 @@ def ring_exposed(transfer_s: float, gemm_s: float, tp: int) -> float:
     return (tp - 1) * max(0.0, transfer_s / (tp - 1) - gemm_s / tp)
 
 
-def overlapped_layer_tp(gather_s: float, gemms: Mapping[str, float], tp: int
-                        ) -> tuple[float, float]:
+def overlapped_layer_tp(
+    gather_s: float, gemms: Mapping[str, float], tp: int
+) -> tuple[float, float]:
     """(forward, backward) exposed TP seconds of one sequence-parallel layer under
     ``--tp-comm-overlap``: ``gather_s`` is one all-gather (or reduce-scatter) of the layer's
     activations, ``gemms`` the forward seconds of its ``qkv``, ``proj``, ``gate_up`` and
@@ -398,11 +430,12 @@ def overlapped_layer_tp(gather_s: float, gemms: Mapping[str, float], tp: int
     behind their data and weight gradients (twice the forward GEMM); qkv's and gate/up's
     input-gradient reduce-scatters together with the all-gather of their input again (only
     the rank's own sequence block is kept) behind theirs."""
-    forward = sum(ring_exposed(gather_s, gemms[name], tp)
-                  for name in ("qkv", "proj", "gate_up", "down"))
-    backward = (sum(ring_exposed(gather_s, 2 * gemms[name], tp) for name in ("proj", "down"))
-                + sum(ring_exposed(2 * gather_s, 2 * gemms[name], tp)
-                      for name in ("qkv", "gate_up")))
+    forward = sum(
+        ring_exposed(gather_s, gemms[name], tp) for name in ("qkv", "proj", "gate_up", "down")
+    )
+    backward = sum(ring_exposed(gather_s, 2 * gemms[name], tp) for name in ("proj", "down")) + sum(
+        ring_exposed(2 * gather_s, 2 * gemms[name], tp) for name in ("qkv", "gate_up")
+    )
     return forward, backward
 
 
@@ -411,8 +444,13 @@ def emulation_factor(spec: AcceleratorSpec) -> float:
     return spec.slowdown if spec.emulated else 1.0
 
 
-def op_time(op: Op, spec: AcceleratorSpec, dtype: str,
-            efficiency: Efficiency = DEFAULT_EFFICIENCY, backward: bool = False) -> float:
+def op_time(
+    op: Op,
+    spec: AcceleratorSpec,
+    dtype: str,
+    efficiency: Efficiency = DEFAULT_EFFICIENCY,
+    backward: bool = False,
+) -> float:
     """Roofline seconds of ``op`` (or of its backward) on one device of ``spec``."""
     slowdown = emulation_factor(spec)  # host figures, then the emulated wait
     peak = spec.peak_tflops(dtype) * 1e12 * slowdown
@@ -431,12 +469,18 @@ def op_time(op: Op, spec: AcceleratorSpec, dtype: str,
     return max(compute, nbytes / bandwidth) * slowdown
 
 
-def ops_time(ops: Iterable[Op], spec: AcceleratorSpec, dtype: str,
-             efficiency: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, float]:
+def ops_time(
+    ops: Iterable[Op],
+    spec: AcceleratorSpec,
+    dtype: str,
+    efficiency: Efficiency = DEFAULT_EFFICIENCY,
+) -> tuple[float, float]:
     """(forward, backward) roofline seconds of a list of kernels."""
     ops = list(ops)
-    return (sum(op_time(op, spec, dtype, efficiency) for op in ops),
-            sum(op_time(op, spec, dtype, efficiency, backward=True) for op in ops))
+    return (
+        sum(op_time(op, spec, dtype, efficiency) for op in ops),
+        sum(op_time(op, spec, dtype, efficiency, backward=True) for op in ops),
+    )
 
 
 def _between_blocks(shape: LayerShape, sequence_parallel: bool) -> int:
@@ -447,9 +491,14 @@ def _between_blocks(shape: LayerShape, sequence_parallel: bool) -> int:
     return shape.tokens
 
 
-def layer_activation_bytes(shape: LayerShape, dtype: str, sequence_parallel: bool = False,
-                           attention_kernel: str = "flash", tp_comm_overlap: bool = False,
-                           part: Optional[str] = None) -> float:
+def layer_activation_bytes(
+    shape: LayerShape,
+    dtype: str,
+    sequence_parallel: bool = False,
+    attention_kernel: str = "flash",
+    tp_comm_overlap: bool = False,
+    part: str | None = None,
+) -> float:
     """Bytes one layer keeps for its backward per micro-batch on one TP rank (no recompute):
     what :class:`~megatron_het.model.llama.DecoderLayer` saves, tensor for tensor.
 
@@ -474,8 +523,12 @@ def layer_activation_bytes(shape: LayerShape, dtype: str, sequence_parallel: boo
     splits the layer): its norm, its GEMMs' inputs and what lies between them.
     """
     if part is None:
-        return sum(layer_activation_bytes(shape, dtype, sequence_parallel, attention_kernel,
-                                          tp_comm_overlap, p) for p in ("attention", "mlp"))
+        return sum(
+            layer_activation_bytes(
+                shape, dtype, sequence_parallel, attention_kernel, tp_comm_overlap, p
+            )
+            for p in ("attention", "mlp")
+        )
     t, h, tp = shape.tokens, shape.hidden, shape.tp
     local = _between_blocks(shape, sequence_parallel)
     q = shape.heads * shape.head_dim // tp
@@ -488,8 +541,11 @@ def layer_activation_bytes(shape: LayerShape, dtype: str, sequence_parallel: boo
     elements = norm + t * (q + 2 * kv + q)
     if attention_kernel == "unfused":
         scores = shape.micro_batch * (shape.heads // tp) * shape.seq * shape.seq
-        return ((elements + 2 * scores) * dtype_bytes(dtype) + DROPOUT_MASK_BYTES * scores
-                + local * FP32_BYTES)  # 1/rms
+        return (
+            (elements + 2 * scores) * dtype_bytes(dtype)
+            + DROPOUT_MASK_BYTES * scores
+            + local * FP32_BYTES
+        )  # 1/rms
     floats = t * (shape.heads // tp) + local  # log-sum-exp per head, 1/rms
     return elements * dtype_bytes(dtype) + floats * FP32_BYTES
 
@@ -500,8 +556,9 @@ def layer_input_bytes(shape: LayerShape, dtype: str, sequence_parallel: bool = F
     return _between_blocks(shape, sequence_parallel) * shape.hidden * dtype_bytes(dtype)
 
 
-def head_activation_bytes(shape: LayerShape, vocab: int, dtype: str,
-                          sequence_parallel: bool = False) -> float:
+def head_activation_bytes(
+    shape: LayerShape, vocab: int, dtype: str, sequence_parallel: bool = False
+) -> float:
     """What the fused head (final norm + output layer + cross-entropy,
     :mod:`megatron_het.model.loss`) keeps per micro-batch until its backward: the final norm's
     input with its float32 ``1/rms`` (``1/tp`` of the positions under sequence parallelism),

@@ -1,11 +1,11 @@
 """Which accelerator this process runs on: the device's own name, and the registry kind that
 name stands for (the profile's ``accelerator`` by default)."""
+
 from __future__ import annotations
 
 import contextlib
 import platform
 import re
-from typing import Optional
 
 import torch
 
@@ -24,8 +24,9 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def accelerator_for_device(name: str, memory_gib: Optional[float] = None,
-                           registry: Optional[AcceleratorRegistry] = None) -> Optional[str]:
+def accelerator_for_device(
+    name: str, memory_gib: float | None = None, registry: AcceleratorRegistry | None = None
+) -> str | None:
     """The registry kind a device name stands for ("NVIDIA H100 80GB HBM3" -> "H100"), or None.
 
     A kind matches when a word of the name starts with the kind's model ("A100" of
@@ -34,9 +35,13 @@ def accelerator_for_device(name: str, memory_gib: Optional[float] = None,
     """
     registry = registry or AcceleratorRegistry.builtin()
     words = re.findall(r"[A-Z0-9]+", name.upper())
-    matches = [spec for spec in registry
-               if spec.vendor != "cpu" and not spec.emulated
-               and any(w.startswith(spec.name.split("-")[0].upper()) for w in words)]
+    matches = [
+        spec
+        for spec in registry
+        if spec.vendor != "cpu"
+        and not spec.emulated
+        and any(w.startswith(spec.name.split("-")[0].upper()) for w in words)
+    ]
     if not matches:
         return None
     if memory_gib is None:
@@ -48,7 +53,7 @@ def accelerator_for_device(name: str, memory_gib: Optional[float] = None,
 
 
 def default_accelerator(device: torch.device) -> str:
-    """"cpu" on a CPU; on a GPU its registry kind, else its name with non-word characters
+    """ "cpu" on a CPU; on a GPU its registry kind, else its name with non-word characters
     replaced by "_"."""
     if device.type != "cuda":
         return "cpu"

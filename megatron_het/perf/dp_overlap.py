@@ -73,11 +73,12 @@ Each chunk's ``c`` comes from the simulated timeline (its last backward) or, for
 (the last micro-batch's gradient crossing every stage, chunk by chunk).
 Torch-free.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB, bucket_ranges, padded_elements
@@ -117,14 +118,20 @@ class BucketTiming:
 def _layer_elements(model: ModelConfig, tp: int) -> dict[str, int]:
     h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
     nh, ng = model.num_attention_heads, model.num_query_groups
-    return {"input_norm.weight": h, "attention.qkv.weight": (nh + 2 * ng) * d // tp * h,
-            "attention.proj.weight": h * (nh * d // tp), "post_attention_norm.weight": h,
-            "mlp.gate.weight": f // tp * h, "mlp.up.weight": f // tp * h,
-            "mlp.down.weight": h * (f // tp)}
+    return {
+        "input_norm.weight": h,
+        "attention.qkv.weight": (nh + 2 * ng) * d // tp * h,
+        "attention.proj.weight": h * (nh * d // tp),
+        "post_attention_norm.weight": h,
+        "mlp.gate.weight": f // tp * h,
+        "mlp.up.weight": f // tp * h,
+        "mlp.down.weight": h * (f // tp),
+    }
 
 
-def device_parameters(model: ModelConfig, pipeline: PipelinePlan,
-                      group: int) -> list[DeviceParameter]:
+def device_parameters(
+    model: ModelConfig, pipeline: PipelinePlan, group: int
+) -> list[DeviceParameter]:
     """The parameters tp_rank 0 of device group ``group`` holds, as the runtime's stage
     (:class:`~megatron_het.model.llama.LlamaModel` over all the group's chunks) registers
     them: the embedding (first stage, or a last stage's copy of a tied one), every chunk's
@@ -136,8 +143,11 @@ def device_parameters(model: ModelConfig, pipeline: PipelinePlan,
     tied_over_stages = model.tie_embeddings and pipeline.pp_size > 1
     out = []
     if first.has_embedding or (last.has_head and model.tie_embeddings):
-        out.append(DeviceParameter("embedding.weight", vocab_rows * model.hidden_size, 0,
-                                   tied_over_stages, 0))
+        out.append(
+            DeviceParameter(
+                "embedding.weight", vocab_rows * model.hidden_size, 0, tied_over_stages, 0
+            )
+        )
     per_layer = _layer_elements(model, tp)
     for chunk, stage in enumerate(stages):
         for layer in stage.layer_indices:
@@ -153,8 +163,9 @@ def device_parameters(model: ModelConfig, pipeline: PipelinePlan,
     return out
 
 
-def bucket_layout(parameters: Sequence[DeviceParameter], dp_size: int,
-                  bucket_size_mb: float = BUCKET_SIZE_MB) -> list[BucketTiming]:
+def bucket_layout(
+    parameters: Sequence[DeviceParameter], dp_size: int, bucket_size_mb: float = BUCKET_SIZE_MB
+) -> list[BucketTiming]:
     """The runtime's buckets of ``parameters`` (registration order), in launch order, with
     when each is complete in its chunk's last backward (see the module docstring)."""
     ordered = list(reversed(parameters))
@@ -168,15 +179,23 @@ def bucket_layout(parameters: Sequence[DeviceParameter], dp_size: int,
         for p in mine:
             seen[p.chunk] = seen.get(p.chunk, 0) + p.weight
         chunk = min(p.chunk for p in mine)
-        buckets.append(BucketTiming(padded_elements(sum(p.elements for p in mine), dp_size),
-                                    seen[chunk] / total[chunk] if total[chunk] else 1.0,
-                                    any(p.held_back for p in mine), chunk))
+        buckets.append(
+            BucketTiming(
+                padded_elements(sum(p.elements for p in mine), dp_size),
+                seen[chunk] / total[chunk] if total[chunk] else 1.0,
+                any(p.held_back for p in mine),
+                chunk,
+            )
+        )
     return buckets
 
 
-def reduction_end(buckets: Sequence[BucketTiming], reduce_s: float,
-                  last_backwards: Sequence[Sequence[tuple[float, float]]],
-                  held_start_s: float) -> float:
+def reduction_end(
+    buckets: Sequence[BucketTiming],
+    reduce_s: float,
+    last_backwards: Sequence[Sequence[tuple[float, float]]],
+    held_start_s: float,
+) -> float:
     """When the overlapped gradient reduction of one DP group ends: ``d_K`` of the module
     docstring. ``last_backwards``: per member pipeline's device group, ``(c, w)`` of each of
     its chunks in order (end and duration of the chunk's last backward); ``held_start_s``:
@@ -188,16 +207,21 @@ def reduction_end(buckets: Sequence[BucketTiming], reduce_s: float,
         return done
     done = -math.inf
     for bucket in buckets:
-        ready = max(chunks[bucket.chunk][0] - chunks[bucket.chunk][1] * (1.0 - bucket.done)
-                    for chunks in last_backwards)
+        ready = max(
+            chunks[bucket.chunk][0] - chunks[bucket.chunk][1] * (1.0 - bucket.done)
+            for chunks in last_backwards
+        )
         if bucket.held_back:
             ready = max(ready, held_start_s)
         done = max(ready, done) + reduce_s * bucket.elements / total
     return done
 
 
-def gather_delay(buckets: Sequence[BucketTiming], gather_s: float,
-                 first_forwards: Sequence[Sequence[tuple[float, float]]]) -> float:
+def gather_delay(
+    buckets: Sequence[BucketTiming],
+    gather_s: float,
+    first_forwards: Sequence[Sequence[tuple[float, float]]],
+) -> float:
     """How far the overlapped parameter all-gathers of one DP group push its first forward
     back: ``delay_g`` of the module docstring. ``first_forwards``: per member pipeline's
     device group, ``(s, f)`` of each of its chunks in order (start and duration of the
@@ -208,18 +232,23 @@ def gather_delay(buckets: Sequence[BucketTiming], gather_s: float,
     delay, gathered = 0.0, 0.0
     for bucket in reversed(buckets):  # launch order of the gathers: forward order
         gathered += gather_s * bucket.elements / total
-        needed = min(chunks[bucket.chunk][0] + chunks[bucket.chunk][1] * (1.0 - bucket.done)
-                     for chunks in first_forwards)
+        needed = min(
+            chunks[bucket.chunk][0] + chunks[bucket.chunk][1] * (1.0 - bucket.done)
+            for chunks in first_forwards
+        )
         delay = max(delay, gathered - needed)
     return delay
 
 
-def exposed_sync(model: ModelConfig, plan: ParallelPlan,
-                 split: Callable[[int], tuple[float, float]], pipeline_times: Sequence[float],
-                 last_backwards: Optional[Sequence[Sequence[tuple[float, float]]]],
-                 bucket_size_mb: float = BUCKET_SIZE_MB,
-                 first_forwards: Optional[Sequence[Sequence[tuple[float, float]]]] = None
-                 ) -> float:
+def exposed_sync(
+    model: ModelConfig,
+    plan: ParallelPlan,
+    split: Callable[[int], tuple[float, float]],
+    pipeline_times: Sequence[float],
+    last_backwards: Sequence[Sequence[tuple[float, float]]] | None,
+    bucket_size_mb: float = BUCKET_SIZE_MB,
+    first_forwards: Sequence[Sequence[tuple[float, float]]] | None = None,
+) -> float:
     """``max_g finish_g - T``, plus ``max_g delay_g`` with the all-gathers overlapped (module
     docstring), of a plan of uniform layouts.
 
@@ -235,8 +264,7 @@ def exposed_sync(model: ModelConfig, plan: ParallelPlan,
     finish, delay = pipeline_end, 0.0
     for g in range(first.pp_size):
         reduce_s, gather_s = split(g)
-        buckets = bucket_layout(device_parameters(model, first, g), plan.dp_size,
-                                bucket_size_mb)
+        buckets = bucket_layout(device_parameters(model, first, g), plan.dp_size, bucket_size_mb)
         if last_backwards is None:
             reduced = pipeline_end + reduce_s
         else:
@@ -246,10 +274,19 @@ def exposed_sync(model: ModelConfig, plan: ParallelPlan,
             finish = max(finish, reduced + gather_s)
         else:
             finish = max(finish, reduced)
-            delay = max(delay, gather_delay(buckets, gather_s,
-                                            [starts[g] for starts in first_forwards]))
+            delay = max(
+                delay, gather_delay(buckets, gather_s, [starts[g] for starts in first_forwards])
+            )
     return finish - pipeline_end + delay
 
 
-__all__ = ["BUCKET_SIZE_MB", "BucketTiming", "DeviceParameter", "bucket_layout",
-           "device_parameters", "exposed_sync", "gather_delay", "reduction_end"]
+__all__ = [
+    "BUCKET_SIZE_MB",
+    "BucketTiming",
+    "DeviceParameter",
+    "bucket_layout",
+    "device_parameters",
+    "exposed_sync",
+    "gather_delay",
+    "reduction_end",
+]

@@ -36,18 +36,18 @@ The units come from :mod:`megatron_het.parallel.replicas` (torch-free); the owne
 the runtime's sharding rules, whose modules import torch, only for such plans, so uniform
 predictions stay torch-free.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan
-from megatron_het.parallel.replicas import (ReplicaUnit, owned_rows, replica_units,
-                                            uniform_layouts)
+from megatron_het.parallel.replicas import ReplicaUnit, owned_rows, replica_units, uniform_layouts
 from megatron_het.perf.comm_cost import CommCost, SyncCost
 from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
 from megatron_het.perf.memory import span_parameters, stage_parameters
+
 
 def unit_parameters(model: ModelConfig, unit: ReplicaUnit) -> int:
     """The full (unsharded) parameter count of a replica unit: the embedding table, its layers
@@ -63,16 +63,24 @@ def unit_parameters(model: ModelConfig, unit: ReplicaUnit) -> int:
 class DPSync:
     """The DP sync of every device group of one prediction (see the module docstring)."""
 
-    def __init__(self, model: ModelConfig, plan: ParallelPlan, dtype: str, zero1: bool,
-                 grad_reduce_in_bf16: bool = False) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        plan: ParallelPlan,
+        dtype: str,
+        zero1: bool,
+        grad_reduce_in_bf16: bool = False,
+    ) -> None:
         self.model, self.plan, self.dtype, self.zero1 = model, plan, dtype, zero1
         # bytes per gradient element on the wire (and in the replica sums' buffers)
         self.grad_bytes = DTYPE_BYTES["bf16"] if grad_reduce_in_bf16 else FP32_BYTES
         self.uniform = uniform_layouts(plan)
         self._units: list[tuple[int, tuple[int, ...]]] = []
         if not self.uniform:
-            self._units = [(unit_parameters(model, unit), holders) for unit, holders in
-                           replica_units(plan, model.num_layers, model.tie_embeddings)]
+            self._units = [
+                (unit_parameters(model, unit), holders)
+                for unit, holders in replica_units(plan, model.num_layers, model.tie_embeddings)
+            ]
 
     def over(self, comm: CommCost, pipeline: int, stage_index: int) -> SyncCost:
         """The sync of the device group running stage ``stage_index`` of pipeline ``pipeline``
@@ -112,8 +120,10 @@ class DPSync:
         """The DP group (tp_rank 0 of the stage in every pipeline) and a device's parameters."""
         first = self.plan.pipelines[0]
         group = [p.stages[stage_index].ranks[0] for p in self.plan.pipelines]
-        params = sum(stage_parameters(self.model, first.stages[s])
-                     for s in first.group_stages(stage_index % first.pp_size))
+        params = sum(
+            stage_parameters(self.model, first.stages[s])
+            for s in first.group_stages(stage_index % first.pp_size)
+        )
         return group, params
 
     def _uniform(self, comm: CommCost, stage_index: int) -> SyncCost:
@@ -129,23 +139,23 @@ class DPSync:
         allocates for the sync (0 with uniform layouts: the buckets are reduced in place)."""
         return float(sum(params for params, _ in self._held(ranks[0])) * self.grad_bytes)
 
-    def owned_parameters(self, pipeline: int, group: int) -> Optional[int]:
+    def owned_parameters(self, pipeline: int, group: int) -> int | None:
         """Under ZeRO-1 with different layouts, the most parameters any rank of device group
         ``group`` of pipeline ``pipeline`` owns (the rows it keeps master weights and Adam
         moments for); None otherwise (ZeRO-1 over a uniform DP group divides by dp)."""
         if self.uniform or not self.zero1:
             return None
-        return max(_owned(self.model, self.plan, pipeline, group, t) for t in
-                   range(self.plan.pipelines[pipeline].stages[group].tp))
+        return max(
+            _owned(self.model, self.plan, pipeline, group, t)
+            for t in range(self.plan.pipelines[pipeline].stages[group].tp)
+        )
 
 
-def _owned(model: ModelConfig, plan: ParallelPlan, pipeline: int, group: int,
-           tp_rank: int) -> int:
+def _owned(model: ModelConfig, plan: ParallelPlan, pipeline: int, group: int, tp_rank: int) -> int:
     """Parameters tp_rank ``tp_rank`` of the device group owns (its rows of every parameter of
     its chunks inside pipeline ``pipeline``'s block), as
     :class:`~megatron_het.optim.replica_sync.ReplicaSync` assigns them."""
-    from megatron_het.checkpoint.reshard import (is_written_by, stage_parameter_names,
-                                                 target_slice)
+    from megatron_het.checkpoint.reshard import is_written_by, stage_parameter_names, target_slice
     from megatron_het.tensor_parallel.sharding import parameter_shape
 
     pp = plan.pipelines[pipeline]
@@ -157,8 +167,9 @@ def _owned(model: ModelConfig, plan: ParallelPlan, pipeline: int, group: int,
         if not is_written_by(name, model, first, tp_rank):
             continue
         offsets, shape = target_slice(name, model, first.tp, tp_rank)
-        a, b = owned_rows(parameter_shape(name, model)[0], offsets[0], shape[0], pipeline,
-                          plan.dp_size)
+        a, b = owned_rows(
+            parameter_shape(name, model)[0], offsets[0], shape[0], pipeline, plan.dp_size
+        )
         owned += (b - a) * math.prod(shape[1:])
     return owned
 

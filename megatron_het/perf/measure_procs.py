@@ -4,10 +4,11 @@ The profiler's communicator figures (:mod:`megatron_het.perf.comm_profiler`) and
 emulation's host-sharing figures (:mod:`megatron_het.emulation.host_measure`) time code in
 forked (or spawned) processes. Each worker reports once through a one-way pipe: ``("ok",
 result)`` or ``("error", traceback text)``; :func:`run_measurement_processes` starts them,
-waits for the reports and cleans up, and :func:`report_to_parent` is the worker's side. :func:`gloo_pair` joins two
-workers into a 2-rank gloo group behind the unified communicator. :func:`process_context` forks
-where :func:`fork_is_safe` says so, and spawns elsewhere.
+waits for the reports and cleans up, and :func:`report_to_parent` is the worker's side.
+:func:`gloo_pair` joins two workers into a 2-rank gloo group behind the unified communicator.
+:func:`process_context` forks where :func:`fork_is_safe` says so, and spawns elsewhere.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,8 @@ import multiprocessing
 import os
 import socket
 import traceback
-from typing import Any, Callable, Iterator, Optional, Sequence
-
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 _LOWEST_PORT = 10000
 _ENOUGH_PORTS = 1000  # a range of fewer explicit ports than this makes collisions likely
@@ -58,8 +59,9 @@ def free_loopback_port(span: int = 1) -> int:
         port = chooser.randrange(first, last)
         if all(_bindable(port + k) for k in range(span)):
             return port
-    raise RuntimeError(f"no {span} consecutive free TCP ports on 127.0.0.1 in "
-                       f"{first}-{last + span - 1}")
+    raise RuntimeError(
+        f"no {span} consecutive free TCP ports on 127.0.0.1 in {first}-{last + span - 1}"
+    )
 
 
 def _kernel_port(span: int) -> int:
@@ -90,7 +92,7 @@ HIDING_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 
-def gpus_hidden(environ: Optional[Any] = None) -> bool:
+def gpus_hidden(environ: Any | None = None) -> bool:
     """Whether ``environ`` (default this process's) hides every GPU from torch's build: an
     empty ``CUDA_VISIBLE_DEVICES`` on a CUDA build; on a ROCm build an empty
     ``ROCR_VISIBLE_DEVICES``, or empty ``HIP_VISIBLE_DEVICES`` and ``CUDA_VISIBLE_DEVICES``."""
@@ -99,11 +101,13 @@ def gpus_hidden(environ: Optional[Any] = None) -> bool:
     env = os.environ if environ is None else environ
     if torch.version.hip is None:
         return env.get("CUDA_VISIBLE_DEVICES") == ""
-    return (env.get("ROCR_VISIBLE_DEVICES") == ""
-            or env.get("HIP_VISIBLE_DEVICES") == env.get("CUDA_VISIBLE_DEVICES") == "")
+    return (
+        env.get("ROCR_VISIBLE_DEVICES") == ""
+        or env.get("HIP_VISIBLE_DEVICES") == env.get("CUDA_VISIBLE_DEVICES") == ""
+    )
 
 
-def fork_is_safe(environ: Optional[Any] = None) -> bool:
+def fork_is_safe(environ: Any | None = None) -> bool:
     """Whether a child forked from this process can run torch code: never once this process
     has initialised CUDA (the child could not use it), and not on a torch built for CUDA or
     ROCm with a device visible either. There the first backward pass, even of CPU tensors,
@@ -129,11 +133,17 @@ def process_context() -> Any:
     return multiprocessing.get_context("fork" if fork_is_safe() else "spawn")
 
 
-def run_measurement_processes(ctx: Optional[Any], target: Callable[..., None],
-                              worker_args: Sequence[tuple], reporters: int, timeout_s: float,
-                              timeout_message: str, failure_message: str,
-                              join_s: float = 5.0,
-                              died_message: Optional[str] = None) -> list[Any]:
+def run_measurement_processes(
+    ctx: Any | None,
+    target: Callable[..., None],
+    worker_args: Sequence[tuple],
+    reporters: int,
+    timeout_s: float,
+    timeout_message: str,
+    failure_message: str,
+    join_s: float = 5.0,
+    died_message: str | None = None,
+) -> list[Any]:
     """Start one daemon process of ``ctx`` (None: :func:`process_context`) per ``worker_args``
     entry, running ``target(*args, conn)``, and return the results of the ``reporters`` first
     ones, in the order they report.
@@ -147,9 +157,10 @@ def run_measurement_processes(ctx: Optional[Any], target: Callable[..., None],
     """
     ctx = ctx if ctx is not None else process_context()
     parent, child = ctx.Pipe(duplex=False)
-    workers = [ctx.Process(target=target, daemon=True,
-                           args=(*args, child if i < reporters else None))
-               for i, args in enumerate(worker_args)]
+    workers = [
+        ctx.Process(target=target, daemon=True, args=(*args, child if i < reporters else None))
+        for i, args in enumerate(worker_args)
+    ]
     for w in workers:
         w.start()
     child.close()
@@ -182,7 +193,7 @@ def report_to_parent(conn: Any, measure: Callable[[], Any]) -> None:
     result: tuple[str, Any]
     try:
         result = ("ok", measure())
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException:
         result = ("error", traceback.format_exc())
     if conn is not None:
         conn.send(result)
@@ -198,13 +209,23 @@ def gloo_pair(rank: int, port: int, timeout_s: float) -> Iterator[Any]:
 
     from megatron_het.comm.communicator import UnifiedCommunicator
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     try:
         yield UnifiedCommunicator(["cpu", "cpu"], {"cpu": "gloo"}, {"cpu": "cpu"})
     finally:
         dist.destroy_process_group()
 
 
-__all__ = ["free_loopback_port", "gloo_pair", "process_context", "report_to_parent",
-           "run_measurement_processes"]
+__all__ = [
+    "free_loopback_port",
+    "gloo_pair",
+    "process_context",
+    "report_to_parent",
+    "run_measurement_processes",
+]

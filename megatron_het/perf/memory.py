@@ -34,10 +34,11 @@ buckets' padding to a multiple of the DP size (under ``dp`` elements per bucket)
 RoPE tables (``seq x head_dim`` elements per stage); :func:`~megatron_het.perf.fit.fits` keeps
 :data:`RESERVED_FRACTION` of the device free for them.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
@@ -46,7 +47,7 @@ from megatron_het.perf.cost_model import FP32_BYTES, dtype_bytes
 from megatron_het.pipeline.schedule_check import held_counts
 from megatron_het.pipeline.schedules import Step
 
-GIB = 1024 ** 3
+GIB = 1024**3
 # Kept free of the predicted peak: runtime context (~0.5-1 GiB on GPUs), fragmentation and
 # NCCL buffers, which the terms above leave out.
 RESERVED_FRACTION = 0.05
@@ -69,10 +70,16 @@ class MemoryBreakdown:
     @property
     def total_bytes(self) -> float:
         if self.replica_sync_bytes <= self.activation_bytes + self.transient_bytes:
-            return (self.weights_bytes + self.grads_bytes + self.optimizer_bytes
-                    + self.activation_bytes + self.transient_bytes)
-        return (self.weights_bytes + self.grads_bytes + self.optimizer_bytes
-                + self.replica_sync_bytes)
+            return (
+                self.weights_bytes
+                + self.grads_bytes
+                + self.optimizer_bytes
+                + self.activation_bytes
+                + self.transient_bytes
+            )
+        return (
+            self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.replica_sync_bytes
+        )
 
     def to_dict(self) -> dict[str, float]:
         d = asdict(self)
@@ -127,8 +134,9 @@ def in_flight_micro_batches(pp_size: int, stage: int, micro_batches: int) -> int
     return min(pp_size - stage, micro_batches)
 
 
-def group_activations(steps: Sequence[Step], activation_of_stage: Callable[[int], float],
-                      group: int = 0) -> tuple[float, int]:
+def group_activations(
+    steps: Sequence[Step], activation_of_stage: Callable[[int], float], group: int = 0
+) -> tuple[float, int]:
     """(peak bytes, peak pairs) of the activations device group ``group``'s step list holds:
     the most bytes at once of the (stage, micro-batch) pairs it has forwarded and not yet
     backwarded, ``activation_of_stage(s)`` bytes per micro-batch of stage ``s``, and the most
@@ -137,17 +145,24 @@ def group_activations(steps: Sequence[Step], activation_of_stage: Callable[[int]
     return held_activations(held_counts(steps, group), activation_of_stage)
 
 
-def held_activations(counts: Sequence[Sequence[tuple[int, int]]],
-                     activation_of_stage: Callable[[int], float]) -> tuple[float, int]:
+def held_activations(
+    counts: Sequence[Sequence[tuple[int, int]]], activation_of_stage: Callable[[int], float]
+) -> tuple[float, int]:
     """:func:`group_activations` from the list's candidate peaks
     (:func:`~megatron_het.pipeline.schedule_check.held_counts`, ``(stage, pairs)`` vectors)."""
     peak = max(sum(n * activation_of_stage(s) for s, n in vec) for vec in counts)
     return peak, max(sum(n for _, n in vec) for vec in counts)
 
 
-def device_memory(params: int, dtype: str, zero1_dp: int, activation_bytes: float,
-                  transient_bytes: float = 0.0, optimizer_params: Optional[float] = None,
-                  replica_sync_bytes: float = 0.0) -> MemoryBreakdown:
+def device_memory(
+    params: int,
+    dtype: str,
+    zero1_dp: int,
+    activation_bytes: float,
+    transient_bytes: float = 0.0,
+    optimizer_params: float | None = None,
+    replica_sync_bytes: float = 0.0,
+) -> MemoryBreakdown:
     """The breakdown for a rank holding ``params`` parameters (all its chunks) and, at its
     peak, ``activation_bytes`` of saved activations; ``zero1_dp`` is the DP size the
     optimizer state is sharded over (1 without ZeRO-1). ``optimizer_params`` given: the
@@ -155,22 +170,33 @@ def device_memory(params: int, dtype: str, zero1_dp: int, activation_bytes: floa
     different layouts); ``replica_sync_bytes``: that sync's buffers."""
     master = 0 if dtype == "fp32" else FP32_BYTES
     per_param = ADAM_STATES * FP32_BYTES + master
-    optimizer = (params * per_param / max(1, zero1_dp) if optimizer_params is None
-                 else optimizer_params * per_param)
+    optimizer = (
+        params * per_param / max(1, zero1_dp)
+        if optimizer_params is None
+        else optimizer_params * per_param
+    )
     return MemoryBreakdown(
         weights_bytes=float(params * dtype_bytes(dtype)),
         grads_bytes=float(params * FP32_BYTES),
         optimizer_bytes=optimizer,
         activation_bytes=activation_bytes,
         transient_bytes=transient_bytes,
-        replica_sync_bytes=replica_sync_bytes)
+        replica_sync_bytes=replica_sync_bytes,
+    )
 
 
-def stage_memory(params: int, dtype: str, zero1_dp: int, activation_per_micro_batch: float,
-                 in_flight: int, transient_bytes: float = 0.0) -> MemoryBreakdown:
+def stage_memory(
+    params: int,
+    dtype: str,
+    zero1_dp: int,
+    activation_per_micro_batch: float,
+    in_flight: int,
+    transient_bytes: float = 0.0,
+) -> MemoryBreakdown:
     """:func:`device_memory` of a rank holding ``in_flight`` micro-batches of one stage."""
-    return device_memory(params, dtype, zero1_dp, activation_per_micro_batch * in_flight,
-                         transient_bytes)
+    return device_memory(
+        params, dtype, zero1_dp, activation_per_micro_batch * in_flight, transient_bytes
+    )
 
 
 def device_capacity_bytes(spec: AcceleratorSpec) -> float:

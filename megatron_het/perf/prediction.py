@@ -1,5 +1,6 @@
 """What :func:`~megatron_het.perf.predictor.predict` returns: per-stage rows, per-pipeline times
 and the iteration's figures, with their JSON form and a text table."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -123,36 +124,80 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: scalars, the derived figures and the per-stage and per-pipeline tables."""
         d = {k: v for k, v in asdict(self).items() if k not in ("stages", "pipelines")}
-        d.update(achieved_tflops_per_device=self.achieved_tflops_per_device, mfu=self.mfu,
-                 peak_memory_bytes=self.peak_memory_bytes,
-                 stages=[s.to_dict() for s in self.stages],
-                 pipelines=[p.to_dict() for p in self.pipelines])
+        d.update(
+            achieved_tflops_per_device=self.achieved_tflops_per_device,
+            mfu=self.mfu,
+            peak_memory_bytes=self.peak_memory_bytes,
+            stages=[s.to_dict() for s in self.stages],
+            pipelines=[p.to_dict() for p in self.pipelines],
+        )
         return d
 
     def table(self) -> str:
         """The per-stage table as text, one row per stage of every pipeline (the memory of an
         interleaved device group on each of its chunks' rows)."""
-        rows = [("pipe", "stage", "accelerator", "tp", "layers", "fwd ms", "bwd ms", "tp ms",
-                 "p2p ms", "dp ms", "opt ms", "mem GiB", "cap GiB")]
+        rows = [
+            (
+                "pipe",
+                "stage",
+                "accelerator",
+                "tp",
+                "layers",
+                "fwd ms",
+                "bwd ms",
+                "tp ms",
+                "p2p ms",
+                "dp ms",
+                "opt ms",
+                "mem GiB",
+                "cap GiB",
+            )
+        ]
         for s in self.stages:
-            rows.append((str(s.pipeline), str(s.stage), s.accelerator, str(s.tp),
-                         f"{s.layers[0]}-{s.layers[1]}", *(f"{1e3 * v:.2f}" for v in (
-                             s.forward_s, s.backward_s, s.tp_comm_s, s.p2p_forward_s,
-                             s.dp_sync_s, s.optimizer_s)),
-                         f"{s.memory.total_bytes / 2**30:.1f}", f"{s.capacity_bytes / 2**30:.0f}"))
+            rows.append(
+                (
+                    str(s.pipeline),
+                    str(s.stage),
+                    s.accelerator,
+                    str(s.tp),
+                    f"{s.layers[0]}-{s.layers[1]}",
+                    *(
+                        f"{1e3 * v:.2f}"
+                        for v in (
+                            s.forward_s,
+                            s.backward_s,
+                            s.tp_comm_s,
+                            s.p2p_forward_s,
+                            s.dp_sync_s,
+                            s.optimizer_s,
+                        )
+                    ),
+                    f"{s.memory.total_bytes / 2**30:.1f}",
+                    f"{s.capacity_bytes / 2**30:.0f}",
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-        hidden = [what for what, on in (("backward", self.overlap_grad_reduce),
-                                        ("the next forward", self.overlap_param_gather)) if on]
-        overlapped = (f" (of {self.dp_sync_s:.3f}, overlapped with {' and '.join(hidden)})"
-                      if hidden else "")
-        lines.append(f"iteration {self.iteration_time_s:.3f} s = pipeline "
-                     f"{self.pipeline_time_s:.3f} + dp sync {self.dp_exposed_s:.3f}{overlapped}"
-                     f" + optimizer "
-                     f"{self.optimizer_s:.3f} + other {self.overhead_s:.3f}; "
-                     f"{self.tokens_per_s:,.0f} tokens/s, "
-                     f"{self.achieved_tflops_per_device:.1f} TFLOP/s per device, MFU "
-                     f"{100 * self.mfu:.1f}%, bubble {100 * self.bubble_fraction:.1f}%")
+        hidden = [
+            what
+            for what, on in (
+                ("backward", self.overlap_grad_reduce),
+                ("the next forward", self.overlap_param_gather),
+            )
+            if on
+        ]
+        overlapped = (
+            f" (of {self.dp_sync_s:.3f}, overlapped with {' and '.join(hidden)})" if hidden else ""
+        )
+        lines.append(
+            f"iteration {self.iteration_time_s:.3f} s = pipeline "
+            f"{self.pipeline_time_s:.3f} + dp sync {self.dp_exposed_s:.3f}{overlapped}"
+            f" + optimizer "
+            f"{self.optimizer_s:.3f} + other {self.overhead_s:.3f}; "
+            f"{self.tokens_per_s:,.0f} tokens/s, "
+            f"{self.achieved_tflops_per_device:.1f} TFLOP/s per device, MFU "
+            f"{100 * self.mfu:.1f}%, bubble {100 * self.bubble_fraction:.1f}%"
+        )
         return "\n".join(lines)
 
 

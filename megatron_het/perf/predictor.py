@@ -59,12 +59,13 @@ says otherwise: ranks that share a host's cores (CPU emulation's
 simulated together on the shared cores, with the model's DP sync, optimizer step and other
 per-iteration time.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
-from megatron_het.cluster import AcceleratorSpec, ClusterSpec
+from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB, bucket_size_mb
@@ -72,46 +73,82 @@ from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.parallel.plan_validation import validate as validate_plan
 from megatron_het.parallel.sequence import sequence_sharded
 from megatron_het.perf.boundary_cost import BoundaryCost
-from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
-                                            closed_form_interleaved, group_sums,
-                                            last_backward_ends, lower_bound_1f1b,
-                                            lower_bound_interleaved)
 from megatron_het.perf.calibration import resolve_efficiency
+from megatron_het.perf.closed_forms import (
+    bubble_fraction,
+    closed_form_1f1b,
+    closed_form_interleaved,
+    group_sums,
+    last_backward_ends,
+    lower_bound_1f1b,
+    lower_bound_interleaved,
+)
 from megatron_het.perf.comm_cost import CommCost, SyncCost
-from megatron_het.perf.cost_model import (DTYPE_BYTES, FP32_BYTES, Efficiency, LayerShape,
-                                          TPCollectives, dtype_bytes, layer_forward_ops,
-                                          op_time, overlapped_layer_tp, recomputed_count,
-                                          ring_collectives, tp_collectives)
+from megatron_het.perf.cost_model import (
+    DTYPE_BYTES,
+    FP32_BYTES,
+    Efficiency,
+    LayerShape,
+    TPCollectives,
+    dtype_bytes,
+    layer_forward_ops,
+    op_time,
+    overlapped_layer_tp,
+    recomputed_count,
+    ring_collectives,
+    tp_collectives,
+)
 from megatron_het.perf.dp_overlap import exposed_sync
 from megatron_het.perf.dp_sync import DPSync
-from megatron_het.perf.memory import (MemoryBreakdown, device_capacity_bytes, device_memory,
-                                      held_activations, in_flight_micro_batches,
-                                      stage_parameters)
+from megatron_het.perf.memory import (
+    MemoryBreakdown,
+    device_capacity_bytes,
+    device_memory,
+    held_activations,
+    in_flight_micro_batches,
+    stage_parameters,
+)
 from megatron_het.perf.prediction import PipelinePrediction, Prediction, StagePrediction
 from megatron_het.perf.profile import Profile
 from megatron_het.perf.rate_model import RateModel, SharedIteration
 from megatron_het.perf.simulator import SimulationCache, simulate_pipelines
-from megatron_het.perf.stage_cost import (LayerBlocks, StageCompute, choose_profile, optimizer_time,
-                                          stage_compute)
+from megatron_het.perf.stage_cost import (
+    LayerBlocks,
+    StageCompute,
+    choose_profile,
+    optimizer_time,
+    stage_compute,
+)
 
 PIPELINE_MODELS = ("simulate", "closed_form")
 
 
-def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_length: int,
-            profiles: Optional[Mapping[str, Profile]] = None, dtype: str = "bf16",
-            use_distributed_optimizer: bool = False, recompute: Optional[bool] = None, *,
-            efficiency: Optional[Efficiency] = None, pipeline_model: str = "simulate",
-            cache: Optional[SimulationCache] = None, validate: bool = True,
-            rate_model: Optional[RateModel] = None, overlap_grad_reduce: Optional[bool] = None,
-            grad_reduce_in_bf16: Optional[bool] = None,
-            pipelines: Optional[Sequence[int]] = None,
-            comm: Optional[CommCost] = None,
-            overlap_p2p_comm: Optional[bool] = None,
-            overlap_param_gather: Optional[bool] = None,
-            tp_comm_overlap: Optional[bool] = None,
-            ddp_bucket_size: Optional[int] = None,
-            scatter_gather_tensors_in_pipeline: bool = False,
-            fused_elementwise: bool = True) -> Prediction:
+def predict(
+    model: ModelConfig,
+    plan: ParallelPlan,
+    cluster: ClusterSpec,
+    seq_length: int,
+    profiles: Mapping[str, Profile] | None = None,
+    dtype: str = "bf16",
+    use_distributed_optimizer: bool = False,
+    recompute: bool | None = None,
+    *,
+    efficiency: Efficiency | None = None,
+    pipeline_model: str = "simulate",
+    cache: SimulationCache | None = None,
+    validate: bool = True,
+    rate_model: RateModel | None = None,
+    overlap_grad_reduce: bool | None = None,
+    grad_reduce_in_bf16: bool | None = None,
+    pipelines: Sequence[int] | None = None,
+    comm: CommCost | None = None,
+    overlap_p2p_comm: bool | None = None,
+    overlap_param_gather: bool | None = None,
+    tp_comm_overlap: bool | None = None,
+    ddp_bucket_size: int | None = None,
+    scatter_gather_tensors_in_pipeline: bool = False,
+    fused_elementwise: bool = True,
+) -> Prediction:
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
     ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
@@ -154,24 +191,44 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
         raise UserError(f"pipeline_model must be one of {', '.join(PIPELINE_MODELS)}")
     dtype = plan.dtype or dtype
     dtype_bytes(dtype)
-    zero1 = (plan.use_distributed_optimizer if plan.use_distributed_optimizer is not None
-             else use_distributed_optimizer)
+    zero1 = (
+        plan.use_distributed_optimizer
+        if plan.use_distributed_optimizer is not None
+        else use_distributed_optimizer
+    )
     overlap = _option(overlap_grad_reduce, plan.overlap_grad_reduce)
     gather_overlap = zero1 and _option(overlap_param_gather, plan.overlap_param_gather)
     bf16_reduce = _option(grad_reduce_in_bf16, plan.grad_reduce_in_bf16)
     overlap_p2p = _option(overlap_p2p_comm, plan.overlap_p2p_comm, default=True)
     tp_overlap = _option(tp_comm_overlap, plan.tp_comm_overlap)
     if bf16_reduce and dtype != "bf16":
-        raise UserError(f"grad_reduce_in_bf16 needs bf16 training but this one is {dtype}; "
-                        "train in bf16 or drop grad_reduce_in_bf16")
+        raise UserError(
+            f"grad_reduce_in_bf16 needs bf16 training but this one is {dtype}; "
+            "train in bf16 or drop grad_reduce_in_bf16"
+        )
     if validate:
         validate_plan(plan, model, cluster, seq_length=seq_length)
     cache = cache or SimulationCache()
-    ctx = PredictionContext(model, plan, cluster, seq_length, profiles, dtype, zero1, recompute,
-                            efficiency, comm or CommCost(cluster, profiles), overlap,
-                            bf16_reduce, cache, gather_overlap, tp_overlap,
-                            bucket_size_mb(ddp_bucket_size), scatter_gather_tensors_in_pipeline,
-                            fused_elementwise)
+    ctx = PredictionContext(
+        model,
+        plan,
+        cluster,
+        seq_length,
+        profiles,
+        dtype,
+        zero1,
+        recompute,
+        efficiency,
+        comm or CommCost(cluster, profiles),
+        overlap,
+        bf16_reduce,
+        cache,
+        gather_overlap,
+        tp_overlap,
+        bucket_size_mb(ddp_bucket_size),
+        scatter_gather_tensors_in_pipeline,
+        fused_elementwise,
+    )
     overlapped = overlap and ctx.sync.uniform and plan.dp_size > 1
     gathered_under_forward = gather_overlap and ctx.sync.uniform and plan.dp_size > 1
     every = pipelines is None
@@ -181,8 +238,9 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
         pipeline = plan.pipelines[p]
         rows = ctx.pipeline_rows(p, pipeline, cache)
         stages += rows
-        timed, last = _pipeline_time(p, pipeline, rows, pipeline_model, cache, overlap_p2p,
-                                     overlapped)
+        timed, last = _pipeline_time(
+            p, pipeline, rows, pipeline_model, cache, overlap_p2p, overlapped
+        )
         pipelines.append(timed)
         ends.append(last)
     shared = None
@@ -190,35 +248,58 @@ def predict(model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec, seq_le
         shared = rate_model.shared_iteration(ctx, stages)
     if shared is not None:
         pipelines = _shared_pipelines(plan, stages, pipelines, shared, cache, overlap_p2p)
-        return _assemble(ctx, stages, pipelines, pipeline_model, overlap_p2p,
-                         shared.optimizer_s, shared.overhead_s, shared.dp_sync_s)
-    exposed = (_exposed_sync(ctx, pipelines, ends if overlapped else None,
-                             stages if gathered_under_forward else None)
-               if overlapped or gathered_under_forward else None)
+        return _assemble(
+            ctx,
+            stages,
+            pipelines,
+            pipeline_model,
+            overlap_p2p,
+            shared.optimizer_s,
+            shared.overhead_s,
+            shared.dp_sync_s,
+        )
+    exposed = (
+        _exposed_sync(
+            ctx, pipelines, ends if overlapped else None, stages if gathered_under_forward else None
+        )
+        if overlapped or gathered_under_forward
+        else None
+    )
     return _assemble(ctx, stages, pipelines, pipeline_model, overlap_p2p, dp_exposed=exposed)
 
 
-def _option(argument: Optional[bool], planned: Optional[bool], default: bool = False) -> bool:
+def _option(argument: bool | None, planned: bool | None, default: bool = False) -> bool:
     """A run option: the argument where given, else the plan's, else ``default``."""
     if argument is not None:
         return argument
     return default if planned is None else planned
 
 
-def _shared_pipelines(plan: ParallelPlan, rows: list[StagePrediction],
-                      pipelines: list[PipelinePrediction], shared: SharedIteration,
-                      cache: SimulationCache, overlap_p2p: bool) -> list[PipelinePrediction]:
+def _shared_pipelines(
+    plan: ParallelPlan,
+    rows: list[StagePrediction],
+    pipelines: list[PipelinePrediction],
+    shared: SharedIteration,
+    cache: SimulationCache,
+    overlap_p2p: bool,
+) -> list[PipelinePrediction]:
     """Every pipeline's time when all run at once on the rate model's shared cores."""
-    schedules = [cache.schedule(pp.pp_size, pp.micro_batches, pp.num_chunks, overlap_p2p)
-                 for pp in plan.pipelines]
+    schedules = [
+        cache.schedule(pp.pp_size, pp.micro_batches, pp.num_chunks, overlap_p2p)
+        for pp in plan.pipelines
+    ]
     result = simulate_pipelines(schedules, shared.stages, shared.sharing)
     out = []
     for pp, plan_pp, t in zip(pipelines, plan.pipelines, result.makespans_s):
         mine = [r for r in rows if r.pipeline == pp.pipeline]
-        f, b = group_sums(plan_pp.pp_size, [r.forward_s for r in mine],
-                          [r.backward_s for r in mine])
-        out.append(dataclasses.replace(pp, time_s=t, bubble_fraction=bubble_fraction(
-            t, f, b, pp.micro_batches)))
+        f, b = group_sums(
+            plan_pp.pp_size, [r.forward_s for r in mine], [r.backward_s for r in mine]
+        )
+        out.append(
+            dataclasses.replace(
+                pp, time_s=t, bubble_fraction=bubble_fraction(t, f, b, pp.micro_batches)
+            )
+        )
     return out
 
 
@@ -229,15 +310,27 @@ class PredictionContext:
     calibrated figures (:mod:`megatron_het.perf.stage_cost`); the two DP options are resolved
     already (see :func:`predict`)."""
 
-    def __init__(self, model: ModelConfig, plan: ParallelPlan, cluster: ClusterSpec,
-                 seq_length: int, profiles: Optional[Mapping[str, Profile]], dtype: str,
-                 zero1: bool, recompute: Optional[bool], efficiency: Optional[Efficiency],
-                 comm: CommCost, overlap_grad_reduce: bool = False,
-                 grad_reduce_in_bf16: bool = False,
-                 cache: Optional[SimulationCache] = None,
-                 overlap_param_gather: bool = False, tp_comm_overlap: bool = False,
-                 bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
-                 scatter_gather: bool = False, fused_elementwise: bool = True) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        plan: ParallelPlan,
+        cluster: ClusterSpec,
+        seq_length: int,
+        profiles: Mapping[str, Profile] | None,
+        dtype: str,
+        zero1: bool,
+        recompute: bool | None,
+        efficiency: Efficiency | None,
+        comm: CommCost,
+        overlap_grad_reduce: bool = False,
+        grad_reduce_in_bf16: bool = False,
+        cache: SimulationCache | None = None,
+        overlap_param_gather: bool = False,
+        tp_comm_overlap: bool = False,
+        bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
+        scatter_gather: bool = False,
+        fused_elementwise: bool = True,
+    ) -> None:
         self.model, self.plan, self.cluster, self.seq = model, plan, cluster, seq_length
         self.tp_comm_overlap = tp_comm_overlap
         self.bucket_size_mb = bucket_size_mb
@@ -247,8 +340,7 @@ class PredictionContext:
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.grad_reduce_in_bf16 = grad_reduce_in_bf16
-        self.act_bytes = plan.micro_batch_size * seq_length * model.hidden_size * DTYPE_BYTES[
-            dtype]
+        self.act_bytes = plan.micro_batch_size * seq_length * model.hidden_size * DTYPE_BYTES[dtype]
         self._computes: dict[tuple, StageCompute] = {}
         self._shared = cache  # stage computes of earlier predictions of a planner's loop
         self._dp: dict[tuple[int, int], tuple[float, str]] = {}
@@ -256,8 +348,11 @@ class PredictionContext:
         self._tp: dict[tuple, tuple[float, float]] = {}
         # Scatter/gather boundaries are priced as sequence-parallel ones (their bytes and
         # messages); nothing else of the plan changes.
-        bounded = (dataclasses.replace(plan, sequence_parallel=True)
-                   if scatter_gather and not plan.sequence_parallel else plan)
+        bounded = (
+            dataclasses.replace(plan, sequence_parallel=True)
+            if scatter_gather and not plan.sequence_parallel
+            else plan
+        )
         self.boundaries = BoundaryCost(bounded, comm, self.act_bytes, seq_length)
         self.sync = DPSync(model, plan, dtype, zero1, grad_reduce_in_bf16)
 
@@ -271,25 +366,51 @@ class PredictionContext:
         spec = self.comm.spec_of(stage.ranks[0])
         recompute = self.recomputed_layers_of(stage)
         blocks = LayerBlocks.of(stage)
-        key = (spec.name, stage.tp, stage.num_layers, stage.has_embedding, stage.has_head,
-               recompute, blocks)
+        key = (
+            spec.name,
+            stage.tp,
+            stage.num_layers,
+            stage.has_embedding,
+            stage.has_head,
+            recompute,
+            blocks,
+        )
         if key not in self._computes:
             sharded = sequence_sharded(self.plan, stage)
             shape = LayerShape.of(self.model, self.seq, self.plan.micro_batch_size, stage.tp)
             choice = choose_profile(spec, self.profiles)
-            args = (self.model, spec, shape, stage.num_layers, stage.has_embedding,
-                    stage.has_head, recompute, self.dtype, choice, self.efficiency,
-                    sharded, sharded and self.tp_comm_overlap, blocks, self.fused_elementwise)
-            self._computes[key] = (stage_compute(*args) if self._shared is None
-                                   else self._shared.stage_compute(args))
+            args = (
+                self.model,
+                spec,
+                shape,
+                stage.num_layers,
+                stage.has_embedding,
+                stage.has_head,
+                recompute,
+                self.dtype,
+                choice,
+                self.efficiency,
+                sharded,
+                sharded and self.tp_comm_overlap,
+                blocks,
+                self.fused_elementwise,
+            )
+            self._computes[key] = (
+                stage_compute(*args) if self._shared is None else self._shared.stage_compute(args)
+            )
         return self._computes[key]
 
     def tp_collectives(self, stage_index: int, pipeline: PipelinePlan) -> TPCollectives:
         """The stage's TP collectives per micro-batch (:func:`tp_collectives`)."""
         stage = pipeline.stages[stage_index]
-        return tp_collectives(stage.tp, stage.num_layers, stage.has_embedding, stage.has_head,
-                              self.recomputed_layers_of(stage),
-                              sequence_sharded(self.plan, stage))
+        return tp_collectives(
+            stage.tp,
+            stage.num_layers,
+            stage.has_embedding,
+            stage.has_head,
+            self.recomputed_layers_of(stage),
+            sequence_sharded(self.plan, stage),
+        )
 
     def tp_comm(self, stage_index: int, pipeline: PipelinePlan) -> tuple[float, float]:
         """(forward, backward) TP collective seconds per micro-batch of one stage (the same
@@ -300,9 +421,15 @@ class PredictionContext:
         first, comm = stage.ranks[0], self.comm
         if any(comm.node_of(r) != comm.node_of(first) for r in stage.ranks):
             return self._tp_comm(stage_index, pipeline)
-        key = (comm.group_of(first), stage.tp, stage.num_layers, stage.has_embedding,
-               stage.has_head, self.recomputed_layers_of(stage),
-               sequence_sharded(self.plan, stage))
+        key = (
+            comm.group_of(first),
+            stage.tp,
+            stage.num_layers,
+            stage.has_embedding,
+            stage.has_head,
+            self.recomputed_layers_of(stage),
+            sequence_sharded(self.plan, stage),
+        )
         if key not in self._tp:
             self._tp[key] = self._tp_comm(stage_index, pipeline)
         return self._tp[key]
@@ -317,8 +444,10 @@ class PredictionContext:
         gather = self.comm.tp_gather(stage.ranks, self.act_bytes)
         norm = self.comm.tp_all_reduce(stage.ranks, self.model.hidden_size * FP32_BYTES)
         if not self.tp_comm_overlap:
-            return (counts.forward_gathers * gather,
-                    counts.backward_gathers * gather + counts.norm_grads * norm)
+            return (
+                counts.forward_gathers * gather,
+                counts.backward_gathers * gather + counts.norm_grads * norm,
+            )
         layers = stage.num_layers
         recomputed = recomputed_count(self.recomputed_layers_of(stage), layers)
         fwd, bwd = overlapped_layer_tp(gather, self.layer_gemms(stage), stage.tp)
@@ -326,9 +455,10 @@ class PredictionContext:
         rings_forward, rings_backward = ring_collectives(layers, recomputed)
         ends_forward = counts.forward_gathers - rings_forward
         ends_backward = counts.backward_gathers - rings_backward
-        return (layers * fwd + ends_forward * gather,
-                layers * bwd + recomputed * fwd + ends_backward * gather
-                + counts.norm_grads * norm)
+        return (
+            layers * fwd + ends_forward * gather,
+            layers * bwd + recomputed * fwd + ends_backward * gather + counts.norm_grads * norm,
+        )
 
     def layer_gemms(self, stage: StagePlan) -> dict[str, float]:
         """Forward seconds of one layer's qkv, proj, gate_up and down GEMMs on one rank of
@@ -336,9 +466,11 @@ class PredictionContext:
         spec = self.comm.spec_of(stage.ranks[0])
         shape = LayerShape.of(self.model, self.seq, self.plan.micro_batch_size, stage.tp)
         efficiency = resolve_efficiency(spec, self.efficiency)
-        return {op.name: op_time(op, spec, self.dtype, efficiency)
-                for op in layer_forward_ops(shape, efficiency.attention_kernel)
-                if op.name in ("qkv", "proj", "gate_up", "down")}
+        return {
+            op.name: op_time(op, spec, self.dtype, efficiency)
+            for op in layer_forward_ops(shape, efficiency.attention_kernel)
+            if op.name in ("qkv", "proj", "gate_up", "down")
+        }
 
     def p2p(self, b: int, pipeline: PipelinePlan) -> tuple[float, float]:
         """(forward, backward) seconds over boundary ``b`` (stage b to b + 1) per micro-batch."""
@@ -359,8 +491,7 @@ class PredictionContext:
         once), costed by ``comm`` (:class:`~megatron_het.perf.dp_sync.DPSync`)."""
         return self.sync.over(comm, pipeline, stage_index)
 
-    def device(self, p: int, group: int,
-               cache: Optional[SimulationCache] = None) -> DeviceFigures:
+    def device(self, p: int, group: int, cache: SimulationCache | None = None) -> DeviceFigures:
         """What one device of ``group`` of pipeline ``p`` holds and steps: all its chunks'
         parameters, its peak memory under the pipeline's 1F1B schedule (interleaved when it has
         several chunks) and its optimizer step (over the state it owns under ZeRO-1)."""
@@ -378,18 +509,31 @@ class PredictionContext:
             in_flight = in_flight_micro_batches(pipeline.pp_size, group, m)
             activation = computes[group].activation_bytes * in_flight
         else:
-            counts = (cache or SimulationCache()).held_counts(pipeline.pp_size, m,
-                                                              pipeline.num_chunks, group)
-            activation, in_flight = held_activations(
-                counts, lambda s: computes[s].activation_bytes)
-        memory = device_memory(params, self.dtype, dp, activation, transient, owned,
-                               self.sync.buffer_bytes(stage.ranks))
-        optimizer = optimizer_time(spec, params / dp if owned is None else owned, self.dtype,
-                                   choose_profile(spec, self.profiles), self.efficiency)
+            counts = (cache or SimulationCache()).held_counts(
+                pipeline.pp_size, m, pipeline.num_chunks, group
+            )
+            activation, in_flight = held_activations(counts, lambda s: computes[s].activation_bytes)
+        memory = device_memory(
+            params,
+            self.dtype,
+            dp,
+            activation,
+            transient,
+            owned,
+            self.sync.buffer_bytes(stage.ranks),
+        )
+        optimizer = optimizer_time(
+            spec,
+            params / dp if owned is None else owned,
+            self.dtype,
+            choose_profile(spec, self.profiles),
+            self.efficiency,
+        )
         return DeviceFigures(in_flight, memory, optimizer)
 
-    def _device(self, signature: object, p: int, group: int,
-                cache: Optional[SimulationCache]) -> DeviceFigures:
+    def _device(
+        self, signature: object, p: int, group: int, cache: SimulationCache | None
+    ) -> DeviceFigures:
         """:meth:`device`, shared by the pipelines of one ``signature`` (with uniform layouts,
         the stages' kinds, TP and layers: such DP replicas hold and step the same)."""
         key = (signature, group)
@@ -397,13 +541,22 @@ class PredictionContext:
             self._devices[key] = self.device(p, group, cache)
         return self._devices[key]
 
-    def pipeline_rows(self, p: int, pipeline: PipelinePlan,
-                      cache: Optional[SimulationCache] = None) -> list[StagePrediction]:
+    def pipeline_rows(
+        self, p: int, pipeline: PipelinePlan, cache: SimulationCache | None = None
+    ) -> list[StagePrediction]:
         """One row per stage (chunk) of pipeline ``p``: its per-micro-batch times and p2p to
         the next stage, and its device group's figures (see the module docstring)."""
-        signature = ((pipeline.micro_batches, tuple(
-            (st.accelerator, st.tp, st.layers, st.recomputed_layers) for st in pipeline.stages))
-            if self.sync.uniform else p)
+        signature = (
+            (
+                pipeline.micro_batches,
+                tuple(
+                    (st.accelerator, st.tp, st.layers, st.recomputed_layers)
+                    for st in pipeline.stages
+                ),
+            )
+            if self.sync.uniform
+            else p
+        )
         devices = [self._device(signature, p, g, cache) for g in range(pipeline.pp_size)]
         rows = []
         for s, stage in enumerate(pipeline.stages):
@@ -414,12 +567,29 @@ class PredictionContext:
             p2p_fwd, p2p_bwd = (0.0, 0.0) if last else self.p2p(s, pipeline)
             dp_time, dp_algorithm = self.dp_sync(p, s)
             device = devices[s % pipeline.pp_size]
-            rows.append(StagePrediction(
-                p, s, spec.label, stage.tp, stage.layers, stage.ranks,
-                compute.forward_s + tp_fwd, compute.backward_s + tp_bwd, tp_fwd + tp_bwd,
-                p2p_fwd, p2p_bwd, dp_time, dp_algorithm, device.optimizer_s,
-                stage_parameters(self.model, stage), device.in_flight, device.memory,
-                device_capacity_bytes(spec), compute.source))
+            rows.append(
+                StagePrediction(
+                    p,
+                    s,
+                    spec.label,
+                    stage.tp,
+                    stage.layers,
+                    stage.ranks,
+                    compute.forward_s + tp_fwd,
+                    compute.backward_s + tp_bwd,
+                    tp_fwd + tp_bwd,
+                    p2p_fwd,
+                    p2p_bwd,
+                    dp_time,
+                    dp_algorithm,
+                    device.optimizer_s,
+                    stage_parameters(self.model, stage),
+                    device.in_flight,
+                    device.memory,
+                    device_capacity_bytes(spec),
+                    compute.source,
+                )
+            )
         return rows
 
 
@@ -437,10 +607,15 @@ class DeviceFigures:
 LastBackwards = list[tuple[tuple[float, float], ...]]
 
 
-def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
-                   pipeline_model: str, cache: SimulationCache, overlap_p2p: bool,
-                   with_ends: bool = False
-                   ) -> tuple[PipelinePrediction, Optional[LastBackwards]]:
+def _pipeline_time(
+    p: int,
+    pipeline: PipelinePlan,
+    rows: list[StagePrediction],
+    pipeline_model: str,
+    cache: SimulationCache,
+    overlap_p2p: bool,
+    with_ends: bool = False,
+) -> tuple[PipelinePrediction, LastBackwards | None]:
     """Simulated (or closed-form) time, with the closed form, lower bound and bubble; with
     ``with_ends`` also when and for how long each device group runs its last backward (from
     the simulated timeline, or :func:`last_backward_ends` with the closed form), chunk by
@@ -457,7 +632,7 @@ def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
         closed = closed_form_interleaved(f, b, m, v, cf, cb, overlap_p2p)
         lower = lower_bound_interleaved(f, b, m, v, cf, cb)
         group_f, group_b = group_sums(pipeline.pp_size, f, b)
-    ends: Optional[LastBackwards] = None
+    ends: LastBackwards | None = None
     if pipeline_model == "closed_form":
         time = closed
         if with_ends:
@@ -469,13 +644,18 @@ def _pipeline_time(p: int, pipeline: PipelinePlan, rows: list[StagePrediction],
         ends = list(held)
     else:
         time = cache.makespan(f, b, m, cf, cb, v, overlap_p2p)
-    return (PipelinePrediction(p, m, time, closed, lower,
-                               bubble_fraction(time, group_f, group_b, m)), ends)
+    return (
+        PipelinePrediction(p, m, time, closed, lower, bubble_fraction(time, group_f, group_b, m)),
+        ends,
+    )
 
 
-def _exposed_sync(ctx: PredictionContext, pipelines: list[PipelinePrediction],
-                  ends: Optional[list[Optional[LastBackwards]]],
-                  rows: Optional[list[StagePrediction]]) -> float:
+def _exposed_sync(
+    ctx: PredictionContext,
+    pipelines: list[PipelinePrediction],
+    ends: list[LastBackwards | None] | None,
+    rows: list[StagePrediction] | None,
+) -> float:
     """The DP sync the iteration pays past the slowest pipeline (uniform layouts;
     :func:`exposed_sync`): with ``ends`` the buckets' reductions start in the last backward,
     with ``rows`` the parameter all-gathers run under the next forward."""
@@ -490,16 +670,28 @@ def _exposed_sync(ctx: PredictionContext, pipelines: list[PipelinePrediction],
                 firsts.append((fill, row.forward_s))
                 fill += row.forward_s + row.p2p_forward_s
             starts.append([tuple(firsts[g::groups]) for g in range(groups)])
-    return exposed_sync(ctx.model, ctx.plan, lambda g: ctx.sync.split(ctx.comm, 0, g),
-                        [pp.time_s for pp in pipelines],
-                        None if ends is None else [e for e in ends if e is not None],
-                        ctx.bucket_size_mb, first_forwards=starts)
+    return exposed_sync(
+        ctx.model,
+        ctx.plan,
+        lambda g: ctx.sync.split(ctx.comm, 0, g),
+        [pp.time_s for pp in pipelines],
+        None if ends is None else [e for e in ends if e is not None],
+        ctx.bucket_size_mb,
+        first_forwards=starts,
+    )
 
 
-def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
-              pipelines: list[PipelinePrediction], pipeline_model: str, overlap_p2p: bool,
-              optimizer: Optional[float] = None, overhead: float = 0.0,
-              dp_sync: Optional[float] = None, dp_exposed: Optional[float] = None) -> Prediction:
+def _assemble(
+    ctx: PredictionContext,
+    stages: list[StagePrediction],
+    pipelines: list[PipelinePrediction],
+    pipeline_model: str,
+    overlap_p2p: bool,
+    optimizer: float | None = None,
+    overhead: float = 0.0,
+    dp_sync: float | None = None,
+    dp_exposed: float | None = None,
+) -> Prediction:
     """The iteration's figures; ``dp_exposed`` None: the whole DP sync is paid."""
     plan, model = ctx.plan, ctx.model
     slowest = max(pipelines, key=lambda pp: pp.time_s)
@@ -522,20 +714,39 @@ def _assemble(ctx: PredictionContext, stages: list[StagePrediction],
             peak += peak_of[kind] * len(group)
             devices += len(group)
     return Prediction(
-        model=model.name, seq_length=ctx.seq, dtype=ctx.dtype,
-        use_distributed_optimizer=ctx.zero1, overlap_grad_reduce=ctx.overlap_grad_reduce,
+        model=model.name,
+        seq_length=ctx.seq,
+        dtype=ctx.dtype,
+        use_distributed_optimizer=ctx.zero1,
+        overlap_grad_reduce=ctx.overlap_grad_reduce,
         overlap_param_gather=ctx.overlap_param_gather,
         grad_reduce_in_bf16=ctx.grad_reduce_in_bf16,
         overlap_p2p_comm=overlap_p2p and any(pp.interleaved for pp in plan.pipelines),
         micro_batch_size=plan.micro_batch_size,
-        global_batch_size=plan.global_batch_size, pipeline_model=pipeline_model,
-        stages=tuple(stages), pipelines=tuple(pipelines), pipeline_time_s=slowest.time_s,
-        dp_sync_s=dp_sync, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
+        global_batch_size=plan.global_batch_size,
+        pipeline_model=pipeline_model,
+        stages=tuple(stages),
+        pipelines=tuple(pipelines),
+        pipeline_time_s=slowest.time_s,
+        dp_sync_s=dp_sync,
+        dp_exposed_s=dp_exposed,
+        optimizer_s=optimizer,
         iteration_time_s=iteration,
-        tokens_per_s=tokens / iteration, model_flops_per_iteration=flops,
-        num_devices=devices, peak_flops_sum=peak, bubble_fraction=slowest.bubble_fraction,
-        overhead_s=overhead)
+        tokens_per_s=tokens / iteration,
+        model_flops_per_iteration=flops,
+        num_devices=devices,
+        peak_flops_sum=peak,
+        bubble_fraction=slowest.bubble_fraction,
+        overhead_s=overhead,
+    )
 
 
-__all__ = ["DeviceFigures", "PIPELINE_MODELS", "PipelinePrediction", "Prediction",
-           "PredictionContext", "StagePrediction", "predict"]
+__all__ = [
+    "DeviceFigures",
+    "PIPELINE_MODELS",
+    "PipelinePrediction",
+    "Prediction",
+    "PredictionContext",
+    "StagePrediction",
+    "predict",
+]

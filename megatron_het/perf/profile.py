@@ -40,21 +40,28 @@ that compute between their collectives, as TP ranks do. Both measured by
 :mod:`megatron_het.emulation.host_measure` and read only by emulation's rate model (the
 predictor ignores them unless given it).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 from megatron_het.cluster.nodes import LINK_KINDS  # a profile's links are the cluster's kinds
 from megatron_het.errors import UserError
 from megatron_het.fileio import read_json_file
-from megatron_het.perf.cost_model import (DTYPE_BYTES, LayerShape, embedding_forward_ops,
-                                          head_forward_flops, layer_activation_bytes,
-                                          layer_forward_flops)
+from megatron_het.perf.cost_model import (
+    DTYPE_BYTES,
+    LayerShape,
+    embedding_forward_ops,
+    head_forward_flops,
+    layer_activation_bytes,
+    layer_forward_flops,
+)
 
 PROFILE_FORMAT = "megatron_het.profile/1"
 COMM_OPS = ("p2p", "collective")
@@ -91,8 +98,9 @@ class LayerEntry:
     compiled: bool = False
 
     def shape(self) -> LayerShape:
-        return LayerShape(self.hidden, self.ffn, self.heads, self.kv_groups, self.seq,
-                          self.micro_batch, self.tp)
+        return LayerShape(
+            self.hidden, self.ffn, self.heads, self.kv_groups, self.seq, self.micro_batch, self.tp
+        )
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,7 @@ class Measured:
 
     forward_s: float
     backward_s: float
-    activation_bytes: Optional[float]
+    activation_bytes: float | None
     source: str
 
 
@@ -139,21 +147,21 @@ class Profile:
     layers: tuple[LayerEntry, ...] = ()
     embedding: tuple[EndEntry, ...] = ()
     head: tuple[EndEntry, ...] = ()
-    optimizer_step_s_per_param: Optional[float] = None
+    optimizer_step_s_per_param: float | None = None
     comm: tuple[CommEntry, ...] = ()
     host_sharing: tuple[float, ...] = ()
     host_collective_s: tuple[float, ...] = ()
 
     # ---- lookup ---------------------------------------------------------------------------
-    def layer(self, shape: LayerShape, dtype: str,
-              compiled: Optional[bool] = None) -> Optional[Measured]:
+    def layer(self, shape: LayerShape, dtype: str, compiled: bool | None = None) -> Measured | None:
         """One layer's forward/backward seconds and activation bytes for ``shape``, from the
         entries of ``dtype`` (and, unless ``compiled`` is None, of that mode only)."""
         key = _widths(shape)
-        candidates = [(e, _widths(e), e.seq, e.micro_batch,
-                       (e.forward_s, e.backward_s, e.activation_bytes))
-                      for e in self.layers if e.dtype == dtype
-                      and (compiled is None or e.compiled == compiled)]
+        candidates = [
+            (e, _widths(e), e.seq, e.micro_batch, (e.forward_s, e.backward_s, e.activation_bytes))
+            for e in self.layers
+            if e.dtype == dtype and (compiled is None or e.compiled == compiled)
+        ]
 
         def work(entry: LayerEntry) -> tuple[float, float]:
             s = entry.shape()
@@ -171,15 +179,20 @@ class Profile:
         """Whether an entry of ``dtype`` and mode ``compiled`` has ``shape``'s widths and tp
         (at any sequence length and micro-batch: :meth:`layer` then scales it in tokens, not
         from another shape)."""
-        return any(_widths(e) == _widths(shape) and e.dtype == dtype
-                   and e.compiled == compiled for e in self.layers)
+        return any(
+            _widths(e) == _widths(shape) and e.dtype == dtype and e.compiled == compiled
+            for e in self.layers
+        )
 
-    def end(self, part: str, shape: LayerShape, vocab: int, dtype: str) -> Optional[Measured]:
+    def end(self, part: str, shape: LayerShape, vocab: int, dtype: str) -> Measured | None:
         """``part`` "embedding" or "head": forward/backward seconds on one TP rank."""
         entries = {"embedding": self.embedding, "head": self.head}[part]
         key = (shape.hidden, vocab, shape.tp)
-        candidates = [(e, (e.hidden, e.vocab, e.tp), e.seq, e.micro_batch,
-                       (e.forward_s, e.backward_s)) for e in entries if e.dtype == dtype]
+        candidates = [
+            (e, (e.hidden, e.vocab, e.tp), e.seq, e.micro_batch, (e.forward_s, e.backward_s))
+            for e in entries
+            if e.dtype == dtype
+        ]
 
         def amount(s: LayerShape, v: int) -> float:
             if part == "head":
@@ -197,7 +210,7 @@ class Profile:
         (fwd, bwd), source = found
         return Measured(fwd, bwd, None, f"profile {self.accelerator} {part}: {source}")
 
-    def comm_figures(self, op: str, link_kind: str) -> Optional[CommEntry]:
+    def comm_figures(self, op: str, link_kind: str) -> CommEntry | None:
         """The measured figures of ``op`` (p2p | collective) over ``link_kind``, if any."""
         for entry in self.comm:
             if entry.op == op and entry.link_kind == link_kind:
@@ -216,15 +229,18 @@ class Profile:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Profile":
+    def from_dict(cls, d: Mapping[str, Any]) -> Profile:
         """Parse the JSON form; a wrong format or key is a one-line UserError."""
         return _parse(d)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
+    def load(cls, path: str | Path) -> Profile:
         path = Path(path)
-        data = read_json_file(path, f"profile {path}", "write it with tools/profile_device.py "
-                              "or leave it out to use roofline estimates")
+        data = read_json_file(
+            path,
+            f"profile {path}",
+            "write it with tools/profile_device.py or leave it out to use roofline estimates",
+        )
         try:
             return _parse(data)
         except UserError as exc:
@@ -237,27 +253,40 @@ def merge_profiles(old: Profile, new: Profile) -> Profile:
     comm). The conditions are ``new``'s; so are the optimizer and host figures unless ``new``
     has none."""
     if old.accelerator != new.accelerator:
-        raise UserError(f"cannot merge a profile of {new.accelerator!r} into one of "
-                        f"{old.accelerator!r}; write it to its own file")
+        raise UserError(
+            f"cannot merge a profile of {new.accelerator!r} into one of "
+            f"{old.accelerator!r}; write it to its own file"
+        )
 
     def merged(a: Sequence[Any], b: Sequence[Any]) -> tuple:
         out = {_entry_key(e): e for e in a}
         out.update({_entry_key(e): e for e in b})
         return tuple(out.values())
 
-    step = (new.optimizer_step_s_per_param if new.optimizer_step_s_per_param is not None
-            else old.optimizer_step_s_per_param)
+    step = (
+        new.optimizer_step_s_per_param
+        if new.optimizer_step_s_per_param is not None
+        else old.optimizer_step_s_per_param
+    )
     return dataclasses.replace(
-        new, layers=merged(old.layers, new.layers), embedding=merged(old.embedding, new.embedding),
-        head=merged(old.head, new.head), optimizer_step_s_per_param=step,
-        comm=merged(old.comm, new.comm), host_sharing=new.host_sharing or old.host_sharing,
-        host_collective_s=new.host_collective_s or old.host_collective_s)
+        new,
+        layers=merged(old.layers, new.layers),
+        embedding=merged(old.embedding, new.embedding),
+        head=merged(old.head, new.head),
+        optimizer_step_s_per_param=step,
+        comm=merged(old.comm, new.comm),
+        host_sharing=new.host_sharing or old.host_sharing,
+        host_collective_s=new.host_collective_s or old.host_collective_s,
+    )
 
 
 def _entry_key(entry: Any) -> tuple:
     """What an entry is about: its fields other than the measured figures."""
-    return tuple(getattr(entry, f.name) for f in dataclasses.fields(entry)
-                 if not f.name.endswith(("_s", "_bytes", "_gbps")))
+    return tuple(
+        getattr(entry, f.name)
+        for f in dataclasses.fields(entry)
+        if not f.name.endswith(("_s", "_bytes", "_gbps"))
+    )
 
 
 def load_profiles(paths: Sequence[str | Path]) -> dict[str, Profile]:
@@ -266,13 +295,15 @@ def load_profiles(paths: Sequence[str | Path]) -> dict[str, Profile]:
     for path in paths:
         profile = Profile.load(path)
         if profile.accelerator in out:
-            raise UserError(f"two profiles for accelerator {profile.accelerator!r} "
-                            f"(the second is {path}); pass one profile per kind")
+            raise UserError(
+                f"two profiles for accelerator {profile.accelerator!r} "
+                f"(the second is {path}); pass one profile per kind"
+            )
         out[profile.accelerator] = profile
     return out
 
 
-def _widths(layer: "LayerEntry | LayerShape") -> tuple[int, ...]:
+def _widths(layer: LayerEntry | LayerShape) -> tuple[int, ...]:
     """What a layer lookup matches exactly: the widths and the TP degree."""
     return (layer.hidden, layer.ffn, layer.heads, layer.kv_groups, layer.tp)
 
@@ -281,9 +312,14 @@ def _widths(layer: "LayerEntry | LayerShape") -> tuple[int, ...]:
 Candidate = tuple[Any, tuple, int, int, tuple]
 
 
-def _lookup(candidates: list[Candidate], key: tuple, seq: int, micro_batch: int,
-            work: Callable[[Any], tuple[float, ...]], target: tuple[float, ...]
-            ) -> Optional[tuple[tuple[float, ...], str]]:
+def _lookup(
+    candidates: list[Candidate],
+    key: tuple,
+    seq: int,
+    micro_batch: int,
+    work: Callable[[Any], tuple[float, ...]],
+    target: tuple[float, ...],
+) -> tuple[tuple[float, ...], str] | None:
     """Values for (key, seq, micro_batch): exact, linear in tokens within the same shape, or
     the nearest shape scaled by ``target / work(entry)`` (one ratio per value group)."""
     if not candidates:
@@ -295,9 +331,11 @@ def _lookup(candidates: list[Candidate], key: tuple, seq: int, micro_batch: int,
             return c[4], "exact"
     if same:
         return _linear_in_tokens(same, tokens)
+
     def distance(c: Candidate) -> float:
         pairs = list(zip(c[1], key)) + [(c[2] * c[3], tokens)]
         return sum(abs(math.log(a / b)) for a, b in pairs)
+
     nearest = min(candidates, key=distance)
     ratios = [t / w if w else 1.0 for t, w in zip(target, work(nearest[0]))]
     # The last value group (activation bytes) takes the last ratio; times take the first.
@@ -312,8 +350,10 @@ def _linear_in_tokens(same: list[Candidate], tokens: int) -> tuple[tuple[float, 
     points = sorted(by_tokens)
     if len(points) == 1:
         c = by_tokens[points[0]]
-        return (tuple(v * tokens / points[0] for v in c[4]),
-                f"scaled in proportion to tokens from {_describe(c)}")
+        return (
+            tuple(v * tokens / points[0] for v in c[4]),
+            f"scaled in proportion to tokens from {_describe(c)}",
+        )
     below = [t for t in points if t <= tokens]
     above = [t for t in points if t >= tokens]
     if below and above:
@@ -333,9 +373,18 @@ def _describe(c: Candidate) -> str:
 
 
 # ---- parsing ------------------------------------------------------------------------------
-_TOP_KEYS = ("format", "accelerator", "conditions", "layers", "embedding", "head",
-             "optimizer_step_s_per_param", "comm", "host_sharing",
-             "host_collective_s")
+_TOP_KEYS = (
+    "format",
+    "accelerator",
+    "conditions",
+    "layers",
+    "embedding",
+    "head",
+    "optimizer_step_s_per_param",
+    "comm",
+    "host_sharing",
+    "host_collective_s",
+)
 
 
 def _record(cls: type, where: str, d: Any) -> Any:
@@ -352,17 +401,26 @@ def _record(cls: type, where: str, d: Any) -> Any:
         if name not in d:
             continue
         value = d[name]
-        ok = (isinstance(value, str) if kind == "str" else
-              isinstance(value, bool) if kind == "bool" else
-              not isinstance(value, bool) and isinstance(value, int) if kind == "int" else
-              not isinstance(value, bool) and isinstance(value, (int, float)) and value >= 0)
+        ok = (
+            isinstance(value, str)
+            if kind == "str"
+            else isinstance(value, bool)
+            if kind == "bool"
+            else not isinstance(value, bool) and isinstance(value, int)
+            if kind == "int"
+            else not isinstance(value, bool) and isinstance(value, (int, float)) and value >= 0
+        )
         if not ok:
             raise UserError(f"{where}: {name} must be {_KIND_WORDS[kind]}, got {value!r}")
     return cls(**d)
 
 
-_KIND_WORDS = {"str": "a string", "int": "an integer", "float": "a number >= 0",
-               "bool": "true or false"}
+_KIND_WORDS = {
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number >= 0",
+    "bool": "true or false",
+}
 
 
 def _parse(d: Any) -> Profile:
@@ -379,32 +437,44 @@ def _parse(d: Any) -> Profile:
         raise UserError(f"profile: optimizer_step_s_per_param must be a number, got {step!r}")
     comm = tuple(_record(CommEntry, f"comm #{i}", c) for i, c in enumerate(d.get("comm", [])))
     host = {}
-    for key, what in (("host_sharing", "slowdown with 1, 2, ... processes computing at once"),
-                      ("host_collective_s", "[wall, CPU] seconds of one TP collective")):
+    for key, what in (
+        ("host_sharing", "slowdown with 1, 2, ... processes computing at once"),
+        ("host_collective_s", "[wall, CPU] seconds of one TP collective"),
+    ):
         values = d.get(key, [])
         if not isinstance(values, list) or any(
-                isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
-                for v in values):
-            raise UserError(f"profile: {key} must be a list of positive numbers ({what}), "
-                            f"got {values!r}")
+            isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in values
+        ):
+            raise UserError(
+                f"profile: {key} must be a list of positive numbers ({what}), got {values!r}"
+            )
         host[key] = tuple(float(v) for v in values)
     if host["host_collective_s"] and len(host["host_collective_s"]) != 2:
-        raise UserError("profile: host_collective_s must be [wall, CPU] seconds of one TP "
-                        f"collective, got {list(host['host_collective_s'])}")
+        raise UserError(
+            "profile: host_collective_s must be [wall, CPU] seconds of one TP "
+            f"collective, got {list(host['host_collective_s'])}"
+        )
     for c in comm:
         if c.op not in COMM_OPS or c.link_kind not in LINK_KINDS or c.bandwidth_gbps <= 0:
-            raise UserError(f"profile comm entry {c}: op must be one of {COMM_OPS}, link_kind "
-                            f"one of {LINK_KINDS}, bandwidth_gbps positive")
+            raise UserError(
+                f"profile comm entry {c}: op must be one of {COMM_OPS}, link_kind "
+                f"one of {LINK_KINDS}, bandwidth_gbps positive"
+            )
     entries = {}
     for part, cls in (("layers", LayerEntry), ("embedding", EndEntry), ("head", EndEntry)):
-        entries[part] = tuple(_record(cls, f"{part} #{i}", e)
-                              for i, e in enumerate(d.get(part, [])))
+        entries[part] = tuple(
+            _record(cls, f"{part} #{i}", e) for i, e in enumerate(d.get(part, []))
+        )
         for i, e in enumerate(entries[part]):
             if e.dtype not in DTYPE_BYTES:
-                raise UserError(f"{part} #{i}: dtype must be one of {', '.join(DTYPE_BYTES)}, "
-                                f"got {e.dtype!r}")
+                raise UserError(
+                    f"{part} #{i}: dtype must be one of {', '.join(DTYPE_BYTES)}, got {e.dtype!r}"
+                )
     return Profile(
         accelerator=d["accelerator"],
         conditions=_record(ProfileConditions, "conditions", d.get("conditions")),
         optimizer_step_s_per_param=None if step is None else float(step),
-        comm=comm, **host, **entries)
+        comm=comm,
+        **host,
+        **entries,
+    )

@@ -101,19 +101,26 @@ README's MFU/HFU table (the same runs, configurations not given there); Llama 3 
 2407.21783, Table 4) -- FSDP, context parallelism in its long-context row, a modified pipeline
 schedule and an unpublished FLOP formula; the H100 strong-scaling figure (plotted, no table).
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 from megatron_het.cluster import ClusterSpec, NodeGroup, get_accelerator
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.buckets import megatron_default_bucket_size
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_builders import plan_from_megatron_flags
-from megatron_het.perf.calibration import (FACTORS, STEP, CalibrationFit, efficiency_for,
-                                           least_squares, sensitivity)
+from megatron_het.perf.calibration import (
+    FACTORS,
+    STEP,
+    CalibrationFit,
+    efficiency_for,
+    least_squares,
+    sensitivity,
+)
 from megatron_het.perf.cost_model import DEFAULT_EFFICIENCY, Efficiency
 from megatron_het.perf.prediction import Prediction
 from megatron_het.perf.predictor import predict
@@ -130,10 +137,10 @@ class PublishedRun:
     """One published training run (see the module docstring for the sources and fields)."""
 
     name: str
-    study: str                  # short name of the source, to group rows by
+    study: str  # short name of the source, to group rows by
     source: str
-    split: str                  # "calibration" | "held_out"
-    gpu: str                    # accelerator kind
+    split: str  # "calibration" | "held_out"
+    gpu: str  # accelerator kind
     heads: int
     hidden: int
     layers: int
@@ -142,8 +149,8 @@ class PublishedRun:
     num_gpus: int
     global_batch: int
     micro_batch: int
-    tflops_per_gpu: float       # published, per the FLOP count ``flop_formula``
-    flop_formula: str           # "narayanan2021" | "megatron_core"
+    tflops_per_gpu: float  # published, per the FLOP count ``flop_formula``
+    flop_formula: str  # "narayanan2021" | "megatron_core"
     seq_length: int = 2048
     vocab: int = 51200
     virtual_stages: int = 1
@@ -155,13 +162,13 @@ class PublishedRun:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     grad_reduce_in_bf16: bool = False
-    tp_comm_overlap: bool = False      # with sequence_parallel: the runtime's rings
-    attention_kernel: str = "flash"     # the software's (cost_model.ATTENTION_KERNELS)
+    tp_comm_overlap: bool = False  # with sequence_parallel: the runtime's rings
+    attention_kernel: str = "flash"  # the software's (cost_model.ATTENTION_KERNELS)
     gpus_per_node: int = 8
-    nic_gbit_per_s: float = 1600.0   # per node, all NICs together
-    published_time_s: Optional[float] = None   # an iteration time the source states itself
+    nic_gbit_per_s: float = 1600.0  # per node, all NICs together
+    published_time_s: float | None = None  # an iteration time the source states itself
     not_expressed: tuple[str, ...] = ()  # what the run did that the predictor cannot express
-    ddp_bucket_size: Optional[int] = None  # --ddp-bucket-size (None: the runtime's default)
+    ddp_bucket_size: int | None = None  # --ddp-bucket-size (None: the runtime's default)
     notes: str = ""
 
     @property
@@ -193,7 +200,9 @@ def megatron_core_flops(run: PublishedRun) -> float:
 
 
 FLOP_FORMULAS: dict[str, Callable[[PublishedRun], float]] = {
-    "narayanan2021": narayanan2021_flops, "megatron_core": megatron_core_flops}
+    "narayanan2021": narayanan2021_flops,
+    "megatron_core": megatron_core_flops,
+}
 
 
 @dataclass(frozen=True)
@@ -209,21 +218,33 @@ class BuiltRun:
 def model_config(run: PublishedRun) -> ModelConfig:
     """The GPT of ``run`` as our Llama (module docstring): MHA, SwiGLU of ~8h/3, tied."""
     ffn = run.tp * round(8 * run.hidden / (3 * run.tp))
-    return ModelConfig(num_layers=run.layers, hidden_size=run.hidden, ffn_hidden_size=ffn,
-                       num_attention_heads=run.heads, num_query_groups=run.heads,
-                       vocab_size=run.vocab, max_position_embeddings=run.seq_length,
-                       tie_embeddings=True, name=run.name)
+    return ModelConfig(
+        num_layers=run.layers,
+        hidden_size=run.hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=run.heads,
+        num_query_groups=run.heads,
+        vocab_size=run.vocab,
+        max_position_embeddings=run.seq_length,
+        tie_embeddings=True,
+        name=run.name,
+    )
 
 
 def cluster_spec(run: PublishedRun) -> ClusterSpec:
     """``num_gpus / gpus_per_node`` nodes of ``run.gpu``; the kind's NVLink-class figure inside
     a node, the node's NICs between nodes."""
     if run.num_gpus % run.gpus_per_node:
-        raise ValueError(f"{run.name}: {run.num_gpus} GPUs do not fill nodes of "
-                         f"{run.gpus_per_node}")
-    group = NodeGroup(run.gpu.lower(), get_accelerator(run.gpu),
-                      run.num_gpus // run.gpus_per_node, run.gpus_per_node,
-                      run.nic_gbit_per_s / GBIT_PER_GBYTE)
+        raise ValueError(
+            f"{run.name}: {run.num_gpus} GPUs do not fill nodes of {run.gpus_per_node}"
+        )
+    group = NodeGroup(
+        run.gpu.lower(),
+        get_accelerator(run.gpu),
+        run.num_gpus // run.gpus_per_node,
+        run.gpus_per_node,
+        run.nic_gbit_per_s / GBIT_PER_GBYTE,
+    )
     return ClusterSpec([group], name=run.name)
 
 
@@ -232,16 +253,27 @@ def build(run: PublishedRun) -> BuiltRun:
     boundaries are not a plan option (:func:`predict_run` passes them to the predictor)."""
     model, cluster = model_config(run), cluster_spec(run)
     plan = plan_from_megatron_flags(
-        model, run.num_gpus, run.tp, run.pp, run.micro_batch, run.global_batch,
-        accelerator_of=cluster, recompute=run.recompute,
-        virtual_stages=run.virtual_stages if run.virtual_stages > 1 else None)
+        model,
+        run.num_gpus,
+        run.tp,
+        run.pp,
+        run.micro_batch,
+        run.global_batch,
+        accelerator_of=cluster,
+        recompute=run.recompute,
+        virtual_stages=run.virtual_stages if run.virtual_stages > 1 else None,
+    )
     sharded = run.tp > 1 and run.sequence_parallel
-    plan = dataclasses.replace(plan, dtype=run.dtype, sequence_parallel=sharded,
-                               use_distributed_optimizer=run.distributed_optimizer,
-                               overlap_grad_reduce=run.overlap_grad_reduce,
-                               overlap_param_gather=run.overlap_param_gather,
-                               grad_reduce_in_bf16=run.grad_reduce_in_bf16,
-                               tp_comm_overlap=(sharded and run.tp_comm_overlap) or None)
+    plan = dataclasses.replace(
+        plan,
+        dtype=run.dtype,
+        sequence_parallel=sharded,
+        use_distributed_optimizer=run.distributed_optimizer,
+        overlap_grad_reduce=run.overlap_grad_reduce,
+        overlap_param_gather=run.overlap_param_gather,
+        grad_reduce_in_bf16=run.grad_reduce_in_bf16,
+        tp_comm_overlap=(sharded and run.tp_comm_overlap) or None,
+    )
     return BuiltRun(model, plan, cluster, run.seq_length)
 
 
@@ -251,7 +283,7 @@ def plain_schedule(run: PublishedRun) -> PublishedRun:
     return dataclasses.replace(run, micro_batch=1, virtual_stages=1)
 
 
-def run_efficiency(run: PublishedRun, efficiency: Optional[Efficiency] = None) -> Efficiency:
+def run_efficiency(run: PublishedRun, efficiency: Efficiency | None = None) -> Efficiency:
     """The factors ``run`` is priced at: ``efficiency`` (None: its kind's calibrated figures,
     :func:`~megatron_het.perf.calibration.efficiency_for`) with the row's attention kernel
     (the software's, not the device's)."""
@@ -259,22 +291,36 @@ def run_efficiency(run: PublishedRun, efficiency: Optional[Efficiency] = None) -
     return dataclasses.replace(base, attention_kernel=run.attention_kernel)
 
 
-def predict_run(run: PublishedRun, efficiency: Optional[Efficiency] = None,
-                pipeline_model: str = "simulate",
-                cache: Optional[SimulationCache] = None) -> Prediction:
+def predict_run(
+    run: PublishedRun,
+    efficiency: Efficiency | None = None,
+    pipeline_model: str = "simulate",
+    cache: SimulationCache | None = None,
+) -> Prediction:
     """The predictor's estimate of ``run`` at :func:`run_efficiency` ``(run, efficiency)``, with
     the row's scatter/gather boundaries."""
     built = build(run)
-    return predict(built.model, built.plan, built.cluster, built.seq_length,
-                   efficiency=run_efficiency(run, efficiency), pipeline_model=pipeline_model,
-                   cache=cache, validate=False, ddp_bucket_size=run.ddp_bucket_size,
-                   scatter_gather_tensors_in_pipeline=run.scatter_gather_p2p)
+    return predict(
+        built.model,
+        built.plan,
+        built.cluster,
+        built.seq_length,
+        efficiency=run_efficiency(run, efficiency),
+        pipeline_model=pipeline_model,
+        cache=cache,
+        validate=False,
+        ddp_bucket_size=run.ddp_bucket_size,
+        scatter_gather_tensors_in_pipeline=run.scatter_gather_p2p,
+    )
 
 
-def fit_efficiency(runs: Optional[Sequence[PublishedRun]] = None,
-                   factors: Sequence[str] = FITTED_FACTORS,
-                   base: Efficiency = DEFAULT_EFFICIENCY,
-                   rounds: int = FIT_ROUNDS, gpu: str = "A100-80G") -> CalibrationFit:
+def fit_efficiency(
+    runs: Sequence[PublishedRun] | None = None,
+    factors: Sequence[str] = FITTED_FACTORS,
+    base: Efficiency = DEFAULT_EFFICIENCY,
+    rounds: int = FIT_ROUNDS,
+    gpu: str = "A100-80G",
+) -> CalibrationFit:
     """Refit ``factors`` of one kind on ``runs`` (default: the calibration rows of ``gpu``) as
     :mod:`megatron_het.perf.calibration` describes: per run, a closed-form prediction at the
     current factors and one with each fitted factor raised by ``STEP``, then
@@ -299,12 +345,17 @@ def fit_efficiency(runs: Optional[Sequence[PublishedRun]] = None,
     for _ in range(rounds):
         found = []
         for run in runs:
+
             def time_at(e: Efficiency) -> float:
                 return predict_run(run, e, "closed_form", cache).iteration_time_s
-            raised = {f: time_at(dataclasses.replace(current, **{f: getattr(current, f) * STEP}))
-                      for f in factors}
-            found.append(sensitivity(run.name, run.published_iteration_s, current,
-                                     time_at(current), raised))
+
+            raised = {
+                f: time_at(dataclasses.replace(current, **{f: getattr(current, f) * STEP}))
+                for f in factors
+            }
+            found.append(
+                sensitivity(run.name, run.published_iteration_s, current, time_at(current), raised)
+            )
         fitted = least_squares(found, current)
         moved = max(abs(getattr(fitted, f) / getattr(current, f) - 1) for f in factors)
         current = fitted
@@ -313,8 +364,10 @@ def fit_efficiency(runs: Optional[Sequence[PublishedRun]] = None,
     return CalibrationFit(current, tuple(found))
 
 
-_NARAYANAN = ("Narayanan et al. 2021, arXiv 2104.04473, Table 1; settings: Megatron-LM "
-              "examples/sc21/run_table_1.sh")
+_NARAYANAN = (
+    "Narayanan et al. 2021, arXiv 2104.04473, Table 1; settings: Megatron-LM "
+    "examples/sc21/run_table_1.sh"
+)
 # What Megatron-LM of 2021 did that the predictor cannot express (its attention it can:
 # attention_kernel "unfused").
 _MEGATRON_2021_GAPS = (
@@ -324,19 +377,44 @@ _MEGATRON_2021_GAPS = (
 )
 
 
-def _narayanan(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int,
-               batch: int, tflops: float, mbs: int, layers_per_virtual: Optional[int],
-               ddp_torch: bool) -> PublishedRun:
+def _narayanan(
+    size: str,
+    heads: int,
+    hidden: int,
+    layers: int,
+    tp: int,
+    pp: int,
+    gpus: int,
+    batch: int,
+    tflops: float,
+    mbs: int,
+    layers_per_virtual: int | None,
+    ddp_torch: bool,
+) -> PublishedRun:
     v = layers // pp // layers_per_virtual if layers_per_virtual else 1
     return PublishedRun(
-        name=f"narayanan2021-{size}", study="narayanan2021", source=_NARAYANAN,
-        split="calibration", gpu="A100-80G",
-        heads=heads, hidden=hidden, layers=layers, tp=tp, pp=pp, num_gpus=gpus,
-        global_batch=batch, micro_batch=mbs, tflops_per_gpu=tflops,
-        flop_formula="narayanan2021", virtual_stages=v, scatter_gather_p2p=True,
-        overlap_grad_reduce=ddp_torch, attention_kernel="unfused",
+        name=f"narayanan2021-{size}",
+        study="narayanan2021",
+        source=_NARAYANAN,
+        split="calibration",
+        gpu="A100-80G",
+        heads=heads,
+        hidden=hidden,
+        layers=layers,
+        tp=tp,
+        pp=pp,
+        num_gpus=gpus,
+        global_batch=batch,
+        micro_batch=mbs,
+        tflops_per_gpu=tflops,
+        flop_formula="narayanan2021",
+        virtual_stages=v,
+        scatter_gather_p2p=True,
+        overlap_grad_reduce=ddp_torch,
+        attention_kernel="unfused",
         not_expressed=_MEGATRON_2021_GAPS,
-        notes=f"DDP-impl {'torch' if ddp_torch else 'local'}")
+        notes=f"DDP-impl {'torch' if ddp_torch else 'local'}",
+    )
 
 
 NARAYANAN_RUNS: tuple[PublishedRun, ...] = (
@@ -353,9 +431,11 @@ NARAYANAN_RUNS: tuple[PublishedRun, ...] = (
     _narayanan("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, None, False),
 )
 
-_MCORE = ("Megatron-LM README, H100 weak-scaling table (images/model_table.png, commit "
-          "f2e5db4, July 2024); micro-batch and interleaving inferred, recompute and NICs "
-          "assumed")
+_MCORE = (
+    "Megatron-LM README, H100 weak-scaling table (images/model_table.png, commit "
+    "f2e5db4, July 2024); micro-batch and interleaving inferred, recompute and NICs "
+    "assumed"
+)
 
 
 def schedule_of(layers: int, pp: int, dp: int, global_batch: int) -> tuple[int, int]:
@@ -367,37 +447,77 @@ def schedule_of(layers: int, pp: int, dp: int, global_batch: int) -> tuple[int, 
     return global_batch // dp, 1
 
 
-def _megatron_core(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
-                   gpus: int, batch: int, tflops: float) -> PublishedRun:
+def _megatron_core(
+    size: str,
+    heads: int,
+    hidden: int,
+    layers: int,
+    tp: int,
+    pp: int,
+    gpus: int,
+    batch: int,
+    tflops: float,
+) -> PublishedRun:
     # --tp-comm-overlap asserts --sequence-parallel, --overlap-param-gather asserts the
     # distributed optimizer and --overlap-grad-reduce; bf16 forces fp32 gradient reductions.
     micro_batch, virtual = schedule_of(layers, pp, gpus // (tp * pp), batch)
     return PublishedRun(
-        name=f"megatron-core-h100-{size}", study="megatron-core-h100", source=_MCORE,
-        split="calibration" if pp == 1 else "held_out", gpu="H100",
-        heads=heads, hidden=hidden, layers=layers, tp=tp, pp=pp, num_gpus=gpus,
-        global_batch=batch, micro_batch=micro_batch, tflops_per_gpu=tflops,
+        name=f"megatron-core-h100-{size}",
+        study="megatron-core-h100",
+        source=_MCORE,
+        split="calibration" if pp == 1 else "held_out",
+        gpu="H100",
+        heads=heads,
+        hidden=hidden,
+        layers=layers,
+        tp=tp,
+        pp=pp,
+        num_gpus=gpus,
+        global_batch=batch,
+        micro_batch=micro_batch,
+        tflops_per_gpu=tflops,
         virtual_stages=virtual,
-        flop_formula="megatron_core", seq_length=4096, vocab=131072, recompute=False,
-        dtype="bf16", sequence_parallel=True, distributed_optimizer=True,
-        overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_bf16=False,
+        flop_formula="megatron_core",
+        seq_length=4096,
+        vocab=131072,
+        recompute=False,
+        dtype="bf16",
+        sequence_parallel=True,
+        distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        grad_reduce_in_bf16=False,
         tp_comm_overlap=tp > 1,
         attention_kernel="flash",
         nic_gbit_per_s=3200.0,
         ddp_bucket_size=megatron_default_bucket_size(gpus // (tp * pp)),
         notes="micro-batch and interleaving not published (inferred: schedule_of); "
-              "no recompute assumed")
+        "no recompute assumed",
+    )
 
 
 GPT3_README_RUN = PublishedRun(
-    name="megatron-readme-gpt3-175B", study="megatron-readme-gpt3",
+    name="megatron-readme-gpt3-175B",
+    study="megatron-readme-gpt3",
     source="Megatron-LM README, GPT-3 example (commit 152aab3, Jan 2021; "
-           "examples/pretrain_gpt3_175B.sh)",
-    split="held_out", gpu="A100-80G", heads=96, hidden=12288, layers=96, tp=8, pp=16,
-    num_gpus=1024, global_batch=1536, micro_batch=1, tflops_per_gpu=138,
-    flop_formula="narayanan2021", published_time_s=32.0, attention_kernel="unfused",
+    "examples/pretrain_gpt3_175B.sh)",
+    split="held_out",
+    gpu="A100-80G",
+    heads=96,
+    hidden=12288,
+    layers=96,
+    tp=8,
+    pp=16,
+    num_gpus=1024,
+    global_batch=1536,
+    micro_batch=1,
+    tflops_per_gpu=138,
+    flop_formula="narayanan2021",
+    published_time_s=32.0,
+    attention_kernel="unfused",
     not_expressed=_MEGATRON_2021_GAPS,
-    notes="A100 memory size not stated there (Selene's are 80GB); DDP-impl local")
+    notes="A100 memory size not stated there (Selene's are 80GB); DDP-impl local",
+)
 
 MEGATRON_CORE_H100_RUNS: tuple[PublishedRun, ...] = (
     #              size   heads hidden layers tp pp GPUs  batch TFLOP/s
@@ -415,13 +535,33 @@ MEGATRON_CORE_H100_RUNS: tuple[PublishedRun, ...] = (
 # Calibration: Table 1 (A100's GEMM) and the H100 rows without a pipeline (H100's GEMM);
 # held out: the GPT-3 example and the H100 rows with one.
 CALIBRATION_RUNS: tuple[PublishedRun, ...] = NARAYANAN_RUNS + tuple(
-    r for r in MEGATRON_CORE_H100_RUNS if r.split == "calibration")
+    r for r in MEGATRON_CORE_H100_RUNS if r.split == "calibration"
+)
 HELD_OUT_RUNS: tuple[PublishedRun, ...] = (GPT3_README_RUN,) + tuple(
-    r for r in MEGATRON_CORE_H100_RUNS if r.split == "held_out")
+    r for r in MEGATRON_CORE_H100_RUNS if r.split == "held_out"
+)
 ALL_RUNS: tuple[PublishedRun, ...] = NARAYANAN_RUNS + (GPT3_README_RUN,) + MEGATRON_CORE_H100_RUNS
 
-__all__ = ["ALL_RUNS", "BuiltRun", "CALIBRATION_RUNS", "FITTED_FACTORS", "FIT_ROUNDS",
-           "FLOP_FORMULAS", "GPT3_README_RUN", "HELD_OUT_RUNS", "MEGATRON_CORE_H100_RUNS",
-           "NARAYANAN_RUNS", "PublishedRun", "build", "cluster_spec",
-           "fit_efficiency", "megatron_core_flops", "model_config", "narayanan2021_flops",
-           "plain_schedule", "predict_run", "run_efficiency", "schedule_of"]
+__all__ = [
+    "ALL_RUNS",
+    "BuiltRun",
+    "CALIBRATION_RUNS",
+    "FITTED_FACTORS",
+    "FIT_ROUNDS",
+    "FLOP_FORMULAS",
+    "GPT3_README_RUN",
+    "HELD_OUT_RUNS",
+    "MEGATRON_CORE_H100_RUNS",
+    "NARAYANAN_RUNS",
+    "PublishedRun",
+    "build",
+    "cluster_spec",
+    "fit_efficiency",
+    "megatron_core_flops",
+    "model_config",
+    "narayanan2021_flops",
+    "plain_schedule",
+    "predict_run",
+    "run_efficiency",
+    "schedule_of",
+]

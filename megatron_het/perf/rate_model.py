@@ -9,10 +9,12 @@ sync, optimizer step and other per-iteration time on those hosts. The predictor 
 pipelines at once in its one simulator (:func:`~megatron_het.perf.simulator.simulate_pipelines`).
 CPU emulation implements it (:class:`megatron_het.emulation.host_model.SharedHostModel`).
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Protocol
 
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf.comm_cost import CommCost, SyncCost
@@ -32,10 +34,10 @@ class PredictionInputs(Protocol):
     communication model over the cluster."""
 
     plan: ParallelPlan
-    profiles: Optional[Mapping[str, Profile]]
+    profiles: Mapping[str, Profile] | None
     comm: CommCost
     act_bytes: float
-    tp_comm_overlap: bool   # sequence-parallel stages run their TP rings (the runtime's flag)
+    tp_comm_overlap: bool  # sequence-parallel stages run their TP rings (the runtime's flag)
 
     def recomputed_layers_of(self, stage: StagePlan) -> int:
         """How many of ``stage``'s layers recompute their forward in backward in this
@@ -71,8 +73,9 @@ class SharedIteration:
 class RateModel(Protocol):
     """An optional model of ranks that share their compute (see the module docstring)."""
 
-    def shared_iteration(self, inputs: PredictionInputs,
-                         rows: Sequence[StagePrediction]) -> Optional[SharedIteration]:
+    def shared_iteration(
+        self, inputs: PredictionInputs, rows: Sequence[StagePrediction]
+    ) -> SharedIteration | None:
         """The iteration on shared hosts, or None where the model does not apply (the
         predictor then keeps one device per rank)."""
 

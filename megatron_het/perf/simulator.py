@@ -24,26 +24,43 @@ The analytic models the simulation checks (:func:`closed_form_1f1b`,
 :func:`bubble_fraction`) live in :mod:`megatron_het.perf.closed_forms`; they are importable
 from here too.
 """
+
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
-from megatron_het.perf.closed_forms import (bubble_fraction, closed_form_1f1b,
-                                            closed_form_interleaved,
-                                            closed_form_interleaved_bubble, lower_bound_1f1b,
-                                            lower_bound_interleaved)
+from megatron_het.perf.closed_forms import (
+    bubble_fraction,
+    closed_form_1f1b,
+    closed_form_interleaved,
+    closed_form_interleaved_bubble,
+    lower_bound_1f1b,
+    lower_bound_interleaved,
+)
 from megatron_het.perf.stage_cost import StageCompute, stage_compute
-from megatron_het.pipeline.schedule_check import held_counts
 from megatron_het.pipeline.actions import _actions_of
-from megatron_het.pipeline.schedules import (Action, ActionKind, P2PPost, P2PWait, ScheduleError,
-                                             Step, build_schedule, interleaved_compute)
+from megatron_het.pipeline.schedule_check import held_counts
+from megatron_het.pipeline.schedules import (
+    Action,
+    ActionKind,
+    P2PPost,
+    P2PWait,
+    ScheduleError,
+    Step,
+    build_schedule,
+    interleaved_compute,
+)
 
 _DIRECTION = {  # transfer kind -> (channel, boundary offset from the stage)
-    ActionKind.SEND_FORWARD: ("forward", 0), ActionKind.RECV_FORWARD: ("forward", -1),
-    ActionKind.SEND_BACKWARD: ("backward", -1), ActionKind.RECV_BACKWARD: ("backward", 0)}
+    ActionKind.SEND_FORWARD: ("forward", 0),
+    ActionKind.RECV_FORWARD: ("forward", -1),
+    ActionKind.SEND_BACKWARD: ("backward", -1),
+    ActionKind.RECV_BACKWARD: ("backward", 0),
+}
 _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 
 
@@ -117,10 +134,12 @@ class PipelinesResult:
     timeline: tuple[tuple[tuple[TimelineEvent, ...], ...], ...]
 
 
-def simulate_pipelines(schedules: Sequence[Sequence[Sequence[Step]]],
-                       stages: Sequence[Sequence[StageTiming]],
-                       sharing: Optional[CoreSharing] = None,
-                       record_timeline: bool = False) -> PipelinesResult:
+def simulate_pipelines(
+    schedules: Sequence[Sequence[Sequence[Step]]],
+    stages: Sequence[Sequence[StageTiming]],
+    sharing: CoreSharing | None = None,
+    record_timeline: bool = False,
+) -> PipelinesResult:
     """Run every pipeline's step lists at once: ``schedules[p][g]`` is device group g of
     pipeline p's step list and ``stages[p][s]`` the timing of global stage s (``n = v *
     groups`` of them; n = groups without interleaving). A compute action takes its stage's
@@ -137,13 +156,18 @@ def simulate_pipelines(schedules: Sequence[Sequence[Sequence[Step]]],
         tuple(max((a.clock for a in row), default=0.0) for row in rows),
         tuple(tuple(a.clock for a in row) for row in rows),
         tuple(tuple(a.busy for a in row) for row in rows),
-        tuple(tuple(tuple(a.events) for a in row) for row in rows))
+        tuple(tuple(tuple(a.events) for a in row) for row in rows),
+    )
 
 
-def simulate(per_stage_steps: Sequence[Sequence[Step]], forward_s: Sequence[float],
-             backward_s: Sequence[float], p2p_forward_s: Optional[Sequence[float]] = None,
-             p2p_backward_s: Optional[Sequence[float]] = None,
-             record_timeline: bool = True) -> SimulationResult:
+def simulate(
+    per_stage_steps: Sequence[Sequence[Step]],
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    p2p_forward_s: Sequence[float] | None = None,
+    p2p_backward_s: Sequence[float] | None = None,
+    record_timeline: bool = True,
+) -> SimulationResult:
     """Run one pipeline's step lists (one per stage, or per device group of an interleaved
     schedule); ``forward_s[s]`` / ``backward_s[s]`` is global stage s's compute per micro-batch,
     ``p2p_*_s[b]`` the transfer time over boundary b (stage b to b + 1) in each direction
@@ -151,11 +175,13 @@ def simulate(per_stage_steps: Sequence[Sequence[Step]], forward_s: Sequence[floa
     n = len(forward_s)
     cf = list(p2p_forward_s or [0.0] * (n - 1)) + [0.0]
     cb = list(p2p_backward_s or [0.0] * (n - 1)) + [0.0]
-    timings = [StageTiming(Region(forward_s[s]), Region(backward_s[s]), cf[s], cb[s])
-               for s in range(n)]
+    timings = [
+        StageTiming(Region(forward_s[s]), Region(backward_s[s]), cf[s], cb[s]) for s in range(n)
+    ]
     result = simulate_pipelines([per_stage_steps], [timings], None, record_timeline)
-    return SimulationResult(result.makespans_s[0], result.stage_end_s[0], result.busy_s[0],
-                            result.timeline[0])
+    return SimulationResult(
+        result.makespans_s[0], result.stage_end_s[0], result.busy_s[0], result.timeline[0]
+    )
 
 
 class _Agent:
@@ -163,15 +189,31 @@ class _Agent:
     stage's, for its node and processes). ``state``: "run" (takes its next step at ``clock``),
     "cpu" / "tail" (in a region's work / wait and floor), "xfer" (in a transfer step), "done"."""
 
-    __slots__ = ("pipeline", "group", "timing", "steps", "pc", "clock", "state", "region",
-                 "start", "left", "waiting", "posts", "busy", "events", "version")
+    __slots__ = (
+        "pipeline",
+        "group",
+        "timing",
+        "steps",
+        "pc",
+        "clock",
+        "state",
+        "region",
+        "start",
+        "left",
+        "waiting",
+        "posts",
+        "busy",
+        "events",
+        "version",
+    )
 
-    def __init__(self, pipeline: int, group: int, timing: StageTiming,
-                 steps: Sequence[Step]) -> None:
+    def __init__(
+        self, pipeline: int, group: int, timing: StageTiming, steps: Sequence[Step]
+    ) -> None:
         self.pipeline, self.group, self.timing, self.steps = pipeline, group, timing, steps
         self.pc, self.clock, self.state = 0, 0.0, "run"
         self.region, self.start, self.left = timing.forward, 0.0, 0.0
-        self.waiting: Optional[_Xfer] = None  # the transfers it is blocked on
+        self.waiting: _Xfer | None = None  # the transfers it is blocked on
         self.posts: dict[tuple[Action, ...], _Xfer] = {}  # posted, not waited on
         self.busy = 0.0
         self.events: list[TimelineEvent] = []
@@ -208,19 +250,28 @@ class _Engine:
     own clock until a transfer blocks it (nothing else depends on the time); with one every
     phase boundary is an event, so the nodes' rates are known at every moment."""
 
-    def __init__(self, schedules: Sequence[Sequence[Sequence[Step]]],
-                 stages: Sequence[Sequence[StageTiming]], sharing: Optional[CoreSharing],
-                 record: bool) -> None:
+    def __init__(
+        self,
+        schedules: Sequence[Sequence[Sequence[Step]]],
+        stages: Sequence[Sequence[StageTiming]],
+        sharing: CoreSharing | None,
+        record: bool,
+    ) -> None:
         if len(schedules) != len(stages) or any(
-                not steps or len(timings) < len(steps) or len(timings) % len(steps)
-                for steps, timings in zip(schedules, stages)):
-            raise ValueError("need for each pipeline one step list per device group and one "
-                             "StageTiming per stage, a multiple of the groups")
+            not steps or len(timings) < len(steps) or len(timings) % len(steps)
+            for steps, timings in zip(schedules, stages)
+        ):
+            raise ValueError(
+                "need for each pipeline one step list per device group and one "
+                "StageTiming per stage, a multiple of the groups"
+            )
         self.stages, self.sharing, self.record = stages, sharing, record
         self.interleaved = any(len(s) != len(t) for s, t in zip(schedules, stages))
-        self.agents = [_Agent(p, g, timings[g], group_steps)
-                       for p, (steps, timings) in enumerate(zip(schedules, stages))
-                       for g, group_steps in enumerate(steps)]
+        self.agents = [
+            _Agent(p, g, timings[g], group_steps)
+            for p, (steps, timings) in enumerate(zip(schedules, stages))
+            for g, group_steps in enumerate(steps)
+        ]
         self.heap: list[tuple[float, int, int, _Agent]] = []
         self.order = itertools.count()
         # a transfer's key -> (the side that posted it first, when, its stage, its post)
@@ -237,10 +288,14 @@ class _Engine:
         stuck = [a for a in self.agents if a.state != "done"]
         if stuck:
             label = "group" if self.interleaved else "stage"
-            where = (lambda a: f"{label} {a.group}") if len(self.stages) == 1 else (
-                lambda a: f"pipeline {a.pipeline} {label} {a.group}")
-            raise ScheduleError("deadlock in simulation: " + ", ".join(
-                f"{where(a)} at step {a.pc}" for a in stuck))
+            where = (
+                (lambda a: f"{label} {a.group}")
+                if len(self.stages) == 1
+                else (lambda a: f"pipeline {a.pipeline} {label} {a.group}")
+            )
+            raise ScheduleError(
+                "deadlock in simulation: " + ", ".join(f"{where(a)} at step {a.pc}" for a in stuck)
+            )
 
     def _schedule(self, agent: _Agent, time: float) -> None:
         agent.version += 1
@@ -293,8 +348,11 @@ class _Engine:
                 agent.posts[step.actions] = self._post(agent, step.actions)
                 agent.pc += 1
                 continue
-            xfer = (agent.posts.pop(step.actions) if isinstance(step, P2PWait)
-                    else self._post(agent, _actions_of(step)))
+            xfer = (
+                agent.posts.pop(step.actions)
+                if isinstance(step, P2PWait)
+                else self._post(agent, _actions_of(step))
+            )
             agent.state = "xfer"
             if xfer.left:
                 agent.waiting = xfer
@@ -311,9 +369,15 @@ class _Engine:
     def _fixed_region(self, agent: _Agent, step: Action, region: Region) -> None:
         duration = max(region.work_s + region.wait_s, region.floor_s)
         if self.record:
-            agent.events.append(TimelineEvent(_stage_of(step, agent), step.kind.value,
-                                              step.micro_batch, agent.clock,
-                                              agent.clock + duration))
+            agent.events.append(
+                TimelineEvent(
+                    _stage_of(step, agent),
+                    step.kind.value,
+                    step.micro_batch,
+                    agent.clock,
+                    agent.clock + duration,
+                )
+            )
         agent.clock += duration
         agent.busy += duration
         agent.pc += 1
@@ -321,8 +385,11 @@ class _Engine:
     def _end_region(self, agent: _Agent, now: float) -> None:
         if self.record:
             step = agent.steps[agent.pc]
-            agent.events.append(TimelineEvent(_stage_of(step, agent), step.kind.value,
-                                              step.micro_batch, agent.start, now))
+            agent.events.append(
+                TimelineEvent(
+                    _stage_of(step, agent), step.kind.value, step.micro_batch, agent.start, now
+                )
+            )
         agent.busy += now - agent.start
         agent.clock = now
         agent.pc += 1
@@ -344,15 +411,14 @@ class _Engine:
             other, posted_at, other_stage, other_xfer = peer
             start = max(agent.clock, posted_at)
             sender = timings[boundary]
-            end = start + (sender.p2p_forward_s if channel == "forward"
-                           else sender.p2p_backward_s)
-            for who, who_stage, record in ((agent, stage, xfer),
-                                           (other, other_stage, other_xfer)):
+            end = start + (sender.p2p_forward_s if channel == "forward" else sender.p2p_backward_s)
+            for who, who_stage, record in ((agent, stage, xfer), (other, other_stage, other_xfer)):
                 record.left -= 1
                 record.end = max(record.end, end)
                 if self.record:
-                    who.events.append(TimelineEvent(who_stage, f"{channel} p2p",
-                                                    action.micro_batch, start, end))
+                    who.events.append(
+                        TimelineEvent(who_stage, f"{channel} p2p", action.micro_batch, start, end)
+                    )
             if other.waiting is other_xfer and other_xfer.left == 0:
                 self._schedule(other, max(other.clock, other_xfer.end))
         return xfer
@@ -391,39 +457,60 @@ class _Engine:
         assert self.sharing is not None
         node.rate = self.sharing.rate(index, node.computing) if node.computing else 1.0
         if not node.rate > 0:
-            raise ValueError(f"the rate of node {index} with {node.computing} processes "
-                             f"computing must be positive, got {node.rate!r}")
+            raise ValueError(
+                f"the rate of node {index} with {node.computing} processes "
+                f"computing must be positive, got {node.rate!r}"
+            )
         for member in node.members:
             self._schedule(member, now + max(0.0, member.left) / node.rate)
 
 
-def simulate_1f1b(forward_s: Sequence[float], backward_s: Sequence[float],
-                  num_micro_batches: int, p2p_forward_s: Optional[Sequence[float]] = None,
-                  p2p_backward_s: Optional[Sequence[float]] = None,
-                  record_timeline: bool = True, num_chunks: int = 1,
-                  overlap_p2p: bool = False) -> SimulationResult:
+def simulate_1f1b(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    num_micro_batches: int,
+    p2p_forward_s: Sequence[float] | None = None,
+    p2p_backward_s: Sequence[float] | None = None,
+    record_timeline: bool = True,
+    num_chunks: int = 1,
+    overlap_p2p: bool = False,
+) -> SimulationResult:
     """:func:`simulate` on the 1F1B schedule of ``len(forward_s)`` stages: non-interleaved, or
     interleaved over ``len(forward_s) // num_chunks`` device groups (``overlap_p2p``: its
     transfers overlapped with compute)."""
-    steps = build_schedule("1f1b", _groups(len(forward_s), num_chunks), num_micro_batches,
-                           num_chunks, overlap_p2p)
-    return simulate(steps, forward_s, backward_s, p2p_forward_s, p2p_backward_s,
-                    record_timeline)
+    steps = build_schedule(
+        "1f1b", _groups(len(forward_s), num_chunks), num_micro_batches, num_chunks, overlap_p2p
+    )
+    return simulate(steps, forward_s, backward_s, p2p_forward_s, p2p_backward_s, record_timeline)
 
 
 def _groups(num_stages: int, num_chunks: int) -> int:
     if num_chunks < 1 or num_stages % num_chunks:
-        raise ValueError(f"{num_stages} stages do not split into {num_chunks} chunks per "
-                         f"device group")
+        raise ValueError(
+            f"{num_stages} stages do not split into {num_chunks} chunks per device group"
+        )
     return num_stages // num_chunks
 
 
-def _inputs_key(forward_s: Sequence[float], backward_s: Sequence[float], num_micro_batches: int,
-                p2p_forward_s: Sequence[float], p2p_backward_s: Sequence[float],
-                num_chunks: int, overlap_p2p: bool) -> tuple:
+def _inputs_key(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    num_micro_batches: int,
+    p2p_forward_s: Sequence[float],
+    p2p_backward_s: Sequence[float],
+    num_chunks: int,
+    overlap_p2p: bool,
+) -> tuple:
     """A pipeline simulation's inputs as a memo key (overlap only matters interleaved)."""
-    return (tuple(forward_s), tuple(backward_s), num_micro_batches, tuple(p2p_forward_s),
-            tuple(p2p_backward_s), num_chunks, overlap_p2p and num_chunks > 1)
+    return (
+        tuple(forward_s),
+        tuple(backward_s),
+        num_micro_batches,
+        tuple(p2p_forward_s),
+        tuple(p2p_backward_s),
+        num_chunks,
+        overlap_p2p and num_chunks > 1,
+    )
 
 
 class SimulationCache:
@@ -441,8 +528,13 @@ class SimulationCache:
         self._held: dict[tuple[int, int, int, int], tuple] = {}
         self._computes: dict[tuple, tuple[object, object]] = {}
 
-    def schedule(self, num_stages: int, num_micro_batches: int, num_chunks: int = 1,
-                 overlap_p2p: bool = False) -> list[list[Step]]:
+    def schedule(
+        self,
+        num_stages: int,
+        num_micro_batches: int,
+        num_chunks: int = 1,
+        overlap_p2p: bool = False,
+    ) -> list[list[Step]]:
         """The 1F1B lists of ``num_stages`` stages, or with ``num_chunks > 1`` the interleaved
         lists of ``num_stages`` device groups, their transfers overlapped with compute where
         ``overlap_p2p`` (as :func:`build_schedule`)."""
@@ -451,8 +543,9 @@ class SimulationCache:
             self._schedules[key] = build_schedule("1f1b", *key)
         return self._schedules[key]
 
-    def held_counts(self, num_groups: int, num_micro_batches: int, num_chunks: int,
-                    group: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    def held_counts(
+        self, num_groups: int, num_micro_batches: int, num_chunks: int, group: int
+    ) -> tuple[tuple[tuple[int, int], ...], ...]:
         """:func:`~megatron_het.pipeline.schedule_check.held_counts` of group ``group``'s
         1F1B list (stages as :meth:`schedule` numbers them), memoized."""
         key = (num_groups, num_micro_batches, num_chunks, group)
@@ -471,50 +564,93 @@ class SimulationCache:
             self._computes[key] = (stage_compute(*args), choice.profile)
         return self._computes[key][0]
 
-    def last_backwards(self, forward_s: Sequence[float], backward_s: Sequence[float],
-                       num_micro_batches: int, p2p_forward_s: Sequence[float],
-                       p2p_backward_s: Sequence[float], num_chunks: int = 1,
-                       overlap_p2p: bool = False
-                       ) -> tuple[float, tuple[tuple[tuple[float, float], ...], ...]]:
+    def last_backwards(
+        self,
+        forward_s: Sequence[float],
+        backward_s: Sequence[float],
+        num_micro_batches: int,
+        p2p_forward_s: Sequence[float],
+        p2p_backward_s: Sequence[float],
+        num_chunks: int = 1,
+        overlap_p2p: bool = False,
+    ) -> tuple[float, tuple[tuple[tuple[float, float], ...], ...]]:
         """The simulated makespan and, per device group, the end and duration of the last
         backward of each of its chunks, in chunk order (from the timeline), memoized like
         :meth:`makespan`: the replicas of a plan that run alike are simulated once."""
-        key = _inputs_key(forward_s, backward_s, num_micro_batches, p2p_forward_s,
-                          p2p_backward_s, num_chunks, overlap_p2p)
+        key = _inputs_key(
+            forward_s,
+            backward_s,
+            num_micro_batches,
+            p2p_forward_s,
+            p2p_backward_s,
+            num_chunks,
+            overlap_p2p,
+        )
         if key not in self._ends:
             groups = _groups(len(forward_s), num_chunks)
             steps = self.schedule(groups, num_micro_batches, num_chunks, overlap_p2p)
-            result = simulate(steps, forward_s, backward_s, p2p_forward_s, p2p_backward_s,
-                              record_timeline=True)
+            result = simulate(
+                steps, forward_s, backward_s, p2p_forward_s, p2p_backward_s, record_timeline=True
+            )
             ends = []
             for g, events in enumerate(result.timeline):
                 chunks = []
                 for stage in range(g, len(forward_s), groups):
-                    last = next(e for e in reversed(events)
-                                if e.kind == "backward" and e.stage == stage)
+                    last = next(
+                        e for e in reversed(events) if e.kind == "backward" and e.stage == stage
+                    )
                     chunks.append((last.end_s, last.end_s - last.start_s))
                 ends.append(tuple(chunks))
             self._ends[key] = (result.makespan_s, tuple(ends))
         return self._ends[key]
 
-    def makespan(self, forward_s: Sequence[float], backward_s: Sequence[float],
-                 num_micro_batches: int, p2p_forward_s: Sequence[float],
-                 p2p_backward_s: Sequence[float], num_chunks: int = 1,
-                 overlap_p2p: bool = False) -> float:
+    def makespan(
+        self,
+        forward_s: Sequence[float],
+        backward_s: Sequence[float],
+        num_micro_batches: int,
+        p2p_forward_s: Sequence[float],
+        p2p_backward_s: Sequence[float],
+        num_chunks: int = 1,
+        overlap_p2p: bool = False,
+    ) -> float:
         """The simulated 1F1B makespan (no timeline), memoized; per-STAGE inputs, interleaved
         over ``len(forward_s) // num_chunks`` groups when ``num_chunks > 1`` (``overlap_p2p``:
         transfers overlapped with compute)."""
-        key = _inputs_key(forward_s, backward_s, num_micro_batches, p2p_forward_s,
-                          p2p_backward_s, num_chunks, overlap_p2p)
+        key = _inputs_key(
+            forward_s,
+            backward_s,
+            num_micro_batches,
+            p2p_forward_s,
+            p2p_backward_s,
+            num_chunks,
+            overlap_p2p,
+        )
         if key not in self._makespans:
-            steps = self.schedule(_groups(len(forward_s), num_chunks), num_micro_batches,
-                                  num_chunks, overlap_p2p)
-            self._makespans[key] = simulate(steps, forward_s, backward_s, p2p_forward_s,
-                                            p2p_backward_s, record_timeline=False).makespan_s
+            steps = self.schedule(
+                _groups(len(forward_s), num_chunks), num_micro_batches, num_chunks, overlap_p2p
+            )
+            self._makespans[key] = simulate(
+                steps, forward_s, backward_s, p2p_forward_s, p2p_backward_s, record_timeline=False
+            ).makespan_s
         return self._makespans[key]
 
 
-__all__ = ["CoreSharing", "PipelinesResult", "Region", "SimulationCache", "SimulationResult",
-           "StageTiming", "TimelineEvent", "bubble_fraction", "closed_form_1f1b",
-           "closed_form_interleaved", "closed_form_interleaved_bubble", "lower_bound_1f1b",
-           "lower_bound_interleaved", "simulate", "simulate_1f1b", "simulate_pipelines"]
+__all__ = [
+    "CoreSharing",
+    "PipelinesResult",
+    "Region",
+    "SimulationCache",
+    "SimulationResult",
+    "StageTiming",
+    "TimelineEvent",
+    "bubble_fraction",
+    "closed_form_1f1b",
+    "closed_form_interleaved",
+    "closed_form_interleaved_bubble",
+    "lower_bound_1f1b",
+    "lower_bound_interleaved",
+    "simulate",
+    "simulate_1f1b",
+    "simulate_pipelines",
+]

@@ -8,23 +8,33 @@ slowdown; otherwise, and for any entry a profile lacks, roofline estimates
 (:mod:`megatron_het.perf.calibration`) unless the caller gives its own. Profiled times are
 compute only: TP communication is always added by the caller from the communication model.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
-from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
-from megatron_het.perf.cost_model import (OPTIMIZER_BYTES_PER_PARAM,
-                                          Efficiency, LayerShape, Op, block_forward_ops,
-                                          embedding_forward_ops,
-                                          head_activation_bytes, head_chunk_bytes,
-                                          head_forward_ops,
-                                          layer_activation_bytes, layer_forward_ops,
-                                          layer_input_bytes, op_time, ops_time,
-                                          recomputed_count)
 from megatron_het.parallel.plan import LAYER_PARTS, StagePlan
+from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
+from megatron_het.perf.cost_model import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    Efficiency,
+    LayerShape,
+    Op,
+    block_forward_ops,
+    embedding_forward_ops,
+    head_activation_bytes,
+    head_chunk_bytes,
+    head_forward_ops,
+    layer_activation_bytes,
+    layer_forward_ops,
+    layer_input_bytes,
+    op_time,
+    ops_time,
+    recomputed_count,
+)
 from megatron_het.perf.profile import Measured, Profile
 
 HOST_PROFILE = "cpu"  # the profile of the host CPU, which emulated kinds run on
@@ -58,7 +68,7 @@ class LayerBlocks:
     layers: int
 
     @classmethod
-    def of(cls, stage: "StagePlan") -> Optional["LayerBlocks"]:
+    def of(cls, stage: StagePlan) -> LayerBlocks | None:
         """The blocks of ``stage``; None for a stage of whole layers."""
         if not stage.splits_layers:
             return None
@@ -69,12 +79,11 @@ class LayerBlocks:
 class ProfileChoice:
     """The profile to use for a kind and the factor to scale its times by (None: roofline)."""
 
-    profile: Optional[Profile]
+    profile: Profile | None
     time_factor: float = 1.0
 
 
-def choose_profile(spec: AcceleratorSpec,
-                   profiles: Optional[Mapping[str, Profile]]) -> ProfileChoice:
+def choose_profile(spec: AcceleratorSpec, profiles: Mapping[str, Profile] | None) -> ProfileChoice:
     if not profiles:
         return ProfileChoice(None)
     if spec.name in profiles:
@@ -84,22 +93,33 @@ def choose_profile(spec: AcceleratorSpec,
     return ProfileChoice(None)
 
 
-def _scaled(m: Optional[Measured], factor: float) -> Optional[Measured]:
+def _scaled(m: Measured | None, factor: float) -> Measured | None:
     if m is None or factor == 1.0:
         return m
-    return Measured(m.forward_s * factor, m.backward_s * factor, m.activation_bytes,
-                    f"{m.source} x{factor:g} (emulated slowdown)")
+    return Measured(
+        m.forward_s * factor,
+        m.backward_s * factor,
+        m.activation_bytes,
+        f"{m.source} x{factor:g} (emulated slowdown)",
+    )
 
 
-def mode_ratio(shape: LayerShape, spec: AcceleratorSpec, dtype: str, compiled: bool,
-               efficiency: Optional[Efficiency] = None) -> Optional[tuple[float, float]]:
+def mode_ratio(
+    shape: LayerShape,
+    spec: AcceleratorSpec,
+    dtype: str,
+    compiled: bool,
+    efficiency: Efficiency | None = None,
+) -> tuple[float, float] | None:
     """(forward, backward) roofline time of a layer of ``shape`` run ``compiled`` (else eager)
     over its time in the other mode, each mode priced by
     :func:`~megatron_het.perf.calibration.layer_efficiency` (``efficiency``: an explicit
     override, as :func:`stage_compute` takes it); None where both modes are priced alike (CPU
     and emulated kinds, fp32)."""
-    mine, other = (resolve_efficiency(spec, layer_efficiency(spec, dtype, mode, efficiency))
-                   for mode in (compiled, not compiled))
+    mine, other = (
+        resolve_efficiency(spec, layer_efficiency(spec, dtype, mode, efficiency))
+        for mode in (compiled, not compiled)
+    )
     if mine == other:
         return None
     ops = layer_forward_ops(shape, mine.attention_kernel)
@@ -107,16 +127,22 @@ def mode_ratio(shape: LayerShape, spec: AcceleratorSpec, dtype: str, compiled: b
     return fwd / fwd_other, bwd / bwd_other
 
 
-def _profiled_layer(profile: Profile, shape: LayerShape, dtype: str, compiled: bool,
-                    spec: AcceleratorSpec,
-                    efficiency: Optional[Efficiency]) -> Optional[Measured]:
+def _profiled_layer(
+    profile: Profile,
+    shape: LayerShape,
+    dtype: str,
+    compiled: bool,
+    spec: AcceleratorSpec,
+    efficiency: Efficiency | None,
+) -> Measured | None:
     """A layer of ``profile`` run ``compiled`` (or eager): from its entries of that mode where
     one has the layer's widths, else from the other mode's where one has (times
     :func:`mode_ratio`, with the analytic activation bytes: compilation changes what a layer
     saves), else from the nearest shape of that mode, then of the other; None without an
     entry of ``dtype``."""
-    if (profile.has_layer_shape(shape, dtype, compiled)
-            or not profile.has_layer_shape(shape, dtype, not compiled)):
+    if profile.has_layer_shape(shape, dtype, compiled) or not profile.has_layer_shape(
+        shape, dtype, not compiled
+    ):
         found = profile.layer(shape, dtype, compiled)
         if found is not None:
             return found
@@ -125,17 +151,30 @@ def _profiled_layer(profile: Profile, shape: LayerShape, dtype: str, compiled: b
     if ratio is None:
         return found
     mode = "compiled" if compiled else "eager"
-    return Measured(found.forward_s * ratio[0], found.backward_s * ratio[1], None,
-                    f"{found.source} x{ratio[0]:.3g}/{ratio[1]:.3g} ({mode} by the roofline's "
-                    f"ratio)")
+    return Measured(
+        found.forward_s * ratio[0],
+        found.backward_s * ratio[1],
+        None,
+        f"{found.source} x{ratio[0]:.3g}/{ratio[1]:.3g} ({mode} by the roofline's ratio)",
+    )
 
 
-def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, num_layers: int,
-                  has_embedding: bool, has_head: bool, recompute_layers: int, dtype: str,
-                  choice: ProfileChoice, efficiency: Optional[Efficiency] = None,
-                  sequence_parallel: bool = False, tp_comm_overlap: bool = False,
-                  blocks: Optional[LayerBlocks] = None,
-                  fused_elementwise: bool = True) -> StageCompute:
+def stage_compute(
+    model: ModelConfig,
+    spec: AcceleratorSpec,
+    shape: LayerShape,
+    num_layers: int,
+    has_embedding: bool,
+    has_head: bool,
+    recompute_layers: int,
+    dtype: str,
+    choice: ProfileChoice,
+    efficiency: Efficiency | None = None,
+    sequence_parallel: bool = False,
+    tp_comm_overlap: bool = False,
+    blocks: LayerBlocks | None = None,
+    fused_elementwise: bool = True,
+) -> StageCompute:
     """The compute of a stage with ``num_layers`` layers of ``shape`` on one device of ``spec``,
     the first ``recompute_layers`` of them recomputing their forward in backward (keeping only
     their input).
@@ -171,17 +210,27 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     overlap = sp and tp_comm_overlap
     layer = None
     if profile is not None:
-        layer = _scaled(_profiled_layer(profile, shape, dtype, fused_elementwise, spec, raw),
-                        factor)
+        layer = _scaled(
+            _profiled_layer(profile, shape, dtype, fused_elementwise, spec, raw), factor
+        )
     if layer is None:
         fwd, bwd = ops_time(layer_forward_ops(shape, kernel, sp), spec, dtype, efficiency)
-        layer = Measured(fwd, bwd, layer_activation_bytes(shape, dtype, sp, kernel, overlap),
-                         f"roofline {spec.label}")
+        layer = Measured(
+            fwd,
+            bwd,
+            layer_activation_bytes(shape, dtype, sp, kernel, overlap),
+            f"roofline {spec.label}",
+        )
     elif sp and layer.activation_bytes is not None:
-        saved = (layer_activation_bytes(shape, dtype)
-                 - layer_activation_bytes(shape, dtype, sp, tp_comm_overlap=overlap))
-        layer = Measured(layer.forward_s, layer.backward_s, layer.activation_bytes - saved,
-                         f"{layer.source} less the sequence-parallel shards")
+        saved = layer_activation_bytes(shape, dtype) - layer_activation_bytes(
+            shape, dtype, sp, tp_comm_overlap=overlap
+        )
+        layer = Measured(
+            layer.forward_s,
+            layer.backward_s,
+            layer.activation_bytes - saved,
+            f"{layer.source} less the sequence-parallel shards",
+        )
     sources.append(f"layers: {layer.source}")
     act = layer.activation_bytes
     if act is None:
@@ -190,23 +239,20 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     if blocks is None:
         forward = num_layers * layer.forward_s
         backward = num_layers * layer.backward_s + recomputed * layer.forward_s
-        kept = (recomputed * layer_input_bytes(shape, dtype, sp)
-                + (num_layers - recomputed) * act)
+        kept = recomputed * layer_input_bytes(shape, dtype, sp) + (num_layers - recomputed) * act
     else:
-        fwd_w, bwd_w, act_w = _block_weights(blocks, shape, spec, dtype, efficiency, sp,
-                                             overlap)
+        fwd_w, bwd_w, act_w = _block_weights(blocks, shape, spec, dtype, efficiency, sp, overlap)
         forward = fwd_w * layer.forward_s
         backward = bwd_w * layer.backward_s + (fwd_w * layer.forward_s if recomputed else 0.0)
-        kept = (blocks.layers * layer_input_bytes(shape, dtype, sp) if recomputed
-                else act_w * act)
+        kept = blocks.layers * layer_input_bytes(shape, dtype, sp) if recomputed else act_w * act
     transient = act if recomputed else 0.0
-    for part, present, ops in (("embedding", has_embedding, embedding_forward_ops(shape)),
-                               ("head", has_head,
-                                head_forward_ops(shape, model.vocab_size, sp))):
+    for part, present, ops in (
+        ("embedding", has_embedding, embedding_forward_ops(shape)),
+        ("head", has_head, head_forward_ops(shape, model.vocab_size, sp)),
+    ):
         if not present:
             continue
-        m = _scaled(profile.end(part, shape, model.vocab_size, dtype), factor) if profile \
-            else None
+        m = _scaled(profile.end(part, shape, model.vocab_size, dtype), factor) if profile else None
         if m is None:
             fwd, bwd = ops_time(ops, spec, dtype, efficiency)
             m = Measured(fwd, bwd, None, f"roofline {spec.label}")
@@ -219,8 +265,13 @@ def stage_compute(model: ModelConfig, spec: AcceleratorSpec, shape: LayerShape, 
     return StageCompute(forward, backward, kept, transient, "; ".join(sources))
 
 
-def optimizer_time(spec: AcceleratorSpec, params: float, dtype: str, choice: ProfileChoice,
-                   efficiency: Optional[Efficiency] = None) -> float:
+def optimizer_time(
+    spec: AcceleratorSpec,
+    params: float,
+    dtype: str,
+    choice: ProfileChoice,
+    efficiency: Efficiency | None = None,
+) -> float:
     """Adam step over ``params`` parameters on one device: measured per-parameter time if the
     profile has it, else memory-bound roofline (OPTIMIZER_BYTES_PER_PARAM per parameter) at
     ``efficiency`` (None: the calibrated figures of ``spec``'s kind, as :func:`stage_compute`)."""
@@ -231,20 +282,39 @@ def optimizer_time(spec: AcceleratorSpec, params: float, dtype: str, choice: Pro
     return op_time(op, spec, dtype, resolve_efficiency(spec, efficiency))
 
 
-def _block_weights(blocks: LayerBlocks, shape: LayerShape, spec: AcceleratorSpec, dtype: str,
-                   efficiency: Efficiency, sequence_parallel: bool, tp_comm_overlap: bool
-                   ) -> tuple[float, float, float]:
+def _block_weights(
+    blocks: LayerBlocks,
+    shape: LayerShape,
+    spec: AcceleratorSpec,
+    dtype: str,
+    efficiency: Efficiency,
+    sequence_parallel: bool,
+    tp_comm_overlap: bool,
+) -> tuple[float, float, float]:
     """``blocks`` in whole layers by forward time, backward time and saved activations."""
     kernel = efficiency.attention_kernel
-    attention, mlp = (ops_time(ops, spec, dtype, efficiency)
-                      for ops in block_forward_ops(shape, kernel, sequence_parallel))
-    saved = [layer_activation_bytes(shape, dtype, sequence_parallel, kernel, tp_comm_overlap,
-                                    part) for part in LAYER_PARTS]
+    attention, mlp = (
+        ops_time(ops, spec, dtype, efficiency)
+        for ops in block_forward_ops(shape, kernel, sequence_parallel)
+    )
+    saved = [
+        layer_activation_bytes(shape, dtype, sequence_parallel, kernel, tp_comm_overlap, part)
+        for part in LAYER_PARTS
+    ]
 
     def weight(a: float, m: float) -> float:
         return (blocks.attention * a + blocks.mlp * m) / (a + m)
+
     return (weight(attention[0], mlp[0]), weight(attention[1], mlp[1]), weight(*saved))
 
 
-__all__ = ["HOST_PROFILE", "LayerBlocks", "ProfileChoice", "StageCompute", "choose_profile",
-           "mode_ratio", "optimizer_time", "stage_compute"]
+__all__ = [
+    "HOST_PROFILE",
+    "LayerBlocks",
+    "ProfileChoice",
+    "StageCompute",
+    "choose_profile",
+    "mode_ratio",
+    "optimizer_time",
+    "stage_compute",
+]

@@ -3,32 +3,40 @@
 See :mod:`megatron_het.pipeline.schedules` for how lists of them make a schedule and
 :mod:`megatron_het.pipeline.schedule_check` for the process-free proof that one is sound.
 """
+
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Union
 
 
 class ActionKind(enum.Enum):
-    RECV_FORWARD = "recv_forward"      # activations of mb from stage - 1
+    RECV_FORWARD = "recv_forward"  # activations of mb from stage - 1
     FORWARD = "forward"
-    SEND_FORWARD = "send_forward"      # activations of mb to stage + 1
-    RECV_BACKWARD = "recv_backward"    # output gradients of mb from stage + 1
+    SEND_FORWARD = "send_forward"  # activations of mb to stage + 1
+    RECV_BACKWARD = "recv_backward"  # output gradients of mb from stage + 1
     BACKWARD = "backward"
-    SEND_BACKWARD = "send_backward"    # input gradients of mb to stage - 1
+    SEND_BACKWARD = "send_backward"  # input gradients of mb to stage - 1
 
 
 _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
 _SENDS = (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD)
 # The direction each transfer kind goes: peer_stage - stage.
-_PEER_OFFSET = {ActionKind.RECV_FORWARD: -1, ActionKind.SEND_FORWARD: +1,
-                ActionKind.RECV_BACKWARD: +1, ActionKind.SEND_BACKWARD: -1}
+_PEER_OFFSET = {
+    ActionKind.RECV_FORWARD: -1,
+    ActionKind.SEND_FORWARD: +1,
+    ActionKind.RECV_BACKWARD: +1,
+    ActionKind.SEND_BACKWARD: -1,
+}
 # The receive that takes each send, and the compute a send carries the result of.
-_RECV_OF = {ActionKind.SEND_FORWARD: ActionKind.RECV_FORWARD,
-            ActionKind.SEND_BACKWARD: ActionKind.RECV_BACKWARD}
-_COMPUTE_OF = {ActionKind.SEND_FORWARD: ActionKind.FORWARD,
-               ActionKind.SEND_BACKWARD: ActionKind.BACKWARD}
+_RECV_OF = {
+    ActionKind.SEND_FORWARD: ActionKind.RECV_FORWARD,
+    ActionKind.SEND_BACKWARD: ActionKind.RECV_BACKWARD,
+}
+_COMPUTE_OF = {
+    ActionKind.SEND_FORWARD: ActionKind.FORWARD,
+    ActionKind.SEND_BACKWARD: ActionKind.BACKWARD,
+}
 
 
 @dataclass(frozen=True)
@@ -38,8 +46,8 @@ class Action:
 
     kind: ActionKind
     micro_batch: int
-    peer_stage: Optional[int] = None
-    stage: Optional[int] = None
+    peer_stage: int | None = None
+    stage: int | None = None
 
     def __str__(self) -> str:
         own = "" if self.stage is None else f" stage {self.stage}"
@@ -81,7 +89,7 @@ class P2PWait:
         return "wait [" + " + ".join(map(str, self.actions)) + "]"
 
 
-Step = Union[Action, P2PBatch, P2PPost, P2PWait]
+Step = Action | P2PBatch | P2PPost | P2PWait
 
 
 class ScheduleError(Exception):

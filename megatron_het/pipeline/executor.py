@@ -42,12 +42,15 @@ optimizer holds the float32 masters and main gradients), and boundary tensors tr
 
 Shape legend: b micro-batch size, s sequence length, H hidden size.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import ContextManager, Hashable, Iterator, Optional, Protocol, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -56,17 +59,35 @@ from megatron_het.config import ModelConfig
 from megatron_het.kernels.main_grad import accumulated_grad
 from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.parallel.sequence import local_positions
-from megatron_het.pipeline.p2p import (BufferPool, boundary_peers, place_received,
-                                       sync_tied_embedding_grads, tied_embedding_weight,
-                                       transfer_ops)
 from megatron_het.pipeline.actions import _actions_of
-from megatron_het.pipeline.schedules import (SCHEDULES, Action, ActionKind, P2PPost, P2PWait,
-                                             Step, gpipe, interleaved_one_f_one_b,
-                                             sequential_forward)
+from megatron_het.pipeline.p2p import (
+    BufferPool,
+    boundary_peers,
+    place_received,
+    sync_tied_embedding_grads,
+    tied_embedding_weight,
+    transfer_ops,
+)
+from megatron_het.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    P2PPost,
+    P2PWait,
+    Step,
+    gpipe,
+    interleaved_one_f_one_b,
+    sequential_forward,
+)
 from megatron_het.pipeline.timing import RegionClock, synchronize_stream
 
-__all__ = ["PipelineExecutor", "RegionTimer", "StageStats", "compute_region_key",
-           "sync_tied_embedding_grads"]
+__all__ = [
+    "PipelineExecutor",
+    "RegionTimer",
+    "StageStats",
+    "compute_region_key",
+    "sync_tied_embedding_grads",
+]
 
 _FORWARD_KINDS = (ActionKind.RECV_FORWARD, ActionKind.FORWARD, ActionKind.SEND_FORWARD)
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
@@ -84,7 +105,7 @@ class RegionTimer(Protocol):
     emulated kind's time with one). The region's work runs inside the returned context and the
     device is synchronised before it exits; the time the context takes counts as compute."""
 
-    def timed_region(self, key: Hashable) -> ContextManager[None]:
+    def timed_region(self, key: Hashable) -> AbstractContextManager[None]:
         """A context around one compute region; ``key`` (:func:`compute_region_key`) is the
         same for regions that do the same work."""
 
@@ -118,13 +139,13 @@ class _Run:
     micro_batches: Sequence[MicroBatch]
     loss_scale: float
     forward_only: bool
-    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)          # stage inputs
-    input_buffers: dict[Key, torch.Tensor] = field(default_factory=dict)   # their storage
-    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)         # hidden or loss
-    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)    # received buffers
-    input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)     # to send back
-    posted: dict[tuple[Action, ...], "_Posted"] = field(default_factory=dict)  # not waited on
-    loss_sum: Optional[torch.Tensor] = None
+    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # stage inputs
+    input_buffers: dict[Key, torch.Tensor] = field(default_factory=dict)  # their storage
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # hidden or loss
+    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # received buffers
+    input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # to send back
+    posted: dict[tuple[Action, ...], _Posted] = field(default_factory=dict)  # not waited on
+    loss_sum: torch.Tensor | None = None
 
 
 @dataclass
@@ -154,19 +175,27 @@ class PipelineExecutor:
             module docstring); plain pipelines always wait for each exchange, as Megatron-LM.
     """
 
-    def __init__(self, stage: nn.Module, groups: ProcessGroups, model_config: ModelConfig,
-                 seq_length: int, micro_batch_size: int,
-                 region_timer: Optional[RegionTimer] = None, schedule: str = "1f1b",
-                 overlap_p2p: bool = True) -> None:
+    def __init__(
+        self,
+        stage: nn.Module,
+        groups: ProcessGroups,
+        model_config: ModelConfig,
+        seq_length: int,
+        micro_batch_size: int,
+        region_timer: RegionTimer | None = None,
+        schedule: str = "1f1b",
+        overlap_p2p: bool = True,
+    ) -> None:
         if schedule not in SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {schedule!r}; known: "
-                             f"{', '.join(SCHEDULES)}")
+            raise ValueError(
+                f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}"
+            )
         self.stage, self.groups, self.config = stage, groups, model_config
         self.region_timer, self.schedule, self.overlap_p2p = region_timer, schedule, overlap_p2p
         role = groups.role
         pipeline = groups.plan.pipelines[role.pipeline]
-        self.stage_index = role.stage          # the device group (= its first stage)
-        self.chunks = role.chunks              # the global stages this rank runs
+        self.stage_index = role.stage  # the device group (= its first stage)
+        self.chunks = role.chunks  # the global stages this rank runs
         self.num_stages = pipeline.num_stages
         self.num_groups, self.num_chunks = pipeline.pp_size, pipeline.num_chunks
         self.is_first, self.is_last = role.is_first_stage, role.is_last_stage
@@ -192,20 +221,35 @@ class PipelineExecutor:
         micro-batch through every chunk in turn)."""
         if self.num_chunks > 1:
             if forward_only:
-                return sequential_forward(self.num_groups, self.num_chunks, num_micro_batches,
-                                          self.stage_index)
+                return sequential_forward(
+                    self.num_groups, self.num_chunks, num_micro_batches, self.stage_index
+                )
             if self.schedule != "1f1b":
-                raise ValueError(f"an interleaved pipeline runs the 1f1b schedule, not "
-                                 f"{self.schedule!r}")
-            return interleaved_one_f_one_b(self.num_groups, self.num_chunks, num_micro_batches,
-                                           self.stage_index, self.overlap_p2p)
+                raise ValueError(
+                    f"an interleaved pipeline runs the 1f1b schedule, not {self.schedule!r}"
+                )
+            return interleaved_one_f_one_b(
+                self.num_groups,
+                self.num_chunks,
+                num_micro_batches,
+                self.stage_index,
+                self.overlap_p2p,
+            )
         if forward_only:
-            return [s for s in gpipe(self.num_stages, num_micro_batches, self.stage_index)
-                    if isinstance(s, Action) and s.kind in _FORWARD_KINDS]
+            return [
+                s
+                for s in gpipe(self.num_stages, num_micro_batches, self.stage_index)
+                if isinstance(s, Action) and s.kind in _FORWARD_KINDS
+            ]
         return SCHEDULES[self.schedule](self.num_stages, num_micro_batches, self.stage_index)
 
-    def run(self, micro_batches: Sequence[MicroBatch], loss_scale: float,
-            forward_only: bool = False, grads_zeroed: bool = False) -> StageStats:
+    def run(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        loss_scale: float,
+        forward_only: bool = False,
+        grads_zeroed: bool = False,
+    ) -> StageStats:
         """Run every micro-batch of this pipeline through this stage.
 
         ``micro_batches``: ``(tokens[b, s], labels[b, s])`` pairs, the same list on every rank
@@ -249,10 +293,15 @@ class PipelineExecutor:
             synchronize_stream(self.device)
             sync_s = time.perf_counter() - sync_start
         loss = 0.0 if run.loss_sum is None else float(run.loss_sum)
-        return StageStats(loss_sum=loss, compute_s=compute_s, p2p_wait_s=p2p_s,
-                          bubble_s=max(0.0, wall - compute_s - p2p_s),
-                          num_micro_batches=len(micro_batches), wall_s=wall,
-                          embedding_sync_s=sync_s)
+        return StageStats(
+            loss_sum=loss,
+            compute_s=compute_s,
+            p2p_wait_s=p2p_s,
+            bubble_s=max(0.0, wall - compute_s - p2p_s),
+            num_micro_batches=len(micro_batches),
+            wall_s=wall,
+            embedding_sync_s=sync_s,
+        )
 
     # -- steps ------------------------------------------------------------------------------
     def _check_shapes(self, micro_batches: Sequence[MicroBatch]) -> None:
@@ -261,9 +310,11 @@ class PipelineExecutor:
             used = ([tokens] if self.is_first else []) + ([labels] if self.is_last else [])
             for tensor in used:
                 if tuple(tensor.shape) != want:
-                    raise ValueError(f"micro-batch {i} has shape {tuple(tensor.shape)}; this "
-                                     f"executor expects [micro_batch_size, seq_length] = "
-                                     f"{list(want)}")
+                    raise ValueError(
+                        f"micro-batch {i} has shape {tuple(tensor.shape)}; this "
+                        f"executor expects [micro_batch_size, seq_length] = "
+                        f"{list(want)}"
+                    )
 
     def _key(self, action: Action) -> Key:
         """(global stage, micro-batch) of an action (stage None: this rank's only stage)."""

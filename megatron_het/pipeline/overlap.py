@@ -4,17 +4,25 @@ posts and waits (Megatron-LM's ``--overlap-p2p-communication`` for interleaved p
 See :func:`overlap_transfers`; :func:`~megatron_het.pipeline.schedule_check.check_schedule`
 proves the result sound, under the stricter device-backend models too.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
-from megatron_het.pipeline.actions import (_COMPUTE, Action, ActionKind, P2PPost, P2PWait, Step,
-                                           _actions_of)
+from megatron_het.pipeline.actions import (
+    _COMPUTE,
+    Action,
+    ActionKind,
+    P2PPost,
+    P2PWait,
+    Step,
+    _actions_of,
+)
 
 _FORWARD_TRANSFERS = (ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD)
 
 
-def _input_of(action: Action, num_stages: int) -> Optional[tuple[ActionKind, int, int]]:
+def _input_of(action: Action, num_stages: int) -> tuple[ActionKind, int, int] | None:
     """The receive (kind, stage, micro-batch) whose data a compute action reads, if any."""
     s, mb = action.stage, action.micro_batch
     if action.kind is ActionKind.FORWARD and s != 0:
@@ -38,7 +46,7 @@ def overlap_transfers(steps: Sequence[Step], num_stages: int) -> list[Step]:
     """
     out: list[Step] = []
     unwaited: list[P2PPost] = []
-    after_forward: Optional[int] = None  # where a forward of this round ended in ``out``
+    after_forward: int | None = None  # where a forward of this round ended in ``out``
 
     def wait(post: P2PPost, at: int) -> int:
         unwaited.remove(post)
@@ -47,8 +55,9 @@ def overlap_transfers(steps: Sequence[Step], num_stages: int) -> list[Step]:
 
     def post(actions: tuple[Action, ...], at: int) -> None:
         forward = actions[0].kind in _FORWARD_TRANSFERS
-        for earlier in [p for p in unwaited if (p.actions[0].kind in _FORWARD_TRANSFERS)
-                        == forward]:
+        for earlier in [
+            p for p in unwaited if (p.actions[0].kind in _FORWARD_TRANSFERS) == forward
+        ]:
             at = wait(earlier, at)
         item = P2PPost(actions)
         out.insert(at, item)
@@ -58,8 +67,9 @@ def overlap_transfers(steps: Sequence[Step], num_stages: int) -> list[Step]:
         actions = _actions_of(step)
         if isinstance(step, Action) and step.kind in _COMPUTE:
             need = _input_of(step, num_stages)
-            for held in [p for p in unwaited if need in
-                         {(a.kind, a.stage, a.micro_batch) for a in p.actions}]:
+            for held in [
+                p for p in unwaited if need in {(a.kind, a.stage, a.micro_batch) for a in p.actions}
+            ]:
                 wait(held, len(out))
             out.append(step)
             if step.kind is ActionKind.FORWARD:

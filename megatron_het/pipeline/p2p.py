@@ -18,8 +18,8 @@ Every rank thus receives exactly one message per transfer and the traffic per bo
 Sequence parallelism: a rank of a stage with tp > 1 holds positions ``[t S/tp, (t+1) S/tp)``
 only (a tp = 1 stage all of them), so a boundary reshards by positions: every pair of ranks
 whose blocks overlap exchanges the overlap, one message each way (equal degrees: rank t with
-rank t, ``1/tp`` of the bytes of the replicated case). Transfers go over the pipeline's group, so ranks of different
-accelerator kinds meet on the communicator's bridge.
+rank t, ``1/tp`` of the bytes of the replicated case). Transfers go over the pipeline's group, so
+ranks of different accelerator kinds meet on the communicator's bridge.
 
 Wire dtype: the parameters' dtype, which is the activations' (bf16 under mixed precision, half
 the bytes of fp32, as the predictor models).
@@ -27,10 +27,11 @@ the bytes of fp32, as the predictor models).
 Also here: :func:`sync_tied_embedding_grads`, the first/last-stage gradient sum of tied
 embeddings.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import torch
 
@@ -53,12 +54,12 @@ class Piece:
     rank's local sequence (``start`` None: the whole local tensor)."""
 
     peer: int
-    start: Optional[int] = None
-    stop: Optional[int] = None
+    start: int | None = None
+    stop: int | None = None
 
     def of(self, x_BsH: torch.Tensor) -> torch.Tensor:
         """This piece's positions of ``x[B, s, H]`` (the tensor itself when whole)."""
-        return x_BsH if self.start is None else x_BsH[:, self.start:self.stop]
+        return x_BsH if self.start is None else x_BsH[:, self.start : self.stop]
 
 
 @dataclass(frozen=True)
@@ -76,18 +77,22 @@ class BoundaryPeers:
 
     def for_action(self, action: Action) -> tuple[Piece, ...]:
         """The messages of one transfer action of this rank's schedule."""
-        pieces = {ActionKind.SEND_FORWARD: self.send_forward,
-                  ActionKind.RECV_FORWARD: self.recv_forward,
-                  ActionKind.SEND_BACKWARD: self.send_backward,
-                  ActionKind.RECV_BACKWARD: self.recv_backward}.get(action.kind)
-        if pieces is None or (action.kind in (ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD)
-                              and not pieces):
+        pieces = {
+            ActionKind.SEND_FORWARD: self.send_forward,
+            ActionKind.RECV_FORWARD: self.recv_forward,
+            ActionKind.SEND_BACKWARD: self.send_backward,
+            ActionKind.RECV_BACKWARD: self.recv_backward,
+        }.get(action.kind)
+        if pieces is None or (
+            action.kind in (ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD) and not pieces
+        ):
             raise ValueError(f"{action} is not a transfer this rank takes part in")
         return pieces
 
 
-def _pieces(plan: ParallelPlan, me: StagePlan, t: int, other: StagePlan,
-            seq_length: Optional[int]) -> list[tuple[Piece, Piece]]:
+def _pieces(
+    plan: ParallelPlan, me: StagePlan, t: int, other: StagePlan, seq_length: int | None
+) -> list[tuple[Piece, Piece]]:
     """(my piece, the peer's piece) of every message between tp_rank ``t`` of ``me`` and the
     ranks of the adjacent stage ``other`` that hold positions it needs or has, for the
     direction where ``me`` receives (the sender side is the mirror image)."""
@@ -99,13 +104,13 @@ def _pieces(plan: ParallelPlan, me: StagePlan, t: int, other: StagePlan,
     for i, j, lo, hi in position_overlaps(plan, other, me, seq_length):
         if j == t:
             theirs = local_positions(plan, other, i, seq_length)[0]
-            out.append((Piece(other.ranks[i], lo - start, hi - start),
-                        Piece(-1, lo - theirs, hi - theirs)))
+            out.append(
+                (Piece(other.ranks[i], lo - start, hi - start), Piece(-1, lo - theirs, hi - theirs))
+            )
     return out
 
 
-def boundary_peers(plan: ParallelPlan, rank: int,
-                   seq_length: Optional[int] = None) -> BoundaryPeers:
+def boundary_peers(plan: ParallelPlan, rank: int, seq_length: int | None = None) -> BoundaryPeers:
     """The transfer messages of ``rank`` in its pipeline (pure function of the plan).
 
     Interleaved pipelines: every stage of a device group has the same neighbouring groups (the
@@ -153,7 +158,8 @@ class BufferPool:
 
     device: torch.device
     _free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = field(
-        default_factory=dict)
+        default_factory=dict
+    )
     allocated: int = 0
 
     def acquire(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -167,8 +173,9 @@ class BufferPool:
         self._free.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
 
 
-def transfer_ops(action: Action, peers: BoundaryPeers, payload: Optional[torch.Tensor],
-                 buffer: Optional[torch.Tensor]) -> tuple[list[P2POp], list[tuple]]:
+def transfer_ops(
+    action: Action, peers: BoundaryPeers, payload: torch.Tensor | None, buffer: torch.Tensor | None
+) -> tuple[list[P2POp], list[tuple]]:
     """The point-to-point ops of one transfer action, and the receives to place afterwards.
 
     Sends carry ``payload`` (contiguous, wire dtype; its pieces for sequence blocks) to each
@@ -181,11 +188,15 @@ def transfer_ops(action: Action, peers: BoundaryPeers, payload: Optional[torch.T
     pieces = peers.for_action(action)
     if action.kind in (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD):
         assert payload is not None
-        return [P2POp("isend", piece.of(payload).contiguous(), piece.peer, tag)
-                for piece in pieces], []
+        return [
+            P2POp("isend", piece.of(payload).contiguous(), piece.peer, tag) for piece in pieces
+        ], []
     assert buffer is not None
-    if len(pieces) == 1 and pieces[0].start in (None, 0) and (
-            pieces[0].stop in (None, buffer.shape[1])):
+    if (
+        len(pieces) == 1
+        and pieces[0].start in (None, 0)
+        and (pieces[0].stop in (None, buffer.shape[1]))
+    ):
         return [P2POp("irecv", buffer, pieces[0].peer, tag)], []
     ops, places = [], []
     for piece in pieces:
@@ -202,8 +213,7 @@ def place_received(places: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         view.copy_(staging)
 
 
-def tied_embedding_weight(stage: torch.nn.Module, groups: ProcessGroups
-                          ) -> Optional[torch.Tensor]:
+def tied_embedding_weight(stage: torch.nn.Module, groups: ProcessGroups) -> torch.Tensor | None:
     """This rank's copy of the tied ``embedding.weight`` when its gradient must be summed with
     the other end stage's (tied embeddings, rank in ``groups.embedding``), else None."""
     if not stage.config.tie_embeddings or groups.embedding is None:  # type: ignore[attr-defined]
@@ -212,8 +222,9 @@ def tied_embedding_weight(stage: torch.nn.Module, groups: ProcessGroups
 
 
 @torch.no_grad()
-def sync_tied_embedding_grads(stage: torch.nn.Module, groups: ProcessGroups,
-                              baseline: Optional[torch.Tensor] = None) -> None:
+def sync_tied_embedding_grads(
+    stage: torch.nn.Module, groups: ProcessGroups, baseline: torch.Tensor | None = None
+) -> None:
     """Sum the gradients of the two ``embedding.weight`` copies of a tied-embedding pipeline.
 
     A no-op unless the model ties its embeddings and this rank is in ``groups.embedding``

@@ -9,15 +9,28 @@ and arrive in send order on each. Two stricter models of a device backend can be
 NCCL matches them without tags) and ``in_order`` (a list's posted steps complete in posting
 order, as coalesced groups on one communication stream do).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
-from megatron_het.pipeline.actions import (_COMPUTE, _COMPUTE_OF, _PEER_OFFSET, _RECV_OF,
-                                           _SENDS, Action, ActionKind, P2PBatch, P2PPost,
-                                           P2PWait, ScheduleError, Step, _actions_of)
+from megatron_het.pipeline.actions import (
+    _COMPUTE,
+    _COMPUTE_OF,
+    _PEER_OFFSET,
+    _RECV_OF,
+    _SENDS,
+    Action,
+    ActionKind,
+    P2PBatch,
+    P2PPost,
+    P2PWait,
+    ScheduleError,
+    Step,
+    _actions_of,
+)
 
 
 @dataclass(frozen=True)
@@ -31,10 +44,15 @@ class ScheduleReport:
     peak_in_flight: tuple[int, ...]
 
 
-def check_schedule(per_group_actions: Sequence[Sequence[Step]],
-                   num_micro_batches: Optional[int] = None, num_stages: Optional[int] = None,
-                   *, forward_only: bool = False, untagged: bool = False,
-                   in_order: bool = False) -> ScheduleReport:
+def check_schedule(
+    per_group_actions: Sequence[Sequence[Step]],
+    num_micro_batches: int | None = None,
+    num_stages: int | None = None,
+    *,
+    forward_only: bool = False,
+    untagged: bool = False,
+    in_order: bool = False,
+) -> ScheduleReport:
     """Prove that the lists, run together, finish and do the right work.
 
     ``num_stages``: the global stages n (default: one per list); stage ``s`` runs on list
@@ -55,10 +73,11 @@ def check_schedule(per_group_actions: Sequence[Sequence[Step]],
         raise ScheduleError("a schedule needs at least one stage")
     n = num_lists if num_stages is None else num_stages
     if n < num_lists or n % num_lists or (n > num_lists and num_lists < 2):
-        raise ValueError(f"{n} stages cannot run round-robin on {num_lists} lists: need a "
-                         f"multiple of the list count, and at least 2 lists to interleave")
-    runs = [_ListRun(g, num_lists, n, steps, in_order)
-            for g, steps in enumerate(per_group_actions)]
+        raise ValueError(
+            f"{n} stages cannot run round-robin on {num_lists} lists: need a "
+            f"multiple of the list count, and at least 2 lists to interleave"
+        )
+    runs = [_ListRun(g, num_lists, n, steps, in_order) for g, steps in enumerate(per_group_actions)]
     while not all(run.done for run in runs):
         moved = False
         for run in runs:
@@ -66,11 +85,13 @@ def check_schedule(per_group_actions: Sequence[Sequence[Step]],
         moved |= _match_transfers(runs, untagged)
         if not moved:
             label = runs[0].label
-            waiting = "; ".join(f"{label} {r.index} at step {r.pc} {r.steps[r.pc]}"
-                                for r in runs if not r.done)
+            waiting = "; ".join(
+                f"{label} {r.index} at step {r.pc} {r.steps[r.pc]}" for r in runs if not r.done
+            )
             raise ScheduleError(f"deadlock: no {label} can move ({waiting})")
-    seen = [a.micro_batch for steps in per_group_actions for step in steps
-            for a in _actions_of(step)]
+    seen = [
+        a.micro_batch for steps in per_group_actions for step in steps for a in _actions_of(step)
+    ]
     if num_micro_batches is None:
         num_micro_batches = max(seen, default=-1) + 1
     for run in runs:
@@ -78,8 +99,9 @@ def check_schedule(per_group_actions: Sequence[Sequence[Step]],
     return ScheduleReport(n, num_micro_batches, tuple(run.peak_in_flight for run in runs))
 
 
-def peak_activation(steps: Sequence[Step], weight_of_stage: Callable[[int], float],
-                    own_stage: int = 0) -> float:
+def peak_activation(
+    steps: Sequence[Step], weight_of_stage: Callable[[int], float], own_stage: int = 0
+) -> float:
     """The most activation weight one list holds at once: a forward of stage ``s`` adds
     ``weight_of_stage(s)``, its backward removes it (``own_stage``: the stage of actions with
     stage None). E.g. bytes per chunk, for memory with non-uniform chunks."""
@@ -93,8 +115,9 @@ def peak_activation(steps: Sequence[Step], weight_of_stage: Callable[[int], floa
     return peak
 
 
-def held_counts(steps: Sequence[Step], own_stage: int = 0
-                ) -> tuple[tuple[tuple[int, int], ...], ...]:
+def held_counts(
+    steps: Sequence[Step], own_stage: int = 0
+) -> tuple[tuple[tuple[int, int], ...], ...]:
     """The in-flight pairs one list can peak at, as ``((stage, count), ...)`` vectors: the
     counts after each forward, duplicates and vectors another one covers in every stage
     dropped. :func:`peak_activation` for any non-negative weights is the largest weighted sum
@@ -114,8 +137,11 @@ def held_counts(steps: Sequence[Step], own_stage: int = 0
     if rising:
         seen.add(tuple(sorted((k, n) for k, n in held.items() if n)))
     vectors = [dict(v) for v in seen]
-    kept = [v for i, v in enumerate(vectors)
-            if not any(j != i and _covers(w, v) and (w != v) for j, w in enumerate(vectors))]
+    kept = [
+        v
+        for i, v in enumerate(vectors)
+        if not any(j != i and _covers(w, v) and (w != v) for j, w in enumerate(vectors))
+    ]
     return tuple(sorted(tuple(sorted(v.items())) for v in kept))
 
 
@@ -138,16 +164,17 @@ class _Posted:
 class _ListRun:
     """The state of one list (a stage, or a device group's stages) in :func:`check_schedule`."""
 
-    def __init__(self, index: int, num_lists: int, num_stages: int,
-                 steps: Sequence[Step], in_order: bool) -> None:
+    def __init__(
+        self, index: int, num_lists: int, num_stages: int, steps: Sequence[Step], in_order: bool
+    ) -> None:
         self.index, self.num_lists, self.num_stages = index, num_lists, num_stages
         self.steps = list(steps)
         self.in_order = in_order
         self.interleaved = num_stages != num_lists
         self.label = "group" if self.interleaved else "stage"
         self.pc = 0
-        self.outstanding: list[_Posted] = []   # posted, not waited on, in posting order
-        self.blocking: Optional[_Posted] = None  # the blocking step posted at pc
+        self.outstanding: list[_Posted] = []  # posted, not waited on, in posting order
+        self.blocking: _Posted | None = None  # the blocking step posted at pc
         self.done_work: dict[tuple[ActionKind, int], set[int]] = defaultdict(set)
         self.in_flight = self.peak_in_flight = 0
         for i, step in enumerate(self.steps):
@@ -171,25 +198,31 @@ class _ListRun:
     def _check_step_shape(self, i: int, step: Step) -> None:
         actions = step.actions if isinstance(step, P2PWait) else _actions_of(step)
         where = f"{self.label} {self.index} step {i} ({step})"
-        if isinstance(step, (P2PBatch, P2PPost, P2PWait)) and (not actions or any(
-                a.kind in _COMPUTE for a in actions)):
-            raise ScheduleError(f"{where}: a {type(step).__name__} holds one or more "
-                                f"transfers, no compute")
+        if isinstance(step, (P2PBatch, P2PPost, P2PWait)) and (
+            not actions or any(a.kind in _COMPUTE for a in actions)
+        ):
+            raise ScheduleError(
+                f"{where}: a {type(step).__name__} holds one or more transfers, no compute"
+            )
         n = self.num_stages
         for a in actions:
             if a.stage is None and self.interleaved:
-                raise ScheduleError(f"{where}: a list running several stages must name the "
-                                    f"stage of every action")
+                raise ScheduleError(
+                    f"{where}: a list running several stages must name the stage of every action"
+                )
             s = self.stage_of(a)
             if not 0 <= s < n or s % self.num_lists != self.index:
                 hint = "; interleaved lists need num_stages" if s >= n == self.num_lists else ""
-                raise ScheduleError(f"{where}: stage {s} does not run on {self.label} "
-                                    f"{self.index} (stage s runs on list s % {self.num_lists} "
-                                    f"of {n} stages{hint})")
+                raise ScheduleError(
+                    f"{where}: stage {s} does not run on {self.label} "
+                    f"{self.index} (stage s runs on list s % {self.num_lists} "
+                    f"of {n} stages{hint})"
+                )
             want = None if a.kind in _COMPUTE else s + _PEER_OFFSET[a.kind]
             if a.peer_stage != want or (want is not None and not 0 <= want < n):
-                raise ScheduleError(f"{where}: {a.kind.name} must have peer_stage {want} on "
-                                    f"stage {s} of {n}")
+                raise ScheduleError(
+                    f"{where}: {a.kind.name} must have peer_stage {want} on stage {s} of {n}"
+                )
 
     def eligible(self, posted: _Posted) -> bool:
         """Whether ``posted``'s transfers can progress: always, or with ``in_order`` once
@@ -272,8 +305,7 @@ class _ListRun:
         if needs is not None and a.micro_batch not in self.done_work[(needs, self.stage_of(a))]:
             self._fail(f"sends {self._what(a)} before its {needs.value} ran here")
 
-    def first_unmatched(self, accept: Callable[[Action], bool]
-                        ) -> Optional[tuple[_Posted, Action]]:
+    def first_unmatched(self, accept: Callable[[Action], bool]) -> tuple[_Posted, Action] | None:
         """The earliest unmatched transfer (in posting order) that ``accept`` takes."""
         for posted in self.outstanding:
             for a in posted.unmatched:
@@ -291,7 +323,8 @@ class _ListRun:
                 what = f"{kind.value} of stage {s}" if self.interleaved else kind.value
                 raise ScheduleError(
                     f"{self.label} {self.index} runs {what} on micro-batches {sorted(got)}; "
-                    f"every stage must run it once on each of 0..{num_micro_batches - 1}")
+                    f"every stage must run it once on each of 0..{num_micro_batches - 1}"
+                )
 
 
 def _match_transfers(runs: list[_ListRun], untagged: bool) -> bool:
@@ -300,7 +333,7 @@ def _match_transfers(runs: list[_ListRun], untagged: bool) -> bool:
     moved = False
     num_lists = len(runs)
     for sender in runs:
-        channels: set[tuple[int, Optional[ActionKind]]] = set()
+        channels: set[tuple[int, ActionKind | None]] = set()
         for posted in list(sender.outstanding):
             for send in [a for a in posted.unmatched if a.kind in _SENDS]:
                 assert send.peer_stage is not None
@@ -310,22 +343,32 @@ def _match_transfers(runs: list[_ListRun], untagged: bool) -> bool:
                     continue  # an earlier send on this channel is still unmatched
                 channels.add(channel)
                 receiver = runs[to]
-                kinds = (ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD) if untagged else (
-                    _RECV_OF[send.kind],)
+                kinds = (
+                    (ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD)
+                    if untagged
+                    else (_RECV_OF[send.kind],)
+                )
                 found = receiver.first_unmatched(
-                    lambda a: a.kind in kinds and a.peer_stage is not None
-                    and a.peer_stage % num_lists == sender.index)
-                if found is None or not (sender.eligible(posted)
-                                         and receiver.eligible(found[0])):
+                    lambda a: (
+                        a.kind in kinds
+                        and a.peer_stage is not None
+                        and a.peer_stage % num_lists == sender.index
+                    )
+                )
+                if found is None or not (sender.eligible(posted) and receiver.eligible(found[0])):
                     continue
                 taken, recv = found
-                if (recv.kind is not _RECV_OF[send.kind] or recv.micro_batch != send.micro_batch
-                        or receiver.stage_of(recv) != send.peer_stage):
+                if (
+                    recv.kind is not _RECV_OF[send.kind]
+                    or recv.micro_batch != send.micro_batch
+                    or receiver.stage_of(recv) != send.peer_stage
+                ):
                     label = sender.label
                     raise ScheduleError(
                         f"{label} {sender.index} step {sender.pc} sends {send} while {label} "
                         f"{receiver.index} step {receiver.pc} expects {recv}: transfers between "
-                        f"two {label}s must come in the same order on both sides")
+                        f"two {label}s must come in the same order on both sides"
+                    )
                 posted.unmatched.remove(send)
                 taken.unmatched.remove(recv)
                 channels.discard(channel)  # the next send on it may match too

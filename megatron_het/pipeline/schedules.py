@@ -24,26 +24,38 @@ The actions live in :mod:`megatron_het.pipeline.actions`; :func:`check_schedule`
 processes. Schedules here: 1F1B, GPipe, interleaved 1F1B and the interleaved forward-only
 order.
 """
+
 from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable, Optional, Union
 
-from megatron_het.pipeline.actions import (_RECV_OF, Action, ActionKind, P2PBatch, P2PPost,
-                                           P2PWait, ScheduleError, Step, _actions_of, _batched)
+from megatron_het.pipeline.actions import (
+    _RECV_OF,
+    Action,
+    ActionKind,
+    P2PBatch,
+    P2PPost,
+    P2PWait,
+    ScheduleError,
+    Step,
+    _actions_of,
+    _batched,
+)
 from megatron_het.pipeline.overlap import overlap_transfers
-from megatron_het.pipeline.schedule_check import (ScheduleReport, check_schedule,
-                                                  peak_activation)
+from megatron_het.pipeline.schedule_check import ScheduleReport, check_schedule, peak_activation
 
 ScheduleFn = Callable[[int, int, int], list[Step]]
 
 
 def _check_args(num_stages: int, num_micro_batches: int, stage: int) -> None:
     if num_stages < 1 or num_micro_batches < 1 or not 0 <= stage < num_stages:
-        raise ValueError(f"need num_stages >= 1, num_micro_batches >= 1 and 0 <= stage < "
-                         f"num_stages; got {num_stages}, {num_micro_batches}, {stage}")
+        raise ValueError(
+            f"need num_stages >= 1, num_micro_batches >= 1 and 0 <= stage < "
+            f"num_stages; got {num_stages}, {num_micro_batches}, {stage}"
+        )
 
 
 def _recv_forward(stage: int, mb: int) -> list[Step]:
@@ -85,8 +97,9 @@ def one_f_one_b(num_stages: int, num_micro_batches: int, stage: int) -> list[Ste
     for i in range(steady):
         fwd_mb, bwd_mb = warmup + i, i
         steps.append(Action(ActionKind.FORWARD, fwd_mb))
-        steps += _batched(_send_forward(stage, num_stages, fwd_mb)
-                          + _recv_backward(stage, num_stages, bwd_mb))
+        steps += _batched(
+            _send_forward(stage, num_stages, fwd_mb) + _recv_backward(stage, num_stages, bwd_mb)
+        )
         steps.append(Action(ActionKind.BACKWARD, bwd_mb))
         next_input = _recv_forward(stage, fwd_mb + 1) if i < steady - 1 else []
         steps += _batched(_send_backward(stage, bwd_mb) + next_input)
@@ -115,7 +128,7 @@ def gpipe(num_stages: int, num_micro_batches: int, stage: int) -> list[Step]:
 
 # ---- interleaved 1F1B ----------------------------------------------------------------------
 @functools.lru_cache(maxsize=4096)
-def interleaved_group_size(num_groups: int, num_micro_batches: int) -> Optional[int]:
+def interleaved_group_size(num_groups: int, num_micro_batches: int) -> int | None:
     """Megatron-LM's micro-batch group size N (``--microbatch-group-size-per-virtual-stage``)
     for ``m`` micro-batches over ``p`` device groups: each chunk runs N consecutive
     micro-batches before the next chunk takes them, the last group taking the remainder. N is
@@ -136,22 +149,28 @@ def interleaved_micro_batch_counts_ok(num_groups: int, num_micro_batches: int) -
     return num_groups >= 1 and num_micro_batches >= num_groups
 
 
-def _check_interleaved_args(num_groups: int, num_chunks: int, num_micro_batches: int,
-                            group: int) -> None:
+def _check_interleaved_args(
+    num_groups: int, num_chunks: int, num_micro_batches: int, group: int
+) -> None:
     if num_chunks < 1 or num_groups < 1 or not 0 <= group < num_groups:
-        raise ValueError(f"need num_chunks >= 1, num_groups >= 1 and 0 <= group < num_groups; "
-                         f"got {num_chunks}, {num_groups}, {group}")
+        raise ValueError(
+            f"need num_chunks >= 1, num_groups >= 1 and 0 <= group < num_groups; "
+            f"got {num_chunks}, {num_groups}, {group}"
+        )
     if num_chunks == 1:
         return
     if num_groups < 2:
         raise ValueError(f"interleaving {num_chunks} chunks needs at least 2 device groups")
     if not interleaved_micro_batch_counts_ok(num_groups, num_micro_batches):
-        raise ValueError(f"interleaved 1F1B over {num_groups} device groups needs at least "
-                         f"{num_groups} micro-batches; got {num_micro_batches}")
+        raise ValueError(
+            f"interleaved 1F1B over {num_groups} device groups needs at least "
+            f"{num_groups} micro-batches; got {num_micro_batches}"
+        )
 
 
-def interleaved_order(num_groups: int, num_chunks: int, num_micro_batches: int,
-                      forward: bool) -> list[tuple[int, int]]:
+def interleaved_order(
+    num_groups: int, num_chunks: int, num_micro_batches: int, forward: bool
+) -> list[tuple[int, int]]:
     """Megatron-LM's interleaved compute order, the same on every group, as
     ``(chunk, micro_batch)`` for micro-steps ``0..m v - 1``: micro-batch groups of
     N = :func:`interleaved_group_size` (the last one takes the remainder), each run through
@@ -166,8 +185,7 @@ def interleaved_order(num_groups: int, num_chunks: int, num_micro_batches: int,
     return order
 
 
-def interleaved_warmup(num_groups: int, num_chunks: int, num_micro_batches: int,
-                       group: int) -> int:
+def interleaved_warmup(num_groups: int, num_chunks: int, num_micro_batches: int, group: int) -> int:
     """Forwards before group ``group``'s first backward: ``min(2 (p - g - 1) + (v - 1) N, m v)``
     with N = :func:`interleaved_group_size`, and all ``m v`` when ``m == p`` (as Megatron-LM)."""
     p, v, m = num_groups, num_chunks, num_micro_batches
@@ -176,8 +194,9 @@ def interleaved_warmup(num_groups: int, num_chunks: int, num_micro_batches: int,
     return min(2 * (p - group - 1) + (v - 1) * (interleaved_group_size(p, m) or m), m * v)
 
 
-def interleaved_one_f_one_b(num_groups: int, num_chunks: int, num_micro_batches: int,
-                            group: int, overlap_p2p: bool = False) -> list[Step]:
+def interleaved_one_f_one_b(
+    num_groups: int, num_chunks: int, num_micro_batches: int, group: int, overlap_p2p: bool = False
+) -> list[Step]:
     """The interleaved 1F1B schedule of device group ``group``; every action names its stage.
 
     ``num_chunks`` = v chunks per group (v = 1: :func:`one_f_one_b`'s list with stages set).
@@ -199,24 +218,32 @@ def interleaved_one_f_one_b(num_groups: int, num_chunks: int, num_micro_batches:
     """
     _check_interleaved_args(num_groups, num_chunks, num_micro_batches, group)
     if num_chunks == 1:
-        steps = [_with_stage(step, group) for step in
-                 one_f_one_b(num_groups, num_micro_batches, group)]
+        steps = [
+            _with_stage(step, group) for step in one_f_one_b(num_groups, num_micro_batches, group)
+        ]
     else:
         steps = list(_interleaved_lists(num_groups, num_chunks, num_micro_batches)[group])
     return overlap_transfers(steps, num_groups * num_chunks) if overlap_p2p else steps
 
 
-def interleaved_compute(num_groups: int, num_chunks: int, num_micro_batches: int,
-                        group: int) -> list[Action]:
+def interleaved_compute(
+    num_groups: int, num_chunks: int, num_micro_batches: int, group: int
+) -> list[Action]:
     """The forwards and backwards of group ``group``'s interleaved 1F1B list, in order, without
     its transfers: all that the activations it holds depend on (v = 1: the 1F1B list's)."""
     _check_interleaved_args(num_groups, num_chunks, num_micro_batches, group)
     if num_chunks == 1:
-        return [replace(a, stage=group) for step in
-                one_f_one_b(num_groups, num_micro_batches, group) for a in _actions_of(step)
-                if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
-    return [a for compute in _interleaved_rounds(num_groups, num_chunks, num_micro_batches,
-                                                 group) for a in compute]
+        return [
+            replace(a, stage=group)
+            for step in one_f_one_b(num_groups, num_micro_batches, group)
+            for a in _actions_of(step)
+            if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)
+        ]
+    return [
+        a
+        for compute in _interleaved_rounds(num_groups, num_chunks, num_micro_batches, group)
+        for a in compute
+    ]
 
 
 def _with_stage(step: Step, stage: int) -> Step:
@@ -232,15 +259,21 @@ _Pending = tuple[ActionKind, int]
 def _interleaved_rounds(p: int, v: int, m: int, group: int) -> list[list[Action]]:
     """Group ``group``'s compute, split at its exchanges: warm-up [F], steady [F, B], then
     cool-down [B]; an exchange sits before each round and after the last."""
-    forwards = [Action(ActionKind.FORWARD, mb, stage=c * p + group) for c, mb in
-                interleaved_order(p, v, m, True)]
-    backwards = [Action(ActionKind.BACKWARD, mb, stage=c * p + group) for c, mb in
-                 interleaved_order(p, v, m, False)]
+    forwards = [
+        Action(ActionKind.FORWARD, mb, stage=c * p + group)
+        for c, mb in interleaved_order(p, v, m, True)
+    ]
+    backwards = [
+        Action(ActionKind.BACKWARD, mb, stage=c * p + group)
+        for c, mb in interleaved_order(p, v, m, False)
+    ]
     warmup = interleaved_warmup(p, v, m, group)
     steady = m * v - warmup
-    return ([[f] for f in forwards[:warmup]]
-            + [[forwards[warmup + j], backwards[j]] for j in range(steady)]
-            + [[b] for b in backwards[steady:]])
+    return (
+        [[f] for f in forwards[:warmup]]
+        + [[forwards[warmup + j], backwards[j]] for j in range(steady)]
+        + [[b] for b in backwards[steady:]]
+    )
 
 
 def _sends(p: int, n: int, compute: list[Action]) -> tuple[list[Action], list[Action]]:
@@ -266,8 +299,7 @@ def _wraps(p: int, n: int, a: Action) -> bool:
     return s < n - 1 and s % p == p - 1
 
 
-def _group_skeleton(p: int, v: int, m: int, group: int
-                    ) -> list[Union[Action, list[Union[Action, _Pending]]]]:
+def _group_skeleton(p: int, v: int, m: int, group: int) -> list[Action | list[Action | _Pending]]:
     """Group ``group``'s compute actions and exchanges (lists of transfers whose receives are
     still pending), in order: an exchange before each round and after the last. An exchange
     holds the sends of the round before it and the receives of the round after it, except on
@@ -279,8 +311,8 @@ def _group_skeleton(p: int, v: int, m: int, group: int
     posts its messages in the same order at either end."""
     n = v * p
     rounds = _interleaved_rounds(p, v, m, group)
-    forward: list[list[Union[Action, _Pending]]] = [[] for _ in range(len(rounds) + 1)]
-    backward: list[list[Union[Action, _Pending]]] = [[] for _ in range(len(rounds) + 1)]
+    forward: list[list[Action | _Pending]] = [[] for _ in range(len(rounds) + 1)]
+    backward: list[list[Action | _Pending]] = [[] for _ in range(len(rounds) + 1)]
     for i, compute in enumerate(rounds):
         sent_forward, sent_backward = _sends(p, n, compute)
         forward[i + 1] += sent_forward
@@ -293,7 +325,7 @@ def _group_skeleton(p: int, v: int, m: int, group: int
                 forward[i].append((ActionKind.RECV_FORWARD, (s - 1) % p))
             if a.kind is ActionKind.BACKWARD and s < n - 1 and not _wraps(p, n, a):
                 backward[i].append((ActionKind.RECV_BACKWARD, (s + 1) % p))
-    if group == 0:      # the last group's forward j is received after this group's j + p - 1
+    if group == 0:  # the last group's forward j is received after this group's j + p - 1
         for j, (chunk, _) in enumerate(interleaved_order(p, v, m, True)):
             if chunk < v - 1:
                 forward[j + p].append((ActionKind.RECV_FORWARD, p - 1))
@@ -302,7 +334,7 @@ def _group_skeleton(p: int, v: int, m: int, group: int
         for j, (chunk, _) in enumerate(interleaved_order(p, v, m, False)):
             if chunk > 0:
                 backward[warmup + j + p].append((ActionKind.RECV_BACKWARD, 0))
-    seq: list[Union[Action, list[Union[Action, _Pending]]]] = [forward[0] + backward[0]]
+    seq: list[Action | list[Action | _Pending]] = [forward[0] + backward[0]]
     for i, compute in enumerate(rounds):
         seq += compute
         seq.append(forward[i + 1] + backward[i + 1])
@@ -328,8 +360,10 @@ def _interleaved_lists(p: int, v: int, m: int) -> tuple[tuple[Step, ...], ...]:
             if isinstance(part, Action):
                 steps.append(part)
                 continue
-            transfers = [a if isinstance(a, Action) else _received(a[0], next(queues[
-                (a[1], g, a[0])])) for a in part]
+            transfers = [
+                a if isinstance(a, Action) else _received(a[0], next(queues[(a[1], g, a[0])]))
+                for a in part
+            ]
             steps += _batched(transfers)
         lists.append(tuple(steps))
     assert all(next(queue, None) is None for queue in queues.values()), "a send is not received"
@@ -342,8 +376,9 @@ def _received(kind: ActionKind, send: Action) -> Action:
     return Action(kind, send.micro_batch, peer_stage=send.stage, stage=send.peer_stage)
 
 
-def sequential_forward(num_groups: int, num_chunks: int, num_micro_batches: int,
-                       group: int) -> list[Step]:
+def sequential_forward(
+    num_groups: int, num_chunks: int, num_micro_batches: int, group: int
+) -> list[Step]:
     """Forward only (evaluation) on group ``group``: the micro-batches in order, each through
     the group's stages in order (receive, forward, send); every action names its stage. Sound
     under :func:`check_schedule` with ``forward_only=True``."""
@@ -365,8 +400,13 @@ def sequential_forward(num_groups: int, num_chunks: int, num_micro_batches: int,
 SCHEDULES: dict[str, ScheduleFn] = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
-def build_schedule(name: str, num_stages: int, num_micro_batches: int,
-                   num_chunks: int = 1, overlap_p2p: bool = False) -> list[list[Step]]:
+def build_schedule(
+    name: str,
+    num_stages: int,
+    num_micro_batches: int,
+    num_chunks: int = 1,
+    overlap_p2p: bool = False,
+) -> list[list[Step]]:
     """Every list of the schedule called ``name`` (see SCHEDULES): one per stage, or with
     ``num_chunks > 1`` ("1f1b" only) the interleaved lists of ``num_stages`` device groups.
     ``overlap_p2p`` (interleaved lists only, as Megatron-LM): transfers overlapped with compute
@@ -378,15 +418,37 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int,
     if num_chunks == 1:
         return [SCHEDULES[name](num_stages, num_micro_batches, s) for s in range(num_stages)]
     if name != "1f1b":
-        raise ValueError(f"schedule {name!r} does not interleave; {num_chunks} chunks per "
-                         f"device group need '1f1b'")
-    return [interleaved_one_f_one_b(num_stages, num_chunks, num_micro_batches, g, overlap_p2p)
-            for g in range(num_stages)]
+        raise ValueError(
+            f"schedule {name!r} does not interleave; {num_chunks} chunks per "
+            f"device group need '1f1b'"
+        )
+    return [
+        interleaved_one_f_one_b(num_stages, num_chunks, num_micro_batches, g, overlap_p2p)
+        for g in range(num_stages)
+    ]
 
 
-__all__ = ["SCHEDULES", "Action", "ActionKind", "P2PBatch", "P2PPost", "P2PWait",
-           "ScheduleError", "ScheduleReport", "Step", "build_schedule", "check_schedule",
-           "gpipe", "interleaved_compute", "interleaved_group_size",
-           "interleaved_micro_batch_counts_ok", "interleaved_one_f_one_b", "interleaved_order",
-           "interleaved_warmup", "one_f_one_b", "overlap_transfers", "peak_activation",
-           "sequential_forward"]
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "ActionKind",
+    "P2PBatch",
+    "P2PPost",
+    "P2PWait",
+    "ScheduleError",
+    "ScheduleReport",
+    "Step",
+    "build_schedule",
+    "check_schedule",
+    "gpipe",
+    "interleaved_compute",
+    "interleaved_group_size",
+    "interleaved_micro_batch_counts_ok",
+    "interleaved_one_f_one_b",
+    "interleaved_order",
+    "interleaved_warmup",
+    "one_f_one_b",
+    "overlap_transfers",
+    "peak_activation",
+    "sequential_forward",
+]

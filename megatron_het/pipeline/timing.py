@@ -10,11 +10,13 @@ read all at once after ONE synchronisation.
 :class:`RegionClock` sums labelled regions with them (the pipeline executor's compute and
 transfer regions).
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterator, Optional, Union
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -86,7 +88,7 @@ class EventTimer:
         return start.elapsed_time(end) / 1e3
 
 
-Timer = Union[HostTimer, EventTimer]
+Timer = HostTimer | EventTimer
 
 
 def pass_timer(device: torch.device) -> Timer:
@@ -106,7 +108,7 @@ class RegionClock:
     nothing waits for the device until :meth:`totals`.
     """
 
-    def __init__(self, device: torch.device, timer: Optional[Timer] = None) -> None:
+    def __init__(self, device: torch.device, timer: Timer | None = None) -> None:
         self.timer = pass_timer(device) if timer is None else timer
         self._regions: dict[str, list[tuple[Any, Any]]] = {}
         self._start: Any = None
@@ -145,6 +147,8 @@ class RegionClock:
         """``({label: seconds}, wall seconds)``, after one synchronisation with events."""
         end = self.timer.mark()
         self.timer.finish()
-        sums = {label: sum(self.timer.elapsed_s(b, e) for b, e in pairs)
-                for label, pairs in self._regions.items()}
+        sums = {
+            label: sum(self.timer.elapsed_s(b, e) for b, e in pairs)
+            for label, pairs in self._regions.items()
+        }
         return sums, self.timer.elapsed_s(self._start, end)

@@ -11,14 +11,24 @@ attaches them: ``result.with_baseline(...)``, ``result.with_ceiling(...)``.
 :func:`evaluate_plan` predicts a given plan. Charts (:mod:`megatron_het.planner.chart`)
 import matplotlib only when drawn.
 """
-from megatron_het.planner.baseline import (homogeneous_baseline, kind_subcluster,
-                                           why_above_baseline)
+
+from megatron_het.planner.baseline import homogeneous_baseline, kind_subcluster, why_above_baseline
 from megatron_het.planner.ceiling import Ceiling, KindCeiling, compute_ceiling
 from megatron_het.planner.evaluate import evaluate_plan
-from megatron_het.planner.result import (Candidate, HomogeneousBaseline, KindBaseline,
-                                         SearchResult)
+from megatron_het.planner.result import Candidate, HomogeneousBaseline, KindBaseline, SearchResult
 from megatron_het.planner.search import search_plan
 
-__all__ = ["Candidate", "Ceiling", "HomogeneousBaseline", "KindBaseline", "KindCeiling",
-           "SearchResult", "compute_ceiling", "evaluate_plan", "homogeneous_baseline",
-           "kind_subcluster", "search_plan", "why_above_baseline"]
+__all__ = [
+    "Candidate",
+    "Ceiling",
+    "HomogeneousBaseline",
+    "KindBaseline",
+    "KindCeiling",
+    "SearchResult",
+    "compute_ceiling",
+    "evaluate_plan",
+    "homogeneous_baseline",
+    "kind_subcluster",
+    "search_plan",
+    "why_above_baseline",
+]

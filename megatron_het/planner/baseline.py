@@ -8,10 +8,12 @@ where a kind alone must use a wider TP (or recompute) to hold the model and in t
 the layers with others. :func:`why_above_baseline` says which, from the plans' figures. The
 bound no plan passes is the compute ceiling (:mod:`megatron_het.planner.ceiling`).
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from megatron_het.cluster import ClusterSpec, kind_subcluster
 from megatron_het.config import ModelConfig
@@ -33,18 +35,33 @@ def tp_comm_share(rows: list[StagePrediction]) -> float:
     return sum(r.tp_comm_s for r in rows) / busy if busy else 0.0
 
 
-def _kind_baseline(kind: str, devices: int, found: SearchResult,
-                   memory_ignored: bool) -> KindBaseline:
+def _kind_baseline(
+    kind: str, devices: int, found: SearchResult, memory_ignored: bool
+) -> KindBaseline:
     p: Prediction = found.prediction
     layout = found.candidates[0].layout
-    return KindBaseline(kind, devices, p.tokens_per_s / devices, layout.describe(),
-                        memory_ignored, layout, p.bubble_fraction, tp_comm_share(list(p.stages)),
-                        p.dp_sync_s / p.iteration_time_s)
+    return KindBaseline(
+        kind,
+        devices,
+        p.tokens_per_s / devices,
+        layout.describe(),
+        memory_ignored,
+        layout,
+        p.bubble_fraction,
+        tp_comm_share(list(p.stages)),
+        p.dp_sync_s / p.iteration_time_s,
+    )
 
 
-def homogeneous_baseline(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int,
-                         seq_length: int, profiles: Optional[Mapping[str, Profile]] = None,
-                         dtype: str = "bf16", **search_options: Any) -> HomogeneousBaseline:
+def homogeneous_baseline(
+    model: ModelConfig,
+    cluster: ClusterSpec,
+    global_batch_size: int,
+    seq_length: int,
+    profiles: Mapping[str, Profile] | None = None,
+    dtype: str = "bf16",
+    **search_options: Any,
+) -> HomogeneousBaseline:
     """Search each kind alone (:func:`search_plan`, options as given; without the memory
     limit for a kind that cannot hold the model alone) and sum the devices' rates."""
     start = time.perf_counter()
@@ -53,12 +70,21 @@ def homogeneous_baseline(model: ModelConfig, cluster: ClusterSpec, global_batch_
         sub = kind_subcluster(cluster, kind)
         ignored = False
         try:
-            found = search_plan(model, sub, global_batch_size, seq_length, profiles, dtype,
-                                **search_options)
+            found = search_plan(
+                model, sub, global_batch_size, seq_length, profiles, dtype, **search_options
+            )
         except UserError:
             ignored = True
-            found = search_plan(model, sub, global_batch_size, seq_length, profiles, dtype,
-                                check_memory=False, **search_options)
+            found = search_plan(
+                model,
+                sub,
+                global_batch_size,
+                seq_length,
+                profiles,
+                dtype,
+                check_memory=False,
+                **search_options,
+            )
         kinds.append(_kind_baseline(kind, devices, found, ignored))
     return HomogeneousBaseline(tuple(kinds), time.perf_counter() - start)
 
@@ -72,8 +98,12 @@ def _kind_reasons(result: SearchResult, k: KindBaseline) -> list[str]:
     less recompute, a larger micro-batch."""
     assert k.layout is not None
     blocks = k.layout.blocks  # the kind's stages alone (two TP degrees at most)
-    stages = [(p, s, st) for p, pp in enumerate(result.plan.pipelines)
-              for s, st in enumerate(pp.stages) if st.accelerator.lower() == k.kind.lower()]
+    stages = [
+        (p, s, st)
+        for p, pp in enumerate(result.plan.pipelines)
+        for s, st in enumerate(pp.stages)
+        if st.accelerator.lower() == k.kind.lower()
+    ]
     if not stages:
         return []
     where = {(p, s) for p, s, _ in stages}
@@ -81,22 +111,28 @@ def _kind_reasons(result: SearchResult, k: KindBaseline) -> list[str]:
     out = []
     tps, base_tps = [st.tp for _, _, st in stages], [b.tp for b in blocks]
     if max(tps) < max(base_tps):
-        out.append(f"{k.kind} runs {_tps(tps)} in the mixed plan against {_tps(base_tps)} "
-                   f"alone (its best homogeneous plan: {k.plan_summary}), so TP communication "
-                   f"takes {tp_comm_share(rows):.1%} of its stage time against "
-                   f"{k.tp_comm_share or 0.0:.1%}")
+        out.append(
+            f"{k.kind} runs {_tps(tps)} in the mixed plan against {_tps(base_tps)} "
+            f"alone (its best homogeneous plan: {k.plan_summary}), so TP communication "
+            f"takes {tp_comm_share(rows):.1%} of its stage time against "
+            f"{k.tp_comm_share or 0.0:.1%}"
+        )
     recomputed = sum(st.recompute for _, _, st in stages)
-    base_share = (sum(b.stages for b in blocks if b.recompute)
-                  / sum(b.stages for b in blocks))
+    base_share = sum(b.stages for b in blocks if b.recompute) / sum(b.stages for b in blocks)
     if recomputed / len(stages) < base_share:
         alone = "" if base_share == 1 else f" on {base_share:.0%} of its stages"
-        mixed = ("does not" if recomputed == 0
-                 else f"does on {recomputed} of its {len(stages)} stages")
-        out.append(f"{k.kind} alone recomputes activations{alone} to fit its memory; in the "
-                   f"mixed plan it {mixed}")
+        mixed = (
+            "does not" if recomputed == 0 else f"does on {recomputed} of its {len(stages)} stages"
+        )
+        out.append(
+            f"{k.kind} alone recomputes activations{alone} to fit its memory; in the "
+            f"mixed plan it {mixed}"
+        )
     if result.plan.micro_batch_size > k.layout.micro_batch_size:
-        out.append(f"the mixed plan runs micro-batch {result.plan.micro_batch_size} against "
-                   f"{k.layout.micro_batch_size} for {k.kind} alone")
+        out.append(
+            f"the mixed plan runs micro-batch {result.plan.micro_batch_size} against "
+            f"{k.layout.micro_batch_size} for {k.kind} alone"
+        )
     return out
 
 
@@ -112,17 +148,21 @@ def _schedule_reasons(result: SearchResult, k: KindBaseline) -> list[str]:
         m = "/".join(str(n) for n in sorted({q.micro_batches for q in plan.pipelines}))
         v = max(q.num_chunks for q in plan.pipelines)
         chunks = f", {v} chunks per device group" if v > 1 else ""
-        out.append(f"the mixed {pp}-stage pipeline ({m} micro-batches{chunks}) idles "
-                   f"{p.bubble_fraction:.1%} in its bubble against {k.bubble_fraction:.1%} "
-                   f"for {k.kind} alone ({k.plan_summary})")
+        out.append(
+            f"the mixed {pp}-stage pipeline ({m} micro-batches{chunks}) idles "
+            f"{p.bubble_fraction:.1%} in its bubble against {k.bubble_fraction:.1%} "
+            f"for {k.kind} alone ({k.plan_summary})"
+        )
     mixed_sync = p.dp_sync_s / p.iteration_time_s
     if k.dp_sync_share is not None and mixed_sync < k.dp_sync_share - SHARE_MARGIN:
-        out.append(f"DP sync takes {mixed_sync:.1%} of the mixed iteration (dp={plan.dp_size}) "
-                   f"against {k.dp_sync_share:.1%} for {k.kind} alone (dp={k.layout.dp})")
+        out.append(
+            f"DP sync takes {mixed_sync:.1%} of the mixed iteration (dp={plan.dp_size}) "
+            f"against {k.dp_sync_share:.1%} for {k.kind} alone (dp={k.layout.dp})"
+        )
     return out
 
 
-def why_above_baseline(result: SearchResult) -> Optional[str]:
+def why_above_baseline(result: SearchResult) -> str | None:
     """One line on why the efficiency exceeds 1 (None when it does not, or without a
     baseline): per kind, how its place in the mixed plan differs from its best plan alone."""
     efficiency = result.efficiency
@@ -133,11 +173,19 @@ def why_above_baseline(result: SearchResult) -> Optional[str]:
         if k.layout is not None:
             reasons += _kind_reasons(result, k) + _schedule_reasons(result, k)
     if not reasons:
-        reasons = ["every kind keeps the TP degree, recompute and micro-batch size of its best "
-                   "plan alone and no bubble or DP-sync share is smaller; the difference lies in "
-                   "the layer split and the transfers between stages"]
+        reasons = [
+            "every kind keeps the TP degree, recompute and micro-batch size of its best "
+            "plan alone and no bubble or DP-sync share is smaller; the difference lies in "
+            "the layer split and the transfers between stages"
+        ]
     return f"above 1 ({efficiency:.4f}): " + "; ".join(reasons)
 
 
-__all__ = ["ABOVE_ONE", "SHARE_MARGIN", "homogeneous_baseline", "kind_subcluster",
-           "tp_comm_share", "why_above_baseline"]
+__all__ = [
+    "ABOVE_ONE",
+    "SHARE_MARGIN",
+    "homogeneous_baseline",
+    "kind_subcluster",
+    "tp_comm_share",
+    "why_above_baseline",
+]

@@ -9,11 +9,12 @@ end-stage memory only add bytes, a layout's closed-form iteration time is at lea
 on every stage. The search probes layouts in order of the time bound and stops where the bound
 passes the best times found.
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
@@ -21,8 +22,12 @@ from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Profile, SimulationCache, predict
 from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
-from megatron_het.perf.memory import (RESERVED_FRACTION, device_capacity_bytes,
-                                      in_flight_micro_batches, layer_parameters)
+from megatron_het.perf.memory import (
+    RESERVED_FRACTION,
+    device_capacity_bytes,
+    in_flight_micro_batches,
+    layer_parameters,
+)
 from megatron_het.pipeline.schedules import interleaved_warmup
 from megatron_het.planner.space import KindBlock, Layout, Placement
 
@@ -40,25 +45,33 @@ class LayerCost:
     usable_bytes: float
 
     def bytes_per_layer(self, zero1_dp: int, in_flight: int) -> float:
-        return (self.static_bytes + self.optimizer_bytes / zero1_dp
-                + self.activation_bytes * in_flight)
+        return (
+            self.static_bytes + self.optimizer_bytes / zero1_dp + self.activation_bytes * in_flight
+        )
 
 
 class KindCosts:
     """:class:`LayerCost` per (kind, tp, micro-batch size, recompute), predicted on demand
     (``fused_elementwise``: as :func:`~megatron_het.perf.predict` prices the layers)."""
 
-    def __init__(self, model: ModelConfig, cluster: ClusterSpec, placement: Placement,
-                 seq_length: int, profiles: Optional[Mapping[str, Profile]], dtype: str,
-                 cache: SimulationCache, fused_elementwise: bool = True) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        cluster: ClusterSpec,
+        placement: Placement,
+        seq_length: int,
+        profiles: Mapping[str, Profile] | None,
+        dtype: str,
+        cache: SimulationCache,
+        fused_elementwise: bool = True,
+    ) -> None:
         self.model, self.cluster, self.placement = model, cluster, placement
         self.seq, self.profiles, self.dtype, self.cache = seq_length, profiles, dtype, cache
         self.fused_elementwise = fused_elementwise
         self._costs: dict[tuple[str, int, int, bool, bool], LayerCost] = {}
         self._syncs: dict[tuple[str, int, int, bool], float] = {}
 
-    def sync_per_layer(self, block: KindBlock, dp: int, zero1: bool,
-                       comm: CommCost) -> float:
+    def sync_per_layer(self, block: KindBlock, dp: int, zero1: bool, comm: CommCost) -> float:
         """The least DP sync seconds one more decoder layer adds to a stage of ``block`` with
         ``dp`` replicas (its gradients' ring all-reduce, or under ZeRO-1 reduce-scatter and
         parameter all-gather, as :class:`~megatron_het.perf.dp_sync.DPSync` prices them):
@@ -76,59 +89,80 @@ class KindCosts:
         slopes = []
         for offset in sorted({0, block.tp * ((share // block.tp) // 2), share - block.tp}):
             group = [ranks[d * share + offset] for d in range(dp)]
-            one, two = (comm.dp_sync(group, n * params * FP32_BYTES,
-                                     n * params * element if zero1 else None).time_s
-                        for n in (1, 2))
+            one, two = (
+                comm.dp_sync(
+                    group, n * params * FP32_BYTES, n * params * element if zero1 else None
+                ).time_s
+                for n in (1, 2)
+            )
             slopes.append(two - one)
         return max(0.0, min(slopes))
 
-    def get(self, block: KindBlock, micro_batch_size: int,
-            sequence_parallel: bool = False) -> LayerCost:
+    def get(
+        self, block: KindBlock, micro_batch_size: int, sequence_parallel: bool = False
+    ) -> LayerCost:
         sp = sequence_parallel and block.tp > 1
         key = (block.kind, block.tp, micro_batch_size, block.recompute, sp)
         if key not in self._costs:
             self._costs[key] = self._probe(block, micro_batch_size, sp)
         return self._costs[key]
 
-    def _probe(self, block: KindBlock, micro_batch_size: int,
-               sequence_parallel: bool) -> LayerCost:
-        ranks = tuple(self.placement.ranks_of[block.kind][:block.tp])
+    def _probe(self, block: KindBlock, micro_batch_size: int, sequence_parallel: bool) -> LayerCost:
+        ranks = tuple(self.placement.ranks_of[block.kind][: block.tp])
         rows = []
         for layers in (1, 2):
             stage = StagePlan(block.kind, block.tp, (0, layers), ranks, recompute=block.recompute)
-            plan = ParallelPlan(micro_batch_size, (PipelinePlan(1, (stage,)),), self.dtype,
-                                use_distributed_optimizer=False,
-                                sequence_parallel=sequence_parallel or None,
-                                tp_comm_overlap=sequence_parallel or None)
-            rows.append(predict(self.model, plan, self.cluster, self.seq, self.profiles,
-                                self.dtype, pipeline_model="closed_form", cache=self.cache,
-                                validate=False,
-                                fused_elementwise=self.fused_elementwise).stages[0])
+            plan = ParallelPlan(
+                micro_batch_size,
+                (PipelinePlan(1, (stage,)),),
+                self.dtype,
+                use_distributed_optimizer=False,
+                sequence_parallel=sequence_parallel or None,
+                tp_comm_overlap=sequence_parallel or None,
+            )
+            rows.append(
+                predict(
+                    self.model,
+                    plan,
+                    self.cluster,
+                    self.seq,
+                    self.profiles,
+                    self.dtype,
+                    pipeline_model="closed_form",
+                    cache=self.cache,
+                    validate=False,
+                    fused_elementwise=self.fused_elementwise,
+                ).stages[0]
+            )
         one, two = rows
         spec = self.cluster.accelerator_of(ranks[0])
         return LayerCost(
             seconds=(two.forward_s + two.backward_s) - (one.forward_s + one.backward_s),
-            static_bytes=(two.memory.weights_bytes + two.memory.grads_bytes
-                          - one.memory.weights_bytes - one.memory.grads_bytes),
+            static_bytes=(
+                two.memory.weights_bytes
+                + two.memory.grads_bytes
+                - one.memory.weights_bytes
+                - one.memory.grads_bytes
+            ),
             optimizer_bytes=two.memory.optimizer_bytes - one.memory.optimizer_bytes,
             activation_bytes=two.memory.activation_bytes - one.memory.activation_bytes,
-            usable_bytes=device_capacity_bytes(spec) * (1.0 - RESERVED_FRACTION))
+            usable_bytes=device_capacity_bytes(spec) * (1.0 - RESERVED_FRACTION),
+        )
 
 
-def sync_lower_bound(layout: Layout, costs: KindCosts, num_layers: int,
-                     comm: CommCost) -> float:
+def sync_lower_bound(layout: Layout, costs: KindCosts, num_layers: int, comm: CommCost) -> float:
     """No split of ``layout`` syncs its gradients faster than this: with ``c_s`` the sync
     seconds per layer of stage s, ``max_s c_s l_s >= L / sum_s (1 / c_s)`` (the intercepts, the
     embedding's and head's parameters only add)."""
-    slopes = [costs.sync_per_layer(b, layout.dp, layout.zero1, comm)
-              for b in layout.stage_kinds()]
+    slopes = [costs.sync_per_layer(b, layout.dp, layout.zero1, comm) for b in layout.stage_kinds()]
     if min(slopes) <= 0:
         return 0.0
     return num_layers / sum(1.0 / c for c in slopes)
 
 
-def time_lower_bound(layout: Layout, costs: KindCosts, num_layers: int,
-                     tight: bool = True) -> float:
+def time_lower_bound(
+    layout: Layout, costs: KindCosts, num_layers: int, tight: bool = True
+) -> float:
     """No split of ``layout`` has a closed-form iteration time below this.
 
     With per-layer stage work ``w_s`` and no fixed costs, the 1F1B time of a split ``l`` is
@@ -142,17 +176,22 @@ def time_lower_bound(layout: Layout, costs: KindCosts, num_layers: int,
     (:func:`capped_bottleneck`: interleaving's warm-up holds many chunks, so memory often
     decides the split there).
     """
-    work = [costs.get(b, layout.micro_batch_size, layout.sequence_parallel).seconds
-            for b in layout.stage_kinds()]
+    work = [
+        costs.get(b, layout.micro_batch_size, layout.sequence_parallel).seconds
+        for b in layout.stage_kinds()
+    ]
     if min(work) <= 0:
         return 0.0
     bottleneck = num_layers / sum(1.0 / w for w in work)
     if layout.num_chunks > 1:  # plus the fill: the other groups' work at a chunk's pace
         if tight:
-            bottleneck = max(bottleneck, capped_bottleneck(work, _layer_room(layout, costs),
-                                                           num_layers))
-        return (layout.micro_batches * bottleneck
-                + max(0.0, num_layers * min(work) - bottleneck) / layout.num_chunks)
+            bottleneck = max(
+                bottleneck, capped_bottleneck(work, _layer_room(layout, costs), num_layers)
+            )
+        return (
+            layout.micro_batches * bottleneck
+            + max(0.0, num_layers * min(work) - bottleneck) / layout.num_chunks
+        )
     if tight and num_layers >= len(work):
         return fill_and_cycles_bound(work, num_layers, layout.micro_batches)
     return num_layers * min(work) + (layout.micro_batches - 1) * bottleneck
@@ -246,5 +285,13 @@ def memory_pressure(layout: Layout, costs: KindCosts, num_layers: int) -> float:
     return max(num_layers / sum(room), max(1.0 / r for r in room))
 
 
-__all__ = ["KindCosts", "LayerCost", "fill_and_cycles_bound", "memory_feasible",
-           "memory_pressure", "sync_lower_bound", "time_lower_bound", "capped_bottleneck"]
+__all__ = [
+    "KindCosts",
+    "LayerCost",
+    "fill_and_cycles_bound",
+    "memory_feasible",
+    "memory_pressure",
+    "sync_lower_bound",
+    "time_lower_bound",
+    "capped_bottleneck",
+]

@@ -21,10 +21,12 @@ than 1/tp of its tp=1 entry.
 It takes a few stage computes per kind (milliseconds), so the planner computes it always; the
 homogeneous baseline (:mod:`megatron_het.planner.baseline`) needs a search per kind.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from megatron_het.cluster import AcceleratorSpec, ClusterSpec
 from megatron_het.config import ModelConfig
@@ -75,28 +77,53 @@ class Ceiling:
         return next(k for k in self.kinds if k.kind == name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tokens_per_s": self.tokens_per_s, "memory": "ignored",
-                "kinds": [{"kind": k.kind, "devices": k.devices,
-                           "seconds_per_token": k.seconds_per_token,
-                           "tokens_per_s_per_device": k.tokens_per_s_per_device,
-                           "micro_batch_size": k.micro_batch_size, "source": k.source}
-                          for k in self.kinds]}
+        return {
+            "tokens_per_s": self.tokens_per_s,
+            "memory": "ignored",
+            "kinds": [
+                {
+                    "kind": k.kind,
+                    "devices": k.devices,
+                    "seconds_per_token": k.seconds_per_token,
+                    "tokens_per_s_per_device": k.tokens_per_s_per_device,
+                    "micro_batch_size": k.micro_batch_size,
+                    "source": k.source,
+                }
+                for k in self.kinds
+            ],
+        }
 
 
-def kind_seconds_per_token(model: ModelConfig, spec: AcceleratorSpec, seq_length: int,
-                           sizes: list[int], profiles: Optional[Mapping[str, Profile]] = None,
-                           dtype: str = "bf16", efficiency: Optional[Efficiency] = None,
-                           fused_elementwise: bool = True) -> tuple[float, int, str]:
+def kind_seconds_per_token(
+    model: ModelConfig,
+    spec: AcceleratorSpec,
+    seq_length: int,
+    sizes: list[int],
+    profiles: Mapping[str, Profile] | None = None,
+    dtype: str = "bf16",
+    efficiency: Efficiency | None = None,
+    fused_elementwise: bool = True,
+) -> tuple[float, int, str]:
     """(seconds per token, micro-batch size, source) of the fastest of ``sizes`` for the whole
     model's forward + backward on one device of ``spec`` (tp=1, no recompute; its layers
     priced eager where ``fused_elementwise`` is False, as :func:`~megatron_het.perf.predict`
     prices them)."""
     choice = choose_profile(spec, profiles)
-    best: Optional[tuple[float, int, str]] = None
+    best: tuple[float, int, str] | None = None
     for mbs in sizes:
-        compute = stage_compute(model, spec, LayerShape.of(model, seq_length, mbs, 1),
-                                model.num_layers, True, True, 0, dtype, choice, efficiency,
-                                fused_elementwise=fused_elementwise)
+        compute = stage_compute(
+            model,
+            spec,
+            LayerShape.of(model, seq_length, mbs, 1),
+            model.num_layers,
+            True,
+            True,
+            0,
+            dtype,
+            choice,
+            efficiency,
+            fused_elementwise=fused_elementwise,
+        )
         per_token = (compute.forward_s + compute.backward_s) / (mbs * seq_length)
         if best is None or per_token < best[0]:
             best = (per_token, mbs, compute.source)
@@ -104,11 +131,18 @@ def kind_seconds_per_token(model: ModelConfig, spec: AcceleratorSpec, seq_length
     return best
 
 
-def compute_ceiling(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int,
-                    seq_length: int, profiles: Optional[Mapping[str, Profile]] = None,
-                    dtype: str = "bf16", *, max_micro_batch_size: int = MAX_MICRO_BATCH_SIZE,
-                    efficiency: Optional[Efficiency] = None,
-                    fused_elementwise: bool = True) -> Ceiling:
+def compute_ceiling(
+    model: ModelConfig,
+    cluster: ClusterSpec,
+    global_batch_size: int,
+    seq_length: int,
+    profiles: Mapping[str, Profile] | None = None,
+    dtype: str = "bf16",
+    *,
+    max_micro_batch_size: int = MAX_MICRO_BATCH_SIZE,
+    efficiency: Efficiency | None = None,
+    fused_elementwise: bool = True,
+) -> Ceiling:
     """The compute ceiling of ``cluster`` for ``model`` (see the module docstring).
 
     Micro-batch sizes tried: those the planner may use for ``global_batch_size`` (divisors up
@@ -117,20 +151,27 @@ def compute_ceiling(model: ModelConfig, cluster: ClusterSpec, global_batch_size:
     default, is each kind's calibrated figures (:mod:`megatron_het.perf.calibration`), and
     ``fused_elementwise`` too (False: the layers of a run without ``--compile``)."""
     if global_batch_size < 1 or seq_length < 1:
-        raise UserError(f"--global-batch-size ({global_batch_size}) and --seq-length "
-                        f"({seq_length}) must be at least 1")
+        raise UserError(
+            f"--global-batch-size ({global_batch_size}) and --seq-length "
+            f"({seq_length}) must be at least 1"
+        )
     sizes = micro_batch_sizes(global_batch_size, 1, max_micro_batch_size)
     specs: dict[str, AcceleratorSpec] = {}
     for info in cluster.rank_map():
         specs.setdefault(info.accelerator.name, info.accelerator)
     kinds = []
     for kind, devices in cluster.accelerator_counts().items():
-        seconds, mbs, source = kind_seconds_per_token(model, specs[kind], seq_length, sizes,
-                                                      profiles, dtype, efficiency,
-                                                      fused_elementwise)
+        seconds, mbs, source = kind_seconds_per_token(
+            model, specs[kind], seq_length, sizes, profiles, dtype, efficiency, fused_elementwise
+        )
         kinds.append(KindCeiling(kind, devices, seconds, mbs, source))
     return Ceiling(tuple(kinds))
 
 
-__all__ = ["MAX_MICRO_BATCH_SIZE", "Ceiling", "KindCeiling", "compute_ceiling",
-           "kind_seconds_per_token"]
+__all__ = [
+    "MAX_MICRO_BATCH_SIZE",
+    "Ceiling",
+    "KindCeiling",
+    "compute_ceiling",
+    "kind_seconds_per_token",
+]

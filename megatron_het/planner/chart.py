@@ -10,10 +10,11 @@
   accelerator kinds; a cell's colour and number are the stage its device runs (the same in every
   DP replica), the strip under it is the device's kind.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.perf import Prediction, StagePrediction
@@ -28,15 +29,27 @@ if TYPE_CHECKING:
 
 # Accelerator kinds (timeline bars, allocation strips) and stages (allocation cells).
 KIND_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
-STAGE_COLORS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2", "#edc948",
-                "#ff9da7", "#9c755f", "#bab0ac", "#86bcb6", "#d4a6c8")
+STAGE_COLORS = (
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#e15759",
+    "#b07aa1",
+    "#76b7b2",
+    "#edc948",
+    "#ff9da7",
+    "#9c755f",
+    "#bab0ac",
+    "#86bcb6",
+    "#d4a6c8",
+)
 P2P, SYNC, OPT, IDLE = "#9e9e9e", "#555555", "#000000", "#dddddd"
 WIDTH_IN = 12.0
 CELLS_PER_LINE = 64  # allocation: device cells per line of nodes before wrapping
 MICRO_BATCH_LABELS = 400  # number the forward bars (wide enough ones) up to this many
 
 
-def _figure(height_in: float) -> "Figure":
+def _figure(height_in: float) -> Figure:
     """A figure on the Agg canvas, outside pyplot (no global figure or backend state)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -46,7 +59,7 @@ def _figure(height_in: float) -> "Figure":
     return fig
 
 
-def _save(fig: "Figure", path: str | Path) -> Path:
+def _save(fig: Figure, path: str | Path) -> Path:
     out = Path(path)
     fig.savefig(out, format="png")
     return out
@@ -71,20 +84,24 @@ def _kind_colors(prediction: Prediction, more: tuple[str, ...] = ()) -> dict[str
     return {k: KIND_COLORS[i % len(KIND_COLORS)] for i, k in enumerate(kinds)}
 
 
-def timeline_title(prediction: Prediction, result: Optional[SearchResult] = None) -> str:
+def timeline_title(prediction: Prediction, result: SearchResult | None = None) -> str:
     """The timeline's default title; with ``result``, a second line of its efficiencies."""
     interleaved = len({(r.pipeline, r.ranks) for r in prediction.stages}) < len(
-        prediction.stages)  # a device group runs several stages
+        prediction.stages
+    )  # a device group runs several stages
     schedule = "interleaved 1F1B" if interleaved else "1F1B"
-    title = (f"predicted {schedule} timeline of {prediction.model}: iteration "
-             f"{prediction.iteration_time_s:.3f} s, bubble {100 * prediction.bubble_fraction:.1f}%,"
-             f" {prediction.tokens_per_s:,.0f} tokens/s")
+    title = (
+        f"predicted {schedule} timeline of {prediction.model}: iteration "
+        f"{prediction.iteration_time_s:.3f} s, bubble {100 * prediction.bubble_fraction:.1f}%,"
+        f" {prediction.tokens_per_s:,.0f} tokens/s"
+    )
     line = None if result is None else efficiency_line(result, explain=False)
     return title if line is None else f"{title}\n{line}"
 
 
-def draw_timeline(ax: "Axes", prediction: Prediction, title: Optional[str] = None,
-                  result: Optional[SearchResult] = None) -> None:
+def draw_timeline(
+    ax: Axes, prediction: Prediction, title: str | None = None, result: SearchResult | None = None
+) -> None:
     """Draw the 1F1B timeline of the slowest pipeline on ``ax`` (see the module docstring);
     ``title`` replaces :func:`timeline_title` (of ``result``'s figures where given)."""
     from matplotlib.patches import Patch
@@ -95,29 +112,54 @@ def draw_timeline(ax: "Axes", prediction: Prediction, title: Optional[str] = Non
     # One bar per device group: an interleaved group runs several rows' chunks.
     num_groups = len(dict.fromkeys(r.ranks for r in rows))
     chunks = len(rows) // num_groups
-    schedule = build_schedule("1f1b", num_groups, micro_batches, num_chunks=chunks,
-                              overlap_p2p=prediction.overlap_p2p_comm)  # as predicted
-    sim = simulate(schedule, [r.forward_s for r in rows], [r.backward_s for r in rows],
-                   [r.p2p_forward_s for r in rows[:-1]], [r.p2p_backward_s for r in rows[:-1]])
+    schedule = build_schedule(
+        "1f1b",
+        num_groups,
+        micro_batches,
+        num_chunks=chunks,
+        overlap_p2p=prediction.overlap_p2p_comm,
+    )  # as predicted
+    sim = simulate(
+        schedule,
+        [r.forward_s for r in rows],
+        [r.backward_s for r in rows],
+        [r.p2p_forward_s for r in rows[:-1]],
+        [r.p2p_backward_s for r in rows[:-1]],
+    )
     total_s = sim.makespan_s + prediction.dp_sync_s + prediction.optimizer_s
     numbered = len(rows) * micro_batches <= MICRO_BATCH_LABELS
-    labels = [f"S{r.stage} {r.accelerator} TP{r.tp} L{r.layers[0]}-{r.layers[1]}"
-              + (f" +{chunks - 1} chunks" if chunks > 1 else "") for r in rows[:num_groups]]
+    labels = [
+        f"S{r.stage} {r.accelerator} TP{r.tp} L{r.layers[0]}-{r.layers[1]}"
+        + (f" +{chunks - 1} chunks" if chunks > 1 else "")
+        for r in rows[:num_groups]
+    ]
     rows = rows[:num_groups]  # stage g < num_groups is device group g's first chunk
     for s, row in enumerate(rows):
         spans: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": [], "p2p": []}
         for e in sim.timeline[s]:
             spans[e.kind if e.kind in spans else "p2p"].append((e.start_s, e.end_s - e.start_s))
             if numbered and e.kind == "forward" and e.end_s - e.start_s > 0.015 * total_s:
-                ax.text(e.start_s + (e.end_s - e.start_s) / 2, s, str(e.micro_batch),
-                        ha="center", va="center", fontsize=6, clip_on=True)
+                ax.text(
+                    e.start_s + (e.end_s - e.start_s) / 2,
+                    s,
+                    str(e.micro_batch),
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    clip_on=True,
+                )
         base = colors[row.accelerator]
         ax.broken_barh(spans["forward"], (s - 0.4, 0.8), facecolors=_lighter(base))
         ax.broken_barh(spans["backward"], (s - 0.4, 0.8), facecolors=base)
         ax.broken_barh(spans["p2p"], (s + 0.25, 0.15), facecolors=P2P)
-        ax.broken_barh([(sim.makespan_s, row.dp_sync_s),
-                        (sim.makespan_s + prediction.dp_sync_s, row.optimizer_s)],
-                       (s - 0.4, 0.8), facecolors=(SYNC, OPT))
+        ax.broken_barh(
+            [
+                (sim.makespan_s, row.dp_sync_s),
+                (sim.makespan_s + prediction.dp_sync_s, row.optimizer_s),
+            ],
+            (s - 0.4, 0.8),
+            facecolors=(SYNC, OPT),
+        )
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # stage 0 on top
     ax.set_xlim(0, total_s)
@@ -126,11 +168,14 @@ def draw_timeline(ax: "Axes", prediction: Prediction, title: Optional[str] = Non
     ax.set_title(title or timeline_title(prediction, result), fontsize=10)
     handles = [Patch(color=_lighter(c), label=f"forward {k}") for k, c in colors.items()]
     handles += [Patch(color=c, label=f"backward {k}") for k, c in colors.items()]
-    handles += [Patch(color=P2P, label="p2p"),
-                Patch(color=SYNC, label=f"DP sync {prediction.dp_sync_s:.3f} s"),
-                Patch(color=OPT, label=f"optimizer {prediction.optimizer_s:.3f} s")]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
-              frameon=False)
+    handles += [
+        Patch(color=P2P, label="p2p"),
+        Patch(color=SYNC, label=f"DP sync {prediction.dp_sync_s:.3f} s"),
+        Patch(color=OPT, label=f"optimizer {prediction.optimizer_s:.3f} s"),
+    ]
+    ax.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False
+    )
 
 
 def _allocation_grid(cluster: ClusterSpec) -> tuple[int, int, float, float]:
@@ -141,8 +186,12 @@ def _allocation_grid(cluster: ClusterSpec) -> tuple[int, int, float, float]:
     return per_line, lines, max(per_line * (widest + 1), 16), lines * 2.2 + 0.8
 
 
-def draw_allocation(ax: "Axes", prediction: Prediction, cluster: ClusterSpec,
-                    title: str = "allocation: devices by node") -> None:
+def draw_allocation(
+    ax: Axes,
+    prediction: Prediction,
+    cluster: ClusterSpec,
+    title: str = "allocation: devices by node",
+) -> None:
     """Draw every node's devices on ``ax``: cell colour and number = stage, strip = kind."""
     from matplotlib.collections import PatchCollection
     from matplotlib.colors import to_rgb
@@ -161,8 +210,9 @@ def draw_allocation(ax: "Axes", prediction: Prediction, cluster: ClusterSpec,
     cell_colors, strip_colors = [], []
     for i, node in enumerate(nodes):
         x0, y0 = (i % per_line) * (widest + 1), (i // per_line) * 2.2
-        node_kinds = " + ".join(dict.fromkeys(kinds[r] for r in range(
-            node.first_rank, node.first_rank + node.nproc)))
+        node_kinds = " + ".join(
+            dict.fromkeys(kinds[r] for r in range(node.first_rank, node.first_rank + node.nproc))
+        )
         ax.text(x0, y0 - 0.15, f"node {node.node}: {node_kinds}", fontsize=6, va="bottom")
         for j in range(node.nproc):
             rank = node.first_rank + j
@@ -173,8 +223,15 @@ def draw_allocation(ax: "Axes", prediction: Prediction, cluster: ClusterSpec,
             strips.append(Rectangle((x0 + j, y0 + 1.05), 0.92, 0.3))
             strip_colors.append(colors[kinds[rank]])
             dark = sum(to_rgb(face)) < 1.5
-            ax.text(x0 + j + 0.46, y0 + 0.5, "-" if stage is None else str(stage),
-                    ha="center", va="center", fontsize=6, color="white" if dark else "black")
+            ax.text(
+                x0 + j + 0.46,
+                y0 + 0.5,
+                "-" if stage is None else str(stage),
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white" if dark else "black",
+            )
     ax.add_collection(PatchCollection(cells, facecolors=cell_colors, edgecolors="none"))
     ax.add_collection(PatchCollection(strips, facecolors=strip_colors, edgecolors="none"))
     ax.set_xlim(-0.2, width - 0.2)
@@ -182,14 +239,23 @@ def draw_allocation(ax: "Axes", prediction: Prediction, cluster: ClusterSpec,
     ax.set_aspect("equal")
     ax.set_anchor("W")
     ax.axis("off")
-    ax.set_title(f"{title} (cell: stage it runs, in every DP replica; strip: accelerator kind)",
-                 fontsize=10, loc="left")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False, title="kind",
-              title_fontsize=8)
+    ax.set_title(
+        f"{title} (cell: stage it runs, in every DP replica; strip: accelerator kind)",
+        fontsize=10,
+        loc="left",
+    )
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in colors.items()],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        frameon=False,
+        title="kind",
+        title_fontsize=8,
+    )
 
 
-def _timeline_height(prediction: Prediction, result: Optional[SearchResult] = None) -> float:
+def _timeline_height(prediction: Prediction, result: SearchResult | None = None) -> float:
     title_lines = timeline_title(prediction, result).count("\n") + 1
     return 1.6 + 0.2 * title_lines + 0.32 * len(_slowest_rows(prediction)[0])
 
@@ -200,8 +266,12 @@ def _allocation_height(cluster: ClusterSpec) -> float:
     return 0.9 + (WIDTH_IN - 3.6) * height / width
 
 
-def save_timeline_chart(prediction: Prediction, path: str | Path, title: Optional[str] = None,
-                        result: Optional[SearchResult] = None) -> Path:
+def save_timeline_chart(
+    prediction: Prediction,
+    path: str | Path,
+    title: str | None = None,
+    result: SearchResult | None = None,
+) -> Path:
     """Write the 1F1B timeline of ``prediction`` alone as a PNG at ``path`` (overwrites);
     ``result``: the search result whose efficiencies the title gives."""
     fig = _figure(_timeline_height(prediction, None if title else result))
@@ -209,16 +279,19 @@ def save_timeline_chart(prediction: Prediction, path: str | Path, title: Optiona
     return _save(fig, path)
 
 
-def save_allocation_chart(prediction: Prediction, cluster: ClusterSpec,
-                          path: str | Path) -> Path:
+def save_allocation_chart(prediction: Prediction, cluster: ClusterSpec, path: str | Path) -> Path:
     """Write the allocation of ``prediction``'s plan on ``cluster`` alone as a PNG at ``path``."""
     fig = _figure(_allocation_height(cluster))
     draw_allocation(fig.add_subplot(), prediction, cluster)
     return _save(fig, path)
 
 
-def save_chart(prediction: Prediction, cluster: ClusterSpec, path: str | Path,
-               result: Optional[SearchResult] = None) -> Path:
+def save_chart(
+    prediction: Prediction,
+    cluster: ClusterSpec,
+    path: str | Path,
+    result: SearchResult | None = None,
+) -> Path:
     """Write the timeline above the allocation as one PNG at ``path`` (``tools/plan.py
     --chart``; overwrites); ``result``: the search result whose efficiencies the timeline's
     title gives."""
@@ -230,5 +303,13 @@ def save_chart(prediction: Prediction, cluster: ClusterSpec, path: str | Path,
     return _save(fig, path)
 
 
-__all__ = ["KIND_COLORS", "STAGE_COLORS", "draw_allocation", "draw_timeline",
-           "save_allocation_chart", "save_chart", "save_timeline_chart", "timeline_title"]
+__all__ = [
+    "KIND_COLORS",
+    "STAGE_COLORS",
+    "draw_allocation",
+    "draw_timeline",
+    "save_allocation_chart",
+    "save_chart",
+    "save_timeline_chart",
+    "timeline_title",
+]

@@ -10,10 +10,11 @@ iteration time most while the plan still fits, and repeat while a move gains at 
 :data:`MIN_GAIN` of the iteration (finer gains are below what the predictor resolves, and a
 round of moves costs ``chunks x (chunks - 1)`` predictions).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Prediction
@@ -29,26 +30,38 @@ def with_chunk_sizes(plan: ParallelPlan, sizes: list[int]) -> ParallelPlan:
     for pipeline in plan.pipelines:
         stages, start = [], 0
         for stage, size in zip(pipeline.stages, sizes):
-            stages.append(StagePlan.trusted(stage.accelerator, stage.tp, (start, start + size),
-                                            stage.ranks, stage.has_embedding, stage.has_head,
-                                            stage.recompute,
-                                            None if stage.recompute_num_layers is None
-                                            else min(stage.recompute_num_layers, size)))
+            stages.append(
+                StagePlan.trusted(
+                    stage.accelerator,
+                    stage.tp,
+                    (start, start + size),
+                    stage.ranks,
+                    stage.has_embedding,
+                    stage.has_head,
+                    stage.recompute,
+                    None
+                    if stage.recompute_num_layers is None
+                    else min(stage.recompute_num_layers, size),
+                )
+            )
             start += size
         pipelines.append(PipelinePlan.trusted(pipeline.micro_batches, tuple(stages)))
     return dataclasses.replace(plan, pipelines=tuple(pipelines))
 
 
-def polish_chunks(plan: ParallelPlan, predict_plan: Callable[[ParallelPlan], Prediction],
-                  fits_plan: Callable[[Prediction], bool], prediction: Prediction,
-                  ) -> tuple[ParallelPlan, Prediction]:
+def polish_chunks(
+    plan: ParallelPlan,
+    predict_plan: Callable[[ParallelPlan], Prediction],
+    fits_plan: Callable[[Prediction], bool],
+    prediction: Prediction,
+) -> tuple[ParallelPlan, Prediction]:
     """The plan reached from ``plan`` (its ``prediction``) by single-layer moves between
     chunks while ``predict_plan``'s iteration time drops by :data:`MIN_GAIN` or more per move
     and ``fits_plan`` holds."""
     sizes = [stage.num_layers for stage in plan.pipelines[0].stages]
     best_plan, best = plan, prediction
     while True:
-        found: Optional[tuple[ParallelPlan, Prediction, list[int]]] = None
+        found: tuple[ParallelPlan, Prediction, list[int]] | None = None
         for i in range(len(sizes)):
             if sizes[i] == 1:
                 continue

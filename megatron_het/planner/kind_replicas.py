@@ -32,12 +32,13 @@ size (a "family"):
 4. the assembled plan is predicted in full (simulation, the cross-kind DP sync, memory) and
    returned as a candidate beside the identical-replica layouts'.
 """
+
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Optional, Sequence
 
 from megatron_het.cluster import ClusterSpec, kind_subcluster
 from megatron_het.config import ModelConfig
@@ -49,8 +50,13 @@ from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
 from megatron_het.perf.dp_sync import unit_parameters
 from megatron_het.perf.memory import layer_parameters
 from megatron_het.planner.bounds import KindCosts, memory_feasible, time_lower_bound
-from megatron_het.planner.space import (Layout, Placement, build_plan, micro_batch_sizes,
-                                        pipeline_shapes)
+from megatron_het.planner.space import (
+    Layout,
+    Placement,
+    build_plan,
+    micro_batch_sizes,
+    pipeline_shapes,
+)
 from megatron_het.planner.stage_model import Affine, StageModel, balance_layers, probe_stage_model
 
 # Bisection steps on the slowest replica's time (relative precision far below the predictor's).
@@ -95,15 +101,19 @@ class ReplicaLayout:
         return sum(part.layout.dp for part in self.parts)
 
     def describe(self) -> str:
-        kinds = " + ".join(f"{p.layout.dp}x [{_blocks(p.layout)}] m={p.layout.micro_batches}"
-                           for p in self.parts)
-        return (f"hetero-dp dp={self.dp} {kinds} mbs={self.micro_batch_size}"
-                f"{' zero1' if self.zero1 else ''}{' sp' if self.sequence_parallel else ''}")
+        kinds = " + ".join(
+            f"{p.layout.dp}x [{_blocks(p.layout)}] m={p.layout.micro_batches}" for p in self.parts
+        )
+        return (
+            f"hetero-dp dp={self.dp} {kinds} mbs={self.micro_batch_size}"
+            f"{' zero1' if self.zero1 else ''}{' sp' if self.sequence_parallel else ''}"
+        )
 
 
 def _blocks(layout: Layout) -> str:
-    return " -> ".join(f"{b.stages}x {b.kind} tp={b.tp}{' rc' if b.recompute else ''}"
-                       for b in layout.blocks)
+    return " -> ".join(
+        f"{b.stages}x {b.kind} tp={b.tp}{' rc' if b.recompute else ''}" for b in layout.blocks
+    )
 
 
 @dataclass(frozen=True)
@@ -117,8 +127,8 @@ class _Option:
     fixed: float
     per_micro_batch: float
     sync: float = 0.0
-    model: Optional[StageModel] = None
-    kind: Optional["_Kind"] = None
+    model: StageModel | None = None
+    kind: _Kind | None = None
 
     def most_micro_batches(self, budget: float) -> int:
         """The most micro-batches a replica runs within ``budget`` seconds (0: none)."""
@@ -128,27 +138,40 @@ class _Option:
 class _Kind:
     """One kind's devices as a cluster of their own, and the map of its ranks into the mix."""
 
-    def __init__(self, kind: str, cluster: ClusterSpec, placement: Placement,
-                 profiles: Optional[Mapping[str, Profile]]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        cluster: ClusterSpec,
+        placement: Placement,
+        profiles: Mapping[str, Profile] | None,
+    ) -> None:
         self.kind = kind
         self.cluster = kind_subcluster(cluster, kind)
         self.placement = Placement(self.cluster)
         self.comm = CommCost(self.cluster, profiles)
-        self._costs: Optional[KindCosts] = None
+        self._costs: KindCosts | None = None
         mine, mixed = self.placement.ranks_of[kind], placement.ranks_of[kind]
         self.rank_in_mix = dict(zip(mine, mixed))
         # a TP group is node-local alone iff it is in the mix: same-node neighbours agree
         self.consistent = len(mine) == len(mixed) and all(
             (self.placement.node_of[a] == self.placement.node_of[b])
             == (placement.node_of[c] == placement.node_of[d])
-            for a, b, c, d in zip(mine, mine[1:], mixed, mixed[1:]))
+            for a, b, c, d in zip(mine, mine[1:], mixed, mixed[1:])
+        )
 
-    def costs(self, search: "ReplicaSearch") -> KindCosts:
+    def costs(self, search: ReplicaSearch) -> KindCosts:
         """The per-layer costs of this kind's devices alone (built once)."""
         if self._costs is None:
-            self._costs = KindCosts(search.model, self.cluster, self.placement,
-                                    search.seq_length, search.profiles, search.dtype,
-                                    search.cache, search.fused_elementwise)
+            self._costs = KindCosts(
+                search.model,
+                self.cluster,
+                self.placement,
+                search.seq_length,
+                search.profiles,
+                search.dtype,
+                search.cache,
+                search.fused_elementwise,
+            )
         return self._costs
 
 
@@ -161,7 +184,7 @@ class ReplicaSearch:
     placement: Placement
     global_batch_size: int
     seq_length: int
-    profiles: Optional[Mapping[str, Profile]]
+    profiles: Mapping[str, Profile] | None
     dtype: str
     check_memory: bool
     cache: SimulationCache
@@ -170,8 +193,9 @@ class ReplicaSearch:
     probes: int = 0
     _kinds: list[_Kind] = field(default_factory=list)
 
-    def candidates(self, max_micro_batch_size: int, keep: int, beat: float = math.inf
-                   ) -> list[tuple[ReplicaLayout, ParallelPlan, Prediction, float]]:
+    def candidates(
+        self, max_micro_batch_size: int, keep: int, beat: float = math.inf
+    ) -> list[tuple[ReplicaLayout, ParallelPlan, Prediction, float]]:
         """The ``keep`` fastest heterogeneous-DP plans that fit, predicted in full:
         (layout, plan, simulated prediction, closed-form iteration seconds), fastest first.
         Settings and micro-batch sizes are tried by increasing lower bound until it passes
@@ -184,32 +208,52 @@ class ReplicaSearch:
             if built is None:
                 continue
             layout, plan = built
-            closed = predict(self.model, plan, self.cluster, self.seq_length, self.profiles,
-                             self.dtype, pipeline_model="closed_form", cache=self.cache,
-                             validate=False, comm=self.comm,
-                             fused_elementwise=self.fused_elementwise)
+            closed = predict(
+                self.model,
+                plan,
+                self.cluster,
+                self.seq_length,
+                self.profiles,
+                self.dtype,
+                pipeline_model="closed_form",
+                cache=self.cache,
+                validate=False,
+                comm=self.comm,
+                fused_elementwise=self.fused_elementwise,
+            )
             found.append((closed.iteration_time_s, layout, plan))
             found.sort(key=lambda item: item[0])
         out = []
         for closed, layout, plan in found[:keep]:
-            prediction = predict(self.model, plan, self.cluster, self.seq_length,
-                                 self.profiles, self.dtype, cache=self.cache, comm=self.comm,
-                                 validate=False, fused_elementwise=self.fused_elementwise)
+            prediction = predict(
+                self.model,
+                plan,
+                self.cluster,
+                self.seq_length,
+                self.profiles,
+                self.dtype,
+                cache=self.cache,
+                comm=self.comm,
+                validate=False,
+                fused_elementwise=self.fused_elementwise,
+            )
             if self.check_memory and not fits(prediction, self.cluster).ok:
                 continue
             out.append((layout, plan, prediction, closed))
         out.sort(key=lambda item: item[2].iteration_time_s)
         return out
 
-    def _families(self, max_micro_batch_size: int
-                  ) -> list[tuple[float, tuple[int, bool, bool, list[list[_Option]]]]]:
+    def _families(
+        self, max_micro_batch_size: int
+    ) -> list[tuple[float, tuple[int, bool, bool, list[list[_Option]]]]]:
         """Every (setting, micro-batch size) with its kinds' bounded layouts, by increasing
         lower bound on its time (none for a cluster of one kind, or whose kinds' devices do
         not keep their node grouping alone)."""
         if len(self.placement.kinds) < 2:
             return []
-        self._kinds = [_Kind(k, self.cluster, self.placement, self.profiles)
-                       for k in self.placement.kinds]
+        self._kinds = [
+            _Kind(k, self.cluster, self.placement, self.profiles) for k in self.placement.kinds
+        ]
         if not all(k.consistent for k in self._kinds):
             return []
         out = []
@@ -221,8 +265,9 @@ class ReplicaSearch:
                     continue
                 picks = shares_by_speed(bounded, total)
                 if picks is not None:  # the least pipeline time + the least any kind syncs
-                    bound = (max(o.fixed + o.per_micro_batch * m for o, m in picks)
-                             + max(min(o.sync for o in opts) for opts in bounded))
+                    bound = max(o.fixed + o.per_micro_batch * m for o, m in picks) + max(
+                        min(o.sync for o in opts) for opts in bounded
+                    )
                     out.append((bound, (mbs, zero1, sp, bounded)))
         out.sort(key=lambda item: item[0])
         return out
@@ -236,35 +281,57 @@ class ReplicaSearch:
         num_layers = self.model.num_layers
         out = []
         for dp, blocks in pipeline_shapes(self.model, kind.placement):
-            if sp and (not any(b.tp > 1 for b in blocks)
-                       or any(self.seq_length % b.tp for b in blocks)):
+            if sp and (
+                not any(b.tp > 1 for b in blocks) or any(self.seq_length % b.tp for b in blocks)
+            ):
                 continue
             for recompute in (False, True):
-                layout = Layout(dp, tuple(replace(b, recompute=recompute) for b in blocks),
-                                mbs, 1, zero1 and dp > 1, 1, sp)
+                layout = Layout(
+                    dp,
+                    tuple(replace(b, recompute=recompute) for b in blocks),
+                    mbs,
+                    1,
+                    zero1 and dp > 1,
+                    1,
+                    sp,
+                )
                 if self.check_memory and not memory_feasible(
-                        replace(layout, micro_batches=layout.num_stages), costs, num_layers):
+                    replace(layout, micro_batches=layout.num_stages), costs, num_layers
+                ):
                     continue
-                one, two = (time_lower_bound(replace(layout, micro_batches=m), costs,
-                                             num_layers, tight=False) for m in (1, 2))
-                out.append(_Option(layout, (), 2 * one - two, two - one,
-                                   self._sync_bound(kind, layout, zero1)))
+                one, two = (
+                    time_lower_bound(
+                        replace(layout, micro_batches=m), costs, num_layers, tight=False
+                    )
+                    for m in (1, 2)
+                )
+                out.append(
+                    _Option(
+                        layout, (), 2 * one - two, two - one, self._sync_bound(kind, layout, zero1)
+                    )
+                )
                 break
         return out
 
     def _sync_bound(self, kind: _Kind, layout: Layout, zero1: bool) -> float:
         """The least time the replica sums take on the stage with the most layers (at least
         ``L / stages``) of ``layout``: :meth:`_sync_estimate` of its decoder layers alone."""
-        return self._ring_sync(kind, layout, zero1, math.ceil(
-            self.model.num_layers / layout.num_stages) * layer_parameters(self.model, 1))
+        return self._ring_sync(
+            kind,
+            layout,
+            zero1,
+            math.ceil(self.model.num_layers / layout.num_stages) * layer_parameters(self.model, 1),
+        )
 
-    def _sync_estimate(self, kind: _Kind, layout: Layout, layers: Sequence[int],
-                       zero1: bool) -> float:
+    def _sync_estimate(
+        self, kind: _Kind, layout: Layout, layers: Sequence[int], zero1: bool
+    ) -> float:
         """The replica sums of the stage of ``layers`` with the most parameters (the
         embedding's and head's included), as :meth:`_ring_sync` prices them."""
-        params = max(n * layer_parameters(self.model, 1)
-                     + _fixed_parameters(self.model, s, len(layers))
-                     for s, n in enumerate(layers))
+        params = max(
+            n * layer_parameters(self.model, 1) + _fixed_parameters(self.model, s, len(layers))
+            for s, n in enumerate(layers)
+        )
         return self._ring_sync(kind, layout, zero1, params)
 
     def _ring_sync(self, kind: _Kind, layout: Layout, zero1: bool, params: float) -> float:
@@ -272,16 +339,20 @@ class ReplicaSearch:
         rows) over one rank of each of the kind's replicas and one of every other kind: fewer
         members than any real unit's holders."""
         share, tp = self.placement.count(kind.kind) // layout.dp, layout.blocks[0].tp
-        ring = [r for d in range(layout.dp)
-                for r in self.placement.ranks_of[kind.kind][d * share:d * share + tp]]
+        ring = [
+            r
+            for d in range(layout.dp)
+            for r in self.placement.ranks_of[kind.kind][d * share : d * share + tp]
+        ]
         ring += [self.placement.ranks_of[k][0] for k in self.placement.kinds if k != kind.kind]
         time = self.comm.dp_sync(ring, params * FP32_BYTES).time_s
         if zero1:  # the owners' updated rows, summed to every holder after the step
             time += self.comm.dp_sync(ring, params * DTYPE_BYTES[self.dtype]).time_s
         return time
 
-    def _allocate(self, mbs: int, zero1: bool, sp: bool, bounded: list[list[_Option]]
-                  ) -> Optional[tuple[ReplicaLayout, ParallelPlan]]:
+    def _allocate(
+        self, mbs: int, zero1: bool, sp: bool, bounded: list[list[_Option]]
+    ) -> tuple[ReplicaLayout, ParallelPlan] | None:
         """Probe each kind's most promising layouts (by their bound at the bound's shares),
         share the batch by their probed speeds, rebalance the chosen splits at their shares
         (twice) and build the plan."""
@@ -292,12 +363,16 @@ class ReplicaSearch:
         picks, options = found[0], []
         for kind, opts, (pick, m) in zip(self._kinds, bounded, picks):
             samples = pick.layout.dp * m  # the kind's share of the batch at the bound
+
             def share(o: _Option) -> int:
                 return max(1, math.ceil(samples / o.layout.dp))
+
             ranked = sorted(opts, key=lambda o: o.fixed + o.per_micro_batch * share(o) + o.sync)
-            probed = [self._rebalanced(p, share(p), zero1) for p in
-                      (self._probe(kind, o.layout, zero1) for o in ranked[:PROBED_LAYOUTS])
-                      if p is not None]
+            probed = [
+                self._rebalanced(p, share(p), zero1)
+                for p in (self._probe(kind, o.layout, zero1) for o in ranked[:PROBED_LAYOUTS])
+                if p is not None
+            ]
             if not probed:
                 return None
             options.append(probed)
@@ -310,37 +385,48 @@ class ReplicaSearch:
         if chosen is None:
             return None
         chosen = chosen[0]
-        parts = tuple(KindPart(k.kind, replace(o.layout, micro_batches=m), o.layers)
-                      for k, (o, m) in zip(self._kinds, chosen))
-        layout = ReplicaLayout(parts, mbs, zero1, sp and any(
-            b.tp > 1 for p in parts for b in p.layout.blocks))
+        parts = tuple(
+            KindPart(k.kind, replace(o.layout, micro_batches=m), o.layers)
+            for k, (o, m) in zip(self._kinds, chosen)
+        )
+        layout = ReplicaLayout(
+            parts, mbs, zero1, sp and any(b.tp > 1 for p in parts for b in p.layout.blocks)
+        )
         return layout, self._plan(layout)
 
-    def _probe(self, kind: _Kind, layout: Layout, zero1: bool) -> Optional[_Option]:
+    def _probe(self, kind: _Kind, layout: Layout, zero1: bool) -> _Option | None:
         """The layout's stage model (its memory with the replica buffers, at its most
         micro-batches in flight), balanced; with recompute when it does not fit without."""
-        recomputed = replace(layout, blocks=tuple(replace(b, recompute=True)
-                                                 for b in layout.blocks))
+        recomputed = replace(
+            layout, blocks=tuple(replace(b, recompute=True) for b in layout.blocks)
+        )
         for attempt in dict.fromkeys((layout, recomputed)):
             self.probes += 1
             attempt = replace(attempt, micro_batches=attempt.num_stages)
-            sm = probe_stage_model(self.model, attempt, kind.placement, kind.cluster,
-                                   self.seq_length, self.profiles, self.dtype, self.cache,
-                                   kind.comm, self.fused_elementwise)
+            sm = probe_stage_model(
+                self.model,
+                attempt,
+                kind.placement,
+                kind.cluster,
+                self.seq_length,
+                self.profiles,
+                self.dtype,
+                self.cache,
+                kind.comm,
+                self.fused_elementwise,
+            )
             sm = _with_replica_buffers(sm, self.model)
             layers = balance_layers(sm, self.model.num_layers, check_memory=self.check_memory)
             if layers is not None:
                 return self._line(kind, sm, layers, zero1)
         return None
 
-    def _line(self, kind: _Kind, sm: StageModel, layers: Sequence[int],
-              zero1: bool) -> _Option:
+    def _line(self, kind: _Kind, sm: StageModel, layers: Sequence[int], zero1: bool) -> _Option:
         """The option of a probed layout with split ``layers``: its closed-form pipeline +
         optimizer time at 1 and 2 micro-batches, plus its sync estimate."""
         at = [sm_at(sm, m).iteration_time(layers) for m in (1, 2)]
         sync = self._sync_estimate(kind, sm.layout, layers, zero1)
-        return _Option(sm.layout, tuple(layers), 2 * at[0] - at[1], at[1] - at[0], sync,
-                       sm, kind)
+        return _Option(sm.layout, tuple(layers), 2 * at[0] - at[1], at[1] - at[0], sync, sm, kind)
 
     def _rebalanced(self, option: _Option, micro_batches: int, zero1: bool) -> _Option:
         """``option`` with its split balanced at ``micro_batches`` (memory as probed)."""
@@ -356,14 +442,24 @@ class ReplicaSearch:
         for kind, part in zip(self._kinds, layout.parts):
             alone = build_plan(part.layout, part.layers, kind.placement, self.dtype)
             for pipeline in alone.pipelines:
-                pipelines.append(PipelinePlan.trusted(pipeline.micro_batches, tuple(
-                    replace(stage, ranks=tuple(kind.rank_in_mix[r] for r in stage.ranks))
-                    for stage in pipeline.stages)))
-        return ParallelPlan(layout.micro_batch_size, tuple(pipelines), dtype=self.dtype,
-                            use_distributed_optimizer=layout.zero1,
-                            sequence_parallel=layout.sequence_parallel or None,
-                            tp_comm_overlap=layout.sequence_parallel or None,
-                            description=f"megatron_het planner: {layout.describe()}")
+                pipelines.append(
+                    PipelinePlan.trusted(
+                        pipeline.micro_batches,
+                        tuple(
+                            replace(stage, ranks=tuple(kind.rank_in_mix[r] for r in stage.ranks))
+                            for stage in pipeline.stages
+                        ),
+                    )
+                )
+        return ParallelPlan(
+            layout.micro_batch_size,
+            tuple(pipelines),
+            dtype=self.dtype,
+            use_distributed_optimizer=layout.zero1,
+            sequence_parallel=layout.sequence_parallel or None,
+            tp_comm_overlap=layout.sequence_parallel or None,
+            description=f"megatron_het planner: {layout.describe()}",
+        )
 
 
 def sm_at(sm: StageModel, micro_batches: int) -> StageModel:
@@ -391,18 +487,23 @@ def _with_replica_buffers(sm: StageModel, model: ModelConfig) -> StageModel:
     """``sm`` whose memory holds the replica sums' full-size float32 buffers of every
     parameter a stage holds (:meth:`~megatron_het.perf.dp_sync.DPSync.buffer_bytes`)."""
     per_layer = layer_parameters(model, 1) * FP32_BYTES
-    memory = tuple(Affine(line.intercept + _fixed_parameters(model, s, sm.num_stages)
-                          * FP32_BYTES, line.slope + per_layer)
-                   for s, line in enumerate(sm.memory))
+    memory = tuple(
+        Affine(
+            line.intercept + _fixed_parameters(model, s, sm.num_stages) * FP32_BYTES,
+            line.slope + per_layer,
+        )
+        for s, line in enumerate(sm.memory)
+    )
     return replace(sm, memory=memory)
 
 
-def allocate(options: Sequence[Sequence[_Option]], total: int
-             ) -> Optional[tuple[list[tuple[_Option, int]], float]]:
+def allocate(
+    options: Sequence[Sequence[_Option]], total: int
+) -> tuple[list[tuple[_Option, int]], float] | None:
     """The layouts and shares (:func:`shares_by_speed`) with the least slowest pipeline +
     largest sync (the iteration waits for both), over every cap on the sync: ((option,
     micro-batches) per kind, that time); None when no choice adds up."""
-    best: Optional[tuple[list[tuple[_Option, int]], float]] = None
+    best: tuple[list[tuple[_Option, int]], float] | None = None
     for cap in sorted({o.sync for opts in options for o in opts}):
         within = [[o for o in opts if o.sync <= cap] for opts in options]
         if not all(within):
@@ -410,15 +511,17 @@ def allocate(options: Sequence[Sequence[_Option]], total: int
         picks = shares_by_speed(within, total)
         if picks is None:
             continue
-        time = (max(o.fixed + o.per_micro_batch * m for o, m in picks)
-                + max(o.sync for o, _ in picks))
+        time = max(o.fixed + o.per_micro_batch * m for o, m in picks) + max(
+            o.sync for o, _ in picks
+        )
         if best is None or time < best[1]:
             best = (picks, time)
     return best
 
 
-def shares_by_speed(options: Sequence[Sequence[_Option]], total: int
-                    ) -> Optional[list[tuple[_Option, int]]]:
+def shares_by_speed(
+    options: Sequence[Sequence[_Option]], total: int
+) -> list[tuple[_Option, int]] | None:
     """Per kind, a layout and the micro-batches of each of its replicas, summing to ``total``
     over all replicas (``dp_k`` of kind k) and making the slowest replica's time least; None
     when no choice adds up.
@@ -428,12 +531,17 @@ def shares_by_speed(options: Sequence[Sequence[_Option]], total: int
     :data:`SHARE_CHOICES` roomiest layouts of each kind (replica counts that cannot add up to
     the batch give way to others), the budget widened (to where a layout holds one more
     micro-batch) where none adds up."""
+
     def room(option: _Option, budget: float) -> int:
         return min(option.most_micro_batches(budget), total)
 
     def fits(budget: float) -> bool:
-        held = [max(o.layout.dp * room(o, budget) for o in opts if room(o, budget) >= 1)
-                if any(room(o, budget) >= 1 for o in opts) else 0 for opts in options]
+        held = [
+            max(o.layout.dp * room(o, budget) for o in opts if room(o, budget) >= 1)
+            if any(room(o, budget) >= 1 for o in opts)
+            else 0
+            for opts in options
+        ]
         return all(held) and sum(held) >= total
 
     lo = max(min(o.fixed + o.per_micro_batch for o in opts) for opts in options)
@@ -445,13 +553,15 @@ def shares_by_speed(options: Sequence[Sequence[_Option]], total: int
         else:
             lo = mid
     for _ in range(WIDENINGS):
-        choices = [sorted((o for o in opts if room(o, hi) >= 1),
-                          key=lambda o: -o.layout.dp * room(o, hi))[:SHARE_CHOICES]
-                   for opts in options]
-        best: Optional[tuple[float, list[tuple[_Option, int]]]] = None
+        choices = [
+            sorted((o for o in opts if room(o, hi) >= 1), key=lambda o: -o.layout.dp * room(o, hi))[
+                :SHARE_CHOICES
+            ]
+            for opts in options
+        ]
+        best: tuple[float, list[tuple[_Option, int]]] | None = None
         for pick in itertools.product(*choices):
-            shares = exact_shares([o.layout.dp for o in pick], [room(o, hi) for o in pick],
-                                  total)
+            shares = exact_shares([o.layout.dp for o in pick], [room(o, hi) for o in pick], total)
             if shares is not None:
                 time = max(o.fixed + o.per_micro_batch * m for o, m in zip(pick, shares))
                 if best is None or time < best[0]:
@@ -459,15 +569,19 @@ def shares_by_speed(options: Sequence[Sequence[_Option]], total: int
         if best is not None:
             return best[1]
         # the next budget at which some layout holds one more micro-batch
-        later = [o.fixed + o.per_micro_batch * (room(o, hi) + 1) for opts in options
-                 for o in opts if room(o, hi) < total]
+        later = [
+            o.fixed + o.per_micro_batch * (room(o, hi) + 1)
+            for opts in options
+            for o in opts
+            if room(o, hi) < total
+        ]
         if not later:
             return None
         hi = min(later) * (1 + 1e-12)
     return None
 
 
-def exact_shares(dps: Sequence[int], caps: Sequence[int], total: int) -> Optional[list[int]]:
+def exact_shares(dps: Sequence[int], caps: Sequence[int], total: int) -> list[int] | None:
     """Micro-batches ``m_k`` in ``1 .. caps[k]`` with ``sum dps[k] m_k == total``, each as
     large as it can be in kind order (the first kinds are filled first); None if none."""
     if not dps:
@@ -485,5 +599,11 @@ def exact_shares(dps: Sequence[int], caps: Sequence[int], total: int) -> Optiona
     return None
 
 
-__all__ = ["KindPart", "ReplicaLayout", "ReplicaSearch", "allocate", "exact_shares",
-           "shares_by_speed"]
+__all__ = [
+    "KindPart",
+    "ReplicaLayout",
+    "ReplicaSearch",
+    "allocate",
+    "exact_shares",
+    "shares_by_speed",
+]

@@ -14,10 +14,10 @@ Per-layer times come from a group's chunks of whole layers without the embedding
 pipelines of one layout are read (heterogeneous data parallelism balances by batch shares
 instead).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.replicas import uniform_layouts
@@ -41,16 +41,18 @@ class LayerSplit:
         return self.busiest_s / self.divisible_s - 1.0
 
     def describe(self) -> str:
-        return (f"the busiest device group computes {1e3 * self.busiest_s:.1f} ms "
-                f"per micro-batch; with layers divisible at will {1e3 * self.divisible_s:.1f} "
-                f"ms (the layer bounds cost {100 * self.loss:.1f}%)")
+        return (
+            f"the busiest device group computes {1e3 * self.busiest_s:.1f} ms "
+            f"per micro-batch; with layers divisible at will {1e3 * self.divisible_s:.1f} "
+            f"ms (the layer bounds cost {100 * self.loss:.1f}%)"
+        )
 
 
 def _busy(row: StagePrediction) -> float:
     return row.forward_s + row.backward_s
 
 
-def layer_split(prediction: Prediction, plan: ParallelPlan) -> Optional[LayerSplit]:
+def layer_split(prediction: Prediction, plan: ParallelPlan) -> LayerSplit | None:
     """The layer-bound loss of pipeline 0 (None for pipelines of different layouts or a
     pipeline of one device group)."""
     if not uniform_layouts(plan):
@@ -62,8 +64,11 @@ def layer_split(prediction: Prediction, plan: ParallelPlan) -> Optional[LayerSpl
     last = len(rows) - 1
 
     def plain(r: StagePrediction) -> bool:  # whole layers, neither the embedding nor the head
-        return (0 < r.stage < last and r.layers[1] > r.layers[0]
-                and all(bound == int(bound) for bound in r.layers))
+        return (
+            0 < r.stage < last
+            and r.layers[1] > r.layers[0]
+            and all(bound == int(bound) for bound in r.layers)
+        )
 
     per_layer: dict[tuple[str, int], float] = {}
     for r in rows:

@@ -8,10 +8,11 @@ Each recomputed layer costs time and saves memory, so for a plan that fits with 
 recompute the best N of a kind is the smallest with which the plan still fits: found by
 bisection over N (one prediction per step), kind by kind, and kept when it is faster.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Prediction
@@ -27,25 +28,44 @@ def with_block_recompute(plan: ParallelPlan, kind: str, layers: int) -> Parallel
             if stage.accelerator == kind and stage.recompute:
                 count = min(layers, stage.num_layers)
                 stage = StagePlan.trusted(
-                    stage.accelerator, stage.tp, stage.layers, stage.ranks,
-                    stage.has_embedding, stage.has_head, count > 0,
-                    count if 0 < count < stage.num_layers else None)
+                    stage.accelerator,
+                    stage.tp,
+                    stage.layers,
+                    stage.ranks,
+                    stage.has_embedding,
+                    stage.has_head,
+                    count > 0,
+                    count if 0 < count < stage.num_layers else None,
+                )
             stages.append(stage)
         pipelines.append(PipelinePlan.trusted(pipeline.micro_batches, tuple(stages)))
     return dataclasses.replace(plan, pipelines=tuple(pipelines))
 
 
-def relax_recompute(plan: ParallelPlan, predict_plan: Callable[[ParallelPlan], Prediction],
-                    fits_plan: Callable[[Prediction], bool], prediction: Prediction
-                    ) -> tuple[ParallelPlan, Prediction]:
+def relax_recompute(
+    plan: ParallelPlan,
+    predict_plan: Callable[[ParallelPlan], Prediction],
+    fits_plan: Callable[[Prediction], bool],
+    prediction: Prediction,
+) -> tuple[ParallelPlan, Prediction]:
     """``plan`` (and its ``prediction``, which fits) with each recomputing kind's stages
     recomputing the fewest layers with which the plan still fits, where that is faster (a
     plan that recomputes nothing comes back as it is, with no prediction made)."""
-    kinds = list(dict.fromkeys(stage.accelerator for pipeline in plan.pipelines
-                               for stage in pipeline.stages if stage.recompute))
+    kinds = list(
+        dict.fromkeys(
+            stage.accelerator
+            for pipeline in plan.pipelines
+            for stage in pipeline.stages
+            if stage.recompute
+        )
+    )
     for kind in kinds:
-        most = max(stage.recomputed_layers for pipeline in plan.pipelines
-                   for stage in pipeline.stages if stage.accelerator == kind)
+        most = max(
+            stage.recomputed_layers
+            for pipeline in plan.pipelines
+            for stage in pipeline.stages
+            if stage.accelerator == kind
+        )
         low, high = 0, most  # ``high`` fits: the plan as it is
         best = (plan, prediction)
         while low < high:

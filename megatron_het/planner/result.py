@@ -12,10 +12,11 @@ Plain data shared by the search, the baseline (itself a search per kind), the ce
 reports; the caller attaches the references (:meth:`SearchResult.with_baseline`,
 :meth:`SearchResult.with_ceiling`), so neither search module imports the other's caller.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any
 
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Prediction
@@ -34,7 +35,7 @@ class Candidate:
     layers: tuple[int, ...]
     closed_form_s: float
     plan: ParallelPlan
-    prediction: Optional[Prediction] = None
+    prediction: Prediction | None = None
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,10 @@ class KindBaseline:
     tokens_per_s_per_device: float
     plan_summary: str
     memory_ignored: bool = False
-    layout: Optional[Layout] = None
-    bubble_fraction: Optional[float] = None
-    tp_comm_share: Optional[float] = None
-    dp_sync_share: Optional[float] = None
+    layout: Layout | None = None
+    bubble_fraction: float | None = None
+    tp_comm_share: float | None = None
+    dp_sync_share: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -74,11 +75,20 @@ class HomogeneousBaseline:
         return sum(k.tokens_per_s for k in self.kinds)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tokens_per_s": self.tokens_per_s, "search_time_s": self.search_time_s,
-                "kinds": [{"kind": k.kind, "devices": k.devices,
-                           "tokens_per_s_per_device": k.tokens_per_s_per_device,
-                           "plan": k.plan_summary, "memory_ignored": k.memory_ignored}
-                          for k in self.kinds]}
+        return {
+            "tokens_per_s": self.tokens_per_s,
+            "search_time_s": self.search_time_s,
+            "kinds": [
+                {
+                    "kind": k.kind,
+                    "devices": k.devices,
+                    "tokens_per_s_per_device": k.tokens_per_s_per_device,
+                    "plan": k.plan_summary,
+                    "memory_ignored": k.memory_ignored,
+                }
+                for k in self.kinds
+            ],
+        }
 
 
 @dataclass(frozen=True)
@@ -92,28 +102,28 @@ class SearchResult:
     candidates: tuple[Candidate, ...]
     layouts_evaluated: int
     search_time_s: float
-    baseline: Optional[HomogeneousBaseline] = None
-    ceiling: Optional[Ceiling] = None
+    baseline: HomogeneousBaseline | None = None
+    ceiling: Ceiling | None = None
 
     @property
-    def efficiency(self) -> Optional[float]:
+    def efficiency(self) -> float | None:
         """Predicted tokens/s over the homogeneous baseline (None without it; may exceed 1)."""
         if self.baseline is None:
             return None
         return self.prediction.tokens_per_s / self.baseline.tokens_per_s
 
     @property
-    def ceiling_efficiency(self) -> Optional[float]:
+    def ceiling_efficiency(self) -> float | None:
         """Predicted tokens/s over the compute ceiling (None without it; below 1)."""
         if self.ceiling is None:
             return None
         return self.prediction.tokens_per_s / self.ceiling.tokens_per_s
 
-    def with_baseline(self, baseline: HomogeneousBaseline) -> "SearchResult":
+    def with_baseline(self, baseline: HomogeneousBaseline) -> SearchResult:
         """This result with ``baseline`` attached (reports then show it and the efficiency)."""
         return replace(self, baseline=baseline)
 
-    def with_ceiling(self, ceiling: Ceiling) -> "SearchResult":
+    def with_ceiling(self, ceiling: Ceiling) -> SearchResult:
         """This result with ``ceiling`` attached (reports then show it and its efficiency)."""
         return replace(self, ceiling=ceiling)
 

@@ -29,6 +29,7 @@ Search order (all predictions are pure computations, no processes):
    is under the best closed-form time found, and its best plans join the candidates; the
    fastest candidate is the plan.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,8 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Mapping, Optional
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
@@ -47,17 +48,32 @@ from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Prediction, Profile, SimulationCache, fits, predict
 from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.memory import GIB
-from megatron_het.planner.bounds import (KindCosts, memory_feasible, memory_pressure,
-                                         sync_lower_bound, time_lower_bound)
+from megatron_het.planner.bounds import (
+    KindCosts,
+    memory_feasible,
+    memory_pressure,
+    sync_lower_bound,
+    time_lower_bound,
+)
 from megatron_het.planner.chunk_polish import polish_chunks
 from megatron_het.planner.kind_replicas import ReplicaSearch
 from megatron_het.planner.recompute_polish import relax_recompute
 from megatron_het.planner.result import Candidate, SearchResult
-from megatron_het.planner.space import (KindBlock, Layout, Placement, build_plan,
-                                        micro_batch_sizes, pipeline_shapes)
-from megatron_het.planner.stage_model import (StageModel, balance_layers, layer_caps,
-                                              polish_split, probe_stage_model)
-
+from megatron_het.planner.space import (
+    KindBlock,
+    Layout,
+    Placement,
+    build_plan,
+    micro_batch_sizes,
+    pipeline_shapes,
+)
+from megatron_het.planner.stage_model import (
+    StageModel,
+    balance_layers,
+    layer_caps,
+    polish_split,
+    probe_stage_model,
+)
 
 # The best layouts retried without ZeRO-1 (it never adds time in the cost model, so this only
 # confirms the choice; a cheap check against a change of the model).
@@ -92,7 +108,7 @@ class _Search:
     cluster: ClusterSpec
     global_batch_size: int
     seq_length: int
-    profiles: Optional[Mapping[str, Profile]]
+    profiles: Mapping[str, Profile] | None
     dtype: str
     check_memory: bool
     top_k: int
@@ -103,7 +119,7 @@ class _Search:
     comm: CommCost = field(init=False)
     cache: SimulationCache = field(default_factory=SimulationCache)
     scored: list[tuple[float, StageModel, list[int]]] = field(default_factory=list)
-    shortfall: Optional[tuple[float, StageModel, int]] = None
+    shortfall: tuple[float, StageModel, int] | None = None
     unbound: set = field(default_factory=set)  # layouts whose split memory did not limit
     too_big: list[tuple[float, Layout]] = field(default_factory=list)  # pruned by memory
     evaluated: int = 0
@@ -111,30 +127,55 @@ class _Search:
     def __post_init__(self) -> None:
         self.placement = Placement(self.cluster)
         self.comm = CommCost(self.cluster, self.profiles)
-        self.costs = KindCosts(self.model, self.cluster, self.placement, self.seq_length,
-                               self.profiles, self.dtype, self.cache,
-                               self.fused_elementwise)
+        self.costs = KindCosts(
+            self.model,
+            self.cluster,
+            self.placement,
+            self.seq_length,
+            self.profiles,
+            self.dtype,
+            self.cache,
+            self.fused_elementwise,
+        )
 
     def predict(self, plan: ParallelPlan) -> Prediction:
         """The simulated prediction of a finalist plan."""
-        return predict(self.model, plan, self.cluster, self.seq_length, self.profiles,
-                       self.dtype, cache=self.cache, comm=self.comm,
-                       fused_elementwise=self.fused_elementwise)
+        return predict(
+            self.model,
+            plan,
+            self.cluster,
+            self.seq_length,
+            self.profiles,
+            self.dtype,
+            cache=self.cache,
+            comm=self.comm,
+            fused_elementwise=self.fused_elementwise,
+        )
 
     def fits(self, prediction: Prediction) -> bool:
         return not self.check_memory or fits(prediction, self.cluster).ok
 
     def stage_model(self, layout: Layout) -> StageModel:
         self.evaluated += 1
-        return probe_stage_model(self.model, layout, self.placement, self.cluster,
-                                 self.seq_length, self.profiles, self.dtype, self.cache,
-                                 self.comm, self.fused_elementwise)
+        return probe_stage_model(
+            self.model,
+            layout,
+            self.placement,
+            self.cluster,
+            self.seq_length,
+            self.profiles,
+            self.dtype,
+            self.cache,
+            self.comm,
+            self.fused_elementwise,
+        )
 
     def score(self, layout: Layout) -> None:
         """Probe and balance one layout; remember its time, or its memory shortfall."""
         sm = self.stage_model(layout)
-        layers = balance_layers(sm, self.model.num_layers, polish=False,
-                                check_memory=self.check_memory)
+        layers = balance_layers(
+            sm, self.model.num_layers, polish=False, check_memory=self.check_memory
+        )
         if layers is None:
             short, stage = sm.memory_shortfall(self.model.num_layers)
             if self.shortfall is None or short < self.shortfall[0]:
@@ -173,29 +214,40 @@ class _Search:
                 for v in range(2, min(self.max_chunks, num_layers // pp) + 1):
                     self._add(out, self._base(dp, blocks, mbs, v))
 
-    def _base(self, dp: int, blocks: tuple[KindBlock, ...], mbs: int,
-              num_chunks: int) -> Layout:
+    def _base(self, dp: int, blocks: tuple[KindBlock, ...], mbs: int, num_chunks: int) -> Layout:
         return Layout(dp, blocks, mbs, self.global_batch_size // (dp * mbs), dp > 1, num_chunks)
 
     def _variants(self, base: Layout) -> list[Layout]:
         """``base`` with recompute on some kinds and/or sequence parallelism (where a stage has
         tp > 1 and the sequence divides): the options that trade time for memory."""
         kinds = list(dict.fromkeys(b.kind for b in base.blocks))
-        sp_options = (False, True) if any(b.tp > 1 for b in base.blocks) and all(
-            self.seq_length % b.tp == 0 for b in base.blocks) else (False,)
+        sp_options = (
+            (False, True)
+            if any(b.tp > 1 for b in base.blocks)
+            and all(self.seq_length % b.tp == 0 for b in base.blocks)
+            else (False,)
+        )
         out = []
         for mask, sp in itertools.product(range(1 << len(kinds)), sp_options):
             if mask or sp:
-                out.append(replace(base, sequence_parallel=sp, blocks=tuple(
-                    replace(b, recompute=bool(mask >> kinds.index(b.kind) & 1))
-                    for b in base.blocks)))
+                out.append(
+                    replace(
+                        base,
+                        sequence_parallel=sp,
+                        blocks=tuple(
+                            replace(b, recompute=bool(mask >> kinds.index(b.kind) & 1))
+                            for b in base.blocks
+                        ),
+                    )
+                )
         return out
 
-    def _bounded(self, layout: Layout) -> Optional[tuple[float, Layout]]:
+    def _bounded(self, layout: Layout) -> tuple[float, Layout] | None:
         """(time bound, layout), or None (set aside as too big) when it cannot fit."""
         if self.check_memory and not memory_feasible(layout, self.costs, self.model.num_layers):
-            self.too_big.append((memory_pressure(layout, self.costs, self.model.num_layers),
-                                 layout))
+            self.too_big.append(
+                (memory_pressure(layout, self.costs, self.model.num_layers), layout)
+            )
             return None
         return self.bound(layout, tight=False), layout
 
@@ -204,8 +256,9 @@ class _Search:
         tight one (a search over the pipeline's fill, :func:`time_lower_bound`) is taken
         when the layout comes up."""
         layers = self.model.num_layers
-        return (time_lower_bound(layout, self.costs, layers, tight)
-                + sync_lower_bound(layout, self.costs, layers, self.comm))
+        return time_lower_bound(layout, self.costs, layers, tight) + sync_lower_bound(
+            layout, self.costs, layers, self.comm
+        )
 
     def _add(self, out: list[tuple[float, Layout]], base: Layout) -> None:
         """``base`` bounded into ``out``; if it cannot fit, its variants that may."""
@@ -226,8 +279,10 @@ class _Search:
         variants are skipped where the base was not limited by memory."""
         times: list[float] = []
         interleaved = 0
-        heap = [(bound, i, layout, False) for i, (bound, layout) in
-                enumerate(self.layouts(max_micro_batch_size))]
+        heap = [
+            (bound, i, layout, False)
+            for i, (bound, layout) in enumerate(self.layouts(max_micro_batch_size))
+        ]
         heapq.heapify(heap)
         counter = len(heap)
         while heap:
@@ -266,16 +321,29 @@ class _Search:
 def _base_of(layout: Layout) -> Layout:
     """The layout without the options that only trade time for memory: recompute and sequence
     parallelism (which adds the norm weights' all-reduces and saves activations)."""
-    return replace(layout, blocks=tuple(replace(b, recompute=False) for b in layout.blocks),
-                   sequence_parallel=False)
+    return replace(
+        layout,
+        blocks=tuple(replace(b, recompute=False) for b in layout.blocks),
+        sequence_parallel=False,
+    )
 
 
-def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int,
-                seq_length: int, profiles: Optional[Mapping[str, Profile]] = None,
-                dtype: str = "bf16", *, top_k: int = 5, refine: int = 16,
-                max_micro_batch_size: int = 16, check_memory: bool = True,
-                max_virtual_stages: int = MAX_VIRTUAL_STAGES,
-                heterogeneous_dp: bool = True, fused_elementwise: bool = True) -> SearchResult:
+def search_plan(
+    model: ModelConfig,
+    cluster: ClusterSpec,
+    global_batch_size: int,
+    seq_length: int,
+    profiles: Mapping[str, Profile] | None = None,
+    dtype: str = "bf16",
+    *,
+    top_k: int = 5,
+    refine: int = 16,
+    max_micro_batch_size: int = 16,
+    check_memory: bool = True,
+    max_virtual_stages: int = MAX_VIRTUAL_STAGES,
+    heterogeneous_dp: bool = True,
+    fused_elementwise: bool = True,
+) -> SearchResult:
     """Search the best plan for ``model`` on every device of ``cluster``.
 
     Returns the fastest plan by the simulated prediction among the ``top_k`` best closed-form
@@ -294,43 +362,72 @@ def search_plan(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
     Raises UserError when no plan fits, with the smallest shortfall.
     """
     if global_batch_size < 1 or seq_length < 1:
-        raise UserError(f"--global-batch-size ({global_batch_size}) and --seq-length "
-                        f"({seq_length}) must be at least 1")
+        raise UserError(
+            f"--global-batch-size ({global_batch_size}) and --seq-length "
+            f"({seq_length}) must be at least 1"
+        )
     start = time.perf_counter()
     with _fewer_collections():
-        search = _Search(model, cluster, global_batch_size, seq_length, profiles, dtype,
-                         check_memory, max(1, top_k), max(1, max_virtual_stages),
-                         fused_elementwise)
+        search = _Search(
+            model,
+            cluster,
+            global_batch_size,
+            seq_length,
+            profiles,
+            dtype,
+            check_memory,
+            max(1, top_k),
+            max(1, max_virtual_stages),
+            fused_elementwise,
+        )
         search.run(max_micro_batch_size)
         candidates = _finalists(search, top_k, refine) if search.scored else []
         beat = min((c.closed_form_s for c in candidates), default=math.inf)
-        replicas = (_replica_candidates(search, max_micro_batch_size, beat)
-                    if heterogeneous_dp else [])
+        replicas = (
+            _replica_candidates(search, max_micro_batch_size, beat) if heterogeneous_dp else []
+        )
         if not candidates and not replicas:
             raise UserError(_no_fit_message(search))
-        candidates = sorted(candidates + replicas,
-                            key=lambda c: c.prediction.iteration_time_s)[:max(1, top_k)]
+        candidates = sorted(candidates + replicas, key=lambda c: c.prediction.iteration_time_s)[
+            : max(1, top_k)
+        ]
     best = candidates[0]
-    return SearchResult(best.plan, best.prediction, tuple(candidates), search.evaluated,
-                        time.perf_counter() - start)
+    return SearchResult(
+        best.plan, best.prediction, tuple(candidates), search.evaluated, time.perf_counter() - start
+    )
 
 
-def _replica_candidates(search: _Search, max_micro_batch_size: int,
-                        beat: float) -> list[Candidate]:
+def _replica_candidates(search: _Search, max_micro_batch_size: int, beat: float) -> list[Candidate]:
     """The best heterogeneous-DP plans (replicas of one kind each) whose bound is under
     ``beat`` seconds (the closed-form time of the best other plan), predicted in full."""
-    replicas = ReplicaSearch(search.model, search.cluster, search.placement,
-                             search.global_batch_size, search.seq_length, search.profiles,
-                             search.dtype, search.check_memory, search.cache, search.comm,
-                             search.fused_elementwise)
+    replicas = ReplicaSearch(
+        search.model,
+        search.cluster,
+        search.placement,
+        search.global_batch_size,
+        search.seq_length,
+        search.profiles,
+        search.dtype,
+        search.check_memory,
+        search.cache,
+        search.comm,
+        search.fused_elementwise,
+    )
     found = replicas.candidates(max_micro_batch_size, search.top_k, beat)
     search.evaluated += replicas.probes
     out = []
     for layout, plan, prediction, closed_form in found:
         plan, prediction = relax_recompute(plan, search.predict, search.fits, prediction)
         plan, prediction = _rings_or_collectives(plan, search, prediction)
-        out.append(Candidate(layout, tuple(n for part in layout.parts for n in part.layers),
-                             closed_form, plan, prediction))
+        out.append(
+            Candidate(
+                layout,
+                tuple(n for part in layout.parts for n in part.layers),
+                closed_form,
+                plan,
+                prediction,
+            )
+        )
     return out
 
 
@@ -357,56 +454,75 @@ def _finalists(search: _Search, top_k: int, refine: int) -> list[Candidate]:
         polished.append(_polish(search, sm, layers))
         if sm.layout.zero1 and rank < ZERO1_RETRIES:
             plain = search.stage_model(replace(sm.layout, zero1=False))
-            split = balance_layers(plain, search.model.num_layers,
-                                   check_memory=search.check_memory)
+            split = balance_layers(plain, search.model.num_layers, check_memory=search.check_memory)
             if split is not None:
                 polished.append((plain.iteration_time(split), plain, split))
-    ranked = sorted((_overlapped(search, t, sm, layers) for t, sm, layers in polished),
-                    key=lambda item: item[0])
+    ranked = sorted(
+        (_overlapped(search, t, sm, layers) for t, sm, layers in polished), key=lambda item: item[0]
+    )
     out = []
     for _, sm, layers, overlap in ranked:
         if len(out) == max(1, top_k):
             break
         plain = sm.layout.num_chunks == 1
-        if (plain and not overlap
-                and sm.num_stages ** 3 * sm.layout.micro_batches <= SIMULATED_POLISH_LIMIT):
+        if (
+            plain
+            and not overlap
+            and sm.num_stages**3 * sm.layout.micro_batches <= SIMULATED_POLISH_LIMIT
+        ):
             caps = layer_caps(sm, search.model.num_layers, search.check_memory)
-            layers = polish_split(sm, layers, caps,
-                                  lambda split: sm.simulated_time(split, search.cache))
-        plan = build_plan(sm.layout, layers, search.placement, search.dtype,
-                          description=f"megatron_het planner: {sm.layout.describe()}"
-                                      f"{_overlap_words(sm, overlap)}")
+            layers = polish_split(
+                sm, layers, caps, lambda split: sm.simulated_time(split, search.cache)
+            )
+        plan = build_plan(
+            sm.layout,
+            layers,
+            search.placement,
+            search.dtype,
+            description=f"megatron_het planner: {sm.layout.describe()}"
+            f"{_overlap_words(sm, overlap)}",
+        )
         if overlap:
-            plan = replace(plan, overlap_grad_reduce=True,
-                           overlap_param_gather=True if sm.layout.zero1 else None)
+            plan = replace(
+                plan,
+                overlap_grad_reduce=True,
+                overlap_param_gather=True if sm.layout.zero1 else None,
+            )
         prediction = search.predict(plan)
         if not search.fits(prediction):
             if not plain:  # its memory between the probes was interpolated: drop it
                 continue
-            raise AssertionError(f"planner produced a plan that does not fit: "
-                                 f"{fits(prediction, search.cluster).message}")
+            raise AssertionError(
+                f"planner produced a plan that does not fit: "
+                f"{fits(prediction, search.cluster).message}"
+            )
         n = sm.num_stages * sm.layout.num_chunks
-        if (not plain and n ** 3 * sm.layout.micro_batches * sm.layout.dp
-                <= SIMULATED_POLISH_LIMIT):  # every replica is predicted per move
+        if (
+            not plain and n**3 * sm.layout.micro_batches * sm.layout.dp <= SIMULATED_POLISH_LIMIT
+        ):  # every replica is predicted per move
             plan, prediction = polish_chunks(plan, search.predict, search.fits, prediction)
             chunks = plan.pipelines[0].stages
-            layers = [sum(st.num_layers for st in chunks[g::sm.num_stages])
-                      for g in range(sm.num_stages)]
+            layers = [
+                sum(st.num_layers for st in chunks[g :: sm.num_stages])
+                for g in range(sm.num_stages)
+            ]
         plan, prediction = relax_recompute(plan, search.predict, search.fits, prediction)
         plan, prediction = _rings_or_collectives(
-            plan, search, prediction, search.placement.distinct_pipelines(sm.layout))
-        out.append(Candidate(sm.layout, tuple(layers), sm.iteration_time(layers), plan,
-                             prediction))
+            plan, search, prediction, search.placement.distinct_pipelines(sm.layout)
+        )
+        out.append(Candidate(sm.layout, tuple(layers), sm.iteration_time(layers), plan, prediction))
     if not out:
-        raise AssertionError("every finalist of the planner exceeded memory once predicted in "
-                             "full (interleaved layouts whose memory was interpolated)")
+        raise AssertionError(
+            "every finalist of the planner exceeded memory once predicted in "
+            "full (interleaved layouts whose memory was interpolated)"
+        )
     out.sort(key=lambda c: c.prediction.iteration_time_s)
     return out
 
 
-def _rings_or_collectives(plan: ParallelPlan, search: _Search, prediction: Prediction,
-                          distinct: Optional[list[int]] = None
-                          ) -> tuple[ParallelPlan, Prediction]:
+def _rings_or_collectives(
+    plan: ParallelPlan, search: _Search, prediction: Prediction, distinct: list[int] | None = None
+) -> tuple[ParallelPlan, Prediction]:
     """A sequence-parallel plan with the TP rings (``tp_comm_overlap``, as the search prices
     it) or with whole collectives, whichever is predicted faster and fits: the rings gather
     the GEMMs' inputs again in backward, which costs more than they hide where the GEMMs are
@@ -416,10 +532,19 @@ def _rings_or_collectives(plan: ParallelPlan, search: _Search, prediction: Predi
         return plan, prediction
     whole = replace(plan, tp_comm_overlap=None)
     if distinct is not None:
-        quick = predict(search.model, whole, search.cluster, search.seq_length,
-                        search.profiles, search.dtype, cache=search.cache, validate=False,
-                        comm=search.comm, pipelines=distinct,
-                        fused_elementwise=search.fused_elementwise)
+        quick = predict(
+            search.model,
+            whole,
+            search.cluster,
+            search.seq_length,
+            search.profiles,
+            search.dtype,
+            cache=search.cache,
+            validate=False,
+            comm=search.comm,
+            pipelines=distinct,
+            fused_elementwise=search.fused_elementwise,
+        )
         if quick.iteration_time_s >= prediction.iteration_time_s * (1 - 1e-9):
             return plan, prediction
     other = search.predict(whole)
@@ -435,8 +560,9 @@ def _overlap_words(sm: StageModel, overlap: bool) -> str:
     return " overlap_grad_reduce" + (" overlap_param_gather" if sm.layout.zero1 else "")
 
 
-def _overlapped(search: _Search, time_s: float, sm: StageModel, layers: list[int]
-                ) -> tuple[float, StageModel, list[int], bool]:
+def _overlapped(
+    search: _Search, time_s: float, sm: StageModel, layers: list[int]
+) -> tuple[float, StageModel, list[int], bool]:
     """(closed-form time, stage model, split, overlap): with the DP gradient reduction
     started in the last backward and, under ZeRO-1, the parameter all-gather run under the
     next forward, where that hides time (dp > 1; the stage model pays the whole sync, so the
@@ -444,19 +570,30 @@ def _overlapped(search: _Search, time_s: float, sm: StageModel, layers: list[int
     if sm.layout.dp == 1:
         return time_s, sm, layers, False
     plan = build_plan(sm.layout, layers, search.placement, search.dtype)
-    overlapped = predict(search.model, plan, search.cluster, search.seq_length,
-                         search.profiles, search.dtype, pipeline_model="closed_form",
-                         cache=search.cache, validate=False, comm=search.comm,
-                         overlap_grad_reduce=True, overlap_param_gather=True,
-                         pipelines=search.placement.distinct_pipelines(sm.layout),
-                         fused_elementwise=search.fused_elementwise)
+    overlapped = predict(
+        search.model,
+        plan,
+        search.cluster,
+        search.seq_length,
+        search.profiles,
+        search.dtype,
+        pipeline_model="closed_form",
+        cache=search.cache,
+        validate=False,
+        comm=search.comm,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        pipelines=search.placement.distinct_pipelines(sm.layout),
+        fused_elementwise=search.fused_elementwise,
+    )
     if overlapped.iteration_time_s < time_s * (1 - 1e-9):
         return overlapped.iteration_time_s, sm, layers, True
     return time_s, sm, layers, False
 
 
-def _polish(search: _Search, sm: StageModel, layers: list[int]
-            ) -> tuple[float, StageModel, list[int]]:
+def _polish(
+    search: _Search, sm: StageModel, layers: list[int]
+) -> tuple[float, StageModel, list[int]]:
     caps = layer_caps(sm, search.model.num_layers, search.check_memory)
     better = polish_split(sm, layers, caps)
     return sm.iteration_time(better), sm, better
@@ -466,25 +603,31 @@ def _no_fit_message(search: _Search) -> str:
     cluster, model = search.cluster, search.model
     counts = ", ".join(f"{n} {k}" for k, n in cluster.accelerator_counts().items())
     if search.shortfall is None:
-        return (f"no layout of {model.name} fits cluster {cluster.name} ({counts}): every "
-                f"pipeline would need more stages than the model's {model.num_layers} layers or "
-                f"a TP degree that divides no node; use a cluster whose kinds' device counts "
-                f"share a divisor and fit the model")
+        return (
+            f"no layout of {model.name} fits cluster {cluster.name} ({counts}): every "
+            f"pipeline would need more stages than the model's {model.num_layers} layers or "
+            f"a TP degree that divides no node; use a cluster whose kinds' device counts "
+            f"share a divisor and fit the model"
+        )
     short, sm, stage = search.shortfall
     block = sm.layout.stage_kinds()[stage]
     usable = sm.usable_bytes[stage]
     ratio = (usable + short) / usable
-    return (f"cluster {cluster.name} ({counts}) cannot hold {model.name}: the closest plan "
-            f"({_knobs(sm.layout)}) lacks {short / GIB:.1f} GiB per {block.kind} device "
-            f"(needs {(usable + short) / GIB:.1f} of {usable / GIB:.1f} GiB usable); add devices "
-            f"(about {ratio:.1f}x as many) or use a smaller model, since recompute and ZeRO-1 "
-            f"were already tried")
+    return (
+        f"cluster {cluster.name} ({counts}) cannot hold {model.name}: the closest plan "
+        f"({_knobs(sm.layout)}) lacks {short / GIB:.1f} GiB per {block.kind} device "
+        f"(needs {(usable + short) / GIB:.1f} of {usable / GIB:.1f} GiB usable); add devices "
+        f"(about {ratio:.1f}x as many) or use a smaller model, since recompute and ZeRO-1 "
+        f"were already tried"
+    )
 
 
 def _knobs(layout: Layout) -> str:
     rc = [b.kind for b in layout.blocks if b.recompute]
-    return (f"{layout.describe()}, recompute {'on ' + '/'.join(rc) if rc else 'off'}, "
-            f"ZeRO-1 {'on' if layout.zero1 else 'off (dp=1)'}")
+    return (
+        f"{layout.describe()}, recompute {'on ' + '/'.join(rc) if rc else 'off'}, "
+        f"ZeRO-1 {'on' if layout.zero1 else 'off (dp=1)'}"
+    )
 
 
 __all__ = ["search_plan"]

@@ -20,12 +20,13 @@ kind's ranks, cut into TP groups of adjacent ranks in stage order. TP groups the
 inside a node (layouts where one would cross a node are not generated) and consecutive stages
 of one kind are neighbours, so stage boundaries cross nodes as rarely as the sizes allow.
 """
+
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
@@ -67,12 +68,15 @@ class Layout:
         return [b for b in self.blocks for _ in range(b.stages)]
 
     def describe(self) -> str:
-        parts = " -> ".join(f"{b.stages}x {b.kind} tp={b.tp}{' rc' if b.recompute else ''}"
-                            for b in self.blocks)
-        return (f"dp={self.dp} pp={self.num_stages}"
-                f"{f' v={self.num_chunks}' if self.num_chunks > 1 else ''} [{parts}] "
-                f"mbs={self.micro_batch_size} m={self.micro_batches}"
-                f"{' zero1' if self.zero1 else ''}{' sp' if self.sequence_parallel else ''}")
+        parts = " -> ".join(
+            f"{b.stages}x {b.kind} tp={b.tp}{' rc' if b.recompute else ''}" for b in self.blocks
+        )
+        return (
+            f"dp={self.dp} pp={self.num_stages}"
+            f"{f' v={self.num_chunks}' if self.num_chunks > 1 else ''} [{parts}] "
+            f"mbs={self.micro_batch_size} m={self.micro_batches}"
+            f"{' zero1' if self.zero1 else ''}{' sp' if self.sequence_parallel else ''}"
+        )
 
 
 class Placement:
@@ -101,8 +105,11 @@ class Placement:
         # boundary: that number (the node pattern repeats with it)
         self._node_period: dict[str, int] = {}
         for kind, ranks in self.ranks_of.items():
-            runs = [i + 1 for i, end in enumerate(self._run_end[kind])
-                    if i == len(ranks) - 1 or end == i]
+            runs = [
+                i + 1
+                for i, end in enumerate(self._run_end[kind])
+                if i == len(ranks) - 1 or end == i
+            ]
             sizes = {b - a for a, b in zip([0] + runs[:-1], runs)}
             if len(sizes) == 1:
                 self._node_period[kind] = sizes.pop()
@@ -169,31 +176,48 @@ class Placement:
                 ranks = self.ranks_of[block.kind]
                 for _ in range(block.stages):
                     start = taken[block.kind]
-                    stages.append(tuple(ranks[start:start + block.tp]))
+                    stages.append(tuple(ranks[start : start + block.tp]))
                     taken[block.kind] = start + block.tp
             out.append(tuple(stages))
         return tuple(out)
 
 
-def build_plan(layout: Layout, layers: Sequence[int], placement: Placement,
-               dtype: str | None = None, description: str = "") -> ParallelPlan:
+def build_plan(
+    layout: Layout,
+    layers: Sequence[int],
+    placement: Placement,
+    dtype: str | None = None,
+    description: str = "",
+) -> ParallelPlan:
     """The plan of ``layout`` with ``layers[s]`` decoder layers on stage ``s`` (ranges are cut
     in order from layer 0; the counts need not sum to the model's layers for probes)."""
     ranks = placement.stage_ranks(layout)
     kinds, last = layout.stage_kinds(), layout.num_stages - 1
-    ends = list(itertools.accumulate(layers[:len(kinds)]))
-    spans = [(block.kind, block.tp, (end - n, end), s == 0, s == last, block.recompute)
-             for s, (block, n, end) in enumerate(zip(kinds, layers, ends))]
+    ends = list(itertools.accumulate(layers[: len(kinds)]))
+    spans = [
+        (block.kind, block.tp, (end - n, end), s == 0, s == last, block.recompute)
+        for s, (block, n, end) in enumerate(zip(kinds, layers, ends))
+    ]
     stage, pipeline = StagePlan.trusted, PipelinePlan.trusted  # built valid: no checks
-    pipelines = tuple(pipeline(layout.micro_batches, tuple(
-        stage(kind, tp, span, group, first, head, recompute)
-        for (kind, tp, span, first, head, recompute), group in zip(spans, ranks[d])))
-        for d in range(layout.dp))
-    plan = ParallelPlan(layout.micro_batch_size, pipelines, dtype=dtype,
-                        use_distributed_optimizer=layout.zero1,
-                        sequence_parallel=layout.sequence_parallel or None,
-                        tp_comm_overlap=layout.sequence_parallel or None,
-                        description=description)
+    pipelines = tuple(
+        pipeline(
+            layout.micro_batches,
+            tuple(
+                stage(kind, tp, span, group, first, head, recompute)
+                for (kind, tp, span, first, head, recompute), group in zip(spans, ranks[d])
+            ),
+        )
+        for d in range(layout.dp)
+    )
+    plan = ParallelPlan(
+        layout.micro_batch_size,
+        pipelines,
+        dtype=dtype,
+        use_distributed_optimizer=layout.zero1,
+        sequence_parallel=layout.sequence_parallel or None,
+        tp_comm_overlap=layout.sequence_parallel or None,
+        description=description,
+    )
     return interleave_plan(plan, layout.num_chunks)
 
 
@@ -201,8 +225,9 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def kind_shapes(model: ModelConfig, placement: Placement, dp: int, max_tp: int
-                ) -> dict[str, list[tuple[tuple[int, int], ...]]]:
+def kind_shapes(
+    model: ModelConfig, placement: Placement, dp: int, max_tp: int
+) -> dict[str, list[tuple[tuple[int, int], ...]]]:
     """Per kind, the ``(tp, stages)`` parts of one pipeline's share of its devices, TP groups
     node-local, ``max_tp`` capping the degree: ``D / t`` stages of every ``t`` that divides
     the share ``D``, and where ``D / t`` is odd and above 1 also ``(D / t - 1) / 2`` stages of
@@ -221,15 +246,17 @@ def kind_shapes(model: ModelConfig, placement: Placement, dp: int, max_tp: int
             if units % 2 and units > 1 and 2 * t in tps:
                 candidates.append(((2 * t, units // 2), (t, 1)))
             for parts in candidates:
-                if (sum(n for _, n in parts) <= model.num_layers
-                        and placement.split_local(kind, dp, parts)):
+                if sum(n for _, n in parts) <= model.num_layers and placement.split_local(
+                    kind, dp, parts
+                ):
                     options.append(parts)
         out[kind] = options
     return out
 
 
-def pipeline_shapes(model: ModelConfig, placement: Placement, max_tp: int = 64
-                    ) -> Iterator[tuple[int, tuple[KindBlock, ...]]]:
+def pipeline_shapes(
+    model: ModelConfig, placement: Placement, max_tp: int = 64
+) -> Iterator[tuple[int, tuple[KindBlock, ...]]]:
     """Every (dp, blocks in pipeline order) whose stage count fits the model's layers
     (:func:`kind_shapes` per kind); the kinds are permuted (which kind holds the embedding
     matters), a kind's wider block first."""
@@ -239,8 +266,10 @@ def pipeline_shapes(model: ModelConfig, placement: Placement, max_tp: int = 64
         for choice in itertools.product(*(shapes[k] for k in placement.kinds)):
             if sum(n for parts in choice for _, n in parts) > model.num_layers:
                 continue
-            groups = [tuple(KindBlock(k, tp, n) for tp, n in parts)
-                      for k, parts in zip(placement.kinds, choice)]
+            groups = [
+                tuple(KindBlock(k, tp, n) for tp, n in parts)
+                for k, parts in zip(placement.kinds, choice)
+            ]
             for order in itertools.permutations(groups):
                 yield dp, tuple(b for group in order for b in group)
 
@@ -253,5 +282,13 @@ def micro_batch_sizes(global_batch_size: int, dp: int, max_micro_batch_size: int
     return [b for b in divisors(share) if b <= max_micro_batch_size]
 
 
-__all__ = ["KindBlock", "Layout", "Placement", "build_plan", "divisors", "kind_shapes",
-           "micro_batch_sizes", "pipeline_shapes"]
+__all__ = [
+    "KindBlock",
+    "Layout",
+    "Placement",
+    "build_plan",
+    "divisors",
+    "kind_shapes",
+    "micro_batch_sizes",
+    "pipeline_shapes",
+]

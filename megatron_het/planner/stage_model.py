@@ -20,18 +20,19 @@ larger); the final plans are checked.
 under every stage's memory (bisection), excess layers taken from the stages slowest per layer,
 then single-layer moves while they lower the iteration time.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.perf import Prediction, Profile, SimulationCache, predict
+from megatron_het.perf.closed_forms import exchange_time
 from megatron_het.perf.comm_cost import CommCost
 from megatron_het.perf.memory import RESERVED_FRACTION, device_capacity_bytes
-from megatron_het.perf.closed_forms import exchange_time
 from megatron_het.planner.space import Layout, Placement, build_plan
 
 
@@ -85,8 +86,13 @@ class StageModel:
         if self.layout.num_chunks > 1:
             return [[0.0] * p for _ in self.p2p]
         for cf, cb in self.p2p:
-            out.append([(max(cf[s], cb[s]) if s < p - 1 else 0.0)
-                        + (max(cf[s - 1], cb[s - 1]) if s > 0 else 0.0) for s in range(p)])
+            out.append(
+                [
+                    (max(cf[s], cb[s]) if s < p - 1 else 0.0)
+                    + (max(cf[s - 1], cb[s - 1]) if s > 0 else 0.0)
+                    for s in range(p)
+                ]
+            )
         return out
 
     def iteration_time(self, layers: Sequence[int]) -> float:
@@ -94,15 +100,17 @@ class StageModel:
         ``predict(..., pipeline_model="closed_form").iteration_time_s`` of its plan."""
         m, v = self.layout.micro_batches, self.layout.num_chunks
         work = [self.forward[s](n) + self.backward[s](n) for s, n in enumerate(layers)]
-        tail = (max(a(n) for a, n in zip(self.dp_sync, layers))
-                + max(a(n) for a, n in zip(self.optimizer, layers)))
+        tail = max(a(n) for a, n in zip(self.dp_sync, layers)) + max(
+            a(n) for a, n in zip(self.optimizer, layers)
+        )
         if v > 1:
             p = self.num_stages
             chunks = [self.chunk_times(g, c, layers[g]) for c in range(v) for g in range(p)]
             f, b = [x for x, _ in chunks], [y for _, y in chunks]
             rounds = sum(max(f[s] + b[s] for s in range(c * p, (c + 1) * p)) for c in range(v))
-            exchanges = max(exchange_time(m, v, p, f, b, cf, cb, overlap_p2p=True)
-                            for cf, cb in self.p2p)
+            exchanges = max(
+                exchange_time(m, v, p, f, b, cf, cb, overlap_p2p=True) for cf, cb in self.p2p
+            )
             return m * rounds + (sum(work) - max(work)) / v + exchanges + tail
         pipeline = 0.0
         for (cf, cb), steady in zip(self.p2p, self.steady_p2p()):
@@ -116,8 +124,10 @@ class StageModel:
         v = self.layout.num_chunks
         size = layers // v + (chunk < layers % v)
         fixed_f, fixed_b = self.chunk_fixed[group][chunk]
-        return (self.forward[group].slope * size + fixed_f,
-                self.backward[group].slope * size + fixed_b)
+        return (
+            self.forward[group].slope * size + fixed_f,
+            self.backward[group].slope * size + fixed_b,
+        )
 
     def chunk_time(self, group: int, chunk: int, layers: int) -> float:
         """Forward + backward of chunk ``chunk`` (:meth:`chunk_times`)."""
@@ -133,16 +143,22 @@ class StageModel:
         forward = [a(n) for a, n in zip(self.forward, layers)]
         backward = [a(n) for a, n in zip(self.backward, layers)]
         pipeline = max(cache.makespan(forward, backward, m, cf, cb) for cf, cb in self.p2p)
-        return (pipeline + max(a(n) for a, n in zip(self.dp_sync, layers))
-                + max(a(n) for a, n in zip(self.optimizer, layers)))
+        return (
+            pipeline
+            + max(a(n) for a, n in zip(self.dp_sync, layers))
+            + max(a(n) for a, n in zip(self.optimizer, layers))
+        )
 
     def memory_caps(self, extra_bytes: float = 0.0) -> list[int]:
         """The most layers each stage holds within its usable memory (plus ``extra_bytes``)."""
         caps = []
         for mem, usable in zip(self.memory, self.usable_bytes):
             room = usable + extra_bytes - mem.intercept
-            caps.append(math.floor(room / mem.slope - 1e-9) if mem.slope > 0 else
-                        (1 << 30 if room >= 0 else 0))
+            caps.append(
+                math.floor(room / mem.slope - 1e-9)
+                if mem.slope > 0
+                else (1 << 30 if room >= 0 else 0)
+            )
         return caps
 
     def memory_shortfall(self, num_layers: int) -> tuple[float, int]:
@@ -156,8 +172,10 @@ class StageModel:
             else:
                 lo = mid
         caps = self.memory_caps(hi)
-        worst = max(range(self.num_stages),
-                    key=lambda s: self.memory[s](min(caps[s], num_layers)) - self.usable_bytes[s])
+        worst = max(
+            range(self.num_stages),
+            key=lambda s: self.memory[s](min(caps[s], num_layers)) - self.usable_bytes[s],
+        )
         return hi, worst
 
 
@@ -171,11 +189,18 @@ def _affine(low: float, high: float, at_low: int = 1) -> Affine:
     return Affine(low - slope * at_low, slope)
 
 
-def probe_stage_model(model: ModelConfig, layout: Layout, placement: Placement,
-                      cluster: ClusterSpec, seq_length: int,
-                      profiles: Optional[Mapping[str, Profile]], dtype: str,
-                      cache: SimulationCache, comm: Optional[CommCost] = None,
-                      fused_elementwise: bool = True) -> StageModel:
+def probe_stage_model(
+    model: ModelConfig,
+    layout: Layout,
+    placement: Placement,
+    cluster: ClusterSpec,
+    seq_length: int,
+    profiles: Mapping[str, Profile] | None,
+    dtype: str,
+    cache: SimulationCache,
+    comm: CommCost | None = None,
+    fused_elementwise: bool = True,
+) -> StageModel:
     """Two closed-form predictions of ``layout`` (``v`` and ``2 v`` layers per stage or device
     group, ``v`` its chunks) -> its StageModel; ``comm``: a communication model to reuse;
     ``fused_elementwise``: as :func:`~megatron_het.perf.predict` prices the layers."""
@@ -184,20 +209,36 @@ def probe_stage_model(model: ModelConfig, layout: Layout, placement: Placement,
     probes: list[Prediction] = []
     for layers in (v, 2 * v):
         plan = build_plan(layout, [layers] * p, placement, dtype)
-        probes.append(predict(model, plan, cluster, seq_length, profiles, dtype,
-                              pipeline_model="closed_form", cache=cache, validate=False,
-                              pipelines=replicas, comm=comm,
-                              fused_elementwise=fused_elementwise))
+        probes.append(
+            predict(
+                model,
+                plan,
+                cluster,
+                seq_length,
+                profiles,
+                dtype,
+                pipeline_model="closed_form",
+                cache=cache,
+                validate=False,
+                pipelines=replicas,
+                comm=comm,
+                fused_elementwise=fused_elementwise,
+            )
+        )
     n = v * p  # stages (chunks) of one pipeline
     sums = [_group_rows(probe.stages[:n], p) for probe in probes]
     one, two = probes[0].stages[:p], probes[1].stages[:p]
-    usable = tuple(device_capacity_bytes(cluster.accelerator_of(a.ranks[0]))
-                   * (1.0 - RESERVED_FRACTION) for a in one)
+    usable = tuple(
+        device_capacity_bytes(cluster.accelerator_of(a.ranks[0])) * (1.0 - RESERVED_FRACTION)
+        for a in one
+    )
     p2p = []
     for i in range(len(replicas)):
-        rows = probes[0].stages[i * n:(i + 1) * n]
-        pair = (tuple(r.p2p_forward_s for r in rows[:-1]),
-                tuple(r.p2p_backward_s for r in rows[:-1]))
+        rows = probes[0].stages[i * n : (i + 1) * n]
+        pair = (
+            tuple(r.p2p_forward_s for r in rows[:-1]),
+            tuple(r.p2p_backward_s for r in rows[:-1]),
+        )
         if pair not in p2p:
             p2p.append(pair)
 
@@ -207,23 +248,39 @@ def probe_stage_model(model: ModelConfig, layout: Layout, placement: Placement,
     forward = tuple(line(a, b) for a, b in zip(sums[0][0], sums[1][0]))
     backward = tuple(line(a, b) for a, b in zip(sums[0][1], sums[1][1]))
     first = probes[0].stages[:n]  # one layer per chunk
-    fixed = tuple(tuple((first[c * p + g].forward_s - forward[g].slope,
-                         first[c * p + g].backward_s - backward[g].slope) for c in range(v))
-                  for g in range(p)) if v > 1 else ()
+    fixed = (
+        tuple(
+            tuple(
+                (
+                    first[c * p + g].forward_s - forward[g].slope,
+                    first[c * p + g].backward_s - backward[g].slope,
+                )
+                for c in range(v)
+            )
+            for g in range(p)
+        )
+        if v > 1
+        else ()
+    )
     return StageModel(
         layout,
-        forward=forward, backward=backward,
+        forward=forward,
+        backward=backward,
         dp_sync=tuple(line(a.dp_sync_s, b.dp_sync_s) for a, b in zip(one, two)),
         optimizer=tuple(line(a.optimizer_s, b.optimizer_s) for a, b in zip(one, two)),
-        memory=tuple(line(a.memory.total_bytes, b.memory.total_bytes)
-                     for a, b in zip(one, two)),
-        usable_bytes=usable, p2p=tuple(p2p), chunk_fixed=fixed)
+        memory=tuple(line(a.memory.total_bytes, b.memory.total_bytes) for a, b in zip(one, two)),
+        usable_bytes=usable,
+        p2p=tuple(p2p),
+        chunk_fixed=fixed,
+    )
 
 
 def _group_rows(rows: Sequence, groups: int) -> tuple[list[float], list[float]]:
     """Per device group (stage s on group s % groups), its chunks' forward and backward."""
-    return ([sum(r.forward_s for r in rows[g::groups]) for g in range(groups)],
-            [sum(r.backward_s for r in rows[g::groups]) for g in range(groups)])
+    return (
+        [sum(r.forward_s for r in rows[g::groups]) for g in range(groups)],
+        [sum(r.backward_s for r in rows[g::groups]) for g in range(groups)],
+    )
 
 
 def layer_caps(stage_model: StageModel, num_layers: int, check_memory: bool = True) -> list[int]:
@@ -235,8 +292,9 @@ def layer_caps(stage_model: StageModel, num_layers: int, check_memory: bool = Tr
     return [min(c, most) for c in stage_model.memory_caps()]
 
 
-def balance_layers(stage_model: StageModel, num_layers: int, polish: bool = True,
-                   check_memory: bool = True) -> Optional[list[int]]:
+def balance_layers(
+    stage_model: StageModel, num_layers: int, polish: bool = True, check_memory: bool = True
+) -> list[int] | None:
     """The layer count of every stage (sum ``num_layers``, each >= 1, within memory unless
     ``check_memory`` is False) that minimises :meth:`StageModel.iteration_time` (bisection on
     the cycle bottleneck, then :func:`polish_split`); None if no split fits in memory."""
@@ -246,12 +304,18 @@ def balance_layers(stage_model: StageModel, num_layers: int, polish: bool = True
         return None
     steady = [max(k) for k in zip(*stage_model.steady_p2p())]
     slope = [stage_model.forward[s].slope + stage_model.backward[s].slope for s in range(p)]
-    base = [stage_model.forward[s].intercept + stage_model.backward[s].intercept + steady[s]
-            for s in range(p)]
+    base = [
+        stage_model.forward[s].intercept + stage_model.backward[s].intercept + steady[s]
+        for s in range(p)
+    ]
 
     def units(cycle: float) -> list[int]:
-        return [min(caps[s], math.floor((cycle - base[s]) / slope[s] + 1e-9)) if slope[s] > 0
-                else caps[s] for s in range(p)]
+        return [
+            min(caps[s], math.floor((cycle - base[s]) / slope[s] + 1e-9))
+            if slope[s] > 0
+            else caps[s]
+            for s in range(p)
+        ]
 
     lo = max(base[s] + slope[s] * least for s in range(p))
     hi = max(base[s] + slope[s] * caps[s] for s in range(p))
@@ -270,16 +334,18 @@ def balance_layers(stage_model: StageModel, num_layers: int, polish: bool = True
         layers[s] -= take
         excess -= take
     whole = _whole_chunks(layers, least, caps, num_layers)
-    if whole is not None and (stage_model.iteration_time(whole)
-                              < stage_model.iteration_time(layers)):
+    if whole is not None and (
+        stage_model.iteration_time(whole) < stage_model.iteration_time(layers)
+    ):
         layers = whole
     if polish:
         layers = polish_split(stage_model, layers, caps)
     return layers
 
 
-def _whole_chunks(layers: Sequence[int], v: int, caps: Sequence[int],
-                  num_layers: int) -> Optional[list[int]]:
+def _whole_chunks(
+    layers: Sequence[int], v: int, caps: Sequence[int], num_layers: int
+) -> list[int] | None:
     """``layers`` rounded to multiples of ``v`` (largest remainders up, sum kept, caps
     respected), so that every chunk of a group has the same size; None for plain layouts or
     when ``v`` does not divide the model's layers."""
@@ -299,8 +365,12 @@ def _whole_chunks(layers: Sequence[int], v: int, caps: Sequence[int],
     return [u * v for u in whole] if left == 0 else None
 
 
-def polish_split(stage_model: StageModel, layers: list[int], caps: Sequence[int],
-                 time_of: Optional[Callable[[Sequence[int]], float]] = None) -> list[int]:
+def polish_split(
+    stage_model: StageModel,
+    layers: list[int],
+    caps: Sequence[int],
+    time_of: Callable[[Sequence[int]], float] | None = None,
+) -> list[int]:
     """Move one layer at a time between stages while ``time_of`` (default: the closed-form
     :meth:`StageModel.iteration_time`) drops, best move first; returns the improved split."""
     time_of = time_of or stage_model.iteration_time
@@ -329,5 +399,11 @@ def polish_split(stage_model: StageModel, layers: list[int], caps: Sequence[int]
         best = move_time
 
 
-__all__ = ["Affine", "StageModel", "balance_layers", "layer_caps", "polish_split",
-           "probe_stage_model"]
+__all__ = [
+    "Affine",
+    "StageModel",
+    "balance_layers",
+    "layer_caps",
+    "polish_split",
+    "probe_stage_model",
+]

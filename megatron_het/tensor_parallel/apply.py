@@ -14,9 +14,8 @@ all-reduces of ``[B, S, H]`` in forward (after ``proj`` and ``down``) and two in
 ``qkv`` and before ``gate``/``up``); the embedding adds one in forward, the head one in backward
 plus the loss statistics.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
@@ -27,15 +26,25 @@ from megatron_het.config import ModelConfig
 from megatron_het.model.init import initial_value
 from megatron_het.model.llama import LlamaModel
 from megatron_het.parallel.plan import ATTENTION_BLOCK, MLP_BLOCK
-from megatron_het.tensor_parallel.cross_entropy import (gather_vocab_parallel_logits,
-                                                        vocab_parallel_linear_cross_entropy)
-from megatron_het.tensor_parallel.layers import (ColumnParallelLinear, ParallelMLP,
-                                                 RowParallelLinear, SequenceParallelRMSNorm,
-                                                 VocabParallelEmbedding)
+from megatron_het.tensor_parallel.cross_entropy import (
+    gather_vocab_parallel_logits,
+    vocab_parallel_linear_cross_entropy,
+)
+from megatron_het.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    RowParallelLinear,
+    SequenceParallelRMSNorm,
+    VocabParallelEmbedding,
+)
 from megatron_het.tensor_parallel.mappings import copy_to_tp
 from megatron_het.tensor_parallel.sequence_parallel import gather_from_sp
-from megatron_het.tensor_parallel.sharding import (check_tp_size, shard_tensor, vocab_range,
-                                                   vocab_sizes)
+from megatron_het.tensor_parallel.sharding import (
+    check_tp_size,
+    shard_tensor,
+    vocab_range,
+    vocab_sizes,
+)
 
 
 class TensorParallelLlamaModel(LlamaModel):
@@ -55,8 +64,12 @@ class TensorParallelLlamaModel(LlamaModel):
     def sequence_length(self, hidden: torch.Tensor) -> int:
         return hidden.shape[1] * (self.tp_group.size if self.sequence_parallel else 1)
 
-    def head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None,
-             loss_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def head(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """As :meth:`LlamaModel.head`, with the output projection split by vocabulary over
         ``tp_group``: the loss never forms full-vocabulary logits; logits are all-gathered.
         With sequence parallelism the normed ``[B, S/tp, H]`` shards are gathered first (the
@@ -69,8 +82,14 @@ class TensorParallelLlamaModel(LlamaModel):
             normed = gather_from_sp(normed, self.tp_group)
         if labels is not None:
             return vocab_parallel_linear_cross_entropy(
-                normed, self.output_weight(), labels, self.tp_group, self.vocab_range[0],
-                loss_weights, copy_input=not self.sequence_parallel)
+                normed,
+                self.output_weight(),
+                labels,
+                self.tp_group,
+                self.vocab_range[0],
+                loss_weights,
+                copy_input=not self.sequence_parallel,
+            )
         return self.vocab_parallel_logits(normed, gather=True)
 
     def vocab_parallel_logits(self, normed: torch.Tensor, gather: bool = False) -> torch.Tensor:
@@ -83,12 +102,14 @@ class TensorParallelLlamaModel(LlamaModel):
         local = F.linear(normed, self.output_weight())
         if not gather:
             return local
-        return gather_vocab_parallel_logits(local, group,
-                                            vocab_sizes(self.config.vocab_size, group.size))
+        return gather_vocab_parallel_logits(
+            local, group, vocab_sizes(self.config.vocab_size, group.size)
+        )
 
 
-def _shard(model: nn.Module, name: str, config: ModelConfig, tp: int, tp_rank: int,
-           seed: Optional[int]) -> torch.Tensor:
+def _shard(
+    model: nn.Module, name: str, config: ModelConfig, tp: int, tp_rank: int, seed: int | None
+) -> torch.Tensor:
     """This rank's shard of parameter ``name``: sliced from the model's current full value, or
     from the layout-independent initial value when ``seed`` is given."""
     param = model.get_parameter(name)
@@ -103,9 +124,14 @@ def _shard(model: nn.Module, name: str, config: ModelConfig, tp: int, tp_rank: i
 
 
 @torch.no_grad()
-def apply_tp(model: LlamaModel, group: UnifiedGroup, config: ModelConfig,
-             seed: Optional[int] = None, sequence_parallel: bool = False,
-             tp_comm_overlap: bool = False) -> LlamaModel:
+def apply_tp(
+    model: LlamaModel,
+    group: UnifiedGroup,
+    config: ModelConfig,
+    seed: int | None = None,
+    sequence_parallel: bool = False,
+    tp_comm_overlap: bool = False,
+) -> LlamaModel:
     """Shard ``model`` over the tensor-parallel ``group`` in place and return it.
 
     Args:
@@ -149,24 +175,31 @@ def apply_tp(model: LlamaModel, group: UnifiedGroup, config: ModelConfig,
             attention = layer.attention
             qkv = shard(prefix + "attention.qkv.weight")
             proj = shard(prefix + "attention.proj.weight")
-            attention.qkv = ColumnParallelLinear(qkv, group, sequence_parallel=sp,
-                                                 tp_comm_overlap=overlap)
+            attention.qkv = ColumnParallelLinear(
+                qkv, group, sequence_parallel=sp, tp_comm_overlap=overlap
+            )
             attention.proj = RowParallelLinear(proj, group, sp, overlap)
             attention.num_heads = config.num_attention_heads // tp
             attention.num_groups = config.num_query_groups // tp
             norms.append("input_norm")
         if MLP_BLOCK in layer.parts:
-            layer.mlp = ParallelMLP(shard(prefix + "mlp.gate.weight"),
-                                    shard(prefix + "mlp.up.weight"),
-                                    shard(prefix + "mlp.down.weight"), group, sp, overlap)
+            layer.mlp = ParallelMLP(
+                shard(prefix + "mlp.gate.weight"),
+                shard(prefix + "mlp.up.weight"),
+                shard(prefix + "mlp.down.weight"),
+                group,
+                sp,
+                overlap,
+            )
             norms.append("post_attention_norm")
         for norm in norms:
             _replace_replicated(model, f"{prefix}{norm}.weight", seed, config)
             _sequence_parallel_norm(layer.get_submodule(norm), group, sp)
     start, stop = vocab_range(config.vocab_size, tp, tp_rank)
     if model.embedding is not None:
-        model.embedding = VocabParallelEmbedding(shard("embedding.weight"), start, group,
-                                                 sequence_parallel)
+        model.embedding = VocabParallelEmbedding(
+            shard("embedding.weight"), start, group, sequence_parallel
+        )
     if model.output is not None:
         model.output.weight = nn.Parameter(shard("output.weight"))
         model.output.out_features = model.output.weight.shape[0]
@@ -187,8 +220,7 @@ def _sequence_parallel_norm(norm: nn.Module, group: UnifiedGroup, enabled: bool)
         norm.group = group
 
 
-def _replace_replicated(model: nn.Module, name: str, seed: Optional[int],
-                        config: ModelConfig) -> None:
+def _replace_replicated(model: nn.Module, name: str, seed: int | None, config: ModelConfig) -> None:
     """Give a replicated parameter its initial value when shards are drawn from ``seed``."""
     if seed is None:
         return

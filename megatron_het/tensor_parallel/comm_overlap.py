@@ -26,9 +26,11 @@ waiting is hidden.
 Tensors are ``[B, S, H]`` (batch first, the sequence on dim 1). Shape legend: B batch, S
 sequence, s = S/tp this rank's block, H input features, O output features.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +39,8 @@ from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.comm.p2p import P2PHandle, P2POp
 from megatron_het.kernels.autocast import autocast_dtype, autocast_off
 from megatron_het.kernels.gemm import addmm_fp32_out_
-from megatron_het.kernels.main_grad import add_to_main_grad
 from megatron_het.kernels.graph_break import graph_break
+from megatron_het.kernels.main_grad import add_to_main_grad
 
 SEQ_DIM = 1
 # Tags of the two rings a backward pass runs at once (gloo matches on them; device backends
@@ -61,8 +63,9 @@ class _Ring:
         """Start sending ``send`` to the next rank and receiving its like from the previous;
         the received tensor is valid once every handle is waited."""
         got = torch.empty_like(send)
-        handles = self.group.batch_isend_irecv([P2POp("isend", send, self.next, tag),
-                                                P2POp("irecv", got, self.prev, tag)])
+        handles = self.group.batch_isend_irecv(
+            [P2POp("isend", send, self.next, tag), P2POp("irecv", got, self.prev, tag)]
+        )
         return got, handles
 
     def block(self, step: int, behind: int = 0) -> int:
@@ -82,7 +85,7 @@ def _as_autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
-def _wait(handles: Optional[list[P2PHandle]]) -> None:
+def _wait(handles: list[P2PHandle] | None) -> None:
     for handle in handles or ():
         handle.wait()
 
@@ -114,8 +117,9 @@ def _arriving_blocks(ring: _Ring, first: torch.Tensor) -> Iterator[tuple[int, to
             here = arriving
 
 
-def _gathered_products(ring: _Ring, x_local: torch.Tensor,
-                       weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _gathered_products(
+    ring: _Ring, x_local: torch.Tensor, weights: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
     """``[all_gather(x) @ W.T for W in weights]``, each block multiplied while the next one
     travels."""
     B, s, _ = x_local.shape
@@ -126,8 +130,9 @@ def _gathered_products(ring: _Ring, x_local: torch.Tensor,
     return outs
 
 
-def _scattered_sum(ring: _Ring, partial_of: Callable[[int], torch.Tensor],
-                   beside: Optional[Callable[[], None]] = None) -> torch.Tensor:
+def _scattered_sum(
+    ring: _Ring, partial_of: Callable[[int], torch.Tensor], beside: Callable[[], None] | None = None
+) -> torch.Tensor:
     """Ring reduce-scatter of ``partial_of(block)`` (this rank's partial result for sequence
     block ``block``): the sum over the group of this rank's own block. Each step's partial
     product is computed while the sum before it travels; ``beside()``, when given, runs once
@@ -152,8 +157,9 @@ class _AllGatherLinear(torch.autograd.Function):
     """``[all_gather_seq(x) @ W.T for W in weights]`` with the gather overlapped."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup,
-                *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, x: torch.Tensor, group: UnifiedGroup, *weights: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.params = group, weights
         x, *weights = _as_autocast(x, *weights)
         ctx.save_for_backward(x, *weights)
@@ -161,7 +167,7 @@ class _AllGatherLinear(torch.autograd.Function):
             return tuple(_gathered_products(_Ring(group), x, weights))
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # Two rings at once: the input gradient's reduce-scatter and x's all-gather again
         # (only x's own block was kept), each block's weight gradient computed as it arrives.
         x, *weights = ctx.saved_tensors
@@ -177,9 +183,11 @@ class _AllGatherLinear(torch.autograd.Function):
             for wgrad, g in zip(wgrads, grads):
                 addmm_fp32_out_(wgrad, _seq_block(g, index, s).reshape(B * s, -1).t(), rows)
 
-        dx = _scattered_sum(ring, lambda block: sum(
-            _seq_block(g, block, s).matmul(w) for g, w in zip(grads, weights)),
-            beside=weight_gradients)
+        dx = _scattered_sum(
+            ring,
+            lambda block: sum(_seq_block(g, block, s).matmul(w) for g, w in zip(grads, weights)),
+            beside=weight_gradients,
+        )
         return (dx, None, *(_weight_grad(p, g) for p, g in zip(ctx.params, wgrads)))
 
 
@@ -187,21 +195,23 @@ class _LinearReduceScatter(torch.autograd.Function):
     """``reduce_scatter_seq(x @ W.T)`` with the reduce-scatter overlapped."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
-                group: UnifiedGroup) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: UnifiedGroup
+    ) -> torch.Tensor:
         ctx.group, ctx.param = group, weight
         x, weight = _as_autocast(x, weight)
         ctx.save_for_backward(x, weight)
         ring = _Ring(group)
         if x.shape[SEQ_DIM] % ring.size:
-            raise ValueError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by the TP "
-                             f"size {ring.size}")
+            raise ValueError(
+                f"sequence length {x.shape[SEQ_DIM]} is not divisible by the TP size {ring.size}"
+            )
         s = x.shape[SEQ_DIM] // ring.size
         with autocast_off(x.device.type):
             return _scattered_sum(ring, lambda block: F.linear(_seq_block(x, block, s), weight))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         ring = _Ring(ctx.group)
         B, S, H = x.shape
@@ -210,8 +220,9 @@ class _LinearReduceScatter(torch.autograd.Function):
         wgrad = _accumulator(weight)
         for index, here in _arriving_blocks(ring, grad):
             _product_into(_seq_block(dx, index, s), here, weight)
-            addmm_fp32_out_(wgrad, here.reshape(B * s, -1).t(),
-                            _seq_block(x, index, s).reshape(B * s, H))
+            addmm_fp32_out_(
+                wgrad, here.reshape(B * s, -1).t(), _seq_block(x, index, s).reshape(B * s, H)
+            )
         return dx, _weight_grad(ctx.param, wgrad), None
 
 
@@ -222,7 +233,7 @@ def _accumulator(weight: torch.Tensor) -> torch.Tensor:
     return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
 
 
-def _weight_grad(param: torch.Tensor, total: torch.Tensor) -> Optional[torch.Tensor]:
+def _weight_grad(param: torch.Tensor, total: torch.Tensor) -> torch.Tensor | None:
     """The gradient autograd gets for ``param``: None once ``total`` went into its float32
     ``main_grad`` (:func:`~megatron_het.kernels.main_grad.add_to_main_grad`), else ``total``
     in ``param``'s dtype."""
@@ -230,8 +241,9 @@ def _weight_grad(param: torch.Tensor, total: torch.Tensor) -> Optional[torch.Ten
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
-def all_gather_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                      group: UnifiedGroup) -> tuple[torch.Tensor, ...]:
+def all_gather_linear(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], group: UnifiedGroup
+) -> tuple[torch.Tensor, ...]:
     """``[B, s, H]`` sequence block -> ``[all_gather_seq(x) @ W.T for W in weights]`` (each
     ``[B, S, O_W]``), the all-gather overlapped with the GEMMs; backward reduce-scatters the
     input gradient the same way."""
@@ -239,8 +251,9 @@ def all_gather_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
-def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor,
-                          group: UnifiedGroup) -> torch.Tensor:
+def linear_reduce_scatter(
+    x: torch.Tensor, weight: torch.Tensor, group: UnifiedGroup
+) -> torch.Tensor:
     """``[B, S, H]`` -> this rank's ``[B, s, O]`` block of ``sum over ranks (x @ W.T)``, the
     reduce-scatter overlapped with the GEMM; backward all-gathers the output gradient the
     same way."""

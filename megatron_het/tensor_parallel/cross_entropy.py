@@ -13,24 +13,35 @@ are the collectives themselves.
 
 Shape legend: N tokens, H hidden, V vocabulary, Vr this rank's vocabulary rows.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.kernels.autocast import autocast_off
-from megatron_het.model.loss import (IGNORE_INDEX, HeadSettings, chunk_logits,
-                                     fused_head_settings, head_backward, head_operands,
-                                     project_logit_grads, save_head_grads, split_token_weights,
-                                     token_loss_weights)
+from megatron_het.model.loss import (
+    IGNORE_INDEX,
+    HeadSettings,
+    chunk_logits,
+    fused_head_settings,
+    head_backward,
+    head_operands,
+    project_logit_grads,
+    save_head_grads,
+    split_token_weights,
+    token_loss_weights,
+)
 from megatron_het.tensor_parallel.mappings import copy_to_tp, gather_from_tp
 
 
-def _local_stats(logits_NV: torch.Tensor, labels_N: torch.Tensor, vocab_start: int
-                 ) -> tuple[torch.Tensor, ...]:
+def _local_stats(
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, vocab_start: int
+) -> tuple[torch.Tensor, ...]:
     """``(max, sumexp about max, target logit or 0, holds target, local label)`` per token."""
     logits_NV = logits_NV.float()
     local_max = logits_NV.max(dim=-1).values
@@ -42,8 +53,9 @@ def _local_stats(logits_NV: torch.Tensor, labels_N: torch.Tensor, vocab_start: i
     return local_max, sum_exp, target, here, local
 
 
-def _global_lse(local_max: torch.Tensor, sum_exp: torch.Tensor, target: torch.Tensor,
-                group: UnifiedGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def _global_lse(
+    local_max: torch.Tensor, sum_exp: torch.Tensor, target: torch.Tensor, group: UnifiedGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logsumexp over the whole vocabulary, target logit)`` per token; two all-reduces."""
     global_max = local_max.clone()
     group.all_reduce(global_max, op="max")
@@ -52,8 +64,9 @@ def _global_lse(local_max: torch.Tensor, sum_exp: torch.Tensor, target: torch.Te
     return global_max + torch.log(both[0]), both[1]
 
 
-def _softmax_minus_onehot(logits_NV: torch.Tensor, lse_N: torch.Tensor, here_N: torch.Tensor,
-                          local_N: torch.Tensor) -> torch.Tensor:
+def _softmax_minus_onehot(
+    logits_NV: torch.Tensor, lse_N: torch.Tensor, here_N: torch.Tensor, local_N: torch.Tensor
+) -> torch.Tensor:
     """``d CE / d logits`` for this rank's columns, float32 ``[N, Vr]``.
 
     The one-hot is subtracted by a scatter of ``-here`` (0 on ranks without the target,
@@ -66,8 +79,13 @@ def _softmax_minus_onehot(logits_NV: torch.Tensor, lse_N: torch.Tensor, here_N: 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits_NV: torch.Tensor, labels_N: torch.Tensor, group: UnifiedGroup,
-                vocab_start: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        logits_NV: torch.Tensor,
+        labels_N: torch.Tensor,
+        group: UnifiedGroup,
+        vocab_start: int,
+    ) -> torch.Tensor:
         local_max, sum_exp, target, here, local = _local_stats(logits_NV, labels_N, vocab_start)
         lse, target = _global_lse(local_max, sum_exp, target, group)
         valid = labels_N != IGNORE_INDEX
@@ -75,15 +93,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (lse - target) * valid
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits_NV, lse, here, local, valid = ctx.saved_tensors
         grad = _softmax_minus_onehot(logits_NV, lse, here, local)
         grad *= (grad_loss.float() * valid)[:, None]
         return grad.to(logits_NV.dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
-                                 group: UnifiedGroup, vocab_start: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, group: UnifiedGroup, vocab_start: int
+) -> torch.Tensor:
     """Per-token cross-entropy from vocabulary-sharded logits.
 
     Args:
@@ -98,7 +117,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     """
     shape = labels.shape
     loss = _VocabParallelCrossEntropy.apply(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), group, vocab_start)
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), group, vocab_start
+    )
     return loss.view(shape)
 
 
@@ -106,16 +126,23 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and, when asked, both gradients; backward only scales them."""
 
     @staticmethod
-    def forward(ctx: Any, hidden_NH: torch.Tensor, weight_VH: torch.Tensor,
-                labels_N: torch.Tensor, weights_N: torch.Tensor, group: UnifiedGroup,
-                vocab_start: int, settings: HeadSettings) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        hidden_NH: torch.Tensor,
+        weight_VH: torch.Tensor,
+        labels_N: torch.Tensor,
+        weights_N: torch.Tensor,
+        group: UnifiedGroup,
+        vocab_start: int,
+        settings: HeadSettings,
+    ) -> torch.Tensor:
         with autocast_off(hidden_NH.device.type):
             hidden, weight = head_operands(hidden_NH, weight_VH, settings)
             chunk = settings.chunk_tokens
             stats, kept = [], []
             for start in range(0, hidden.shape[0], chunk):
-                logits = chunk_logits(hidden[start:start + chunk], weight)  # float32
-                stats.append(_local_stats(logits, labels_N[start:start + chunk], vocab_start))
+                logits = chunk_logits(hidden[start : start + chunk], weight)  # float32
+                stats.append(_local_stats(logits, labels_N[start : start + chunk], vocab_start))
                 if settings.need_grads:  # reused for the gradients once the global lse is known
                     # About the row's local max, where a bf16 copy is exact near the top
                     # logits (which carry the probability) whatever the logits' size.
@@ -125,43 +152,68 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             total = ((lse - target) * weights_N).sum()
             scale, units_N = split_token_weights(weights_N)
             grad_hidden, grad_weight = (
-                _head_grads(kept, hidden, weight, units_N, scale, lse - local_max, here, local,
-                            settings)
-                if settings.need_grads else (None, None))
+                _head_grads(
+                    kept, hidden, weight, units_N, scale, lse - local_max, here, local, settings
+                )
+                if settings.need_grads
+                else (None, None)
+            )
         save_head_grads(ctx, hidden_NH, weight_VH, grad_hidden, grad_weight, scale)
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (*head_backward(ctx, grad_total), None, None, None, None, None)
 
 
-def _head_grads(kept: Sequence[torch.Tensor], hidden: torch.Tensor, weight: torch.Tensor,
-                units_N: torch.Tensor, scale: torch.Tensor, lse: torch.Tensor,
-                here: torch.Tensor, local: torch.Tensor, settings: HeadSettings
-                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _head_grads(
+    kept: Sequence[torch.Tensor],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    units_N: torch.Tensor,
+    scale: torch.Tensor,
+    lse: torch.Tensor,
+    here: torch.Tensor,
+    local: torch.Tensor,
+    settings: HeadSettings,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(grad_hidden [N, H] partial over this rank's vocabulary, still to be multiplied by
     ``scale``; grad_weight [Vr, H] fp32)`` from the ``kept`` logits (each row about its local
     max, with ``lse`` about that max too; see :func:`split_token_weights` for ``units_N`` and
     ``scale``); None for a gradient autograd does not need."""
     grad_hidden = torch.empty_like(hidden) if settings.hidden_grad else None
-    grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-                   if settings.weight_grad else None)
+    grad_weight = (
+        torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if settings.weight_grad
+        else None
+    )
     chunk = settings.chunk_tokens
     for i, logits in enumerate(kept):
         part = slice(i * chunk, i * chunk + logits.shape[0])
         dlogits = _softmax_minus_onehot(logits, lse[part], here[part], local[part])
-        project_logit_grads(dlogits, hidden[part], weight, units_N[part],
-                            None if grad_hidden is None else grad_hidden[part], grad_weight)
+        project_logit_grads(
+            dlogits,
+            hidden[part],
+            weight,
+            units_N[part],
+            None if grad_hidden is None else grad_hidden[part],
+            grad_weight,
+        )
     if grad_weight is not None:
         grad_weight.mul_(scale)
     return grad_hidden, grad_weight
 
 
 def vocab_parallel_linear_cross_entropy(
-        hidden: torch.Tensor, weight_VH: torch.Tensor, labels: torch.Tensor,
-        group: UnifiedGroup, vocab_start: int, loss_weights: Optional[torch.Tensor] = None,
-        chunk_tokens: Optional[int] = None, copy_input: bool = True) -> torch.Tensor:
+    hidden: torch.Tensor,
+    weight_VH: torch.Tensor,
+    labels: torch.Tensor,
+    group: UnifiedGroup,
+    vocab_start: int,
+    loss_weights: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+    copy_input: bool = True,
+) -> torch.Tensor:
     """``sum_i loss_weights[i] * CE(hidden[i] @ W.T, labels[i])`` with W split by vocabulary.
 
     Args:
@@ -182,9 +234,9 @@ def vocab_parallel_linear_cross_entropy(
     logits: each computes its ``[N, Vr]`` columns chunk by chunk in float32 and keeps them (in
     the GEMM operand dtype, bf16 in a bf16 run on an accelerator, when gradients are needed)
     only until the gradients are formed at the end of forward. Precision and ``main_grad``
-    handling are those of the single-process head; no host synchronisation. Communication: two all-reduces of ``[N]``/``[2, N]`` float32 in
-    forward, and in backward the all-reduce of the ``[N, H]`` hidden gradient (the input passes
-    through :func:`copy_to_tp`).
+    handling are those of the single-process head; no host synchronisation. Communication: two
+    all-reduces of ``[N]``/``[2, N]`` float32 in forward, and in backward the all-reduce of the
+    ``[N, H]`` hidden gradient (the input passes through :func:`copy_to_tp`).
     """
     if copy_input:
         hidden = copy_to_tp(hidden, group)
@@ -193,11 +245,13 @@ def vocab_parallel_linear_cross_entropy(
     weights_N = token_loss_weights(labels_N, loss_weights)
     settings = fused_head_settings(hidden, weight_VH, chunk_tokens)
     return _VocabParallelLinearCrossEntropy.apply(
-        hidden_NH, weight_VH, labels_N, weights_N, group, vocab_start, settings)
+        hidden_NH, weight_VH, labels_N, weights_N, group, vocab_start, settings
+    )
 
 
-def gather_vocab_parallel_logits(logits: torch.Tensor, group: UnifiedGroup,
-                                 sizes: Sequence[int]) -> torch.Tensor:
+def gather_vocab_parallel_logits(
+    logits: torch.Tensor, group: UnifiedGroup, sizes: Sequence[int]
+) -> torch.Tensor:
     """``[..., Vr]`` per rank -> full ``[..., V]`` on every rank (differentiable).
 
     ``sizes[r]`` is rank r's column count (they may differ by one: the vocabulary is not

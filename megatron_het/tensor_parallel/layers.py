@@ -13,6 +13,7 @@ overlapped with the GEMMs (:mod:`megatron_het.tensor_parallel.comm_overlap`).
 Shape legend: H hidden (input features), O output features, tp the group size, V vocabulary,
 Vr this rank's vocabulary rows.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,11 @@ from megatron_het.kernels import rms_norm, swiglu
 from megatron_het.model.llama import RMSNorm
 from megatron_het.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from megatron_het.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
-from megatron_het.tensor_parallel.sequence_parallel import (gather_from_sp, reduce_scatter_to_sp,
-                                                            sp_norm_weight)
+from megatron_het.tensor_parallel.sequence_parallel import (
+    gather_from_sp,
+    reduce_scatter_to_sp,
+    sp_norm_weight,
+)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -45,8 +49,14 @@ class ColumnParallelLinear(nn.Module):
     Input ``[..., H]`` replicated on every rank; output ``[..., O/tp]`` sharded, not gathered.
     """
 
-    def __init__(self, weight: torch.Tensor, group: UnifiedGroup, copy_input: bool = True,
-                 sequence_parallel: bool = False, tp_comm_overlap: bool = False) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        group: UnifiedGroup,
+        copy_input: bool = True,
+        sequence_parallel: bool = False,
+        tp_comm_overlap: bool = False,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.group = group
@@ -82,8 +92,13 @@ class RowParallelLinear(nn.Module):
     replicated, after one all-reduce in forward (none in backward).
     """
 
-    def __init__(self, weight: torch.Tensor, group: UnifiedGroup,
-                 sequence_parallel: bool = False, tp_comm_overlap: bool = False) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        group: UnifiedGroup,
+        sequence_parallel: bool = False,
+        tp_comm_overlap: bool = False,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.group = group
@@ -113,8 +128,13 @@ class VocabParallelEmbedding(nn.Module):
     each rank is exactly its rows of the single-process gradient.
     """
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, group: UnifiedGroup,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        vocab_start: int,
+        group: UnifiedGroup,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.vocab_start = vocab_start
@@ -134,8 +154,10 @@ class VocabParallelEmbedding(nn.Module):
         return leave_tp(rows, self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
-        return (f"vocab=[{self.vocab_start}, {self.vocab_stop}) of {self.group.size} ranks, "
-                f"hidden={self.weight.shape[1]}")
+        return (
+            f"vocab=[{self.vocab_start}, {self.vocab_stop}) of {self.group.size} ranks, "
+            f"hidden={self.weight.shape[1]}"
+        )
 
 
 class ParallelMLP(nn.Module):
@@ -147,9 +169,15 @@ class ParallelMLP(nn.Module):
     ``tp_comm_overlap``, gate and up multiply each sequence block of one overlapped all-gather.
     """
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 group: UnifiedGroup, sequence_parallel: bool = False,
-                 tp_comm_overlap: bool = False) -> None:
+    def __init__(
+        self,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        down: torch.Tensor,
+        group: UnifiedGroup,
+        sequence_parallel: bool = False,
+        tp_comm_overlap: bool = False,
+    ) -> None:
         super().__init__()
         self.group = group
         self.sequence_parallel = sequence_parallel

@@ -22,6 +22,7 @@ gradient itself, which is right when the op after ``copy_to_tp`` makes a fresh i
 that nothing else holds (a linear layer does; an addition, which hands one gradient to both
 operands, does not). Results are the same either way.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -62,8 +63,7 @@ class _CopyToTP(torch.autograd.Function):
     """Enter a tensor-parallel region whose ranks each use the whole (replicated) input."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup,
-                inplace_grad: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup, inplace_grad: bool) -> torch.Tensor:
         ctx.group, ctx.inplace_grad = group, inplace_grad
         return x.view_as(x)
 

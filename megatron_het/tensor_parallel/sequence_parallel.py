@@ -22,9 +22,10 @@ sequence parallelism and nothing downstream changes.
 Tensors are ``[B, S, H]`` (batch first): the sequence is dim 1. Shape legend: B batch, S
 sequence, H hidden, tp the group size.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -91,7 +92,7 @@ class _NormWeight(torch.autograd.Function):
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         total = grad.float().contiguous()  # sum partial gradients once, in float32
         ctx.group.all_reduce(total, op="sum")
         if add_to_main_grad(ctx.param, total):  # a bf16 weight: kept in float32

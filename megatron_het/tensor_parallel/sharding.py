@@ -17,11 +17,12 @@ shapes therefore stay the single-process shapes, and a checkpoint stores each sh
 global shape and its offsets (:meth:`ShardSpec.offsets`). Heads, kv groups and the FFN size must
 be divisible by tp (the plan validation demands it; :func:`check_tp_size` says so again).
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -40,7 +41,7 @@ class ShardSpec:
     contiguous and in rank order.
     """
 
-    dim: Optional[int]
+    dim: int | None
     sizes: tuple[int, ...] = ()
 
     @property
@@ -72,13 +73,17 @@ def check_tp_size(config: ModelConfig, tp: int) -> None:
     """Raise UserError unless ``tp`` divides the heads, the kv groups and the FFN size."""
     if tp < 1:
         raise UserError(f"tensor-parallel size must be at least 1, got {tp}")
-    sizes = ((config.num_attention_heads, f"{config.num_attention_heads} attention heads"),
-             (config.num_query_groups, f"{config.num_query_groups} query groups (kv heads)"),
-             (config.ffn_hidden_size, f"ffn_hidden_size {config.ffn_hidden_size}"))
+    sizes = (
+        (config.num_attention_heads, f"{config.num_attention_heads} attention heads"),
+        (config.num_query_groups, f"{config.num_query_groups} query groups (kv heads)"),
+        (config.ffn_hidden_size, f"ffn_hidden_size {config.ffn_hidden_size}"),
+    )
     bad = [what for n, what in sizes if n % tp]
     if bad:
-        raise UserError(f"tp={tp} does not divide the model's {' or '.join(bad)}; use a tp "
-                        "that divides all of them")
+        raise UserError(
+            f"tp={tp} does not divide the model's {' or '.join(bad)}; use a tp "
+            "that divides all of them"
+        )
 
 
 def vocab_sizes(vocab_size: int, tp: int) -> tuple[int, ...]:
@@ -100,9 +105,15 @@ def parameter_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
     nh, ng, v = config.num_attention_heads, config.num_query_groups, config.vocab_size
     layer = _LAYER_PARAM.fullmatch(name)
     local = layer.group(1) if layer else None
-    shapes = {"attention.qkv.weight": ((nh + 2 * ng) * d, h), "attention.proj.weight": (h, nh * d),
-              "mlp.gate.weight": (f, h), "mlp.up.weight": (f, h), "mlp.down.weight": (h, f),
-              "input_norm.weight": (h,), "post_attention_norm.weight": (h,)}
+    shapes = {
+        "attention.qkv.weight": ((nh + 2 * ng) * d, h),
+        "attention.proj.weight": (h, nh * d),
+        "mlp.gate.weight": (f, h),
+        "mlp.up.weight": (f, h),
+        "mlp.down.weight": (h, f),
+        "input_norm.weight": (h,),
+        "post_attention_norm.weight": (h,),
+    }
     if local in shapes:
         return shapes[local]
     top = {"embedding.weight": (v, h), "output.weight": (v, h), "final_norm.weight": (h,)}
@@ -132,8 +143,9 @@ def shard_spec(name: str, config: ModelConfig, tp: int) -> ShardSpec:
     return ShardSpec(1, (ffn,) * tp)  # mlp.down.weight
 
 
-def shard_tensor(name: str, full: torch.Tensor, config: ModelConfig, tp: int,
-                 tp_rank: int) -> torch.Tensor:
+def shard_tensor(
+    name: str, full: torch.Tensor, config: ModelConfig, tp: int, tp_rank: int
+) -> torch.Tensor:
     """Rank ``tp_rank``'s shard of the global tensor ``full`` of parameter ``name``.
 
     Returns a new contiguous tensor (never a view of ``full``), on ``full``'s device and dtype.
@@ -150,8 +162,9 @@ def shard_tensor(name: str, full: torch.Tensor, config: ModelConfig, tp: int,
     return full.narrow(spec.dim, start, stop - start).clone(memory_format=torch.contiguous_format)
 
 
-def unshard(name: str, shards: Sequence[torch.Tensor], config: ModelConfig,
-            tp: int) -> torch.Tensor:
+def unshard(
+    name: str, shards: Sequence[torch.Tensor], config: ModelConfig, tp: int
+) -> torch.Tensor:
     """The global tensor of parameter ``name`` from its ``tp`` shards in rank order.
 
     A replicated parameter returns (a copy of) the first shard.
@@ -163,8 +176,9 @@ def unshard(name: str, shards: Sequence[torch.Tensor], config: ModelConfig,
     for rank, shard in enumerate(shards):
         expected = spec.shard_shape(full_shape, rank)
         if tuple(shard.shape) != tuple(expected):
-            raise ValueError(f"{name}: shard {rank} has shape {tuple(shard.shape)}, expected "
-                             f"{tuple(expected)}")
+            raise ValueError(
+                f"{name}: shard {rank} has shape {tuple(shard.shape)}, expected {tuple(expected)}"
+            )
     if spec.replicated:
         return shards[0].clone()
     return torch.cat(list(shards), dim=spec.dim)

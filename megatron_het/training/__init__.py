@@ -2,6 +2,7 @@
 one-stage, one-rank plan. ``pretrain`` is the entry point; ``pretrain_on_world`` trains on a
 world the caller initialised. Names load on first use, so ``pretrain_llama.py --help`` answers
 without importing torch."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -7,12 +7,14 @@ call of the same client waits behind it on the client's lock. :class:`BoundedSto
 calls on one helper thread and gives up on a call after ``deadline_s``; while a call is overdue,
 every new one fails at once, and the store answers again once the overdue call returns.
 """
+
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 
 class StoreUnreachable(RuntimeError):
@@ -24,7 +26,7 @@ class _Call:
         self.fn = fn
         self.done = threading.Event()
         self.value: Any = None
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
 
 
 class BoundedStore:
@@ -35,10 +37,10 @@ class BoundedStore:
 
     def __init__(self, store: Any, deadline_s: float) -> None:
         self.inner, self.deadline_s = store, deadline_s
-        self._calls: "queue.Queue[Optional[_Call]]" = queue.Queue()
+        self._calls: queue.Queue[_Call | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._busy_since: Optional[float] = None  # when the call in flight started
-        self._thread: Optional[threading.Thread] = None
+        self._busy_since: float | None = None  # when the call in flight started
+        self._thread: threading.Thread | None = None
 
     def set(self, key: str, value: str) -> None:
         self._call(lambda: self.inner.set(key, value))
@@ -64,8 +66,9 @@ class BoundedStore:
             if since is not None and time.monotonic() - since > self.deadline_s:
                 raise StoreUnreachable(f"no answer in {self.deadline_s:g} s")
             if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="bounded-store",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._serve, name="bounded-store", daemon=True
+                )
                 self._thread.start()
             self._calls.put(call)
         if not call.done.wait(self.deadline_s):
@@ -83,7 +86,7 @@ class BoundedStore:
                 self._busy_since = time.monotonic()
             try:
                 call.value = call.fn()
-            except BaseException as error:  # noqa: BLE001 - handed to the caller
+            except BaseException as error:
                 call.error = error
             with self._lock:
                 self._busy_since = None

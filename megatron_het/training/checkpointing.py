@@ -11,18 +11,23 @@ every rank's files are complete (:mod:`megatron_het.checkpoint.async_save`). Eac
 time and GB/s; an asynchronous one logs how long training was blocked and, at the commit, the
 background write's time. Each load logs its time and the GB it read.
 """
+
 from __future__ import annotations
 
 import copy
 import dataclasses
 import pathlib
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_het.checkpoint.async_save import (BeforeFile, AsyncCheckpointSaver, CommitReport,
-                                                PendingCommit)
+from megatron_het.checkpoint.async_save import (
+    AsyncCheckpointSaver,
+    BeforeFile,
+    CommitReport,
+    PendingCommit,
+)
 from megatron_het.checkpoint.integrity import files_total_bytes
 from megatron_het.checkpoint.io import iteration_dir_name
 from megatron_het.checkpoint.reader import ReadStats
@@ -38,18 +43,21 @@ if TYPE_CHECKING:  # pragma: no cover
 _GB = 1e9
 
 
-def _rate(nbytes: Optional[int], seconds: float) -> str:
+def _rate(nbytes: int | None, seconds: float) -> str:
     if nbytes is None:
         return ""
     return f", {nbytes / _GB:.3f} GB, {nbytes / _GB / max(seconds, 1e-9):.2f} GB/s"
 
 
-def _train_state(trainer: "Trainer") -> dict[str, Any]:
+def _train_state(trainer: Trainer) -> dict[str, Any]:
     progress = trainer.progress
-    state = {"iteration": progress.iteration, "consumed_samples": progress.consumed_samples,
-             "lr_schedule": trainer.schedule.state_dict(),
-             "rng": rng_state(trainer.device.type),
-             "nonfinite_skipped_iterations": trainer.skipped_nonfinite}
+    state = {
+        "iteration": progress.iteration,
+        "consumed_samples": progress.consumed_samples,
+        "lr_schedule": trainer.schedule.state_dict(),
+        "rng": rng_state(trainer.device.type),
+        "nonfinite_skipped_iterations": trainer.skipped_nonfinite,
+    }
     scaler = trainer.optimizer.loss_scaler
     if scaler is not None:
         state["loss_scaler"] = scaler.state_dict()
@@ -57,21 +65,25 @@ def _train_state(trainer: "Trainer") -> dict[str, Any]:
     return state
 
 
-def _metadata(trainer: "Trainer") -> dict[str, Any]:
+def _metadata(trainer: Trainer) -> dict[str, Any]:
     setup = trainer.setup
-    return {"argv": list(setup.run.argv), "consumed_samples": trainer.progress.consumed_samples,
-            "run_config": dataclasses.asdict(setup.run), "plan": setup.plan.to_dict(),
-            "cluster": setup.cluster.name}
+    return {
+        "argv": list(setup.run.argv),
+        "consumed_samples": trainer.progress.consumed_samples,
+        "run_config": dataclasses.asdict(setup.run),
+        "plan": setup.plan.to_dict(),
+        "cluster": setup.cluster.name,
+    }
 
 
-def _writes_state(trainer: "Trainer") -> bool:
+def _writes_state(trainer: Trainer) -> bool:
     """Whether this rank writes model or optimizer pieces of a checkpoint: pipeline 0's ranks
     do (every DP replica holds the whole, gathered, state; the first one writes it), so the
     other replicas need no host copy of it."""
     return trainer.groups.role.pipeline == 0
 
 
-def save(trainer: "Trainer") -> Optional[pathlib.Path]:
+def save(trainer: Trainer) -> pathlib.Path | None:
     """Sharded checkpoint of the current iteration, written now (collective; None without
     ``--save``). Logs its time and the checkpoint's size and GB/s."""
     setup, progress = trainer.setup, trainer.progress
@@ -80,15 +92,25 @@ def save(trainer: "Trainer") -> Optional[pathlib.Path]:
     start = time.perf_counter()
     trainer.optimizer.params_ready()
     keep = _writes_state(trainer)
-    path = save_sharded(setup.run.train.save, progress.iteration, setup.model_config,
-                        setup.plan, trainer.groups, trainer.stage,
-                        trainer.optimizer.state_dict(keep), _train_state(trainer),
-                        _metadata(trainer), weights=trainer.optimizer.master_weights(keep))
+    path = save_sharded(
+        setup.run.train.save,
+        progress.iteration,
+        setup.model_config,
+        setup.plan,
+        trainer.groups,
+        trainer.stage,
+        trainer.optimizer.state_dict(keep),
+        _train_state(trainer),
+        _metadata(trainer),
+        weights=trainer.optimizer.master_weights(keep),
+    )
     elapsed = time.perf_counter() - start
     metadata = read_metadata_file(path)
     size = None if metadata is None else files_total_bytes(metadata)
-    trainer.print(f" saved checkpoint at iteration {progress.iteration} to {path} "
-                  f"({elapsed:.2f} s{_rate(size, elapsed)})")
+    trainer.print(
+        f" saved checkpoint at iteration {progress.iteration} to {path} "
+        f"({elapsed:.2f} s{_rate(size, elapsed)})"
+    )
     return path
 
 
@@ -102,16 +124,19 @@ class CheckpointSaver:
     ``before_file(iteration, name)`` runs in the writer thread before each file (tests).
     """
 
-    def __init__(self, trainer: "Trainer", before_file: Optional[BeforeFile] = None) -> None:
+    def __init__(self, trainer: Trainer, before_file: BeforeFile | None = None) -> None:
         self.trainer = trainer
         run = trainer.setup.run
-        self.background: Optional[AsyncCheckpointSaver] = None
+        self.background: AsyncCheckpointSaver | None = None
         if run.faults.async_save and run.train.save is not None:
             self.background = AsyncCheckpointSaver(
-                trainer.groups.world, trainer.device, before_file,
-                timeout_s=run.faults.distributed_timeout_minutes * 60)
+                trainer.groups.world,
+                trainer.device,
+                before_file,
+                timeout_s=run.faults.distributed_timeout_minutes * 60,
+            )
 
-    def save(self) -> Optional[pathlib.Path]:
+    def save(self) -> pathlib.Path | None:
         """Checkpoint the current iteration (collective); the iteration directory it is (or
         will be, once committed) written to, None without ``--save``."""
         if self.background is None:
@@ -124,16 +149,34 @@ class CheckpointSaver:
         keep = _writes_state(trainer)
         optimizer_state = trainer.optimizer.state_dict(keep)  # fresh CPU copies
         train_state = copy.deepcopy(_train_state(trainer))
-        files = snapshot_sharded(save_dir, iteration, setup.model_config, trainer.groups,
-                                 trainer.stage, optimizer_state, train_state,
-                                 weights=trainer.optimizer.master_weights(keep))
+        files = snapshot_sharded(
+            save_dir,
+            iteration,
+            setup.model_config,
+            trainer.groups,
+            trainer.stage,
+            optimizer_state,
+            train_state,
+            weights=trainer.optimizer.master_weights(keep),
+        )
         blocked = time.perf_counter() - start
-        self.background.start(files, PendingCommit(
-            save_dir, iteration, setup.model_config, setup.plan, optimizer_state is not None,
-            True, _metadata(trainer)))
-        trainer.print(f" checkpoint at iteration {iteration}: training blocked {blocked:.2f} s "
-                      f"for the snapshot ({files.tensor_bytes / _GB:.3f} GB on this rank); "
-                      "writing it in the background")
+        self.background.start(
+            files,
+            PendingCommit(
+                save_dir,
+                iteration,
+                setup.model_config,
+                setup.plan,
+                optimizer_state is not None,
+                True,
+                _metadata(trainer),
+            ),
+        )
+        trainer.print(
+            f" checkpoint at iteration {iteration}: training blocked {blocked:.2f} s "
+            f"for the snapshot ({files.tensor_bytes / _GB:.3f} GB on this rank); "
+            "writing it in the background"
+        )
         return save_dir / iteration_dir_name(iteration)
 
     def poll(self) -> None:
@@ -153,29 +196,35 @@ class CheckpointSaver:
         if self.background is not None:
             self.background.close()
 
-    def _report(self, report: Optional[CommitReport]) -> None:
+    def _report(self, report: CommitReport | None) -> None:
         if report is None:
             return
-        self.trainer.print(f" saved checkpoint at iteration {report.iteration} to {report.path} "
-                           f"(background write {report.write_s:.2f} s"
-                           f"{_rate(report.bytes, report.write_s)}; committed "
-                           f"{report.since_save_point_s:.2f} s after the save point)")
+        self.trainer.print(
+            f" saved checkpoint at iteration {report.iteration} to {report.path} "
+            f"(background write {report.write_s:.2f} s"
+            f"{_rate(report.bytes, report.write_s)}; committed "
+            f"{report.since_save_point_s:.2f} s after the save point)"
+        )
 
 
 # Bytes of a failed rank's error line that every other rank receives to raise it too.
 _ERROR_LINE_BYTES = 2048
 
 
-def _agree_loaded(trainer: "Trainer", error: Optional[BaseException], stats: ReadStats,
-                  seconds: float) -> tuple[int, float]:
+def _agree_loaded(
+    trainer: Trainer, error: BaseException | None, stats: ReadStats, seconds: float
+) -> tuple[int, float]:
     """Collective over the world: raise on every rank if a rank failed to load (a failing rank
     its own error, every other rank the highest failing rank's line, so the logging rank names
     the damaged file wherever it is); else the bytes every rank read together and the slowest
     rank's time."""
     world = trainer.groups.world
     # int64 (seconds in microseconds): HCCL has no float64 all-reduce.
-    flags = torch.tensor([0 if error is None else world.rank + 1, round(seconds * 1e6)],
-                         dtype=torch.int64, device=trainer.device)
+    flags = torch.tensor(
+        [0 if error is None else world.rank + 1, round(seconds * 1e6)],
+        dtype=torch.int64,
+        device=trainer.device,
+    )
     world.all_reduce(flags, "max")
     total = torch.tensor([stats.bytes], dtype=torch.int64, device=trainer.device)
     world.all_reduce(total, "sum")
@@ -192,7 +241,7 @@ def _agree_loaded(trainer: "Trainer", error: Optional[BaseException], stats: Rea
     raise UserError(f"{line_from_bytes(wire)} (on rank {failed})")
 
 
-def load(trainer: "Trainer") -> str:
+def load(trainer: Trainer) -> str:
     """Load this rank's slices of ``setup.load_dir`` (any plan's checkpoint) and its training
     state; a model-only checkpoint (e.g. converted weights) starts a fresh optimizer at 0.
 
@@ -207,27 +256,36 @@ def load(trainer: "Trainer") -> str:
     try:
         train_state = _load_into(trainer, stats)
         error = None
-    except Exception as exc:  # noqa: BLE001 - re-raised once every rank knows
+    except Exception as exc:
         train_state, error = None, exc
     total, elapsed = _agree_loaded(trainer, error, stats, time.perf_counter() - start)
     if train_state is not None:
         _restore_progress(trainer, train_state)
-    line = (f" loaded checkpoint {setup.load_dir} ({elapsed:.2f} s, {total / _GB:.3f} GB read "
-            f"by {setup.plan.world_size} rank(s), {total / _GB / max(elapsed, 1e-9):.2f} GB/s)")
+    line = (
+        f" loaded checkpoint {setup.load_dir} ({elapsed:.2f} s, {total / _GB:.3f} GB read "
+        f"by {setup.plan.world_size} rank(s), {total / _GB / max(elapsed, 1e-9):.2f} GB/s)"
+    )
     trainer.print(line)
     return line
 
 
-def _load_into(trainer: "Trainer", stats: ReadStats) -> Optional[dict]:
+def _load_into(trainer: Trainer, stats: ReadStats) -> dict | None:
     setup = trainer.setup
     # Under mixed precision the parameters take the rounded values, the masters the exact
     # ones; in fp32 the parameters are the masters and nothing more is kept.
-    weights: Optional[dict] = {} if trainer.optimizer.flat.low_precision else None
+    weights: dict | None = {} if trainer.optimizer.flat.low_precision else None
     # The optimizer state stays on the host: the optimizer moves only the ranges this rank
     # owns (ZeRO-1) to its masters' device, so the stage's whole moments never sit there.
     optimizer_state, train_state = load_sharded(
-        setup.load_dir, setup.model_config, setup.plan, trainer.groups, trainer.stage,
-        map_location="cpu", weights=weights, stats=stats)
+        setup.load_dir,
+        setup.model_config,
+        setup.plan,
+        trainer.groups,
+        trainer.stage,
+        map_location="cpu",
+        weights=weights,
+        stats=stats,
+    )
     if weights is not None:
         trainer.optimizer.load_master_weights(weights)
     if train_state is not None and optimizer_state is not None:
@@ -235,7 +293,7 @@ def _load_into(trainer: "Trainer", stats: ReadStats) -> Optional[dict]:
     return train_state
 
 
-def _restore_progress(trainer: "Trainer", train_state: dict) -> None:
+def _restore_progress(trainer: Trainer, train_state: dict) -> None:
     scaler = trainer.optimizer.loss_scaler
     if scaler is not None and train_state.get("loss_scaler") is not None:
         scaler.load_state_dict(train_state["loss_scaler"])
@@ -243,8 +301,10 @@ def _restore_progress(trainer: "Trainer", train_state: dict) -> None:
     if train_state.get("rng") is not None:
         set_rng_state(train_state["rng"], trainer.device.type)
     trainer.skipped_nonfinite = int(train_state.get("nonfinite_skipped_iterations", 0))
-    trainer.progress = Progress(iteration=int(train_state["iteration"]),
-                                consumed_samples=int(train_state["consumed_samples"]))
+    trainer.progress = Progress(
+        iteration=int(train_state["iteration"]),
+        consumed_samples=int(train_state["consumed_samples"]),
+    )
 
 
 # How long a rank looks for rank 0's marker before calling --save unshared (a network
@@ -298,9 +358,11 @@ def check_save_is_shared(save_dir: pathlib.Path, describe: Any) -> None:
         marker.unlink(missing_ok=True)
     blind = [r for r, flag in enumerate(flags) if not int(flag)]
     if blind:
-        raise UserError(f"--save {save_dir} is not shared by every rank: {describe(blind)} do "
-                        "not see the file rank 0 wrote there; put --save (CHECKPOINT_DIR) on a "
-                        "filesystem every node mounts at the same path")
+        raise UserError(
+            f"--save {save_dir} is not shared by every rank: {describe(blind)} do "
+            "not see the file rank 0 wrote there; put --save (CHECKPOINT_DIR) on a "
+            "filesystem every node mounts at the same path"
+        )
 
 
 def _marker(save_dir: pathlib.Path, token: torch.Tensor) -> pathlib.Path:

@@ -7,10 +7,12 @@ global batch and data position. :func:`describe_restart` says so in a few lines:
 (by kind) and plan that wrote the checkpoint, those of now, and the predictor's iteration time
 for the new plan.
 """
+
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.parallel.plan import ParallelPlan, format_bound
@@ -30,11 +32,13 @@ def short_plan(plan: ParallelPlan) -> str:
     (stages with kind, TP and layers; micro-batches), with counts."""
     layouts: Counter[str] = Counter()
     for pipeline in plan.pipelines:
-        stages = " -> ".join(f"{s.accelerator} tp{s.tp} {_layers(s.layers)}"
-                             for s in pipeline.stages)
+        stages = " -> ".join(
+            f"{s.accelerator} tp{s.tp} {_layers(s.layers)}" for s in pipeline.stages
+        )
         layouts[f"[{stages}] mb{pipeline.micro_batches}"] += 1
-    body = ", ".join(f"{layout} x{count}" if count > 1 else layout
-                     for layout, count in layouts.items())
+    body = ", ".join(
+        f"{layout} x{count}" if count > 1 else layout for layout, count in layouts.items()
+    )
     return f"dp={plan.dp_size} mbs={plan.micro_batch_size}: {body}"
 
 
@@ -61,8 +65,9 @@ def _devices(counts: Mapping[str, int], setup: RunSetup) -> str:
     return f"{total} rank{'s' if total != 1 else ''} ({kinds})"
 
 
-def describe_restart(setup: RunSetup, metadata: Mapping[str, Any],
-                     predicted_s: Callable[[], Optional[float]]) -> Optional[str]:
+def describe_restart(
+    setup: RunSetup, metadata: Mapping[str, Any], predicted_s: Callable[[], float | None]
+) -> str | None:
     """Lines for the start-up log when the checkpoint's plan differs from the run's, else None.
 
     ``metadata`` is the loaded checkpoint's metadata.json (its ``plan``, written by every
@@ -77,17 +82,23 @@ def describe_restart(setup: RunSetup, metadata: Mapping[str, Any],
     if before.to_dict() == now.to_dict():
         return None
     old_devices, new_devices = devices_by_kind(before), devices_by_kind(now)
-    lines = [f"> elastic restart from iteration {metadata.get('iteration')}: the checkpoint "
-             f"was written by {_devices(old_devices, setup)} under plan {short_plan(before)}",
-             f"  now {_devices(new_devices, setup)} under plan {short_plan(now)}"]
-    lost = {k: n - new_devices.get(k, 0) for k, n in old_devices.items()
-            if n > new_devices.get(k, 0)}
+    lines = [
+        f"> elastic restart from iteration {metadata.get('iteration')}: the checkpoint "
+        f"was written by {_devices(old_devices, setup)} under plan {short_plan(before)}",
+        f"  now {_devices(new_devices, setup)} under plan {short_plan(now)}",
+    ]
+    lost = {
+        k: n - new_devices.get(k, 0) for k, n in old_devices.items() if n > new_devices.get(k, 0)
+    }
     if lost:
-        lines.append("  devices lost: " + ", ".join(f"{n} x {_label(k, setup)}"
-                                                    for k, n in lost.items()))
-    batch = (f"  global batch {before.global_batch_size} -> {now.global_batch_size}"
-             if before.global_batch_size != now.global_batch_size
-             else f"  global batch {now.global_batch_size} kept")
+        lines.append(
+            "  devices lost: " + ", ".join(f"{n} x {_label(k, setup)}" for k, n in lost.items())
+        )
+    batch = (
+        f"  global batch {before.global_batch_size} -> {now.global_batch_size}"
+        if before.global_batch_size != now.global_batch_size
+        else f"  global batch {now.global_batch_size} kept"
+    )
     lines.append(f"{batch}; data continues at sample {metadata.get('consumed_samples')}")
     seconds = predicted_s()
     if seconds is not None:

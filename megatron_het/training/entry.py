@@ -1,8 +1,9 @@
 """``pretrain_llama.py``'s main: parse the command line, then dry-run or train."""
+
 from __future__ import annotations
 
 import sys
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from megatron_het.arguments import parse_run_config
 
@@ -39,8 +40,11 @@ def _record(argv: Sequence[str], environ: Mapping[str, str], error: BaseExceptio
 def _main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
     run = parse_run_config(argv)
     # Imported after parsing so --help and command-line mistakes answer without loading torch.
-    from megatron_het.training.launch import (launched_by_torchrun, local_accelerator,
-                                              read_launch_env)
+    from megatron_het.training.launch import (
+        launched_by_torchrun,
+        local_accelerator,
+        read_launch_env,
+    )
     from megatron_het.training.run import pretrain
     from megatron_het.training.stop import StopRequest
 

@@ -6,6 +6,7 @@ GPUs from itself: :func:`select_local_device`). A single process gets a world of
 process (:func:`init_world` without an env), so it runs the same trainer as a launched job.
 Everything after the world group is built goes through the unified communicator.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -13,8 +14,9 @@ import ipaddress
 import os
 import socket
 import time
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, MutableMapping, Optional, Sequence
+from typing import Any
 
 from megatron_het.comm.faults import first_line
 from megatron_het.errors import PeerFailure, RanksError, UserError
@@ -56,27 +58,38 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     missing = [name for name in names if not environ.get(name)]
     if missing:
-        raise UserError(f"{', '.join(missing)} not set; launch the parallel run with torchrun "
-                        "(python -m torch.distributed.run --nproc_per_node N pretrain_llama.py "
-                        "...) or use --dry-run")
+        raise UserError(
+            f"{', '.join(missing)} not set; launch the parallel run with torchrun "
+            "(python -m torch.distributed.run --nproc_per_node N pretrain_llama.py "
+            "...) or use --dry-run"
+        )
     try:
         values = {name: int(environ[name]) for name in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
         local_rank = int(environ.get("LOCAL_RANK", values["RANK"]))
     except ValueError:
-        raise UserError("RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be integers; launch "
-                        "with torchrun") from None
-    if not 0 < values["MASTER_PORT"] < 2 ** 16:
+        raise UserError(
+            "RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be integers; launch with torchrun"
+        ) from None
+    if not 0 < values["MASTER_PORT"] < 2**16:
         raise UserError(f"MASTER_PORT {values['MASTER_PORT']} is not a TCP port (1-65535)")
     if not 0 <= values["RANK"] < values["WORLD_SIZE"]:
-        raise UserError(f"RANK {values['RANK']} is outside WORLD_SIZE {values['WORLD_SIZE']}; "
-                        "launch with torchrun")
-    return LaunchEnv(values["RANK"], values["WORLD_SIZE"], local_rank, environ["MASTER_ADDR"],
-                     values["MASTER_PORT"], _optional_int(environ, "TORCHELASTIC_RESTART_COUNT"),
-                     _optional_int(environ, "LOCAL_WORLD_SIZE"),
-                     environ.get("TORCHELASTIC_RUN_ID", ""),
-                     environ.get("GLOO_SOCKET_IFNAME", ""),
-                     environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                     environ.get("USE_LIBUV", "1") == "1")
+        raise UserError(
+            f"RANK {values['RANK']} is outside WORLD_SIZE {values['WORLD_SIZE']}; "
+            "launch with torchrun"
+        )
+    return LaunchEnv(
+        values["RANK"],
+        values["WORLD_SIZE"],
+        local_rank,
+        environ["MASTER_ADDR"],
+        values["MASTER_PORT"],
+        _optional_int(environ, "TORCHELASTIC_RESTART_COUNT"),
+        _optional_int(environ, "LOCAL_WORLD_SIZE"),
+        environ.get("TORCHELASTIC_RUN_ID", ""),
+        environ.get("GLOO_SOCKET_IFNAME", ""),
+        environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        environ.get("USE_LIBUV", "1") == "1",
+    )
 
 
 def _optional_int(environ: Mapping[str, str], name: str) -> int:
@@ -87,8 +100,12 @@ def _optional_int(environ: Mapping[str, str], name: str) -> int:
         return 0
 
 
-def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-               device_type: Optional[str] = None, device_index: int = 0) -> None:
+def init_world(
+    env: LaunchEnv | None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    device_type: str | None = None,
+    device_index: int = 0,
+) -> None:
     """Initialise torch.distributed's default (world) group with gloo: over
     ``env.init_method``, or, without an env, a world of this one process (an in-memory store).
 
@@ -101,18 +118,21 @@ def init_world(env: Optional[LaunchEnv], timeout: datetime.timedelta = DEFAULT_T
     import torch.distributed as dist
 
     if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialised; train on that world with "
-                           "megatron_het.training.pretrain_on_world")
+        raise RuntimeError(
+            "torch.distributed is already initialised; train on that world with "
+            "megatron_het.training.pretrain_on_world"
+        )
     # a single process may be someone's Python session: its GPUs stay visible
     select_local_device(device_type, device_index, hide_gpus=env is not None)
     if env is None:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        dist.init_process_group(
+            "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
         return
     join_world(env, timeout, gloo_address_problem(env))
 
 
-def join_world(env: LaunchEnv, timeout: datetime.timedelta, problem: Optional[str]) -> None:
+def join_world(env: LaunchEnv, timeout: datetime.timedelta, problem: str | None) -> None:
     """Join the job's rendezvous, agree at start-up (:func:`agree_at_start`), then build the
     gloo world group.
 
@@ -130,8 +150,13 @@ def join_world(env: LaunchEnv, timeout: datetime.timedelta, problem: Optional[st
     error = agree_at_start(store, env, problem, timeout)
     if error is not None:
         raise error
-    dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=env.rank,
-                            world_size=env.world_size, timeout=timeout)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("default_pg", store),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
 
 
 def stop_together(env: LaunchEnv, timeout: datetime.timedelta, problem: str) -> RanksError:
@@ -155,19 +180,27 @@ def _rendezvous_store(env: LaunchEnv, timeout: datetime.timedelta) -> Any:
 
     serve = env.rank == 0 and not env.agent_store
     try:
-        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=serve,
-                             timeout=timeout, wait_for_workers=False, multi_tenant=serve,
-                             use_libuv=env.use_libuv)
+        return dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=serve,
+            timeout=timeout,
+            wait_for_workers=False,
+            multi_tenant=serve,
+            use_libuv=env.use_libuv,
+        )
     except RuntimeError as exc:
         raise _startup_error(env, timeout, first_line(exc)) from None
 
 
-def _startup_error(env: LaunchEnv, timeout: datetime.timedelta, why: str) -> "StartupError":
+def _startup_error(env: LaunchEnv, timeout: datetime.timedelta, why: str) -> StartupError:
     return StartupError(
         f"start-up: rank {env.rank} could not join the {env.world_size}-rank rendezvous at "
         f"{env.master_addr}:{env.master_port} within {timeout.total_seconds() / 60:g} min "
         f"({why}); start every rank (torchrun on every node) or raise "
-        "--distributed-timeout-minutes")
+        "--distributed-timeout-minutes"
+    )
 
 
 # How long a rank that is about to stop waits for the others to read the store first: it may
@@ -177,8 +210,9 @@ _READ_GRACE_S = 10.0
 _SERVER_GRACE_S = 0.5
 
 
-def agree_at_start(store: Any, env: LaunchEnv, problem: Optional[str],
-                   timeout: datetime.timedelta) -> Optional[RanksError]:
+def agree_at_start(
+    store: Any, env: LaunchEnv, problem: str | None, timeout: datetime.timedelta
+) -> RanksError | None:
     """Post this rank's start-up ``problem`` (None: none) to ``store`` and wait for every
     rank's; returns None when no rank has one, else the error every rank raises: one line of
     each problem with the ranks that have it ("ranks 8-15: ..."; a problem of every rank
@@ -199,10 +233,10 @@ def agree_at_start(store: Any, env: LaunchEnv, problem: Optional[str],
         raise StartupError(
             f"start-up: rank {env.rank} lost the rendezvous store at {env.master_addr}:"
             f"{env.master_port} ({first_line(exc)}); a rank on the store's node stopped, see "
-            "its output") from None
+            "its output"
+        ) from None
     if problems and missing:
-        return RanksError(f"{problems}; rank(s) {missing} had not arrived at the timeout",
-                          ranks)
+        return RanksError(f"{problems}; rank(s) {missing} had not arrived at the timeout", ranks)
     if missing:
         raise _startup_error(env, timeout, f"rank(s) {missing} had not arrived at the timeout")
     return RanksError(problems, ranks) if problems else None
@@ -213,8 +247,9 @@ def _own(env: LaunchEnv, problem: str) -> RanksError:
     return RanksError(f"rank {env.rank}: {first_line(problem)}", (env.rank,))
 
 
-def _agree(store: Any, env: LaunchEnv, own: Optional[str],
-           timeout: datetime.timedelta) -> tuple[str, tuple[int, ...], str]:
+def _agree(
+    store: Any, env: LaunchEnv, own: str | None, timeout: datetime.timedelta
+) -> tuple[str, tuple[int, ...], str]:
     """(the problems line, the ranks with problems, the ranks missing at the timeout) of
     :func:`agree_at_start`; "", (), "" when every rank arrived without a problem."""
     import torch.distributed as dist
@@ -252,8 +287,9 @@ def _agree(store: Any, env: LaunchEnv, own: Optional[str],
             problems = next(iter(by_line))  # every rank's: the line alone
         else:
             problems = "; ".join(
-                f"{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(sorted(ranks))}: "
-                f"{line}" for line, ranks in sorted(by_line.items(), key=lambda item: min(item[1])))
+                f"{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(sorted(ranks))}: {line}"
+                for line, ranks in sorted(by_line.items(), key=lambda item: min(item[1]))
+            )
     if problems or missing_ranks:
         arrived_count = int(store.add(prefix + "count", 0))
         _linger(store, prefix + "read", arrived_count, env.rank == 0 and not env.agent_store)
@@ -275,9 +311,11 @@ def _linger(store: Any, key: str, ranks: int, serves: bool) -> None:
         time.sleep(_SERVER_GRACE_S)
 
 
-def gloo_address_problem(env: LaunchEnv,
-                         resolve: Optional[Callable[[str], str]] = None,
-                         hostname: Callable[[], str] = socket.gethostname) -> Optional[str]:
+def gloo_address_problem(
+    env: LaunchEnv,
+    resolve: Callable[[str], str] | None = None,
+    hostname: Callable[[], str] = socket.gethostname,
+) -> str | None:
     """Why gloo could not reach this rank from other nodes, or None.
 
     Without GLOO_SOCKET_IFNAME gloo listens on the address this host's name resolves to and
@@ -302,9 +340,11 @@ def gloo_address_problem(env: LaunchEnv,
         if not ipaddress.ip_address(address).is_loopback:
             return None
         found = f"resolves to the loopback address {address}"
-    return (f"this host's name {name!r} {found}, where gloo would listen for ranks on the other "
-            "nodes; set GLOO_SOCKET_IFNAME to the network interface they reach this node on "
-            "(HET_SOCKET_IFNAME in scripts/<mix>/ launch scripts), or fix /etc/hosts")
+    return (
+        f"this host's name {name!r} {found}, where gloo would listen for ranks on the other "
+        "nodes; set GLOO_SOCKET_IFNAME to the network interface they reach this node on "
+        "(HET_SOCKET_IFNAME in scripts/<mix>/ launch scripts), or fix /etc/hosts"
+    )
 
 
 def _first_address(host: str) -> str:
@@ -330,11 +370,12 @@ def connect_store(env: LaunchEnv, timeout: datetime.timedelta) -> Any:
     torchrun), for the ranks' heartbeats (:mod:`megatron_het.training.peer_watch`)."""
     import torch.distributed as dist
 
-    return dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                         timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore(
+        env.master_addr, env.master_port, is_master=False, timeout=timeout, wait_for_workers=False
+    )
 
 
-def npu_module() -> Optional[Any]:
+def npu_module() -> Any | None:
     """``torch.npu`` when Ascend's torch_npu is importable (importing it registers the module),
     else None."""
     try:
@@ -364,9 +405,12 @@ def rank_device_index(device_type_of: Callable[[int], str], rank: int, local_ran
     return local_device_index([device_type_of(r) for r in range(first, rank + 1)], rank - first)
 
 
-def select_local_device(device_type: Optional[str], index: int,
-                        environ: Optional[MutableMapping[str, str]] = None,
-                        hide_gpus: bool = True) -> None:
+def select_local_device(
+    device_type: str | None,
+    index: int,
+    environ: MutableMapping[str, str] | None = None,
+    hide_gpus: bool = True,
+) -> None:
     """Make visible device ``index`` (:func:`local_device_index`) this process's current one:
     on a "cuda" rank (CUDA and ROCm) through ``torch.cuda.set_device``, on an "npu" rank
     (Ascend) through ``torch.npu.set_device`` when torch_npu is importable. Nothing when that
@@ -393,7 +437,7 @@ def select_local_device(device_type: Optional[str], index: int,
         module.set_device(index)
 
 
-def _device_module(device_type: Optional[str]) -> Optional[Any]:
+def _device_module(device_type: str | None) -> Any | None:
     if device_type == "cuda":
         import torch
 
@@ -406,7 +450,7 @@ def _device_module(device_type: Optional[str]) -> Optional[Any]:
 _MEMORY_SHARE = 0.9
 
 
-def device_problem(spec: Any, index: int = 0, identity: bool = True) -> Optional[str]:
+def device_problem(spec: Any, index: int = 0, identity: bool = True) -> str | None:
     """Why this process cannot be a rank of kind ``spec`` (an AcceleratorSpec) driving visible
     device ``index`` (:func:`local_device_index`), or None. ``identity=False`` leaves out the
     device's model and memory (a run without a cluster file, whose kind was taken from this
@@ -441,28 +485,36 @@ def device_problem(spec: Any, index: int = 0, identity: bool = True) -> Optional
         return "an NVIDIA kind on a torch built for ROCm"
     if not torch.cuda.is_available():
         return "no GPU is visible"
-    too_few = _too_few(index, torch.cuda.device_count(), "GPUs",
-                       "HIP_VISIBLE_DEVICES" if rocm else "CUDA_VISIBLE_DEVICES")
+    too_few = _too_few(
+        index,
+        torch.cuda.device_count(),
+        "GPUs",
+        "HIP_VISIBLE_DEVICES" if rocm else "CUDA_VISIBLE_DEVICES",
+    )
     if too_few is not None or not identity:
         return too_few
     name = torch.cuda.get_device_name(index)
-    memory_gib = torch.cuda.get_device_properties(index).total_memory / 2 ** 30
+    memory_gib = torch.cuda.get_device_properties(index).total_memory / 2**30
     models = gpu_models(name)
     own = gpu_models(spec.name)
     if models and own and not models & own:
         return f"GPU {index} is {name!r}, not kind {spec.name}"
     if memory_gib < _MEMORY_SHARE * spec.memory_gib:
-        return (f"GPU {index} ({name or 'unnamed'}) has {memory_gib:.1f} GiB, kind {spec.name} "
-                f"{spec.memory_gib:g} GiB")
+        return (
+            f"GPU {index} ({name or 'unnamed'}) has {memory_gib:.1f} GiB, kind {spec.name} "
+            f"{spec.memory_gib:g} GiB"
+        )
     return None
 
 
-def _too_few(index: int, count: int, what: str, variable: str) -> Optional[str]:
+def _too_few(index: int, count: int, what: str, variable: str) -> str | None:
     if index < count:
         return None
-    return (f"it is the node's rank {index + 1} of its kind but only {count} {what} are "
-            f"visible (set {variable}; under Slurm request the node's devices, e.g. "
-            "sbatch --gpus-per-node)")
+    return (
+        f"it is the node's rank {index + 1} of its kind but only {count} {what} are "
+        f"visible (set {variable}; under Slurm request the node's devices, e.g. "
+        "sbatch --gpus-per-node)"
+    )
 
 
 def gpu_models(name: str) -> set[str]:
@@ -471,8 +523,11 @@ def gpu_models(name: str) -> set[str]:
     from megatron_het.cluster.accelerators import AcceleratorRegistry
 
     flat = name.upper().replace(" ", "").replace("-", "")
-    return {_model(spec.name) for spec in AcceleratorRegistry.builtin()
-            if spec.device_type == "cuda" and not spec.emulated and _model(spec.name) in flat}
+    return {
+        _model(spec.name)
+        for spec in AcceleratorRegistry.builtin()
+        if spec.device_type == "cuda" and not spec.emulated and _model(spec.name) in flat
+    }
 
 
 def _model(kind: str) -> str:
@@ -490,14 +545,19 @@ def local_accelerator() -> str:
     if not torch.cuda.is_available():
         return "cpu"
     device_name = torch.cuda.get_device_name(0)
-    memory_gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     models = gpu_models(device_name)
-    matches = [spec for spec in AcceleratorRegistry.builtin()
-               if spec.device_type == "cuda" and _model(spec.name) in models]
+    matches = [
+        spec
+        for spec in AcceleratorRegistry.builtin()
+        if spec.device_type == "cuda" and _model(spec.name) in models
+    ]
     if matches:  # A100-40G or A100-80G: the nearest memory size
         return min(matches, key=lambda spec: abs(spec.memory_gib - memory_gib)).name
-    raise UserError(f"this machine's GPU {device_name!r} is not in the accelerator table; pass "
-                    "--cluster with a node group of its kind (see scripts/clusters/)")
+    raise UserError(
+        f"this machine's GPU {device_name!r} is not in the accelerator table; pass "
+        "--cluster with a node group of its kind (see scripts/clusters/)"
+    )
 
 
 def shutdown_world() -> None:

@@ -1,14 +1,13 @@
 """The run's cadence: iterate, evaluate, save and stop, identically on every rank."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 from megatron_het.training.checkpointing import CheckpointSaver
 from megatron_het.training.stop import StopRequest
 from megatron_het.training.trainer import Trainer, evaluate, train_step
 
 
-def train(trainer: Trainer, stop: StopRequest, saver: Optional[CheckpointSaver] = None) -> str:
+def train(trainer: Trainer, stop: StopRequest, saver: CheckpointSaver | None = None) -> str:
     """Iterate to ``--train-iters`` on every rank; returns why it stopped ("done",
     "exit-interval", the signal's name or "stop requested by another rank").
 
@@ -45,9 +44,13 @@ def _iterate(trainer: Trainer, stop: StopRequest, saver: CheckpointSaver) -> str
         if train_config.save_interval and current % train_config.save_interval == 0:
             saver.save()
             saved = current
-        reason = ("exit-interval" if train_config.exit_interval
-                  and current % train_config.exit_interval == 0 else
-                  (stop.reason or "stop requested by another rank") if stopping else "")
+        reason = (
+            "exit-interval"
+            if train_config.exit_interval and current % train_config.exit_interval == 0
+            else (stop.reason or "stop requested by another rank")
+            if stopping
+            else ""
+        )
         if reason:
             if saved != current and saver.save() is None:
                 trainer.print(" no --save directory: stopping without a checkpoint")

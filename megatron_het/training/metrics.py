@@ -11,6 +11,7 @@ figure per kind is the FLOPs of that kind's stages over the devices of that kind
 device-weighted mean of the kinds' figures is the per-device figure), and MFU is the model's
 FLOP/s over the summed peak of all devices.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,8 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, Mapping, Optional, TextIO
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 from megatron_het.config import ModelConfig, TrainConfig
 from megatron_het.training.throughput import ThroughputMetrics
@@ -51,21 +53,29 @@ class TrainingLogger:
     tensorboard writer in ``--tensorboard-dir``. ``num_devices`` divides the TFLOP/s.
     """
 
-    def __init__(self, train: TrainConfig, model_config: ModelConfig, seq_length: int,
-                 start_iteration: int, num_devices: int = 1, out: Optional[TextIO] = None,
-                 throughput: Optional[ThroughputMetrics] = None) -> None:
+    def __init__(
+        self,
+        train: TrainConfig,
+        model_config: ModelConfig,
+        seq_length: int,
+        start_iteration: int,
+        num_devices: int = 1,
+        out: TextIO | None = None,
+        throughput: ThroughputMetrics | None = None,
+    ) -> None:
         self.train = train
         self.out = out or sys.stdout
         self.throughput = throughput
         self._stage_rows: list[list[dict[str, Any]]] = []  # per iteration of the interval
         self.tokens_per_iteration = train.global_batch_size * seq_length
         self.flops_per_iteration = model_config.flops_per_token(seq_length) * (
-            self.tokens_per_iteration)
+            self.tokens_per_iteration
+        )
         self.num_devices = num_devices
         # (loss, seconds, skipped as non-finite) of each iteration since the last line
         self._interval: list[tuple[float, float, bool]] = []
-        self._skipped_total: Optional[int] = None  # with --skip-nonfinite-steps
-        self._metrics: Optional[TextIO] = None
+        self._skipped_total: int | None = None  # with --skip-nonfinite-steps
+        self._metrics: TextIO | None = None
         if train.metrics_file:
             path = pathlib.Path(train.metrics_file)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,10 +106,17 @@ class TrainingLogger:
         """Whether ``iteration`` closes a log interval (its line is printed)."""
         return iteration % self.train.log_interval == 0 or iteration == self.train.train_iters
 
-    def log_train(self, iteration: int, consumed_samples: int, loss: float, lr: float,
-                  grad_norm: float, iteration_time_s: float,
-                  extra: Optional[Mapping[str, Any]] = None,
-                  extra_scalars: Optional[Mapping[str, float]] = None) -> None:
+    def log_train(
+        self,
+        iteration: int,
+        consumed_samples: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        iteration_time_s: float,
+        extra: Mapping[str, Any] | None = None,
+        extra_scalars: Mapping[str, float] | None = None,
+    ) -> None:
         """Record one iteration; prints the interval summary when ``iteration`` closes one.
 
         ``extra`` fields go to the metrics line (after the common keys; its ``stages`` rows
@@ -111,16 +128,33 @@ class TrainingLogger:
         iteration_time_s = max(iteration_time_s, 1e-9)
         tokens_per_s = self.tokens_per_iteration / iteration_time_s
         tflops = self.flops_per_iteration / iteration_time_s / self.num_devices / 1e12
-        self._write_record({"split": "train", "iteration": iteration,
-                            "consumed_samples": consumed_samples, "loss": loss, "lr": lr,
-                            "grad_norm": grad_norm, "iteration_time_s": iteration_time_s,
-                            "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
-                            "global_batch_size": self.train.global_batch_size,
-                            **(extra or {})})
-        self._scalars(iteration, {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
-                                  "iteration-time": iteration_time_s,
-                                  "tokens-per-second": tokens_per_s,
-                                  "tflops-per-device": tflops, **(extra_scalars or {})})
+        self._write_record(
+            {
+                "split": "train",
+                "iteration": iteration,
+                "consumed_samples": consumed_samples,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "iteration_time_s": iteration_time_s,
+                "tokens_per_s": tokens_per_s,
+                "tflops_per_device": tflops,
+                "global_batch_size": self.train.global_batch_size,
+                **(extra or {}),
+            }
+        )
+        self._scalars(
+            iteration,
+            {
+                "lm loss": loss,
+                "learning-rate": lr,
+                "grad-norm": grad_norm,
+                "iteration-time": iteration_time_s,
+                "tokens-per-second": tokens_per_s,
+                "tflops-per-device": tflops,
+                **(extra_scalars or {}),
+            },
+        )
         extra = extra or {}
         self._interval.append((loss, iteration_time_s, bool(extra.get("skipped_step"))))
         if "nonfinite_skipped_iterations" in extra:
@@ -133,10 +167,14 @@ class TrainingLogger:
     def _kinds_note(self, mean_time: float) -> str:
         if self.throughput is None:
             return ""
-        kinds = ", ".join(f"{label} {value:.4g}" for label, value in
-                          self.throughput.tflops_per_accelerator(mean_time).items())
-        return (f" MFU: {100 * self.throughput.mfu(mean_time):.2f}% | TFLOP/s per device of "
-                f"each kind: {kinds} |")
+        kinds = ", ".join(
+            f"{label} {value:.4g}"
+            for label, value in self.throughput.tflops_per_accelerator(mean_time).items()
+        )
+        return (
+            f" MFU: {100 * self.throughput.mfu(mean_time):.2f}% | TFLOP/s per device of "
+            f"each kind: {kinds} |"
+        )
 
     def _stage_line(self) -> str:
         """Each stage's compute / p2p wait / bubble seconds, averaged over the interval."""
@@ -145,25 +183,32 @@ class TrainingLogger:
         count = len(self._stage_rows)
         parts = []
         for i, row in enumerate(self._stage_rows[-1]):
-            mean = {name: sum(rows[i][name] for rows in self._stage_rows) / count
-                    for name in ("compute_s", "p2p_wait_s", "bubble_s")}
-            parts.append(f"p{row['pipeline']}s{row['stage']} {row['accelerator']} "
-                         f"{mean['compute_s']:.3f}/{mean['p2p_wait_s']:.3f}/"
-                         f"{mean['bubble_s']:.3f}")
+            mean = {
+                name: sum(rows[i][name] for rows in self._stage_rows) / count
+                for name in ("compute_s", "p2p_wait_s", "bubble_s")
+            }
+            parts.append(
+                f"p{row['pipeline']}s{row['stage']} {row['accelerator']} "
+                f"{mean['compute_s']:.3f}/{mean['p2p_wait_s']:.3f}/"
+                f"{mean['bubble_s']:.3f}"
+            )
         self._stage_rows.clear()
         return "   stages, compute/p2p wait/bubble s: " + " | ".join(parts)
 
-    def _print_interval(self, iteration: int, consumed_samples: int, lr: float,
-                        grad_norm: float) -> None:
+    def _print_interval(
+        self, iteration: int, consumed_samples: int, lr: float, grad_norm: float
+    ) -> None:
         count = len(self._interval)
         losses = [loss for loss, _, skipped in self._interval if not skipped]
         mean_loss = sum(losses) / len(losses) if losses else math.nan
         mean_time = sum(seconds for _, seconds, _ in self._interval) / count
         skipped = count - len(losses)
         self._interval.clear()
-        skipped_note = ("" if self._skipped_total is None else
-                        f" skipped non-finite iterations: {skipped} (run total "
-                        f"{self._skipped_total}) |")
+        skipped_note = (
+            ""
+            if self._skipped_total is None
+            else f" skipped non-finite iterations: {skipped} (run total {self._skipped_total}) |"
+        )
         tflops = self.flops_per_iteration / mean_time / self.num_devices / 1e12
         note = self._kinds_note(mean_time)
         stages = self._stage_line()
@@ -176,16 +221,26 @@ class TrainingLogger:
             f" lm loss: {mean_loss:.6E} | grad norm: {grad_norm:.3f} |"
             f" tokens per second: {self.tokens_per_iteration / mean_time:.1f} |"
             f" throughput per device (TFLOP/s/device): {tflops:.4g} |{note}{skipped_note}"
-            + (f"\n{stages}" if stages else ""))
+            + (f"\n{stages}" if stages else "")
+        )
 
     def log_eval(self, iteration: int, consumed_samples: int, loss: float) -> None:
         """Record one evaluation of the valid split."""
         ppl = math.exp(min(loss, 20.0))
-        self._write_record({"split": "valid", "iteration": iteration,
-                            "consumed_samples": consumed_samples, "loss": loss, "ppl": ppl})
+        self._write_record(
+            {
+                "split": "valid",
+                "iteration": iteration,
+                "consumed_samples": consumed_samples,
+                "loss": loss,
+                "ppl": ppl,
+            }
+        )
         self._scalars(iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl})
-        text = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
-                f" lm loss PPL: {ppl:.6E} |")
+        text = (
+            f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+            f" lm loss PPL: {ppl:.6E} |"
+        )
         rule = "-" * (len(text) + 1)
         self.print(f"{rule}\n{text}\n{rule}")
 

@@ -32,14 +32,16 @@ number of ranks on its node at start-up, and torchrun numbers a node's ranks con
 ranks ``0 .. n-1`` are taken as lost with the store, and the first rank of :meth:`reporters`
 (then the lowest rank) outside that node prints the line.
 """
+
 from __future__ import annotations
 
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from megatron_het.comm.faults import CommError, first_line
 from megatron_het.errors import EXIT_PEER_FAILURE
@@ -79,16 +81,24 @@ class PeerWatch:
     beating thread calls it with that error (it reports and ends the process).
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
-                 progress: Callable[[], int] = lambda: 0,
-                 activity: Callable[[], tuple[str, float]] = lambda: ("outside", 0.0),
-                 describe: Callable[[int], str] = lambda r: f"rank {r}",
-                 on_abort: Callable[[str], None] = _abort_process,
-                 grace_s: Optional[float] = None, generation: int = 0,
-                 logging_rank: int = 0, node_size: int = 0,
-                 store_deadline_s: Optional[float] = None,
-                 stuck_operation: Callable[[float], Optional[CommError]] = lambda _s: None,
-                 run_id: str = "") -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        progress: Callable[[], int] = lambda: 0,
+        activity: Callable[[], tuple[str, float]] = lambda: ("outside", 0.0),
+        describe: Callable[[int], str] = lambda r: f"rank {r}",
+        on_abort: Callable[[str], None] = _abort_process,
+        grace_s: float | None = None,
+        generation: int = 0,
+        logging_rank: int = 0,
+        node_size: int = 0,
+        store_deadline_s: float | None = None,
+        stuck_operation: Callable[[float], CommError | None] = lambda _s: None,
+        run_id: str = "",
+    ) -> None:
         self.prefix = f"{PREFIX}{generation}/"
         self.run_id = run_id  # the launcher's job id, for the failure record
         self.logging_rank = logging_rank
@@ -96,25 +106,26 @@ class PeerWatch:
         self.interval_s = heartbeat_interval(timeout_s)
         self.window_s = 1.5 * self.interval_s + 0.2  # a live rank beats at least once in it
         self.grace_s = 3.0 * self.window_s if grace_s is None else grace_s
-        self.store_deadline_s = (max(2.0 * self.window_s, 5.0) if store_deadline_s is None
-                                 else store_deadline_s)
+        self.store_deadline_s = (
+            max(2.0 * self.window_s, 5.0) if store_deadline_s is None else store_deadline_s
+        )
         self.store: Any = BoundedStore(store, self.store_deadline_s)
         self.node_size = node_size
         # ranks on rank 0's node (which serves the store): rank 0 knows, the others read it
-        self._store_node_size: Optional[int] = (node_size or None) if rank == 0 else None
-        self._store_error: Optional[BaseException] = None  # why the store is taken as gone
+        self._store_node_size: int | None = (node_size or None) if rank == 0 else None
+        self._store_error: BaseException | None = None  # why the store is taken as gone
         self.progress, self.describe, self.on_abort = progress, describe, on_abort
         self.activity = activity
         self.timeout_s = timeout_s
         self.stuck_operation = stuck_operation
-        self.on_stuck: Optional[Callable[[CommError], None]] = None
+        self.on_stuck: Callable[[CommError], None] | None = None
         self._beats = 0
         self._failing = False
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._abort_seen_at: Optional[float] = None
+        self._thread: threading.Thread | None = None
+        self._abort_seen_at: float | None = None
         # (when, every other rank's heartbeat) read once the abort was first seen
-        self._snapshot: Optional[tuple[float, dict[int, str]]] = None
+        self._snapshot: tuple[float, dict[int, str]] | None = None
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}{kind}/{rank}"
@@ -140,8 +151,10 @@ class PeerWatch:
     def _beat(self) -> None:
         self._beats += 1
         place, seconds = self.activity()
-        self.store.set(self._key("beat", self.rank),
-                       f"{self._beats} {self.progress()} {place or '-'} {seconds:.1f}")
+        self.store.set(
+            self._key("beat", self.rank),
+            f"{self._beats} {self.progress()} {place or '-'} {seconds:.1f}",
+        )
         if self._store_node_size is None:
             key = self._key("node-size", 0)
             if self.store.check([key]):
@@ -156,7 +169,7 @@ class PeerWatch:
             try:
                 self._beat()
                 self._check_abort()
-            except Exception:  # noqa: BLE001 - the store may be gone with its host; keep on
+            except Exception:
                 pass
             self._check_stuck()
 
@@ -179,8 +192,10 @@ class PeerWatch:
                 self._snapshot = (now, self._read("beat", self._others()))
         elif now - self._abort_seen_at >= self.grace_s and not self._failing:
             origin = self.store.get(self._key("abort", 0)).decode()
-            self.on_abort(f"rank {self.rank}: stopping at iteration {self.progress()}: the run "
-                          f"was aborted after a failure on {origin}")
+            self.on_abort(
+                f"rank {self.rank}: stopping at iteration {self.progress()}: the run "
+                f"was aborted after a failure on {origin}"
+            )
 
     def _others(self) -> list[int]:
         return [r for r in range(self.world_size) if r != self.rank]
@@ -199,24 +214,29 @@ class PeerWatch:
         reports name it and their processes end; never raises (a store that does not answer
         is remembered for :meth:`report`)."""
         self._failing = True
-        what = (f"{error.op} on unified group '{error.group}'" if isinstance(error, CommError)
-                else type(error).__name__)
+        what = (
+            f"{error.op} on unified group '{error.group}'"
+            if isinstance(error, CommError)
+            else type(error).__name__
+        )
         try:
             self.store.set(self._key("failed", self.rank), f"{iteration} {what}")
             if not self.store.check([self._key("abort", 0)]):
                 self.store.set(self._key("abort", 0), self.describe(self.rank))
-        except Exception as exc:  # noqa: BLE001 - the store's host may be gone
+        except Exception as exc:
             self._store_error = exc
 
     def reporters(self) -> list[int]:
         """The ranks that may print the full report, in order: the logging rank, then the
         lowest others (a report needs one rank that answers; each reads only those before it)."""
-        rest = [r for r in range(min(self.world_size, FALLBACK_REPORTERS + 1))
-                if r != self.logging_rank]
+        rest = [
+            r for r in range(min(self.world_size, FALLBACK_REPORTERS + 1)) if r != self.logging_rank
+        ]
         return [self.logging_rank, *rest[:FALLBACK_REPORTERS]]
 
-    def _beats_between(self, ranks: Sequence[int], sleep: Callable[[float], None]
-                       ) -> tuple[dict[int, str], dict[int, str]]:
+    def _beats_between(
+        self, ranks: Sequence[int], sleep: Callable[[float], None]
+    ) -> tuple[dict[int, str], dict[int, str]]:
         """Heartbeats of ``ranks`` one window apart: from the snapshot taken when the abort
         was first seen where there is one, else read now and after a window."""
         snapshot = self._snapshot
@@ -230,8 +250,9 @@ class PeerWatch:
                 sleep(left)
         return before, self._read("beat", ranks)
 
-    def report(self, error: BaseException, iteration: int,
-               sleep: Callable[[float], None] = time.sleep) -> "PeerReport":
+    def report(
+        self, error: BaseException, iteration: int, sleep: Callable[[float], None] = time.sleep
+    ) -> PeerReport:
         """Record this rank's failure, abort the run and return the report (see module doc):
         the full line where this rank is the first of :meth:`reporters` that still answers
         (it reads every heartbeat one window apart), else a short line naming the failed
@@ -242,35 +263,44 @@ class PeerWatch:
         if self._store_error is None:
             try:
                 return self._report_from_store(mine, iteration, sleep)
-            except Exception as exc:  # noqa: BLE001 - the store's host may be gone
+            except Exception as exc:
                 self._store_error = exc
         return self._report_without_store(mine, iteration, first_line(self._store_error))
 
-    def _short(self, mine: str, where: str) -> "PeerReport":
-        return PeerReport(f"rank {self.rank}: {mine} (the report is on {where})", (), (),
-                          full=False)
+    def _short(self, mine: str, where: str) -> PeerReport:
+        return PeerReport(
+            f"rank {self.rank}: {mine} (the report is on {where})", (), (), full=False
+        )
 
-    def _report_without_store(self, mine: str, iteration: int, why: str) -> "PeerReport":
+    def _report_without_store(self, mine: str, iteration: int, why: str) -> PeerReport:
         lost = self.store_node_ranks()
         if not lost or self.rank in lost:  # no node to name (or this rank's own is gone)
             return PeerReport(
                 f"iteration {iteration}: {mine}; the rendezvous store did not answer ({why}): "
-                "the node serving it (rank 0's) is gone", (), ())
-        reporter = next(r for r in [*self.reporters(), *range(self.world_size)]
-                        if r not in lost)
+                "the node serving it (rank 0's) is gone",
+                (),
+                (),
+            )
+        reporter = next(r for r in [*self.reporters(), *range(self.world_size)] if r not in lost)
         if reporter != self.rank:
             return self._short(mine, f"rank {reporter}")
-        return PeerReport(f"iteration {iteration}: {_names(self, lost)} stopped answering "
-                          f"(the rendezvous store on their node did not answer: {why}); "
-                          f"on rank {self.rank}: {mine}", lost, ())
+        return PeerReport(
+            f"iteration {iteration}: {_names(self, lost)} stopped answering "
+            f"(the rendezvous store on their node did not answer: {why}); "
+            f"on rank {self.rank}: {mine}",
+            lost,
+            (),
+        )
 
-    def _report_from_store(self, mine: str, iteration: int,
-                           sleep: Callable[[float], None]) -> "PeerReport":
+    def _report_from_store(
+        self, mine: str, iteration: int, sleep: Callable[[float], None]
+    ) -> PeerReport:
         order = self.reporters()
         if self.rank not in order:  # reads nothing: thousands of ranks may fail at once
-            return self._short(mine, "the first of ranks "
-                                     f"{', '.join(map(str, order))} that answers")
-        earlier = order[:order.index(self.rank)]
+            return self._short(
+                mine, f"the first of ranks {', '.join(map(str, order))} that answers"
+            )
+        earlier = order[: order.index(self.rank)]
         if earlier:
             before, after = self._beats_between(earlier, sleep)
             failed = self._read("failed", earlier)
@@ -283,24 +313,29 @@ class PeerWatch:
         silent = tuple(r for r in others if r not in failed and before.get(r) == after.get(r))
         parts = [f"iteration {iteration}:"]
         if silent:
-            parts.append(f"{_names(self, silent)} stopped answering (no heartbeat in "
-                         f"{self.window_s:.1f} s; the last one came after iteration "
-                         f"{_last_iterations(after, silent)});")
+            parts.append(
+                f"{_names(self, silent)} stopped answering (no heartbeat in "
+                f"{self.window_s:.1f} s; the last one came after iteration "
+                f"{_last_iterations(after, silent)});"
+            )
         else:
             parts.append("every other rank still answers;")
         answering = [r for r in others if r not in silent and r not in failed]
         stuck = _stuck_in_compute(after, answering, self.timeout_s / 2)
         if stuck:
-            parts.append(", ".join(f"{self.describe(r)} has been computing for {s:.0f} s"
-                                   for r, s in stuck)
-                         + " (stuck in compute: the others' operations waited on it);")
+            parts.append(
+                ", ".join(f"{self.describe(r)} has been computing for {s:.0f} s" for r, s in stuck)
+                + " (stuck in compute: the others' operations waited on it);"
+            )
         parts.append(f"on rank {self.rank}: {mine}")
         if failed:
-            earlier_failures = "; ".join(f"rank {r} at iteration {_iteration_and_what(v)}"
-                                         for r, v in sorted(failed.items()))
+            earlier_failures = "; ".join(
+                f"rank {r} at iteration {_iteration_and_what(v)}" for r, v in sorted(failed.items())
+            )
             parts[-1] += f"; failed before: {earlier_failures}"
-        return PeerReport(" ".join(parts), silent, tuple(sorted(failed)),
-                          stuck=tuple(r for r, _ in stuck))
+        return PeerReport(
+            " ".join(parts), silent, tuple(sorted(failed)), stuck=tuple(r for r, _ in stuck)
+        )
 
 
 @dataclass(frozen=True)
@@ -325,8 +360,9 @@ def _iteration_and_what(value: str) -> str:
     return f"{iteration} ({what})" if what else iteration
 
 
-def _stuck_in_compute(beats: dict[int, str], ranks: Sequence[int],
-                      least_s: float) -> list[tuple[int, float]]:
+def _stuck_in_compute(
+    beats: dict[int, str], ranks: Sequence[int], least_s: float
+) -> list[tuple[int, float]]:
     """(rank, seconds) of the ``ranks`` whose latest heartbeat says they have been inside one
     compute region for ``least_s`` seconds or more, longest first."""
     stuck = []

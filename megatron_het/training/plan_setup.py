@@ -5,11 +5,13 @@ flags (tp = pp = 1) describe on a one-rank cluster; a launched world of N ranks 
 plan says. Everything here only reads files, so ``--dry-run`` and every rank of a real run fail
 the same way with one line before anything is written.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING
 
 from megatron_het.arguments import ParallelSpec, RunConfig
 from megatron_het.cluster import ClusterSpec
@@ -27,9 +29,20 @@ def local_cluster(world_size: int, accelerator: str = "cpu") -> ClusterSpec:
     """One node of ``world_size`` ranks of kind ``accelerator`` (the default without
     ``--cluster``: "cpu", or the local GPU's kind where the launcher found one)."""
     name = accelerator.lower()
-    return ClusterSpec.from_dict({"name": name, "node_groups": [
-        {"name": name, "accelerator": accelerator, "nodes": 1, "devices_per_node": world_size,
-         "nic_bandwidth_gbit_per_s": 10}]})
+    return ClusterSpec.from_dict(
+        {
+            "name": name,
+            "node_groups": [
+                {
+                    "name": name,
+                    "accelerator": accelerator,
+                    "nodes": 1,
+                    "devices_per_node": world_size,
+                    "nic_bandwidth_gbit_per_s": 10,
+                }
+            ],
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -54,7 +67,7 @@ class PlanChoice:
     overlap_param_gather: bool = False
 
 
-def read_plan_file(run: RunConfig) -> Optional[ParallelPlan]:
+def read_plan_file(run: RunConfig) -> ParallelPlan | None:
     """The ``--plan`` file (None for ``auto`` or no plan)."""
     spec = run.parallel
     if spec.plan is None or spec.plan == "auto":
@@ -66,45 +79,61 @@ def plan_batch(train: TrainConfig, spec: ParallelSpec, plan: ParallelPlan) -> Tr
     """``train`` with the plan's batch sizes; UserError where the command line says otherwise."""
     mbs_given, gbs_given = spec.batch_given
     if mbs_given and train.micro_batch_size != plan.micro_batch_size and spec.plan != "auto":
-        raise UserError(f"--micro-batch-size {train.micro_batch_size} differs from the plan's "
-                        f"micro_batch_size {plan.micro_batch_size}; drop the flag or edit the plan")
+        raise UserError(
+            f"--micro-batch-size {train.micro_batch_size} differs from the plan's "
+            f"micro_batch_size {plan.micro_batch_size}; drop the flag or edit the plan"
+        )
     if gbs_given and train.global_batch_size != plan.global_batch_size:
-        raise UserError(f"--global-batch-size {train.global_batch_size} differs from the plan's "
-                        f"{plan.global_batch_size} (micro_batch_size x the pipelines' "
-                        f"micro_batches); drop the flag or edit the plan's micro_batches")
-    return dataclasses.replace(train, micro_batch_size=plan.micro_batch_size,
-                               global_batch_size=plan.global_batch_size)
+        raise UserError(
+            f"--global-batch-size {train.global_batch_size} differs from the plan's "
+            f"{plan.global_batch_size} (micro_batch_size x the pipelines' "
+            f"micro_batches); drop the flag or edit the plan's micro_batches"
+        )
+    return dataclasses.replace(
+        train, micro_batch_size=plan.micro_batch_size, global_batch_size=plan.global_batch_size
+    )
 
 
-def run_dtype(run: RunConfig, plan_file: Optional[ParallelPlan]) -> str:
-    """"bf16", "fp16" or "fp32" from ``--bf16`` / ``--fp16`` and the plan file's dtype."""
+def run_dtype(run: RunConfig, plan_file: ParallelPlan | None) -> str:
+    """ "bf16", "fp16" or "fp32" from ``--bf16`` / ``--fp16`` and the plan file's dtype."""
     flag = "bf16" if run.train.bf16 else "fp16" if run.train.fp16 else None
     if plan_file is None or plan_file.dtype is None:
         return flag or "fp32"
     if flag is not None and flag != plan_file.dtype:
-        raise UserError(f"--{flag} contradicts the plan's dtype {plan_file.dtype}; drop "
-                        f"--{flag} or set \"dtype\": \"{flag}\" in the plan")
+        raise UserError(
+            f"--{flag} contradicts the plan's dtype {plan_file.dtype}; drop "
+            f'--{flag} or set "dtype": "{flag}" in the plan'
+        )
     return plan_file.dtype
 
 
-def load_cluster(spec: ParallelSpec, world_size: Optional[int],
-                 plan_file: Optional[ParallelPlan], accelerator: str = "cpu") -> ClusterSpec:
+def load_cluster(
+    spec: ParallelSpec,
+    world_size: int | None,
+    plan_file: ParallelPlan | None,
+    accelerator: str = "cpu",
+) -> ClusterSpec:
     """The ``--cluster`` file, else :func:`local_cluster` of the launched world (of the plan's
     or the TP x PP layout's size for a dry run)."""
     if spec.cluster is not None:
         cluster = ClusterSpec.load(spec.cluster)
         if world_size is not None and world_size != cluster.world_size:
-            raise UserError(f"{world_size} ranks were launched but cluster {cluster.name} has "
-                            f"{cluster.world_size}; launch {cluster.world_size} ranks "
-                            f"(--nproc_per_node) or fix the cluster file")
+            raise UserError(
+                f"{world_size} ranks were launched but cluster {cluster.name} has "
+                f"{cluster.world_size}; launch {cluster.world_size} ranks "
+                f"(--nproc_per_node) or fix the cluster file"
+            )
         return cluster
     if world_size is None:  # a dry run without a cluster: the layout decides
-        world_size = (plan_file.world_size if plan_file is not None else
-                      spec.tensor_model_parallel_size * spec.pipeline_model_parallel_size)
+        world_size = (
+            plan_file.world_size
+            if plan_file is not None
+            else spec.tensor_model_parallel_size * spec.pipeline_model_parallel_size
+        )
     return local_cluster(world_size, accelerator)
 
 
-def host_profiles(spec: ParallelSpec) -> Optional[dict[str, "Profile"]]:
+def host_profiles(spec: ParallelSpec) -> dict[str, Profile] | None:
     """The ``--emulation-profile`` as the host's profile for the planner and the predictor
     (emulated kinds: the host's times x their slowdown), so that an automatic plan and the dry
     run's prediction use the speeds the emulated ranks will run at; None without the flag."""
@@ -116,42 +145,68 @@ def host_profiles(spec: ParallelSpec) -> Optional[dict[str, "Profile"]]:
     return {HOST_PROFILE: Profile.load(spec.emulation_profile)}
 
 
-def _search_or_flags(run: RunConfig, model: ModelConfig, cluster: ClusterSpec, dtype: str,
-                     profiles: Optional[Mapping[str, "Profile"]]) -> ParallelPlan:
+def _search_or_flags(
+    run: RunConfig,
+    model: ModelConfig,
+    cluster: ClusterSpec,
+    dtype: str,
+    profiles: Mapping[str, Profile] | None,
+) -> ParallelPlan:
     spec, train = run.parallel, run.train
     if spec.plan == "auto":
         from megatron_het.planner import search_plan
 
-        return search_plan(model, cluster, train.global_batch_size, run.data.seq_length,
-                           profiles, dtype=dtype, fused_elementwise=train.compile).plan
+        return search_plan(
+            model,
+            cluster,
+            train.global_batch_size,
+            run.data.seq_length,
+            profiles,
+            dtype=dtype,
+            fused_elementwise=train.compile,
+        ).plan
     return plan_from_megatron_flags(
-        model, cluster.world_size, spec.tensor_model_parallel_size,
-        spec.pipeline_model_parallel_size, train.micro_batch_size, train.global_batch_size,
-        spec.decoder_first_pipeline_num_layers, spec.decoder_last_pipeline_num_layers,
+        model,
+        cluster.world_size,
+        spec.tensor_model_parallel_size,
+        spec.pipeline_model_parallel_size,
+        train.micro_batch_size,
+        train.global_batch_size,
+        spec.decoder_first_pipeline_num_layers,
+        spec.decoder_last_pipeline_num_layers,
         accelerator_of=cluster,
         virtual_stages=virtual_stages(spec, model.num_layers),
-        layout=spec.pipeline_model_parallel_layout)
+        layout=spec.pipeline_model_parallel_layout,
+    )
 
 
-def virtual_stages(spec: ParallelSpec, num_layers: int) -> Optional[int]:
+def virtual_stages(spec: ParallelSpec, num_layers: int) -> int | None:
     """Model chunks per pipeline rank from Megatron's interleaving flags (None: not given)."""
     per_stage = spec.num_layers_per_virtual_pipeline_stage
     if per_stage is not None and spec.virtual_pipeline_model_parallel_size is not None:
-        raise UserError("give --num-layers-per-virtual-pipeline-stage or "
-                        "--virtual-pipeline-model-parallel-size, not both")
+        raise UserError(
+            "give --num-layers-per-virtual-pipeline-stage or "
+            "--virtual-pipeline-model-parallel-size, not both"
+        )
     if per_stage is None:
         return spec.virtual_pipeline_model_parallel_size
     pp = spec.pipeline_model_parallel_size
     if num_layers % (per_stage * pp):
-        raise UserError(f"--num-layers {num_layers} is not a multiple of "
-                        f"--num-layers-per-virtual-pipeline-stage {per_stage} x "
-                        f"--pipeline-model-parallel-size {pp} = {per_stage * pp}")
+        raise UserError(
+            f"--num-layers {num_layers} is not a multiple of "
+            f"--num-layers-per-virtual-pipeline-stage {per_stage} x "
+            f"--pipeline-model-parallel-size {pp} = {per_stage * pp}"
+        )
     return num_layers // (per_stage * pp)
 
 
-def choose_plan(run: RunConfig, model: ModelConfig, world_size: Optional[int],
-                profiles: Optional[Mapping[str, "Profile"]] = None,
-                accelerator: str = "cpu") -> PlanChoice:
+def choose_plan(
+    run: RunConfig,
+    model: ModelConfig,
+    world_size: int | None,
+    profiles: Mapping[str, Profile] | None = None,
+    accelerator: str = "cpu",
+) -> PlanChoice:
     """Resolve and validate the run's cluster and plan (reads files only).
 
     ``world_size`` is the launched world (None for ``--dry-run``). Raises UserError with one
@@ -164,28 +219,37 @@ def choose_plan(run: RunConfig, model: ModelConfig, world_size: Optional[int],
     plan = plan_file or _search_or_flags(run, model, cluster, dtype, profiles)
     train = plan_batch(run.train, spec, plan)
     if plan.world_size != cluster.world_size:
-        raise UserError(f"the plan places {plan.world_size} ranks but cluster {cluster.name} has "
-                        f"{cluster.world_size}; give every rank of the cluster a stage")
+        raise UserError(
+            f"the plan places {plan.world_size} ranks but cluster {cluster.name} has "
+            f"{cluster.world_size}; give every rank of the cluster a stage"
+        )
     if plan.sequence_parallel is None and spec.sequence_parallel:
         plan = dataclasses.replace(plan, sequence_parallel=True)  # the run's plan says it
     if plan.tp_comm_overlap is None and spec.tp_comm_overlap:
         plan = dataclasses.replace(plan, tp_comm_overlap=True)
     if plan.tp_comm_overlap and not plan.sequence_parallel:
-        raise UserError("--tp-comm-overlap overlaps sequence parallelism's all-gathers and "
-                        "reduce-scatters with the GEMMs; add --sequence-parallel (or "
-                        "\"sequence_parallel\": true in the plan)")
+        raise UserError(
+            "--tp-comm-overlap overlaps sequence parallelism's all-gathers and "
+            "reduce-scatters with the GEMMs; add --sequence-parallel (or "
+            '"sequence_parallel": true in the plan)'
+        )
     if spec.recompute is not None:
         method, count = spec.recompute
         plan = with_recompute(plan, count if method == "block" else None)
     validate(plan, model, cluster, train.global_batch_size, run.data.seq_length)
-    return PlanChoice(cluster, plan, train, dtype,
-                      _planned(plan.use_distributed_optimizer, spec.use_distributed_optimizer),
-                      _planned(plan.overlap_grad_reduce, spec.overlap_grad_reduce),
-                      _planned(plan.grad_reduce_in_bf16, spec.grad_reduce_in_bf16),
-                      _planned(plan.overlap_p2p_comm, spec.overlap_p2p_comm),
-                      _planned(plan.overlap_param_gather, spec.overlap_param_gather))
+    return PlanChoice(
+        cluster,
+        plan,
+        train,
+        dtype,
+        _planned(plan.use_distributed_optimizer, spec.use_distributed_optimizer),
+        _planned(plan.overlap_grad_reduce, spec.overlap_grad_reduce),
+        _planned(plan.grad_reduce_in_bf16, spec.grad_reduce_in_bf16),
+        _planned(plan.overlap_p2p_comm, spec.overlap_p2p_comm),
+        _planned(plan.overlap_param_gather, spec.overlap_param_gather),
+    )
 
 
-def _planned(planned: Optional[bool], flag: bool) -> bool:
+def _planned(planned: bool | None, flag: bool) -> bool:
     """A run option the plan may fix: its value where it sets one, else the flag's."""
     return flag if planned is None else planned

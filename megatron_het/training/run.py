@@ -8,6 +8,7 @@ the trainer (groups, stage, optimizer, executor), load a checkpoint (any plan's,
 asked, train, and print the closing summary. Only the logging rank writes the log, the metrics
 file and tensorboard; every rank writes its checkpoint pieces.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -15,7 +16,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import TYPE_CHECKING, Optional, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from megatron_het.arguments import RunConfig
 from megatron_het.checkpoint.io import load_checkpoint_metadata, remove_stale_staging
@@ -24,19 +25,31 @@ from megatron_het.comm.faults import CommError, line_from_bytes, line_to_bytes
 from megatron_het.comm.pending import PENDING
 from megatron_het.errors import EXIT_PEER_FAILURE, PeerFailure, UserError
 from megatron_het.training.checkpointing import check_save_is_shared, load
-from megatron_het.training.describe import (describe_cluster, describe_iterations,
-                                            describe_model, describe_plan, describe_rank)
+from megatron_het.training.describe import (
+    describe_cluster,
+    describe_iterations,
+    describe_model,
+    describe_plan,
+    describe_rank,
+)
 from megatron_het.training.elastic import describe_restart
-from megatron_het.training.launch import (LaunchEnv, connect_store, device_problem, init_world,
-                                          rank_device_index, shutdown_world, stop_together)
+from megatron_het.training.launch import (
+    LaunchEnv,
+    connect_store,
+    device_problem,
+    init_world,
+    rank_device_index,
+    shutdown_world,
+    stop_together,
+)
 from megatron_het.training.loop import train
 from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.peer_watch import PeerWatch
 from megatron_het.training.setup import RunSetup, predict_plan, prepare_run
 from megatron_het.training.state import Progress
 from megatron_het.training.stop import StopRequest
-from megatron_het.training.supervisor import write_failure
 from megatron_het.training.summary import closing_summary
+from megatron_het.training.supervisor import write_failure
 from megatron_het.training.trainer import Trainer, build_trainer, logging_rank
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,9 +57,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from megatron_het.perf import Prediction
 
 
-def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
-             stop: Optional[StopRequest] = None, out: Optional[TextIO] = None,
-             accelerator: str = "cpu") -> Progress:
+def pretrain(
+    run: RunConfig,
+    env: LaunchEnv | None = None,
+    stop: StopRequest | None = None,
+    out: TextIO | None = None,
+    accelerator: str = "cpu",
+) -> Progress:
     """Train ``run`` on torchrun's world ``env``, or on a one-rank world in this process
     without one; returns this rank's progress.
 
@@ -67,15 +84,23 @@ def pretrain(run: RunConfig, env: Optional[LaunchEnv] = None,
     rank = env.rank if env is not None else 0
     timeout = distributed_timeout(setup.run)
     index = device_index(setup, rank, env.local_rank if env is not None else 0)
-    init_world(env, timeout=timeout, device_type=setup.accelerator(rank).device_type,
-               device_index=index)
+    init_world(
+        env, timeout=timeout, device_type=setup.accelerator(rank).device_type, device_index=index
+    )
     watch = None
     if env is not None and env.world_size > 1:
-        watch = PeerWatch(connect_store(env, timeout), env.rank, env.world_size,
-                          timeout.total_seconds(), describe=lambda r: describe_rank(setup, r),
-                          generation=env.restart_count, logging_rank=logging_rank(setup.plan),
-                          node_size=env.local_world_size, stuck_operation=PENDING.stuck,
-                          run_id=env.run_id)
+        watch = PeerWatch(
+            connect_store(env, timeout),
+            env.rank,
+            env.world_size,
+            timeout.total_seconds(),
+            describe=lambda r: describe_rank(setup, r),
+            generation=env.restart_count,
+            logging_rank=logging_rank(setup.plan),
+            node_size=env.local_world_size,
+            stuck_operation=PENDING.stuck,
+            run_id=env.run_id,
+        )
     lost_peer = False
     try:
         return train_prepared(setup, stop, out, watch, index)
@@ -95,8 +120,16 @@ def _peer_failure_line(setup: RunSetup, watch: PeerWatch, error: CommError) -> s
     if watch.rank == 0 and setup.train.save is not None:  # rank 0 alone commits saves
         remove_stale_staging(setup.train.save)
     if report.full and setup.train.save is not None:  # for a supervisor's restart
-        write_failure(setup.train.save, iteration, watch.world_size, report.silent,
-                      report.stuck, report.failed, report.line, run_id=watch.run_id)
+        write_failure(
+            setup.train.save,
+            iteration,
+            watch.world_size,
+            report.silent,
+            report.stuck,
+            report.failed,
+            report.line,
+            run_id=watch.run_id,
+        )
     return report.line
 
 
@@ -114,9 +147,13 @@ def distributed_timeout(run: RunConfig) -> datetime.timedelta:
     return datetime.timedelta(minutes=run.faults.distributed_timeout_minutes)
 
 
-def pretrain_on_world(run: RunConfig, world_size: int, stop: Optional[StopRequest] = None,
-                      out: Optional[TextIO] = None,
-                      local_rank: Optional[int] = None) -> Progress:
+def pretrain_on_world(
+    run: RunConfig,
+    world_size: int,
+    stop: StopRequest | None = None,
+    out: TextIO | None = None,
+    local_rank: int | None = None,
+) -> Progress:
     """Train ``run`` on an initialised ``world_size``-rank world (collective: every rank calls
     it with the same ``run``); returns this rank's progress. ``local_rank`` is this rank's
     place on its node (None: every rank of the world on one node)."""
@@ -129,8 +166,7 @@ def pretrain_on_world(run: RunConfig, world_size: int, stop: Optional[StopReques
     return train_prepared(setup, stop, out, device=device)
 
 
-def rank_emulation(setup: RunSetup, rank: int,
-                   threads: Optional[int] = None) -> "RankEmulation":
+def rank_emulation(setup: RunSetup, rank: int, threads: int | None = None) -> RankEmulation:
     """EMULATION: the emulation of ``rank`` (its compute-region timer, the communicator's wire
     hooks, the start-up line and the end-of-run warning), after checking every emulated kind's
     memory cap against the plan's stages (one UserError line naming the stage and the GiB).
@@ -138,18 +174,33 @@ def rank_emulation(setup: RunSetup, rank: int,
     kind (UserError on every rank when one is outside the world or not emulated)."""
     from megatron_het.emulation import build_emulation, check_memory_caps
 
-    check_memory_caps(setup.model_config, setup.plan, setup.cluster, setup.run.data.seq_length,
-                      setup.dtype, use_distributed_optimizer=setup.use_distributed_optimizer,
-                      profiles=setup.host_profiles, fused_elementwise=setup.run.train.compile)
+    check_memory_caps(
+        setup.model_config,
+        setup.plan,
+        setup.cluster,
+        setup.run.data.seq_length,
+        setup.dtype,
+        use_distributed_optimizer=setup.use_distributed_optimizer,
+        profiles=setup.host_profiles,
+        fused_elementwise=setup.run.train.compile,
+    )
     parallel = setup.run.parallel
-    return build_emulation(setup.cluster, setup.plan, rank, setup.model_config,
-                           setup.run.data.seq_length, setup.dtype, setup.host_profiles,
-                           parallel.emulation_profile, threads=threads,
-                           extra_slowdown=parallel.emulation_extra_slowdown,
-                           fused_elementwise=setup.run.train.compile)
+    return build_emulation(
+        setup.cluster,
+        setup.plan,
+        rank,
+        setup.model_config,
+        setup.run.data.seq_length,
+        setup.dtype,
+        setup.host_profiles,
+        parallel.emulation_profile,
+        threads=threads,
+        extra_slowdown=parallel.emulation_extra_slowdown,
+        fused_elementwise=setup.run.train.compile,
+    )
 
 
-def predict_run(setup: RunSetup) -> "Prediction":
+def predict_run(setup: RunSetup) -> Prediction:
     """:func:`~megatron_het.training.setup.predict_plan` with the host-sharing model where the
     ranks are emulated on a shared host whose profile has the figures: the dry run's, the
     summary's and the demo's chart's prediction. UserError if the predictor cannot price the
@@ -159,7 +210,7 @@ def predict_run(setup: RunSetup) -> "Prediction":
     return predict_plan(setup, rate_model=SharedHostModel())
 
 
-def predicted_iteration_s(setup: RunSetup) -> Optional[float]:
+def predicted_iteration_s(setup: RunSetup) -> float | None:
     """:func:`predict_run`'s iteration time; None if the predictor cannot price the plan."""
     from megatron_het.errors import UserError
 
@@ -169,9 +220,13 @@ def predicted_iteration_s(setup: RunSetup) -> Optional[float]:
         return None
 
 
-def train_prepared(setup: RunSetup, stop: Optional[StopRequest] = None,
-                   out: Optional[TextIO] = None, watch: Optional[PeerWatch] = None,
-                   device: Optional[int] = None) -> Progress:
+def train_prepared(
+    setup: RunSetup,
+    stop: StopRequest | None = None,
+    out: TextIO | None = None,
+    watch: PeerWatch | None = None,
+    device: int | None = None,
+) -> Progress:
     """Build this rank's trainer from a checked ``setup`` and train it (collective).
     ``device`` is the visible device the rank drives (:func:`device_index`; None: every rank
     of the world on one node).
@@ -202,14 +257,15 @@ _PROBLEM_BYTES = 240
 
 def device_index(setup: RunSetup, rank: int, local_rank: int) -> int:
     """The visible device that ``rank`` (``local_rank`` on its node) drives: its place among
-    its node's ranks of its device type (:func:`~megatron_het.training.launch.local_device_index`)."""
+    its node's ranks of its device type
+    (:func:`~megatron_het.training.launch.local_device_index`)."""
     return rank_device_index(lambda r: setup.accelerator(r).device_type, rank, local_rank)
 
 
 def check_devices(setup: RunSetup, rank: int, device: int) -> None:
     """UserError on every rank when some rank's process cannot be the kind the cluster file
-    gives it driving visible device ``device`` (:func:`~megatron_het.training.launch.device_problem`),
-    naming those ranks.
+    gives it driving visible device ``device``
+    (:func:`~megatron_het.training.launch.device_problem`), naming those ranks.
 
     Collective over the world (gloo, host tensors), before any device group is built: a GPU
     rank placed in another vendor's kind (nodes started in another order than the cluster
@@ -218,8 +274,9 @@ def check_devices(setup: RunSetup, rank: int, device: int) -> None:
     import torch
     import torch.distributed as dist
 
-    problem = device_problem(setup.accelerator(rank), device,
-                             identity=setup.run.parallel.cluster is not None)
+    problem = device_problem(
+        setup.accelerator(rank), device, identity=setup.run.parallel.cluster is not None
+    )
     mine = line_to_bytes(problem or "", _PROBLEM_BYTES)
     size = dist.get_world_size() if dist.is_initialized() else 1
     every = [mine] if size == 1 else [torch.zeros_like(mine) for _ in range(size)]
@@ -230,43 +287,58 @@ def check_devices(setup: RunSetup, rank: int, device: int) -> None:
         return
     shown = "; ".join(f"{describe_rank(setup, r)}: {text}" for r, text in problems[:3])
     more = f" (and {len(problems) - 3} more ranks)" if len(problems) > 3 else ""
-    raise UserError(f"ranks do not match the kinds the cluster file gives them: {shown}{more}; "
-                    "start each node group on its own hardware and torch build, nodes in the "
-                    "cluster file's order (torchrun --node_rank)")
+    raise UserError(
+        f"ranks do not match the kinds the cluster file gives them: {shown}{more}; "
+        "start each node group on its own hardware and torch build, nodes in the "
+        "cluster file's order (torchrun --node_rank)"
+    )
 
 
-def _train(setup: RunSetup, stop: StopRequest, out: TextIO,
-           watch: Optional[PeerWatch], device: Optional[int]) -> Progress:
+def _train(
+    setup: RunSetup, stop: StopRequest, out: TextIO, watch: PeerWatch | None, device: int | None
+) -> Progress:
     from megatron_het.comm import UnifiedCommunicator
 
     run = setup.run
     world_rank = _world_rank()
-    check_devices(setup, world_rank,
-                  device_index(setup, world_rank, world_rank) if device is None else device)
+    check_devices(
+        setup, world_rank, device_index(setup, world_rank, world_rank) if device is None else device
+    )
     if setup.train.save is not None:
-        check_save_is_shared(pathlib.Path(setup.train.save),
-                             lambda ranks: f"rank{'s' if len(ranks) > 1 else ''} "
-                                           f"{format_ranks(ranks)}")
+        check_save_is_shared(
+            pathlib.Path(setup.train.save),
+            lambda ranks: f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}",
+        )
     emulation = rank_emulation(setup, world_rank)
-    comm = UnifiedCommunicator.from_cluster(setup.cluster, bridge=run.parallel.bridge,
-                                            wire_hooks=emulation.wire_hooks,
-                                            timeout=distributed_timeout(setup.run))
+    comm = UnifiedCommunicator.from_cluster(
+        setup.cluster,
+        bridge=run.parallel.bridge,
+        wire_hooks=emulation.wire_hooks,
+        timeout=distributed_timeout(setup.run),
+    )
     trainer = build_trainer(setup, comm, region_timer=emulation.region_timer)
     if watch is not None:
         watch.progress = lambda: trainer.progress.iteration
         watch.activity = trainer.executor.clock.activity
     loaded = load(trainer) if setup.load_dir is not None else None
     if comm.rank == logging_rank(setup.plan):
-        trainer.logger = TrainingLogger(setup.train, setup.model_config, run.data.seq_length,
-                                        start_iteration=trainer.progress.iteration,
-                                        num_devices=setup.plan.world_size, out=out,
-                                        throughput=trainer.metrics)
+        trainer.logger = TrainingLogger(
+            setup.train,
+            setup.model_config,
+            run.data.seq_length,
+            start_iteration=trainer.progress.iteration,
+            num_devices=setup.plan.world_size,
+            out=out,
+            throughput=trainer.metrics,
+        )
     finished = False
     try:
         _print_start(trainer, emulation, loaded)
         if trainer.progress.iteration >= setup.train.train_iters:
-            trainer.print(f" already at iteration {trainer.progress.iteration}; raise "
-                          "--train-iters to train further")
+            trainer.print(
+                f" already at iteration {trainer.progress.iteration}; raise "
+                "--train-iters to train further"
+            )
         else:
             start = time.perf_counter()
             train(trainer, stop)
@@ -274,8 +346,11 @@ def _train(setup: RunSetup, stop: StopRequest, out: TextIO,
             if warning:
                 print(warning, file=sys.stderr, flush=True)
             if trainer.logger is not None:
-                trainer.print(closing_summary(trainer, time.perf_counter() - start,
-                                              predicted_iteration_s(setup)))
+                trainer.print(
+                    closing_summary(
+                        trainer, time.perf_counter() - start, predicted_iteration_s(setup)
+                    )
+                )
         finished = True
     finally:
         # After a failure, reductions still in flight would only wait on a lost peer.
@@ -291,16 +366,21 @@ def _world_rank() -> int:
     return dist.get_rank()
 
 
-def _print_start(trainer: Trainer, emulation: "RankEmulation", loaded: Optional[str]) -> None:
+def _print_start(trainer: Trainer, emulation: RankEmulation, loaded: str | None) -> None:
     setup = trainer.setup
     if setup.load_dir is not None:
-        trainer.print(f"> loaded {setup.load_dir} (iteration {trainer.progress.iteration}, "
-                      f"consumed samples {trainer.progress.consumed_samples})")
+        trainer.print(
+            f"> loaded {setup.load_dir} (iteration {trainer.progress.iteration}, "
+            f"consumed samples {trainer.progress.consumed_samples})"
+        )
         if loaded:
             trainer.print(loaded)
         if trainer.logger is not None:
-            restart = describe_restart(setup, load_checkpoint_metadata(setup.load_dir),
-                                       lambda: predicted_iteration_s(setup))
+            restart = describe_restart(
+                setup,
+                load_checkpoint_metadata(setup.load_dir),
+                lambda: predicted_iteration_s(setup),
+            )
             if restart:
                 trainer.print(restart)
     elif setup.train.load is not None:

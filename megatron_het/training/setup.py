@@ -7,20 +7,30 @@ line fails here with one line, on every rank alike, and leaves ``--save``, the m
 the tensorboard directory untouched. A single process and a launched world go through it the same
 way: only the world size differs.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any
 
 from megatron_het.arguments import RunConfig, resolve_model_config
-from megatron_het.checkpoint.io import (TRACKER_FILE, load_checkpoint_metadata,
-                                        resolve_checkpoint_dir)
+from megatron_het.checkpoint.io import (
+    TRACKER_FILE,
+    load_checkpoint_metadata,
+    resolve_checkpoint_dir,
+)
 from megatron_het.cluster import AcceleratorSpec, ClusterSpec
 from megatron_het.config import ModelConfig, TrainConfig
-from megatron_het.data import (IndexedDataset, build_tokenizer, build_train_valid_test_datasets,
-                               max_token_id, parse_data_path)
+from megatron_het.data import (
+    IndexedDataset,
+    build_tokenizer,
+    build_train_valid_test_datasets,
+    max_token_id,
+    parse_data_path,
+)
 from megatron_het.data.mock_dataset import MockDataset, SampleDataset
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
@@ -59,9 +69,9 @@ class RunSetup:
     dtype: str
     use_distributed_optimizer: bool
     train_data: SampleDataset
-    valid_data: Optional[SampleDataset]
-    load_dir: Optional[pathlib.Path]
-    host_profiles: Optional[Mapping[str, "Profile"]] = field(default=None)
+    valid_data: SampleDataset | None
+    load_dir: pathlib.Path | None
+    host_profiles: Mapping[str, Profile] | None = field(default=None)
 
     @property
     def overlap_grad_reduce(self) -> bool:
@@ -89,13 +99,16 @@ def check_data_vocab(data_path: tuple[str, ...], tokenizer_vocab_size: int) -> N
     for prefix in prefixes:
         largest = max_token_id(IndexedDataset(prefix))
         if largest >= tokenizer_vocab_size:
-            raise UserError(f"data {prefix}.bin holds token id {largest} but the tokenizer has "
-                            f"{tokenizer_vocab_size} tokens; use the tokenizer the data was "
-                            "made with (or a larger --vocab-size)")
+            raise UserError(
+                f"data {prefix}.bin holds token id {largest} but the tokenizer has "
+                f"{tokenizer_vocab_size} tokens; use the tokenizer the data was "
+                "made with (or a larger --vocab-size)"
+            )
 
 
-def build_datasets(run: RunConfig, train: TrainConfig, vocab_size: int
-                   ) -> tuple[SampleDataset, Optional[SampleDataset]]:
+def build_datasets(
+    run: RunConfig, train: TrainConfig, vocab_size: int
+) -> tuple[SampleDataset, SampleDataset | None]:
     """Train and valid datasets sized for ``train``'s iterations and global batch."""
     num_train = train.train_iters * train.global_batch_size
     num_valid = train.eval_iters * train.global_batch_size
@@ -103,23 +116,26 @@ def build_datasets(run: RunConfig, train: TrainConfig, vocab_size: int
         seq, seed = run.data.seq_length, run.data.seed
         valid = MockDataset(num_valid, seq, vocab_size, seed, 1) if num_valid else None
         return MockDataset(num_train, seq, vocab_size, seed, 0), valid
-    train_data, valid_data, _ = build_train_valid_test_datasets(run.data,
-                                                                (num_train, num_valid, 0))
+    train_data, valid_data, _ = build_train_valid_test_datasets(run.data, (num_train, num_valid, 0))
     if train_data is None:
-        raise UserError(f"--split {run.data.split} leaves the train split no documents; "
-                        "give train a share (e.g. 969,30,1)")
+        raise UserError(
+            f"--split {run.data.split} leaves the train split no documents; "
+            "give train a share (e.g. 969,30,1)"
+        )
     return train_data, valid_data
 
 
-def checkpoint_to_load(train: TrainConfig) -> Optional[pathlib.Path]:
+def checkpoint_to_load(train: TrainConfig) -> pathlib.Path | None:
     """The iteration directory ``--load`` names (None: nothing to load yet)."""
     if train.load is None:
         return None
     path = pathlib.Path(train.load)
-    same_as_save = train.save is not None and path.resolve() == pathlib.Path(
-        train.save).resolve()
-    if same_as_save and not (path / TRACKER_FILE).exists() and not (
-            path / "metadata.json").exists():
+    same_as_save = train.save is not None and path.resolve() == pathlib.Path(train.save).resolve()
+    if (
+        same_as_save
+        and not (path / TRACKER_FILE).exists()
+        and not (path / "metadata.json").exists()
+    ):
         return None  # the usual restartable job: --save and --load name one directory
     return resolve_checkpoint_dir(path)
 
@@ -131,14 +147,20 @@ def check_checkpoint_model(load_dir: pathlib.Path, model_config: ModelConfig) ->
     the checkpoint. Raises UserError naming every other field where the two models differ.
     """
     saved_config = ModelConfig.from_dict(load_checkpoint_metadata(load_dir)["model_config"])
-    model_config = model_config.replace(**{key: getattr(saved_config, key)
-                                           for key in _FIELDS_FROM_CHECKPOINT})
+    model_config = model_config.replace(
+        **{key: getattr(saved_config, key) for key in _FIELDS_FROM_CHECKPOINT}
+    )
     saved, ours = saved_config.to_dict(), model_config.to_dict()
-    differing = [f"{key} (checkpoint {saved[key]}, configured {ours[key]})"
-                 for key in ours if key not in _FIELDS_FREE_ON_LOAD and saved[key] != ours[key]]
+    differing = [
+        f"{key} (checkpoint {saved[key]}, configured {ours[key]})"
+        for key in ours
+        if key not in _FIELDS_FREE_ON_LOAD and saved[key] != ours[key]
+    ]
     if differing:
-        raise UserError(f"--load {load_dir}: the checkpoint's model differs from the configured "
-                        f"one in {', '.join(differing)}; pass the checkpoint's shape flags")
+        raise UserError(
+            f"--load {load_dir}: the checkpoint's model differs from the configured "
+            f"one in {', '.join(differing)}; pass the checkpoint's shape flags"
+        )
     return model_config
 
 
@@ -152,13 +174,13 @@ def keep_checkpoint_batch(run: RunConfig, load_dir: pathlib.Path) -> RunConfig:
         return run
     batch = ParallelPlan.from_dict(saved).global_batch_size
     return dataclasses.replace(
-        run, train=dataclasses.replace(run.train, global_batch_size=batch),
-        parallel=dataclasses.replace(run.parallel,
-                                     batch_given=(run.parallel.batch_given[0], True)))
+        run,
+        train=dataclasses.replace(run.train, global_batch_size=batch),
+        parallel=dataclasses.replace(run.parallel, batch_given=(run.parallel.batch_given[0], True)),
+    )
 
 
-def prepare_run(run: RunConfig, world_size: Optional[int] = 1,
-                accelerator: str = "cpu") -> RunSetup:
+def prepare_run(run: RunConfig, world_size: int | None = 1, accelerator: str = "cpu") -> RunSetup:
     """Check the run's inputs and resolve model, plan and data (reads files only).
 
     ``world_size`` is the launched world: 1 for a single process, None for ``--dry-run`` (the
@@ -176,47 +198,77 @@ def prepare_run(run: RunConfig, world_size: Optional[int] = 1,
     choice = choose_plan(run, model_config, world_size, profiles, accelerator)
     if choice.grad_reduce_in_bf16 and choice.dtype != "bf16":
         if run.parallel.grad_reduce_in_bf16:
-            raise UserError("--grad-reduce-in-bf16 needs bf16 training; add --bf16 (or set "
-                            "\"dtype\": \"bf16\" in the plan) or drop the flag")
-        raise UserError(f"the plan's grad_reduce_in_bf16 needs bf16 training but the run "
-                        f"trains in {choice.dtype}; add --bf16 or drop the plan's key")
+            raise UserError(
+                "--grad-reduce-in-bf16 needs bf16 training; add --bf16 (or set "
+                '"dtype": "bf16" in the plan) or drop the flag'
+            )
+        raise UserError(
+            f"the plan's grad_reduce_in_bf16 needs bf16 training but the run "
+            f"trains in {choice.dtype}; add --bf16 or drop the plan's key"
+        )
     if choice.overlap_param_gather and not choice.use_distributed_optimizer:
         if run.parallel.overlap_param_gather:
-            raise UserError("--overlap-param-gather overlaps the distributed optimizer's "
-                            "parameter all-gather; add --use-distributed-optimizer (or set "
-                            "\"use_distributed_optimizer\": true in the plan) or drop the flag")
-        raise UserError("the plan's overlap_param_gather needs the distributed optimizer; add "
-                        "--use-distributed-optimizer or drop the plan's key")
+            raise UserError(
+                "--overlap-param-gather overlaps the distributed optimizer's "
+                "parameter all-gather; add --use-distributed-optimizer (or set "
+                '"use_distributed_optimizer": true in the plan) or drop the flag'
+            )
+        raise UserError(
+            "the plan's overlap_param_gather needs the distributed optimizer; add "
+            "--use-distributed-optimizer or drop the plan's key"
+        )
     # The trainer reads the DP options from the run's parallel spec: resolve them there.
-    run = dataclasses.replace(run, parallel=dataclasses.replace(
-        run.parallel, overlap_grad_reduce=choice.overlap_grad_reduce,
-        overlap_param_gather=choice.overlap_param_gather,
-        grad_reduce_in_bf16=choice.grad_reduce_in_bf16,
-        overlap_p2p_comm=choice.overlap_p2p_comm))
+    run = dataclasses.replace(
+        run,
+        parallel=dataclasses.replace(
+            run.parallel,
+            overlap_grad_reduce=choice.overlap_grad_reduce,
+            overlap_param_gather=choice.overlap_param_gather,
+            grad_reduce_in_bf16=choice.grad_reduce_in_bf16,
+            overlap_p2p_comm=choice.overlap_p2p_comm,
+        ),
+    )
     if not data.mock_data:
         check_data_vocab(data.data_path, tokenizer.vocab_size)
     train_data, valid_data = build_datasets(run, choice.train, tokenizer.vocab_size)
-    return RunSetup(run=run, model_config=model_config, tokenizer=tokenizer,
-                    cluster=choice.cluster, plan=choice.plan, train=choice.train,
-                    dtype=choice.dtype, use_distributed_optimizer=choice.use_distributed_optimizer,
-                    train_data=train_data, valid_data=valid_data, load_dir=load_dir,
-                    host_profiles=profiles)
+    return RunSetup(
+        run=run,
+        model_config=model_config,
+        tokenizer=tokenizer,
+        cluster=choice.cluster,
+        plan=choice.plan,
+        train=choice.train,
+        dtype=choice.dtype,
+        use_distributed_optimizer=choice.use_distributed_optimizer,
+        train_data=train_data,
+        valid_data=valid_data,
+        load_dir=load_dir,
+        host_profiles=profiles,
+    )
 
 
-def predict_plan(setup: RunSetup, **options: Any) -> "Prediction":
+def predict_plan(setup: RunSetup, **options: Any) -> Prediction:
     """The predictor on the run's plan with the run's resolved DP and p2p options and its
     layers' mode (``--compile``); ``options`` add to or replace any of
     :func:`~megatron_het.perf.predict`'s keyword options (a rate model, the pipeline model).
     UserError if the predictor cannot price the plan."""
     from megatron_het.perf import predict
 
-    run_options = dict(dtype=setup.dtype,
-                       use_distributed_optimizer=setup.use_distributed_optimizer,
-                       overlap_grad_reduce=setup.overlap_grad_reduce,
-                       overlap_param_gather=setup.overlap_param_gather,
-                       grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
-                       overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm,
-                       ddp_bucket_size=setup.run.parallel.ddp_bucket_size,
-                       fused_elementwise=setup.run.train.compile)
-    return predict(setup.model_config, setup.plan, setup.cluster, setup.run.data.seq_length,
-                   setup.host_profiles, **{**run_options, **options})
+    run_options = dict(
+        dtype=setup.dtype,
+        use_distributed_optimizer=setup.use_distributed_optimizer,
+        overlap_grad_reduce=setup.overlap_grad_reduce,
+        overlap_param_gather=setup.overlap_param_gather,
+        grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
+        overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm,
+        ddp_bucket_size=setup.run.parallel.ddp_bucket_size,
+        fused_elementwise=setup.run.train.compile,
+    )
+    return predict(
+        setup.model_config,
+        setup.plan,
+        setup.cluster,
+        setup.run.data.seq_length,
+        setup.host_profiles,
+        **{**run_options, **options},
+    )

@@ -1,8 +1,10 @@
 """A request to stop the run at the end of the current iteration (SIGTERM by default)."""
+
 from __future__ import annotations
 
 import signal
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 class StopRequest:

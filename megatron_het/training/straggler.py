@@ -15,10 +15,12 @@ more than ``(1 + threshold) / (1 - threshold)`` times the faster (1.5 x at the d
 Torch-free: plain numbers in, a :class:`StragglerReport` out; :class:`StragglerMonitor` keeps
 the interval's sums on the logging rank. No communication.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 from megatron_het.errors import UserError
 
@@ -45,7 +47,7 @@ class RankPlace:
 
     @property
     def where(self) -> str:
-        """"pipeline 1 stage 1", or "pipeline 0 stages 0,2" for an interleaved rank."""
+        """ "pipeline 1 stage 1", or "pipeline 0 stages 0,2" for an interleaved rank."""
         noun = "stage" if len(self.stages) == 1 else "stages"
         return f"pipeline {self.pipeline} {noun} {','.join(map(str, self.stages))}"
 
@@ -83,8 +85,9 @@ def median(values: Sequence[float]) -> float:
     return (ordered[middle - 1] + ordered[middle]) / 2.0
 
 
-def compare_ranks(compute_s: Sequence[float], places: Sequence[RankPlace], threshold: float
-                  ) -> tuple[dict[int, float], tuple[Straggler, ...], tuple[str, ...]]:
+def compare_ranks(
+    compute_s: Sequence[float], places: Sequence[RankPlace], threshold: float
+) -> tuple[dict[int, float], tuple[Straggler, ...], tuple[str, ...]]:
     """(ratio per compared rank, stragglers slowest first, kinds with one rank).
 
     ``compute_s`` is indexed by rank; ``places`` names the ranks to compare. A rank with no
@@ -96,7 +99,8 @@ def compare_ranks(compute_s: Sequence[float], places: Sequence[RankPlace], thres
     for place in places:
         if place.expected > 0:
             by_kind.setdefault(place.kind, []).append(
-                (place, compute_s[place.rank] / place.expected))
+                (place, compute_s[place.rank] / place.expected)
+            )
     ratios: dict[int, float] = {}
     stragglers: list[Straggler] = []
     lone: list[str] = []
@@ -122,14 +126,15 @@ class StragglerMonitor:
     (what ``expected`` measures, named in the lines).
     """
 
-    def __init__(self, places: Sequence[RankPlace], threshold: float,
-                 basis: str = PREDICTED) -> None:
+    def __init__(
+        self, places: Sequence[RankPlace], threshold: float, basis: str = PREDICTED
+    ) -> None:
         if not threshold > 0:
             raise ValueError(f"threshold must be positive, got {threshold}")
         self.places = sorted(places, key=lambda p: p.rank)
         self.threshold, self.basis = float(threshold), basis
         self._sums: list[float] = []
-        self._first: Optional[int] = None
+        self._first: int | None = None
         self._last = 0
         self._lone_told = False
 
@@ -141,33 +146,44 @@ class StragglerMonitor:
         self._sums = [total + float(value) for total, value in zip(self._sums, compute_s)]
         self._last = iteration
 
-    def close(self) -> Optional[StragglerReport]:
+    def close(self) -> StragglerReport | None:
         """The report of the iterations added since the last close (None: none added)."""
         if self._first is None:
             return None
         ratio, stragglers, lone = compare_ranks(self._sums, self.places, self.threshold)
-        report = StragglerReport(self._first, self._last, tuple(self._sums), ratio,
-                                 stragglers, lone)
+        report = StragglerReport(
+            self._first, self._last, tuple(self._sums), ratio, stragglers, lone
+        )
         self._sums, self._first = [], None
         return report
 
     def lines(self, report: StragglerReport) -> list[str]:
         """The log lines of ``report``: one per straggler, the note on kinds with one rank
         (the first time only), and a compact per-rank compute line."""
-        span = (f"iteration {report.first}" if report.first == report.last
-                else f"iterations {report.first}-{report.last}")
-        out = [f" straggler: rank {s.place.rank} ({s.place.where}, {s.place.kind}) computed "
-               f"{s.ratio:.2f} x the median of its kind per {self.basis} over {span} "
-               f"({100 * (s.ratio - 1):.0f}% slower; threshold {100 * self.threshold:g}%)"
-               for s in report.stragglers]
+        span = (
+            f"iteration {report.first}"
+            if report.first == report.last
+            else f"iterations {report.first}-{report.last}"
+        )
+        out = [
+            f" straggler: rank {s.place.rank} ({s.place.where}, {s.place.kind}) computed "
+            f"{s.ratio:.2f} x the median of its kind per {self.basis} over {span} "
+            f"({100 * (s.ratio - 1):.0f}% slower; threshold {100 * self.threshold:g}%)"
+            for s in report.stragglers
+        ]
         if report.lone_kinds and not self._lone_told:
             self._lone_told = True
-            out.append(" straggler check: " + ", ".join(report.lone_kinds)
-                       + (" has" if len(report.lone_kinds) == 1 else " have")
-                       + " a single rank, with no peer of its kind to be compared with; "
-                       "never named a straggler")
-        out.append(f"   compute s per rank over {span} (x its kind's median per "
-                   f"{self.basis}): " + " | ".join(self._compact(report)))
+            out.append(
+                " straggler check: "
+                + ", ".join(report.lone_kinds)
+                + (" has" if len(report.lone_kinds) == 1 else " have")
+                + " a single rank, with no peer of its kind to be compared with; "
+                "never named a straggler"
+            )
+        out.append(
+            f"   compute s per rank over {span} (x its kind's median per "
+            f"{self.basis}): " + " | ".join(self._compact(report))
+        )
         return out
 
     def _compact(self, report: StragglerReport) -> list[str]:
@@ -188,31 +204,34 @@ class StragglerMonitor:
             slowest = max(members, key=lambda p: (report.ratio.get(p.rank, 0.0), -p.rank))
             seconds = median([report.compute_s[p.rank] for p in members])
             ratio = report.ratio.get(slowest.rank)
-            parts.append(f"{kind} {len(members)} ranks, median {seconds:.3f}"
-                         + (f", slowest r{slowest.rank} x{ratio:.2f}" if ratio else ""))
+            parts.append(
+                f"{kind} {len(members)} ranks, median {seconds:.3f}"
+                + (f", slowest r{slowest.rank} x{ratio:.2f}" if ratio else "")
+            )
         return parts
 
 
 def report_fields(report: StragglerReport) -> dict[str, Any]:
     """The metrics-file figures of ``report`` (JSON-able; lists indexed by rank, None for a
     rank that was not compared)."""
-    return {"first_iteration": report.first, "rank_compute_s": list(report.compute_s),
-            "ratio_to_kind_median": [report.ratio.get(rank)
-                                     for rank in range(len(report.compute_s))],
-            "stragglers": [s.place.rank for s in report.stragglers]}
+    return {
+        "first_iteration": report.first,
+        "rank_compute_s": list(report.compute_s),
+        "ratio_to_kind_median": [report.ratio.get(rank) for rank in range(len(report.compute_s))],
+        "stragglers": [s.place.rank for s in report.stragglers],
+    }
 
 
 def report_scalars(report: StragglerReport) -> dict[str, float]:
     """Tensorboard scalars of ``report``: each rank's interval compute and its ratio."""
-    out = {f"straggler/compute_s/rank{rank}": value
-           for rank, value in enumerate(report.compute_s)}
+    out = {f"straggler/compute_s/rank{rank}": value for rank, value in enumerate(report.compute_s)}
     out.update({f"straggler/ratio/rank{rank}": value for rank, value in report.ratio.items()})
     out["straggler/count"] = float(len(report.stragglers))
     return out
 
 
 # -- expected compute --------------------------------------------------------------------------
-def predicted_compute(prediction: "Prediction", plan: "ParallelPlan") -> dict[int, float]:
+def predicted_compute(prediction: Prediction, plan: ParallelPlan) -> dict[int, float]:
     """Each rank's predicted compute seconds per iteration: over its stages' rows, forward +
     backward per micro-batch (TP communication and recompute included, as the executor's
     compute regions include them) times its pipeline's micro-batches."""
@@ -221,11 +240,12 @@ def predicted_compute(prediction: "Prediction", plan: "ParallelPlan") -> dict[in
         micro_batches = plan.pipelines[row.pipeline].micro_batches
         for rank in row.ranks:
             expected[rank] = expected.get(rank, 0.0) + micro_batches * (
-                row.forward_s + row.backward_s)
+                row.forward_s + row.backward_s
+            )
     return expected
 
 
-def layer_compute(plan: "ParallelPlan") -> dict[int, float]:
+def layer_compute(plan: ParallelPlan) -> dict[int, float]:
     """Each rank's layers x its pipeline's micro-batches / its stage's TP degree, summed over
     its stages (where no prediction is possible)."""
     expected: dict[int, float] = {}
@@ -233,18 +253,27 @@ def layer_compute(plan: "ParallelPlan") -> dict[int, float]:
         for stage in pipeline.stages:
             for rank in stage.ranks:
                 expected[rank] = expected.get(rank, 0.0) + (
-                    stage.num_layers * pipeline.micro_batches / stage.tp)
+                    stage.num_layers * pipeline.micro_batches / stage.tp
+                )
     return expected
 
 
-def rank_places(plan: "ParallelPlan", cluster: "ClusterSpec",
-                expected: Mapping[int, float]) -> list[RankPlace]:
+def rank_places(
+    plan: ParallelPlan, cluster: ClusterSpec, expected: Mapping[int, float]
+) -> list[RankPlace]:
     """Every rank of ``plan`` with its pipeline, stages, kind label and ``expected`` compute."""
     places = []
     for rank in plan.ranks():
         role = plan.rank_role(rank)
-        places.append(RankPlace(rank, role.pipeline, tuple(role.chunks),
-                                cluster.accelerator_of(rank).label, expected.get(rank, 0.0)))
+        places.append(
+            RankPlace(
+                rank,
+                role.pipeline,
+                tuple(role.chunks),
+                cluster.accelerator_of(rank).label,
+                expected.get(rank, 0.0),
+            )
+        )
     return places
 
 
@@ -263,6 +292,20 @@ def build_monitor(setup: Any, threshold: float) -> StragglerMonitor:
     return StragglerMonitor(rank_places(plan, setup.cluster, expected), threshold, basis)
 
 
-__all__ = ["LAYERS", "MAX_LISTED_RANKS", "PREDICTED", "RankPlace", "Straggler", "StragglerMonitor",
-           "StragglerReport", "build_monitor", "compare_ranks", "layer_compute", "median",
-           "predicted_compute", "rank_places", "report_fields", "report_scalars"]
+__all__ = [
+    "LAYERS",
+    "MAX_LISTED_RANKS",
+    "PREDICTED",
+    "RankPlace",
+    "Straggler",
+    "StragglerMonitor",
+    "StragglerReport",
+    "build_monitor",
+    "compare_ranks",
+    "layer_compute",
+    "median",
+    "predicted_compute",
+    "rank_places",
+    "report_fields",
+    "report_scalars",
+]

@@ -20,6 +20,7 @@ Used by scripts/common/launch.sh: ``eval "$(python scripts/common/node_info.py -
 Node ranks follow the cluster file: the nodes of its first node group come first. A bad cluster
 file or node rank prints one ``error:`` line and exits with status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,16 +30,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_het.cluster import ClusterSpec  # noqa: E402
-from megatron_het.errors import UserError, run_cli  # noqa: E402
+from megatron_het.cluster import ClusterSpec
+from megatron_het.errors import UserError, run_cli
 
 
 def node_assignments(cluster: ClusterSpec, node_rank: int) -> dict[str, str]:
     """The HET_* variables of node ``node_rank`` of ``cluster`` (values as strings)."""
     nodes = cluster.nodes()
     if not 0 <= node_rank < len(nodes):
-        raise UserError(f"NODE_RANK {node_rank} is outside cluster {cluster.name}'s "
-                        f"{len(nodes)} nodes; use 0..{len(nodes) - 1}")
+        raise UserError(
+            f"NODE_RANK {node_rank} is outside cluster {cluster.name}'s "
+            f"{len(nodes)} nodes; use 0..{len(nodes) - 1}"
+        )
     node = nodes[node_rank]
     infos = [cluster.rank_info(r) for r in range(node.first_rank, node.first_rank + node.nproc)]
     vendors = list(dict.fromkeys(info.accelerator.vendor for info in infos))
@@ -62,8 +65,14 @@ def kind_runs(cluster: ClusterSpec) -> list[int]:
     runs: list[int] = []
     last = None
     for node in cluster.nodes():
-        kinds = tuple(sorted({cluster.rank_info(r).accelerator.name
-                              for r in range(node.first_rank, node.first_rank + node.nproc)}))
+        kinds = tuple(
+            sorted(
+                {
+                    cluster.rank_info(r).accelerator.name
+                    for r in range(node.first_rank, node.first_rank + node.nproc)
+                }
+            )
+        )
         if kinds == last:
             runs[-1] += 1
         else:
@@ -75,8 +84,11 @@ def kind_runs(cluster: ClusterSpec) -> list[int]:
 def _driving(infos: list, device_type: str) -> int:
     """How many of ``infos``' ranks drive a device of ``device_type`` (emulated kinds run on
     the CPU)."""
-    return sum(1 for info in infos
-               if info.accelerator.device_type == device_type and not info.accelerator.emulated)
+    return sum(
+        1
+        for info in infos
+        if info.accelerator.device_type == device_type and not info.accelerator.emulated
+    )
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ it; the test suite hides the GPU outside its GPU session, see tests/conftest.py)
 are spawned, which needs a picklable ``fn`` and arguments; a closure is refused there with an
 error that says so.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -20,8 +21,9 @@ import os
 import pickle
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,16 +47,26 @@ def free_port() -> int:
 def _check_spawnable(fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     try:
         pickle.dumps((fn, args, kwargs))
-    except Exception as exc:  # noqa: BLE001 - pickling raises several kinds
+    except Exception as exc:
         raise RuntimeError(
             "a child forked from this process could not run torch code (CUDA is initialised "
             "here, or a GPU is visible to autograd), so run_ranks spawns its workers instead, "
             f"which needs fn and its arguments to be picklable: {exc}. Make "
-            f"{getattr(fn, '__qualname__', fn)!r} a module-level function") from None
+            f"{getattr(fn, '__qualname__', fn)!r} a module-level function"
+        ) from None
 
 
-def _worker(conn: Connection, fn: Callable[..., Any], rank: int, world_size: int, port: int,
-            backend: Optional[str], timeout: float, args: tuple, kwargs: dict) -> None:
+def _worker(
+    conn: Connection,
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str | None,
+    timeout: float,
+    args: tuple,
+    kwargs: dict,
+) -> None:
     torch.set_num_threads(1)
     status, payload = "ok", None
     try:
@@ -62,19 +74,23 @@ def _worker(conn: Connection, fn: Callable[..., Any], rank: int, world_size: int
             payload = fn(rank, world_size, *args, port=port, **kwargs)
         else:
             dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
             try:
                 payload = fn(rank, world_size, *args, **kwargs)
             finally:
                 dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException:
         status, payload = "error", traceback.format_exc()
     try:
         # Plain pickle copies tensor storage into the message; multiprocessing's own pickler
         # would pass shared-memory handles that die with this process.
         data = pickle.dumps((status, payload))
-    except Exception:  # noqa: BLE001 - e.g. an unpicklable return value
+    except Exception:
         data = pickle.dumps(("error", f"result could not be pickled:\n{traceback.format_exc()}"))
     conn.send_bytes(data)
     conn.close()
@@ -82,8 +98,9 @@ def _worker(conn: Connection, fn: Callable[..., Any], rank: int, world_size: int
     os._exit(0)
 
 
-def _collect(procs: list, conns: list[Connection], deadline: float
-             ) -> tuple[dict[int, Any], dict[int, str]]:
+def _collect(
+    procs: list, conns: list[Connection], deadline: float
+) -> tuple[dict[int, Any], dict[int, str]]:
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     pending = {conn: rank for rank, conn in enumerate(conns)}
@@ -97,16 +114,24 @@ def _collect(procs: list, conns: list[Connection], deadline: float
                 status, payload = pickle.loads(conn.recv_bytes())
             except EOFError:
                 procs[rank].join(timeout=5)  # the pipe closes before the exit status is reaped
-                status, payload = "error", (
-                    f"worker exited with code {procs[rank].exitcode} without a result")
+                status, payload = (
+                    "error",
+                    (f"worker exited with code {procs[rank].exitcode} without a result"),
+                )
             (results if status == "ok" else errors)[rank] = payload
         if errors:
             deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
     return results, errors
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60,
-              backend: Optional[str] = "gloo", **kwargs: Any) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60,
+    backend: str | None = "gloo",
+    **kwargs: Any,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` forked workers.
 
     Each worker sets one intra-op thread, then joins a process group of ``backend`` over
@@ -137,8 +162,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     try:
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker, daemon=True, args=(
-                child_conn, fn, rank, world_size, port, backend, timeout, args, kwargs))
+            proc = ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(child_conn, fn, rank, world_size, port, backend, timeout, args, kwargs),
+            )
             proc.start()
             child_conn.close()
             procs.append(proc)

@@ -8,6 +8,7 @@ tensors), a run resumed from the background-written checkpoint has the synchrono
 a writer's error fails every rank with one line, and a rank killed mid-write leaves the previous
 checkpoint the latest.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +18,8 @@ import os
 import pathlib
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -25,8 +27,13 @@ import torch
 from megatron_het.arguments import parse_run_config
 from megatron_het.checkpoint.async_save import AsyncCheckpointSaver, PendingCommit
 from megatron_het.checkpoint.info import main as checkpoint_info
-from megatron_het.checkpoint.io import (METADATA_FILE, TensorPiece, begin_checkpoint,
-                                        read_latest_iteration, save_checkpoint)
+from megatron_het.checkpoint.io import (
+    METADATA_FILE,
+    TensorPiece,
+    begin_checkpoint,
+    read_latest_iteration,
+    save_checkpoint,
+)
 from megatron_het.checkpoint.rank_files import RankFiles
 from megatron_het.checkpoint.sharded import SHARED_STAGING_TAG
 from megatron_het.config import ModelConfig
@@ -35,18 +42,64 @@ from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.training.stop import StopRequest
 from tests.distributed.harness import RankFailure, run_ranks
 
-CONFIG = ModelConfig(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=2,
-                     num_query_groups=1, vocab_size=11, name="async-unit")
-ONE_RANK = ParallelPlan.from_dict({
-    "format": "megatron_het.plan/1", "micro_batch_size": 1,
-    "pipelines": [{"micro_batches": 1, "stages": [
-        {"accelerator": "cpu", "tp": 1, "layers": [0, 1], "ranks": [0]}]}]})
-BASE = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-        "300", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-style",
-        "cosine", "--clip-grad", "1.0", "--adam-eps", "1e-6", "--seed", "7",
-        "--eval-interval", "100", "--eval-iters", "1", "--log-interval", "1",
-        "--pipeline-model-parallel-size", "2"]
+CONFIG = ModelConfig(
+    num_layers=1,
+    hidden_size=8,
+    ffn_hidden_size=16,
+    num_attention_heads=2,
+    num_query_groups=1,
+    vocab_size=11,
+    name="async-unit",
+)
+ONE_RANK = ParallelPlan.from_dict(
+    {
+        "format": "megatron_het.plan/1",
+        "micro_batch_size": 1,
+        "pipelines": [
+            {
+                "micro_batches": 1,
+                "stages": [{"accelerator": "cpu", "tp": 1, "layers": [0, 1], "ranks": [0]}],
+            }
+        ],
+    }
+)
+BASE = [
+    "--model",
+    "tiny",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "300",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-warmup-iters",
+    "2",
+    "--lr-decay-style",
+    "cosine",
+    "--clip-grad",
+    "1.0",
+    "--adam-eps",
+    "1e-6",
+    "--seed",
+    "7",
+    "--eval-interval",
+    "100",
+    "--eval-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--pipeline-model-parallel-size",
+    "2",
+]
 SAVING = ["--train-iters", "6", "--save-interval", "2"]
 
 
@@ -63,18 +116,23 @@ class OneRankWorld:
 def start_save(saver: AsyncCheckpointSaver, save_dir: pathlib.Path, iteration: int) -> None:
     staging = begin_checkpoint(save_dir, iteration, SHARED_STAGING_TAG)
     pieces = {"embedding.weight": TensorPiece.full(torch.full((11, 8), float(iteration)))}
-    saver.start(RankFiles(staging, 0, pieces, None, {"iteration": iteration}),
-                PendingCommit(save_dir, iteration, CONFIG, ONE_RANK, False, True, {"x": 1}))
+    saver.start(
+        RankFiles(staging, 0, pieces, None, {"iteration": iteration}),
+        PendingCommit(save_dir, iteration, CONFIG, ONE_RANK, False, True, {"x": 1}),
+    )
 
 
 def test_commit_waits_for_the_writer(tmp_path: pathlib.Path) -> None:
     release = threading.Event()
-    saver = AsyncCheckpointSaver(OneRankWorld(), torch.device("cpu"),
-                                 before_file=lambda iteration, name: release.wait(10))
+    saver = AsyncCheckpointSaver(
+        OneRankWorld(), torch.device("cpu"), before_file=lambda iteration, name: release.wait(10)
+    )
     start_save(saver, tmp_path, 3)
     with pytest.raises(RuntimeError, match="iteration 3 is still pending"):
-        saver.start(RankFiles(tmp_path, 0, {}, None, None),
-                    PendingCommit(tmp_path, 4, CONFIG, ONE_RANK, False, False, None))
+        saver.start(
+            RankFiles(tmp_path, 0, {}, None, None),
+            PendingCommit(tmp_path, 4, CONFIG, ONE_RANK, False, False, None),
+        )
     assert saver.poll() is None and saver.pending is not None  # still writing
     assert read_latest_iteration(tmp_path) is None
     release.set()
@@ -86,12 +144,14 @@ def test_commit_waits_for_the_writer(tmp_path: pathlib.Path) -> None:
     assert sorted(metadata["files"]) == ["model_shard_00000.pt", "train_state_00000.pt"]
     written = torch.full((11, 8), 3.0)  # the background writer records its pieces' digests
     assert metadata["files"]["model_shard_00000.pt"]["tensors"] == {
-        "embedding.weight": hashlib.sha256(written.numpy().tobytes()).hexdigest()}
+        "embedding.weight": hashlib.sha256(written.numpy().tobytes()).hexdigest()
+    }
     assert saver.poll() is None and saver.finish() is None  # nothing pending
 
 
 def test_a_writer_error_is_one_line_and_keeps_the_previous_checkpoint(
-        tmp_path: pathlib.Path) -> None:
+    tmp_path: pathlib.Path,
+) -> None:
     save_checkpoint(tmp_path, 1, CONFIG, {})
 
     def fail(iteration: int, name: str) -> None:
@@ -103,21 +163,32 @@ def test_a_writer_error_is_one_line_and_keeps_the_previous_checkpoint(
         saver.finish()
     assert str(info.value) == (
         "writing checkpoint iteration 2 in the background failed on rank 0 (OSError: No space "
-        "left on device); the latest checkpoint is still iteration 1")
+        "left on device); the latest checkpoint is still iteration 1"
+    )
     assert read_latest_iteration(tmp_path) == 1
     saver.close()
     save_checkpoint(tmp_path, 3, CONFIG, {})  # the next save removes the staging directory
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "iter_0000001", "iter_0000003", "latest_checkpointed_iteration.txt"]
+        "iter_0000001",
+        "iter_0000003",
+        "latest_checkpointed_iteration.txt",
+    ]
 
 
 def test_a_hung_writer_fails_after_the_timeout(tmp_path: pathlib.Path) -> None:
     release = threading.Event()
-    saver = AsyncCheckpointSaver(OneRankWorld(), torch.device("cpu"), timeout_s=0.1,
-                                 before_file=lambda iteration, name: release.wait(10))
+    saver = AsyncCheckpointSaver(
+        OneRankWorld(),
+        torch.device("cpu"),
+        timeout_s=0.1,
+        before_file=lambda iteration, name: release.wait(10),
+    )
     start_save(saver, tmp_path, 5)
-    with pytest.raises(UserError, match=r"\(TimeoutError: the writer did not finish within 0.1 "
-                                        r"s\); there is no committed checkpoint yet"):
+    with pytest.raises(
+        UserError,
+        match=r"\(TimeoutError: the writer did not finish within 0.1 "
+        r"s\); there is no committed checkpoint yet",
+    ):
         saver.finish()
     release.set()
     saver.close()
@@ -126,8 +197,11 @@ def test_a_hung_writer_fails_after_the_timeout(tmp_path: pathlib.Path) -> None:
 
 # ---- whole runs on 2 ranks ------------------------------------------------------------------
 def records(path: pathlib.Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()
-            if json.loads(line)["split"] == "train"]
+    return [
+        json.loads(line)
+        for line in path.read_text().splitlines()
+        if json.loads(line)["split"] == "train"
+    ]
 
 
 def files_of(directory: pathlib.Path) -> dict[str, dict]:
@@ -165,8 +239,9 @@ def _composed_worker(rank: int, world_size: int, argv: list[str], hook_name: str
             result["seen_while_writing_2"] = trainer.progress.iteration
         elif hook_name == "fail" and iteration == 4 and rank == 1:
             raise OSError("No space left on device")
-        elif (hook_name == "kill" and iteration == 4 and rank == 0
-              and name.startswith("optim_shard")):
+        elif (
+            hook_name == "kill" and iteration == 4 and rank == 0 and name.startswith("optim_shard")
+        ):
             os._exit(17)  # its model shard is written, the rest is not
 
     try:
@@ -184,20 +259,29 @@ def run2(fn: Callable, *args: Any) -> list:
 def sync_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
     """(save directory, metrics file) of a run saving synchronously at iterations 2, 4, 6."""
     root = tmp_path_factory.mktemp("sync")
-    logs = run2(_pretrain_worker, [*BASE, *SAVING, "--save", str(root / "save"),
-                                   "--metrics-file", str(root / "metrics.jsonl")])
+    logs = run2(
+        _pretrain_worker,
+        [
+            *BASE,
+            *SAVING,
+            "--save",
+            str(root / "save"),
+            "--metrics-file",
+            str(root / "metrics.jsonl"),
+        ],
+    )
     text = "".join(logs)
     assert text.count("saved checkpoint at iteration") == 3 and "GB/s)" in text
     return root / "save", root / "metrics.jsonl"
 
 
 @pytest.mark.slow
-def test_background_checkpoints_equal_synchronous_ones(tmp_path: pathlib.Path,
-                                                       sync_run: tuple) -> None:
+def test_background_checkpoints_equal_synchronous_ones(
+    tmp_path: pathlib.Path, sync_run: tuple
+) -> None:
     sync_dir, sync_metrics = sync_run
     save = tmp_path / "async"
-    results = run2(_composed_worker, [*BASE, *SAVING, "--save", str(save), "--async-save"],
-                   "hold")
+    results = run2(_composed_worker, [*BASE, *SAVING, "--save", str(save), "--async-save"], "hold")
     # Training went on while iteration 2 was written, yet every file is byte-identical.
     assert all(r["seen_while_writing_2"] > 2 for r in results)
     assert read_latest_iteration(save) == 6
@@ -205,16 +289,37 @@ def test_background_checkpoints_equal_synchronous_ones(tmp_path: pathlib.Path,
         assert files_of(save / iteration) == files_of(sync_dir / iteration), iteration
     # Resumed from the background-written iteration 2: the synchronous run's losses exactly.
     metrics = tmp_path / "resumed.jsonl"
-    logs = run2(_pretrain_worker, [*BASE, "--train-iters", "6", "--load",
-                                   str(save / "iter_0000002"), "--metrics-file", str(metrics)])
+    logs = run2(
+        _pretrain_worker,
+        [
+            *BASE,
+            "--train-iters",
+            "6",
+            "--load",
+            str(save / "iter_0000002"),
+            "--metrics-file",
+            str(metrics),
+        ],
+    )
     assert [r["iteration"] for r in records(metrics)] == [3, 4, 5, 6]
     assert [r["loss"] for r in records(metrics)] == [r["loss"] for r in records(sync_metrics)][2:]
     assert "> loaded" in "".join(logs)
 
 
 def test_async_run_logs_blocked_and_background_times(tmp_path: pathlib.Path) -> None:
-    logs = run2(_pretrain_worker, [*BASE, "--train-iters", "4", "--save-interval", "2",
-                                   "--save", str(tmp_path), "--async-save"])
+    logs = run2(
+        _pretrain_worker,
+        [
+            *BASE,
+            "--train-iters",
+            "4",
+            "--save-interval",
+            "2",
+            "--save",
+            str(tmp_path),
+            "--async-save",
+        ],
+    )
     text = "".join(logs)
     assert text.count("training blocked") == 2
     assert text.count("(background write") == 2 and "GB/s; committed" in text
@@ -223,19 +328,21 @@ def test_async_run_logs_blocked_and_background_times(tmp_path: pathlib.Path) -> 
 
 def test_a_writer_error_fails_every_rank(tmp_path: pathlib.Path) -> None:
     with pytest.raises(RankFailure) as info:
-        run2(_composed_worker, [*BASE, *SAVING, "--save", str(tmp_path), "--async-save"],
-             "fail")
+        run2(_composed_worker, [*BASE, *SAVING, "--save", str(tmp_path), "--async-save"], "fail")
     text = str(info.value)
-    expected = ("UserError: writing checkpoint iteration 4 in the background failed on rank 1 "
-                "({}); the latest checkpoint is still iteration 2")
+    expected = (
+        "UserError: writing checkpoint iteration 4 in the background failed on rank 1 "
+        "({}); the latest checkpoint is still iteration 2"
+    )
     assert expected.format("OSError: No space left on device") in text  # rank 1's own
     assert expected.format("see its error") in text  # rank 0
     assert read_latest_iteration(tmp_path) == 2
 
 
 @pytest.mark.slow
-def test_a_rank_killed_mid_write_keeps_the_previous_checkpoint(tmp_path: pathlib.Path,
-                                                                sync_run: tuple) -> None:
+def test_a_rank_killed_mid_write_keeps_the_previous_checkpoint(
+    tmp_path: pathlib.Path, sync_run: tuple
+) -> None:
     save = tmp_path / "save"
     with pytest.raises(RankFailure, match="rank 0 failed:\nworker exited with code 17"):
         run2(_composed_worker, [*BASE, *SAVING, "--save", str(save), "--async-save"], "kill")
@@ -246,11 +353,18 @@ def test_a_rank_killed_mid_write_keeps_the_previous_checkpoint(tmp_path: pathlib
     assert checkpoint_info([str(save)], out=stdio.StringIO()) == 0  # iteration 2 verifies
     # Resume in the same directory: the stale staging directory goes at the next save and the
     # checkpoints written after the resume equal the uninterrupted synchronous run's.
-    results = run2(_composed_worker, [*BASE, *SAVING, "--save", str(save), "--load", str(save),
-                                      "--async-save"], "none")
+    results = run2(
+        _composed_worker,
+        [*BASE, *SAVING, "--save", str(save), "--load", str(save), "--async-save"],
+        "none",
+    )
     assert "GB/s" in results[0]["load"] and "loaded checkpoint" in results[0]["load"]
     assert sorted(p.name for p in save.iterdir()) == [
-        "iter_0000002", "iter_0000004", "iter_0000006", "latest_checkpointed_iteration.txt"]
+        "iter_0000002",
+        "iter_0000004",
+        "iter_0000006",
+        "latest_checkpointed_iteration.txt",
+    ]
     sync_dir = sync_run[0]
     for iteration in ("iter_0000004", "iter_0000006"):
         assert files_of(save / iteration) == files_of(sync_dir / iteration), iteration

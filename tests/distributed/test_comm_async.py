@@ -4,6 +4,7 @@ Integer-valued data keeps every sum exact, so asynchronous results must equal th
 ones bitwise, on single-kind groups (the backend's own asynchronous work) and on mixed groups
 (hierarchical: first phases at the call, the last one in ``wait()``).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -23,11 +24,17 @@ from tests.distributed.test_comm_device_links import FAKE, FakeDeviceCommunicato
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 
 
-def make_comm(kinds: list[str], native: str = "gloo", debug: bool = False,
-              timeout_s: float = 30) -> UnifiedCommunicator:
+def make_comm(
+    kinds: list[str], native: str = "gloo", debug: bool = False, timeout_s: float = 30
+) -> UnifiedCommunicator:
     cls = FakeDeviceCommunicator if native == FAKE else UnifiedCommunicator
-    return cls(kinds, {k: native for k in kinds}, {k: "cpu" for k in kinds},
-               timeout=datetime.timedelta(seconds=timeout_s), debug=debug)
+    return cls(
+        kinds,
+        {k: native for k in kinds},
+        {k: "cpu" for k in kinds},
+        timeout=datetime.timedelta(seconds=timeout_s),
+        debug=debug,
+    )
 
 
 def compare_one_group(ug, me: int) -> list[str]:
@@ -52,8 +59,11 @@ def compare_one_group(ug, me: int) -> list[str]:
             ug.all_gather_into_tensor(sync, x)
             handle = ug.all_gather_into_tensor(done, x, async_op=True)
             handle.wait()
-            bad += [] if torch.equal(sync, done) and handle.is_completed() else [
-                f"all_gather {dtype} {shape}"]
+            bad += (
+                []
+                if torch.equal(sync, done) and handle.is_completed()
+                else [f"all_gather {dtype} {shape}"]
+            )
     # a non-contiguous tensor gets its result written back in wait()
     t = data(me, (6, 4), torch.float32).t()
     want = t.contiguous()
@@ -75,11 +85,14 @@ def async_equals_sync(rank: int, world_size: int, kinds: list[str], native: str)
     return bad
 
 
-@pytest.mark.parametrize("kinds, native", [
-    (["fast", "fast", "slow", "slow"], "gloo"),
-    (["fast", "fast", "fast", "slow"], "gloo"),
-    (["fast", "fast", "slow", "slow"], FAKE),  # device-backend native links (see there)
-])
+@pytest.mark.parametrize(
+    "kinds, native",
+    [
+        (["fast", "fast", "slow", "slow"], "gloo"),
+        (["fast", "fast", "fast", "slow"], "gloo"),
+        (["fast", "fast", "slow", "slow"], FAKE),  # device-backend native links (see there)
+    ],
+)
 def test_async_results_equal_sync_ones(kinds: list[str], native: str) -> None:
     assert run_ranks(async_equals_sync, 4, kinds, native, timeout=60) == [[]] * 4
 
@@ -107,15 +120,23 @@ def outstanding(rank: int, world_size: int, debug: bool) -> dict:
     dp.all_gather_into_tensor(g, torch.full((4,), float(rank)))  # sync, while h_dp is pending
     d = torch.full((7,), 2.0 * rank)
     h_world2 = world.all_reduce(d, op="avg", async_op=True)
-    pending_before = [isinstance(h, PendingHandle) and not h.is_completed()
-                      for h in (h_world, h_dp, h_world2)]
+    pending_before = [
+        isinstance(h, PendingHandle) and not h.is_completed() for h in (h_world, h_dp, h_world2)
+    ]
     h_world2.wait()  # waits out of order: the world's earlier op finishes first
     early = h_world.is_completed()
     for h in (h_tp, h_dp, h_world):
         h.wait()
-    return {"a": a[0].item(), "t": t[0].item(), "b": b_out.tolist(), "c": c[0].item(),
-            "g": g.tolist(), "d": d[0].item(), "pending_before": pending_before,
-            "world_done_early": early}
+    return {
+        "a": a[0].item(),
+        "t": t[0].item(),
+        "b": b_out.tolist(),
+        "c": c[0].item(),
+        "g": g.tolist(),
+        "d": d[0].item(),
+        "pending_before": pending_before,
+        "world_done_early": early,
+    }
 
 
 @pytest.mark.parametrize("debug", [False, True])
@@ -228,11 +249,18 @@ def lagging_copies(rank: int, world_size: int) -> dict:
         got = torch.empty(700)
         comm.recv(got, peer)
         send_queued = True
-    return {"a": a.unique().tolist(), "t": t[0].item(), "b": b_out.tolist(), "g": g.tolist(),
-            "gathered": [gathered[:600].unique().tolist(), gathered[600:].unique().tolist()],
-            "queued_after_call": queued_after_call, "still_queued": still_queued,
-            "submitted": starts.submitted, "send_queued": send_queued,
-            "got": got.unique().tolist()}
+    return {
+        "a": a.unique().tolist(),
+        "t": t[0].item(),
+        "b": b_out.tolist(),
+        "g": g.tolist(),
+        "gathered": [gathered[:600].unique().tolist(), gathered[600:].unique().tolist()],
+        "queued_after_call": queued_after_call,
+        "still_queued": still_queued,
+        "submitted": starts.submitted,
+        "send_queued": send_queued,
+        "got": got.unique().tolist(),
+    }
 
 
 def test_staged_transfers_start_once_their_copy_is_done_without_blocking_the_caller() -> None:

@@ -1,4 +1,5 @@
 """The "unified" torch.distributed backend: plain dist.* calls and DDP over mixed groups."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,10 @@ def make_model() -> torch.nn.Module:
 
 def batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
-    return (torch.randn(world_size * MICRO, 8, generator=gen),
-            torch.randn(world_size * MICRO, 5, generator=gen))
+    return (
+        torch.randn(world_size * MICRO, 8, generator=gen),
+        torch.randn(world_size * MICRO, 5, generator=gen),
+    )
 
 
 def ddp_steps(rank: int, world_size: int, kinds: list[str]) -> list[list[torch.Tensor]]:
@@ -29,8 +32,9 @@ def ddp_steps(rank: int, world_size: int, kinds: list[str]) -> list[list[torch.T
     group = dist.new_group(list(range(world_size)), backend="unified")
     model = make_model()
     # tiny buckets: several all-reduces per step, of uneven sizes
-    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
-                                                    bucket_cap_mb=0.0005)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, process_group=group, bucket_cap_mb=0.0005
+    )
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     grads = []
     for step in range(STEPS):
@@ -100,8 +104,9 @@ def plain_dist_calls(rank: int, world_size: int, kinds: list[str]) -> list[str]:
     recv = torch.empty(sum(out_split), dtype=torch.int64)
     dist.all_to_all_single(recv, inp, out_split, sizes, group=unified)
     mine = ranks.index(rank)
-    expect = torch.cat([(torch.arange(6) + 100 * r)[sum(sizes[:mine]):sum(sizes[:mine + 1])]
-                        for r in ranks])
+    expect = torch.cat(
+        [(torch.arange(6) + 100 * r)[sum(sizes[:mine]) : sum(sizes[: mine + 1])] for r in ranks]
+    )
     bad += [] if torch.equal(recv, expect) else ["all_to_all_single"]
     # the name torch.distributed calls before torch 2.13
     recv.zero_()
@@ -141,13 +146,22 @@ def p2p_and_scatters(rank: int, world_size: int, native: str) -> list[str]:
     world (2 + 2 ranks) and on a group of 2 ranks of one kind, against plain gloo groups."""
     kinds = ["fast", "fast", "slow", "slow"]
     builder = fake_device_links if native != "gloo" else None
-    register_unified_backend(kinds, {"fast": native, "slow": "gloo"},
-                             **({"link_builder": builder} if builder else {}))
-    groups = [(list(range(4)), dist.new_group(list(range(4)), backend="unified"),
-               dist.new_group(list(range(4)), backend="gloo"))]
+    register_unified_backend(
+        kinds, {"fast": native, "slow": "gloo"}, **({"link_builder": builder} if builder else {})
+    )
+    groups = [
+        (
+            list(range(4)),
+            dist.new_group(list(range(4)), backend="unified"),
+            dist.new_group(list(range(4)), backend="gloo"),
+        )
+    ]
     for ranks in ([0, 1], [2, 3]):
-        pair = (ranks, dist.new_group(ranks, backend="unified"),
-                dist.new_group(ranks, backend="gloo"))
+        pair = (
+            ranks,
+            dist.new_group(ranks, backend="unified"),
+            dist.new_group(ranks, backend="gloo"),
+        )
         if rank in ranks:
             groups.append(pair)
     bad = []
@@ -157,14 +171,17 @@ def p2p_and_scatters(rank: int, world_size: int, native: str) -> list[str]:
         nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
         x = torch.arange(5, dtype=torch.int64) + 10 * rank
         got_next, got_prev = torch.empty_like(x), torch.empty_like(x)
-        ops = [dist.P2POp(dist.irecv, got_prev, prv, unified),  # receives listed first
-               dist.P2POp(dist.isend, x, nxt, unified),
-               dist.P2POp(dist.isend, x + 1, prv, unified),
-               dist.P2POp(dist.irecv, got_next, nxt, unified)]
+        ops = [
+            dist.P2POp(dist.irecv, got_prev, prv, unified),  # receives listed first
+            dist.P2POp(dist.isend, x, nxt, unified),
+            dist.P2POp(dist.isend, x + 1, prv, unified),
+            dist.P2POp(dist.irecv, got_next, nxt, unified),
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        ok = (torch.equal(got_prev, torch.arange(5) + 10 * prv)
-              and torch.equal(got_next, torch.arange(5) + 10 * nxt + 1))
+        ok = torch.equal(got_prev, torch.arange(5) + 10 * prv) and torch.equal(
+            got_next, torch.arange(5) + 10 * nxt + 1
+        )
         bad += [] if ok else [f"{where} batch_isend_irecv"]
         inputs = [torch.arange(3, dtype=torch.int64) * (i + 1) + rank for i in range(n)]
         for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
@@ -189,8 +206,9 @@ def p2p_and_scatters(rank: int, world_size: int, native: str) -> list[str]:
         if native != "gloo" and rank < 2:  # this rank's device link saw only coalesced p2p
             link = unified.group.native.pg
             if link.single_p2p or not link.batches:
-                bad.append(f"{where} device link: {link.single_p2p} single p2p, "
-                           f"{link.batches} batches")
+                bad.append(
+                    f"{where} device link: {link.single_p2p} single p2p, {link.batches} batches"
+                )
     return bad
 
 

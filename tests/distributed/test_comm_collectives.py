@@ -6,6 +6,7 @@ torch.distributed on a plain gloo group of the same ranks. Data moves (gather, b
 all-to-all, p2p) and integer/max/min reductions must match bitwise; sums of integer-valued floats
 are exact and must match bitwise too; sums of random floats must match to rounding.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -48,12 +49,16 @@ class Checker:
     def equal(self, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
         self.count += 1
         if got.dtype != want.dtype or got.shape != want.shape:
-            self.failures.append(f"rank {self.rank}: {what}: got {got.dtype}{list(got.shape)} "
-                                 f"want {want.dtype}{list(want.shape)}")
+            self.failures.append(
+                f"rank {self.rank}: {what}: got {got.dtype}{list(got.shape)} "
+                f"want {want.dtype}{list(want.shape)}"
+            )
         elif not torch.equal(got, want):
             at = int((got != want).flatten().nonzero()[0])
-            self.failures.append(f"rank {self.rank}: {what}: element {at} is "
-                                 f"{got.flatten()[at].item()}, want {want.flatten()[at].item()}")
+            self.failures.append(
+                f"rank {self.rank}: {what}: element {at} is "
+                f"{got.flatten()[at].item()}, want {want.flatten()[at].item()}"
+            )
 
     def close(self, what: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
         self.count += 1
@@ -72,8 +77,11 @@ def check_reductions(chk: Checker, ug, ref, tag: str) -> None:
                 x = data(100 * me + len(shape), shape, dtype)
                 got, want = x.clone(), x.clone()
                 ug.all_reduce(got, op)
-                dist.all_reduce(want, dist.ReduceOp.SUM if op == "avg" else
-                                getattr(dist.ReduceOp, op.upper()), group=ref)
+                dist.all_reduce(
+                    want,
+                    dist.ReduceOp.SUM if op == "avg" else getattr(dist.ReduceOp, op.upper()),
+                    group=ref,
+                )
                 if op == "avg":
                     want.div_(n)
                 chk.equal(f"{tag} all_reduce {op} {dtype} {shape}", got, want)
@@ -84,8 +92,9 @@ def check_reductions(chk: Checker, ug, ref, tag: str) -> None:
                 before = big.clone()
                 ug.reduce_scatter_tensor(got, big.view(n * shape[0], *shape[1:]), op)
                 chk.equal(f"{tag} reduce_scatter_tensor {op} leaves its input", big, before)
-                dist.reduce_scatter_tensor(want.view(-1), big,
-                                           getattr(dist.ReduceOp, op.upper()), group=ref)
+                dist.reduce_scatter_tensor(
+                    want.view(-1), big, getattr(dist.ReduceOp, op.upper()), group=ref
+                )
                 chk.equal(f"{tag} reduce_scatter_tensor {op} {dtype} {shape}", got, want)
             pieces = list(big.view(n, -1).unbind(0))
             got = torch.empty(block.numel(), dtype=dtype)
@@ -133,8 +142,11 @@ def check_moves(chk: Checker, ug, ref, tag: str) -> None:
         outputs = [torch.empty(1 + i + 2 * me, dtype=dtype) for i in range(n)]
         ug.all_to_all(outputs, inputs)
         for i in range(n):
-            chk.equal(f"{tag} all_to_all from {i} {dtype}", outputs[i],
-                      data(1000 * i + me, (1 + i + 2 * me,), dtype))
+            chk.equal(
+                f"{tag} all_to_all from {i} {dtype}",
+                outputs[i],
+                data(1000 * i + me, (1 + i + 2 * me,), dtype),
+            )
 
 
 def check_p2p(chk: Checker, ug, tag: str) -> None:
@@ -147,14 +159,18 @@ def check_p2p(chk: Checker, ug, tag: str) -> None:
         while not recv.is_completed():  # polling completes the copy back, like wait()
             time.sleep(0.0005)  # (bounded by the harness timeout)
         send.wait()
-        chk.equal(f"{tag} isend/irecv ring {dtype}", got, data(500 + (me - 1) % ug.size, (37,),
-                                                                 dtype))
+        chk.equal(
+            f"{tag} isend/irecv ring {dtype}", got, data(500 + (me - 1) % ug.size, (37,), dtype)
+        )
         back = torch.empty_like(x)
         ops = [P2POp("irecv", back, nxt, tag=3), P2POp("isend", x, prv, tag=3)]
         for h in ug.batch_isend_irecv(ops):
             h.wait()
-        chk.equal(f"{tag} batch p2p reverse ring {dtype}", back,
-                  data(500 + (me + 1) % ug.size, (37,), dtype))
+        chk.equal(
+            f"{tag} batch p2p reverse ring {dtype}",
+            back,
+            data(500 + (me + 1) % ug.size, (37,), dtype),
+        )
     # blocking send/recv between the first and last rank (different kinds in mixed groups)
     first, last = ranks[0], ranks[-1]
     if ug.me == first:
@@ -165,10 +181,16 @@ def check_p2p(chk: Checker, ug, tag: str) -> None:
         chk.equal(f"{tag} send/recv {first}->{last}", got, torch.arange(9.0))
 
 
-def run_shape(rank: int, world_size: int, kinds: list[str], bridge: str,
-              subgroups: list[list[int]]) -> tuple[list[str], int, list[bool]]:
-    comm = UnifiedCommunicator(kinds, {k: "gloo" for k in kinds}, {k: "cpu" for k in kinds},
-                               bridge=bridge, timeout=datetime.timedelta(seconds=30))
+def run_shape(
+    rank: int, world_size: int, kinds: list[str], bridge: str, subgroups: list[list[int]]
+) -> tuple[list[str], int, list[bool]]:
+    comm = UnifiedCommunicator(
+        kinds,
+        {k: "gloo" for k in kinds},
+        {k: "cpu" for k in kinds},
+        bridge=bridge,
+        timeout=datetime.timedelta(seconds=30),
+    )
     chk = Checker(rank)
     groups = [(comm.world, dist.new_group(list(range(world_size))))]
     for ranks in subgroups:

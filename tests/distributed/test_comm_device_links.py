@@ -5,6 +5,7 @@ communicator can tell: it is not named "gloo" (so the communicator uses the back
 collectives, coalesced point-to-point batches and the eager connect, as on NCCL), it implements
 the coalescing calls, and it counts the point-to-point transfers that arrive outside a batch.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -17,8 +18,12 @@ import torch.distributed as dist
 
 from megatron_het.comm.communicator import UnifiedCommunicator
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_comm_collectives import (Checker, check_moves, check_p2p,
-                                                     check_reductions)
+from tests.distributed.test_comm_collectives import (
+    Checker,
+    check_moves,
+    check_p2p,
+    check_reductions,
+)
 
 FAKE = "fakenccl"
 
@@ -48,7 +53,7 @@ class _Watched:
     def _wait(self) -> None:
         try:
             self._work.wait()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+        except BaseException as exc:
             self._error = exc
 
     def wait(self, timeout: Any = None) -> bool:
@@ -118,14 +123,26 @@ class FakeDeviceCommunicator(UnifiedCommunicator):
 
 def device_links(comm: UnifiedCommunicator) -> list[CoalescingGloo]:
     groups = [comm.world]
-    return [link.pg for g in groups for link in g._links.values()
-            if isinstance(link.pg, CoalescingGloo)]
+    return [
+        link.pg for g in groups for link in g._links.values() if isinstance(link.pg, CoalescingGloo)
+    ]
 
 
-def run_suite(rank: int, world_size: int, kinds: list[str], backends: dict[str, str],
-              bridge: str, subgroups: list[list[int]]) -> tuple[list[str], int, list[int]]:
-    comm = FakeDeviceCommunicator(kinds, backends, {k: "cpu" for k in kinds}, bridge=bridge,
-                                  timeout=datetime.timedelta(seconds=30))
+def run_suite(
+    rank: int,
+    world_size: int,
+    kinds: list[str],
+    backends: dict[str, str],
+    bridge: str,
+    subgroups: list[list[int]],
+) -> tuple[list[str], int, list[int]]:
+    comm = FakeDeviceCommunicator(
+        kinds,
+        backends,
+        {k: "cpu" for k in kinds},
+        bridge=bridge,
+        timeout=datetime.timedelta(seconds=30),
+    )
     chk = Checker(rank)
     groups = [(comm.world, dist.new_group(list(range(world_size))))]
     for ranks in subgroups:
@@ -155,8 +172,9 @@ def test_relay_over_device_native_links_matches_torch_distributed(kinds: list[st
 
 def test_direct_bridge_over_a_shared_device_backend_matches_torch_distributed() -> None:
     kinds = ["fast", "fast", "fast", "slow"]  # both kinds run "fakenccl": direct chooses it
-    results = run_ranks(run_suite, 4, kinds, {"fast": FAKE, "slow": FAKE}, "direct",
-                        [[1, 2, 3]], timeout=90)
+    results = run_ranks(
+        run_suite, 4, kinds, {"fast": FAKE, "slow": FAKE}, "direct", [[1, 2, 3]], timeout=90
+    )
     failures = [f for fails, _, _ in results for f in fails]
     assert not failures, "\n".join(failures[:20])
     for rank, (_, _, connected) in enumerate(results):
@@ -167,8 +185,13 @@ def test_direct_bridge_over_a_shared_device_backend_matches_torch_distributed() 
 def chunked_relay(rank: int, world_size: int, bridge: str) -> list[str]:
     """As in a world with device kinds: relayed transfers are cut in chunks on every rank."""
     kinds = ["fast", "fast", "fast", "slow"]
-    comm = UnifiedCommunicator(kinds, {k: "gloo" for k in kinds}, {k: "cpu" for k in kinds},
-                               bridge=bridge, timeout=datetime.timedelta(seconds=30))
+    comm = UnifiedCommunicator(
+        kinds,
+        {k: "gloo" for k in kinds},
+        {k: "cpu" for k in kinds},
+        bridge=bridge,
+        timeout=datetime.timedelta(seconds=30),
+    )
     comm.bridge.host_only = False  # what a GPU + CPU world does; the CPU ranks cut alike
     chk = Checker(rank)
     ref = dist.new_group(list(range(world_size)))

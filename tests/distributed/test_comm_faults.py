@@ -1,4 +1,5 @@
 """Faults: a hung or dead peer raises a CommError naming group and op; debug mode mismatches."""
+
 from __future__ import annotations
 
 import datetime
@@ -17,8 +18,13 @@ OP_TIMEOUT_S = 2
 
 
 def make_comm(debug: bool = False) -> UnifiedCommunicator:
-    return UnifiedCommunicator(KINDS, {k: "gloo" for k in KINDS}, {k: "cpu" for k in KINDS},
-                               timeout=datetime.timedelta(seconds=OP_TIMEOUT_S), debug=debug)
+    return UnifiedCommunicator(
+        KINDS,
+        {k: "gloo" for k in KINDS},
+        {k: "cpu" for k in KINDS},
+        timeout=datetime.timedelta(seconds=OP_TIMEOUT_S),
+        debug=debug,
+    )
 
 
 def hung_peer(rank: int, world_size: int) -> str | None:
@@ -77,7 +83,9 @@ def mismatch(rank: int, world_size: int) -> list[str]:
         messages.append(str(exc))
     dtype = torch.float16 if rank == 1 else torch.float32
     try:
-        group.all_gather([torch.empty(3, dtype=dtype) for _ in range(4)], torch.ones(3, dtype=dtype))
+        group.all_gather(
+            [torch.empty(3, dtype=dtype) for _ in range(4)], torch.ones(3, dtype=dtype)
+        )
     except CollectiveMismatchError as exc:
         messages.append(str(exc))
     try:
@@ -94,9 +102,11 @@ def test_debug_mode_reports_mismatched_shapes_dtypes_and_roots() -> None:
     results = run_ranks(mismatch, 4, timeout=60)
     assert all(r == results[0] for r in results)  # every rank reports the same thing
     shape_msg, dtype_msg, root_msg, after = results[0]
-    assert shape_msg == ("unified group 'dp': all_reduce failed: ranks disagree: ranks [0, 1, 2] "
-                         "called all_reduce with float32[4, 8] op=sum; rank 3 called all_reduce "
-                         "with float32[4, 9] op=sum")
+    assert shape_msg == (
+        "unified group 'dp': all_reduce failed: ranks disagree: ranks [0, 1, 2] "
+        "called all_reduce with float32[4, 8] op=sum; rank 3 called all_reduce "
+        "with float32[4, 9] op=sum"
+    )
     assert "ranks [0, 2, 3] called all_gather with float32[3]" in dtype_msg
     assert "rank 1 called all_gather with float16[3]" in dtype_msg
     assert "ranks [0, 1] called broadcast with float32[2] src=0" in root_msg

@@ -1,5 +1,6 @@
 """The multi-process test harness itself: results, failures, hangs, and its start method on a
 GPU host (fork, or spawn once CUDA is initialised in the parent; faked here)."""
+
 from __future__ import annotations
 
 import time
@@ -61,8 +62,10 @@ def report_start_mark(rank: int, world_size: int) -> str:
 def cuda_untouchable(monkeypatch: pytest.MonkeyPatch, initialised: bool) -> None:
     """``torch.cuda.is_initialized`` answers ``initialised``; any call that could initialise
     CUDA (is_available, device_count, init) fails the test."""
+
     def forbidden(*args, **kwargs):
         raise AssertionError("the harness touched CUDA before starting its workers")
+
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialised)
     for name in ("is_available", "device_count", "init", "current_device"):
         monkeypatch.setattr(torch.cuda, name, forbidden)

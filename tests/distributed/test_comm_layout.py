@@ -1,4 +1,5 @@
 """Group layout and buffer sharding of the unified communicator (pure code, no processes)."""
+
 from __future__ import annotations
 
 import itertools
@@ -26,8 +27,12 @@ def test_three_plus_one_puts_the_lone_rank_in_every_channel() -> None:
 
 def test_two_plus_three_cuts_at_both_kinds_boundaries() -> None:
     lay = GroupLayout.build(range(5), ["a", "a", "b", "b", "b"])
-    assert lay.segments() == [Segment(0, 2, (0, 2)), Segment(2, 3, (0, 3)),
-                              Segment(3, 4, (1, 3)), Segment(4, 6, (1, 4))]
+    assert lay.segments() == [
+        Segment(0, 2, (0, 2)),
+        Segment(2, 3, (0, 3)),
+        Segment(3, 4, (1, 3)),
+        Segment(4, 6, (1, 4)),
+    ]
     # the broadcast entry channels (local rank i of every kind, modulo size) are included
     assert set(lay.channels()) == {(0, 2), (0, 3), (1, 3), (1, 4), (0, 4)}
 

@@ -1,4 +1,5 @@
 """Tensor-parallel all-reduces without the defensive copy (``inplace`` opt-ins of mappings.py)."""
+
 from __future__ import annotations
 
 import torch

@@ -12,6 +12,7 @@ grad norms and final parameters within 2e-4 relative; DP replicas must hold iden
 Small buckets force several buckets per stage; each layout also runs with the bucket reductions
 started from backward hooks on a worker thread (overlap).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -39,8 +40,15 @@ MICRO_BATCH, SEQ = 2, 8
 LR, CLIP = 1e-2, 0.3  # the clip threshold is below most norms here, so clipping is exercised
 BUCKET_MB = 0.004  # ~1000 fp32 elements: several buckets per stage
 TOL = 2e-4
-CONFIG = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
-                     num_query_groups=2, vocab_size=67, name="dp-test")
+CONFIG = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    ffn_hidden_size=48,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=67,
+    name="dp-test",
+)
 OPT = OptimizerConfig(lr=LR, weight_decay=0.1, clip_grad=CLIP)
 
 
@@ -48,21 +56,36 @@ def make_groups(world_size: int) -> dict[str, ProcessGroups]:
     """{layout: this rank's ProcessGroups} for "dp4", "dp2xtp2", "pp2xtp2" and "pp2xdp2"
     (Megatron rank order; collective)."""
     kinds = ["fast", "fast", "slow", "slow"][:world_size]
-    comm = UnifiedCommunicator(kinds, {"fast": "gloo", "slow": "gloo"},
-                               {"fast": "cpu", "slow": "cpu"},
-                               timeout=datetime.timedelta(seconds=60))
+    comm = UnifiedCommunicator(
+        kinds,
+        {"fast": "gloo", "slow": "gloo"},
+        {"fast": "cpu", "slow": "cpu"},
+        timeout=datetime.timedelta(seconds=60),
+    )
     layouts = {"dp4": (1, 1), "dp2xtp2": (2, 1), "pp2xtp2": (2, 2), "pp2xdp2": (1, 2)}
-    return {name: build_process_groups(comm, plan_from_megatron_flags(
-                CONFIG, world_size, tp, pp, MICRO_BATCH, TOTAL_MICRO_BATCHES * MICRO_BATCH,
-                accelerator_of=lambda rank: kinds[rank]))
-            for name, (tp, pp) in layouts.items()}
+    return {
+        name: build_process_groups(
+            comm,
+            plan_from_megatron_flags(
+                CONFIG,
+                world_size,
+                tp,
+                pp,
+                MICRO_BATCH,
+                TOTAL_MICRO_BATCHES * MICRO_BATCH,
+                accelerator_of=lambda rank: kinds[rank],
+            ),
+        )
+        for name, (tp, pp) in layouts.items()
+    }
 
 
 def global_batch(iteration: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The iteration's TOTAL_MICRO_BATCHES micro-batches (tokens, labels)."""
     gen = torch.Generator().manual_seed(100 + iteration)
-    rows = torch.randint(0, CONFIG.vocab_size, (TOTAL_MICRO_BATCHES * MICRO_BATCH, SEQ + 1),
-                         generator=gen)
+    rows = torch.randint(
+        0, CONFIG.vocab_size, (TOTAL_MICRO_BATCHES * MICRO_BATCH, SEQ + 1), generator=gen
+    )
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in rows.split(MICRO_BATCH)]
 
 
@@ -90,7 +113,7 @@ def build_stage(groups: ProcessGroups):
 def train_iteration(stage, optimizer, groups: ProcessGroups, iteration: int) -> tuple[float, float]:
     """One data-parallel iteration; returns (global mean loss, pre-clip grad norm)."""
     per_rank = TOTAL_MICRO_BATCHES // groups.dp.size
-    mine = global_batch(iteration)[groups.dp.rank * per_rank:(groups.dp.rank + 1) * per_rank]
+    mine = global_batch(iteration)[groups.dp.rank * per_rank : (groups.dp.rank + 1) * per_rank]
     optimizer.zero_grad(num_micro_batches=len(mine))  # used when overlap is on
     loss_sum = torch.zeros(())
     for tokens, labels in mine:
@@ -108,13 +131,22 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
-def check_against_reference(stage, groups: ProcessGroups, ref: dict[str, Any], losses: list[float],
-                            norms: list[float], what: str, config: ModelConfig = CONFIG) -> None:
+def check_against_reference(
+    stage,
+    groups: ProcessGroups,
+    ref: dict[str, Any],
+    losses: list[float],
+    norms: list[float],
+    what: str,
+    config: ModelConfig = CONFIG,
+) -> None:
     for it, (loss, norm) in enumerate(zip(losses, norms)):
         assert abs(loss - ref["losses"][it]) <= TOL * abs(ref["losses"][it]), (
-            f"{what} iteration {it}: loss {loss} vs reference {ref['losses'][it]}")
+            f"{what} iteration {it}: loss {loss} vs reference {ref['losses'][it]}"
+        )
         assert abs(norm - ref["norms"][it]) <= TOL * ref["norms"][it], (
-            f"{what} iteration {it}: grad norm {norm} vs reference {ref['norms'][it]}")
+            f"{what} iteration {it}: grad norm {norm} vs reference {ref['norms'][it]}"
+        )
     for name, param in stage.named_parameters():
         want = shard_tensor(name, ref["params"][name], config, groups.tp.size, groups.tp.rank)
         err = rel_err(param.detach(), want)
@@ -140,16 +172,18 @@ def _train_and_compare(rank: int, world_size: int) -> dict[str, int]:
         for zero, overlap in ((False, False), (True, False), (False, True), (True, True)):
             what = f"{layout} zero={zero} overlap={overlap} rank {rank}"
             stage = build_stage(groups)
-            optimizer = build_parallel_optimizer(stage, groups, OPT, zero, bucket_size_mb=BUCKET_MB,
-                                                 overlap_grad_reduce=overlap)
+            optimizer = build_parallel_optimizer(
+                stage, groups, OPT, zero, bucket_size_mb=BUCKET_MB, overlap_grad_reduce=overlap
+            )
             assert len(optimizer.buckets.buckets) > 1, "the test wants several buckets"
             results = [train_iteration(stage, optimizer, groups, it) for it in range(ITERS)]
             early = optimizer.buckets.launched_early
             optimizer.close()
             # With overlap every bucket's reduction started from the backward hooks.
             assert early == (len(optimizer.buckets.buckets) if overlap else 0), f"{what}: {early}"
-            check_against_reference(stage, groups, ref, [r[0] for r in results],
-                                    [r[1] for r in results], what)
+            check_against_reference(
+                stage, groups, ref, [r[0] for r in results], [r[1] for r in results], what
+            )
             check_replicas_identical(stage, groups, what)
             if not overlap:
                 state_bytes[f"{layout} zero={zero}"] = optimizer.state_bytes()

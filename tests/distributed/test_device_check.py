@@ -1,6 +1,7 @@
 """The start-up check of each rank's hardware against its kind (training.run.check_devices),
 two gloo ranks: a rank the cluster file calls an AMD GPU, on this CPU build of torch, stops
 every rank with the same line naming it, before any device group exists."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -30,9 +31,11 @@ def _check(rank: int, world_size: int, kinds: list[str]) -> str:
 def test_a_rank_on_the_wrong_hardware_stops_every_rank_with_its_name() -> None:
     lines = run_ranks(_check, 2, ["cpu", "MI300X"], timeout=60)
     assert lines[0] == lines[1]
-    assert lines[0].startswith("ranks do not match the kinds the cluster file gives them: "
-                               "rank 1 (MI300X, pipeline 0 stage 1): an AMD kind on a torch "
-                               "built without ROCm")
+    assert lines[0].startswith(
+        "ranks do not match the kinds the cluster file gives them: "
+        "rank 1 (MI300X, pipeline 0 stage 1): an AMD kind on a torch "
+        "built without ROCm"
+    )
     assert "rank 0" not in lines[0]
 
 

@@ -3,6 +3,7 @@
 Every group's members are checked against the plans read by hand, and every group is used once
 (an all-reduce of the global ranks), so the backend groups really connect those ranks.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -26,22 +27,26 @@ EXPECTED = {
         ((0, 1), (0,), (0, 1, 2, 3), (0, 1, 3), (0, 1)),  # tp 2 -> 1: both end stages whole
         ((0, 1), (1,), (0, 1, 2, 3), (0, 1, 3), (0, 1)),
         ((2,), (2,), (0, 1, 2, 3), None, (2,)),
-        ((3,), (3,), (0, 1, 2, 3), (0, 1, 3), (3,))],
+        ((3,), (3,), (0, 1, 2, 3), (0, 1, 3), (3,)),
+    ],
     "cpu_emulated_dp2_fast_heavy.json": [
         ((0,), (0, 1), (0, 2), (0, 2), (0, 1)),
         ((1,), (0, 1), (1, 3), (1, 3), (0, 1)),
         ((2,), (2, 3), (0, 2), (0, 2), (2, 3)),
-        ((3,), (2, 3), (1, 3), (1, 3), (2, 3))],
+        ((3,), (2, 3), (1, 3), (1, 3), (2, 3)),
+    ],
     "cpu_emulated_pp4.json": [
         ((0,), (0,), (0, 1, 2, 3), (0, 3), (0,)),
         ((1,), (1,), (0, 1, 2, 3), None, (1,)),
         ((2,), (2,), (0, 1, 2, 3), None, (2,)),
-        ((3,), (3,), (0, 1, 2, 3), (0, 3), (3,))],
+        ((3,), (3,), (0, 1, 2, 3), (0, 3), (3,)),
+    ],
     "cpu_emulated_tp2_pp2.json": [  # equal tp on both ends: rank-by-rank pairs
         ((0, 1), (0,), (0, 1, 2, 3), (0, 2), (0, 1)),
         ((0, 1), (1,), (0, 1, 2, 3), (1, 3), (0, 1)),
         ((2, 3), (2,), (0, 1, 2, 3), (0, 2), (2, 3)),
-        ((2, 3), (3,), (0, 1, 2, 3), (1, 3), (2, 3))],
+        ((2, 3), (3,), (0, 1, 2, 3), (1, 3), (2, 3)),
+    ],
 }
 
 
@@ -68,19 +73,27 @@ def _sums(groups: object, rank: int) -> tuple:
 
 
 def _build_all(rank: int, world_size: int) -> dict:
-    comm = UnifiedCommunicator(["fast", "fast", "slow", "slow"], {"fast": "gloo", "slow": "gloo"},
-                               {"fast": "cpu", "slow": "cpu"},
-                               timeout=datetime.timedelta(seconds=60))
+    comm = UnifiedCommunicator(
+        ["fast", "fast", "slow", "slow"],
+        {"fast": "gloo", "slow": "gloo"},
+        {"fast": "cpu", "slow": "cpu"},
+        timeout=datetime.timedelta(seconds=60),
+    )
     result: dict = {}
     for name in EXPECTED:
         plan = ParallelPlan.load(PLANS / name)
         groups = build_process_groups(comm, plan)
         role = groups.role
-        result[name] = {"members": _members(groups), "sums": _sums(groups, rank),
-                        "role": (role.pipeline, role.stage, role.tp_rank),
-                        "tp_rank": groups.tp.rank, "world": tuple(groups.world.ranks)}
-    untied = build_process_groups(comm, ParallelPlan.load(PLANS / "cpu_emulated_pp4.json"),
-                                  tie_embeddings=False)
+        result[name] = {
+            "members": _members(groups),
+            "sums": _sums(groups, rank),
+            "role": (role.pipeline, role.stage, role.tp_rank),
+            "tp_rank": groups.tp.rank,
+            "world": tuple(groups.world.ranks),
+        }
+    untied = build_process_groups(
+        comm, ParallelPlan.load(PLANS / "cpu_emulated_pp4.json"), tie_embeddings=False
+    )
     result["untied_embedding"] = untied.embedding
     errors = []
     bad = ParallelPlan.load(PLANS / "cpu_emulated_tp2_pp2.json").to_dict()
@@ -113,8 +126,12 @@ def test_groups_of_example_plans(per_rank: list[dict], name: str) -> None:
         assert got["role"] == (role.pipeline, role.stage, role.tp_rank)
         assert got["tp_rank"] == role.tp_rank  # group rank order = the plan's tp_rank order
         assert got["world"] == (0, 1, 2, 3)
-        same_shard = tuple(r for r in plan.ranks() if plan.rank_role(r).tp_rank == role.tp_rank
-                           and plan.rank_role(r).stage_plan.layers == role.stage_plan.layers)
+        same_shard = tuple(
+            r
+            for r in plan.ranks()
+            if plan.rank_role(r).tp_rank == role.tp_rank
+            and plan.rank_role(r).stage_plan.layers == role.stage_plan.layers
+        )
         assert got["members"][1] == same_shard
 
 

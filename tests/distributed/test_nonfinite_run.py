@@ -4,6 +4,7 @@ the gradient norm in a world all-reduce). Without --skip-nonfinite-steps every r
 poisoned iteration with the same line and no checkpoint is written for it; with it every rank
 skips that step and ends as a run that never took it. The poisoning is the single-process
 tests' (:func:`tests.unit.test_nonfinite_steps.poison`)."""
+
 from __future__ import annotations
 
 import io
@@ -14,14 +15,20 @@ import pytest
 
 from megatron_het.checkpoint.io import read_latest_iteration
 from tests.distributed.harness import run_ranks
-from tests.unit.test_nonfinite_steps import (FLAGS, assert_same_state, poison,
-                                             reference_skipping, train_with_poison)
+from tests.unit.test_nonfinite_steps import (
+    FLAGS,
+    assert_same_state,
+    poison,
+    reference_skipping,
+    train_with_poison,
+)
 
 LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
 
 
-def _skip_worker(rank: int, world_size: int, argv: list[str], poisoned_rank: int,
-                 what: str) -> tuple[int, int]:
+def _skip_worker(
+    rank: int, world_size: int, argv: list[str], poisoned_rank: int, what: str
+) -> tuple[int, int]:
     poisoned = {2: what} if rank == poisoned_rank else {}
     trainer, states = train_with_poison(argv, poisoned, world_size)
     expected = reference_skipping(argv, {2}, world_size)
@@ -31,11 +38,14 @@ def _skip_worker(rank: int, world_size: int, argv: list[str], poisoned_rank: int
     return trainer.skipped_nonfinite, trainer.progress.iteration
 
 
-@pytest.mark.parametrize("layout, poisoned_rank, what", [
-    ("pp2", 0, "grad"),  # the first stage's gradients: the loss (last stage) stays finite
-    ("pp2", 0, "loss"),  # the first stage's output: the last stage's loss is NaN
-    ("dp2", 1, "grad"),  # one replica's gradients
-])
+@pytest.mark.parametrize(
+    "layout, poisoned_rank, what",
+    [
+        ("pp2", 0, "grad"),  # the first stage's gradients: the loss (last stage) stays finite
+        ("pp2", 0, "loss"),  # the first stage's output: the last stage's loss is NaN
+        ("dp2", 1, "grad"),  # one replica's gradients
+    ],
+)
 def test_every_rank_skips_the_same_step(layout: str, poisoned_rank: int, what: str) -> None:
     argv = [*FLAGS, *LAYOUTS[layout], "--skip-nonfinite-steps"]
     results = run_ranks(_skip_worker, 2, argv, poisoned_rank, what, timeout=120)
@@ -65,7 +75,8 @@ def _stop_worker(rank: int, world_size: int, argv: list[str]) -> str:
 
 
 def test_every_rank_stops_at_the_poisoned_iteration_without_its_checkpoint(
-        tmp_path: pathlib.Path) -> None:
+    tmp_path: pathlib.Path,
+) -> None:
     save = tmp_path / "ckpt"
     argv = [*FLAGS, *LAYOUTS["pp2"], "--save", str(save), "--save-interval", "1"]
     messages = run_ranks(_stop_worker, 2, argv, timeout=120)

@@ -7,6 +7,7 @@ single-process model counted once. PP 2 x DP 2 trains through the pipeline execu
 DP reduction overlapped with backward (and with ZeRO-1's parameter all-gather overlapped with
 the next forward) and must match the single-process run.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -17,17 +18,32 @@ import torch
 from megatron_het.errors import UserError
 from megatron_het.model.llama import build_model
 from megatron_het.optim.parallel_optimizer import build_parallel_optimizer
-from megatron_het.tensor_parallel import apply_tp, parameter_shape, shard_tensor
-from tests.distributed.harness import run_ranks
 from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.pipeline.executor import PipelineExecutor
 from megatron_het.pipeline.stage import build_stage as build_pipeline_stage
-from tests.distributed.test_data_parallel import (BUCKET_MB, CLIP, CONFIG, ITERS, LR, MICRO_BATCH,
-                                                  OPT, SEED, SEQ, TOTAL_MICRO_BATCHES, WORLD,
-                                                  build_stage, check_against_reference,
-                                                  check_replicas_identical, global_batch,
-                                                  make_groups, reference_run, rel_err,
-                                                  train_iteration)
+from megatron_het.tensor_parallel import apply_tp, parameter_shape, shard_tensor
+from tests.distributed.harness import run_ranks
+from tests.distributed.test_data_parallel import (
+    BUCKET_MB,
+    CLIP,
+    CONFIG,
+    ITERS,
+    LR,
+    MICRO_BATCH,
+    OPT,
+    SEED,
+    SEQ,
+    TOTAL_MICRO_BATCHES,
+    WORLD,
+    build_stage,
+    check_against_reference,
+    check_replicas_identical,
+    global_batch,
+    make_groups,
+    reference_run,
+    rel_err,
+    train_iteration,
+)
 
 TIED = CONFIG.replace(tie_embeddings=True, name="dp-test-tied")
 
@@ -69,8 +85,13 @@ def _check_norm_counting(rank: int, layouts: dict[str, ProcessGroups]) -> None:
     groups = layouts["pp2xtp2"]
     stage_plan = groups.role.stage_plan
     assert groups.dp.size == 1 and groups.tp.size == 2
-    stage = build_model(TIED, SEED, layer_range=(stage_plan.layers[0], stage_plan.layers[1]),
-                        has_embedding=stage_plan.has_embedding, has_head=stage_plan.has_head)
+    stage = build_model(
+        TIED,
+        SEED,
+        layer_range=(stage_plan.layers[0], stage_plan.layers[1]),
+        has_embedding=stage_plan.has_embedding,
+        has_head=stage_plan.has_head,
+    )
     apply_tp(stage, groups.tp, TIED)
     assert "embedding.weight" in dict(stage.named_parameters())
     optimizer = build_parallel_optimizer(stage, groups, OPT, False)
@@ -125,8 +146,9 @@ def _resume(rank: int, groups: ProcessGroups) -> None:
             for name, param in stage.named_parameters():
                 err = rel_err(param.detach(), finals[saved_zero][name])
                 limit = 0.0 if zero == saved_zero else 1e-5
-                assert err <= limit, (f"resume saved zero={saved_zero} into zero={zero}: {name} "
-                                      f"off by {err:.1e}")
+                assert err <= limit, (
+                    f"resume saved zero={saved_zero} into zero={zero}: {name} off by {err:.1e}"
+                )
 
 
 def _errors(rank: int, groups: ProcessGroups) -> None:
@@ -186,19 +208,25 @@ def _pipeline_with_overlap(rank: int, groups: ProcessGroups) -> None:
     plan = groups.plan
     role = groups.role
     per_pipeline = plan.pipelines[role.pipeline].micro_batches
-    first_mb = sum(p.micro_batches for p in plan.pipelines[:role.pipeline])
+    first_mb = sum(p.micro_batches for p in plan.pipelines[: role.pipeline])
     for zero, gather in ((False, False), (True, False), (True, True)):
         what = f"pp2xdp2 tied zero={zero} overlap param gather={gather} rank {rank}"
         stage = build_pipeline_stage(TIED, plan, groups, SEED)
-        optimizer = build_parallel_optimizer(stage, groups, OPT, zero, bucket_size_mb=BUCKET_MB,
-                                             overlap_grad_reduce=True,
-                                             overlap_param_gather=gather)
+        optimizer = build_parallel_optimizer(
+            stage,
+            groups,
+            OPT,
+            zero,
+            bucket_size_mb=BUCKET_MB,
+            overlap_grad_reduce=True,
+            overlap_param_gather=gather,
+        )
         executor = PipelineExecutor(stage, groups, TIED, SEQ, MICRO_BATCH)
         losses, norms, in_flight = [], [], []
         undo = _defer_async_gathers(groups.dp) if gather else (lambda: None)
         for it in range(ITERS):
             optimizer.zero_grad(num_micro_batches=per_pipeline)
-            mine = global_batch(it)[first_mb:first_mb + per_pipeline]
+            mine = global_batch(it)[first_mb : first_mb + per_pipeline]
             stats = executor.run(mine, loss_scale=1.0 / TOTAL_MICRO_BATCHES)
             optimizer.sync_grads()
             norms.append(optimizer.clip_and_step(LR, CLIP))
@@ -245,41 +273,63 @@ def _interleaved_buckets_go_out_per_chunk(rank: int, world_size: int) -> None:
     from megatron_het.parallel.groups import build_process_groups
     from megatron_het.parallel.plan_builders import plan_from_megatron_flags
 
-    comm = UnifiedCommunicator(["cpu"] * world_size, {"cpu": "gloo"}, {"cpu": "cpu"},
-                               timeout=datetime.timedelta(seconds=60))
-    plan = plan_from_megatron_flags(DEEP, world_size, 1, 2, MICRO_BATCH,
-                                    TOTAL_MICRO_BATCHES * MICRO_BATCH,
-                                    accelerator_of=lambda r: "cpu", virtual_stages=2)
+    comm = UnifiedCommunicator(
+        ["cpu"] * world_size,
+        {"cpu": "gloo"},
+        {"cpu": "cpu"},
+        timeout=datetime.timedelta(seconds=60),
+    )
+    plan = plan_from_megatron_flags(
+        DEEP,
+        world_size,
+        1,
+        2,
+        MICRO_BATCH,
+        TOTAL_MICRO_BATCHES * MICRO_BATCH,
+        accelerator_of=lambda r: "cpu",
+        virtual_stages=2,
+    )
     groups = build_process_groups(comm, plan, tie_embeddings=False, num_layers=4)
     role = groups.role
     chunk_of = {}  # layer index -> chunk of this device group
     for chunk, stage in enumerate(role.chunk_plans):
         chunk_of.update({i: chunk for i in stage.layer_indices})
     stage = build_pipeline_stage(DEEP, plan, groups, SEED)
-    optimizer = build_parallel_optimizer(stage, groups, OPT, False, bucket_size_mb=BUCKET_MB,
-                                         overlap_grad_reduce=True)
+    optimizer = build_parallel_optimizer(
+        stage, groups, OPT, False, bucket_size_mb=BUCKET_MB, overlap_grad_reduce=True
+    )
     executor = PipelineExecutor(stage, groups, DEEP, SEQ, MICRO_BATCH)
     buckets = optimizer.buckets
 
     def chunks(bucket) -> set[int]:
-        return {chunk_of[int(s.name.split(".")[1])] for s in bucket.slots
-                if s.name.startswith("layers.")}
+        return {
+            chunk_of[int(s.name.split(".")[1])]
+            for s in bucket.slots
+            if s.name.startswith("layers.")
+        }
+
     launched = []
     real = buckets._launch
 
     def record(bucket, mode):
         if buckets._overlap.expected is not None:  # launched early, from a backward hook
-            pending = [b.index for b in buckets.buckets if 0 in chunks(b)
-                       and buckets._overlap.counts[b.index]
-                       < buckets._overlap.expected * buckets._overlap.per_backward[b.index]]
+            pending = [
+                b.index
+                for b in buckets.buckets
+                if 0 in chunks(b)
+                and buckets._overlap.counts[b.index]
+                < buckets._overlap.expected * buckets._overlap.per_backward[b.index]
+            ]
             launched.append((chunks(bucket), pending))
         real(bucket, mode)
+
     buckets._launch = record
     per_pipeline = plan.pipelines[role.pipeline].micro_batches
-    first_mb = sum(p.micro_batches for p in plan.pipelines[:role.pipeline])
+    first_mb = sum(p.micro_batches for p in plan.pipelines[: role.pipeline])
     optimizer.zero_grad(num_micro_batches=per_pipeline)
-    executor.run(global_batch(0)[first_mb:first_mb + per_pipeline],
-                 loss_scale=1.0 / TOTAL_MICRO_BATCHES)
+    executor.run(
+        global_batch(0)[first_mb : first_mb + per_pipeline], loss_scale=1.0 / TOTAL_MICRO_BATCHES
+    )
     optimizer.sync_grads()
     later = [pending for held, pending in launched if held == {1}]
     assert later and all(later), (rank, launched)  # chunk 0 gradients were still coming

@@ -5,6 +5,7 @@ Reference values are FULL tensors computed from the parameter name alone, so eve
 under test. One launch runs every distributed phase; the parent then checks single-process
 loading, offline resharding against the online save, and the crash-before-commit state.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -17,8 +18,8 @@ import pytest
 import torch
 
 from megatron_het.checkpoint import io, sharded
-from megatron_het.checkpoint.reshard import take_slice, target_slice, written_names
 from megatron_het.checkpoint.reader import CheckpointReader, load_model_state, load_train_state
+from megatron_het.checkpoint.reshard import take_slice, target_slice, written_names
 from megatron_het.checkpoint.sharded import load_sharded, reshard_checkpoint, save_sharded
 from megatron_het.comm import UnifiedCommunicator
 from megatron_het.config import ModelConfig, OptimizerConfig
@@ -33,25 +34,47 @@ from megatron_het.training.state import rng_state
 from tests.distributed.harness import run_ranks
 from tests.reference import restore_train_state
 
-CONFIG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                     num_query_groups=2, vocab_size=61, tie_embeddings=True, name="ckpt-tied")
+CONFIG = ModelConfig(
+    num_layers=4,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=61,
+    tie_embeddings=True,
+    name="ckpt-tied",
+)
 ITERATION = 5
 STEP = 7
 
 
 def make_plan(*pipelines: list[tuple[str, int, tuple[int, int], list[int]]]) -> ParallelPlan:
-    return ParallelPlan.from_dict({
-        "format": "megatron_het.plan/1", "micro_batch_size": 1,
-        "pipelines": [{"micro_batches": 2, "stages": [
-            {"accelerator": kind, "tp": tp, "layers": list(layers), "ranks": ranks}
-            for kind, tp, layers, ranks in stages]} for stages in pipelines]})
+    return ParallelPlan.from_dict(
+        {
+            "format": "megatron_het.plan/1",
+            "micro_batch_size": 1,
+            "pipelines": [
+                {
+                    "micro_batches": 2,
+                    "stages": [
+                        {"accelerator": kind, "tp": tp, "layers": list(layers), "ranks": ranks}
+                        for kind, tp, layers, ranks in stages
+                    ],
+                }
+                for stages in pipelines
+            ],
+        }
+    )
 
 
 PLAN_A = make_plan([("fast", 2, (0, 2), [0, 1]), ("slow", 2, (2, 4), [2, 3])])
-PLAN_B1 = make_plan([("fast", 2, (0, 1), [0, 1]), ("slow", 1, (1, 3), [2]),
-                     ("slow", 1, (3, 4), [3])])
-PLAN_B2 = make_plan([("fast", 1, (0, 2), [0]), ("fast", 1, (2, 4), [1])],
-                    [("slow", 1, (0, 2), [2]), ("slow", 1, (2, 4), [3])])
+PLAN_B1 = make_plan(
+    [("fast", 2, (0, 1), [0, 1]), ("slow", 1, (1, 3), [2]), ("slow", 1, (3, 4), [3])]
+)
+PLAN_B2 = make_plan(
+    [("fast", 1, (0, 2), [0]), ("fast", 1, (2, 4), [1])],
+    [("slow", 1, (0, 2), [2]), ("slow", 1, (2, 4), [3])],
+)
 
 
 def reference(name: str, kind: str) -> torch.Tensor:
@@ -71,13 +94,19 @@ def expected_slice(plan: ParallelPlan, rank: int, name: str, kind: str) -> torch
 
 
 def reference_state(plan: ParallelPlan, rank: int, stage: torch.nn.Module) -> dict:
-    return {n: {"step": STEP, "exp_avg": expected_slice(plan, rank, n, "exp_avg"),
-                "exp_avg_sq": expected_slice(plan, rank, n, "exp_avg_sq")}
-            for n, _ in stage.named_parameters()}
+    return {
+        n: {
+            "step": STEP,
+            "exp_avg": expected_slice(plan, rank, n, "exp_avg"),
+            "exp_avg_sq": expected_slice(plan, rank, n, "exp_avg_sq"),
+        }
+        for n, _ in stage.named_parameters()
+    }
 
 
-def check_loaded(plan: ParallelPlan, rank: int, stage: torch.nn.Module, optimizer: dict,
-                 what: str) -> None:
+def check_loaded(
+    plan: ParallelPlan, rank: int, stage: torch.nn.Module, optimizer: dict, what: str
+) -> None:
     names = sorted(n for n, _ in stage.named_parameters())
     assert sorted(optimizer) == names, what
     for name, param in stage.named_parameters():
@@ -85,7 +114,10 @@ def check_loaded(plan: ParallelPlan, rank: int, stage: torch.nn.Module, optimize
         assert optimizer[name]["step"] == STEP
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(optimizer[name][key], expected_slice(plan, rank, name, key)), (
-                what, name, key)
+                what,
+                name,
+                key,
+            )
 
 
 def stage_for(comm: UnifiedCommunicator, plan: ParallelPlan, seed: int):
@@ -94,26 +126,44 @@ def stage_for(comm: UnifiedCommunicator, plan: ParallelPlan, seed: int):
 
 
 def _phases(rank: int, world_size: int, dirs: dict[str, str]) -> dict:
-    comm = UnifiedCommunicator(["fast", "fast", "slow", "slow"], {"fast": "gloo", "slow": "gloo"},
-                               {"fast": "cpu", "slow": "cpu"},
-                               timeout=datetime.timedelta(seconds=60))
+    comm = UnifiedCommunicator(
+        ["fast", "fast", "slow", "slow"],
+        {"fast": "gloo", "slow": "gloo"},
+        {"fast": "cpu", "slow": "cpu"},
+        timeout=datetime.timedelta(seconds=60),
+    )
     torch.manual_seed(100 + rank)
-    train_state = {"version": 1, "iteration": ITERATION, "consumed_samples": 40,
-                   "lr_schedule": {}, "rng": rng_state("cpu")}
+    train_state = {
+        "version": 1,
+        "iteration": ITERATION,
+        "consumed_samples": 40,
+        "lr_schedule": {},
+        "rng": rng_state("cpu"),
+    }
     _save_resume_and_crash(comm, rank, dirs, train_state)
     _reshard_on_load(comm, rank, dirs, train_state)
     return _real_optimizer(comm, rank, dirs, train_state)
 
 
-def _save_resume_and_crash(comm: UnifiedCommunicator, rank: int, dirs: dict[str, str],
-                           train_state: dict) -> None:
+def _save_resume_and_crash(
+    comm: UnifiedCommunicator, rank: int, dirs: dict[str, str], train_state: dict
+) -> None:
     # Plan A saves the reference values; resume under plan A is bitwise exact.
     groups, stage = stage_for(comm, PLAN_A, seed=1)
     with torch.no_grad():
         for name, param in stage.named_parameters():
             param.copy_(expected_slice(PLAN_A, rank, name, "param"))
-    save_sharded(dirs["a"], ITERATION, CONFIG, PLAN_A, groups, stage,
-                 reference_state(PLAN_A, rank, stage), train_state, {"note": "plan A"})
+    save_sharded(
+        dirs["a"],
+        ITERATION,
+        CONFIG,
+        PLAN_A,
+        groups,
+        stage,
+        reference_state(PLAN_A, rank, stage),
+        train_state,
+        {"note": "plan A"},
+    )
     _, fresh = stage_for(comm, PLAN_A, seed=2)
     optimizer, loaded_train = load_sharded(dirs["a"], CONFIG, PLAN_A, groups, fresh)
     check_loaded(PLAN_A, rank, fresh, optimizer, "resume A")
@@ -122,11 +172,21 @@ def _save_resume_and_crash(comm: UnifiedCommunicator, rank: int, dirs: dict[str,
     # A crash between writing and committing iteration 6 leaves iteration 5 the latest.
     def crash(*args, **kwargs):
         raise OSError("simulated crash before the commit")
+
     real_commit, sharded.commit_checkpoint = sharded.commit_checkpoint, crash
     try:
         with pytest.raises((OSError, RuntimeError), match="crash|failed on"):
-            save_sharded(dirs["a"], ITERATION + 1, CONFIG, PLAN_A, groups, stage,
-                         reference_state(PLAN_A, rank, stage), train_state, {})
+            save_sharded(
+                dirs["a"],
+                ITERATION + 1,
+                CONFIG,
+                PLAN_A,
+                groups,
+                stage,
+                reference_state(PLAN_A, rank, stage),
+                train_state,
+                {},
+            )
     finally:
         sharded.commit_checkpoint = real_commit
     assert io.read_latest_iteration(dirs["a"]) == ITERATION
@@ -135,12 +195,22 @@ def _save_resume_and_crash(comm: UnifiedCommunicator, rank: int, dirs: dict[str,
     optimizer, _ = load_sharded(dirs["a"], CONFIG, PLAN_A, groups, fresh)
     check_loaded(PLAN_A, rank, fresh, optimizer, "after crash")
     comm.barrier()  # every rank has read iteration 5 before the next save
-    save_sharded(dirs["a"], ITERATION + 1, CONFIG, PLAN_A, groups, stage,
-                 reference_state(PLAN_A, rank, stage), train_state, {})
+    save_sharded(
+        dirs["a"],
+        ITERATION + 1,
+        CONFIG,
+        PLAN_A,
+        groups,
+        stage,
+        reference_state(PLAN_A, rank, stage),
+        train_state,
+        {},
+    )
 
 
-def _reshard_on_load(comm: UnifiedCommunicator, rank: int, dirs: dict[str, str],
-                     train_state: dict) -> None:
+def _reshard_on_load(
+    comm: UnifiedCommunicator, rank: int, dirs: dict[str, str], train_state: dict
+) -> None:
     # Plan B1 (PP3, TP (2, 1, 1), layers (1, 2, 1)) reshards on load, then saves (for offline).
     groups, stage = stage_for(comm, PLAN_B1, seed=3)
     optimizer, loaded_train = load_sharded(dirs["a"], CONFIG, PLAN_B1, groups, stage)
@@ -160,8 +230,9 @@ def _reshard_on_load(comm: UnifiedCommunicator, rank: int, dirs: dict[str, str],
     save_sharded(dirs["zero"], ITERATION, CONFIG, PLAN_B2, groups, stage, owned, train_state)
 
 
-def _real_optimizer(comm: UnifiedCommunicator, rank: int, dirs: dict[str, str],
-                    train_state: dict) -> dict:
+def _real_optimizer(
+    comm: UnifiedCommunicator, rank: int, dirs: dict[str, str], train_state: dict
+) -> dict:
     """The real optimizer: a ZeRO-1 step under B2, saved, resumed under plan A."""
     out: dict = {}
     groups, stage = stage_for(comm, PLAN_B2, seed=5)
@@ -185,18 +256,39 @@ def _real_optimizer(comm: UnifiedCommunicator, rank: int, dirs: dict[str, str],
 def _single_process_checkpoint(directory: pathlib.Path) -> None:
     model = build_model(CONFIG, seed=0)
     state = {n: reference(n, "param") for n, _ in model.named_parameters()}
-    optimizer = {"state": {n: {"step": torch.tensor(float(STEP)),
-                               "exp_avg": reference(n, "exp_avg"),
-                               "exp_avg_sq": reference(n, "exp_avg_sq")} for n in state},
-                 "param_groups": []}
-    io.save_checkpoint(directory, ITERATION, CONFIG, state,
-                       {"version": 1, "iteration": ITERATION, "consumed_samples": 40,
-                        "lr_schedule": {}, "optimizer": optimizer, "rng": rng_state("cpu")})
+    optimizer = {
+        "state": {
+            n: {
+                "step": torch.tensor(float(STEP)),
+                "exp_avg": reference(n, "exp_avg"),
+                "exp_avg_sq": reference(n, "exp_avg_sq"),
+            }
+            for n in state
+        },
+        "param_groups": [],
+    }
+    io.save_checkpoint(
+        directory,
+        ITERATION,
+        CONFIG,
+        state,
+        {
+            "version": 1,
+            "iteration": ITERATION,
+            "consumed_samples": 40,
+            "lr_schedule": {},
+            "optimizer": optimizer,
+            "rng": rng_state("cpu"),
+        },
+    )
 
 
 def _shard_payloads(directory: pathlib.Path) -> list:
-    files = [f for pattern in ("model_shard_*.pt", "optim_shard_*.pt", "train_state_*.pt")
-             for f in sorted(directory.glob(pattern))]
+    files = [
+        f
+        for pattern in ("model_shard_*.pt", "optim_shard_*.pt", "train_state_*.pt")
+        for f in sorted(directory.glob(pattern))
+    ]
     return [(f.name, io.read_checkpoint_file(f)) for f in files]
 
 
@@ -246,10 +338,15 @@ def test_sharded_checkpoints_across_plans(tmp_path: pathlib.Path) -> None:
     assert reader.opened_files == [("model", 2), ("model", 3), ("optim", 2), ("optim", 3)]
     # ... and hashes only the pieces it reads (both TP halves of layer 3's weights and moments;
     # layer 2's pieces in the same files are never read).
-    needed = 3 * sum(reference(n, "param").numel() * 4
-                     for n in ("layers.3.mlp.down.weight", "layers.3.input_norm.weight"))
-    opened = sum((reader.directory / f"{kind}_{r:05d}.pt").stat().st_size
-                 for kind in ("model_shard", "optim_shard") for r in (2, 3))
+    needed = 3 * sum(
+        reference(n, "param").numel() * 4
+        for n in ("layers.3.mlp.down.weight", "layers.3.input_norm.weight")
+    )
+    opened = sum(
+        (reader.directory / f"{kind}_{r:05d}.pt").stat().st_size
+        for kind in ("model_shard", "optim_shard")
+        for r in (2, 3)
+    )
     assert reader.stats.verified_bytes == reader.stats.bytes == needed < 0.5 * opened
 
     # Overlapping ownership still wrote every optimizer state exactly once.
@@ -267,15 +364,23 @@ def test_sharded_checkpoints_across_plans(tmp_path: pathlib.Path) -> None:
     assert meta_on["sharded"] == meta_off["sharded"]
     # Both record every rank's files, with the same bytes.
     assert sorted(meta_on["files"]) == sorted(
-        f"{kind}_{rank:05d}.pt" for kind in ("model_shard", "optim_shard", "train_state")
-        for rank in range(4))
+        f"{kind}_{rank:05d}.pt"
+        for kind in ("model_shard", "optim_shard", "train_state")
+        for rank in range(4)
+    )
     assert meta_on["files"] == meta_off["files"]
     moments = meta_on["files"]["optim_shard_00002.pt"]["tensors"]  # rank 2: layers 1-2, tp 1
     assert sorted(moments) == sorted(
-        f"{n}/{m}" for n in written_names(CONFIG, PLAN_B1.rank_role(2).stage_plan, 0)
-        for m in ("exp_avg", "exp_avg_sq"))
-    assert moments["layers.1.mlp.up.weight/exp_avg"] == hashlib.sha256(
-        reference("layers.1.mlp.up.weight", "exp_avg").numpy().tobytes()).hexdigest()
+        f"{n}/{m}"
+        for n in written_names(CONFIG, PLAN_B1.rank_role(2).stage_plan, 0)
+        for m in ("exp_avg", "exp_avg_sq")
+    )
+    assert (
+        moments["layers.1.mlp.up.weight/exp_avg"]
+        == hashlib.sha256(
+            reference("layers.1.mlp.up.weight", "exp_avg").numpy().tobytes()
+        ).hexdigest()
+    )
 
     # The real optimizer's ZeRO-1 state under B2 (tp 1: full tensors on pipeline 0) resumes
     # under plan A as its slices.

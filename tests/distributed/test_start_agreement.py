@@ -3,6 +3,7 @@ ranks whose store rank 0 serves (a launch without torchrun) or this process serv
 torchrun's agent does): a rank that cannot take part stops every rank with one line naming
 it, at once rather than after the timeout, and a rank that never starts is named when the
 others give up."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,13 +11,12 @@ import datetime
 import subprocess
 import sys
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import pytest
 
 from megatron_het.training.launch import LaunchEnv
 from tests.distributed.harness import free_port, run_ranks
-
 
 # The agent: a store served by a process of its own, as torchrun's agent serves one (served
 # from this process instead, a worker forked while the store's thread held a lock could hang).
@@ -34,8 +34,12 @@ sys.stdin.read()
 def _agent_store() -> Iterator[int]:
     """A store served by another process, as torchrun's agent serves one; its port."""
     port = free_port()
-    agent = subprocess.Popen([sys.executable, "-c", _AGENT, str(port)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _AGENT, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert agent.stdout is not None and agent.stdout.readline().strip() == "ready"
         yield port
@@ -50,18 +54,32 @@ def _ranks(fn, world_size: int, *args, agent: bool):  # type: ignore[no-untyped-
     if not agent:
         return run_ranks(fn, world_size, *args, backend=None, timeout=60)
     with _agent_store() as port:
-        return run_ranks(_as_agent_client, world_size, fn, port, args, backend=None,
-                         timeout=60)
+        return run_ranks(_as_agent_client, world_size, fn, port, args, backend=None, timeout=60)
 
 
-def _as_agent_client(rank: int, world_size: int, fn, agent_port: int, args: tuple,  # type: ignore[no-untyped-def]
-                     port: int):
+def _as_agent_client(
+    rank: int,
+    world_size: int,
+    fn,
+    agent_port: int,
+    args: tuple,  # type: ignore[no-untyped-def]
+    port: int,
+):
     return fn(rank, world_size, *args, port=agent_port, agent=True)
 
 
-def _join(rank: int, world_size: int, problems: dict[int, str], timeout_s: float,
-          delays: Optional[dict[int, float]] = None, launch: int = 0, libuv: bool = True, *,
-          port: int, agent: bool = False) -> tuple[str, float]:
+def _join(
+    rank: int,
+    world_size: int,
+    problems: dict[int, str],
+    timeout_s: float,
+    delays: dict[int, float] | None = None,
+    launch: int = 0,
+    libuv: bool = True,
+    *,
+    port: int,
+    agent: bool = False,
+) -> tuple[str, float]:
     """Join a world of ``world_size`` ranks (rank r after ``delays[r]`` seconds, at restart
     ``launch``); "ok" with an all-reduce's result, or the error's class and text; and the
     seconds it took."""
@@ -72,8 +90,17 @@ def _join(rank: int, world_size: int, problems: dict[int, str], timeout_s: float
     from megatron_het.training.launch import StartupError, join_world
 
     time.sleep((delays or {}).get(rank, 0.0))
-    env = LaunchEnv(rank, world_size, rank, "127.0.0.1", port, restart_count=launch,
-                    local_world_size=world_size, agent_store=agent, use_libuv=libuv)
+    env = LaunchEnv(
+        rank,
+        world_size,
+        rank,
+        "127.0.0.1",
+        port,
+        restart_count=launch,
+        local_world_size=world_size,
+        agent_store=agent,
+        use_libuv=libuv,
+    )
     started = time.monotonic()
     try:
         join_world(env, datetime.timedelta(seconds=timeout_s), problems.get(rank))
@@ -87,10 +114,17 @@ def _join(rank: int, world_size: int, problems: dict[int, str], timeout_s: float
         dist.destroy_process_group()
 
 
-def _absent(rank: int, world_size: int, absent: int, timeout_s: float,
-            problems: Optional[dict[int, str]] = None,
-            delays: Optional[dict[int, float]] = None, *, port: int,
-            agent: bool = False) -> Optional[tuple[str, float]]:
+def _absent(
+    rank: int,
+    world_size: int,
+    absent: int,
+    timeout_s: float,
+    problems: dict[int, str] | None = None,
+    delays: dict[int, float] | None = None,
+    *,
+    port: int,
+    agent: bool = False,
+) -> tuple[str, float] | None:
     if rank == absent:
         return None
     return _join(rank, world_size, problems or {}, timeout_s, delays, port=port, agent=agent)
@@ -114,11 +148,15 @@ def test_ranks_without_problems_build_the_world(agent: bool) -> None:
 
 @AGENT
 def test_a_rank_with_a_problem_stops_every_rank_with_the_same_line_at_once(agent: bool) -> None:
-    problems = {1: "this host's name 'gpu-07' resolves to the loopback address 127.0.1.1",
-                2: "this host's name 'gpu-07' resolves to the loopback address 127.0.1.1"}
+    problems = {
+        1: "this host's name 'gpu-07' resolves to the loopback address 127.0.1.1",
+        2: "this host's name 'gpu-07' resolves to the loopback address 127.0.1.1",
+    }
     results = _ranks(_join, 4, problems, 120.0, agent=agent)
-    line = ("RanksError: ranks 1-2: this host's name 'gpu-07' resolves to the "
-            "loopback address 127.0.1.1")
+    line = (
+        "RanksError: ranks 1-2: this host's name 'gpu-07' resolves to the "
+        "loopback address 127.0.1.1"
+    )
     assert [text for text, _ in results] == [line] * 4
     assert max(seconds for _, seconds in results) < 60  # not the 120 s timeout
 
@@ -130,16 +168,19 @@ def test_distinct_problems_are_each_named_with_their_ranks() -> None:
     assert [text for text, _ in results] == [line] * 3
 
 
-@pytest.mark.parametrize("agent,absent", [(False, 1), (True, 0)],
-                         ids=["rank0-store", "agent-store"])
+@pytest.mark.parametrize(
+    "agent,absent", [(False, 1), (True, 0)], ids=["rank0-store", "agent-store"]
+)
 def test_a_rank_that_never_starts_is_named(agent: bool, absent: int) -> None:
     """One rank of 3 never joins: the others stop after the timeout naming it."""
     results = _ranks(_absent, 3, absent, 3.0, agent=agent)
     assert results[absent] is None
     for rank in {0, 1, 2} - {absent}:
         text = results[rank][0]
-        assert text.startswith(f"StartupError: start-up: rank {rank} could not join the "
-                               "3-rank rendezvous at 127.0.0.1:"), text
+        assert text.startswith(
+            f"StartupError: start-up: rank {rank} could not join the "
+            "3-rank rendezvous at 127.0.0.1:"
+        ), text
         assert f"(rank(s) {absent} had not arrived at the timeout)" in text
 
 
@@ -164,8 +205,7 @@ def test_a_later_launch_on_the_same_agent_store_agrees_afresh() -> None:
 
 
 @pytest.mark.parametrize("problems", [{}, {1: "a problem"}], ids=["none", "one"])
-def test_the_store_server_without_libuv_wakes_the_ranks_at_once(problems: dict[int, str]
-                                                                ) -> None:
+def test_the_store_server_without_libuv_wakes_the_ranks_at_once(problems: dict[int, str]) -> None:
     """USE_LIBUV=0: rank 0 serves the older store, which does not wake a waiting rank at a
     compare_set; the ranks still agree at once, not at the 30 s timeout."""
     results = _ranks(_join, 3, problems, 30.0, None, 0, False, agent=False)

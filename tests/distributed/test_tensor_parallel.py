@@ -4,6 +4,7 @@ Ranks 0-1 are accelerator kind "fast" and 2-3 kind "slow": the TP-2 groups {0, 1
 on their native link, the TP-4 group spans both kinds and runs the hierarchical algorithms.
 Model comparisons use the norm-wise relative error ||tp - ref|| / ||ref|| <= 1e-5 (float32).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -16,27 +17,45 @@ from megatron_het.comm import UnifiedCommunicator
 from megatron_het.config import ModelConfig
 from megatron_het.model.llama import LlamaModel, build_model
 from megatron_het.model.loss import linear_cross_entropy
-from megatron_het.tensor_parallel import (apply_tp, copy_to_tp, gather_from_tp,
-                                          gather_vocab_parallel_logits, reduce_from_tp,
-                                          scatter_to_tp, shard_spec, unshard,
-                                          vocab_parallel_cross_entropy,
-                                          vocab_parallel_linear_cross_entropy, vocab_range,
-                                          vocab_sizes)
+from megatron_het.tensor_parallel import (
+    apply_tp,
+    copy_to_tp,
+    gather_from_tp,
+    gather_vocab_parallel_logits,
+    reduce_from_tp,
+    scatter_to_tp,
+    shard_spec,
+    unshard,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
+    vocab_range,
+    vocab_sizes,
+)
 from tests.distributed.harness import run_ranks
 
 WORLD = 4
 SEED = 1234
 # GQA (2 query heads per kv group); vocabularies not divisible by 4, so shards are uneven.
-UNTIED = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,
-                     num_query_groups=4, vocab_size=250, name="tp-untied")
+UNTIED = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    ffn_hidden_size=48,
+    num_attention_heads=8,
+    num_query_groups=4,
+    vocab_size=250,
+    name="tp-untied",
+)
 TIED = UNTIED.replace(tie_embeddings=True, vocab_size=251, name="tp-tied")
 
 
 def _groups(world_size: int) -> dict[int, object]:
     """{tp size: this rank's TP group}: TP-2 groups {0,1}, {2,3} and the TP-4 group of all."""
-    comm = UnifiedCommunicator(["fast", "fast", "slow", "slow"][:world_size],
-                               {"fast": "gloo", "slow": "gloo"}, {"fast": "cpu", "slow": "cpu"},
-                               timeout=datetime.timedelta(seconds=60))
+    comm = UnifiedCommunicator(
+        ["fast", "fast", "slow", "slow"][:world_size],
+        {"fast": "gloo", "slow": "gloo"},
+        {"fast": "cpu", "slow": "cpu"},
+        timeout=datetime.timedelta(seconds=60),
+    )
     pairs = [comm.new_group([0, 1], name="tp2-a"), comm.new_group([2, 3], name="tp2-b")]
     return {2: pairs[comm.rank // 2], 4: comm.world}
 
@@ -71,14 +90,15 @@ def _mappings(rank: int, world_size: int) -> None:
         y = gather_from_tp(x, group)
         _close(y, torch.cat([_randn(40 + i, 2, 3, 2) for i in range(tp)], dim=-1), "gather fwd")
         y.backward(_randn(50, 2, 3, 2 * tp))
-        _close(x.grad, _randn(50, 2, 3, 2 * tp)[..., 2 * r:2 * r + 2], "gather backward")
+        _close(x.grad, _randn(50, 2, 3, 2 * tp)[..., 2 * r : 2 * r + 2], "gather backward")
         # scatter_to_tp: keep own columns; backward all-gathers the gradients.
         x = _randn(60, 3, 2 * tp).requires_grad_()
         y = scatter_to_tp(x, group)
-        _close(y, x.detach()[:, 2 * r:2 * r + 2], "scatter forward")
+        _close(y, x.detach()[:, 2 * r : 2 * r + 2], "scatter forward")
         y.backward(_randn(70 + r, 3, 2))
-        _close(x.grad, torch.cat([_randn(70 + i, 3, 2) for i in range(tp)], dim=-1),
-               "scatter backward")
+        _close(
+            x.grad, torch.cat([_randn(70 + i, 3, 2) for i in range(tp)], dim=-1), "scatter backward"
+        )
 
 
 def test_mappings_forward_and_backward() -> None:
@@ -110,16 +130,19 @@ def _cross_entropy(rank: int, world_size: int) -> None:
             ref.backward()
             h = hidden.detach().clone().requires_grad_()
             w = weight.detach()[start:stop].clone().requires_grad_()
-            loss = vocab_parallel_linear_cross_entropy(h, w, labels, group, start, loss_weights,
-                                                       chunk_tokens=5)
+            loss = vocab_parallel_linear_cross_entropy(
+                h, w, labels, group, start, loss_weights, chunk_tokens=5
+            )
             _close(loss, ref.detach(), f"tp{tp} fused loss")
             loss.backward()
             _close(h.grad, hidden.grad, f"tp{tp} fused hidden grad")
             _close(w.grad, weight.grad[start:stop], f"tp{tp} fused weight grad")
             with torch.no_grad():
-                _close(vocab_parallel_linear_cross_entropy(h, w, labels, group, start,
-                                                           loss_weights), ref.detach(),
-                       f"tp{tp} fused loss without grad")
+                _close(
+                    vocab_parallel_linear_cross_entropy(h, w, labels, group, start, loss_weights),
+                    ref.detach(),
+                    f"tp{tp} fused loss without grad",
+                )
         # Gathering uneven vocabulary shards back to full logits, and its backward.
         local = full.detach()[:, start:stop].clone().requires_grad_()
         gathered = gather_vocab_parallel_logits(local, group, vocab_sizes(V, tp))
@@ -134,8 +157,12 @@ def test_vocab_parallel_cross_entropy_matches_single_process() -> None:
 
 # -- whole model / stages -----------------------------------------------------------------------
 # (config, layer_range, has_embedding, has_head, recompute)
-CASES = [(UNTIED, None, True, True, False), (TIED, None, True, True, False),
-         (TIED, (1, 2), False, True, True), (UNTIED, (0, 1), True, False, False)]
+CASES = [
+    (UNTIED, None, True, True, False),
+    (TIED, None, True, True, False),
+    (TIED, (1, 2), False, True, True),
+    (UNTIED, (0, 1), True, False, False),
+]
 
 
 def _batch(config: ModelConfig, has_embedding: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,8 +228,10 @@ def test_sharded_model_matches_single_process(tp: int) -> None:
     for r in range(WORLD):
         assert abs(per_rank[r][0]["autocast_loss"] - bf16_reference) <= 1e-3 * bf16_reference
     for case, (config, layers, has_embedding, has_head, recompute) in enumerate(CASES):
-        reference = _run_stage(build_model(config, SEED, layers, has_embedding, has_head,
-                                           recompute), *_batch(config, has_embedding))
+        reference = _run_stage(
+            build_model(config, SEED, layers, has_embedding, has_head, recompute),
+            *_batch(config, has_embedding),
+        )
         for first in range(0, WORLD, tp):  # every TP group separately
             ranks = [per_rank[r][case] for r in range(first, first + tp)]
             assert all(r["grads"].keys() == reference["grads"].keys() for r in ranks)
@@ -221,8 +250,12 @@ def test_sharded_model_matches_single_process(tp: int) -> None:
 def _compiled_tp(rank: int, world_size: int) -> dict:
     from megatron_het.model.compile import compile_layers
 
-    comm = UnifiedCommunicator(["fast"] * world_size, {"fast": "gloo"}, {"fast": "cpu"},
-                               timeout=datetime.timedelta(seconds=60))
+    comm = UnifiedCommunicator(
+        ["fast"] * world_size,
+        {"fast": "gloo"},
+        {"fast": "cpu"},
+        timeout=datetime.timedelta(seconds=60),
+    )
     group = comm.world  # one TP-2 group: two ranks compile on the host's two cores
     config = UNTIED
     out = {}

@@ -6,6 +6,7 @@ cross the relay bridge (pinned pool, side-stream copies, chunk pipeline) and che
 CPU rank never creates a CUDA context. One GPU cannot hold two NCCL ranks,
 so NCCL links here have one member each (still built, connected eagerly and used).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -42,8 +43,7 @@ def test_pinned_pool_round_trip_and_reuse() -> None:
     assert pool.allocated == 1 and pool.reused == 1 and pool.outstanding == 0
 
 
-def test_a_received_buffer_reaches_the_device_without_waiting_for_compute_queued_after_it(
-        ) -> None:
+def test_a_received_buffer_reaches_the_device_without_waiting_for_compute_queued_after_it() -> None:
     """A receive buffer posted before more compute is queued: when its data arrives, the copy
     to the device runs beside that compute, and the work queued after finish() sees it."""
     from megatron_het.comm.relay import Bridge
@@ -59,8 +59,9 @@ def test_a_received_buffer_reaches_the_device_without_waiting_for_compute_queued
     done.record(copier._to_device)
     done.synchronize()  # the copy finished ...
     assert not torch.cuda.current_stream().query()  # ... while the compute still runs
-    torch.testing.assert_close(got + 0, torch.arange(1 << 20, dtype=torch.float32,
-                                                     device="cuda"), rtol=0, atol=0)
+    torch.testing.assert_close(
+        got + 0, torch.arange(1 << 20, dtype=torch.float32, device="cuda"), rtol=0, atol=0
+    )
 
 
 def test_relay_chunks_through_side_streams() -> None:
@@ -109,16 +110,18 @@ def mixed_world(rank: int, world_size: int) -> dict:
     out["async_without_host_sync"] = rank == 1 or not torch.cuda.current_stream().query()
     handle.wait()
     out["async_after_device_work"] = bool((w == 3).all())
-    b = torch.arange(BIG, device=dev, dtype=torch.float32) if rank == 1 else torch.zeros(
-        BIG, device=dev)
+    b = (
+        torch.arange(BIG, device=dev, dtype=torch.float32)
+        if rank == 1
+        else torch.zeros(BIG, device=dev)
+    )
     comm.world.broadcast(b, src=1)
     out["broadcast"] = torch.equal(b.cpu(), torch.arange(BIG, dtype=torch.float32))
     g = torch.empty(2 * 7, device=dev)
     comm.world.all_gather_into_tensor(g, torch.full((7,), float(rank), device=dev))
     out["all_gather"] = g.cpu().tolist() == [0.0] * 7 + [1.0] * 7
     rs = torch.empty(4, device=dev)
-    comm.world.reduce_scatter_tensor(rs, torch.arange(8.0, device=dev) + rank, async_op=True
-                                     ).wait()
+    comm.world.reduce_scatter_tensor(rs, torch.arange(8.0, device=dev) + rank, async_op=True).wait()
     out["reduce_scatter"] = rs.cpu().tolist() == [2 * i + 1 for i in range(4 * rank, 4 * rank + 4)]
     if rank == 0:
         comm.send(torch.arange(9.0, device=dev), 1)
@@ -156,15 +159,20 @@ def unified_backend(rank: int, world_size: int) -> list[str]:
     dist.all_reduce(x, group=group)
     bad += [] if bool((x == 3).all()) else ["all_reduce"]
     mine, theirs = torch.full((4,), 10.0 * rank, device=dev), torch.empty(4, device=dev)
-    ops = [dist.P2POp(dist.irecv, theirs, 1 - rank, group),
-           dist.P2POp(dist.isend, mine, 1 - rank, group)]
+    ops = [
+        dist.P2POp(dist.irecv, theirs, 1 - rank, group),
+        dist.P2POp(dist.isend, mine, 1 - rank, group),
+    ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     bad += [] if bool((theirs == 10.0 * (1 - rank)).all()) else ["batch_isend_irecv"]
     out = torch.empty(3, device=dev)
     dist.reduce_scatter_tensor(out, torch.arange(6.0, device=dev), group=group)
-    bad += [] if out.cpu().tolist() == [2.0 * i for i in range(3 * rank, 3 * rank + 3)] else [
-        "reduce_scatter"]
+    bad += (
+        []
+        if out.cpu().tolist() == [2.0 * i for i in range(3 * rank, 3 * rank + 3)]
+        else ["reduce_scatter"]
+    )
     return bad
 
 

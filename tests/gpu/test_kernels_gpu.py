@@ -2,6 +2,7 @@
 
 Nothing here touches CUDA at import time: tensors are made inside the tests.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from megatron_het.kernels import (LIGER, apex_rms_norm_available, causal_attention,
-                                  reference_attention, rms_norm, swiglu)
+from megatron_het.kernels import (
+    LIGER,
+    apex_rms_norm_available,
+    causal_attention,
+    reference_attention,
+    rms_norm,
+    swiglu,
+)
 from megatron_het.kernels.attention import device_runs_flash, kernel_for
 from megatron_het.kernels.gemm import mm_fp32_out
 from megatron_het.kernels.main_grad import MAIN_GRAD, ON_MAIN_GRAD_ADDED
@@ -44,8 +51,9 @@ def test_fused_norm_kernels_match_torch():
         pytest.skip("neither apex nor liger-kernel is installed")
     x = torch.randn(8, 256, 1024, device="cuda", dtype=BF16)
     w = torch.randn(1024, device="cuda", dtype=BF16)
-    torch.testing.assert_close(rms_norm(x, w, 1e-5), F.rms_norm(x, (1024,), w, 1e-5),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        rms_norm(x, w, 1e-5), F.rms_norm(x, (1024,), w, 1e-5), atol=2e-2, rtol=2e-2
+    )
 
 
 def test_liger_swiglu_matches_torch():
@@ -60,8 +68,9 @@ def test_liger_swiglu_matches_torch():
 def test_attention_on_device_matches_reference(dtype, groups):
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 256, 8, 64, device="cuda", dtype=dtype, generator=g).requires_grad_()
-    kv = torch.randn(2, 256, groups, 2, 64, device="cuda", dtype=dtype,
-                     generator=g).requires_grad_()
+    kv = torch.randn(
+        2, 256, groups, 2, 64, device="cuda", dtype=dtype, generator=g
+    ).requires_grad_()
     kernel = kernel_for(q, kv[:, :, :, 0])
     if dtype != FP32 and device_runs_flash(q.device):
         assert kernel.name == "flash_attn" or kernel.backends == (SDPBackend.FLASH_ATTENTION,)
@@ -130,8 +139,9 @@ def test_fused_head_fp32_and_chunk_independence(tp):
     for chunk in (None, 100):
         hidden.grad = weight.grad = None
         if tp:
-            loss = vocab_parallel_linear_cross_entropy(hidden, weight, labels, OneRankGroup(), 0,
-                                                       chunk_tokens=chunk)
+            loss = vocab_parallel_linear_cross_entropy(
+                hidden, weight, labels, OneRankGroup(), 0, chunk_tokens=chunk
+            )
         else:
             loss = linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk)
         loss.backward()
@@ -163,8 +173,9 @@ def test_fused_head_makes_no_host_sync(tp):
 
     def run():
         if tp:
-            return vocab_parallel_linear_cross_entropy(hidden, weight, labels, OneRankGroup(),
-                                                       0, chunk_tokens=128)
+            return vocab_parallel_linear_cross_entropy(
+                hidden, weight, labels, OneRankGroup(), 0, chunk_tokens=128
+            )
         return linear_cross_entropy(hidden, weight, labels, chunk_tokens=128)
 
     run().backward()  # warm-up: one-time device probes may synchronise

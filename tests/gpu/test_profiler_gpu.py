@@ -1,11 +1,19 @@
 """The profiler on a CUDA/ROCm device: allocator-based activation bytes against the saved-tensor
 count, and passes timed by CUDA events (skipped without a GPU)."""
+
 import pytest
 import torch
 
 from megatron_het.config import model_preset
-from megatron_het.perf.profiler import (PROFILE_DTYPES, EventTimer, SavedActivations, layer_case,
-                                        pass_timer, rank_stage, run_cases)
+from megatron_het.perf.profiler import (
+    PROFILE_DTYPES,
+    EventTimer,
+    SavedActivations,
+    layer_case,
+    pass_timer,
+    rank_stage,
+    run_cases,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -22,8 +30,9 @@ def test_allocator_activations_agree_with_the_saved_tensor_count(dtype):
     stage = rank_stage(TINY, 2, (0, 1), False, False, device, seed=3, dtype=dtype)
     layer = stage.layers["0"]
     entry = run_cases([layer_case(stage, 64, 2, 2, dtype, device)], device, 1, 2)[0]
-    x = torch.randn(2, 64, TINY.hidden_size, device=device, dtype=PROFILE_DTYPES[dtype],
-                    requires_grad=True)
+    x = torch.randn(
+        2, 64, TINY.hidden_size, device=device, dtype=PROFILE_DTYPES[dtype], requires_grad=True
+    )
     cos, sin = stage.rotary.cos_sin(64, device, PROFILE_DTYPES[dtype])
     with SavedActivations(layer.parameters(), (cos, sin)) as counter:
         out = layer(x, cos, sin)
@@ -46,8 +55,9 @@ def test_passes_are_timed_by_cuda_events(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(torch.cuda, "Event", CountedEvent)
     stage = rank_stage(TINY, 1, (0, 1), False, False, device, seed=3, dtype="bf16")
-    small, large = run_cases([layer_case(stage, 64, mb, 1, "bf16", device) for mb in (1, 32)],
-                             device, warmup=2, iters=5)
+    small, large = run_cases(
+        [layer_case(stage, 64, mb, 1, "bf16", device) for mb in (1, 32)], device, warmup=2, iters=5
+    )
     assert 0 < small.forward_s and 0 < small.backward_s
     assert 0 < large.forward_s and 0 < large.backward_s
     # every timed pass of both cases is marked by timing events (at least a start and an end

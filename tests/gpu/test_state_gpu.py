@@ -1,6 +1,7 @@
 """A CUDA/ROCm rank's local device and generator states on a real device (skipped without a
 GPU): selection by local rank and a restore of the rank's device generator that matches the
 draws."""
+
 import pytest
 import torch
 

@@ -1,5 +1,6 @@
 """The HETHUB mix's homogeneous baseline, computed once for every test that needs it (the
 per-kind searches over 768 devices take tens of seconds)."""
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """bench/hetero_plans.py builds valid plans for the mixed emulated cluster (EMULATION)."""
+
 from __future__ import annotations
 
 import pathlib
@@ -8,9 +9,9 @@ import pytest
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import model_preset
-from megatron_het.parallel.replicas import uniform_layouts
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
+from megatron_het.parallel.replicas import uniform_layouts
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 MODEL = model_preset("small").replace(num_layers=11)
@@ -27,10 +28,19 @@ def hetero_plans():
 
 
 def _plan(kind: str, stages: list[tuple[int, int, list[int]]], micro_batches: int) -> dict:
-    return {"format": "megatron_het.plan/1", "micro_batch_size": 2, "pipelines": [
-        {"micro_batches": micro_batches, "stages": [
-            {"accelerator": kind, "tp": len(ranks), "layers": [a, b], "ranks": ranks}
-            for a, b, ranks in stages]}]}
+    return {
+        "format": "megatron_het.plan/1",
+        "micro_batch_size": 2,
+        "pipelines": [
+            {
+                "micro_batches": micro_batches,
+                "stages": [
+                    {"accelerator": kind, "tp": len(ranks), "layers": [a, b], "ranks": ranks}
+                    for a, b, ranks in stages
+                ],
+            }
+        ],
+    }
 
 
 def test_replicas_by_kind_share_the_batch_by_speed(hetero_plans) -> None:

@@ -1,4 +1,5 @@
 """tools/checkpoint_info.py: every iteration listed and verified, text and JSON, exit status."""
+
 from __future__ import annotations
 
 import io as stdio
@@ -11,11 +12,16 @@ import pytest
 import torch
 
 from megatron_het.checkpoint.info import NOT_CHECKSUMMED, main
-from megatron_het.checkpoint.io import (METADATA_FILE, TRACKER_FILE, TensorPiece,
-                                        begin_checkpoint, save_checkpoint, write_model_shard)
+from megatron_het.checkpoint.io import (
+    METADATA_FILE,
+    TRACKER_FILE,
+    TensorPiece,
+    begin_checkpoint,
+    save_checkpoint,
+    write_model_shard,
+)
 from megatron_het.checkpoint.sharded import reshard_checkpoint
 from megatron_het.errors import UserError
-
 from tests.unit.test_checkpoint_integrity import CONFIG, pp2_plan
 from tests.unit.test_checkpoint_integrity import weights as seeded_weights
 
@@ -37,8 +43,14 @@ def run(*argv: str) -> tuple[int, str]:
 def save_dir(tmp_path: pathlib.Path) -> pathlib.Path:
     """Iterations 2 and 4 committed (4 the latest) and an interrupted save of iteration 6."""
     for iteration in (2, 4):
-        save_checkpoint(tmp_path, iteration, CONFIG, weights(),
-                        {"iteration": iteration}, {"consumed_samples": 8 * iteration})
+        save_checkpoint(
+            tmp_path,
+            iteration,
+            CONFIG,
+            weights(),
+            {"iteration": iteration},
+            {"consumed_samples": 8 * iteration},
+        )
     staging = begin_checkpoint(tmp_path, 6)
     write_model_shard(staging, 0, {n: TensorPiece.full(t) for n, t in weights().items()})
     return tmp_path
@@ -63,14 +75,19 @@ def test_json_has_sizes_and_verification(save_dir: pathlib.Path) -> None:
     report = json.loads(text)
     assert status == 0 and report["tracker"] == 4 and report["latest_verified"] is True
     by_iteration = {i["iteration"]: i for i in report["iterations"]}
-    assert [by_iteration[i]["state"] for i in (2, 4, 6)] == ["committed", "committed",
-                                                            "uncommitted"]
+    assert [by_iteration[i]["state"] for i in (2, 4, 6)] == [
+        "committed",
+        "committed",
+        "uncommitted",
+    ]
     latest = by_iteration[4]
     assert latest["latest"] and latest["verified"]
     on_disk = sum(f.stat().st_size for f in (save_dir / "iter_0000004").glob("*.pt"))
     assert latest["total_bytes"] == on_disk
     assert {f["name"]: f["status"] for f in latest["files"]} == {
-        "model_shard_00000.pt": "OK", "train_state_00000.pt": "OK"}
+        "model_shard_00000.pt": "OK",
+        "train_state_00000.pt": "OK",
+    }
     assert not by_iteration[6]["verified"]
 
 
@@ -105,8 +122,10 @@ def test_a_plans_checkpoint_shows_its_stages(tmp_path: pathlib.Path) -> None:
     status, text = run(str(tmp_path / "pp2"))
     assert status == 0
     assert "plan: 2 rank(s), dp=1, micro batch size 1" in text
-    assert ("pipeline 0: 2 stage(s), 2 micro-batches: fast tp1 layers 0-0 ranks 0 | "
-            "slow tp1 layers 1-1 ranks 1") in text
+    assert (
+        "pipeline 0: 2 stage(s), 2 micro-batches: fast tp1 layers 0-0 ranks 0 | "
+        "slow tp1 layers 1-1 ranks 1"
+    ) in text
     assert text.count(" OK") == 4  # two model shards, two training states
 
 
@@ -131,9 +150,9 @@ def test_nothing_to_list(tmp_path: pathlib.Path) -> None:
         main([str(tmp_path / "absent")])
 
 
-def test_the_script_exits_with_mains_status(save_dir: pathlib.Path,
-                                            monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture) -> None:
+def test_the_script_exits_with_mains_status(
+    save_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     shard = save_dir / "iter_0000004" / "model_shard_00000.pt"
     shard.write_bytes(b"")
     monkeypatch.setattr(sys, "argv", ["checkpoint_info.py", str(save_dir)])

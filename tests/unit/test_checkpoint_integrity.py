@@ -1,4 +1,5 @@
 """File sizes and checksums in metadata.json, and loads that refuse damaged files."""
+
 from __future__ import annotations
 
 import hashlib
@@ -20,17 +21,34 @@ from megatron_het.errors import UserError
 from megatron_het.model.llama import build_model
 from megatron_het.parallel.plan import ParallelPlan
 
-CONFIG = ModelConfig(num_layers=2, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
-                     num_query_groups=1, vocab_size=23, name="integrity")
+CONFIG = ModelConfig(
+    num_layers=2,
+    hidden_size=16,
+    ffn_hidden_size=32,
+    num_attention_heads=2,
+    num_query_groups=1,
+    vocab_size=23,
+    name="integrity",
+)
 
 
 def pp2_plan(first: str = "cpu", second: str = "cpu") -> ParallelPlan:
     """Two stages of one layer each, on kinds ``first`` and ``second``."""
-    return ParallelPlan.from_dict({
-        "format": "megatron_het.plan/1", "micro_batch_size": 1,
-        "pipelines": [{"micro_batches": 2, "stages": [
-            {"accelerator": first, "tp": 1, "layers": [0, 1], "ranks": [0]},
-            {"accelerator": second, "tp": 1, "layers": [1, 2], "ranks": [1]}]}]})
+    return ParallelPlan.from_dict(
+        {
+            "format": "megatron_het.plan/1",
+            "micro_batch_size": 1,
+            "pipelines": [
+                {
+                    "micro_batches": 2,
+                    "stages": [
+                        {"accelerator": first, "tp": 1, "layers": [0, 1], "ranks": [0]},
+                        {"accelerator": second, "tp": 1, "layers": [1, 2], "ranks": [1]},
+                    ],
+                }
+            ],
+        }
+    )
 
 
 PLAN_PP2 = pp2_plan()
@@ -41,8 +59,13 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 
 
 def save(directory: pathlib.Path, iteration: int) -> pathlib.Path:
-    return save_checkpoint(directory, iteration, CONFIG, weights(iteration),
-                           {"iteration": iteration, "consumed_samples": 4 * iteration})
+    return save_checkpoint(
+        directory,
+        iteration,
+        CONFIG,
+        weights(iteration),
+        {"iteration": iteration, "consumed_samples": 4 * iteration},
+    )
 
 
 def sha256(path: pathlib.Path) -> str:
@@ -120,7 +143,8 @@ def test_no_intact_older_checkpoint_is_said(tmp_path: pathlib.Path) -> None:
 
 
 def test_a_damaged_or_missing_metadata_file_names_the_intact_older_checkpoint(
-        tmp_path: pathlib.Path) -> None:
+    tmp_path: pathlib.Path,
+) -> None:
     for iteration in (2, 4):
         save(tmp_path, iteration)
     metadata = tmp_path / "iter_0000004" / METADATA_FILE
@@ -136,8 +160,11 @@ def test_a_damaged_or_missing_metadata_file_names_the_intact_older_checkpoint(
     with pytest.raises(UserError, match=r"is damaged \(not a JSON object\); the newest intact"):
         load_model_state(tmp_path)
     metadata.unlink()  # the tracker still points at 4
-    with pytest.raises(UserError, match=f"{metadata} is missing; the newest intact older "
-                                        f"checkpoint is {tmp_path / 'iter_0000002'}"):
+    with pytest.raises(
+        UserError,
+        match=f"{metadata} is missing; the newest intact older "
+        f"checkpoint is {tmp_path / 'iter_0000002'}",
+    ):
         load_model_state(tmp_path)
     assert load_train_state(tmp_path, iteration=2)["consumed_samples"] == 8
 
@@ -158,8 +185,9 @@ def test_checkpoints_without_records_still_load_unverified(tmp_path: pathlib.Pat
         load_model_state(tmp_path)
 
 
-def test_no_file_is_hashed_whole_and_each_piece_once(tmp_path: pathlib.Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_file_is_hashed_whole_and_each_piece_once(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = save(tmp_path, 1)
     hashed = []
     real = integrity.file_sha256
@@ -178,12 +206,14 @@ def test_no_file_is_hashed_whole_and_each_piece_once(tmp_path: pathlib.Path,
 
 
 def test_resharded_checkpoint_records_files_and_reads_only_needed_ones(
-        tmp_path: pathlib.Path) -> None:
+    tmp_path: pathlib.Path,
+) -> None:
     save(tmp_path / "single", 3)
     target = reshard_checkpoint(tmp_path / "single", tmp_path / "pp2", PLAN_PP2)
     files = json.loads((target / METADATA_FILE).read_text())["files"]
-    assert sorted(files) == [f"{kind}_{rank:05d}.pt" for kind in ("model_shard", "train_state")
-                             for rank in (0, 1)]
+    assert sorted(files) == [
+        f"{kind}_{rank:05d}.pt" for kind in ("model_shard", "train_state") for rank in (0, 1)
+    ]
     for name, entry in files.items():
         assert entry["sha256"] == sha256(target / name), name
     # Rank 0's shard is damaged; a rank that needs layer 1 only (stage 1) never opens it.
@@ -194,5 +224,6 @@ def test_resharded_checkpoint_records_files_and_reads_only_needed_ones(
     assert torch.equal(reader.model_slice(name, box), take_slice(weights(3)[name], *box))
     assert reader.opened_files == [("model", 1)]
     with pytest.raises(UserError, match="model_shard_00000.pt is damaged"):
-        reader.model_slice("layers.0.mlp.up.weight", target_slice("layers.0.mlp.up.weight",
-                                                                   CONFIG, 1, 0))
+        reader.model_slice(
+            "layers.0.mlp.up.weight", target_slice("layers.0.mlp.up.weight", CONFIG, 1, 0)
+        )

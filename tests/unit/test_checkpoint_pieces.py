@@ -5,6 +5,7 @@ when it opens it and each piece's digest when it first reads it. The bytes a rea
 counted (``ReadStats.verified_bytes``) and the digests it computes recorded (``verify`` is
 patched), so each test says exactly which pieces were hashed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,16 +28,33 @@ from megatron_het.errors import UserError
 from megatron_het.model.llama import build_model
 from megatron_het.parallel.plan import ParallelPlan
 
-CONFIG = ModelConfig(num_layers=4, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
-                     num_query_groups=2, vocab_size=23, name="pieces")
+CONFIG = ModelConfig(
+    num_layers=4,
+    hidden_size=16,
+    ffn_hidden_size=32,
+    num_attention_heads=2,
+    num_query_groups=2,
+    vocab_size=23,
+    name="pieces",
+)
 
 
 def plan(*stages: tuple[int, tuple[int, int], list[int]]) -> ParallelPlan:
-    return ParallelPlan.from_dict({
-        "format": "megatron_het.plan/1", "micro_batch_size": 1,
-        "pipelines": [{"micro_batches": 2, "stages": [
-            {"accelerator": "cpu", "tp": tp, "layers": list(layers), "ranks": ranks}
-            for tp, layers, ranks in stages]}]})
+    return ParallelPlan.from_dict(
+        {
+            "format": "megatron_het.plan/1",
+            "micro_batch_size": 1,
+            "pipelines": [
+                {
+                    "micro_batches": 2,
+                    "stages": [
+                        {"accelerator": "cpu", "tp": tp, "layers": list(layers), "ranks": ranks}
+                        for tp, layers, ranks in stages
+                    ],
+                }
+            ],
+        }
+    )
 
 
 PLAN_PP2 = plan((1, (0, 2), [0]), (1, (2, 4), [1]))
@@ -49,10 +67,17 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 
 def optimizer_state(seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
-    return {"state": {n: {"step": torch.tensor(3.0),
-                          "exp_avg": torch.randn(w.shape, generator=generator),
-                          "exp_avg_sq": torch.rand(w.shape, generator=generator)}
-                      for n, w in weights(seed).items()}, "param_groups": []}
+    return {
+        "state": {
+            n: {
+                "step": torch.tensor(3.0),
+                "exp_avg": torch.randn(w.shape, generator=generator),
+                "exp_avg_sq": torch.rand(w.shape, generator=generator),
+            }
+            for n, w in weights(seed).items()
+        },
+        "param_groups": [],
+    }
 
 
 def save(directory: pathlib.Path, iteration: int, with_optimizer: bool = False) -> pathlib.Path:
@@ -91,8 +116,10 @@ def flip_tensor_byte(path: pathlib.Path, tensor: torch.Tensor) -> None:
 
 def stage_boxes(target: ParallelPlan, rank: int) -> dict[str, tuple]:
     role = target.rank_role(rank)
-    return {n: target_slice(n, CONFIG, role.stage_plan.tp, role.tp_rank)
-            for n in stage_parameter_names(CONFIG, role.stage_plan)}
+    return {
+        n: target_slice(n, CONFIG, role.stage_plan.tp, role.tp_rank)
+        for n in stage_parameter_names(CONFIG, role.stage_plan)
+    }
 
 
 def test_digests_are_the_raw_bytes_of_every_piece(tmp_path: pathlib.Path) -> None:
@@ -103,7 +130,9 @@ def test_digests_are_the_raw_bytes_of_every_piece(tmp_path: pathlib.Path) -> Non
     state = optimizer_state(1)["state"]
     assert files["train_state_00000.pt"]["tensors"] == {
         f"optimizer/state/{n}/{key}": hashlib.sha256(e[key].numpy().tobytes()).hexdigest()
-        for n, e in state.items() for key in ("step", "exp_avg", "exp_avg_sq")}
+        for n, e in state.items()
+        for key in ("step", "exp_avg", "exp_avg_sq")
+    }
     # The parallel writers (here offline resharding) record the moments too, TP slices alike.
     target = reshard_checkpoint(tmp_path / "single", tmp_path / "tp2", PLAN_TP2)
     files = json.loads((target / METADATA_FILE).read_text())["files"]
@@ -112,15 +141,20 @@ def test_digests_are_the_raw_bytes_of_every_piece(tmp_path: pathlib.Path) -> Non
     for moment in ("exp_avg", "exp_avg_sq"):
         piece = take_slice(state[name][moment], *box)
         assert files["optim_shard_00001.pt"]["tensors"][optimizer_key(name, moment)] == (
-            hashlib.sha256(piece.numpy().tobytes()).hexdigest())
-    assert files["model_shard_00001.pt"]["tensors"][name] == hashlib.sha256(
-        take_slice(weights(1)[name], *box).numpy().tobytes()).hexdigest()
+            hashlib.sha256(piece.numpy().tobytes()).hexdigest()
+        )
+    assert (
+        files["model_shard_00001.pt"]["tensors"][name]
+        == hashlib.sha256(take_slice(weights(1)[name], *box).numpy().tobytes()).hexdigest()
+    )
 
 
 def test_bf16_pieces_hash_their_stored_bytes() -> None:
     value = torch.randn(5, 3).to(torch.bfloat16)
-    assert tensor_sha256(value) == hashlib.sha256(value.view(torch.int16).numpy().tobytes()
-                                                  ).hexdigest()
+    assert (
+        tensor_sha256(value)
+        == hashlib.sha256(value.view(torch.int16).numpy().tobytes()).hexdigest()
+    )
     assert tensor_sha256(value.t()) == tensor_sha256(value.t().contiguous())
 
 
@@ -138,7 +172,7 @@ def test_a_pipeline_stage_hashes_only_its_layers(tmp_path: pathlib.Path, hashed)
         assert torch.equal(entry["exp_avg"], state[name]["exp_avg"]), name
     needed = sum(nbytes(full[n]) for n in boxes)
     files = sum(p.stat().st_size for p in path.glob("*.pt"))
-    assert sorted(hashed[len(full):]) == sorted(nbytes(full[n]) for n in boxes for _ in range(3))
+    assert sorted(hashed[len(full) :]) == sorted(nbytes(full[n]) for n in boxes for _ in range(3))
     assert reader.stats.verified_bytes == reader.stats.bytes == 3 * needed + steps
     assert 3 * needed + steps < 0.7 * files
     assert not any(n.startswith(("layers.0.", "layers.1.")) for n in boxes)
@@ -157,8 +191,11 @@ def test_a_tp_change_hashes_only_the_overlapping_pieces(tmp_path: pathlib.Path, 
         entry = reader.optimizer_slice(name, box)
         assert torch.equal(entry["exp_avg_sq"], state[name]["exp_avg_sq"]), name
     assert reader.opened_files == [("model", 0), ("model", 1), ("optim", 0), ("optim", 1)]
-    shards = sum((target / f"{kind}_{r:05d}.pt").stat().st_size
-                 for kind in ("model_shard", "optim_shard") for r in (0, 1))
+    shards = sum(
+        (target / f"{kind}_{r:05d}.pt").stat().st_size
+        for kind in ("model_shard", "optim_shard")
+        for r in (0, 1)
+    )
     needed = sum(3 * nbytes(full[n]) for n in stage_boxes(PLAN_PP2, 1))
     assert reader.stats.verified_bytes == sum(hashed) == needed  # each piece once
     assert needed < 0.7 * shards
@@ -172,8 +209,9 @@ def test_a_flipped_tensor_byte_names_the_file_and_the_tensor(tmp_path: pathlib.P
     flip_tensor_byte(shard, weights(2)[name])
     reader = CheckpointReader(path)
     other = "layers.0.mlp.up.weight"  # a piece of the same file that is intact still loads
-    assert torch.equal(reader.model_slice(other, target_slice(other, CONFIG, 1, 0)),
-                       weights(2)[other])
+    assert torch.equal(
+        reader.model_slice(other, target_slice(other, CONFIG, 1, 0)), weights(2)[other]
+    )
     with pytest.raises(UserError) as info:
         reader.model_slice(name, target_slice(name, CONFIG, 1, 0))
     message = str(info.value)
@@ -188,10 +226,14 @@ def test_a_flipped_moment_byte_names_the_moment(tmp_path: pathlib.Path) -> None:
     save(tmp_path / "single", 1, with_optimizer=True)
     target = reshard_checkpoint(tmp_path / "single", tmp_path / "pp2", PLAN_PP2)
     name = "layers.2.attention.qkv.weight"
-    flip_tensor_byte(target / "optim_shard_00001.pt",
-                     optimizer_state(1)["state"][name]["exp_avg_sq"])
-    with pytest.raises(UserError, match=rf"optim_shard_00001.pt is damaged \(tensor {name}/"
-                                        r"exp_avg_sq does not match its sha256.*no older"):
+    flip_tensor_byte(
+        target / "optim_shard_00001.pt", optimizer_state(1)["state"][name]["exp_avg_sq"]
+    )
+    with pytest.raises(
+        UserError,
+        match=rf"optim_shard_00001.pt is damaged \(tensor {name}/"
+        r"exp_avg_sq does not match its sha256.*no older",
+    ):
         CheckpointReader(target).optimizer_slice(name, target_slice(name, CONFIG, 1, 0))
 
 
@@ -202,11 +244,14 @@ def test_a_damaged_pickle_is_caught_before_loading(tmp_path: pathlib.Path) -> No
     with zipfile.ZipFile(shard) as archive:
         info = next(i for i in archive.infolist() if i.filename.endswith("/data.pkl"))
     header = info.header_offset  # a zip local header: 30 bytes, then its name and extra field
-    name_len, extra_len = struct.unpack("<HH", data[header + 26:header + 30])
+    name_len, extra_len = struct.unpack("<HH", data[header + 26 : header + 30])
     data[header + 30 + name_len + extra_len + info.file_size // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    with pytest.raises(UserError, match=r"model_shard_00000.pt is damaged \(its archive "
-                                        r"structure is damaged: Bad CRC-32"):
+    with pytest.raises(
+        UserError,
+        match=r"model_shard_00000.pt is damaged \(its archive "
+        r"structure is damaged: Bad CRC-32",
+    ):
         load_model_state(tmp_path)
 
 
@@ -226,7 +271,8 @@ def test_truncation_fails_by_size_before_hashing(tmp_path: pathlib.Path, hashed)
 
 
 def test_checkpoints_without_piece_digests_are_verified_by_file(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, hashed) -> None:
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, hashed
+) -> None:
     save(tmp_path / "single", 1, with_optimizer=True)
     target = reshard_checkpoint(tmp_path / "single", tmp_path / "pp2", PLAN_PP2)
     metadata = json.loads((target / METADATA_FILE).read_text())
@@ -243,8 +289,11 @@ def test_checkpoints_without_piece_digests_are_verified_by_file(
         assert torch.equal(reader.model_slice(name, box), full[name]), name
         reader.optimizer_slice(name, box)
     assert hashed == [] and whole == ["model_shard_00001.pt", "optim_shard_00001.pt"]
-    assert reader.stats.verified_bytes == reader.stats.bytes == sum(
-        (target / n).stat().st_size for n in whole)
+    assert (
+        reader.stats.verified_bytes
+        == reader.stats.bytes
+        == sum((target / n).stat().st_size for n in whole)
+    )
     flip_tensor_byte(target / "model_shard_00001.pt", full["layers.3.mlp.up.weight"])
     with pytest.raises(UserError, match=r"model_shard_00001.pt is damaged \(checksum mismatch"):
         CheckpointReader(target).model_slice("final_norm.weight", ((0,), (16,)))

@@ -1,5 +1,6 @@
 """The planner's layer moves between chunks (planner/chunk_polish.py), against a made-up
 iteration time: the moves taken, the least gain a move needs, and the memory check."""
+
 from types import SimpleNamespace
 
 from megatron_het.parallel.plan import ParallelPlan
@@ -22,7 +23,8 @@ def test_moves_layers_while_the_time_drops_and_keeps_every_stage_whole():
     assert sizes(moved) == [2, 2, 2, 2]
     assert [st.layers for st in moved.pipelines[0].stages] == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert [st.ranks for st in moved.pipelines[0].stages] == [
-        st.ranks for st in PLAN.pipelines[0].stages]
+        st.ranks for st in PLAN.pipelines[0].stages
+    ]
     # Uneven chunks cost more (the sum of their squares): the best split evens them out.
     predict = timed(lambda s: float(sum(n * n for n in s)))
     plan, prediction = polish_chunks(PLAN, predict, lambda p: True, predict(PLAN))

@@ -1,4 +1,5 @@
 """ClusterSpec: shipped YAML files, the rank map against torchrun's rule, links, validation."""
+
 import copy
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from megatron_het.emulation.links import emulated_link
 from megatron_het.errors import UserError
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "scripts" / "clusters"
-KNOWN = ("A100-40G, A100-80G, H100, H200, MI250X, MI300X, Ascend910B, cpu, emu-fast, emu-slow")
+KNOWN = "A100-40G, A100-80G, H100, H200, MI250X, MI300X, Ascend910B, cpu, emu-fast, emu-slow"
 
 # file -> (world size, nodes, devices per kind); written out by hand from the files' comments.
 SHIPPED = {
@@ -21,8 +22,7 @@ SHIPPED = {
     "mi250x_ascend910b.yaml": (64, 8, {"MI250X": 32, "Ascend910B": 32}),
     "h200_mi300x.yaml": (48, 6, {"H200": 16, "MI300X": 32}),
     "hethub_llama140b.yaml": (768, 96, {"MI250X": 128, "accelerator-a": 640}),
-    "h100_mi300x_a100_16k.yaml": (16384, 2048, {"H100": 8192, "MI300X": 4096,
-                                                "A100-80G": 4096}),
+    "h100_mi300x_a100_16k.yaml": (16384, 2048, {"H100": 8192, "MI300X": 4096, "A100-80G": 4096}),
 }
 
 
@@ -38,12 +38,26 @@ def torchrun_ranks(nproc_per_node):
 
 
 def two_groups(**changes):
-    d = {"node_groups": [
-        {"name": "a", "accelerator": "H100", "nodes": 2, "devices_per_node": 8,
-         "nic_bandwidth_gbps": 50},
-        {"name": "b", "accelerator": "MI300X", "nodes": 1, "devices_per_node": 4,
-         "nic_bandwidth_gbit_per_s": 200, "nic_latency_us": 8}],
-        "links": [{"groups": ["a", "b"], "bandwidth_gbps": 12.5, "latency_us": 20}]}
+    d = {
+        "node_groups": [
+            {
+                "name": "a",
+                "accelerator": "H100",
+                "nodes": 2,
+                "devices_per_node": 8,
+                "nic_bandwidth_gbps": 50,
+            },
+            {
+                "name": "b",
+                "accelerator": "MI300X",
+                "nodes": 1,
+                "devices_per_node": 4,
+                "nic_bandwidth_gbit_per_s": 200,
+                "nic_latency_us": 8,
+            },
+        ],
+        "links": [{"groups": ["a", "b"], "bandwidth_gbps": 12.5, "latency_us": 20}],
+    }
     d.update(changes)
     return d
 
@@ -58,13 +72,19 @@ def test_shipped_file_loads_and_maps_ranks(filename):
     cluster = ClusterSpec.load(CLUSTERS / filename)
     assert cluster.name == filename[:-5]
     assert (cluster.world_size, cluster.num_nodes, cluster.accelerator_counts()) == (
-        world, nodes, counts)
+        world,
+        nodes,
+        counts,
+    )
     nproc = cluster.uniform_nproc_per_node
     assert nproc is not None
     expected = torchrun_ranks([n.nproc for n in cluster.nodes()])
     for info in cluster.rank_map():
-        assert info.rank == info.node * nproc + info.local_rank == expected[(info.node,
-                                                                              info.local_rank)]
+        assert (
+            info.rank
+            == info.node * nproc + info.local_rank
+            == expected[(info.node, info.local_rank)]
+        )
         assert cluster.accelerator_of(info.rank) is info.accelerator
     for name, count in counts.items():
         assert len(cluster.ranks_of_accelerator(name.upper())) == count
@@ -78,19 +98,30 @@ def test_shipped_file_loads_and_maps_ranks(filename):
 
 def test_cpu_emulated_layout():
     cluster = ClusterSpec.load(CLUSTERS / "cpu_emulated.yaml")
-    got = [(r.rank, r.group, r.node, r.local_rank, r.accelerator.name, r.accelerator.native_backend)
-           for r in cluster.rank_map()]
-    assert got == [(0, "fast", 0, 0, "emu-fast", "gloo"), (1, "fast", 0, 1, "emu-fast", "gloo"),
-                   (2, "slow", 0, 2, "emu-slow", "gloo"), (3, "slow", 0, 3, "emu-slow", "gloo")]
+    got = [
+        (r.rank, r.group, r.node, r.local_rank, r.accelerator.name, r.accelerator.native_backend)
+        for r in cluster.rank_map()
+    ]
+    assert got == [
+        (0, "fast", 0, 0, "emu-fast", "gloo"),
+        (1, "fast", 0, 1, "emu-fast", "gloo"),
+        (2, "slow", 0, 2, "emu-slow", "gloo"),
+        (3, "slow", 0, 3, "emu-slow", "gloo"),
+    ]
     assert cluster.accelerator_of(3).slowdown == 2.0 * cluster.accelerator_of(0).slowdown
     bridge = cluster.link_between(1, 2)
     assert (bridge.kind, bridge.bandwidth_gbps, bridge.latency_s, bridge.emulated) == (
-        "bridge", 2.0, 50e-6, True)
+        "bridge",
+        2.0,
+        50e-6,
+        True,
+    )
     assert emulated_link(bridge).delay(2_000_000) == pytest.approx(50e-6 + 1e-3)
     assert cluster.link_between(0, 1).kind == "intra_node"
     text = cluster.describe()
-    assert text.splitlines()[0] == ("cluster cpu_emulated (emulation): 4 ranks on 1 node, "
-                                    "2 node groups")
+    assert text.splitlines()[0] == (
+        "cluster cpu_emulated (emulation): 4 ranks on 1 node, 2 node groups"
+    )
     assert "emu-fast (emulated)" in text and "emu-slow (emulated)" in text
     assert "link fast <-> slow: 2 GB/s, 50 us (emulated)" in text
 
@@ -107,9 +138,16 @@ def test_links_between_ranks():
     same_node, other_node, bridge = (cluster.link_between(*p) for p in ((0, 7), (0, 8), (15, 16)))
     assert (same_node.kind, same_node.bandwidth_gbps) == ("intra_node", 900)
     assert (other_node.kind, other_node.bandwidth_gbps, other_node.latency_s) == (
-        "inter_node", 50, 5e-6)
+        "inter_node",
+        50,
+        5e-6,
+    )
     assert (bridge.kind, bridge.bandwidth_gbps, bridge.latency_s, bridge.emulated) == (
-        "bridge", 12.5, 20e-6, False)
+        "bridge",
+        12.5,
+        20e-6,
+        False,
+    )
     assert cluster.link_between(16, 19).bandwidth_gbps == 896
     assert bridge.transfer_time_s(12_500_000) == pytest.approx(20e-6 + 1e-3)
     with pytest.raises(ValueError):
@@ -137,20 +175,45 @@ def test_rank_order_puts_named_group_first():
     cluster = ClusterSpec.from_dict(two_groups(rank_order=["b", "a"]))
     infos = cluster.rank_map()
     assert [(r.group, r.node, r.local_rank) for r in infos[:5]] == [
-        ("b", 0, 0), ("b", 0, 1), ("b", 0, 2), ("b", 0, 3), ("a", 1, 0)]
+        ("b", 0, 0),
+        ("b", 0, 1),
+        ("b", 0, 2),
+        ("b", 0, 3),
+        ("a", 1, 0),
+    ]
     assert cluster.ranks_of_accelerator("mi300x") == [0, 1, 2, 3]
     assert cluster.ranks_of_accelerator("H200") == []
 
 
 def test_colocated_groups_share_nodes():
-    d = {"node_groups": [
-        {"name": "f", "accelerator": "emu-fast", "nodes": 2, "devices_per_node": 1,
-         "nic_bandwidth_gbps": 1},
-        {"name": "s", "accelerator": "emu-slow", "nodes": 2, "devices_per_node": 2,
-         "nic_bandwidth_gbps": 1, "colocate_with": "f"}]}
+    d = {
+        "node_groups": [
+            {
+                "name": "f",
+                "accelerator": "emu-fast",
+                "nodes": 2,
+                "devices_per_node": 1,
+                "nic_bandwidth_gbps": 1,
+            },
+            {
+                "name": "s",
+                "accelerator": "emu-slow",
+                "nodes": 2,
+                "devices_per_node": 2,
+                "nic_bandwidth_gbps": 1,
+                "colocate_with": "f",
+            },
+        ]
+    }
     cluster = ClusterSpec.from_dict(d)
     assert [(r.group, r.node, r.local_rank) for r in cluster.rank_map()] == [
-        ("f", 0, 0), ("s", 0, 1), ("s", 0, 2), ("f", 1, 0), ("s", 1, 1), ("s", 1, 2)]
+        ("f", 0, 0),
+        ("s", 0, 1),
+        ("s", 0, 2),
+        ("f", 1, 0),
+        ("s", 1, 1),
+        ("s", 1, 2),
+    ]
     assert cluster.uniform_nproc_per_node == 3
     assert cluster.link_between(1, 4).kind == "inter_node"
     assert cluster.nodes()[1].groups == ("f", "s")
@@ -166,7 +229,8 @@ def test_accelerator_overrides_in_cluster_yaml(tmp_path):
         "node_groups:\n"
         "  - {name: a, accelerator: H100, nodes: 1, devices_per_node: 2, nic_bandwidth_gbps: 5}\n"
         "  - {name: b, accelerator: mi300x, nodes: 1, devices_per_node: 2, "
-        "nic_bandwidth_gbps: 5, intra_node_bandwidth_gbps: 700}\n")
+        "nic_bandwidth_gbps: 5, intra_node_bandwidth_gbps: 700}\n"
+    )
     cluster = ClusterSpec.load(path)
     assert cluster.accelerator_of(0).memory_gib == 94
     assert cluster.accelerator_of(0).peak_tflops_bf16 == 989
@@ -176,8 +240,10 @@ def test_accelerator_overrides_in_cluster_yaml(tmp_path):
     plain = tmp_path / "plain.yaml"
     plain.write_text(path.read_text().split("node_groups:")[1].join(["node_groups:", ""]))
     assert ClusterSpec.load(plain, accelerators_file=kinds).accelerator_of(2).memory_gib == 191
-    assert ClusterSpec.load(plain, registry=AcceleratorRegistry.builtin()).accelerator_of(
-        2).memory_gib == 192
+    assert (
+        ClusterSpec.load(plain, registry=AcceleratorRegistry.builtin()).accelerator_of(2).memory_gib
+        == 192
+    )
 
 
 def _set(path, value):
@@ -190,62 +256,121 @@ def _set(path, value):
         else:
             target[path[-1]] = value
         return d
+
     return change
 
 
 _DELETE = object()
 
 
-@pytest.mark.parametrize("change, message", [
-    (_set(("nodegroups",), []),
-     "cluster: unknown key 'nodegroups'; known keys: name, accelerators_file, accelerators, "
-     "node_groups, links, rank_order"),
-    (_set(("node_groups",), []), "cluster: node_groups must list at least one node group"),
-    (_set(("node_groups", 0, "gpus"), 8),
-     "node group 'a': unknown key 'gpus'; known keys: name, accelerator, nodes, devices_per_node, "
-     "nic_bandwidth_gbps, nic_bandwidth_gbit_per_s, nic_latency_us, intra_node_bandwidth_gbps, "
-     "colocate_with"),
-    (_set(("node_groups", 0, "accelerator"), "A100"),
-     f"node group 'a': unknown accelerator 'A100'; known: {KNOWN}"),
-    (_set(("node_groups", 0, "nodes"), 0),
-     "node group 'a': nodes must be a positive integer, got 0"),
-    (_set(("node_groups", 1, "devices_per_node"), -2),
-     "node group 'b': devices_per_node must be a positive integer, got -2"),
-    (_set(("node_groups", 1, "devices_per_node"), 2.5),
-     "node group 'b': devices_per_node must be a positive integer, got 2.5"),
-    (_set(("node_groups", 0, "accelerator"), _DELETE), "node group 'a': missing key 'accelerator'"),
-    (_set(("node_groups", 0, "nic_bandwidth_gbps"), _DELETE),
-     "node group 'a': missing key 'nic_bandwidth_gbps' (GB/s; or nic_bandwidth_gbit_per_s in Gb/s)"),
-    (_set(("node_groups", 0, "nic_bandwidth_gbit_per_s"), 400),
-     "node group 'a': give nic_bandwidth_gbps (GB/s) or nic_bandwidth_gbit_per_s (Gb/s), not both"),
-    (_set(("node_groups", 0, "nic_bandwidth_gbps"), 0),
-     "node group 'a': nic_bandwidth_gbps must be positive, got 0"),
-    (_set(("node_groups", 1, "nic_latency_us"), -1),
-     "node group 'b': nic_latency_us must be zero or more, got -1"),
-    (_set(("node_groups", 1, "name"), "a"),
-     "node group name 'a' is used twice; give each node group a unique name"),
-    (_set(("node_groups", 1, "name"), ""), "node group #1: needs a mapping with a non-empty name"),
-    (_set(("links", 0, "groups"), ["a", "c"]),
-     "link a <-> c: unknown node group 'c'; node groups: a, b"),
-    (_set(("links", 0, "groups"), ["a", "a"]),
-     "link #0: groups must name two different node groups, got ['a', 'a']"),
-    (_set(("links", 0, "bandwidth"), 3),
-     "link a <-> b: unknown key 'bandwidth'; known keys: groups, bandwidth_gbps, "
-     "bandwidth_gbit_per_s, latency_us, emulated"),
-    (_set(("links", 0, "bandwidth_gbps"), -5), "link a <-> b: bandwidth_gbps must be positive, got -5"),
-    (_set(("links", 0, "emulated"), True),
-     "link a <-> b: emulated: true needs both node groups to use emulated accelerators"),
-    (_set(("links",), [{"groups": ["a", "b"], "bandwidth_gbps": 1},
-                       {"groups": ["b", "a"], "bandwidth_gbps": 2}]),
-     "link b <-> a is given twice; keep one"),
-    (_set(("rank_order",), ["a"]), "rank_order ['a'] must list every node group exactly once: a, b"),
-    (_set(("rank_order",), ["a", "b", "a"]),
-     "rank_order ['a', 'b', 'a'] must list every node group exactly once: a, b"),
-    (_set(("node_groups", 1, "colocate_with"), "z"),
-     "node group 'b': colocate_with names unknown node group 'z'; other node groups: a"),
-    (_set(("node_groups", 1, "colocate_with"), "a"),
-     "node group 'b': colocate_with 'a' needs nodes: 2 (the same nodes), got 1"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            _set(("nodegroups",), []),
+            "cluster: unknown key 'nodegroups'; known keys: name, accelerators_file, accelerators, "
+            "node_groups, links, rank_order",
+        ),
+        (_set(("node_groups",), []), "cluster: node_groups must list at least one node group"),
+        (
+            _set(("node_groups", 0, "gpus"), 8),
+            "node group 'a': unknown key 'gpus'; known keys: name, accelerator, nodes, devices_per_node, "
+            "nic_bandwidth_gbps, nic_bandwidth_gbit_per_s, nic_latency_us, intra_node_bandwidth_gbps, "
+            "colocate_with",
+        ),
+        (
+            _set(("node_groups", 0, "accelerator"), "A100"),
+            f"node group 'a': unknown accelerator 'A100'; known: {KNOWN}",
+        ),
+        (
+            _set(("node_groups", 0, "nodes"), 0),
+            "node group 'a': nodes must be a positive integer, got 0",
+        ),
+        (
+            _set(("node_groups", 1, "devices_per_node"), -2),
+            "node group 'b': devices_per_node must be a positive integer, got -2",
+        ),
+        (
+            _set(("node_groups", 1, "devices_per_node"), 2.5),
+            "node group 'b': devices_per_node must be a positive integer, got 2.5",
+        ),
+        (
+            _set(("node_groups", 0, "accelerator"), _DELETE),
+            "node group 'a': missing key 'accelerator'",
+        ),
+        (
+            _set(("node_groups", 0, "nic_bandwidth_gbps"), _DELETE),
+            "node group 'a': missing key 'nic_bandwidth_gbps' (GB/s; or nic_bandwidth_gbit_per_s in Gb/s)",
+        ),
+        (
+            _set(("node_groups", 0, "nic_bandwidth_gbit_per_s"), 400),
+            "node group 'a': give nic_bandwidth_gbps (GB/s) or nic_bandwidth_gbit_per_s (Gb/s), not both",
+        ),
+        (
+            _set(("node_groups", 0, "nic_bandwidth_gbps"), 0),
+            "node group 'a': nic_bandwidth_gbps must be positive, got 0",
+        ),
+        (
+            _set(("node_groups", 1, "nic_latency_us"), -1),
+            "node group 'b': nic_latency_us must be zero or more, got -1",
+        ),
+        (
+            _set(("node_groups", 1, "name"), "a"),
+            "node group name 'a' is used twice; give each node group a unique name",
+        ),
+        (
+            _set(("node_groups", 1, "name"), ""),
+            "node group #1: needs a mapping with a non-empty name",
+        ),
+        (
+            _set(("links", 0, "groups"), ["a", "c"]),
+            "link a <-> c: unknown node group 'c'; node groups: a, b",
+        ),
+        (
+            _set(("links", 0, "groups"), ["a", "a"]),
+            "link #0: groups must name two different node groups, got ['a', 'a']",
+        ),
+        (
+            _set(("links", 0, "bandwidth"), 3),
+            "link a <-> b: unknown key 'bandwidth'; known keys: groups, bandwidth_gbps, "
+            "bandwidth_gbit_per_s, latency_us, emulated",
+        ),
+        (
+            _set(("links", 0, "bandwidth_gbps"), -5),
+            "link a <-> b: bandwidth_gbps must be positive, got -5",
+        ),
+        (
+            _set(("links", 0, "emulated"), True),
+            "link a <-> b: emulated: true needs both node groups to use emulated accelerators",
+        ),
+        (
+            _set(
+                ("links",),
+                [
+                    {"groups": ["a", "b"], "bandwidth_gbps": 1},
+                    {"groups": ["b", "a"], "bandwidth_gbps": 2},
+                ],
+            ),
+            "link b <-> a is given twice; keep one",
+        ),
+        (
+            _set(("rank_order",), ["a"]),
+            "rank_order ['a'] must list every node group exactly once: a, b",
+        ),
+        (
+            _set(("rank_order",), ["a", "b", "a"]),
+            "rank_order ['a', 'b', 'a'] must list every node group exactly once: a, b",
+        ),
+        (
+            _set(("node_groups", 1, "colocate_with"), "z"),
+            "node group 'b': colocate_with names unknown node group 'z'; other node groups: a",
+        ),
+        (
+            _set(("node_groups", 1, "colocate_with"), "a"),
+            "node group 'b': colocate_with 'a' needs nodes: 2 (the same nodes), got 1",
+        ),
+    ],
+)
 def test_validation_messages(change, message):
     d = change(copy.deepcopy(two_groups()))
     with pytest.raises(UserError) as exc:
@@ -255,13 +380,23 @@ def test_validation_messages(change, message):
 
 def test_chained_colocation_is_rejected():
     d = two_groups()
-    d["node_groups"].append({"name": "c", "accelerator": "cpu", "nodes": 1, "devices_per_node": 1,
-                             "nic_bandwidth_gbps": 1, "colocate_with": "b"})
+    d["node_groups"].append(
+        {
+            "name": "c",
+            "accelerator": "cpu",
+            "nodes": 1,
+            "devices_per_node": 1,
+            "nic_bandwidth_gbps": 1,
+            "colocate_with": "b",
+        }
+    )
     d["node_groups"][1]["colocate_with"] = "c"
     with pytest.raises(UserError) as exc:
         ClusterSpec.from_dict(d)
-    assert str(exc.value) == ("node group 'b': colocate_with 'c', which is itself colocated; "
-                              "name the group that owns the nodes")
+    assert str(exc.value) == (
+        "node group 'b': colocate_with 'c', which is itself colocated; "
+        "name the group that owns the nodes"
+    )
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -1,4 +1,5 @@
 """Choosing the backend of a direct bridge from the kinds of the world (pure, no processes)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,27 +13,36 @@ def tables(*names: str) -> tuple[list[str], dict, dict, dict]:
     """Two ranks of every named built-in accelerator, with its backend/device/library tables."""
     specs = {n: get_accelerator(n) for n in names}
     kinds = [n for n in names for _ in range(2)]
-    return (kinds, {n: s.native_backend for n, s in specs.items()},
-            {n: s.device_type for n, s in specs.items()},
-            {n: s.collective_library for n, s in specs.items()})
+    return (
+        kinds,
+        {n: s.native_backend for n, s in specs.items()},
+        {n: s.device_type for n, s in specs.items()},
+        {n: s.collective_library for n, s in specs.items()},
+    )
 
 
-@pytest.mark.parametrize("names, backend", [
-    (("H100",), "nccl"),
-    (("H100", "A100-80G"), "nccl"),  # one vendor: NCCL spans both kinds
-    (("MI250X", "MI300X"), "nccl"),  # one ROCm build: RCCL under torch's "nccl" name
-    (("emu-fast", "emu-slow"), "gloo"),  # CPU emulation
-    (("Ascend910B",), "hccl"),
-])
+@pytest.mark.parametrize(
+    "names, backend",
+    [
+        (("H100",), "nccl"),
+        (("H100", "A100-80G"), "nccl"),  # one vendor: NCCL spans both kinds
+        (("MI250X", "MI300X"), "nccl"),  # one ROCm build: RCCL under torch's "nccl" name
+        (("emu-fast", "emu-slow"), "gloo"),  # CPU emulation
+        (("Ascend910B",), "hccl"),
+    ],
+)
 def test_a_shared_native_stack_is_chosen(names: tuple[str, ...], backend: str) -> None:
     assert choose_direct_backend(*tables(*names)) == backend
 
 
-@pytest.mark.parametrize("names, says", [
-    (("H100", "MI300X"), "H100 uses nccl on cuda and MI300X uses nccl (rccl) on cuda"),
-    (("H100", "cpu"), "H100 uses nccl on cuda and cpu uses gloo on cpu"),
-    (("A100-80G", "Ascend910B"), "A100-80G uses nccl on cuda and Ascend910B uses hccl on npu"),
-])
+@pytest.mark.parametrize(
+    "names, says",
+    [
+        (("H100", "MI300X"), "H100 uses nccl on cuda and MI300X uses nccl (rccl) on cuda"),
+        (("H100", "cpu"), "H100 uses nccl on cuda and cpu uses gloo on cpu"),
+        (("A100-80G", "Ascend910B"), "A100-80G uses nccl on cuda and Ascend910B uses hccl on npu"),
+    ],
+)
 def test_no_spanning_backend_is_a_one_line_user_error(names: tuple[str, ...], says: str) -> None:
     with pytest.raises(UserError) as info:
         choose_direct_backend(*tables(*names))

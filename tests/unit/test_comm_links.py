@@ -1,4 +1,5 @@
 """Device-backend links: connected once when built, p2p batches coalesced per link (fakes only)."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -67,8 +68,9 @@ def build(me: int, bridge: Bridge) -> tuple[UnifiedGroup, list[FakeBackend]]:
         return made[-1]
 
     layout = GroupLayout.build(range(4), KINDS)
-    group = UnifiedGroup(layout, me, "g", bridge, {"gpu": "fakenccl", "cpu": "gloo"}, factory,
-                         debug=False)
+    group = UnifiedGroup(
+        layout, me, "g", bridge, {"gpu": "fakenccl", "cpu": "gloo"}, factory, debug=False
+    )
     return group, made
 
 
@@ -78,8 +80,11 @@ def warm_ups(made: list[FakeBackend]) -> dict[tuple[str, tuple[int, ...]], int]:
 
 def test_device_links_are_connected_once_when_built_and_gloo_links_never() -> None:
     group, made = build(0, Bridge("relay"))
-    assert warm_ups(made) == {("gloo", (0, 1, 2, 3)): 0, ("fakenccl", (0, 1)): 1,
-                              ("gloo", (0, 2)): 0}
+    assert warm_ups(made) == {
+        ("gloo", (0, 1, 2, 3)): 0,
+        ("fakenccl", (0, 1)): 1,
+        ("gloo", (0, 2)): 0,
+    }
     assert group.native.backend == "fakenccl"
     _, made = build(3, Bridge("relay"))  # a gloo kind: nothing to connect
     assert set(warm_ups(made).values()) == {0}
@@ -87,8 +92,12 @@ def test_device_links_are_connected_once_when_built_and_gloo_links_never() -> No
 
 def test_a_direct_bridge_on_a_device_backend_connects_its_links_too() -> None:
     _, made = build(1, Bridge("direct", "fakenccl"))
-    assert warm_ups(made) == {("fakenccl", (0, 1, 2, 3)): 1, ("gloo", (0, 1, 2, 3)): 0,
-                              ("fakenccl", (0, 1)): 1, ("fakenccl", (1, 3)): 1}
+    assert warm_ups(made) == {
+        ("fakenccl", (0, 1, 2, 3)): 1,
+        ("gloo", (0, 1, 2, 3)): 0,
+        ("fakenccl", (0, 1)): 1,
+        ("fakenccl", (1, 3)): 1,
+    }
 
 
 def test_coalesced_batch_calls_the_backend_with_link_ranks() -> None:
@@ -99,21 +108,27 @@ def test_coalesced_batch_calls_the_backend_with_link_ranks() -> None:
     assert backend.calls == [("start",), ("send", 2, 4), ("recv", 0, 4), ("end",)]
     assert len(works) == 1
     group_pg = FakeProcessGroup((0, 1), "fakenccl")  # a registered group takes the device
-    p2p.coalesced(Link(group_pg, (0, 1), 0, "fakenccl", "native", "g"),
-                  [p2p.P2POp("isend", t, 1)])
+    p2p.coalesced(Link(group_pg, (0, 1), 0, "fakenccl", "native", "g"), [p2p.P2POp("isend", t, 1)])
     assert group_pg.calls == [("start", t.device), ("send", 1, 0), ("end", t.device)]
 
 
 def test_batch_coalesces_device_link_ops_and_posts_gloo_ops_singly() -> None:
     native = FakeBackend((0, 1), "fakenccl")
     flat = FakeBackend((0, 1, 2, 3), "gloo")
-    parts = SimpleNamespace(layout=GroupLayout.build(range(4), KINDS), me=0,
-                            bridge=Bridge("relay"),
-                            native=Link(native, (0, 1), 0, "fakenccl", "native[gpu]", "g"),
-                            flat=Link(flat, (0, 1, 2, 3), 0, "gloo", "bridge", "g"))
+    parts = SimpleNamespace(
+        layout=GroupLayout.build(range(4), KINDS),
+        me=0,
+        bridge=Bridge("relay"),
+        native=Link(native, (0, 1), 0, "fakenccl", "native[gpu]", "g"),
+        flat=Link(flat, (0, 1, 2, 3), 0, "gloo", "bridge", "g"),
+    )
     t = torch.zeros(2)
-    ops = [p2p.P2POp("irecv", t, 1), p2p.P2POp("irecv", t, 2), p2p.P2POp("isend", t, 1),
-           p2p.P2POp("isend", t, 3)]
+    ops = [
+        p2p.P2POp("irecv", t, 1),
+        p2p.P2POp("irecv", t, 2),
+        p2p.P2POp("isend", t, 1),
+        p2p.P2POp("isend", t, 3),
+    ]
     handles = p2p.batch_isend_irecv(parts, ops)
     assert len(handles) == 4 and handles[0] is handles[2]  # one handle for the native batch
     assert native.calls == [("start",), ("recv", 1, 0), ("send", 1, 0), ("end",)]

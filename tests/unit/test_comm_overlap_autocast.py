@@ -2,6 +2,7 @@
 preallocated blocks, which autocast does not cover, so they cast to the autocast dtype
 themselves; outputs come out in it, as F.linear's would, and backward runs in one dtype. Two
 ranks as threads of this process (gpucheck.tp_rings.ThreadRing)."""
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,7 @@ def test_rings_under_autocast_give_the_autocast_dtype_and_fp32_gradients() -> No
 
     def work(member):
         r = member.rank
-        xs = x[:, r * 4:(r + 1) * 4].clone().requires_grad_()
+        xs = x[:, r * 4 : (r + 1) * 4].clone().requires_grad_()
         w = gate[r].clone().requires_grad_()
         a, wd = act[r].clone().requires_grad_(), down[r].clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -35,10 +36,12 @@ def test_rings_under_autocast_give_the_autocast_dtype_and_fp32_gradients() -> No
         assert out.dtype == y.dtype == torch.bfloat16
         assert w_grad.dtype == wd_grad.dtype == torch.float32
         torch.testing.assert_close(out.float(), F.linear(x, gate[r]), atol=0.1, rtol=2e-2)
-        torch.testing.assert_close(y.float(), expected_y[:, r * 4:(r + 1) * 4], atol=0.2,
-                                   rtol=2e-2)
-        torch.testing.assert_close(w_grad, x.reshape(8, 16).sum(0).expand(12, 16), atol=0.1,
-                                   rtol=2e-2)
+        torch.testing.assert_close(
+            y.float(), expected_y[:, r * 4 : (r + 1) * 4], atol=0.2, rtol=2e-2
+        )
+        torch.testing.assert_close(
+            w_grad, x.reshape(8, 16).sum(0).expand(12, 16), atol=0.1, rtol=2e-2
+        )
 
 
 def test_bf16_weight_gradients_are_summed_in_float32_into_main_grad() -> None:
@@ -53,7 +56,7 @@ def test_bf16_weight_gradients_are_summed_in_float32_into_main_grad() -> None:
 
     def work(member):
         r = member.rank
-        xs = x[:, r * 4:(r + 1) * 4].clone()
+        xs = x[:, r * 4 : (r + 1) * 4].clone()
         w, wd = gate[r].clone().requires_grad_(), down[r].clone().requires_grad_()
         added = []
         for param in (w, wd):

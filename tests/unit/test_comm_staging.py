@@ -1,4 +1,5 @@
 """Host staging of the relay bridge: buffer pool, chunk pipeline order, CPU ranks stay off CUDA."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,6 +38,7 @@ class Recorder:
 
     def launch(self, chunks: list[torch.Tensor]):
         """A transfer that doubles the chunk in place once waited on (like a 2-rank sum)."""
+
         def start(host: torch.Tensor):
             i = len(chunks)
             chunks.append(host)
@@ -46,7 +48,9 @@ class Recorder:
                 def wait(inner) -> None:
                     host.mul_(2)
                     self.log.append(("wait", i))
+
             return Work()
+
         return start
 
 
@@ -98,11 +102,14 @@ def test_pool_keeps_at_most_max_free_bytes_but_always_its_largest_buffer() -> No
     pool.release(huge)
     assert fenced == [4096]
     assert {dtype: [b.numel() for b, _ in free] for dtype, free in pool._free.items()} == {
-        torch.float32: [65536], torch.float16: []}
+        torch.float32: [65536],
+        torch.float16: [],
+    }
 
 
-def run_relay(numel: int, spans: list[tuple[int, int]], **flags: bool
-              ) -> tuple[torch.Tensor, Recorder, HostPool]:
+def run_relay(
+    numel: int, spans: list[tuple[int, int]], **flags: bool
+) -> tuple[torch.Tensor, Recorder, HostPool]:
     rec, pool = Recorder(), HostPool()
     tensor = torch.arange(float(numel))
     rec.base = tensor
@@ -150,8 +157,10 @@ def test_relay_without_a_pool_launches_views_of_the_tensor_at_once() -> None:
 @pytest.fixture
 def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any CUDA initialisation fails the test (it must never happen on a CPU rank)."""
+
     def refuse(*_: object, **__: object) -> None:
         raise AssertionError("CUDA was touched on a CPU rank")
+
     monkeypatch.setattr(torch.cuda, "_lazy_init", refuse)
     monkeypatch.setattr(torch.cuda, "current_stream", refuse)
     monkeypatch.setattr(torch.cuda, "Stream", refuse)

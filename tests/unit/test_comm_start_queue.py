@@ -1,5 +1,6 @@
 """The bridge's start queue: operations whose host copy is still running start off the calling
 thread, in submission order, and nothing on a bridge link overtakes them."""
+
 from __future__ import annotations
 
 import threading
@@ -93,9 +94,14 @@ def test_many_fenced_operations_start_in_submission_order() -> None:
     pg, starts = RecordingGroup(), StartQueue()
     link = Link(pg, [0, 1], 0, "gloo", "channel", "dp", starts=starts)
     opened = threading.Event()
-    works = [link.all_reduce_async(torch.full((1,), float(i)), "sum",
-                                   after=(lambda: opened.wait(WAIT_S)) if i % 3 == 0 else None)
-             for i in range(12)]
+    works = [
+        link.all_reduce_async(
+            torch.full((1,), float(i)),
+            "sum",
+            after=(lambda: opened.wait(WAIT_S)) if i % 3 == 0 else None,
+        )
+        for i in range(12)
+    ]
     opened.set()
     for w in reversed(works):
         w.wait()
@@ -136,8 +142,9 @@ def test_a_failing_copy_is_this_ranks_error_and_stops_the_queue() -> None:
     failed = link.all_reduce_async(torch.full((1,), 1.0), "sum", after=bad_copy)
     later = link.all_reduce_async(torch.full((1,), 2.0), "sum", after=lambda: None)
     # not a CommError (a peer's failure): the rank's own device failed
-    with pytest.raises(StagingError, match="failed on this rank's device: CUDA error: an "
-                                           "illegal memory access"):
+    with pytest.raises(
+        StagingError, match="failed on this rank's device: CUDA error: an illegal memory access"
+    ):
         failed.wait()
     # never started: its peers would pair it with the transfer this rank skipped
     with pytest.raises(StagingError, match="not started: an earlier transfer's copy"):

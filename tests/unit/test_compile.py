@@ -4,6 +4,7 @@ Compiling costs seconds to tens of seconds per graph on a cold inductor cache, s
 that runs a compiled layer is marked slow; the fast ones check names, options and errors
 without compiling (a model on the meta device skips the inductor probe).
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,12 @@ from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.kernels.graph_break import apply_graph_breaks, graph_break
 from megatron_het.model import compile as compile_module
-from megatron_het.model.compile import (_traceable_apply_rope, compile_available,
-                                        compile_layers, is_compiled)
+from megatron_het.model.compile import (
+    _traceable_apply_rope,
+    compile_available,
+    compile_layers,
+    is_compiled,
+)
 from megatron_het.model.llama import LlamaModel, build_model
 from megatron_het.model.rope import RotaryEmbedding, apply_rope
 
@@ -52,11 +57,22 @@ def test_compile_keeps_names_keys_and_parameters() -> None:
 
 def test_compile_options(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self, **kwargs: calls.append((type(self).__name__, kwargs)))
+    monkeypatch.setattr(
+        torch.nn.Module,
+        "compile",
+        lambda self, **kwargs: calls.append((type(self).__name__, kwargs)),
+    )
     compile_layers(meta_model(), mode="max-autotune-no-cudagraphs")
-    assert calls == [("DecoderLayer", {"mode": "max-autotune-no-cudagraphs", "fullgraph": True,
-                                       "dynamic": False})] * 2
+    assert (
+        calls
+        == [
+            (
+                "DecoderLayer",
+                {"mode": "max-autotune-no-cudagraphs", "fullgraph": True, "dynamic": False},
+            )
+        ]
+        * 2
+    )
     calls.clear()
     compile_layers(meta_model((2, 2)))  # a stage without layers (embedding and head only)
     assert calls == []
@@ -69,10 +85,14 @@ def test_a_gpu_stage_asks_about_flash_attention_before_compiling(monkeypatch) ->
     events = []
     monkeypatch.setattr(compile_mod, "_layers_device_type", lambda model: "cuda")
     monkeypatch.setattr(compile_mod, "compile_available", lambda device_type: (True, ""))
-    monkeypatch.setattr(compile_mod, "device_runs_flash",
-                        lambda device, head_dim: events.append(("asked", head_dim)))
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self, **kwargs: events.append("compiled"))
+    monkeypatch.setattr(
+        compile_mod,
+        "device_runs_flash",
+        lambda device, head_dim: events.append(("asked", head_dim)),
+    )
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kwargs: events.append("compiled")
+    )
     compile_layers(meta_model())
     head_dim = TWO_LAYERS.hidden_size // TWO_LAYERS.num_attention_heads
     assert events == [("asked", head_dim), "compiled", "compiled"]
@@ -86,8 +106,9 @@ def test_modes_that_capture_cuda_graphs_are_refused(mode: str) -> None:
 
 def test_a_tensor_parallel_stage_compiles_between_its_collectives(monkeypatch) -> None:
     calls = []
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self, **kwargs: calls.append(kwargs["fullgraph"]))
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kwargs: calls.append(kwargs["fullgraph"])
+    )
     model = meta_model()
     model.tp_group = type("Group", (), {"size": 2})()  # as apply_tp leaves it
     compile_layers(model)
@@ -112,11 +133,13 @@ def test_a_marked_function_runs_outside_the_compiled_graph() -> None:
 
 @pytest.mark.slow  # a process of its own
 def test_a_process_that_does_not_compile_never_imports_dynamo() -> None:
-    code = ("import sys; from megatron_het.training import entry; "
-            "from megatron_het.model.llama import build_model; "
-            "from megatron_het.config import model_preset; "
-            "build_model(model_preset('tiny'), seed=1); "
-            "sys.exit(3 if 'torch._dynamo' in sys.modules else 0)")
+    code = (
+        "import sys; from megatron_het.training import entry; "
+        "from megatron_het.model.llama import build_model; "
+        "from megatron_het.config import model_preset; "
+        "build_model(model_preset('tiny'), seed=1); "
+        "sys.exit(3 if 'torch._dynamo' in sys.modules else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
@@ -126,8 +149,11 @@ def test_unknown_mode_is_a_user_error() -> None:
 
 
 def test_unavailable_compiler_is_a_one_line_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compile_module, "compile_available",
-                        lambda device_type: (False, "InvalidCxxCompiler: no working C++ compiler"))
+    monkeypatch.setattr(
+        compile_module,
+        "compile_available",
+        lambda device_type: (False, "InvalidCxxCompiler: no working C++ compiler"),
+    )
     model = LlamaModel(TWO_LAYERS)  # real CPU parameters: the probe is consulted
     with pytest.raises(UserError) as caught:
         compile_layers(model)
@@ -168,12 +194,12 @@ def test_traceable_rope_matches_the_fused_one() -> None:
     assert fused_grad[:, :, 0].abs().max() == 0 and plain_grad[:, :, 1:].abs().min() > 0
 
 
-def loss_and_grads(model: LlamaModel, tokens: torch.Tensor
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(
+    model: LlamaModel, tokens: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     loss = model(tokens, tokens)
     loss.backward()
-    return loss.detach().double(), {name: p.grad.double()
-                                    for name, p in model.named_parameters()}
+    return loss.detach().double(), {name: p.grad.double() for name, p in model.named_parameters()}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -186,8 +212,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_compiled_layers_match_eager(dtype: torch.dtype, recompute: bool) -> None:
     from torch._dynamo.utils import counters
 
-    tokens = torch.randint(0, TWO_LAYERS.vocab_size, (2, 16),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, TWO_LAYERS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
     eager = build_model(TWO_LAYERS, seed=3, recompute=recompute).to(dtype).train()
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()  # compile afresh (inductor's disk cache keeps it quick)
@@ -231,12 +258,22 @@ def test_bench_arguments() -> None:
 
 def test_bench_report_shape() -> None:
     bench = load_bench()
-    args = bench.parse_args(["--model", "tiny", "--micro-batch-size", "2", "--seq-length", "8",
-                             "--rounds", "3", "--compile"])
+    args = bench.parse_args(
+        [
+            "--model",
+            "tiny",
+            "--micro-batch-size",
+            "2",
+            "--seq-length",
+            "8",
+            "--rounds",
+            "3",
+            "--compile",
+        ]
+    )
     seconds = {"ours": [0.5, 0.1, 0.2], "hf": [0.3, 0.3, 0.4]}
     ratios = [0.6, 3.0, 2.0]
-    record = bench.report(args, seconds, ratios, {"ours": 6.1, "hf": 6.1},
-                          {"ours": 4.2, "hf": 0.5})
+    record = bench.report(args, seconds, ratios, {"ours": 6.1, "hf": 6.1}, {"ours": 4.2, "hf": 0.5})
     assert json.loads(json.dumps(record)) == record
     assert record["ratio_vs_hf"] == 2.0 and record["median_step_s"] == {"ours": 0.2, "hf": 0.3}
     assert record["ours_tokens_per_s"] == 80.0 and record["hf_tokens_per_s"] == round(16 / 0.3, 1)
@@ -259,9 +296,13 @@ def test_bench_gemm_rate_counts_the_products_flops() -> None:
 
     def step() -> float:
         c.addmm_(a, b)  # in place, as the fused head accumulates its weight gradient
-        products = (torch.mm(a, b), F.linear(a, weight, bias),  # addmm with a 1-D bias
-                    torch.bmm(*batched), torch.baddbmm(added, *batched),
-                    torch.baddbmm(added.bfloat16(), *(t.bfloat16() for t in batched)))
+        products = (
+            torch.mm(a, b),
+            F.linear(a, weight, bias),  # addmm with a 1-D bias
+            torch.bmm(*batched),
+            torch.baddbmm(added, *batched),
+            torch.baddbmm(added.bfloat16(), *(t.bfloat16() for t in batched)),
+        )
         return float(sum(p.float().sum() for p in products) + torch.softmax(a, dim=-1).sum())
 
     kernels = bench.kernel_seconds(step, steps=2)
@@ -276,9 +317,27 @@ def test_bench_gemm_rate_counts_the_products_flops() -> None:
 def test_bench_runs_compiled_on_a_tiny_config(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
     bench = load_bench()
-    record = bench.main(["--model", "tiny", "--micro-batch-size", "1", "--seq-length", "16",
-                         "--rounds", "2", "--iters", "1", "--warmup", "1", "--threads", "1",
-                         "--loss", "logits", "--compile"])
+    record = bench.main(
+        [
+            "--model",
+            "tiny",
+            "--micro-batch-size",
+            "1",
+            "--seq-length",
+            "16",
+            "--rounds",
+            "2",
+            "--iters",
+            "1",
+            "--warmup",
+            "1",
+            "--threads",
+            "1",
+            "--loss",
+            "logits",
+            "--compile",
+        ]
+    )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record
     assert record["compile"] is True and len(record["round_ratios"]) == 2
     # Same weights, batch and loss function: the compiled model's first loss is Hugging Face's.
@@ -294,14 +353,32 @@ def test_training_with_compile_matches_eager(tmp_path) -> None:
     from megatron_het.arguments import parse_run_config
     from megatron_het.training import pretrain
 
-    flags = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", "300", "--seq-length", "16", "--micro-batch-size", "2",
-             "--global-batch-size", "4", "--train-iters", "3", "--lr", "3e-3",
-             "--eval-iters", "0", "--log-interval", "1"]
+    flags = [
+        "--model",
+        "tiny",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "300",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "3",
+        "--lr",
+        "3e-3",
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "1",
+    ]
     losses = {}
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
         path = tmp_path / f"{name}.jsonl"
-        pretrain(parse_run_config([*flags, *extra, "--metrics-file", str(path)]),
-                 out=io.StringIO())
+        pretrain(parse_run_config([*flags, *extra, "--metrics-file", str(path)]), out=io.StringIO())
         losses[name] = [json.loads(line)["loss"] for line in path.read_text().splitlines()]
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)

@@ -1,4 +1,5 @@
 """tools/convert_checkpoint.py --target-format hf writes the run's tokenizer for transformers."""
+
 from __future__ import annotations
 
 import io
@@ -13,8 +14,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 import sentencepiece  # noqa: E402
 
-from megatron_het.checkpoint.hf import hf_config_to_model_config  # noqa: E402
-from megatron_het.checkpoint.hf import hf_to_megatron_het_state  # noqa: E402
+from megatron_het.checkpoint.hf import (  # noqa: E402
+    hf_config_to_model_config,
+    hf_to_megatron_het_state,
+)
 from megatron_het.checkpoint.io import save_checkpoint  # noqa: E402
 from megatron_het.errors import UserError  # noqa: E402
 
@@ -22,10 +25,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import convert_checkpoint  # noqa: E402
 
-WORDS = ("the quick brown fox jumps over a lazy dog while data flows through every stage of "
-         "the pipeline; Zürich 42!").split()
-TEXTS = ["the quick brown fox", "  two  spaces and\na newline", "Zürich 42! unseen XYZ words",
-         "pipeline stage"]
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while data flows through every stage of "
+    "the pipeline; Zürich 42!"
+).split()
+TEXTS = [
+    "the quick brown fox",
+    "  two  spaces and\na newline",
+    "Zürich 42! unseen XYZ words",
+    "pipeline stage",
+]
 VOCAB = 64
 
 
@@ -33,39 +42,79 @@ def train_tokenizer(path: pathlib.Path, model_type: str, **options) -> pathlib.P
     rng = random.Random(0)
     lines = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(300)]
     model = io.BytesIO()
-    settings = dict(vocab_size=50, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
-                    pad_id=-1, minloglevel=2)
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
-                                             model_type=model_type, **{**settings, **options})
+    settings = dict(
+        vocab_size=50,
+        character_coverage=1.0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        model_type=model_type,
+        **{**settings, **options},
+    )
     path.write_bytes(model.getvalue())
     return path
 
 
-def tiny_checkpoint(save_dir: pathlib.Path, metadata: dict,
-                    vocab_size: int = VOCAB) -> "transformers.LlamaForCausalLM":
+def tiny_checkpoint(
+    save_dir: pathlib.Path, metadata: dict, vocab_size: int = VOCAB
+) -> transformers.LlamaForCausalLM:
     """A tiny Llama saved as a megatron_het checkpoint with ``metadata``; returns the HF twin."""
-    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     cfg = hf_config_to_model_config(json.loads(config.to_json_string()))
-    save_checkpoint(save_dir, 5, cfg, hf_to_megatron_het_state(hf.state_dict(), cfg),
-                    metadata=metadata)
+    save_checkpoint(
+        save_dir, 5, cfg, hf_to_megatron_het_state(hf.state_dict(), cfg), metadata=metadata
+    )
     return hf
 
 
 def run_metadata(tokenizer_model: pathlib.Path) -> dict:
     """What a training run records: its argv and run_config (data part)."""
-    return {"argv": ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-                     str(tokenizer_model)],
-            "run_config": {"data": {"tokenizer_type": "SentencePieceTokenizer",
-                                    "tokenizer_model": str(tokenizer_model)}}}
+    return {
+        "argv": [
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            str(tokenizer_model),
+        ],
+        "run_config": {
+            "data": {
+                "tokenizer_type": "SentencePieceTokenizer",
+                "tokenizer_model": str(tokenizer_model),
+            }
+        },
+    }
 
 
 def to_hf(load_dir: pathlib.Path, save_dir: pathlib.Path, *extra: str) -> None:
-    convert_checkpoint.main(["--source-format", "megatron_het", "--target-format", "hf",
-                             "--load-dir", str(load_dir), "--save-dir", str(save_dir), *extra])
+    convert_checkpoint.main(
+        [
+            "--source-format",
+            "megatron_het",
+            "--target-format",
+            "hf",
+            "--load-dir",
+            str(load_dir),
+            "--save-dir",
+            str(save_dir),
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.parametrize("model_type", ["bpe", "unigram"])
@@ -87,12 +136,16 @@ def test_recorded_tokenizer_loads_with_auto_classes(tmp_path, model_type) -> Non
     assert (tmp_path / "out" / "tokenizer.model").read_bytes() == spm.read_bytes()
 
 
-@pytest.mark.parametrize("options", [
-    {"add_dummy_prefix": False},
-    {"remove_extra_whitespaces": False},
-    {"add_dummy_prefix": False, "remove_extra_whitespaces": False},
-    {"byte_fallback": True, "vocab_size": 300},
-], ids=["no-dummy-prefix", "keep-spaces", "neither", "byte-fallback"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"add_dummy_prefix": False},
+        {"remove_extra_whitespaces": False},
+        {"add_dummy_prefix": False, "remove_extra_whitespaces": False},
+        {"byte_fallback": True, "vocab_size": 300},
+    ],
+    ids=["no-dummy-prefix", "keep-spaces", "neither", "byte-fallback"],
+)
 def test_the_model_files_own_text_options_are_followed(tmp_path, options) -> None:
     """The normalizer, pre-tokenizer and decoder come from the model's NormalizerSpec, not
     from what the installed transformers version's conversion happens to build."""
@@ -131,8 +184,11 @@ def test_a_conversion_that_tokenizes_differently_is_refused(tmp_path, monkeypatc
     monkeypatch.setattr(hf_module, "_set_spm_text_pipeline", as_517_wrote)
     spm = train_tokenizer(tmp_path / "tok.model", "bpe")
     tiny_checkpoint(tmp_path / "ckpt", run_metadata(spm))
-    with pytest.raises(UserError, match=r"tokenizes 'the quick brown fox' to \[.*but the "
-                                        r"SentencePiece model to"):
+    with pytest.raises(
+        UserError,
+        match=r"tokenizes 'the quick brown fox' to \[.*but the "
+        r"SentencePiece model to",
+    ):
         hf_module.write_hf_tokenizer(spm, tmp_path / "out")
     assert not (tmp_path / "out" / "tokenizer.json").exists()
 
@@ -173,12 +229,21 @@ def test_no_tokenizer_flag_conflicts_and_formats(tmp_path) -> None:
     spm = train_tokenizer(tmp_path / "tok.model", "bpe")
     tiny_checkpoint(tmp_path / "ckpt", run_metadata(tmp_path / "gone.model"))
     with pytest.raises(UserError, match="contradict"):
-        to_hf(tmp_path / "ckpt", tmp_path / "out", "--tokenizer-model", str(spm),
-              "--no-tokenizer")
+        to_hf(tmp_path / "ckpt", tmp_path / "out", "--tokenizer-model", str(spm), "--no-tokenizer")
     with pytest.raises(UserError, match="--no-tokenizer applies to --target-format hf only"):
-        convert_checkpoint.main(["--source-format", "hf", "--target-format", "megatron_het",
-                                 "--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "x"),
-                                 "--no-tokenizer"])
+        convert_checkpoint.main(
+            [
+                "--source-format",
+                "hf",
+                "--target-format",
+                "megatron_het",
+                "--load-dir",
+                str(tmp_path),
+                "--save-dir",
+                str(tmp_path / "x"),
+                "--no-tokenizer",
+            ]
+        )
     to_hf(tmp_path / "ckpt", tmp_path / "out", "--no-tokenizer")  # the recorded model is gone
     assert (tmp_path / "out" / "config.json").is_file()
 
@@ -194,7 +259,8 @@ def test_flag_supplies_a_tokenizer_the_metadata_lacks(tmp_path, capsys) -> None:
     to_hf(tmp_path / "ckpt", tmp_path / "out", "--tokenizer-model", str(spm))
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tokenizer("the lazy dog")["input_ids"] == sentencepiece.SentencePieceProcessor(
-        model_file=str(spm)).encode("the lazy dog")
+        model_file=str(spm)
+    ).encode("the lazy dog")
 
 
 def test_flag_overrides_a_recorded_tokenizer_that_is_gone(tmp_path) -> None:
@@ -207,17 +273,30 @@ def test_flag_overrides_a_recorded_tokenizer_that_is_gone(tmp_path) -> None:
 
 
 def test_null_tokenizer_runs_record_no_tokenizer() -> None:
-    assert convert_checkpoint.recorded_tokenizer_model(
-        {"run_config": {"data": {"tokenizer_type": "NullTokenizer", "tokenizer_model": None}},
-         "argv": ["--tokenizer-type", "NullTokenizer"]}) is None
-    assert convert_checkpoint.recorded_tokenizer_model(
-        {"argv": ["--tokenizer-model=/t/tok.model"]}) == "/t/tok.model"
+    assert (
+        convert_checkpoint.recorded_tokenizer_model(
+            {
+                "run_config": {
+                    "data": {"tokenizer_type": "NullTokenizer", "tokenizer_model": None}
+                },
+                "argv": ["--tokenizer-type", "NullTokenizer"],
+            }
+        )
+        is None
+    )
+    assert (
+        convert_checkpoint.recorded_tokenizer_model({"argv": ["--tokenizer-model=/t/tok.model"]})
+        == "/t/tok.model"
+    )
 
 
-@pytest.mark.parametrize("setup, message", [
-    ("not_spm", "cannot read tokenizer model"),
-    ("too_big", "has 50 pieces but the checkpoint's vocabulary is 40"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        ("not_spm", "cannot read tokenizer model"),
+        ("too_big", "has 50 pieces but the checkpoint's vocabulary is 40"),
+    ],
+)
 def test_bad_tokenizer_models_are_user_errors(tmp_path, setup, message) -> None:
     spm = train_tokenizer(tmp_path / "tok.model", "bpe")
     if setup == "not_spm":

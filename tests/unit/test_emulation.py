@@ -1,14 +1,22 @@
 """CPU emulation: injected slowdown, emulated links, the memory cap (driven by a fake clock)."""
+
 import time
 
 import pytest
 
 from megatron_het.cluster import get_accelerator
-from megatron_het.emulation import (REFERENCE_QUANTILE, REFERENCE_WINDOW, EmulatedLink,
-                                    EmulatedOutOfMemory, EmulationStats, Emulator, RankEmulation)
+from megatron_het.emulation import (
+    REFERENCE_QUANTILE,
+    REFERENCE_WINDOW,
+    EmulatedLink,
+    EmulatedOutOfMemory,
+    EmulationStats,
+    Emulator,
+    RankEmulation,
+)
 from megatron_het.errors import UserError
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 class FakeClock:
@@ -107,15 +115,20 @@ def test_cpu_basis_pads_to_slowdown_times_cpu_time():
         cpu.now += 1.0
     stats = emulator.stats()
     assert clock.sleeps == pytest.approx([1.0])
-    assert stats == EmulationStats(2, pytest.approx(6.0), pytest.approx(1.0), pytest.approx(2.0),
-                                   1)
+    assert stats == EmulationStats(2, pytest.approx(6.0), pytest.approx(1.0), pytest.approx(2.0), 1)
     assert stats.emulated_s == pytest.approx(7.0)
 
 
 def test_keyed_regions_pad_to_a_low_quantile_of_their_key():
     clock, cpu = FakeClock(), FakeCpuClock()
-    emulator = Emulator(4.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu,
-                        reference_window=4, reference_quantile=0.25)
+    emulator = Emulator(
+        4.0,
+        clock=clock,
+        sleep=clock.sleep,
+        cpu_clock=cpu,
+        reference_window=4,
+        reference_quantile=0.25,
+    )
 
     def region(key, cpu_s):
         start = clock.now
@@ -139,18 +152,28 @@ def test_keyed_regions_pad_to_a_low_quantile_of_their_key():
     assert emulator.stats().cpu_s == pytest.approx(10.0)  # what really ran is accounted
 
 
-@pytest.mark.parametrize("quantile, settled_s, lucky_min_s", [
-    (0.0, 2.0, 1.0),   # the least of the last 20: 1.0 (the default rule); with the lucky 0.5
-                       # in the window the regions are late and last their own CPU time
-    (0.25, 2.4, 2.4),  # their 6th least: 1.2, which one lucky region does not move
-])
-def test_keyed_reference_does_not_drift_with_the_number_of_regions(quantile, settled_s,
-                                                                   lucky_min_s):
+@pytest.mark.parametrize(
+    "quantile, settled_s, lucky_min_s",
+    [
+        (0.0, 2.0, 1.0),  # the least of the last 20: 1.0 (the default rule); with the lucky 0.5
+        # in the window the regions are late and last their own CPU time
+        (0.25, 2.4, 2.4),  # their 6th least: 1.2, which one lucky region does not move
+    ],
+)
+def test_keyed_reference_does_not_drift_with_the_number_of_regions(
+    quantile, settled_s, lucky_min_s
+):
     """A running least would fall with every lucky region and never come back (the emulated
     kind speeding up the longer it runs); the reference over a window forgets one."""
     clock, cpu = FakeClock(), FakeCpuClock()
-    emulator = Emulator(2.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu,
-                        reference_window=20, reference_quantile=quantile)
+    emulator = Emulator(
+        2.0,
+        clock=clock,
+        sleep=clock.sleep,
+        cpu_clock=cpu,
+        reference_window=20,
+        reference_quantile=quantile,
+    )
     cycle = [1.0 + 0.1 * i for i in range(10)]  # the host's spread of one region's CPU time
     lengths = []
     for n in range(200):
@@ -185,8 +208,9 @@ def test_default_reference_is_the_least_of_a_window():
 
 def test_fixed_reference_keys_keep_one_speed_whatever_the_host_does():
     clock, cpu = FakeClock(), FakeCpuClock()
-    emulator = Emulator(2.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu,
-                        fixed_reference_s={"forward": 0.5})
+    emulator = Emulator(
+        2.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu, fixed_reference_s={"forward": 0.5}
+    )
     assert emulator.fixed_reference_s == {"forward": 0.5}
 
     def region(key, cpu_s, wall_s=None):
@@ -210,8 +234,9 @@ def test_fixed_reference_keys_keep_one_speed_whatever_the_host_does():
 
 def test_fixed_reference_counts_late_regions_at_slowdown_one():
     clock, cpu = FakeClock(), FakeCpuClock()
-    emulator = Emulator(1.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu,
-                        fixed_reference_s={"forward": 1.0})
+    emulator = Emulator(
+        1.0, clock=clock, sleep=clock.sleep, cpu_clock=cpu, fixed_reference_s={"forward": 1.0}
+    )
     with emulator.timed_region("forward"):
         clock.work(0.5)
         cpu.now += 0.5
@@ -228,10 +253,12 @@ def test_fixed_reference_settings_are_checked():
     with pytest.raises(ValueError, match="must be positive"):
         Emulator(2.0, cpu_clock=time.thread_time, fixed_reference_s={"forward": 0.0})
     with pytest.raises(UserError, match="one compute thread per rank"):
-        Emulator.from_spec(get_accelerator("emu-slow"), threads=4,
-                           fixed_reference_s={"forward": 1.0})
-    fixed = Emulator.from_spec(get_accelerator("emu-slow"), threads=1,
-                               fixed_reference_s={"forward": 1.0})
+        Emulator.from_spec(
+            get_accelerator("emu-slow"), threads=4, fixed_reference_s={"forward": 1.0}
+        )
+    fixed = Emulator.from_spec(
+        get_accelerator("emu-slow"), threads=1, fixed_reference_s={"forward": 1.0}
+    )
     assert fixed.basis == "cpu" and fixed.fixed_reference_s == {"forward": 1.0}
 
 
@@ -266,7 +293,8 @@ def test_real_cpu_clock_pads_a_busy_region_to_the_slowdown():
     stats = emulator.stats()
     assert stats.cpu_s > 0 and stats.regions == 1
     assert stats.measured_s + sum(slept) == pytest.approx(2.0 * stats.cpu_s, rel=1e-6) or (
-        stats.late == 1 and slept == [])
+        stats.late == 1 and slept == []
+    )
 
 
 def test_from_spec_uses_the_kind():
@@ -285,15 +313,25 @@ def test_memory_cap():
     assert isinstance(exc.value, UserError)
     assert str(exc.value) == (
         "emu-slow (emulated): stage 1 needs 2.00 GiB but the emulated memory cap is 1.5 GiB; use "
-        "a plan with less memory per device (more stages, tp or recompute) or raise memory_cap_gib")
-    Emulator(2.0).check_memory(10 ** 15)  # no cap, no limit
+        "a plan with less memory per device (more stages, tp or recompute) or raise memory_cap_gib"
+    )
+    Emulator(2.0).check_memory(10**15)  # no cap, no limit
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"slowdown": 0.5}, "emulated: slowdown must be a number >= 1.0 (an emulated kind can only be "
-                        "slower than the host CPU), got 0.5"),
-    ({"slowdown": 2.0, "memory_cap_gib": 0}, "emulated: memory_cap_gib must be positive, got 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"slowdown": 0.5},
+            "emulated: slowdown must be a number >= 1.0 (an emulated kind can only be "
+            "slower than the host CPU), got 0.5",
+        ),
+        (
+            {"slowdown": 2.0, "memory_cap_gib": 0},
+            "emulated: memory_cap_gib must be positive, got 0",
+        ),
+    ],
+)
 def test_emulator_validation(kwargs, message):
     with pytest.raises(UserError) as exc:
         Emulator(**kwargs)
@@ -330,8 +368,9 @@ def test_default_clock_and_sleep_are_real():
 
 def test_a_rank_with_late_regions_warns():
     clock, cpu = FakeClock(), FakeCpuClock()
-    emulator = Emulator(2.0, name="emu-slow (emulated)", clock=clock, sleep=clock.sleep,
-                        cpu_clock=cpu)
+    emulator = Emulator(
+        2.0, name="emu-slow (emulated)", clock=clock, sleep=clock.sleep, cpu_clock=cpu
+    )
     emulation = RankEmulation(3, emulator, None)
     with emulator.timed_region():
         clock.work(1.0)
@@ -344,7 +383,8 @@ def test_a_rank_with_late_regions_warns():
         "warning: rank 3 (emu-slow (emulated)): 1 of 2 compute regions took longer than 2 x "
         "their CPU time (EMULATION: the host's cores are shared by too many ranks); its times "
         "are slower than the emulated kind; raise the emulated kinds' slowdowns (the demo's "
-        "--dilation), launch fewer ranks per host core, or use a host with more cores")
+        "--dilation), launch fewer ranks per host core, or use a host with more cores"
+    )
     assert RankEmulation(0, None, None).late_warning() is None  # not an emulated kind
 
 
@@ -362,8 +402,14 @@ def test_bench_counts_the_late_region_warnings():
     log = []
     for rank, walls in ((0, (3.0, 1.0, 3.0)), (2, (1.0, 3.0))):
         clock, cpu = FakeClock(), FakeCpuClock()
-        emulator = Emulator(2.0, name="emu-fast (emulated)", clock=clock, sleep=clock.sleep,
-                            cpu_clock=cpu, fixed_reference_s={"forward": 1.0})
+        emulator = Emulator(
+            2.0,
+            name="emu-fast (emulated)",
+            clock=clock,
+            sleep=clock.sleep,
+            cpu_clock=cpu,
+            fixed_reference_s={"forward": 1.0},
+        )
         for wall in walls:
             with emulator.timed_region("forward"):
                 clock.work(wall)
@@ -378,8 +424,14 @@ def test_fixed_regions_make_up_an_overrun_and_owe_only_the_rest():
     """A profiled region the host stalled is made up by padding the next ones less: the kind's
     schedule is kept, and only what cannot be made up counts against the rank."""
     clock, cpu = FakeClock(), FakeCpuClock()
-    emulator = Emulator(2.0, name="emu-fast (emulated)", clock=clock, sleep=clock.sleep,
-                        cpu_clock=cpu, fixed_reference_s={"forward": 1.0})
+    emulator = Emulator(
+        2.0,
+        name="emu-fast (emulated)",
+        clock=clock,
+        sleep=clock.sleep,
+        cpu_clock=cpu,
+        fixed_reference_s={"forward": 1.0},
+    )
     emulation = RankEmulation(0, emulator, None)
     start = clock.now
     for wall in (3.5, 1.0, 1.0, 1.0):  # 1.5 s over the first region's 2 s, then 1 s slack each
@@ -395,4 +447,5 @@ def test_fixed_regions_make_up_an_overrun_and_owe_only_the_rest():
         cpu.now += 1.0
     assert emulator.stats().behind_s == pytest.approx(0.5)
     assert "0.50 s (5.0% of the kind's compute time) could not be made up" in (
-        emulation.late_warning())
+        emulation.late_warning()
+    )

@@ -1,4 +1,5 @@
 """Reading user-named files: each problem is one UserError line naming the file and the fix."""
+
 import pytest
 
 from megatron_het.errors import UserError
@@ -14,9 +15,11 @@ def _message(fn, *args):
 
 def test_missing_and_unreadable_files(tmp_path):
     assert _message(read_text_file, tmp_path / "x", "plan file x", "pass one") == (
-        "plan file x not found; pass one")
+        "plan file x not found; pass one"
+    )
     assert _message(read_json_file, tmp_path, "profile p", "write it") == (
-        "cannot read profile p: Is a directory")
+        "cannot read profile p: Is a directory"
+    )
 
 
 def test_parsed_content_and_syntax_errors(tmp_path):
@@ -25,7 +28,8 @@ def test_parsed_content_and_syntax_errors(tmp_path):
     bad.write_text('{\n  "a": }')
     assert read_json_file(good, "f", "h") == {"a": [1, 2]}
     assert _message(read_json_file, bad, "plan file b", "h") == (
-        "plan file b is not valid JSON: Expecting value at line 2 column 8")
+        "plan file b is not valid JSON: Expecting value at line 2 column 8"
+    )
 
 
 def test_yaml_mapping(tmp_path):
@@ -34,6 +38,7 @@ def test_yaml_mapping(tmp_path):
     assert read_yaml_mapping(path, "cluster file") == {"a": 1}
     path.write_text("- 1\n")
     assert _message(read_yaml_mapping, path, "cluster file") == (
-        f"cluster file {str(path)!r} must hold a mapping at the top level")
+        f"cluster file {str(path)!r} must hold a mapping at the top level"
+    )
     path.write_text("a: [1\n")
     assert "is not valid YAML at line" in _message(read_yaml_mapping, path, "cluster file")

@@ -3,20 +3,29 @@
 Token ids in these datasets are unique per (document, offset), so a sample's tokens say exactly
 which stream positions it covers.
 """
+
 import numpy as np
 import pytest
 
 from megatron_het.config import DataConfig
-from megatron_het.data import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetBuilder,
-                               build_train_valid_test_datasets, data_max_token_id,
-                               parse_data_path, parse_split)
+from megatron_het.data import (
+    BlendedDataset,
+    GPTDataset,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    build_train_valid_test_datasets,
+    data_max_token_id,
+    parse_data_path,
+    parse_split,
+)
 from megatron_het.data.blended_dataset import build_blending_indices
 from megatron_het.data.gpt_dataset import split_document_ranges
 from megatron_het.errors import UserError
 
 
-def unique_token_dataset(prefix: str, num_docs: int, seed: int = 0, max_len: int = 30,
-                         first_token: int = 0) -> IndexedDataset:
+def unique_token_dataset(
+    prefix: str, num_docs: int, seed: int = 0, max_len: int = 30, first_token: int = 0
+) -> IndexedDataset:
     """Documents of random lengths (some empty) whose tokens count up from ``first_token``."""
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(prefix + ".bin", np.int32)
@@ -58,8 +67,9 @@ def test_samples_are_windows_of_the_document_stream(indexed, num_samples, seq_le
     ds = GPTDataset(indexed, docs, num_samples, seq_length, seed=3)
     assert len(ds) >= num_samples
     np.testing.assert_array_equal(
-        ds.sample_index, reference_sample_index(indexed.sequence_lengths, ds.document_index,
-                                                seq_length))
+        ds.sample_index,
+        reference_sample_index(indexed.sequence_lengths, ds.document_index, seq_length),
+    )
     assert sorted(ds.shuffle_index.tolist()) == list(range(len(ds)))
     stream = np.concatenate([indexed[int(d)] for d in ds.document_index]).astype(np.int64)
     first_token = {int(indexed[int(d)][0]) for d in docs if indexed.sequence_lengths[d]}
@@ -68,7 +78,7 @@ def test_samples_are_windows_of_the_document_stream(indexed, num_samples, seq_le
         sample = ds[i]
         assert sample.dtype == np.int64 and sample.shape == (seq_length + 1,)
         j = int(ds.shuffle_index[i])
-        np.testing.assert_array_equal(sample, stream[j * seq_length: (j + 1) * seq_length + 1])
+        np.testing.assert_array_equal(sample, stream[j * seq_length : (j + 1) * seq_length + 1])
         # Independent of the indices: tokens run on within a document and jump only from a
         # document's last token to another document's first.
         for a, b in zip(sample[:-1], sample[1:]):
@@ -85,8 +95,7 @@ def test_every_epoch_covers_each_token_once(indexed, num_samples):
     assert ds.num_epochs == -(-(num_samples * seq_length + 1) // per_epoch)
     # The document index holds every document once per epoch (epochs shuffled together, as
     # Megatron does, unless the final epoch is shuffled apart).
-    assert np.array_equal(np.bincount(ds.document_index, minlength=40),
-                          np.full(40, ds.num_epochs))
+    assert np.array_equal(np.bincount(ds.document_index, minlength=40), np.full(40, ds.num_epochs))
     counts = np.zeros(tokens.max() + 1, dtype=np.int64)
     for i in range(len(ds)):
         np.add.at(counts, ds[i][:-1], 1)
@@ -103,7 +112,7 @@ def test_partial_final_epoch_is_shuffled_apart(indexed):
     per_epoch = (tokens - 1) // seq_length
     ds = GPTDataset(indexed, docs, per_epoch + 2, seq_length, seed=1)  # 2 samples into epoch 2
     assert ds.num_epochs == 2
-    head = ((tokens - 1) // seq_length)
+    head = (tokens - 1) // seq_length
     # Samples of the full epoch come first in shuffled order, then the partial epoch's.
     assert sorted(ds.shuffle_index[:head].tolist()) == list(range(head))
     assert sorted(ds.document_index[:40].tolist()) == list(docs)
@@ -138,8 +147,11 @@ def test_parse_split():
     for bad in ("a,b", "1,2,3,4", "0,0,0", "-1,2", ""):
         with pytest.raises(UserError, match="--split"):
             parse_split(bad)
-    assert split_document_ranges(1000, parse_split("949,50,1")) == [(0, 949), (949, 999),
-                                                                    (999, 1000)]
+    assert split_document_ranges(1000, parse_split("949,50,1")) == [
+        (0, 949),
+        (949, 999),
+        (999, 1000),
+    ]
     assert split_document_ranges(10, parse_split("969,30,1")) == [(0, 10), (10, 10), (10, 10)]
     assert split_document_ranges(10, parse_split("8,1,1")) == [(0, 8), (8, 9), (9, 10)]
 
@@ -157,8 +169,11 @@ def reference_blend(weights, n):
 
 def test_blending_shares():
     weights = [0.2, 0.3, 0.5]
-    datasets = [[("a", i) for i in range(400)], [("b", i) for i in range(400)],
-                [("c", i) for i in range(600)]]
+    datasets = [
+        [("a", i) for i in range(400)],
+        [("b", i) for i in range(400)],
+        [("c", i) for i in range(600)],
+    ]
     blend = BlendedDataset(datasets, [2, 3, 5], 1000)  # unnormalised weights are normalised
     np.testing.assert_array_equal(blend.dataset_index, reference_blend(weights, 1000))
     for n in (10, 97, 500, 1000):
@@ -168,7 +183,7 @@ def test_blending_shares():
     for i in range(len(blend)):
         name, k = blend[i]
         seen[name].append(k)
-    for name, ks in seen.items():
+    for ks in seen.values():
         assert ks == list(range(len(ks)))  # each component read in order, none skipped
     with pytest.raises(ValueError, match="only"):
         BlendedDataset([[0] * 10, [0] * 10], [0.5, 0.5], 100)
@@ -216,8 +231,9 @@ def test_train_valid_test_blended(tmp_path):
     unweighted = DataConfig(data_path=(a, b), split="1", seq_length=8)
     train, _, _ = build_train_valid_test_datasets(unweighted, (100, 0, 0))
     tokens_a, tokens_b = (IndexedDataset(p).num_tokens for p in (a, b))
-    assert np.allclose(train.weights, [tokens_a / (tokens_a + tokens_b),
-                                       tokens_b / (tokens_a + tokens_b)])
+    assert np.allclose(
+        train.weights, [tokens_a / (tokens_a + tokens_b), tokens_b / (tokens_a + tokens_b)]
+    )
 
 
 def test_missing_prefix_names_the_file(tmp_path):
@@ -232,4 +248,3 @@ def test_max_token_id_over_prefixes(tmp_path):
     last_b = unique_token_dataset(b, 10, seed=2, first_token=5000)
     expected = int(max(last_b[i].max() for i in range(10) if last_b.sequence_lengths[i]))
     assert data_max_token_id(DataConfig(data_path=("1", a, "2", b))) == expected
-

@@ -2,6 +2,7 @@
 failure isolation; metrics files; the mixed pair's cluster and plan files against the project's
 loaders and validation; the flags its runs use; the checks' CPU-side arithmetic; and the whole
 script in --cpu-only mode, where every GPU check reports SKIP."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,15 +24,31 @@ from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.errors import UserError
 from megatron_het.gpucheck import cli, mfu, mixed_pair, profile_check, runner
 from megatron_het.gpucheck.context import CheckContext, Options
-from megatron_het.gpucheck.device_checks import (fused_loss_errors, max_rel_error,
-                                                 sdpa_usable, tiny_loss_and_grads)
-from megatron_het.gpucheck.metrics_file import (compare_losses, losses, median_field,
-                                                train_records)
-from megatron_het.gpucheck.pair_files import (CLUSTER_FILE, GLOBAL_BATCH, load_and_validate,
-                                              pair_files)
+from megatron_het.gpucheck.device_checks import (
+    fused_loss_errors,
+    max_rel_error,
+    sdpa_usable,
+    tiny_loss_and_grads,
+)
+from megatron_het.gpucheck.metrics_file import compare_losses, losses, median_field, train_records
+from megatron_het.gpucheck.pair_files import (
+    CLUSTER_FILE,
+    GLOBAL_BATCH,
+    load_and_validate,
+    pair_files,
+)
 from megatron_het.gpucheck.relay_check import relay_round_trip
-from megatron_het.gpucheck.report import (FAIL, PASS, SKIP, Row, RowWriter, all_passed,
-                                          format_table, read_rows, write_summary)
+from megatron_het.gpucheck.report import (
+    FAIL,
+    PASS,
+    SKIP,
+    Row,
+    RowWriter,
+    all_passed,
+    format_table,
+    read_rows,
+    write_summary,
+)
 from megatron_het.gpucheck.runner import Check, run_checks, run_command
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf.profile import LayerEntry
@@ -42,8 +59,9 @@ PY = sys.executable
 
 def ctx_at(tmp_path: pathlib.Path, **options: object) -> CheckContext:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    return CheckContext(RowWriter(tmp_path / "rows.jsonl"), tmp_path, time.monotonic() + 60,
-                        Options(**options))
+    return CheckContext(
+        RowWriter(tmp_path / "rows.jsonl"), tmp_path, time.monotonic() + 60, Options(**options)
+    )
 
 
 # ---- rows, table, summary --------------------------------------------------------------------
@@ -54,8 +72,10 @@ def test_rows_round_trip_through_the_rows_file_and_a_cut_line_is_dropped(tmp_pat
     with open(tmp_path / "rows.jsonl", "a") as handle:
         handle.write('{"check": "a.three", "stat')  # a check killed mid-write
     rows = read_rows(tmp_path / "rows.jsonl")
-    assert [(r.check, r.status, r.value) for r in rows] == [("a.one", PASS, "0.0001235"),
-                                                           ("a.two", FAIL, "broke")]
+    assert [(r.check, r.status, r.value) for r in rows] == [
+        ("a.one", PASS, "0.0001235"),
+        ("a.two", FAIL, "broke"),
+    ]
     assert rows[0].details["figures"] == [1.0, "nan"] and rows[1].details["path"] == str(tmp_path)
     assert read_rows(tmp_path / "absent.jsonl") == []
 
@@ -87,25 +107,35 @@ def test_summary_json_counts_statuses_and_skip_is_not_a_failure(tmp_path):
 # ---- runner: timeouts and failure isolation --------------------------------------------------
 def _script(code: str) -> tuple[str, ...]:
     """A check command: Python code that gets --rows FILE --work DIR --budget S as argv."""
-    prelude = ("import json, sys, time, os, signal\n"
-               "rows = sys.argv[sys.argv.index('--rows') + 1]\n"
-               "def row(name, status):\n"
-               "    open(rows, 'a').write(json.dumps({'check': name, 'status': status}) + '\\n')\n")
+    prelude = (
+        "import json, sys, time, os, signal\n"
+        "rows = sys.argv[sys.argv.index('--rows') + 1]\n"
+        "def row(name, status):\n"
+        "    open(rows, 'a').write(json.dumps({'check': name, 'status': status}) + '\\n')\n"
+    )
     return (PY, "-c", prelude + code)
 
 
 @pytest.mark.slow
 def test_a_hanging_or_crashing_check_does_not_stop_the_others(tmp_path):
-    checks = [Check("hangs", 1.5, _script("row('hangs.first', 'PASS'); time.sleep(60)")),
-              Check("crashes", 10, _script("row('crashes.part', 'PASS'); sys.exit(3)")),
-              Check("silent", 10, _script("pass")),
-              Check("fine", 10, _script("row('fine.one', 'PASS')"))]
+    checks = [
+        Check("hangs", 1.5, _script("row('hangs.first', 'PASS'); time.sleep(60)")),
+        Check("crashes", 10, _script("row('crashes.part', 'PASS'); sys.exit(3)")),
+        Check("silent", 10, _script("pass")),
+        Check("fine", 10, _script("row('fine.one', 'PASS')")),
+    ]
     start = time.monotonic()
     rows, runs = run_checks(checks, tmp_path, deadline_s=60)
     assert time.monotonic() - start < 30
     got = [(r.check, r.status) for r in rows]
-    assert got == [("hangs.first", PASS), ("hangs", FAIL), ("crashes.part", PASS),
-                   ("crashes", FAIL), ("silent", FAIL), ("fine.one", PASS)]
+    assert got == [
+        ("hangs.first", PASS),
+        ("hangs", FAIL),
+        ("crashes.part", PASS),
+        ("crashes", FAIL),
+        ("silent", FAIL),
+        ("fine.one", PASS),
+    ]
     by_name = {r.check: r for r in rows}
     assert by_name["hangs"].value.startswith("timed out") and "1 rows" in by_name["hangs"].value
     assert "status 3" in by_name["crashes"].value
@@ -126,18 +156,27 @@ def test_the_results_so_far_are_handed_over_after_every_check(tmp_path):
     """So the script can rewrite its summary after each check: a run killed from outside
     still leaves the rows of the checks that finished."""
     seen = []
-    checks = [Check("one", 10, _script("row('one.a', 'PASS')")),
-              Check("two", 10, _script("row('two.a', 'FAIL')"))]
-    run_checks(checks, tmp_path, deadline_s=60,
-               after_each=lambda rows, runs: seen.append(([r.check for r in rows],
-                                                          [run.name for run in runs])))
+    checks = [
+        Check("one", 10, _script("row('one.a', 'PASS')")),
+        Check("two", 10, _script("row('two.a', 'FAIL')")),
+    ]
+    run_checks(
+        checks,
+        tmp_path,
+        deadline_s=60,
+        after_each=lambda rows, runs: seen.append(
+            ([r.check for r in rows], [run.name for run in runs])
+        ),
+    )
     assert seen == [(["one.a"], ["one"]), (["one.a", "two.a"], ["one", "two"])]
 
 
 def test_a_check_is_told_its_budget_and_where_to_write(tmp_path):
-    code = ("budget = float(sys.argv[sys.argv.index('--budget') + 1])\n"
-            "row('told.%g' % budget, 'PASS')\n"
-            "assert os.path.isdir(sys.argv[sys.argv.index('--work') + 1])\n")
+    code = (
+        "budget = float(sys.argv[sys.argv.index('--budget') + 1])\n"
+        "row('told.%g' % budget, 'PASS')\n"
+        "assert os.path.isdir(sys.argv[sys.argv.index('--work') + 1])\n"
+    )
     checks = [Check("told", 7, _script(code))]
     rows, _ = run_checks(checks, tmp_path, deadline_s=60)
     assert [r.check for r in rows] == ["told.7"]
@@ -155,11 +194,13 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_a_command_ignoring_sigterm_is_killed_and_so_are_its_leftovers(tmp_path):
     pid_file = tmp_path / "child.pid"
-    code = ("import signal, subprocess, sys, time\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
-            "time.sleep(60)\n")
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
     result = run_command([PY, "-c", code], 2.0, tmp_path / "log.txt", grace_s=0.5)
     assert result.timed_out and not result.ok and result.seconds < 10
     assert "timed out" in result.why()
@@ -177,11 +218,13 @@ def test_a_timed_out_command_takes_its_own_session_children_along(tmp_path):
     # As torchrun does: a worker in a session of its own, which a signal to the launcher's
     # session does not reach.
     pid_file = tmp_path / "worker.pid"
-    code = ("import subprocess, sys, time\n"
-            "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
-            "start_new_session=True)\n"
-            f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
-            "time.sleep(60)\n")
+    code = (
+        "import subprocess, sys, time\n"
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+        "time.sleep(60)\n"
+    )
     result = run_command([PY, "-c", code], 2.0, tmp_path / "log.txt", grace_s=0.5)
     assert result.timed_out
     worker = int(pid_file.read_text())
@@ -193,9 +236,15 @@ def test_a_timed_out_command_takes_its_own_session_children_along(tmp_path):
 
 
 def test_descendants_finds_children_and_grandchildren():
-    child = subprocess.Popen([PY, "-c", "import subprocess, sys, time; subprocess.Popen("
-                              "[sys.executable, '-c', 'import time; time.sleep(30)']); "
-                              "time.sleep(30)"])
+    child = subprocess.Popen(
+        [
+            PY,
+            "-c",
+            "import subprocess, sys, time; subprocess.Popen("
+            "[sys.executable, '-c', 'import time; time.sleep(30)']); "
+            "time.sleep(30)",
+        ]
+    )
     try:
         for _ in range(100):
             found = runner.descendants(os.getpid())
@@ -210,8 +259,9 @@ def test_descendants_finds_children_and_grandchildren():
 
 
 def test_run_command_logs_the_command_and_its_output(tmp_path):
-    result = run_command([PY, "-c", "print('hello'); raise SystemExit(4)"], 30,
-                         tmp_path / "log.txt")
+    result = run_command(
+        [PY, "-c", "print('hello'); raise SystemExit(4)"], 30, tmp_path / "log.txt"
+    )
     assert result.returncode == 4 and not result.timed_out and "status 4" in result.why()
     assert "hello" in result.tail() and result.tail().startswith("$ ")
     missing = run_command([str(tmp_path / "no-such-program")], 5, tmp_path / "log2.txt")
@@ -225,12 +275,16 @@ def _metrics(path: pathlib.Path, lines: list) -> pathlib.Path:
 
 
 def test_train_records_keep_train_lines_in_order_and_the_later_duplicate(tmp_path):
-    path = _metrics(tmp_path / "m.jsonl", [
-        {"split": "train", "iteration": 2, "loss": 5.0, "mfu": 0.2},
-        {"split": "valid", "iteration": 2, "loss": 9.0},
-        {"split": "train", "iteration": 1, "loss": 6.0, "mfu": 0.1},
-        {"split": "train", "iteration": 2, "loss": 4.0, "mfu": 0.4},
-        '{"split": "train", "iter'])
+    path = _metrics(
+        tmp_path / "m.jsonl",
+        [
+            {"split": "train", "iteration": 2, "loss": 5.0, "mfu": 0.2},
+            {"split": "valid", "iteration": 2, "loss": 9.0},
+            {"split": "train", "iteration": 1, "loss": 6.0, "mfu": 0.1},
+            {"split": "train", "iteration": 2, "loss": 4.0, "mfu": 0.4},
+            '{"split": "train", "iter',
+        ],
+    )
     assert [r["iteration"] for r in train_records(path)] == [1, 2]
     assert losses(path) == {1: 6.0, 2: 4.0}
     assert median_field(train_records(path), "mfu", skip_first=1) == 0.4
@@ -256,8 +310,10 @@ def test_compare_losses_relative_missing_exact_and_non_finite():
 def test_pair_cluster_places_the_h200_and_the_cpu_on_one_node():
     cluster = ClusterSpec.load(CLUSTER_FILE)
     ranks = cluster.rank_map()
-    assert [(r.accelerator.name, r.node, r.local_rank) for r in ranks] == [("H200", 0, 0),
-                                                                          ("cpu", 0, 1)]
+    assert [(r.accelerator.name, r.node, r.local_rank) for r in ranks] == [
+        ("H200", 0, 0),
+        ("cpu", 0, 1),
+    ]
     assert cluster.uniform_nproc_per_node == 2  # torchrun --nproc_per_node 2 on one node
     assert not any(r.accelerator.emulated for r in ranks)
 
@@ -268,10 +324,14 @@ def test_pair_plans_validate_against_the_model_cluster_and_batch(tmp_path):
     cluster, pp, dp = load_and_validate(files, model)
     stages = pp.pipelines[0].stages
     assert [(s.accelerator, s.has_embedding, s.has_head) for s in stages] == [
-        ("H200", True, False), ("cpu", False, True)]
+        ("H200", True, False),
+        ("cpu", False, True),
+    ]
     assert stages[0].layers[0] == 0 and stages[-1].layers[1] == model.num_layers
     assert [(p.stages[0].accelerator, p.stages[0].layers) for p in dp.pipelines] == [
-        ("H200", (0, model.num_layers)), ("cpu", (0, model.num_layers))]
+        ("H200", (0, model.num_layers)),
+        ("cpu", (0, model.num_layers)),
+    ]
     assert pp.global_batch_size == dp.global_batch_size == GLOBAL_BATCH
     with pytest.raises(UserError):  # validation is real: a wrong batch is refused
         validate(pp, model, cluster, GLOBAL_BATCH * 2)
@@ -286,12 +346,37 @@ def test_pair_files_for_a_cpu_first_rank_are_rewritten_and_still_valid(tmp_path)
     assert kinds == {"cpu"}
 
 
-@pytest.mark.parametrize("extra", [
-    ["--micro-batch-size", "2", "--global-batch-size", "8"],
-    ["--cluster", str(CLUSTER_FILE), "--plan", "P", "--save", "c", "--save-interval", "4",
-     "--exit-interval", "4", "--load", "c", "--metrics-file", "m.jsonl"],
-    ["--cluster", str(CLUSTER_FILE), "--plan", "P", "--use-distributed-optimizer",
-     "--overlap-grad-reduce", "--overlap-param-gather"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--micro-batch-size", "2", "--global-batch-size", "8"],
+        [
+            "--cluster",
+            str(CLUSTER_FILE),
+            "--plan",
+            "P",
+            "--save",
+            "c",
+            "--save-interval",
+            "4",
+            "--exit-interval",
+            "4",
+            "--load",
+            "c",
+            "--metrics-file",
+            "m.jsonl",
+        ],
+        [
+            "--cluster",
+            str(CLUSTER_FILE),
+            "--plan",
+            "P",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+        ],
+    ],
+)
 def test_the_pair_runs_use_flags_that_pretrain_llama_has(extra):
     run = parse_run_config([*mixed_pair.MODEL_FLAGS, *mixed_pair.TRAIN_FLAGS, *extra])
     assert run.train.train_iters == 2 * mixed_pair.HALF
@@ -312,42 +397,72 @@ def test_the_mfu_run_is_a_1b_llama_with_flags_that_pretrain_llama_has(tmp_path):
 
 
 def test_the_profile_run_uses_flags_that_profile_device_has(tmp_path):
-    spec = importlib.util.spec_from_file_location("profile_device_tool",
-                                                  REPO / "tools" / "profile_device.py")
+    spec = importlib.util.spec_from_file_location(
+        "profile_device_tool", REPO / "tools" / "profile_device.py"
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    args = tool.build_parser().parse_args([*profile_check.SHAPE_FLAGS, *profile_check.SWEEP_FLAGS,
-                                           "--device", "cuda", "--out", str(tmp_path)])
+    args = tool.build_parser().parse_args(
+        [
+            *profile_check.SHAPE_FLAGS,
+            *profile_check.SWEEP_FLAGS,
+            "--device",
+            "cuda",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert args.seq_lengths == (2048,) and args.dtype == "bf16" and not args.compile
-    args = tool.build_parser().parse_args([*profile_check.SHAPE_FLAGS,
-                                           *profile_check.COMPILED_FLAGS, "--device", "cuda",
-                                           "--out", str(tmp_path)])
+    args = tool.build_parser().parse_args(
+        [
+            *profile_check.SHAPE_FLAGS,
+            *profile_check.COMPILED_FLAGS,
+            "--device",
+            "cuda",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert args.compile and args.micro_batch_sizes == (4,) and args.warmup >= 1
 
 
 def test_the_bench_run_uses_flags_that_the_bench_has():
     from megatron_het.gpucheck import bench_check
 
-    spec = importlib.util.spec_from_file_location("train_step_bench",
-                                                  REPO / "bench" / "train_step.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_step_bench", REPO / "bench" / "train_step.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     flags = [f for f in bench_check.BENCH_FLAGS if f != "cuda"]
-    flags[flags.index("--device"):flags.index("--device") + 1] = ["--device", "cpu"]
+    flags[flags.index("--device") : flags.index("--device") + 1] = ["--device", "cpu"]
     args = bench.parse_args(flags)  # on the CPU: parsing refuses --device cuda without a GPU
     assert args.compile and args.dtype == "bf16" and args.seq_length == 2048
-    assert (args.config.num_layers, args.config.hidden_size, args.config.ffn_hidden_size,
-            args.config.num_attention_heads, args.config.num_query_groups) == (4, 2048, 5632,
-                                                                               16, 4)
-    record = {"ratio_vs_hf": 1.62, "ours_tokens_per_s": 81234.5, "hf_tokens_per_s": 50111.0,
-              "dtype": "bf16", "config": {"num_layers": 4}, "micro_batch_size": 4,
-              "seq_length": 2048, "compile_s": 21.4}
+    assert (
+        args.config.num_layers,
+        args.config.hidden_size,
+        args.config.ffn_hidden_size,
+        args.config.num_attention_heads,
+        args.config.num_query_groups,
+    ) == (4, 2048, 5632, 16, 4)
+    record = {
+        "ratio_vs_hf": 1.62,
+        "ours_tokens_per_s": 81234.5,
+        "hf_tokens_per_s": 50111.0,
+        "dtype": "bf16",
+        "config": {"num_layers": 4},
+        "micro_batch_size": 4,
+        "seq_length": 2048,
+        "compile_s": 21.4,
+    }
     text = "compiling...\n" + json.dumps(record) + "\n"
     assert bench_check.last_json_line(text) == record
     assert bench_check.last_json_line("no record\n[1, 2]\n") is None
-    assert bench_check.bench_value(record) == ("ratio_vs_hf 1.62: ours 81,234 tokens/s, HF "
-                                               "50,111 (bf16, 4 layers, mb 4 x seq 2048, "
-                                               "compile 21 s)")
+    assert bench_check.bench_value(record) == (
+        "ratio_vs_hf 1.62: ours 81,234 tokens/s, HF "
+        "50,111 (bf16, 4 layers, mb 4 x seq 2048, "
+        "compile 21 s)"
+    )
 
 
 # ---- the checks' arithmetic, on the CPU ------------------------------------------------------
@@ -366,8 +481,9 @@ def test_the_tp_rings_as_threads_match_the_whole_products_on_the_cpu(tp, monkeyp
     assert tp_rings.ring_errors("cpu", torch.float32, tp=tp) < 1e-5
     assert tp_rings.ring_errors("cpu", torch.bfloat16, tp=tp) < 2e-2
     # A reduce-scatter ring that sums the wrong blocks is caught.
-    monkeypatch.setattr(comm_overlap._Ring, "block",
-                        lambda self, step, behind=0: (self.rank - step) % self.size)
+    monkeypatch.setattr(
+        comm_overlap._Ring, "block", lambda self, step, behind=0: (self.rank - step) % self.size
+    )
     assert tp_rings.ring_errors("cpu", torch.float32, tp=tp) > 0.1
 
 
@@ -409,7 +525,8 @@ def test_sdpa_probe_reports_a_usable_and_an_unusable_backend_on_the_cpu():
 
 def test_max_rel_error_is_relative_to_the_largest_value():
     assert max_rel_error(torch.tensor([1.0, 2.01]), torch.tensor([1.0, 2.0])) == pytest.approx(
-        0.005)
+        0.005
+    )
 
 
 def test_relay_round_trip_brings_the_data_back_through_the_host():
@@ -418,10 +535,22 @@ def test_relay_round_trip_brings_the_data_back_through_the_host():
 
 
 def test_roofline_row_compares_a_layer_with_the_peak_and_the_estimate():
-    entry = LayerEntry(2048, 5632, 16, 4, 2048, 4, 1, "bf16", forward_s=0.004, backward_s=0.009,
-                       activation_bytes=1e9)
-    name, value, details = profile_check.roofline_row(entry,
-                                                      AcceleratorRegistry.builtin().get("H200"))
+    entry = LayerEntry(
+        2048,
+        5632,
+        16,
+        4,
+        2048,
+        4,
+        1,
+        "bf16",
+        forward_s=0.004,
+        backward_s=0.009,
+        activation_bytes=1e9,
+    )
+    name, value, details = profile_check.roofline_row(
+        entry, AcceleratorRegistry.builtin().get("H200")
+    )
     assert name == "profile.layer.s2048-b4-tp1"
     roof = details["roofline_forward_s"]
     assert 0 < roof < details["predicted_forward_s"] < entry.forward_s
@@ -429,32 +558,51 @@ def test_roofline_row_compares_a_layer_with_the_peak_and_the_estimate():
     # the estimate is the predictor's for an eager run: H200 takes the calibrated H100
     # factors, with the eager layers' elementwise traffic (the tool measures eager layers)
     from megatron_het.perf.calibration import efficiency_for
-    from megatron_het.perf.cost_model import (EAGER_ELEMENTWISE_TRAFFIC, layer_forward_ops,
-                                              ops_time)
+    from megatron_het.perf.cost_model import EAGER_ELEMENTWISE_TRAFFIC, layer_forward_ops, ops_time
 
     spec = AcceleratorRegistry.builtin().get("H200")
-    eager = dataclasses.replace(efficiency_for(spec),
-                                elementwise_traffic=EAGER_ELEMENTWISE_TRAFFIC)
-    assert details["predicted_forward_s"] == ops_time(layer_forward_ops(entry.shape()), spec,
-                                                      "bf16", eager)[0]
+    eager = dataclasses.replace(efficiency_for(spec), elementwise_traffic=EAGER_ELEMENTWISE_TRAFFIC)
+    assert (
+        details["predicted_forward_s"]
+        == ops_time(layer_forward_ops(entry.shape()), spec, "bf16", eager)[0]
+    )
     assert efficiency_for(spec).gemm < 0.6  # not the uncalibrated default
     # a compiled entry: its own row, against the estimate for compiled (fused) layers
     compiled = dataclasses.replace(entry, compiled=True)
     name, _, details = profile_check.roofline_row(compiled, spec)
     assert name == "profile.layer.s2048-b4-tp1.compiled" and details["compiled"]
-    assert details["predicted_forward_s"] == ops_time(layer_forward_ops(entry.shape()), spec,
-                                                      "bf16", efficiency_for(spec))[0]
+    assert (
+        details["predicted_forward_s"]
+        == ops_time(layer_forward_ops(entry.shape()), spec, "bf16", efficiency_for(spec))[0]
+    )
 
 
-def _mfu_rows(tmp_path: pathlib.Path, mfu_value: float, peak: float,
-              step_s: float = 1.0, variant: str = "compile") -> dict[str, Row]:
+def _mfu_rows(
+    tmp_path: pathlib.Path,
+    mfu_value: float,
+    peak: float,
+    step_s: float = 1.0,
+    variant: str = "compile",
+) -> dict[str, Row]:
     ctx = ctx_at(tmp_path)
-    records = [{"iteration": i, "mfu": 0.01 if i <= mfu.WARMUP_ITERS else mfu_value,
-                "iteration_time_s": 9.0 if i <= mfu.WARMUP_ITERS else step_s,
-                "tokens_per_s": 5e4, "tflops_per_device": 400.0} for i in range(1, 8)]
-    result = {"accelerator": "H200", "peak_bytes": peak, "peak_reserved_bytes": peak * 1.1,
-              "predicted_peak_bytes": 30 * 2**30, "predicted_mfu": 0.52,
-              "predicted_iteration_s": 1.1}
+    records = [
+        {
+            "iteration": i,
+            "mfu": 0.01 if i <= mfu.WARMUP_ITERS else mfu_value,
+            "iteration_time_s": 9.0 if i <= mfu.WARMUP_ITERS else step_s,
+            "tokens_per_s": 5e4,
+            "tflops_per_device": 400.0,
+        }
+        for i in range(1, 8)
+    ]
+    result = {
+        "accelerator": "H200",
+        "peak_bytes": peak,
+        "peak_reserved_bytes": peak * 1.1,
+        "predicted_peak_bytes": 30 * 2**30,
+        "predicted_mfu": 0.52,
+        "predicted_iteration_s": 1.1,
+    }
     mfu._report(ctx, variant, 4, [4], records, result)
     return {r.check: r for r in ctx.rows.rows}
 
@@ -476,11 +624,20 @@ def test_mfu_rows_use_the_median_after_warm_up_and_the_thresholds(tmp_path):
     assert eager["mfu.eager.memory"].status == FAIL and eager["mfu.eager.step"].status == FAIL
 
 
-@pytest.mark.parametrize("extra, runs", [
-    ((), [("eager", ()), ("compile", ("--compile",))]),
-    (("--recompute-activations",), [("eager", ("--recompute-activations",)),
-                                    ("compile", ("--recompute-activations", "--compile"))]),
-    (("--compile",), [("compile", ("--compile",))])])
+@pytest.mark.parametrize(
+    "extra, runs",
+    [
+        ((), [("eager", ()), ("compile", ("--compile",))]),
+        (
+            ("--recompute-activations",),
+            [
+                ("eager", ("--recompute-activations",)),
+                ("compile", ("--recompute-activations", "--compile")),
+            ],
+        ),
+        (("--compile",), [("compile", ("--compile",))]),
+    ],
+)
 def test_mfu_runs_eager_and_compiled_unless_asked_to_compile(extra, runs):
     assert mfu.variants(extra) == runs
 
@@ -489,11 +646,13 @@ def test_mfu_runs_eager_and_compiled_unless_asked_to_compile(extra, runs):
 def _fake_runs(ctx: CheckContext, outcome):
     """Replace ``ctx.run``: ``outcome(name, argv)`` returns (returncode, timed_out) and may write
     the run's files; the log name's stem is the run's name."""
+
     def run(argv, wanted_s, log_name, env=None):
         name = log_name.rsplit(".", 1)[0]
         code, timed_out = outcome(name, list(argv))
         (ctx.work / log_name).write_text(f"fake {name}\n")
         return runner.CommandResult(code, timed_out, 0.1, ctx.work / log_name)
+
     ctx.run = run
 
 
@@ -518,8 +677,9 @@ def _pair_rows(tmp_path, monkeypatch, cpu_off: float, pp_off: float, seen: list)
         scale = 1 + (cpu_off if name == "ref_cpu" else pp_off if name.startswith("pp") else 0)
         with open(metrics, "a") as handle:
             for i in range(first, last + 1):
-                handle.write(json.dumps({"split": "train", "iteration": i,
-                                         "loss": ref[i] * scale}) + "\n")
+                handle.write(
+                    json.dumps({"split": "train", "iteration": i, "loss": ref[i] * scale}) + "\n"
+                )
         return 0, False
 
     _fake_runs(ctx, outcome)
@@ -539,12 +699,16 @@ def test_mixed_pair_reports_each_comparison_and_names_the_run_that_failed(tmp_pa
     assert rows_before_dp == ["mixed.files", "mixed.reference", "mixed.pp"]
 
 
-@pytest.mark.parametrize("cpu_off, status, threshold", [
-    (3e-4, PASS, "<= 0.0006 rel"),  # the CPU floor fails mixed.reference alone
-    (1e-5, FAIL, "<= 0.0001 rel"),
-])
+@pytest.mark.parametrize(
+    "cpu_off, status, threshold",
+    [
+        (3e-4, PASS, "<= 0.0006 rel"),  # the CPU floor fails mixed.reference alone
+        (1e-5, FAIL, "<= 0.0001 rel"),
+    ],
+)
 def test_the_pair_is_held_to_twice_the_gpu_vs_cpu_floor_where_it_is_over_the_tolerance(
-        tmp_path, monkeypatch, cpu_off, status, threshold):
+    tmp_path, monkeypatch, cpu_off, status, threshold
+):
     rows = _pair_rows(tmp_path, monkeypatch, cpu_off, 5e-4, [])
     assert (rows["mixed.pp"].status, rows["mixed.pp"].threshold) == (status, threshold)
 
@@ -577,12 +741,29 @@ def test_mfu_halves_the_micro_batch_after_out_of_memory(tmp_path, monkeypatch):
             return 3, False
         with open(_flag(argv, "--metrics-file"), "w") as handle:
             for i in range(1, 6):
-                handle.write(json.dumps({"split": "train", "iteration": i, "mfu": 0.42,
-                                         "tokens_per_s": 5e4, "tflops_per_device": 415}) + "\n")
-        result.write_text(json.dumps({"accelerator": "H200", "peak_bytes": 20 * 2**30,
-                                      "peak_reserved_bytes": 22 * 2**30,
-                                      "predicted_peak_bytes": 21 * 2**30,
-                                      "flags": argv[argv.index("--") + 1:]}))
+                handle.write(
+                    json.dumps(
+                        {
+                            "split": "train",
+                            "iteration": i,
+                            "mfu": 0.42,
+                            "tokens_per_s": 5e4,
+                            "tflops_per_device": 415,
+                        }
+                    )
+                    + "\n"
+                )
+        result.write_text(
+            json.dumps(
+                {
+                    "accelerator": "H200",
+                    "peak_bytes": 20 * 2**30,
+                    "peak_reserved_bytes": 22 * 2**30,
+                    "predicted_peak_bytes": 21 * 2**30,
+                    "flags": argv[argv.index("--") + 1 :],
+                }
+            )
+        )
         return 0, False
 
     _fake_runs(ctx, outcome)
@@ -629,9 +810,21 @@ def test_every_check_reports_skip_for_its_gpu_rows_without_a_device(tmp_path, na
 @pytest.mark.slow
 def test_the_script_in_cpu_only_mode_runs_each_check_in_its_own_process(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": PY}
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu-only",
-                           "--only", "probe,mixed", "--work", str(tmp_path / "work")],
-                          capture_output=True, text=True, env=env, timeout=240)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(REPO / "scripts" / "gpu_check.sh"),
+            "--cpu-only",
+            "--only",
+            "probe,mixed",
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     statuses = {r["check"]: r["status"] for r in data["rows"]}
@@ -667,8 +860,9 @@ def test_a_check_without_a_device_fails_unless_the_gpu_was_hidden(tmp_path, name
 
 def test_out_of_memory_is_told_from_other_errors():
     assert mfu.is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried ..."))
-    assert mfu.is_out_of_memory(RuntimeError(
-        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert mfu.is_out_of_memory(
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    )
     assert not mfu.is_out_of_memory(RuntimeError("CUDA error: an illegal memory access"))
 
 
@@ -684,7 +878,8 @@ def test_an_error_in_one_block_fails_its_rows_and_the_check_goes_on(tmp_path):
     rows = {r.check: r for r in read_rows(tmp_path / "rows.jsonl")}
     assert rows["x.first"].status == PASS and rows["x.third"].status == PASS
     assert rows["x.second"].status == FAIL and rows["x.second"].value == (
-        "raised RuntimeError: CUDA error: an illegal memory access was encountered")
+        "raised RuntimeError: CUDA error: an illegal memory access was encountered"
+    )
 
 
 def test_the_mode_ratio_row_pairs_eager_and_compiled_entries_of_one_shape():
@@ -694,8 +889,9 @@ def test_the_mode_ratio_row_pairs_eager_and_compiled_entries_of_one_shape():
     eager = LayerEntry(2048, 5632, 16, 4, 2048, 4, 1, "bf16", 0.004, 0.012, 1e9)
     other = dataclasses.replace(eager, micro_batch=1)
     compiled = dataclasses.replace(eager, forward_s=0.002, backward_s=0.009, compiled=True)
-    profile = Profile("H200", ProfileConditions("H200", "2.11", 16, "d"),
-                      layers=(eager, other, compiled))
+    profile = Profile(
+        "H200", ProfileConditions("H200", "2.11", 16, "d"), layers=(eager, other, compiled)
+    )
     assert profile_check.mode_pairs(profile) == [(eager, compiled)]
     name, value, details = profile_check.mode_ratio_row(eager, compiled, spec)
     assert name == "profile.mode-ratio.s2048-b4-tp1"

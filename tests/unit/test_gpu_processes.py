@@ -1,5 +1,6 @@
 """The GPU check's watch of the processes holding a GPU context (NVML faked), and the row it
 gives the mixed pair."""
+
 from __future__ import annotations
 
 import os
@@ -45,9 +46,12 @@ def sleeper(**env: str) -> subprocess.Popen:
     """A child with ``env`` added, returned once it runs (its /proc environ is its own only
     after the exec)."""
     base = {k: v for k, v in os.environ.items() if k not in NAMES}
-    child = subprocess.Popen([sys.executable, "-c",
-                              "import time; print('up', flush=True); time.sleep(30)"],
-                             env={**base, **env}, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+        env={**base, **env},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout.readline().strip() == "up"
     return child
 
@@ -60,7 +64,7 @@ def test_the_environment_a_process_started_with() -> None:
         child.kill()
         child.wait()
         child.stdout.close()
-    assert environment_of(2 ** 22 + 7, NAMES) == {}  # no such process
+    assert environment_of(2**22 + 7, NAMES) == {}  # no such process
 
 
 def test_the_watch_keeps_every_process_seen_and_skips_failed_samples() -> None:
@@ -85,26 +89,33 @@ def rank(local: str, token: str = "ours") -> dict:
     return {"LOCAL_RANK": local, mixed_pair.RUN_MARKER: token}
 
 
-@pytest.mark.parametrize("seen, status", [
-    ({1: rank("0"), 2: rank("0")}, PASS),
-    ({1: rank("0"), 2: rank("1")}, FAIL),
-    ({1: rank("0"), 2: rank("1", token="another job")}, PASS),  # not this check's run
-    ({1: {}, 2: rank("1", token="another job")}, SKIP),  # none of ours identified
-    ({}, SKIP),
-    (None, SKIP)])
+@pytest.mark.parametrize(
+    "seen, status",
+    [
+        ({1: rank("0"), 2: rank("0")}, PASS),
+        ({1: rank("0"), 2: rank("1")}, FAIL),
+        ({1: rank("0"), 2: rank("1", token="another job")}, PASS),  # not this check's run
+        ({1: {}, 2: rank("1", token="another job")}, SKIP),  # none of ours identified
+        ({}, SKIP),
+        (None, SKIP),
+    ],
+)
 def test_the_cpu_context_row(tmp_path: pathlib.Path, seen, status) -> None:
-    ctx = CheckContext(RowWriter(str(tmp_path / "rows.jsonl")), tmp_path, time.monotonic() + 60,
-                       Options())
+    ctx = CheckContext(
+        RowWriter(str(tmp_path / "rows.jsonl")), tmp_path, time.monotonic() + 60, Options()
+    )
     mixed_pair._cpu_context_row(ctx, seen, 12, "ours", no_nvml=seen is None)
     (row,) = ctx.rows.rows
     assert (row.check, row.status) == ("mixed.cpu-context", status)
 
 
-def test_without_pynvml_nvidia_smi_lists_the_processes(tmp_path: pathlib.Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_pynvml_nvidia_smi_lists_the_processes(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     smi = tmp_path / "nvidia-smi"
-    smi.write_text('#!/bin/sh\n[ "$1" = "--query-compute-apps=pid" ] || exit 3\n'
-                   'printf "4242\\n77\\n"\n')
+    smi.write_text(
+        '#!/bin/sh\n[ "$1" = "--query-compute-apps=pid" ] || exit 3\nprintf "4242\\n77\\n"\n'
+    )
     smi.chmod(0o755)
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not importable
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")

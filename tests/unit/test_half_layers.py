@@ -1,6 +1,7 @@
 """Stage bounds inside a layer (``x.5``: between its attention block and its MLP block): the
 plan's form and checks, the model's pieces, checkpoint names, replica units, and the cost
 model's blocks adding up to whole layers."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,13 @@ from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan, bl
 from megatron_het.parallel.plan_builders import interleave_plan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.parallel.replicas import ReplicaUnit, replica_units
-from megatron_het.perf.cost_model import (LayerShape, block_forward_ops, layer_activation_bytes,
-                                          layer_forward_ops, ops_time)
+from megatron_het.perf.cost_model import (
+    LayerShape,
+    block_forward_ops,
+    layer_activation_bytes,
+    layer_forward_ops,
+    ops_time,
+)
 from megatron_het.perf.dp_sync import unit_parameters
 from megatron_het.perf.memory import layer_parameters, stage_parameters
 from megatron_het.perf.stage_cost import LayerBlocks, ProfileChoice, stage_compute
@@ -28,11 +34,17 @@ KINDS = AcceleratorRegistry.builtin()
 
 
 def _plan(bounds, micro_batches=4, **extra):
-    stages = [{"accelerator": "cpu", "tp": 1, "layers": [a, b], "ranks": [i], **extra}
-              for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    return ParallelPlan.from_dict({"format": "megatron_het.plan/1", "micro_batch_size": 1,
-                                   "pipelines": [{"micro_batches": micro_batches,
-                                                  "stages": stages}]})
+    stages = [
+        {"accelerator": "cpu", "tp": 1, "layers": [a, b], "ranks": [i], **extra}
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+    ]
+    return ParallelPlan.from_dict(
+        {
+            "format": "megatron_het.plan/1",
+            "micro_batch_size": 1,
+            "pipelines": [{"micro_batches": micro_batches, "stages": stages}],
+        }
+    )
 
 
 def test_half_layer_bounds_parse_validate_and_round_trip():
@@ -50,19 +62,31 @@ def test_half_layer_bounds_parse_validate_and_round_trip():
     assert _plan([0, 2.0, 4]).pipelines[0].stages[0].layers == (0, 2)
 
 
-@pytest.mark.parametrize("ranges, message", [
-    ([(0, 1.25), (1.25, 4)], "numbers ending in .5"),
-    ([(0, 2), (1.5, 4)], "layers \\[1.5, 2\\) are on both stage 0 and stage 1"),
-    ([(0, 1.5), (2, 4)], "layers \\[1.5, 2\\) are on no stage"),
-    ([(0, 1.5), (1.5, 1.5), (1.5, 4)], "empty layer range \\[1.5, 1.5\\)"),
-])
+@pytest.mark.parametrize(
+    "ranges, message",
+    [
+        ([(0, 1.25), (1.25, 4)], "numbers ending in .5"),
+        ([(0, 2), (1.5, 4)], "layers \\[1.5, 2\\) are on both stage 0 and stage 1"),
+        ([(0, 1.5), (2, 4)], "layers \\[1.5, 2\\) are on no stage"),
+        ([(0, 1.5), (1.5, 1.5), (1.5, 4)], "empty layer range \\[1.5, 1.5\\)"),
+    ],
+)
 def test_bad_half_layer_bounds_get_one_line(ranges, message):
-    stages = [{"accelerator": "cpu", "tp": 1, "layers": list(r), "ranks": [i]}
-              for i, r in enumerate(ranges)]
+    stages = [
+        {"accelerator": "cpu", "tp": 1, "layers": list(r), "ranks": [i]}
+        for i, r in enumerate(ranges)
+    ]
     with pytest.raises(UserError, match=message):
-        validate(ParallelPlan.from_dict({
-            "format": "megatron_het.plan/1", "micro_batch_size": 1,
-            "pipelines": [{"micro_batches": 1, "stages": stages}]}), TINY)
+        validate(
+            ParallelPlan.from_dict(
+                {
+                    "format": "megatron_het.plan/1",
+                    "micro_batch_size": 1,
+                    "pipelines": [{"micro_batches": 1, "stages": stages}],
+                }
+            ),
+            TINY,
+        )
 
 
 def test_block_recompute_counts_and_interleaving_refuse_split_stages():
@@ -80,8 +104,10 @@ def test_stages_split_inside_layers_compute_the_whole_model():
     whole = build_model(TINY, seed=5)
     tokens = torch.randint(0, TINY.vocab_size, (2, 16))
     bounds = [0, 0.5, 2.5, 4]
-    stages = [build_model(TINY, 5, (a, b), has_embedding=a == 0, has_head=b == 4)
-              for a, b in zip(bounds, bounds[1:])]
+    stages = [
+        build_model(TINY, 5, (a, b), has_embedding=a == 0, has_head=b == 4)
+        for a, b in zip(bounds, bounds[1:])
+    ]
     assert [dict(stages[0].layers["0"].named_children()).keys()] == [{"input_norm", "attention"}]
     names = [name for stage in stages for name, _ in stage.named_parameters()]
     assert sorted(names) == sorted(name for name, _ in whole.named_parameters())
@@ -90,8 +116,7 @@ def test_stages_split_inside_layers_compute_the_whole_model():
         hidden = stage(hidden)
     torch.testing.assert_close(hidden, whole(tokens), rtol=0, atol=1e-6)
     # Recompute checkpoints each piece on its own and gives the same gradients.
-    recomputed = LlamaModel(TINY, chunks=[(0.5, 2.5, True)], has_embedding=False,
-                            has_head=False)
+    recomputed = LlamaModel(TINY, chunks=[(0.5, 2.5, True)], has_embedding=False, has_head=False)
     recomputed.load_state_dict(stages[1].state_dict())
     x = whole.embedding(tokens).detach()
     for model in (stages[1], recomputed):
@@ -113,13 +138,23 @@ def test_checkpoint_names_and_replica_units_follow_the_blocks():
     assert not {n for n in names[0] if n.startswith("layers.1.mlp")}
     assert sum(len(n) for n in names) == len({n for group in names for n in group})
     assert block_of("layers.2.post_attention_norm.weight") == 5
+
     # Pipeline 0 splits at 1.5, pipeline 1 at 2.5: the units change holders at each bound.
     def pipeline(bound, first):
-        return PipelinePlan(1, (StagePlan("cpu", 1, (0, bound), (first,)),
-                                StagePlan("cpu", 1, (bound, 4), (first + 1,))))
+        return PipelinePlan(
+            1,
+            (
+                StagePlan("cpu", 1, (0, bound), (first,)),
+                StagePlan("cpu", 1, (bound, 4), (first + 1,)),
+            ),
+        )
+
     hetero = ParallelPlan(1, (pipeline(1.5, 0), pipeline(2.5, 2)))
-    layers = [(unit.layers, holders) for unit, holders in replica_units(hetero, 4, False)
-              if unit.part == "layers"]
+    layers = [
+        (unit.layers, holders)
+        for unit, holders in replica_units(hetero, 4, False)
+        if unit.part == "layers"
+    ]
     assert layers == [((0, 1.5), (0, 2)), ((1.5, 2.5), (1, 2)), ((2.5, 4), (1, 3))]
     unit = ReplicaUnit("layers", (1.5, 2.5))
     assert unit.holds("layers.1.mlp.down.weight") and unit.holds("layers.2.attention.qkv.weight")
@@ -135,8 +170,11 @@ def test_memory_and_compute_of_blocks_add_up_to_whole_layers():
     shape = LayerShape.of(TINY, 64, 2, 1)
     spec = KINDS.get("H100")
     attention, mlp = block_forward_ops(shape)
-    for a, m, w in zip(ops_time(attention, spec, "bf16"), ops_time(mlp, spec, "bf16"),
-                       ops_time(layer_forward_ops(shape), spec, "bf16")):
+    for a, m, w in zip(
+        ops_time(attention, spec, "bf16"),
+        ops_time(mlp, spec, "bf16"),
+        ops_time(layer_forward_ops(shape), spec, "bf16"),
+    ):
         assert a + m == pytest.approx(w, rel=1e-12) and 0 < a < m
     # Also with sequence parallelism (norms and residual adds on 1/tp of the positions).
     tp2 = LayerShape.of(TINY, 64, 2, 2)
@@ -145,13 +183,24 @@ def test_memory_and_compute_of_blocks_add_up_to_whole_layers():
     for a, m, w in zip(*(ops_time(ops, spec, "bf16") for ops in blocks), whole_sp):
         assert a + m == pytest.approx(w, rel=1e-12)
     assert whole_sp[0] < ops_time(layer_forward_ops(tp2), spec, "bf16")[0]
-    assert (layer_activation_bytes(shape, "bf16", part="attention")
-            + layer_activation_bytes(shape, "bf16", part="mlp")
-            == layer_activation_bytes(shape, "bf16"))
+    assert layer_activation_bytes(shape, "bf16", part="attention") + layer_activation_bytes(
+        shape, "bf16", part="mlp"
+    ) == layer_activation_bytes(shape, "bf16")
 
     def compute(st, recompute=0):
-        return stage_compute(TINY, spec, shape, st.num_layers, False, False, recompute, "bf16",
-                             ProfileChoice(None), blocks=LayerBlocks.of(st))
+        return stage_compute(
+            TINY,
+            spec,
+            shape,
+            st.num_layers,
+            False,
+            False,
+            recompute,
+            "bf16",
+            ProfileChoice(None),
+            blocks=LayerBlocks.of(st),
+        )
+
     whole = compute(StagePlan("cpu", 1, (0, 4), (0,)))
     parts = [compute(st) for st in inner]
     for field in ("forward_s", "backward_s", "activation_bytes"):
@@ -179,6 +228,7 @@ def test_block_activations_are_the_tensors_the_block_saves(dtype, part, layers):
     def pack(tensor):
         storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model.layers["0"](x, cos, sin)
     saved = sum(n for ptr, n in storages.items() if ptr not in exclude)

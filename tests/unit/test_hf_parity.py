@@ -1,4 +1,5 @@
 """Numerical parity with transformers' LlamaForCausalLM through the state-dict converters."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,42 +8,69 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_het.checkpoint.hf import (hf_config_to_model_config,  # noqa: E402
-                                        hf_to_megatron_het_state, megatron_het_to_hf_state,
-                                        model_config_to_hf_config)
+from megatron_het.checkpoint.hf import (  # noqa: E402
+    hf_config_to_model_config,
+    hf_to_megatron_het_state,
+    megatron_het_to_hf_state,
+    model_config_to_hf_config,
+)
 from megatron_het.errors import UserError  # noqa: E402
 from megatron_het.model.llama import LlamaModel  # noqa: E402
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
 
 
-def make_hf(tied: bool, scaling: dict | None, kv_heads: int = 2,
-            attn: str = "eager") -> "transformers.LlamaForCausalLM":
+def make_hf(
+    tied: bool, scaling: dict | None, kv_heads: int = 2, attn: str = "eager"
+) -> transformers.LlamaForCausalLM:
     """A random tiny LlamaForCausalLM; every weight, norms included, is random."""
     config = transformers.LlamaConfig(
-        vocab_size=67, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
-        max_position_embeddings=64, rope_theta=1000.0, rope_scaling=scaling,
-        tie_word_embeddings=tied, attn_implementation=attn)
+        vocab_size=67,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        rope_theta=1000.0,
+        rope_scaling=scaling,
+        tie_word_embeddings=tied,
+        attn_implementation=attn,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1
-                        + (1.0 if param.dim() == 1 else 0.0))
+            param.copy_(
+                torch.randn(param.shape, generator=generator) * 0.1
+                + (1.0 if param.dim() == 1 else 0.0)
+            )
     return model.eval()
 
 
 TOKENS = torch.randint(0, 67, (2, 24), generator=torch.Generator().manual_seed(2))
 
 
-@pytest.mark.parametrize("tied,scaling,kv_heads,attn", [
-    (False, None, 2, "eager"), (True, None, 2, "sdpa"),
-    (False, LLAMA3_SCALING, 2, "sdpa"), (True, LLAMA3_SCALING, 8, "eager")])
-def test_import_and_export_match_hf_logits(tied: bool, scaling: dict | None, kv_heads: int,
-                                           attn: str) -> None:
+@pytest.mark.parametrize(
+    "tied,scaling,kv_heads,attn",
+    [
+        (False, None, 2, "eager"),
+        (True, None, 2, "sdpa"),
+        (False, LLAMA3_SCALING, 2, "sdpa"),
+        (True, LLAMA3_SCALING, 8, "eager"),
+    ],
+)
+def test_import_and_export_match_hf_logits(
+    tied: bool, scaling: dict | None, kv_heads: int, attn: str
+) -> None:
     hf = make_hf(tied, scaling, kv_heads, attn)
     cfg = hf_config_to_model_config(hf.config.to_dict())
     assert cfg.tie_embeddings is tied and (cfg.rope_scaling is None) is (scaling is None)
@@ -53,8 +81,9 @@ def test_import_and_export_match_hf_logits(tied: bool, scaling: dict | None, kv_
         torch.testing.assert_close(ours(TOKENS), expected, atol=1e-4, rtol=1e-4)
 
     exported = megatron_het_to_hf_state(ours.state_dict(), cfg)
-    hf_config = transformers.LlamaConfig.from_dict(model_config_to_hf_config(cfg),
-                                                   attn_implementation=attn)
+    hf_config = transformers.LlamaConfig.from_dict(
+        model_config_to_hf_config(cfg), attn_implementation=attn
+    )
     back = transformers.LlamaForCausalLM(hf_config).eval()
     result = back.load_state_dict(exported, strict=False)
     assert result.unexpected_keys == []
@@ -95,20 +124,40 @@ def test_config_round_trip_and_legacy_keys() -> None:
     assert hf_config_to_model_config(exported) == cfg
     reparsed = transformers.LlamaConfig.from_dict(exported)
     assert hf_config_to_model_config(reparsed.to_dict()) == cfg
-    legacy = {"model_type": "llama", "vocab_size": 67, "hidden_size": 64,
-              "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 8,
-              "num_key_value_heads": 2, "rope_theta": 1000.0, "rms_norm_eps": 1e-5,
-              "max_position_embeddings": 64, "tie_word_embeddings": True,
-              "rope_scaling": {"type": "llama3", **{k: v for k, v in LLAMA3_SCALING.items()
-                                                     if k != "rope_type"}}}
-    assert hf_config_to_model_config(legacy).replace(name=cfg.name,
-                                                     init_method_std=cfg.init_method_std) == cfg
+    legacy = {
+        "model_type": "llama",
+        "vocab_size": 67,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "rope_theta": 1000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "type": "llama3",
+            **{k: v for k, v in LLAMA3_SCALING.items() if k != "rope_type"},
+        },
+    }
+    assert (
+        hf_config_to_model_config(legacy).replace(
+            name=cfg.name, init_method_std=cfg.init_method_std
+        )
+        == cfg
+    )
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"attention_bias": True}, "biases"), ({"hidden_act": "gelu"}, "silu"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
-    ({"head_dim": 16}, "head_dim")])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"attention_bias": True}, "biases"),
+        ({"hidden_act": "gelu"}, "silu"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+        ({"head_dim": 16}, "head_dim"),
+    ],
+)
 def test_unsupported_configs_are_user_errors(change: dict, message: str) -> None:
     config = {**make_hf(False, None).config.to_dict(), **change}
     config.pop("rope_parameters")

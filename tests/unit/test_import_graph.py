@@ -4,6 +4,7 @@ Read from the modules' syntax trees, so every import counts: inside functions an
 ``TYPE_CHECKING`` too (a deferred import that closes a cycle is still a cycle in the design).
 ``megatron_het.x.y`` imported through a package ``__init__`` counts as the package.
 """
+
 from __future__ import annotations
 
 import ast
@@ -33,7 +34,7 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
                 targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
             for target in targets:
@@ -82,8 +83,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def _without_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """A package's ``__init__`` re-exports its modules; a module importing a sibling through the
     package name is an edge to the package, not a cycle through it."""
-    return {name: {t for t in targets if not name.startswith(t + ".")}
-            for name, targets in graph.items()}
+    return {
+        name: {t for t in targets if not name.startswith(t + ".")}
+        for name, targets in graph.items()
+    }
 
 
 def test_no_import_cycles() -> None:
@@ -99,13 +102,27 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 COMPOSITION_ROOTS = {"megatron_het.training.run", "megatron_het.training.dry_run"}
 
 
-@pytest.mark.parametrize("package", ["comm", "pipeline", "perf", "cluster", "training",
-                                     "parallel", "optim", "checkpoint", "planner", "model"])
+@pytest.mark.parametrize(
+    "package",
+    [
+        "comm",
+        "pipeline",
+        "perf",
+        "cluster",
+        "training",
+        "parallel",
+        "optim",
+        "checkpoint",
+        "planner",
+        "model",
+    ],
+)
 def test_product_packages_do_not_import_emulation(package: str) -> None:
     graph = import_graph()
     prefix = f"megatron_het.{package}"
-    offenders = {name: sorted(t for t in targets if t.startswith("megatron_het.emulation"))
-                 for name, targets in graph.items()
-                 if (name == prefix or name.startswith(prefix + "."))
-                 and name not in COMPOSITION_ROOTS}
+    offenders = {
+        name: sorted(t for t in targets if t.startswith("megatron_het.emulation"))
+        for name, targets in graph.items()
+        if (name == prefix or name.startswith(prefix + ".")) and name not in COMPOSITION_ROOTS
+    }
     assert {name: found for name, found in offenders.items() if found} == {}

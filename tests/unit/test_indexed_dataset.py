@@ -1,5 +1,6 @@
 """Megatron MMIDIDX .bin/.idx files: byte-exact golden files built from the spec, round trips,
 and corrupt-file errors."""
+
 import pickle
 import re
 import struct
@@ -11,8 +12,9 @@ from megatron_het.data import IndexedDataset, IndexedDatasetBuilder, max_token_i
 from megatron_het.errors import UserError
 
 
-def golden_files(prefix: str, code: int, fmt: str, sequences: list[list[int]],
-                 document_indices: list[int]) -> tuple[bytes, bytes]:
+def golden_files(
+    prefix: str, code: int, fmt: str, sequences: list[list[int]], document_indices: list[int]
+) -> tuple[bytes, bytes]:
     """Write ``prefix.bin/.idx`` byte by byte from the format description; return the bytes."""
     itemsize = struct.calcsize("<" + fmt)
     lengths = [len(s) for s in sequences]
@@ -109,22 +111,26 @@ def _corrupt(tmp_path, mutate_idx=None, mutate_bin=None) -> str:
 
 def _set(offset, packed):
     def mutate(buf):
-        buf[offset:offset + len(packed)] = packed
+        buf[offset : offset + len(packed)] = packed
         return bytes(buf)
+
     return mutate
 
 
-@pytest.mark.parametrize("mutate_idx, mutate_bin, file, what", [
-    (_set(0, b"XXIDIDX"), None, "idx", "bad header"),
-    (_set(9, struct.pack("<Q", 2)), None, "idx", "version 2"),
-    (_set(17, struct.pack("<B", 9)), None, "idx", "dtype code 9"),
-    (lambda b: bytes(b[:-8]), None, "idx", "truncated or corrupt"),
-    (lambda b: bytes(b[:20]), None, "idx", "truncated"),
-    (_set(18, struct.pack("<Q", 5)), None, "idx", "implies"),
-    (lambda b: bytes(b[:-8]) + struct.pack("<q", 3), None, "idx", "document index"),
-    (_set(34 + 16 + 8, struct.pack("<q", 1000)), None, "bin", "sequence 1"),
-    (None, lambda b: bytes(b[:-2]), "bin", "truncated"),
-])
+@pytest.mark.parametrize(
+    "mutate_idx, mutate_bin, file, what",
+    [
+        (_set(0, b"XXIDIDX"), None, "idx", "bad header"),
+        (_set(9, struct.pack("<Q", 2)), None, "idx", "version 2"),
+        (_set(17, struct.pack("<B", 9)), None, "idx", "dtype code 9"),
+        (lambda b: bytes(b[:-8]), None, "idx", "truncated or corrupt"),
+        (lambda b: bytes(b[:20]), None, "idx", "truncated"),
+        (_set(18, struct.pack("<Q", 5)), None, "idx", "implies"),
+        (lambda b: bytes(b[:-8]) + struct.pack("<q", 3), None, "idx", "document index"),
+        (_set(34 + 16 + 8, struct.pack("<q", 1000)), None, "bin", "sequence 1"),
+        (None, lambda b: bytes(b[:-2]), "bin", "truncated"),
+    ],
+)
 def test_corrupt_files_name_the_file(tmp_path, mutate_idx, mutate_bin, file, what):
     prefix = _corrupt(tmp_path, mutate_idx, mutate_bin)
     with pytest.raises(UserError) as info:

@@ -1,12 +1,19 @@
 """The event simulator running interleaved 1F1B: per-stage times, per-group results, the
 (p - 1) / (v m) bubble."""
+
 import random
 
 import pytest
 
-from megatron_het.perf.simulator import (Region, SimulationCache, StageTiming,
-                                         closed_form_interleaved_bubble, simulate,
-                                         simulate_1f1b, simulate_pipelines)
+from megatron_het.perf.simulator import (
+    Region,
+    SimulationCache,
+    StageTiming,
+    closed_form_interleaved_bubble,
+    simulate,
+    simulate_1f1b,
+    simulate_pipelines,
+)
 from megatron_het.pipeline.schedules import ScheduleError, build_schedule
 
 
@@ -14,22 +21,26 @@ from megatron_het.pipeline.schedules import ScheduleError, build_schedule
 @pytest.mark.parametrize("v", [1, 2, 3, 4])
 @pytest.mark.parametrize("mult", [1, 1.5, 2, 2.75, 4])
 def test_uniform_stages_have_the_closed_form_bubble(p, v, mult):
-    m = int(mult * p)   # also counts that are not a multiple of p (micro-batch groups)
-    group_f, group_b = 3.0, 6.0               # a group's total per micro-batch
+    m = int(mult * p)  # also counts that are not a multiple of p (micro-batch groups)
+    group_f, group_b = 3.0, 6.0  # a group's total per micro-batch
     f, b = [group_f / v] * (v * p), [group_b / v] * (v * p)
     result = simulate(build_schedule("1f1b", p, m, num_chunks=v), f, b, record_timeline=False)
     ideal = m * (group_f + group_b)
     assert result.makespan_s == pytest.approx(
-        ideal * (1 + closed_form_interleaved_bubble(p, v, m)), rel=1e-12)
-    assert result.makespan_s == pytest.approx(ideal + (p - 1) * (group_f + group_b) / v,
-                                              rel=1e-12)
+        ideal * (1 + closed_form_interleaved_bubble(p, v, m)), rel=1e-12
+    )
+    assert result.makespan_s == pytest.approx(ideal + (p - 1) * (group_f + group_b) / v, rel=1e-12)
     assert result.busy_s == pytest.approx((ideal,) * p, rel=1e-12)
 
 
 def test_more_chunks_shrink_the_bubble():
     p, m = 4, 8
-    spans = [simulate_1f1b([12.0 / v] * (v * p), [24.0 / v] * (v * p), m, num_chunks=v,
-                           record_timeline=False).makespan_s for v in (1, 2, 3, 4)]
+    spans = [
+        simulate_1f1b(
+            [12.0 / v] * (v * p), [24.0 / v] * (v * p), m, num_chunks=v, record_timeline=False
+        ).makespan_s
+        for v in (1, 2, 3, 4)
+    ]
     assert all(a > b for a, b in zip(spans, spans[1:]))
     assert closed_form_interleaved_bubble(4, 1, 8) == pytest.approx(3 / 8)
 
@@ -43,8 +54,9 @@ def test_random_non_uniform_stages_finish_with_each_group_busy_for_its_chunks():
         b = [x * rng.uniform(1.5, 3.0) for x in f]
         cf = [rng.uniform(0.0, 0.4) for _ in range(n - 1)] if rng.random() < 0.5 else None
         cb = [rng.uniform(0.0, 0.4) for _ in range(n - 1)] if cf else None
-        result = simulate(build_schedule("1f1b", p, m, num_chunks=v), f, b, cf, cb,
-                          record_timeline=False)
+        result = simulate(
+            build_schedule("1f1b", p, m, num_chunks=v), f, b, cf, cb, record_timeline=False
+        )
         busy = [m * sum(f[s] + b[s] for s in range(g, n, p)) for g in range(p)]
         assert result.busy_s == pytest.approx(busy, rel=1e-12)
         assert result.makespan_s == max(result.stage_end_s) >= max(busy) - 1e-9
@@ -110,7 +122,8 @@ def test_a_group_computes_on_its_first_stage_node():
     assert shared.makespans_s == pytest.approx(alone.makespans_s)
     one_node = [StageTiming(Region(1.0), Region(2.0), node=0)] * 4
     assert simulate_pipelines([steps], [one_node], OneCore()).makespans_s[0] > (
-        alone.makespans_s[0] + 1.0)
+        alone.makespans_s[0] + 1.0
+    )
 
 
 def test_bad_shapes_and_broken_lists_are_reported():
@@ -120,6 +133,9 @@ def test_bad_shapes_and_broken_lists_are_reported():
         simulate_pipelines([steps], [[stage] * 3])
     assert str(steps[1][0]) == "RECV_FORWARD stage 1 mb 0 <- stage 0"
     del steps[1][0]
-    with pytest.raises(ScheduleError, match=r"^deadlock in simulation: group 0 at step 1, "
-                                            r"group 1 at step \d+$"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^deadlock in simulation: group 0 at step 1, "
+        r"group 1 at step \d+$",
+    ):
         simulate(steps, [1.0] * 4, [1.0] * 4)

@@ -1,4 +1,5 @@
 """Fused-op wrappers against their pure-torch references, and the choice of kernel."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,15 +11,30 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 import megatron_het.kernels.autocast as autocast_queries
-from megatron_het.kernels import (AttentionKernel, LIGER, LigerKernels, apex_rms_norm_available,
-                                  causal_attention, choose_attention_kernel, reference_attention,
-                                  rms_norm, swiglu)
+from megatron_het.kernels import (
+    LIGER,
+    AttentionKernel,
+    LigerKernels,
+    apex_rms_norm_available,
+    causal_attention,
+    choose_attention_kernel,
+    reference_attention,
+    rms_norm,
+    swiglu,
+)
 from megatron_het.kernels import attention as attention_mod
-from megatron_het.kernels.gemm import (addmm_fp32_out_, fp32_out_gemm_supported,
-                                       gemm_operand_dtype, mm_fp32_out)
+from megatron_het.kernels.gemm import (
+    addmm_fp32_out_,
+    fp32_out_gemm_supported,
+    gemm_operand_dtype,
+    mm_fp32_out,
+)
 from megatron_het.kernels.liger import load_liger
-from megatron_het.kernels.norms import (APEX_NORM_EXTENSION, fused_rms_norm_kernel,
-                                        load_apex_rms_norm)
+from megatron_het.kernels.norms import (
+    APEX_NORM_EXTENSION,
+    fused_rms_norm_kernel,
+    load_apex_rms_norm,
+)
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 
@@ -33,6 +49,7 @@ def fake_importer(modules: dict[str, object]):
         if name not in modules:
             raise ImportError(name)
         return modules[name]
+
     return import_module
 
 
@@ -56,12 +73,14 @@ def test_rms_norm_returns_the_input_dtype(x_dtype, w_dtype):
 def apex_like(calls):
     """Behaves as apex's wrapper does: casts its inputs to the autocast dtype when autocast is
     on, computes in float32, returns its (cast) input's dtype."""
+
     def fused_rms_norm_affine(x, weight, shape, eps):
         calls.append(tuple(shape))
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
         return reference_rms_norm(x, weight, eps).to(x.dtype)
+
     return fused_rms_norm_affine
 
 
@@ -70,8 +89,12 @@ def test_apex_needs_its_compiled_extension():
     python_only = fake_importer({"apex.normalization.fused_layer_norm": wrapper})
     assert load_apex_rms_norm(python_only) is None
     assert load_apex_rms_norm(fake_importer({})) is None
-    complete = fake_importer({"apex.normalization.fused_layer_norm": wrapper,
-                              APEX_NORM_EXTENSION: types.SimpleNamespace()})
+    complete = fake_importer(
+        {
+            "apex.normalization.fused_layer_norm": wrapper,
+            APEX_NORM_EXTENSION: types.SimpleNamespace(),
+        }
+    )
     assert load_apex_rms_norm(complete) is not None
     assert isinstance(apex_rms_norm_available(), bool)
 
@@ -81,8 +104,14 @@ def test_apex_needs_its_compiled_extension():
 def test_apex_and_torch_agree_on_the_output_dtype(autocast, params):
     calls = []
     wrapper = types.SimpleNamespace(fused_rms_norm_affine=apex_like(calls))
-    apex = load_apex_rms_norm(fake_importer({"apex.normalization.fused_layer_norm": wrapper,
-                                             APEX_NORM_EXTENSION: types.SimpleNamespace()}))
+    apex = load_apex_rms_norm(
+        fake_importer(
+            {
+                "apex.normalization.fused_layer_norm": wrapper,
+                APEX_NORM_EXTENSION: types.SimpleNamespace(),
+            }
+        )
+    )
     x, w = torch.randn(4, 32).to(params), torch.ones(32, dtype=params)
     with torch.autocast("cpu", dtype=BF16, enabled=autocast):
         with_apex, with_torch = rms_norm(x, w, 1e-5, fused=apex), rms_norm(x, w, 1e-5)
@@ -129,12 +158,17 @@ def test_liger_loader_wraps_each_kernel_and_tolerates_absence():
             return self.result
 
     loss = torch.tensor(1.5)
-    modules = {"liger_kernel.ops.rms_norm": types.SimpleNamespace(
-                   LigerRMSNormFunction=Fn("norm", torch.zeros(2))),
-               "liger_kernel.ops.swiglu": types.SimpleNamespace(
-                   LigerSiLUMulFunction=Fn("swiglu", torch.ones(2))),
-               "liger_kernel.ops.fused_linear_cross_entropy": types.SimpleNamespace(
-                   LigerFusedLinearCrossEntropyFunction=Fn("flce", (loss, None)))}
+    modules = {
+        "liger_kernel.ops.rms_norm": types.SimpleNamespace(
+            LigerRMSNormFunction=Fn("norm", torch.zeros(2))
+        ),
+        "liger_kernel.ops.swiglu": types.SimpleNamespace(
+            LigerSiLUMulFunction=Fn("swiglu", torch.ones(2))
+        ),
+        "liger_kernel.ops.fused_linear_cross_entropy": types.SimpleNamespace(
+            LigerFusedLinearCrossEntropyFunction=Fn("flce", (loss, None))
+        ),
+    }
     kernels = load_liger(fake_importer(modules))
     x = torch.zeros(2)
     kernels.rms_norm(x, x, 1e-5)
@@ -289,13 +323,15 @@ def test_cpu_path_uses_the_flash_kernel_not_math():
     assert not _graph_has_flash(causal_attention(q, k, v, kernel=MATH).grad_fn)
 
 
-@pytest.mark.parametrize("kernel", [MATH, DEFAULT, AttentionKernel("sdpa", (SDPBackend.MATH,),
-                                                                   expand_kv=True)])
+@pytest.mark.parametrize(
+    "kernel", [MATH, DEFAULT, AttentionKernel("sdpa", (SDPBackend.MATH,), expand_kv=True)]
+)
 def test_every_sdpa_variant_gives_the_same_attention(kernel):
     q, kv = qkv(FP32, groups=2)
     k, v = kv.unbind(3)
-    torch.testing.assert_close(causal_attention(q, k, v, kernel=kernel),
-                               reference_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        causal_attention(q, k, v, kernel=kernel), reference_attention(q, k, v), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_flash_attn_path_passes_native_gqa_layout():
@@ -332,16 +368,21 @@ def test_rms_norm_autograd_matches_torch_and_saves_only_x_and_rstd(dtype):
     ref = F.rms_norm(x_ref, (48,), w_ref, 1e-5)  # torch's composite op, the reference
     out.backward(grad)
     ref.backward(grad)
-    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2,
-                                                                       "atol": 2e-2}
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     assert out.dtype == dtype
     torch.testing.assert_close(out, ref, **tol)
     torch.testing.assert_close(x.grad, x_ref.grad, **tol)
-    torch.testing.assert_close(w.grad.float(), w_ref.grad.float(), rtol=2e-2 if
-                               dtype == torch.bfloat16 else 1e-5, atol=5e-2 if
-                               dtype == torch.bfloat16 else 1e-5)
+    torch.testing.assert_close(
+        w.grad.float(),
+        w_ref.grad.float(),
+        rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+        atol=5e-2 if dtype == torch.bfloat16 else 1e-5,
+    )
     assert [(tuple(t.shape), t.dtype) for t in saved] == [
-        ((3, 7, 48), dtype), ((48,), dtype), ((3, 7, 1), torch.float32)]
+        ((3, 7, 48), dtype),
+        ((48,), dtype),
+        ((3, 7, 1), torch.float32),
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -357,8 +398,7 @@ def test_swiglu_autograd_matches_torch_and_saves_only_its_inputs(dtype):
     ref = F.silu(gate_ref) * up_ref  # float32 reference
     out.backward(grad)
     ref.backward(grad.float())
-    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2,
-                                                                       "atol": 1e-2}
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(out.float(), ref, **tol)
     torch.testing.assert_close(gate.grad.float(), gate_ref.grad, **tol)
     torch.testing.assert_close(up.grad.float(), up_ref.grad, **tol)
@@ -366,11 +406,13 @@ def test_swiglu_autograd_matches_torch_and_saves_only_its_inputs(dtype):
 
 
 def test_autocast_is_asked_of_the_build_once_per_device_type(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     calls: list = []
     monkeypatch.setattr(autocast_queries, "_AVAILABLE", {"cpu": True})
-    monkeypatch.setattr(torch.amp, "is_autocast_available",
-                        lambda device_type: calls.append(device_type) or False)
+    monkeypatch.setattr(
+        torch.amp, "is_autocast_available", lambda device_type: calls.append(device_type) or False
+    )
     assert autocast_queries.autocast_dtype("meta") is None
     assert autocast_queries.autocast_dtype("meta") is None
     assert calls == ["meta"]
@@ -382,6 +424,7 @@ def test_autocast_is_asked_of_the_build_once_per_device_type(
 def test_compiled_code_reads_the_kept_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Some torch releases' dynamo cannot trace the build's answer (a C function), so compiled
     code must not ask it; here asking fails the test."""
+
     def forbidden(device_type: str) -> bool:
         raise AssertionError("asked the build inside compiled code")
 

@@ -1,4 +1,5 @@
 """The loss curve PNG of a --metrics-file, and its one-line errors."""
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,30 @@ def write_metrics(path: pathlib.Path, iterations: int, every_valid: int = 10) ->
     """Records as TrainingLogger writes them, and a last line cut short by a crash."""
     with open(path, "w", encoding="utf-8") as f:
         for i in range(1, iterations + 1):
-            f.write(json.dumps({"split": "train", "iteration": i, "consumed_samples": 16 * i,
-                                "loss": 8 * math.exp(-i / 40) + 2, "lr": 1e-3}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "split": "train",
+                        "iteration": i,
+                        "consumed_samples": 16 * i,
+                        "loss": 8 * math.exp(-i / 40) + 2,
+                        "lr": 1e-3,
+                    }
+                )
+                + "\n"
+            )
             if i % every_valid == 0:
-                f.write(json.dumps({"split": "valid", "iteration": i, "loss": 8 * math.exp(
-                    -i / 40) + 2.2, "ppl": 9.0}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "split": "valid",
+                            "iteration": i,
+                            "loss": 8 * math.exp(-i / 40) + 2.2,
+                            "ppl": 9.0,
+                        }
+                    )
+                    + "\n"
+                )
         f.write('{"split": "train", "itera')
     return path
 
@@ -55,11 +75,17 @@ def test_train_records_alone_are_enough(tmp_path) -> None:
     assert not has(image(save_loss_chart(metrics, tmp_path / "l.png")), VALID)
 
 
-@pytest.mark.parametrize("content, fragment", [
-    (None, "not found"),
-    ("", "has no train records"),
-    (json.dumps({"split": "valid", "iteration": 5, "loss": 3.0}) + "\n", "has no train records"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (None, "not found"),
+        ("", "has no train records"),
+        (
+            json.dumps({"split": "valid", "iteration": 5, "loss": 3.0}) + "\n",
+            "has no train records",
+        ),
+    ],
+)
 def test_missing_or_empty_metrics_are_one_line_errors(tmp_path, content, fragment) -> None:
     metrics = tmp_path / "metrics.jsonl"
     if content is not None:

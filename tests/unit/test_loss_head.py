@@ -1,6 +1,7 @@
 """The fused output layer + cross-entropy: parity with F.cross_entropy on full logits, chunk
 sizes, bf16 weights, the float32 main_grad path, ignored labels, liger dispatch, and the
 vocabulary-parallel head on a one-rank group."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,13 @@ import torch.nn.functional as F
 
 from megatron_het.kernels import LigerKernels
 from megatron_het.kernels.main_grad import MAIN_GRAD, ON_MAIN_GRAD_ADDED
-from megatron_het.model.loss import (CHUNK_LOGIT_BYTES_ACCELERATOR, CHUNK_LOGIT_BYTES_CPU,
-                                     IGNORE_INDEX, default_chunk_tokens, linear_cross_entropy)
+from megatron_het.model.loss import (
+    CHUNK_LOGIT_BYTES_ACCELERATOR,
+    CHUNK_LOGIT_BYTES_CPU,
+    IGNORE_INDEX,
+    default_chunk_tokens,
+    linear_cross_entropy,
+)
 from megatron_het.tensor_parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 
 V, H = 37, 16
@@ -40,8 +46,7 @@ def reference(hidden, weight, labels, loss_weights=None, scale=1.5):
     """Loss and float32 gradients from F.cross_entropy on the full float32 logits."""
     h = hidden.detach().float().requires_grad_()
     w = weight.detach().float().requires_grad_()
-    per_token = F.cross_entropy((h @ w.t()).view(-1, w.shape[0]), labels.view(-1),
-                                reduction="none")
+    per_token = F.cross_entropy((h @ w.t()).view(-1, w.shape[0]), labels.view(-1), reduction="none")
     if loss_weights is None:
         loss = per_token.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
     else:
@@ -53,8 +58,9 @@ def reference(hidden, weight, labels, loss_weights=None, scale=1.5):
 def ours(hidden, weight, labels, loss_weights=None, scale=1.5, tp=False, **kwargs):
     hidden.grad = weight.grad = None
     if tp:
-        loss = vocab_parallel_linear_cross_entropy(hidden, weight, labels, OneRankGroup(), 0,
-                                                   loss_weights, **kwargs)
+        loss = vocab_parallel_linear_cross_entropy(
+            hidden, weight, labels, OneRankGroup(), 0, loss_weights, **kwargs
+        )
     else:
         loss = linear_cross_entropy(hidden, weight, labels, loss_weights, **kwargs)
     assert loss.dtype == torch.float32
@@ -66,10 +72,12 @@ def test_chunks_hold_a_budget_of_float32_logit_bytes():
     assert default_chunk_tokens(32000, "cuda") == 2048
     assert default_chunk_tokens(128256, "cuda") == 512
     assert default_chunk_tokens(32000, "cpu") == 64
-    assert default_chunk_tokens(10 ** 9, "cuda") == 1
+    assert default_chunk_tokens(10**9, "cuda") == 1
     for vocab in (61, 1000, 32000, 50257, 128256, 256000):
-        for device, budget in (("cuda", CHUNK_LOGIT_BYTES_ACCELERATOR),
-                               ("cpu", CHUNK_LOGIT_BYTES_CPU)):
+        for device, budget in (
+            ("cuda", CHUNK_LOGIT_BYTES_ACCELERATOR),
+            ("cpu", CHUNK_LOGIT_BYTES_CPU),
+        ):
             tokens = default_chunk_tokens(vocab, device)
             assert tokens * vocab * 4 <= budget
             assert tokens < 64 or tokens % 64 == 0
@@ -113,8 +121,7 @@ def with_main_grad(weight: torch.Tensor) -> list[int]:
 def test_main_grad_gets_the_unrounded_float32_gradient(tp):
     hidden, weight, labels, loss_weights = make_inputs(torch.bfloat16, shape=(8, 16))
     events = with_main_grad(weight)
-    _, grad_hidden, grad_weight = ours(hidden, weight, labels, loss_weights, tp=tp,
-                                       chunk_tokens=24)
+    _, grad_hidden, grad_weight = ours(hidden, weight, labels, loss_weights, tp=tp, chunk_tokens=24)
     assert grad_weight is None and events == [1]  # no .grad; the callback fired once
     _, ref_hidden, ref_weight = reference(hidden, weight, labels, loss_weights)
     main = weight.main_grad.clone()
@@ -141,8 +148,12 @@ def test_only_the_gradients_autograd_needs():
     assert grad_weight is None
     torch.testing.assert_close(grad_hidden, expected[1], atol=1e-5, rtol=1e-5)
     with torch.no_grad():
-        torch.testing.assert_close(linear_cross_entropy(hidden, weight, labels, loss_weights),
-                                   expected[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            linear_cross_entropy(hidden, weight, labels, loss_weights),
+            expected[0],
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 @pytest.mark.parametrize("tp", [False, True])
@@ -167,8 +178,12 @@ def test_liger_stands_in_only_where_it_may():
         return torch.tensor(7.0)
 
     absent = LigerKernels()
-    torch.testing.assert_close(linear_cross_entropy(hidden, weight, labels, liger=absent),
-                               reference(hidden, weight, labels)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        linear_cross_entropy(hidden, weight, labels, liger=absent),
+        reference(hidden, weight, labels)[0],
+        atol=1e-5,
+        rtol=1e-5,
+    )
     on_cuda_only = LigerKernels(linear_cross_entropy=fake)
     linear_cross_entropy(hidden, weight, labels, liger=on_cuda_only)
     assert calls == []  # CPU tensors take our kernel
@@ -189,8 +204,9 @@ def emulate_accelerator_gemms(monkeypatch) -> None:
 
     monkeypatch.setattr(loss_mod, "gemm_operand_dtype", lambda dtype, device: dtype)
     monkeypatch.setattr(loss_mod, "mm_fp32_out", lambda a, b: a.float() @ b.float())
-    monkeypatch.setattr(loss_mod, "addmm_fp32_out_",
-                        lambda acc, a, b: acc.addmm_(a.float(), b.float()))
+    monkeypatch.setattr(
+        loss_mod, "addmm_fp32_out_", lambda acc, a, b: acc.addmm_(a.float(), b.float())
+    )
 
 
 def test_accelerator_precision_emulated(monkeypatch):
@@ -216,7 +232,7 @@ def _median_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("tp", [False, True])
-@pytest.mark.parametrize("loss_scale", [2.0 ** 15, 2.0 ** 24])
+@pytest.mark.parametrize("loss_scale", [2.0**15, 2.0**24])
 def test_fp16_hidden_gradient_keeps_fp16_precision_under_loss_scaling(tp, loss_scale):
     """A mean over 8192 tokens makes each token's unscaled hidden gradient ~1e-6, in fp16's
     subnormals: the loss scale must reach it before it is held in fp16, and a scale beyond

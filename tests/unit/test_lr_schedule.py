@@ -1,4 +1,5 @@
 """The LR schedule against torch's own schedulers (LinearLR, CosineAnnealingLR)."""
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,12 @@ def torch_lrs(make_scheduler, steps: int) -> list[float]:
 
 def test_warmup_matches_torch_linear_lr() -> None:
     schedule = LRSchedule(MAX_LR, MIN_LR, WARMUP, DECAY, "cosine")
-    expected = torch_lrs(lambda o: torch.optim.lr_scheduler.LinearLR(
-        o, start_factor=1 / WARMUP, end_factor=1.0, total_iters=WARMUP - 1), WARMUP)
+    expected = torch_lrs(
+        lambda o: torch.optim.lr_scheduler.LinearLR(
+            o, start_factor=1 / WARMUP, end_factor=1.0, total_iters=WARMUP - 1
+        ),
+        WARMUP,
+    )
     got = [schedule.lr_at(k) for k in range(1, WARMUP + 1)]
     assert got == pytest.approx(expected, rel=1e-12)
     assert got[-1] == pytest.approx(MAX_LR)
@@ -40,15 +45,22 @@ def test_decay_matches_torch(style: str) -> None:
     schedule = LRSchedule(MAX_LR, MIN_LR, WARMUP, DECAY, style)
     span = DECAY - WARMUP
     if style == "cosine":
-        make = lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=span, eta_min=MIN_LR)
+
+        def make(o):
+            return torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=span, eta_min=MIN_LR)
     else:
-        make = lambda o: torch.optim.lr_scheduler.LinearLR(
-            o, start_factor=1.0, end_factor=MIN_LR / MAX_LR, total_iters=span)
+
+        def make(o):
+            return torch.optim.lr_scheduler.LinearLR(
+                o, start_factor=1.0, end_factor=MIN_LR / MAX_LR, total_iters=span
+            )
+
     expected = torch_lrs(make, span + 1)  # after j steps <-> iteration WARMUP + j
     got = [schedule.lr_at(WARMUP + j) for j in range(span + 1)]
     assert got == pytest.approx(expected, rel=1e-9)
     assert schedule.lr_at((WARMUP + DECAY) // 2) == pytest.approx(
-        (MAX_LR + MIN_LR) / 2 if style == "cosine" else MIN_LR + (MAX_LR - MIN_LR) / 2)
+        (MAX_LR + MIN_LR) / 2 if style == "cosine" else MIN_LR + (MAX_LR - MIN_LR) / 2
+    )
 
 
 def test_floor_after_decay_and_constant_style() -> None:
@@ -74,12 +86,17 @@ def test_from_config_defaults_decay_to_train_iters() -> None:
     assert schedule.state_dict()["decay_style"] == "linear"
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_lr=1e-4, min_lr=1e-3, warmup_iters=0, decay_iters=10), "--min-lr"),
-    (dict(max_lr=1e-3, min_lr=0.0, warmup_iters=10, decay_iters=10), "--lr-decay-iters 10"),
-    (dict(max_lr=1e-3, min_lr=0.0, warmup_iters=0, decay_iters=10, decay_style="step"),
-     "--lr-decay-style"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_lr=1e-4, min_lr=1e-3, warmup_iters=0, decay_iters=10), "--min-lr"),
+        (dict(max_lr=1e-3, min_lr=0.0, warmup_iters=10, decay_iters=10), "--lr-decay-iters 10"),
+        (
+            dict(max_lr=1e-3, min_lr=0.0, warmup_iters=0, decay_iters=10, decay_style="step"),
+            "--lr-decay-style",
+        ),
+    ],
+)
 def test_bad_schedules_raise_user_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(UserError, match=message):
         LRSchedule(**kwargs)

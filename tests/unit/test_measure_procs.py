@@ -1,13 +1,17 @@
 """The measurement process runner: results in report order, and every way a worker can fail
 turns into a RuntimeError that says which, with no process left behind."""
+
 import multiprocessing
 import os
 import time
 
 import pytest
 
-from megatron_het.perf.measure_procs import (free_loopback_port, report_to_parent,
-                                             run_measurement_processes)
+from megatron_het.perf.measure_procs import (
+    free_loopback_port,
+    report_to_parent,
+    run_measurement_processes,
+)
 
 CTX = multiprocessing.get_context("fork")
 
@@ -29,8 +33,9 @@ def _exit_silently(conn):
 
 
 def _run(target, args, **kw):
-    return run_measurement_processes(CTX, target, args, len(args), 5.0, "timed out", "failed",
-                                     join_s=0.5, **kw)
+    return run_measurement_processes(
+        CTX, target, args, len(args), 5.0, "timed out", "failed", join_s=0.5, **kw
+    )
 
 
 def test_results_of_every_reporter():
@@ -76,12 +81,16 @@ def test_free_loopback_ports_lie_below_the_ephemeral_range_and_are_free(monkeypa
             free_loopback_port(span=2)
 
 
-@pytest.mark.parametrize("ephemeral, expected", [
-    ((1024, 60999), lambda p: p > 60999),  # too few ports below: drawn above the range
-    ((1024, 65535), lambda p: 1024 <= p <= 65535),  # none outside: the kernel's pick
-])
-def test_free_loopback_ports_where_the_ephemeral_range_is_wide(monkeypatch, ephemeral,
-                                                              expected) -> None:
+@pytest.mark.parametrize(
+    "ephemeral, expected",
+    [
+        ((1024, 60999), lambda p: p > 60999),  # too few ports below: drawn above the range
+        ((1024, 65535), lambda p: 1024 <= p <= 65535),  # none outside: the kernel's pick
+    ],
+)
+def test_free_loopback_ports_where_the_ephemeral_range_is_wide(
+    monkeypatch, ephemeral, expected
+) -> None:
     from megatron_het.perf import measure_procs
 
     monkeypatch.setattr(measure_procs, "_ephemeral_range", lambda: ephemeral)

@@ -1,4 +1,5 @@
 """Megatron's mixed precision on one process: bf16 weights, fp32 main grads, masters and Adam."""
+
 from __future__ import annotations
 
 import io
@@ -16,11 +17,37 @@ from megatron_het.training import pretrain
 from megatron_het.training.launch import init_world, shutdown_world
 from megatron_het.training.setup import prepare_run
 
-FLAGS = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
-         "--vocab-size", "300", "--seq-length", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters",
-         "2", "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "3", "--eval-iters", "0",
-         "--log-interval", "1"]
+FLAGS = [
+    "--model",
+    "tiny",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "300",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-warmup-iters",
+    "2",
+    "--weight-decay",
+    "0.1",
+    "--clip-grad",
+    "1.0",
+    "--seed",
+    "3",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+]
 
 
 def _losses(path: pathlib.Path) -> list[float]:
@@ -30,14 +57,23 @@ def _losses(path: pathlib.Path) -> list[float]:
 
 def _figures(path: pathlib.Path) -> list[tuple]:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return [(r["iteration"], r["loss"], r["grad_norm"], r["lr"], r.get("loss_scale"),
-             r.get("skipped_iterations")) for r in rows if r.get("split") == "train"]
+    return [
+        (
+            r["iteration"],
+            r["loss"],
+            r["grad_norm"],
+            r["lr"],
+            r.get("loss_scale"),
+            r.get("skipped_iterations"),
+        )
+        for r in rows
+        if r.get("split") == "train"
+    ]
 
 
 def _train(tmp_path: pathlib.Path, name: str, *extra: str) -> pathlib.Path:
     metrics = tmp_path / f"{name}.jsonl"
-    pretrain(parse_run_config([*FLAGS, *extra, "--metrics-file", str(metrics)]),
-             out=io.StringIO())
+    pretrain(parse_run_config([*FLAGS, *extra, "--metrics-file", str(metrics)]), out=io.StringIO())
     return metrics
 
 
@@ -51,17 +87,21 @@ def test_bf16_losses_follow_fp32_over_20_iterations(tmp_path: pathlib.Path) -> N
     assert fp32 != bf16  # really two precisions
 
 
-@pytest.mark.parametrize("precision", [
-    ["--bf16"], ["--fp16", "--initial-loss-scale", str(2 ** 19), "--hysteresis", "1"]],
-    ids=["bf16", "fp16"])
-def test_low_precision_resume_is_bitwise_exact(tmp_path: pathlib.Path,
-                                               precision: list[str]) -> None:
+@pytest.mark.parametrize(
+    "precision",
+    [["--bf16"], ["--fp16", "--initial-loss-scale", str(2**19), "--hysteresis", "1"]],
+    ids=["bf16", "fp16"],
+)
+def test_low_precision_resume_is_bitwise_exact(
+    tmp_path: pathlib.Path, precision: list[str]
+) -> None:
     whole = _train(tmp_path, "whole", "--train-iters", "6", *precision)
     save = str(tmp_path / "ckpt")
     common = ["--train-iters", "6", *precision, "--save", save, "--load", save]
     resumed = tmp_path / "resumed.jsonl"
-    first = parse_run_config([*FLAGS, *common, "--exit-interval", "3",
-                              "--metrics-file", str(resumed)])
+    first = parse_run_config(
+        [*FLAGS, *common, "--exit-interval", "3", "--metrics-file", str(resumed)]
+    )
     assert pretrain(first, out=io.StringIO()).iteration == 3
     rest = parse_run_config([*FLAGS, *common, "--metrics-file", str(resumed)])
     assert pretrain(rest, out=io.StringIO()).iteration == 6
@@ -101,8 +141,7 @@ def test_the_optimizer_keeps_fp32_masters_and_main_grads_of_bf16_weights() -> No
             assert param.main_grad.dtype == torch.float32 and param.main_grad.abs().sum() > 0
             assert torch.equal(param.detach(), masters[name].bfloat16()), name
         states = trainer.optimizer.state_dict()
-        assert all(s["exp_avg"].dtype == torch.float32 and s["step"] == 1
-                   for s in states.values())
+        assert all(s["exp_avg"].dtype == torch.float32 and s["step"] == 1 for s in states.values())
         trainer.optimizer.close()
     finally:
         shutdown_world()
@@ -139,8 +178,11 @@ def test_the_memory_model_counts_what_the_optimizer_holds(precision: str) -> Non
         params = sum(b.numel() * b.element_size() for b in optimizer.flat.param_buffers)
         grads = sum(b.grad.numel() * b.grad.element_size() for b in optimizer.buckets.buckets)
         held = optimizer.state_bytes() + optimizer.flat.master_bytes()
-        assert (params, grads, held) == (model.weights_bytes, model.grads_bytes,
-                                         model.optimizer_bytes)
+        assert (params, grads, held) == (
+            model.weights_bytes,
+            model.grads_bytes,
+            model.optimizer_bytes,
+        )
         optimizer.close()
     finally:
         shutdown_world()
@@ -148,8 +190,9 @@ def test_the_memory_model_counts_what_the_optimizer_holds(precision: str) -> Non
 
 def test_fp16_with_loss_scaling_follows_fp32(tmp_path: pathlib.Path) -> None:
     fp32 = _losses(_train(tmp_path, "fp32", "--train-iters", "12"))
-    fp16 = _losses(_train(tmp_path, "fp16", "--train-iters", "12", "--fp16",
-                          "--initial-loss-scale", "4096"))
+    fp16 = _losses(
+        _train(tmp_path, "fp16", "--train-iters", "12", "--fp16", "--initial-loss-scale", "4096")
+    )
     assert len(fp16) == 12 and fp16 != fp32
     for step, (a, b) in enumerate(zip(fp32, fp16), start=1):
         assert abs(a - b) <= 2e-2 * a, (step, a, b)
@@ -157,12 +200,21 @@ def test_fp16_with_loss_scaling_follows_fp32(tmp_path: pathlib.Path) -> None:
 
 def test_fp16_overflow_skips_steps_and_backs_off(tmp_path: pathlib.Path) -> None:
     # This model's scaled gradients first fit fp16 (max 65504) at a loss scale of 2^19.
-    path = _train(tmp_path, "fp16", "--train-iters", "8", "--fp16", "--initial-loss-scale",
-                  str(2 ** 23), "--hysteresis", "1")
+    path = _train(
+        tmp_path,
+        "fp16",
+        "--train-iters",
+        "8",
+        "--fp16",
+        "--initial-loss-scale",
+        str(2**23),
+        "--hysteresis",
+        "1",
+    )
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     scales = [r["loss_scale"] for r in rows]
     skipped = [r["skipped_iterations"] for r in rows]
-    assert scales[:5] == [2 ** 22, 2 ** 21, 2 ** 20, 2 ** 19, 2 ** 19]  # halved per overflow
+    assert scales[:5] == [2**22, 2**21, 2**20, 2**19, 2**19]  # halved per overflow
     assert skipped == [1, 2, 3, 4, 4, 4, 4, 4]
     assert [math.isfinite(r["grad_norm"]) for r in rows[:5]] == [False] * 4 + [True]
     assert rows[-1]["loss"] < rows[4]["loss"]  # and it trains once the scale fits

@@ -1,4 +1,5 @@
 """LlamaModel against a plain-torch reference, pipeline slicing, initialisation, fused loss."""
+
 from __future__ import annotations
 
 import math
@@ -14,20 +15,31 @@ from megatron_het.model.llama import LlamaModel, build_model
 from megatron_het.model.loss import linear_cross_entropy
 from megatron_het.model.rope import apply_rope, rope_inverse_frequencies, rope_table_dtype
 
-TINY = ModelConfig(num_layers=3, hidden_size=48, ffn_hidden_size=80, num_attention_heads=6,
-                   num_query_groups=2, vocab_size=61, rope_theta=1000.0, norm_eps=1e-5)
+TINY = ModelConfig(
+    num_layers=3,
+    hidden_size=48,
+    ffn_hidden_size=80,
+    num_attention_heads=6,
+    num_query_groups=2,
+    vocab_size=61,
+    rope_theta=1000.0,
+    norm_eps=1e-5,
+)
 
 
-def reference_logits(cfg: ModelConfig, state: dict[str, torch.Tensor],
-                     tokens: torch.Tensor) -> torch.Tensor:
+def reference_logits(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], tokens: torch.Tensor
+) -> torch.Tensor:
     """Llama written out head by head, with an explicit causal mask and angle-based RoPE."""
     nh, ng, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     r, S = nh // ng, tokens.shape[1]
-    angles = torch.arange(S, dtype=torch.float32)[:, None] * rope_inverse_frequencies(
-        d, cfg.rope_theta, cfg.rope_scaling)[None, :]  # [S, d/2]
+    angles = (
+        torch.arange(S, dtype=torch.float32)[:, None]
+        * rope_inverse_frequencies(d, cfg.rope_theta, cfg.rope_scaling)[None, :]
+    )  # [S, d/2]
 
     def rope(x: torch.Tensor) -> torch.Tensor:  # x [B, S, d]: pairs (j, j + d/2)
-        a, b = x[..., : d // 2], x[..., d // 2:]
+        a, b = x[..., : d // 2], x[..., d // 2 :]
         c, s = angles.cos(), angles.sin()
         return torch.cat((a * c - b * s, a * s + b * c), dim=-1)
 
@@ -62,8 +74,10 @@ def random_state(model: LlamaModel, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.2 + (
-                1.0 if param.dim() == 1 else 0.0))
+            param.copy_(
+                torch.randn(param.shape, generator=generator) * 0.2
+                + (1.0 if param.dim() == 1 else 0.0)
+            )
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -170,8 +184,9 @@ def test_fused_loss_matches_cross_entropy_with_grads() -> None:
         if fused:
             loss = linear_cross_entropy(hidden, weight, labels, loss_weights, chunk_tokens=4)
         else:
-            per_token = F.cross_entropy((hidden @ weight.t()).view(-1, 37), labels.view(-1),
-                                        reduction="none")
+            per_token = F.cross_entropy(
+                (hidden @ weight.t()).view(-1, 37), labels.view(-1), reduction="none"
+            )
             loss = (per_token * loss_weights.view(-1)).sum()
         (loss * 1.5).backward()
         results.append((loss.detach(), hidden.grad.clone(), weight.grad.clone()))
@@ -241,8 +256,10 @@ def test_rope_matches_rotate_half_formula_and_gradcheck() -> None:
     torch.testing.assert_close(apply_rope(x, cos, sin), expected)
     strided = x.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous, as in attention
     torch.testing.assert_close(apply_rope(strided, cos, sin), expected)
-    assert torch.autograd.gradcheck(lambda t: apply_rope(t.transpose(1, 2), cos, sin),
-                                    (x.transpose(1, 2).contiguous().requires_grad_(),))
+    assert torch.autograd.gradcheck(
+        lambda t: apply_rope(t.transpose(1, 2), cos, sin),
+        (x.transpose(1, 2).contiguous().requires_grad_(),),
+    )
 
 
 def test_bf16_parameters_keep_bf16_activations_and_a_float32_loss() -> None:
@@ -254,6 +271,7 @@ def test_bf16_parameters_keep_bf16_activations_and_a_float32_loss() -> None:
     def record(name: str):
         def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
             seen[name] = out.dtype
+
         return hook
 
     for name, module in model.named_modules():

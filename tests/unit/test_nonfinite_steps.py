@@ -7,13 +7,15 @@ iteration: "loss" multiplies the layer's output by NaN (the loss is NaN), "grad"
 output alone and makes the gradient flowing back into it NaN (the loss stays finite, the
 gradient norm is NaN).
 """
+
 from __future__ import annotations
 
 import io
 import json
 import math
 import pathlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -23,10 +25,35 @@ from megatron_het.checkpoint.io import read_latest_iteration
 from megatron_het.errors import UserError
 from megatron_het.training.setup import prepare_run
 
-FLAGS = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-         "300", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-         "--train-iters", "4", "--lr", "3e-3", "--min-lr", "3e-4", "--clip-grad", "1.0",
-         "--seed", "7", "--eval-iters", "0", "--log-interval", "2"]
+FLAGS = [
+    "--model",
+    "tiny",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "300",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "4",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--clip-grad",
+    "1.0",
+    "--seed",
+    "7",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "2",
+]
 
 
 def poison(trainer: Any, iteration: int, what: str) -> Callable[[], None]:
@@ -76,8 +103,9 @@ def skip_by_hand(trainer: Any) -> None:
     trainer.progress.consumed_samples += trainer.setup.train.global_batch_size
 
 
-def train_with_poison(argv: list[str], poisoned: dict[int, str], world_size: int = 1
-                      ) -> tuple[Any, list]:
+def train_with_poison(
+    argv: list[str], poisoned: dict[int, str], world_size: int = 1
+) -> tuple[Any, list]:
     """Train ``argv``'s iterations with ``poisoned`` {iteration: "loss" | "grad"}; returns the
     trainer and the state snapshots after every iteration."""
     from megatron_het.training.trainer import train_step
@@ -145,12 +173,16 @@ def test_a_finite_run_is_unchanged_by_the_flag(world) -> None:
     assert_same_state(plain[-1], flagged[-1])
 
 
-@pytest.mark.parametrize("what, message", [
-    ("grad", r"^iteration 3: the gradient norm is nan; lower --lr"),  # the loss is finite
-    ("loss", r"^iteration 3: the loss is nan; lower --lr"),
-])
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("grad", r"^iteration 3: the gradient norm is nan; lower --lr"),  # the loss is finite
+        ("loss", r"^iteration 3: the loss is nan; lower --lr"),
+    ],
+)
 def test_without_the_flag_a_nonfinite_iteration_stops_before_stepping(
-        world, what: str, message: str) -> None:
+    world, what: str, message: str
+) -> None:
     from megatron_het.training.trainer import train_step
 
     trainer = build(FLAGS)
@@ -185,7 +217,8 @@ def patch_build_trainer(monkeypatch: pytest.MonkeyPatch, poisoned: dict[int, str
 
 
 def test_the_run_stops_naming_the_iteration_and_keeps_the_last_checkpoint(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from megatron_het.training import pretrain
 
     patch_build_trainer(monkeypatch, {3: "grad"})
@@ -197,19 +230,26 @@ def test_the_run_stops_naming_the_iteration_and_keeps_the_last_checkpoint(
     assert not (save / "iter_0000003").exists()
 
 
-def test_the_run_logs_and_counts_skipped_steps(tmp_path: pathlib.Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_run_logs_and_counts_skipped_steps(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from megatron_het.training import pretrain
 
     patch_build_trainer(monkeypatch, {2: "grad"})
     metrics, save = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
     out = io.StringIO()
-    progress = pretrain(parse_run_config([*FLAGS, "--skip-nonfinite-steps", "--metrics-file",
-                                          str(metrics), "--save", str(save)]), out=out)
+    progress = pretrain(
+        parse_run_config(
+            [*FLAGS, "--skip-nonfinite-steps", "--metrics-file", str(metrics), "--save", str(save)]
+        ),
+        out=out,
+    )
     assert (progress.iteration, progress.consumed_samples) == (4, 16)
     text = out.getvalue()
-    assert (" iteration 2: the gradient norm is nan; skipped its step "
-            "(--skip-nonfinite-steps; 1 skipped so far)") in text
+    assert (
+        " iteration 2: the gradient norm is nan; skipped its step "
+        "(--skip-nonfinite-steps; 1 skipped so far)"
+    ) in text
     assert text.count("skipped non-finite iterations: 1 (run total 1) |") == 1
     assert text.count("skipped non-finite iterations: 0 (run total 1) |") == 1
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]

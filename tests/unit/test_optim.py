@@ -1,4 +1,5 @@
 """AdamW groups and state by name, and gradient clipping, against references."""
+
 from __future__ import annotations
 
 import copy
@@ -11,11 +12,14 @@ from torch import nn
 from megatron_het.config import OptimizerConfig
 from megatron_het.errors import UserError
 from megatron_het.optim.clip_grad import clip_grad_norm
-from megatron_het.optim.optimizer import (build_optimizer, load_optimizer_state_by_name,
-                                          optimizer_state_by_name, param_groups)
+from megatron_het.optim.optimizer import (
+    build_optimizer,
+    load_optimizer_state_by_name,
+    optimizer_state_by_name,
+    param_groups,
+)
 
-CONFIG = OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-                         adam_eps=1e-8)
+CONFIG = OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
 
 
 class Toy(nn.Module):
@@ -61,8 +65,8 @@ def reference_adamw(model: nn.Module, data: list[torch.Tensor]) -> dict[str, tor
                 p.mul_(1 - CONFIG.lr * decay)
                 m[name].mul_(b1).add_(p.grad, alpha=1 - b1)
                 v[name].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                m_hat = m[name] / (1 - b1 ** step)
-                v_hat = v[name] / (1 - b2 ** step)
+                m_hat = m[name] / (1 - b1**step)
+                v_hat = v[name] / (1 - b2**step)
                 p.sub_(CONFIG.lr * m_hat / (v_hat.sqrt() + CONFIG.adam_eps))
     return {n: p.detach().clone() for n, p in params.items()}
 
@@ -136,7 +140,8 @@ def test_clip_zero_only_measures_and_reduction_hook_applies() -> None:
     assert all(torch.equal(p.grad, g) for p, g in zip(params, before))
     # A reduction that doubles the squared norm (two ranks holding equal shards).
     assert clip_grad_norm(params, 0.0, reduce_squared=lambda s: 2 * s) == pytest.approx(
-        local * math.sqrt(2))
+        local * math.sqrt(2)
+    )
 
 
 def test_non_finite_norm_leaves_grads_alone() -> None:

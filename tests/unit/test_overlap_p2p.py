@@ -1,20 +1,33 @@
 """Stage-boundary transfers overlapped with compute (Megatron-LM's --overlap-p2p-communication):
 the overlapped lists as data, sound under the strict backend models of the check, and what the
 overlap saves in the simulation and the closed form."""
+
 import itertools
 import random
 
 import pytest
 
-from megatron_het.pipeline import (Action, ActionKind, P2PBatch, P2PPost, P2PWait,
-                                   ScheduleError, build_schedule, check_schedule,
-                                   interleaved_one_f_one_b)
 from megatron_het.perf import closed_form_interleaved, lower_bound_interleaved
 from megatron_het.perf.simulator import SimulationCache, simulate
+from megatron_het.pipeline import (
+    Action,
+    ActionKind,
+    P2PBatch,
+    P2PPost,
+    P2PWait,
+    ScheduleError,
+    build_schedule,
+    check_schedule,
+    interleaved_one_f_one_b,
+)
 
 K = ActionKind
-GRID = [(p, v, m) for p in range(2, 6) for v in range(2, 4)
-        for m in sorted({p, p + 1, 2 * p, 2 * p + 1, 3 * p, 4 * p - 1})]
+GRID = [
+    (p, v, m)
+    for p in range(2, 6)
+    for v in range(2, 4)
+    for m in sorted({p, p + 1, 2 * p, 2 * p + 1, 3 * p, 4 * p - 1})
+]
 MODELS = list(itertools.product((False, True), repeat=2))  # (untagged, in_order)
 
 
@@ -34,8 +47,9 @@ def test_overlapped_lists_are_sound_under_every_backend_model(p, v, m):
     peaks = check_schedule(blocking, m, num_stages=v * p).peak_in_flight
     for untagged, in_order in MODELS:
         for schedule in (blocking, lists):
-            report = check_schedule(schedule, m, num_stages=v * p, untagged=untagged,
-                                    in_order=in_order)
+            report = check_schedule(
+                schedule, m, num_stages=v * p, untagged=untagged, in_order=in_order
+            )
             assert report.peak_in_flight == peaks
     for group, steps in enumerate(lists):
         assert compute(steps) == compute(blocking[group])
@@ -44,8 +58,9 @@ def test_overlapped_lists_are_sound_under_every_backend_model(p, v, m):
         waits = [s.actions for s in steps if isinstance(s, P2PWait)]
         assert sorted(map(str, posts)) == sorted(map(str, waits))  # each post waited once
         # each post carries one direction only
-        assert all(len({a.kind in (K.SEND_FORWARD, K.RECV_FORWARD) for a in post}) == 1
-                   for post in posts)
+        assert all(
+            len({a.kind in (K.SEND_FORWARD, K.RECV_FORWARD) for a in post}) == 1 for post in posts
+        )
 
 
 def test_activations_are_posted_before_the_backward_of_their_round():
@@ -54,7 +69,7 @@ def test_activations_are_posted_before_the_backward_of_their_round():
     # steady state: forward, post of its activations, then the backward (after a wait for
     # its gradient, posted one round earlier), then the post of the gradients
     i = kinds.index("BACKWARD")
-    assert kinds[i - 3:i + 2] == ["FORWARD", "P2PPost", "P2PWait", "BACKWARD", "P2PPost"]
+    assert kinds[i - 3 : i + 2] == ["FORWARD", "P2PPost", "P2PWait", "BACKWARD", "P2PPost"]
     assert steps[i - 2].actions[0].kind in (K.SEND_FORWARD, K.RECV_FORWARD)
     assert steps[i + 1].actions[0].kind in (K.SEND_BACKWARD, K.RECV_BACKWARD)
 
@@ -92,17 +107,38 @@ def test_untagged_and_in_order_models_catch_what_tags_allow():
     With tags (gloo) that waits on its own channel; without tags (NCCL matches the messages
     between two ranks in order) list 0's first message to list 1, an activation, meets it;
     with one communication stream per rank nothing behind the early post can complete."""
+
     def a(kind, stage, peer=None):
         return Action(kind, 0, peer, stage)
+
     early = (a(K.RECV_BACKWARD, 1, 2),)
-    lists = [[a(K.FORWARD, 0), a(K.SEND_FORWARD, 0, 1), a(K.RECV_FORWARD, 2, 1),
-              a(K.FORWARD, 2), a(K.SEND_FORWARD, 2, 3), a(K.RECV_BACKWARD, 2, 3),
-              a(K.BACKWARD, 2), a(K.SEND_BACKWARD, 2, 1), a(K.RECV_BACKWARD, 0, 1),
-              a(K.BACKWARD, 0)],
-             [P2PPost(early), a(K.RECV_FORWARD, 1, 0), a(K.FORWARD, 1),
-              a(K.SEND_FORWARD, 1, 2), a(K.RECV_FORWARD, 3, 2), a(K.FORWARD, 3),
-              a(K.BACKWARD, 3), a(K.SEND_BACKWARD, 3, 2), P2PWait(early), a(K.BACKWARD, 1),
-              a(K.SEND_BACKWARD, 1, 0)]]
+    lists = [
+        [
+            a(K.FORWARD, 0),
+            a(K.SEND_FORWARD, 0, 1),
+            a(K.RECV_FORWARD, 2, 1),
+            a(K.FORWARD, 2),
+            a(K.SEND_FORWARD, 2, 3),
+            a(K.RECV_BACKWARD, 2, 3),
+            a(K.BACKWARD, 2),
+            a(K.SEND_BACKWARD, 2, 1),
+            a(K.RECV_BACKWARD, 0, 1),
+            a(K.BACKWARD, 0),
+        ],
+        [
+            P2PPost(early),
+            a(K.RECV_FORWARD, 1, 0),
+            a(K.FORWARD, 1),
+            a(K.SEND_FORWARD, 1, 2),
+            a(K.RECV_FORWARD, 3, 2),
+            a(K.FORWARD, 3),
+            a(K.BACKWARD, 3),
+            a(K.SEND_BACKWARD, 3, 2),
+            P2PWait(early),
+            a(K.BACKWARD, 1),
+            a(K.SEND_BACKWARD, 1, 0),
+        ],
+    ]
     check_schedule(lists, 1, num_stages=4)
     with pytest.raises(ScheduleError, match="same order on both sides"):
         check_schedule(lists, 1, num_stages=4, untagged=True)
@@ -123,7 +159,8 @@ def test_overlap_pays_one_way_through_every_boundary_and_back(p, v, mult):
         overlapped = makespan(p, v, m, f, b, p2p)
         assert overlapped == pytest.approx(alone + 2 * (n - 1) * c, rel=1e-12)
         assert closed_form_interleaved(f, b, m, v, p2p, p2p, overlap_p2p=True) == pytest.approx(
-            overlapped, rel=1e-12)
+            overlapped, rel=1e-12
+        )
         assert overlapped < makespan(p, v, m, f, b, p2p, overlap=False)
 
 
@@ -141,8 +178,14 @@ def test_overlapped_closed_form_against_the_simulation_on_random_stages():
         lists = build_schedule("1f1b", p, m, num_chunks=v, overlap_p2p=True)
         time = simulate(lists, f, b, cf, cb, record_timeline=False).makespan_s
         assert time >= lower_bound_interleaved(f, b, m, v, cf, cb) - 1e-9
-        assert time <= makespan(p, v, m, f, b, None, False) + sum(cf) + sum(cb) + (
-            m * v * (max(cf) + max(cb))) + 1e-9
+        assert (
+            time
+            <= makespan(p, v, m, f, b, None, False)
+            + sum(cf)
+            + sum(cb)
+            + (m * v * (max(cf) + max(cb)))
+            + 1e-9
+        )
         ratios.append(closed_form_interleaved(f, b, m, v, cf, cb, overlap_p2p=True) / time)
     assert 0.9 < min(ratios) and max(ratios) < 1.3
 
@@ -156,5 +199,6 @@ def test_the_cache_keeps_overlapped_and_blocking_apart():
     assert cache.makespan(f, b, 4, c, c, 2) == blocking
     assert cache.last_backwards(f, b, 4, c, c, 2, overlap_p2p=True)[0] == overlapped
     # plain pipelines ignore the option (as the runtime does)
-    assert cache.makespan(f[:2], b[:2], 4, c[:1], c[:1], 1, overlap_p2p=True) == \
-        cache.makespan(f[:2], b[:2], 4, c[:1], c[:1], 1)
+    assert cache.makespan(f[:2], b[:2], 4, c[:1], c[:1], 1, overlap_p2p=True) == cache.makespan(
+        f[:2], b[:2], 4, c[:1], c[:1], 1
+    )

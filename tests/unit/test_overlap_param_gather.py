@@ -1,6 +1,7 @@
 """--overlap-param-gather's waits: each part of a stage (embedding, every layer, the head)
 waits right before it runs for the all-gathers of the buckets holding its parameters, the head
 also for a tied embedding's; the waits sit between layers, so compiled layers keep one graph."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -21,8 +22,9 @@ class Gathers:
     def __init__(self, stage: torch.nn.Module) -> None:
         names = [name for name, _ in stage.named_parameters()]
         self.bucket_of = {name: index for index, name in enumerate(names)}
-        self.buckets = SimpleNamespace(slots=[SimpleNamespace(name=n, bucket=i)
-                                              for n, i in self.bucket_of.items()])
+        self.buckets = SimpleNamespace(
+            slots=[SimpleNamespace(name=n, bucket=i) for n, i in self.bucket_of.items()]
+        )
         self.waits: list[tuple[int, ...]] = []
 
     def wait_param_gather(self, buckets) -> None:
@@ -94,8 +96,9 @@ def test_a_tensor_parallel_head_waits_for_its_buckets_too(monkeypatch) -> None:
     stage = LlamaModel(config, layer_range=(3, 4), has_embedding=False, has_head=True)
     stage.__class__ = apply.TensorParallelLlamaModel  # a one-rank group's TP model
     stage.tp_group, stage.vocab_range, stage.sequence_parallel = None, (0, config.vocab_size), False
-    monkeypatch.setattr(apply, "vocab_parallel_linear_cross_entropy",
-                        lambda normed, *_, **__: normed.sum())
+    monkeypatch.setattr(
+        apply, "vocab_parallel_linear_cross_entropy", lambda normed, *_, **__: normed.sum()
+    )
     flat = Gathers(stage)
     _wait_for_gathers(stage, flat)
     stage(torch.randn(1, 4, config.hidden_size), labels=torch.randint(0, 8, (1, 4)))

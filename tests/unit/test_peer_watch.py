@@ -1,5 +1,6 @@
 """PeerWatch: heartbeats in a store, the failure report, the reporter rule and the abort; the
 bounded store calls and the report when the store's node is gone."""
+
 from __future__ import annotations
 
 import threading
@@ -14,8 +15,9 @@ from megatron_het.training.peer_watch import PeerWatch, heartbeat_interval
 
 
 def watch(store, rank: int, world: int = 4, **kwargs) -> PeerWatch:
-    return PeerWatch(store, rank, world, timeout_s=1.0, describe=lambda r: f"rank {r} (kind)",
-                     **kwargs)
+    return PeerWatch(
+        store, rank, world, timeout_s=1.0, describe=lambda r: f"rank {r} (kind)", **kwargs
+    )
 
 
 def test_interval_is_a_tenth_of_the_timeout_within_bounds() -> None:
@@ -37,12 +39,14 @@ def test_report_names_the_rank_that_stopped_beating_and_those_that_failed() -> N
         watches[1]._beat()
         next(beats)
 
-    report = watches[0].report(CommError("dp", "all_reduce", "Timed out waiting 6000ms"), 7,
-                               sleep=sleep)  # rank 0 is the logging rank
+    report = watches[0].report(
+        CommError("dp", "all_reduce", "Timed out waiting 6000ms"), 7, sleep=sleep
+    )  # rank 0 is the logging rank
     assert report.silent == (3,) and report.failed == (2,)
     assert report.line.startswith("iteration 7: rank 3 (kind) stopped answering")
-    assert "on rank 0: unified group 'dp': all_reduce failed: Timed out waiting 6000ms" in \
-        report.line
+    assert (
+        "on rank 0: unified group 'dp': all_reduce failed: Timed out waiting 6000ms" in report.line
+    )
     assert "failed before: rank 2 at iteration 7 (recv on unified group 'pp')" in report.line
     assert "\n" not in report.line
 
@@ -71,8 +75,9 @@ def test_the_logging_rank_reports_and_the_others_print_a_short_line() -> None:
     assert full.full and full.silent == (0, 3)
     short = watches[1].report(CommError("pp", "recv", "reset"), 4, sleep=alive)
     assert not short.full
-    assert short.line == ("rank 1: unified group 'pp': recv failed: reset (the report is on "
-                          "rank 2)")
+    assert short.line == (
+        "rank 1: unified group 'pp': recv failed: reset (the report is on rank 2)"
+    )
 
 
 def test_the_first_fallback_that_answers_reports_when_the_logging_rank_is_lost() -> None:
@@ -123,8 +128,9 @@ def test_a_rank_whose_main_thread_does_not_fail_ends_itself_after_the_abort() ->
     watch(store, 0).record(CommError("dp", "all_reduce", "timed out"), 5)
     assert aborted.wait(10)
     hung.stop()
-    assert messages[0].startswith("rank 1: stopping at iteration 5: the run was aborted "
-                                  "after a failure on rank 0 (kind)")
+    assert messages[0].startswith(
+        "rank 1: stopping at iteration 5: the run was aborted after a failure on rank 0 (kind)"
+    )
 
 
 def test_a_failing_rank_is_not_ended_by_its_own_abort() -> None:
@@ -153,18 +159,22 @@ class GoneStore:
 
 
 def test_a_store_whose_host_is_gone_is_said_in_the_line() -> None:
-    report = watch(GoneStore(), 2).report(CommError("dp", "all_reduce", "timed out"), 4,
-                                          sleep=lambda _s: None)
+    report = watch(GoneStore(), 2).report(
+        CommError("dp", "all_reduce", "timed out"), 4, sleep=lambda _s: None
+    )
     assert "the rendezvous store did not answer (Connection refused)" in report.line
     assert report.silent == ()
 
 
 def test_first_line_drops_backend_source_locations_and_boilerplate() -> None:
-    error = RuntimeError("g (gloo over ranks [0, 2]): [/src/gloo/tcp/pair.cc:534] Read error "
-                         "[127.0.0.1]:1: Connection reset by peer. This is typically caused by "
-                         "a remote worker hanging. GLHF!\nmore")
-    assert first_line(error) == ("g (gloo over ranks [0, 2]): Read error [127.0.0.1]:1: "
-                                 "Connection reset by peer.")
+    error = RuntimeError(
+        "g (gloo over ranks [0, 2]): [/src/gloo/tcp/pair.cc:534] Read error "
+        "[127.0.0.1]:1: Connection reset by peer. This is typically caused by "
+        "a remote worker hanging. GLHF!\nmore"
+    )
+    assert first_line(error) == (
+        "g (gloo over ranks [0, 2]): Read error [127.0.0.1]:1: Connection reset by peer."
+    )
 
 
 def test_a_rank_stuck_in_compute_is_singled_out() -> None:
@@ -178,8 +188,10 @@ def test_a_rank_stuck_in_compute_is_singled_out() -> None:
     alive = lambda _s: [w._beat() for w in watches[1:]]  # noqa: E731
     report = watches[0].report(CommError("pp", "recv", "Timed out"), 3, sleep=alive)
     assert report.silent == () and report.stuck == (3,)
-    assert ("every other rank still answers; rank 3 (kind) has been computing for 1 s "
-            "(stuck in compute: the others' operations waited on it);") in report.line
+    assert (
+        "every other rank still answers; rank 3 (kind) has been computing for 1 s "
+        "(stuck in compute: the others' operations waited on it);"
+    ) in report.line
     # a compute region shorter than half the timeout is no sign of being stuck
     places[3] = ("compute", 0.2)
     report = watches[0].report(CommError("pp", "recv", "Timed out"), 3, sleep=alive)
@@ -251,9 +263,19 @@ def test_a_store_call_without_answer_fails_after_the_deadline_and_later_ones_at_
 def nodes_of_two(silent: SilentStore, rank0_node_size: int = 2, **kwargs) -> list[PeerWatch]:
     """Four ranks, ranks 0-1 on the store's node; rank 0 publishes its node's size and every
     rank beats once (the others learn it)."""
-    watches = [PeerWatch(silent, r, 4, timeout_s=1.0, describe=lambda r: f"rank {r} (kind)",
-                         node_size=rank0_node_size if r == 0 else 2, store_deadline_s=0.2,
-                         **kwargs) for r in range(4)]
+    watches = [
+        PeerWatch(
+            silent,
+            r,
+            4,
+            timeout_s=1.0,
+            describe=lambda r: f"rank {r} (kind)",
+            node_size=rank0_node_size if r == 0 else 2,
+            store_deadline_s=0.2,
+            **kwargs,
+        )
+        for r in range(4)
+    ]
     watches[0].start()
     watches[0].stop()
     for w in watches[1:]:
@@ -268,13 +290,16 @@ def test_the_ranks_of_the_stores_node_are_named_when_the_store_stops_answering()
     silent.answer.clear()
     full = watches[2].report(CommError("pp", "send", "timed out"), 4, sleep=lambda _s: None)
     assert full.full and full.silent == (0, 1)
-    assert full.line == ("iteration 4: rank 0 (kind), rank 1 (kind) stopped answering (the "
-                         "rendezvous store on their node did not answer: no answer in 0.2 s); "
-                         "on rank 2: unified group 'pp': send failed: timed out")
+    assert full.line == (
+        "iteration 4: rank 0 (kind), rank 1 (kind) stopped answering (the "
+        "rendezvous store on their node did not answer: no answer in 0.2 s); "
+        "on rank 2: unified group 'pp': send failed: timed out"
+    )
     short = watches[3].report(CommError("pp", "recv", "reset"), 4, sleep=lambda _s: None)
     assert not short.full
-    assert short.line == ("rank 3: unified group 'pp': recv failed: reset (the report is on "
-                          "rank 2)")
+    assert short.line == (
+        "rank 3: unified group 'pp': recv failed: reset (the report is on rank 2)"
+    )
     silent.answer.set()
 
 
@@ -286,8 +311,10 @@ def test_without_the_store_nodes_size_every_rank_says_the_store_is_gone() -> Non
     for w in watches[2:]:
         report = w.report(CommError("pp", "send", "timed out"), 4, sleep=lambda _s: None)
         assert report.full and report.silent == ()
-        assert report.line.endswith("the rendezvous store did not answer (no answer in "
-                                    "0.2 s): the node serving it (rank 0's) is gone")
+        assert report.line.endswith(
+            "the rendezvous store did not answer (no answer in "
+            "0.2 s): the node serving it (rank 0's) is gone"
+        )
     silent.answer.set()
 
 

@@ -1,6 +1,7 @@
 """Device-backend operations past the timeout: noted by the links when waited for, found by the
 heartbeat thread, reported as a failed operation (no GPU needed: markers and backends are
 stand-ins)."""
+
 from __future__ import annotations
 
 import datetime
@@ -46,8 +47,10 @@ def test_the_oldest_operation_past_the_timeout_is_named() -> None:
     clock.now += 56  # the first is 61 s old, the second 56 s
     error = ops.stuck(60.0)
     assert isinstance(error, CommError) and (error.group, error.op) == ("tp", "all_reduce")
-    assert str(error) == ("unified group 'tp': all_reduce failed: native[gpu] (nccl over ranks "
-                          "[0, 1]): not complete 61 s after it started (timeout 60 s)")
+    assert str(error) == (
+        "unified group 'tp': all_reduce failed: native[gpu] (nccl over ranks "
+        "[0, 1]): not complete 61 s after it started (timeout 60 s)"
+    )
     first.done = True  # completed since: dropped; the second is not old enough yet
     assert ops.stuck(60.0) is None and len(ops) == 1
     clock.now += 10
@@ -93,8 +96,7 @@ class FakeBackend:
 
 
 @pytest.mark.parametrize("backend, noted", [("nccl", True), ("gloo", False)])
-def test_links_note_device_backend_operations_once_waited_for(monkeypatch, backend,
-                                                              noted) -> None:
+def test_links_note_device_backend_operations_once_waited_for(monkeypatch, backend, noted) -> None:
     ops, made = PendingOps(), []
 
     def marker(device_type: str) -> Marker:
@@ -140,8 +142,7 @@ def test_coalesced_pipeline_transfers_are_noted_too(monkeypatch) -> None:
     monkeypatch.setattr(pending, "PENDING", ops)
     monkeypatch.setattr(pending, "stream_marker", lambda device_type: Marker())
     link = Link(FakeP2PBackend(), (0, 1), 0, "nccl", "native[gpu]", "pipeline-p0")
-    works = coalesced(link, [P2POp("isend", torch.zeros(2), 1),
-                             P2POp("irecv", torch.zeros(2), 1)])
+    works = coalesced(link, [P2POp("isend", torch.zeros(2), 1), P2POp("irecv", torch.zeros(2), 1)])
     for work in works:
         work.wait()
     error = ops.stuck(0.0)
@@ -178,16 +179,16 @@ def test_the_heartbeat_thread_ends_a_rank_whose_operation_never_failed() -> None
 def test_a_failing_rank_is_not_reported_again_as_stuck() -> None:
     store = dist.HashStore()
     calls = []
-    watch = PeerWatch(store, 0, 2, timeout_s=1.0,
-                      stuck_operation=lambda _s: CommError("tp", "all_reduce", "late"))
+    watch = PeerWatch(
+        store, 0, 2, timeout_s=1.0, stuck_operation=lambda _s: CommError("tp", "all_reduce", "late")
+    )
     watch.on_stuck = calls.append
     watch.record(RuntimeError("bug"), 3)
     watch._check_stuck()
     assert calls == []
 
 
-def test_a_stuck_operation_is_reported_and_ends_the_process(monkeypatch, capsys,
-                                                             tmp_path) -> None:
+def test_a_stuck_operation_is_reported_and_ends_the_process(monkeypatch, capsys, tmp_path) -> None:
     from megatron_het.training import run
     from megatron_het.training.supervisor import read_failure
 
@@ -199,8 +200,12 @@ def test_a_stuck_operation_is_reported_and_ends_the_process(monkeypatch, capsys,
 
         def report(self, error, iteration):
             from megatron_het.training.peer_watch import PeerReport
-            return PeerReport(f"iteration {iteration}: rank 0 (kind) stopped answering; on "
-                              f"rank 1: {error}", (0,), ())
+
+            return PeerReport(
+                f"iteration {iteration}: rank 0 (kind) stopped answering; on rank 1: {error}",
+                (0,),
+                (),
+            )
 
     class Setup:
         class train:
@@ -211,8 +216,10 @@ def test_a_stuck_operation_is_reported_and_ends_the_process(monkeypatch, capsys,
     run._end_stuck(Setup, Watch(), CommError("tp", "all_reduce", "not complete"))
     assert exits == [1]
     err = capsys.readouterr().err
-    assert err.startswith("error: iteration 7: rank 0 (kind) stopped answering; on rank 1: "
-                          "unified group 'tp': all_reduce failed: not complete")
+    assert err.startswith(
+        "error: iteration 7: rank 0 (kind) stopped answering; on rank 1: "
+        "unified group 'tp': all_reduce failed: not complete"
+    )
     assert err.count("\n") == 1
     # for a supervisor's relaunch, as a failed operation on the main thread records it
     record = read_failure(tmp_path)
@@ -239,8 +246,12 @@ def test_a_device_marker_is_queried_on_the_device_it_was_recorded_on(monkeypatch
         entered.append((threading.current_thread().name, index))
         yield
 
-    monkeypatch.setattr(torch, "fakedev", SimpleNamespace(
-        Event=Event, current_device=lambda: state["current"], device=device), raising=False)
+    monkeypatch.setattr(
+        torch,
+        "fakedev",
+        SimpleNamespace(Event=Event, current_device=lambda: state["current"], device=device),
+        raising=False,
+    )
     marker = pending.stream_marker("fakedev")
     state["current"] = 0  # another thread's current device
     answers = []

@@ -1,4 +1,5 @@
 """Communication cost: hand-computed DP sync on a 2+2 cluster, rings, NIC sharing, profiles."""
+
 import pytest
 
 from megatron_het.cluster import ClusterSpec
@@ -10,21 +11,45 @@ GB = 1e9
 
 def two_plus_two() -> ClusterSpec:
     """Ranks 0-1: H100 on node 0; ranks 2-3: A100-80G on node 1; a 10 GB/s bridge."""
-    return ClusterSpec.from_dict({
-        "name": "two_plus_two",
-        "node_groups": [
-            {"name": "a", "accelerator": "H100", "nodes": 1, "devices_per_node": 2,
-             "nic_bandwidth_gbps": 50},
-            {"name": "b", "accelerator": "A100-80G", "nodes": 1, "devices_per_node": 2,
-             "nic_bandwidth_gbps": 50}],
-        "links": [{"groups": ["a", "b"], "bandwidth_gbps": 10, "latency_us": 10}]})
+    return ClusterSpec.from_dict(
+        {
+            "name": "two_plus_two",
+            "node_groups": [
+                {
+                    "name": "a",
+                    "accelerator": "H100",
+                    "nodes": 1,
+                    "devices_per_node": 2,
+                    "nic_bandwidth_gbps": 50,
+                },
+                {
+                    "name": "b",
+                    "accelerator": "A100-80G",
+                    "nodes": 1,
+                    "devices_per_node": 2,
+                    "nic_bandwidth_gbps": 50,
+                },
+            ],
+            "links": [{"groups": ["a", "b"], "bandwidth_gbps": 10, "latency_us": 10}],
+        }
+    )
 
 
 def two_nodes() -> ClusterSpec:
     """4 H100 ranks on 2 nodes (2 each) with a 25 GB/s NIC per node, 5 us latency."""
-    return ClusterSpec.from_dict({"node_groups": [
-        {"name": "h", "accelerator": "H100", "nodes": 2, "devices_per_node": 2,
-         "nic_bandwidth_gbps": 25}]})
+    return ClusterSpec.from_dict(
+        {
+            "node_groups": [
+                {
+                    "name": "h",
+                    "accelerator": "H100",
+                    "nodes": 2,
+                    "devices_per_node": 2,
+                    "nic_bandwidth_gbps": 25,
+                }
+            ]
+        }
+    )
 
 
 def test_hierarchical_dp_sync_on_two_plus_two_by_hand():
@@ -64,14 +89,14 @@ def test_groups_crossing_the_same_nic_share_it():
 def test_tp_all_reduce_inside_a_node():
     comm = CommCost(two_nodes())
     assert comm.tp_all_reduce([0, 1], 1e8) == pytest.approx(
-        1e8 / (900 * GB * LINK_EFFICIENCY) + 2 * 1e-6)
+        1e8 / (900 * GB * LINK_EFFICIENCY) + 2 * 1e-6
+    )
     assert comm.tp_all_reduce([2], 1e8) == 0.0
 
 
 def test_profile_figures_replace_the_link_figures():
     conditions = ProfileConditions("H100", "2.5", 8, "2026-11-30")
-    profile = Profile("H100", conditions, comm=(
-        CommEntry("collective", "inter_node", 5.0, 2e-5),))
+    profile = Profile("H100", conditions, comm=(CommEntry("collective", "inter_node", 5.0, 2e-5),))
     comm = CommCost(two_nodes(), {"H100": profile})
     ring = comm.dp_sync([0, 1, 2, 3], 4e9)
     assert ring.time_s == pytest.approx(2 * 3 / 4 * 4e9 / 5e9 + 2 * 3 * 2e-5)

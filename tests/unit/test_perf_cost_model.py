@@ -1,13 +1,24 @@
 """Cost model: per-layer FLOPs against ModelConfig.flops_per_token, roofline by hand, emulation."""
+
 import pytest
 
 from megatron_het.cluster import AcceleratorRegistry
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
-from megatron_het.perf.cost_model import (Efficiency, LayerShape, Op, attention_ops, gemm,
-                                          head_forward_flops, layer_activation_bytes,
-                                          layer_forward_flops, layer_forward_ops,
-                                          layer_input_bytes, op_time, ops_time)
+from megatron_het.perf.cost_model import (
+    Efficiency,
+    LayerShape,
+    Op,
+    attention_ops,
+    gemm,
+    head_forward_flops,
+    layer_activation_bytes,
+    layer_forward_flops,
+    layer_forward_ops,
+    layer_input_bytes,
+    op_time,
+    ops_time,
+)
 from megatron_het.perf.stage_cost import ProfileChoice, stage_compute
 
 KINDS = AcceleratorRegistry.builtin()
@@ -20,7 +31,8 @@ def test_layer_and_head_flops_add_up_to_flops_per_token(name, seq, micro_batch):
     model = model_preset(name)
     shape = LayerShape.of(model, seq, micro_batch, tp=1)
     forward = model.num_layers * layer_forward_flops(shape) + head_forward_flops(
-        shape, model.vocab_size)
+        shape, model.vocab_size
+    )
     expected = model.flops_per_token(seq) * seq * micro_batch
     assert 3 * forward == pytest.approx(expected, rel=1e-12)
 
@@ -35,8 +47,8 @@ def test_tp_ranks_split_the_layer_flops_exactly():
 def test_gemm_roofline_by_hand():
     h100 = KINDS.get("H100")
     big = gemm("big", 4096, 4096, 4096)  # 2 * 4096^3 FLOPs: compute-bound
-    assert op_time(big, h100, "bf16", EXACT) == pytest.approx(2 * 4096 ** 3 / 989e12)
-    assert op_time(big, h100, "bf16") == pytest.approx(2 * 4096 ** 3 / (989e12 * 0.6))
+    assert op_time(big, h100, "bf16", EXACT) == pytest.approx(2 * 4096**3 / 989e12)
+    assert op_time(big, h100, "bf16") == pytest.approx(2 * 4096**3 / (989e12 * 0.6))
     thin = gemm("thin", 1, 4096, 4096)  # a matrix-vector product: memory-bound
     nbytes = (4096 + 4096 * 4096 + 4096) * 2
     assert op_time(thin, h100, "bf16", EXACT) == pytest.approx(nbytes / 3350e9)
@@ -57,8 +69,10 @@ def test_emulated_kind_is_host_estimate_times_slowdown():
 
 def test_slower_accelerator_takes_longer():
     shape = LayerShape.of(model_preset("llama2-7b"), 4096, 1, 1)
-    times = {name: ops_time(layer_forward_ops(shape), KINDS.get(name), "bf16")
-             for name in ("H100", "A100-80G", "MI250X")}
+    times = {
+        name: ops_time(layer_forward_ops(shape), KINDS.get(name), "bf16")
+        for name in ("H100", "A100-80G", "MI250X")
+    }
     assert times["H100"] < times["A100-80G"] < times["MI250X"]
     fwd, bwd = ops_time(layer_forward_ops(shape), KINDS.get("H100"), "bf16")
     assert 2.0 <= bwd / fwd <= 2.5
@@ -88,10 +102,16 @@ def test_both_attention_kernels_do_the_same_model_flops():
             flash = layer_forward_ops(shape)
             unfused = layer_forward_ops(shape, "unfused")
             assert sum(op.flops for op in unfused) == pytest.approx(
-                sum(op.flops for op in flash), rel=1e-12)
+                sum(op.flops for op in flash), rel=1e-12
+            )
             assert [op.name for op in attention_ops(shape)] == ["attention"]
             assert [op.name for op in attention_ops(shape, "unfused")] == [
-                "scores", "softmax", "dropout", "context", "context_transpose"]
+                "scores",
+                "softmax",
+                "dropout",
+                "context",
+                "context_transpose",
+            ]
 
 
 def test_unfused_attention_traffic_by_hand():
@@ -125,8 +145,11 @@ def test_flash_attention_op_is_unchanged():
     shape = LayerShape.of(model_preset("llama2-7b"), 4096, 2, 2)
     (op,) = attention_ops(shape)
     q, kv = 32 * 128 // 2, 32 * 128 // 2
-    assert (op.kind, op.flops, op.elements) == ("attention", 4.0 * 2 * 4096 ** 2 * q,
-                                                2 * 4096 * (2 * q + 2 * kv))
+    assert (op.kind, op.flops, op.elements) == (
+        "attention",
+        4.0 * 2 * 4096**2 * q,
+        2 * 4096 * (2 * q + 2 * kv),
+    )
     assert layer_forward_ops(shape)[1] == op
     h100 = KINDS.get("H100")
     causal = 0.5 * op.flops / (989e12 * 0.4)
@@ -143,8 +166,10 @@ def test_unfused_attention_is_slower_and_its_activations_hold_the_scores():
     tiny = UNFUSED_SHAPE
     # No log-sum-exp (16 tokens x 4 heads float32); probabilities and dropped probabilities
     # (fp16) and a mask byte per score.
-    assert (layer_activation_bytes(tiny, "fp16", attention_kernel="unfused")
-            - layer_activation_bytes(tiny, "fp16")) == SCORES * (2 * 2 + 1) - 16 * 4 * 4
+    assert (
+        layer_activation_bytes(tiny, "fp16", attention_kernel="unfused")
+        - layer_activation_bytes(tiny, "fp16")
+    ) == SCORES * (2 * 2 + 1) - 16 * 4 * 4
 
 
 def test_stage_costs_follow_the_efficiencys_attention_kernel():
@@ -154,23 +179,45 @@ def test_stage_costs_follow_the_efficiencys_attention_kernel():
 
     def compute(kernel, recompute):
         efficiency = Efficiency(attention_kernel=kernel)
-        return stage_compute(model, spec, shape, 2, False, False, 2 if recompute else 0,
-                             "fp16", ProfileChoice(None), efficiency)
+        return stage_compute(
+            model,
+            spec,
+            shape,
+            2,
+            False,
+            False,
+            2 if recompute else 0,
+            "fp16",
+            ProfileChoice(None),
+            efficiency,
+        )
 
     flash, unfused = compute("flash", False), compute("unfused", False)
     assert unfused.forward_s > flash.forward_s
-    assert unfused.activation_bytes == 2 * layer_activation_bytes(shape, "fp16",
-                                                                  attention_kernel="unfused")
+    assert unfused.activation_bytes == 2 * layer_activation_bytes(
+        shape, "fp16", attention_kernel="unfused"
+    )
     # Under recompute a layer keeps its input only; the recomputed layer is the transient.
     kept = compute("unfused", True)
     assert kept.activation_bytes == compute("flash", True).activation_bytes
     assert kept.transient_bytes == unfused.activation_bytes / 2
     # Block recompute of the first of the two layers: one layer's input and one layer's
     # activations kept, one forward more in backward.
-    half = stage_compute(model, spec, shape, 2, False, False, 1, "fp16", ProfileChoice(None),
-                         Efficiency(attention_kernel="unfused"))
+    half = stage_compute(
+        model,
+        spec,
+        shape,
+        2,
+        False,
+        False,
+        1,
+        "fp16",
+        ProfileChoice(None),
+        Efficiency(attention_kernel="unfused"),
+    )
     assert half.activation_bytes == pytest.approx(
-        (kept.activation_bytes + unfused.activation_bytes) / 2)
+        (kept.activation_bytes + unfused.activation_bytes) / 2
+    )
     assert half.transient_bytes == kept.transient_bytes
     assert half.backward_s == pytest.approx((kept.backward_s + unfused.backward_s) / 2)
 

@@ -1,11 +1,18 @@
 """Memory terms: parameter counts per stage, Megatron's mixed-precision bytes, 1F1B in flight."""
+
 import pytest
 
 from megatron_het.config import model_preset
 from megatron_het.parallel.plan import PipelinePlan, StagePlan
-from megatron_het.perf.memory import (MemoryBreakdown, device_memory, group_activations,
-                                      in_flight_micro_batches, layer_parameters, stage_memory,
-                                      stage_parameters)
+from megatron_het.perf.memory import (
+    MemoryBreakdown,
+    device_memory,
+    group_activations,
+    in_flight_micro_batches,
+    layer_parameters,
+    stage_memory,
+    stage_parameters,
+)
 
 
 def pipeline(model, splits, tp=1):
@@ -25,12 +32,10 @@ def test_stage_parameters_add_up_to_the_model(name):
 
 def test_tied_embeddings_keep_a_copy_on_the_last_stage():
     model = model_preset("tiny-tied")
-    assert stage_parameters(model, pipeline(model, [(0, 4)]).stages[0]) == \
-        model.num_parameters()
+    assert stage_parameters(model, pipeline(model, [(0, 4)]).stages[0]) == model.num_parameters()
     split = pipeline(model, [(0, 2), (2, 4)])
     copy = model.vocab_size * model.hidden_size
-    assert sum(stage_parameters(model, s) for s in split.stages) == \
-        model.num_parameters() + copy
+    assert sum(stage_parameters(model, s) for s in split.stages) == model.num_parameters() + copy
 
 
 def test_tp_shards_everything_but_the_norms():
@@ -41,12 +46,12 @@ def test_tp_shards_everything_but_the_norms():
 
 def test_memory_terms_for_a_known_config():
     params = 1_000_000
-    bf16 = stage_memory(params, "bf16", zero1_dp=1, activation_per_micro_batch=1000,
-                        in_flight=3)
+    bf16 = stage_memory(params, "bf16", zero1_dp=1, activation_per_micro_batch=1000, in_flight=3)
     assert bf16 == MemoryBreakdown(2e6, 4e6, 12e6, 3000.0)
     assert bf16.total_bytes == 2e6 + 4e6 + 12e6 + 3000
-    zero = stage_memory(params, "bf16", zero1_dp=4, activation_per_micro_batch=1000,
-                        in_flight=3, transient_bytes=7)
+    zero = stage_memory(
+        params, "bf16", zero1_dp=4, activation_per_micro_batch=1000, in_flight=3, transient_bytes=7
+    )
     assert zero.optimizer_bytes == 3e6 and zero.transient_bytes == 7
     fp32 = stage_memory(params, "fp32", 1, 0, 1)
     assert (fp32.weights_bytes, fp32.grads_bytes, fp32.optimizer_bytes) == (4e6, 4e6, 8e6)
@@ -60,14 +65,17 @@ def test_micro_batches_in_flight_under_1f1b():
 @pytest.mark.parametrize("pp,m", [(1, 3), (3, 2), (4, 8)])
 def test_in_flight_matches_the_schedule(pp, m):
     from megatron_het.pipeline.schedules import build_schedule, check_schedule
+
     report = check_schedule(build_schedule("1f1b", pp, m), m)
     assert list(report.peak_in_flight) == [in_flight_micro_batches(pp, s, m) for s in range(pp)]
 
 
-@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (3, 2, 6), (4, 3, 8), (2, 4, 6),
-                                   (3, 1, 5)])
+@pytest.mark.parametrize(
+    "p,v,m", [(2, 2, 2), (2, 2, 4), (3, 2, 6), (4, 3, 8), (2, 4, 6), (3, 1, 5)]
+)
 def test_group_activations_follow_the_schedule(p, v, m):
     from megatron_het.pipeline.schedules import build_schedule, check_schedule
+
     lists = build_schedule("1f1b", p, m, num_chunks=v)
     report = check_schedule(lists, m, p * v)
     for g, steps in enumerate(lists):
@@ -88,6 +96,7 @@ def test_device_memory_holds_every_chunk():
 def test_capacity_is_the_memory_cap_of_an_emulated_kind():
     from megatron_het.cluster import AcceleratorRegistry
     from megatron_het.perf.memory import GIB, device_capacity_bytes
+
     kinds = AcceleratorRegistry.builtin()
     assert device_capacity_bytes(kinds.get("H100")) == 80 * GIB
     capped = kinds.get("emu-slow").replace(memory_cap_gib=1.5)
@@ -118,8 +127,11 @@ def test_activation_terms_are_the_tensors_the_model_saves(dtype):
     import torch
 
     from megatron_het.model.llama import build_model
-    from megatron_het.perf.cost_model import (LayerShape, head_activation_bytes,
-                                              layer_activation_bytes)
+    from megatron_het.perf.cost_model import (
+        LayerShape,
+        head_activation_bytes,
+        layer_activation_bytes,
+    )
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     config = model_preset("tiny")

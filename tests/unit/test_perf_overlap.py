@@ -1,5 +1,6 @@
 """The DP options in the predictor: gradient buckets overlapped with backward, ZeRO-1's parameter
 all-gather overlapped with the next forward, bf16 reduction."""
+
 import dataclasses
 import inspect
 import json
@@ -20,9 +21,15 @@ from megatron_het.parallel.plan_builders import plan_from_megatron_flags
 from megatron_het.perf import predict
 from megatron_het.perf.closed_forms import last_backward_ends
 from megatron_het.perf.comm_cost import SyncCost
-from megatron_het.perf.dp_overlap import (BUCKET_SIZE_MB, BucketTiming, bucket_layout,
-                                          device_parameters, exposed_sync, gather_delay,
-                                          reduction_end)
+from megatron_het.perf.dp_overlap import (
+    BUCKET_SIZE_MB,
+    BucketTiming,
+    bucket_layout,
+    device_parameters,
+    exposed_sync,
+    gather_delay,
+    reduction_end,
+)
 from megatron_het.perf.dp_sync import DPSync
 from megatron_het.perf.simulator import simulate_1f1b
 from megatron_het.tensor_parallel.sharding import parameter_shape, shard_spec
@@ -34,9 +41,20 @@ SEQ = 4096
 
 
 def a100_nodes(nodes: int) -> ClusterSpec:
-    return ClusterSpec.from_dict({"name": "a100", "node_groups": [
-        {"name": "a100", "accelerator": "A100-40G", "nodes": nodes, "devices_per_node": 8,
-         "nic_bandwidth_gbit_per_s": 200}]})
+    return ClusterSpec.from_dict(
+        {
+            "name": "a100",
+            "node_groups": [
+                {
+                    "name": "a100",
+                    "accelerator": "A100-40G",
+                    "nodes": nodes,
+                    "devices_per_node": 8,
+                    "nic_bandwidth_gbit_per_s": 200,
+                }
+            ],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,25 +68,38 @@ def cross_node():
 def _stage_params(model, pipeline, group):
     chunks = [pipeline.stages[s] for s in pipeline.group_stages(group)]
     with torch.device("meta"):
-        stage = LlamaModel(model, has_embedding=chunks[0].has_embedding,
-                           has_head=chunks[-1].has_head,
-                           chunks=[(c.layers[0], c.layers[1], False) for c in chunks])
+        stage = LlamaModel(
+            model,
+            has_embedding=chunks[0].has_embedding,
+            has_head=chunks[-1].has_head,
+            chunks=[(c.layers[0], c.layers[1], False) for c in chunks],
+        )
     return [(n, p) for n, p in stage.named_parameters() if p.requires_grad]
 
 
 def _pipeline(splits, tp=1, repeat=1):
     """One pipeline of ``len(splits)`` groups (each chunk's layers), chunks round-robin."""
     groups = len(splits) // repeat
-    return PipelinePlan(2, tuple(StagePlan("cpu", tp, layers, tuple(range(tp * (i % groups),
-                                                                          tp * (i % groups) + tp)))
-                                 for i, layers in enumerate(splits)))
+    return PipelinePlan(
+        2,
+        tuple(
+            StagePlan("cpu", tp, layers, tuple(range(tp * (i % groups), tp * (i % groups) + tp)))
+            for i, layers in enumerate(splits)
+        ),
+    )
 
 
 @pytest.mark.parametrize("model", [TINY, TIED], ids=["untied", "tied"])
-@pytest.mark.parametrize("splits, repeat", [([(0, 4)], 1), ([(0, 1), (1, 3), (3, 4)], 1),
-                                            ([(0, 1), (1, 2), (2, 3), (3, 4)], 2),
-                                            ([(0, 1.5), (1.5, 2.5), (2.5, 4)], 1)],
-                         ids=["one stage", "three stages", "interleaved", "half layers"])
+@pytest.mark.parametrize(
+    "splits, repeat",
+    [
+        ([(0, 4)], 1),
+        ([(0, 1), (1, 3), (3, 4)], 1),
+        ([(0, 1), (1, 2), (2, 3), (3, 4)], 2),
+        ([(0, 1.5), (1.5, 2.5), (2.5, 4)], 1),
+    ],
+    ids=["one stage", "three stages", "interleaved", "half layers"],
+)
 def test_buckets_are_the_runtimes(model, splits, repeat):
     pipeline = _pipeline(splits, repeat=repeat)
     for group in range(pipeline.pp_size):
@@ -78,9 +109,11 @@ def test_buckets_are_the_runtimes(model, splits, repeat):
         for size_mb, dp in ((0.01, 1), (0.03, 3), (BUCKET_SIZE_MB, 4)):
             runtime = [b.numel for b in plan_buckets(named, size_mb, dp)]
             assert [b.elements for b in bucket_layout(params, dp, size_mb)] == runtime
-    assert BUCKET_SIZE_MB == inspect.signature(build_parallel_optimizer).parameters[
-        "bucket_size_mb"].default == inspect.signature(GradBuckets).parameters[
-        "bucket_size_mb"].default
+    assert (
+        BUCKET_SIZE_MB
+        == inspect.signature(build_parallel_optimizer).parameters["bucket_size_mb"].default
+        == inspect.signature(GradBuckets).parameters["bucket_size_mb"].default
+    )
 
 
 def test_tp_shards_and_held_back_embeddings():
@@ -150,29 +183,31 @@ def test_exposed_sync_with_the_gather_under_the_next_forward():
     # one bucket per group: group 0 needs it at its first forward's start (0: 0.25 late),
     # group 1 at 1.5 (after group 0's forward and transfer: hidden)
     firsts = [[((0.0, 1.0),), ((1.5, 1.0),)]] * 2
-    got = exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], ends,
-                       first_forwards=firsts)
+    got = exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], ends, first_forwards=firsts)
     assert got == pytest.approx(1.0 + 0.25)
     firsts = [[((0.5, 1.0),), ((1.5, 1.0),)]] * 2  # a fill before group 0 hides it too
-    assert exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], ends,
-                        first_forwards=firsts) == pytest.approx(1.0)
+    assert exposed_sync(
+        TINY, plan, splits.__getitem__, [10.0, 10.0], ends, first_forwards=firsts
+    ) == pytest.approx(1.0)
     # without the reduction overlapped: it starts at T
-    assert exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], None,
-                        first_forwards=firsts) == pytest.approx(2.0)
-    assert exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], None) == \
-        pytest.approx(2.25)
+    assert exposed_sync(
+        TINY, plan, splits.__getitem__, [10.0, 10.0], None, first_forwards=firsts
+    ) == pytest.approx(2.0)
+    assert exposed_sync(TINY, plan, splits.__getitem__, [10.0, 10.0], None) == pytest.approx(2.25)
 
 
 @pytest.mark.parametrize("pipeline_model", ["simulate", "closed_form"])
 def test_the_param_gather_overlap_hides_at_most_the_all_gather(cross_node, pipeline_model):
     cluster, plan = cross_node
     from megatron_het.perf.comm_cost import CommCost
+
     sync = DPSync(LLAMA, plan, "bf16", True)
     gathers = [sync.split(CommCost(cluster), 0, g)[1] for g in range(4)]
     kw = dict(use_distributed_optimizer=True, pipeline_model=pipeline_model)
     grad_only = predict(LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True, **kw)
-    both = predict(LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True,
-                   overlap_param_gather=True, **kw)
+    both = predict(
+        LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True, overlap_param_gather=True, **kw
+    )
     gather_only = predict(LLAMA, plan, cluster, SEQ, overlap_param_gather=True, **kw)
     off = predict(LLAMA, plan, cluster, SEQ, **kw)
     assert both.overlap_param_gather and not grad_only.overlap_param_gather
@@ -185,22 +220,28 @@ def test_the_param_gather_overlap_hides_at_most_the_all_gather(cross_node, pipel
     assert "overlapped with backward and the next forward" in both.table().splitlines()[-1]
     assert both.to_dict()["overlap_param_gather"] is True
     # It needs the distributed optimizer: without, it changes nothing.
-    plain = predict(LLAMA, plan, cluster, SEQ, pipeline_model=pipeline_model,
-                    overlap_param_gather=True)
+    plain = predict(
+        LLAMA, plan, cluster, SEQ, pipeline_model=pipeline_model, overlap_param_gather=True
+    )
     assert not plain.overlap_param_gather
-    assert plain.iteration_time_s == predict(LLAMA, plan, cluster, SEQ,
-                                             pipeline_model=pipeline_model).iteration_time_s
-    planned = dataclasses.replace(plan, use_distributed_optimizer=True,
-                                  overlap_grad_reduce=True, overlap_param_gather=True)
-    assert predict(LLAMA, planned, cluster, SEQ, pipeline_model=pipeline_model
-                   ).iteration_time_s == both.iteration_time_s
+    assert (
+        plain.iteration_time_s
+        == predict(LLAMA, plan, cluster, SEQ, pipeline_model=pipeline_model).iteration_time_s
+    )
+    planned = dataclasses.replace(
+        plan, use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
+    )
+    assert (
+        predict(LLAMA, planned, cluster, SEQ, pipeline_model=pipeline_model).iteration_time_s
+        == both.iteration_time_s
+    )
 
 
 # ---- the predictor -----------------------------------------------------------------------
 def _last_bucket_reduce(pred, model, plan, g=0):
-    sync = DPSync(model, plan, pred.dtype, pred.use_distributed_optimizer,
-                  pred.grad_reduce_in_bf16)
+    sync = DPSync(model, plan, pred.dtype, pred.use_distributed_optimizer, pred.grad_reduce_in_bf16)
     from megatron_het.perf.comm_cost import CommCost
+
     reduce_s, _ = sync.split(CommCost(a100_nodes(8)), 0, g)
     buckets = bucket_layout(device_parameters(model, plan.pipelines[0], g), plan.dp_size)
     return reduce_s * buckets[-1].elements / sum(b.elements for b in buckets)
@@ -210,21 +251,32 @@ def test_ddp_bucket_size_lays_out_the_buckets(cross_node):
     cluster, plan = cross_node
 
     def exposed(size):
-        return predict(LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True,
-                       ddp_bucket_size=size).dp_exposed_s
+        return predict(
+            LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True, ddp_bucket_size=size
+        ).dp_exposed_s
+
     default = exposed(None)
     assert default == exposed(int(BUCKET_SIZE_MB * 1024 * 1024 / 4))  # 25 MiB of fp32
     # One bucket per device waits for the whole backward; finer buckets start earlier.
-    assert exposed(10 ** 12) > exposed(40_000_000) >= default >= exposed(1_000_000)
+    assert exposed(10**12) > exposed(40_000_000) >= default >= exposed(1_000_000)
 
 
 @pytest.mark.parametrize("zero1", [False, True], ids=["all-reduce", "zero1"])
 @pytest.mark.parametrize("pipeline_model", ["simulate", "closed_form"])
 def test_overlap_hides_all_but_the_last_bucket_at_most(cross_node, zero1, pipeline_model):
     cluster, plan = cross_node
-    off, on = (predict(LLAMA, plan, cluster, SEQ, use_distributed_optimizer=zero1,
-                       pipeline_model=pipeline_model, overlap_grad_reduce=overlap)
-               for overlap in (False, True))
+    off, on = (
+        predict(
+            LLAMA,
+            plan,
+            cluster,
+            SEQ,
+            use_distributed_optimizer=zero1,
+            pipeline_model=pipeline_model,
+            overlap_grad_reduce=overlap,
+        )
+        for overlap in (False, True)
+    )
     assert off.dp_exposed_s == off.dp_sync_s and not off.overlap_grad_reduce
     assert on.overlap_grad_reduce and on.dp_sync_s == off.dp_sync_s
     assert on.pipeline_time_s == off.pipeline_time_s and on.optimizer_s == off.optimizer_s
@@ -235,10 +287,12 @@ def test_overlap_hides_all_but_the_last_bucket_at_most(cross_node, zero1, pipeli
     assert on.dp_exposed_s >= stage0.dp_sync_s - stage0.backward_s - 1e-12
     for pred in (on, off):
         assert pred.iteration_time_s == pytest.approx(
-            pred.pipeline_time_s + pred.dp_exposed_s + pred.optimizer_s + pred.overhead_s)
+            pred.pipeline_time_s + pred.dp_exposed_s + pred.optimizer_s + pred.overhead_s
+        )
     if zero1:  # the parameter all-gather after the step is never hidden
         sync = DPSync(LLAMA, plan, "bf16", True)
         from megatron_het.perf.comm_cost import CommCost
+
         gather = max(sync.split(CommCost(cluster), 0, g)[1] for g in range(4))
         assert on.dp_exposed_s >= gather > 0
     d = on.to_dict()
@@ -252,13 +306,23 @@ def test_overlap_never_increases_time_on_random_plans():
     cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")  # ranks 0-1 fast, 2-3 slow
     for _ in range(6):
         cut = rng.randint(1, 3)
-        stages = lambda ranks: (StagePlan("emu-fast", 1, (0, cut), (ranks[0],)),  # noqa: E731
-                                StagePlan("emu-slow", 1, (cut, 4), (ranks[1],)))
-        plan = ParallelPlan(1, (PipelinePlan(rng.randint(1, 5), stages((0, 2))),
-                                PipelinePlan(rng.randint(1, 5), stages((1, 3)))))
+
+        def stages(ranks):
+            return (
+                StagePlan("emu-fast", 1, (0, cut), (ranks[0],)),
+                StagePlan("emu-slow", 1, (cut, 4), (ranks[1],)),
+            )
+
+        plan = ParallelPlan(
+            1,
+            (
+                PipelinePlan(rng.randint(1, 5), stages((0, 2))),
+                PipelinePlan(rng.randint(1, 5), stages((1, 3))),
+            ),
+        )
         model = rng.choice([TINY, TIED, model_preset("small")])
         for pipeline_model in ("simulate", "closed_form"):
-            kw = dict(pipeline_model=pipeline_model, use_distributed_optimizer=rng.random() < .5)
+            kw = dict(pipeline_model=pipeline_model, use_distributed_optimizer=rng.random() < 0.5)
             off = predict(model, plan, cluster, 64, **kw)
             on = predict(model, plan, cluster, 64, overlap_grad_reduce=True, **kw)
             assert on.dp_exposed_s <= off.dp_sync_s + 1e-15
@@ -280,11 +344,25 @@ def test_plan_keys_set_the_options_and_arguments_override_them(cross_node):
     planned = dataclasses.replace(plan, overlap_grad_reduce=True, grad_reduce_in_bf16=True)
     from_plan = predict(LLAMA, planned, cluster, SEQ, pipeline_model="closed_form")
     assert from_plan.overlap_grad_reduce and from_plan.grad_reduce_in_bf16
-    explicit = predict(LLAMA, plan, cluster, SEQ, pipeline_model="closed_form",
-                       overlap_grad_reduce=True, grad_reduce_in_bf16=True)
+    explicit = predict(
+        LLAMA,
+        plan,
+        cluster,
+        SEQ,
+        pipeline_model="closed_form",
+        overlap_grad_reduce=True,
+        grad_reduce_in_bf16=True,
+    )
     assert explicit.iteration_time_s == from_plan.iteration_time_s
-    overridden = predict(LLAMA, planned, cluster, SEQ, pipeline_model="closed_form",
-                         overlap_grad_reduce=False, grad_reduce_in_bf16=False)
+    overridden = predict(
+        LLAMA,
+        planned,
+        cluster,
+        SEQ,
+        pipeline_model="closed_form",
+        overlap_grad_reduce=False,
+        grad_reduce_in_bf16=False,
+    )
     default = predict(LLAMA, plan, cluster, SEQ, pipeline_model="closed_form")
     assert overridden.iteration_time_s == default.iteration_time_s
     assert not default.overlap_grad_reduce and not default.grad_reduce_in_bf16
@@ -326,8 +404,9 @@ def test_bf16_reduction_halves_the_gradient_bytes(plan_file, zero1):
 def test_bf16_reduction_in_the_predictor(cross_node):
     cluster, plan = cross_node
     fp32 = predict(LLAMA, plan, cluster, SEQ, pipeline_model="closed_form")
-    bf16 = predict(LLAMA, plan, cluster, SEQ, pipeline_model="closed_form",
-                   grad_reduce_in_bf16=True)
+    bf16 = predict(
+        LLAMA, plan, cluster, SEQ, pipeline_model="closed_form", grad_reduce_in_bf16=True
+    )
     assert 0.45 * fp32.dp_sync_s < bf16.dp_sync_s < 0.55 * fp32.dp_sync_s  # latency stays
     assert bf16.pipeline_time_s == fp32.pipeline_time_s
     with pytest.raises(UserError) as info:
@@ -393,9 +472,18 @@ def test_closed_form_ends_bound_the_simulated_ones(v):
         reduce = [rng.uniform(0.1, 6.0) for _ in range(p)]
 
         def exposed(ends):
-            return max(reduction_end(buckets, reduce[g],
-                                     [[(ends[c * p + g], b[c * p + g]) for c in range(v)]],
-                                     makespan) for g in range(p)) - makespan
+            return (
+                max(
+                    reduction_end(
+                        buckets,
+                        reduce[g],
+                        [[(ends[c * p + g], b[c * p + g]) for c in range(v)]],
+                        makespan,
+                    )
+                    for g in range(p)
+                )
+                - makespan
+            )
 
         slack = max(c_ - s for s, c_ in zip(simulated, closed))
         assert exposed(simulated) - 1e-9 <= exposed(closed) <= exposed(simulated) + slack + 1e-9
@@ -403,8 +491,10 @@ def test_closed_form_ends_bound_the_simulated_ones(v):
 
 def test_closed_form_and_simulation_agree_on_uniform_plans(cross_node):
     cluster, plan = cross_node
-    sim, closed = (predict(LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True,
-                           pipeline_model=model) for model in ("simulate", "closed_form"))
+    sim, closed = (
+        predict(LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True, pipeline_model=model)
+        for model in ("simulate", "closed_form")
+    )
     # llama2-7b's stages are nearly uniform (the ends differ by the embedding and the head)
     assert closed.dp_exposed_s == pytest.approx(sim.dp_exposed_s, rel=0.05)
     assert closed.dp_exposed_s >= sim.dp_exposed_s - 1e-12
@@ -412,36 +502,70 @@ def test_closed_form_and_simulation_agree_on_uniform_plans(cross_node):
 
 # ---- the runtime's resolution -----------------------------------------------------------
 REPO = pathlib.Path(__file__).resolve().parents[2]
-RUN_FLAGS = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", "300", "--seq-length", "16", "--micro-batch-size", "2",
-             "--global-batch-size", "4", "--train-iters", "2", "--eval-iters", "0"]
+RUN_FLAGS = [
+    "--model",
+    "tiny",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "300",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "2",
+    "--eval-iters",
+    "0",
+]
 
 
 def _plan_file(tmp_path, **options) -> str:
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"format": "megatron_het.plan/1", "micro_batch_size": 2,
-                                "pipelines": [{"micro_batches": 2, "stages": [
-                                    {"accelerator": "cpu", "tp": 1, "layers": [0, 4],
-                                     "ranks": [0]}]}], **options}))
+    path.write_text(
+        json.dumps(
+            {
+                "format": "megatron_het.plan/1",
+                "micro_batch_size": 2,
+                "pipelines": [
+                    {
+                        "micro_batches": 2,
+                        "stages": [{"accelerator": "cpu", "tp": 1, "layers": [0, 4], "ranks": [0]}],
+                    }
+                ],
+                **options,
+            }
+        )
+    )
     return str(path)
 
 
-@pytest.mark.parametrize("planned, flags, expected", [
-    ({}, [], (False, False)),
-    ({}, ["--overlap-grad-reduce", "--grad-reduce-in-bf16"], (True, True)),
-    ({"overlap_grad_reduce": True, "grad_reduce_in_bf16": True}, [], (True, True)),
-    ({"overlap_grad_reduce": True}, ["--grad-reduce-in-bf16"], (True, True)),
-    ({"overlap_grad_reduce": False, "grad_reduce_in_bf16": False},
-     ["--overlap-grad-reduce", "--grad-reduce-in-bf16"], (False, False)),  # the plan decides
-])
+@pytest.mark.parametrize(
+    "planned, flags, expected",
+    [
+        ({}, [], (False, False)),
+        ({}, ["--overlap-grad-reduce", "--grad-reduce-in-bf16"], (True, True)),
+        ({"overlap_grad_reduce": True, "grad_reduce_in_bf16": True}, [], (True, True)),
+        ({"overlap_grad_reduce": True}, ["--grad-reduce-in-bf16"], (True, True)),
+        (
+            {"overlap_grad_reduce": False, "grad_reduce_in_bf16": False},
+            ["--overlap-grad-reduce", "--grad-reduce-in-bf16"],
+            (False, False),
+        ),  # the plan decides
+    ],
+)
 def test_the_run_takes_the_plans_dp_options(tmp_path, planned, flags, expected):
     from megatron_het.arguments import parse_run_config
     from megatron_het.training.run import predict_run
     from megatron_het.training.setup import prepare_run
     from megatron_het.training.trainer import grad_reduce_dtype
 
-    setup = prepare_run(parse_run_config(
-        [*RUN_FLAGS, "--bf16", "--plan", _plan_file(tmp_path, **planned), *flags]))
+    setup = prepare_run(
+        parse_run_config([*RUN_FLAGS, "--bf16", "--plan", _plan_file(tmp_path, **planned), *flags])
+    )
     assert (setup.overlap_grad_reduce, setup.grad_reduce_in_bf16) == expected
     parallel = setup.run.parallel  # what the trainer builds the optimizer from
     assert (parallel.overlap_grad_reduce, parallel.grad_reduce_in_bf16) == expected
@@ -457,8 +581,10 @@ def test_the_plans_bf16_reduction_needs_bf16_training(tmp_path):
     run = parse_run_config([*RUN_FLAGS, "--plan", _plan_file(tmp_path, grad_reduce_in_bf16=True)])
     with pytest.raises(UserError) as info:
         prepare_run(run)
-    assert str(info.value) == ("the plan's grad_reduce_in_bf16 needs bf16 training but the run "
-                               "trains in fp32; add --bf16 or drop the plan's key")
+    assert str(info.value) == (
+        "the plan's grad_reduce_in_bf16 needs bf16 training but the run "
+        "trains in fp32; add --bf16 or drop the plan's key"
+    )
 
 
 def test_the_param_gather_overlap_needs_the_distributed_optimizer(tmp_path):
@@ -466,31 +592,43 @@ def test_the_param_gather_overlap_needs_the_distributed_optimizer(tmp_path):
     from megatron_het.training.run import predict_run
     from megatron_het.training.setup import prepare_run
 
-    with pytest.raises(UserError, match="^--overlap-param-gather overlaps the distributed "
-                                        "optimizer's parameter all-gather; add "
-                                        "--use-distributed-optimizer"):
+    with pytest.raises(
+        UserError,
+        match="^--overlap-param-gather overlaps the distributed "
+        "optimizer's parameter all-gather; add "
+        "--use-distributed-optimizer",
+    ):
         prepare_run(parse_run_config([*RUN_FLAGS, "--overlap-param-gather"]))
-    with pytest.raises(UserError, match="^the plan's overlap_param_gather needs the "
-                                        "distributed optimizer"):
-        prepare_run(parse_run_config(
-            [*RUN_FLAGS, "--plan", _plan_file(tmp_path, overlap_param_gather=True)]))
+    with pytest.raises(
+        UserError, match="^the plan's overlap_param_gather needs the distributed optimizer"
+    ):
+        prepare_run(
+            parse_run_config(
+                [*RUN_FLAGS, "--plan", _plan_file(tmp_path, overlap_param_gather=True)]
+            )
+        )
     with pytest.raises(UserError, match="plan.json: plan: overlap_param_gather overlaps the "):
-        ParallelPlan.load(_plan_file(tmp_path, use_distributed_optimizer=False,
-                                     overlap_param_gather=True))
-    for flags in (["--use-distributed-optimizer", "--overlap-param-gather"],
-                  ["--plan", _plan_file(tmp_path, use_distributed_optimizer=True,
-                                        overlap_param_gather=True)]):
+        ParallelPlan.load(
+            _plan_file(tmp_path, use_distributed_optimizer=False, overlap_param_gather=True)
+        )
+    for flags in (
+        ["--use-distributed-optimizer", "--overlap-param-gather"],
+        ["--plan", _plan_file(tmp_path, use_distributed_optimizer=True, overlap_param_gather=True)],
+    ):
         setup = prepare_run(parse_run_config([*RUN_FLAGS, *flags]))
         assert setup.overlap_param_gather and setup.run.parallel.overlap_param_gather
         assert predict_run(setup).overlap_param_gather
 
 
-@pytest.mark.parametrize("planned, flags, expected", [
-    ({}, [], True),                                          # Megatron-LM's default
-    ({}, ["--no-overlap-p2p-communication"], False),
-    ({"overlap_p2p_comm": True}, ["--no-overlap-p2p-communication"], True),  # the plan decides
-    ({"overlap_p2p_comm": False}, [], False),
-])
+@pytest.mark.parametrize(
+    "planned, flags, expected",
+    [
+        ({}, [], True),  # Megatron-LM's default
+        ({}, ["--no-overlap-p2p-communication"], False),
+        ({"overlap_p2p_comm": True}, ["--no-overlap-p2p-communication"], True),  # the plan decides
+        ({"overlap_p2p_comm": False}, [], False),
+    ],
+)
 def test_the_run_takes_the_plans_p2p_overlap(tmp_path, planned, flags, expected):
     from megatron_het.arguments import parse_run_config
     from megatron_het.training.run import predict_run
@@ -499,33 +637,70 @@ def test_the_run_takes_the_plans_p2p_overlap(tmp_path, planned, flags, expected)
     plan = json.loads((REPO / "scripts/plans/cpu_interleaved_tp2_tp1.json").read_text())
     path = tmp_path / "interleaved.json"
     path.write_text(json.dumps({**plan, **planned}))
-    flags = [*RUN_FLAGS, "--num-layers", "6", "--global-batch-size", "8", "--plan", str(path),
-             *flags]
+    flags = [
+        *RUN_FLAGS,
+        "--num-layers",
+        "6",
+        "--global-batch-size",
+        "8",
+        "--plan",
+        str(path),
+        *flags,
+    ]
     setup = prepare_run(parse_run_config(flags), world_size=3)
     assert setup.run.parallel.overlap_p2p_comm is expected  # what the executor is built with
     prediction = predict_run(setup)
     assert prediction.overlap_p2p_comm is expected
     other = dataclasses.replace(setup.run.parallel, overlap_p2p_comm=not expected)
-    flipped = predict_run(dataclasses.replace(setup, run=dataclasses.replace(
-        setup.run, parallel=other)))
+    flipped = predict_run(
+        dataclasses.replace(setup, run=dataclasses.replace(setup.run, parallel=other))
+    )
     faster, slower = (prediction, flipped) if expected else (flipped, prediction)
     assert faster.pipeline_time_s < slower.pipeline_time_s
 
 
-@pytest.mark.parametrize("flags, expected", [
-    ([], [0, 0, 0, 0]),
-    (["--recompute-granularity", "full", "--recompute-method", "uniform",
-      "--recompute-num-layers", "1"], [2, 1, 2, 1]),           # every layer of every chunk
-    (["--recompute-granularity", "full", "--recompute-method", "block",
-      "--recompute-num-layers", "1"], [1, 1, 1, 1]),           # the first of each chunk
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ([], [0, 0, 0, 0]),
+        (
+            [
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
+            [2, 1, 2, 1],
+        ),  # every layer of every chunk
+        (
+            [
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "block",
+                "--recompute-num-layers",
+                "1",
+            ],
+            [1, 1, 1, 1],
+        ),  # the first of each chunk
+    ],
+)
 def test_megatron_recompute_flags_reach_every_stage_of_the_plan(flags, expected):
     from megatron_het.arguments import parse_run_config
     from megatron_het.training.run import predict_run
     from megatron_het.training.setup import prepare_run
 
-    base = [*RUN_FLAGS, "--num-layers", "6", "--global-batch-size", "8", "--plan",
-            str(REPO / "scripts/plans/cpu_interleaved_tp2_tp1.json")]
+    base = [
+        *RUN_FLAGS,
+        "--num-layers",
+        "6",
+        "--global-batch-size",
+        "8",
+        "--plan",
+        str(REPO / "scripts/plans/cpu_interleaved_tp2_tp1.json"),
+    ]
     setup = prepare_run(parse_run_config([*base, *flags]), world_size=3)
     stages = setup.plan.pipelines[0].stages
     assert [st.recomputed_layers for st in stages] == expected

@@ -1,4 +1,5 @@
 """The predictor end to end: identities, hand-checked stage terms, monotonicity, llama-140b."""
+
 import json
 
 import pytest
@@ -9,8 +10,12 @@ from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Profile, ProfileConditions, check_fits, fits, predict
 from megatron_het.perf.comm_cost import CommCost, broadcast_time, p2p_time
-from megatron_het.perf.cost_model import (LayerShape, embedding_forward_ops, layer_forward_ops,
-                                          ops_time)
+from megatron_het.perf.cost_model import (
+    LayerShape,
+    embedding_forward_ops,
+    layer_forward_ops,
+    ops_time,
+)
 from megatron_het.perf.profile import LayerEntry
 from megatron_het.perf.simulator import closed_form_1f1b
 
@@ -30,18 +35,25 @@ def three_stage():
 
 def two_pipelines(micro_batches=4, recompute=False):
     """dp=2: pipeline 0 on the emu-fast ranks 0-1, pipeline 1 on the emu-slow ranks 2-3."""
+
     def pipe(kind, ranks):
-        return PipelinePlan(micro_batches, (
-            StagePlan(kind, 1, (0, 2), (ranks[0],), recompute=recompute),
-            StagePlan(kind, 1, (2, 4), (ranks[1],), recompute=recompute)))
+        return PipelinePlan(
+            micro_batches,
+            (
+                StagePlan(kind, 1, (0, 2), (ranks[0],), recompute=recompute),
+                StagePlan(kind, 1, (2, 4), (ranks[1],), recompute=recompute),
+            ),
+        )
+
     return ParallelPlan(2, (pipe("emu-fast", (0, 1)), pipe("emu-slow", (2, 3))))
 
 
 def test_totals_follow_from_the_parts(emulated, three_stage):
     pred = predict(TINY, three_stage, emulated, SEQ, dtype="fp32")
     assert len(pred.stages) == 3 and len(pred.pipelines) == 1
-    assert pred.iteration_time_s == pytest.approx(pred.pipeline_time_s + pred.dp_sync_s
-                                                  + pred.optimizer_s)
+    assert pred.iteration_time_s == pytest.approx(
+        pred.pipeline_time_s + pred.dp_sync_s + pred.optimizer_s
+    )
     assert pred.dp_sync_s == 0.0  # dp = 1
     tokens = three_stage.global_batch_size * SEQ
     assert pred.tokens_per_s == pytest.approx(tokens / pred.iteration_time_s)
@@ -66,8 +78,10 @@ def test_stage_terms_by_hand(emulated, three_stage):
     comm = CommCost(emulated)
     act = mb * SEQ * TINY.hidden_size * 4
     shape2 = LayerShape.of(TINY, SEQ, mb, 2)
-    compute = (ops_time(layer_forward_ops(shape2), fast, "fp32")[0]
-               + ops_time(embedding_forward_ops(shape2), fast, "fp32")[0])
+    compute = (
+        ops_time(layer_forward_ops(shape2), fast, "fp32")[0]
+        + ops_time(embedding_forward_ops(shape2), fast, "fp32")[0]
+    )
     all_reduce = comm.tp_all_reduce([0, 1], act)
     assert pred.stages[0].forward_s == pytest.approx(compute + 3 * all_reduce)
     assert pred.stages[0].tp_comm_s == pytest.approx((3 + 2) * all_reduce)
@@ -75,14 +89,25 @@ def test_stage_terms_by_hand(emulated, three_stage):
     one = p2p_time(act, comm.path(1, 2, "p2p"))
     assert pred.stages[0].p2p_forward_s == pytest.approx(one)
     assert pred.stages[0].p2p_backward_s == pytest.approx(
-        one + broadcast_time(act, 2, comm.ring_path([0, 1])))
+        one + broadcast_time(act, 2, comm.ring_path([0, 1]))
+    )
     assert pred.stages[2].p2p_forward_s == 0.0
 
 
 def test_one_stage_is_m_times_forward_plus_backward():
-    cluster = ClusterSpec.from_dict({"node_groups": [
-        {"name": "h", "accelerator": "H100", "nodes": 1, "devices_per_node": 1,
-         "nic_bandwidth_gbps": 50}]})
+    cluster = ClusterSpec.from_dict(
+        {
+            "node_groups": [
+                {
+                    "name": "h",
+                    "accelerator": "H100",
+                    "nodes": 1,
+                    "devices_per_node": 1,
+                    "nic_bandwidth_gbps": 50,
+                }
+            ]
+        }
+    )
     plan = ParallelPlan(1, (PipelinePlan(6, (StagePlan("H100", 1, (0, 4), (0,)),)),))
     pred = predict(TINY, plan, cluster, SEQ)
     stage = pred.stages[0]
@@ -140,18 +165,28 @@ def test_block_recompute_lies_between_none_and_all(emulated):
         assert b.backward_s == pytest.approx((a.backward_s + c.backward_s) / 2)
         assert c.memory.activation_bytes < b.memory.activation_bytes < a.memory.activation_bytes
     assert with_recompute(two_pipelines(), None) == two_pipelines(recompute=True)
-    too_many = dataclasses.replace(block, pipelines=tuple(
-        dataclasses.replace(p, stages=tuple(dataclasses.replace(st, recompute_num_layers=3)
-                                            for st in p.stages)) for p in block.pipelines))
-    with pytest.raises(UserError, match="stage 0 of pipeline 0 recomputes its first 3 layers "
-                                        "but holds 2; use recompute_num_layers <= 2"):
+    too_many = dataclasses.replace(
+        block,
+        pipelines=tuple(
+            dataclasses.replace(
+                p, stages=tuple(dataclasses.replace(st, recompute_num_layers=3) for st in p.stages)
+            )
+            for p in block.pipelines
+        ),
+    )
+    with pytest.raises(
+        UserError,
+        match="stage 0 of pipeline 0 recomputes its first 3 layers "
+        "but holds 2; use recompute_num_layers <= 2",
+    ):
         validate(too_many, TINY)
 
 
 def test_zero1_shards_the_optimizer_state(emulated):
     plain = predict(TINY, two_pipelines(), emulated, SEQ, dtype="bf16")
-    zero = predict(TINY, two_pipelines(), emulated, SEQ, dtype="bf16",
-                   use_distributed_optimizer=True)
+    zero = predict(
+        TINY, two_pipelines(), emulated, SEQ, dtype="bf16", use_distributed_optimizer=True
+    )
     for a, b in zip(plain.stages, zero.stages):
         assert b.memory.optimizer_bytes == pytest.approx(a.memory.optimizer_bytes / 2)
         assert a.memory.optimizer_bytes == a.parameters * 12
@@ -160,10 +195,15 @@ def test_zero1_shards_the_optimizer_state(emulated):
 
 def test_host_profile_drives_emulated_kinds(emulated):
     shape = LayerShape.of(TINY, SEQ, 2, 1)
-    entry = LayerEntry(shape.hidden, shape.ffn, shape.heads, shape.kv_groups, SEQ, 2, 1, "fp32",
-                       0.5, 1.0, 1234.0)
-    host = Profile("cpu", ProfileConditions("host", "2.13", 2, "2026-11-30"), layers=(entry,),
-                   optimizer_step_s_per_param=1e-9)
+    entry = LayerEntry(
+        shape.hidden, shape.ffn, shape.heads, shape.kv_groups, SEQ, 2, 1, "fp32", 0.5, 1.0, 1234.0
+    )
+    host = Profile(
+        "cpu",
+        ProfileConditions("host", "2.13", 2, "2026-11-30"),
+        layers=(entry,),
+        optimizer_step_s_per_param=1e-9,
+    )
     pred = predict(TINY, two_pipelines(), emulated, SEQ, {"cpu": host}, dtype="fp32")
     fast, slow = pred.stages[1], pred.stages[3]  # 2 layers each, with the head
     assert fast.forward_s - 2 * 0.5 == pytest.approx(slow.forward_s / 2 - 2 * 0.5)
@@ -177,8 +217,10 @@ def test_fits_reports_the_tightest_device(emulated):
     assert fits(small, emulated).ok
     check_fits(small, emulated)
     big_model = model_preset("llama2-7b")
-    stages = tuple(StagePlan("emu-fast" if r < 2 else "emu-slow", 1, (8 * r, 8 * r + 8), (r,))
-                   for r in range(4))
+    stages = tuple(
+        StagePlan("emu-fast" if r < 2 else "emu-slow", 1, (8 * r, 8 * r + 8), (r,))
+        for r in range(4)
+    )
     plan = ParallelPlan(1, (PipelinePlan(4, stages),))
     big = predict(big_model, plan, emulated, 512)
     result = fits(big, emulated)
@@ -212,9 +254,15 @@ def hethub_plan() -> ParallelPlan:
             amd = s < 2
             node = 2 * d + s if amd else 16 + 10 * d + (s - 2)
             count = 4 if amd else 8
-            stages.append(StagePlan("MI250X" if amd else "accelerator-a", 8,
-                                    (start, start + count), tuple(range(8 * node, 8 * node + 8)),
-                                    recompute=True))
+            stages.append(
+                StagePlan(
+                    "MI250X" if amd else "accelerator-a",
+                    8,
+                    (start, start + count),
+                    tuple(range(8 * node, 8 * node + 8)),
+                    recompute=True,
+                )
+            )
             start += count
         pipelines.append(PipelinePlan(128, tuple(stages)))
     return ParallelPlan(1, tuple(pipelines))
@@ -248,8 +296,12 @@ class FixedRates:
         self.seen.append((inputs.plan, len(rows), inputs.act_bytes))
         if inputs.plan.dp_size != 1:
             return None
-        stages = tuple(tuple(StageTiming(Region(1.0), Region(2.0), 0.0, 0.0, 0, st.tp)
-                             for st in pipeline.stages) for pipeline in inputs.plan.pipelines)
+        stages = tuple(
+            tuple(
+                StageTiming(Region(1.0), Region(2.0), 0.0, 0.0, 0, st.tp) for st in pipeline.stages
+            )
+            for pipeline in inputs.plan.pipelines
+        )
         return SharedIteration(stages, self.sharing or Cores(), 0.5, 0.25, 0.125)
 
 
@@ -270,4 +322,5 @@ def test_a_rate_model_replaces_the_iteration_where_it_applies(emulated, three_st
     assert model.seen[0][1] == 3 and model.seen[0][2] == 2 * SEQ * TINY.hidden_size * 2
     # Where the model does not apply the prediction is the one-device-per-rank one.
     assert predict(TINY, two_pipelines(), emulated, SEQ, rate_model=model) == predict(
-        TINY, two_pipelines(), emulated, SEQ)
+        TINY, two_pipelines(), emulated, SEQ
+    )

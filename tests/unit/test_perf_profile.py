@@ -1,4 +1,5 @@
 """Profile format: round trip, lookup (exact, linear in tokens, nearest) and errors."""
+
 import json
 
 import pytest
@@ -6,8 +7,15 @@ import pytest
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.perf.cost_model import LayerShape, layer_forward_flops
-from megatron_het.perf.profile import (CommEntry, EndEntry, LayerEntry, Profile,
-                                       ProfileConditions, load_profiles, merge_profiles)
+from megatron_het.perf.profile import (
+    CommEntry,
+    EndEntry,
+    LayerEntry,
+    Profile,
+    ProfileConditions,
+    load_profiles,
+    merge_profiles,
+)
 
 CONDITIONS = ProfileConditions("Intel Xeon (host)", "2.13.0", 2, "2026-11-30")
 MODEL = model_preset("small")  # h=256, ffn=688, 8 heads, 4 kv groups
@@ -26,11 +34,14 @@ def shape(seq, mb, tp=1):
 
 
 def test_round_trip(tmp_path):
-    p = profile(entry(128, 1, 0.01, 0.02, 1e6), entry(256, 2, 0.04, 0.08, 4e6),
-                embedding=(EndEntry(256, 4096, 128, 1, 1, "fp32", 1e-4, 2e-4),),
-                head=(EndEntry(256, 4096, 128, 1, 1, "fp32", 1e-3, 2e-3),),
-                optimizer_step_s_per_param=3e-9,
-                comm=(CommEntry("p2p", "intra_node", 4.0, 1e-5),))
+    p = profile(
+        entry(128, 1, 0.01, 0.02, 1e6),
+        entry(256, 2, 0.04, 0.08, 4e6),
+        embedding=(EndEntry(256, 4096, 128, 1, 1, "fp32", 1e-4, 2e-4),),
+        head=(EndEntry(256, 4096, 128, 1, 1, "fp32", 1e-3, 2e-3),),
+        optimizer_step_s_per_param=3e-9,
+        comm=(CommEntry("p2p", "intra_node", 4.0, 1e-5),),
+    )
     path = tmp_path / "cpu.json"
     p.save(path)
     assert json.loads(path.read_text())["format"] == "megatron_het.profile/1"
@@ -66,9 +77,13 @@ def test_nearest_shape_is_scaled_by_work():
 
 
 def test_end_lookup_and_comm():
-    p = profile(head=(EndEntry(256, 4096, 128, 1, 1, "fp32", 1e-3, 2e-3),
-                      EndEntry(256, 4096, 128, 2, 1, "fp32", 2e-3, 4e-3)),
-                comm=(CommEntry("collective", "bridge", 2.0, 5e-5),))
+    p = profile(
+        head=(
+            EndEntry(256, 4096, 128, 1, 1, "fp32", 1e-3, 2e-3),
+            EndEntry(256, 4096, 128, 2, 1, "fp32", 2e-3, 4e-3),
+        ),
+        comm=(CommEntry("collective", "bridge", 2.0, 5e-5),),
+    )
     m = p.end("head", shape(192, 1), 4096, "fp32")
     assert m.forward_s == pytest.approx(1.5e-3)
     assert p.end("embedding", shape(128, 1), 4096, "fp32") is None
@@ -76,20 +91,57 @@ def test_end_lookup_and_comm():
     assert p.comm_figures("p2p", "bridge") is None
 
 
-@pytest.mark.parametrize("data,match", [
-    ({"format": "other"}, "format must be"),
-    ({"format": "megatron_het.profile/1", "accelerator": "cpu", "bogus": 1}, "unknown key"),
-    ({"format": "megatron_het.profile/1", "accelerator": "cpu",
-      "conditions": {"device_name": "x", "torch_version": "2", "threads": 2}}, "missing key"),
-    ({"format": "megatron_het.profile/1", "accelerator": "cpu",
-      "conditions": {"device_name": "x", "torch_version": "2", "threads": "two",
-                     "date": "d"}}, "threads must be an integer"),
-    ({"format": "megatron_het.profile/1", "accelerator": "cpu",
-      "conditions": {"device_name": "x", "torch_version": "2", "threads": 2, "date": "d"},
-      "layers": [{"hidden": 8, "ffn": 8, "heads": 1, "kv_groups": 1, "seq": 4, "micro_batch": 1,
-                  "tp": 1, "dtype": "int8", "forward_s": 1, "backward_s": 2,
-                  "activation_bytes": 3}]}, "dtype must be one of"),
-])
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        ({"format": "other"}, "format must be"),
+        ({"format": "megatron_het.profile/1", "accelerator": "cpu", "bogus": 1}, "unknown key"),
+        (
+            {
+                "format": "megatron_het.profile/1",
+                "accelerator": "cpu",
+                "conditions": {"device_name": "x", "torch_version": "2", "threads": 2},
+            },
+            "missing key",
+        ),
+        (
+            {
+                "format": "megatron_het.profile/1",
+                "accelerator": "cpu",
+                "conditions": {
+                    "device_name": "x",
+                    "torch_version": "2",
+                    "threads": "two",
+                    "date": "d",
+                },
+            },
+            "threads must be an integer",
+        ),
+        (
+            {
+                "format": "megatron_het.profile/1",
+                "accelerator": "cpu",
+                "conditions": {"device_name": "x", "torch_version": "2", "threads": 2, "date": "d"},
+                "layers": [
+                    {
+                        "hidden": 8,
+                        "ffn": 8,
+                        "heads": 1,
+                        "kv_groups": 1,
+                        "seq": 4,
+                        "micro_batch": 1,
+                        "tp": 1,
+                        "dtype": "int8",
+                        "forward_s": 1,
+                        "backward_s": 2,
+                        "activation_bytes": 3,
+                    }
+                ],
+            },
+            "dtype must be one of",
+        ),
+    ],
+)
 def test_bad_profiles_say_what_is_wrong(data, match):
     with pytest.raises(UserError, match=match):
         Profile.from_dict(data)
@@ -121,5 +173,7 @@ def test_compiled_entries_are_their_own_mode(tmp_path):
     # merging keeps both modes of one shape; a new entry of one mode replaces that mode's
     faster = LayerEntry(256, 688, 8, 4, 128, 1, 1, "fp32", 0.005, 0.02, 900.0, True)
     merged = merge_profiles(p, profile(faster))
-    assert sorted((e.compiled, e.forward_s) for e in merged.layers) == [(False, 0.02),
-                                                                        (True, 0.005)]
+    assert sorted((e.compiled, e.forward_s) for e in merged.layers) == [
+        (False, 0.02),
+        (True, 0.005),
+    ]

@@ -1,12 +1,21 @@
 """The event-driven pipeline simulator against the closed form and by hand."""
+
 import random
 
 import pytest
 
-from megatron_het.pipeline.schedules import ActionKind, build_schedule, ScheduleError, Action
-from megatron_het.perf.simulator import (Region, SimulationCache, StageTiming, bubble_fraction,
-                                         closed_form_1f1b, lower_bound_1f1b, simulate,
-                                         simulate_1f1b, simulate_pipelines)
+from megatron_het.perf.simulator import (
+    Region,
+    SimulationCache,
+    StageTiming,
+    bubble_fraction,
+    closed_form_1f1b,
+    lower_bound_1f1b,
+    simulate,
+    simulate_1f1b,
+    simulate_pipelines,
+)
+from megatron_het.pipeline.schedules import Action, ActionKind, ScheduleError, build_schedule
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -47,22 +56,28 @@ def test_non_uniform_stages_lie_between_the_bounds():
         cf = [rng.uniform(0.0, 0.5) for _ in range(p - 1)]
         cb = [rng.uniform(0.0, 0.5) for _ in range(p - 1)]
         makespan = simulate_1f1b(f, b, m, cf, cb, record_timeline=False).makespan_s
-        assert lower_bound_1f1b(f, b, m) - 1e-9 <= makespan <= closed_form_1f1b(
-            f, b, m, cf, cb) + 1e-9
+        assert (
+            lower_bound_1f1b(f, b, m) - 1e-9 <= makespan <= closed_form_1f1b(f, b, m, cf, cb) + 1e-9
+        )
 
 
 def test_more_micro_batches_shrink_the_bubble():
     f, b = [1.0, 1.3, 0.8, 1.1], [2.0, 2.5, 1.7, 2.1]
-    fractions = [bubble_fraction(simulate_1f1b(f, b, m).makespan_s, f, b, m)
-                 for m in (1, 2, 4, 8, 16, 32)]
+    fractions = [
+        bubble_fraction(simulate_1f1b(f, b, m).makespan_s, f, b, m) for m in (1, 2, 4, 8, 16, 32)
+    ]
     assert all(a > b for a, b in zip(fractions, fractions[1:]))
 
 
 def test_timeline_respects_dependencies():
     f, b, c = [1.0, 2.0, 1.5], [2.0, 3.0, 2.5], [0.1, 0.2]
     result = simulate_1f1b(f, b, 4, c, c)
-    compute = {(e.stage, e.kind, e.micro_batch): e for line in result.timeline for e in line
-               if e.kind in ("forward", "backward")}
+    compute = {
+        (e.stage, e.kind, e.micro_batch): e
+        for line in result.timeline
+        for e in line
+        if e.kind in ("forward", "backward")
+    }
     assert len(compute) == 3 * 2 * 4
     for (s, kind, mb), e in compute.items():
         assert e.end_s - e.start_s == pytest.approx((f if kind == "forward" else b)[s])
@@ -86,8 +101,9 @@ def test_gpipe_runs_through_the_same_simulator():
 
 def test_a_broken_schedule_is_reported():
     steps = build_schedule("1f1b", 2, 2)
-    steps[1] = [s for s in steps[1] if not (isinstance(s, Action)
-                                            and s.kind is ActionKind.RECV_FORWARD)]
+    steps[1] = [
+        s for s in steps[1] if not (isinstance(s, Action) and s.kind is ActionKind.RECV_FORWARD)
+    ]
     with pytest.raises(ScheduleError):
         simulate(steps, [1.0, 1.0], [1.0, 1.0])
 
@@ -103,8 +119,10 @@ def test_cache_gives_the_same_makespan():
 def test_pipelines_without_a_rate_model_run_on_their_own_clocks():
     f, b, m = [1.0, 1.5], [2.0, 2.5], 3
     alone = simulate_1f1b(f, b, m, [0.25], [0.5])
-    stages = [StageTiming(Region(f[0]), Region(b[0]), 0.25, 0.5), StageTiming(Region(f[1]),
-                                                                             Region(b[1]))]
+    stages = [
+        StageTiming(Region(f[0]), Region(b[0]), 0.25, 0.5),
+        StageTiming(Region(f[1]), Region(b[1])),
+    ]
     steps = build_schedule("1f1b", 2, m)
     both = simulate_pipelines([steps, steps], [stages, stages], record_timeline=True)
     assert both.makespans_s == (alone.makespan_s, alone.makespan_s)
@@ -129,13 +147,19 @@ def test_a_rate_model_shares_the_cores_of_a_node():
     one = [StageTiming(Region(1.0), Region(1.0))]
     other_node = [StageTiming(Region(1.0), Region(1.0), node=1)]
     assert simulate_pipelines([steps, steps], [one, one], OneCore()).makespans_s == (
-        pytest.approx(4.0), pytest.approx(4.0))
+        pytest.approx(4.0),
+        pytest.approx(4.0),
+    )
     assert simulate_pipelines([steps, steps], [one, other_node], OneCore()).makespans_s == (
-        pytest.approx(2.0), pytest.approx(2.0))
+        pytest.approx(2.0),
+        pytest.approx(2.0),
+    )
     # A wait or a floor frees the core: the other pipeline computes alone meanwhile.
     padded = [StageTiming(Region(1.0, 0.0, 5.0), Region(0.0))]
     assert simulate_pipelines([steps, steps], [padded, one], OneCore()).makespans_s == (
-        pytest.approx(5.0), pytest.approx(3.0))
+        pytest.approx(5.0),
+        pytest.approx(3.0),
+    )
     # Without the rate model every process has a core of its own.
     assert simulate_pipelines([steps, steps], [one, one]).makespans_s == (2.0, 2.0)
 
@@ -155,7 +179,11 @@ def test_a_deadlock_among_pipelines_names_the_stuck_stages():
     first, last = build_schedule("1f1b", 2, 1)
     last = [s for s in last if not (isinstance(s, Action) and s.kind is ActionKind.RECV_FORWARD)]
     stages = [StageTiming(Region(1.0), Region(1.0))] * 2
-    with pytest.raises(ScheduleError, match=r"^deadlock in simulation: pipeline 1 stage 0 at "
-                                            r"step 1, pipeline 1 stage 1 at step 2$"):
-        simulate_pipelines([build_schedule("1f1b", 1, 1), [first, last]],
-                           [stages[:1], stages], OneCore())
+    with pytest.raises(
+        ScheduleError,
+        match=r"^deadlock in simulation: pipeline 1 stage 0 at "
+        r"step 1, pipeline 1 stage 1 at step 2$",
+    ):
+        simulate_pipelines(
+            [build_schedule("1f1b", 1, 1), [first, last]], [stages[:1], stages], OneCore()
+        )

@@ -14,10 +14,11 @@ event-driven simulation and kept if it fits in memory. The planner's plan must b
 the best. A second brute force enumerates heterogeneous DP (replicas of one kind each, every
 kind's replicas, splits and batch shares) on a cluster whose kinds' counts share no divisor.
 """
+
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -30,30 +31,67 @@ from megatron_het.perf.comm_cost import CommCost
 from megatron_het.planner.search import search_plan
 
 SEQ = 1024
-MODEL = ModelConfig(name="bf-6l", num_layers=6, hidden_size=2048, ffn_hidden_size=5632,
-                    num_attention_heads=16, num_query_groups=4, vocab_size=32000)
+MODEL = ModelConfig(
+    name="bf-6l",
+    num_layers=6,
+    hidden_size=2048,
+    ffn_hidden_size=5632,
+    num_attention_heads=16,
+    num_query_groups=4,
+    vocab_size=32000,
+)
 
 
 def _group(name: str, kind: str, nodes: int, per_node: int, nic_gbit: float = 400) -> dict:
-    return {"name": name, "accelerator": kind, "nodes": nodes, "devices_per_node": per_node,
-            "nic_bandwidth_gbit_per_s": nic_gbit}
+    return {
+        "name": name,
+        "accelerator": kind,
+        "nodes": nodes,
+        "devices_per_node": per_node,
+        "nic_bandwidth_gbit_per_s": nic_gbit,
+    }
 
 
 CLUSTERS = {  # cluster, global batch, the sequence-parallel options enumerated, whether the
     # best plan interleaves (a small batch over few devices: the bubble dominates)
-    "h100+a100": ({"name": "bf2", "node_groups": [_group("h", "H100", 1, 4),
-                                                  _group("a", "A100-80G", 1, 4)]}, 8, (False,),
-                  False),
-    "h100+mi250x+a100": ({"name": "bf3", "node_groups": [
-        _group("h", "H100", 1, 2), _group("m", "MI250X", 1, 2),
-        _group("a", "A100-40G", 2, 2)]}, 8, (False,), False),
-    "tight memory": ({"name": "bft", "accelerators": {
-        "small-a": {"base": "A100-80G", "memory_gib": 1.3},
-        "small-b": {"base": "MI250X", "memory_gib": 1.5}},
-        "node_groups": [_group("a", "small-a", 2, 2), _group("b", "small-b", 1, 2)]}, 4,
-        (False, True), False),
-    "h100+a100 small batch": ({"name": "bfi", "node_groups": [
-        _group("h", "H100", 1, 2), _group("a", "A100-80G", 1, 2)]}, 4, (False,), True),
+    "h100+a100": (
+        {"name": "bf2", "node_groups": [_group("h", "H100", 1, 4), _group("a", "A100-80G", 1, 4)]},
+        8,
+        (False,),
+        False,
+    ),
+    "h100+mi250x+a100": (
+        {
+            "name": "bf3",
+            "node_groups": [
+                _group("h", "H100", 1, 2),
+                _group("m", "MI250X", 1, 2),
+                _group("a", "A100-40G", 2, 2),
+            ],
+        },
+        8,
+        (False,),
+        False,
+    ),
+    "tight memory": (
+        {
+            "name": "bft",
+            "accelerators": {
+                "small-a": {"base": "A100-80G", "memory_gib": 1.3},
+                "small-b": {"base": "MI250X", "memory_gib": 1.5},
+            },
+            "node_groups": [_group("a", "small-a", 2, 2), _group("b", "small-b", 1, 2)],
+        },
+        4,
+        (False, True),
+        False,
+    ),
+    "h100+a100 small batch": (
+        {"name": "bfi", "node_groups": [_group("h", "H100", 1, 2), _group("a", "A100-80G", 1, 2)]},
+        4,
+        (False,),
+        True,
+    ),
 }
 
 
@@ -63,8 +101,9 @@ def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
         yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
 
 
-def _stage_sequences(per_pipeline: dict[str, int], tps: list[int], max_stages: int
-                     ) -> Iterator[tuple[tuple[str, int], ...]]:
+def _stage_sequences(
+    per_pipeline: dict[str, int], tps: list[int], max_stages: int
+) -> Iterator[tuple[tuple[str, int], ...]]:
     """Every ordered sequence of (kind, tp) stages using exactly ``per_pipeline`` devices."""
     if not any(per_pipeline.values()):
         yield ()
@@ -97,7 +136,7 @@ def _ranks(cluster: ClusterSpec, dp: int, sequence) -> list[list[tuple[int, ...]
         taken = {k: d * len(v) // dp for k, v in by_kind.items()}
         stages = []
         for kind, tp in sequence:
-            group = tuple(by_kind[kind][taken[kind]:taken[kind] + tp])
+            group = tuple(by_kind[kind][taken[kind] : taken[kind] + tp])
             taken[kind] += tp
             if len({cluster.rank_info(r).node for r in group}) > 1:
                 return None  # TP groups stay inside a node
@@ -106,15 +145,23 @@ def _ranks(cluster: ClusterSpec, dp: int, sequence) -> list[list[tuple[int, ...]
     return out
 
 
-def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int,
-                     sequence_parallel: tuple[bool, ...] = (False,)
-                     ) -> tuple[float, ParallelPlan | None]:
+def brute_force_best(
+    model: ModelConfig,
+    cluster: ClusterSpec,
+    global_batch_size: int,
+    sequence_parallel: tuple[bool, ...] = (False,),
+) -> tuple[float, ParallelPlan | None]:
     """The least simulated iteration time of every plan that fits (see the module docstring),
     and that plan; ``sequence_parallel`` (True as well) tries it on plans with a tp > 1
     stage."""
     counts = cluster.accelerator_counts()
-    tps = [t for t in (1, 2, 4, 8) if model.num_attention_heads % t == 0
-           and model.num_query_groups % t == 0 and model.ffn_hidden_size % t == 0]
+    tps = [
+        t
+        for t in (1, 2, 4, 8)
+        if model.num_attention_heads % t == 0
+        and model.num_query_groups % t == 0
+        and model.ffn_hidden_size % t == 0
+    ]
     cache, best, best_plan = SimulationCache(), float("inf"), None
     comm = CommCost(cluster)  # its memos are pure: shared by every prediction
     for dp in range(1, cluster.world_size + 1):
@@ -129,10 +176,11 @@ def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size
             tp_stages = any(tp > 1 for _, tp in sequence)
             p = len(sequence)
             for (chunks, split), mbs, zero1, sp in itertools.product(
-                    _chunked_splits(model.num_layers, p),
-                    [b for b in range(1, share + 1) if share % b == 0],
-                    (False, True) if dp > 1 else (False,),
-                    sequence_parallel if tp_stages else (False,)):
+                _chunked_splits(model.num_layers, p),
+                [b for b in range(1, share + 1) if share % b == 0],
+                (False, True) if dp > 1 else (False,),
+                sequence_parallel if tp_stages else (False,),
+            ):
                 if chunks > 1 and share // mbs < p:
                     continue  # interleaved 1F1B runs at least one micro-batch per group
                 for recompute in (False, True):
@@ -141,15 +189,22 @@ def brute_force_best(model: ModelConfig, cluster: ClusterSpec, global_batch_size
                         start, stages = 0, []
                         for s, n in enumerate(split):
                             (kind, tp), group = sequence[s % p], ranks[d][s % p]
-                            stages.append(StagePlan(kind, tp, (start, start + n), group,
-                                                    recompute=recompute))
+                            stages.append(
+                                StagePlan(kind, tp, (start, start + n), group, recompute=recompute)
+                            )
                             start += n
                         pipelines.append(PipelinePlan(share // mbs, tuple(stages)))
-                    plan = ParallelPlan(mbs, tuple(pipelines), "bf16", zero1,
-                                        sequence_parallel=sp or None,
-                                        overlap_grad_reduce=dp > 1 or None)
-                    prediction = predict(model, plan, cluster, SEQ, cache=cache,
-                                         validate=False, comm=comm)
+                    plan = ParallelPlan(
+                        mbs,
+                        tuple(pipelines),
+                        "bf16",
+                        zero1,
+                        sequence_parallel=sp or None,
+                        overlap_grad_reduce=dp > 1 or None,
+                    )
+                    prediction = predict(
+                        model, plan, cluster, SEQ, cache=cache, validate=False, comm=comm
+                    )
                     if fits(prediction, cluster).ok:
                         if prediction.iteration_time_s < best:
                             best, best_plan = prediction.iteration_time_s, plan
@@ -177,11 +232,13 @@ def test_planner_within_one_percent_of_brute_force(name: str) -> None:
         assert result.plan.pipelines[0].interleaved
     assert result.prediction.iteration_time_s <= best * 1.01, (
         f"planner {result.prediction.iteration_time_s:.6f} s:\n{result.plan.describe()}\n"
-        f"brute force {best:.6f} s:\n{best_plan.describe()}")
+        f"brute force {best:.6f} s:\n{best_plan.describe()}"
+    )
 
 
-def _kind_pipelines(model: ModelConfig, cluster: ClusterSpec, kind: str, tps: list[int]
-                    ) -> Iterator[tuple[int, list[list[StagePlan]]]]:
+def _kind_pipelines(
+    model: ModelConfig, cluster: ClusterSpec, kind: str, tps: list[int]
+) -> Iterator[tuple[int, list[list[StagePlan]]]]:
     """Every way to run ``kind``'s devices alone as identical replicas: (dp, per replica its
     stages), every stage sequence and layer split, ranks in rank order, TP inside a node."""
     ranks = [i.rank for i in cluster.rank_map() if i.accelerator.name == kind]
@@ -196,7 +253,7 @@ def _kind_pipelines(model: ModelConfig, cluster: ClusterSpec, kind: str, tps: li
                 for d in range(dp):
                     taken, start, stages = d * per, 0, []
                     for (_, tp), n in zip(sequence, split):
-                        group = tuple(ranks[taken:taken + tp])
+                        group = tuple(ranks[taken : taken + tp])
                         ok &= len({cluster.rank_info(r).node for r in group}) == 1
                         stages.append(StagePlan(kind, tp, (start, start + n), group))
                         taken, start = taken + tp, start + n
@@ -217,13 +274,19 @@ def _splits(total: int, dps: list[int]) -> Iterator[tuple[int, ...]]:
             yield (m, *tail)
 
 
-def brute_force_replicas(model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
-                         ) -> tuple[float, ParallelPlan | None]:
+def brute_force_replicas(
+    model: ModelConfig, cluster: ClusterSpec, global_batch_size: int
+) -> tuple[float, ParallelPlan | None]:
     """The least simulated time of every heterogeneous-DP plan of replicas of one kind each
     (:func:`_kind_pipelines` per kind, every micro-batch size and batch share, ZeRO-1 on or
     off, recompute on where the plan does not fit without) that fits, and that plan."""
-    tps = [t for t in (1, 2, 4, 8) if model.num_attention_heads % t == 0
-           and model.num_query_groups % t == 0 and model.ffn_hidden_size % t == 0]
+    tps = [
+        t
+        for t in (1, 2, 4, 8)
+        if model.num_attention_heads % t == 0
+        and model.num_query_groups % t == 0
+        and model.ffn_hidden_size % t == 0
+    ]
     kinds = list(cluster.accelerator_counts())
     cache, comm, best, best_plan = SimulationCache(), CommCost(cluster), float("inf"), None
     per_kind = [list(_kind_pipelines(model, cluster, k, tps)) for k in kinds]
@@ -234,13 +297,22 @@ def brute_force_replicas(model: ModelConfig, cluster: ClusterSpec, global_batch_
                 for zero1 in (False, True):
                     for recompute in (False, True):
                         pipelines = tuple(
-                            PipelinePlan(m, tuple(StagePlan(s.accelerator, s.tp, s.layers,
-                                                            s.ranks, recompute=recompute)
-                                                  for s in stages))
-                            for (_, replicas), m in zip(choice, shares) for stages in replicas)
+                            PipelinePlan(
+                                m,
+                                tuple(
+                                    StagePlan(
+                                        s.accelerator, s.tp, s.layers, s.ranks, recompute=recompute
+                                    )
+                                    for s in stages
+                                ),
+                            )
+                            for (_, replicas), m in zip(choice, shares)
+                            for stages in replicas
+                        )
                         plan = ParallelPlan(mbs, pipelines, "bf16", zero1)
-                        prediction = predict(model, plan, cluster, SEQ, cache=cache,
-                                             validate=False, comm=comm)
+                        prediction = predict(
+                            model, plan, cluster, SEQ, cache=cache, validate=False, comm=comm
+                        )
                         if fits(prediction, cluster).ok:
                             if prediction.iteration_time_s < best:
                                 best, best_plan = prediction.iteration_time_s, plan
@@ -248,16 +320,27 @@ def brute_force_replicas(model: ModelConfig, cluster: ClusterSpec, global_batch_
     return best, best_plan
 
 
-REPLICA_MODEL = ModelConfig(name="bf-4l", num_layers=4, hidden_size=2048, ffn_hidden_size=5632,
-                            num_attention_heads=16, num_query_groups=4, vocab_size=32000)
+REPLICA_MODEL = ModelConfig(
+    name="bf-4l",
+    num_layers=4,
+    hidden_size=2048,
+    ffn_hidden_size=5632,
+    num_attention_heads=16,
+    num_query_groups=4,
+    vocab_size=32000,
+)
 
 
 @pytest.mark.slow
 def test_planner_within_one_percent_of_brute_force_with_replicas_of_one_kind() -> None:
     """Device counts with no common divisor: every uniform pipeline holds both kinds, and
     replicas of one kind each (batch shared by speed) win; the planner finds them."""
-    cluster = ClusterSpec.from_dict({"name": "bfr", "node_groups": [
-        _group("h", "H100", 1, 2, 3200), _group("m", "MI250X", 1, 3, 3200)]})
+    cluster = ClusterSpec.from_dict(
+        {
+            "name": "bfr",
+            "node_groups": [_group("h", "H100", 1, 2, 3200), _group("m", "MI250X", 1, 3, 3200)],
+        }
+    )
     global_batch_size = 12
     result = search_plan(REPLICA_MODEL, cluster, global_batch_size, SEQ)
     validate(result.plan, REPLICA_MODEL, cluster, global_batch_size)
@@ -267,4 +350,5 @@ def test_planner_within_one_percent_of_brute_force_with_replicas_of_one_kind() -
     assert best_plan is not None and best < uniform  # the case is one for replicas
     assert result.prediction.iteration_time_s <= best * 1.01, (
         f"planner {result.prediction.iteration_time_s:.6f} s:\n{result.plan.describe()}\n"
-        f"brute force {best:.6f} s:\n{best_plan.describe()}")
+        f"brute force {best:.6f} s:\n{best_plan.describe()}"
+    )

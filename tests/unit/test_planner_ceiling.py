@@ -1,5 +1,6 @@
 """The compute ceiling: per kind by hand, its defaults against the predictor's and the
 planner's, and no plan above it (nor the homogeneous baseline) on the shipped clusters."""
+
 from __future__ import annotations
 
 import inspect
@@ -15,8 +16,7 @@ from megatron_het.perf import predict
 from megatron_het.perf.cost_model import LayerShape
 from megatron_het.perf.stage_cost import choose_profile, stage_compute
 from megatron_het.planner.baseline import homogeneous_baseline, why_above_baseline
-from megatron_het.planner.ceiling import (MAX_MICRO_BATCH_SIZE, Ceiling, KindCeiling,
-                                          compute_ceiling)
+from megatron_het.planner.ceiling import MAX_MICRO_BATCH_SIZE, Ceiling, KindCeiling, compute_ceiling
 from megatron_het.planner.evaluate import evaluate_plan
 from megatron_het.planner.search import search_plan
 from megatron_het.planner.space import KindBlock, Layout, Placement, build_plan
@@ -25,18 +25,38 @@ from tests.unit.papers_mix import papers_baseline
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CLUSTERS = sorted((REPO / "scripts/clusters").glob("*.yaml"))
 # A ~1B Llama (TinyLlama's shape): small enough to plan on every shipped cluster quickly.
-LLAMA_1B = ModelConfig(name="llama-1b", num_layers=16, hidden_size=2048, ffn_hidden_size=5632,
-                       num_attention_heads=16, num_query_groups=4, vocab_size=32000,
-                       max_position_embeddings=2048)
-TWO_KINDS = {"name": "two", "node_groups": [
-    {"name": "h", "accelerator": "H100", "nodes": 1, "devices_per_node": 4,
-     "nic_bandwidth_gbit_per_s": 400},
-    {"name": "m", "accelerator": "MI250X", "nodes": 1, "devices_per_node": 2,
-     "nic_bandwidth_gbit_per_s": 400}]}
+LLAMA_1B = ModelConfig(
+    name="llama-1b",
+    num_layers=16,
+    hidden_size=2048,
+    ffn_hidden_size=5632,
+    num_attention_heads=16,
+    num_query_groups=4,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+)
+TWO_KINDS = {
+    "name": "two",
+    "node_groups": [
+        {
+            "name": "h",
+            "accelerator": "H100",
+            "nodes": 1,
+            "devices_per_node": 4,
+            "nic_bandwidth_gbit_per_s": 400,
+        },
+        {
+            "name": "m",
+            "accelerator": "MI250X",
+            "nodes": 1,
+            "devices_per_node": 2,
+            "nic_bandwidth_gbit_per_s": 400,
+        },
+    ],
+}
 
 
-def by_hand_seconds_per_token(model: ModelConfig, kind: str, seq: int,
-                              sizes: list[int]) -> float:
+def by_hand_seconds_per_token(model: ModelConfig, kind: str, seq: int, sizes: list[int]) -> float:
     """The layers, the embedding and the head computed apart and summed, per token, at the
     best of ``sizes``."""
     spec = ClusterSpec.from_dict(TWO_KINDS).group("h" if kind == "H100" else "m").accelerator
@@ -44,9 +64,10 @@ def by_hand_seconds_per_token(model: ModelConfig, kind: str, seq: int,
     best = []
     for mbs in sizes:
         shape = LayerShape.of(model, seq, mbs, 1)
-        parts = [stage_compute(model, spec, shape, layers, emb, head, 0, "bf16", choice)
-                 for layers, emb, head in ((1, False, False), (0, True, False),
-                                           (0, False, True))]
+        parts = [
+            stage_compute(model, spec, shape, layers, emb, head, 0, "bf16", choice)
+            for layers, emb, head in ((1, False, False), (0, True, False), (0, False, True))
+        ]
         fb = [p.forward_s + p.backward_s for p in parts]
         best.append((model.num_layers * fb[0] + fb[1] + fb[2]) / (mbs * seq))
     return min(best)
@@ -82,10 +103,11 @@ def test_ceiling_tries_only_the_planners_micro_batch_sizes() -> None:
 
 def test_ceiling_defaults_are_the_predictors_and_the_planners() -> None:
     ours = inspect.signature(compute_ceiling).parameters
-    assert ours["efficiency"].default == inspect.signature(predict).parameters[
-        "efficiency"].default
-    assert MAX_MICRO_BATCH_SIZE == inspect.signature(search_plan).parameters[
-        "max_micro_batch_size"].default
+    assert ours["efficiency"].default == inspect.signature(predict).parameters["efficiency"].default
+    assert (
+        MAX_MICRO_BATCH_SIZE
+        == inspect.signature(search_plan).parameters["max_micro_batch_size"].default
+    )
 
 
 def test_kind_terms_add_up_and_scale_with_devices() -> None:
@@ -95,7 +117,8 @@ def test_kind_terms_add_up_and_scale_with_devices() -> None:
     cluster = ClusterSpec.from_dict(TWO_KINDS)
     alone = ClusterSpec.from_dict({**TWO_KINDS, "node_groups": TWO_KINDS["node_groups"][:1]})
     assert compute_ceiling(LLAMA_1B, cluster, 8, 512).kind("H100") == compute_ceiling(
-        LLAMA_1B, alone, 8, 512).kind("H100")
+        LLAMA_1B, alone, 8, 512
+    ).kind("H100")
 
 
 def _plan_against_both(model: ModelConfig, cluster: ClusterSpec, gbs: int, seq: int):
@@ -112,7 +135,8 @@ def _check_below_ceiling(result) -> None:
         assert k.tokens_per_s <= ceiling.kind(k.kind).tokens_per_s
     # The two efficiencies agree with the two references.
     assert result.ceiling_efficiency == pytest.approx(
-        result.efficiency * baseline.tokens_per_s / ceiling.tokens_per_s, rel=1e-12)
+        result.efficiency * baseline.tokens_per_s / ceiling.tokens_per_s, rel=1e-12
+    )
 
 
 def _cluster_case(path: pathlib.Path):
@@ -131,11 +155,12 @@ SIZES = {p: ClusterSpec.load(p).world_size for p in CLUSTERS}
 
 
 @pytest.mark.slow  # a search per cluster, about 1.3 s each
-@pytest.mark.parametrize("path, model, gbs, seq", [_cluster_case(p) for p in CLUSTERS
-                                                   if SIZES[p] <= SEARCHED_DEVICES])
-def test_planned_plan_is_below_the_ceiling_on_every_cluster(path: pathlib.Path,
-                                                            model: ModelConfig, gbs: int,
-                                                            seq: int) -> None:
+@pytest.mark.parametrize(
+    "path, model, gbs, seq", [_cluster_case(p) for p in CLUSTERS if SIZES[p] <= SEARCHED_DEVICES]
+)
+def test_planned_plan_is_below_the_ceiling_on_every_cluster(
+    path: pathlib.Path, model: ModelConfig, gbs: int, seq: int
+) -> None:
     _check_below_ceiling(_plan_against_both(model, ClusterSpec.load(path), gbs, seq))
 
 
@@ -144,18 +169,22 @@ def _hand_built_plan(model: ModelConfig, cluster: ClusterSpec, gbs: int) -> Para
     tp = min(g.devices_per_node for g in cluster.node_groups)
     counts = cluster.accelerator_counts()
     shared = math.gcd(*counts.values()) // tp
-    dp = max(d for d in range(1, shared + 1) if shared % d == 0 and gbs % d == 0
-             and sum(n // (d * tp) for n in counts.values()) <= model.num_layers)
+    dp = max(
+        d
+        for d in range(1, shared + 1)
+        if shared % d == 0
+        and gbs % d == 0
+        and sum(n // (d * tp) for n in counts.values()) <= model.num_layers
+    )
     blocks = tuple(KindBlock(k, tp, n // (dp * tp)) for k, n in counts.items())
     stages = sum(b.stages for b in blocks)
-    layers = [model.num_layers // stages + (s < model.num_layers % stages)
-              for s in range(stages)]
-    return build_plan(Layout(dp, blocks, 1, gbs // dp, dp > 1), layers, Placement(cluster),
-                      "bf16")
+    layers = [model.num_layers // stages + (s < model.num_layers % stages) for s in range(stages)]
+    return build_plan(Layout(dp, blocks, 1, gbs // dp, dp > 1), layers, Placement(cluster), "bf16")
 
 
-@pytest.mark.parametrize("path", [p for p in CLUSTERS if SIZES[p] > SEARCHED_DEVICES],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", [p for p in CLUSTERS if SIZES[p] > SEARCHED_DEVICES], ids=lambda p: p.stem
+)
 def test_a_plan_is_below_the_ceiling_on_every_large_cluster(path: pathlib.Path) -> None:
     cluster, model = ClusterSpec.load(path), model_preset("llama3-70b")
     plan = _hand_built_plan(model, cluster, 2048)
@@ -189,8 +218,10 @@ def test_papers_plan_is_below_its_ceiling() -> None:
     ceiling = result.ceiling
     assert {k.kind: k.devices for k in ceiling.kinds} == {"MI250X": 128, "accelerator-a": 640}
     # accelerator-a's datasheet peak is above an MI250X GCD's, and so is its rate.
-    assert (ceiling.kind("accelerator-a").tokens_per_s_per_device
-            > ceiling.kind("MI250X").tokens_per_s_per_device)
+    assert (
+        ceiling.kind("accelerator-a").tokens_per_s_per_device
+        > ceiling.kind("MI250X").tokens_per_s_per_device
+    )
     assert 0.5 < result.ceiling_efficiency < 1
 
 

@@ -1,5 +1,6 @@
 """The planner's interleaved layouts: their per-group stage model against the predictor, the
 bounds, and searched interleaved plans (group counts that divide the micro-batches or not)."""
+
 from __future__ import annotations
 
 import random
@@ -11,8 +12,12 @@ from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import SimulationCache, fits, predict
 from megatron_het.perf.comm_cost import CommCost
-from megatron_het.planner.bounds import (KindCosts, memory_feasible, sync_lower_bound,
-                                         time_lower_bound)
+from megatron_het.planner.bounds import (
+    KindCosts,
+    memory_feasible,
+    sync_lower_bound,
+    time_lower_bound,
+)
 from megatron_het.planner.search import search_plan
 from megatron_het.planner.space import KindBlock, Layout, Placement, build_plan
 from megatron_het.planner.stage_model import balance_layers, probe_stage_model
@@ -26,8 +31,15 @@ def cluster() -> ClusterSpec:
 
 LAYOUTS = [  # dp=2: 2 H100 and 4 MI250X per pipeline, 16 sequences of 1 -> m = 8
     Layout(2, (KindBlock("H100", 1, 2), KindBlock("MI250X", 2, 2)), 1, 8, True, 2),
-    Layout(2, (KindBlock("MI250X", 2, 1), KindBlock("MI250X", 1, 2), KindBlock("H100", 2, 1)),
-           1, 8, True, 2, sequence_parallel=True),
+    Layout(
+        2,
+        (KindBlock("MI250X", 2, 1), KindBlock("MI250X", 1, 2), KindBlock("H100", 2, 1)),
+        1,
+        8,
+        True,
+        2,
+        sequence_parallel=True,
+    ),
     Layout(1, (KindBlock("H100", 2, 2), KindBlock("MI250X", 4, 2)), 2, 8, False, 3),
 ]
 
@@ -38,7 +50,7 @@ def test_group_model_reproduces_the_interleaved_closed_form(cluster, layout) -> 
     sm = probe_stage_model(MODEL, layout, placement, cluster, SEQ, None, "bf16", cache)
     v, p = layout.num_chunks, layout.num_stages
     rng = random.Random(1)
-    for trial in range(6):
+    for _trial in range(6):
         split = [v] * p
         for _ in range(MODEL.num_layers - v * p):
             split[rng.randrange(p)] += 1
@@ -50,7 +62,8 @@ def test_group_model_reproduces_the_interleaved_closed_form(cluster, layout) -> 
         if all(n % v == 0 for n in split):  # uniform chunks: the memory line is exact
             for g in range(p):
                 assert sm.memory[g](split[g]) == pytest.approx(
-                    closed.stages[g].memory.total_bytes, rel=1e-9)
+                    closed.stages[g].memory.total_bytes, rel=1e-9
+                )
 
 
 def test_interleaved_bounds_hold(cluster) -> None:
@@ -68,8 +81,15 @@ def test_interleaved_bounds_hold(cluster) -> None:
 
 def test_search_tries_interleaving_and_its_plans_run(cluster) -> None:
     # A model whose compute outweighs the transfers, so interleaved layouts are competitive
-    big = ModelConfig(name="t-16l", num_layers=16, hidden_size=4096, ffn_hidden_size=11008,
-                      num_attention_heads=32, num_query_groups=8, vocab_size=32000)
+    big = ModelConfig(
+        name="t-16l",
+        num_layers=16,
+        hidden_size=4096,
+        ffn_hidden_size=11008,
+        num_attention_heads=32,
+        num_query_groups=8,
+        vocab_size=32000,
+    )
     plain = search_plan(big, cluster, 16, 4096, top_k=3, max_virtual_stages=1)
     assert all(c.layout.num_chunks == 1 for c in plain.candidates)
     found = search_plan(big, cluster, 16, 4096, top_k=8, max_virtual_stages=3)
@@ -83,18 +103,33 @@ def test_search_tries_interleaving_and_its_plans_run(cluster) -> None:
         assert pipeline.num_chunks == candidate.layout.num_chunks
         assert pipeline.micro_batches >= pipeline.pp_size or pipeline.num_chunks == 1
     # group counts that do not divide the micro-batches (micro-batch groups) are searched too
-    assert any(c.plan.pipelines[0].micro_batches % c.plan.pipelines[0].pp_size
-               for c in interleaved)
+    assert any(c.plan.pipelines[0].micro_batches % c.plan.pipelines[0].pp_size for c in interleaved)
 
 
 def test_finalists_move_layers_between_chunks() -> None:
     """2 H100 + 2 A100 and 4 sequences: the best plan interleaves 2 chunks per tp=2 group, and
     the chunk beside the head holds less than an even deal would give it."""
-    small = ClusterSpec.from_dict({"name": "chunks", "node_groups": [
-        {"name": "h", "accelerator": "H100", "nodes": 1, "devices_per_node": 2,
-         "nic_bandwidth_gbit_per_s": 400},
-        {"name": "a", "accelerator": "A100-80G", "nodes": 1, "devices_per_node": 2,
-         "nic_bandwidth_gbit_per_s": 400}]})
+    small = ClusterSpec.from_dict(
+        {
+            "name": "chunks",
+            "node_groups": [
+                {
+                    "name": "h",
+                    "accelerator": "H100",
+                    "nodes": 1,
+                    "devices_per_node": 2,
+                    "nic_bandwidth_gbit_per_s": 400,
+                },
+                {
+                    "name": "a",
+                    "accelerator": "A100-80G",
+                    "nodes": 1,
+                    "devices_per_node": 2,
+                    "nic_bandwidth_gbit_per_s": 400,
+                },
+            ],
+        }
+    )
     model = MODEL.replace(num_layers=6)
     found = search_plan(model, small, 4, SEQ)
     pipeline = found.plan.pipelines[0]

@@ -1,6 +1,7 @@
 """Heterogeneous data parallelism in the planner: replicas of one kind each, batch shared by
 speed (megatron_het.planner.kind_replicas). The brute-force comparison is in
 test_planner_bruteforce.py."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -13,25 +14,46 @@ from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import SimulationCache, fits, predict
 from megatron_het.perf.comm_cost import CommCost
-from megatron_het.planner.kind_replicas import (ReplicaLayout, ReplicaSearch, _Option,
-                                                _with_replica_buffers, allocate, exact_shares,
-                                                shares_by_speed)
+from megatron_het.planner.kind_replicas import (
+    ReplicaLayout,
+    ReplicaSearch,
+    _Option,
+    _with_replica_buffers,
+    allocate,
+    exact_shares,
+    shares_by_speed,
+)
 from megatron_het.planner.search import search_plan
 from megatron_het.planner.space import KindBlock, Layout, Placement
 from megatron_het.planner.stage_model import probe_stage_model
 
 SEQ = 1024
-MODEL = ModelConfig(name="kr-4l", num_layers=4, hidden_size=2048, ffn_hidden_size=5632,
-                    num_attention_heads=16, num_query_groups=4, vocab_size=32000)
+MODEL = ModelConfig(
+    name="kr-4l",
+    num_layers=4,
+    hidden_size=2048,
+    ffn_hidden_size=5632,
+    num_attention_heads=16,
+    num_query_groups=4,
+    vocab_size=32000,
+)
 
 
 def _cluster(fast: int = 4, slow: int = 3) -> ClusterSpec:
     """Device counts with no common divisor above 1: uniform replicas must mix the kinds."""
+
     def group(name: str, kind: str, n: int) -> dict:
-        return {"name": name, "accelerator": kind, "nodes": 1, "devices_per_node": n,
-                "nic_bandwidth_gbit_per_s": 3200}
-    return ClusterSpec.from_dict({"name": "odd", "node_groups": [
-        group("h", "H100", fast), group("m", "MI250X", slow)]})
+        return {
+            "name": name,
+            "accelerator": kind,
+            "nodes": 1,
+            "devices_per_node": n,
+            "nic_bandwidth_gbit_per_s": 3200,
+        }
+
+    return ClusterSpec.from_dict(
+        {"name": "odd", "node_groups": [group("h", "H100", fast), group("m", "MI250X", slow)]}
+    )
 
 
 def _option(dp: int, fixed: float, per: float, sync: float = 0.0) -> _Option:
@@ -84,24 +106,46 @@ def test_replica_buffers_are_the_memory_the_predictor_counts() -> None:
     result = search_plan(MODEL, cluster, 12, SEQ)
     layout = result.candidates[0].layout
     assert isinstance(layout, ReplicaLayout)
-    search = ReplicaSearch(MODEL, cluster, Placement(cluster), 12, SEQ, None, "bf16", True,
-                           SimulationCache(), CommCost(cluster))
+    search = ReplicaSearch(
+        MODEL,
+        cluster,
+        Placement(cluster),
+        12,
+        SEQ,
+        None,
+        "bf16",
+        True,
+        SimulationCache(),
+        CommCost(cluster),
+    )
     search._families(16)  # builds the kinds
     plan_dp, zero1 = result.plan.dp_size, bool(result.plan.use_distributed_optimizer)
     pipeline = 0
     for kind, part in zip(search._kinds, layout.parts):
         probe = replace(part.layout, micro_batches=part.layout.num_stages)
-        sm = _with_replica_buffers(probe_stage_model(
-            MODEL, probe, kind.placement, kind.cluster, SEQ, None, "bf16", SimulationCache(),
-            kind.comm), MODEL)
+        sm = _with_replica_buffers(
+            probe_stage_model(
+                MODEL,
+                probe,
+                kind.placement,
+                kind.cluster,
+                SEQ,
+                None,
+                "bf16",
+                SimulationCache(),
+                kind.comm,
+            ),
+            MODEL,
+        )
         rows = [r for r in result.prediction.stages if r.pipeline == pipeline]
         for s, n in enumerate(part.layers):
             held = rows[s].memory
             assert held.replica_sync_bytes > 0
             assert held.total_bytes <= sm.memory[s](n) * (1 + 1e-6)
             others = held.optimizer_bytes * (plan_dp - 1) if zero1 else 0.0
-            assert sm.memory[s](n) <= (held.total_bytes + held.replica_sync_bytes
-                                       + held.activation_bytes + others) * (1 + 1e-6)
+            assert sm.memory[s](n) <= (
+                held.total_bytes + held.replica_sync_bytes + held.activation_bytes + others
+            ) * (1 + 1e-6)
         pipeline += part.layout.dp
 
 
@@ -128,9 +172,30 @@ def test_planner_shares_the_batch_by_speed_when_no_divisor_is_common() -> None:
 
 
 def test_one_kind_has_no_replica_family() -> None:
-    cluster = ClusterSpec.from_dict({"name": "one", "node_groups": [
-        {"name": "h", "accelerator": "H100", "nodes": 1, "devices_per_node": 4,
-         "nic_bandwidth_gbit_per_s": 400}]})
-    search = ReplicaSearch(MODEL, cluster, Placement(cluster), 8, SEQ, None, "bf16", True,
-                           SimulationCache(), CommCost(cluster))
+    cluster = ClusterSpec.from_dict(
+        {
+            "name": "one",
+            "node_groups": [
+                {
+                    "name": "h",
+                    "accelerator": "H100",
+                    "nodes": 1,
+                    "devices_per_node": 4,
+                    "nic_bandwidth_gbit_per_s": 400,
+                }
+            ],
+        }
+    )
+    search = ReplicaSearch(
+        MODEL,
+        cluster,
+        Placement(cluster),
+        8,
+        SEQ,
+        None,
+        "bf16",
+        True,
+        SimulationCache(),
+        CommCost(cluster),
+    )
     assert search.candidates(16, 5) == [] and search.probes == 0

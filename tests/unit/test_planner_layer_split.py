@@ -1,8 +1,8 @@
 """What layer bounds cost a plan: the busiest device group against layers divisible at will,
 by hand on predicted rows, and the report lines that carry it."""
+
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 
@@ -29,8 +29,7 @@ def _plan(name: str) -> ParallelPlan:
     return ParallelPlan.load(REPO / "scripts/plans" / f"{name}.json")
 
 
-@pytest.mark.parametrize("model, every_group_works", [(model_preset("tiny"), True),
-                                                      (SMALL, False)])
+@pytest.mark.parametrize("model, every_group_works", [(model_preset("tiny"), True), (SMALL, False)])
 def test_three_stages_by_hand(cluster, model, every_group_works) -> None:
     # emu-fast tp=2 [0, 1) with the embedding; emu-slow [1, 3); emu-slow [3, 4) with the head.
     plan = _plan("cpu_emulated_3stage")
@@ -64,13 +63,26 @@ def test_balanced_groups_lose_nothing_and_the_loss_is_never_negative(cluster) ->
 def test_none_for_one_group_or_pipelines_of_different_layouts(cluster) -> None:
     hetero = _plan("cpu_emulated_hetero_dp")
     assert layer_split(predict(SMALL, hetero, cluster, 256, dtype="fp32"), hetero) is None
-    one = ParallelPlan.from_dict({"format": "megatron_het.plan/1", "micro_batch_size": 2,
-                                  "pipelines": [{"micro_batches": 2, "stages": [
-                                      {"accelerator": "emu-fast", "tp": 2, "layers": [0, 4],
-                                       "ranks": [0, 1]}]},
-                                      {"micro_batches": 2, "stages": [
-                                          {"accelerator": "emu-slow", "tp": 2,
-                                           "layers": [0, 4], "ranks": [2, 3]}]}]})
+    one = ParallelPlan.from_dict(
+        {
+            "format": "megatron_het.plan/1",
+            "micro_batch_size": 2,
+            "pipelines": [
+                {
+                    "micro_batches": 2,
+                    "stages": [
+                        {"accelerator": "emu-fast", "tp": 2, "layers": [0, 4], "ranks": [0, 1]}
+                    ],
+                },
+                {
+                    "micro_batches": 2,
+                    "stages": [
+                        {"accelerator": "emu-slow", "tp": 2, "layers": [0, 4], "ranks": [2, 3]}
+                    ],
+                },
+            ],
+        }
+    )
     assert layer_split(predict(SMALL, one, cluster, 256, dtype="fp32"), one) is None
 
 
@@ -81,5 +93,4 @@ def test_the_reports_carry_it(cluster) -> None:
     summary = json.loads(json.dumps(summary_dict(result, cluster)))
     assert summary["layer_split_loss"] == pytest.approx(split.loss)
     assert split.describe() in text_summary(result, cluster)
-    assert "| layer split | the busiest device group computes" in markdown_report(
-        result, cluster)
+    assert "| layer split | the busiest device group computes" in markdown_report(result, cluster)

@@ -1,5 +1,6 @@
 """The planner's outputs: the matplotlib charts, the markdown report, the JSON summary, and
 the two references they measure a plan against (homogeneous baseline, compute ceiling)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,11 +18,23 @@ from megatron_het.config import model_preset
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.planner.baseline import homogeneous_baseline, why_above_baseline
 from megatron_het.planner.ceiling import compute_ceiling
-from megatron_het.planner.chart import (KIND_COLORS, STAGE_COLORS, save_allocation_chart,
-                                        save_chart, save_timeline_chart, timeline_title)
+from megatron_het.planner.chart import (
+    KIND_COLORS,
+    STAGE_COLORS,
+    save_allocation_chart,
+    save_chart,
+    save_timeline_chart,
+    timeline_title,
+)
 from megatron_het.planner.evaluate import evaluate_plan
-from megatron_het.planner.report import (efficiency_line, markdown_report, plan_summary,
-                                         stage_idle_fractions, summary_dict, text_summary)
+from megatron_het.planner.report import (
+    efficiency_line,
+    markdown_report,
+    plan_summary,
+    stage_idle_fractions,
+    summary_dict,
+    text_summary,
+)
 from megatron_het.planner.result import HomogeneousBaseline, KindBaseline, SearchResult
 from megatron_het.planner.search import search_plan
 from megatron_het.planner.space import KindBlock
@@ -42,8 +55,10 @@ def searched():
 def scaled_baseline(result: SearchResult, efficiency: float) -> SearchResult:
     """``result`` against its baseline scaled so that its efficiency is ``efficiency``."""
     factor = result.efficiency / efficiency
-    kinds = tuple(dataclasses.replace(k, tokens_per_s_per_device=k.tokens_per_s_per_device
-                                      * factor) for k in result.baseline.kinds)
+    kinds = tuple(
+        dataclasses.replace(k, tokens_per_s_per_device=k.tokens_per_s_per_device * factor)
+        for k in result.baseline.kinds
+    )
     return result.with_baseline(HomogeneousBaseline(kinds, result.baseline.search_time_s))
 
 
@@ -53,10 +68,11 @@ def png_text(path: pathlib.Path) -> dict[str, str]:
     assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
     pos, out = 8, {}
     while pos < len(data):
-        length = int.from_bytes(data[pos:pos + 4], "big")
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        assert zlib.crc32(kind + body) == int.from_bytes(data[pos + 8 + length:pos + 12 + length],
-                                                         "big")
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        assert zlib.crc32(kind + body) == int.from_bytes(
+            data[pos + 8 + length : pos + 12 + length], "big"
+        )
         if kind == b"tEXt":
             key, _, value = body.partition(b"\0")
             out[key.decode()] = value.decode("latin-1")
@@ -72,16 +88,19 @@ def pixels(path: pathlib.Path) -> np.ndarray:
 
 
 def has_color(image: np.ndarray, hex_color: str) -> bool:
-    rgb = np.array([int(hex_color[i:i + 2], 16) for i in (1, 3, 5)], dtype=np.uint8)
+    rgb = np.array([int(hex_color[i : i + 2], 16) for i in (1, 3, 5)], dtype=np.uint8)
     return bool((image == rgb).all(axis=-1).any())
 
 
 def test_importing_the_planner_does_not_load_matplotlib() -> None:
-    code = ("import sys, megatron_het.planner, megatron_het.planner.chart, "
-            "megatron_het.planner.cli, megatron_het.loss_chart; "
-            "print('matplotlib' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=REPO, timeout=60)
+    code = (
+        "import sys, megatron_het.planner, megatron_het.planner.chart, "
+        "megatron_het.planner.cli, megatron_het.loss_chart; "
+        "print('matplotlib' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
 
@@ -104,16 +123,18 @@ def test_timeline_alone_has_a_time_axis_and_no_allocation(searched, tmp_path) ->
     image = pixels(path)
     assert has_color(image, KIND_COLORS[1]) and not has_color(image, STAGE_COLORS[1])
     alone = pixels(save_allocation_chart(result.prediction, cluster, tmp_path / "alloc.png"))
-    assert has_color(alone, STAGE_COLORS[1]) and image.shape[0] < pixels(
-        save_chart(result.prediction, cluster, tmp_path / "both.png")).shape[0]
+    assert (
+        has_color(alone, STAGE_COLORS[1])
+        and image.shape[0]
+        < pixels(save_chart(result.prediction, cluster, tmp_path / "both.png")).shape[0]
+    )
 
 
 @pytest.mark.slow  # a process start or a 768-device chart: several seconds
 def test_chart_of_a_768_device_plan(tmp_path) -> None:
     cluster = ClusterSpec.load(REPO / "scripts/clusters/hethub_llama140b.yaml")
     plan = ParallelPlan.load(REPO / "scripts/hethub_llama140b/plan_140b.json")
-    result = evaluate_plan(model_preset("llama-140b"), cluster, plan, 4096,
-                           with_baseline=False)
+    result = evaluate_plan(model_preset("llama-140b"), cluster, plan, 4096, with_baseline=False)
     image = pixels(save_chart(result.prediction, cluster, tmp_path / "hethub.png"))
     assert image.shape[1] == 1200 and image.shape[0] < 2400
 
@@ -142,9 +163,20 @@ def test_report_lists_every_stage_both_references_and_efficiencies(searched) -> 
 def test_summary_is_json_with_the_promised_keys(searched) -> None:
     cluster, result = searched
     summary = json.loads(json.dumps(summary_dict(result, cluster)))
-    for key in ("efficiency", "baseline_tokens_per_s", "ceiling_efficiency",
-                "ceiling_tokens_per_s", "tokens_per_s", "iteration_time_s", "search_time_s",
-                "baseline_search_time_s", "peak_memory_gib", "plan", "baseline", "ceiling"):
+    for key in (
+        "efficiency",
+        "baseline_tokens_per_s",
+        "ceiling_efficiency",
+        "ceiling_tokens_per_s",
+        "tokens_per_s",
+        "iteration_time_s",
+        "search_time_s",
+        "baseline_search_time_s",
+        "peak_memory_gib",
+        "plan",
+        "baseline",
+        "ceiling",
+    ):
         assert key in summary
     tps = result.prediction.tokens_per_s
     assert summary["tokens_per_s"] == pytest.approx(tps)
@@ -198,40 +230,66 @@ def _kind_alone(result: SearchResult, kind: str, **changes) -> KindBaseline:
 def test_reason_says_what_the_kind_does_differently_alone(searched) -> None:
     _, result = searched  # the mixed plan: tp=1, no recompute, micro-batch 1 on both kinds
     assert result.plan.micro_batch_size == 1
-    slow = _kind_alone(result, "emu-slow", layout={
-        "blocks": (KindBlock("emu-slow", 2, 1, recompute=True),)}, tp_comm_share=0.25)
-    fast = _kind_alone(result, "emu-fast", bubble_fraction=result.prediction.bubble_fraction
-                       + 0.2, dp_sync_share=0.5)
+    slow = _kind_alone(
+        result,
+        "emu-slow",
+        layout={"blocks": (KindBlock("emu-slow", 2, 1, recompute=True),)},
+        tp_comm_share=0.25,
+    )
+    fast = _kind_alone(
+        result,
+        "emu-fast",
+        bubble_fraction=result.prediction.bubble_fraction + 0.2,
+        dp_sync_share=0.5,
+    )
     result = scaled_baseline(result.with_baseline(HomogeneousBaseline((fast, slow))), 1.1)
     reason = why_above_baseline(result)
     assert reason.startswith("above 1 (1.1000): ")
     assert "emu-slow runs tp=1 in the mixed plan against tp=2 alone" in reason
     assert "against 25.0%" in reason and slow.plan_summary in reason
-    assert "emu-slow alone recomputes activations to fit its memory; in the mixed plan it " \
-           "does not" in reason
-    assert (f"idles {100 * result.prediction.bubble_fraction:.1f}% in its bubble against "
-            f"{100 * fast.bubble_fraction:.1f}% for emu-fast alone") in reason
+    assert (
+        "emu-slow alone recomputes activations to fit its memory; in the mixed plan it "
+        "does not" in reason
+    )
+    assert (
+        f"idles {100 * result.prediction.bubble_fraction:.1f}% in its bubble against "
+        f"{100 * fast.bubble_fraction:.1f}% for emu-fast alone"
+    ) in reason
     assert "against 50.0% for emu-fast alone" in reason  # DP sync
     assert "emu-fast runs" not in reason and "runs micro-batch" not in reason  # same alone
-    wider = dataclasses.replace(result, plan=dataclasses.replace(result.plan,
-                                                                 micro_batch_size=4))
-    assert "the mixed plan runs micro-batch 4 against 1 for emu-fast alone" in \
-        why_above_baseline(wider)
+    wider = dataclasses.replace(result, plan=dataclasses.replace(result.plan, micro_batch_size=4))
+    assert "the mixed plan runs micro-batch 4 against 1 for emu-fast alone" in why_above_baseline(
+        wider
+    )
 
 
 def test_reason_without_a_layout_difference_says_so(searched) -> None:
     _, result = searched
-    same = tuple(dataclasses.replace(k, bubble_fraction=0.0, dp_sync_share=0.0)
-                 for k in result.baseline.kinds)
-    reason = why_above_baseline(scaled_baseline(
-        result.with_baseline(HomogeneousBaseline(same)), 1.02))
+    same = tuple(
+        dataclasses.replace(k, bubble_fraction=0.0, dp_sync_share=0.0)
+        for k in result.baseline.kinds
+    )
+    reason = why_above_baseline(
+        scaled_baseline(result.with_baseline(HomogeneousBaseline(same)), 1.02)
+    )
     assert reason.startswith("above 1 (1.0200): every kind keeps the TP degree")
 
 
 def test_homogeneous_cluster_is_its_own_baseline_without_a_reason() -> None:
-    cluster = ClusterSpec.from_dict({"name": "h", "node_groups": [
-        {"name": "h", "accelerator": "H100", "nodes": 1, "devices_per_node": 4,
-         "nic_bandwidth_gbit_per_s": 400}]})
+    cluster = ClusterSpec.from_dict(
+        {
+            "name": "h",
+            "node_groups": [
+                {
+                    "name": "h",
+                    "accelerator": "H100",
+                    "nodes": 1,
+                    "devices_per_node": 4,
+                    "nic_bandwidth_gbit_per_s": 400,
+                }
+            ],
+        }
+    )
     model = model_preset("small")
     result = search_plan(model, cluster, 8, 256, top_k=1)
     result = result.with_baseline(homogeneous_baseline(model, cluster, 8, 256, top_k=1))
@@ -261,10 +319,16 @@ def test_plan_summary_groups_stages_of_a_768_device_plan() -> None:
     # pipelines agree: one group per stage (an interleaved plan's chunks each count)
     assert len(groups) == plan.pipelines[0].num_stages
     first = plan.pipelines[0].stages[0]
-    assert groups[0] == {"stage": 0, "accelerator": first.accelerator, "tp": first.tp,
-                         "layers": list(first.layers), "recompute": first.recompute,
-                         "micro_batches": plan.pipelines[0].micro_batches,
-                         "pipelines": plan.dp_size, "ranks": plan.dp_size * first.tp}
+    assert groups[0] == {
+        "stage": 0,
+        "accelerator": first.accelerator,
+        "tp": first.tp,
+        "layers": list(first.layers),
+        "recompute": first.recompute,
+        "micro_batches": plan.pipelines[0].micro_batches,
+        "pipelines": plan.dp_size,
+        "ranks": plan.dp_size * first.tp,
+    }
     # short: a few numbers per stage group, no rank lists (768 ranks)
     assert len(json.dumps(summary)) < 1000 + 200 * len(groups)
 
@@ -273,19 +337,29 @@ def test_plan_summary_keeps_pipelines_that_differ_apart() -> None:
     d = json.loads((REPO / "scripts/plans/cpu_emulated_dp2_fast_heavy.json").read_text())
     same = plan_summary(ParallelPlan.from_dict(d))["stage_groups"]
     assert [(g["stage"], g["accelerator"], g["pipelines"], g["ranks"]) for g in same] == [
-        (0, "emu-fast", 2, 2), (1, "emu-slow", 2, 2)]
+        (0, "emu-fast", 2, 2),
+        (1, "emu-slow", 2, 2),
+    ]
     d["pipelines"][1]["stages"][0]["layers"] = [0, 2]
     d["pipelines"][1]["stages"][1]["layers"] = [2, 4]
     apart = plan_summary(ParallelPlan.from_dict(d))["stage_groups"]
     assert [(g["stage"], g["layers"], g["pipelines"]) for g in apart] == [
-        (0, [0, 3], 1), (0, [0, 2], 1), (1, [3, 4], 1), (1, [2, 4], 1)]
+        (0, [0, 3], 1),
+        (0, [0, 2], 1),
+        (1, [3, 4], 1),
+        (1, [2, 4], 1),
+    ]
 
 
 def test_plan_summary_counts_an_interleaved_device_group_once() -> None:
     plan = ParallelPlan.load(REPO / "scripts/plans/cpu_emulated_interleaved.json")
     groups = plan_summary(plan)["stage_groups"]
     assert [(g["stage"], g["accelerator"]) for g in groups] == [
-        (0, "emu-fast"), (1, "emu-slow"), (2, "emu-fast"), (3, "emu-slow")]
+        (0, "emu-fast"),
+        (1, "emu-slow"),
+        (2, "emu-fast"),
+        (3, "emu-slow"),
+    ]
     # Each device group's ranks count on its first chunk's entry.
     assert [g["ranks"] for g in groups] == [2, 2, 0, 0]
     assert sum(g["ranks"] for g in groups) == plan.world_size == 4
@@ -300,6 +374,7 @@ def test_an_interleaved_plans_chart_names_its_schedule(tmp_path) -> None:
     prediction = predict(eight, plan, cluster, 256, dtype="fp32")
     assert timeline_title(prediction).startswith("predicted interleaved 1F1B timeline")
     plain = ParallelPlan.load(REPO / "scripts/plans/cpu_emulated_pp4.json")
-    assert timeline_title(predict(model_preset("small"), plain, cluster, 256, dtype="fp32")
-                          ).startswith("predicted 1F1B timeline")
+    assert timeline_title(
+        predict(model_preset("small"), plain, cluster, 256, dtype="fp32")
+    ).startswith("predicted 1F1B timeline")
     assert pixels(save_chart(prediction, cluster, tmp_path / "interleaved.png")).size

@@ -2,6 +2,7 @@
 autocast, timing that follows the work (host clock on the CPU, device events elsewhere, with a
 fake event class), a profile the predictor uses as measured, communicator figures, naming and
 merging."""
+
 from __future__ import annotations
 
 import pathlib
@@ -16,10 +17,21 @@ from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import predict
 from megatron_het.perf.profile import LayerEntry, Profile, ProfileConditions, merge_profiles
-from megatron_het.perf.profiler import (PROFILE_DTYPES, Case, EventTimer, HostTimer,
-                                        SavedActivations, Sweep, accelerator_for_device,
-                                        activation_bytes, layer_case, measure_comm, pass_timer,
-                                        profile_device, rank_stage, run_cases)
+from megatron_het.perf.profiler import (
+    PROFILE_DTYPES,
+    Case,
+    EventTimer,
+    HostTimer,
+    Sweep,
+    accelerator_for_device,
+    activation_bytes,
+    layer_case,
+    measure_comm,
+    pass_timer,
+    profile_device,
+    rank_stage,
+    run_cases,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -53,8 +65,9 @@ def test_layer_activations_match_a_walk_of_the_graph(tp, dtype):
     layer = stage.layers["0"]
     x = torch.randn(2, 16, TINY.hidden_size, dtype=PROFILE_DTYPES[dtype], requires_grad=True)
     cos, sin = stage.rotary.cos_sin(16, CPU, PROFILE_DTYPES[dtype])
-    measured = activation_bytes(lambda: layer(x, cos, sin), list(layer.parameters()),
-                                (cos, sin), CPU)
+    measured = activation_bytes(
+        lambda: layer(x, cos, sin), list(layer.parameters()), (cos, sin), CPU
+    )
     skip = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), cos, sin)}
     assert measured == graph_saved_bytes(layer(x, cos, sin), skip)
     # The shard holds heads/tp, kv/tp and ffn/tp: its activations shrink with tp.
@@ -77,7 +90,8 @@ def test_bf16_cases_run_bf16_weights_without_autocast():
     assert {p.dtype for p in stage.parameters()} == {torch.bfloat16}
     seen = []
     stage.layers["0"].register_forward_pre_hook(
-        lambda module, inputs: seen.append((torch.is_autocast_enabled("cpu"), inputs[0].dtype)))
+        lambda module, inputs: seen.append((torch.is_autocast_enabled("cpu"), inputs[0].dtype))
+    )
     case = layer_case(stage, 16, 2, 2, "bf16", CPU)
     out = case.forward()
     assert seen == [(False, torch.bfloat16)] and out.dtype == torch.bfloat16
@@ -112,6 +126,7 @@ class FakeDevice:
 
         def backward(out):
             self.now_ms += current["b"]
+
         return Case(forward, backward, lambda f, b, saved: (f, b))
 
 
@@ -124,7 +139,7 @@ class FakeEvent:
         self.device.recorded += 1
         self.order, self.at_ms = self.device.recorded, self.device.now_ms
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         assert max(self.order, end.order) <= self.device.synced_upto, "read before a sync"
         return end.at_ms - self.at_ms
 
@@ -138,7 +153,8 @@ def test_accelerator_passes_are_timed_by_device_events(monkeypatch):
     device = FakeDevice()
     fake_cuda = SimpleNamespace(
         Event=lambda enable_timing=False: FakeEvent(device, enable_timing),
-        synchronize=device.synchronize)
+        synchronize=device.synchronize,
+    )
     monkeypatch.setattr(torch, "cuda", fake_cuda)
     cases = [device.case([9, 3, 5, 4], [20, 8, 7, 6]), device.case([1, 2, 1, 3], [2, 4, 2, 6])]
     # One warm-up pass each (untimed), then the medians of three timed ones.
@@ -163,8 +179,7 @@ def test_cpu_passes_are_timed_by_the_host_clock():
     assert isinstance(pass_timer(CPU), HostTimer)
     device = FakeDevice()  # its clock stands in for the host's
     timer = HostTimer(clock=lambda: device.now_ms / 1e3)
-    entries = run_cases([device.case([5, 1, 3], [2, 6, 4])], CPU, warmup=0, iters=3,
-                        timer=timer)
+    entries = run_cases([device.case([5, 1, 3], [2, 6, 4])], CPU, warmup=0, iters=3, timer=timer)
     assert entries == [(pytest.approx(3e-3), pytest.approx(4e-3))]
     assert device.syncs == 0
 
@@ -183,8 +198,7 @@ def test_layer_cases_time_both_passes_and_count_activations(one_thread):
     cases = [layer_case(stage, 32, mb, 1, "fp32", CPU) for mb in (1, 4, 16)]
     entries = run_cases(cases, CPU, warmup=1, iters=3)
     # (how the medians are taken: the fake timers above; wall-clock order is not asserted)
-    assert [(e.micro_batch, e.compiled) for e in entries] == [(1, False), (4, False),
-                                                              (16, False)]
+    assert [(e.micro_batch, e.compiled) for e in entries] == [(1, False), (4, False), (16, False)]
     assert all(e.forward_s > 0 and e.backward_s > 0 for e in entries)
     assert entries[1].activation_bytes == 4 * entries[0].activation_bytes
     assert entries[2].activation_bytes == 16 * entries[0].activation_bytes
@@ -212,8 +226,9 @@ def test_profile_holds_every_shape_and_the_conditions(tiny_profile):
 
 
 def test_a_bf16_profile_measures_bf16_weights(tiny_profile):
-    sweep = Sweep(seq_lengths=(32,), micro_batch_sizes=(2,), tp_sizes=(1,), dtype="bf16",
-                  warmup=0, iters=1)
+    sweep = Sweep(
+        seq_lengths=(32,), micro_batch_sizes=(2,), tp_sizes=(1,), dtype="bf16", warmup=0, iters=1
+    )
     p = profile_device(TINY, sweep, "cpu", CPU)
     assert p.conditions.dtype == "bf16"
     assert {e.dtype for e in (*p.layers, *p.embedding, *p.head)} == {"bf16"}
@@ -243,8 +258,10 @@ def test_predict_uses_the_profile_as_measured(tiny_profile):
 
 def test_comm_figures_of_two_local_ranks():
     entries = measure_comm(sizes=(1024, 65536, 1 << 20), warmup=1, iters=3)
-    assert [(e.op, e.link_kind) for e in entries] == [("p2p", "intra_node"),
-                                                      ("collective", "intra_node")]
+    assert [(e.op, e.link_kind) for e in entries] == [
+        ("p2p", "intra_node"),
+        ("collective", "intra_node"),
+    ]
     assert all(e.bandwidth_gbps > 0 and e.latency_s >= 0 for e in entries)
     written = Profile("cpu", ProfileConditions("host", "2", 1, "d"), comm=entries).to_dict()
     profile = Profile.from_dict(written)
@@ -253,6 +270,7 @@ def test_comm_figures_of_two_local_ranks():
 
 def test_comm_fit_recovers_latency_and_bandwidth():
     from megatron_het.perf.profiler import _fit_alpha_beta
+
     sizes = (1024, 65536, 1 << 20)
     times = [50e-6 + n / 2e9 for n in sizes]
     times[1] *= 3  # a noisy middle point does not move the fit
@@ -267,11 +285,19 @@ def test_conditions_without_dtype_and_host_still_load(tiny_profile):
     assert Profile.from_dict(written).conditions.host == ""
 
 
-@pytest.mark.parametrize("name, memory, kind", [
-    ("NVIDIA H100 80GB HBM3", None, "H100"), ("NVIDIA H200", None, "H200"),
-    ("NVIDIA A100-SXM4-40GB", None, "A100-40G"), ("NVIDIA A100 PCIe", 79.2, "A100-80G"),
-    ("AMD Instinct MI250X", None, "MI250X"), ("AMD Instinct MI300X", 191.5, "MI300X"),
-    ("Intel(R) Xeon(R) Processor", None, None), ("NVIDIA GeForce RTX 4090", 24.0, None)])
+@pytest.mark.parametrize(
+    "name, memory, kind",
+    [
+        ("NVIDIA H100 80GB HBM3", None, "H100"),
+        ("NVIDIA H200", None, "H200"),
+        ("NVIDIA A100-SXM4-40GB", None, "A100-40G"),
+        ("NVIDIA A100 PCIe", 79.2, "A100-80G"),
+        ("AMD Instinct MI250X", None, "MI250X"),
+        ("AMD Instinct MI300X", 191.5, "MI300X"),
+        ("Intel(R) Xeon(R) Processor", None, None),
+        ("NVIDIA GeForce RTX 4090", 24.0, None),
+    ],
+)
 def test_accelerator_for_device_name(name, memory, kind):
     assert accelerator_for_device(name, memory) == kind
 
@@ -279,12 +305,16 @@ def test_accelerator_for_device_name(name, memory, kind):
 def test_merge_replaces_same_shapes_and_keeps_the_rest(tiny_profile):
     def entry(seq, fwd):
         return LayerEntry(64, 176, 4, 2, seq, 2, 1, "fp32", fwd, 2 * fwd, 100.0)
-    old = Profile("cpu", tiny_profile.conditions, layers=(entry(32, 1.0), entry(64, 2.0)),
-                  optimizer_step_s_per_param=5.0)
+
+    old = Profile(
+        "cpu",
+        tiny_profile.conditions,
+        layers=(entry(32, 1.0), entry(64, 2.0)),
+        optimizer_step_s_per_param=5.0,
+    )
     new = Profile("cpu", tiny_profile.conditions, layers=(entry(32, 3.0), entry(128, 4.0)))
     merged = merge_profiles(old, new)
-    assert sorted((e.seq, e.forward_s) for e in merged.layers) == [(32, 3.0), (64, 2.0),
-                                                                   (128, 4.0)]
+    assert sorted((e.seq, e.forward_s) for e in merged.layers) == [(32, 3.0), (64, 2.0), (128, 4.0)]
     assert merged.optimizer_step_s_per_param == 5.0
     with pytest.raises(UserError, match="own file"):
         merge_profiles(old, Profile("H100", tiny_profile.conditions))
@@ -315,10 +345,10 @@ def test_a_compiled_profile_marks_its_layers(monkeypatch) -> None:
         compiled.append(all(is_compiled(layer) for layer in stage.layers.values()))
 
     monkeypatch.setattr(profiler, "compile_layers", spy)
-    sweep = Sweep(seq_lengths=(32,), micro_batch_sizes=(2,), tp_sizes=(1, 2), warmup=1,
-                  iters=1, compile=True)
+    sweep = Sweep(
+        seq_lengths=(32,), micro_batch_sizes=(2,), tp_sizes=(1, 2), warmup=1, iters=1, compile=True
+    )
     p = profile_device(TINY, sweep, "cpu", CPU)
     assert compiled == [True, True]  # the layer shard of each TP size
     assert [(e.tp, e.compiled) for e in p.layers] == [(1, True), (2, True)]
-    assert all(e.forward_s > 0 and e.backward_s > 0 and e.activation_bytes > 0
-               for e in p.layers)
+    assert all(e.forward_s > 0 and e.backward_s > 0 and e.activation_bytes > 0 for e in p.layers)

@@ -1,5 +1,6 @@
 """The published runs: their plans, the published times their sources' FLOP counts give, and
 the calibrated predictor's error on the calibration set."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,11 +12,20 @@ from megatron_het.cluster import get_accelerator
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf.calibration import efficiency_for
 from megatron_het.perf.cost_model import Efficiency
-from megatron_het.perf.published_runs import (ALL_RUNS, CALIBRATION_RUNS, HELD_OUT_RUNS,
-                                              MEGATRON_CORE_H100_RUNS, NARAYANAN_RUNS,
-                                              PublishedRun, build, model_config,
-                                              plain_schedule, predict_run, run_efficiency,
-                                              schedule_of)
+from megatron_het.perf.published_runs import (
+    ALL_RUNS,
+    CALIBRATION_RUNS,
+    HELD_OUT_RUNS,
+    MEGATRON_CORE_H100_RUNS,
+    NARAYANAN_RUNS,
+    PublishedRun,
+    build,
+    model_config,
+    plain_schedule,
+    predict_run,
+    run_efficiency,
+    schedule_of,
+)
 
 BY_NAME = {run.name: run for run in ALL_RUNS}
 
@@ -49,7 +59,8 @@ def test_the_sets_are_the_sources_named() -> None:
     # A100's calibration is Table 1; H100's the weak-scaling rows without a pipeline.
     assert {r.study for r in CALIBRATION_RUNS if r.gpu == "A100-80G"} == {"narayanan2021"}
     assert [r.name for r in CALIBRATION_RUNS if r.gpu == "H100"] == [
-        f"megatron-core-h100-{size}" for size in ("1.7B", "7.1B", "16B", "32B")]
+        f"megatron-core-h100-{size}" for size in ("1.7B", "7.1B", "16B", "32B")
+    ]
     assert all(r.pp > 1 for r in HELD_OUT_RUNS if r.gpu == "H100")
     assert len(BY_NAME) == len(ALL_RUNS)
     # Table 1's virtual stages from the artifact's layers per virtual stage (5, 5, 3, 1).
@@ -71,8 +82,9 @@ def test_derived_time_matches_a_time_the_source_states() -> None:
     assert run.published_iteration_s == pytest.approx(run.published_time_s, rel=0.01)
 
 
-@pytest.mark.parametrize("name", ["narayanan2021-7.5B", "narayanan2021-529.6B",
-                                  "megatron-core-h100-70B"])
+@pytest.mark.parametrize(
+    "name", ["narayanan2021-7.5B", "narayanan2021-529.6B", "megatron-core-h100-70B"]
+)
 def test_source_flops_agree_with_our_count_of_the_mapped_model(name: str) -> None:
     """The mapped Llama has GPT's FLOPs: ours (no recompute) per token, plus one more forward
     of the layers where the source counts recompute, gives the source's count."""
@@ -94,8 +106,10 @@ def test_mapped_model_has_gpts_parameter_count() -> None:
 
 @pytest.mark.slow  # the full suite runs it; the quick loop leaves it out
 def test_calibration_set_median_error_is_within_5_percent() -> None:
-    errors = [predict_run(run).iteration_time_s / run.published_iteration_s - 1
-              for run in CALIBRATION_RUNS]
+    errors = [
+        predict_run(run).iteration_time_s / run.published_iteration_s - 1
+        for run in CALIBRATION_RUNS
+    ]
     assert statistics.median(abs(e) for e in errors) <= 0.05
     assert max(abs(e) for e in errors) <= 0.10
 
@@ -113,7 +127,8 @@ def test_each_row_runs_the_attention_of_its_software() -> None:
     # An explicit efficiency keeps its factors and takes the row's kernel.
     mine = Efficiency(gemm=0.5, attention=0.2, memory=0.7)
     assert run_efficiency(CALIBRATION_RUNS[0], mine) == dataclasses.replace(
-        mine, attention_kernel="unfused")
+        mine, attention_kernel="unfused"
+    )
 
 
 def test_unfused_attention_costs_the_2021_rows_more_than_flash_would() -> None:
@@ -123,16 +138,15 @@ def test_unfused_attention_costs_the_2021_rows_more_than_flash_would() -> None:
     assert predict_run(flash, pipeline_model="closed_form").iteration_time_s < 0.9 * unfused
 
 
-@pytest.mark.parametrize("run", MEGATRON_CORE_H100_RUNS,
-                         ids=lambda r: r.name)
+@pytest.mark.parametrize("run", MEGATRON_CORE_H100_RUNS, ids=lambda r: r.name)
 def test_h100_rows_set_the_options_the_runs_had(run: PublishedRun) -> None:
     plan = build(run).plan
     assert plan.dtype == "bf16"
-    assert plan.use_distributed_optimizer is True      # asserted by --overlap-param-gather
-    assert plan.overlap_grad_reduce is True            # --overlap-grad-reduce
-    assert plan.overlap_param_gather is True           # --overlap-param-gather
-    assert plan.grad_reduce_in_bf16 is False           # bf16 forces fp32 reductions
-    assert plan.sequence_parallel is (run.tp > 1)      # asserted by --tp-comm-overlap
+    assert plan.use_distributed_optimizer is True  # asserted by --overlap-param-gather
+    assert plan.overlap_grad_reduce is True  # --overlap-grad-reduce
+    assert plan.overlap_param_gather is True  # --overlap-param-gather
+    assert plan.grad_reduce_in_bf16 is False  # bf16 forces fp32 reductions
+    assert plan.sequence_parallel is (run.tp > 1)  # asserted by --tp-comm-overlap
     assert plan.tp_comm_overlap is (True if run.tp > 1 else None)  # --tp-comm-overlap
     assert run.not_expressed == ()  # every option they name is modelled
     # Megatron's DDP buckets where --ddp-bucket-size is not given: max(4e7, 1e6 dp).
@@ -157,8 +171,12 @@ def test_h100_schedules_follow_the_inference() -> None:
             assert build(run).plan.pipelines[0].micro_batches == 1
         plain = plain_schedule(run)
         assert (plain.micro_batch, plain.virtual_stages) == (1, 1)
-        assert dataclasses.replace(plain, micro_batch=run.micro_batch,
-                                   virtual_stages=run.virtual_stages) == run
+        assert (
+            dataclasses.replace(
+                plain, micro_batch=run.micro_batch, virtual_stages=run.virtual_stages
+            )
+            == run
+        )
 
 
 @pytest.mark.slow  # the full suite runs it; the quick loop leaves it out

@@ -1,5 +1,6 @@
 """The planner's block recompute: a plan that fits only with recompute recomputes the fewest
 layers per stage with which it still fits (Megatron's --recompute-method block)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,16 +16,28 @@ from megatron_het.planner.recompute_polish import relax_recompute, with_block_re
 
 # llama3-8b on 4 x A100-40G, TP 2 x PP 2, seq 4096: the weights and Adam state leave too
 # little memory for every layer's activations, enough for some of them.
-CLUSTER = ClusterSpec.from_dict({"name": "a100x4", "node_groups": [
-    {"name": "a", "accelerator": "A100-40G", "nodes": 1, "devices_per_node": 4,
-     "nic_bandwidth_gbit_per_s": 200}]})
+CLUSTER = ClusterSpec.from_dict(
+    {
+        "name": "a100x4",
+        "node_groups": [
+            {
+                "name": "a",
+                "accelerator": "A100-40G",
+                "nodes": 1,
+                "devices_per_node": 4,
+                "nic_bandwidth_gbit_per_s": 200,
+            }
+        ],
+    }
+)
 MODEL = model_preset("llama3-8b")
 SEQ = 4096
 
 
 def _plan(recompute: bool) -> ParallelPlan:
-    plan = plan_from_megatron_flags(MODEL, 4, 2, 2, 1, 64, accelerator_of=CLUSTER,
-                                    recompute=recompute)
+    plan = plan_from_megatron_flags(
+        MODEL, 4, 2, 2, 1, 64, accelerator_of=CLUSTER, recompute=recompute
+    )
     return dataclasses.replace(plan, dtype="bf16", use_distributed_optimizer=True)
 
 
@@ -61,18 +74,27 @@ def test_block_recompute_of_zero_layers_turns_recompute_off_and_others_are_kept(
 
 
 def test_a_plan_that_fits_without_recompute_drops_it() -> None:
-    roomy = ClusterSpec.from_dict({"name": "a100x4", "node_groups": [
-        {"name": "a", "accelerator": "A100-80G", "nodes": 1, "devices_per_node": 4,
-         "nic_bandwidth_gbit_per_s": 200}]})
-    full = plan_from_megatron_flags(MODEL, 4, 2, 2, 1, 64, accelerator_of=roomy,
-                                    recompute=True)
+    roomy = ClusterSpec.from_dict(
+        {
+            "name": "a100x4",
+            "node_groups": [
+                {
+                    "name": "a",
+                    "accelerator": "A100-80G",
+                    "nodes": 1,
+                    "devices_per_node": 4,
+                    "nic_bandwidth_gbit_per_s": 200,
+                }
+            ],
+        }
+    )
+    full = plan_from_megatron_flags(MODEL, 4, 2, 2, 1, 64, accelerator_of=roomy, recompute=True)
     full = dataclasses.replace(full, dtype="bf16", use_distributed_optimizer=True)
 
     def predict_roomy(plan):
         return predict(MODEL, plan, roomy, SEQ)
 
-    plan, _ = relax_recompute(full, predict_roomy, lambda p: fits(p, roomy).ok,
-                              predict_roomy(full))
+    plan, _ = relax_recompute(full, predict_roomy, lambda p: fits(p, roomy).ok, predict_roomy(full))
     assert not any(stage.recompute for stage in plan.pipelines[0].stages)
 
 
@@ -84,8 +106,13 @@ def test_the_planner_recomputes_only_what_memory_needs() -> None:
     assert recomputing  # it does not fit without
     # some stage keeps activations of layers a full recompute would drop
     assert any(stage.recomputed_layers < stage.num_layers for stage in recomputing)
-    full = dataclasses.replace(result.plan, pipelines=tuple(
-        dataclasses.replace(p, stages=tuple(dataclasses.replace(
-            s, recompute_num_layers=None) for s in p.stages)) for p in result.plan.pipelines))
-    assert result.prediction.iteration_time_s < predict(
-        MODEL, full, CLUSTER, SEQ).iteration_time_s
+    full = dataclasses.replace(
+        result.plan,
+        pipelines=tuple(
+            dataclasses.replace(
+                p, stages=tuple(dataclasses.replace(s, recompute_num_layers=None) for s in p.stages)
+            )
+            for p in result.plan.pipelines
+        ),
+    )
+    assert result.prediction.iteration_time_s < predict(MODEL, full, CLUSTER, SEQ).iteration_time_s

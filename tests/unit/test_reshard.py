@@ -1,31 +1,58 @@
 """Pure resharding functions: boxes, covering pieces, slice assembly, what each rank of a plan
 holds and writes (checked against the models the plan builds and against shard_tensor)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_het.checkpoint.reshard import (SavedPiece, assemble_slice, covering_pieces,
-                                             intersect, rank_writes, stage_parameter_names,
-                                             take_slice, target_slice, written_names)
+from megatron_het.checkpoint.reshard import (
+    SavedPiece,
+    assemble_slice,
+    covering_pieces,
+    intersect,
+    rank_writes,
+    stage_parameter_names,
+    take_slice,
+    target_slice,
+    written_names,
+)
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.model.llama import LlamaModel
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.tensor_parallel.sharding import parameter_shape, shard_tensor
 
-CONFIG = ModelConfig(num_layers=4, hidden_size=16, ffn_hidden_size=32, num_attention_heads=8,
-                     num_query_groups=4, vocab_size=23, name="reshard-unit")
+CONFIG = ModelConfig(
+    num_layers=4,
+    hidden_size=16,
+    ffn_hidden_size=32,
+    num_attention_heads=8,
+    num_query_groups=4,
+    vocab_size=23,
+    name="reshard-unit",
+)
 TIED = CONFIG.replace(tie_embeddings=True)
 
 
 def plan(*pipelines: list[tuple[int, tuple[int, int], list[int]]]) -> ParallelPlan:
     """A plan from pipelines given as [(tp, layers, ranks), ...]."""
-    return ParallelPlan.from_dict({
-        "format": "megatron_het.plan/1", "micro_batch_size": 1,
-        "pipelines": [{"micro_batches": 2, "stages": [
-            {"accelerator": "cpu", "tp": tp, "layers": list(layers), "ranks": ranks}
-            for tp, layers, ranks in stages]} for stages in pipelines]})
+    return ParallelPlan.from_dict(
+        {
+            "format": "megatron_het.plan/1",
+            "micro_batch_size": 1,
+            "pipelines": [
+                {
+                    "micro_batches": 2,
+                    "stages": [
+                        {"accelerator": "cpu", "tp": tp, "layers": list(layers), "ranks": ranks}
+                        for tp, layers, ranks in stages
+                    ],
+                }
+                for stages in pipelines
+            ],
+        }
+    )
 
 
 PLANS = {
@@ -45,8 +72,11 @@ def full_tensor(name: str, config: ModelConfig) -> torch.Tensor:
 def test_intersect_and_covering() -> None:
     assert intersect(((0, 0), (4, 4)), ((2, 3), (4, 4))) == ((2, 3), (2, 1))
     assert intersect(((0,), (3,)), ((3,), (2,))) is None
-    pieces = [SavedPiece((0, 0), (3, 8), "a"), SavedPiece((3, 0), (5, 8), "b"),
-              SavedPiece((0, 0), (8, 8), "full")]
+    pieces = [
+        SavedPiece((0, 0), (3, 8), "a"),
+        SavedPiece((3, 0), (5, 8), "b"),
+        SavedPiece((0, 0), (8, 8), "full"),
+    ]
     assert [p.source for p in covering_pieces(pieces, (4, 0), (2, 8))] == ["b", "full"]
     assert [p.source for p in covering_pieces(pieces, (2, 0), (2, 8))] == ["a", "b", "full"]
 
@@ -54,8 +84,11 @@ def test_intersect_and_covering() -> None:
 def test_assemble_slice_across_uneven_pieces() -> None:
     full = torch.randn(23, 6)
     # saved by tp=3 over the vocabulary (8, 8, 7 rows); wanted: tp=2 slices (12, 11 rows).
-    pieces = [(full[0:8].clone(), (0, 0)), (full[8:16].clone(), (8, 0)),
-              (full[16:].clone(), (16, 0))]
+    pieces = [
+        (full[0:8].clone(), (0, 0)),
+        (full[8:16].clone(), (8, 0)),
+        (full[16:].clone(), (16, 0)),
+    ]
     for offsets, shape in (((0, 0), (12, 6)), ((12, 0), (11, 6)), ((5, 2), (10, 3))):
         got = assemble_slice("w", (23, 6), offsets, shape, pieces)
         assert torch.equal(got, take_slice(full, offsets, shape))
@@ -82,8 +115,9 @@ def test_target_slice_matches_shard_tensor(config: ModelConfig) -> None:
         for tp in (1, 2, 4):
             for tp_rank in range(tp):
                 offsets, shape = target_slice(name, config, tp, tp_rank)
-                assert torch.equal(take_slice(full, offsets, shape),
-                                   shard_tensor(name, full, config, tp, tp_rank))
+                assert torch.equal(
+                    take_slice(full, offsets, shape), shard_tensor(name, full, config, tp, tp_rank)
+                )
 
 
 @pytest.mark.parametrize("config", [CONFIG, TIED], ids=["untied", "tied"])
@@ -92,16 +126,17 @@ def test_stage_names_match_the_built_stage(config: ModelConfig, plan_name: str) 
     for pipeline in PLANS[plan_name].pipelines:
         for stage in pipeline.stages:
             with torch.device("meta"):
-                model = LlamaModel(config, stage.layers, has_embedding=stage.has_embedding,
-                                   has_head=stage.has_head)
+                model = LlamaModel(
+                    config, stage.layers, has_embedding=stage.has_embedding, has_head=stage.has_head
+                )
             assert sorted(stage_parameter_names(config, stage)) == sorted(
-                n for n, _ in model.named_parameters())
+                n for n, _ in model.named_parameters()
+            )
 
 
 @pytest.mark.parametrize("config", [CONFIG, TIED], ids=["untied", "tied"])
 @pytest.mark.parametrize("plan_name", sorted(PLANS))
-def test_rank_writes_tile_every_parameter_exactly_once(config: ModelConfig,
-                                                       plan_name: str) -> None:
+def test_rank_writes_tile_every_parameter_exactly_once(config: ModelConfig, plan_name: str) -> None:
     chosen = PLANS[plan_name]
     all_names = stage_parameter_names(config, PLANS["single"].pipelines[0].stages[0])
     counts = {n: torch.zeros(parameter_shape(n, config), dtype=torch.int32) for n in all_names}

@@ -1,6 +1,7 @@
 """Generator state capture and restore (training/state.py) with fake accelerator modules: a CPU
 rank never touches torch.cuda, a resume restores the rank's device generator onto the device
 it runs on now."""
+
 from __future__ import annotations
 
 import random
@@ -31,10 +32,10 @@ class UninitialisedCuda(Untouchable):
 
 # "cpu": torch.cuda is not touched at all; None (no device type given): only asked whether
 # this process initialised CUDA.
-@pytest.mark.parametrize("device_type, cuda", [("cpu", Untouchable()),
-                                               (None, UninitialisedCuda())])
-def test_a_cpu_rank_round_trips_without_torch_cuda(monkeypatch: pytest.MonkeyPatch,
-                                                   device_type, cuda) -> None:
+@pytest.mark.parametrize("device_type, cuda", [("cpu", Untouchable()), (None, UninitialisedCuda())])
+def test_a_cpu_rank_round_trips_without_torch_cuda(
+    monkeypatch: pytest.MonkeyPatch, device_type, cuda
+) -> None:
     seed_everything(5)
     monkeypatch.setattr(torch, "cuda", cuda)
     state = rng_state(device_type)
@@ -53,14 +54,21 @@ def test_a_cuda_rank_captures_its_own_device(monkeypatch: pytest.MonkeyPatch) ->
     assert int(rng_state()["cuda"][0]) == 12  # initialised: asked
 
 
-@pytest.mark.parametrize("saved_on, devices, now_on", [
-    (1, 2, 1),  # the same device
-    (1, 1, 0),  # relaunched with one visible device: the rank's device is now index 0
-    (0, 4, 3),  # moved to another device of the host
-])
+@pytest.mark.parametrize(
+    "saved_on, devices, now_on",
+    [
+        (1, 2, 1),  # the same device
+        (1, 1, 0),  # relaunched with one visible device: the rank's device is now index 0
+        (0, 4, 3),  # moved to another device of the host
+    ],
+)
 def test_restore_goes_to_the_device_the_rank_runs_on(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, saved_on: int,
-        devices: int, now_on: int) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    saved_on: int,
+    devices: int,
+    now_on: int,
+) -> None:
     before = FakeAccelerator(2)
     before.current = saved_on
     monkeypatch.setattr(torch, "cuda", before)
@@ -75,15 +83,17 @@ def test_restore_goes_to_the_device_the_rank_runs_on(
     assert capsys.readouterr() == ("", "")
 
 
-@pytest.mark.parametrize("current, restored", [
-    (1, [("set_rng_state", 1, 11)]), (2, [])])
+@pytest.mark.parametrize("current, restored", [(1, [("set_rng_state", 1, 11)]), (2, [])])
 def test_a_state_of_every_visible_device_restores_the_current_ones_entry(
-        monkeypatch: pytest.MonkeyPatch, current: int, restored: list) -> None:
+    monkeypatch: pytest.MonkeyPatch, current: int, restored: list
+) -> None:
     now = FakeAccelerator(3)
     now.current = current
     monkeypatch.setattr(torch, "cuda", now)
-    state = {**rng_state("cpu"), "cuda": [torch.tensor([10 + i], dtype=torch.uint8)
-                                          for i in range(2)]}
+    state = {
+        **rng_state("cpu"),
+        "cuda": [torch.tensor([10 + i], dtype=torch.uint8) for i in range(2)],
+    }
     if restored:
         set_rng_state(state, "cuda")
     else:

@@ -1,5 +1,6 @@
 """The elastic supervisor without processes: the cluster left after a loss, the failure record
 and the relaunch it makes (the end-to-end run is in tests/test_faults_cli.py)."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,13 @@ import pytest
 from megatron_het.cluster import ClusterSpec
 from megatron_het.cluster.shrink import without_ranks
 from megatron_het.errors import UserError
-from megatron_het.training.supervisor import (flag_value, read_failure, supervise, with_flag,
-                                              write_failure)
+from megatron_het.training.supervisor import (
+    flag_value,
+    read_failure,
+    supervise,
+    with_flag,
+    write_failure,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EMULATED = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
@@ -24,12 +30,15 @@ def test_a_lost_device_leaves_the_rest_with_their_links_and_colocation() -> None
     left = without_ranks(cluster, [1])
     assert left.world_size == 3
     assert left.accelerator_counts() == {"emu-fast": 1, "emu-slow": 2}
-    assert [(g.name, g.nodes, g.devices_per_node, g.colocate_with) for g in left.node_groups] \
-        == [("fast-1of2", 1, 1, None), ("slow", 1, 2, "fast-1of2")]
+    assert [(g.name, g.nodes, g.devices_per_node, g.colocate_with) for g in left.node_groups] == [
+        ("fast-1of2", 1, 1, None),
+        ("slow", 1, 2, "fast-1of2"),
+    ]
     # the emulated link between the kinds (the colocated host's) is kept
     link = left.group_link("fast-1of2", "slow")
-    assert link.emulated and link.bandwidth_gbps == cluster.group_link("fast", "slow") \
-        .bandwidth_gbps
+    assert (
+        link.emulated and link.bandwidth_gbps == cluster.group_link("fast", "slow").bandwidth_gbps
+    )
     # rebuilt from its own file form
     assert ClusterSpec.from_dict(left.to_dict()).to_dict() == left.to_dict()
 
@@ -40,11 +49,18 @@ def test_nodes_that_lost_devices_become_groups_of_their_own() -> None:
     assert left.world_size == 764
     assert left.accelerator_counts() == {"MI250X": 127, "accelerator-a": 637}
     shapes = {g.name: (g.nodes, g.devices_per_node) for g in left.node_groups}
-    assert shapes == {"amd-7of8": (1, 7), "amd": (15, 8), "accel_a": (78, 8),
-                      "accel_a-6of8": (1, 6), "accel_a-7of8": (1, 7)}
+    assert shapes == {
+        "amd-7of8": (1, 7),
+        "amd": (15, 8),
+        "accel_a": (78, 8),
+        "accel_a-6of8": (1, 6),
+        "accel_a-7of8": (1, 7),
+    }
     # every derived group keeps the cross-kind link
-    assert left.group_link("amd-7of8", "accel_a-6of8").bandwidth_gbps == \
-        cluster.group_link("amd", "accel_a").bandwidth_gbps
+    assert (
+        left.group_link("amd-7of8", "accel_a-6of8").bandwidth_gbps
+        == cluster.group_link("amd", "accel_a").bandwidth_gbps
+    )
     # a whole node lost is gone
     gone = without_ranks(cluster, range(8))
     assert {g.name: g.nodes for g in gone.node_groups} == {"amd": 15, "accel_a": 80}
@@ -86,8 +102,14 @@ def test_bad_losses_are_one_line_errors() -> None:
 def test_flags_are_read_and_replaced() -> None:
     flags = ["--cluster", "a.yaml", "--plan=p.json", "--save", "ck"]
     assert flag_value(flags, "--plan") == "p.json" and flag_value(flags, "--load") is None
-    assert with_flag(flags, "--plan", "auto") == ["--cluster", "a.yaml", "--save", "ck",
-                                                   "--plan", "auto"]
+    assert with_flag(flags, "--plan", "auto") == [
+        "--cluster",
+        "a.yaml",
+        "--save",
+        "ck",
+        "--plan",
+        "auto",
+    ]
     assert with_flag(flags, "--cluster", "b.yaml")[-2:] == ["--cluster", "b.yaml"]
 
 
@@ -155,22 +177,38 @@ def _node_job(tmp_path: pathlib.Path, node_rank: int, lost: list, outcomes: list
     (save / "elastic" / "nodes").mkdir(parents=True, exist_ok=True)
     for identity, addr in ((0, "host-a"), (1, "host-b")):
         (save / "elastic" / "nodes" / f"node{identity}.json").write_text(
-            json.dumps({"node": identity, "addr": addr}))
+            json.dumps({"node": identity, "addr": addr})
+        )
     launched: list[list[str]] = []
 
     def launch(cmd: list[str], env=None) -> int:
         launched.append(cmd)
         if len(launched) == 1:
-            write_failure(save, 7, 4, silent=lost, stuck=[], failed=[], line="lost",
-                          run_id=cmd[cmd.index("--rdzv_id") + 1])
+            write_failure(
+                save,
+                7,
+                4,
+                silent=lost,
+                stuck=[],
+                failed=[],
+                line="lost",
+                run_id=cmd[cmd.index("--rdzv_id") + 1],
+            )
             return 1
         return outcomes[len(launched) - 2]
 
     said: list[str] = []
-    node = NodeLaunch(node_rank, "host-a", 29500, "host-a" if node_rank == 0 else "host-b",
-                      "job7")
-    flags = ["--cluster", str(cluster), "--plan", "p.json", "--save", str(save),
-             "--distributed-timeout-minutes", "0.01"]
+    node = NodeLaunch(node_rank, "host-a", 29500, "host-a" if node_rank == 0 else "host-b", "job7")
+    flags = [
+        "--cluster",
+        str(cluster),
+        "--plan",
+        "p.json",
+        "--save",
+        str(save),
+        "--distributed-timeout-minutes",
+        "0.01",
+    ]
     status = supervise_node(flags, node, launch=launch, say=said.append, sleep=lambda s: None)
     return status, launched, said
 
@@ -183,26 +221,46 @@ def test_each_node_relaunches_at_its_place_in_the_cluster_left(tmp_path) -> None
     status, launched, said = _node_job(tmp_path, 1, [3], [0])
     assert status == 0 and len(launched) == 2
     first, second = launched
-    assert [_arg(first, n) for n in ("--nnodes", "--node_rank", "--nproc_per_node",
-                                     "--master_addr", "--master_port", "--rdzv_id")] == \
-        ["2", "1", "2", "host-a", "29500", "job7-0"]
+    assert [
+        _arg(first, n)
+        for n in (
+            "--nnodes",
+            "--node_rank",
+            "--nproc_per_node",
+            "--master_addr",
+            "--master_port",
+            "--rdzv_id",
+        )
+    ] == ["2", "1", "2", "host-a", "29500", "job7-0"]
     # one emu-slow device lost: node 1 keeps one rank and its place; master and port move on
-    assert [_arg(second, n) for n in ("--nnodes", "--node_rank", "--nproc_per_node",
-                                      "--master_addr", "--master_port", "--rdzv_id")] == \
-        ["2", "1", "1", "host-a", "29501", "job7-1"]
+    assert [
+        _arg(second, n)
+        for n in (
+            "--nnodes",
+            "--node_rank",
+            "--nproc_per_node",
+            "--master_addr",
+            "--master_port",
+            "--rdzv_id",
+        )
+    ] == ["2", "1", "1", "host-a", "29501", "job7-1"]
     left = ClusterSpec.load(_arg(second, "--cluster"))
     assert left.accelerator_counts() == {"emu-fast": 2, "emu-slow": 1}
     assert _arg(second, "--plan") == "auto" and _arg(second, "--load") == str(tmp_path / "ckpt")
-    assert said[0].startswith("elastic_run: launch job7-0 ended with status 1; waiting up to "
-                              "31 s for its failure record")
+    assert said[0].startswith(
+        "elastic_run: launch job7-0 ended with status 1; waiting up to 31 s for its failure record"
+    )
     assert "this node now node 1 of 2 with 1 ranks, master host-a:29501" in said[1]
 
 
 def test_when_node_0_is_lost_the_next_node_is_the_master(tmp_path) -> None:
     status, launched, said = _node_job(tmp_path, 1, [0, 1], [0])
     second = launched[1]
-    assert [_arg(second, n) for n in ("--nnodes", "--node_rank", "--master_addr")] == \
-        ["1", "0", "host-b"]
+    assert [_arg(second, n) for n in ("--nnodes", "--node_rank", "--master_addr")] == [
+        "1",
+        "0",
+        "host-b",
+    ]
     (tmp_path / "node0").mkdir()
     status, launched, said = _node_job(tmp_path / "node0", 0, [0, 1], [0])
     assert len(launched) == 1 and status == 1  # node 0 has nothing left: it leaves
@@ -223,20 +281,29 @@ def test_a_node_without_a_record_of_its_launch_ends_with_the_runs_status(tmp_pat
     def sleep(seconds: float) -> None:
         now[0] += seconds
 
-    flags = ["--cluster", str(cluster), "--save", str(save), "--distributed-timeout-minutes",
-             "0.1"]
-    status = supervise_node(flags, NodeLaunch(0, "127.0.0.1", 29500, "127.0.0.1", "job7"),
-                            launch=lambda cmd, env: 3, sleep=sleep, clock=lambda: now[0])
+    flags = ["--cluster", str(cluster), "--save", str(save), "--distributed-timeout-minutes", "0.1"]
+    status = supervise_node(
+        flags,
+        NodeLaunch(0, "127.0.0.1", 29500, "127.0.0.1", "job7"),
+        launch=lambda cmd, env: 3,
+        sleep=sleep,
+        clock=lambda: now[0],
+    )
     assert status == 3 and now[0] >= 36.0  # waited the timeout + 30 s for another node's
 
 
-@pytest.mark.parametrize("head, fragment", [
-    (["--node-rank", "0", "--master-addr", "a"], "needs --node-rank, --master-addr and "
-                                                 "--master-port together"),
-    (["--job-id", "j"], "--node-addr and --job-id are for a multi-node job"),
-    (["--node-rank", "x", "--master-addr", "a", "--master-port", "1"], "--node-rank takes"),
-    (["--nodes", "2"], "unknown supervisor flags --nodes 2"),
-])
+@pytest.mark.parametrize(
+    "head, fragment",
+    [
+        (
+            ["--node-rank", "0", "--master-addr", "a"],
+            "needs --node-rank, --master-addr and --master-port together",
+        ),
+        (["--job-id", "j"], "--node-addr and --job-id are for a multi-node job"),
+        (["--node-rank", "x", "--master-addr", "a", "--master-port", "1"], "--node-rank takes"),
+        (["--nodes", "2"], "unknown supervisor flags --nodes 2"),
+    ],
+)
 def test_supervisor_flags_that_do_not_make_a_job_are_one_line_errors(head, fragment) -> None:
     from megatron_het.training.supervisor import main
 
@@ -244,8 +311,9 @@ def test_supervisor_flags_that_do_not_make_a_job_are_one_line_errors(head, fragm
         main([*head, "--", "--cluster", str(EMULATED), "--save", "ckpt"], environ={})
 
 
-def test_a_relaunch_leaves_the_lost_device_out_of_the_visible_devices(monkeypatch,
-                                                                      tmp_path) -> None:
+def test_a_relaunch_leaves_the_lost_device_out_of_the_visible_devices(
+    monkeypatch, tmp_path
+) -> None:
     """A rank lost with its GPU: the relaunch must not put a rank back on that device."""
     from megatron_het.training.supervisor import NodeLaunch, supervise_node
 
@@ -254,7 +322,8 @@ def test_a_relaunch_leaves_the_lost_device_out_of_the_visible_devices(monkeypatc
     (tmp_path / "elastic" / "nodes").mkdir(parents=True)
     for identity in range(cluster.num_nodes):
         (tmp_path / "elastic" / "nodes" / f"node{identity}.json").write_text(
-            json.dumps({"node": identity, "addr": f"h{identity}"}))
+            json.dumps({"node": identity, "addr": f"h{identity}"})
+        )
     launched: list = []
 
     def launch(cmd: list[str], env=None) -> int:
@@ -264,14 +333,36 @@ def test_a_relaunch_leaves_the_lost_device_out_of_the_visible_devices(monkeypatc
         if len(launched) > 2:
             return 0
         # first the node's device 3 (rank 11) is lost, then the sixth device left
-        write_failure(tmp_path, 3, now.world_size, silent=[mine[3 if len(launched) == 1 else 5]],
-                      stuck=[], failed=[], line="lost", run_id=_arg(cmd, "--rdzv_id"))
+        write_failure(
+            tmp_path,
+            3,
+            now.world_size,
+            silent=[mine[3 if len(launched) == 1 else 5]],
+            stuck=[],
+            failed=[],
+            line="lost",
+            run_id=_arg(cmd, "--rdzv_id"),
+        )
         return 1
 
-    flags = ["--cluster", str(HETHUB), "--save", str(tmp_path), "--distributed-timeout-minutes",
-             "1"]
-    assert supervise_node(flags, NodeLaunch(1, "h0", 29500, "h1", "j"), launch=launch,
-                          say=lambda line: None, sleep=lambda s: None) == 0
+    flags = [
+        "--cluster",
+        str(HETHUB),
+        "--save",
+        str(tmp_path),
+        "--distributed-timeout-minutes",
+        "1",
+    ]
+    assert (
+        supervise_node(
+            flags,
+            NodeLaunch(1, "h0", 29500, "h1", "j"),
+            launch=launch,
+            say=lambda line: None,
+            sleep=lambda s: None,
+        )
+        == 0
+    )
     # the first launch keeps the devices; every launch's ranks record their own errors
     assert launched[0]["HIP_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
     assert all(env["MEGATRON_HET_RECORD_ERRORS"] == "1" for env in launched)
@@ -328,26 +419,28 @@ def test_a_rank_records_its_own_error_only_under_a_supervisor(tmp_path: pathlib.
 
 
 def test_an_error_every_rank_raises_alike_is_recorded_with_the_ranks_it_names(
-        tmp_path: pathlib.Path) -> None:
+    tmp_path: pathlib.Path,
+) -> None:
     """A start-up problem agreed by every rank: whichever rank records it first, the record
     names the ranks with the problem and its line once."""
     from megatron_het.errors import RanksError
     from megatron_het.training.supervisor import RECORD_ERRORS_VAR, record_own_error
 
     argv = ["--model", "tiny", "--save", str(tmp_path)]
-    env = {"RANK": "0", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job-0",
-           RECORD_ERRORS_VAR: "1"}
+    env = {"RANK": "0", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job-0", RECORD_ERRORS_VAR: "1"}
     line = "ranks 2-3: data file /d.idx does not exist"
     assert record_own_error(argv, env, RanksError(line, (2, 3)))
     record = read_failure(tmp_path)
     assert record["failed"] == [2, 3] and record["line"] == line and record["lost_ranks"] == []
-    assert record_own_error(argv, {**env, "TORCHELASTIC_RUN_ID": "job-1"},
-                            RanksError("every rank's problem"))
+    assert record_own_error(
+        argv, {**env, "TORCHELASTIC_RUN_ID": "job-1"}, RanksError("every rank's problem")
+    )
     assert read_failure(tmp_path)["failed"] == [0, 1, 2, 3]
 
 
 def test_a_node_supervisor_stops_at_once_when_the_run_failed_on_its_own(
-        tmp_path: pathlib.Path) -> None:
+    tmp_path: pathlib.Path,
+) -> None:
     from megatron_het.training.supervisor import NodeLaunch, supervise_node
 
     save = tmp_path / "ckpt"
@@ -356,14 +449,22 @@ def test_a_node_supervisor_stops_at_once_when_the_run_failed_on_its_own(
     waited: list[float] = []
 
     def launch(cmd: list[str], env=None) -> int:
-        write_failure(save, -1, 4, [], [], [2], "rank 2: CUDA out of memory",
-                      run_id=_arg(cmd, "--rdzv_id"))
+        write_failure(
+            save, -1, 4, [], [], [2], "rank 2: CUDA out of memory", run_id=_arg(cmd, "--rdzv_id")
+        )
         return 1
 
     said: list[str] = []
     flags = ["--cluster", str(cluster), "--save", str(save)]  # a 10-minute timeout
-    status = supervise_node(flags, NodeLaunch(0, "host-a", 29500, "host-a", "j"), launch=launch,
-                            say=said.append, sleep=waited.append)
+    status = supervise_node(
+        flags,
+        NodeLaunch(0, "host-a", 29500, "host-a", "j"),
+        launch=launch,
+        say=said.append,
+        sleep=waited.append,
+    )
     assert status == 1 and waited == []  # the record was there: no wait for a lost peer's
-    assert said[-1] == ("elastic_run: the run ended with an error of its own (rank 2: CUDA out "
-                        "of memory), not a lost peer: no relaunch; exit status 1")
+    assert said[-1] == (
+        "elastic_run: the run ended with an error of its own (rank 2: CUDA out "
+        "of memory), not a lost peer: no relaunch; exit status 1"
+    )

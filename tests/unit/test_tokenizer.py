@@ -1,4 +1,5 @@
 """Tokenizers: SentencePiece (a tiny model trained here) and Megatron's NullTokenizer."""
+
 import io
 import random
 
@@ -8,8 +9,10 @@ import sentencepiece
 from megatron_het.data import build_tokenizer
 from megatron_het.errors import UserError
 
-WORDS = ("the quick brown fox jumps over a lazy dog while data flows through every stage "
-         "of the pipeline and tokens become samples").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while data flows through every stage "
+    "of the pipeline and tokens become samples"
+).split()
 
 
 def corpus_lines(n: int, seed: int = 0, words_per_line: int = 12) -> list[str]:
@@ -21,8 +24,13 @@ def train_sentencepiece(path: str, vocab_size: int = 120) -> str:
     """Train a tiny BPE SentencePiece model on synthetic text; write it to ``path``."""
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus_lines(300)), model_writer=model, vocab_size=vocab_size,
-        model_type="bpe", character_coverage=1.0, minloglevel=2)
+        sentence_iterator=iter(corpus_lines(300)),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        minloglevel=2,
+    )
     with open(path, "wb") as f:
         f.write(model.getvalue())
     return path

@@ -1,4 +1,5 @@
 """Shard specs per global parameter name: round trips, layouts, errors (no processes)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,11 +8,23 @@ import torch
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.model.llama import LlamaModel
-from megatron_het.tensor_parallel.sharding import (ShardSpec, parameter_shape, shard_spec,
-                                                   shard_tensor, unshard, vocab_range)
+from megatron_het.tensor_parallel.sharding import (
+    ShardSpec,
+    parameter_shape,
+    shard_spec,
+    shard_tensor,
+    unshard,
+    vocab_range,
+)
 
-GQA = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
-                  num_query_groups=4, vocab_size=250)
+GQA = ModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=8,
+    num_query_groups=4,
+    vocab_size=250,
+)
 TIED = GQA.replace(tie_embeddings=True, vocab_size=251)
 
 
@@ -45,12 +58,22 @@ def test_round_trip_every_parameter(config: ModelConfig, tp: int) -> None:
 
 
 def test_split_dims_by_parameter() -> None:
-    dims = {name.split(".", 2)[-1] if name.startswith("layers.") else name:
-            shard_spec(name, GQA, 2).dim for name in _names(GQA)}
-    assert dims == {"embedding.weight": 0, "output.weight": 0, "final_norm.weight": None,
-                    "input_norm.weight": None, "post_attention_norm.weight": None,
-                    "attention.qkv.weight": 0, "attention.proj.weight": 1,
-                    "mlp.gate.weight": 0, "mlp.up.weight": 0, "mlp.down.weight": 1}
+    dims = {
+        name.split(".", 2)[-1] if name.startswith("layers.") else name: shard_spec(name, GQA, 2).dim
+        for name in _names(GQA)
+    }
+    assert dims == {
+        "embedding.weight": 0,
+        "output.weight": 0,
+        "final_norm.weight": None,
+        "input_norm.weight": None,
+        "post_attention_norm.weight": None,
+        "attention.qkv.weight": 0,
+        "attention.proj.weight": 1,
+        "mlp.gate.weight": 0,
+        "mlp.up.weight": 0,
+        "mlp.down.weight": 1,
+    }
 
 
 def test_qkv_shard_holds_whole_kv_groups() -> None:
@@ -61,18 +84,22 @@ def test_qkv_shard_holds_whole_kv_groups() -> None:
     grouped = full.view(ng, nh // ng + 2, d, -1)
     for r in range(tp):
         shard = shard_tensor("layers.1.attention.qkv.weight", full, GQA, tp, r)
-        groups = grouped[r * ng // tp:(r + 1) * ng // tp]
+        groups = grouped[r * ng // tp : (r + 1) * ng // tp]
         assert torch.equal(shard, groups.reshape(-1, full.shape[1]))
     proj = torch.randn(parameter_shape("layers.0.attention.proj.weight", GQA))
     heads_per_rank = nh // tp
     shard = shard_tensor("layers.0.attention.proj.weight", proj, GQA, tp, 1)
-    assert torch.equal(shard, proj[:, heads_per_rank * d:2 * heads_per_rank * d])
+    assert torch.equal(shard, proj[:, heads_per_rank * d : 2 * heads_per_rank * d])
 
 
 def test_vocabulary_is_split_unevenly_without_padding() -> None:
     assert shard_spec("embedding.weight", TIED, 4) == ShardSpec(0, (63, 63, 63, 62))
-    assert [vocab_range(251, 4, r) for r in range(4)] == [(0, 63), (63, 126), (126, 189),
-                                                          (189, 251)]
+    assert [vocab_range(251, 4, r) for r in range(4)] == [
+        (0, 63),
+        (63, 126),
+        (126, 189),
+        (189, 251),
+    ]
     assert shard_spec("output.weight", GQA, 4).sizes == (63, 63, 62, 62)
 
 

@@ -22,10 +22,10 @@ Two measurements, printed as one JSON object (the last line) with the conditions
   out). Medians over ``--runs`` alternating runs; ``ratio_async_vs_sync`` < 1
   means background saves cost training less than synchronous ones.
 
-    .venv/bin/python bench/checkpoint_io.py                      # the full measurement
-    .venv/bin/python bench/checkpoint_io.py --hidden-size 256 --vocab-size 4096 --rounds 1 \\
+    .venv/bin/python -m bench.checkpoint_io                      # the full measurement
+    .venv/bin/python -m bench.checkpoint_io --hidden-size 256 --vocab-size 4096 --rounds 1 \\
         --save-interval 5 --runs 1                                # a smoke run (< 1 minute)
-    .venv/bin/python bench/checkpoint_io.py --skip-io --overhead-io-model --save-interval 10
+    .venv/bin/python -m bench.checkpoint_io --skip-io --overhead-io-model --save-interval 10
                                                                   # saves that weigh
 """
 
@@ -40,15 +40,12 @@ import pathlib
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_het.checkpoint.integrity import files_total_bytes
 from megatron_het.checkpoint.reader import ReadStats

@@ -18,9 +18,9 @@ import threading
 import time
 from collections.abc import Sequence
 
+from megatron_het.perf.measure_procs import free_loopback_port
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from megatron_het.perf.measure_procs import free_loopback_port  # noqa: E402
 
 CLUSTER = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
 PLAN = REPO / "scripts" / "plans" / "cpu_emulated_dp2_fast_heavy.json"  # logging rank: 2

@@ -1,7 +1,7 @@
 """Faults on the emulated 4-rank cluster (EMULATION): how fast a lost rank is detected, and how
 close a resumed and an elastic (fewer devices, new plan) run stay to the uninterrupted one.
 
-    python bench/faults.py [--timeout-minutes 1] [--skip-resume]
+    python -m bench.faults [--timeout-minutes 1] [--skip-resume]
 
 Detection: the job trains with ``--distributed-timeout-minutes T``; once it has logged 3
 iterations rank 3 is stopped (SIGSTOP), or, in a second job, rank 1 is killed (SIGKILL). The
@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 from typing import Any
 
-from fault_jobs import (
+from bench.fault_jobs import (
     CLUSTER,
     CLUSTER_WITHOUT_RANK_1,
     PLAN,

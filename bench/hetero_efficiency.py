@@ -57,7 +57,7 @@ one JSON object with the figures and the conditions, next to ``predicted_efficie
 predictor's figures for the mixed plans, with the planner's costs) and ``late_regions`` (regions the
 host could not finish within their kind's time: they make a kind slower than its nominal speed).
 
-    .venv/bin/python bench/hetero_efficiency.py
+    .venv/bin/python -m bench.hetero_efficiency
 """
 
 from __future__ import annotations
@@ -77,10 +77,7 @@ from typing import Any
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from hetero_plans import (  # noqa: E402
+from bench.hetero_plans import (
     BASE_CLUSTER,
     cluster_dicts,
     describe,
@@ -88,14 +85,15 @@ from hetero_plans import (  # noqa: E402
     replicas_by_kind,
     uniform_split,
 )
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import ModelConfig, model_preset
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.perf import Profile, predict
+from megatron_het.perf.profiler import Sweep, profile_device
+from megatron_het.planner import search_plan
+from megatron_het.planner.search import MAX_VIRTUAL_STAGES
 
-from megatron_het.cluster import ClusterSpec  # noqa: E402
-from megatron_het.config import ModelConfig, model_preset  # noqa: E402
-from megatron_het.parallel.plan import ParallelPlan  # noqa: E402
-from megatron_het.perf import Profile, predict  # noqa: E402
-from megatron_het.perf.profiler import Sweep, profile_device  # noqa: E402
-from megatron_het.planner import search_plan  # noqa: E402
-from megatron_het.planner.search import MAX_VIRTUAL_STAGES  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 CONFIGS = ("fast", "slow", "uniform", "planned", "interleaved", "hetero_dp")
 INTERLEAVED_CHUNKS = 2

@@ -18,8 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from emulated_cluster import dilated_cluster
-
+from bench.emulated_cluster import dilated_cluster
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_builders import interleave_plan
 

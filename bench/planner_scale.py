@@ -1,6 +1,6 @@
 """How long the planner searches at scale (no device needed; one core).
 
-    .venv/bin/python bench/planner_scale.py [--only hethub,16k] [--repeat N]
+    .venv/bin/python -m bench.planner_scale [--only hethub,16k] [--repeat N]
 
 Cases:
 
@@ -24,12 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import model_preset
+from megatron_het.planner import homogeneous_baseline, search_plan
 
-from megatron_het.cluster import ClusterSpec  # noqa: E402
-from megatron_het.config import model_preset  # noqa: E402
-from megatron_het.planner import homogeneous_baseline, search_plan  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CASES = {
     "hethub": ("hethub_llama140b.yaml", "llama-140b", 1024, 4096, True),

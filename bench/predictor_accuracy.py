@@ -1,6 +1,6 @@
 """Check the performance predictor against real runs on the CPU-emulated cluster.
 
-    .venv/bin/python bench/predictor_accuracy.py [--model small --seq-length 256 --iters 6]
+    .venv/bin/python -m bench.predictor_accuracy [--model small --seq-length 256 --iters 6]
 
 EMULATION: scripts/clusters/cpu_emulated.yaml (2 emu-fast + 2 emu-slow ranks on this machine),
 with both kinds' slowdowns x ``--dilation`` (1: as in the file).
@@ -46,21 +46,20 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import yaml
+
+from bench.emulated_cluster import dilated_cluster
+from megatron_het.cluster import ClusterSpec
+from megatron_het.config import model_preset
+from megatron_het.emulation.host_measure import measure_host_collective, measure_host_sharing
+from megatron_het.emulation.host_model import SharedHostModel
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.perf import Profile, predict
+from megatron_het.perf.cost_model import LayerShape
+from megatron_het.perf.profiler import Sweep, measure_comm, profile_device
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from emulated_cluster import dilated_cluster  # noqa: E402
-
-from megatron_het.cluster import ClusterSpec  # noqa: E402
-from megatron_het.config import model_preset  # noqa: E402
-from megatron_het.emulation.host_measure import measure_host_collective, measure_host_sharing  # noqa: E402
-from megatron_het.emulation.host_model import SharedHostModel  # noqa: E402
-from megatron_het.parallel.plan import ParallelPlan  # noqa: E402
-from megatron_het.perf import Profile, predict  # noqa: E402
-from megatron_het.perf.cost_model import LayerShape  # noqa: E402
-from megatron_het.perf.profiler import Sweep, measure_comm, profile_device  # noqa: E402
 
 CLUSTER = ROOT / "scripts" / "clusters" / "cpu_emulated.yaml"
 # Repetitions of the measurements; medians are taken (the machine may carry other load).

@@ -1,6 +1,6 @@
 """The predictor against published large-scale training runs (no device needed).
 
-    .venv/bin/python bench/published_runs.py [--pipeline-model simulate|closed_form]
+    .venv/bin/python -m bench.published_runs [--pipeline-model simulate|closed_form]
                                              [--uncalibrated] [--h100-plain-schedule]
 
 For every row of :mod:`megatron_het.perf.published_runs` (Narayanan et al. 2021 Table 1, the
@@ -30,18 +30,17 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from megatron_het.perf.cost_model import DEFAULT_EFFICIENCY  # noqa: E402
-from megatron_het.perf.published_runs import (  # noqa: E402
+from megatron_het.perf.cost_model import DEFAULT_EFFICIENCY
+from megatron_het.perf.published_runs import (
     ALL_RUNS,
     PublishedRun,
     plain_schedule,
     predict_run,
     run_efficiency,
 )
-from megatron_het.perf.simulator import SimulationCache  # noqa: E402
+from megatron_het.perf.simulator import SimulationCache
+
+ROOT = Path(__file__).resolve().parent.parent
 
 HEADER = (
     f"{'run':28s} {'split':11s} {'gpu':9s} {'GPUs':>5s} {'TPxPPxDP':>10s} {'v':>3s} "

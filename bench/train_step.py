@@ -26,8 +26,8 @@ matrix products' and attention's device time.
 own and reported as ``first_step_s`` and ``compile_s`` (first step minus the median step); it
 never enters the medians, nor do the ``--warmup`` steps.
 
-    .venv/bin/python bench/train_step.py --model small --micro-batch-size 8 --seq-length 256
-    .venv/bin/python bench/train_step.py --model small --micro-batch-size 8 --seq-length 256 \
+    .venv/bin/python -m bench.train_step --model small --micro-batch-size 8 --seq-length 256
+    .venv/bin/python -m bench.train_step --model small --micro-batch-size 8 --seq-length 256 \
         --compile --breakdown
     python3 bench/train_step.py --device cuda --dtype bf16 --compile --num-layers 4 \
         --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 \
@@ -41,18 +41,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_het.checkpoint.hf import megatron_het_to_hf_state, model_config_to_hf_config
 from megatron_het.cli_args import shape_overrides

@@ -16,12 +16,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from megatron_het.checkpoint.io import read_latest_iteration
-from megatron_het.checkpoint.reader import load_model_state
-from megatron_het.training.supervisor import read_failure
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-from fault_jobs import (
+from bench.fault_jobs import (
     CLUSTER,
     MODEL_FLAGS,
     PLAN,
@@ -34,6 +29,9 @@ from fault_jobs import (
     torchrun,
     train_losses,
 )
+from megatron_het.checkpoint.io import read_latest_iteration
+from megatron_het.checkpoint.reader import load_model_state
+from megatron_het.training.supervisor import read_failure
 
 TIMEOUT_MIN = 0.1
 SCHEDULE = ["--train-iters", "500", "--distributed-timeout-minutes", str(TIMEOUT_MIN)]

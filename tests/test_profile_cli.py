@@ -28,8 +28,7 @@ from megatron_het.perf.profiler import KernelRow, kernel_breakdown, layer_case, 
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "tools" / "profile_device.py")
-sys.path.insert(0, str(REPO / "tools"))
-import profile_device  # noqa: E402
+from tools import profile_device  # noqa: E402
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:

@@ -9,10 +9,7 @@ Exits 1 when the latest committed iteration does not verify. See
 
 from __future__ import annotations
 
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_het.checkpoint.info import main
 from megatron_het.errors import run_cli

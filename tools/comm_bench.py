@@ -22,14 +22,11 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_het.cli_args import ArgParser
 from megatron_het.cluster import ClusterSpec

@@ -14,10 +14,7 @@ supervisor relaunches its node at its place in the cluster left). See
 
 from __future__ import annotations
 
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_het.errors import run_cli
 from megatron_het.training.supervisor import main

@@ -8,10 +8,7 @@ See ``python tools/plan.py --help`` and :mod:`megatron_het.planner.cli`.
 
 from __future__ import annotations
 
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_het.errors import run_cli
 from megatron_het.planner.cli import run

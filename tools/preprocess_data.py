@@ -11,10 +11,7 @@ writes ``data/corpus_text_document.bin`` and ``.idx`` (one pair per ``--json-key
 
 from __future__ import annotations
 
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_het.cli_args import ArgParser
 from megatron_het.data.preprocess import PreprocessConfig, preprocess_jsonl

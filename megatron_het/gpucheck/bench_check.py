@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from megatron_het.gpucheck.context import REPO, CheckContext
+from megatron_het.gpucheck.context import CheckContext
 from megatron_het.gpucheck.device_checks import skip_all
 from megatron_het.gpucheck.report import FAIL, PASS
 
@@ -59,7 +59,7 @@ def check_bench(ctx: CheckContext) -> None:
         return
     threshold = f">= {RATIO_MIN:g} (HF step / ours)"
     run = ctx.run(
-        [ctx.python, str(REPO / "bench" / "train_step.py"), *BENCH_FLAGS],
+        [ctx.python, "-m", "bench.train_step", *BENCH_FLAGS],
         RUN_S,
         "bench_train_step.log",
     )

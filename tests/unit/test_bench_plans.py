@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 
 from megatron_het.cluster import ClusterSpec
@@ -13,17 +10,13 @@ from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.parallel.replicas import uniform_layouts
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 MODEL = model_preset("small").replace(num_layers=11)
 
 
 @pytest.fixture(scope="module")
 def hetero_plans():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import hetero_plans
-    finally:
-        sys.path.remove(str(BENCH))
+    from bench import hetero_plans
+
     return hetero_plans
 
 

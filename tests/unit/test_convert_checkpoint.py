@@ -19,8 +19,7 @@ from megatron_het.errors import UserError  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "convert_checkpoint.py"
-sys.path.insert(0, str(ROOT / "tools"))
-import convert_checkpoint  # noqa: E402
+from tools import convert_checkpoint  # noqa: E402
 
 TOKENS = torch.randint(0, 53, (2, 20), generator=torch.Generator().manual_seed(0))
 

@@ -34,8 +34,7 @@ from tests.reference import (
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "convert_checkpoint.py"
-sys.path.insert(0, str(ROOT / "tools"))
-import convert_checkpoint  # noqa: E402
+from tools import convert_checkpoint  # noqa: E402
 
 CONFIG = ModelConfig(
     num_layers=4,

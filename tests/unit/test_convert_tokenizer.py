@@ -6,7 +6,6 @@ import io
 import json
 import pathlib
 import random
-import sys
 
 import pytest
 import torch
@@ -22,8 +21,7 @@ from megatron_het.checkpoint.io import save_checkpoint  # noqa: E402
 from megatron_het.errors import UserError  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import convert_checkpoint  # noqa: E402
+from tools import convert_checkpoint  # noqa: E402
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while data flows through every stage of "

@@ -390,15 +390,8 @@ def test_a_rank_with_late_regions_warns():
 
 def test_bench_counts_the_late_region_warnings():
     """bench/hetero_efficiency.py reads the warning back from each run's log."""
-    import pathlib
-    import sys
+    from bench.hetero_efficiency import late_regions
 
-    bench = pathlib.Path(__file__).resolve().parents[2] / "bench"
-    sys.path.insert(0, str(bench))
-    try:
-        from hetero_efficiency import late_regions
-    finally:
-        sys.path.remove(str(bench))
     log = []
     for rank, walls in ((0, (3.0, 1.0, 3.0)), (2, (1.0, 3.0))):
         clock, cpu = FakeClock(), FakeCpuClock()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
 import pytest
 
@@ -158,8 +157,7 @@ def test_the_supervisor_stops_without_a_lost_peer_or_restarts(tmp_path: pathlib.
 
 
 # ---- a multi-node job: one supervisor per node --------------------------------------------
-sys.path.insert(0, str(REPO / "bench"))
-from fault_jobs import TWO_NODE_CLUSTER as TWO_NODES  # noqa: E402
+from bench.fault_jobs import TWO_NODE_CLUSTER as TWO_NODES  # noqa: E402
 
 
 def _node_job(tmp_path: pathlib.Path, node_rank: int, lost: list, outcomes: list):

@@ -55,4 +55,4 @@ if [ -z "$PY" ]; then
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-exec "$PY" -m megatron_het.gpucheck "$@"
+exec "$PY" -m tools.gpu_check "$@"

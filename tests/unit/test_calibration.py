@@ -234,9 +234,9 @@ MEASURED_H200_ITERATION_S = {"eager": 0.803, "compile": 0.500}
 @pytest.mark.parametrize("variant", sorted(MEASURED_H200_ITERATION_S))
 def test_the_predictor_matches_the_measured_h200_runs(variant: str, tmp_path) -> None:
     from megatron_het.arguments import parse_run_config
-    from megatron_het.gpucheck import mfu
     from megatron_het.training.run import predict_run
     from megatron_het.training.setup import prepare_run
+    from tools.gpu_check import mfu
 
     extra = ["--compile"] if variant == "compile" else []
     flags = mfu.train_flags(4, 10, tmp_path / "metrics.jsonl", extra)

@@ -1,15 +1,15 @@
 """The overlapped TP rings (tensor_parallel.comm_overlap) under autocast: they multiply into
 preallocated blocks, which autocast does not cover, so they cast to the autocast dtype
 themselves; outputs come out in it, as F.linear's would, and backward runs in one dtype. Two
-ranks as threads of this process (gpucheck.tp_rings.ThreadRing)."""
+ranks as threads of this process (tools.gpu_check.tp_rings.ThreadRing)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from megatron_het.gpucheck.tp_rings import ThreadRing
 from megatron_het.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
+from tools.gpu_check.tp_rings import ThreadRing
 
 
 def test_rings_under_autocast_give_the_autocast_dtype_and_fp32_gradients() -> None:

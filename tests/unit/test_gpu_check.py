@@ -22,23 +22,25 @@ from megatron_het.arguments import parse_run_config
 from megatron_het.cluster import ClusterSpec
 from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.errors import UserError
-from megatron_het.gpucheck import cli, mfu, mixed_pair, profile_check, runner
-from megatron_het.gpucheck.context import CheckContext, Options
-from megatron_het.gpucheck.device_checks import (
+from megatron_het.parallel.plan_validation import validate
+from megatron_het.perf.profile import LayerEntry
+from tools.gpu_check import cli, mfu, mixed_pair, profile_check, runner
+from tools.gpu_check.context import CheckContext, Options
+from tools.gpu_check.device_checks import (
     fused_loss_errors,
     max_rel_error,
     sdpa_usable,
     tiny_loss_and_grads,
 )
-from megatron_het.gpucheck.metrics_file import compare_losses, losses, median_field, train_records
-from megatron_het.gpucheck.pair_files import (
+from tools.gpu_check.metrics_file import compare_losses, losses, median_field, train_records
+from tools.gpu_check.pair_files import (
     CLUSTER_FILE,
     GLOBAL_BATCH,
     load_and_validate,
     pair_files,
 )
-from megatron_het.gpucheck.relay_check import relay_round_trip
-from megatron_het.gpucheck.report import (
+from tools.gpu_check.relay_check import relay_round_trip
+from tools.gpu_check.report import (
     FAIL,
     PASS,
     SKIP,
@@ -49,9 +51,7 @@ from megatron_het.gpucheck.report import (
     read_rows,
     write_summary,
 )
-from megatron_het.gpucheck.runner import Check, run_checks, run_command
-from megatron_het.parallel.plan_validation import validate
-from megatron_het.perf.profile import LayerEntry
+from tools.gpu_check.runner import Check, run_checks, run_command
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -397,11 +397,8 @@ def test_the_mfu_run_is_a_1b_llama_with_flags_that_pretrain_llama_has(tmp_path):
 
 
 def test_the_profile_run_uses_flags_that_profile_device_has(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "profile_device_tool", REPO / "tools" / "profile_device.py"
-    )
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from tools import profile_device as tool
+
     args = tool.build_parser().parse_args(
         [
             *profile_check.SHAPE_FLAGS,
@@ -427,13 +424,9 @@ def test_the_profile_run_uses_flags_that_profile_device_has(tmp_path):
 
 
 def test_the_bench_run_uses_flags_that_the_bench_has():
-    from megatron_het.gpucheck import bench_check
+    from bench import train_step as bench
+    from tools.gpu_check import bench_check
 
-    spec = importlib.util.spec_from_file_location(
-        "train_step_bench", REPO / "bench" / "train_step.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     flags = [f for f in bench_check.BENCH_FLAGS if f != "cuda"]
     flags[flags.index("--device") : flags.index("--device") + 1] = ["--device", "cpu"]
     args = bench.parse_args(flags)  # on the CPU: parsing refuses --device cuda without a GPU
@@ -475,8 +468,8 @@ def test_fused_loss_errors_are_small_for_fp32_and_bf16_on_the_cpu():
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_the_tp_rings_as_threads_match_the_whole_products_on_the_cpu(tp, monkeypatch):
-    from megatron_het.gpucheck import tp_rings
     from megatron_het.tensor_parallel import comm_overlap
+    from tools.gpu_check import tp_rings
 
     assert tp_rings.ring_errors("cpu", torch.float32, tp=tp) < 1e-5
     assert tp_rings.ring_errors("cpu", torch.bfloat16, tp=tp) < 2e-2
@@ -490,7 +483,7 @@ def test_the_tp_rings_as_threads_match_the_whole_products_on_the_cpu(tp, monkeyp
 def test_thread_ranks_run_their_backward_on_their_own_thread():
     """On CUDA autograd would run both ranks' backward on one device thread, where a ring's
     backward waiting for its peer deadlocks; the ranks turn that off for themselves."""
-    from megatron_het.gpucheck.tp_rings import ThreadRing
+    from tools.gpu_check.tp_rings import ThreadRing
 
     seen = ThreadRing(2).run(lambda member: torch.autograd.is_multithreading_enabled())
     assert seen == [False, False]
@@ -498,7 +491,7 @@ def test_thread_ranks_run_their_backward_on_their_own_thread():
 
 
 def test_a_thread_rank_that_fails_is_named():
-    from megatron_het.gpucheck.tp_rings import ThreadRing
+    from tools.gpu_check.tp_rings import ThreadRing
 
     def work(member):
         if member.rank == 1:
@@ -837,7 +830,7 @@ def test_the_script_in_cpu_only_mode_runs_each_check_in_its_own_process(tmp_path
 
 
 def test_the_kernel_probe_names_the_gemm_and_attention_paths_training_takes(tmp_path):
-    from megatron_het.gpucheck.device_checks import _probe_kernels
+    from tools.gpu_check.device_checks import _probe_kernels
 
     ctx = ctx_at(tmp_path)
     _probe_kernels(ctx, torch.device("cpu"))  # the CPU: no out_dtype GEMMs, the flash kernel
@@ -867,7 +860,7 @@ def test_out_of_memory_is_told_from_other_errors():
 
 
 def test_an_error_in_one_block_fails_its_rows_and_the_check_goes_on(tmp_path):
-    from megatron_het.gpucheck.device_checks import rows_or_fail
+    from tools.gpu_check.device_checks import rows_or_fail
 
     ctx = ctx_at(tmp_path)
     with rows_or_fail(ctx, ("x.first", "x.second")):

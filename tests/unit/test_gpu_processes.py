@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_het.gpucheck import gpu_processes, mixed_pair
-from megatron_het.gpucheck.context import CheckContext, Options
-from megatron_het.gpucheck.gpu_processes import GpuProcessWatch, environment_of
-from megatron_het.gpucheck.report import FAIL, PASS, SKIP, RowWriter
+from tools.gpu_check import gpu_processes, mixed_pair
+from tools.gpu_check.context import CheckContext, Options
+from tools.gpu_check.gpu_processes import GpuProcessWatch, environment_of
+from tools.gpu_check.report import FAIL, PASS, SKIP, RowWriter
 
 NAMES = ("LOCAL_RANK", mixed_pair.RUN_MARKER)
 

@@ -9,7 +9,7 @@ head + loss against ``F.cross_entropy`` on the full logits: 1e-5 (loss) and 1e-4
 in fp32; 1e-3 and 2e-2 in bf16, whose GEMMs round the logits and the softmax gradient (on the
 same bf16-rounded inputs the loss averages the logits' rounding over 4096 tokens). The TP
 rings of ``--tp-comm-overlap`` with two ranks as threads on the GPU
-(:mod:`megatron_het.gpucheck.tp_rings`) against float32 products on the CPU: 1e-4 in fp32,
+(:mod:`tools.gpu_check.tp_rings`) against float32 products on the CPU: 1e-4 in fp32,
 2e-2 in bf16.
 """
 
@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from megatron_het.comm.faults import first_line
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
-from megatron_het.gpucheck.context import CheckContext
-from megatron_het.gpucheck.report import FAIL, PASS, SKIP, status_of
-from megatron_het.gpucheck.tp_rings import ring_errors
 from megatron_het.model.llama import build_model
 from megatron_het.model.loss import IGNORE_INDEX, linear_cross_entropy
 from megatron_het.training.launch import local_accelerator
+from tools.gpu_check.context import CheckContext
+from tools.gpu_check.report import FAIL, PASS, SKIP, status_of
+from tools.gpu_check.tp_rings import ring_errors
 
 SEED = 1234
 NO_GPU = "no CUDA device"

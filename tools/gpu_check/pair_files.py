@@ -18,9 +18,9 @@ from typing import Any
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.fileio import read_yaml_mapping
-from megatron_het.gpucheck.context import DATA_DIR
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
+from tools.gpu_check.context import DATA_DIR
 
 CLUSTER_FILE = DATA_DIR / "h200_cpu_pair.yaml"
 PP_PLAN_FILE = DATA_DIR / "pair_pp2.json"

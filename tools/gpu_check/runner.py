@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TextIO
 
-from megatron_het.gpucheck.report import FAIL, SKIP, Row, read_rows
+from tools.gpu_check.report import FAIL, SKIP, Row, read_rows
 
 GRACE_S = 8.0  # SIGTERM -> SIGKILL; torchrun needs a few seconds to stop its workers
 MIN_START_S = 10.0  # a check is not started with less time than this left in the deadline

@@ -1,4 +1,4 @@
-"""``python -m megatron_het.gpucheck`` (``scripts/gpu_check.sh``): every check that needs a GPU,
+"""``python -m tools.gpu_check`` (``scripts/gpu_check.sh``): every check that needs a GPU,
 each in its own process and time budget, then a table and a JSON summary.
 
 Budgets (seconds; the whole run stops starting checks at :data:`DEADLINE_S`, under 8 minutes on
@@ -28,25 +28,25 @@ import time
 from collections.abc import Mapping, Sequence
 
 from megatron_het.errors import UserError, run_cli
-from megatron_het.gpucheck.context import CheckContext, Options
-from megatron_het.gpucheck.report import (
+from tools.gpu_check.context import CheckContext, Options
+from tools.gpu_check.report import (
     LOGS_NAME,
     RowWriter,
     all_passed,
     format_table,
     write_summary,
 )
-from megatron_het.gpucheck.runner import Check, run_checks
+from tools.gpu_check.runner import Check, run_checks
 
 # name -> (budget seconds, "module:function" of the check)
 CHECKS: dict[str, tuple[float, str]] = {
-    "probe": (25.0, "megatron_het.gpucheck.device_checks:check_probe"),
-    "numerics": (30.0, "megatron_het.gpucheck.device_checks:check_numerics"),
-    "relay": (35.0, "megatron_het.gpucheck.relay_check:check_relay"),
-    "mixed": (115.0, "megatron_het.gpucheck.mixed_pair:check_mixed_pair"),
-    "mfu": (105.0, "megatron_het.gpucheck.mfu:check_mfu"),
-    "profile": (75.0, "megatron_het.gpucheck.profile_check:check_profile"),
-    "bench": (65.0, "megatron_het.gpucheck.bench_check:check_bench"),
+    "probe": (25.0, "tools.gpu_check.device_checks:check_probe"),
+    "numerics": (30.0, "tools.gpu_check.device_checks:check_numerics"),
+    "relay": (35.0, "tools.gpu_check.relay_check:check_relay"),
+    "mixed": (115.0, "tools.gpu_check.mixed_pair:check_mixed_pair"),
+    "mfu": (105.0, "tools.gpu_check.mfu:check_mfu"),
+    "profile": (75.0, "tools.gpu_check.profile_check:check_profile"),
+    "bench": (65.0, "tools.gpu_check.bench_check:check_bench"),
 }
 DEADLINE_S = 450.0  # + a last check's grace and the script's start-up: under 8 minutes
 _LOG_TAIL_LINES = 120
@@ -173,7 +173,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     env = dict(environ)
     if args.cpu_only:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    prefix = (sys.executable, "-m", "megatron_het.gpucheck", "run-one")
+    prefix = (sys.executable, "-m", "tools.gpu_check", "run-one")
     checks = [Check(name, CHECKS[name][0], (*prefix, name, *_option_argv(args))) for name in names]
     print(f"gpu check: {', '.join(names)}; budget {args.deadline:.0f} s; work {work}", flush=True)
     start, started = time.monotonic(), time.strftime("%Y-%m-%d %H:%M:%S")

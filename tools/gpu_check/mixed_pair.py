@@ -10,7 +10,7 @@ Runs (each under its own timeout; independent ones at the same time):
   ``--overlap-grad-reduce`` and ``--overlap-param-gather``.
 
 While the second wave (``pp_resume`` and ``dp``, two pairs) runs, NVML is sampled for the
-processes holding a context on the GPU (:mod:`megatron_het.gpucheck.gpu_processes`): the
+processes holding a context on the GPU (:mod:`tools.gpu_check.gpu_processes`): the
 pairs' CPU ranks (local rank 1) must hold none (``mixed.cpu-context``).
 
 Tolerances. The CPU and the GPU sum in different orders (blocked GEMMs, SDPA kernels), so the
@@ -37,19 +37,19 @@ from megatron_het.arguments import parse_run_config, resolve_model_config
 from megatron_het.config import ModelConfig
 from megatron_het.data.tokenizer import build_tokenizer
 from megatron_het.errors import UserError
-from megatron_het.gpucheck.context import REPO, CheckContext
-from megatron_het.gpucheck.device_checks import skip_all
-from megatron_het.gpucheck.gpu_processes import GpuProcessWatch, nvml
-from megatron_het.gpucheck.metrics_file import compare_losses, losses
-from megatron_het.gpucheck.pair_files import (
+from tools.gpu_check.context import REPO, CheckContext
+from tools.gpu_check.device_checks import skip_all
+from tools.gpu_check.gpu_processes import GpuProcessWatch, nvml
+from tools.gpu_check.metrics_file import compare_losses, losses
+from tools.gpu_check.pair_files import (
     GLOBAL_BATCH,
     MICRO_BATCH,
     PairFiles,
     load_and_validate,
     pair_files,
 )
-from megatron_het.gpucheck.report import FAIL, PASS, SKIP, status_of
-from megatron_het.gpucheck.runner import CommandResult, run_parallel
+from tools.gpu_check.report import FAIL, PASS, SKIP, status_of
+from tools.gpu_check.runner import CommandResult, run_parallel
 
 HALF = 4  # N: the resume run stops at N and resumes to 2N
 LOSS_RTOL = 1e-4

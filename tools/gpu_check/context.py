@@ -9,8 +9,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from megatron_het.gpucheck.report import RowWriter
-from megatron_het.gpucheck.runner import GRACE_S, CommandResult, run_command
+from tools.gpu_check.report import RowWriter
+from tools.gpu_check.runner import GRACE_S, CommandResult, run_command
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DATA_DIR = REPO / "scripts" / "gpu_check"

@@ -3,7 +3,7 @@ run twice: eager, and with ``--compile`` (each decoder layer compiled, its eleme
 fused, as production runs fuse it).
 
 Each run is ``pretrain_llama.py``'s own path (:func:`prepare_run`, :func:`train_prepared`) in a
-driver process (``python -m megatron_het.gpucheck.mfu --result R.json -- FLAGS``) that also
+driver process (``python -m tools.gpu_check.mfu --result R.json -- FLAGS``) that also
 asks the predictor for the plan's peak memory and MFU (what ``--dry-run`` prints) and reads
 ``torch.cuda.max_memory_allocated`` after training, which the run itself does not report.
 MFU is the metrics file's ``mfu`` (model FLOPs by Megatron's formula, full S x S attention,
@@ -30,13 +30,13 @@ import torch
 
 from megatron_het.arguments import parse_run_config
 from megatron_het.errors import UserError, run_cli
-from megatron_het.gpucheck.context import CheckContext
-from megatron_het.gpucheck.device_checks import rows_or_fail, skip_all
-from megatron_het.gpucheck.metrics_file import median_field, train_records
-from megatron_het.gpucheck.report import FAIL, status_of
 from megatron_het.training.launch import init_world, local_accelerator, shutdown_world
 from megatron_het.training.run import predict_run, train_prepared
 from megatron_het.training.setup import RunSetup, prepare_run
+from tools.gpu_check.context import CheckContext
+from tools.gpu_check.device_checks import rows_or_fail, skip_all
+from tools.gpu_check.metrics_file import median_field, train_records
+from tools.gpu_check.report import FAIL, status_of
 
 MFU_MIN = 0.40
 MEMORY_RTOL = 0.25
@@ -141,7 +141,7 @@ def _check_variant(ctx: CheckContext, variant: str, extra: Sequence[str]) -> Non
             [
                 ctx.python,
                 "-m",
-                "megatron_het.gpucheck.mfu",
+                "tools.gpu_check.mfu",
                 "--result",
                 str(result_path),
                 "--",
@@ -267,7 +267,7 @@ def _report_step(
 # ---- the driver process ----------------------------------------------------------------------
 def driver_main(argv: Sequence[str]) -> int:
     """Predict, train and measure one run; writes ``--result`` JSON. Exit 3 on out-of-memory."""
-    parser = argparse.ArgumentParser(prog="python -m megatron_het.gpucheck.mfu")
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_check.mfu")
     parser.add_argument("--result", required=True)
     parser.add_argument("flags", nargs=argparse.REMAINDER)
     args = parser.parse_args(list(argv))

@@ -30,10 +30,6 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.comm import UnifiedCommunicator
 from megatron_het.comm.relay import Bridge
 from megatron_het.comm.ring import chunks
-from megatron_het.gpucheck.context import CheckContext
-from megatron_het.gpucheck.device_checks import skip_all
-from megatron_het.gpucheck.pair_files import pair_files
-from megatron_het.gpucheck.report import FAIL, SKIP, status_of
 from megatron_het.pipeline.timing import synchronize
 from megatron_het.training.launch import (
     init_world,
@@ -41,6 +37,10 @@ from megatron_het.training.launch import (
     read_launch_env,
     shutdown_world,
 )
+from tools.gpu_check.context import CheckContext
+from tools.gpu_check.device_checks import skip_all
+from tools.gpu_check.pair_files import pair_files
+from tools.gpu_check.report import FAIL, SKIP, status_of
 
 MIN_GBPS = 1.0
 STAGE_BYTES = 256 * 2**20
@@ -109,7 +109,7 @@ def check_relay(ctx: CheckContext) -> None:
         [
             *ctx.torchrun(2),
             "-m",
-            "megatron_het.gpucheck.relay_check",
+            "tools.gpu_check.relay_check",
             "--cluster",
             str(files.cluster),
             "--result",

@@ -15,9 +15,9 @@ import json
 
 import torch
 
-from megatron_het.gpucheck.context import CheckContext
-from megatron_het.gpucheck.device_checks import skip_all
-from megatron_het.gpucheck.report import FAIL, PASS
+from tools.gpu_check.context import CheckContext
+from tools.gpu_check.device_checks import skip_all
+from tools.gpu_check.report import FAIL, PASS
 
 RUN_S = 50.0  # transformers' import, both models, one layer compiled cold, 5 rounds
 RATIO_MIN = 1.0

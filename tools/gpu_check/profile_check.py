@@ -23,13 +23,13 @@ import torch
 
 from megatron_het.cluster.accelerators import AcceleratorRegistry, AcceleratorSpec
 from megatron_het.errors import UserError
-from megatron_het.gpucheck.context import REPO, CheckContext
-from megatron_het.gpucheck.device_checks import skip_all
-from megatron_het.gpucheck.report import FAIL, PASS
 from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
 from megatron_het.perf.cost_model import Efficiency, layer_forward_ops, ops_time
 from megatron_het.perf.profile import LayerEntry, Profile
 from megatron_het.perf.stage_cost import mode_ratio
+from tools.gpu_check.context import REPO, CheckContext
+from tools.gpu_check.device_checks import skip_all
+from tools.gpu_check.report import FAIL, PASS
 
 RUN_S = 20.0  # the eager sweep (the whole check took 15 s on one H200)
 # The compiled sweep: start-up, one layer compiled forward and backward, the timed passes.

@@ -50,12 +50,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_het.arguments.model_flags import add_model_shape_args, model_config_from_args
+from megatron_het.arguments.parser import shape_overrides
 from megatron_het.checkpoint.hf import megatron_het_to_hf_state, model_config_to_hf_config
-from megatron_het.cli_args import shape_overrides
 from megatron_het.errors import UserError
 from megatron_het.model.compile import compile_layers
 from megatron_het.model.llama import build_model
-from megatron_het.model_args import add_model_shape_args, model_config_from_args
 from megatron_het.perf.profiler import self_time_us
 from megatron_het.pipeline.timing import synchronize
 

@@ -34,7 +34,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from megatron_het.cli_args import ArgParser
+from megatron_het.arguments.parser import ArgParser
 from megatron_het.errors import UserError, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

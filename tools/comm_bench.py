@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_het.cli_args import ArgParser
+from megatron_het.arguments.parser import ArgParser
 from megatron_het.cluster import ClusterSpec
 from megatron_het.comm.communicator import UnifiedCommunicator
 from megatron_het.emulation.links import emulated_wires

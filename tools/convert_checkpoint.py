@@ -35,6 +35,7 @@ import sys
 
 import torch
 
+from megatron_het.arguments.parser import ArgParser
 from megatron_het.checkpoint.hf import (
     hf_config_to_model_config,
     hf_to_megatron_het_state,
@@ -45,7 +46,6 @@ from megatron_het.checkpoint.hf import (
 from megatron_het.checkpoint.io import load_checkpoint_metadata, save_checkpoint
 from megatron_het.checkpoint.reader import load_model_state
 from megatron_het.checkpoint.sharded import reshard_checkpoint
-from megatron_het.cli_args import ArgParser
 from megatron_het.errors import UserError, run_cli
 from megatron_het.parallel.plan import ParallelPlan
 

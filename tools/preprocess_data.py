@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron_het.cli_args import ArgParser
+from megatron_het.arguments.parser import ArgParser
 from megatron_het.data.preprocess import PreprocessConfig, preprocess_jsonl
 from megatron_het.data.tokenizer import TOKENIZER_TYPES
 from megatron_het.errors import UserError, run_cli

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from megatron_het.cli_args import ArgParser
+from megatron_het.arguments.model_flags import add_model_shape_args, model_config_from_args
+from megatron_het.arguments.parser import ArgParser
 from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.config import ModelConfig
 from megatron_het.emulation.host_measure import measure_host_collective, measure_host_sharing
 from megatron_het.errors import UserError, run_cli
 from megatron_het.model.llama import LlamaModel
-from megatron_het.model_args import add_model_shape_args, model_config_from_args
 from megatron_het.parallel.plan_validation import valid_tp_sizes
 from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
 from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
+from megatron_het.arguments.parser import ArgParser
 from megatron_het.checkpoint.integrity import FILES_KEY, file_problem
 from megatron_het.checkpoint.io import (
     METADATA_FILE,
@@ -33,7 +34,6 @@ from megatron_het.checkpoint.io import (
 )
 from megatron_het.checkpoint.rank_files import INDEX_PREFIX
 from megatron_het.checkpoint.verify import read_metadata_file
-from megatron_het.cli_args import ArgParser
 from megatron_het.errors import UserError
 
 OK = "OK"

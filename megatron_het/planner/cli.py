@@ -20,11 +20,15 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_het.cli_args import ArgParser
+from megatron_het.arguments.model_flags import (
+    DEFAULT_VOCAB,
+    add_model_shape_args,
+    model_config_from_args,
+)
+from megatron_het.arguments.parser import ArgParser
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
-from megatron_het.model_args import DEFAULT_VOCAB, add_model_shape_args, model_config_from_args
 from megatron_het.parallel.plan import PLAN_DTYPES, ParallelPlan
 from megatron_het.parallel.plan_builders import interleave_plan
 from megatron_het.perf import Profile, load_profiles

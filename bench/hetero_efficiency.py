@@ -89,7 +89,7 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig, model_preset
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Profile, predict
-from megatron_het.perf.profiler import Sweep, profile_device
+from megatron_het.perf.measure.profiler import Sweep, profile_device
 from megatron_het.planner import search_plan
 from megatron_het.planner.search import MAX_VIRTUAL_STAGES
 

@@ -6,12 +6,12 @@ EMULATION: scripts/clusters/cpu_emulated.yaml (2 emu-fast + 2 emu-slow ranks on 
 with both kinds' slowdowns x ``--dilation`` (1: as in the file).
 
 1. Profiles this machine as the "cpu" kind (one thread, as every torchrun rank runs): per-layer,
-   embedding, head and optimizer times (:func:`megatron_het.perf.profiler.profile_device`) and
-   the communicator's gloo figures. Just before and just after each run it measures the
-   host-sharing figures (:func:`megatron_het.emulation.host_measure.measure_host_sharing`: how
-   much slower a compute pass runs with 1..4 processes computing at once than the profile says)
-   and predicts with their mean, because a shared machine's load from other work changes; just
-   before each run also the wall and CPU time of one TP collective between computing peers
+   embedding, head and optimizer times (:func:`megatron_het.perf.measure.profiler.profile_device`)
+   and the communicator's gloo figures. Just before and just after each run it measures the
+   host-sharing figures (:func:`megatron_het.emulation.host_measure.measure_host_sharing`: how much
+   slower a compute pass runs with 1..4 processes computing at once than the profile says) and
+   predicts with their mean, because a shared machine's load from other work changes; just before
+   each run also the wall and CPU time of one TP collective between computing peers
    (:func:`megatron_het.emulation.host_measure.measure_host_collective`).
 2. Runs every plan (5 of scripts/plans/, one with stage bounds inside layers, and more,
    written to a temporary directory) through
@@ -56,8 +56,9 @@ from megatron_het.emulation.host_measure import measure_host_collective, measure
 from megatron_het.emulation.host_model import SharedHostModel
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Profile, predict
-from megatron_het.perf.cost_model import LayerShape
-from megatron_het.perf.profiler import Sweep, measure_comm, profile_device
+from megatron_het.perf.cost.roofline import LayerShape
+from megatron_het.perf.measure.communicator_figures import measure_comm
+from megatron_het.perf.measure.profiler import Sweep, profile_device
 
 ROOT = Path(__file__).resolve().parent.parent
 

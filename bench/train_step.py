@@ -56,7 +56,7 @@ from megatron_het.checkpoint.hf import megatron_het_to_hf_state, model_config_to
 from megatron_het.errors import UserError
 from megatron_het.model.compile import compile_layers
 from megatron_het.model.llama import build_model
-from megatron_het.perf.profiler import self_time_us
+from megatron_het.perf.measure.timed_cases import self_time_us
 from megatron_het.pipeline.timing import synchronize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

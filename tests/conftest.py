@@ -2,7 +2,7 @@ import json
 import os
 import pathlib
 
-# (megatron_het.perf.measure_procs.HIDING_VARIABLES, spelled out: the GPUs are hidden below
+# (megatron_het.perf.measure.worker_processes.HIDING_VARIABLES, spelled out: the GPUs are hidden below
 # before anything of the package is imported; checked against it after)
 _HIDING = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
@@ -42,7 +42,7 @@ def unhidden_environ() -> dict:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from megatron_het.perf.measure_procs import HIDING_VARIABLES  # noqa: E402
+from megatron_het.perf.measure.worker_processes import HIDING_VARIABLES  # noqa: E402
 from tests.gpu import device_present  # noqa: E402
 
 assert _HIDING == HIDING_VARIABLES, "tests/conftest.py hides other variables than the package"

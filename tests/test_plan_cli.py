@@ -223,7 +223,7 @@ def test_model_flags_without_a_preset(capsys) -> None:
 
 
 def test_profile_dir_replaces_roofline_estimates(tmp_path, capsys) -> None:
-    from megatron_het.perf.profile import LayerEntry, Profile, ProfileConditions
+    from megatron_het.perf.measure.profile_format import LayerEntry, Profile, ProfileConditions
 
     slow = LayerEntry(256, 688, 8, 4, 256, 1, 1, "fp32", 0.5, 1.0, 1e6)  # 0.5 s per layer
     Profile("cpu", ProfileConditions("host", "2.13.0", 1, "2026-11-30"), layers=(slow,)).save(

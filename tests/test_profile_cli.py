@@ -16,15 +16,16 @@ import torch
 from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.config import model_preset
 from megatron_het.errors import run_cli
-from megatron_het.perf.calibration import efficiency_for
-from megatron_het.perf.cost_model import (
+from megatron_het.perf.cost.calibration import efficiency_for
+from megatron_het.perf.cost.roofline import (
     EAGER_ELEMENTWISE_TRAFFIC,
     LayerShape,
     layer_forward_ops,
     ops_time,
 )
-from megatron_het.perf.profile import LayerEntry, Profile, ProfileConditions
-from megatron_het.perf.profiler import KernelRow, kernel_breakdown, layer_case, rank_stage
+from megatron_het.perf.measure.profile_format import LayerEntry, Profile, ProfileConditions
+from megatron_het.perf.measure.shard_cases import layer_case, rank_stage
+from megatron_het.perf.measure.timed_cases import KernelRow, kernel_breakdown
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "tools" / "profile_device.py")

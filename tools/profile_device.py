@@ -4,7 +4,7 @@
         --micro-batch-sizes 1,2,4 --tp 1,2 --dtype fp32 --out profiles/ --comm
 
 Then ``tools/plan.py --profile-dir profiles/`` predicts with the measured figures. See
-:mod:`megatron_het.perf.profiler` for what is measured and how. The closing table (and, with
+:mod:`megatron_het.perf.measure.profiler` for what is measured and how. The closing table (and, with
 ``--json``, a JSON line) sets every layer entry's measured times next to the cost model's
 roofline times for the kind's datasheet figures, with their ratio.
 """
@@ -30,19 +30,13 @@ from megatron_het.emulation.host_measure import measure_host_collective, measure
 from megatron_het.errors import UserError, run_cli
 from megatron_het.model.llama import LlamaModel
 from megatron_het.parallel.plan_validation import valid_tp_sizes
-from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
-from megatron_het.perf.cost_model import LayerShape, layer_forward_ops, ops_time
-from megatron_het.perf.profile import Profile, merge_profiles
-from megatron_het.perf.profiler import (
-    PROFILE_DTYPES,
-    KernelRow,
-    Sweep,
-    default_accelerator,
-    kernel_breakdown,
-    layer_case,
-    profile_device,
-    shapes_compiled,
-)
+from megatron_het.perf.cost.calibration import layer_efficiency, resolve_efficiency
+from megatron_het.perf.cost.roofline import LayerShape, layer_forward_ops, ops_time
+from megatron_het.perf.measure.device_kind import default_accelerator
+from megatron_het.perf.measure.profile_format import Profile, merge_profiles
+from megatron_het.perf.measure.profiler import Sweep, profile_device, shapes_compiled
+from megatron_het.perf.measure.shard_cases import PROFILE_DTYPES, layer_case
+from megatron_het.perf.measure.timed_cases import KernelRow, kernel_breakdown
 
 PROG = "tools/profile_device.py"
 DESCRIPTION = """\
@@ -183,10 +177,10 @@ def roofline_rows(
     profile: Profile, registry: AcceleratorRegistry | None = None
 ) -> list[dict[str, Any]]:
     """The profile's layer entries (sorted by shape), each with its cost-model roofline times
-    (:func:`~megatron_het.perf.cost_model.ops_time` of the layer's kernels on the profile's
+    (:func:`~megatron_het.perf.cost.roofline.ops_time` of the layer's kernels on the profile's
     kind, with the kind's efficiency factors, calibrated where it has them, for the entry's
     mode, eager or compiled: the predictor's estimate of such a run without a profile,
-    :func:`~megatron_het.perf.calibration.layer_efficiency`) and measured / roofline ratios;
+    :func:`~megatron_het.perf.cost.calibration.layer_efficiency`) and measured / roofline ratios;
     None for a kind ``registry`` does not know."""
     registry = registry or AcceleratorRegistry.builtin()
     spec = registry.get(profile.accelerator) if profile.accelerator in registry else None

@@ -16,9 +16,14 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
-from megatron_het.perf.cost_model import LayerShape
-from megatron_het.perf.profile import Profile
-from megatron_het.perf.stage_cost import HOST_PROFILE, LayerBlocks, ProfileChoice, stage_compute
+from megatron_het.perf.cost.compute_time import (
+    HOST_PROFILE,
+    LayerBlocks,
+    ProfileChoice,
+    stage_compute,
+)
+from megatron_het.perf.cost.roofline import LayerShape
+from megatron_het.perf.measure.profile_format import Profile
 from megatron_het.pipeline.executor import compute_region_key
 
 RegionKey = tuple[str, bool, int]

@@ -1,16 +1,16 @@
 """Measuring how a CPU host's processes slow each other: the host-sharing figures of a profile.
 
-:func:`measure_host_sharing` runs one decoder layer's forward + backward (one TP rank's shard,
-as :mod:`megatron_het.perf.profiler` times it) in ``n = 1, 2, ..., max_processes`` forked
-processes at once, one thread each, started together behind a barrier, and returns the median
-time of a pass with ``n`` processes over the median alone (the
-:attr:`~megatron_het.perf.profile.Profile.host_sharing` figures, which
+:func:`measure_host_sharing` runs one decoder layer's forward + backward (one TP rank's shard, as
+:mod:`megatron_het.perf.measure.profiler` times it) in ``n = 1, 2, ..., max_processes`` forked
+processes at once, one thread each, started together behind a barrier, and returns the median time
+of a pass with ``n`` processes over the median alone (the
+:attr:`~megatron_het.perf.measure.profile_format.Profile.host_sharing` figures, which
 :class:`~megatron_het.emulation.host_sharing.HostSharing` reads). :func:`measure_host_collective`
 times one TP collective between two computing processes, wall and CPU
-(:attr:`~megatron_het.perf.profile.Profile.host_collective_s`): gloo's copies and reductions
-run on the same cores as the compute. All processes start in sessions of their own, as torchrun
-starts ranks (see :func:`_worker`). These figures exist for CPU emulation, where ranks share a
-host's cores.
+(:attr:`~megatron_het.perf.measure.profile_format.Profile.host_collective_s`): gloo's copies and
+reductions run on the same cores as the compute. All processes start in sessions of their own, as
+torchrun starts ranks (see :func:`_worker`). These figures exist for CPU emulation, where ranks
+share a host's cores.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
-from megatron_het.perf.cost_model import tp_collectives
-from megatron_het.perf.measure_procs import (
+from megatron_het.perf.cost.tp_collectives import tp_collectives
+from megatron_het.perf.measure.worker_processes import (
     free_loopback_port,
     gloo_pair,
     process_context,
@@ -85,7 +85,7 @@ def measure_host_collective(
     Two forked processes (own sessions, one thread each) form a gloo pair through the unified
     communicator and run one decoder layer's forward + backward as a real TP=2 pair (its 4
     all-reduces of the ``[micro_batch, seq, hidden]`` activations) and, alternating with it,
-    the same shard with the collectives skipped (:class:`~megatron_het.perf.profiler.
+    the same shard with the collectives skipped (:class:`~megatron_het.perf.measure.profiler.
     ComputeOnlyGroup`, as the profile times it). One collective's wall time is the difference
     of the median pass times over 4 (the transfer, and the wait for a peer that finished its
     compute later); its CPU time the difference of the processes' CPU times over 4 (gloo's
@@ -150,7 +150,7 @@ def _collective_times(
 ) -> tuple[float, float]:
     """(wall, CPU) seconds of one TP collective, from passes with and without them."""
     from megatron_het.model.llama import build_model
-    from megatron_het.perf.profiler import ComputeOnlyGroup, layer_case
+    from megatron_het.perf.measure.shard_cases import ComputeOnlyGroup, layer_case
     from megatron_het.tensor_parallel import apply_tp
 
     device = torch.device("cpu")
@@ -210,7 +210,7 @@ def _worker(
     timeout_s: float,
     conn: Any,
 ) -> None:
-    from megatron_het.perf.profiler import layer_case, rank_stage
+    from megatron_het.perf.measure.shard_cases import layer_case, rank_stage
 
     # Each in its own session, as torchrun starts ranks: under Linux's autogroup scheduling a
     # session is one scheduling group, so the workers compete with each other and with other

@@ -1,10 +1,10 @@
 """The iteration of a plan whose ranks are processes sharing host CPUs (CPU-emulated kinds).
 
 :class:`SharedHostModel` is the predictor's rate model for emulated clusters
-(:class:`~megatron_het.perf.rate_model.RateModel`: ``predict(..., rate_model=SharedHostModel())``).
-It applies when every rank of the plan is of an emulated kind and the host profile of each has
-:attr:`~megatron_het.perf.profile.Profile.host_sharing` figures; otherwise it returns None and
-each rank is taken to own its device.
+(:class:`~megatron_het.perf.cost.rate_model.RateModel`: ``predict(...,
+rate_model=SharedHostModel())``). It applies when every rank of the plan is of an emulated kind and
+the host profile of each has :attr:`~megatron_het.perf.measure.profile_format.Profile.host_sharing`
+figures; otherwise it returns None and each rank is taken to own its device.
 
 What changes against the one-device-per-rank model, each from a measured figure:
 
@@ -47,13 +47,13 @@ from collections.abc import Callable, Sequence
 
 from megatron_het.emulation.host_sharing import HostCores, HostSharing
 from megatron_het.parallel.plan import PipelinePlan
-from megatron_het.perf.boundary_cost import rank_activation_bytes
-from megatron_het.perf.comm_cost import CommCost
-from megatron_het.perf.cost_model import REGATHERS, ring_collectives
-from megatron_het.perf.prediction import StagePrediction
-from megatron_het.perf.rate_model import PredictionInputs, SharedIteration
-from megatron_het.perf.simulator import Region, StageTiming
-from megatron_het.perf.stage_cost import choose_profile
+from megatron_het.perf.cost.boundary_time import rank_activation_bytes
+from megatron_het.perf.cost.comm_time import CommCost
+from megatron_het.perf.cost.compute_time import choose_profile
+from megatron_het.perf.cost.rate_model import PredictionInputs, SharedIteration
+from megatron_het.perf.cost.tp_collectives import REGATHERS, ring_collectives
+from megatron_het.perf.estimates import StagePrediction
+from megatron_het.perf.schedule.simulator import Region, StageTiming
 
 # The world collectives the driver runs per iteration besides the pipeline's and the DP sync's:
 # the all-gather of every rank's loss/stop/timing row and the global gradient-norm all-reduce.

@@ -6,10 +6,10 @@ that: while ``n`` ranks compute, each gets about ``cores / n`` of a core (less w
 contend for caches and memory bandwidth). An emulated rank's injected wait (its slowdown) and a
 rank blocked in a transfer use no core, so how many ranks compute at once changes along the
 schedule. :class:`HostSharing` holds one host's measured figures
-(:attr:`~megatron_het.perf.profile.Profile.host_sharing`, from
+(:attr:`~megatron_het.perf.measure.profile_format.Profile.host_sharing`, from
 :func:`~megatron_het.emulation.host_measure.measure_host_sharing`) and turns them into the
 progress rate of one computing process; :class:`HostCores` is the rate model of a cluster's
-hosts for the predictor's simulator (:class:`~megatron_het.perf.simulator.CoreSharing`).
+hosts for the predictor's simulator (:class:`~megatron_het.perf.schedule.simulator.CoreSharing`).
 Everything here is emulation.
 """
 
@@ -65,8 +65,8 @@ class HostSharing:
 
 class HostCores:
     """The rate of compute on each node of a cluster whose ranks share host cores
-    (:class:`~megatron_het.perf.simulator.CoreSharing`): ``sharing[node]``'s rate, or a core per
-    process on a node without figures."""
+    (:class:`~megatron_het.perf.schedule.simulator.CoreSharing`): ``sharing[node]``'s rate, or a
+    core per process on a node without figures."""
 
     def __init__(self, sharing: Mapping[int, HostSharing]) -> None:
         self.sharing = dict(sharing)

@@ -3,7 +3,7 @@
 An emulated kind may declare ``memory_cap_gib``: the memory one of its devices would hold. A
 CPU rank has the host's memory, so nothing would stop a plan that the emulated device could not
 hold; :func:`check_memory_caps` refuses it up front with the project's memory model (the
-predictor's per-stage peak, :mod:`megatron_het.perf.memory`: weights, fp32 gradients, optimizer
+predictor's per-stage peak, :mod:`megatron_het.perf.cost.memory`: weights, fp32 gradients, optimizer
 state, activations of the micro-batches in flight). Kinds without a cap, and real kinds, are
 not checked here (the planner and :func:`megatron_het.perf.fits` judge real devices).
 """
@@ -16,9 +16,9 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
-from megatron_het.perf.memory import GIB
+from megatron_het.perf.cost.memory import GIB
+from megatron_het.perf.measure.profile_format import Profile
 from megatron_het.perf.predictor import predict
-from megatron_het.perf.profile import Profile
 
 
 def check_memory_caps(

@@ -1,6 +1,6 @@
 """The gradient buckets' rule, torch-free: the runtime's buckets
 (:func:`megatron_het.optim.data_parallel.plan_buckets`) and the predictor's model of their
-overlap (:mod:`megatron_het.perf.dp_overlap`) both cut with it.
+overlap (:mod:`megatron_het.perf.cost.dp_sync_overlap`) both cut with it.
 
 Parameters are taken in the order given (the runtime passes reverse registration order, the
 order backward produces gradients); a bucket closes once it holds at least

@@ -2,7 +2,7 @@
 
 Heterogeneous data parallelism sums gradients per parameter UNIT over every rank holding part
 of it (:mod:`megatron_het.optim.replica_sync`); the predictor costs the same sums
-(:mod:`megatron_het.perf.dp_sync`). Both read the units from here, a pure function of the plan
+(:mod:`megatron_het.perf.cost.dp_sync`). Both read the units from here, a pure function of the plan
 (no torch).
 """
 

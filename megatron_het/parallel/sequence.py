@@ -2,8 +2,8 @@
 
 Without sequence parallelism (or on a stage with tp 1) every rank holds all ``S`` positions.
 With it, tp_rank ``t`` of a stage with ``tp > 1`` holds ``[t S/tp, (t+1) S/tp)``. The runtime's
-stage boundaries (:mod:`megatron_het.pipeline.p2p`) and the predictor's
-(:mod:`megatron_het.perf.boundary_cost`) both exchange the overlaps that
+stage boundaries (:mod:`megatron_het.pipeline.stage_boundary`) and the predictor's
+(:mod:`megatron_het.perf.cost.boundary_time`) both exchange the overlaps that
 :func:`position_overlaps` lists. No torch.
 """
 

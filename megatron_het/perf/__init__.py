@@ -1,27 +1,38 @@
-"""Performance prediction: per-layer cost model, memory, communication, pipeline simulation.
+"""Performance prediction: what one training iteration of a plan costs on a cluster.
 
-:func:`predict` estimates a plan's iteration time, throughput and memory per device (plain or
-interleaved pipelines) from profiles (:class:`Profile`, measured per accelerator kind) or
-roofline estimates of the cluster's accelerator specs; :func:`fits` checks the memory against
-the devices. Pipelines may differ in layout (heterogeneous data parallelism) and plans may
-use sequence parallelism. An optional :class:`RateModel` models ranks that share their compute (CPU
-emulation provides one).
+:func:`predict` (:mod:`~megatron_het.perf.predictor`) estimates a plan's iteration time,
+throughput and memory per device and returns a :class:`Prediction`
+(:mod:`~megatron_het.perf.estimates`); :func:`fits` checks the memory against the devices.
+Inside, three groups and the glue between them:
+
+- ``measure/``: measuring a device into a :class:`Profile` (the profiler, the communicator's
+  figures, the device's kind, the profile file format);
+- ``cost/``: the cost model: what a layer, a stage, a transfer, a DP sync, a device's memory
+  cost (roofline or profile, calibrated per kind), and the optional :class:`RateModel` for
+  ranks that share their compute (CPU emulation provides one);
+- ``schedule/``: how the pipeline schedule turns per-stage costs into a pipeline time (the
+  event-driven simulator, the closed forms, the search loop's :class:`SimulationCache`);
+- :mod:`~megatron_het.perf.stage_pricing` prices every stage of a plan through ``cost/``, and
+  the predictor times the pipelines through ``schedule/`` and assembles the iteration.
 """
 
-from megatron_het.perf.closed_forms import closed_form_interleaved, lower_bound_interleaved
-from megatron_het.perf.fit import MemoryFit, check_fits, fits
-from megatron_het.perf.memory import MemoryBreakdown
-from megatron_het.perf.prediction import PipelinePrediction, Prediction, StagePrediction
+from megatron_het.perf.cost.memory import MemoryBreakdown
+from megatron_het.perf.cost.memory_fit import MemoryFit, check_fits, fits
+from megatron_het.perf.cost.rate_model import RateModel, SharedIteration
+from megatron_het.perf.estimates import PipelinePrediction, Prediction, StagePrediction
+from megatron_het.perf.measure.profile_format import Profile, ProfileConditions, load_profiles
 from megatron_het.perf.predictor import predict
-from megatron_het.perf.profile import Profile, ProfileConditions, load_profiles
-from megatron_het.perf.rate_model import RateModel, SharedIteration
-from megatron_het.perf.simulator import (
+from megatron_het.perf.schedule.closed_forms import (
+    closed_form_1f1b,
+    closed_form_interleaved,
+    lower_bound_interleaved,
+)
+from megatron_het.perf.schedule.simulation_cache import SimulationCache
+from megatron_het.perf.schedule.simulator import (
     CoreSharing,
     Region,
-    SimulationCache,
     SimulationResult,
     StageTiming,
-    closed_form_1f1b,
     simulate,
     simulate_1f1b,
     simulate_pipelines,

@@ -20,14 +20,14 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Profile, SimulationCache, predict
-from megatron_het.perf.comm_cost import CommCost
-from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
-from megatron_het.perf.memory import (
+from megatron_het.perf.cost.comm_time import CommCost
+from megatron_het.perf.cost.memory import (
     RESERVED_FRACTION,
     device_capacity_bytes,
     in_flight_micro_batches,
     layer_parameters,
 )
+from megatron_het.perf.cost.roofline import DTYPE_BYTES, FP32_BYTES
 from megatron_het.pipeline.schedules import interleaved_warmup
 from megatron_het.planner.space import KindBlock, Layout, Placement
 
@@ -74,7 +74,7 @@ class KindCosts:
     def sync_per_layer(self, block: KindBlock, dp: int, zero1: bool, comm: CommCost) -> float:
         """The least DP sync seconds one more decoder layer adds to a stage of ``block`` with
         ``dp`` replicas (its gradients' ring all-reduce, or under ZeRO-1 reduce-scatter and
-        parameter all-gather, as :class:`~megatron_het.perf.dp_sync.DPSync` prices them):
+        parameter all-gather, as :class:`~megatron_het.perf.cost.dp_sync.DPSync` prices them):
         over a few rank offsets within the kind's pipeline share, the cheapest ring's."""
         key = (block.kind, block.tp, dp, zero1)
         if key not in self._syncs:
@@ -186,7 +186,7 @@ def time_lower_bound(
     if layout.num_chunks > 1:  # plus the fill: the other groups' work at a chunk's pace
         if tight:
             bottleneck = max(
-                bottleneck, capped_bottleneck(work, _layer_room(layout, costs), num_layers)
+                bottleneck, capped_bottleneck(work, layer_room(layout, costs), num_layers)
             )
         return (
             layout.micro_batches * bottleneck
@@ -199,7 +199,7 @@ def time_lower_bound(
 
 def capped_bottleneck(work: Sequence[float], room: Sequence[float], num_layers: int) -> float:
     """The least ``B`` with ``sum_s min(room_s, B / w_s) >= L``: no split that keeps every stage
-    within its layer room (by the per-layer bytes alone, :func:`_layer_room`) has a busiest
+    within its layer room (by the per-layer bytes alone, :func:`layer_room`) has a busiest
     stage below it (inf when the rooms cannot hold the layers)."""
     if sum(room) < num_layers:
         return float("inf")
@@ -248,7 +248,7 @@ def fill_and_cycles_bound(work: Sequence[float], num_layers: int, micro_batches:
     return max(loose, total(lo) * (1 - 1e-6))
 
 
-def _layer_room(layout: Layout, costs: KindCosts) -> list[float]:
+def layer_room(layout: Layout, costs: KindCosts) -> list[float]:
     """Per stage: how many layers its usable memory holds by the per-layer bytes alone."""
     zero1_dp = layout.dp if layout.zero1 else 1
     p, m, v = layout.num_stages, layout.micro_batches, layout.num_chunks
@@ -274,14 +274,14 @@ def _layers_in_flight(p: int, m: int, v: int, stage: int) -> float:
 
 def memory_feasible(layout: Layout, costs: KindCosts, num_layers: int) -> bool:
     """False when even the per-layer bytes alone cannot hold the layers on the stages."""
-    caps = [int(r) for r in _layer_room(layout, costs)]
+    caps = [int(r) for r in layer_room(layout, costs)]
     return min(caps) >= layout.num_chunks and sum(caps) >= num_layers
 
 
 def memory_pressure(layout: Layout, costs: KindCosts, num_layers: int) -> float:
     """Layers to hold over the layers the stages' memory holds (above 1: cannot fit); orders
     layouts that do not fit by how far they are from fitting."""
-    room = _layer_room(layout, costs)
+    room = layer_room(layout, costs)
     return max(num_layers / sum(room), max(1.0 / r for r in room))
 
 
@@ -289,6 +289,7 @@ __all__ = [
     "KindCosts",
     "LayerCost",
     "fill_and_cycles_bound",
+    "layer_room",
     "memory_feasible",
     "memory_pressure",
     "sync_lower_bound",

@@ -7,8 +7,8 @@ It is every device computing its share of the model's work at its best rate with
 communication, pipeline bubble, recompute or duplicated work, and with memory ignored (a device
 may not be able to hold the model it is credited with computing).
 
-The figures are the predictor's own (:func:`megatron_het.perf.stage_cost.stage_compute` with
-the profile :func:`~megatron_het.perf.stage_cost.choose_profile` picks and the predictor's
+The figures are the predictor's own (:func:`megatron_het.perf.cost.compute_time.stage_compute` with
+the profile :func:`~megatron_het.perf.cost.compute_time.choose_profile` picks and the predictor's
 default efficiency, each kind's calibrated figures), so a prediction of any plan on the same
 cluster stays below it: a stage at tp=t spends at least 1/t of the tp=1 time per rank (TP
 shards the GEMMs and the heads and replicates the rest), recompute and communication only add
@@ -32,8 +32,8 @@ from megatron_het.cluster import AcceleratorSpec, ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.perf import Profile
-from megatron_het.perf.cost_model import Efficiency, LayerShape
-from megatron_het.perf.stage_cost import choose_profile, stage_compute
+from megatron_het.perf.cost.compute_time import choose_profile, stage_compute
+from megatron_het.perf.cost.roofline import Efficiency, LayerShape
 from megatron_het.planner.space import micro_batch_sizes
 
 # The planner's largest micro-batch (search_plan's max_micro_batch_size default).
@@ -148,7 +148,7 @@ def compute_ceiling(
     Micro-batch sizes tried: those the planner may use for ``global_batch_size`` (divisors up
     to ``max_micro_batch_size``; pass at least a given plan's own size when it is larger).
     ``efficiency`` must be the one the plans are predicted with: None, the predictor's
-    default, is each kind's calibrated figures (:mod:`megatron_het.perf.calibration`), and
+    default, is each kind's calibrated figures (:mod:`megatron_het.perf.cost.calibration`), and
     ``fused_elementwise`` too (False: the layers of a run without ``--compile``)."""
     if global_batch_size < 1 or seq_length < 1:
         raise UserError(

@@ -1,11 +1,11 @@
 """Charts of a predicted plan, drawn with matplotlib (Agg, imported only when a chart is drawn).
 
-- Timeline: one row per stage of the slowest pipeline, its forward (light) and backward (dark)
-  steps as simulated by :func:`megatron_het.perf.simulator.simulate` (1F1B, interleaved where the
-  plan interleaves: one bar per device group) with the predicted per-stage
-  times, p2p transfers as a thin grey strip, then the DP gradient sync and the optimizer step;
-  the gaps are the bubble. The x axis is time in seconds. Given the search result, the title's
-  second line is its efficiency against the homogeneous baseline and the compute ceiling.
+- Timeline: one row per stage of the slowest pipeline, its forward (light) and backward (dark) steps
+  as simulated by :func:`megatron_het.perf.schedule.simulator.simulate` (1F1B, interleaved where the
+  plan interleaves: one bar per device group) with the predicted per-stage times, p2p transfers as a
+  thin grey strip, then the DP gradient sync and the optimizer step; the gaps are the bubble. The x
+  axis is time in seconds. Given the search result, the title's second line is its efficiency
+  against the homogeneous baseline and the compute ceiling.
 - Allocation: every node of the cluster as a block of device cells, labelled with its index and
   accelerator kinds; a cell's colour and number are the stage its device runs (the same in every
   DP replica), the strip under it is the device's kind.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.perf import Prediction, StagePrediction
-from megatron_het.perf.simulator import simulate
+from megatron_het.perf.schedule.simulator import simulate
 from megatron_het.pipeline.schedules import build_schedule
 from megatron_het.planner.report import efficiency_line
 from megatron_het.planner.result import SearchResult

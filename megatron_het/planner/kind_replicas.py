@@ -7,7 +7,7 @@ and shares the global batch by speed (HexiScale / Metis style): every replica of
 runs ``m_k`` micro-batches of the plan's one micro-batch size, with
 ``sum_k dp_k m_k = global batch / micro-batch size``. No activation crosses between kinds;
 the gradients do, once per iteration (each parameter summed over every replica that holds it,
-:mod:`megatron_het.perf.dp_sync`, with full-size buffers that the memory check counts).
+:mod:`megatron_het.perf.cost.dp_sync`, with full-size buffers that the memory check counts).
 
 Search, per plan-wide setting (ZeRO-1 off or on, sequence parallelism with it) and micro-batch
 size (a "family"):
@@ -45,10 +45,10 @@ from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan
 from megatron_het.parallel.replicas import ReplicaUnit
 from megatron_het.perf import Prediction, Profile, SimulationCache, fits, predict
-from megatron_het.perf.comm_cost import CommCost
-from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
-from megatron_het.perf.dp_sync import unit_parameters
-from megatron_het.perf.memory import layer_parameters
+from megatron_het.perf.cost.comm_time import CommCost
+from megatron_het.perf.cost.dp_sync import unit_parameters
+from megatron_het.perf.cost.memory import layer_parameters
+from megatron_het.perf.cost.roofline import DTYPE_BYTES, FP32_BYTES
 from megatron_het.planner.bounds import KindCosts, memory_feasible, time_lower_bound
 from megatron_het.planner.space import (
     Layout,
@@ -471,7 +471,7 @@ def sm_at(sm: StageModel, micro_batches: int) -> StageModel:
 
 def _fixed_parameters(model: ModelConfig, stage: int, num_stages: int) -> int:
     """Full-size parameters stage ``stage`` of a pipeline holds besides its decoder layers
-    (the replica units it is a holder of, :func:`~megatron_het.perf.dp_sync.unit_parameters`):
+    (the replica units it is a holder of, :func:`~megatron_het.perf.cost.dp_sync.unit_parameters`):
     the embedding on the first stage (and on the last one's copy of a tied embedding), the
     head on the last."""
     params = 0
@@ -485,7 +485,7 @@ def _fixed_parameters(model: ModelConfig, stage: int, num_stages: int) -> int:
 
 def _with_replica_buffers(sm: StageModel, model: ModelConfig) -> StageModel:
     """``sm`` whose memory holds the replica sums' full-size float32 buffers of every
-    parameter a stage holds (:meth:`~megatron_het.perf.dp_sync.DPSync.buffer_bytes`)."""
+    parameter a stage holds (:meth:`~megatron_het.perf.cost.dp_sync.DPSync.buffer_bytes`)."""
     per_layer = layer_parameters(model, 1) * FP32_BYTES
     memory = tuple(
         Affine(

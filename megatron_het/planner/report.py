@@ -22,7 +22,7 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.replicas import uniform_layouts
 from megatron_het.perf import Prediction, StagePrediction, fits, simulate_1f1b
-from megatron_het.perf.memory import GIB
+from megatron_het.perf.cost.memory import GIB
 from megatron_het.planner.baseline import why_above_baseline
 from megatron_het.planner.layer_split import layer_split
 from megatron_het.planner.result import SearchResult

@@ -46,8 +46,8 @@ from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Prediction, Profile, SimulationCache, fits, predict
-from megatron_het.perf.comm_cost import CommCost
-from megatron_het.perf.memory import GIB
+from megatron_het.perf.cost.comm_time import CommCost
+from megatron_het.perf.cost.memory import GIB
 from megatron_het.planner.bounds import (
     KindCosts,
     memory_feasible,

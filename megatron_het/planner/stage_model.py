@@ -6,7 +6,10 @@ gradient sync (bytes grow with the parameters), the optimizer step and the peak 
 times do not depend on ``l``. :func:`probe_stage_model` reads the slopes and intercepts from two
 closed-form predictions of the layout (every stage with 1 layer, then with 2), so the layer split
 can be optimised without calling the predictor again: :meth:`StageModel.iteration_time` is the
-predictor's closed-form iteration time of any split.
+predictor's closed-form iteration time of any split, its pipeline priced by the predictor's own
+:func:`~megatron_het.perf.schedule.closed_forms.closed_form_pipeline`
+(``tests/unit/test_planner_prices_as_predictor.py`` checks both against each other on every
+stage model real searches build).
 
 An interleaved layout (``v`` chunks per device group) is modelled per device group: ``l`` is
 the group's layers (at least ``v``, dealt out over its chunks), its compute the sum over its
@@ -30,9 +33,9 @@ from dataclasses import dataclass
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.perf import Prediction, Profile, SimulationCache, predict
-from megatron_het.perf.closed_forms import exchange_time
-from megatron_het.perf.comm_cost import CommCost
-from megatron_het.perf.memory import RESERVED_FRACTION, device_capacity_bytes
+from megatron_het.perf.cost.comm_time import CommCost
+from megatron_het.perf.cost.memory import RESERVED_FRACTION, device_capacity_bytes
+from megatron_het.perf.schedule.closed_forms import closed_form_pipeline
 from megatron_het.planner.space import Layout, Placement, build_plan
 
 
@@ -97,26 +100,32 @@ class StageModel:
 
     def iteration_time(self, layers: Sequence[int]) -> float:
         """The closed-form iteration time (pipeline + DP sync + optimizer) of a split; equal to
-        ``predict(..., pipeline_model="closed_form").iteration_time_s`` of its plan."""
+        ``predict(..., pipeline_model="closed_form").iteration_time_s`` of its plan: the
+        pipeline is priced by the predictor's own
+        :func:`~megatron_het.perf.schedule.closed_forms.closed_form_pipeline` over the
+        per-stage (per-chunk) times the lines give (the slowest of the distinct pipelines)."""
         m, v = self.layout.micro_batches, self.layout.num_chunks
-        work = [self.forward[s](n) + self.backward[s](n) for s, n in enumerate(layers)]
+        forward, backward = self.stage_times(layers)
+        pipeline = max(
+            closed_form_pipeline(forward, backward, m, v, cf, cb, overlap_p2p=True)
+            for cf, cb in self.p2p
+        )
         tail = max(a(n) for a, n in zip(self.dp_sync, layers)) + max(
             a(n) for a, n in zip(self.optimizer, layers)
         )
-        if v > 1:
-            p = self.num_stages
-            chunks = [self.chunk_times(g, c, layers[g]) for c in range(v) for g in range(p)]
-            f, b = [x for x, _ in chunks], [y for _, y in chunks]
-            rounds = sum(max(f[s] + b[s] for s in range(c * p, (c + 1) * p)) for c in range(v))
-            exchanges = max(
-                exchange_time(m, v, p, f, b, cf, cb, overlap_p2p=True) for cf, cb in self.p2p
+        return pipeline + tail
+
+    def stage_times(self, layers: Sequence[int]) -> tuple[list[float], list[float]]:
+        """Per stage of a pipeline (chunk, when interleaved: stage ``c p + g`` is chunk c of
+        group g), its forward and backward per micro-batch at the split ``layers``."""
+        if self.layout.num_chunks == 1:
+            return (
+                [a(n) for a, n in zip(self.forward, layers)],
+                [a(n) for a, n in zip(self.backward, layers)],
             )
-            return m * rounds + (sum(work) - max(work)) / v + exchanges + tail
-        pipeline = 0.0
-        for (cf, cb), steady in zip(self.p2p, self.steady_p2p()):
-            cycle = max(w + k for w, k in zip(work, steady))
-            pipeline = max(pipeline, sum(cf) + sum(cb) + (m - 1) * cycle)
-        return sum(work) + pipeline + tail
+        p, v = self.num_stages, self.layout.num_chunks
+        chunks = [self.chunk_times(g, c, layers[g]) for c in range(v) for g in range(p)]
+        return [f for f, _ in chunks], [b for _, b in chunks]
 
     def chunk_times(self, group: int, chunk: int, layers: int) -> tuple[float, float]:
         """(forward, backward) of chunk ``chunk`` of a device group holding ``layers`` layers,
@@ -140,8 +149,7 @@ class StageModel:
         if self.layout.num_chunks > 1:
             raise ValueError("simulated_time models plain (non-interleaved) layouts")
         m = self.layout.micro_batches
-        forward = [a(n) for a, n in zip(self.forward, layers)]
-        backward = [a(n) for a, n in zip(self.backward, layers)]
+        forward, backward = self.stage_times(layers)
         pipeline = max(cache.makespan(forward, backward, m, cf, cb) for cf, cb in self.p2p)
         return (
             pipeline

@@ -6,7 +6,7 @@ in every worker and returns the per-rank return values. A worker's exception is 
 parent with the rank and the worker's traceback; a hang is killed at the timeout and reported.
 
 Workers are forked where a forked child can run torch code
-(:func:`megatron_het.perf.measure_procs.fork_is_safe`: not once this process has initialised
+(:func:`megatron_het.perf.measure.worker_processes.fork_is_safe`: not once this process has initialised
 CUDA, nor on a GPU build of torch with a device visible, where autograd's device threads forbid
 it; the test suite hides the GPU outside its GPU session, see tests/conftest.py). Elsewhere they
 are spawned, which needs a picklable ``fn`` and arguments; a closure is refused there with an
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_het.perf.measure_procs import free_loopback_port, process_context
+from megatron_het.perf.measure.worker_processes import free_loopback_port, process_context
 
 # After the first failure, how long the other ranks get to report their own error before they are
 # killed (their error often names the real cause, e.g. the peer that hung up).
@@ -139,7 +139,7 @@ def run_ranks(
     it after ``fn`` returns. ``backend=None`` builds no group: ``fn`` gets the free port as
     keyword ``port`` instead. ``fn`` may be a closure (fork start, nothing is pickled on the way
     in), except where a forked child could not run torch
-    (:func:`~megatron_het.perf.measure_procs.fork_is_safe`: CUDA initialised here, or a GPU
+    (:func:`~megatron_het.perf.measure.worker_processes.fork_is_safe`: CUDA initialised here, or a GPU
     visible to autograd): the workers are spawned then and ``fn`` and its arguments must be
     picklable (RuntimeError before any worker starts otherwise). Its return value must be
     picklable.

@@ -5,15 +5,9 @@ import pytest
 import torch
 
 from megatron_het.config import model_preset
-from megatron_het.perf.profiler import (
-    PROFILE_DTYPES,
-    EventTimer,
-    SavedActivations,
-    layer_case,
-    pass_timer,
-    rank_stage,
-    run_cases,
-)
+from megatron_het.perf.measure.shard_cases import PROFILE_DTYPES, layer_case, rank_stage
+from megatron_het.perf.measure.timed_cases import SavedActivations, run_cases
+from megatron_het.pipeline.timing import EventTimer, pass_timer
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ import pytest
 from megatron_het.cluster import AcceleratorRegistry
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
-from megatron_het.perf.calibration import (
+from megatron_het.perf.cost.calibration import (
     A100_EFFICIENCY,
     FACTORS,
     H100_EFFICIENCY,
@@ -24,13 +24,13 @@ from megatron_het.perf.calibration import (
     least_squares,
     sensitivity,
 )
-from megatron_het.perf.cost_model import (
+from megatron_het.perf.cost.compute_time import ProfileChoice, optimizer_time, stage_compute
+from megatron_het.perf.cost.roofline import (
     DEFAULT_EFFICIENCY,
     MEMORY_EFFICIENCY,
     Efficiency,
     LayerShape,
 )
-from megatron_het.perf.stage_cost import ProfileChoice, optimizer_time, stage_compute
 
 KINDS = AcceleratorRegistry.builtin()
 MODEL = model_preset("llama2-7b")
@@ -198,7 +198,7 @@ def test_sensitivity_reads_the_linear_form_back_from_predictions() -> None:
 
 @pytest.mark.slow
 def test_stored_a100_constants_are_the_refit_of_table_1() -> None:
-    from megatron_het.perf.published_runs import fit_efficiency
+    from bench.published_runs import fit_efficiency
 
     fit = fit_efficiency()
     assert fit.efficiency.gemm == pytest.approx(A100_EFFICIENCY.gemm, rel=0.01)
@@ -212,7 +212,7 @@ def test_stored_a100_constants_are_the_refit_of_table_1() -> None:
 
 @pytest.mark.slow
 def test_stored_h100_gemm_is_the_refit_of_its_rows_without_a_pipeline() -> None:
-    from megatron_het.perf.published_runs import HELD_OUT_RUNS, fit_efficiency, predict_run
+    from bench.published_runs import HELD_OUT_RUNS, fit_efficiency, predict_run
 
     fit = fit_efficiency(gpu="H100", base=H100_EFFICIENCY)
     assert fit.efficiency.gemm == pytest.approx(H100_EFFICIENCY.gemm, rel=0.01)
@@ -245,8 +245,8 @@ def test_the_predictor_matches_the_measured_h200_runs(variant: str, tmp_path) ->
 
 
 def test_eager_layers_move_more_elementwise_bytes_on_gpu_kinds_only() -> None:
-    from megatron_het.perf.calibration import layer_efficiency
-    from megatron_het.perf.cost_model import (
+    from megatron_het.perf.cost.calibration import layer_efficiency
+    from megatron_het.perf.cost.roofline import (
         EAGER_ELEMENTWISE_TRAFFIC,
         LayerShape,
         layer_forward_ops,
@@ -279,14 +279,14 @@ def test_eager_layers_move_more_elementwise_bytes_on_gpu_kinds_only() -> None:
 
 
 def test_profiled_layers_of_the_other_mode_scale_by_the_roofline_ratio() -> None:
-    from megatron_het.perf.calibration import layer_efficiency
-    from megatron_het.perf.cost_model import (
+    from megatron_het.perf.cost.calibration import layer_efficiency
+    from megatron_het.perf.cost.roofline import (
         LayerShape,
         layer_activation_bytes,
         layer_forward_ops,
         ops_time,
     )
-    from megatron_het.perf.profile import LayerEntry, Profile, ProfileConditions
+    from megatron_het.perf.measure.profile_format import LayerEntry, Profile, ProfileConditions
 
     model = model_preset("llama2-7b")
     shape = LayerShape.of(model, 2048, 1, 1)

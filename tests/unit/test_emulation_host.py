@@ -19,10 +19,15 @@ from megatron_het.emulation.host_sharing import HostCores, HostSharing
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Profile, ProfileConditions, predict
-from megatron_het.perf.comm_cost import CommCost
-from megatron_het.perf.cost_model import tp_collectives
-from megatron_het.perf.profile import CommEntry, LayerEntry
-from megatron_het.perf.simulator import Region, StageTiming, simulate_1f1b, simulate_pipelines
+from megatron_het.perf.cost.comm_time import CommCost
+from megatron_het.perf.cost.tp_collectives import tp_collectives
+from megatron_het.perf.measure.profile_format import CommEntry, LayerEntry
+from megatron_het.perf.schedule.simulator import (
+    Region,
+    StageTiming,
+    simulate_1f1b,
+    simulate_pipelines,
+)
 from megatron_het.pipeline.schedules import build_schedule
 
 CONDITIONS = ProfileConditions("test cpu", "2.x", 1, "2026-01-01", "fp32")

@@ -11,8 +11,13 @@ from megatron_het.emulation import EmulatedWires, Emulator, build_emulation, che
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import predict
-from megatron_het.perf.memory import GIB
-from megatron_het.perf.profile import EndEntry, LayerEntry, Profile, ProfileConditions
+from megatron_het.perf.cost.memory import GIB
+from megatron_het.perf.measure.profile_format import (
+    EndEntry,
+    LayerEntry,
+    Profile,
+    ProfileConditions,
+)
 from megatron_het.pipeline.executor import compute_region_key
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,16 +18,16 @@ from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan, bl
 from megatron_het.parallel.plan_builders import interleave_plan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.parallel.replicas import ReplicaUnit, replica_units
-from megatron_het.perf.cost_model import (
+from megatron_het.perf.cost.compute_time import LayerBlocks, ProfileChoice, stage_compute
+from megatron_het.perf.cost.dp_sync import unit_parameters
+from megatron_het.perf.cost.memory import layer_parameters, stage_parameters
+from megatron_het.perf.cost.roofline import (
     LayerShape,
     block_forward_ops,
     layer_activation_bytes,
     layer_forward_ops,
     ops_time,
 )
-from megatron_het.perf.dp_sync import unit_parameters
-from megatron_het.perf.memory import layer_parameters, stage_parameters
-from megatron_het.perf.stage_cost import LayerBlocks, ProfileChoice, stage_compute
 
 TINY = model_preset("tiny")  # 4 layers
 KINDS = AcceleratorRegistry.builtin()

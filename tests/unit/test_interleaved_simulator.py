@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from megatron_het.perf.simulator import (
+from megatron_het.perf.schedule.closed_forms import closed_form_interleaved_bubble
+from megatron_het.perf.schedule.simulation_cache import SimulationCache
+from megatron_het.perf.schedule.simulator import (
     Region,
-    SimulationCache,
     StageTiming,
-    closed_form_interleaved_bubble,
     simulate,
     simulate_1f1b,
     simulate_pipelines,

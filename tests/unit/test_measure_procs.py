@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_het.perf.measure_procs import (
+from megatron_het.perf.measure.worker_processes import (
     free_loopback_port,
     report_to_parent,
     run_measurement_processes,
@@ -65,7 +65,7 @@ def test_free_loopback_ports_lie_below_the_ephemeral_range_and_are_free(monkeypa
     socket before a rendezvous binds them; picks below that range cannot."""
     import socket
 
-    from megatron_het.perf import measure_procs
+    from megatron_het.perf.measure import worker_processes as measure_procs
 
     low, high = measure_procs._ephemeral_range()
     ports = {free_loopback_port(span=4) for _ in range(20)}
@@ -91,7 +91,7 @@ def test_free_loopback_ports_lie_below_the_ephemeral_range_and_are_free(monkeypa
 def test_free_loopback_ports_where_the_ephemeral_range_is_wide(
     monkeypatch, ephemeral, expected
 ) -> None:
-    from megatron_het.perf import measure_procs
+    from megatron_het.perf.measure import worker_processes as measure_procs
 
     monkeypatch.setattr(measure_procs, "_ephemeral_range", lambda: ephemeral)
     ports = [free_loopback_port(span=4) for _ in range(10)]

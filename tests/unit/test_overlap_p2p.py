@@ -8,7 +8,8 @@ import random
 import pytest
 
 from megatron_het.perf import closed_form_interleaved, lower_bound_interleaved
-from megatron_het.perf.simulator import SimulationCache, simulate
+from megatron_het.perf.schedule.simulation_cache import SimulationCache
+from megatron_het.perf.schedule.simulator import simulate
 from megatron_het.pipeline import (
     Action,
     ActionKind,

@@ -3,8 +3,8 @@
 import pytest
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.perf.comm_cost import LINK_EFFICIENCY, CommCost
-from megatron_het.perf.profile import CommEntry, Profile, ProfileConditions
+from megatron_het.perf.cost.comm_time import LINK_EFFICIENCY, CommCost
+from megatron_het.perf.measure.profile_format import CommEntry, Profile, ProfileConditions
 
 GB = 1e9
 

@@ -5,7 +5,8 @@ import pytest
 from megatron_het.cluster import AcceleratorRegistry
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
-from megatron_het.perf.cost_model import (
+from megatron_het.perf.cost.compute_time import ProfileChoice, stage_compute
+from megatron_het.perf.cost.roofline import (
     Efficiency,
     LayerShape,
     Op,
@@ -19,7 +20,6 @@ from megatron_het.perf.cost_model import (
     op_time,
     ops_time,
 )
-from megatron_het.perf.stage_cost import ProfileChoice, stage_compute
 
 KINDS = AcceleratorRegistry.builtin()
 EXACT = Efficiency(gemm=1.0, attention=1.0, memory=1.0)

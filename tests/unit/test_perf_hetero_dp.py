@@ -12,8 +12,8 @@ from megatron_het.config import model_preset
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.replicas import ReplicaUnit, replica_units, uniform_layouts
 from megatron_het.perf import fits, predict
-from megatron_het.perf.dp_sync import unit_parameters
-from megatron_het.perf.memory import layer_parameters
+from megatron_het.perf.cost.dp_sync import unit_parameters
+from megatron_het.perf.cost.memory import layer_parameters
 from megatron_het.training.plan_setup import local_cluster
 
 SEQ = 64

@@ -17,11 +17,16 @@ from megatron_het.perf import (
     lower_bound_interleaved,
     predict,
 )
-from megatron_het.perf.comm_cost import CommCost, broadcast_time, p2p_time
-from megatron_het.perf.cost_model import LayerShape, head_activation_bytes, layer_activation_bytes
-from megatron_het.perf.memory import stage_parameters
-from megatron_het.perf.profile import CommEntry, EndEntry, LayerEntry
-from megatron_het.perf.simulator import closed_form_1f1b, closed_form_interleaved_bubble, simulate
+from megatron_het.perf.cost.comm_time import CommCost, broadcast_time, p2p_time
+from megatron_het.perf.cost.memory import stage_parameters
+from megatron_het.perf.cost.roofline import (
+    LayerShape,
+    head_activation_bytes,
+    layer_activation_bytes,
+)
+from megatron_het.perf.measure.profile_format import CommEntry, EndEntry, LayerEntry
+from megatron_het.perf.schedule.closed_forms import closed_form_1f1b, closed_form_interleaved_bubble
+from megatron_het.perf.schedule.simulator import simulate
 from megatron_het.pipeline.schedules import build_schedule, check_schedule
 from megatron_het.training.plan_setup import local_cluster
 

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_het.config import model_preset
 from megatron_het.parallel.plan import PipelinePlan, StagePlan
-from megatron_het.perf.memory import (
+from megatron_het.perf.cost.memory import (
     MemoryBreakdown,
     device_memory,
     group_activations,
@@ -95,7 +95,7 @@ def test_device_memory_holds_every_chunk():
 
 def test_capacity_is_the_memory_cap_of_an_emulated_kind():
     from megatron_het.cluster import AcceleratorRegistry
-    from megatron_het.perf.memory import GIB, device_capacity_bytes
+    from megatron_het.perf.cost.memory import GIB, device_capacity_bytes
 
     kinds = AcceleratorRegistry.builtin()
     assert device_capacity_bytes(kinds.get("H100")) == 80 * GIB
@@ -127,7 +127,7 @@ def test_activation_terms_are_the_tensors_the_model_saves(dtype):
     import torch
 
     from megatron_het.model.llama import build_model
-    from megatron_het.perf.cost_model import (
+    from megatron_het.perf.cost.roofline import (
         LayerShape,
         head_activation_bytes,
         layer_activation_bytes,

@@ -9,15 +9,15 @@ from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Profile, ProfileConditions, check_fits, fits, predict
-from megatron_het.perf.comm_cost import CommCost, broadcast_time, p2p_time
-from megatron_het.perf.cost_model import (
+from megatron_het.perf.cost.comm_time import CommCost, broadcast_time, p2p_time
+from megatron_het.perf.cost.roofline import (
     LayerShape,
     embedding_forward_ops,
     layer_forward_ops,
     ops_time,
 )
-from megatron_het.perf.profile import LayerEntry
-from megatron_het.perf.simulator import closed_form_1f1b
+from megatron_het.perf.measure.profile_format import LayerEntry
+from megatron_het.perf.schedule.closed_forms import closed_form_1f1b
 
 TINY = model_preset("tiny")
 SEQ = 64

@@ -6,8 +6,8 @@ import pytest
 
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
-from megatron_het.perf.cost_model import LayerShape, layer_forward_flops
-from megatron_het.perf.profile import (
+from megatron_het.perf.cost.roofline import LayerShape, layer_forward_flops
+from megatron_het.perf.measure.profile_format import (
     CommEntry,
     EndEntry,
     LayerEntry,

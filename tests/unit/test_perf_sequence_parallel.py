@@ -12,10 +12,10 @@ from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import predict
-from megatron_het.perf.boundary_cost import position_messages
-from megatron_het.perf.calibration import efficiency_for
-from megatron_het.perf.comm_cost import CommCost
-from megatron_het.perf.cost_model import (
+from megatron_het.perf.cost.boundary_time import position_messages
+from megatron_het.perf.cost.calibration import efficiency_for
+from megatron_het.perf.cost.comm_time import CommCost
+from megatron_het.perf.cost.roofline import (
     LayerShape,
     head_activation_bytes,
     head_forward_ops,
@@ -24,10 +24,8 @@ from megatron_het.perf.cost_model import (
     layer_input_bytes,
     op_time,
     ops_time,
-    overlapped_layer_tp,
-    ring_exposed,
-    tp_collectives,
 )
+from megatron_het.perf.cost.tp_collectives import overlapped_layer_tp, ring_exposed, tp_collectives
 from megatron_het.training.plan_setup import local_cluster
 
 TINY = model_preset("tiny")
@@ -235,7 +233,7 @@ def test_a_tp_change_sends_the_overlapping_blocks_without_a_broadcast():
 
 
 def test_position_messages_are_the_runtimes():
-    from megatron_het.pipeline.p2p import boundary_peers
+    from megatron_het.pipeline.stage_boundary import boundary_peers
 
     def stage(tp, layers, first):
         return StagePlan("cpu", tp, layers, tuple(range(first, first + tp)))
@@ -350,7 +348,7 @@ def test_sequence_parallel_terms_are_the_tensors_the_model_saves(dtype, overlap)
     import torch
 
     from megatron_het.model.llama import build_model
-    from megatron_het.perf.profiler import SavedActivations
+    from megatron_het.perf.measure.timed_cases import SavedActivations
     from megatron_het.tensor_parallel import apply_tp
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]

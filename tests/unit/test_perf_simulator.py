@@ -4,13 +4,15 @@ import random
 
 import pytest
 
-from megatron_het.perf.simulator import (
-    Region,
-    SimulationCache,
-    StageTiming,
+from megatron_het.perf.schedule.closed_forms import (
     bubble_fraction,
     closed_form_1f1b,
     lower_bound_1f1b,
+)
+from megatron_het.perf.schedule.simulation_cache import SimulationCache
+from megatron_het.perf.schedule.simulator import (
+    Region,
+    StageTiming,
     simulate,
     simulate_1f1b,
     simulate_pipelines,

@@ -13,8 +13,8 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig, model_preset
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import predict
-from megatron_het.perf.cost_model import LayerShape
-from megatron_het.perf.stage_cost import choose_profile, stage_compute
+from megatron_het.perf.cost.compute_time import choose_profile, stage_compute
+from megatron_het.perf.cost.roofline import LayerShape
 from megatron_het.planner.baseline import homogeneous_baseline, why_above_baseline
 from megatron_het.planner.ceiling import MAX_MICRO_BATCH_SIZE, Ceiling, KindCeiling, compute_ceiling
 from megatron_het.planner.evaluate import evaluate_plan

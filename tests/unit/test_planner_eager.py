@@ -1,7 +1,7 @@
 """The planner prices the layers the run will compute: eager without ``--compile``.
 
 On GPU kinds in bf16 the runtime's eager decoder layers move
-:data:`~megatron_het.perf.cost_model.EAGER_ELEMENTWISE_TRAFFIC` times the fused elementwise
+:data:`~megatron_het.perf.cost.roofline.EAGER_ELEMENTWISE_TRAFFIC` times the fused elementwise
 bytes; the search, its bounds, the heterogeneous-DP family, the homogeneous baseline, the
 compute ceiling, ``tools/plan.py`` and ``--plan auto`` all follow ``fused_elementwise``.
 """
@@ -57,7 +57,9 @@ def test_eager_search_prices_and_chooses_for_eager_layers(searched) -> None:
 def test_every_stage_price_of_a_search_has_the_run_s_mode(monkeypatch) -> None:
     """A spy on every way the planner reaches ``stage_compute`` (the predictor, the shared
     simulation cache, the ceiling): each call of an eager search asks for eager layers."""
-    from megatron_het.perf import predictor, simulator, stage_cost
+    from megatron_het.perf import stage_pricing
+    from megatron_het.perf.cost import compute_time as stage_cost
+    from megatron_het.perf.schedule import simulation_cache
     from megatron_het.planner import ceiling
 
     modes: list[bool] = []
@@ -67,7 +69,7 @@ def test_every_stage_price_of_a_search_has_the_run_s_mode(monkeypatch) -> None:
         modes.append(fused)
         return stage_cost.stage_compute(*args, **kwargs)
 
-    for module in (predictor, simulator, ceiling):
+    for module in (stage_pricing, simulation_cache, ceiling):
         monkeypatch.setattr(module, "stage_compute", spy)
     # 4 H100 + 3 MI250X: no uniform replica, so the heterogeneous-DP family is searched
     cluster = ClusterSpec.from_dict(

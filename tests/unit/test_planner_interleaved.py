@@ -11,7 +11,7 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import SimulationCache, fits, predict
-from megatron_het.perf.comm_cost import CommCost
+from megatron_het.perf.cost.comm_time import CommCost
 from megatron_het.planner.bounds import (
     KindCosts,
     memory_feasible,

@@ -14,7 +14,7 @@ from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import SimulationCache, fits, predict
-from megatron_het.perf.comm_cost import CommCost
+from megatron_het.perf.cost.comm_time import CommCost
 from megatron_het.planner import evaluate_plan, homogeneous_baseline, kind_subcluster, search_plan
 from megatron_het.planner.bounds import (
     KindCosts,

@@ -16,22 +16,18 @@ from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import predict
-from megatron_het.perf.profile import LayerEntry, Profile, ProfileConditions, merge_profiles
-from megatron_het.perf.profiler import (
-    PROFILE_DTYPES,
-    Case,
-    EventTimer,
-    HostTimer,
-    Sweep,
-    accelerator_for_device,
-    activation_bytes,
-    layer_case,
-    measure_comm,
-    pass_timer,
-    profile_device,
-    rank_stage,
-    run_cases,
+from megatron_het.perf.measure.communicator_figures import measure_comm
+from megatron_het.perf.measure.device_kind import accelerator_for_device
+from megatron_het.perf.measure.profile_format import (
+    LayerEntry,
+    Profile,
+    ProfileConditions,
+    merge_profiles,
 )
+from megatron_het.perf.measure.profiler import Sweep, profile_device
+from megatron_het.perf.measure.shard_cases import PROFILE_DTYPES, layer_case, rank_stage
+from megatron_het.perf.measure.timed_cases import Case, activation_bytes, run_cases
+from megatron_het.pipeline.timing import EventTimer, HostTimer, pass_timer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -269,7 +265,7 @@ def test_comm_figures_of_two_local_ranks():
 
 
 def test_comm_fit_recovers_latency_and_bandwidth():
-    from megatron_het.perf.profiler import _fit_alpha_beta
+    from megatron_het.perf.measure.communicator_figures import _fit_alpha_beta
 
     sizes = (1024, 65536, 1 << 20)
     times = [50e-6 + n / 2e9 for n in sizes]
@@ -334,7 +330,7 @@ def test_sweep_rejects_what_cannot_be_measured():
 @pytest.mark.slow  # inductor compiles the layer for two shards (about 20 s on 2 cores)
 def test_a_compiled_profile_marks_its_layers(monkeypatch) -> None:
     from megatron_het.model.compile import compile_layers, is_compiled
-    from megatron_het.perf import profiler
+    from megatron_het.perf.measure import profiler
 
     with pytest.raises(UserError, match="at least one warmup pass"):
         Sweep(compile=True, warmup=0)

@@ -8,11 +8,7 @@ import statistics
 
 import pytest
 
-from megatron_het.cluster import get_accelerator
-from megatron_het.parallel.plan_validation import validate
-from megatron_het.perf.calibration import efficiency_for
-from megatron_het.perf.cost_model import Efficiency
-from megatron_het.perf.published_runs import (
+from bench.published_runs import (
     ALL_RUNS,
     CALIBRATION_RUNS,
     HELD_OUT_RUNS,
@@ -26,6 +22,10 @@ from megatron_het.perf.published_runs import (
     run_efficiency,
     schedule_of,
 )
+from megatron_het.cluster import get_accelerator
+from megatron_het.parallel.plan_validation import validate
+from megatron_het.perf.cost.calibration import efficiency_for
+from megatron_het.perf.cost.roofline import Efficiency
 
 BY_NAME = {run.name: run for run in ALL_RUNS}
 

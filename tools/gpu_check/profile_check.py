@@ -2,12 +2,12 @@
 compiled (``--compile``, micro-batch 4 only: each shape compiles anew), each measured layer
 against its roofline.
 
-The peak roofline of a layer entry is :func:`megatron_het.perf.cost_model.ops_time` of its
+The peak roofline of a layer entry is :func:`megatron_het.perf.cost.roofline.ops_time` of its
 kernels at 100% of the kind's datasheet peak and bandwidth (causal attention counted at half its
 S x S work, as the cost model does); a row shows roofline time / measured time ("40% of
 roofline"). The cost model's estimate is the same with the kind's efficiency factors for the
 entry's mode (the calibrated ones where the kind has them, with the eager elementwise traffic
-for an eager entry: :func:`~megatron_het.perf.calibration.layer_efficiency`, what the
+for an eager entry: :func:`~megatron_het.perf.cost.calibration.layer_efficiency`, what the
 predictor uses for such a run without a profile, and the roofline column the tool prints);
 measured / estimate ("x1.30 est.") says how far the predictor is off. The rows are a record
 (PASS when the tool ran and wrote entries); the tool's printed layer table is kept in the
@@ -23,10 +23,10 @@ import torch
 
 from megatron_het.cluster.accelerators import AcceleratorRegistry, AcceleratorSpec
 from megatron_het.errors import UserError
-from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
-from megatron_het.perf.cost_model import Efficiency, layer_forward_ops, ops_time
-from megatron_het.perf.profile import LayerEntry, Profile
-from megatron_het.perf.stage_cost import mode_ratio
+from megatron_het.perf.cost.calibration import layer_efficiency, resolve_efficiency
+from megatron_het.perf.cost.compute_time import mode_ratio
+from megatron_het.perf.cost.roofline import Efficiency, layer_forward_ops, ops_time
+from megatron_het.perf.measure.profile_format import LayerEntry, Profile
 from tools.gpu_check.context import REPO, CheckContext
 from tools.gpu_check.device_checks import skip_all
 from tools.gpu_check.report import FAIL, PASS

@@ -54,7 +54,7 @@ from typing import Any
 from megatron_het.cluster.nodes import LINK_KINDS  # a profile's links are the cluster's kinds
 from megatron_het.errors import UserError
 from megatron_het.fileio import read_json_file
-from megatron_het.perf.cost_model import (
+from megatron_het.perf.cost.roofline import (
     DTYPE_BYTES,
     LayerShape,
     embedding_forward_ops,

@@ -7,8 +7,8 @@ from typing import Any
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.errors import UserError
-from megatron_het.perf.memory import GIB, RESERVED_FRACTION, device_capacity_bytes
-from megatron_het.perf.prediction import Prediction, StagePrediction
+from megatron_het.perf.cost.memory import GIB, RESERVED_FRACTION, device_capacity_bytes
+from megatron_het.perf.estimates import Prediction, StagePrediction
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The communicator's figures of this host for a profile: p2p and all-reduce between two local
 gloo ranks, fitted to ``time = latency + bytes / bandwidth`` (:func:`measure_comm`, called by
-:func:`megatron_het.perf.profiler.profile_device` with ``comm=True``).
+:func:`megatron_het.perf.measure.profiler.profile_device` with ``comm=True``).
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from megatron_het.perf.measure_procs import (
+from megatron_het.perf.measure.profile_format import CommEntry
+from megatron_het.perf.measure.worker_processes import (
     free_loopback_port,
     gloo_pair,
     process_context,
     report_to_parent,
     run_measurement_processes,
 )
-from megatron_het.perf.profile import CommEntry
 
 COMM_SIZES = tuple(4**k * 1024 for k in range(7))  # 1 KiB .. 4 MiB
 

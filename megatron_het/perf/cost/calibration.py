@@ -1,7 +1,7 @@
 """Calibrated kernel efficiencies per accelerator kind, and the fit that produces them.
 
-The roofline cost model (:mod:`megatron_het.perf.cost_model`) turns FLOPs and bytes into time
-with three fractions of the datasheet figures (:class:`~megatron_het.perf.cost_model.Efficiency`,
+The roofline cost model (:mod:`megatron_het.perf.cost.roofline`) turns FLOPs and bytes into time
+with three fractions of the datasheet figures (:class:`~megatron_het.perf.cost.roofline.Efficiency`,
 which also names the attention kernel of the software being predicted: ours is ``"flash"``, the
 default). Its defaults (0.6 GEMM, 0.4 attention, 0.8 memory) are one guess for every kind. This
 module holds figures fitted to, or taken from, published measurements, and
@@ -10,22 +10,22 @@ module holds figures fitted to, or taken from, published measurements, and
 them).
 
 A100 (both memory sizes: the same GA100 silicon and clocks) -- GEMM fitted, attention published
-    GEMM: fitted on the calibration set of :mod:`megatron_het.perf.published_runs`: Narayanan
+    GEMM: fitted on the calibration set of :mod:`bench.published_runs`: Narayanan
     et al. 2021 (arXiv 2104.04473) Table 1, ten GPT runs of 1.7B to 1T parameters on 32 to
     3,072 A100-80GB, each predicted with the attention that software ran
-    (``attention_kernel="unfused"``, :func:`~megatron_het.perf.cost_model.attention_ops`:
+    (``attention_kernel="unfused"``, :func:`~megatron_het.perf.cost.roofline.attention_ops`:
     two cuBLAS batched GEMMs over the whole ``s x s`` scores, priced at the GEMM factor, and
     the fused softmax, the dropout and their backward passes over the materialised scores,
     priced at the memory factor). A run's predicted time is then ``c + G / gemm`` (``c``:
     memory-bound ops, communication, the optimizer), linear in ``1 / gemm`` while no op changes
-    sides of its roofline. :func:`~megatron_het.perf.published_runs.fit_efficiency` measures
+    sides of its roofline. :func:`~bench.published_runs.fit_efficiency` measures
     ``G`` per run from two closed-form predictions (the current factor and that factor raised
     by 5%, :func:`sensitivity`), :func:`least_squares` minimises the sum of squared relative
     errors ``(T_i - P_i) / P_i`` against the published times ``P_i`` (each derived from the
     paper's TFLOP/s with the paper's own FLOP count), and the fit is redone from its result
     until it settles (the score GEMMs, ``k = d = 96..160``, sit near A100's ridge, so the
     linear form is taken where the fit lands). Result: 0.627. Redo it with
-    ``published_runs.fit_efficiency()``; ``tests/unit/test_calibration.py`` checks the stored
+    ``bench.published_runs.fit_efficiency()``; ``tests/unit/test_calibration.py`` checks the stored
     figure against a refit.
 
     Memory: not fitted; the default 0.8 (about what streaming kernels reach of A100's HBM). The
@@ -48,7 +48,7 @@ A100 (both memory sizes: the same GA100 silicon and clocks) -- GEMM fitted, atte
 
 H100 (and H200, the same GH100 compute) -- GEMM fitted, attention published
     GEMM: fitted as A100's is, on the rows of the Megatron-LM README's H100 weak-scaling table
-    without a pipeline (1.7B-32B, :mod:`megatron_het.perf.published_runs`:
+    without a pipeline (1.7B-32B, :mod:`bench.published_runs`:
     ``fit_efficiency(gpu="H100", base=H100_EFFICIENCY)``); its rows with a pipeline (70B-462B)
     are held out. Result: 0.504 (fitted on the pipelined rows instead: 0.505). The A100 fit's
     share of the best measured matmul (0.627 of 0.859) carried to H100's (S. Bekman's
@@ -70,7 +70,7 @@ Ascend 910B, and any kind not named here: the defaults (no published matmul or t
 figure used).
 
 Links: one efficiency for every link kind (``LINK_EFFICIENCY`` of
-:mod:`megatron_het.perf.comm_cost`) was kept: the fit's residuals (within about 8%) take both
+:mod:`megatron_het.perf.cost.comm_time`) was kept: the fit's residuals (within about 8%) take both
 signs among the runs with the most communication (TP 8 with large micro-batches, DP over
 hundreds of nodes), so a per-kind link figure would have nothing consistent to correct.
 """
@@ -82,7 +82,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from megatron_het.cluster import AcceleratorSpec
-from megatron_het.perf.cost_model import (
+from megatron_het.perf.cost.roofline import (
     DEFAULT_EFFICIENCY,
     EAGER_ELEMENTWISE_TRAFFIC,
     MEMORY_EFFICIENCY,
@@ -97,7 +97,7 @@ A100_PEAK_TFLOPS = 312.0
 # our op_time counts them: the causal half of 4 s^2 d per head, backward 2.5x the forward.
 FLASH_ATTENTION_2_A100_TFLOPS = (155.0, 173.0)
 # GEMM: least-squares fit on Narayanan et al. 2021 Table 1 with the unfused attention of the
-# software those runs used (module docstring; redo it with published_runs.fit_efficiency()),
+# software those runs used (module docstring; redo it with bench.published_runs.fit_efficiency()),
 # rounded to 3 figures. Attention (our flash kernel only): FlashAttention-2's mean speed above
 # as a share of the peak. Memory: not fitted (module docstring), the default.
 A100_EFFICIENCY = Efficiency(
@@ -129,7 +129,7 @@ def carried_gemm(kind: str) -> float:
 
 
 # GEMM: fitted on the H100 weak-scaling rows without a pipeline (module docstring; redo it
-# with published_runs.fit_efficiency(gpu="H100", base=H100_EFFICIENCY)), 3 figures.
+# with bench.published_runs.fit_efficiency(gpu="H100", base=H100_EFFICIENCY)), 3 figures.
 # Attention: FlashAttention-2's ~35% of H100's peak (FlashAttention-3 paper, arXiv 2407.08608,
 # abstract).
 H100_EFFICIENCY = Efficiency(gemm=0.504, attention=0.35, memory=MEMORY_EFFICIENCY)
@@ -180,7 +180,7 @@ def layer_efficiency(
     figures, left to the stage costs), or, for the runtime's eager layers
     (``fused_elementwise`` False: no ``--compile``) on a real CUDA/ROCm kind in bf16 or fp16,
     those figures with
-    :data:`~megatron_het.perf.cost_model.EAGER_ELEMENTWISE_TRAFFIC` (an ``efficiency`` that
+    :data:`~megatron_het.perf.cost.roofline.EAGER_ELEMENTWISE_TRAFFIC` (an ``efficiency`` that
     sets its own ``elementwise_traffic`` keeps it). CPU and emulated kinds are priced from
     host profiles and emulation, fused or not."""
     if (

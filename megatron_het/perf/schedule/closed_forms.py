@@ -1,8 +1,11 @@
 """Analytic models of 1F1B pipelines, plain and interleaved: closed forms, lower bounds, bubbles.
 
-The event-driven simulation (:mod:`megatron_het.perf.simulator`) is what the predictor reports;
-these formulas are the checks beside it (and ``pipeline_model="closed_form"``'s fast estimate,
-with :func:`last_backward_ends` for the overlap of the DP reduction).
+The event-driven simulation (:mod:`megatron_het.perf.schedule.simulator`) is what the
+predictor reports; these formulas are the checks beside it and the fast estimate:
+:func:`closed_form_pipeline` is the one pipeline time both ``predict(...,
+pipeline_model="closed_form")`` and the planner's per-stage model
+(:meth:`~megatron_het.planner.stage_model.StageModel.iteration_time`) price a pipeline with
+(with :func:`last_backward_ends` for the overlap of the DP reduction).
 Inputs are per stage (a model chunk of an interleaved device group), in seconds per
 micro-batch; ``p2p_*_s[b]`` is the transfer over boundary b (stage b to b + 1) each way. See each
 docstring for its formula and when it is exact.
@@ -50,6 +53,34 @@ def closed_form_1f1b(
         for s in range(p)
     ]
     return sum(f) + sum(b) + sum(cf) + sum(cb) + (m - 1) * max(cycle)
+
+
+def closed_form_pipeline(
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    num_micro_batches: int,
+    num_chunks: int = 1,
+    p2p_forward_s: Sequence[float] | None = None,
+    p2p_backward_s: Sequence[float] | None = None,
+    overlap_p2p: bool = False,
+) -> float:
+    """The closed-form time of one pipeline: :func:`closed_form_1f1b` for a plain one
+    (``num_chunks`` 1; ``overlap_p2p`` changes nothing there), else
+    :func:`closed_form_interleaved` over ``len(forward_s) // num_chunks`` device groups.
+    Per-stage inputs in pipeline order (stage ``c p + g`` is chunk c of group g)."""
+    if num_chunks == 1:
+        return closed_form_1f1b(
+            forward_s, backward_s, num_micro_batches, p2p_forward_s, p2p_backward_s
+        )
+    return closed_form_interleaved(
+        forward_s,
+        backward_s,
+        num_micro_batches,
+        num_chunks,
+        p2p_forward_s,
+        p2p_backward_s,
+        overlap_p2p,
+    )
 
 
 def closed_form_interleaved_bubble(
@@ -257,6 +288,7 @@ __all__ = [
     "closed_form_1f1b",
     "closed_form_interleaved",
     "closed_form_interleaved_bubble",
+    "closed_form_pipeline",
     "exchange_time",
     "group_sums",
     "last_backward_ends",

@@ -1,6 +1,6 @@
 """Running a measurement in worker processes of this host and collecting their results.
 
-The profiler's communicator figures (:mod:`megatron_het.perf.comm_profiler`) and CPU
+The profiler's communicator figures (:mod:`megatron_het.perf.measure.communicator_figures`) and CPU
 emulation's host-sharing figures (:mod:`megatron_het.emulation.host_measure`) time code in
 forked (or spawned) processes. Each worker reports once through a one-way pipe: ``("ok",
 result)`` or ``("error", traceback text)``; :func:`run_measurement_processes` starts them,

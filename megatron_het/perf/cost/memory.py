@@ -11,8 +11,8 @@ them with the runtime's tensors byte for byte):
 - optimizer: Adam's exp_avg and exp_avg_sq in float32, plus a float32 master copy of the
   weights unless they are float32 already; ZeRO-1 (distributed optimizer) divides it by the
   DP size, or across pipelines of different layouts keeps it for the rows the rank owns
-  (:class:`~megatron_het.perf.dp_sync.DPSync`);
-- activations: one micro-batch's saved tensors (:func:`~megatron_het.perf.cost_model.
+  (:class:`~megatron_het.perf.cost.dp_sync.DPSync`);
+- activations: one micro-batch's saved tensors (:func:`~megatron_het.perf.cost.roofline.
   layer_activation_bytes`, the fused head's gradients) times the micro-batches in flight under
   1F1B, ``min(pp - stage, micro_batches)``; with recompute only each layer's input is kept, and
   one layer's full activations exist again while its backward runs; the transient term is the
@@ -29,9 +29,9 @@ float32 buffers of every parameter unit the rank holds, all allocated at once af
 backward, when the activations are gone (``replica_sync_bytes``): the peak is the larger of the
 pipeline's activations and those buffers, on top of the weights, gradients and optimizer state.
 
-Not counted: the CUDA/ROCm context, allocator fragmentation, communication buffers, the
-buckets' padding to a multiple of the DP size (under ``dp`` elements per bucket) and the cached
-RoPE tables (``seq x head_dim`` elements per stage); :func:`~megatron_het.perf.fit.fits` keeps
+Not counted: the CUDA/ROCm context, allocator fragmentation, communication buffers, the buckets'
+padding to a multiple of the DP size (under ``dp`` elements per bucket) and the cached RoPE tables
+(``seq x head_dim`` elements per stage); :func:`~megatron_het.perf.cost.memory_fit.fits` keeps
 :data:`RESERVED_FRACTION` of the device free for them.
 """
 
@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import StagePlan, block_counts
-from megatron_het.perf.cost_model import FP32_BYTES, dtype_bytes
+from megatron_het.perf.cost.roofline import FP32_BYTES, dtype_bytes
 from megatron_het.pipeline.schedule_check import held_counts
 from megatron_het.pipeline.schedules import Step
 

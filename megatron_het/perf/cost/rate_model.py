@@ -1,13 +1,13 @@
 """The predictor's optional rate model: ranks that do not own their device.
 
 By default :func:`~megatron_het.perf.predictor.predict` takes every rank to own its device. A
-:class:`RateModel` passed to it (``predict(..., rate_model=...)``) may replace that for a plan
-whose ranks share a host's cores: from the prediction's inputs and its per-stage rows it gives
-every stage's compute regions as CPU work, waits and floors, the rate at which work progresses
-on a shared node (:class:`~megatron_het.perf.simulator.CoreSharing`), and the iteration's DP
-sync, optimizer step and other per-iteration time on those hosts. The predictor then runs all
-pipelines at once in its one simulator (:func:`~megatron_het.perf.simulator.simulate_pipelines`).
-CPU emulation implements it (:class:`megatron_het.emulation.host_model.SharedHostModel`).
+:class:`RateModel` passed to it (``predict(..., rate_model=...)``) may replace that for a plan whose
+ranks share a host's cores: from the prediction's inputs and its per-stage rows it gives every
+stage's compute regions as CPU work, waits and floors, the rate at which work progresses on a shared
+node (:class:`~megatron_het.perf.schedule.simulator.CoreSharing`), and the iteration's DP sync,
+optimizer step and other per-iteration time on those hosts. The predictor then runs all pipelines at
+once in its one simulator (:func:`~megatron_het.perf.schedule.simulator.simulate_pipelines`). CPU
+emulation implements it (:class:`megatron_het.emulation.host_model.SharedHostModel`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
-from megatron_het.perf.comm_cost import CommCost, SyncCost
-from megatron_het.perf.cost_model import TPCollectives
-from megatron_het.perf.prediction import StagePrediction
-from megatron_het.perf.profile import Profile
-from megatron_het.perf.simulator import CoreSharing, StageTiming
-from megatron_het.perf.stage_cost import StageCompute
+from megatron_het.perf.cost.comm_time import CommCost, SyncCost
+from megatron_het.perf.cost.compute_time import StageCompute
+from megatron_het.perf.cost.tp_collectives import TPCollectives
+from megatron_het.perf.estimates import StagePrediction
+from megatron_het.perf.measure.profile_format import Profile
+from megatron_het.perf.schedule.simulator import CoreSharing, StageTiming
 
 
 class PredictionInputs(Protocol):
@@ -30,7 +30,7 @@ class PredictionInputs(Protocol):
 
     ``act_bytes`` is one micro-batch's ``[micro_batch, seq, hidden]`` activations in the
     compute dtype (a rank of a sequence-parallel stage holds ``1/tp`` of them:
-    :func:`~megatron_het.perf.boundary_cost.rank_activation_bytes`); ``comm`` the prediction's
+    :func:`~megatron_het.perf.cost.boundary_time.rank_activation_bytes`); ``comm`` the prediction's
     communication model over the cluster."""
 
     plan: ParallelPlan

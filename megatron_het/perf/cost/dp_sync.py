@@ -5,10 +5,10 @@ Uniform layouts (every pipeline splits the model alike:
 :func:`~megatron_het.parallel.replicas.uniform_layouts`): stage s's DP group is the stage's ranks
 of every pipeline, tp_rank by tp_rank. A device all-reduces its float32 gradients (all its
 chunks' parameters), or under ZeRO-1 reduce-scatters them and all-gathers the updated
-parameters in the training dtype (:meth:`~megatron_het.perf.comm_cost.CommCost.dp_sync`); its
+parameters in the training dtype (:meth:`~megatron_het.perf.cost.comm_time.CommCost.dp_sync`); its
 optimizer state is ``1/dp`` of its parameters' under ZeRO-1. :meth:`DPSync.split` parts that
 time into the gradient reduction and the parameter all-gather (the overlap of the former with
-backward: :mod:`megatron_het.perf.dp_overlap`).
+backward: :mod:`megatron_het.perf.cost.dp_sync_overlap`).
 
 ``grad_reduce_in_bf16`` (``--grad-reduce-in-bf16``, bf16 training only): the reductions carry
 a bf16 copy of the gradients, 2 bytes per parameter instead of 4, in both layouts (the replica
@@ -44,9 +44,9 @@ import math
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.replicas import ReplicaUnit, owned_rows, replica_units, uniform_layouts
-from megatron_het.perf.comm_cost import CommCost, SyncCost
-from megatron_het.perf.cost_model import DTYPE_BYTES, FP32_BYTES
-from megatron_het.perf.memory import span_parameters, stage_parameters
+from megatron_het.perf.cost.comm_time import CommCost, SyncCost
+from megatron_het.perf.cost.memory import span_parameters, stage_parameters
+from megatron_het.perf.cost.roofline import DTYPE_BYTES, FP32_BYTES
 
 
 def unit_parameters(model: ModelConfig, unit: ReplicaUnit) -> int:
@@ -104,7 +104,7 @@ class DPSync:
         """(gradient reduction, ZeRO-1 parameter all-gather) seconds of :meth:`over`, adding
         up to its time. Uniform layouts: the all-reduce, or ZeRO-1's reduce-scatter (half a
         ring all-reduce within one kind; across kinds the hierarchical all-reduce, as
-        :meth:`~megatron_het.perf.comm_cost.CommCost.dp_sync` prices it) and the rest. Other
+        :meth:`~megatron_het.perf.cost.comm_time.CommCost.dp_sync` prices it) and the rest. Other
         layouts: all of it is the units' sums (their parameter shares come after the step but
         are counted with them, as :meth:`over` does)."""
         full = self.over(comm, pipeline, stage_index).time_s

@@ -12,7 +12,7 @@ different degrees one rank sends it and the receiving stage broadcasts it within
 
 With sequence parallelism (``plan.sequence_parallel``) a rank of a stage with tp > 1 holds
 positions ``[t S/tp, (t+1) S/tp)`` (a tp = 1 stage all of them), and a boundary reshards by
-positions (:func:`~megatron_het.pipeline.p2p.boundary_peers`): every pair of ranks whose
+positions (:func:`~megatron_het.pipeline.stage_boundary.boundary_peers`): every pair of ranks whose
 blocks overlap exchanges the overlap, one message each way, no broadcast. The messages run at
 once; a rank's own messages go one after another over its links, so the boundary takes
 ``max_r (latency + sum_{m of r} bytes_m / bandwidth_m)`` over the ranks of both stages. Equal
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.parallel.sequence import position_overlaps, sequence_sharded
-from megatron_het.perf.comm_cost import CommCost, broadcast_time, p2p_time
+from megatron_het.perf.cost.comm_time import CommCost, broadcast_time, p2p_time
 
 
 def rank_activation_bytes(plan: ParallelPlan, stage: StagePlan, act_bytes: float) -> float:

@@ -27,7 +27,7 @@ What the runtime does (:mod:`megatron_het.optim.data_parallel`,
 
 The model, per DP group g (device group g of every pipeline; times from the iteration's start,
 ``T`` the slowest pipeline's time). ``R`` is the group's un-overlapped gradient reduction
-(:meth:`~megatron_het.perf.dp_sync.DPSync.split`) and ``A`` ZeRO-1's parameter all-gather.
+(:meth:`~megatron_het.perf.cost.dp_sync.DPSync.split`) and ``A`` ZeRO-1's parameter all-gather.
 Bucket k carries the share ``n_k / N`` of the gradient bytes, so its collective takes
 ``r_k = R n_k / N`` (the buckets' times add up to ``R``). The last backward of the bucket's
 chunk runs ``[c - w, c]`` (``w`` its duration); gradients come out in bucket order at the
@@ -69,8 +69,9 @@ The world all-reduce of the gradient norm
 between the sync and the step is left out, as without overlap.
 
 Each chunk's ``c`` comes from the simulated timeline (its last backward) or, for
-``pipeline_model="closed_form"``, from :func:`~megatron_het.perf.closed_forms.last_backward_ends`
-(the last micro-batch's gradient crossing every stage, chunk by chunk).
+``pipeline_model="closed_form"``, from
+:func:`~megatron_het.perf.schedule.closed_forms.last_backward_ends` (the last micro-batch's gradient
+crossing every stage, chunk by chunk).
 Torch-free.
 """
 
@@ -245,9 +246,9 @@ def exposed_sync(
     plan: ParallelPlan,
     split: Callable[[int], tuple[float, float]],
     pipeline_times: Sequence[float],
-    last_backwards: Sequence[Sequence[tuple[float, float]]] | None,
+    last_backwards: Sequence[Sequence[Sequence[tuple[float, float]]]] | None,
     bucket_size_mb: float = BUCKET_SIZE_MB,
-    first_forwards: Sequence[Sequence[tuple[float, float]]] | None = None,
+    first_forwards: Sequence[Sequence[Sequence[tuple[float, float]]]] | None = None,
 ) -> float:
     """``max_g finish_g - T``, plus ``max_g delay_g`` with the all-gathers overlapped (module
     docstring), of a plan of uniform layouts.

@@ -4,8 +4,8 @@ from roofline estimates.
 Profile selection for an accelerator kind: the profile under the kind's own name is used as
 measured; an emulated kind without one uses the host's profile (:data:`HOST_PROFILE`) times its
 slowdown; otherwise, and for any entry a profile lacks, roofline estimates
-(:mod:`megatron_het.perf.cost_model`) at the kind's calibrated efficiencies
-(:mod:`megatron_het.perf.calibration`) unless the caller gives its own. Profiled times are
+(:mod:`megatron_het.perf.cost.roofline`) at the kind's calibrated efficiencies
+(:mod:`megatron_het.perf.cost.calibration`) unless the caller gives its own. Profiled times are
 compute only: TP communication is always added by the caller from the communication model.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import LAYER_PARTS, StagePlan
-from megatron_het.perf.calibration import layer_efficiency, resolve_efficiency
-from megatron_het.perf.cost_model import (
+from megatron_het.perf.cost.calibration import layer_efficiency, resolve_efficiency
+from megatron_het.perf.cost.roofline import (
     OPTIMIZER_BYTES_PER_PARAM,
     Efficiency,
     LayerShape,
@@ -33,9 +33,9 @@ from megatron_het.perf.cost_model import (
     layer_input_bytes,
     op_time,
     ops_time,
-    recomputed_count,
 )
-from megatron_het.perf.profile import Measured, Profile
+from megatron_het.perf.cost.tp_collectives import recomputed_count
+from megatron_het.perf.measure.profile_format import Measured, Profile
 
 HOST_PROFILE = "cpu"  # the profile of the host CPU, which emulated kinds run on
 
@@ -113,7 +113,7 @@ def mode_ratio(
 ) -> tuple[float, float] | None:
     """(forward, backward) roofline time of a layer of ``shape`` run ``compiled`` (else eager)
     over its time in the other mode, each mode priced by
-    :func:`~megatron_het.perf.calibration.layer_efficiency` (``efficiency``: an explicit
+    :func:`~megatron_het.perf.cost.calibration.layer_efficiency` (``efficiency``: an explicit
     override, as :func:`stage_compute` takes it); None where both modes are priced alike (CPU
     and emulated kinds, fp32)."""
     mine, other = (
@@ -180,10 +180,10 @@ def stage_compute(
     their input).
 
     ``efficiency`` prices the roofline estimates (what a profile lacks); None: the calibrated
-    figures of ``spec``'s kind (:func:`~megatron_het.perf.calibration.efficiency_for`; the
+    figures of ``spec``'s kind (:func:`~megatron_het.perf.cost.calibration.efficiency_for`; the
     cost model's defaults for emulated kinds and ``cpu``). ``sequence_parallel`` shrinks the
     activations saved between the TP blocks
-    (:func:`~megatron_het.perf.cost_model.layer_activation_bytes`) and the roofline work
+    (:func:`~megatron_het.perf.cost.roofline.layer_activation_bytes`) and the roofline work
     there (the norms and residual adds on ``1/tp`` of the positions); a profile's measured
     figure, taken without it, loses the same bytes and keeps its measured times;
     ``tp_comm_overlap`` (with it) shrinks the GEMMs' saved inputs as well.
@@ -197,7 +197,7 @@ def stage_compute(
     input.
 
     ``fused_elementwise`` False prices the runtime's eager layers (no ``--compile``): the
-    roofline with :func:`~megatron_het.perf.calibration.layer_efficiency`'s figures, and a
+    roofline with :func:`~megatron_het.perf.cost.calibration.layer_efficiency`'s figures, and a
     profile's eager entries; True, compiled ones. Where a profile has only the other mode's
     entries for the shape, they are scaled by the roofline's ratio of the two modes (1 where
     the predictor prices both alike: CPU and emulated kinds, fp32; :func:`mode_ratio`)."""

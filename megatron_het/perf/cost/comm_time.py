@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_het.cluster import AcceleratorSpec, ClusterSpec
-from megatron_het.perf.profile import Profile
-from megatron_het.perf.stage_cost import choose_profile
+from megatron_het.perf.cost.compute_time import choose_profile
+from megatron_het.perf.measure.profile_format import Profile
 
 # NCCL/RCCL bus bandwidth for large messages is about 80% of the nominal link figure.
 LINK_EFFICIENCY = 0.8
@@ -100,7 +100,7 @@ class CommCost:
         self._links: dict[tuple[str, str, bool, str], tuple[float, float, str]] = {}
         self._rings: dict[tuple[tuple[int, ...], str, bool], PathFigures] = {}
         # the NIC-sharing counts of plans' stage boundaries, by their placement
-        # (:class:`~megatron_het.perf.boundary_cost.BoundaryCost`; a planner prices many
+        # (:class:`~megatron_het.perf.cost.boundary_time.BoundaryCost`; a planner prices many
         # plans of one placement)
         self.boundary_shares: dict[tuple, list[dict[int, int]]] = {}
         self._syncs: dict[tuple, SyncCost] = {}

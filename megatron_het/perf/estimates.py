@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megatron_het.perf.memory import MemoryBreakdown
+from megatron_het.perf.cost.memory import MemoryBreakdown
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,8 @@ class PipelinePrediction:
 
 @dataclass(frozen=True)
 class Prediction:
-    """Everything :func:`predict` estimates for one iteration; ``stages`` is the per-stage table.
+    """Everything :func:`~megatron_het.perf.predictor.predict` estimates for one iteration;
+    ``stages`` is the per-stage table.
 
     ``dp_sync_s`` is the whole DP sync of the slowest device group (what it takes after the
     last backward without overlap); ``dp_exposed_s`` is what the iteration pays of it past the

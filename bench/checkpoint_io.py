@@ -52,7 +52,7 @@ from megatron_het.checkpoint.reader import ReadStats
 from megatron_het.checkpoint.verify import read_metadata_file
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.plan import ParallelPlan
-from megatron_het.perf.measure_procs import free_loopback_port
+from megatron_het.perf.measure.worker_processes import free_loopback_port
 
 _GB = 1e9
 
@@ -143,7 +143,7 @@ def _io_rank(
 
     from megatron_het.checkpoint.sharded import load_sharded, save_sharded
     from megatron_het.comm import UnifiedCommunicator
-    from megatron_het.parallel.groups import build_process_groups
+    from megatron_het.parallel.process_groups import build_process_groups
     from megatron_het.pipeline.stage import build_stage
 
     torch.set_num_threads(1)
@@ -303,8 +303,8 @@ def _overhead_run(mode: str, args: argparse.Namespace, root: pathlib.Path) -> fl
     """Seconds per iteration of one run (see the module doc), in this process."""
     from megatron_het.arguments import parse_run_config
     from megatron_het.comm import UnifiedCommunicator
+    from megatron_het.launcher.world import init_world, shutdown_world
     from megatron_het.training.checkpointing import CheckpointSaver
-    from megatron_het.training.launch import init_world, shutdown_world
     from megatron_het.training.loop import train
     from megatron_het.training.setup import prepare_run
     from megatron_het.training.stop import StopRequest

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from megatron_het.perf.measure_procs import free_loopback_port
+from megatron_het.perf.measure.worker_processes import free_loopback_port
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -98,7 +98,7 @@ def node_torchrun(
 ) -> list[str]:
     """Node ``node_rank``'s torchrun of ``pretrain_llama.py`` in a job of ``nnodes`` nodes of
     ``nproc`` ranks each, with static rendezvous at 127.0.0.1:``port``: node 0's agent serves
-    the job's store (as scripts/common/launch.sh starts each node)."""
+    the job's store (as the launcher, megatron_het/launcher/, starts each node)."""
     return [
         sys.executable,
         "-m",

@@ -31,7 +31,7 @@ from bench.fault_jobs import (
 )
 from megatron_het.checkpoint.io import read_latest_iteration
 from megatron_het.checkpoint.reader import load_model_state
-from megatron_het.training.supervisor import read_failure
+from megatron_het.launcher.failure_record import read_failure
 
 TIMEOUT_MIN = 0.1
 SCHEDULE = ["--train-iters", "500", "--distributed-timeout-minutes", str(TIMEOUT_MIN)]

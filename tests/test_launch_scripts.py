@@ -1,11 +1,12 @@
-"""The per-mix launch scripts: shape, syntax, dry runs against their plans, per-vendor settings.
+"""The per-mix launch scripts: shape, syntax, dry runs against their plans, Slurm steps.
 
-Every scripts/<mix>/pretrain_llama_<size>.sh is a short file of the mix's settings that sources
-the shared body (scripts/common/launch.sh); it must pass ``bash -n`` and its dry run
-(``DRY_RUN=1``: pretrain_llama.py --dry-run validates plan, cluster, model and batch together);
-an edited, broken copy of a plan must make the dry run fail with one ``error:`` line.
-``--print-only`` shows what a node would run, which checks the vendor settings chosen by the
-node's group and the torchrun/Slurm commands without any process being started.
+Every scripts/<mix>/pretrain_llama_<size>.sh is a thin wrapper that hands its mix's settings
+file (mix_<size>.yaml beside it) to ``python -m megatron_het.launcher``; it must pass
+``bash -n``, and its dry run (``DRY_RUN=1``: pretrain_llama.py --dry-run validates plan,
+cluster, model and batch together) must pass; an edited, broken copy of a plan must make the
+dry run fail with one ``error:`` line. The dry runs run the launcher's command in this process;
+one goes through the script. What a node would run is checked without processes in
+tests/unit/test_node_launch.py; the Slurm steps here run as processes (a fake srun).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_het.launcher.mix import load_mix
+from tests.unit.test_node_launch import launch, mix_file
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(REPO.glob("scripts/*/pretrain_llama_*.sh"))
 # Clusters that are not launched from here: the emulated one (make demo runs it) and the
@@ -30,35 +34,14 @@ NOT_LAUNCHED = {"cpu_emulated", "h100_mi300x_a100_16k"}
 MIXES = sorted(
     p.stem for p in (REPO / "scripts" / "clusters").glob("*.yaml") if p.stem not in NOT_LAUNCHED
 )
-# Variables the scripts read or export: the tests start from an environment without them.
+# Variables the launcher reads or exports: the scripts start from an environment without them.
 _SCRUB_PREFIXES = ("NCCL_", "HSA_", "HCCL_", "ASCEND_", "SLURM_", "HET_", "TORCH_NCCL_")
 _SCRUB = {
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "DATA_PATH",
-    "TOKENIZER_MODEL",
-    "CHECKPOINT_DIR",
-    "LOG_DIR",
-    "TENSORBOARD_DIR",
-    "CLUSTER",
-    "PLAN",
-    "BRIDGE",
-    "LAUNCHER",
-    "DRY_RUN",
-    "PRINT_ONLY",
-    "CUDA_VISIBLE_DEVICES",
-    "HIP_VISIBLE_DEVICES",
-    "TRAIN_ITERS",
-    "NULL_VOCAB_SIZE",
-    "PYTHON",
-    "OMP_NUM_THREADS",
-    "CUDA_DEVICE_MAX_CONNECTIONS",
-    "ELASTIC",
-    "MAX_RESTARTS",
-    "NODE_ADDR",
-    "NODE_ORDER",
-    "SLURMD_NODENAME",
+    *("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DATA_PATH", "TOKENIZER_MODEL"),
+    *("CHECKPOINT_DIR", "LOG_DIR", "TENSORBOARD_DIR", "CLUSTER", "PLAN", "BRIDGE", "LAUNCHER"),
+    *("DRY_RUN", "PRINT_ONLY", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "TRAIN_ITERS"),
+    *("NULL_VOCAB_SIZE", "PYTHON", "OMP_NUM_THREADS", "CUDA_DEVICE_MAX_CONNECTIONS", "ELASTIC"),
+    *("MAX_RESTARTS", "NODE_ADDR", "NODE_ORDER", "SLURMD_NODENAME"),
 }
 
 
@@ -71,10 +54,10 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+def _run(script: Path, *args: str, cwd: Path = REPO, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(script), *args],
-        cwd=REPO,
+        cwd=cwd,
         env=_env(**env),
         capture_output=True,
         text=True,
@@ -88,60 +71,35 @@ def _script(mix: str) -> Path:
     return found[0]
 
 
-def _dry_run_available() -> bool:
-    from megatron_het.arguments import build_parser
-
-    return "--dry-run" in build_parser().format_help()
-
-
-def test_every_mix_has_a_script_and_plan() -> None:
-    assert len(MIXES) >= 7
+def test_every_mix_has_a_script_a_settings_file_and_a_plan() -> None:
+    assert len(MIXES) >= 7 and len(SCRIPTS) == len(MIXES)
     for mix in MIXES:
         script = _script(mix)
-        size = script.stem.removeprefix("pretrain_llama_")
-        assert (REPO / "scripts" / mix / f"plan_{size}.json").is_file()
+        settings = load_mix(mix_file(mix))
+        assert (settings.name, REPO / settings.script) == (mix, script)
+        assert mix_file(mix).name == f"mix_{settings.size}.yaml"
+        assert (REPO / "scripts" / mix / f"plan_{settings.size}.json").is_file()
+        assert (REPO / settings.plan).is_file() and (REPO / settings.cluster).is_file()
         assert os.access(script, os.X_OK), f"{script} is not executable"
 
 
-# What a mix script sets before it sources the shared body.
-SETTINGS = (
-    "HET_MIX",
-    "HET_SIZE",
-    "HET_CLUSTER",
-    "HET_PLAN",
-    "HET_MODEL",
-    "HET_SEQ_LENGTH",
-    "HET_NULL_VOCAB",
-    "HET_BRIDGE",
-    "HET_LR",
-    "HET_MIN_LR",
-    "HET_WARMUP_ITERS",
-)
-
-
-def _settings(script: Path) -> dict[str, str]:
-    out = {}
-    for line in script.read_text().splitlines():
-        name, eq, value = line.partition("=")
-        if eq and name in SETTINGS:
-            out[name] = value.split("#")[0].strip()
-    return out
-
-
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.parent.name)
-def test_mix_script_is_its_settings_and_the_shared_body(script: Path) -> None:
+def test_a_mix_script_is_a_thin_wrapper_of_the_launcher(script: Path) -> None:
     from megatron_het.cluster import ClusterSpec
 
     text = script.read_text()
-    assert len(text.splitlines()) <= 40 and 'het_main "$@"' in text
-    assert "common/launch.sh" in text and "het_env_" not in text and "HET_ARGS" not in text
-    settings = _settings(script)
-    assert set(settings) == set(SETTINGS), set(SETTINGS) - set(settings)
-    assert script == REPO / "scripts" / settings["HET_MIX"] / (
-        f"pretrain_llama_{settings['HET_SIZE']}.sh"
+    settings = load_mix(script.parent / f"mix_{script.stem.removeprefix('pretrain_llama_')}.yaml")
+    body = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(body) <= 12 and "set -euo pipefail" in body, body
+    assert body[-1] == (
+        f'exec "$python" -m megatron_het.launcher scripts/{settings.name}/'
+        f'mix_{settings.size}.yaml "$@"'
     )
-    assert (REPO / settings["HET_PLAN"]).is_file()
-    cluster = ClusterSpec.load(REPO / settings["HET_CLUSTER"])
+    # its settings are the mix file's, not the script's
+    assert "SLURM_SUBMIT_DIR" in text and not any(settings.model in line for line in body)
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    cluster = ClusterSpec.load(REPO / settings.cluster)
     assert f"#SBATCH --nodes={cluster.num_nodes}\n" in text
     # Slurm's cgroups hide devices a job did not request: a mix of GPUs only asks for them
     vendors = {cluster.accelerator_of(r).vendor for r in range(cluster.world_size)}
@@ -164,28 +122,33 @@ def test_mix_script_is_its_settings_and_the_shared_body(script: Path) -> None:
         assert example.endswith(f" {script.relative_to(REPO)}"), example
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.parent.name)
-def test_bash_syntax_and_strict_mode(script: Path) -> None:
-    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert "set -euo pipefail" in script.read_text()
+def _pretrain_in_process(
+    command: tuple[str, ...], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, str, str]:
+    """A launcher's ``python pretrain_llama.py ...`` command run in this process, in the
+    repository: (exit status, stdout, stderr)."""
+    from megatron_het import errors
+    from megatron_het.training.entry import main
+
+    assert command[1] == "pretrain_llama.py"
+    monkeypatch.chdir(REPO)
+    try:
+        errors.run_cli(lambda: main(list(command[2:]), {}))
+        status = 0
+    except SystemExit as exit_:
+        status = int(exit_.code or 0)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
 
 
-def test_common_helpers_bash_syntax() -> None:
-    for helper in sorted((REPO / "scripts" / "common").glob("*.sh")):
-        result = subprocess.run(["bash", "-n", str(helper)], capture_output=True, text=True)
-        assert result.returncode == 0, f"{helper}: {result.stderr}"
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("mix", MIXES)
 @pytest.mark.slow
-def test_dry_run_validates_plan_cluster_and_model(script: Path) -> None:
-    if not _dry_run_available():
-        pytest.skip("pretrain_llama.py has no --dry-run yet")
-    result = _run(script, DRY_RUN="1")
-    assert result.returncode == 0, result.stderr
-    assert "plan, cluster, model and batch are consistent" in result.stdout
-    assert f"on cluster {script.parent.name}" in result.stdout
+def test_dry_run_validates_plan_cluster_and_model(mix: str, capsys, monkeypatch) -> None:
+    (command,) = launch(mix, DRY_RUN="1").commands
+    status, out, err = _pretrain_in_process(command, capsys, monkeypatch)
+    assert status == 0, err
+    assert "plan, cluster, model and batch are consistent" in out
+    assert f"on cluster {mix}" in out
 
 
 def _drop_last_layer(plan: dict) -> None:
@@ -201,162 +164,60 @@ def _drop_a_pipeline(plan: dict) -> None:
     "break_plan, expected",
     [(_drop_last_layer, "on no stage"), (_drop_a_pipeline, "give every rank")],
 )
-@pytest.mark.slow
 def test_broken_plan_fails_with_one_error_line(
-    tmp_path: Path, break_plan: Callable[[dict], None], expected: str
+    tmp_path: Path,
+    break_plan: Callable[[dict], None],
+    expected: str,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if not _dry_run_available():
-        pytest.skip("pretrain_llama.py has no --dry-run yet")
-    script = _script("h100_mi300x")
-    plan = json.loads(next(script.parent.glob("plan_*.json")).read_text())
+    plan = json.loads(next(_script("h100_mi300x").parent.glob("plan_*.json")).read_text())
     break_plan(plan)
     broken = tmp_path / "broken_plan.json"
     broken.write_text(json.dumps(plan))
-    result = _run(script, "--dry-run", PLAN=str(broken))
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
+    (command,) = launch("h100_mi300x", "--dry-run", PLAN=str(broken)).commands
+    status, out, err = _pretrain_in_process(command, capsys, monkeypatch)
+    assert status == 2, out + err
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
 
 
-def _print_only(mix: str, *args: str, **env: str) -> tuple[dict[str, str], str]:
-    """(exported variables, command line) that the script prints with PRINT_ONLY=1."""
-    base = {
-        "DATA_PATH": "/data/corpus_text_document",
-        "CHECKPOINT_DIR": "/ckpt",
-        "MASTER_ADDR": "node0",
-        "PRINT_ONLY": "1",
-    }
-    base.update(env)
-    result = _run(_script(mix), *args, **base)
+@pytest.mark.slow
+def test_a_scripts_dry_run_from_another_directory(tmp_path: Path) -> None:
+    """The whole chain: the script finds the repository and its Python from anywhere, the
+    launcher runs pretrain_llama.py --dry-run there."""
+    assert (
+        "DRY_RUN=1 scripts/h200_mi300x/pretrain_llama_70b.sh\n"
+        in (REPO / "docs" / "launching.md").read_text()
+    )  # the page's dry run, run here
+    result = _run(_script("h200_mi300x"), cwd=tmp_path, DRY_RUN="1")
     assert result.returncode == 0, result.stderr
-    exported, command = {}, ""
-    for line in result.stdout.splitlines():
-        if line.startswith("declare -x ") and "=" in line:
-            name, _, value = line[len("declare -x ") :].partition("=")
-            exported[name] = value.strip('"')
-        elif line.startswith("+ "):
-            command = line
-    return exported, command
+    assert "plan, cluster, model and batch are consistent" in result.stdout
+    printed = _run(_script("h100_mi300x"), "--print-only", "--dry-run", cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    (command,) = printed.stdout.splitlines()
+    assert command.startswith(f"+ {sys.executable} pretrain_llama.py --model llama2-70b")
+    assert command.endswith("--dry-run")
 
 
-def test_vendor_settings_follow_the_node_group() -> None:
-    nvidia, cmd = _print_only("a100_mi250x", NODE_RANK="0")
-    assert nvidia["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
-    assert "NCCL_IB_TIMEOUT" in nvidia and not any(k.startswith("HSA_") for k in nvidia)
-    assert "--nnodes 8 --nproc_per_node 8 --node_rank 0 --master_addr node0" in cmd
-    amd, cmd = _print_only("a100_mi250x", NODE_RANK="5")
-    assert amd["HIP_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7" and amd["HSA_NO_SCRATCH_RECLAIM"]
-    assert "CUDA_VISIBLE_DEVICES" not in amd and "--node_rank 5" in cmd
-    ascend, _ = _print_only("a100_ascend910b", NODE_RANK="11")
-    assert ascend["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
-    assert "HCCL_CONNECT_TIMEOUT" in ascend and "NCCL_IB_TIMEOUT" not in ascend
-    site, _ = _print_only(
-        "h100_mi300x", NODE_RANK="4", HET_SOCKET_IFNAME="ib0", NCCL_IB_GID_INDEX="5"
-    )
-    assert site["NCCL_SOCKET_IFNAME"] == "ib0" and site["GLOO_SOCKET_IFNAME"] == "ib0"
-    # A site's own value is kept: the script does not change it (changes are what it lists).
-    assert "NCCL_IB_GID_INDEX" not in site
+def test_help_lists_the_modes() -> None:
+    result = _run(_script("hethub_llama140b"), "--help")
+    assert result.returncode == 0 and "DRY_RUN=1" in result.stdout and "sbatch" in result.stdout
+    assert "llama-140b on the hethub_llama140b mix" in result.stdout  # the mix's own lines
+    assert "Slurm (96 nodes" in result.stdout and "HET_EXTRA_ENV" in result.stdout
+    assert "scripts/hethub_llama140b/mix_140b.yaml" in result.stdout
 
 
-def test_training_command_carries_the_megatron_flags() -> None:
-    _, cmd = _print_only(
-        "h200_mi300x", "--train-iters", "20", NODE_RANK="2", TOKENIZER_MODEL="/tok/tokenizer.model"
-    )
-    for flag in (
-        "--plan scripts/h200_mi300x/plan_70b.json",
-        "--cluster scripts/clusters/h200_mi300x.yaml",
-        "--data-path /data/corpus_text_document",
-        "--tokenizer-model /tok/tokenizer.model",
-        "--save /ckpt",
-        "--load /ckpt",
-        "--lr-decay-style cosine",
-        "--tensorboard-dir /ckpt/logs/tensorboard",
-        "--metrics-file /ckpt/logs/metrics.jsonl",
-        "--bridge relay",
-    ):
-        assert flag in cmd, flag
-    assert cmd.endswith("--train-iters 20")
-    _, cmd = _print_only("h100_a100", NODE_RANK="0")
-    assert "--bridge direct" in cmd  # one vendor: NCCL spans both kinds
+def test_a_launch_mistake_is_one_error_line_and_status_2() -> None:
+    result = _run(_script("h200_mi300x"), LAUNCHER="mpirun")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == "error: LAUNCHER must be torchrun or slurm, got 'mpirun'\n"
 
 
-def test_slurm_fans_out_one_task_per_node_then_runs_torchrun() -> None:
-    slurm = {"LAUNCHER": "slurm", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "6"}
-    _, cmd = _print_only("h200_mi300x", **slurm)
-    assert cmd.startswith("+ srun --nodes=6 --ntasks=6 --ntasks-per-node=1")
-    assert cmd.endswith("scripts/h200_mi300x/pretrain_llama_70b.sh")
-    env, cmd = _print_only("h200_mi300x", HET_SLURM_NODE="1", SLURM_NODEID="3", **slurm)
-    assert "--nnodes 6 --nproc_per_node 8 --node_rank 3" in cmd and "HIP_VISIBLE_DEVICES" in env
-
-
-def test_slurm_nodes_take_their_place_in_node_order() -> None:
-    """Slurm numbers nodes in its own order; NODE_ORDER puts them in the cluster file's."""
-    slurm = {
-        "LAUNCHER": "slurm",
-        "SLURM_JOB_ID": "42",
-        "SLURM_JOB_NUM_NODES": "6",
-        "HET_SLURM_NODE": "1",
-        "SLURM_NODEID": "0",
-        "MASTER_ADDR": "",
-        "NODE_ORDER": "h200-1,h200-2 mi-1 mi-2,mi-3,mi-4",
-    }
-    env, cmd = _print_only("h200_mi300x", SLURMD_NODENAME="mi-2", **slurm)
-    assert "--node_rank 3 --master_addr h200-1" in cmd and "HIP_VISIBLE_DEVICES" in env, cmd
-    env, cmd = _print_only("h200_mi300x", SLURMD_NODENAME="h200-2", **slurm)
-    assert "--node_rank 1 --master_addr h200-1" in cmd and "CUDA_VISIBLE_DEVICES" in env, cmd
-
-
-def test_slurm_fanout_of_an_elastic_job_outlives_a_lost_node() -> None:
-    slurm = {"LAUNCHER": "slurm", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "6"}
-    _, cmd = _print_only("h200_mi300x", **slurm)
-    assert "--kill-on-bad-exit=1 --export" in cmd and "--no-kill" not in cmd
-    _, cmd = _print_only("h200_mi300x", ELASTIC="1", **slurm)
-    assert "--kill-on-bad-exit=0 --no-kill --export" in cmd
-
-
-_HET_JOB = {
-    "LAUNCHER": "slurm",
-    "SLURM_JOB_ID": "42",
-    "SLURM_HET_SIZE": "2",
-    "SLURM_JOB_NODELIST_HET_GROUP_0": "h200-1,h200-2",
-    "SLURM_JOB_NODELIST_HET_GROUP_1": "mi-1,mi-2,mi-3,mi-4",
-}
-
-
-def test_a_heterogeneous_slurm_job_runs_one_step_per_component() -> None:
-    """sbatch --nodes=2 ... : --nodes=4 ...: one srun step per component, and the components'
-    hosts in order as the node order every node task takes its place in."""
-    result = _run(
-        _script("h200_mi300x"), **{**_NODE, "MASTER_ADDR": "", "PRINT_ONLY": "1", **_HET_JOB}
-    )
-    assert result.returncode == 0, result.stderr
-    steps = [line for line in result.stdout.splitlines() if line.startswith("+ ")]
-    assert [step.split(" --kill-on-bad-exit")[0] for step in steps] == [
-        "+ srun --het-group=0 --nodes=2 --ntasks=2 --ntasks-per-node=1",
-        "+ srun --het-group=1 --nodes=4 --ntasks=4 --ntasks-per-node=1",
-    ]
-    assert all(step.endswith("scripts/h200_mi300x/pretrain_llama_70b.sh") for step in steps)
-    assert 'declare -x NODE_ORDER="h200-1 h200-2 mi-1 mi-2 mi-3 mi-4"' in result.stdout
-    reordered = "mi-1 h200-2 h200-1 mi-2 mi-3 mi-4"  # given: the same hosts, kept as given
-    result = _run(
-        _script("h200_mi300x"),
-        **{**_NODE, "MASTER_ADDR": "", "PRINT_ONLY": "1", **_HET_JOB, "NODE_ORDER": reordered},
-    )
-    assert result.returncode == 0 and "--het-group=1" in result.stdout, result.stderr
-    env, cmd = _print_only(
-        "h200_mi300x",
-        HET_SLURM_NODE="1",
-        SLURMD_NODENAME="mi-1",
-        NODE_ORDER="h200-1 h200-2 mi-1 mi-2 mi-3 mi-4",
-        **{**_HET_JOB, "MASTER_ADDR": ""},
-    )
-    assert "--node_rank 2 --master_addr h200-1" in cmd and "HIP_VISIBLE_DEVICES" in env, cmd
-
-
-def _fake_srun(tmp_path: Path) -> dict[str, str]:
-    """An srun on PATH whose step for component FAKE_FAIL_GROUP fails with status 3 after
-    0.2 s and whose other steps run for FAKE_STEP_S seconds (ending early, status 143, on
-    SIGTERM); each writes its start and end to tmp_path/steps."""
+def _fake_srun(tmp_path: Path) -> Path:
+    """An srun whose step for component FAKE_FAIL_GROUP fails with status 3 after 0.2 s and
+    whose other steps run for FAKE_STEP_S seconds (ending early, status 143, on SIGTERM);
+    each writes its start and end to tmp_path/steps. Returns its folder (for PATH)."""
     srun = tmp_path / "bin" / "srun"
     srun.parent.mkdir()
     srun.write_text(f"""#!/usr/bin/env bash
@@ -370,50 +231,50 @@ wait $!
 echo "$group done" >> "$log"
 """)
     srun.chmod(0o755)
-    return {"PATH": f"{srun.parent}:{os.environ['PATH']}"}
+    return srun.parent
 
 
-@pytest.mark.parametrize("elastic", ["0", "1"])
+_HET_JOB = {
+    "LAUNCHER": "slurm",
+    "SLURM_JOB_ID": "42",
+    "SLURM_HET_SIZE": "2",
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "h200-1,h200-2",
+    "SLURM_JOB_NODELIST_HET_GROUP_1": "mi-1,mi-2,mi-3,mi-4",
+    "DATA_PATH": "/d",
+    "CHECKPOINT_DIR": "/c",
+}
+
+
+@pytest.mark.parametrize("elastic", [False, True])
 def test_a_failed_component_step_ends_a_plain_job_and_not_an_elastic_one(
-    tmp_path: Path, elastic: str
+    tmp_path: Path, elastic: bool
 ) -> None:
-    env = {
-        **_NODE,
-        "MASTER_ADDR": "",
-        **_HET_JOB,
-        **_fake_srun(tmp_path),
-        "ELASTIC": elastic,
-        "FAKE_FAIL_GROUP": "1",
-        "FAKE_STEP_S": "60" if elastic == "0" else "1",
-    }
-    result = _run(_script("h200_mi300x"), **env)
-    assert result.returncode == 3, result.stdout + result.stderr
+    from megatron_het.launcher.slurm import run_steps
+
+    fake = {"FAKE_FAIL_GROUP": "1", "FAKE_STEP_S": "1" if elastic else "60"}
+    done = launch("h200_mi300x", **_HET_JOB, ELASTIC="1" if elastic else "0")
+    assert done.elastic == elastic
+    env = {**done.env, **fake, "PATH": f"{_fake_srun(tmp_path)}:{os.environ['PATH']}"}
+    steps = [(str(tmp_path / "bin" / "srun"), *step[1:]) for step in done.commands]
+    assert run_steps(steps, env, done.elastic, str(REPO)) == 3
     ends = sorted(
         line
         for line in (tmp_path / "steps").read_text().splitlines()
         if not line.endswith("started")
     )
-    assert ends == (["0 stopped", "1 failed"] if elastic == "0" else ["0 done", "1 failed"])
+    assert ends == (["0 done", "1 failed"] if elastic else ["0 stopped", "1 failed"])
 
 
 @pytest.mark.parametrize("whom", ["batch-shell", "job-step"])
 def test_a_signal_reaches_every_component_step_and_the_batch_step_waits_for_them(
     tmp_path: Path, whom: str
 ) -> None:
-    """scancel -b -s TERM or sbatch --signal=B:TERM@... (the batch shell alone), or a job's
-    cancel or time limit (every process of the step): each step's srun gets it, so the run
-    saves and exits as under one srun, and the batch step ends only after the steps (each
+    """scancel -b -s TERM or sbatch --signal=B:TERM@... (the batch step's process alone), or
+    a job's cancel or time limit (every process of the step): each step's srun gets it, so the
+    run saves and exits as under one srun, and the batch step ends only after the steps (each
     takes 0.3 s to stop)."""
-    env = _env(
-        **{
-            **_NODE,
-            "MASTER_ADDR": "",
-            **_HET_JOB,
-            **_fake_srun(tmp_path),
-            "FAKE_FAIL_GROUP": "none",
-            "FAKE_STEP_S": "60",
-        }
-    )
+    path = f"{_fake_srun(tmp_path)}:{os.environ['PATH']}"
+    env = _env(**_HET_JOB, PATH=path, FAKE_FAIL_GROUP="none", FAKE_STEP_S="60")
     output = tmp_path / "output"
     with output.open("w") as out:  # a file, not a pipe: the steps would hold a pipe open
         job = subprocess.Popen(
@@ -440,133 +301,3 @@ def test_a_signal_reaches_every_component_step_and_the_batch_step_waits_for_them
         "1 started",
         "1 stopped",
     ]
-
-
-def test_elastic_runs_one_supervisor_per_node() -> None:
-    _, cmd = _print_only(
-        "h200_mi300x", NODE_RANK="3", ELASTIC="1", NODE_ADDR="node3", MAX_RESTARTS="2"
-    )
-    assert (
-        "tools/elastic_run.py --max-restarts 2 --node-rank 3 --master-addr node0 "
-        "--master-port 29500 --node-addr node3 -- --model"
-    ) in cmd, cmd
-    assert "torch.distributed.run" not in cmd and "pretrain_llama.py" not in cmd
-    assert "--save /ckpt" in cmd and "--cluster scripts/clusters/h200_mi300x.yaml" in cmd
-
-
-_NODE = {"NODE_RANK": "0", "MASTER_ADDR": "n0", "DATA_PATH": "/d", "CHECKPOINT_DIR": "/c"}
-
-
-@pytest.mark.parametrize(
-    "env, expected",
-    [
-        ({"LAUNCHER": "slurm", "SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "3"}, "needs 6"),
-        ({"LAUNCHER": "slurm"}, "Slurm allocation"),
-        ({"LAUNCHER": "mpirun"}, "torchrun or slurm"),
-        ({"NODE_RANK": "6"}, "NODE_RANK 6 is outside"),
-        ({"DATA_PATH": ""}, "DATA_PATH is not set"),
-        ({"CHECKPOINT_DIR": ""}, "CHECKPOINT_DIR is not set"),
-        ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
-        ({"NODE_RANK": ""}, "NODE_RANK is not set"),
-        ({"PLAN": "/nonexistent/plan.json"}, "plan file"),
-        (
-            {
-                "LAUNCHER": "slurm",
-                "SLURM_JOB_ID": "1",
-                "SLURM_JOB_NUM_NODES": "6",
-                "NODE_ORDER": "a b c",
-            },
-            "NODE_ORDER lists 3 hosts but cluster h200_mi300x.yaml has 6",
-        ),
-        (
-            {
-                "LAUNCHER": "slurm",
-                "SLURM_JOB_ID": "1",
-                "HET_SLURM_NODE": "1",
-                "SLURMD_NODENAME": "x",
-                "NODE_ORDER": "a b c d e f",
-            },
-            "this node (x) is not in NODE_ORDER",
-        ),
-        (
-            {**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_1": "mi-1,mi-2"},
-            "the heterogeneous job's 2 components have 4 nodes (2 2) but cluster h200_mi300x.yaml "
-            "needs 6",
-        ),
-        (
-            {**_HET_JOB, "SLURM_JOB_NODELIST_HET_GROUP_1": ""},
-            "SLURM_JOB_NODELIST_HET_GROUP_1 is not",
-        ),
-        (
-            {**_HET_JOB, "NODE_ORDER": "h200-1 h200-2 mi-1 mi-2 mi-3 mi-9"},
-            "NODE_ORDER (h200-1 h200-2 mi-1 mi-2 mi-3 mi-9) does not list the heterogeneous job's "
-            "hosts (h200-1 h200-2 mi-1 mi-2 mi-3 mi-4)",
-        ),
-        (
-            {
-                **_HET_JOB,
-                "SLURM_JOB_NODELIST_HET_GROUP_0": "a,b,c",
-                "SLURM_JOB_NODELIST_HET_GROUP_1": "d,e,f",
-            },
-            "component 0 ends at node 3 of cluster h200_mi300x.yaml, inside a run of nodes "
-            "of one kind (runs of 2 4 nodes",
-        ),
-        (
-            {
-                "LAUNCHER": "slurm",
-                "SLURM_JOB_ID": "1",
-                "HET_SLURM_NODE": "1",
-                "SLURM_NODEID": "0",
-                "SLURM_GPUS_ON_NODE": "4",
-            },
-            "Slurm gave node 0 4 GPUs but it runs 8 GPU ranks; submit with sbatch --gpus-per-node=8",
-        ),
-    ],
-)
-def test_launch_mistakes_fail_with_one_error_line(env: dict[str, str], expected: str) -> None:
-    result = _run(_script("h200_mi300x"), **{**_NODE, "PRINT_ONLY": "1", **env})
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
-
-
-def test_help_lists_the_modes() -> None:
-    result = _run(_script("hethub_llama140b"), "--help")
-    assert result.returncode == 0 and "DRY_RUN=1" in result.stdout and "sbatch" in result.stdout
-    assert "llama-140b on the hethub_llama140b mix" in result.stdout  # the mix's own lines
-    assert "Slurm (96 nodes" in result.stdout and "HET_EXTRA_ENV" in result.stdout
-
-
-def test_scripts_do_not_depend_on_the_working_directory(tmp_path: Path) -> None:
-    copy = tmp_path / "elsewhere"
-    copy.mkdir()
-    result = subprocess.run(
-        ["bash", str(_script("h100_mi300x")), "--print-only", "--dry-run"],
-        cwd=copy,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "pretrain_llama.py" in result.stdout and "--dry-run" in result.stdout
-
-
-def test_a_node_of_gpu_and_cpu_ranks_exposes_and_counts_its_gpus_only() -> None:
-    """The GPU check's pair (one H200 rank and one CPU rank on one node): one GPU visible,
-    Slurm's GPU count compared with the one GPU rank, not with both ranks."""
-    pair = {
-        "CLUSTER": "scripts/gpu_check/h200_cpu_pair.yaml",
-        "PLAN": "scripts/gpu_check/pair_pp2.json",
-        "NODE_RANK": "0",
-    }
-    env, cmd = _print_only(
-        "h200_mi300x",
-        SLURM_GPUS_ON_NODE="1",
-        LAUNCHER="slurm",
-        SLURM_JOB_ID="1",
-        HET_SLURM_NODE="1",
-        SLURM_NODEID="0",
-        **pair,
-    )
-    assert env["CUDA_VISIBLE_DEVICES"] == "0" and "--nproc_per_node 2" in cmd, (env, cmd)

@@ -13,8 +13,8 @@ import pytest
 
 from megatron_het.arguments import parse_run_config
 from megatron_het.errors import UserError
+from megatron_het.launcher.launch_env import read_launch_env
 from megatron_het.training.dry_run import dry_run
-from megatron_het.training.launch import read_launch_env
 from megatron_het.training.setup import prepare_run
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -342,7 +342,12 @@ def device_times(setup) -> dict:
 def _host_profile(path: pathlib.Path, vocab: int, dtype: str = "fp32") -> str:
     """A "cpu" profile of the tiny model at seq 32, micro-batch 2, TP 1 and 2: a layer takes
     (10, 20) ms, the embedding (1, 2) ms and the head (3, 4) ms, divided by TP."""
-    from megatron_het.perf.profile import EndEntry, LayerEntry, Profile, ProfileConditions
+    from megatron_het.perf.measure.profile_format import (
+        EndEntry,
+        LayerEntry,
+        Profile,
+        ProfileConditions,
+    )
 
     def ends(fwd: float, bwd: float) -> tuple:
         return tuple(EndEntry(64, vocab, 32, 2, tp, dtype, fwd / tp, bwd / tp) for tp in (1, 2))

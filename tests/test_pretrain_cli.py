@@ -108,7 +108,7 @@ def run_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProces
 def run_in_process(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
     """``pretrain_llama.py args`` in this process: (exit status, stdout, stderr)."""
     try:
-        with mock.patch("megatron_het.training.launch.local_accelerator", return_value="cpu"):
+        with mock.patch("megatron_het.launcher.rank_device.local_accelerator", return_value="cpu"):
             errors.run_cli(lambda: main(args, {}))
         status = 0
     except SystemExit as exit_:

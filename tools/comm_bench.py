@@ -31,17 +31,15 @@ import torch.distributed as dist
 from megatron_het.arguments.parser import ArgParser
 from megatron_het.cluster import ClusterSpec
 from megatron_het.comm.communicator import UnifiedCommunicator
-from megatron_het.emulation.links import emulated_wires
+from megatron_het.emulation.emulated_links import emulated_wires
 from megatron_het.errors import UserError, run_cli
-from megatron_het.training.launch import (
-    device_problem,
+from megatron_het.launcher.launch_env import (
     gloo_address_problem,
-    join_world,
     launched_by_torchrun,
-    rank_device_index,
     read_launch_env,
-    select_local_device,
 )
+from megatron_het.launcher.rank_device import device_problem, rank_device_index, select_local_device
+from megatron_het.launcher.world import join_world
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 IMPLS = ("flat", "unified")

@@ -9,15 +9,16 @@
 After a lost peer the run is relaunched on the cluster without the lost devices, with
 ``--plan auto`` and ``--load DIR`` (one host: torchrun --standalone; several: every node's
 supervisor relaunches its node at its place in the cluster left). See
-:mod:`megatron_het.training.supervisor`.
+:mod:`megatron_het.launcher.supervisor`.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from megatron_het.errors import run_cli
-from megatron_het.training.supervisor import main
+from megatron_het.launcher.supervisor import main
 
 if __name__ == "__main__":
-    run_cli(lambda: sys.exit(main(sys.argv[1:])))
+    run_cli(lambda: sys.exit(main(sys.argv[1:], os.environ)))

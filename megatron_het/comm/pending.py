@@ -10,7 +10,7 @@ So every operation a link hands to a device backend is noted here when the host 
 a marker on the waiting stream (a device event, which holds no tensor, recorded right after
 the backend's ``wait()``, so it completes with the operation), with the unified group, op,
 backend group and the time. :meth:`PendingOps.stuck` (called by the rank's heartbeat thread,
-:mod:`megatron_het.training.peer_watch`) drops the completed ones and returns a CommError for
+:mod:`megatron_het.launcher.peer_watch`) drops the completed ones and returns a CommError for
 the oldest one still running after the timeout: the run then reports and ends on the same
 terms as a gloo failure, while the device backend's watchdog, given the timeout plus
 :data:`DEVICE_BACKSTOP` (:func:`device_timeout`), is left as the backstop.

@@ -14,8 +14,8 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
     process alone. SIGTERM asks the run to save and stop at the end of the iteration.
 
     Under an elastic supervisor, a rank that ends with an error of its own (not a lost peer)
-    records it for the supervisors (:func:`~megatron_het.training.supervisor.
-    record_own_error`) before the error goes on to its usual report."""
+    records it in its ``--save`` for the supervisors (:func:`~megatron_het.launcher.
+    failure_record.record_own_error`) before the error goes on to its usual report."""
     from megatron_het.errors import PeerFailure
 
     try:
@@ -32,19 +32,28 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
 
 
 def _record(argv: Sequence[str], environ: Mapping[str, str], error: BaseException) -> None:
-    from megatron_het.training.supervisor import record_own_error
+    from megatron_het.launcher.failure_record import record_own_error
 
-    record_own_error(argv, environ, error)
+    record_own_error(_save_dir(argv), environ, error)
+
+
+def _save_dir(argv: Sequence[str]) -> str | None:
+    """``--save`` as the run's parser reads ``argv`` (None: not given, or a command line the
+    parser refuses; there is no directory to record in then)."""
+    from megatron_het.arguments import build_parser
+    from megatron_het.errors import UserError
+
+    try:
+        return build_parser().parse_known_args(list(argv))[0].save
+    except UserError:
+        return None
 
 
 def _main(argv: Sequence[str], environ: Mapping[str, str]) -> None:
     run = parse_run_config(argv)
     # Imported after parsing so --help and command-line mistakes answer without loading torch.
-    from megatron_het.training.launch import (
-        launched_by_torchrun,
-        local_accelerator,
-        read_launch_env,
-    )
+    from megatron_het.launcher.launch_env import launched_by_torchrun, read_launch_env
+    from megatron_het.launcher.rank_device import local_accelerator
     from megatron_het.training.run import pretrain
     from megatron_het.training.stop import StopRequest
 

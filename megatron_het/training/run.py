@@ -24,6 +24,12 @@ from megatron_het.cluster.cluster import format_ranks
 from megatron_het.comm.faults import CommError, line_from_bytes, line_to_bytes
 from megatron_het.comm.pending import PENDING
 from megatron_het.errors import EXIT_PEER_FAILURE, PeerFailure, UserError
+from megatron_het.launcher.failure_record import write_failure
+from megatron_het.launcher.launch_env import LaunchEnv
+from megatron_het.launcher.peer_watch import PeerWatch
+from megatron_het.launcher.rank_device import device_problem, rank_device_index
+from megatron_het.launcher.start_agreement import connect_store, stop_together
+from megatron_het.launcher.world import init_world, shutdown_world
 from megatron_het.training.checkpointing import check_save_is_shared, load
 from megatron_het.training.describe import (
     describe_cluster,
@@ -32,24 +38,13 @@ from megatron_het.training.describe import (
     describe_plan,
     describe_rank,
 )
-from megatron_het.training.elastic import describe_restart
-from megatron_het.training.launch import (
-    LaunchEnv,
-    connect_store,
-    device_problem,
-    init_world,
-    rank_device_index,
-    shutdown_world,
-    stop_together,
-)
 from megatron_het.training.loop import train
 from megatron_het.training.metrics import TrainingLogger
-from megatron_het.training.peer_watch import PeerWatch
+from megatron_het.training.restart_changes import describe_restart
 from megatron_het.training.setup import RunSetup, predict_plan, prepare_run
 from megatron_het.training.state import Progress
 from megatron_het.training.stop import StopRequest
 from megatron_het.training.summary import closing_summary
-from megatron_het.training.supervisor import write_failure
 from megatron_het.training.trainer import Trainer, build_trainer, logging_rank
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,7 +66,7 @@ def pretrain(
     checked before the world is built, so a bad command line fails with one UserError and
     leaves ``--save``, the metrics file and tensorboard untouched; on a launched rank that
     error goes through the start-up agreement first, so that every rank stops with it
-    (:func:`~megatron_het.training.launch.stop_together`).
+    (:func:`~megatron_het.launcher.start_agreement.stop_together`).
     """
     try:
         setup = prepare_run(run, env.world_size if env is not None else 1, accelerator)
@@ -179,10 +174,10 @@ def rank_emulation(setup: RunSetup, rank: int, threads: int | None = None) -> Ra
         setup.plan,
         setup.cluster,
         setup.run.data.seq_length,
-        setup.dtype,
-        use_distributed_optimizer=setup.use_distributed_optimizer,
+        setup.options.dtype,
+        use_distributed_optimizer=setup.options.use_distributed_optimizer,
         profiles=setup.host_profiles,
-        fused_elementwise=setup.run.train.compile,
+        fused_elementwise=setup.options.fused_elementwise,
     )
     parallel = setup.run.parallel
     return build_emulation(
@@ -191,12 +186,12 @@ def rank_emulation(setup: RunSetup, rank: int, threads: int | None = None) -> Ra
         rank,
         setup.model_config,
         setup.run.data.seq_length,
-        setup.dtype,
+        setup.options.dtype,
         setup.host_profiles,
         parallel.emulation_profile,
         threads=threads,
         extra_slowdown=parallel.emulation_extra_slowdown,
-        fused_elementwise=setup.run.train.compile,
+        fused_elementwise=setup.options.fused_elementwise,
     )
 
 
@@ -234,7 +229,7 @@ def train_prepared(
     With a ``watch`` (a launched multi-rank run) the rank keeps a heartbeat, and a failure of
     the run's communication (a peer dead, hung or unreachable past the timeout) raises
     PeerFailure with one line naming the ranks that stopped answering and the failed operation
-    (:mod:`megatron_het.training.peer_watch`); any other failure is recorded for the peers'
+    (:mod:`megatron_het.launcher.peer_watch`); any other failure is recorded for the peers'
     reports and re-raised."""
     if watch is None:
         return _train(setup, stop or StopRequest(), out or sys.stdout, None, device)
@@ -258,14 +253,14 @@ _PROBLEM_BYTES = 240
 def device_index(setup: RunSetup, rank: int, local_rank: int) -> int:
     """The visible device that ``rank`` (``local_rank`` on its node) drives: its place among
     its node's ranks of its device type
-    (:func:`~megatron_het.training.launch.local_device_index`)."""
+    (:func:`~megatron_het.launcher.rank_device.local_device_index`)."""
     return rank_device_index(lambda r: setup.accelerator(r).device_type, rank, local_rank)
 
 
 def check_devices(setup: RunSetup, rank: int, device: int) -> None:
     """UserError on every rank when some rank's process cannot be the kind the cluster file
     gives it driving visible device ``device``
-    (:func:`~megatron_het.training.launch.device_problem`), naming those ranks.
+    (:func:`~megatron_het.launcher.rank_device.device_problem`), naming those ranks.
 
     Collective over the world (gloo, host tensors), before any device group is built: a GPU
     rank placed in another vendor's kind (nodes started in another order than the cluster

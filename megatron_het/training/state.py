@@ -47,7 +47,7 @@ def _accelerator_generators(device_type: str | None) -> tuple[str, Any] | None:
     """(state key, torch module) of the accelerator generators a rank of ``device_type``
     keeps, or None (a "cpu" rank, an "npu" rank without torch_npu, or, with ``device_type``
     None, no accelerator initialised in this process)."""
-    from megatron_het.training.launch import npu_module
+    from megatron_het.launcher.rank_device import npu_module
 
     if device_type == "cuda":
         return "cuda", torch.cuda

@@ -4,7 +4,7 @@
 # NCCL inside the A100 nodes, HCCL inside the Ascend nodes; relay bridge between them.
 # Plan from: tools/plan.py --cluster scripts/clusters/a100_ascend910b.yaml --model llama3-70b \
 #     --global-batch-size 1024 --seq-length 4096 --out scripts/a100_ascend910b/plan_70b.json
-# Modes, flags and variables: --help (the shared body is scripts/common/launch.sh).
+# Modes, flags and variables: --help (the mix's settings: mix_70b.yaml beside it).
 #SBATCH --job-name=a100_ascend910b-70b
 #SBATCH --nodes=12
 #SBATCH --ntasks-per-node=1
@@ -17,22 +17,16 @@
 #       scripts/a100_ascend910b/pretrain_llama_70b.sh
 set -euo pipefail
 
-HET_MIX=a100_ascend910b
-HET_SIZE=70b
-HET_CLUSTER=scripts/clusters/a100_ascend910b.yaml
-HET_PLAN=scripts/a100_ascend910b/plan_70b.json
-HET_MODEL=llama3-70b
-HET_SEQ_LENGTH=4096
-HET_NULL_VOCAB=128255      # NullTokenizer ids 0..128254 + eod = the model's 128256 tokens
-HET_BRIDGE=relay
-HET_LR=1.5e-4
-HET_MIN_LR=1.5e-5
-HET_WARMUP_ITERS=8000
-
-# The shared body, beside this file's folder (or under the submission directory when
-# sbatch runs a copy of this script).
-HET_BODY="$(dirname "${BASH_SOURCE[0]}")/../common/launch.sh"
-[ -f "$HET_BODY" ] || HET_BODY="${SLURM_SUBMIT_DIR:-$PWD}/scripts/common/launch.sh"
-# shellcheck source=../common/launch.sh
-source "$HET_BODY"
-het_main "$@"
+# The repository: two levels above this script, or the submission directory (sbatch runs a
+# copy of it); the interpreter: $PYTHON, else the repository's .venv, else python3.
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+[ -f "$repo/pretrain_llama.py" ] || repo="${SLURM_SUBMIT_DIR:-$PWD}"
+if [ ! -f "$repo/pretrain_llama.py" ]; then
+    echo "error: cannot find the repository root; run the script from its checkout or" \
+        "sbatch it from the repository root" >&2
+    exit 2
+fi
+python="${PYTHON:-$repo/.venv/bin/python}"
+[ -n "${PYTHON:-}" ] || [ -x "$python" ] || python=python3
+cd "$repo"
+exec "$python" -m megatron_het.launcher scripts/a100_ascend910b/mix_70b.yaml "$@"

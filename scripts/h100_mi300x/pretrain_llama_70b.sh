@@ -4,7 +4,7 @@
 # NCCL inside the H100 nodes, RCCL inside the MI300X nodes; relay bridge between them.
 # Plan from: tools/plan.py --cluster scripts/clusters/h100_mi300x.yaml --model llama2-70b \
 #     --global-batch-size 1024 --seq-length 4096 --out scripts/h100_mi300x/plan_70b.json
-# Modes, flags and variables: --help (the shared body is scripts/common/launch.sh).
+# Modes, flags and variables: --help (the mix's settings: mix_70b.yaml beside it).
 #SBATCH --job-name=h100_mi300x-70b
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=1
@@ -12,22 +12,16 @@
 #SBATCH --gpus-per-node=8
 set -euo pipefail
 
-HET_MIX=h100_mi300x
-HET_SIZE=70b
-HET_CLUSTER=scripts/clusters/h100_mi300x.yaml
-HET_PLAN=scripts/h100_mi300x/plan_70b.json
-HET_MODEL=llama2-70b
-HET_SEQ_LENGTH=4096
-HET_NULL_VOCAB=31999      # NullTokenizer ids 0..31998 + eod = the model's 32000 tokens
-HET_BRIDGE=relay
-HET_LR=1.5e-4
-HET_MIN_LR=1.5e-5
-HET_WARMUP_ITERS=2000
-
-# The shared body, beside this file's folder (or under the submission directory when
-# sbatch runs a copy of this script).
-HET_BODY="$(dirname "${BASH_SOURCE[0]}")/../common/launch.sh"
-[ -f "$HET_BODY" ] || HET_BODY="${SLURM_SUBMIT_DIR:-$PWD}/scripts/common/launch.sh"
-# shellcheck source=../common/launch.sh
-source "$HET_BODY"
-het_main "$@"
+# The repository: two levels above this script, or the submission directory (sbatch runs a
+# copy of it); the interpreter: $PYTHON, else the repository's .venv, else python3.
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+[ -f "$repo/pretrain_llama.py" ] || repo="${SLURM_SUBMIT_DIR:-$PWD}"
+if [ ! -f "$repo/pretrain_llama.py" ]; then
+    echo "error: cannot find the repository root; run the script from its checkout or" \
+        "sbatch it from the repository root" >&2
+    exit 2
+fi
+python="${PYTHON:-$repo/.venv/bin/python}"
+[ -n "${PYTHON:-}" ] || [ -x "$python" ] || python=python3
+cd "$repo"
+exec "$python" -m megatron_het.launcher scripts/h100_mi300x/mix_70b.yaml "$@"

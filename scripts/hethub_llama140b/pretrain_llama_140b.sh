@@ -6,7 +6,7 @@
 # accelerator-a nodes (its variables go in HET_EXTRA_ENV); relay bridge between them.
 # Plan from: tools/plan.py --cluster scripts/clusters/hethub_llama140b.yaml --model llama-140b \
 #     --global-batch-size 1024 --seq-length 4096 --out scripts/hethub_llama140b/plan_140b.json
-# Modes, flags and variables: --help (the shared body is scripts/common/launch.sh).
+# Modes, flags and variables: --help (the mix's settings: mix_140b.yaml beside it).
 #SBATCH --job-name=hethub_llama140b-140b
 #SBATCH --nodes=96
 #SBATCH --ntasks-per-node=1
@@ -19,22 +19,16 @@
 #       scripts/hethub_llama140b/pretrain_llama_140b.sh
 set -euo pipefail
 
-HET_MIX=hethub_llama140b
-HET_SIZE=140b
-HET_CLUSTER=scripts/clusters/hethub_llama140b.yaml
-HET_PLAN=scripts/hethub_llama140b/plan_140b.json
-HET_MODEL=llama-140b
-HET_SEQ_LENGTH=4096
-HET_NULL_VOCAB=31999      # NullTokenizer ids 0..31998 + eod = the model's 32000 tokens
-HET_BRIDGE=relay
-HET_LR=1.0e-4
-HET_MIN_LR=1.0e-5
-HET_WARMUP_ITERS=2000
-
-# The shared body, beside this file's folder (or under the submission directory when
-# sbatch runs a copy of this script).
-HET_BODY="$(dirname "${BASH_SOURCE[0]}")/../common/launch.sh"
-[ -f "$HET_BODY" ] || HET_BODY="${SLURM_SUBMIT_DIR:-$PWD}/scripts/common/launch.sh"
-# shellcheck source=../common/launch.sh
-source "$HET_BODY"
-het_main "$@"
+# The repository: two levels above this script, or the submission directory (sbatch runs a
+# copy of it); the interpreter: $PYTHON, else the repository's .venv, else python3.
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+[ -f "$repo/pretrain_llama.py" ] || repo="${SLURM_SUBMIT_DIR:-$PWD}"
+if [ ! -f "$repo/pretrain_llama.py" ]; then
+    echo "error: cannot find the repository root; run the script from its checkout or" \
+        "sbatch it from the repository root" >&2
+    exit 2
+fi
+python="${PYTHON:-$repo/.venv/bin/python}"
+[ -n "${PYTHON:-}" ] || [ -x "$python" ] || python=python3
+cd "$repo"
+exec "$python" -m megatron_het.launcher scripts/hethub_llama140b/mix_140b.yaml "$@"

@@ -1,4 +1,4 @@
-"""The start-up agreement over the rendezvous store (training.launch.join_world), on forked
+"""The start-up agreement over the rendezvous store (launcher.world.join_world), on forked
 ranks whose store rank 0 serves (a launch without torchrun) or this process serves (as
 torchrun's agent does): a rank that cannot take part stops every rank with one line naming
 it, at once rather than after the timeout, and a rank that never starts is named when the
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from megatron_het.training.launch import LaunchEnv
+from megatron_het.launcher.launch_env import LaunchEnv
 from tests.distributed.harness import free_port, run_ranks
 
 # The agent: a store served by a process of its own, as torchrun's agent serves one (served
@@ -87,7 +87,8 @@ def _join(
     import torch.distributed as dist
 
     from megatron_het.errors import UserError
-    from megatron_het.training.launch import StartupError, join_world
+    from megatron_het.launcher.start_agreement import StartupError
+    from megatron_het.launcher.world import join_world
 
     time.sleep((delays or {}).get(rank, 0.0))
     env = LaunchEnv(
@@ -215,7 +216,7 @@ def test_the_store_server_without_libuv_wakes_the_ranks_at_once(problems: dict[i
 
 
 def test_a_rank_that_cannot_reach_the_store_stops_with_its_own_problem() -> None:
-    from megatron_het.training.launch import stop_together
+    from megatron_het.launcher.start_agreement import stop_together
 
     env = LaunchEnv(1, 2, 1, "127.0.0.1", free_port(), local_world_size=2)
     error = stop_together(env, datetime.timedelta(seconds=1), "data file /d.idx does not exist")

@@ -5,7 +5,7 @@ draws."""
 import pytest
 import torch
 
-from megatron_het.training.launch import select_local_device
+from megatron_het.launcher.rank_device import select_local_device
 from megatron_het.training.state import rng_state, set_rng_state
 
 pytestmark = pytest.mark.gpu

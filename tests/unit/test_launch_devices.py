@@ -1,6 +1,6 @@
-"""Selecting a rank's local device (training/launch.py) with fake accelerator modules: CUDA and
-Ascend ranks select theirs, a CPU rank never touches torch.cuda and hides the GPUs from itself
-(no CUDA context on GPU hosts)."""
+"""Selecting a rank's local device (launcher/rank_device.py, launcher/world.py) with fake
+accelerator modules: CUDA and Ascend ranks select theirs, a CPU rank never touches torch.cuda
+and hides the GPUs from itself (no CUDA context on GPU hosts)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_het.perf.measure_procs import HIDING_VARIABLES
-from megatron_het.training.launch import init_world, select_local_device, shutdown_world
+from megatron_het.launcher.rank_device import select_local_device
+from megatron_het.launcher.world import init_world, shutdown_world
+from megatron_het.perf.measure.worker_processes import HIDING_VARIABLES
 
 
 class Untouchable:
@@ -133,7 +134,7 @@ def test_an_ascend_rank_selects_its_npu(monkeypatch: pytest.MonkeyPatch, no_cuda
 def test_a_rank_drives_the_device_of_its_place_among_its_kind_on_the_node(
     types_: list, local_rank: int, expected: int
 ) -> None:
-    from megatron_het.training.launch import local_device_index
+    from megatron_het.launcher.rank_device import local_device_index
 
     assert local_device_index(types_[: local_rank + 1], local_rank) == expected
 
@@ -155,7 +156,7 @@ def _kind(name: str):
 
 @pytest.mark.parametrize("name", ["cpu", "emu-slow"])
 def test_cpu_and_emulated_kinds_fit_any_process(monkeypatch, name: str) -> None:
-    from megatron_het.training.launch import device_problem
+    from megatron_het.launcher.rank_device import device_problem
 
     monkeypatch.setattr(torch, "cuda", Untouchable())
     assert device_problem(_kind(name)) is None
@@ -175,7 +176,7 @@ def test_cpu_and_emulated_kinds_fit_any_process(monkeypatch, name: str) -> None:
 def test_a_gpu_kind_needs_its_vendors_build_and_a_gpu(
     monkeypatch, name, hip, devices, problem
 ) -> None:
-    from megatron_het.training.launch import device_problem
+    from megatron_het.launcher.rank_device import device_problem
 
     fake = FakeAccelerator(devices, name="", memory_gib=192)
     monkeypatch.setattr(torch, "cuda", fake)
@@ -184,7 +185,7 @@ def test_a_gpu_kind_needs_its_vendors_build_and_a_gpu(
 
 
 def test_an_ascend_kind_needs_torch_npu_and_a_device(monkeypatch) -> None:
-    from megatron_het.training.launch import device_problem
+    from megatron_het.launcher.rank_device import device_problem
 
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
     assert device_problem(_kind("Ascend910B")) == "torch_npu is not importable here"
@@ -252,7 +253,7 @@ def test_a_gpu_rank_needs_its_own_device_of_its_kind(
 ) -> None:
     import dataclasses
 
-    from megatron_het.training.launch import device_problem
+    from megatron_het.launcher.rank_device import device_problem
 
     spec = (
         dataclasses.replace(_kind("H100"), name="site-gpu", memory_gib=80)
@@ -270,7 +271,7 @@ def test_a_gpu_rank_needs_its_own_device_of_its_kind(
 
 # ---- the address gloo listens on, for ranks on other nodes ---------------------------------
 def _env(world_size: int, local_world_size: int, ifname: str = ""):
-    from megatron_het.training.launch import LaunchEnv
+    from megatron_het.launcher.launch_env import LaunchEnv
 
     return LaunchEnv(
         0,
@@ -292,14 +293,14 @@ def test_node_0_itself_is_checked() -> None:
     """On node 0 the master is this host's own name: it must not exempt the check."""
     import dataclasses
 
-    from megatron_het.training.launch import gloo_address_problem
+    from megatron_het.launcher.launch_env import gloo_address_problem
 
     env = dataclasses.replace(_env(16, 8), master_addr="gpu-07")
     assert "127.0.1.1" in gloo_address_problem(env, lambda name: "127.0.1.1", lambda: "gpu-07")
 
 
 def test_a_multi_node_job_fails_when_the_hostname_resolves_to_loopback() -> None:
-    from megatron_het.training.launch import gloo_address_problem
+    from megatron_het.launcher.launch_env import gloo_address_problem
 
     problem = gloo_address_problem(_env(16, 8), _resolves_to("127.0.1.1"), lambda: "gpu-07")
     assert problem.startswith(
@@ -310,7 +311,7 @@ def test_a_multi_node_job_fails_when_the_hostname_resolves_to_loopback() -> None
 
 
 def test_an_unresolvable_hostname_is_named() -> None:
-    from megatron_het.training.launch import gloo_address_problem
+    from megatron_het.launcher.launch_env import gloo_address_problem
 
     def fail(name: str) -> str:
         raise OSError("Name or service not known")
@@ -330,7 +331,7 @@ def test_an_unresolvable_hostname_is_named() -> None:
     ],
 )
 def test_gloo_addresses_that_work(env, address: str) -> None:
-    from megatron_het.training.launch import gloo_address_problem
+    from megatron_het.launcher.launch_env import gloo_address_problem
 
     assert gloo_address_problem(env, _resolves_to(address), lambda: "gpu-07") is None
 
@@ -339,7 +340,7 @@ def test_nodes_on_one_host_may_use_loopback() -> None:
     """A master on a loopback address: every "node" of the job runs on this host."""
     import dataclasses
 
-    from megatron_het.training.launch import gloo_address_problem
+    from megatron_het.launcher.launch_env import gloo_address_problem
 
     for master in ("127.0.0.1", "localhost", "::1"):
         env = dataclasses.replace(_env(4, 2), master_addr=master)
@@ -347,7 +348,7 @@ def test_nodes_on_one_host_may_use_loopback() -> None:
 
 
 def test_read_launch_env_takes_the_gloo_interface() -> None:
-    from megatron_het.training.launch import read_launch_env
+    from megatron_het.launcher.launch_env import read_launch_env
 
     env = read_launch_env(
         {
@@ -363,7 +364,7 @@ def test_read_launch_env_takes_the_gloo_interface() -> None:
 
 def test_read_launch_env_takes_the_store_settings_and_checks_the_port() -> None:
     from megatron_het.errors import UserError
-    from megatron_het.training.launch import read_launch_env
+    from megatron_het.launcher.launch_env import read_launch_env
 
     base = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "29500"}
     env = read_launch_env(base)
@@ -379,7 +380,7 @@ def test_a_launched_cpu_rank_hides_the_gpus_before_joining(
 ) -> None:
     """What init_world does on a torchrun rank of a cpu kind: the variables are empty before
     the rendezvous (the world itself is not built here)."""
-    import megatron_het.training.launch as launch
+    import megatron_het.launcher.world as world
 
     for name in HIDING_VARIABLES:
         monkeypatch.setenv(name, "0")  # restored after the test
@@ -388,7 +389,7 @@ def test_a_launched_cpu_rank_hides_the_gpus_before_joining(
     def join(env, timeout, problem):
         seen.update({name: os.environ[name] for name in HIDING_VARIABLES})
 
-    monkeypatch.setattr(launch, "join_world", join)
-    monkeypatch.setattr(launch, "gloo_address_problem", lambda env: None)
-    launch.init_world(types.SimpleNamespace(rank=1, world_size=2), device_type="cpu")
+    monkeypatch.setattr(world, "join_world", join)
+    monkeypatch.setattr(world, "gloo_address_problem", lambda env: None)
+    world.init_world(types.SimpleNamespace(rank=1, world_size=2), device_type="cpu")
     assert seen == dict.fromkeys(HIDING_VARIABLES, "")

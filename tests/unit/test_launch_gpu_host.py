@@ -2,7 +2,7 @@
 (tests/gpu/__init__.py, used by tests/conftest.py) never asks this process's torch.cuda and
 skips the ``gpu`` tests exactly when it finds no device, and only the GPU session sees the GPU;
 measurement workers are forked only where a forked child can run autograd
-(megatron_het/perf/measure_procs.py)."""
+(megatron_het/perf/measure/worker_processes.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import megatron_het.perf.measure_procs as measure_procs
+import megatron_het.perf.measure.worker_processes as measure_procs
 import tests.conftest as suite_conftest
 import tests.gpu as gpu
-from megatron_het.perf.measure_procs import (
+from megatron_het.perf.measure.worker_processes import (
     HIDING_VARIABLES,
     fork_is_safe,
     gpus_hidden,

@@ -13,8 +13,8 @@ import torch
 from megatron_het.arguments import parse_run_config
 from megatron_het.checkpoint.reader import load_model_state
 from megatron_het.errors import UserError
+from megatron_het.launcher.world import init_world, shutdown_world
 from megatron_het.training import pretrain
-from megatron_het.training.launch import init_world, shutdown_world
 from megatron_het.training.setup import prepare_run
 
 FLAGS = [
@@ -166,7 +166,7 @@ def test_grad_reduce_in_bf16_needs_bf16_training() -> None:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_memory_model_counts_what_the_optimizer_holds(precision: str) -> None:
-    from megatron_het.perf.memory import stage_memory, stage_parameters
+    from megatron_het.perf.cost.memory import stage_memory, stage_parameters
     from megatron_het.training.trainer import train_step
 
     try:

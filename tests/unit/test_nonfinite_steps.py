@@ -144,7 +144,7 @@ def reference_skipping(argv: list[str], skipped: set[int], world_size: int = 1) 
 
 @pytest.fixture
 def world():
-    from megatron_het.training.launch import init_world, shutdown_world
+    from megatron_het.launcher.world import init_world, shutdown_world
 
     init_world(None)
     yield

@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from megatron_het.comm.faults import CommError, first_line
-from megatron_het.training.bounded_store import BoundedStore, StoreUnreachable
-from megatron_het.training.peer_watch import PeerWatch, heartbeat_interval
+from megatron_het.launcher.bounded_store import BoundedStore, StoreUnreachable
+from megatron_het.launcher.peer_watch import PeerWatch, heartbeat_interval
 
 
 def watch(store, rank: int, world: int = 4, **kwargs) -> PeerWatch:
@@ -319,7 +319,7 @@ def test_without_the_store_nodes_size_every_rank_says_the_store_is_gone() -> Non
 
 
 def test_the_launch_env_carries_torchruns_node_size() -> None:
-    from megatron_het.training.launch import read_launch_env
+    from megatron_het.launcher.launch_env import read_launch_env
 
     base = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
     assert read_launch_env({**base, "LOCAL_WORLD_SIZE": "2"}).local_world_size == 2

@@ -15,7 +15,7 @@ from megatron_het.comm import links, pending
 from megatron_het.comm.faults import CommError
 from megatron_het.comm.links import Link
 from megatron_het.comm.pending import DEVICE_BACKSTOP, PendingOps, device_timeout
-from megatron_het.training.peer_watch import PeerWatch
+from megatron_het.launcher.peer_watch import PeerWatch
 
 
 class Marker:
@@ -189,8 +189,8 @@ def test_a_failing_rank_is_not_reported_again_as_stuck() -> None:
 
 
 def test_a_stuck_operation_is_reported_and_ends_the_process(monkeypatch, capsys, tmp_path) -> None:
+    from megatron_het.launcher.failure_record import read_failure
     from megatron_het.training import run
-    from megatron_het.training.supervisor import read_failure
 
     class Watch:
         rank, world_size, run_id = 1, 2, "job-0"
@@ -199,7 +199,7 @@ def test_a_stuck_operation_is_reported_and_ends_the_process(monkeypatch, capsys,
             return 6
 
         def report(self, error, iteration):
-            from megatron_het.training.peer_watch import PeerReport
+            from megatron_het.launcher.peer_watch import PeerReport
 
             return PeerReport(
                 f"iteration {iteration}: rank 0 (kind) stopped answering; on rank 1: {error}",

@@ -8,16 +8,13 @@ import pathlib
 
 import pytest
 
+from megatron_het.arguments import build_parser
 from megatron_het.cluster import ClusterSpec
-from megatron_het.cluster.shrink import without_ranks
 from megatron_het.errors import UserError
-from megatron_het.training.supervisor import (
-    flag_value,
-    read_failure,
-    supervise,
-    with_flag,
-    write_failure,
-)
+from megatron_het.launcher.failure_record import read_failure, write_failure
+from megatron_het.launcher.shrink import without_ranks
+from megatron_het.launcher.supervisor import PRETRAIN, supervise
+from megatron_het.launcher.supervisor_config import read_run_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EMULATED = REPO / "scripts" / "clusters" / "cpu_emulated.yaml"
@@ -71,7 +68,7 @@ def test_every_node_left_knows_its_place_in_the_new_cluster(lost: list) -> None:
     it: that node of the new cluster holds exactly the old node's devices left, by kind."""
     from collections import Counter
 
-    from megatron_het.cluster.shrink import shrink
+    from megatron_het.launcher.shrink import shrink
 
     cluster = ClusterSpec.load(HETHUB)
     left, placed = shrink(cluster, lost)
@@ -98,18 +95,17 @@ def test_bad_losses_are_one_line_errors() -> None:
         without_ranks(cluster, range(4))
 
 
-def test_flags_are_read_and_replaced() -> None:
-    flags = ["--cluster", "a.yaml", "--plan=p.json", "--save", "ck"]
-    assert flag_value(flags, "--plan") == "p.json" and flag_value(flags, "--load") is None
-    assert with_flag(flags, "--plan", "auto") == [
-        "--cluster",
-        "a.yaml",
-        "--save",
-        "ck",
-        "--plan",
-        "auto",
-    ]
-    assert with_flag(flags, "--cluster", "b.yaml")[-2:] == ["--cluster", "b.yaml"]
+def _run_args(cmd: list[str]):
+    """The run's flags of a launch command as pretrain_llama.py's parser reads them."""
+    return build_parser().parse_args(cmd[cmd.index(PRETRAIN) + 1 :])
+
+
+def test_the_runs_flags_are_read_by_its_own_parser() -> None:
+    run = read_run_flags(["--cluster", "a.yaml", "--plan=p.json", "--save", "ck"])
+    assert (run.cluster, run.save, run.timeout_minutes) == ("a.yaml", "ck", 10.0)
+    assert run.flags == ("--cluster", "a.yaml", "--plan=p.json", "--save", "ck")
+    with pytest.raises(UserError, match="unrecognized arguments: --plna"):
+        read_run_flags(["--cluster", "a.yaml", "--save", "ck", "--plna", "p.json"])
 
 
 def test_the_supervisor_relaunches_on_the_devices_left(tmp_path: pathlib.Path) -> None:
@@ -128,32 +124,34 @@ def test_the_supervisor_relaunches_on_the_devices_left(tmp_path: pathlib.Path) -
 
     said: list[str] = []
     flags = ["--cluster", str(EMULATED), "--plan", "p.json", "--save", str(save)]
-    assert supervise(flags, launch=launch, say=said.append) == 0
+    assert supervise(read_run_flags(flags), {}, launch=launch, say=said.append) == 0
     first, second = launched
     assert first[first.index("--nproc_per_node") + 1] == "4"
     assert second[second.index("--nproc_per_node") + 1] == "3"
-    cluster = flag_value(second, "--cluster")
+    assert second[second.index(PRETRAIN) + 1 :][: len(flags)] == flags  # the run's, as given
+    relaunch = _run_args(second)
+    cluster = relaunch.cluster
     assert cluster == str(save / "elastic" / "cluster_1.yaml")
     assert ClusterSpec.load(cluster).accelerator_counts() == {"emu-fast": 1, "emu-slow": 2}
-    assert flag_value(second, "--plan") == "auto" and flag_value(second, "--load") == str(save)
+    assert relaunch.plan == "auto" and relaunch.load == str(save)
     assert len(said) == 1 and "ranks [1] lost" in said[0] and "3 devices left" in said[0]
 
 
 def test_the_supervisor_stops_without_a_lost_peer_or_restarts(tmp_path: pathlib.Path) -> None:
     save = tmp_path / "ckpt"
-    flags = ["--cluster", str(EMULATED), "--save", str(save)]
-    assert supervise(flags, launch=lambda cmd, env: 2, say=print) == 2  # a user error: no record
+    flags = read_run_flags(["--cluster", str(EMULATED), "--save", str(save)])
+    assert supervise(flags, {}, launch=lambda cmd, env: 2, say=print) == 2  # a user error
 
     def always_lose(cmd: list[str], env=None) -> int:
         write_failure(save, 1, 4, silent=[0], stuck=[], failed=[], line="lost")
         return 1
 
     said: list[str] = []
-    assert supervise(flags, max_restarts=1, launch=always_lose, say=said.append) == 1
+    assert supervise(flags, {}, max_restarts=1, launch=always_lose, say=said.append) == 1
     assert "restart 1 of 1" in said[0] and "from the start" in said[0]
     assert "no restart left" in said[1]
     with pytest.raises(UserError, match="needs --cluster"):
-        supervise(["--save", str(save)], launch=always_lose)
+        read_run_flags(["--save", str(save)])
 
 
 # ---- a multi-node job: one supervisor per node --------------------------------------------
@@ -164,7 +162,8 @@ def _node_job(tmp_path: pathlib.Path, node_rank: int, lost: list, outcomes: list
     """Node ``node_rank``'s supervisor of the two-node job; its first launch fails losing
     ``lost`` (the record written as the reporting rank would), later ones end with
     ``outcomes``. Returns (exit status, launched commands, lines said)."""
-    from megatron_het.training.supervisor import NodeLaunch, supervise_node
+    from megatron_het.launcher.supervisor import supervise_node
+    from megatron_het.launcher.supervisor_config import NodeLaunch
 
     save = tmp_path / "ckpt"
     save.mkdir(exist_ok=True)
@@ -207,12 +206,16 @@ def _node_job(tmp_path: pathlib.Path, node_rank: int, lost: list, outcomes: list
         "--distributed-timeout-minutes",
         "0.01",
     ]
-    status = supervise_node(flags, node, launch=launch, say=said.append, sleep=lambda s: None)
+    status = supervise_node(
+        read_run_flags(flags), node, {}, launch=launch, say=said.append, sleep=lambda s: None
+    )
     return status, launched, said
 
 
 def _arg(cmd: list, name: str) -> str:
-    return cmd[cmd.index(name) + 1]
+    """The value of ``name`` in ``cmd``: its last one, which pretrain_llama.py's parser (and
+    torchrun's) keeps."""
+    return cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1]
 
 
 def test_each_node_relaunches_at_its_place_in_the_cluster_left(tmp_path) -> None:
@@ -266,7 +269,8 @@ def test_when_node_0_is_lost_the_next_node_is_the_master(tmp_path) -> None:
 
 
 def test_a_node_without_a_record_of_its_launch_ends_with_the_runs_status(tmp_path) -> None:
-    from megatron_het.training.supervisor import NodeLaunch, supervise_node
+    from megatron_het.launcher.supervisor import supervise_node
+    from megatron_het.launcher.supervisor_config import NodeLaunch
 
     save = tmp_path / "ckpt"
     cluster = tmp_path / "two_nodes.yaml"
@@ -281,8 +285,9 @@ def test_a_node_without_a_record_of_its_launch_ends_with_the_runs_status(tmp_pat
 
     flags = ["--cluster", str(cluster), "--save", str(save), "--distributed-timeout-minutes", "0.1"]
     status = supervise_node(
-        flags,
+        read_run_flags(flags),
         NodeLaunch(0, "127.0.0.1", 29500, "127.0.0.1", "job7"),
+        {},
         launch=lambda cmd, env: 3,
         sleep=sleep,
         clock=lambda: now[0],
@@ -298,25 +303,29 @@ def test_a_node_without_a_record_of_its_launch_ends_with_the_runs_status(tmp_pat
             "needs --node-rank, --master-addr and --master-port together",
         ),
         (["--job-id", "j"], "--node-addr and --job-id are for a multi-node job"),
-        (["--node-rank", "x", "--master-addr", "a", "--master-port", "1"], "--node-rank takes"),
-        (["--nodes", "2"], "unknown supervisor flags --nodes 2"),
+        (
+            ["--node-rank", "x", "--master-addr", "a", "--master-port", "1"],
+            "--node-rank: takes a non-negative integer",
+        ),
+        (["--nodes", "2"], "unrecognized arguments: --nodes 2"),
     ],
 )
 def test_supervisor_flags_that_do_not_make_a_job_are_one_line_errors(head, fragment) -> None:
-    from megatron_het.training.supervisor import main
+    from megatron_het.launcher.supervisor import main
 
     with pytest.raises(UserError, match=fragment):
         main([*head, "--", "--cluster", str(EMULATED), "--save", "ckpt"], environ={})
 
 
 def test_a_relaunch_leaves_the_lost_device_out_of_the_visible_devices(
-    monkeypatch, tmp_path
+    tmp_path,
 ) -> None:
     """A rank lost with its GPU: the relaunch must not put a rank back on that device."""
-    from megatron_het.training.supervisor import NodeLaunch, supervise_node
+    from megatron_het.launcher.supervisor import supervise_node
+    from megatron_het.launcher.supervisor_config import NodeLaunch
 
     cluster = ClusterSpec.load(HETHUB)  # MI250X nodes first, 8 devices each
-    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    environ = {"HIP_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     (tmp_path / "elastic" / "nodes").mkdir(parents=True)
     for identity in range(cluster.num_nodes):
         (tmp_path / "elastic" / "nodes" / f"node{identity}.json").write_text(
@@ -353,8 +362,9 @@ def test_a_relaunch_leaves_the_lost_device_out_of_the_visible_devices(
     ]
     assert (
         supervise_node(
-            flags,
+            read_run_flags(flags),
             NodeLaunch(1, "h0", 29500, "h1", "j"),
+            environ,
             launch=launch,
             say=lambda line: None,
             sleep=lambda s: None,
@@ -369,7 +379,7 @@ def test_a_relaunch_leaves_the_lost_device_out_of_the_visible_devices(
 
 
 def test_cpu_and_emulated_ranks_have_no_devices_to_leave_out() -> None:
-    from megatron_het.training.supervisor import HostDevices
+    from megatron_het.launcher.supervisor import HostDevices
 
     cluster = ClusterSpec.load(EMULATED)
     devices = HostDevices(cluster.rank_map(), {"PATH": "/bin"})
@@ -378,7 +388,7 @@ def test_cpu_and_emulated_ranks_have_no_devices_to_leave_out() -> None:
 
 
 def test_the_first_record_of_a_launch_stands(tmp_path: pathlib.Path) -> None:
-    from megatron_het.training.supervisor import _forget_record
+    from megatron_het.launcher.failure_record import forget_record
 
     assert write_failure(tmp_path, 5, 4, [2], [], [], "first", run_id="job-0")
     assert not write_failure(tmp_path, 5, 4, [1, 2], [], [], "second", run_id="job-0")
@@ -393,26 +403,26 @@ def test_the_first_record_of_a_launch_stands(tmp_path: pathlib.Path) -> None:
     assert read_failure(tmp_path)["run_id"] == "job-1"
     assert write_failure(tmp_path, 9, 3, [1], [], [], "no id", run_id="")  # no launch to claim
     assert write_failure(tmp_path, 9, 3, [1], [], [], "no id again", run_id="")
-    _forget_record(str(tmp_path), "job-0")  # the job id used again by a later job
+    forget_record(str(tmp_path), "job-0")  # the job id used again by a later job
     assert write_failure(tmp_path, 1, 4, [3], [], [], "reused id", run_id="job-0")
     assert read_failure(tmp_path)["line"] == "reused id"
 
 
 def test_a_rank_records_its_own_error_only_under_a_supervisor(tmp_path: pathlib.Path) -> None:
-    from megatron_het.training.supervisor import RECORD_ERRORS_VAR, record_own_error
+    from megatron_het.launcher.failure_record import RECORD_ERRORS_VAR, record_own_error
 
-    argv = ["--model", "tiny", "--save", str(tmp_path)]
+    save = str(tmp_path)
     env = {"RANK": "3", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job-0"}
-    assert not record_own_error(argv, env, UserError("no plan file p.json"))
+    assert not record_own_error(save, env, UserError("no plan file p.json"))
     assert read_failure(tmp_path) is None  # a run without a supervisor leaves --save alone
     env[RECORD_ERRORS_VAR] = "1"
-    assert not record_own_error(["--model", "tiny"], env, UserError("x"))  # no --save
-    assert record_own_error(argv, env, UserError("no plan file p.json"))
+    assert not record_own_error(None, env, UserError("x"))  # no --save
+    assert record_own_error(save, env, UserError("no plan file p.json"))
     record = read_failure(tmp_path)
     assert record["lost_ranks"] == [] and record["failed"] == [3] and record["world_size"] == 4
     assert record["line"] == "rank 3: no plan file p.json" and record["run_id"] == "job-0"
-    assert not record_own_error(argv, {**env, "RANK": "0"}, SystemExit(2))  # rank 3's stands
-    assert record_own_error(argv, {**env, "TORCHELASTIC_RUN_ID": "job-1"}, SystemExit(2))
+    assert not record_own_error(save, {**env, "RANK": "0"}, SystemExit(2))  # rank 3's stands
+    assert record_own_error(save, {**env, "TORCHELASTIC_RUN_ID": "job-1"}, SystemExit(2))
     assert read_failure(tmp_path)["line"] == "rank 3: exited with status 2"
 
 
@@ -422,16 +432,16 @@ def test_an_error_every_rank_raises_alike_is_recorded_with_the_ranks_it_names(
     """A start-up problem agreed by every rank: whichever rank records it first, the record
     names the ranks with the problem and its line once."""
     from megatron_het.errors import RanksError
-    from megatron_het.training.supervisor import RECORD_ERRORS_VAR, record_own_error
+    from megatron_het.launcher.failure_record import RECORD_ERRORS_VAR, record_own_error
 
-    argv = ["--model", "tiny", "--save", str(tmp_path)]
+    save = str(tmp_path)
     env = {"RANK": "0", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job-0", RECORD_ERRORS_VAR: "1"}
     line = "ranks 2-3: data file /d.idx does not exist"
-    assert record_own_error(argv, env, RanksError(line, (2, 3)))
+    assert record_own_error(save, env, RanksError(line, (2, 3)))
     record = read_failure(tmp_path)
     assert record["failed"] == [2, 3] and record["line"] == line and record["lost_ranks"] == []
     assert record_own_error(
-        argv, {**env, "TORCHELASTIC_RUN_ID": "job-1"}, RanksError("every rank's problem")
+        save, {**env, "TORCHELASTIC_RUN_ID": "job-1"}, RanksError("every rank's problem")
     )
     assert read_failure(tmp_path)["failed"] == [0, 1, 2, 3]
 
@@ -439,7 +449,8 @@ def test_an_error_every_rank_raises_alike_is_recorded_with_the_ranks_it_names(
 def test_a_node_supervisor_stops_at_once_when_the_run_failed_on_its_own(
     tmp_path: pathlib.Path,
 ) -> None:
-    from megatron_het.training.supervisor import NodeLaunch, supervise_node
+    from megatron_het.launcher.supervisor import supervise_node
+    from megatron_het.launcher.supervisor_config import NodeLaunch
 
     save = tmp_path / "ckpt"
     cluster = tmp_path / "two_nodes.yaml"
@@ -455,8 +466,9 @@ def test_a_node_supervisor_stops_at_once_when_the_run_failed_on_its_own(
     said: list[str] = []
     flags = ["--cluster", str(cluster), "--save", str(save)]  # a 10-minute timeout
     status = supervise_node(
-        flags,
+        read_run_flags(flags),
         NodeLaunch(0, "host-a", 29500, "host-a", "j"),
+        {},
         launch=launch,
         say=said.append,
         sleep=waited.append,

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from megatron_het.comm.faults import first_line
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
+from megatron_het.launcher.rank_device import local_accelerator
 from megatron_het.model.llama import build_model
 from megatron_het.model.loss import IGNORE_INDEX, linear_cross_entropy
-from megatron_het.training.launch import local_accelerator
 from tools.gpu_check.context import CheckContext
 from tools.gpu_check.report import FAIL, PASS, SKIP, status_of
 from tools.gpu_check.tp_rings import ring_errors

@@ -1,7 +1,7 @@
 """Which processes hold a context on the GPU while a run goes on, from NVML (``pynvml``, which
 ``nvidia-ml-py`` installs, else ``nvidia-smi``, which comes with the driver): a CPU rank on a
 GPU host must hold none (no CUDA context on GPU 0 beside the GPU ranks', see
-:func:`megatron_het.training.launch.select_local_device`).
+:func:`megatron_het.launcher.rank_device.select_local_device`).
 
 A thread samples NVML's compute processes every ``interval_s`` and keeps, per process id, the
 variables ``names`` of its environment (``LOCAL_RANK``, which torchrun sets, and a marker the

@@ -14,7 +14,7 @@ Thresholds: MFU >= 40% for the compiled run (the eager run's is recorded); measu
 25% of the memory model's prediction (which leaves out the CUDA context and allocator
 fragmentation, as ``max_memory_allocated`` does); the measured iteration time (median after the
 first two) within 25% of the predictor's for the same run (its calibrated figures for the kind:
-:mod:`megatron_het.perf.calibration`).
+:mod:`megatron_het.perf.cost.calibration`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import torch
 
 from megatron_het.arguments import parse_run_config
 from megatron_het.errors import UserError, run_cli
-from megatron_het.training.launch import init_world, local_accelerator, shutdown_world
+from megatron_het.launcher.rank_device import local_accelerator
+from megatron_het.launcher.world import init_world, shutdown_world
 from megatron_het.training.run import predict_run, train_prepared
 from megatron_het.training.setup import RunSetup, prepare_run
 from tools.gpu_check.context import CheckContext

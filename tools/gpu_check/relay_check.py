@@ -30,13 +30,10 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.comm import UnifiedCommunicator
 from megatron_het.comm.relay import Bridge
 from megatron_het.comm.ring import chunks
+from megatron_het.launcher.launch_env import read_launch_env
+from megatron_het.launcher.rank_device import rank_device_index
+from megatron_het.launcher.world import init_world, shutdown_world
 from megatron_het.pipeline.timing import synchronize
-from megatron_het.training.launch import (
-    init_world,
-    rank_device_index,
-    read_launch_env,
-    shutdown_world,
-)
 from tools.gpu_check.context import CheckContext
 from tools.gpu_check.device_checks import skip_all
 from tools.gpu_check.pair_files import pair_files

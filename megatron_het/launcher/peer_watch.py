@@ -25,7 +25,7 @@ ends the process itself (a rank stuck in a kernel or a wait that will never time
 of the run waits forever.
 
 The store is served on rank 0's node (by torchrun's agent there, or by rank 0), so it dies with
-that node. Every store call is bounded (:class:`~megatron_het.training.bounded_store.
+that node. Every store call is bounded (:class:`~megatron_het.launcher.bounded_store.
 BoundedStore`): a store whose host stopped answering fails the calls instead of blocking them.
 A failing rank that finds the store gone reports from what it knows: rank 0 published the
 number of ranks on its node at start-up, and torchrun numbers a node's ranks consecutively, so
@@ -45,7 +45,7 @@ from typing import Any
 
 from megatron_het.comm.faults import CommError, first_line
 from megatron_het.errors import EXIT_PEER_FAILURE
-from megatron_het.training.bounded_store import BoundedStore
+from megatron_het.launcher.bounded_store import BoundedStore
 
 PREFIX = "megatron_het/peer_watch/"
 FALLBACK_REPORTERS = 3  # ranks after the logging rank that report when it is lost

@@ -64,7 +64,7 @@ class GroupLink:
 class Link:
     """The path between two ranks. ``bandwidth_gbps`` is GB/s for that pair alone; concurrent
     transfers over the same NIC or bridge share it. ``emulated`` only marks the link: CPU
-    emulation (:mod:`megatron_het.emulation.links`) paces its traffic to these figures."""
+    emulation (:mod:`megatron_het.emulation.emulated_links`) paces its traffic to these figures."""
 
     bandwidth_gbps: float
     latency_s: float

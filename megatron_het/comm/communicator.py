@@ -126,7 +126,7 @@ class UnifiedCommunicator:
         With ``bridge="direct"`` and no ``direct_backend``, the backend is chosen from the
         accelerators' backends, device types and collective libraries. ``wire_hooks`` as for
         the constructor: links the cluster marks as emulated are slowed only when the caller
-        passes the emulation's hooks (:func:`megatron_het.emulation.links.emulated_wires`).
+        passes the emulation's hooks (:func:`megatron_het.emulation.emulated_links.emulated_wires`).
         """
         infos = sorted(cluster.rank_map(), key=lambda info: info.rank)
         kinds = [info.accelerator.name for info in infos]

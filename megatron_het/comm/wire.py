@@ -5,8 +5,8 @@ The communicator knows nothing of how a wire is modelled. It takes an optional
 link it builds, for the :class:`Wire` of the accelerator kinds that link spans (None: the link
 runs at the backend's own speed). The link then books every operation on that wire before it
 starts (:meth:`Wire.book`) and calls what the booking returned once the backend has finished.
-CPU emulation plugs in here (:mod:`megatron_het.emulation.links` slows cross-kind traffic to an
-emulated bridge link); without hooks nothing is booked.
+CPU emulation plugs in here (:mod:`megatron_het.emulation.emulated_links` slows cross-kind traffic
+to an emulated bridge link); without hooks nothing is booked.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ link is a cluster link whose cross-kind traffic is paced to its bandwidth and la
 product knows none of it: emulation reaches it through two hooks, the pipeline executor's region
 timer (:class:`~megatron_het.pipeline.executor.RegionTimer`, implemented by :class:`Emulator`)
 and the communicator's wire hooks (:class:`~megatron_het.comm.wire.WireHooks`, implemented by
-:class:`~megatron_het.emulation.links.EmulatedWires`), and the predictor accepts its model of
-ranks sharing a host's cores as an optional rate model
+:class:`~megatron_het.emulation.emulated_links.EmulatedWires`), and the predictor accepts its model
+of ranks sharing a host's cores as an optional rate model
 (:class:`~megatron_het.emulation.host_model.SharedHostModel`).
 
 Modules: :mod:`.emulator` (the region timer), :mod:`.links` (emulated links and wires),
@@ -19,6 +19,7 @@ emulation; callers label its results as such.
 
 from __future__ import annotations
 
+from megatron_het.emulation.emulated_links import EmulatedLink, EmulatedWires, emulated_wires
 from megatron_het.emulation.emulator import (
     REFERENCE_QUANTILE,
     REFERENCE_WINDOW,
@@ -27,9 +28,8 @@ from megatron_het.emulation.emulator import (
     Emulator,
 )
 from megatron_het.emulation.host_model import SharedHostModel
-from megatron_het.emulation.links import EmulatedLink, EmulatedWires, emulated_wires
 from megatron_het.emulation.memory_caps import check_memory_caps
-from megatron_het.emulation.setup import RankEmulation, build_emulation
+from megatron_het.emulation.rank_emulation import RankEmulation, build_emulation
 
 __all__ = [
     "REFERENCE_QUANTILE",

@@ -18,9 +18,9 @@ micro-batches of an iteration in float32, in its slice of a bucket:
 Gradients of float32 parameters that arrive another way (``.grad`` set to None and recreated)
 are copied in at sync time, so the sync is correct either way.
 
-Sync over the DP group (``groups.dp`` of :mod:`megatron_het.parallel.groups`), SUM reduction, in
-float32 or (``reduce_dtype=torch.bfloat16``, Megatron's ``--grad-reduce-in-bf16``) on a bf16 copy
-of the bucket:
+Sync over the DP group (``groups.dp`` of :mod:`megatron_het.parallel.process_groups`), SUM
+reduction, in float32 or (``reduce_dtype=torch.bfloat16``, Megatron's ``--grad-reduce-in-bf16``) on
+a bf16 copy of the bucket:
 
 * :meth:`all_reduce`: one ``all_reduce`` per bucket; afterwards every gradient holds the DP sum.
 * :meth:`reduce_scatter`: one ``reduce_scatter_tensor`` per bucket; afterwards only THIS rank's

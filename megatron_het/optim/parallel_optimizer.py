@@ -51,7 +51,7 @@ from megatron_het.optim.flat_params import FlatParams
 from megatron_het.optim.loss_scaler import LossScaler
 from megatron_het.optim.replica_sync import ReplicaSync
 from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB
-from megatron_het.parallel.groups import ProcessGroups
+from megatron_het.parallel.process_groups import ProcessGroups
 from megatron_het.tensor_parallel.sharding import shard_spec
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -91,8 +91,8 @@ class ParallelOptimizer:
     """AdamW over one pipeline stage's (TP-sharded) parameters with DP gradient sync.
 
     Built by :func:`build_parallel_optimizer`. ``groups`` needs ``dp``, ``tp`` and ``world``
-    (see :class:`megatron_het.parallel.groups.ProcessGroups`). Every method that communicates is
-    collective over the group it names and must be called by all its members.
+    (see :class:`megatron_het.parallel.process_groups.ProcessGroups`). Every method that
+    communicates is collective over the group it names and must be called by all its members.
     """
 
     def __init__(
@@ -418,7 +418,7 @@ def build_parallel_optimizer(
     """The AdamW optimizer of this rank's ``stage`` (a TP-applied :class:`LlamaModel` slice,
     built in float32).
 
-    ``groups`` is this rank's :class:`~megatron_het.parallel.groups.ProcessGroups` (``dp``,
+    ``groups`` is this rank's :class:`~megatron_het.parallel.process_groups.ProcessGroups` (``dp``,
     ``tp`` and ``world`` are used). The parameters' storage moves into flat buffers of
     ``param_dtype`` (bf16 for mixed precision; build the optimizer before anything else keeps
     references to ``param.data``). ``use_distributed_optimizer`` (ZeRO-1) shards masters and

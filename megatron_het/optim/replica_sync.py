@@ -3,11 +3,11 @@
 When pipelines split the model differently (other stage boundaries, TP degrees or
 interleaving), no two ranks of different replicas hold the same shards, so the rank-by-rank DP
 sum of :mod:`megatron_het.optim.data_parallel` does not apply. Instead every parameter unit of
-:func:`~megatron_het.parallel.groups.replica_units` (the embedding, runs of decoder layers with
-the same holders, the head) is summed over the group of every rank that holds part of it, in
-the FULL parameter shapes: each rank adds its float32 main gradient into its TP box of a
-zeroed full-size buffer, the buffer is all-reduced over the unit's group, and each rank reads
-its box back. Slices line up by global name and offset whatever TP sharding a replica uses.
+:func:`~megatron_het.parallel.process_groups.replica_units` (the embedding, runs of decoder layers
+with the same holders, the head) is summed over the group of every rank that holds part of it, in
+the FULL parameter shapes: each rank adds its float32 main gradient into its TP box of a zeroed
+full-size buffer, the buffer is all-reduced over the unit's group, and each rank reads its box back.
+Slices line up by global name and offset whatever TP sharding a replica uses.
 
 Each element is contributed once per replica: a TP-replicated tensor (a norm weight) by tp
 rank 0 only, a tied embedding by its first-stage copy only (the last stage's copy already holds
@@ -67,7 +67,7 @@ class ReplicaSync:
     """The cross-replica sums of one rank's parameters (see the module docstring).
 
     ``names``: this rank's trainable parameter names; ``units``: its
-    :attr:`~megatron_het.parallel.groups.ProcessGroups.replica_units`; ``stage`` and
+    :attr:`~megatron_het.parallel.process_groups.ProcessGroups.replica_units`; ``stage`` and
     ``tp_rank`` say which pieces it contributes; ``pipeline`` of ``num_pipelines`` which rows
     it owns. Every method that communicates is collective over each unit's group.
     """

@@ -6,7 +6,7 @@ compute step runs the stage's forward or backward for one micro-batch; a transfe
 transfer or a :class:`~megatron_het.pipeline.schedules.P2PBatch`) posts all its point-to-point
 ops in ONE ``batch_isend_irecv`` over the pipeline's group and waits for all of them before the
 next step. Who exchanges with whom across a TP change, the wire dtype and the receive-buffer pool
-are described in :mod:`megatron_het.pipeline.p2p`.
+are described in :mod:`megatron_het.pipeline.stage_boundary`.
 
 Interleaved pipelines: a rank of a device group runs several model chunks (its stage holds
 all their layers, :class:`~megatron_het.model.llama.LlamaModel` ``chunks``) with the
@@ -57,17 +57,9 @@ from torch import nn
 
 from megatron_het.config import ModelConfig
 from megatron_het.kernels.main_grad import accumulated_grad
-from megatron_het.parallel.groups import ProcessGroups
+from megatron_het.parallel.process_groups import ProcessGroups
 from megatron_het.parallel.sequence import local_positions
 from megatron_het.pipeline.actions import _actions_of
-from megatron_het.pipeline.p2p import (
-    BufferPool,
-    boundary_peers,
-    place_received,
-    sync_tied_embedding_grads,
-    tied_embedding_weight,
-    transfer_ops,
-)
 from megatron_het.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -78,6 +70,14 @@ from megatron_het.pipeline.schedules import (
     gpipe,
     interleaved_one_f_one_b,
     sequential_forward,
+)
+from megatron_het.pipeline.stage_boundary import (
+    BufferPool,
+    boundary_peers,
+    place_received,
+    sync_tied_embedding_grads,
+    tied_embedding_weight,
+    transfer_ops,
 )
 from megatron_het.pipeline.timing import RegionClock, synchronize_stream
 

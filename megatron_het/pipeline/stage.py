@@ -14,8 +14,8 @@ import torch
 from megatron_het.config import ModelConfig
 from megatron_het.model.init import init_weights
 from megatron_het.model.llama import LlamaModel
-from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.process_groups import ProcessGroups
 from megatron_het.tensor_parallel.apply import apply_tp
 
 
@@ -40,7 +40,7 @@ def build_stage(
     Returns a :class:`LlamaModel` (a ``TensorParallelLlamaModel`` when the stage's tp > 1)
     with global parameter names; with tied embeddings the last stage holds its own copy of
     (its TP slice of) ``embedding.weight``, kept equal to the first stage's copy by
-    :func:`megatron_het.pipeline.p2p.sync_tied_embedding_grads`.
+    :func:`megatron_het.pipeline.stage_boundary.sync_tied_embedding_grads`.
     """
     role = plan.rank_role(groups.rank)
     stage = role.stage_plan

@@ -9,7 +9,7 @@ import torch
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.comm import UnifiedCommunicator
-from megatron_het.emulation.links import EmulatedLink, EmulatedWires, emulated_wires
+from megatron_het.emulation.emulated_links import EmulatedLink, EmulatedWires, emulated_wires
 from megatron_het.errors import UserError
 from tests.distributed.harness import run_ranks
 

@@ -26,8 +26,8 @@ from megatron_het.config import ModelConfig, OptimizerConfig
 from megatron_het.model.llama import build_model
 from megatron_het.optim.optimizer import build_optimizer
 from megatron_het.optim.parallel_optimizer import build_parallel_optimizer
-from megatron_het.parallel.groups import ProcessGroups, build_process_groups
 from megatron_het.parallel.plan_builders import plan_from_megatron_flags
+from megatron_het.parallel.process_groups import ProcessGroups, build_process_groups
 from megatron_het.tensor_parallel import apply_tp, shard_tensor
 from tests.distributed.harness import run_ranks
 from tests.reference import forward_backward, optimizer_step

@@ -14,8 +14,8 @@ import torch
 
 from megatron_het.comm import UnifiedCommunicator
 from megatron_het.errors import UserError
-from megatron_het.parallel.groups import build_process_groups
 from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.process_groups import build_process_groups
 from tests.distributed.harness import run_ranks
 
 PLANS = Path(__file__).resolve().parents[2] / "scripts" / "plans"

@@ -18,7 +18,7 @@ import torch
 from megatron_het.errors import UserError
 from megatron_het.model.llama import build_model
 from megatron_het.optim.parallel_optimizer import build_parallel_optimizer
-from megatron_het.parallel.groups import ProcessGroups
+from megatron_het.parallel.process_groups import ProcessGroups
 from megatron_het.pipeline.executor import PipelineExecutor
 from megatron_het.pipeline.stage import build_stage as build_pipeline_stage
 from megatron_het.tensor_parallel import apply_tp, parameter_shape, shard_tensor
@@ -270,8 +270,8 @@ def _interleaved_buckets_go_out_per_chunk(rank: int, world_size: int) -> None:
     import datetime
 
     from megatron_het.comm import UnifiedCommunicator
-    from megatron_het.parallel.groups import build_process_groups
     from megatron_het.parallel.plan_builders import plan_from_megatron_flags
+    from megatron_het.parallel.process_groups import build_process_groups
 
     comm = UnifiedCommunicator(
         ["cpu"] * world_size,

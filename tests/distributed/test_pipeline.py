@@ -21,11 +21,11 @@ from megatron_het.comm import UnifiedCommunicator
 from megatron_het.config import ModelConfig
 from megatron_het.emulation.emulator import Emulator
 from megatron_het.model.llama import build_model
-from megatron_het.parallel.groups import build_process_groups
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.process_groups import build_process_groups
 from megatron_het.pipeline.executor import PipelineExecutor, compute_region_key
-from megatron_het.pipeline.p2p import boundary_peers
 from megatron_het.pipeline.stage import build_stage
+from megatron_het.pipeline.stage_boundary import boundary_peers
 from megatron_het.tensor_parallel import unshard
 from tests.distributed.harness import run_ranks
 

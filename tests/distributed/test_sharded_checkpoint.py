@@ -26,8 +26,8 @@ from megatron_het.config import ModelConfig, OptimizerConfig
 from megatron_het.model.llama import build_model
 from megatron_het.optim.optimizer import build_optimizer
 from megatron_het.optim.parallel_optimizer import build_parallel_optimizer
-from megatron_het.parallel.groups import build_process_groups
 from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.process_groups import build_process_groups
 from megatron_het.pipeline.stage import build_stage
 from megatron_het.tensor_parallel.sharding import parameter_shape
 from megatron_het.training.state import rng_state

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from megatron_het.cluster import AcceleratorRegistry, ClusterSpec
-from megatron_het.emulation.links import emulated_link
+from megatron_het.emulation.emulated_links import emulated_link
 from megatron_het.errors import UserError
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "scripts" / "clusters"

@@ -23,7 +23,7 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan_validation import validate
-from megatron_het.perf.profile import LayerEntry
+from megatron_het.perf.measure.profile_format import LayerEntry
 from tools.gpu_check import cli, mfu, mixed_pair, profile_check, runner
 from tools.gpu_check.context import CheckContext, Options
 from tools.gpu_check.device_checks import (
@@ -550,8 +550,12 @@ def test_roofline_row_compares_a_layer_with_the_peak_and_the_estimate():
     assert f"{roof / entry.forward_s:.0%} of roofline" in value and "est.)" in value
     # the estimate is the predictor's for an eager run: H200 takes the calibrated H100
     # factors, with the eager layers' elementwise traffic (the tool measures eager layers)
-    from megatron_het.perf.calibration import efficiency_for
-    from megatron_het.perf.cost_model import EAGER_ELEMENTWISE_TRAFFIC, layer_forward_ops, ops_time
+    from megatron_het.perf.cost.calibration import efficiency_for
+    from megatron_het.perf.cost.roofline import (
+        EAGER_ELEMENTWISE_TRAFFIC,
+        layer_forward_ops,
+        ops_time,
+    )
 
     spec = AcceleratorRegistry.builtin().get("H200")
     eager = dataclasses.replace(efficiency_for(spec), elementwise_traffic=EAGER_ELEMENTWISE_TRAFFIC)
@@ -876,7 +880,7 @@ def test_an_error_in_one_block_fails_its_rows_and_the_check_goes_on(tmp_path):
 
 
 def test_the_mode_ratio_row_pairs_eager_and_compiled_entries_of_one_shape():
-    from megatron_het.perf.profile import Profile, ProfileConditions
+    from megatron_het.perf.measure.profile_format import Profile, ProfileConditions
 
     spec = AcceleratorRegistry.builtin().get("H200")
     eager = LayerEntry(2048, 5632, 16, 4, 2048, 4, 1, "bf16", 0.004, 0.012, 1e9)

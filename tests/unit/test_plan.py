@@ -19,7 +19,7 @@ from megatron_het.parallel import (
     valid_tp_sizes,
     validate,
 )
-from megatron_het.parallel.groups import dp_members
+from megatron_het.parallel.process_groups import dp_members
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = ROOT / "scripts" / "plans"

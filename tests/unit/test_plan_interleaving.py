@@ -15,7 +15,7 @@ from megatron_het.model.llama import LlamaModel, build_model
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_builders import plan_from_megatron_flags
 from megatron_het.parallel.plan_validation import validate
-from megatron_het.pipeline.p2p import boundary_peers
+from megatron_het.pipeline.stage_boundary import boundary_peers
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PLAN = REPO / "scripts" / "plans" / "cpu_interleaved_tp2_tp1.json"

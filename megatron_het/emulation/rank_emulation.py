@@ -3,12 +3,12 @@ root, and handed to the product through its two hooks.
 
 :func:`build_emulation` gives a :class:`RankEmulation`: the pipeline executor's region timer
 (an :class:`~megatron_het.emulation.emulator.Emulator`, None when this rank's kind is not
-emulated), the communicator's wire hooks (:func:`~megatron_het.emulation.links.emulated_wires`,
-None without emulated links), the fixed device times from a host profile, a one-line
-description for the log and, after the run, the warning about compute regions that outran the
-emulated kind. Ranks named by ``--emulation-extra-slowdown`` get a timer that many times slower
-than their kind (stragglers, for ``--log-straggler`` to find), and the description says so.
-A composition root wires it as::
+emulated), the communicator's wire hooks
+(:func:`~megatron_het.emulation.emulated_links.emulated_wires`, None without emulated links), the
+fixed device times from a host profile, a one-line description for the log and, after the run, the
+warning about compute regions that outran the emulated kind. Ranks named by
+``--emulation-extra-slowdown`` get a timer that many times slower than their kind (stragglers, for
+``--log-straggler`` to find), and the description says so. A composition root wires it as::
 
     emulation = build_emulation(cluster, plan, rank, model, seq_length, dtype, profiles, path)
     comm = UnifiedCommunicator.from_cluster(cluster, wire_hooks=emulation.wire_hooks)
@@ -29,12 +29,12 @@ from megatron_het.emulation.device_times import (
     emulated_device_times,
     fixed_reference_times,
 )
+from megatron_het.emulation.emulated_links import EmulatedWires, emulated_wires
 from megatron_het.emulation.emulator import Emulator
-from megatron_het.emulation.links import EmulatedWires, emulated_wires
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
-from megatron_het.perf.profile import Profile
-from megatron_het.perf.stage_cost import HOST_PROFILE
+from megatron_het.perf.cost.compute_time import HOST_PROFILE
+from megatron_het.perf.measure.profile_format import Profile
 
 # Profiled device times: a rank still owing more than this share of its kind's compute time at
 # the end of the run is reported (its figures are that much slower than the kind).

@@ -28,7 +28,8 @@ Groups of one rank (its fields in :class:`ProcessGroups`):
 Embedding groups: when the first and last stages have the same TP degree, rank t of the first
 stage pairs with rank t of the last stage (they hold the same vocabulary rows). When the degrees
 differ, the rows do not line up, so the group is all ranks of both end stages and the gradient
-sum runs over full-vocabulary buffers (see ``megatron_het.pipeline.p2p.sync_tied_embedding_grads``).
+sum runs over full-vocabulary buffers (see
+``megatron_het.pipeline.stage_boundary.sync_tied_embedding_grads``).
 """
 
 from __future__ import annotations

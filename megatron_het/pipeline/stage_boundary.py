@@ -37,8 +37,8 @@ import torch
 
 from megatron_het.comm.p2p import P2POp
 from megatron_het.kernels.main_grad import accumulated_grad
-from megatron_het.parallel.groups import ProcessGroups
 from megatron_het.parallel.plan import ParallelPlan, StagePlan
+from megatron_het.parallel.process_groups import ProcessGroups
 from megatron_het.parallel.sequence import local_positions, position_overlaps
 from megatron_het.pipeline.schedules import Action, ActionKind
 from megatron_het.tensor_parallel.sharding import vocab_range

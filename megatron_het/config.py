@@ -1,16 +1,19 @@
 """Frozen configuration dataclasses and model presets.
 
 Every component receives the config objects it needs explicitly; nothing reads argv or the
-environment here (``arguments.py`` is the only place that parses the command line).
+environment here (:mod:`megatron_het.arguments` is the only place that parses the command line).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_het.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron_het.parallel.plan import ParallelPlan
 
 
 @dataclass(frozen=True)
@@ -296,3 +299,55 @@ class TrainConfig:
     tensorboard_dir: str | None = None
     metrics_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+# The options a plan file may set, as ParallelPlan's keys and RunOptions' fields of those names.
+PLAN_OPTION_KEYS = (
+    "dtype",
+    "use_distributed_optimizer",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "grad_reduce_in_bf16",
+    "overlap_p2p_comm",
+)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run executes its plan's layout, beyond the layout itself.
+
+    A run resolves them once, from its flags and its plan
+    (:func:`megatron_het.arguments.options.resolve_run_options`), and hands the same object to
+    the trainer, the predictor and the dry run. Names and meanings are Megatron-LM's flags':
+    ``dtype`` the training precision ("fp32", "bf16", "fp16"), ZeRO-1
+    (``use_distributed_optimizer``), the DP reduction started during backward
+    (``overlap_grad_reduce``) in buckets of ``ddp_bucket_size`` parameters (None: 25 MiB of
+    float32 gradients) and in bf16 (``grad_reduce_in_bf16``), ZeRO-1's parameter all-gather
+    left running into the next forward (``overlap_param_gather``), interleaved pipelines'
+    transfers overlapped with compute (``overlap_p2p_comm``). ``fused_elementwise`` is
+    ``--compile``: decoder layers whose elementwise work is fused (eager ones move more bytes).
+
+    The defaults are the predictor's for a plan that says nothing (bf16, fused layers, as the
+    published runs it is calibrated on); a run always sets ``dtype`` and ``fused_elementwise``.
+    Sequence parallelism, its TP overlap and recompute are part of the plan's layout
+    (``ParallelPlan.sequence_parallel``, ``tp_comm_overlap``, a stage's ``recompute``).
+    """
+
+    dtype: str = "bf16"
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    grad_reduce_in_bf16: bool = False
+    overlap_p2p_comm: bool = True
+    ddp_bucket_size: int | None = None
+    fused_elementwise: bool = True
+
+    @classmethod
+    def from_plan(cls, plan: ParallelPlan, **given: Any) -> RunOptions:
+        """What ``plan`` says, the defaults where it says nothing, then ``given`` (a what-if:
+        each replaces the plan's value; no command line is involved)."""
+        said = {key: getattr(plan, key) for key in PLAN_OPTION_KEYS}
+        return cls(**{**{k: v for k, v in said.items() if v is not None}, **given})
+
+    def replace(self, **changes: Any) -> RunOptions:
+        return dataclasses.replace(self, **changes)

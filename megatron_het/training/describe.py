@@ -27,9 +27,9 @@ def describe_cluster(setup: RunSetup) -> str:
     )
     ranks = f"{plan.world_size} rank{'s' if plan.world_size != 1 else ''}"
     return (
-        f"> run on cluster {setup.cluster.name}: {ranks} ({kinds}), {setup.dtype}, "
+        f"> run on cluster {setup.cluster.name}: {ranks} ({kinds}), {setup.options.dtype}, "
         f"dp={plan.dp_size}, distributed optimizer "
-        f"{'on' if setup.use_distributed_optimizer else 'off'}, bridge "
+        f"{'on' if setup.options.use_distributed_optimizer else 'off'}, bridge "
         f"{setup.run.parallel.bridge}"
     )
 
@@ -72,7 +72,7 @@ def describe_plan(setup: RunSetup) -> str:
                 f"{extras}, ranks {list(stage.ranks)}"
             )
     mixed = replicas_across_vendors(setup)
-    if mixed and not setup.use_distributed_optimizer:
+    if mixed and not setup.options.use_distributed_optimizer:
         lines.append(
             f"  note: parameters have replicas on {' and '.join(mixed)}, each stepping "
             "its own optimizer copy; their kernels may round differently, so the "

@@ -23,7 +23,7 @@ def dry_run(run: RunConfig, out: TextIO, accelerator: str = "cpu") -> None:
     print(
         f"> dry run: model {config.name} ({config.num_parameters() / 1e6:.2f}M parameters, "
         f"{config.num_layers} layers) on cluster {setup.cluster.name} "
-        f"({setup.cluster.world_size} ranks), {setup.dtype}, global batch "
+        f"({setup.cluster.world_size} ranks), {setup.options.dtype}, global batch "
         f"{train.global_batch_size} = {train.micro_batch_size} x "
         f"{train.global_batch_size // train.micro_batch_size} micro-batches",
         file=out,
@@ -31,7 +31,7 @@ def dry_run(run: RunConfig, out: TextIO, accelerator: str = "cpu") -> None:
     print(describe_plan(setup), file=out)
     if device_times:
         print(device_times, file=out)
-    layers = "compiled (--compile)" if run.train.compile else "eager (no --compile)"
+    layers = "compiled (--compile)" if setup.options.fused_elementwise else "eager (no --compile)"
     print(f"> predicted (roofline/profile estimate, decoder layers {layers}):", file=out)
     print(prediction.table(), file=out)
     print(

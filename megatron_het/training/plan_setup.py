@@ -14,15 +14,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_het.arguments import ParallelSpec, RunConfig
+from megatron_het.arguments.options import resolve_run_options
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import ModelConfig, TrainConfig
+from megatron_het.config import ModelConfig, RunOptions, TrainConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
-from megatron_het.parallel.plan_builders import plan_from_megatron_flags, with_recompute
+from megatron_het.parallel.plan_builders import plan_from_megatron_flags
 from megatron_het.parallel.plan_validation import validate
 
 if TYPE_CHECKING:  # pragma: no cover
-    from megatron_het.perf.profile import Profile
+    from megatron_het.perf.measure.profile_format import Profile
 
 
 def local_cluster(world_size: int, accelerator: str = "cpu") -> ClusterSpec:
@@ -47,24 +48,14 @@ def local_cluster(world_size: int, accelerator: str = "cpu") -> ClusterSpec:
 
 @dataclass(frozen=True)
 class PlanChoice:
-    """The layout of a run and the batch and precision it implies.
-
-    ``train`` is the run's TrainConfig with the plan's micro/global batch sizes (a plan file
-    may supply them); ``dtype`` is "bf16" or "fp32"; ``use_distributed_optimizer``,
-    ``overlap_grad_reduce``, ``overlap_param_gather``, ``grad_reduce_in_bf16`` and
-    ``overlap_p2p_comm`` are the plan's
-    choice where it makes one, else the flag's.
-    """
+    """The layout of a run and what it implies: the cluster, the plan (its layout options
+    settled), ``train`` (the run's TrainConfig with the plan's micro and global batch sizes; a
+    plan file may supply them) and the run's resolved :class:`RunOptions`."""
 
     cluster: ClusterSpec
     plan: ParallelPlan
     train: TrainConfig
-    dtype: str
-    use_distributed_optimizer: bool
-    overlap_grad_reduce: bool = False
-    grad_reduce_in_bf16: bool = False
-    overlap_p2p_comm: bool = True
-    overlap_param_gather: bool = False
+    options: RunOptions
 
 
 def read_plan_file(run: RunConfig) -> ParallelPlan | None:
@@ -94,17 +85,10 @@ def plan_batch(train: TrainConfig, spec: ParallelSpec, plan: ParallelPlan) -> Tr
     )
 
 
-def run_dtype(run: RunConfig, plan_file: ParallelPlan | None) -> str:
-    """ "bf16", "fp16" or "fp32" from ``--bf16`` / ``--fp16`` and the plan file's dtype."""
-    flag = "bf16" if run.train.bf16 else "fp16" if run.train.fp16 else None
-    if plan_file is None or plan_file.dtype is None:
-        return flag or "fp32"
-    if flag is not None and flag != plan_file.dtype:
-        raise UserError(
-            f"--{flag} contradicts the plan's dtype {plan_file.dtype}; drop "
-            f'--{flag} or set "dtype": "{flag}" in the plan'
-        )
-    return plan_file.dtype
+def flag_dtype(train: TrainConfig) -> str:
+    """ "bf16", "fp16" or "fp32" as ``--bf16`` / ``--fp16`` say (the precision a searched or
+    flag-built plan is made for; a plan file's dtype is resolved with the other options)."""
+    return "bf16" if train.bf16 else "fp16" if train.fp16 else "fp32"
 
 
 def load_cluster(
@@ -139,8 +123,8 @@ def host_profiles(spec: ParallelSpec) -> dict[str, Profile] | None:
     run's prediction use the speeds the emulated ranks will run at; None without the flag."""
     if spec.emulation_profile is None:
         return None
-    from megatron_het.perf.profile import Profile
-    from megatron_het.perf.stage_cost import HOST_PROFILE
+    from megatron_het.perf.cost.compute_time import HOST_PROFILE
+    from megatron_het.perf.measure.profile_format import Profile
 
     return {HOST_PROFILE: Profile.load(spec.emulation_profile)}
 
@@ -215,41 +199,13 @@ def choose_plan(
     spec = run.parallel
     plan_file = read_plan_file(run)
     cluster = load_cluster(spec, world_size, plan_file, accelerator)
-    dtype = run_dtype(run, plan_file)
-    plan = plan_file or _search_or_flags(run, model, cluster, dtype, profiles)
+    plan = plan_file or _search_or_flags(run, model, cluster, flag_dtype(run.train), profiles)
     train = plan_batch(run.train, spec, plan)
     if plan.world_size != cluster.world_size:
         raise UserError(
             f"the plan places {plan.world_size} ranks but cluster {cluster.name} has "
             f"{cluster.world_size}; give every rank of the cluster a stage"
         )
-    if plan.sequence_parallel is None and spec.sequence_parallel:
-        plan = dataclasses.replace(plan, sequence_parallel=True)  # the run's plan says it
-    if plan.tp_comm_overlap is None and spec.tp_comm_overlap:
-        plan = dataclasses.replace(plan, tp_comm_overlap=True)
-    if plan.tp_comm_overlap and not plan.sequence_parallel:
-        raise UserError(
-            "--tp-comm-overlap overlaps sequence parallelism's all-gathers and "
-            "reduce-scatters with the GEMMs; add --sequence-parallel (or "
-            '"sequence_parallel": true in the plan)'
-        )
-    if spec.recompute is not None:
-        method, count = spec.recompute
-        plan = with_recompute(plan, count if method == "block" else None)
+    plan, options = resolve_run_options(spec, run.train, plan)
     validate(plan, model, cluster, train.global_batch_size, run.data.seq_length)
-    return PlanChoice(
-        cluster,
-        plan,
-        train,
-        dtype,
-        _planned(plan.use_distributed_optimizer, spec.use_distributed_optimizer),
-        _planned(plan.overlap_grad_reduce, spec.overlap_grad_reduce),
-        _planned(plan.grad_reduce_in_bf16, spec.grad_reduce_in_bf16),
-        _planned(plan.overlap_p2p_comm, spec.overlap_p2p_comm),
-        _planned(plan.overlap_param_gather, spec.overlap_param_gather),
-    )
-
-
-def _planned(planned: bool | None, flag: bool) -> bool:
-    """A run option the plan may fix: its value where it sets one, else the flag's."""
-    return flag if planned is None else planned
+    return PlanChoice(cluster, plan, train, options)

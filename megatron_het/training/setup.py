@@ -23,7 +23,7 @@ from megatron_het.checkpoint.io import (
     resolve_checkpoint_dir,
 )
 from megatron_het.cluster import AcceleratorSpec, ClusterSpec
-from megatron_het.config import ModelConfig, TrainConfig
+from megatron_het.config import ModelConfig, RunOptions, TrainConfig
 from megatron_het.data import (
     IndexedDataset,
     build_tokenizer,
@@ -37,8 +37,8 @@ from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.training.plan_setup import choose_plan, host_profiles
 
 if TYPE_CHECKING:  # pragma: no cover
-    from megatron_het.perf.prediction import Prediction
-    from megatron_het.perf.profile import Profile
+    from megatron_het.perf.estimates import Prediction
+    from megatron_het.perf.measure.profile_format import Profile
 
 # ModelConfig fields that do not change what a checkpoint's weights mean.
 _FIELDS_FREE_ON_LOAD = ("name", "init_method_std")
@@ -51,10 +51,10 @@ class RunSetup:
     """The checked inputs of a run.
 
     ``train`` is the command line's TrainConfig with the plan's batch sizes (what the run
-    uses; ``run.train`` keeps what was asked). ``run.parallel``'s ``overlap_grad_reduce``,
-    ``overlap_param_gather``, ``grad_reduce_in_bf16`` and ``overlap_p2p_comm`` are the resolved
-    options, the plan's where it sets them (also the properties of those names), as
-    ``use_distributed_optimizer`` is. ``load_dir`` is the iteration directory to resume from
+    uses; ``run.train`` keeps what was asked); ``run`` is the command line as given and
+    ``options`` the run's options resolved once from it and the plan
+    (:func:`~megatron_het.arguments.options.resolve_run_options`), which the trainer, the
+    predictor and the dry run all read. ``load_dir`` is the iteration directory to resume from
     (None: start from scratch); ``valid_data`` is None when the split gives validation no
     documents or ``--eval-iters 0``. ``host_profiles`` is the ``--emulation-profile`` keyed for
     the predictor (None without the flag).
@@ -66,27 +66,11 @@ class RunSetup:
     cluster: ClusterSpec
     plan: ParallelPlan
     train: TrainConfig
-    dtype: str
-    use_distributed_optimizer: bool
+    options: RunOptions
     train_data: SampleDataset
     valid_data: SampleDataset | None
     load_dir: pathlib.Path | None
     host_profiles: Mapping[str, Profile] | None = field(default=None)
-
-    @property
-    def overlap_grad_reduce(self) -> bool:
-        """Whether DP gradient buckets are reduced during the last backward (flag or plan)."""
-        return self.run.parallel.overlap_grad_reduce
-
-    @property
-    def overlap_param_gather(self) -> bool:
-        """Whether ZeRO-1's parameter all-gather runs under the next forward (flag or plan)."""
-        return self.run.parallel.overlap_param_gather
-
-    @property
-    def grad_reduce_in_bf16(self) -> bool:
-        """Whether the DP reduction carries bf16 copies of the gradients (flag or plan)."""
-        return self.run.parallel.grad_reduce_in_bf16
 
     def accelerator(self, rank: int) -> AcceleratorSpec:
         """The accelerator kind of global ``rank``."""
@@ -196,38 +180,6 @@ def prepare_run(run: RunConfig, world_size: int | None = 1, accelerator: str = "
         run = keep_checkpoint_batch(run, load_dir)
     profiles = host_profiles(run.parallel)
     choice = choose_plan(run, model_config, world_size, profiles, accelerator)
-    if choice.grad_reduce_in_bf16 and choice.dtype != "bf16":
-        if run.parallel.grad_reduce_in_bf16:
-            raise UserError(
-                "--grad-reduce-in-bf16 needs bf16 training; add --bf16 (or set "
-                '"dtype": "bf16" in the plan) or drop the flag'
-            )
-        raise UserError(
-            f"the plan's grad_reduce_in_bf16 needs bf16 training but the run "
-            f"trains in {choice.dtype}; add --bf16 or drop the plan's key"
-        )
-    if choice.overlap_param_gather and not choice.use_distributed_optimizer:
-        if run.parallel.overlap_param_gather:
-            raise UserError(
-                "--overlap-param-gather overlaps the distributed optimizer's "
-                "parameter all-gather; add --use-distributed-optimizer (or set "
-                '"use_distributed_optimizer": true in the plan) or drop the flag'
-            )
-        raise UserError(
-            "the plan's overlap_param_gather needs the distributed optimizer; add "
-            "--use-distributed-optimizer or drop the plan's key"
-        )
-    # The trainer reads the DP options from the run's parallel spec: resolve them there.
-    run = dataclasses.replace(
-        run,
-        parallel=dataclasses.replace(
-            run.parallel,
-            overlap_grad_reduce=choice.overlap_grad_reduce,
-            overlap_param_gather=choice.overlap_param_gather,
-            grad_reduce_in_bf16=choice.grad_reduce_in_bf16,
-            overlap_p2p_comm=choice.overlap_p2p_comm,
-        ),
-    )
     if not data.mock_data:
         check_data_vocab(data.data_path, tokenizer.vocab_size)
     train_data, valid_data = build_datasets(run, choice.train, tokenizer.vocab_size)
@@ -238,8 +190,7 @@ def prepare_run(run: RunConfig, world_size: int | None = 1, accelerator: str = "
         cluster=choice.cluster,
         plan=choice.plan,
         train=choice.train,
-        dtype=choice.dtype,
-        use_distributed_optimizer=choice.use_distributed_optimizer,
+        options=choice.options,
         train_data=train_data,
         valid_data=valid_data,
         load_dir=load_dir,
@@ -247,22 +198,22 @@ def prepare_run(run: RunConfig, world_size: int | None = 1, accelerator: str = "
     )
 
 
-def predict_plan(setup: RunSetup, **options: Any) -> Prediction:
-    """The predictor on the run's plan with the run's resolved DP and p2p options and its
-    layers' mode (``--compile``); ``options`` add to or replace any of
-    :func:`~megatron_het.perf.predict`'s keyword options (a rate model, the pipeline model).
-    UserError if the predictor cannot price the plan."""
+def predict_plan(setup: RunSetup, **given: Any) -> Prediction:
+    """The predictor on the run's plan with the run's resolved options; ``given`` adds to or
+    replaces :func:`~megatron_het.perf.predict`'s other keyword arguments (a rate model, the
+    pipeline model). UserError if the predictor cannot price the plan."""
     from megatron_het.perf import predict
 
+    options = setup.options
     run_options = dict(
-        dtype=setup.dtype,
-        use_distributed_optimizer=setup.use_distributed_optimizer,
-        overlap_grad_reduce=setup.overlap_grad_reduce,
-        overlap_param_gather=setup.overlap_param_gather,
-        grad_reduce_in_bf16=setup.grad_reduce_in_bf16,
-        overlap_p2p_comm=setup.run.parallel.overlap_p2p_comm,
-        ddp_bucket_size=setup.run.parallel.ddp_bucket_size,
-        fused_elementwise=setup.run.train.compile,
+        dtype=options.dtype,
+        use_distributed_optimizer=options.use_distributed_optimizer,
+        overlap_grad_reduce=options.overlap_grad_reduce,
+        overlap_param_gather=options.overlap_param_gather,
+        grad_reduce_in_bf16=options.grad_reduce_in_bf16,
+        overlap_p2p_comm=options.overlap_p2p_comm,
+        ddp_bucket_size=options.ddp_bucket_size,
+        fused_elementwise=options.fused_elementwise,
     )
     return predict(
         setup.model_config,
@@ -270,5 +221,5 @@ def predict_plan(setup: RunSetup, **options: Any) -> Prediction:
         setup.cluster,
         setup.run.data.seq_length,
         setup.host_profiles,
-        **{**run_options, **options},
+        **{**run_options, **given},
     )

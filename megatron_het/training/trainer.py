@@ -36,8 +36,8 @@ from megatron_het.optim.loss_scaler import LossScaler
 from megatron_het.optim.lr_schedule import LRSchedule
 from megatron_het.optim.parallel_optimizer import ParallelOptimizer, build_parallel_optimizer
 from megatron_het.parallel.buckets import bucket_size_mb
-from megatron_het.parallel.groups import ProcessGroups, build_process_groups
 from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.process_groups import ProcessGroups, build_process_groups
 from megatron_het.pipeline.executor import PipelineExecutor
 from megatron_het.pipeline.stage import build_stage
 from megatron_het.pipeline.timing import synchronize_stream
@@ -128,7 +128,7 @@ def build_trainer(setup: RunSetup, comm: UnifiedCommunicator, region_timer: Any 
     Every rank must call it with the same ``setup``. ``region_timer`` times the executor's
     compute regions (an emulated kind's, see :mod:`megatron_het.emulation`; None: wall clock).
     """
-    run, plan, config = setup.run, setup.plan, setup.model_config
+    run, plan, config, options = setup.run, setup.plan, setup.model_config, setup.options
     check_ranks_agree(setup, comm)
     groups = build_process_groups(
         comm, plan, tie_embeddings=config.tie_embeddings, num_layers=config.num_layers
@@ -140,15 +140,15 @@ def build_trainer(setup: RunSetup, comm: UnifiedCommunicator, region_timer: Any 
         stage,
         groups,
         run.optimizer,
-        setup.use_distributed_optimizer,
-        overlap_grad_reduce=run.parallel.overlap_grad_reduce,
-        bucket_size_mb=bucket_size_mb(run.parallel.ddp_bucket_size),
-        param_dtype=TRAINING_DTYPES[setup.dtype],
+        options.use_distributed_optimizer,
+        overlap_grad_reduce=options.overlap_grad_reduce,
+        bucket_size_mb=bucket_size_mb(options.ddp_bucket_size),
+        param_dtype=TRAINING_DTYPES[options.dtype],
         grad_reduce_dtype=grad_reduce_dtype(setup),
         loss_scaler=loss_scaler(setup),
-        overlap_param_gather=run.parallel.overlap_param_gather,
+        overlap_param_gather=options.overlap_param_gather,
     )
-    if run.train.compile:
+    if options.fused_elementwise:
         compile_layers(stage)
     executor = PipelineExecutor(
         stage,
@@ -157,9 +157,9 @@ def build_trainer(setup: RunSetup, comm: UnifiedCommunicator, region_timer: Any 
         run.data.seq_length,
         plan.micro_batch_size,
         region_timer=region_timer,
-        overlap_p2p=run.parallel.overlap_p2p_comm,
+        overlap_p2p=options.overlap_p2p_comm,
     )
-    metrics = ThroughputMetrics(config, plan, setup.cluster, run.data.seq_length, setup.dtype)
+    metrics = ThroughputMetrics(config, plan, setup.cluster, run.data.seq_length, options.dtype)
     schedule = LRSchedule.from_config(run.optimizer, setup.train.train_iters)
     return Trainer(setup, groups, stage, optimizer, executor, schedule, metrics)
 
@@ -169,7 +169,7 @@ TRAINING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.
 
 def loss_scaler(setup: RunSetup) -> LossScaler | None:
     """fp16's loss scaler from the run's flags (None for bf16 and fp32)."""
-    if setup.dtype != "fp16":
+    if setup.options.dtype != "fp16":
         return None
     train = setup.run.train
     if train.loss_scale is not None:
@@ -184,7 +184,7 @@ def loss_scaler(setup: RunSetup) -> LossScaler | None:
 
 def grad_reduce_dtype(setup: RunSetup) -> torch.dtype:
     """The dtype of the data-parallel gradient reduction: bf16 with --grad-reduce-in-bf16."""
-    return torch.bfloat16 if setup.run.parallel.grad_reduce_in_bf16 else torch.float32
+    return torch.bfloat16 if setup.options.grad_reduce_in_bf16 else torch.float32
 
 
 def _run_global_batch(
@@ -239,7 +239,7 @@ def train_step(trainer: Trainer, stop_requested: bool) -> bool:
     # each bucket's DP reduction as soon as its gradients are final.
     pipeline = setup.plan.pipelines[trainer.groups.role.pipeline]
     trainer.optimizer.zero_grad(
-        num_micro_batches=pipeline.micro_batches if setup.run.parallel.overlap_grad_reduce else None
+        num_micro_batches=pipeline.micro_batches if setup.options.overlap_grad_reduce else None
     )
     loss, stopping, table = _run_global_batch(
         trainer, setup.train_data, progress.consumed_samples, False, stop_requested

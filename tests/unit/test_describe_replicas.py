@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_het.cluster.accelerators import get_accelerator
-from megatron_het.config import MODEL_PRESETS
+from megatron_het.config import MODEL_PRESETS, RunOptions
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.training.describe import (
     describe_plan,
@@ -31,7 +31,7 @@ def _setup(kinds: list[str], plan: dict, zero: bool = False, tied: bool = False)
     return SimpleNamespace(
         accelerator=lambda r: specs[r],
         plan=ParallelPlan.from_dict(plan),
-        use_distributed_optimizer=zero,
+        options=RunOptions(use_distributed_optimizer=zero),
         model_config=model,
     )
 
@@ -52,7 +52,7 @@ def test_replicas_of_one_layer_on_two_vendors_get_a_note_without_zero_1() -> Non
     setup = _setup(["H100", "H100", "MI300X", "MI300X"], json.loads(json.dumps(HETERO_DP)))
     assert replicas_across_vendors(setup) == ["amd cuda", "nvidia cuda"]
     assert "note: parameters have replicas on amd cuda and nvidia cuda" in describe_plan(setup)
-    setup.use_distributed_optimizer = True
+    setup.options = RunOptions(use_distributed_optimizer=True)
     assert "note:" not in describe_plan(setup)
 
 

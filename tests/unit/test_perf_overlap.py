@@ -19,9 +19,9 @@ from megatron_het.optim.parallel_optimizer import build_parallel_optimizer
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.parallel.plan_builders import plan_from_megatron_flags
 from megatron_het.perf import predict
-from megatron_het.perf.closed_forms import last_backward_ends
-from megatron_het.perf.comm_cost import SyncCost
-from megatron_het.perf.dp_overlap import (
+from megatron_het.perf.cost.comm_time import SyncCost
+from megatron_het.perf.cost.dp_sync import DPSync
+from megatron_het.perf.cost.dp_sync_overlap import (
     BUCKET_SIZE_MB,
     BucketTiming,
     bucket_layout,
@@ -30,8 +30,8 @@ from megatron_het.perf.dp_overlap import (
     gather_delay,
     reduction_end,
 )
-from megatron_het.perf.dp_sync import DPSync
-from megatron_het.perf.simulator import simulate_1f1b
+from megatron_het.perf.schedule.closed_forms import last_backward_ends
+from megatron_het.perf.schedule.simulator import simulate_1f1b
 from megatron_het.tensor_parallel.sharding import parameter_shape, shard_spec
 from megatron_het.training.plan_setup import local_cluster
 
@@ -199,7 +199,7 @@ def test_exposed_sync_with_the_gather_under_the_next_forward():
 @pytest.mark.parametrize("pipeline_model", ["simulate", "closed_form"])
 def test_the_param_gather_overlap_hides_at_most_the_all_gather(cross_node, pipeline_model):
     cluster, plan = cross_node
-    from megatron_het.perf.comm_cost import CommCost
+    from megatron_het.perf.cost.comm_time import CommCost
 
     sync = DPSync(LLAMA, plan, "bf16", True)
     gathers = [sync.split(CommCost(cluster), 0, g)[1] for g in range(4)]
@@ -240,7 +240,7 @@ def test_the_param_gather_overlap_hides_at_most_the_all_gather(cross_node, pipel
 # ---- the predictor -----------------------------------------------------------------------
 def _last_bucket_reduce(pred, model, plan, g=0):
     sync = DPSync(model, plan, pred.dtype, pred.use_distributed_optimizer, pred.grad_reduce_in_bf16)
-    from megatron_het.perf.comm_cost import CommCost
+    from megatron_het.perf.cost.comm_time import CommCost
 
     reduce_s, _ = sync.split(CommCost(a100_nodes(8)), 0, g)
     buckets = bucket_layout(device_parameters(model, plan.pipelines[0], g), plan.dp_size)
@@ -291,7 +291,7 @@ def test_overlap_hides_all_but_the_last_bucket_at_most(cross_node, zero1, pipeli
         )
     if zero1:  # the parameter all-gather after the step is never hidden
         sync = DPSync(LLAMA, plan, "bf16", True)
-        from megatron_het.perf.comm_cost import CommCost
+        from megatron_het.perf.cost.comm_time import CommCost
 
         gather = max(sync.split(CommCost(cluster), 0, g)[1] for g in range(4))
         assert on.dp_exposed_s >= gather > 0
@@ -416,7 +416,7 @@ def test_bf16_reduction_in_the_predictor(cross_node):
 
 
 def test_split_adds_up_to_the_sync(cross_node):
-    from megatron_het.perf.comm_cost import CommCost, gather_time
+    from megatron_het.perf.cost.comm_time import CommCost, gather_time
 
     cluster, plan = cross_node
     comm = CommCost(cluster)
@@ -553,8 +553,8 @@ def _plan_file(tmp_path, **options) -> str:
         (
             {"overlap_grad_reduce": False, "grad_reduce_in_bf16": False},
             ["--overlap-grad-reduce", "--grad-reduce-in-bf16"],
-            (False, False),
-        ),  # the plan decides
+            None,
+        ),  # a flag that contradicts the plan file is an error naming both
     ],
 )
 def test_the_run_takes_the_plans_dp_options(tmp_path, planned, flags, expected):
@@ -563,12 +563,19 @@ def test_the_run_takes_the_plans_dp_options(tmp_path, planned, flags, expected):
     from megatron_het.training.setup import prepare_run
     from megatron_het.training.trainer import grad_reduce_dtype
 
-    setup = prepare_run(
-        parse_run_config([*RUN_FLAGS, "--bf16", "--plan", _plan_file(tmp_path, **planned), *flags])
+    run = parse_run_config(
+        [*RUN_FLAGS, "--bf16", "--plan", _plan_file(tmp_path, **planned), *flags]
     )
-    assert (setup.overlap_grad_reduce, setup.grad_reduce_in_bf16) == expected
-    parallel = setup.run.parallel  # what the trainer builds the optimizer from
-    assert (parallel.overlap_grad_reduce, parallel.grad_reduce_in_bf16) == expected
+    if expected is None:
+        with pytest.raises(
+            UserError,
+            match='^--overlap-grad-reduce contradicts the plan\'s "overlap_grad_reduce": false',
+        ):
+            prepare_run(run)
+        return
+    setup = prepare_run(run)
+    options = setup.options  # what the trainer builds the optimizer from
+    assert (options.overlap_grad_reduce, options.grad_reduce_in_bf16) == expected
     assert grad_reduce_dtype(setup) == (torch.bfloat16 if expected[1] else torch.float32)
     prediction = predict_run(setup)
     assert (prediction.overlap_grad_reduce, prediction.grad_reduce_in_bf16) == expected
@@ -616,7 +623,7 @@ def test_the_param_gather_overlap_needs_the_distributed_optimizer(tmp_path):
         ["--plan", _plan_file(tmp_path, use_distributed_optimizer=True, overlap_param_gather=True)],
     ):
         setup = prepare_run(parse_run_config([*RUN_FLAGS, *flags]))
-        assert setup.overlap_param_gather and setup.run.parallel.overlap_param_gather
+        assert setup.options.overlap_param_gather
         assert predict_run(setup).overlap_param_gather
 
 
@@ -625,7 +632,7 @@ def test_the_param_gather_overlap_needs_the_distributed_optimizer(tmp_path):
     [
         ({}, [], True),  # Megatron-LM's default
         ({}, ["--no-overlap-p2p-communication"], False),
-        ({"overlap_p2p_comm": True}, ["--no-overlap-p2p-communication"], True),  # the plan decides
+        ({"overlap_p2p_comm": True}, ["--no-overlap-p2p-communication"], None),  # contradicts
         ({"overlap_p2p_comm": False}, [], False),
     ],
 )
@@ -647,14 +654,16 @@ def test_the_run_takes_the_plans_p2p_overlap(tmp_path, planned, flags, expected)
         str(path),
         *flags,
     ]
+    if expected is None:
+        with pytest.raises(UserError, match="^--no-overlap-p2p-communication contradicts"):
+            prepare_run(parse_run_config(flags), world_size=3)
+        return
     setup = prepare_run(parse_run_config(flags), world_size=3)
-    assert setup.run.parallel.overlap_p2p_comm is expected  # what the executor is built with
+    assert setup.options.overlap_p2p_comm is expected  # what the executor is built with
     prediction = predict_run(setup)
     assert prediction.overlap_p2p_comm is expected
-    other = dataclasses.replace(setup.run.parallel, overlap_p2p_comm=not expected)
-    flipped = predict_run(
-        dataclasses.replace(setup, run=dataclasses.replace(setup.run, parallel=other))
-    )
+    other = setup.options.replace(overlap_p2p_comm=not expected)
+    flipped = predict_run(dataclasses.replace(setup, options=other))
     faster, slower = (prediction, flipped) if expected else (flipped, prediction)
     assert faster.pipeline_time_s < slower.pipeline_time_s
 

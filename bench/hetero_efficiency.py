@@ -86,7 +86,7 @@ from bench.hetero_plans import (
     uniform_split,
 )
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import ModelConfig, model_preset
+from megatron_het.config import ModelConfig, RunOptions, model_preset
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Profile, predict
 from megatron_het.perf.measure.profiler import Sweep, profile_device
@@ -330,13 +330,10 @@ def _predicted(
     args: argparse.Namespace,
     profiles: dict[str, Profile] | None,
 ) -> float:
+    loaded = ParallelPlan.load(plan)
+    options = RunOptions.from_plan(loaded, dtype="fp32")
     return predict(
-        model,
-        ParallelPlan.load(plan),
-        ClusterSpec.load(cluster),
-        args.seq_length,
-        profiles,
-        dtype="fp32",
+        model, loaded, ClusterSpec.load(cluster), args.seq_length, profiles, options
     ).tokens_per_s
 
 

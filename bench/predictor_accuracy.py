@@ -51,7 +51,7 @@ import yaml
 
 from bench.emulated_cluster import dilated_cluster
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.emulation.host_measure import measure_host_collective, measure_host_sharing
 from megatron_het.emulation.host_model import SharedHostModel
 from megatron_het.parallel.plan import ParallelPlan
@@ -355,7 +355,7 @@ def main() -> None:
             cluster,
             args.seq_length,
             {"cpu": host},
-            dtype="fp32",
+            options=RunOptions.from_plan(plan, dtype="fp32"),
             rate_model=SharedHostModel(),
         ).iteration_time_s
         error = (predicted - measured) / measured

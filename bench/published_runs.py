@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_het.cluster import ClusterSpec, NodeGroup, get_accelerator
-from megatron_het.config import ModelConfig
+from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.fileio import read_yaml_mapping
 from megatron_het.parallel.buckets import megatron_default_bucket_size
 from megatron_het.parallel.plan import ParallelPlan
@@ -316,11 +316,11 @@ def predict_run(
         built.plan,
         built.cluster,
         built.seq_length,
+        options=RunOptions.from_plan(built.plan, ddp_bucket_size=run.ddp_bucket_size),
         efficiency=run_efficiency(run, efficiency),
         pipeline_model=pipeline_model,
         cache=cache,
         validate=False,
-        ddp_bucket_size=run.ddp_bucket_size,
         scatter_gather_tensors_in_pipeline=run.scatter_gather_p2p,
     )
 

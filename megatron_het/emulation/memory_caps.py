@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import ModelConfig
+from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf.cost.memory import GIB
@@ -26,19 +26,16 @@ def check_memory_caps(
     plan: ParallelPlan,
     cluster: ClusterSpec,
     seq_length: int,
-    dtype: str,
-    use_distributed_optimizer: bool = False,
+    options: RunOptions,
     profiles: Mapping[str, Profile] | None = None,
-    fused_elementwise: bool = False,
 ) -> None:
     """Raise a one-line UserError naming the first stage (pipeline, stage, kind, ranks) of an
     emulated kind with a memory cap whose predicted peak per device exceeds that cap.
 
-    ``plan`` must be valid for ``model_config`` and ``cluster``. ``dtype`` and
-    ``use_distributed_optimizer`` apply where the plan leaves them unset, as in
-    :func:`~megatron_het.perf.predict`; ``profiles`` (e.g. the host profile) give measured
-    activation sizes where they have them (the analytic model otherwise), of the run's mode
-    (``fused_elementwise``: ``--compile``)."""
+    ``plan`` must be valid for ``model_config`` and ``cluster``; ``options`` are the run's (its
+    precision, ZeRO-1, its layers' mode: ``fused_elementwise`` is ``--compile``), as
+    :func:`~megatron_het.perf.predict` takes them; ``profiles`` (e.g. the host profile) give
+    measured activation sizes where they have them (the analytic model otherwise)."""
     capped = [
         s
         for pipeline in plan.pipelines
@@ -53,11 +50,9 @@ def check_memory_caps(
         cluster,
         seq_length,
         profiles,
-        dtype=dtype,
-        use_distributed_optimizer=use_distributed_optimizer,
+        options,
         pipeline_model="closed_form",
         validate=False,
-        fused_elementwise=fused_elementwise,
     )
     for row in prediction.stages:
         cap = _cap_gib(cluster, row.ranks[0])

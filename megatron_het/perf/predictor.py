@@ -8,7 +8,7 @@ DP sync, memory, optimizer step; sequence parallelism, interleaving, heterogeneo
 :class:`~megatron_het.perf.stage_pricing.PredictionContext`'s part; this module times the
 pipelines and assembles the iteration (:class:`~megatron_het.perf.estimates.Prediction`).
 
-DP options, named like the runtime's flags (None: the plan's key, else off):
+The run's options (:class:`~megatron_het.config.RunOptions`) set the DP overlaps:
 ``overlap_grad_reduce`` starts each gradient bucket's reduction in the last backward, so the
 iteration pays only ``dp_exposed_s`` of the sync (:mod:`megatron_het.perf.cost.dp_sync_overlap`:
 the buckets as the runtime lays them out, each started when its last gradient is in, one after
@@ -41,7 +41,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import ModelConfig
+from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.errors import UserError
 from megatron_het.parallel.buckets import bucket_size_mb
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan
@@ -73,47 +73,37 @@ def predict(
     cluster: ClusterSpec,
     seq_length: int,
     profiles: Mapping[str, Profile] | None = None,
-    dtype: str = "bf16",
-    use_distributed_optimizer: bool = False,
-    recompute: bool | None = None,
+    options: RunOptions | None = None,
     *,
+    recompute: bool | None = None,
     efficiency: Efficiency | None = None,
     pipeline_model: str = "simulate",
     cache: SimulationCache | None = None,
     validate: bool = True,
     rate_model: RateModel | None = None,
-    overlap_grad_reduce: bool | None = None,
-    grad_reduce_in_bf16: bool | None = None,
     pipelines: Sequence[int] | None = None,
     comm: CommCost | None = None,
-    overlap_p2p_comm: bool | None = None,
-    overlap_param_gather: bool | None = None,
-    tp_comm_overlap: bool | None = None,
-    ddp_bucket_size: int | None = None,
     scatter_gather_tensors_in_pipeline: bool = False,
-    fused_elementwise: bool = True,
 ) -> Prediction:
     """Estimate one training iteration of ``plan`` (see the module docstring for the model).
 
-    ``dtype`` and ``use_distributed_optimizer`` apply where the plan leaves them unset;
-    ``recompute`` None keeps each stage's own setting (``recompute`` and
-    ``recompute_num_layers``), True/False recomputes every layer of every stage / none;
-    ``overlap_grad_reduce``, ``overlap_param_gather`` (ZeRO-1 only; ignored without it) and
-    ``grad_reduce_in_bf16`` None take the plan's keys (off where it has none), True/False
-    override them (UserError for a bf16 reduction of non-bf16 training);
-    ``tp_comm_overlap`` likewise (off where neither says; it changes only sequence-parallel
-    stages with tp > 1); ``overlap_p2p_comm`` likewise, on where neither says (the runtime's
-    default: interleaved pipelines overlap their transfers with compute).
-    ``ddp_bucket_size`` (``--ddp-bucket-size``: parameters per gradient bucket; None: the
-    runtime's default) lays out the buckets whose reductions the DP overlaps start one by one.
-    ``fused_elementwise`` False prices the runtime's eager decoder layers on GPU kinds in
-    bf16/fp16 (``--compile`` off): their elementwise kernels move
-    :data:`~megatron_het.perf.cost.roofline.EAGER_ELEMENTWISE_TRAFFIC` times the fused minimum
-    (:func:`~megatron_het.perf.cost.calibration.layer_efficiency`; True, the default, prices fused
+    ``options`` are the run's (:class:`~megatron_het.config.RunOptions`, resolved once from a
+    run's flags and plan; None: what ``plan`` says, :meth:`RunOptions.from_plan`): the
+    precision, ZeRO-1, the DP reduction's overlap with backward (``overlap_param_gather`` only
+    counts under ZeRO-1) in buckets of ``ddp_bucket_size`` parameters and its bf16 copies
+    (UserError for a bf16 reduction of non-bf16 training), interleaved pipelines' transfers
+    overlapped with compute, and ``fused_elementwise``: False prices the runtime's eager
+    decoder layers on GPU kinds in bf16/fp16 (``--compile`` off): their elementwise kernels
+    move :data:`~megatron_het.perf.cost.roofline.EAGER_ELEMENTWISE_TRAFFIC` times the fused
+    minimum (:func:`~megatron_het.perf.cost.calibration.layer_efficiency`; True prices fused
     layers, as the calibration's published runs have them; CPU and emulated kinds are priced
-    as before either way); a kind's measured profile gives its entries of that mode, or those
-    of the other mode scaled by the roofline's ratio of the modes
-    (:func:`~megatron_het.perf.cost.compute_time.stage_compute`).
+    alike either way); a kind's measured profile gives its entries of that mode, or those of
+    the other mode scaled by the roofline's ratio of the modes
+    (:func:`~megatron_het.perf.cost.compute_time.stage_compute`). Sequence parallelism, its TP
+    overlap (``tp_comm_overlap``: sequence-parallel stages with tp > 1) and each stage's
+    recompute are the plan's.
+    ``recompute`` (a what-if) None keeps each stage's own setting (``recompute`` and
+    ``recompute_num_layers``), True/False recomputes every layer of every stage / none.
     ``scatter_gather_tensors_in_pipeline`` (Megatron-LM 2021's, not a runtime option): the
     boundaries of tp > 1 stages move ``1/tp`` shares as under sequence parallelism, in a plan
     without it (module docstring).
@@ -133,19 +123,11 @@ def predict(
         raise UserError(f"seq_length must be at least 1, got {seq_length}")
     if pipeline_model not in PIPELINE_MODELS:
         raise UserError(f"pipeline_model must be one of {', '.join(PIPELINE_MODELS)}")
-    dtype = plan.dtype or dtype
+    options = options if options is not None else RunOptions.from_plan(plan)
+    dtype = options.dtype
     dtype_bytes(dtype)
-    zero1 = (
-        plan.use_distributed_optimizer
-        if plan.use_distributed_optimizer is not None
-        else use_distributed_optimizer
-    )
-    overlap = _option(overlap_grad_reduce, plan.overlap_grad_reduce)
-    gather_overlap = zero1 and _option(overlap_param_gather, plan.overlap_param_gather)
-    bf16_reduce = _option(grad_reduce_in_bf16, plan.grad_reduce_in_bf16)
-    overlap_p2p = _option(overlap_p2p_comm, plan.overlap_p2p_comm, default=True)
-    tp_overlap = _option(tp_comm_overlap, plan.tp_comm_overlap)
-    if bf16_reduce and dtype != "bf16":
+    zero1 = options.use_distributed_optimizer
+    if options.grad_reduce_in_bf16 and dtype != "bf16":
         raise UserError(
             f"grad_reduce_in_bf16 needs bf16 training but this one is {dtype}; "
             "train in bf16 or drop grad_reduce_in_bf16"
@@ -164,18 +146,18 @@ def predict(
         recompute,
         efficiency,
         comm or CommCost(cluster, profiles),
-        overlap,
-        bf16_reduce,
+        options.overlap_grad_reduce,
+        options.grad_reduce_in_bf16,
         cache,
-        gather_overlap,
-        tp_overlap,
-        bucket_size_mb(ddp_bucket_size),
+        zero1 and options.overlap_param_gather,
+        bool(plan.tp_comm_overlap),
+        bucket_size_mb(options.ddp_bucket_size),
         scatter_gather_tensors_in_pipeline,
-        fused_elementwise,
+        options.fused_elementwise,
     )
     chosen = range(len(plan.pipelines)) if pipelines is None else sorted(set(pipelines))
     shared_by = rate_model if pipeline_model == "simulate" and pipelines is None else None
-    return _iteration(ctx, chosen, pipeline_model, cache, overlap_p2p, shared_by)
+    return _iteration(ctx, chosen, pipeline_model, cache, options.overlap_p2p_comm, shared_by)
 
 
 def _iteration(
@@ -225,13 +207,6 @@ def _iteration(
         else None
     )
     return _assemble(ctx, stages, timed, pipeline_model, overlap_p2p, dp_exposed=exposed)
-
-
-def _option(argument: bool | None, planned: bool | None, default: bool = False) -> bool:
-    """A run option: the argument where given, else the plan's, else ``default``."""
-    if argument is not None:
-        return argument
-    return default if planned is None else planned
 
 
 def _shared_pipelines(

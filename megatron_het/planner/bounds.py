@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import ModelConfig
+from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Profile, SimulationCache, predict
 from megatron_het.perf.cost.comm_time import CommCost
@@ -127,11 +127,12 @@ class KindCosts:
                     self.cluster,
                     self.seq,
                     self.profiles,
-                    self.dtype,
+                    options=RunOptions.from_plan(
+                        plan, dtype=self.dtype, fused_elementwise=self.fused_elementwise
+                    ),
                     pipeline_model="closed_form",
                     cache=self.cache,
                     validate=False,
-                    fused_elementwise=self.fused_elementwise,
                 ).stages[0]
             )
         one, two = rows

@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import ModelConfig
+from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import Profile, predict
@@ -38,9 +38,8 @@ def evaluate_plan(
         cluster,
         seq_length,
         profiles,
-        dtype,
+        options=RunOptions.from_plan(plan, dtype=dtype, fused_elementwise=fused_elementwise),
         validate=False,
-        fused_elementwise=fused_elementwise,
     )
     result = SearchResult(plan, prediction, (), 0, time.perf_counter() - start)
     if with_baseline:

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from megatron_het.cluster import ClusterSpec, kind_subcluster
-from megatron_het.config import ModelConfig
+from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan
 from megatron_het.parallel.replicas import ReplicaUnit
 from megatron_het.perf import Prediction, Profile, SimulationCache, fits, predict
@@ -214,12 +214,13 @@ class ReplicaSearch:
                 self.cluster,
                 self.seq_length,
                 self.profiles,
-                self.dtype,
+                options=RunOptions.from_plan(
+                    plan, dtype=self.dtype, fused_elementwise=self.fused_elementwise
+                ),
                 pipeline_model="closed_form",
                 cache=self.cache,
                 validate=False,
                 comm=self.comm,
-                fused_elementwise=self.fused_elementwise,
             )
             found.append((closed.iteration_time_s, layout, plan))
             found.sort(key=lambda item: item[0])
@@ -231,11 +232,12 @@ class ReplicaSearch:
                 self.cluster,
                 self.seq_length,
                 self.profiles,
-                self.dtype,
+                options=RunOptions.from_plan(
+                    plan, dtype=self.dtype, fused_elementwise=self.fused_elementwise
+                ),
                 cache=self.cache,
                 comm=self.comm,
                 validate=False,
-                fused_elementwise=self.fused_elementwise,
             )
             if self.check_memory and not fits(prediction, self.cluster).ok:
                 continue

@@ -42,7 +42,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import ModelConfig
+from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import Prediction, Profile, SimulationCache, fits, predict
@@ -146,10 +146,11 @@ class _Search:
             self.cluster,
             self.seq_length,
             self.profiles,
-            self.dtype,
+            options=RunOptions.from_plan(
+                plan, dtype=self.dtype, fused_elementwise=self.fused_elementwise
+            ),
             cache=self.cache,
             comm=self.comm,
-            fused_elementwise=self.fused_elementwise,
         )
 
     def fits(self, prediction: Prediction) -> bool:
@@ -538,12 +539,13 @@ def _rings_or_collectives(
             search.cluster,
             search.seq_length,
             search.profiles,
-            search.dtype,
+            options=RunOptions.from_plan(
+                whole, dtype=search.dtype, fused_elementwise=search.fused_elementwise
+            ),
             cache=search.cache,
             validate=False,
             comm=search.comm,
             pipelines=distinct,
-            fused_elementwise=search.fused_elementwise,
         )
         if quick.iteration_time_s >= prediction.iteration_time_s * (1 - 1e-9):
             return plan, prediction
@@ -576,15 +578,18 @@ def _overlapped(
         search.cluster,
         search.seq_length,
         search.profiles,
-        search.dtype,
+        options=RunOptions.from_plan(
+            plan,
+            dtype=search.dtype,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            fused_elementwise=search.fused_elementwise,
+        ),
         pipeline_model="closed_form",
         cache=search.cache,
         validate=False,
         comm=search.comm,
-        overlap_grad_reduce=True,
-        overlap_param_gather=True,
         pipelines=search.placement.distinct_pipelines(sm.layout),
-        fused_elementwise=search.fused_elementwise,
     )
     if overlapped.iteration_time_s < time_s * (1 - 1e-9):
         return overlapped.iteration_time_s, sm, layers, True

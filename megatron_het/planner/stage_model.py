@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import ModelConfig
+from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.perf import Prediction, Profile, SimulationCache, predict
 from megatron_het.perf.cost.comm_time import CommCost
 from megatron_het.perf.cost.memory import RESERVED_FRACTION, device_capacity_bytes
@@ -224,13 +224,14 @@ def probe_stage_model(
                 cluster,
                 seq_length,
                 profiles,
-                dtype,
+                options=RunOptions.from_plan(
+                    plan, dtype=dtype, fused_elementwise=fused_elementwise
+                ),
                 pipeline_model="closed_form",
                 cache=cache,
                 validate=False,
                 pipelines=replicas,
                 comm=comm,
-                fused_elementwise=fused_elementwise,
             )
         )
     n = v * p  # stages (chunks) of one pipeline

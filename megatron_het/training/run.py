@@ -174,10 +174,8 @@ def rank_emulation(setup: RunSetup, rank: int, threads: int | None = None) -> Ra
         setup.plan,
         setup.cluster,
         setup.run.data.seq_length,
-        setup.options.dtype,
-        use_distributed_optimizer=setup.options.use_distributed_optimizer,
+        setup.options,
         profiles=setup.host_profiles,
-        fused_elementwise=setup.options.fused_elementwise,
     )
     parallel = setup.run.parallel
     return build_emulation(

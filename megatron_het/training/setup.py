@@ -199,27 +199,17 @@ def prepare_run(run: RunConfig, world_size: int | None = 1, accelerator: str = "
 
 
 def predict_plan(setup: RunSetup, **given: Any) -> Prediction:
-    """The predictor on the run's plan with the run's resolved options; ``given`` adds to or
-    replaces :func:`~megatron_het.perf.predict`'s other keyword arguments (a rate model, the
-    pipeline model). UserError if the predictor cannot price the plan."""
+    """The predictor on the run's plan with the run's resolved options; ``given`` adds
+    :func:`~megatron_het.perf.predict`'s other keyword arguments (a rate model, the pipeline
+    model). UserError if the predictor cannot price the plan."""
     from megatron_het.perf import predict
 
-    options = setup.options
-    run_options = dict(
-        dtype=options.dtype,
-        use_distributed_optimizer=options.use_distributed_optimizer,
-        overlap_grad_reduce=options.overlap_grad_reduce,
-        overlap_param_gather=options.overlap_param_gather,
-        grad_reduce_in_bf16=options.grad_reduce_in_bf16,
-        overlap_p2p_comm=options.overlap_p2p_comm,
-        ddp_bucket_size=options.ddp_bucket_size,
-        fused_elementwise=options.fused_elementwise,
-    )
     return predict(
         setup.model_config,
         setup.plan,
         setup.cluster,
         setup.run.data.seq_length,
         setup.host_profiles,
-        **{**run_options, **given},
+        setup.options,
+        **given,
     )

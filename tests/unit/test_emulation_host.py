@@ -8,7 +8,7 @@ import random
 import pytest
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.emulation.host_measure import (
     LAYER_TP_COLLECTIVES,
     measure_host_collective,
@@ -184,9 +184,22 @@ def test_predict_on_a_shared_host():
     cluster = ClusterSpec.load("scripts/clusters/cpu_emulated.yaml")
     plan = ParallelPlan.load("scripts/plans/cpu_emulated_pp4.json")
     model = model_preset("tiny")
-    alone = predict(model, plan, cluster, 64, {"cpu": host_profile()}, dtype="fp32")
+    alone = predict(
+        model,
+        plan,
+        cluster,
+        64,
+        {"cpu": host_profile()},
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+    )
     free = predict(
-        model, plan, cluster, 64, {"cpu": host_profile((1.0,) * 4)}, dtype="fp32", rate_model=SHARED
+        model,
+        plan,
+        cluster,
+        64,
+        {"cpu": host_profile((1.0,) * 4)},
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        rate_model=SHARED,
     )
     # Cores for everyone and tp=1 (no waits in the regions): the same pipeline as alone.
     assert free.pipeline_time_s == pytest.approx(alone.pipeline_time_s, rel=1e-9)
@@ -195,13 +208,29 @@ def test_predict_on_a_shared_host():
     assert free.optimizer_s == pytest.approx(max(per_rank))
     assert free.overhead_s > 0
     crowded = {"cpu": host_profile((1.0, 2.0, 3.0, 4.0))}
-    shared = predict(model, plan, cluster, 64, crowded, dtype="fp32", rate_model=SHARED)
+    shared = predict(
+        model,
+        plan,
+        cluster,
+        64,
+        crowded,
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        rate_model=SHARED,
+    )
     assert shared.pipeline_time_s > 1.2 * free.pipeline_time_s
     # A profile without sharing figures keeps the one-device-per-rank model, and so does a
     # prediction without the rate model.
     for profile, rate_model in (({"cpu": host_profile()}, SHARED), (crowded, None)):
         assert dataclasses.replace(alone, stages=()) == dataclasses.replace(
-            predict(model, plan, cluster, 64, profile, dtype="fp32", rate_model=rate_model),
+            predict(
+                model,
+                plan,
+                cluster,
+                64,
+                profile,
+                options=RunOptions.from_plan(plan, dtype="fp32"),
+                rate_model=rate_model,
+            ),
             stages=(),
         )
     # The closed form never uses the rate model.
@@ -211,7 +240,7 @@ def test_predict_on_a_shared_host():
         cluster,
         64,
         crowded,
-        dtype="fp32",
+        options=RunOptions.from_plan(plan, dtype="fp32"),
         rate_model=SHARED,
         pipeline_model="closed_form",
     )
@@ -269,7 +298,7 @@ def test_dp_sync_on_a_shared_host_shares_the_cores():
         cluster,
         64,
         {"cpu": host_profile((1.0, 1.0, 1.5, 2.0))},
-        dtype="fp32",
+        options=RunOptions.from_plan(plan, dtype="fp32"),
         rate_model=SHARED,
     )
     # All 4 ranks sync their stage's gradients at once: the link model's time x slowdown(4).
@@ -285,7 +314,15 @@ def test_dp_sync_slows_only_its_cpu_share_and_keeps_an_emulated_links_pace():
     model = model_preset("tiny")
     sharing = (1.0, 1.0, 1.5, 2.0)
     half_cpu = dataclasses.replace(host_profile(sharing), host_collective_s=(2e-3, 1e-3))
-    shared = predict(model, plan, cluster, 64, {"cpu": half_cpu}, dtype="fp32", rate_model=SHARED)
+    shared = predict(
+        model,
+        plan,
+        cluster,
+        64,
+        {"cpu": half_cpu},
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        rate_model=SHARED,
+    )
     # Half of a collective's time is CPU work (x2.0 with 4 ranks syncing), half a wait.
     link = max(s.dp_sync_s for s in shared.stages)
     assert shared.dp_sync_s == pytest.approx((0.5 * 2.0 + 0.5) * link)
@@ -312,7 +349,7 @@ def test_dp_sync_slows_only_its_cpu_share_and_keeps_an_emulated_links_pace():
         cluster,
         64,
         {"cpu": host_profile(sharing, fast_gloo)},
-        dtype="fp32",
+        options=RunOptions.from_plan(across, dtype="fp32"),
         rate_model=SHARED,
     )
     assert paced.dp_sync_s == pytest.approx(max(s.dp_sync_s for s in paced.stages))
@@ -327,14 +364,36 @@ def test_tp_collectives_on_a_shared_host_are_cpu_work_and_a_wait():
     tp_layer = dataclasses.replace(base.layers[0], tp=2)
     base = dataclasses.replace(base, layers=base.layers + (tp_layer,))
     timed = dataclasses.replace(base, host_collective_s=(2e-3, 1e-3))
-    plain = predict(model, plan, cluster, 64, {"cpu": base}, dtype="fp32", rate_model=SHARED)
-    measured = predict(model, plan, cluster, 64, {"cpu": timed}, dtype="fp32", rate_model=SHARED)
+    plain = predict(
+        model,
+        plan,
+        cluster,
+        64,
+        {"cpu": base},
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        rate_model=SHARED,
+    )
+    measured = predict(
+        model,
+        plan,
+        cluster,
+        64,
+        {"cpu": timed},
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        rate_model=SHARED,
+    )
     # Each collective costs 2 ms instead of the link model's much smaller all-reduce.
     assert measured.pipeline_time_s > plain.pipeline_time_s
     # Sharing figures of 1: CPU work and waits add up, so 2 ms per collective either way.
     half = dataclasses.replace(base, host_collective_s=(2e-3, 2e-3))
     assert predict(
-        model, plan, cluster, 64, {"cpu": half}, dtype="fp32", rate_model=SHARED
+        model,
+        plan,
+        cluster,
+        64,
+        {"cpu": half},
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        rate_model=SHARED,
     ).pipeline_time_s == pytest.approx(measured.pipeline_time_s)
 
 
@@ -378,7 +437,15 @@ def test_predict_on_a_shared_host_with_interleaved_chunks():
         }
 
     recorder = Recording()
-    free = predict(model, plan, cluster, 64, profile((1.0,) * 4), dtype="fp32", rate_model=recorder)
+    free = predict(
+        model,
+        plan,
+        cluster,
+        64,
+        profile((1.0,) * 4),
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        rate_model=recorder,
+    )
     pipeline = plan.pipelines[0]
     timings = recorder.result.stages[0]
     assert len(timings) == 4  # one per chunk
@@ -403,7 +470,13 @@ def test_predict_on_a_shared_host_with_interleaved_chunks():
         2e-9 * (free.stages[0].parameters + free.stages[2].parameters)
     )
     crowded = predict(
-        model, plan, cluster, 64, profile((1.0, 2.0, 3.0, 4.0)), dtype="fp32", rate_model=SHARED
+        model,
+        plan,
+        cluster,
+        64,
+        profile((1.0, 2.0, 3.0, 4.0)),
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        rate_model=SHARED,
     )
     assert crowded.pipeline_time_s > 1.2 * free.pipeline_time_s
     assert 0.0 < crowded.bubble_fraction < 1.0
@@ -441,7 +514,7 @@ def test_an_interleaved_group_syncs_once_on_a_shared_host():
         cluster,
         64,
         {"cpu": host_profile((1.0, 1.0, 1.5, 2.0))},
-        dtype="fp32",
+        options=RunOptions.from_plan(plan, dtype="fp32"),
         rate_model=SHARED,
     )
     # The 4 ranks sync both their chunks at once: the link model's time x slowdown(4), not (8).
@@ -478,8 +551,18 @@ def test_a_hetero_dp_plan_on_a_shared_host_syncs_each_device_over_its_units():
         CommEntry("collective", "intra_node", 1.0, 1e-4),
     )
     profile = {"cpu": host_profile((1.0, 1.0, 1.5, 2.0), gloo)}
-    alone = predict(model, plan, cluster, 64, profile, dtype="fp32")
-    shared = predict(model, plan, cluster, 64, profile, dtype="fp32", rate_model=SHARED)
+    alone = predict(
+        model, plan, cluster, 64, profile, options=RunOptions.from_plan(plan, dtype="fp32")
+    )
+    shared = predict(
+        model,
+        plan,
+        cluster,
+        64,
+        profile,
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        rate_model=SHARED,
+    )
     assert [s.pipeline for s in shared.stages] == [0, 0, 1]
     # Every rank syncs at once (slowdown 2.0 for 4 on the host) over the host's gloo: the
     # tp=2 device of pipeline 1 holds all four units, the most.
@@ -510,7 +593,13 @@ def _tp2_pp2_on_a_shared_host(collective_cpu_s: float, **keys: object):
     )
     recorder = Recording()
     predict(
-        model_preset("tiny"), plan, cluster, 64, {"cpu": base}, dtype="fp32", rate_model=recorder
+        model_preset("tiny"),
+        plan,
+        cluster,
+        64,
+        {"cpu": base},
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        rate_model=recorder,
     )
     return plan, recorder.inputs, recorder.result.stages[0]
 

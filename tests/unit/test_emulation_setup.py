@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.emulation import EmulatedWires, Emulator, build_emulation, check_memory_caps
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
@@ -164,32 +164,80 @@ def capped_cluster(cap_gib: float) -> ClusterSpec:
 
 def test_memory_caps_name_the_stage_that_does_not_fit():
     plan = ParallelPlan.load(PLAN)
-    rows = predict(MODEL, plan, ClusterSpec.load(CLUSTER), SEQ, dtype="fp32").stages
+    rows = predict(
+        MODEL,
+        plan,
+        ClusterSpec.load(CLUSTER),
+        SEQ,
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+    ).stages
     need = rows[1].memory.total_bytes / GIB  # 2 emu-slow layers on rank 2
     assert need > rows[2].memory.total_bytes / GIB
     cap = 0.99 * need
     with pytest.raises(UserError) as info:
-        check_memory_caps(MODEL, plan, capped_cluster(cap), SEQ, "fp32")
+        check_memory_caps(
+            MODEL,
+            plan,
+            capped_cluster(cap),
+            SEQ,
+            RunOptions.from_plan(plan, dtype="fp32", fused_elementwise=False),
+        )
     assert str(info.value) == (
         f"pipeline 0 stage 1 (emu-slow (emulated), tp=1, ranks [2]) needs {need:.3g} GiB per "
         f"device but the emulated memory cap of emu-slow is {cap:g} GiB; give it fewer layers, "
         f"a larger tp, recompute or the distributed optimizer, or raise memory_cap_gib"
     )
     assert "\n" not in str(info.value)
-    check_memory_caps(MODEL, plan, capped_cluster(1.01 * need), SEQ, "fp32")
-    check_memory_caps(MODEL, plan, ClusterSpec.load(CLUSTER), SEQ, "fp32")  # no caps
+    check_memory_caps(
+        MODEL,
+        plan,
+        capped_cluster(1.01 * need),
+        SEQ,
+        RunOptions.from_plan(plan, dtype="fp32", fused_elementwise=False),
+    )
+    check_memory_caps(
+        MODEL,
+        plan,
+        ClusterSpec.load(CLUSTER),
+        SEQ,
+        RunOptions.from_plan(plan, dtype="fp32", fused_elementwise=False),
+    )  # no caps
 
 
 def test_memory_caps_follow_the_memory_model():
     plan = ParallelPlan.load(PLAN)
-    rows = predict(MODEL, plan, ClusterSpec.load(CLUSTER), SEQ, dtype="bf16").stages
+    rows = predict(
+        MODEL,
+        plan,
+        ClusterSpec.load(CLUSTER),
+        SEQ,
+        options=RunOptions.from_plan(plan, dtype="bf16"),
+    ).stages
     bf16 = rows[1].memory.total_bytes / GIB
     # bf16 weights and activations need less than fp32: a cap between the two passes bf16 only.
-    fp32 = predict(MODEL, plan, ClusterSpec.load(CLUSTER), SEQ, dtype="fp32").stages[1]
+    fp32 = predict(
+        MODEL,
+        plan,
+        ClusterSpec.load(CLUSTER),
+        SEQ,
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+    ).stages[1]
     between = (bf16 + fp32.memory.total_bytes / GIB) / 2
-    check_memory_caps(MODEL, plan, capped_cluster(between), SEQ, "bf16")
+    check_memory_caps(
+        MODEL,
+        plan,
+        capped_cluster(between),
+        SEQ,
+        RunOptions.from_plan(plan, dtype="bf16", fused_elementwise=False),
+    )
     with pytest.raises(UserError, match="pipeline 0 stage 1"):
-        check_memory_caps(MODEL, plan, capped_cluster(between), SEQ, "fp32")
+        check_memory_caps(
+            MODEL,
+            plan,
+            capped_cluster(between),
+            SEQ,
+            RunOptions.from_plan(plan, dtype="fp32", fused_elementwise=False),
+        )
 
 
 def test_the_host_profile_s_entries_of_the_run_s_mode_time_the_ranks():

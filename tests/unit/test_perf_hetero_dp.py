@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.replicas import ReplicaUnit, replica_units, uniform_layouts
 from megatron_het.perf import fits, predict
@@ -67,14 +67,20 @@ def test_the_dp_sync_is_every_held_units_full_all_reduce_by_hand(hetero):
     emb, first, second, norm = (
         ring_all_reduce(4 * n, k) for n, k in ((v * h, 4), (layer, 3), (layer, 3), (h, 3))
     )
-    plain = predict(TIED, hetero, local_cluster(4), SEQ, dtype="bf16")
+    plain = predict(
+        TIED, hetero, local_cluster(4), SEQ, options=RunOptions.from_plan(hetero, dtype="bf16")
+    )
     expected = [emb + first, emb + second + norm, emb + first + second + norm]
     assert [s.dp_sync_s for s in plain.stages] == pytest.approx(expected, rel=1e-12)
     assert plain.dp_sync_s == pytest.approx(max(expected), rel=1e-12)
     assert plain.stages[2].dp_algorithm.startswith("4 full-unit all-reduces")
     # ZeRO-1: a second all-reduce of each full unit, in bf16, shares the updated rows.
     zero = predict(
-        TIED, hetero, local_cluster(4), SEQ, dtype="bf16", use_distributed_optimizer=True
+        TIED,
+        hetero,
+        local_cluster(4),
+        SEQ,
+        options=RunOptions.from_plan(hetero, dtype="bf16", use_distributed_optimizer=True),
     )
     shares = [ring_all_reduce(2 * n, k) for n, k in ((v * h, 4), (layer, 3), (layer, 3), (h, 3))]
     assert zero.stages[0].dp_sync_s == pytest.approx(emb + first + shares[0] + shares[1], rel=1e-12)
@@ -114,7 +120,13 @@ def _runtime_owned(model, plan, rank):
 def test_zero1_owns_each_row_once_where_the_runtime_does(path, layers, name):
     model = model_preset(name).replace(num_layers=layers)
     plan = ParallelPlan.load(path)
-    pred = predict(model, plan, local_cluster(4), SEQ, dtype="bf16", use_distributed_optimizer=True)
+    pred = predict(
+        model,
+        plan,
+        local_cluster(4),
+        SEQ,
+        options=RunOptions.from_plan(plan, dtype="bf16", use_distributed_optimizer=True),
+    )
     owned = {r: _runtime_owned(model, plan, r) for r in plan.ranks()}
     total = model.vocab_size * model.hidden_size * (1 if model.tie_embeddings else 2) + (
         layers * layer_parameters(model, 1) + model.hidden_size
@@ -126,9 +138,15 @@ def test_zero1_owns_each_row_once_where_the_runtime_does(path, layers, name):
 
 
 def test_zero1_splits_the_optimizer_state_per_pipeline(hetero):
-    plain = predict(TIED, hetero, local_cluster(4), SEQ, dtype="bf16")
+    plain = predict(
+        TIED, hetero, local_cluster(4), SEQ, options=RunOptions.from_plan(hetero, dtype="bf16")
+    )
     zero = predict(
-        TIED, hetero, local_cluster(4), SEQ, dtype="bf16", use_distributed_optimizer=True
+        TIED,
+        hetero,
+        local_cluster(4),
+        SEQ,
+        options=RunOptions.from_plan(hetero, dtype="bf16", use_distributed_optimizer=True),
     )
     # Rank 0 (pipeline 0 of 2) holds the embedding and layers 0-1 whole: it owns the first half
     # of every parameter's rows, half its state; the optimizer step does half the work.
@@ -143,7 +161,9 @@ def test_zero1_splits_the_optimizer_state_per_pipeline(hetero):
 
 
 def test_the_sync_buffers_are_the_full_units_and_count_after_the_backward(hetero):
-    pred = predict(TIED, hetero, local_cluster(4), SEQ, dtype="fp32")
+    pred = predict(
+        TIED, hetero, local_cluster(4), SEQ, options=RunOptions.from_plan(hetero, dtype="fp32")
+    )
     h, v = TIED.hidden_size, TIED.vocab_size
     layer = 2 * layer_parameters(TIED, 1)
     # The tp=2 stage allocates every unit in full: twice its shard's gradients and more.

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import (
     Profile,
@@ -149,7 +149,12 @@ def test_each_device_holds_what_its_schedule_says_on_random_layouts():
         stages = tuple(StagePlan("cpu", 1, (bounds[s], bounds[s + 1]), (s % p,)) for s in range(n))
         plan = ParallelPlan(MB, (PipelinePlan(m, stages),))
         rows = predict(
-            model, plan, local_cluster(p), SEQ, controlled_profile(), dtype="fp32"
+            model,
+            plan,
+            local_cluster(p),
+            SEQ,
+            controlled_profile(),
+            options=RunOptions.from_plan(plan, dtype="fp32"),
         ).stages
         peaks = check_schedule(build_schedule("1f1b", p, m, num_chunks=v), m, n).peak_in_flight
         assert [r.in_flight for r in rows] == [peaks[s % p] for s in range(n)], (p, v, m)
@@ -169,8 +174,22 @@ def test_each_device_holds_what_its_schedule_says_on_random_layouts():
 
 def test_uniform_interleaving_predicts_the_interleaved_bubble():
     cluster, profiles = local_cluster(2), controlled_profile()
-    plain = predict(TINY8, two_groups(1), cluster, SEQ, profiles, dtype="fp32")
-    inter = predict(TINY8, two_groups(2), cluster, SEQ, profiles, dtype="fp32")
+    plain = predict(
+        TINY8,
+        two_groups(1),
+        cluster,
+        SEQ,
+        profiles,
+        options=RunOptions.from_plan(two_groups(1), dtype="fp32"),
+    )
+    inter = predict(
+        TINY8,
+        two_groups(2),
+        cluster,
+        SEQ,
+        profiles,
+        options=RunOptions.from_plan(two_groups(2), dtype="fp32"),
+    )
     group = 4 * (LAYER_F + LAYER_B)  # per micro-batch on either rank, both layouts
     p, m = 2, 4
     assert [s.forward_s + s.backward_s for s in inter.stages] == pytest.approx([group / 2] * 4)
@@ -194,7 +213,13 @@ def test_uniform_interleaving_predicts_the_interleaved_bubble():
     assert rank0[0].parameters + rank0[1].parameters == plain.stages[0].parameters
     assert inter.peak_memory_bytes == max(s.memory.total_bytes for s in inter.stages)
     closed = predict(
-        TINY8, two_groups(2), cluster, SEQ, profiles, dtype="fp32", pipeline_model="closed_form"
+        TINY8,
+        two_groups(2),
+        cluster,
+        SEQ,
+        profiles,
+        options=RunOptions.from_plan(two_groups(2), dtype="fp32"),
+        pipeline_model="closed_form",
     )
     assert closed.pipeline_time_s == closed.pipelines[0].closed_form_s
 
@@ -204,7 +229,7 @@ def test_uneven_chunks_on_two_tp_degrees():
     model = model_preset("tiny").replace(num_layers=6)
     plan = ParallelPlan.load("scripts/plans/cpu_interleaved_tp2_tp1.json")
     cluster = local_cluster(3)
-    pred = predict(model, plan, cluster, SEQ, dtype="fp32")
+    pred = predict(model, plan, cluster, SEQ, options=RunOptions.from_plan(plan, dtype="fp32"))
     rows, stages = pred.stages, plan.pipelines[0].stages
     assert [r.stage for r in rows] == [0, 1, 2, 3]
     assert [r.ranks for r in rows] == [(0, 1), (2,), (0, 1), (2,)]
@@ -250,8 +275,14 @@ def test_dp_sync_and_zero1_cover_every_chunk_of_a_group():
         )
 
     plan = ParallelPlan(MB, (pipe("emu-fast", (0, 1)), pipe("emu-slow", (2, 3))))
-    plain = predict(TINY8, plan, cluster, SEQ, dtype="bf16")
-    zero = predict(TINY8, plan, cluster, SEQ, dtype="bf16", use_distributed_optimizer=True)
+    plain = predict(TINY8, plan, cluster, SEQ, options=RunOptions.from_plan(plan, dtype="bf16"))
+    zero = predict(
+        TINY8,
+        plan,
+        cluster,
+        SEQ,
+        options=RunOptions.from_plan(plan, dtype="bf16", use_distributed_optimizer=True),
+    )
     stages = plan.pipelines[0].stages
     params = stage_parameters(TINY8, stages[0]) + stage_parameters(TINY8, stages[2])
     sync = CommCost(cluster).dp_sync([0, 2], params * 4).time_s
@@ -298,10 +329,22 @@ def test_overlap_p2p_comm_is_on_by_default_and_the_plan_or_keyword_turns_it_off(
     plan = ParallelPlan.load("scripts/plans/cpu_interleaved_tp2_tp1.json")
     cluster = local_cluster(3)
     assert plan.overlap_p2p_comm is None
-    on = predict(model, plan, cluster, SEQ, dtype="fp32")
-    off = predict(model, plan, cluster, SEQ, dtype="fp32", overlap_p2p_comm=False)
+    on = predict(model, plan, cluster, SEQ, options=RunOptions.from_plan(plan, dtype="fp32"))
+    off = predict(
+        model,
+        plan,
+        cluster,
+        SEQ,
+        options=RunOptions.from_plan(plan, dtype="fp32", overlap_p2p_comm=False),
+    )
     keyed = predict(
-        model, dataclasses.replace(plan, overlap_p2p_comm=False), cluster, SEQ, dtype="fp32"
+        model,
+        dataclasses.replace(plan, overlap_p2p_comm=False),
+        cluster,
+        SEQ,
+        options=RunOptions.from_plan(
+            dataclasses.replace(plan, overlap_p2p_comm=False), dtype="fp32"
+        ),
     )
     assert on.overlap_p2p_comm and not off.overlap_p2p_comm
     assert keyed.iteration_time_s == off.iteration_time_s
@@ -309,5 +352,12 @@ def test_overlap_p2p_comm_is_on_by_default_and_the_plan_or_keyword_turns_it_off(
     assert on.stages == off.stages  # per-stage figures are the same; only the timing differs
     assert on.to_dict()["overlap_p2p_comm"] is True
     # plain pipelines never overlap (as the runtime): the flag is reported off
-    plain = predict(TINY8, two_groups(1), local_cluster(2), SEQ, controlled_profile(), dtype="fp32")
+    plain = predict(
+        TINY8,
+        two_groups(1),
+        local_cluster(2),
+        SEQ,
+        controlled_profile(),
+        options=RunOptions.from_plan(two_groups(1), dtype="fp32"),
+    )
     assert not plain.overlap_p2p_comm

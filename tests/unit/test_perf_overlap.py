@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.errors import UserError
 from megatron_het.model.llama import LlamaModel
 from megatron_het.optim.data_parallel import GradBuckets, plan_buckets
@@ -203,13 +203,16 @@ def test_the_param_gather_overlap_hides_at_most_the_all_gather(cross_node, pipel
 
     sync = DPSync(LLAMA, plan, "bf16", True)
     gathers = [sync.split(CommCost(cluster), 0, g)[1] for g in range(4)]
-    kw = dict(use_distributed_optimizer=True, pipeline_model=pipeline_model)
-    grad_only = predict(LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True, **kw)
-    both = predict(
-        LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True, overlap_param_gather=True, **kw
-    )
-    gather_only = predict(LLAMA, plan, cluster, SEQ, overlap_param_gather=True, **kw)
-    off = predict(LLAMA, plan, cluster, SEQ, **kw)
+    zero1 = RunOptions.from_plan(plan, use_distributed_optimizer=True)
+
+    def run(**given):
+        options = zero1.replace(**given)
+        return predict(LLAMA, plan, cluster, SEQ, options=options, pipeline_model=pipeline_model)
+
+    grad_only = run(overlap_grad_reduce=True)
+    both = run(overlap_grad_reduce=True, overlap_param_gather=True)
+    gather_only = run(overlap_param_gather=True)
+    off = run()
     assert both.overlap_param_gather and not grad_only.overlap_param_gather
     assert both.pipeline_time_s == grad_only.pipeline_time_s
     hidden = grad_only.dp_exposed_s - both.dp_exposed_s
@@ -221,7 +224,12 @@ def test_the_param_gather_overlap_hides_at_most_the_all_gather(cross_node, pipel
     assert both.to_dict()["overlap_param_gather"] is True
     # It needs the distributed optimizer: without, it changes nothing.
     plain = predict(
-        LLAMA, plan, cluster, SEQ, pipeline_model=pipeline_model, overlap_param_gather=True
+        LLAMA,
+        plan,
+        cluster,
+        SEQ,
+        options=RunOptions.from_plan(plan, overlap_param_gather=True),
+        pipeline_model=pipeline_model,
     )
     assert not plain.overlap_param_gather
     assert (
@@ -252,7 +260,11 @@ def test_ddp_bucket_size_lays_out_the_buckets(cross_node):
 
     def exposed(size):
         return predict(
-            LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True, ddp_bucket_size=size
+            LLAMA,
+            plan,
+            cluster,
+            SEQ,
+            options=RunOptions.from_plan(plan, overlap_grad_reduce=True, ddp_bucket_size=size),
         ).dp_exposed_s
 
     default = exposed(None)
@@ -271,9 +283,10 @@ def test_overlap_hides_all_but_the_last_bucket_at_most(cross_node, zero1, pipeli
             plan,
             cluster,
             SEQ,
-            use_distributed_optimizer=zero1,
+            options=RunOptions.from_plan(
+                plan, use_distributed_optimizer=zero1, overlap_grad_reduce=overlap
+            ),
             pipeline_model=pipeline_model,
-            overlap_grad_reduce=overlap,
         )
         for overlap in (False, True)
     )
@@ -322,9 +335,16 @@ def test_overlap_never_increases_time_on_random_plans():
         )
         model = rng.choice([TINY, TIED, model_preset("small")])
         for pipeline_model in ("simulate", "closed_form"):
-            kw = dict(pipeline_model=pipeline_model, use_distributed_optimizer=rng.random() < 0.5)
-            off = predict(model, plan, cluster, 64, **kw)
-            on = predict(model, plan, cluster, 64, overlap_grad_reduce=True, **kw)
+            options = RunOptions.from_plan(plan, use_distributed_optimizer=rng.random() < 0.5)
+            off = predict(model, plan, cluster, 64, options=options, pipeline_model=pipeline_model)
+            on = predict(
+                model,
+                plan,
+                cluster,
+                64,
+                options=options.replace(overlap_grad_reduce=True),
+                pipeline_model=pipeline_model,
+            )
             assert on.dp_exposed_s <= off.dp_sync_s + 1e-15
             assert on.iteration_time_s <= off.iteration_time_s + 1e-15
             assert on.dp_exposed_s > 0
@@ -334,7 +354,9 @@ def test_heterogeneous_dp_does_not_overlap():
     cluster = local_cluster(4)
     plan = ParallelPlan.load("scripts/plans/cpu_hetero_dp.json")
     off = predict(TINY, plan, cluster, 64)
-    on = predict(TINY, plan, cluster, 64, overlap_grad_reduce=True)
+    on = predict(
+        TINY, plan, cluster, 64, options=RunOptions.from_plan(plan, overlap_grad_reduce=True)
+    )
     assert on.dp_exposed_s == on.dp_sync_s == off.dp_sync_s > 0
     assert on.iteration_time_s == off.iteration_time_s
 
@@ -349,9 +371,8 @@ def test_plan_keys_set_the_options_and_arguments_override_them(cross_node):
         plan,
         cluster,
         SEQ,
+        options=RunOptions.from_plan(plan, overlap_grad_reduce=True, grad_reduce_in_bf16=True),
         pipeline_model="closed_form",
-        overlap_grad_reduce=True,
-        grad_reduce_in_bf16=True,
     )
     assert explicit.iteration_time_s == from_plan.iteration_time_s
     overridden = predict(
@@ -359,9 +380,8 @@ def test_plan_keys_set_the_options_and_arguments_override_them(cross_node):
         planned,
         cluster,
         SEQ,
+        options=RunOptions.from_plan(planned, overlap_grad_reduce=False, grad_reduce_in_bf16=False),
         pipeline_model="closed_form",
-        overlap_grad_reduce=False,
-        grad_reduce_in_bf16=False,
     )
     default = predict(LLAMA, plan, cluster, SEQ, pipeline_model="closed_form")
     assert overridden.iteration_time_s == default.iteration_time_s
@@ -405,12 +425,23 @@ def test_bf16_reduction_in_the_predictor(cross_node):
     cluster, plan = cross_node
     fp32 = predict(LLAMA, plan, cluster, SEQ, pipeline_model="closed_form")
     bf16 = predict(
-        LLAMA, plan, cluster, SEQ, pipeline_model="closed_form", grad_reduce_in_bf16=True
+        LLAMA,
+        plan,
+        cluster,
+        SEQ,
+        options=RunOptions.from_plan(plan, grad_reduce_in_bf16=True),
+        pipeline_model="closed_form",
     )
     assert 0.45 * fp32.dp_sync_s < bf16.dp_sync_s < 0.55 * fp32.dp_sync_s  # latency stays
     assert bf16.pipeline_time_s == fp32.pipeline_time_s
     with pytest.raises(UserError) as info:
-        predict(LLAMA, plan, cluster, SEQ, dtype="fp32", grad_reduce_in_bf16=True)
+        predict(
+            LLAMA,
+            plan,
+            cluster,
+            SEQ,
+            options=RunOptions.from_plan(plan, dtype="fp32", grad_reduce_in_bf16=True),
+        )
     assert "grad_reduce_in_bf16 needs bf16 training" in str(info.value)
     assert "\n" not in str(info.value)
 
@@ -492,7 +523,14 @@ def test_closed_form_ends_bound_the_simulated_ones(v):
 def test_closed_form_and_simulation_agree_on_uniform_plans(cross_node):
     cluster, plan = cross_node
     sim, closed = (
-        predict(LLAMA, plan, cluster, SEQ, overlap_grad_reduce=True, pipeline_model=model)
+        predict(
+            LLAMA,
+            plan,
+            cluster,
+            SEQ,
+            options=RunOptions.from_plan(plan, overlap_grad_reduce=True),
+            pipeline_model=model,
+        )
         for model in ("simulate", "closed_form")
     )
     # llama2-7b's stages are nearly uniform (the ends differ by the embedding and the head)

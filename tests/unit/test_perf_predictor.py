@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import Profile, ProfileConditions, check_fits, fits, predict
@@ -49,7 +49,9 @@ def two_pipelines(micro_batches=4, recompute=False):
 
 
 def test_totals_follow_from_the_parts(emulated, three_stage):
-    pred = predict(TINY, three_stage, emulated, SEQ, dtype="fp32")
+    pred = predict(
+        TINY, three_stage, emulated, SEQ, options=RunOptions.from_plan(three_stage, dtype="fp32")
+    )
     assert len(pred.stages) == 3 and len(pred.pipelines) == 1
     assert pred.iteration_time_s == pytest.approx(
         pred.pipeline_time_s + pred.dp_sync_s + pred.optimizer_s
@@ -68,7 +70,9 @@ def test_totals_follow_from_the_parts(emulated, three_stage):
 
 
 def test_stage_terms_by_hand(emulated, three_stage):
-    pred = predict(TINY, three_stage, emulated, SEQ, dtype="fp32")
+    pred = predict(
+        TINY, three_stage, emulated, SEQ, options=RunOptions.from_plan(three_stage, dtype="fp32")
+    )
     fast, slow = emulated.accelerator_of(0), emulated.accelerator_of(2)
     mb = three_stage.micro_batch_size
     layer_tp1 = ops_time(layer_forward_ops(LayerShape.of(TINY, SEQ, mb, 1)), slow, "fp32")
@@ -116,7 +120,13 @@ def test_one_stage_is_m_times_forward_plus_backward():
 
 
 def test_emulated_slowdown_and_the_slowest_pipeline(emulated):
-    pred = predict(TINY, two_pipelines(), emulated, SEQ, dtype="fp32")
+    pred = predict(
+        TINY,
+        two_pipelines(),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(two_pipelines(), dtype="fp32"),
+    )
     fast = [s for s in pred.stages if s.pipeline == 0]
     slow = [s for s in pred.stages if s.pipeline == 1]
     for f, s in zip(fast, slow):
@@ -134,18 +144,41 @@ def test_more_micro_batches_shrink_the_bubble(emulated, three_stage):
     for m in (1, 2, 4, 8, 16):
         pipeline = PipelinePlan(m, three_stage.pipelines[0].stages)
         plan = ParallelPlan(three_stage.micro_batch_size, (pipeline,))
-        fractions.append(predict(TINY, plan, emulated, SEQ, dtype="fp32").bubble_fraction)
+        fractions.append(
+            predict(
+                TINY, plan, emulated, SEQ, options=RunOptions.from_plan(plan, dtype="fp32")
+            ).bubble_fraction
+        )
     assert all(a > b for a, b in zip(fractions, fractions[1:]))
 
 
 def test_recompute_trades_time_for_memory(emulated):
-    plain = predict(TINY, two_pipelines(), emulated, SEQ, dtype="fp32")
-    again = predict(TINY, two_pipelines(), emulated, SEQ, dtype="fp32", recompute=True)
+    plain = predict(
+        TINY,
+        two_pipelines(),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(two_pipelines(), dtype="fp32"),
+    )
+    again = predict(
+        TINY,
+        two_pipelines(),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(two_pipelines(), dtype="fp32"),
+        recompute=True,
+    )
     for a, b in zip(plain.stages, again.stages):
         assert b.forward_s == a.forward_s
         assert b.backward_s > a.backward_s
         assert b.memory.activation_bytes < a.memory.activation_bytes
-    flagged = predict(TINY, two_pipelines(recompute=True), emulated, SEQ, dtype="fp32")
+    flagged = predict(
+        TINY,
+        two_pipelines(recompute=True),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(two_pipelines(recompute=True), dtype="fp32"),
+    )
     assert flagged.iteration_time_s == again.iteration_time_s
 
 
@@ -155,11 +188,23 @@ def test_block_recompute_lies_between_none_and_all(emulated):
     from megatron_het.parallel.plan_builders import with_recompute
     from megatron_het.parallel.plan_validation import validate
 
-    plain = predict(TINY, two_pipelines(), emulated, SEQ, dtype="fp32")
-    full = predict(TINY, two_pipelines(recompute=True), emulated, SEQ, dtype="fp32")
+    plain = predict(
+        TINY,
+        two_pipelines(),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(two_pipelines(), dtype="fp32"),
+    )
+    full = predict(
+        TINY,
+        two_pipelines(recompute=True),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(two_pipelines(recompute=True), dtype="fp32"),
+    )
     block = with_recompute(two_pipelines(), 1)  # the first of each stage's 2 layers
     assert {st.recomputed_layers for p in block.pipelines for st in p.stages} == {1}
-    half = predict(TINY, block, emulated, SEQ, dtype="fp32")
+    half = predict(TINY, block, emulated, SEQ, options=RunOptions.from_plan(block, dtype="fp32"))
     for a, b, c in zip(plain.stages, half.stages, full.stages):
         assert a.forward_s == b.forward_s == c.forward_s
         assert b.backward_s == pytest.approx((a.backward_s + c.backward_s) / 2)
@@ -183,9 +228,19 @@ def test_block_recompute_lies_between_none_and_all(emulated):
 
 
 def test_zero1_shards_the_optimizer_state(emulated):
-    plain = predict(TINY, two_pipelines(), emulated, SEQ, dtype="bf16")
+    plain = predict(
+        TINY,
+        two_pipelines(),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(two_pipelines(), dtype="bf16"),
+    )
     zero = predict(
-        TINY, two_pipelines(), emulated, SEQ, dtype="bf16", use_distributed_optimizer=True
+        TINY,
+        two_pipelines(),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(two_pipelines(), dtype="bf16", use_distributed_optimizer=True),
     )
     for a, b in zip(plain.stages, zero.stages):
         assert b.memory.optimizer_bytes == pytest.approx(a.memory.optimizer_bytes / 2)
@@ -204,7 +259,14 @@ def test_host_profile_drives_emulated_kinds(emulated):
         layers=(entry,),
         optimizer_step_s_per_param=1e-9,
     )
-    pred = predict(TINY, two_pipelines(), emulated, SEQ, {"cpu": host}, dtype="fp32")
+    pred = predict(
+        TINY,
+        two_pipelines(),
+        emulated,
+        SEQ,
+        {"cpu": host},
+        options=RunOptions.from_plan(two_pipelines(), dtype="fp32"),
+    )
     fast, slow = pred.stages[1], pred.stages[3]  # 2 layers each, with the head
     assert fast.forward_s - 2 * 0.5 == pytest.approx(slow.forward_s / 2 - 2 * 0.5)
     assert "x2 (emulated slowdown)" in slow.source and "exact" in fast.source
@@ -239,7 +301,10 @@ def test_options(emulated, three_stage):
     cb = [s.p2p_backward_s for s in closed.stages[:-1]]
     assert closed.pipeline_time_s == closed_form_1f1b(f, b, 4, cf, cb)
     fp32_plan = ParallelPlan(2, three_stage.pipelines, dtype="fp32")
-    assert predict(TINY, fp32_plan, emulated, SEQ, dtype="bf16").dtype == "fp32"
+    # Without options the plan's keys are the run's; options given are what is priced.
+    assert predict(TINY, fp32_plan, emulated, SEQ).dtype == "fp32"
+    bf16 = RunOptions.from_plan(fp32_plan, dtype="bf16")
+    assert predict(TINY, fp32_plan, emulated, SEQ, options=bf16).dtype == "bf16"
     with pytest.raises(UserError):
         predict(TINY, three_stage, emulated, 0)
 
@@ -271,7 +336,13 @@ def hethub_plan() -> ParallelPlan:
 def test_llama_140b_on_the_hethub_cluster_is_plausible():
     cluster = ClusterSpec.load("scripts/clusters/hethub_llama140b.yaml")
     model = model_preset("llama-140b")
-    pred = predict(model, hethub_plan(), cluster, 4096, use_distributed_optimizer=True)
+    pred = predict(
+        model,
+        hethub_plan(),
+        cluster,
+        4096,
+        options=RunOptions.from_plan(hethub_plan(), use_distributed_optimizer=True),
+    )
     assert pred.num_devices == 768
     assert 20.0 < pred.iteration_time_s < 200.0
     assert 0.15 < pred.mfu < 0.6

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
 from megatron_het.perf import predict
@@ -70,8 +70,16 @@ def test_collective_counts_under_sequence_parallelism():
 
 
 def test_tp_comm_moves_the_same_bytes_and_adds_the_norm_gradients(emulated, tp2_pp2):
-    plain = predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32")
-    sp = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32")
+    plain = predict(
+        TINY, tp2_pp2, emulated, SEQ, options=RunOptions.from_plan(tp2_pp2, dtype="fp32")
+    )
+    sp = predict(
+        TINY,
+        with_sp(tp2_pp2),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(with_sp(tp2_pp2), dtype="fp32"),
+    )
     act, norm = all_reduce_pair(ACT), all_reduce_pair(4 * TINY.hidden_size)
     # Stage 0: embedding + 2 layers; stage 1: 2 layers + head. 9 all-reduces either way.
     assert [s.tp_comm_s for s in plain.stages] == pytest.approx([9 * act, 9 * act], rel=1e-12)
@@ -154,8 +162,15 @@ def test_an_overlapped_ring_pays_only_its_steps_beyond_the_gemm_blocks():
 
 
 def test_tp_comm_overlap_prices_the_rings_beside_the_layer_gemms(emulated, tp2_pp2):
-    sp = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32")
-    ov = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32", tp_comm_overlap=True)
+    sp = predict(
+        TINY,
+        with_sp(tp2_pp2),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(with_sp(tp2_pp2), dtype="fp32"),
+    )
+    keyed = dataclasses.replace(with_sp(tp2_pp2), tp_comm_overlap=True)
+    ov = predict(TINY, keyed, emulated, SEQ, options=RunOptions.from_plan(keyed, dtype="fp32"))
     norm = all_reduce_pair(4 * TINY.hidden_size)
     shape = LayerShape.of(TINY, SEQ, MB, 2)
     # Stage 0 (emu-fast): 2 layers, the embedding's reduce-scatter (forward) and all-gather
@@ -174,12 +189,15 @@ def test_tp_comm_overlap_prices_the_rings_beside_the_layer_gemms(emulated, tp2_p
             2 * (fwd + bwd) + 2 * gather + norms * norm, rel=1e-12
         )
     assert all(o.tp_comm_s < s.tp_comm_s for o, s in zip(ov.stages, sp.stages))
-    # The plan's key says the same as the argument; without sequence parallelism it is moot.
-    keyed = dataclasses.replace(with_sp(tp2_pp2), tp_comm_overlap=True)
-    assert predict(TINY, keyed, emulated, SEQ, dtype="fp32").to_dict() == ov.to_dict()
+    # Without sequence parallelism the plan's key is moot.
+    moot = dataclasses.replace(tp2_pp2, tp_comm_overlap=True)
     assert (
-        predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32", tp_comm_overlap=True).to_dict()
-        == predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32").to_dict()
+        predict(
+            TINY, moot, emulated, SEQ, options=RunOptions(dtype="fp32"), validate=False
+        ).to_dict()
+        == predict(
+            TINY, tp2_pp2, emulated, SEQ, options=RunOptions.from_plan(tp2_pp2, dtype="fp32")
+        ).to_dict()
     )
     # The GEMMs keep only their rank's input block: per layer qkv's and gate/up's inputs halve.
     t, h = MB * SEQ, TINY.hidden_size
@@ -195,8 +213,16 @@ def test_tp_comm_overlap_prices_the_rings_beside_the_layer_gemms(emulated, tp2_p
 
 
 def test_a_boundary_between_tp2_stages_sends_half_per_message(emulated, tp2_pp2):
-    plain = predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32")
-    sp = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32")
+    plain = predict(
+        TINY, tp2_pp2, emulated, SEQ, options=RunOptions.from_plan(tp2_pp2, dtype="fp32")
+    )
+    sp = predict(
+        TINY,
+        with_sp(tp2_pp2),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(with_sp(tp2_pp2), dtype="fp32"),
+    )
     assert position_messages(with_sp(tp2_pp2), *tp2_pp2.pipelines[0].stages, SEQ) == [
         (0, 2, 0.5),
         (1, 3, 0.5),
@@ -222,13 +248,21 @@ def test_a_tp_change_sends_the_overlapping_blocks_without_a_broadcast():
         sequence_parallel=True,
     )
     assert position_messages(plan, *plan.pipelines[0].stages, SEQ) == [(0, 2, 0.5), (1, 2, 0.5)]
-    pred = predict(TINY, plan, local_cluster(3), SEQ, dtype="fp32")
+    pred = predict(
+        TINY, plan, local_cluster(3), SEQ, options=RunOptions.from_plan(plan, dtype="fp32")
+    )
     # Rank 2 takes both halves one after the other: the whole activation, one latency.
     both = NODE_LAT + ACT / NODE_BW
     assert (pred.stages[0].p2p_forward_s, pred.stages[0].p2p_backward_s) == pytest.approx(
         (both, both), rel=1e-12
     )
-    plain = predict(TINY, with_sp(plan, None), local_cluster(3), SEQ, dtype="fp32")
+    plain = predict(
+        TINY,
+        with_sp(plan, None),
+        local_cluster(3),
+        SEQ,
+        options=RunOptions.from_plan(with_sp(plan, None), dtype="fp32"),
+    )
     assert plain.stages[0].p2p_backward_s > pred.stages[0].p2p_backward_s  # the broadcast
 
 
@@ -290,8 +324,16 @@ def test_activations_between_tp_blocks_shrink_by_tp_by_hand(emulated, tp2_pp2):
         == 16640
     )
     assert layer_input_bytes(shape, "fp32", True) == layer_input_bytes(shape, "fp32") / 2
-    plain = predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32")
-    sp = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32")
+    plain = predict(
+        TINY, tp2_pp2, emulated, SEQ, options=RunOptions.from_plan(tp2_pp2, dtype="fp32")
+    )
+    sp = predict(
+        TINY,
+        with_sp(tp2_pp2),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(with_sp(tp2_pp2), dtype="fp32"),
+    )
     drop = [
         a.memory.activation_bytes - b.memory.activation_bytes
         for a, b in zip(plain.stages, sp.stages)
@@ -299,7 +341,14 @@ def test_activations_between_tp_blocks_shrink_by_tp_by_hand(emulated, tp2_pp2):
     # 1F1B with 4 micro-batches on 2 stages: stage 0 holds 2 in flight, stage 1 one.
     assert drop == [2 * 2 * layer_saved, 2 * layer_saved + head_saved]
     recompute = [
-        predict(TINY, plan, emulated, SEQ, dtype="fp32", recompute=True)
+        predict(
+            TINY,
+            plan,
+            emulated,
+            SEQ,
+            options=RunOptions.from_plan(plan, dtype="fp32"),
+            recompute=True,
+        )
         for plan in (tp2_pp2, with_sp(tp2_pp2))
     ]
     kept = [r.stages[0].memory.activation_bytes for r in recompute]
@@ -375,8 +424,20 @@ def test_sequence_parallel_terms_are_the_tensors_the_model_saves(dtype, overlap)
 
 def test_without_sequence_parallelism_nothing_changes(emulated, tp2_pp2):
     for plan in (tp2_pp2, ParallelPlan.load("scripts/plans/cpu_emulated_3stage.json")):
-        unset = predict(TINY, plan, emulated, SEQ, use_distributed_optimizer=True)
-        off = predict(TINY, with_sp(plan, False), emulated, SEQ, use_distributed_optimizer=True)
+        unset = predict(
+            TINY,
+            plan,
+            emulated,
+            SEQ,
+            options=RunOptions.from_plan(plan, use_distributed_optimizer=True),
+        )
+        off = predict(
+            TINY,
+            with_sp(plan, False),
+            emulated,
+            SEQ,
+            options=RunOptions.from_plan(with_sp(plan, False), use_distributed_optimizer=True),
+        )
         assert unset.to_dict() == off.to_dict()
         assert predict(TINY, with_sp(plan), emulated, SEQ).to_dict() != unset.to_dict()
     # Every stage at tp=1: sequence parallelism has nothing to shard.
@@ -464,10 +525,23 @@ def test_the_planner_keeps_the_rings_only_where_they_are_faster(gbps, tflops, ri
 def test_scatter_gather_boundaries_shard_the_transfers_alone(emulated, tp2_pp2):
     # Megatron-LM 2021's --scatter-gather-tensors-in-pipeline: the boundary moves 1/tp shares
     # as under sequence parallelism; the layers, their collectives and memory stay whole.
-    plain = predict(TINY, tp2_pp2, emulated, SEQ, dtype="fp32")
-    sp = predict(TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32")
+    plain = predict(
+        TINY, tp2_pp2, emulated, SEQ, options=RunOptions.from_plan(tp2_pp2, dtype="fp32")
+    )
+    sp = predict(
+        TINY,
+        with_sp(tp2_pp2),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(with_sp(tp2_pp2), dtype="fp32"),
+    )
     sg = predict(
-        TINY, tp2_pp2, emulated, SEQ, dtype="fp32", scatter_gather_tensors_in_pipeline=True
+        TINY,
+        tp2_pp2,
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(tp2_pp2, dtype="fp32"),
+        scatter_gather_tensors_in_pipeline=True,
     )
     for mine, whole, sharded in zip(sg.stages, plain.stages, sp.stages):
         assert (mine.p2p_forward_s, mine.p2p_backward_s) == (
@@ -483,6 +557,11 @@ def test_scatter_gather_boundaries_shard_the_transfers_alone(emulated, tp2_pp2):
     assert sg.stages[0].p2p_forward_s < plain.stages[0].p2p_forward_s
     # A sequence-parallel plan shards its boundaries already: the flag changes nothing there.
     again = predict(
-        TINY, with_sp(tp2_pp2), emulated, SEQ, dtype="fp32", scatter_gather_tensors_in_pipeline=True
+        TINY,
+        with_sp(tp2_pp2),
+        emulated,
+        SEQ,
+        options=RunOptions.from_plan(with_sp(tp2_pp2), dtype="fp32"),
+        scatter_gather_tensors_in_pipeline=True,
     )
     assert again.iteration_time_s == sp.iteration_time_s

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_het.arguments import parse_run_config
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.perf import predict
 from megatron_het.planner import search_plan
 from megatron_het.planner.baseline import homogeneous_baseline
@@ -45,12 +45,24 @@ def test_eager_search_prices_and_chooses_for_eager_layers(searched) -> None:
     fused, eager = searched[True], searched[False]
     # each result is its plan's prediction under its own pricing
     for flag, result in searched.items():
-        again = predict(MODEL, result.plan, cluster, SEQ, fused_elementwise=flag)
+        again = predict(
+            MODEL,
+            result.plan,
+            cluster,
+            SEQ,
+            options=RunOptions.from_plan(result.plan, fused_elementwise=flag),
+        )
         assert result.prediction.iteration_time_s == pytest.approx(again.iteration_time_s, rel=1e-9)
     assert eager.prediction.iteration_time_s > 1.3 * fused.prediction.iteration_time_s
     assert eager.plan.pipelines != fused.plan.pipelines
     # the plan searched for fused layers is worse for an eager run than the eager plan
-    fused_plan_eager = predict(MODEL, fused.plan, cluster, SEQ, fused_elementwise=False)
+    fused_plan_eager = predict(
+        MODEL,
+        fused.plan,
+        cluster,
+        SEQ,
+        options=RunOptions.from_plan(fused.plan, fused_elementwise=False),
+    )
     assert eager.prediction.iteration_time_s < 0.97 * fused_plan_eager.iteration_time_s
 
 

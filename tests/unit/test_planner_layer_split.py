@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import predict
 from megatron_het.planner.evaluate import evaluate_plan
@@ -33,12 +33,16 @@ def _plan(name: str) -> ParallelPlan:
 def test_three_stages_by_hand(cluster, model, every_group_works) -> None:
     # emu-fast tp=2 [0, 1) with the embedding; emu-slow [1, 3); emu-slow [3, 4) with the head.
     plan = _plan("cpu_emulated_3stage")
-    rows = predict(model, plan, cluster, 256, dtype="fp32").stages
+    rows = predict(
+        model, plan, cluster, 256, options=RunOptions.from_plan(plan, dtype="fp32")
+    ).stages
     busy = [r.forward_s + r.backward_s for r in rows]
     slow = busy[1] / 2  # an emu-slow layer (the middle stage has no end)
     head = busy[2] - slow
     fast = busy[0]  # no plain emu-fast chunk: its one layer carries the embedding
-    split = layer_split(predict(model, plan, cluster, 256, dtype="fp32"), plan)
+    split = layer_split(
+        predict(model, plan, cluster, 256, options=RunOptions.from_plan(plan, dtype="fp32")), plan
+    )
     assert split.busiest_s == pytest.approx(max(busy))
     # Water-filling of 4 layers: T = fast x a = slow x b = head + slow x c, a + b + c = 4,
     # unless the head alone takes longer than the other two groups need for all 4 layers:
@@ -54,15 +58,27 @@ def test_three_stages_by_hand(cluster, model, every_group_works) -> None:
 def test_balanced_groups_lose_nothing_and_the_loss_is_never_negative(cluster) -> None:
     # One kind, the same layers everywhere but for the ends: only the ends' groups can give.
     plan = _plan("cpu_emulated_pp4")
-    split = layer_split(predict(SMALL, plan, cluster, 256, dtype="fp32"), plan)
+    split = layer_split(
+        predict(SMALL, plan, cluster, 256, options=RunOptions.from_plan(plan, dtype="fp32")), plan
+    )
     assert split.loss >= 0
-    rows = predict(SMALL, plan, cluster, 256, dtype="fp32").stages
+    rows = predict(
+        SMALL, plan, cluster, 256, options=RunOptions.from_plan(plan, dtype="fp32")
+    ).stages
     assert split.busiest_s == pytest.approx(max(r.forward_s + r.backward_s for r in rows))
 
 
 def test_none_for_one_group_or_pipelines_of_different_layouts(cluster) -> None:
     hetero = _plan("cpu_emulated_hetero_dp")
-    assert layer_split(predict(SMALL, hetero, cluster, 256, dtype="fp32"), hetero) is None
+    assert (
+        layer_split(
+            predict(
+                SMALL, hetero, cluster, 256, options=RunOptions.from_plan(hetero, dtype="fp32")
+            ),
+            hetero,
+        )
+        is None
+    )
     one = ParallelPlan.from_dict(
         {
             "format": "megatron_het.plan/1",
@@ -83,7 +99,12 @@ def test_none_for_one_group_or_pipelines_of_different_layouts(cluster) -> None:
             ],
         }
     )
-    assert layer_split(predict(SMALL, one, cluster, 256, dtype="fp32"), one) is None
+    assert (
+        layer_split(
+            predict(SMALL, one, cluster, 256, options=RunOptions.from_plan(one, dtype="fp32")), one
+        )
+        is None
+    )
 
 
 def test_the_reports_carry_it(cluster) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import ModelConfig, model_preset
+from megatron_het.config import ModelConfig, RunOptions, model_preset
 from megatron_het.perf import Prediction, fits, predict
 from megatron_het.perf.cost.comm_time import CommCost
 from megatron_het.perf.cost.memory import RESERVED_FRACTION
@@ -163,9 +163,10 @@ def _closed_form(probe: Probe, split: list[int]) -> Prediction:
         probe.cluster,
         probe.seq_length,
         probe.profiles,
-        probe.dtype,
+        options=RunOptions.from_plan(
+            plan, dtype=probe.dtype, fused_elementwise=probe.fused_elementwise
+        ),
         pipeline_model="closed_form",
-        fused_elementwise=probe.fused_elementwise,
     )
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.planner.baseline import homogeneous_baseline, why_above_baseline
 from megatron_het.planner.ceiling import compute_ceiling
@@ -371,10 +371,18 @@ def test_an_interleaved_plans_chart_names_its_schedule(tmp_path) -> None:
     cluster = ClusterSpec.load(REPO / "scripts/clusters/cpu_emulated.yaml")
     plan = ParallelPlan.load(REPO / "scripts/plans/cpu_emulated_interleaved.json")
     eight = dataclasses.replace(model_preset("small"), num_layers=8)
-    prediction = predict(eight, plan, cluster, 256, dtype="fp32")
+    prediction = predict(
+        eight, plan, cluster, 256, options=RunOptions.from_plan(plan, dtype="fp32")
+    )
     assert timeline_title(prediction).startswith("predicted interleaved 1F1B timeline")
     plain = ParallelPlan.load(REPO / "scripts/plans/cpu_emulated_pp4.json")
     assert timeline_title(
-        predict(model_preset("small"), plain, cluster, 256, dtype="fp32")
+        predict(
+            model_preset("small"),
+            plain,
+            cluster,
+            256,
+            options=RunOptions.from_plan(plain, dtype="fp32"),
+        )
     ).startswith("predicted 1F1B timeline")
     assert pixels(save_chart(prediction, cluster, tmp_path / "interleaved.png")).size

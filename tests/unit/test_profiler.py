@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import predict
@@ -239,14 +239,18 @@ def test_predict_uses_the_profile_as_measured(tiny_profile):
     cluster = ClusterSpec.load(REPO / "scripts/clusters/cpu_emulated.yaml")
     profiles = {"cpu": tiny_profile}
     plan = ParallelPlan.load(REPO / "scripts/plans/cpu_emulated_tp2_pp2.json")
-    prediction = predict(TINY, plan, cluster, 32, profiles, dtype="fp32")
+    prediction = predict(
+        TINY, plan, cluster, 32, profiles, options=RunOptions.from_plan(plan, dtype="fp32")
+    )
     for stage in prediction.stages:
         assert "layers: profile cpu: eager exact" in stage.source, stage.source
     assert "embedding: profile cpu embedding: exact" in prediction.stages[0].source
     assert "head: profile cpu head: exact" in prediction.stages[1].source
     # pp=4, tp=1: a middle emu-slow stage is one profiled layer times the slowdown of 2.
     plan = ParallelPlan.load(REPO / "scripts/plans/cpu_emulated_pp4.json")
-    stage = predict(TINY, plan, cluster, 32, profiles, dtype="fp32").stages[2]
+    stage = predict(
+        TINY, plan, cluster, 32, profiles, options=RunOptions.from_plan(plan, dtype="fp32")
+    ).stages[2]
     layer = tiny_profile.layers[0]
     assert stage.forward_s == pytest.approx(2.0 * layer.forward_s)
     assert stage.backward_s == pytest.approx(2.0 * layer.backward_s)

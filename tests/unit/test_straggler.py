@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import model_preset
+from megatron_het.config import RunOptions, model_preset
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.perf import predict
 from megatron_het.training.straggler import (
@@ -182,7 +182,12 @@ def test_expectations_from_the_prediction_and_from_layers() -> None:
     cluster = ClusterSpec.load(CLUSTER)
     assert layer_compute(plan) == {0: 4 * 1 / 2, 1: 4 * 1 / 2, 2: 4 * 2, 3: 4 * 1}
     prediction = predict(
-        model_preset("tiny"), plan, cluster, 32, dtype="fp32", pipeline_model="closed_form"
+        model_preset("tiny"),
+        plan,
+        cluster,
+        32,
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        pipeline_model="closed_form",
     )
     expected = predicted_compute(prediction, plan)
     rows = {row.ranks: row for row in prediction.stages}

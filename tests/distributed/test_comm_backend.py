@@ -1,6 +1,15 @@
-"""The "unified" torch.distributed backend: plain dist.* calls and DDP over mixed groups."""
+"""The "unified" torch.distributed backend: plain dist.* calls and DDP over mixed groups, a
+group whose ranks are not sorted, "unified" as the default backend, and the documented example
+under torchrun."""
 
 from __future__ import annotations
+
+import datetime
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -215,3 +224,143 @@ def p2p_and_scatters(rank: int, world_size: int, native: str) -> list[str]:
 @pytest.mark.parametrize("native", ["gloo", "fakenccl"])
 def test_p2p_batches_reduce_scatter_and_all_to_all_over_unified_backend(native: str) -> None:
     assert run_ranks(p2p_and_scatters, 4, native, timeout=60) == [[]] * 4
+
+
+ORDER = [1, 3, 0, 2]  # group rank i is global rank ORDER[i]; the kinds interleave
+
+
+def unsorted_collectives(g, me: int, x: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """Every collective on group ``g`` (ranks ``ORDER``), roots and peers given as group ranks;
+    returns what each one leaves on this rank."""
+    n = len(ORDER)
+    blocks = [x + 100 * i for i in range(n)]
+    out: dict[str, list[torch.Tensor]] = {}
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+        out[f"all_reduce {op}"] = [x.clone()]
+        dist.all_reduce(out[f"all_reduce {op}"][0], op=op, group=g)
+    out["all_gather"] = [torch.zeros_like(x) for _ in ORDER]
+    dist.all_gather(out["all_gather"], x, group=g)
+    out["all_gather_into_tensor"] = [torch.zeros(n * x.numel(), dtype=x.dtype)]
+    dist.all_gather_into_tensor(out["all_gather_into_tensor"][0], x, group=g)
+    out["reduce_scatter"] = [torch.zeros_like(x)]
+    dist.reduce_scatter(out["reduce_scatter"][0], blocks, group=g)
+    out["reduce_scatter_tensor"] = [torch.zeros(x.numel() // n, dtype=x.dtype)]
+    dist.reduce_scatter_tensor(out["reduce_scatter_tensor"][0], x, group=g)
+    out["all_to_all"] = [torch.zeros_like(x) for _ in ORDER]
+    dist.all_to_all(out["all_to_all"], blocks, group=g)
+    out["all_to_all_single"] = [torch.zeros_like(x)]
+    dist.all_to_all_single(out["all_to_all_single"][0], x, group=g)
+    out["broadcast"] = [x.clone()]
+    dist.broadcast(out["broadcast"][0], group_src=1, group=g)
+    reduced = x.clone()
+    dist.reduce(reduced, group_dst=2, group=g)
+    out["reduce"] = [reduced] if me == 2 else []
+    out["gather"] = [torch.zeros_like(x) for _ in ORDER] if me == 3 else []
+    dist.gather(x, out["gather"] if me == 3 else None, group_dst=3, group=g)
+    out["scatter"] = [torch.zeros_like(x)]
+    dist.scatter(out["scatter"][0], blocks if me == 0 else None, group_src=0, group=g)
+    return out
+
+
+def unsorted_transfers(g, me: int, x: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """A ring of batched transfers in group-rank order, and one send/recv by group rank."""
+    n = len(ORDER)
+    ring = torch.zeros_like(x)
+    ops = [
+        dist.P2POp(dist.isend, x, group=g, group_peer=(me + 1) % n),
+        dist.P2POp(dist.irecv, ring, group=g, group_peer=(me - 1) % n),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    pair = torch.zeros_like(x)
+    if me == 0:  # global rank 1 (fast) to group rank 2 (global rank 0, fast)
+        dist.send(x, group_dst=2, group=g)
+    elif me == 2:
+        dist.recv(pair, group_src=0, group=g)
+    return {"batch_isend_irecv": [ring], "send/recv": [pair]}
+
+
+def unsorted_group_ops(rank: int, world_size: int) -> list[str]:
+    """``dist.new_group(ORDER, sort_ranks=False)`` over two kinds against a gloo group of the
+    same order: every result bitwise, and each rank's identity and kind in the group."""
+    kinds = ["fast", "fast", "slow", "slow"]
+    register_unified_backend(kinds, {k: "gloo" for k in kinds})
+    unified = dist.new_group(ORDER, backend="unified", sort_ranks=False)
+    ref = dist.new_group(ORDER, backend="gloo", sort_ranks=False)
+    me = ORDER.index(rank)
+    bad = []
+    if (unified.rank(), unified.group.me) != (me, rank):
+        bad.append(f"group rank {unified.rank()}, global rank {unified.group.me}")
+    of_my_kind = tuple(r for r in sorted(ORDER) if kinds[r] == kinds[rank])
+    if unified.group.native.ranks != of_my_kind:
+        bad.append(f"native link {unified.group.native.ranks}, not {of_my_kind}")
+    x = torch.arange(4, dtype=torch.int64) * (rank + 1) + 10 * rank
+    for run in (unsorted_collectives, unsorted_transfers):
+        got, want = run(unified, me, x), run(ref, me, x)
+        for name in want:
+            if not all(torch.equal(a, b) for a, b in zip(got[name], want[name], strict=True)):
+                bad.append(f"{name}: {got[name]} != {want[name]}")
+    dist.barrier(group=unified)
+    return bad
+
+
+def test_unsorted_mixed_group_keeps_every_rank_and_kind() -> None:
+    assert run_ranks(unsorted_group_ops, 4, timeout=60) == [[]] * 4
+
+
+def default_world(rank: int, world_size: int, port: int) -> list:
+    """``init_process_group("unified")``: the default group spans both kinds."""
+    kinds = ["fast", "slow"]
+    register_unified_backend(kinds, {k: "gloo" for k in kinds})
+    dist.init_process_group(
+        "unified",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        x = torch.arange(4) * (rank + 1)
+        dist.all_reduce(x)
+        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(world_size)]
+        dist.all_gather(gathered, torch.tensor([rank, 10 * rank]))
+        dist.barrier()
+        return [dist.get_backend(), x, gathered]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unified_as_the_default_backend() -> None:
+    results = run_ranks(default_world, 2, backend=None, timeout=60)
+    for backend, x, gathered in results:
+        assert backend == "unified"
+        assert torch.equal(x, torch.arange(4) * 3)
+        assert [g.tolist() for g in gathered] == [[0, 0], [1, 10]]
+
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = "examples/ddp_mixed_kinds.py"
+
+
+def documented_command() -> list[str]:
+    """The command docs/communicator.md shows for the example, as tokens."""
+    page = (REPO / "docs" / "communicator.md").read_text(encoding="utf-8")
+    lines = [line for line in page.splitlines() if EXAMPLE in line and "torchrun" in line]
+    assert len(lines) == 1, f"docs/communicator.md shows {len(lines)} commands for {EXAMPLE}"
+    return shlex.split(lines[0])
+
+
+@pytest.mark.slow
+def test_the_ddp_example_runs_as_the_page_shows() -> None:
+    command = documented_command()
+    assert command[0] == "torchrun" and command[-1] == EXAMPLE
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    proc = subprocess.run(
+        torchrun + command[1:], cwd=REPO, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kinds = dict(re.findall(r"^rank (\d): (.+)$", proc.stdout, re.M))
+    assert kinds == {"0": "emu-fast (emulated)", "1": "emu-fast (emulated)",
+                     "2": "emu-slow (emulated)", "3": "emu-slow (emulated)"}  # fmt: skip
+    losses = [float(v) for v in re.findall(r"^step \d: mean loss ([\d.]+)$", proc.stdout, re.M)]
+    assert len(losses) == 5 and losses[-1] < losses[0], proc.stdout

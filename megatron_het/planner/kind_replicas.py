@@ -35,20 +35,21 @@ size (a "family"):
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from megatron_het.cluster import ClusterSpec, kind_subcluster
 from megatron_het.config import ModelConfig, RunOptions
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.replicas import ReplicaUnit
+from megatron_het.parallel.stage_plan import PipelinePlan
 from megatron_het.perf import Prediction, Profile, SimulationCache, fits, predict
 from megatron_het.perf.cost.comm_time import CommCost
 from megatron_het.perf.cost.dp_sync import unit_parameters
 from megatron_het.perf.cost.memory import layer_parameters
 from megatron_het.perf.cost.roofline import DTYPE_BYTES, FP32_BYTES
+from megatron_het.planner.batch_shares import allocate, shares_by_speed
 from megatron_het.planner.bounds import KindCosts, memory_feasible, time_lower_bound
 from megatron_het.planner.space import (
     Layout,
@@ -59,19 +60,9 @@ from megatron_het.planner.space import (
 )
 from megatron_het.planner.stage_model import Affine, StageModel, balance_layers, probe_stage_model
 
-# Bisection steps on the slowest replica's time (relative precision far below the predictor's).
-BISECTION_STEPS = 60
-
 # Per kind and family, how many of its layouts are probed (those with the least bound at the
 # bound's batch share): the bound orders them well, and probes of thousands of devices cost.
 PROBED_LAYOUTS = 3
-
-# Per kind, how many of its roomiest layouts the exact batch shares may choose among.
-SHARE_CHOICES = 4
-
-# How many times the budget is widened to the next layout's next micro-batch where no exact
-# shares add up at the least budget.
-WIDENINGS = 64
 
 
 @dataclass(frozen=True)
@@ -208,7 +199,7 @@ class ReplicaSearch:
             if built is None:
                 continue
             layout, plan = built
-            closed = predict(
+            estimate = predict(
                 self.model,
                 plan,
                 self.cluster,
@@ -222,7 +213,7 @@ class ReplicaSearch:
                 validate=False,
                 comm=self.comm,
             )
-            found.append((closed.iteration_time_s, layout, plan))
+            found.append((estimate.iteration_time_s, layout, plan))
             found.sort(key=lambda item: item[0])
         out = []
         for closed, layout, plan in found[:keep]:
@@ -386,10 +377,10 @@ class ReplicaSearch:
             chosen = allocate(options, total)
         if chosen is None:
             return None
-        chosen = chosen[0]
+        picks = chosen[0]
         parts = tuple(
             KindPart(k.kind, replace(o.layout, micro_batches=m), o.layers)
-            for k, (o, m) in zip(self._kinds, chosen)
+            for k, (o, m) in zip(self._kinds, picks)
         )
         layout = ReplicaLayout(
             parts, mbs, zero1, sp and any(b.tp > 1 for p in parts for b in p.layout.blocks)
@@ -499,113 +490,8 @@ def _with_replica_buffers(sm: StageModel, model: ModelConfig) -> StageModel:
     return replace(sm, memory=memory)
 
 
-def allocate(
-    options: Sequence[Sequence[_Option]], total: int
-) -> tuple[list[tuple[_Option, int]], float] | None:
-    """The layouts and shares (:func:`shares_by_speed`) with the least slowest pipeline +
-    largest sync (the iteration waits for both), over every cap on the sync: ((option,
-    micro-batches) per kind, that time); None when no choice adds up."""
-    best: tuple[list[tuple[_Option, int]], float] | None = None
-    for cap in sorted({o.sync for opts in options for o in opts}):
-        within = [[o for o in opts if o.sync <= cap] for opts in options]
-        if not all(within):
-            continue
-        picks = shares_by_speed(within, total)
-        if picks is None:
-            continue
-        time = max(o.fixed + o.per_micro_batch * m for o, m in picks) + max(
-            o.sync for o, _ in picks
-        )
-        if best is None or time < best[1]:
-            best = (picks, time)
-    return best
-
-
-def shares_by_speed(
-    options: Sequence[Sequence[_Option]], total: int
-) -> list[tuple[_Option, int]] | None:
-    """Per kind, a layout and the micro-batches of each of its replicas, summing to ``total``
-    over all replicas (``dp_k`` of kind k) and making the slowest replica's time least; None
-    when no choice adds up.
-
-    Bisection on that time finds the least budget within which the kinds' roomiest layouts
-    hold the batch; the shares are then made exact (:func:`exact_shares`) over the
-    :data:`SHARE_CHOICES` roomiest layouts of each kind (replica counts that cannot add up to
-    the batch give way to others), the budget widened (to where a layout holds one more
-    micro-batch) where none adds up."""
-
-    def room(option: _Option, budget: float) -> int:
-        return min(option.most_micro_batches(budget), total)
-
-    def fits(budget: float) -> bool:
-        held = [
-            max(o.layout.dp * room(o, budget) for o in opts if room(o, budget) >= 1)
-            if any(room(o, budget) >= 1 for o in opts)
-            else 0
-            for opts in options
-        ]
-        return all(held) and sum(held) >= total
-
-    lo = max(min(o.fixed + o.per_micro_batch for o in opts) for opts in options)
-    hi = max(max(o.fixed + o.per_micro_batch * total for o in opts) for opts in options)
-    for _ in range(BISECTION_STEPS):
-        mid = 0.5 * (lo + hi)
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    for _ in range(WIDENINGS):
-        choices = [
-            sorted((o for o in opts if room(o, hi) >= 1), key=lambda o: -o.layout.dp * room(o, hi))[
-                :SHARE_CHOICES
-            ]
-            for opts in options
-        ]
-        best: tuple[float, list[tuple[_Option, int]]] | None = None
-        for pick in itertools.product(*choices):
-            shares = exact_shares([o.layout.dp for o in pick], [room(o, hi) for o in pick], total)
-            if shares is not None:
-                time = max(o.fixed + o.per_micro_batch * m for o, m in zip(pick, shares))
-                if best is None or time < best[0]:
-                    best = (time, list(zip(pick, shares)))
-        if best is not None:
-            return best[1]
-        # the next budget at which some layout holds one more micro-batch
-        later = [
-            o.fixed + o.per_micro_batch * (room(o, hi) + 1)
-            for opts in options
-            for o in opts
-            if room(o, hi) < total
-        ]
-        if not later:
-            return None
-        hi = min(later) * (1 + 1e-12)
-    return None
-
-
-def exact_shares(dps: Sequence[int], caps: Sequence[int], total: int) -> list[int] | None:
-    """Micro-batches ``m_k`` in ``1 .. caps[k]`` with ``sum dps[k] m_k == total``, each as
-    large as it can be in kind order (the first kinds are filled first); None if none."""
-    if not dps:
-        return [] if total == 0 else None
-    rest_min = sum(dps[1:])
-    rest_max = sum(d * c for d, c in zip(dps[1:], caps[1:]))
-    top = min(caps[0], (total - rest_min) // dps[0])
-    for m in range(top, 0, -1):
-        left = total - dps[0] * m
-        if left > rest_max:
-            break
-        tail = exact_shares(dps[1:], caps[1:], left)
-        if tail is not None:
-            return [m, *tail]
-    return None
-
-
 __all__ = [
     "KindPart",
     "ReplicaLayout",
     "ReplicaSearch",
-    "allocate",
-    "exact_shares",
-    "shares_by_speed",
 ]

@@ -14,14 +14,12 @@ from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.perf import SimulationCache, fits, predict
 from megatron_het.perf.cost.comm_time import CommCost
+from megatron_het.planner.batch_shares import allocate, exact_shares, shares_by_speed
 from megatron_het.planner.kind_replicas import (
     ReplicaLayout,
     ReplicaSearch,
     _Option,
     _with_replica_buffers,
-    allocate,
-    exact_shares,
-    shares_by_speed,
 )
 from megatron_het.planner.search import search_plan
 from megatron_het.planner.space import KindBlock, Layout, Placement

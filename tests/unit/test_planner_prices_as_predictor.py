@@ -24,7 +24,7 @@ from megatron_het.config import ModelConfig, RunOptions, model_preset
 from megatron_het.perf import Prediction, fits, predict
 from megatron_het.perf.cost.comm_time import CommCost
 from megatron_het.perf.cost.memory import RESERVED_FRACTION
-from megatron_het.planner import bounds, kind_replicas, search, search_plan, stage_model
+from megatron_het.planner import bounds, kind_replicas, layout_search, search_plan, stage_model
 from megatron_het.planner.space import Layout, Placement, build_plan
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -129,7 +129,7 @@ def _recorded_search(monkeypatch, name: str) -> tuple[list[Probe], list[bounds.K
             super().__init__(*args, **kwargs)
             tables.append(self)
 
-    for module in (search, kind_replicas):
+    for module in (layout_search, kind_replicas):
         monkeypatch.setattr(module, "probe_stage_model", spied(module.__name__))
         monkeypatch.setattr(module, "KindCosts", RecordedCosts)
     model, cluster, gbs, seq = SEARCHES[name]()

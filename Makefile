@@ -6,7 +6,7 @@
 #                   since its tests fork workers: tests/conftest.py); make test runs it after the
 #                   rest where torch is built for CUDA/ROCm
 #   make gpu-check  the prepared GPU check (scripts/gpu_check.sh; GPU rows SKIP without one)
-#   make lint       ruff (lint and format); make test runs it first
+#   make lint       ruff (lint and format) and mypy; make test runs it first
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # pytest-xdist workers, one thread each (TEST_WORKERS=0 runs the tests in one process).
@@ -28,6 +28,7 @@ demo: setup
 lint: setup
 	$(VENV)/bin/ruff check --quiet .
 	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/mypy
 
 test: setup lint
 	$(PYTEST) -q $(XDIST) $(PYTEST_ARGS)

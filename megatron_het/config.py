@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megatron_het.errors import UserError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from megatron_het.parallel.plan import ParallelPlan
 
 
 @dataclass(frozen=True)
@@ -343,9 +340,10 @@ class RunOptions:
     fused_elementwise: bool = True
 
     @classmethod
-    def from_plan(cls, plan: ParallelPlan, **given: Any) -> RunOptions:
-        """What ``plan`` says, the defaults where it says nothing, then ``given`` (a what-if:
-        each replaces the plan's value; no command line is involved)."""
+    def from_plan(cls, plan: Any, **given: Any) -> RunOptions:
+        """What ``plan`` (a :class:`~megatron_het.parallel.plan.ParallelPlan`, read by its keys
+        so that this module stays below the plan's) says, the defaults where it says nothing,
+        then ``given`` (a what-if: each replaces the plan's value; no command line involved)."""
         said = {key: getattr(plan, key) for key in PLAN_OPTION_KEYS}
         return cls(**{**{k: v for k, v in said.items() if v is not None}, **given})
 

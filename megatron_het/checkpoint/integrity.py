@@ -141,7 +141,7 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
         flat = flat.contiguous()
     digest = hashlib.sha256()
     if flat.numel():
-        digest.update(memoryview(flat.view(torch.uint8).numpy()))  # any dtype, bf16 included
+        digest.update(flat.view(torch.uint8).numpy().data)  # any dtype, bf16 included
     return digest.hexdigest()
 
 

@@ -33,7 +33,7 @@ import pickle
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -120,7 +120,8 @@ def _save_torch(
         digests = pool.submit(lambda: {key: tensor_sha256(t) for key, t in (tensors or {}).items()})
         with open(path, "wb") as handle:
             writer = HashingWriter(handle)
-            torch.save(obj, writer)
+            # torch.save needs only write and flush of a file object, which the writer has.
+            torch.save(obj, cast(BinaryIO, writer))
             handle.flush()
             os.fsync(handle.fileno())
         return FileRecord(path, writer.bytes, writer.hexdigest(), digests.result())
@@ -172,14 +173,11 @@ def write_optimizer_shard(
     ``offsets`` by name, as in a model shard.
     """
     path = pathlib.Path(directory) / optimizer_shard_name(shard_index)
-    state = {
-        n: {
-            "step": int(p.step),
-            "exp_avg": _compact(p.exp_avg),
-            "exp_avg_sq": _compact(p.exp_avg_sq),
-        }
+    moments = {
+        n: {"exp_avg": _compact(p.exp_avg), "exp_avg_sq": _compact(p.exp_avg_sq)}
         for n, p in pieces.items()
     }
+    state = {n: {"step": int(p.step), **moments[n]} for n, p in pieces.items()}
     payload = {
         "format_version": FORMAT_VERSION,
         "state": state,
@@ -187,9 +185,9 @@ def write_optimizer_shard(
         "offsets": {n: list(p.offsets) for n, p in pieces.items()},
     }
     tensors = {
-        optimizer_key(n, moment): entry[moment]
-        for n, entry in state.items()
-        for moment in ("exp_avg", "exp_avg_sq")
+        optimizer_key(n, moment): tensor
+        for n, entry in moments.items()
+        for moment, tensor in entry.items()
     }
     return _save_torch(payload, path, tensors)
 

@@ -36,7 +36,8 @@ from megatron_het.checkpoint.io import (
 )
 from megatron_het.checkpoint.reshard import is_written_by, target_slice
 from megatron_het.config import ModelConfig
-from megatron_het.parallel.plan import ParallelPlan, RankRole
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import RankRole
 from megatron_het.tensor_parallel.sharding import parameter_shape
 
 INDEX_PREFIX = "index_"

@@ -22,7 +22,8 @@ import torch
 
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
-from megatron_het.parallel.plan import ParallelPlan, StagePlan, held_parameters
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import StagePlan, held_parameters
 from megatron_het.tensor_parallel.sharding import parameter_shape, shard_spec
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) inside a global tensor

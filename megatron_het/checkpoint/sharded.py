@@ -129,7 +129,7 @@ def _prepare(
         model = model_pieces(stage, model_config, role, weights, copy) if role.pipeline == 0 else {}
         optimizer = (
             None
-            if names is None
+            if names is None or optimizer_state is None  # names is set only with a state
             else optimizer_pieces(names, optimizer_state, model_config, stage_plan.tp, role.tp_rank)
         )
         return RankFiles(staging, rank, model, optimizer, train_state)

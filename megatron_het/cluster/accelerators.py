@@ -21,6 +21,7 @@ and return a new registry, so there is no process-wide mutable table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,27 +160,23 @@ def _check_positive(where: str, key: str, value: Any) -> None:
         raise UserError(f"{where}: {key} must be positive, got {value}")
 
 
-def _nvidia(name: str, **figures: float) -> AcceleratorSpec:
-    return AcceleratorSpec(
-        name=name,
-        vendor="nvidia",
-        native_backend="nccl",
-        collective_library="nccl",
-        device_type="cuda",
-        **figures,
-    )
+# The vendor's identity is fixed; each part's figures are passed by keyword at the call.
+_nvidia = functools.partial(
+    AcceleratorSpec,
+    vendor="nvidia",
+    native_backend="nccl",
+    collective_library="nccl",
+    device_type="cuda",
+)
 
-
-def _amd(name: str, **figures: float) -> AcceleratorSpec:
-    # ROCm builds of torch expose RCCL under the "nccl" backend name and "cuda" device type.
-    return AcceleratorSpec(
-        name=name,
-        vendor="amd",
-        native_backend="nccl",
-        collective_library="rccl",
-        device_type="cuda",
-        **figures,
-    )
+# ROCm builds of torch expose RCCL under the "nccl" backend name and "cuda" device type.
+_amd = functools.partial(
+    AcceleratorSpec,
+    vendor="amd",
+    native_backend="nccl",
+    collective_library="rccl",
+    device_type="cuda",
+)
 
 
 def _host_cpu(name: str, slowdown: float, emulated: bool) -> AcceleratorSpec:

@@ -129,14 +129,14 @@ class ClusterSpec:
                     f"emulated accelerators"
                 )
             resolved[frozenset((a, b))] = link
-        for i, a in enumerate(self.node_groups):
-            for b in self.node_groups[i + 1 :]:
+        for i, left in enumerate(self.node_groups):
+            for right in self.node_groups[i + 1 :]:
                 resolved.setdefault(
-                    frozenset((a.name, b.name)),
+                    frozenset((left.name, right.name)),
                     GroupLink(
-                        (a.name, b.name),
-                        min(a.nic_bandwidth_gbps, b.nic_bandwidth_gbps),
-                        max(a.nic_latency_us, b.nic_latency_us),
+                        (left.name, right.name),
+                        min(left.nic_bandwidth_gbps, right.nic_bandwidth_gbps),
+                        max(left.nic_latency_us, right.nic_latency_us),
                         explicit=False,
                     ),
                 )
@@ -366,16 +366,13 @@ def _count(n: int, noun: str) -> str:
 
 def format_ranks(values: Sequence[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5"."""
-    parts: list[str] = []
-    start = prev = None
-    for v in list(values) + [None]:
-        if start is not None and (v is None or v != prev + 1):
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if v is not None and start is None:
-            start = v
-        prev = v
-    return ",".join(parts)
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive values
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
 
 
 def kind_subcluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:

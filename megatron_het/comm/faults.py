@@ -55,9 +55,9 @@ def line_from_bytes(tensor: torch.Tensor) -> str:
     return bytes(tensor.to("cpu", torch.uint8).tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-def first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception message (backend messages run long), without
-    the C++ source locations backends put in front of their messages."""
+def first_line(exc: BaseException | str) -> str:
+    """The first non-empty line of an exception message (backend messages run long), or of a
+    text, without the C++ source locations backends put in front of their messages."""
     for line in str(exc).splitlines():
         if line.strip():
             return _BOILERPLATE.sub("", _SOURCE_PREFIX.sub("", line)).strip()

@@ -25,7 +25,15 @@ from megatron_het.comm.faults import CommError, guarded
 from megatron_het.comm.start_queue import Fence, StartQueue
 from megatron_het.comm.wire import Settle, Wire
 
-_NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# Options structs hold a ReduceOp; the bare enum members convert to one only implicitly.
+_NATIVE_OPS = {
+    name: dist.ReduceOp(member)
+    for name, member in (
+        ("sum", dist.ReduceOp.SUM),
+        ("max", dist.ReduceOp.MAX),
+        ("min", dist.ReduceOp.MIN),
+    )
+}
 
 
 class Work:

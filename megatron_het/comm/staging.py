@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -202,8 +202,8 @@ class CudaCopier:
         # or, for a buffer marked when it was posted, after what was queued before that.
         if since is None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        else:
-            stream.wait_event(since)
+        else:  # a marker handed to this copier is one its own mark() made: a CUDA event
+            stream.wait_event(cast(torch.cuda.Event, since))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         device_tensor.record_stream(stream)  # the allocator must not reuse it before the copy

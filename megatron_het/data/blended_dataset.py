@@ -16,7 +16,7 @@ import numpy as np
 from megatron_het.errors import UserError
 
 
-def normalize_weights(weights: Sequence[float]) -> np.ndarray:
+def normalize_weights(weights: Sequence[float] | np.ndarray) -> np.ndarray:
     """Weights as float64 summing to 1; UserError if any is negative or all are zero."""
     array = np.asarray([float(w) for w in weights], dtype=np.float64)
     if array.size == 0 or np.any(array < 0) or not np.all(np.isfinite(array)) or array.sum() <= 0:
@@ -64,7 +64,7 @@ class BlendedDataset:
     def __init__(
         self,
         datasets: Sequence[Any],
-        weights: Sequence[float],
+        weights: Sequence[float] | np.ndarray,
         num_samples: int,
         blending_indices: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:

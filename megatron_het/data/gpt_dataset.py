@@ -177,7 +177,7 @@ def split_document_ranges(
 ) -> list[tuple[int, int]]:
     """``[begin, end)`` of the train, valid and test documents, in file order (Megatron's
     rounding of the cumulative split fractions)."""
-    bounds = [0]
+    bounds = [0.0]  # cumulative fractions
     for fraction in split:
         bounds.append(bounds[-1] + fraction)
     cuts = [int(round(b * num_documents)) for b in bounds]

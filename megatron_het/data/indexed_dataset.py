@@ -74,6 +74,10 @@ class IndexedDataset:
     """
 
     def __init__(self, path_prefix: str) -> None:
+        self._open(path_prefix)
+
+    # ---- opening and validation ----------------------------------------------------------------
+    def _open(self, path_prefix: str) -> None:
         self.path_prefix = path_prefix
         for path in (idx_path(path_prefix), bin_path(path_prefix)):
             if not os.path.isfile(path):
@@ -84,7 +88,6 @@ class IndexedDataset:
         self._read_index(idx_path(path_prefix))
         self._open_bin(bin_path(path_prefix))
 
-    # ---- opening and validation ----------------------------------------------------------------
     def _read_index(self, path: str) -> None:
         size = os.path.getsize(path)
         if size < _HEADER.size:
@@ -167,7 +170,7 @@ class IndexedDataset:
         return self.path_prefix
 
     def __setstate__(self, state: str) -> None:
-        self.__init__(state)
+        self._open(state)
 
     # ---- access --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -232,6 +235,7 @@ def max_token_id(dataset: IndexedDataset, chunk_tokens: int = 1 << 26) -> int:
         for start in range(begin, end, chunk_tokens):
             value = tokens[start : min(end, start + chunk_tokens)].max()
             best = value if best is None else max(best, value)
+    assert best is not None  # the dataset holds tokens, so some range is non-empty
     return int(best)
 
 

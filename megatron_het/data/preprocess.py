@@ -13,7 +13,7 @@ import json
 import multiprocessing
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 
 from megatron_het.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
@@ -124,7 +124,7 @@ def _numbered_lines(path: str, on_bytes) -> Iterator[tuple[int, bytes]]:
 
 def _encoded(
     config: PreprocessConfig, lines: Iterable[tuple[int, bytes]], encoder: _Encoder
-) -> Iterator[tuple[int, list[list[int]] | None]]:
+) -> Generator[tuple[int, list[list[int]] | None], None, None]:
     if config.workers <= 1:
         yield from map(encoder.encode, lines)
         return

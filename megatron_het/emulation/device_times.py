@@ -10,7 +10,7 @@ times per region key of the pipeline executor. Everything here is emulation.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
@@ -87,13 +87,14 @@ def emulated_device_times(
 
 def fixed_reference_times(
     times: tuple[tuple[float, float], ...] | None,
-) -> dict[RegionKey, float] | None:
+) -> dict[Hashable, float] | None:
     """The emulator's fixed reference CPU times of a rank's stage regions from its (forward,
     backward) seconds per chunk (None: measured): training forward and backward, and
-    evaluation forward (the same work as the training forward), of each chunk."""
+    evaluation forward (the same work as the training forward), of each chunk, by
+    :data:`RegionKey` (typed as the emulator's keys, any hashable)."""
     if times is None:
         return None
-    keys: dict[RegionKey, float] = {}
+    keys: dict[Hashable, float] = {}
     for chunk, (forward, backward) in enumerate(times):
         keys[compute_region_key("forward", False, chunk)] = forward
         keys[compute_region_key("forward", True, chunk)] = forward

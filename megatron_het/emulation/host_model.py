@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from megatron_het.emulation.host_sharing import HostCores, HostSharing
-from megatron_het.parallel.plan import PipelinePlan
+from megatron_het.parallel.stage_plan import PipelinePlan
 from megatron_het.perf.cost.boundary_time import rank_activation_bytes
 from megatron_het.perf.cost.comm_time import CommCost
 from megatron_het.perf.cost.compute_time import choose_profile

@@ -68,8 +68,10 @@ class RankEmulation:
         regions made up do not count: only what was still owed at the end, if over
         :data:`BEHIND_TOLERANCE` of the kind's compute time."""
         emulator = self.region_timer
-        stats = emulator.stats() if emulator is not None else None
-        if stats is None or not stats.late:
+        if emulator is None:
+            return None
+        stats = emulator.stats()
+        if not stats.late:
             return None
         advice = (
             "raise the emulated kinds' slowdowns (the demo's --dilation), launch fewer "

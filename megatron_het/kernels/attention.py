@@ -187,6 +187,7 @@ def causal_attention(
     kernel = kernel_for(q_BSND, k_BSGD) if kernel is None else kernel
     if kernel.name == "flash_attn":
         function = _FLASH_ATTN_FUNC if flash_attn_func is None else flash_attn_func
+        assert function is not None  # kernel_for picks flash_attn only where it is installed
         return function(q_BSND, k_BSGD, v_BSGD, causal=True)
     per_group = q_BSND.shape[2] // k_BSGD.shape[2]
     if kernel.expand_kv and per_group > 1:

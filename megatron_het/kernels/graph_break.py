@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,7 +34,7 @@ def graph_break(fn: F) -> F:
     def call(*args: Any, **kwargs: Any) -> Any:
         return target["fn"](*args, **kwargs)
 
-    return call  # type: ignore[return-value]
+    return cast(F, call)  # functools.wraps keeps fn's signature, which mypy cannot follow
 
 
 def apply_graph_breaks() -> None:

@@ -67,7 +67,7 @@ def load_liger(import_module: ImportModule = importlib.import_module) -> LigerKe
     )
 
 
-def _rms_norm_adapter(function: type) -> RmsNormKernel:
+def _rms_norm_adapter(function: type[torch.autograd.Function]) -> RmsNormKernel:
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # liger's default ("llama") casting: 1/rms in float32, output in x's dtype.
         return function.apply(x, weight, eps)
@@ -75,7 +75,7 @@ def _rms_norm_adapter(function: type) -> RmsNormKernel:
     return rms_norm
 
 
-def _flce_adapter(function: type) -> LinearCrossEntropyKernel:
+def _flce_adapter(function: type[torch.autograd.Function]) -> LinearCrossEntropyKernel:
     def linear_cross_entropy(
         hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor
     ) -> torch.Tensor:

@@ -19,8 +19,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, liger: LigerKernels | None = No
     kernels (tests inject fakes).
     """
     kernels = LIGER if liger is None else liger
-    if gate.dtype == up.dtype and kernels.usable(kernels.swiglu, gate.device.type):
-        return kernels.swiglu(gate, up)
+    fused = kernels.swiglu
+    if fused is not None and gate.dtype == up.dtype and kernels.usable(fused, gate.device.type):
+        return fused(gate, up)
     if gate.dtype != up.dtype or torch.compiler.is_compiling():
         return F.silu(gate) * up  # inductor fuses these and picks what to save itself
     return _SwiGLU.apply(gate, up)

@@ -142,14 +142,14 @@ def compile_layers(model: LlamaModel, mode: str | None = None) -> None:
                 f"({reason}); drop --compile"
             )
     if device_type == "cuda":  # decided eagerly: a compiled graph cannot ask torch
-        for layer in model.layers.values():
+        for _, layer in model.decoder_layers():
             if hasattr(layer, "attention"):  # a stage may hold a layer's MLP block only
                 device_runs_flash(layer.attention.proj.weight.device, layer.attention.head_dim)
                 break
     _register_traceable_rope()
     autocast_available(device_type)  # asked now: the compiled graph reads the kept answer
     apply_graph_breaks()  # the TP collectives stay eager
-    for layer in model.layers.values():
+    for _, layer in model.decoder_layers():
         layer.compile(mode=mode, fullgraph=fullgraph, dynamic=False)
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -49,13 +51,22 @@ def initial_value(
     return value.normal_(mean=0.0, std=std, generator=generator)
 
 
+class ConfiguredModel(Protocol):
+    """A module with a ``config`` and globally named parameters, as
+    :class:`~megatron_het.model.llama.LlamaModel` is."""
+
+    config: ModelConfig
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
+def init_weights(model: ConfiguredModel, seed: int) -> None:
     """Initialise every parameter of ``model`` in place from ``(seed, global name)``.
 
     ``model`` must expose ``config`` (a :class:`ModelConfig`) and name its parameters globally,
     as :class:`~megatron_het.model.llama.LlamaModel` does.
     """
-    config: ModelConfig = model.config  # type: ignore[assignment]
+    config = model.config
     for name, param in model.named_parameters():
         param.copy_(initial_value(name, param.shape, config, seed))

@@ -36,7 +36,8 @@ Shape legend: B batch, S sequence, H hidden, N heads, D head dim, V vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,21 @@ from megatron_het.kernels import causal_attention, rms_norm, swiglu
 from megatron_het.model.init import init_weights
 from megatron_het.model.loss import linear_cross_entropy
 from megatron_het.model.rope import RotaryEmbedding, apply_rope, rope_table_dtype
-from megatron_het.parallel.plan import ATTENTION_BLOCK, LAYER_PARTS, MLP_BLOCK, layer_parts
+from megatron_het.parallel.stage_plan import ATTENTION_BLOCK, LAYER_PARTS, MLP_BLOCK, layer_parts
+
+
+class WeightedLayer(Protocol):
+    """A module that multiplies by, or looks up rows of, one weight: ``nn.Linear`` or
+    ``nn.Embedding`` here, or the tensor-parallel module that
+    :func:`~megatron_het.tensor_parallel.apply.apply_tp` puts in its place."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The full weight, or this TP rank's shard of it."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 
 
 class RMSNorm(nn.Module):
@@ -82,8 +97,10 @@ class Attention(nn.Module):
         self.num_groups = config.num_query_groups
         self.head_dim = config.kv_channels
         rows = (self.num_heads + 2 * self.num_groups) * self.head_dim
-        self.qkv = nn.Linear(config.hidden_size, rows, bias=False)
-        self.proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv: WeightedLayer = nn.Linear(config.hidden_size, rows, bias=False)
+        self.proj: WeightedLayer = nn.Linear(
+            self.num_heads * self.head_dim, config.hidden_size, bias=False
+        )
 
     def forward(self, x_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x[B, S, H] -> [B, S, H]``; ``cos``/``sin`` are ``[S, 1, D/2]`` RoPE tables."""
@@ -132,7 +149,7 @@ class DecoderLayer(nn.Module):
             self.attention = Attention(config)
         if MLP_BLOCK in self.parts:
             self.post_attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
-            self.mlp = MLP(config)
+            self.mlp: nn.Module = MLP(config)  # or apply_tp's ParallelMLP
 
     def forward(self, x_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if ATTENTION_BLOCK in self.parts:
@@ -177,11 +194,11 @@ class LlamaModel(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        layer_range: tuple[int, int] | None = None,
+        layer_range: tuple[float, float] | None = None,
         has_embedding: bool = True,
         has_head: bool = True,
         recompute: bool = False,
-        chunks: Sequence[tuple[int, int, bool | int]] | None = None,
+        chunks: Sequence[tuple[float, float, bool | int]] | None = None,
     ) -> None:
         super().__init__()
         if chunks is None:
@@ -189,7 +206,7 @@ class LlamaModel(nn.Module):
             chunks = ((start, stop, recompute),)
         elif layer_range is not None:
             raise ValueError("give layer_range or chunks, not both")
-        previous = 0
+        previous: float = 0  # the last chunk's stop
         for start, stop, _ in chunks:
             if not previous <= start <= stop <= config.num_layers:
                 raise UserError(
@@ -215,7 +232,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.wait_for: Callable[[str], None] | None = None
         needs_embedding = has_embedding or (has_head and config.tie_embeddings)
-        self.embedding = _embedding(config) if needs_embedding else None
+        self.embedding: WeightedLayer | None = _embedding(config) if needs_embedding else None
         self.layers = nn.ModuleDict(
             {
                 str(i): DecoderLayer(config, layer_parts((start, stop), i))
@@ -234,13 +251,18 @@ class LlamaModel(nn.Module):
     def num_chunks(self) -> int:
         return len(self.chunks)
 
+    def decoder_layers(self) -> Iterator[tuple[int, DecoderLayer]]:
+        """(global index, layer) of each decoder layer held here, in ascending order."""
+        for key, layer in self.layers.items():
+            # nn.ModuleDict is untyped; __init__ fills this one with DecoderLayers only.
+            yield int(key), cast(DecoderLayer, layer)
+
     def output_weight(self) -> torch.Tensor:
         """The ``[V, H]`` matrix the head multiplies by (``embedding.weight`` when tied)."""
-        if not self.has_head:
+        held = self.embedding if self.config.tie_embeddings else self.output
+        if not self.has_head or held is None:  # a head holds the one it multiplies by
             raise RuntimeError("this stage has no head")
-        if self.config.tie_embeddings:
-            return self.embedding.weight
-        return self.output.weight
+        return held.weight
 
     def forward(
         self,
@@ -276,6 +298,7 @@ class LlamaModel(nn.Module):
             raise IndexError(f"chunk {chunk} of a model holding {len(self.chunks)} chunk(s)")
         start, stop, recomputed = self.chunks[chunk]
         if self.has_embedding and chunk == 0:
+            assert self.embedding is not None  # has_embedding: built in __init__
             self._ready("embedding")
             hidden = self.embedding(x)
         else:
@@ -311,7 +334,7 @@ class LlamaModel(nn.Module):
         """Final norm and output projection of hidden states ``[B, S, H]`` (head stages only):
         logits ``[B, S, V]``, or with ``labels`` the fused float32 scalar loss (see
         :meth:`forward`)."""
-        if not self.has_head:
+        if not self.has_head or self.final_norm is None:  # a head has its final norm
             raise RuntimeError("this stage has no head")
         self._ready("head")
         if labels is not None:

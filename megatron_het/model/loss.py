@@ -204,7 +204,7 @@ def _run_chunks(
     labels_N: torch.Tensor,
     weights_N: torch.Tensor,
     settings: HeadSettings,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``(grad_hidden, grad_weight float32, loss, scale)`` of the single-rank head; grads None
     where not needed; ``grad_hidden`` still to be multiplied by ``scale``."""
     h_all, weight = head_operands(hidden_NH, weight_VH, settings)

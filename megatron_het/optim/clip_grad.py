@@ -68,10 +68,10 @@ def clip_grad_norm(
     a sum over tensor/pipeline-parallel ranks; a single process passes nothing. Non-finite norms
     are returned as is and leave the gradients untouched.
     """
-    params = [p for p in parameters if p.grad is not None]
-    squared = grad_norm_squared(params)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squared = tensors_norm_squared(grads)  # grad_norm_squared of the parameters
     if reduce_squared is not None:
         squared = reduce_squared(squared)
     total_norm = float(squared.sqrt())
-    scale_([p.grad for p in params], clip_coefficient(total_norm, max_norm))
+    scale_(grads, clip_coefficient(total_norm, max_norm))
     return total_norm

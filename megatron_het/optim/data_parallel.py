@@ -107,7 +107,7 @@ class _Pending:
     """A started bucket collective: its handle and what to do once it is done."""
 
     handle: Any
-    finish: Callable[[], None]
+    finish: Callable[[], object]  # what it returns is ignored
 
 
 class GradBuckets:
@@ -164,7 +164,8 @@ class GradBuckets:
                 # autograd runs the hook even when every path returned None: the gradient went
                 # into main_grad directly and its kernel has reported the event already.
                 return
-            param.main_grad.add_(param.grad)
+            main_grad: torch.Tensor = getattr(param, MAIN_GRAD)  # set by zero_grad
+            main_grad.add_(param.grad)
             param.grad = None
         self._gradient_event(slot)
 

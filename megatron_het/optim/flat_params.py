@@ -151,6 +151,7 @@ class FlatParams:
             self.buckets.buckets, self.param_buffers, self.master_buffers
         ):
             start, stop = self.owned_range(bucket)
+            assert master is not None  # low precision without pieces keeps master buffers
             buffer[start:stop].copy_(master)
 
     def all_gather_params(self, overlap: bool = False) -> None:
@@ -206,7 +207,7 @@ class FlatParams:
         ``keep=False`` takes part in the collective but copies nothing to the host and returns
         ``{}`` (a DP rank that writes none of it); this rank's own pieces are always returned."""
         if self.pieces is not None:  # this rank's pieces; the caller shares them
-            out = {
+            out: dict[str, torch.Tensor] = {
                 slot.name: torch.zeros(slot.param.shape, dtype=torch.float32)
                 for slot in self.buckets.slots
             }
@@ -216,7 +217,7 @@ class FlatParams:
                     out[shard.slot.name].view(-1)[shard.lo : shard.hi].copy_(value.reshape(-1))
             return out
         device = self.buckets.buckets[0].grad.device if self.buckets.buckets else None
-        out: dict[str, torch.Tensor] = {}
+        out = {}
         by_bucket: dict[int, list[Shard]] = {}
         for shard in self.shards:
             by_bucket.setdefault(shard.slot.bucket, []).append(shard)

@@ -67,6 +67,7 @@ class LossScaler:
                 "(--min-loss-scale); use --bf16"
             )
         self.clean_steps = 0
+        assert self.hysteresis_left is not None  # __post_init__ fills it
         self.hysteresis_left -= 1
         if self.hysteresis_left <= 0:
             self.scale = max(self.min_scale, self.scale / 2.0)

@@ -41,10 +41,10 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
 from megatron_het.config import OptimizerConfig
 from megatron_het.errors import UserError
+from megatron_het.model.llama import LlamaModel
 from megatron_het.optim.clip_grad import clip_coefficient, scale_, tensors_norm_squared
 from megatron_het.optim.data_parallel import GradBuckets
 from megatron_het.optim.flat_params import FlatParams
@@ -57,7 +57,7 @@ from megatron_het.tensor_parallel.sharding import shard_spec
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def counts_in_norm(name: str, stage: nn.Module, tp_size: int, tp_rank: int) -> bool:
+def counts_in_norm(name: str, stage: LlamaModel, tp_size: int, tp_rank: int) -> bool:
     """Whether this rank's ``name`` gradient enters the global norm (before DP dedup)."""
     if name == "embedding.weight" and not getattr(stage, "has_embedding", True):
         return False  # the last stage's copy of a tied embedding; the first stage counts it
@@ -77,7 +77,7 @@ def _adamw(
     )
 
 
-def _events_per_backward(stage: nn.Module, low_precision: bool) -> dict[str, int]:
+def _events_per_backward(stage: LlamaModel, low_precision: bool) -> dict[str, int]:
     """Gradient events per backward pass that differ from one: a low-precision tied embedding
     used by both ends of one stage gets the lookup's ``.grad`` and the fused head's float32
     ``main_grad`` addition (see :mod:`megatron_het.kernels.main_grad`)."""
@@ -97,7 +97,7 @@ class ParallelOptimizer:
 
     def __init__(
         self,
-        stage: nn.Module,
+        stage: LlamaModel,
         groups: ProcessGroups,
         config: OptimizerConfig,
         use_distributed_optimizer: bool,
@@ -386,7 +386,7 @@ def _part_of(name: str) -> str:
     return "embedding" if name == "embedding.weight" else "head"
 
 
-def _wait_for_gathers(stage: nn.Module, flat: FlatParams) -> None:
+def _wait_for_gathers(stage: LlamaModel, flat: FlatParams) -> None:
     """Make ``stage`` wait, right before each part runs, for the all-gathers of the buckets
     holding that part's parameters (the head also for a tied embedding's, which it multiplies
     by), through ``stage.wait_for``."""
@@ -404,7 +404,7 @@ def _wait_for_gathers(stage: nn.Module, flat: FlatParams) -> None:
 
 
 def build_parallel_optimizer(
-    stage: nn.Module,
+    stage: LlamaModel,
     groups: ProcessGroups,
     optimizer_config: OptimizerConfig,
     use_distributed_optimizer: bool,

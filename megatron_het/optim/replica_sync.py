@@ -38,8 +38,8 @@ import torch
 
 from megatron_het.checkpoint.reshard import is_written_by, target_slice
 from megatron_het.config import ModelConfig
-from megatron_het.parallel.plan import StagePlan
 from megatron_het.parallel.replicas import ReplicaUnit, owned_rows
+from megatron_het.parallel.stage_plan import StagePlan
 from megatron_het.tensor_parallel.sharding import parameter_shape
 
 

@@ -17,8 +17,9 @@ from megatron_het.cluster import AcceleratorSpec, ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.parallel.megatron_layout import layout_layer_counts
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 
 AcceleratorOf = str | ClusterSpec | Callable[[int], str | AcceleratorSpec]
 
@@ -221,7 +222,7 @@ def with_recompute(plan: ParallelPlan, num_layers: int | None) -> ParallelPlan:
                         recompute=True,
                         recompute_num_layers=None
                         if num_layers is None
-                        else min(num_layers, st.num_layers),
+                        else min(num_layers, len(st.layer_indices)),
                     )
                     for st in pipeline.stages
                 ),
@@ -273,10 +274,12 @@ def interleave_plan(plan: ParallelPlan, num_chunks: int) -> ParallelPlan:
                 f"pipeline {p} has {pipeline.micro_batches} micro-batches, fewer "
                 f"than its {pp} device groups, which interleaving needs"
             )
-        stages, start, last = [], 0, num_chunks * pp - 1
+        stages: list[StagePlan] = []
+        start, last = 0, num_chunks * pp - 1
         for c in range(num_chunks):
             for st in pipeline.stages:
-                size = st.num_layers // num_chunks + (c < st.num_layers % num_chunks)
+                held = int(st.num_layers)  # whole layers: split stages were refused above
+                size = held // num_chunks + (c < held % num_chunks)
                 count = (
                     None if st.recompute_num_layers is None else min(st.recompute_num_layers, size)
                 )

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 
 
 def validate(
@@ -92,7 +93,7 @@ def _where(pipeline: int, stage: int) -> str:
 
 def _span(values: Sequence[int]) -> str:
     """[0, 1, 2, 5] -> "0-2, 5"."""
-    parts: list[str] = []
+    parts: list[list[int]] = []  # [first, last] of each run
     for v in sorted(values):
         if parts and parts[-1][1] == v - 1:
             parts[-1][1] = v
@@ -125,7 +126,7 @@ def _check_sizes(plan: ParallelPlan) -> None:
 
 def _check_layers(p: int, pipeline: PipelinePlan, num_layers: int) -> None:
     """Stages must tile ``[0, num_layers)`` in order, without gaps or overlaps."""
-    expected = 0
+    expected: float = 0  # where the next stage starts (a half-layer bound may end a stage)
     for s, stage in enumerate(pipeline.stages):
         start, end = stage.layers
         where = _where(p, s)

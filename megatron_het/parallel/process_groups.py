@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from megatron_het.comm.communicator import UnifiedCommunicator
 from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.errors import UserError
-from megatron_het.parallel.plan import ParallelPlan, RankRole
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.replicas import ReplicaUnit, replica_units, uniform_layouts
+from megatron_het.parallel.stage_plan import RankRole
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,10 @@ class ProcessGroups:
     role: RankRole
     world: UnifiedGroup
     tp: UnifiedGroup
-    dp: UnifiedGroup
+    dp: UnifiedGroup | LocalGroup  # LocalGroup: replicas of different layouts
     pipeline: UnifiedGroup
     embedding: UnifiedGroup | None
-    stage_cross_dp: UnifiedGroup
+    stage_cross_dp: UnifiedGroup | LocalGroup
     embedding_pairs: bool = True
     replica_units: list[tuple[ReplicaUnit, UnifiedGroup]] = field(default_factory=list)
 
@@ -166,6 +167,7 @@ def build_process_groups(
             if me in stage.ranks:
                 mine["tp"] = g
     units: list[tuple[ReplicaUnit, UnifiedGroup]] = []
+    alone = None  # the DP groups of replicas of different layouts: this rank alone
     if uniform_layouts(plan):
         # Stage s < pp_size is the first chunk of device group s: one group per device group.
         for s in range(plan.pipelines[0].pp_size):
@@ -179,8 +181,9 @@ def build_process_groups(
             if me in members:
                 mine["stage_cross_dp"] = g
     else:
-        mine["dp"] = mine["stage_cross_dp"] = LocalGroup(me)  # type: ignore[assignment]
-        layers = num_layers or plan.pipelines[0].stages[-1].layers[1]
+        alone = LocalGroup(me)
+        # The last stage ends where the model does: a whole bound.
+        layers = num_layers or int(plan.pipelines[0].stages[-1].layers[1])
         for u, (unit, members) in enumerate(
             replica_units(plan, layers, tie_embeddings is not False)
         ):
@@ -205,10 +208,10 @@ def build_process_groups(
         role=role,
         world=comm.world,
         tp=mine["tp"],
-        dp=mine["dp"],
+        dp=mine["dp"] if alone is None else alone,
         pipeline=mine["pipeline"],
         embedding=mine.get("embedding"),
-        stage_cross_dp=mine["stage_cross_dp"],
+        stage_cross_dp=mine["stage_cross_dp"] if alone is None else alone,
         embedding_pairs=pairs,
         replica_units=units,
     )

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_het.parallel.plan import LayerBound, ParallelPlan, block_of
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import LayerBound, block_of
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ stage boundaries (:mod:`megatron_het.pipeline.stage_boundary`) and the predictor
 
 from __future__ import annotations
 
-from megatron_het.parallel.plan import ParallelPlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import StagePlan
 
 
 def sequence_range(seq_length: int, tp: int, tp_rank: int) -> tuple[int, int]:

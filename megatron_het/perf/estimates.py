@@ -137,7 +137,7 @@ class Prediction:
     def table(self) -> str:
         """The per-stage table as text, one row per stage of every pipeline (the memory of an
         interleaved device group on each of its chunks' rows)."""
-        rows = [
+        rows: list[tuple[str, ...]] = [
             (
                 "pipe",
                 "stage",

@@ -44,8 +44,9 @@ from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.errors import UserError
 from megatron_het.parallel.buckets import bucket_size_mb
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate as validate_plan
+from megatron_het.parallel.stage_plan import PipelinePlan
 from megatron_het.perf.cost.comm_time import CommCost
 from megatron_het.perf.cost.dp_sync_overlap import exposed_sync
 from megatron_het.perf.cost.rate_model import RateModel, SharedIteration

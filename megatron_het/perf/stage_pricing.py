@@ -45,8 +45,9 @@ from collections.abc import Mapping
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.sequence import sequence_sharded
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf.cost.boundary_time import BoundaryCost
 from megatron_het.perf.cost.calibration import resolve_efficiency
 from megatron_het.perf.cost.comm_time import CommCost, SyncCost
@@ -141,7 +142,7 @@ class PredictionContext:
         self.boundaries = BoundaryCost(bounded, comm, self.act_bytes, seq_length)
         self.sync = DPSync(model, plan, dtype, zero1, grad_reduce_in_bf16)
 
-    def recomputed_layers_of(self, stage: StagePlan) -> int:
+    def recomputed_layers_of(self, stage: StagePlan) -> float:
         if self.recompute is None:
             return stage.recomputed_layers
         return stage.num_layers if self.recompute else 0

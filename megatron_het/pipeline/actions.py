@@ -7,6 +7,7 @@ See :mod:`megatron_het.pipeline.schedules` for how lists of them make a schedule
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -96,8 +97,8 @@ class ScheduleError(Exception):
     """A schedule that would deadlock, mismatch transfers or skip or repeat work (a bug)."""
 
 
-def _batched(steps: list[Step]) -> list[Step]:
-    return [P2PBatch(tuple(steps))] if len(steps) > 1 else steps
+def _batched(transfers: list[Action]) -> Sequence[Step]:
+    return [P2PBatch(tuple(transfers))] if len(transfers) > 1 else transfers
 
 
 def _actions_of(step: Step) -> tuple[Action, ...]:

@@ -53,10 +53,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from torch import nn
 
 from megatron_het.config import ModelConfig
 from megatron_het.kernels.main_grad import accumulated_grad
+from megatron_het.model.llama import LlamaModel
 from megatron_het.parallel.process_groups import ProcessGroups
 from megatron_het.parallel.sequence import local_positions
 from megatron_het.pipeline.actions import _actions_of
@@ -177,7 +177,7 @@ class PipelineExecutor:
 
     def __init__(
         self,
-        stage: nn.Module,
+        stage: LlamaModel,
         groups: ProcessGroups,
         model_config: ModelConfig,
         seq_length: int,
@@ -373,13 +373,15 @@ class PipelineExecutor:
                 self.pool.release(grad_buffer)
             if stage > 0:
                 x = run.inputs.pop(key)
+                assert x.grad is not None  # the stage's output depends on its input
                 run.input_grads[key] = x.grad
                 if key in run.input_buffers:
                     self.pool.release(run.input_buffers.pop(key))
 
     def _post(self, run: _Run, actions: Sequence[Action]) -> _Posted:
         """Issue the point-to-point ops of ``actions`` (one batch) without waiting for them."""
-        ops, received, places = [], [], []
+        ops, places = [], []
+        received: list[tuple[ActionKind, Key, torch.Tensor]] = []
         for action in actions:
             key, payload, buffer = self._key(action), None, None
             if action.kind is ActionKind.SEND_FORWARD:

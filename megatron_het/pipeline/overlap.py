@@ -25,6 +25,7 @@ _FORWARD_TRANSFERS = (ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD)
 def _input_of(action: Action, num_stages: int) -> tuple[ActionKind, int, int] | None:
     """The receive (kind, stage, micro-batch) whose data a compute action reads, if any."""
     s, mb = action.stage, action.micro_batch
+    assert s is not None  # overlap_transfers takes actions that name their stage
     if action.kind is ActionKind.FORWARD and s != 0:
         return ActionKind.RECV_FORWARD, s, mb
     if action.kind is ActionKind.BACKWARD and s != num_stages - 1:

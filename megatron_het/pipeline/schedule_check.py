@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from megatron_het.pipeline.actions import (
     _COMPUTE,
@@ -191,7 +192,7 @@ class _ListRun:
         stage = f" of stage {self.stage_of(a)}" if self.interleaved else ""
         return f"micro-batch {a.micro_batch}{stage}"
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str) -> NoReturn:
         where = self.steps[self.pc] if not self.done else "end"
         raise ScheduleError(f"{self.label} {self.index} step {self.pc} ({where}): {message}")
 

@@ -58,19 +58,19 @@ def _check_args(num_stages: int, num_micro_batches: int, stage: int) -> None:
         )
 
 
-def _recv_forward(stage: int, mb: int) -> list[Step]:
+def _recv_forward(stage: int, mb: int) -> list[Action]:
     return [] if stage == 0 else [Action(ActionKind.RECV_FORWARD, mb, stage - 1)]
 
 
-def _send_forward(stage: int, num_stages: int, mb: int) -> list[Step]:
+def _send_forward(stage: int, num_stages: int, mb: int) -> list[Action]:
     return [] if stage == num_stages - 1 else [Action(ActionKind.SEND_FORWARD, mb, stage + 1)]
 
 
-def _recv_backward(stage: int, num_stages: int, mb: int) -> list[Step]:
+def _recv_backward(stage: int, num_stages: int, mb: int) -> list[Action]:
     return [] if stage == num_stages - 1 else [Action(ActionKind.RECV_BACKWARD, mb, stage + 1)]
 
 
-def _send_backward(stage: int, mb: int) -> list[Step]:
+def _send_backward(stage: int, mb: int) -> list[Action]:
     return [] if stage == 0 else [Action(ActionKind.SEND_BACKWARD, mb, stage - 1)]
 
 
@@ -247,9 +247,11 @@ def interleaved_compute(
 
 
 def _with_stage(step: Step, stage: int) -> Step:
-    if isinstance(step, P2PBatch):
-        return P2PBatch(tuple(replace(a, stage=stage) for a in step.actions))
-    return replace(step, stage=stage)
+    if isinstance(step, Action):
+        return replace(step, stage=stage)
+    if not isinstance(step, P2PBatch):  # 1F1B lists post and wait in batches only
+        raise TypeError(f"cannot set the stage of a {type(step).__name__} step")
+    return P2PBatch(tuple(replace(a, stage=stage) for a in step.actions))
 
 
 # A receive before its sender is known: (kind, sending group).
@@ -351,6 +353,7 @@ def _interleaved_lists(p: int, v: int, m: int) -> tuple[tuple[Step, ...], ...]:
         for part in seq:
             for a in part if isinstance(part, list) else ():
                 if isinstance(a, Action):  # channel: (sender, receiver, receive kind)
+                    assert a.peer_stage is not None  # a send names its receiver
                     sends[(g, a.peer_stage % p, _RECV_OF[a.kind])].append(a)
     queues = {channel: iter(queue) for channel, queue in sends.items()}
     lists = []

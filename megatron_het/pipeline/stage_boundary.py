@@ -37,9 +37,11 @@ import torch
 
 from megatron_het.comm.p2p import P2POp
 from megatron_het.kernels.main_grad import accumulated_grad
-from megatron_het.parallel.plan import ParallelPlan, StagePlan
+from megatron_het.model.llama import LlamaModel
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.process_groups import ProcessGroups
 from megatron_het.parallel.sequence import local_positions, position_overlaps
+from megatron_het.parallel.stage_plan import StagePlan
 from megatron_het.pipeline.schedules import Action, ActionKind
 from megatron_het.tensor_parallel.sharding import vocab_range
 
@@ -213,17 +215,18 @@ def place_received(places: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         view.copy_(staging)
 
 
-def tied_embedding_weight(stage: torch.nn.Module, groups: ProcessGroups) -> torch.Tensor | None:
+def tied_embedding_weight(stage: LlamaModel, groups: ProcessGroups) -> torch.Tensor | None:
     """This rank's copy of the tied ``embedding.weight`` when its gradient must be summed with
     the other end stage's (tied embeddings, rank in ``groups.embedding``), else None."""
-    if not stage.config.tie_embeddings or groups.embedding is None:  # type: ignore[attr-defined]
+    if not stage.config.tie_embeddings or groups.embedding is None:
         return None
-    return stage.embedding.weight  # type: ignore[attr-defined]
+    assert stage.embedding is not None  # each end stage of a tied model holds a copy
+    return stage.embedding.weight
 
 
 @torch.no_grad()
 def sync_tied_embedding_grads(
-    stage: torch.nn.Module, groups: ProcessGroups, baseline: torch.Tensor | None = None
+    stage: LlamaModel, groups: ProcessGroups, baseline: torch.Tensor | None = None
 ) -> None:
     """Sum the gradients of the two ``embedding.weight`` copies of a tied-embedding pipeline.
 
@@ -241,20 +244,21 @@ def sync_tied_embedding_grads(
     full gradient once) and each member keeps its rows. A missing ``.grad`` counts as zeros.
     """
     weight = tied_embedding_weight(stage, groups)
-    if weight is None:
+    group = groups.embedding
+    if weight is None or group is None:  # a weight to sum comes with its group
         return
     grad = accumulated_grad(weight)
     if grad is None:
         weight.grad = grad = torch.zeros_like(weight)
     delta = grad if baseline is None else grad - baseline
     if groups.embedding_pairs:
-        groups.embedding.all_reduce(delta, "sum")
+        group.all_reduce(delta, "sum")
     else:
-        vocab = stage.config.vocab_size  # type: ignore[attr-defined]
+        vocab = stage.config.vocab_size
         start, stop = vocab_range(vocab, groups.tp.size, groups.tp.rank)
         full = torch.zeros((vocab, grad.shape[1]), dtype=grad.dtype, device=grad.device)
         full[start:stop] = delta
-        groups.embedding.all_reduce(full, "sum")
+        group.all_reduce(full, "sum")
         delta = full[start:stop]
     if delta is not grad:
         grad.copy_(delta if baseline is None else baseline + delta)

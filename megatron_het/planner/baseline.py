@@ -21,6 +21,7 @@ from megatron_het.errors import UserError
 from megatron_het.perf import Prediction, Profile, StagePrediction
 from megatron_het.planner.result import HomogeneousBaseline, KindBaseline, SearchResult
 from megatron_het.planner.search import search_plan
+from megatron_het.planner.space import Layout
 
 # A share (bubble, DP sync) counts as lower in the mix only by more than this.
 SHARE_MARGIN = 1e-3
@@ -40,6 +41,7 @@ def _kind_baseline(
 ) -> KindBaseline:
     p: Prediction = found.prediction
     layout = found.candidates[0].layout
+    assert isinstance(layout, Layout)  # one kind alone: no replicas of different kinds
     return KindBaseline(
         kind,
         devices,

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig, RunOptions
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf import Profile, SimulationCache, predict
 from megatron_het.perf.cost.comm_time import CommCost
 from megatron_het.perf.cost.memory import (
@@ -44,7 +45,7 @@ class LayerCost:
     activation_bytes: float
     usable_bytes: float
 
-    def bytes_per_layer(self, zero1_dp: int, in_flight: int) -> float:
+    def bytes_per_layer(self, zero1_dp: int, in_flight: float) -> float:
         return (
             self.static_bytes + self.optimizer_bytes / zero1_dp + self.activation_bytes * in_flight
         )

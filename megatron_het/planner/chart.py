@@ -68,7 +68,8 @@ def _save(fig: Figure, path: str | Path) -> Path:
 def _lighter(color: str, amount: float = 0.55) -> tuple[float, float, float]:
     from matplotlib.colors import to_rgb
 
-    return tuple(c + (1.0 - c) * amount for c in to_rgb(color))  # type: ignore[return-value]
+    red, green, blue = (c + (1.0 - c) * amount for c in to_rgb(color))
+    return red, green, blue
 
 
 def _slowest_rows(prediction: Prediction) -> tuple[list[StagePrediction], int]:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf import Prediction
 
 # The least relative drop of the iteration time a move must bring to be kept.
@@ -58,7 +59,8 @@ def polish_chunks(
     """The plan reached from ``plan`` (its ``prediction``) by single-layer moves between
     chunks while ``predict_plan``'s iteration time drops by :data:`MIN_GAIN` or more per move
     and ``fits_plan`` holds."""
-    sizes = [stage.num_layers for stage in plan.pipelines[0].stages]
+    # An interleaved plan's chunks hold whole layers.
+    sizes = [int(stage.num_layers) for stage in plan.pipelines[0].stages]
     best_plan, best = plan, prediction
     while True:
         found: tuple[ParallelPlan, Prediction, list[int]] | None = None

@@ -12,9 +12,11 @@ bisection over N (one prediction per step), kind by kind, and kept when it is fa
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf import Prediction
 
 
@@ -26,7 +28,6 @@ def with_block_recompute(plan: ParallelPlan, kind: str, layers: int) -> Parallel
         stages = []
         for stage in pipeline.stages:
             if stage.accelerator == kind and stage.recompute:
-                count = min(layers, stage.num_layers)
                 stage = StagePlan.trusted(
                     stage.accelerator,
                     stage.tp,
@@ -34,8 +35,8 @@ def with_block_recompute(plan: ParallelPlan, kind: str, layers: int) -> Parallel
                     stage.ranks,
                     stage.has_embedding,
                     stage.has_head,
-                    count > 0,
-                    count if 0 < count < stage.num_layers else None,
+                    layers > 0,
+                    layers if 0 < layers < stage.num_layers else None,  # None: all
                 )
             stages.append(stage)
         pipelines.append(PipelinePlan.trusted(pipeline.micro_batches, tuple(stages)))
@@ -60,8 +61,8 @@ def relax_recompute(
         )
     )
     for kind in kinds:
-        most = max(
-            stage.recomputed_layers
+        most = max(  # whole layers: only a split stage (none of the planner's) has a half
+            math.ceil(stage.recomputed_layers)
             for pipeline in plan.pipelines
             for stage in pipeline.stages
             if stage.accelerator == kind

@@ -25,7 +25,7 @@ from megatron_het.perf import Prediction, StagePrediction, fits, simulate_1f1b
 from megatron_het.perf.cost.memory import GIB
 from megatron_het.planner.baseline import why_above_baseline
 from megatron_het.planner.layer_split import layer_split
-from megatron_het.planner.result import SearchResult
+from megatron_het.planner.result import Candidate, SearchResult
 
 BASELINE_MEANS = "each kind's best plan alone, summed over its devices"
 CEILING_MEANS = (
@@ -260,6 +260,19 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
+def _candidate_row(rank: int, c: Candidate) -> list[str]:
+    assert c.prediction is not None  # a search result's candidates are simulated
+    return [
+        str(rank),
+        c.layout.describe()
+        + (" overlap_grad_reduce" if c.plan.overlap_grad_reduce else "")
+        + (" overlap_param_gather" if c.plan.overlap_param_gather else ""),
+        " ".join(map(str, c.layers)),
+        f"{c.prediction.iteration_time_s:.4f}",
+        f"{c.prediction.tokens_per_s:,.0f}",
+    ]
+
+
 def _stage_rows(
     prediction: Prediction, pipeline: int = 0, slowest_idle: bool = True
 ) -> list[list[str]]:
@@ -268,7 +281,8 @@ def _stage_rows(
     shares are the slowest pipeline's (``slowest_idle``, for identical replicas) or the
     pipeline's own."""
     idle = stage_idle_fractions(prediction, None if slowest_idle else pipeline)
-    rows, first_of = [], {}
+    rows: list[list[str]] = []
+    first_of: dict[tuple[int, ...], int] = {}  # a device group's ranks -> its first stage
     for s in (s for s in prediction.stages if s.pipeline == pipeline):
         ms = [
             f"{1e3 * v:.2f}"
@@ -455,18 +469,7 @@ def markdown_report(result: SearchResult, cluster: ClusterSpec, title: str | Non
         lines += ["## Candidates (simulated)", ""]
         lines += _table(
             ["rank", "layout", "layers", "iteration s", "tokens/s"],
-            [
-                [
-                    str(i),
-                    c.layout.describe()
-                    + (" overlap_grad_reduce" if c.plan.overlap_grad_reduce else "")
-                    + (" overlap_param_gather" if c.plan.overlap_param_gather else ""),
-                    " ".join(map(str, c.layers)),
-                    f"{c.prediction.iteration_time_s:.4f}",
-                    f"{c.prediction.tokens_per_s:,.0f}",
-                ]
-                for i, c in enumerate(result.candidates)
-            ],
+            [_candidate_row(i, c) for i, c in enumerate(result.candidates)],
         )
         lines.append("")
     return "\n".join(lines)

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_builders import interleave_plan
 from megatron_het.parallel.plan_validation import valid_tp_sizes
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ def kind_shapes(
             if share % t:
                 continue
             units = share // t
-            candidates = [((t, units),)]
+            candidates: list[tuple[tuple[int, int], ...]] = [((t, units),)]
             if units % 2 and units > 1 and 2 * t in tps:
                 candidates.append(((2 * t, units // 2), (t, 1)))
             for parts in candidates:

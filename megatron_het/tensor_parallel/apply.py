@@ -17,15 +17,16 @@ plus the loss statistics.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.config import ModelConfig
 from megatron_het.model.init import initial_value
 from megatron_het.model.llama import LlamaModel
-from megatron_het.parallel.plan import ATTENTION_BLOCK, MLP_BLOCK
+from megatron_het.parallel.stage_plan import ATTENTION_BLOCK, MLP_BLOCK
 from megatron_het.tensor_parallel.cross_entropy import (
     gather_vocab_parallel_logits,
     vocab_parallel_linear_cross_entropy,
@@ -45,6 +46,7 @@ from megatron_het.tensor_parallel.sharding import (
     vocab_range,
     vocab_sizes,
 )
+from megatron_het.tensor_parallel.tp_group import TPGroup
 
 
 class TensorParallelLlamaModel(LlamaModel):
@@ -57,7 +59,7 @@ class TensorParallelLlamaModel(LlamaModel):
     ``[B, S, V]`` (all-gathered) and the loss is the same float32 scalar on every rank.
     """
 
-    tp_group: UnifiedGroup
+    tp_group: TPGroup
     vocab_range: tuple[int, int]
     sequence_parallel: bool = False
 
@@ -74,7 +76,7 @@ class TensorParallelLlamaModel(LlamaModel):
         ``tp_group``: the loss never forms full-vocabulary logits; logits are all-gathered.
         With sequence parallelism the normed ``[B, S/tp, H]`` shards are gathered first (the
         gather's backward sums the ranks' partial input gradients)."""
-        if not self.has_head:
+        if not self.has_head or self.final_norm is None:  # a head has its final norm
             raise RuntimeError("this stage has no head")
         self._ready("head")  # --overlap-param-gather: the head's buckets may be in flight
         normed = self.final_norm(hidden)
@@ -126,7 +128,7 @@ def _shard(
 @torch.no_grad()
 def apply_tp(
     model: LlamaModel,
-    group: UnifiedGroup,
+    group: TPGroup,
     config: ModelConfig,
     seed: int | None = None,
     sequence_parallel: bool = False,
@@ -168,7 +170,7 @@ def apply_tp(
         return _shard(model, name, config, tp, tp_rank, seed)
 
     sp, overlap = sequence_parallel, tp_comm_overlap
-    for index, layer in model.layers.items():
+    for index, layer in model.decoder_layers():
         prefix = f"layers.{index}."
         norms = []
         if ATTENTION_BLOCK in layer.parts:
@@ -207,17 +209,18 @@ def apply_tp(
         _replace_replicated(model, "final_norm.weight", seed, config)
         _sequence_parallel_norm(model.final_norm, group, sequence_parallel)
     model.__class__ = TensorParallelLlamaModel
-    model.tp_group = group
-    model.vocab_range = (start, stop)
-    model.sequence_parallel = sequence_parallel
-    return model
+    tp_model = cast(TensorParallelLlamaModel, model)  # its class, just set
+    tp_model.tp_group = group
+    tp_model.vocab_range = (start, stop)
+    tp_model.sequence_parallel = sequence_parallel
+    return tp_model
 
 
-def _sequence_parallel_norm(norm: nn.Module, group: UnifiedGroup, enabled: bool) -> None:
+def _sequence_parallel_norm(norm: nn.Module, group: TPGroup, enabled: bool) -> None:
     """Make a replicated norm sum its weight gradient over ``group`` (sequence parallelism)."""
     if enabled:
         norm.__class__ = SequenceParallelRMSNorm
-        norm.group = group
+        cast(SequenceParallelRMSNorm, norm).group = group  # its class, just set
 
 
 def _replace_replicated(model: nn.Module, name: str, seed: int | None, config: ModelConfig) -> None:

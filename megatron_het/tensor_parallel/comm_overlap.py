@@ -30,17 +30,17 @@ sequence, s = S/tp this rank's block, H input features, O output features.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
-from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.comm.p2p import P2PHandle, P2POp
 from megatron_het.kernels.autocast import autocast_dtype, autocast_off
 from megatron_het.kernels.gemm import addmm_fp32_out_
 from megatron_het.kernels.graph_break import graph_break
 from megatron_het.kernels.main_grad import add_to_main_grad
+from megatron_het.tensor_parallel.tp_group import TPGroup
 
 SEQ_DIM = 1
 # Tags of the two rings a backward pass runs at once (gloo matches on them; device backends
@@ -52,7 +52,7 @@ REDUCE_TAG = 72
 class _Ring:
     """This rank's place in ``group`` and its neighbours (global ranks) in the ring."""
 
-    def __init__(self, group: UnifiedGroup) -> None:
+    def __init__(self, group: TPGroup) -> None:
         self.group = group
         self.size, self.rank = group.size, group.rank
         ranks = group.ranks
@@ -137,20 +137,20 @@ def _scattered_sum(
     block ``block``): the sum over the group of this rank's own block. Each step's partial
     product is computed while the sum before it travels; ``beside()``, when given, runs once
     per step while that step's sum travels."""
-    total, handles, sending = None, None, None
+    arriving: tuple[torch.Tensor, list[P2PHandle]] | None = None  # the sum so far, in transit
+    sending = None
     for step in range(ring.size):
         part = partial_of(ring.block(step, behind=1))
-        if handles is not None:
+        if arriving is not None:
+            received, handles = arriving
             _wait(handles)
-            part = part + total
+            part = part + received
         if step < ring.size - 1:
             sending = part.contiguous()  # kept until its send is waited
-            total, handles = ring.pass_on(sending, REDUCE_TAG)
-        else:
-            total = part
+            arriving = ring.pass_on(sending, REDUCE_TAG)
         if beside is not None:
             beside()
-    return total
+    return part
 
 
 class _AllGatherLinear(torch.autograd.Function):
@@ -158,13 +158,13 @@ class _AllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, group: UnifiedGroup, *weights: torch.Tensor
+        ctx: Any, x: torch.Tensor, group: TPGroup, *weights: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.params = group, weights
-        x, *weights = _as_autocast(x, *weights)
-        ctx.save_for_backward(x, *weights)
+        x, *operands = _as_autocast(x, *weights)
+        ctx.save_for_backward(x, *operands)
         with autocast_off(x.device.type):
-            return tuple(_gathered_products(_Ring(group), x, weights))
+            return tuple(_gathered_products(_Ring(group), x, operands))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -173,21 +173,21 @@ class _AllGatherLinear(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         ring = _Ring(ctx.group)
         B, s, H = x.shape
-        grads = [g.contiguous() for g in grads]
+        grad_outs = [g.contiguous() for g in grads]
         wgrads = [_accumulator(w) for w in weights]
         blocks = _arriving_blocks(ring, x)
 
         def weight_gradients() -> None:
             index, here = next(blocks)
             rows = here.reshape(B * s, H)
-            for wgrad, g in zip(wgrads, grads):
+            for wgrad, g in zip(wgrads, grad_outs):
                 addmm_fp32_out_(wgrad, _seq_block(g, index, s).reshape(B * s, -1).t(), rows)
 
-        dx = _scattered_sum(
-            ring,
-            lambda block: sum(_seq_block(g, block, s).matmul(w) for g, w in zip(grads, weights)),
-            beside=weight_gradients,
-        )
+        def input_gradient(block: int) -> torch.Tensor:
+            products = (_seq_block(g, block, s).matmul(w) for g, w in zip(grad_outs, weights))
+            return cast(torch.Tensor, sum(products))  # a tensor: there is at least one weight
+
+        dx = _scattered_sum(ring, input_gradient, beside=weight_gradients)
         return (dx, None, *(_weight_grad(p, g) for p, g in zip(ctx.params, wgrads)))
 
 
@@ -195,9 +195,7 @@ class _LinearReduceScatter(torch.autograd.Function):
     """``reduce_scatter_seq(x @ W.T)`` with the reduce-scatter overlapped."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: UnifiedGroup
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: TPGroup) -> torch.Tensor:
         ctx.group, ctx.param = group, weight
         x, weight = _as_autocast(x, weight)
         ctx.save_for_backward(x, weight)
@@ -242,7 +240,7 @@ def _weight_grad(param: torch.Tensor, total: torch.Tensor) -> torch.Tensor | Non
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
 def all_gather_linear(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], group: UnifiedGroup
+    x: torch.Tensor, weights: Sequence[torch.Tensor], group: TPGroup
 ) -> tuple[torch.Tensor, ...]:
     """``[B, s, H]`` sequence block -> ``[all_gather_seq(x) @ W.T for W in weights]`` (each
     ``[B, S, O_W]``), the all-gather overlapped with the GEMMs; backward reduce-scatters the
@@ -251,9 +249,7 @@ def all_gather_linear(
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
-def linear_reduce_scatter(
-    x: torch.Tensor, weight: torch.Tensor, group: UnifiedGroup
-) -> torch.Tensor:
+def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """``[B, S, H]`` -> this rank's ``[B, s, O]`` block of ``sum over ranks (x @ W.T)``, the
     reduce-scatter overlapped with the GEMM; backward all-gathers the output gradient the
     same way."""

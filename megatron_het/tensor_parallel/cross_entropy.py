@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.kernels.autocast import autocast_off
 from megatron_het.model.loss import (
     IGNORE_INDEX,
@@ -37,6 +36,7 @@ from megatron_het.model.loss import (
     token_loss_weights,
 )
 from megatron_het.tensor_parallel.mappings import copy_to_tp, gather_from_tp
+from megatron_het.tensor_parallel.tp_group import TPGroup
 
 
 def _local_stats(
@@ -54,7 +54,7 @@ def _local_stats(
 
 
 def _global_lse(
-    local_max: torch.Tensor, sum_exp: torch.Tensor, target: torch.Tensor, group: UnifiedGroup
+    local_max: torch.Tensor, sum_exp: torch.Tensor, target: torch.Tensor, group: TPGroup
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logsumexp over the whole vocabulary, target logit)`` per token; two all-reduces."""
     global_max = local_max.clone()
@@ -83,7 +83,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx: Any,
         logits_NV: torch.Tensor,
         labels_N: torch.Tensor,
-        group: UnifiedGroup,
+        group: TPGroup,
         vocab_start: int,
     ) -> torch.Tensor:
         local_max, sum_exp, target, here, local = _local_stats(logits_NV, labels_N, vocab_start)
@@ -101,7 +101,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, group: UnifiedGroup, vocab_start: int
+    logits: torch.Tensor, labels: torch.Tensor, group: TPGroup, vocab_start: int
 ) -> torch.Tensor:
     """Per-token cross-entropy from vocabulary-sharded logits.
 
@@ -132,7 +132,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         weight_VH: torch.Tensor,
         labels_N: torch.Tensor,
         weights_N: torch.Tensor,
-        group: UnifiedGroup,
+        group: TPGroup,
         vocab_start: int,
         settings: HeadSettings,
     ) -> torch.Tensor:
@@ -208,7 +208,7 @@ def vocab_parallel_linear_cross_entropy(
     hidden: torch.Tensor,
     weight_VH: torch.Tensor,
     labels: torch.Tensor,
-    group: UnifiedGroup,
+    group: TPGroup,
     vocab_start: int,
     loss_weights: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
@@ -250,7 +250,7 @@ def vocab_parallel_linear_cross_entropy(
 
 
 def gather_vocab_parallel_logits(
-    logits: torch.Tensor, group: UnifiedGroup, sizes: Sequence[int]
+    logits: torch.Tensor, group: TPGroup, sizes: Sequence[int]
 ) -> torch.Tensor:
     """``[..., Vr]`` per rank -> full ``[..., V]`` on every rank (differentiable).
 

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.kernels import rms_norm, swiglu
 from megatron_het.model.llama import RMSNorm
 from megatron_het.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
@@ -30,6 +29,7 @@ from megatron_het.tensor_parallel.sequence_parallel import (
     reduce_scatter_to_sp,
     sp_norm_weight,
 )
+from megatron_het.tensor_parallel.tp_group import TPGroup
 
 
 class ColumnParallelLinear(nn.Module):
@@ -52,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(
         self,
         weight: torch.Tensor,
-        group: UnifiedGroup,
+        group: TPGroup,
         copy_input: bool = True,
         sequence_parallel: bool = False,
         tp_comm_overlap: bool = False,
@@ -95,7 +95,7 @@ class RowParallelLinear(nn.Module):
     def __init__(
         self,
         weight: torch.Tensor,
-        group: UnifiedGroup,
+        group: TPGroup,
         sequence_parallel: bool = False,
         tp_comm_overlap: bool = False,
     ) -> None:
@@ -132,7 +132,7 @@ class VocabParallelEmbedding(nn.Module):
         self,
         weight: torch.Tensor,
         vocab_start: int,
-        group: UnifiedGroup,
+        group: TPGroup,
         sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
@@ -174,7 +174,7 @@ class ParallelMLP(nn.Module):
         gate: torch.Tensor,
         up: torch.Tensor,
         down: torch.Tensor,
-        group: UnifiedGroup,
+        group: TPGroup,
         sequence_parallel: bool = False,
         tp_comm_overlap: bool = False,
     ) -> None:
@@ -199,13 +199,13 @@ class SequenceParallelRMSNorm(RMSNorm):
     weight (replicated, name unchanged) passes :func:`sp_norm_weight`, whose backward sums its
     partial gradients over ``group``."""
 
-    group: UnifiedGroup
+    group: TPGroup
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, sp_norm_weight(self.weight, self.group), self.eps)
 
 
-def enter_tp(x: torch.Tensor, group: UnifiedGroup, sequence_parallel: bool) -> torch.Tensor:
+def enter_tp(x: torch.Tensor, group: TPGroup, sequence_parallel: bool) -> torch.Tensor:
     """Enter a TP block whose ranks all read the whole input: :func:`copy_to_tp`, or with
     sequence parallelism the all-gather of the sequence shards."""
     if sequence_parallel:
@@ -213,7 +213,7 @@ def enter_tp(x: torch.Tensor, group: UnifiedGroup, sequence_parallel: bool) -> t
     return copy_to_tp(x, group, inplace_grad=True)
 
 
-def leave_tp(x: torch.Tensor, group: UnifiedGroup, sequence_parallel: bool) -> torch.Tensor:
+def leave_tp(x: torch.Tensor, group: TPGroup, sequence_parallel: bool) -> torch.Tensor:
     """Leave a TP block by summing the ranks' partial results: the all-reduce, or with
     sequence parallelism the reduce-scatter into sequence shards."""
     if sequence_parallel:

@@ -1,6 +1,7 @@
 """Tensor-parallel communication ops, each beside its backward twin and the group it uses.
 
 Every op is an ``autograd.Function`` that takes the tensor-parallel group explicitly (a
+:class:`~megatron_het.tensor_parallel.tp_group.TPGroup`, such as a
 :class:`~megatron_het.comm.UnifiedGroup`; nothing here looks a group up). Collectives are
 synchronous and run on the group's own links, so a TP group of one accelerator kind stays on its
 native backend.
@@ -29,11 +30,11 @@ from typing import Any
 
 import torch
 
-from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.kernels.graph_break import graph_break
+from megatron_het.tensor_parallel.tp_group import TPGroup
 
 
-def _all_reduce(x: torch.Tensor, group: UnifiedGroup, inplace: bool = False) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: TPGroup, inplace: bool = False) -> torch.Tensor:
     """Sum of ``x`` over the group: ``x`` itself when ``inplace`` and ``x`` is contiguous, else
     a fresh contiguous tensor (``x`` is left untouched)."""
     out = x if inplace and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
@@ -41,7 +42,7 @@ def _all_reduce(x: torch.Tensor, group: UnifiedGroup, inplace: bool = False) -> 
     return out
 
 
-def _all_gather_last_dim(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+def _all_gather_last_dim(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """``[..., c]`` on every rank -> ``[..., size * c]``, rank r's block at columns r*c."""
     size = group.size
     stacked = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
@@ -50,7 +51,7 @@ def _all_gather_last_dim(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
 
-def _split_last_dim(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+def _split_last_dim(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """This rank's contiguous block of the last dimension (which ``group.size`` must divide)."""
     size, last = group.size, x.shape[-1]
     if last % size:
@@ -63,7 +64,7 @@ class _CopyToTP(torch.autograd.Function):
     """Enter a tensor-parallel region whose ranks each use the whole (replicated) input."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup, inplace_grad: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup, inplace_grad: bool) -> torch.Tensor:
         ctx.group, ctx.inplace_grad = group, inplace_grad
         return x.view_as(x)
 
@@ -76,7 +77,7 @@ class _ReduceFromTP(torch.autograd.Function):
     """Leave a tensor-parallel region by summing the ranks' partial results."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup, inplace: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup, inplace: bool) -> torch.Tensor:
         # a view changed in place would need autograd to rebase it: copy those as before
         out = _all_reduce(x, group, inplace and x._base is None)
         if out is x:
@@ -92,7 +93,7 @@ class _GatherFromTP(torch.autograd.Function):
     """Concatenate the ranks' last-dimension slices into the full tensor."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
         ctx.group = group
         return _all_gather_last_dim(x, group)
 
@@ -105,7 +106,7 @@ class _ScatterToTP(torch.autograd.Function):
     """Keep this rank's last-dimension slice of a replicated tensor."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
         ctx.group = group
         return _split_last_dim(x, group)
 
@@ -115,26 +116,26 @@ class _ScatterToTP(torch.autograd.Function):
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
-def copy_to_tp(x: torch.Tensor, group: UnifiedGroup, inplace_grad: bool = False) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, group: TPGroup, inplace_grad: bool = False) -> torch.Tensor:
     """Identity forward; backward all-reduces (sums) the gradient over ``group`` (in the
     incoming gradient itself with ``inplace_grad``, see the module docstring)."""
     return _CopyToTP.apply(x, group, inplace_grad)
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
-def reduce_from_tp(x: torch.Tensor, group: UnifiedGroup, inplace: bool = False) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, group: TPGroup, inplace: bool = False) -> torch.Tensor:
     """Forward sums ``x`` over ``group`` (a new tensor; ``x`` itself with ``inplace`` when it
     is contiguous and not a view); backward passes the gradient through."""
     return _ReduceFromTP.apply(x, group, inplace)
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
-def gather_from_tp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+def gather_from_tp(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """``[..., c] -> [..., size * c]`` by all-gather; backward keeps this rank's ``c`` columns."""
     return _GatherFromTP.apply(x, group)
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
-def scatter_to_tp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+def scatter_to_tp(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """``[..., size * c] -> [..., c]`` (this rank's columns); backward all-gathers the gradient."""
     return _ScatterToTP.apply(x, group)

@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from megatron_het.comm.groups import UnifiedGroup
 from megatron_het.kernels.graph_break import graph_break
 from megatron_het.kernels.main_grad import add_to_main_grad
+from megatron_het.tensor_parallel.tp_group import TPGroup
 
 SEQ_DIM = 1
 
 
-def _gather_seq(x_BsH: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+def _gather_seq(x_BsH: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """``[B, S/tp, H]`` per rank -> ``[B, S, H]`` with rank r's block at positions r*S/tp."""
     size = group.size
     stacked = torch.empty((size, *x_BsH.shape), dtype=x_BsH.dtype, device=x_BsH.device)
@@ -45,7 +45,7 @@ def _gather_seq(x_BsH: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
     return stacked.permute(1, 0, 2, 3).reshape(B, size * s, H)
 
 
-def _reduce_scatter_seq(x_BSH: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+def _reduce_scatter_seq(x_BSH: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """``[B, S, H]`` partial sums -> this rank's ``[B, S/tp, H]`` block of their sum."""
     size = group.size
     B, S, H = x_BSH.shape
@@ -61,7 +61,7 @@ class _GatherFromSP(torch.autograd.Function):
     """Enter a TP block: every rank needs the whole sequence."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
         ctx.group = group
         return _gather_seq(x, group)
 
@@ -74,7 +74,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
     """Leave a TP block: sum the ranks' partial results, keep this rank's positions."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
         ctx.group = group
         return _reduce_scatter_seq(x, group)
 
@@ -87,7 +87,7 @@ class _NormWeight(torch.autograd.Function):
     """A replicated weight used on this rank's positions only: sum its gradient over TP."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+    def forward(ctx: Any, weight: torch.Tensor, group: TPGroup) -> torch.Tensor:
         ctx.group, ctx.param = group, weight
         return weight.view_as(weight)
 
@@ -101,19 +101,19 @@ class _NormWeight(torch.autograd.Function):
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
-def gather_from_sp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+def gather_from_sp(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """``[B, S/tp, H] -> [B, S, H]`` by all-gather; backward reduce-scatters the gradient."""
     return _GatherFromSP.apply(x, group)
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
-def reduce_scatter_to_sp(x: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+def reduce_scatter_to_sp(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """``[B, S, H]`` partial sums -> this rank's ``[B, S/tp, H]`` of their sum; backward
     all-gathers the gradient."""
     return _ReduceScatterToSP.apply(x, group)
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
-def sp_norm_weight(weight: torch.Tensor, group: UnifiedGroup) -> torch.Tensor:
+def sp_norm_weight(weight: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """Identity forward; backward all-reduces the weight's gradient over ``group`` (float32)."""
     return _NormWeight.apply(weight, group)

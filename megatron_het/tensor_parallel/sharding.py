@@ -133,7 +133,9 @@ def shard_spec(name: str, config: ModelConfig, tp: int) -> ShardSpec:
     d = config.kv_channels
     per_group = config.num_attention_heads // config.num_query_groups
     ffn = config.ffn_hidden_size // tp
-    local = _LAYER_PARAM.fullmatch(name).group(1)
+    layer = _LAYER_PARAM.fullmatch(name)
+    assert layer is not None  # a known name, and neither a norm nor a vocabulary one
+    local = layer.group(1)
     if local == "attention.qkv.weight":
         return ShardSpec(0, ((config.num_query_groups // tp) * (per_group + 2) * d,) * tp)
     if local == "attention.proj.weight":
@@ -156,7 +158,7 @@ def shard_tensor(
     if not 0 <= tp_rank < tp:
         raise ValueError(f"tp_rank {tp_rank} is outside [0, {tp})")
     spec = shard_spec(name, config, tp)
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         return full.clone()
     start, stop = spec.bounds(tp_rank)
     return full.narrow(spec.dim, start, stop - start).clone(memory_format=torch.contiguous_format)
@@ -179,6 +181,6 @@ def unshard(
             raise ValueError(
                 f"{name}: shard {rank} has shape {tuple(shard.shape)}, expected {tuple(expected)}"
             )
-    if spec.replicated:
+    if spec.dim is None:  # replicated
         return shards[0].clone()
     return torch.cat(list(shards), dim=spec.dim)

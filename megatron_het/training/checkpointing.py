@@ -143,6 +143,7 @@ class CheckpointSaver:
             return save(self.trainer)
         self._report(self.background.finish())  # one save in flight: commit the previous
         trainer, setup = self.trainer, self.trainer.setup
+        assert setup.run.train.save is not None  # a background saver is made only with --save
         iteration, save_dir = trainer.progress.iteration, pathlib.Path(setup.run.train.save)
         start = time.perf_counter()
         trainer.optimizer.params_ready()
@@ -271,6 +272,7 @@ def load(trainer: Trainer) -> str:
 
 def _load_into(trainer: Trainer, stats: ReadStats) -> dict | None:
     setup = trainer.setup
+    assert setup.load_dir is not None  # as load() checks
     # Under mixed precision the parameters take the rounded values, the masters the exact
     # ones; in fp32 the parameters are the masters and nothing more is kept.
     weights: dict | None = {} if trainer.optimizer.flat.low_precision else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_het.config import ModelConfig
-from megatron_het.parallel.plan import format_bound
+from megatron_het.parallel.stage_plan import format_bound
 from megatron_het.pipeline.schedules import interleaved_group_size
 from megatron_het.training.setup import RunSetup
 from megatron_het.training.state import Progress

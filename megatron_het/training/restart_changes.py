@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from megatron_het.cluster.accelerators import AcceleratorRegistry
-from megatron_het.parallel.plan import ParallelPlan, format_bound
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import format_bound
 from megatron_het.training.setup import RunSetup
 
 

@@ -21,8 +21,9 @@ from megatron_het.comm import UnifiedCommunicator
 from megatron_het.config import ModelConfig
 from megatron_het.emulation.emulator import Emulator
 from megatron_het.model.llama import build_model
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.process_groups import build_process_groups
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.pipeline.executor import PipelineExecutor, compute_region_key
 from megatron_het.pipeline.stage import build_stage
 from megatron_het.pipeline.stage_boundary import boundary_peers

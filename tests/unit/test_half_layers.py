@@ -14,10 +14,11 @@ from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.model.llama import LlamaModel, build_model
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan, block_of
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_builders import interleave_plan
 from megatron_het.parallel.plan_validation import validate
 from megatron_het.parallel.replicas import ReplicaUnit, replica_units
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan, block_of
 from megatron_het.perf.cost.compute_time import LayerBlocks, ProfileChoice, stage_compute
 from megatron_het.perf.cost.dp_sync import unit_parameters
 from megatron_het.perf.cost.memory import layer_parameters, stage_parameters

@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_het.config import model_preset
-from megatron_het.parallel.plan import PipelinePlan, StagePlan
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf.cost.memory import (
     MemoryBreakdown,
     device_memory,

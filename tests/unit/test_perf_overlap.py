@@ -16,8 +16,9 @@ from megatron_het.errors import UserError
 from megatron_het.model.llama import LlamaModel
 from megatron_het.optim.data_parallel import GradBuckets, plan_buckets
 from megatron_het.optim.parallel_optimizer import build_parallel_optimizer
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_builders import plan_from_megatron_flags
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf import predict
 from megatron_het.perf.cost.comm_time import SyncCost
 from megatron_het.perf.cost.dp_sync import DPSync

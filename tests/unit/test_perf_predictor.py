@@ -7,7 +7,8 @@ import pytest
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import RunOptions, model_preset
 from megatron_het.errors import UserError
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf import Profile, ProfileConditions, check_fits, fits, predict
 from megatron_het.perf.cost.comm_time import CommCost, broadcast_time, p2p_time
 from megatron_het.perf.cost.roofline import (

@@ -10,7 +10,8 @@ import pytest
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import RunOptions, model_preset
 from megatron_het.errors import UserError
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf import predict
 from megatron_het.perf.cost.boundary_time import position_messages
 from megatron_het.perf.cost.calibration import efficiency_for

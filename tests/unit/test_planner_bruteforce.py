@@ -24,8 +24,9 @@ import pytest
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_validation import validate
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf import SimulationCache, fits, predict
 from megatron_het.perf.cost.comm_time import CommCost
 from megatron_het.planner.search import search_plan

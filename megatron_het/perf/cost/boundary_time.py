@@ -28,8 +28,9 @@ boundary, and a message takes the larger share of its two ends.
 
 from __future__ import annotations
 
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.sequence import position_overlaps, sequence_sharded
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf.cost.comm_time import CommCost, broadcast_time, p2p_time
 
 

@@ -80,6 +80,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.perf.cost.roofline import (
@@ -263,7 +264,10 @@ def least_squares(runs: Sequence[RunSensitivity], base: Efficiency) -> Efficienc
             f"({', '.join(f'{v:.3g}' for v in x)}); the runs' fixed costs alone "
             f"exceed their published times"
         )
-    return dataclasses.replace(base, **{f: 1.0 / v for f, v in zip(factors, x)})
+    # The factors are float fields of Efficiency named at run time, which mypy cannot match to
+    # the fields' types.
+    fitted: dict[str, Any] = {f: 1.0 / v for f, v in zip(factors, x)}
+    return dataclasses.replace(base, **fitted)
 
 
 def _solve(augmented: list[list[float]]) -> list[float]:

@@ -145,12 +145,12 @@ class CommCost:
 
     def _measured(self, a: int, b: int, op: str, link_kind: str) -> tuple[float, float, str] | None:
         """The profiles' figures of ``op`` over ``link_kind`` (the slower side's), if any."""
-        measured = [
+        figures = [
             p.comm_figures(op, link_kind)
             for p in (self._profile_of(a), self._profile_of(b))
             if p is not None
         ]
-        measured = [m for m in measured if m is not None]
+        measured = [m for m in figures if m is not None]
         if not measured:
             return None
         return (

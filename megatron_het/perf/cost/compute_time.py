@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
-from megatron_het.parallel.plan import LAYER_PARTS, StagePlan
+from megatron_het.parallel.stage_plan import LAYER_PARTS, StagePlan
 from megatron_het.perf.cost.calibration import layer_efficiency, resolve_efficiency
 from megatron_het.perf.cost.roofline import (
     OPTIMIZER_BYTES_PER_PARAM,
@@ -147,7 +147,9 @@ def _profiled_layer(
         if found is not None:
             return found
     found = profile.layer(shape, dtype, not compiled)
-    ratio = None if found is None else mode_ratio(shape, spec, dtype, compiled, efficiency)
+    if found is None:
+        return None
+    ratio = mode_ratio(shape, spec, dtype, compiled, efficiency)
     if ratio is None:
         return found
     mode = "compiled" if compiled else "eager"
@@ -163,10 +165,10 @@ def stage_compute(
     model: ModelConfig,
     spec: AcceleratorSpec,
     shape: LayerShape,
-    num_layers: int,
+    num_layers: float,
     has_embedding: bool,
     has_head: bool,
-    recompute_layers: int,
+    recompute_layers: float,
     dtype: str,
     choice: ProfileChoice,
     efficiency: Efficiency | None = None,

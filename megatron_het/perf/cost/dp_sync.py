@@ -57,6 +57,7 @@ def unit_parameters(model: ModelConfig, unit: ReplicaUnit) -> int:
         return v * h
     if unit.part == "head":
         return h + (0 if model.tie_embeddings else v * h)
+    assert unit.layers is not None  # a "layers" unit always has its span
     return span_parameters(model, 1, unit.layers)
 
 

@@ -83,7 +83,8 @@ from dataclasses import dataclass
 
 from megatron_het.config import ModelConfig
 from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB, bucket_ranges, padded_elements
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, held_parameters
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import PipelinePlan, held_parameters
 
 # The runtime's bucket size (build_parallel_optimizer's default; --ddp-bucket-size sets another).
 BUCKET_SIZE_MB = DEFAULT_BUCKET_SIZE_MB

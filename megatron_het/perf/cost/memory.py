@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 
 from megatron_het.cluster import AcceleratorSpec
 from megatron_het.config import ModelConfig
-from megatron_het.parallel.plan import StagePlan, block_counts
+from megatron_het.parallel.stage_plan import StagePlan, block_counts
 from megatron_het.perf.cost.roofline import FP32_BYTES, dtype_bytes
 from megatron_het.pipeline.schedule_check import held_counts
 from megatron_het.pipeline.schedules import Step
@@ -108,7 +108,7 @@ def span_parameters(model: ModelConfig, tp: int, layers: tuple[float, float]) ->
     bound counts the blocks it holds (:func:`block_parameters`)."""
     start, end = layers
     if start == int(start) and end == int(end):
-        return (end - start) * layer_parameters(model, tp)
+        return int(end - start) * layer_parameters(model, tp)
     attention, mlp = block_counts(layers)
     per_attention, per_mlp = block_parameters(model, tp)
     return attention * per_attention + mlp * per_mlp

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from megatron_het.parallel.plan import ParallelPlan, PipelinePlan, StagePlan
+from megatron_het.parallel.plan import ParallelPlan
+from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf.cost.comm_time import CommCost, SyncCost
 from megatron_het.perf.cost.compute_time import StageCompute
 from megatron_het.perf.cost.tp_collectives import TPCollectives
@@ -39,9 +40,9 @@ class PredictionInputs(Protocol):
     act_bytes: float
     tp_comm_overlap: bool  # sequence-parallel stages run their TP rings (the runtime's flag)
 
-    def recomputed_layers_of(self, stage: StagePlan) -> int:
+    def recomputed_layers_of(self, stage: StagePlan) -> float:
         """How many of ``stage``'s layers recompute their forward in backward in this
-        prediction."""
+        prediction (a half layer counts half)."""
 
     def compute(self, stage_index: int, pipeline: PipelinePlan) -> StageCompute:
         """The stage's compute per micro-batch on one TP rank, TP communication excluded."""

@@ -27,14 +27,15 @@ class TPCollectives:
     ones in the forward (the head's); with sequence parallelism, instead of the all-reduces,
     ``forward_gathers`` and ``backward_gathers`` all-gathers or reduce-scatters of those
     activations (each moves half an all-reduce's bytes) and ``norm_grads`` all-reduces of one
-    norm weight's float32 ``[hidden]`` gradient in the backward."""
+    norm weight's float32 ``[hidden]`` gradient in the backward. Counts are whole numbers but
+    typed float: a stage with a half-layer bound counts its half layer's share."""
 
-    forward: int
-    backward: int
+    forward: float
+    backward: float
     cross_entropy: int = 0
-    forward_gathers: int = 0
-    backward_gathers: int = 0
-    norm_grads: int = 0
+    forward_gathers: float = 0
+    backward_gathers: float = 0
+    norm_grads: float = 0
 
     @property
     def forward_all(self) -> float:
@@ -53,7 +54,7 @@ class TPCollectives:
         return self.backward + self.backward_gathers / 2 + self.norm_grads
 
 
-def recomputed_count(recompute_layers: int, num_layers: int) -> int:
+def recomputed_count(recompute_layers: float, num_layers: float) -> float:
     """How many of a stage's ``num_layers`` recompute: ``recompute_layers`` within ``0 ..
     num_layers``. TypeError for a bool: a count is meant, and True would read as 1."""
     if isinstance(recompute_layers, bool):
@@ -63,10 +64,10 @@ def recomputed_count(recompute_layers: int, num_layers: int) -> int:
 
 def tp_collectives(
     tp: int,
-    num_layers: int,
+    num_layers: float,
     has_embedding: bool = False,
     has_head: bool = False,
-    recompute_layers: int = 0,
+    recompute_layers: float = 0,
     sequence_parallel: bool = False,
 ) -> TPCollectives:
     """The TP collectives per micro-batch of a stage of ``tp`` ranks (none at tp=1).
@@ -104,7 +105,7 @@ def tp_collectives(
     return TPCollectives(forward, backward, cross_entropy)
 
 
-def ring_collectives(num_layers: int, recomputed: int) -> tuple[int, int]:
+def ring_collectives(num_layers: float, recomputed: float) -> tuple[float, float]:
     """(forward, backward) of a sequence-parallel stage's gathers and reduce-scatters
     (:attr:`TPCollectives.forward_gathers` and ``backward_gathers``) that ``--tp-comm-overlap``
     runs as rings: the layers' 4 each way (and a recomputed layer's forward 4 again); the

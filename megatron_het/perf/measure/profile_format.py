@@ -220,7 +220,7 @@ class Profile:
     # ---- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        out = {"format": PROFILE_FORMAT}
+        out: dict[str, Any] = {"format": PROFILE_FORMAT}
         out.update({k: list(v) if isinstance(v, tuple) else v for k, v in d.items()})
         return out
 
@@ -388,7 +388,8 @@ _TOP_KEYS = (
 
 
 def _record(cls: type, where: str, d: Any) -> Any:
-    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    # Postponed annotations: each field's type is its annotation's text ("str", "int", ...).
+    fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
     if not isinstance(d, Mapping):
         raise UserError(f"{where}: expected an object with keys {', '.join(fields)}")
@@ -475,6 +476,7 @@ def _parse(d: Any) -> Profile:
         conditions=_record(ProfileConditions, "conditions", d.get("conditions")),
         optimizer_step_s_per_param=None if step is None else float(step),
         comm=comm,
-        **host,
+        host_sharing=host["host_sharing"],
+        host_collective_s=host["host_collective_s"],
         **entries,
     )

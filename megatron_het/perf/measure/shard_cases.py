@@ -15,12 +15,14 @@ weights and main gradients in the optimizer, whose step is measured on its own:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from megatron_het.comm.p2p import P2PHandle, P2POp
 from megatron_het.config import ModelConfig, OptimizerConfig
-from megatron_het.model.llama import LlamaModel, build_model
+from megatron_het.model.llama import LlamaModel, WeightedLayer, build_model
 from megatron_het.optim.clip_grad import clip_grad_norm
 from megatron_het.optim.optimizer import build_optimizer
 from megatron_het.perf.measure.profile_format import EndEntry, LayerEntry
@@ -51,6 +53,20 @@ class ComputeOnlyGroup:
         """Every slot of ``output`` receives this rank's ``input``."""
         output.view(self.size, -1).copy_(input.reshape(1, -1))
 
+    # The rest of a TP group's interface serves sequence parallelism, which shards built here
+    # do not run.
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.size))
+
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum"
+    ) -> None:
+        raise NotImplementedError("a compute-only shard runs without sequence parallelism")
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[P2PHandle]:
+        raise NotImplementedError("a compute-only shard runs without sequence parallelism")
+
 
 def rank_stage(
     config: ModelConfig,
@@ -73,7 +89,7 @@ def rank_stage(
     return stage.to(dtype=PROFILE_DTYPES[dtype])
 
 
-def _check_dtype(module: torch.nn.Module, dtype: str) -> torch.dtype:
+def _check_dtype(module: torch.nn.Module | WeightedLayer, dtype: str) -> torch.dtype:
     """The torch dtype of ``dtype``; ValueError unless ``module``'s parameters have it."""
     want = PROFILE_DTYPES[dtype]
     found = {p.dtype for p in module.parameters()}
@@ -145,17 +161,19 @@ def embedding_case(
 ) -> Case:
     """The (vocab-parallel) embedding lookup of ``[micro_batch, seq]`` random token ids."""
     config = stage.config
+    embedding = stage.embedding
+    assert embedding is not None  # the profiler builds this stage with the embedding
     tokens = torch.randint(0, config.vocab_size, (micro_batch, seq), device=device)
     grad = torch.randn(
         micro_batch,
         seq,
         config.hidden_size,
         device=device,
-        dtype=_check_dtype(stage.embedding, dtype),
+        dtype=_check_dtype(embedding, dtype),
     )
 
     def forward() -> torch.Tensor:
-        return stage.embedding(tokens)
+        return embedding(tokens)
 
     return Case(
         forward,

@@ -374,6 +374,7 @@ class _Engine:
     def _end_region(self, agent: _Agent, now: float) -> None:
         if self.record:
             step = agent.steps[agent.pc]
+            assert isinstance(step, Action)  # a region is a compute step's
             agent.events.append(
                 TimelineEvent(
                     _stage_of(step, agent), step.kind.value, step.micro_batch, agent.start, now

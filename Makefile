@@ -12,9 +12,10 @@ PY := $(VENV)/bin/python
 # pytest-xdist workers, one thread each (TEST_WORKERS=0 runs the tests in one process).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist worksteal
-# Bytecode caches on for the tests even where the environment turns them off: every pytest
-# worker and every CLI the tests start would otherwise compile (and assertion-rewrite) the
-# package and the test modules again, seconds each.
+# Bytecode caches on for the tests and the demo even where the environment turns them off:
+# every process they start would otherwise compile (and, for tests, assertion-rewrite) the
+# package, torch and the test modules again, seconds each (the set-up installs without
+# compiling: each module is compiled once, when first imported).
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
 .PHONY: setup demo lint test test-fast test-gpu gpu-check
@@ -23,7 +24,7 @@ setup:
 	@VENV=$(VENV) bash scripts/setup_env.sh
 
 demo: setup
-	$(PY) -m megatron_het.demo $(DEMO_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m megatron_het.demo $(DEMO_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check --quiet .

@@ -24,7 +24,10 @@ import importlib.util as u, sys
 sys.exit(not (u.find_spec('torch') and u.find_spec('megatron_het')))" 2>/dev/null; then
     exit 0
 fi
-PIP=("$PY" -m pip install --disable-pip-version-check -q)
+# --no-compile: byte-compiling every installed module (transformers' thousands) takes half the
+# install; a module is compiled when first imported instead (the make targets let Python
+# write its bytecode cache).
+PIP=("$PY" -m pip install --disable-pip-version-check --no-compile -q)
 if "$PY" -c "import torch" 2>/dev/null; then
     echo "[setup] keeping torch $("$PY" -c 'import torch; print(torch.__version__)')"
 else

@@ -223,10 +223,13 @@ def _fake_srun(tmp_path: Path) -> Path:
     srun.write_text(f"""#!/usr/bin/env bash
 group="${{1#--het-group=}}"
 log="{tmp_path}/steps"
-echo "$group started" >> "$log"
-if [ "$group" = "$FAKE_FAIL_GROUP" ]; then sleep 0.2; echo "$group failed" >> "$log"; exit 3; fi
+if [ "$group" = "$FAKE_FAIL_GROUP" ]; then
+    echo "$group started" >> "$log"; sleep 0.2; echo "$group failed" >> "$log"; exit 3
+fi
 sleep "$FAKE_STEP_S" &
 trap 'kill $!; sleep 0.3; echo "$group stopped" >> "$log"; exit 143' TERM
+# (started once the trap is set: the test signals the steps as soon as both have started)
+echo "$group started" >> "$log"
 wait $!
 echo "$group done" >> "$log"
 """)

@@ -6,8 +6,9 @@ directory given): committed ``iter_*`` directories, ``iter_*`` directories witho
 marked. For each: the plan that wrote it (one short line per pipeline), the consumed samples,
 every file with its size and its verification (size and whole-file sha256 against
 metadata.json's record, which covers every byte, the tensor pieces a load checks one by one
-included; an uncommitted save's files against the per-rank indexes written so far). :func:`main`
-prints it as text or JSON and exits non-zero when the latest committed iteration does not verify.
+included; an uncommitted save's files against the per-rank indexes written so far).
+:func:`format_text` and :func:`verdict` say it in words; ``tools/checkpoint_info.py`` prints it
+as text or JSON and exits non-zero when the latest committed iteration does not verify.
 """
 
 from __future__ import annotations
@@ -15,12 +16,9 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-import sys
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
-from megatron_het.arguments.parser import ArgParser
 from megatron_het.checkpoint.integrity import FILES_KEY, file_problem
 from megatron_het.checkpoint.io import (
     METADATA_FILE,
@@ -289,7 +287,7 @@ def format_text(listing: Listing) -> str:
     return "\n".join(lines)
 
 
-def _verdict(target: IterationInfo | None) -> str:
+def verdict(target: IterationInfo | None) -> str:
     if target is None:
         return "nothing is committed"
     if target.verified:
@@ -297,35 +295,3 @@ def _verdict(target: IterationInfo | None) -> str:
     bad = [f"{f.name}: {f.status}" for f in target.files if f.status not in (OK, NOT_CHECKSUMMED)]
     reasons = "; ".join(([target.problem] if target.problem else []) + bad[:3])
     return f"latest committed iteration {target.iteration} does NOT verify ({reasons})"
-
-
-def main(argv: Sequence[str], out: TextIO | None = None) -> int:
-    """``checkpoint_info.py DIR [--json]``: print the listing; 0 when the latest committed
-    iteration verifies, 1 when it does not or nothing is committed."""
-    parser = ArgParser(prog="checkpoint_info.py", description=__doc__.splitlines()[0])
-    parser.add_argument("dir", help="a --save directory or one of its iter_XXXXXXX directories")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    args = parser.parse_args(list(argv))
-    out = out or sys.stdout
-    listing = inspect_checkpoints(pathlib.Path(args.dir))
-    target = listing.latest_committed()
-    ok = target is not None and target.verified
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "path": str(listing.path),
-                    "tracker": listing.tracker,
-                    "latest_committed": None if target is None else target.iteration,
-                    "latest_verified": ok,
-                    "verdict": _verdict(target),
-                    "iterations": [i.to_json() for i in listing.iterations],
-                },
-                indent=2,
-            ),
-            file=out,
-        )
-    else:
-        print(format_text(listing), file=out)
-        print(_verdict(target), file=out)
-    return 0 if ok else 1

@@ -26,7 +26,6 @@ import torch
 
 from megatron_het.arguments import parse_run_config
 from megatron_het.checkpoint.async_save import AsyncCheckpointSaver, PendingCommit
-from megatron_het.checkpoint.info import main as checkpoint_info
 from megatron_het.checkpoint.io import (
     METADATA_FILE,
     TensorPiece,
@@ -41,6 +40,7 @@ from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.training.stop import StopRequest
 from tests.distributed.harness import RankFailure, run_ranks
+from tools.checkpoint_info import main as checkpoint_info
 
 CONFIG = ModelConfig(
     num_layers=1,

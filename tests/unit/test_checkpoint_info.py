@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megatron_het.checkpoint.info import NOT_CHECKSUMMED, main
+from megatron_het.checkpoint.info import NOT_CHECKSUMMED
 from megatron_het.checkpoint.io import (
     METADATA_FILE,
     TRACKER_FILE,
@@ -24,6 +24,7 @@ from megatron_het.checkpoint.sharded import reshard_checkpoint
 from megatron_het.errors import UserError
 from tests.unit.test_checkpoint_integrity import CONFIG, pp2_plan
 from tests.unit.test_checkpoint_integrity import weights as seeded_weights
+from tools.checkpoint_info import main
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PLAN = pp2_plan("fast", "slow")

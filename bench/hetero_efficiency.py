@@ -241,7 +241,7 @@ def searched_plan(
         args.global_batch_size,
         args.seq_length,
         profiles=profiles,
-        dtype="fp32",
+        options=RunOptions(dtype="fp32", fused_elementwise=True),
         heterogeneous_dp=heterogeneous_dp,
         max_virtual_stages=1 if plain else MAX_VIRTUAL_STAGES,
     )

@@ -54,6 +54,19 @@ def given_flags(spec: ParallelSpec, train: TrainConfig) -> list[_Given]:
     return given
 
 
+def flag_options(spec: ParallelSpec, train: TrainConfig) -> RunOptions:
+    """The options the command line alone gives (defaults for the rest; the precision fp32
+    without ``--bf16``/``--fp16``): what a plan searched at start-up (``--plan auto``) or
+    built from Megatron's TP/PP flags is made for, before it joins the resolution."""
+    given = {key: value for key, _, value in given_flags(spec, train)}
+    return RunOptions(
+        dtype=given.get("dtype", "fp32"),
+        ddp_bucket_size=spec.ddp_bucket_size,
+        fused_elementwise=train.compile,
+        **{k: v for k, v in given.items() if k in RunOptions.__dataclass_fields__ and k != "dtype"},
+    )
+
+
 def resolve_run_options(
     spec: ParallelSpec, train: TrainConfig, plan: ParallelPlan
 ) -> tuple[ParallelPlan, RunOptions]:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron_het.cluster import ClusterSpec, kind_subcluster
-from megatron_het.config import ModelConfig
+from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.errors import UserError
 from megatron_het.perf import Prediction, Profile, StagePrediction
 from megatron_het.planner.result import HomogeneousBaseline, KindBaseline, SearchResult
@@ -61,11 +61,12 @@ def homogeneous_baseline(
     global_batch_size: int,
     seq_length: int,
     profiles: Mapping[str, Profile] | None = None,
-    dtype: str = "bf16",
+    options: RunOptions | None = None,
     **search_options: Any,
 ) -> HomogeneousBaseline:
-    """Search each kind alone (:func:`search_plan`, options as given; without the memory
-    limit for a kind that cannot hold the model alone) and sum the devices' rates."""
+    """Search each kind alone (:func:`search_plan` with the run's ``options`` and the search
+    options given; without the memory limit for a kind that cannot hold the model alone) and
+    sum the devices' rates."""
     start = time.perf_counter()
     kinds = []
     for kind, devices in cluster.accelerator_counts().items():
@@ -73,7 +74,7 @@ def homogeneous_baseline(
         ignored = False
         try:
             found = search_plan(
-                model, sub, global_batch_size, seq_length, profiles, dtype, **search_options
+                model, sub, global_batch_size, seq_length, profiles, options, **search_options
             )
         except UserError:
             ignored = True
@@ -83,7 +84,7 @@ def homogeneous_baseline(
                 global_batch_size,
                 seq_length,
                 profiles,
-                dtype,
+                options,
                 check_memory=False,
                 **search_options,
             )

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_het.cluster import AcceleratorSpec, ClusterSpec
-from megatron_het.config import ModelConfig
+from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.errors import UserError
 from megatron_het.perf import Profile
 from megatron_het.perf.cost.compute_time import choose_profile, stage_compute
@@ -137,11 +137,10 @@ def compute_ceiling(
     global_batch_size: int,
     seq_length: int,
     profiles: Mapping[str, Profile] | None = None,
-    dtype: str = "bf16",
+    options: RunOptions | None = None,
     *,
     max_micro_batch_size: int = MAX_MICRO_BATCH_SIZE,
     efficiency: Efficiency | None = None,
-    fused_elementwise: bool = True,
 ) -> Ceiling:
     """The compute ceiling of ``cluster`` for ``model`` (see the module docstring).
 
@@ -149,7 +148,9 @@ def compute_ceiling(
     to ``max_micro_batch_size``; pass at least a given plan's own size when it is larger).
     ``efficiency`` must be the one the plans are predicted with: None, the predictor's
     default, is each kind's calibrated figures (:mod:`megatron_het.perf.cost.calibration`), and
-    ``fused_elementwise`` too (False: the layers of a run without ``--compile``)."""
+    ``options`` too (the run's precision and layer mode: ``fused_elementwise`` False for the
+    layers of a run without ``--compile``; None: bf16, fused)."""
+    options = options if options is not None else RunOptions()
     if global_batch_size < 1 or seq_length < 1:
         raise UserError(
             f"--global-batch-size ({global_batch_size}) and --seq-length "
@@ -162,7 +163,14 @@ def compute_ceiling(
     kinds = []
     for kind, devices in cluster.accelerator_counts().items():
         seconds, mbs, source = kind_seconds_per_token(
-            model, specs[kind], seq_length, sizes, profiles, dtype, efficiency, fused_elementwise
+            model,
+            specs[kind],
+            seq_length,
+            sizes,
+            profiles,
+            options.dtype,
+            efficiency,
+            options.fused_elementwise,
         )
         kinds.append(KindCeiling(kind, devices, seconds, mbs, source))
     return Ceiling(tuple(kinds))

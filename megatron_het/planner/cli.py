@@ -27,7 +27,7 @@ from megatron_het.arguments.model_flags import (
 )
 from megatron_het.arguments.parser import ArgParser
 from megatron_het.cluster import ClusterSpec
-from megatron_het.config import ModelConfig
+from megatron_het.config import ModelConfig, RunOptions
 from megatron_het.errors import UserError
 from megatron_het.parallel.plan import PLAN_DTYPES, ParallelPlan
 from megatron_het.parallel.plan_builders import interleave_plan
@@ -151,40 +151,37 @@ def run(argv: Sequence[str]) -> SearchResult:
     profiles = load_profile_dir(args.profile_dir)
     if args.evaluate is not None:
         plan = interleave_plan(ParallelPlan.load(args.evaluate), args.virtual_stages or 1)
+        # the plan's own precision where it names one, else --dtype
+        options = RunOptions.from_plan(
+            plan, dtype=plan.dtype or args.dtype, fused_elementwise=args.compile
+        )
         result = evaluate_plan(
             model,
             cluster,
             plan,
             args.seq_length,
             profiles,
-            args.dtype,
+            options,
             args.global_batch_size,
             not args.no_baseline,
-            fused_elementwise=args.compile,
         )
     else:
+        options = RunOptions(dtype=args.dtype, fused_elementwise=args.compile)
         result = search_plan(
             model,
             cluster,
             args.global_batch_size,
             args.seq_length,
             profiles,
-            args.dtype,
+            options,
             top_k=args.top,
             max_virtual_stages=args.virtual_stages or MAX_VIRTUAL_STAGES,
             heterogeneous_dp=not args.no_heterogeneous_dp,
-            fused_elementwise=args.compile,
         )
         if not args.no_baseline:
             result = result.with_baseline(
                 homogeneous_baseline(
-                    model,
-                    cluster,
-                    args.global_batch_size,
-                    args.seq_length,
-                    profiles,
-                    args.dtype,
-                    fused_elementwise=args.compile,
+                    model, cluster, args.global_batch_size, args.seq_length, profiles, options
                 )
             )
     result = result.with_ceiling(
@@ -194,9 +191,8 @@ def run(argv: Sequence[str]) -> SearchResult:
             result.plan.global_batch_size,
             args.seq_length,
             profiles,
-            result.plan.dtype or args.dtype,
+            options.replace(dtype=result.plan.dtype or options.dtype),
             max_micro_batch_size=max(MAX_MICRO_BATCH_SIZE, result.plan.micro_batch_size),
-            fused_elementwise=args.compile,
         )
     )
     if args.out:

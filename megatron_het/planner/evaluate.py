@@ -20,16 +20,16 @@ def evaluate_plan(
     plan: ParallelPlan,
     seq_length: int,
     profiles: Mapping[str, Profile] | None = None,
-    dtype: str = "bf16",
+    options: RunOptions | None = None,
     global_batch_size: int | None = None,
     with_baseline: bool = True,
-    fused_elementwise: bool = True,
 ) -> SearchResult:
     """Validate ``plan`` against the model and the cluster (and ``global_batch_size`` when
     given; a mismatch raises the validator's UserError), predict it with the 1F1B simulation
     and, with ``with_baseline``, search the homogeneous baseline for its batch. Memory is not
-    enforced: the caller reports :func:`megatron_het.perf.fits`. ``fused_elementwise`` as in
-    :func:`~megatron_het.perf.predict` (False: a run without ``--compile``)."""
+    enforced: the caller reports :func:`megatron_het.perf.fits`. ``options`` as
+    :func:`~megatron_het.perf.predict` takes them (None: what the plan says); the baseline's
+    searches price in their precision and layer mode."""
     start = time.perf_counter()
     validate(plan, model, cluster, global_batch_size, seq_length=seq_length)
     prediction = predict(
@@ -38,7 +38,7 @@ def evaluate_plan(
         cluster,
         seq_length,
         profiles,
-        options=RunOptions.from_plan(plan, dtype=dtype, fused_elementwise=fused_elementwise),
+        options=options,
         validate=False,
     )
     result = SearchResult(plan, prediction, (), 0, time.perf_counter() - start)
@@ -50,8 +50,7 @@ def evaluate_plan(
                 plan.global_batch_size,
                 seq_length,
                 profiles,
-                plan.dtype or dtype,
-                fused_elementwise=fused_elementwise,
+                options if options is not None else RunOptions.from_plan(plan),
             )
         )
     return result

@@ -84,7 +84,7 @@ def search_plan(
     global_batch_size: int,
     seq_length: int,
     profiles: Mapping[str, Profile] | None = None,
-    dtype: str = "bf16",
+    options: RunOptions | None = None,
     *,
     top_k: int = 5,
     refine: int = 16,
@@ -92,7 +92,6 @@ def search_plan(
     check_memory: bool = True,
     max_virtual_stages: int = MAX_VIRTUAL_STAGES,
     heterogeneous_dp: bool = True,
-    fused_elementwise: bool = True,
 ) -> SearchResult:
     """Search the best plan for ``model`` on every device of ``cluster``.
 
@@ -106,11 +105,14 @@ def search_plan(
     the model alone). ``max_virtual_stages`` caps the interleaving degree (1: plain 1F1B only).
     ``heterogeneous_dp`` also searches replicas of one kind each with batch shares by speed
     (:mod:`megatron_het.planner.kind_replicas`; clusters of two or more kinds).
-    ``fused_elementwise`` False plans for a run without ``--compile``: GPU kinds' decoder
-    layers are priced eager in bf16/fp16, as :func:`~megatron_het.perf.predict` prices them
-    (True, the default, prices fused layers, as the predictor's default does).
+    ``options`` are the run's (:class:`~megatron_het.config.RunOptions`; None: the
+    defaults, bf16 and fused layers, as the predictor's): plans are priced in its precision and
+    layer mode (``fused_elementwise`` False plans for a run without ``--compile``: GPU kinds'
+    decoder layers priced eager in bf16/fp16); the search chooses ZeRO-1, the DP overlaps,
+    sequence parallelism and recompute itself.
     Raises UserError when no plan fits, with the smallest shortfall.
     """
+    options = options if options is not None else RunOptions()
     if global_batch_size < 1 or seq_length < 1:
         raise UserError(
             f"--global-batch-size ({global_batch_size}) and --seq-length "
@@ -124,11 +126,11 @@ def search_plan(
             global_batch_size,
             seq_length,
             profiles,
-            dtype,
+            options.dtype,
             check_memory,
             max(1, top_k),
             max(1, max_virtual_stages),
-            fused_elementwise,
+            options.fused_elementwise,
         )
         search.run(max_micro_batch_size)
         candidates = _finalists(search, top_k, refine) if search.scored else []

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_het.arguments import ParallelSpec, RunConfig
-from megatron_het.arguments.options import resolve_run_options
+from megatron_het.arguments.options import flag_options, resolve_run_options
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig, RunOptions, TrainConfig
 from megatron_het.errors import UserError
@@ -85,12 +85,6 @@ def plan_batch(train: TrainConfig, spec: ParallelSpec, plan: ParallelPlan) -> Tr
     )
 
 
-def flag_dtype(train: TrainConfig) -> str:
-    """ "bf16", "fp16" or "fp32" as ``--bf16`` / ``--fp16`` say (the precision a searched or
-    flag-built plan is made for; a plan file's dtype is resolved with the other options)."""
-    return "bf16" if train.bf16 else "fp16" if train.fp16 else "fp32"
-
-
 def load_cluster(
     spec: ParallelSpec,
     world_size: int | None,
@@ -133,21 +127,15 @@ def _search_or_flags(
     run: RunConfig,
     model: ModelConfig,
     cluster: ClusterSpec,
-    dtype: str,
     profiles: Mapping[str, Profile] | None,
 ) -> ParallelPlan:
     spec, train = run.parallel, run.train
     if spec.plan == "auto":
         from megatron_het.planner import search_plan
 
+        options = flag_options(spec, train)
         return search_plan(
-            model,
-            cluster,
-            train.global_batch_size,
-            run.data.seq_length,
-            profiles,
-            dtype=dtype,
-            fused_elementwise=train.compile,
+            model, cluster, train.global_batch_size, run.data.seq_length, profiles, options
         ).plan
     return plan_from_megatron_flags(
         model,
@@ -199,7 +187,7 @@ def choose_plan(
     spec = run.parallel
     plan_file = read_plan_file(run)
     cluster = load_cluster(spec, world_size, plan_file, accelerator)
-    plan = plan_file or _search_or_flags(run, model, cluster, flag_dtype(run.train), profiles)
+    plan = plan_file or _search_or_flags(run, model, cluster, profiles)
     train = plan_batch(run.train, spec, plan)
     if plan.world_size != cluster.world_size:
         raise UserError(

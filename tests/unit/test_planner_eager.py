@@ -27,6 +27,7 @@ GPU_CLUSTER = str(REPO / "scripts" / "clusters" / "h100_a100.yaml")
 CPU_CLUSTER = str(REPO / "scripts" / "clusters" / "cpu_emulated.yaml")
 MODEL = model_preset("llama2-7b")
 SEQ, GBS = 2048, 64
+EAGER = RunOptions(fused_elementwise=False)  # bf16, eager decoder layers (no --compile)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,13 @@ def searched() -> dict[bool, object]:
     cluster = ClusterSpec.load(GPU_CLUSTER)
     return {
         fused: search_plan(
-            MODEL, cluster, GBS, SEQ, top_k=2, heterogeneous_dp=False, fused_elementwise=fused
+            MODEL,
+            cluster,
+            GBS,
+            SEQ,
+            options=None if fused else EAGER,
+            top_k=2,
+            heterogeneous_dp=False,
         )
         for fused in (True, False)
     }
@@ -107,19 +114,20 @@ def test_every_stage_price_of_a_search_has_the_run_s_mode(monkeypatch) -> None:
         num_query_groups=4,
         vocab_size=32000,
     )
-    result = search_plan(model, cluster, 12, 1024, max_virtual_stages=2, fused_elementwise=False)
+    result = search_plan(model, cluster, 12, 1024, None, EAGER, max_virtual_stages=2)
     assert any(
         len({s.accelerator for s in p.stages}) == 1 for p in result.plan.pipelines
     )  # replicas of one kind each
-    homogeneous_baseline(model, cluster, 12, 1024, top_k=1, fused_elementwise=False)
-    compute_ceiling(model, cluster, 12, 1024, fused_elementwise=False)
+    homogeneous_baseline(model, cluster, 12, 1024, None, EAGER, top_k=1)
+    compute_ceiling(model, cluster, 12, 1024, None, EAGER)
     assert len(modes) > 50 and not any(modes)
 
 
 def test_ceiling_and_baseline_follow_the_pricing() -> None:
     cluster = ClusterSpec.load(GPU_CLUSTER)
     fused, eager = (
-        compute_ceiling(MODEL, cluster, GBS, SEQ, fused_elementwise=f) for f in (True, False)
+        compute_ceiling(MODEL, cluster, GBS, SEQ, None, RunOptions(fused_elementwise=f))
+        for f in (True, False)
     )
     for a, b in zip(fused.kinds, eager.kinds):
         assert a.kind == b.kind and b.seconds_per_token > 1.3 * a.seconds_per_token
@@ -131,8 +139,8 @@ def test_ceiling_and_baseline_follow_the_pricing() -> None:
             SEQ,
             top_k=1,
             heterogeneous_dp=False,
+            options=RunOptions(fused_elementwise=f),
             max_virtual_stages=1,
-            fused_elementwise=f,
         )
         for f in (True, False)
     )
@@ -142,8 +150,8 @@ def test_ceiling_and_baseline_follow_the_pricing() -> None:
     cpu = ClusterSpec.load(CPU_CLUSTER)
     small = model_preset("small")
     assert compute_ceiling(
-        small, cpu, 8, 256, dtype="bf16", fused_elementwise=False
-    ) == compute_ceiling(small, cpu, 8, 256, dtype="bf16", fused_elementwise=True)
+        small, cpu, 8, 256, None, RunOptions(dtype="bf16", fused_elementwise=False)
+    ) == compute_ceiling(small, cpu, 8, 256, None, RunOptions(dtype="bf16", fused_elementwise=True))
 
 
 def test_plan_cli_prices_eager_unless_compile(capsys) -> None:
@@ -191,5 +199,7 @@ def test_auto_plan_follows_compile(compiled: bool) -> None:
     ]
     setup = prepare_run(parse_run_config(flags + (["--compile"] if compiled else [])), 64)
     cluster = ClusterSpec.load(GPU_CLUSTER)
-    expected = search_plan(MODEL, cluster, GBS, SEQ, dtype="bf16", fused_elementwise=compiled).plan
+    expected = search_plan(
+        MODEL, cluster, GBS, SEQ, None, RunOptions(dtype="bf16", fused_elementwise=compiled)
+    ).plan
     assert setup.plan.pipelines == expected.pipelines

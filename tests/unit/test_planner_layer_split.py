@@ -109,7 +109,14 @@ def test_none_for_one_group_or_pipelines_of_different_layouts(cluster) -> None:
 
 def test_the_reports_carry_it(cluster) -> None:
     plan = _plan("cpu_emulated_3stage")
-    result = evaluate_plan(SMALL, cluster, plan, 256, dtype="fp32", with_baseline=False)
+    result = evaluate_plan(
+        SMALL,
+        cluster,
+        plan,
+        256,
+        options=RunOptions.from_plan(plan, dtype="fp32"),
+        with_baseline=False,
+    )
     split = layer_split(result.prediction, result.plan)
     summary = json.loads(json.dumps(summary_dict(result, cluster)))
     assert summary["layer_split_loss"] == pytest.approx(split.loss)

@@ -129,3 +129,25 @@ def test_what_if_options_come_from_a_plan_with_given_replacements() -> None:
     assert RunOptions.from_plan(plan).dtype == "bf16"  # the predictor's default precision
     assert not RunOptions.from_plan(plan, overlap_grad_reduce=False).overlap_grad_reduce
     assert dataclasses.replace(RunOptions(), dtype="fp32") == RunOptions().replace(dtype="fp32")
+
+
+def test_a_searched_plan_is_made_for_the_options_the_flags_give() -> None:
+    """--plan auto's search is handed the command line's own options: its precision, its
+    layers' mode and bucket size, and the options given (defaults for the rest)."""
+    from megatron_het.arguments.options import flag_options
+
+    run = parse_run_config(BASE)
+    assert flag_options(run.parallel, run.train) == RunOptions(
+        dtype="fp32", fused_elementwise=False
+    )
+    run = parse_run_config(
+        [*BASE, "--bf16", "--compile", "--use-distributed-optimizer", "--ddp-bucket-size", "64"]
+        + ["--no-overlap-p2p-communication"]
+    )
+    assert flag_options(run.parallel, run.train) == RunOptions(
+        dtype="bf16",
+        use_distributed_optimizer=True,
+        overlap_p2p_comm=False,
+        ddp_bucket_size=64,
+        fused_elementwise=True,
+    )

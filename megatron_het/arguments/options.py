@@ -56,8 +56,8 @@ def given_flags(spec: ParallelSpec, train: TrainConfig) -> list[_Given]:
 
 def flag_options(spec: ParallelSpec, train: TrainConfig) -> RunOptions:
     """The options the command line alone gives (defaults for the rest; the precision fp32
-    without ``--bf16``/``--fp16``): what a plan searched at start-up (``--plan auto``) or
-    built from Megatron's TP/PP flags is made for, before it joins the resolution."""
+    without ``--bf16``/``--fp16``): what a plan searched at start-up (``--plan auto``) is
+    priced with, before it joins the resolution."""
     given = {key: value for key, _, value in given_flags(spec, train)}
     return RunOptions(
         dtype=given.get("dtype", "fp32"),

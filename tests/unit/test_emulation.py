@@ -390,7 +390,7 @@ def test_a_rank_with_late_regions_warns():
 
 def test_bench_counts_the_late_region_warnings():
     """bench/hetero_efficiency.py reads the warning back from each run's log."""
-    from bench.hetero_efficiency import late_regions
+    from bench.hetero_runs import late_regions
 
     log = []
     for rank, walls in ((0, (3.0, 1.0, 3.0)), (2, (1.0, 3.0))):

@@ -3,7 +3,9 @@
 #   VENV=path   where the virtualenv lives (default: .venv in the repository)
 #   PYTHON=exe  interpreter used to create it (default: python3)
 # A torch already importable in the environment (a CUDA or ROCm build, say) is kept;
-# otherwise torch==2.13.0 is installed.
+# otherwise torch==2.13.0 is installed. Installing the package builds csrc/'s fused kernels
+# (setup.py; a failed build leaves the torch references and says so), and the table of which
+# implementation each op uses is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -17,7 +19,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 STAMP="$VENV/.megatron_het_installed"
-WANT="$(cat requirements.txt setup.py pyproject.toml | sha256sum | cut -d' ' -f1)"
+# (csrc/ too: a changed kernel source rebuilds the extension)
+WANT="$( (cat requirements.txt setup.py pyproject.toml; find csrc -type f | LC_ALL=C sort \
+    | xargs cat) | sha256sum | cut -d' ' -f1)"
 # (find_spec, not import: importing torch takes seconds, and this runs before every make target)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$PY" -c "
 import importlib.util as u, sys
@@ -36,6 +40,8 @@ else
 fi
 echo "[setup] installing pinned dependencies"
 "${PIP[@]}" -r requirements.txt
+echo "[setup] installing megatron_het and building its kernels (csrc/)"
 "${PIP[@]}" --no-deps --no-build-isolation -e .
+"$PY" -m megatron_het.kernels | sed 's/^/[setup] /'
 echo "$WANT" > "$STAMP"
 echo "[setup] ready: $VENV"

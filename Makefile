@@ -7,6 +7,8 @@
 #                   rest where torch is built for CUDA/ROCm
 #   make gpu-check  the prepared GPU check (scripts/gpu_check.sh; GPU rows SKIP without one)
 #   make lint       ruff (lint and format) and mypy; make test runs it first
+#   make toolchains the device compilers the kernel compile tests use (hipcc from apt as root;
+#                   make test runs it)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # pytest-xdist workers, one thread each (TEST_WORKERS=0 runs the tests in one process).
@@ -18,7 +20,7 @@ XDIST := -n $(TEST_WORKERS) --dist worksteal
 # compiling: each module is compiled once, when first imported).
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
-.PHONY: setup demo lint test test-fast test-gpu gpu-check
+.PHONY: setup demo lint toolchains test test-fast test-gpu gpu-check
 
 setup:
 	@VENV=$(VENV) bash scripts/setup_env.sh
@@ -31,7 +33,10 @@ lint: setup
 	$(VENV)/bin/ruff format --check --quiet .
 	$(VENV)/bin/mypy
 
-test: setup lint
+toolchains:
+	@bash scripts/setup_toolchains.sh
+
+test: setup lint toolchains
 	$(PYTEST) -q $(XDIST) $(PYTEST_ARGS)
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.backends.cuda.is_built())"; then \
 		$(MAKE) --no-print-directory test-gpu; fi

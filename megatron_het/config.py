@@ -286,6 +286,12 @@ class TrainConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     compile: bool = False
+    # Fused kernels (megatron_het.kernels.selection.KernelChoice): each op family's on/off.
+    rope_fusion: bool = True
+    rms_norm_fusion: bool = True
+    cross_entropy_loss_fusion: bool = True
+    bias_swiglu_fusion: bool = True
+    reference_kernels: bool = False
     seed: int = 1234
     eval_interval: int = 1000
     eval_iters: int = 10

@@ -348,6 +348,43 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kernel_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "fused kernels (python -m megatron_het.kernels shows which implementation each op has)"
+    )
+    g.add_argument(
+        "--no-rope-fusion",
+        dest="rope_fusion",
+        action="store_false",
+        help="RoPE by torch's ops instead of the fused q/k kernel",
+    )
+    g.add_argument(
+        "--no-rms-norm-fusion",
+        dest="rms_norm_fusion",
+        action="store_false",
+        help="RMSNorm (and the residual add before it) by torch's ops instead of the fused kernel "
+        "(ours, else apex's or liger's)",
+    )
+    g.add_argument(
+        "--no-cross-entropy-loss-fusion",
+        dest="cross_entropy_loss_fusion",
+        action="store_false",
+        help="the head's softmax cross-entropy by torch's ops instead of the fused kernel "
+        "(the head stays chunked: full logits are never formed)",
+    )
+    g.add_argument(
+        "--no-bias-swiglu-fusion",
+        dest="bias_swiglu_fusion",
+        action="store_false",
+        help="SwiGLU by torch's two ops instead of liger's fused kernel (where installed)",
+    )
+    g.add_argument(
+        "--reference-kernels",
+        action="store_true",
+        help="every op by its torch reference (no csrc, apex or liger kernel), to compare",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pretrain_llama.py`` parser; its errors raise UserError instead of exiting."""
     p = ArgParser(prog=PROG, description="Pretrain a Llama model (Megatron-style flags).")
@@ -355,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_model_flags,
         _add_training_flags,
         _add_data_flags,
+        _add_kernel_flags,
         add_io_flags,
         _add_parallel_flags,
     ):

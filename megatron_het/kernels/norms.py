@@ -1,5 +1,6 @@
-"""RMSNorm: apex's or liger's fused kernel where available, ``torch.nn.functional.rms_norm``
-otherwise, with one dtype rule for all three.
+"""RMSNorm, alone or with the residual add fused in: our compiled kernel (``csrc/rms_norm``)
+where built for the device, else apex's or liger's fused kernel where installed, else torch's
+ops, with one dtype rule for all.
 
 The rule (what :func:`rms_norm` returns, whichever kernel runs):
 
@@ -10,64 +11,41 @@ The rule (what :func:`rms_norm` returns, whichever kernel runs):
   casts its inputs to the autocast dtype and returns bf16. With fp32 parameters under autocast
   the residual stream is float32, so the norm returns float32 and the next GEMM casts to the
   autocast dtype; with bf16 parameters (no autocast) ``x`` and the output are bf16.
-* A fused kernel runs only when ``x`` and ``weight`` share a dtype, on CUDA/ROCm tensors, in
-  eager mode. Mixed dtypes take the torch path: normalise and scale in float32, round once to
-  ``x``'s dtype.
+* Our kernel runs in eager mode on the devices it is built for, with the weight in ``x``'s
+  dtype or float32; it scales in float32 and rounds once. apex's and liger's run only when ``x``
+  and ``weight`` share a dtype, on CUDA/ROCm tensors, in eager mode. Mixed dtypes otherwise take
+  the torch path: normalise and scale in float32, round once to ``x``'s dtype.
 
-apex counts as present only when its compiled extension ``fused_layer_norm_cuda`` imports as
-well as its Python wrapper (a pure-Python apex install then falls back to torch). apex is
-preferred to liger where both are installed.
+apex counts as present only when its compiled extension imports as well as its Python wrapper
+(:mod:`megatron_het.kernels.apex_norm`). apex is preferred to liger where both are installed.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron_het.kernels.apex_norm import APEX_RMS_NORM
 from megatron_het.kernels.autocast import autocast_off
+from megatron_het.kernels.csrc_ops import (
+    CsrcAddRMSNorm,
+    CsrcRMSNorm,
+    check_float,
+    check_shape,
+    csrc_dtypes_ok,
+)
+from megatron_het.kernels.extension import EXTENSION, KernelExtension
 from megatron_het.kernels.liger import LIGER, LigerKernels, RmsNormKernel
-from megatron_het.kernels.optional import ImportModule, optional_attr
-
-# The CUDA extension apex's fused norms call (imported lazily by apex, at the first call).
-APEX_NORM_EXTENSION = "fused_layer_norm_cuda"
-
-
-def load_apex_rms_norm(
-    import_module: ImportModule = importlib.import_module,
-) -> RmsNormKernel | None:
-    """apex's fused affine RMSNorm as ``(x, weight, eps) -> y``, or None when apex or its
-    compiled extension is missing."""
-    fused = optional_attr(
-        "apex.normalization.fused_layer_norm",
-        "fused_rms_norm_affine",
-        requires=(APEX_NORM_EXTENSION,),
-        import_module=import_module,
-    )
-    if fused is None:
-        return None
-
-    def apex_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return fused(x, weight, weight.shape, eps)
-
-    return apex_rms_norm
-
-
-_APEX_RMS_NORM = load_apex_rms_norm()
-
-
-def apex_rms_norm_available() -> bool:
-    """Whether apex's fused RMSNorm kernel can be used (on CUDA/ROCm tensors)."""
-    return _APEX_RMS_NORM is not None
+from megatron_het.kernels.selection import ALL_FUSED, KernelChoice
 
 
 def fused_rms_norm_kernel(
     device_type: str,
     x_dtype: torch.dtype,
     weight_dtype: torch.dtype,
-    apex: RmsNormKernel | None = _APEX_RMS_NORM,
+    apex: RmsNormKernel | None = APEX_RMS_NORM,
     liger: LigerKernels = LIGER,
 ) -> RmsNormKernel | None:
     """The fused kernel :func:`rms_norm` uses for these tensors, or None for torch's op:
@@ -82,30 +60,89 @@ def fused_rms_norm_kernel(
     return None
 
 
+def use_csrc_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    choice: KernelChoice,
+    extension: KernelExtension = EXTENSION,
+) -> bool:
+    """Whether our compiled norm takes these tensors now (see the module docstring)."""
+    return (
+        choice.rms_norm
+        and not torch.compiler.is_compiling()
+        and extension.supports("rms_norm", x.device.type)
+        and csrc_dtypes_ok(x, weight)
+    )
+
+
+def _check_norm(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_float(op, "x", x)
+    check_float(op, "weight", weight)
+    check_shape(
+        op,
+        weight.dim() == 1 and x.dim() >= 1 and weight.shape[0] == x.shape[-1],
+        f"weight must be [H] for x [..., H], got {tuple(weight.shape)} for {tuple(x.shape)}",
+    )
+
+
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, fused: RmsNormKernel | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    fused: RmsNormKernel | None = None,
+    choice: KernelChoice = ALL_FUSED,
 ) -> torch.Tensor:
     """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dimension, in ``x``'s dtype.
 
-    ``x[..., H]``, ``weight[H]`` of any float dtypes; see the module docstring for the dtype
-    rule. ``fused`` forces a kernel ``(x, weight, eps) -> y`` (tests inject fakes; it then runs
-    on any device, still only for matching dtypes); by default :func:`fused_rms_norm_kernel`
-    picks one.
+    ``x[..., H]``, ``weight[H]`` of float dtypes (float32, bfloat16, float16); see the module
+    docstring for the dtype rule. ``choice`` says which fused kernels may run. ``fused`` forces
+    a kernel ``(x, weight, eps) -> y`` (tests inject fakes; it then runs on any device, still
+    only for matching dtypes); by default our kernel, else :func:`fused_rms_norm_kernel`'s.
     """
+    _check_norm("rms_norm", x, weight)
     with autocast_off(x.device.type):
+        if fused is None and use_csrc_norm(x, weight, choice):
+            return CsrcRMSNorm.apply(x, weight, eps)
         if x.dtype != weight.dtype:
             normed = F.rms_norm(x.float(), weight.shape, None, eps)
             return (normed * weight.float()).to(x.dtype)
-        kernel = (
-            fused
-            if fused is not None
-            else fused_rms_norm_kernel(x.device.type, x.dtype, weight.dtype)
-        )
+        kernel = fused
+        if kernel is None and choice.rms_norm and choice.libraries:
+            kernel = fused_rms_norm_kernel(x.device.type, x.dtype, weight.dtype)
         if kernel is not None:
             return kernel(x, weight, eps)
         if torch.compiler.is_compiling():  # inductor fuses torch's op and picks what to save
             return F.rms_norm(x, weight.shape, weight, eps)
         return _RMSNorm.apply(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    choice: KernelChoice = ALL_FUSED,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) * weight, x + residual)``: a pre-norm block's residual add
+    and the next norm in one pass where our kernel runs (two outputs, one read of each input).
+
+    ``x`` and ``residual`` of one shape ``[..., H]``; the sum has their promoted dtype (as
+    ``x + residual``), the normed output the sum's dtype. Where the dtypes differ the lower one
+    is cast first, as the add would."""
+    _check_norm("add_rms_norm", x, weight)
+    check_float("add_rms_norm", "residual", residual)
+    check_shape(
+        "add_rms_norm",
+        x.shape == residual.shape,
+        f"x and residual must have one shape, got {tuple(x.shape)} and {tuple(residual.shape)}",
+    )
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    if use_csrc_norm(x.to(dtype) if x.dtype != dtype else x, weight, choice):
+        with autocast_off(x.device.type):
+            normed, total = CsrcAddRMSNorm.apply(x.to(dtype), residual.to(dtype), weight, eps)
+        return normed, total
+    total = x + residual
+    return rms_norm(total, weight, eps, choice=choice), total
 
 
 class _RMSNorm(torch.autograd.Function):

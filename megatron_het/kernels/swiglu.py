@@ -9,27 +9,44 @@ import torch
 import torch.nn.functional as F
 
 from megatron_het.kernels.liger import LIGER, LigerKernels
+from megatron_het.kernels.selection import ALL_FUSED, KernelChoice
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, liger: LigerKernels | None = None) -> torch.Tensor:
+def swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    liger: LigerKernels | None = None,
+    choice: KernelChoice = ALL_FUSED,
+) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate``/``up`` of one shape ``[..., F]``.
 
     liger's kernel (one pass forward and backward instead of three) runs on CUDA/ROCm tensors
-    of one dtype in eager mode when liger-kernel is installed; ``liger`` replaces the installed
-    kernels (tests inject fakes).
+    of one dtype in eager mode when liger-kernel is installed and ``choice`` allows it;
+    ``liger`` replaces the installed kernels (tests inject fakes). With the fusion off
+    (``--no-bias-swiglu-fusion``) torch's two ops run as they are.
     """
     kernels = LIGER if liger is None else liger
     fused = kernels.swiglu
-    if fused is not None and gate.dtype == up.dtype and kernels.usable(fused, gate.device.type):
+    allowed = choice.swiglu and choice.libraries
+    if (
+        allowed
+        and fused is not None
+        and gate.dtype == up.dtype
+        and kernels.usable(fused, gate.device.type)
+    ):
         return fused(gate, up)
-    if gate.dtype != up.dtype or torch.compiler.is_compiling():
+    if not choice.swiglu or gate.dtype != up.dtype or torch.compiler.is_compiling():
         return F.silu(gate) * up  # inductor fuses these and picks what to save itself
     return _SwiGLU.apply(gate, up)
 
 
 class _SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` saving only ``gate`` and ``up`` (silu is recomputed in backward);
-    eager torch would also keep ``silu(gate)``, one more ``[..., F]`` tensor per layer."""
+    eager torch would also keep ``silu(gate)``, one more ``[..., F]`` tensor per layer.
+
+    Backward is torch's own ops in the inputs' dtype, each rounding once as autograd's would:
+    ``grad * silu(gate)`` and ``silu_backward(grad * up, gate)`` (float32 internally). Doing it
+    in explicit float32 temporaries instead cost 2-5x the time on a CPU (bench.kernels)."""
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -39,9 +56,6 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate, up = ctx.saved_tensors
-        sig = torch.sigmoid(gate.float())
-        silu = gate.float() * sig
-        grad32 = grad.float()
-        grad_up = (grad32 * silu).to(up.dtype)
-        grad_gate = (grad32 * up.float() * sig * (1 + gate.float() * (1 - sig))).to(gate.dtype)
+        grad_up = grad * F.silu(gate)
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
         return grad_gate, grad_up

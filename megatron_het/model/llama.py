@@ -46,10 +46,12 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
-from megatron_het.kernels import causal_attention, rms_norm, swiglu
+from megatron_het.kernels import causal_attention, swiglu
+from megatron_het.kernels.norms import add_rms_norm, rms_norm
+from megatron_het.kernels.selection import ALL_FUSED, KernelChoice
 from megatron_het.model.init import init_weights
 from megatron_het.model.loss import linear_cross_entropy
-from megatron_het.model.rope import RotaryEmbedding, apply_rope, rope_table_dtype
+from megatron_het.model.rope import RotaryEmbedding, apply_rope_qk, rope_table_dtype
 from megatron_het.parallel.stage_plan import ATTENTION_BLOCK, LAYER_PARTS, MLP_BLOCK, layer_parts
 
 
@@ -71,16 +73,28 @@ class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension.
 
     Normalises in float32 and returns ``x``'s dtype whatever the weight's dtype and autocast
-    (:func:`~megatron_het.kernels.norms.rms_norm`, which also picks apex's or liger's fused
-    kernel on CUDA/ROCm where installed)."""
+    (:func:`~megatron_het.kernels.norms.rms_norm`, which picks our compiled kernel, or apex's
+    or liger's on CUDA/ROCm, as ``kernels`` allows: :func:`use_kernels`)."""
+
+    kernels: KernelChoice = ALL_FUSED
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
+    def norm_weight(self) -> torch.Tensor:
+        """The weight the norm multiplies by (a sequence-parallel norm wraps it)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.norm_weight(), self.eps, choice=self.kernels)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)`` in one pass where the fused kernel runs."""
+        return add_rms_norm(x, residual, self.norm_weight(), self.eps, choice=self.kernels)
 
 
 class Attention(nn.Module):
@@ -89,7 +103,10 @@ class Attention(nn.Module):
     The attention kernel is chosen per call from the device, dtype and what is installed
     (:mod:`megatron_het.kernels.attention`): flash attention for bf16/fp16 on CUDA/ROCm, the
     memory-efficient kernel for fp32 on CUDA, the CPU flash kernel on CPU; none of them builds
-    the ``S x S`` score matrix."""
+    the ``S x S`` score matrix. RoPE rotates q and k together
+    (:func:`~megatron_het.model.rope.apply_rope_qk`, our kernel where ``kernels`` allows)."""
+
+    kernels: KernelChoice = ALL_FUSED
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -113,14 +130,16 @@ class Attention(nn.Module):
         # q and k need no copy of their own; v gets one, since a view of the qkv output saved
         # for backward would keep all of it (q and k too) alive until then.
         q, k, v = qkv.split((per_group, 1, 1), dim=3)
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None]).view(B, S, self.num_heads, -1)
-        k = apply_rope(k.squeeze(3), cos, sin)  # [B, S, ng, D]
-        out = causal_attention(q, k, v.squeeze(3).contiguous())  # [B, S, N, D]
+        q, k = apply_rope_qk(q, k, cos, sin, choice=self.kernels)
+        q = q.view(B, S, self.num_heads, -1)
+        out = causal_attention(q, k.squeeze(3), v.squeeze(3).contiguous())  # [B, S, N, D]
         return self.proj(out.reshape(B, S, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    kernels: KernelChoice = ALL_FUSED
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -129,7 +148,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(swiglu(self.gate(x), self.up(x)))
+        return self.down(swiglu(self.gate(x), self.up(x), choice=self.kernels))
 
 
 class DecoderLayer(nn.Module):
@@ -152,11 +171,15 @@ class DecoderLayer(nn.Module):
             self.mlp: nn.Module = MLP(config)  # or apply_tp's ParallelMLP
 
     def forward(self, x_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if ATTENTION_BLOCK in self.parts:
-            x_BSH = x_BSH + self.attention(self.input_norm(x_BSH), cos, sin)
-        if MLP_BLOCK in self.parts:
-            x_BSH = x_BSH + self.mlp(self.post_attention_norm(x_BSH))
-        return x_BSH
+        """The attention block's residual add and the MLP block's norm run as one op
+        (:meth:`RMSNorm.add_and_norm`)."""
+        if ATTENTION_BLOCK not in self.parts:
+            return x_BSH + self.mlp(self.post_attention_norm(x_BSH))
+        attended = self.attention(self.input_norm(x_BSH), cos, sin)
+        if MLP_BLOCK not in self.parts:
+            return x_BSH + attended
+        normed, x_BSH = self.post_attention_norm.add_and_norm(attended, x_BSH)
+        return x_BSH + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -190,6 +213,8 @@ class LlamaModel(nn.Module):
     right before that part runs. It is called here, between the layers, rather than from module
     hooks, which would run inside a compiled layer (``--compile``).
     """
+
+    kernels: KernelChoice = ALL_FUSED
 
     def __init__(
         self,
@@ -304,7 +329,7 @@ class LlamaModel(nn.Module):
         else:
             hidden = x
         cos, sin = self.rotary.cos_sin(
-            self.sequence_length(hidden), hidden.device, rope_table_dtype(hidden)
+            self.sequence_length(hidden), hidden.device, rope_table_dtype(hidden, self.kernels)
         )
         use_recompute = recomputed > 0 and self.training and torch.is_grad_enabled()
         for n, index in enumerate(_touched(start, stop)):
@@ -339,7 +364,11 @@ class LlamaModel(nn.Module):
         self._ready("head")
         if labels is not None:
             return linear_cross_entropy(
-                self.final_norm(hidden), self.output_weight(), labels, loss_weights
+                self.final_norm(hidden),
+                self.output_weight(),
+                labels,
+                loss_weights,
+                choice=self.kernels,
             )
         return F.linear(self.final_norm(hidden), self.output_weight())
 
@@ -370,6 +399,14 @@ def _embedding(config: ModelConfig) -> nn.Embedding:
     if weight.device.type != "meta":
         nn.init.normal_(weight)
     return nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+
+
+def use_kernels(model: nn.Module, choice: KernelChoice) -> None:
+    """Let every op of ``model`` use the fused kernels ``choice`` allows (each module that
+    runs one has a ``kernels`` attribute; the default allows all)."""
+    for module in model.modules():
+        if isinstance(getattr(type(module), "kernels", None), KernelChoice):
+            vars(module)["kernels"] = choice  # a plain attribute (nn.Module's typing says not)
 
 
 def build_model(

@@ -38,9 +38,12 @@ from typing import Any
 import torch
 
 from megatron_het.kernels.autocast import autocast_dtype, autocast_off
+from megatron_het.kernels.csrc_ops import cross_entropy_fused_, cross_entropy_stats
+from megatron_het.kernels.extension import EXTENSION, KernelExtension
 from megatron_het.kernels.gemm import addmm_fp32_out_, gemm_operand_dtype, mm_fp32_out
 from megatron_het.kernels.liger import LIGER, LigerKernels
 from megatron_het.kernels.main_grad import add_to_main_grad, has_main_grad
+from megatron_het.kernels.selection import ALL_FUSED, KernelChoice
 
 IGNORE_INDEX = -100
 
@@ -69,24 +72,42 @@ def default_chunk_tokens(vocab_rows: int, device_type: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HeadSettings:
-    """How a fused head runs: ``chunk_tokens`` per chunk, which gradients autograd needs, and
-    ``compute_dtype`` (the autocast dtype when autocast is on, else the inputs' common dtype)."""
+    """How a fused head runs: ``chunk_tokens`` per chunk, which gradients autograd needs,
+    ``compute_dtype`` (the autocast dtype when autocast is on, else the inputs' common dtype),
+    and ``csrc_softmax``: each chunk's softmax, loss and gradient by our compiled kernels
+    (``csrc/cross_entropy``) rather than torch's ops."""
 
     chunk_tokens: int
     hidden_grad: bool
     weight_grad: bool
     compute_dtype: torch.dtype
+    csrc_softmax: bool = False
 
     @property
     def need_grads(self) -> bool:
         return self.hidden_grad or self.weight_grad
 
 
+def use_csrc_cross_entropy(
+    device_type: str, choice: KernelChoice = ALL_FUSED, extension: KernelExtension = EXTENSION
+) -> bool:
+    """Whether a head's softmax runs our compiled kernels now (eager mode only)."""
+    return (
+        choice.cross_entropy
+        and not torch.compiler.is_compiling()
+        and extension.supports("cross_entropy", device_type)
+    )
+
+
 def fused_head_settings(
-    hidden: torch.Tensor, weight_VH: torch.Tensor, chunk_tokens: int | None = None
+    hidden: torch.Tensor,
+    weight_VH: torch.Tensor,
+    chunk_tokens: int | None = None,
+    choice: KernelChoice = ALL_FUSED,
 ) -> HeadSettings:
     """:class:`HeadSettings` of a fused output layer + loss over the ``[V, H]`` (or one rank's
-    ``[Vr, H]``) ``weight_VH``: ``chunk_tokens`` when given, else :func:`default_chunk_tokens`."""
+    ``[Vr, H]``) ``weight_VH``: ``chunk_tokens`` when given, else :func:`default_chunk_tokens`;
+    the softmax by our kernels where ``choice`` allows and they are built for the device."""
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(weight_VH.shape[0], hidden.device.type)
     grad_on = torch.is_grad_enabled()
@@ -98,6 +119,7 @@ def fused_head_settings(
         grad_on and hidden.requires_grad,
         grad_on and weight_VH.requires_grad,
         compute_dtype,
+        use_csrc_cross_entropy(hidden.device.type, choice),
     )
 
 
@@ -222,6 +244,18 @@ def _run_chunks(
         part = slice(start, start + chunk)
         h, y, w = h_all[part], labels_N[part, None], weights_N[part]
         logits = chunk_logits(h, weight)  # float32 [Nc, V]
+        if settings.csrc_softmax:
+            total += (_csrc_chunk_loss(logits, labels_N[part], settings.need_grads) * w).sum()
+            if settings.need_grads:  # the logits now hold softmax - onehot
+                project_logit_grads(
+                    logits,
+                    h,
+                    weight,
+                    units_N[part],
+                    None if grad_hidden is None else grad_hidden[part],
+                    grad_weight,
+                )
+            continue
         target = logits.gather(1, y)
         top = logits.amax(dim=-1, keepdim=True)
         # One exp pass, in place of the logits, serves both the loss and the softmax:
@@ -243,6 +277,15 @@ def _run_chunks(
     if grad_weight is not None:
         grad_weight.mul_(scale)
     return grad_hidden, grad_weight, total, scale
+
+
+def _csrc_chunk_loss(logits: torch.Tensor, labels: torch.Tensor, grads: bool) -> torch.Tensor:
+    """Float32 per-token loss of whole-vocabulary float32 logits by our kernels; with
+    ``grads`` the logits are replaced by ``softmax - onehot`` in the same call."""
+    if grads:
+        return cross_entropy_fused_(logits, labels)
+    top, sum_exp, target = cross_entropy_stats(logits, labels, 0)
+    return sum_exp.log() + top - target
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -276,6 +319,7 @@ def linear_cross_entropy(
     loss_weights: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     liger: LigerKernels | None = None,
+    choice: KernelChoice = ALL_FUSED,
 ) -> torch.Tensor:
     """``sum_i loss_weights[i] * CE(hidden[i] @ weight.T, labels[i])`` as a float32 scalar.
 
@@ -287,20 +331,26 @@ def linear_cross_entropy(
             instance). Default: the mean over tokens whose label is not ignored.
         chunk_tokens: tokens per chunk; default :func:`default_chunk_tokens`.
         liger: replaces the installed liger kernels (tests inject fakes).
+        choice: the fused kernels allowed (each chunk's softmax by our compiled kernel where
+            built for the device; liger's whole head where installed and allowed).
 
     Gradients of ``hidden`` and ``weight_VH`` are computed during the forward pass (only those
     autograd needs) and kept until backward, so this costs no extra GEMM over the unfused
     computation. See the module docstring for precision and ``main_grad``. Matches
     ``F.cross_entropy`` on the full logits within float rounding. No host synchronisation.
     """
-    fused = _liger_head(hidden, weight_VH, loss_weights, chunk_tokens, liger)
+    fused = (
+        _liger_head(hidden, weight_VH, loss_weights, chunk_tokens, liger)
+        if choice.cross_entropy and choice.libraries
+        else None
+    )
     if fused is not None:
         return fused(hidden.reshape(-1, hidden.shape[-1]), weight_VH, labels.reshape(-1))
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
     labels_N = labels.reshape(-1)
     weights_N = token_loss_weights(labels_N, loss_weights)
     labels_N = torch.where(labels_N != IGNORE_INDEX, labels_N, 0)
-    settings = fused_head_settings(hidden, weight_VH, chunk_tokens)
+    settings = fused_head_settings(hidden, weight_VH, chunk_tokens, choice)
     return _LinearCrossEntropy.apply(hidden_NH, weight_VH, labels_N, weights_N, settings)
 
 

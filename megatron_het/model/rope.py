@@ -7,7 +7,12 @@ weights move between the two without any permutation of query/key rows.
 Optional Llama-3.1 frequency scaling (``ModelConfig.rope_scaling``) rescales ``inv_freq``: long
 wavelengths are divided by ``factor``, short ones kept, and the band in between interpolated.
 
-Shape legend: B batch, S sequence, N heads, D head dimension.
+Our compiled kernel (``csrc/rope``) rotates q and k in one pass from float32 tables, at
+positions ``offset + s`` (a shard of the sequence rotates by its own positions); the torch
+reference rounds the tables to the activations' dtype first, as Hugging Face does.
+
+Shape legend: B batch, S sequence, N heads, G head groups, R heads per group, D head dimension,
+P table positions.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from torch import nn
 
 from megatron_het.config import ModelConfig, RopeScaling
 from megatron_het.kernels.autocast import autocast_dtype
+from megatron_het.kernels.csrc_ops import FLOAT_DTYPES, CsrcRope, check_rope
+from megatron_het.kernels.extension import EXTENSION, KernelExtension
+from megatron_het.kernels.selection import ALL_FUSED, KernelChoice
 
 
 def rope_inverse_frequencies(
@@ -46,10 +54,25 @@ def rope_inverse_frequencies(
     return torch.where(in_band, blended, scaled)
 
 
-def rope_table_dtype(activations: torch.Tensor) -> torch.dtype:
-    """The dtype q and k have when they reach RoPE, so the tables need no cast per layer: the
-    autocast dtype when autocast is on for the activations' device (the qkv GEMM then outputs
-    it), else the activations' own dtype (bf16 with bf16 parameters, float32 in fp32 runs)."""
+def use_csrc_rope(
+    x: torch.Tensor, choice: KernelChoice = ALL_FUSED, extension: KernelExtension = EXTENSION
+) -> bool:
+    """Whether our compiled RoPE takes activations like ``x`` now (eager mode only)."""
+    return (
+        choice.rope
+        and not torch.compiler.is_compiling()
+        and x.dtype in FLOAT_DTYPES
+        and extension.supports("rope", x.device.type)
+    )
+
+
+def rope_table_dtype(activations: torch.Tensor, choice: KernelChoice = ALL_FUSED) -> torch.dtype:
+    """The dtype of the tables RoPE takes, so they need no cast per layer: float32 for our
+    kernel; for the torch reference the dtype q and k have when they reach RoPE: the autocast
+    dtype when autocast is on for the activations' device (the qkv GEMM then outputs it), else
+    the activations' own dtype (bf16 with bf16 parameters, float32 in fp32 runs)."""
+    if use_csrc_rope(activations, choice):
+        return torch.float32
     return autocast_dtype(activations.device.type) or activations.dtype
 
 
@@ -130,3 +153,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if cos.dtype != x.dtype:
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return _Rope.apply(x, cos, sin)
+
+
+def apply_rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    offset: int = 0,
+    choice: KernelChoice = ALL_FUSED,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q[B, S, G, R, D]`` and ``k[B, S, G2, R2, D]`` (strided views of a fused qkv
+    output are fine) at positions ``offset .. offset + S - 1``.
+
+    ``cos``/``sin`` are the tables of :meth:`RotaryEmbedding.cos_sin` for at least
+    ``offset + S`` positions (``[P, 1, D/2]`` or ``[P, D/2]``). Returns new contiguous tensors
+    of q's and k's shapes, by our kernel (one launch for both, float32 tables) where
+    :func:`use_csrc_rope`, else by :func:`apply_rope`.
+    """
+    cos2, sin2 = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
+    check_rope(q, k, cos2, sin2, offset)
+    if use_csrc_rope(q, choice):
+        return CsrcRope.apply(q, k, cos2.float(), sin2.float(), offset)
+    positions = slice(offset, offset + q.shape[1])
+    cos_q = cos2[positions][:, None, None, :]  # [S, 1, 1, D/2] against [B, S, G, R, D/2]
+    sin_q = sin2[positions][:, None, None, :]
+    return apply_rope(q, cos_q, sin_q), apply_rope(k, cos_q, sin_q)

@@ -91,6 +91,7 @@ class TensorParallelLlamaModel(LlamaModel):
                 self.vocab_range[0],
                 loss_weights,
                 copy_input=not self.sequence_parallel,
+                choice=self.kernels,
             )
         return self.vocab_parallel_logits(normed, gather=True)
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_het.kernels.autocast import autocast_off
+from megatron_het.kernels.csrc_ops import cross_entropy_grad_, cross_entropy_stats
+from megatron_het.kernels.selection import ALL_FUSED, KernelChoice
 from megatron_het.model.loss import (
     IGNORE_INDEX,
     HeadSettings,
@@ -40,9 +42,18 @@ from megatron_het.tensor_parallel.tp_group import TPGroup
 
 
 def _local_stats(
-    logits_NV: torch.Tensor, labels_N: torch.Tensor, vocab_start: int
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, vocab_start: int, csrc: bool = False
 ) -> tuple[torch.Tensor, ...]:
-    """``(max, sumexp about max, target logit or 0, holds target, local label)`` per token."""
+    """``(max, sumexp about max, target logit or 0, holds target, local label)`` per token;
+    ``csrc``: the first three in one pass of our compiled kernel."""
+    if csrc:
+        local = labels_N - vocab_start
+        here = (local >= 0) & (local < logits_NV.shape[-1])
+        return (
+            *cross_entropy_stats(logits_NV, labels_N, vocab_start),
+            here,
+            torch.where(here, local, 0),
+        )
     logits_NV = logits_NV.float()
     local_max = logits_NV.max(dim=-1).values
     sum_exp = torch.exp(logits_NV - local_max[:, None]).sum(dim=-1)
@@ -142,7 +153,8 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             stats, kept = [], []
             for start in range(0, hidden.shape[0], chunk):
                 logits = chunk_logits(hidden[start : start + chunk], weight)  # float32
-                stats.append(_local_stats(logits, labels_N[start : start + chunk], vocab_start))
+                labels = labels_N[start : start + chunk]
+                stats.append(_local_stats(logits, labels, vocab_start, settings.csrc_softmax))
                 if settings.need_grads:  # reused for the gradients once the global lse is known
                     # About the row's local max, where a bf16 copy is exact near the top
                     # logits (which carry the probability) whatever the logits' size.
@@ -153,7 +165,14 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             scale, units_N = split_token_weights(weights_N)
             grad_hidden, grad_weight = (
                 _head_grads(
-                    kept, hidden, weight, units_N, scale, lse - local_max, here, local, settings
+                    kept,
+                    hidden,
+                    weight,
+                    units_N,
+                    scale,
+                    lse - local_max,
+                    (here, local, labels_N, vocab_start),
+                    settings,
                 )
                 if settings.need_grads
                 else (None, None)
@@ -173,14 +192,16 @@ def _head_grads(
     units_N: torch.Tensor,
     scale: torch.Tensor,
     lse: torch.Tensor,
-    here: torch.Tensor,
-    local: torch.Tensor,
+    targets: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
     settings: HeadSettings,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(grad_hidden [N, H] partial over this rank's vocabulary, still to be multiplied by
     ``scale``; grad_weight [Vr, H] fp32)`` from the ``kept`` logits (each row about its local
     max, with ``lse`` about that max too; see :func:`split_token_weights` for ``units_N`` and
-    ``scale``); None for a gradient autograd does not need."""
+    ``scale``); None for a gradient autograd does not need. ``targets``: (holds target,
+    local label, labels, vocab_start) per token. Our kernel writes each chunk's softmax
+    gradient in place of its kept logits."""
+    here, local, labels_N, vocab_start = targets
     grad_hidden = torch.empty_like(hidden) if settings.hidden_grad else None
     grad_weight = (
         torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -190,7 +211,10 @@ def _head_grads(
     chunk = settings.chunk_tokens
     for i, logits in enumerate(kept):
         part = slice(i * chunk, i * chunk + logits.shape[0])
-        dlogits = _softmax_minus_onehot(logits, lse[part], here[part], local[part])
+        if settings.csrc_softmax:
+            dlogits = cross_entropy_grad_(logits, labels_N[part], vocab_start, lse[part])
+        else:
+            dlogits = _softmax_minus_onehot(logits, lse[part], here[part], local[part])
         project_logit_grads(
             dlogits,
             hidden[part],
@@ -213,6 +237,7 @@ def vocab_parallel_linear_cross_entropy(
     loss_weights: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     copy_input: bool = True,
+    choice: KernelChoice = ALL_FUSED,
 ) -> torch.Tensor:
     """``sum_i loss_weights[i] * CE(hidden[i] @ W.T, labels[i])`` with W split by vocabulary.
 
@@ -228,6 +253,8 @@ def vocab_parallel_linear_cross_entropy(
             :func:`~megatron_het.model.loss.default_chunk_tokens` of ``Vr``.
         copy_input: pass ``hidden`` through :func:`copy_to_tp` (off when the caller's own op
             sums the hidden gradient over ``group``, as the sequence-parallel gather does).
+        choice: the fused kernels allowed (each chunk's statistics and softmax gradient by our
+            compiled kernels where built for the device).
 
     Returns the float32 scalar loss, equal on every rank to the single-process
     :func:`~megatron_het.model.loss.linear_cross_entropy`. No rank ever holds full-vocabulary
@@ -243,7 +270,7 @@ def vocab_parallel_linear_cross_entropy(
     hidden_NH = hidden.reshape(-1, hidden.shape[-1])
     labels_N = labels.reshape(-1)
     weights_N = token_loss_weights(labels_N, loss_weights)
-    settings = fused_head_settings(hidden, weight_VH, chunk_tokens)
+    settings = fused_head_settings(hidden, weight_VH, chunk_tokens, choice)
     return _VocabParallelLinearCrossEntropy.apply(
         hidden_NH, weight_VH, labels_N, weights_N, group, vocab_start, settings
     )

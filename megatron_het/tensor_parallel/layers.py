@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_het.kernels import rms_norm, swiglu
+from megatron_het.kernels import swiglu
+from megatron_het.kernels.selection import ALL_FUSED, KernelChoice
 from megatron_het.model.llama import RMSNorm
 from megatron_het.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from megatron_het.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
@@ -169,6 +170,8 @@ class ParallelMLP(nn.Module):
     ``tp_comm_overlap``, gate and up multiply each sequence block of one overlapped all-gather.
     """
 
+    kernels: KernelChoice = ALL_FUSED
+
     def __init__(
         self,
         gate: torch.Tensor,
@@ -189,9 +192,9 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_comm_overlap:
             gate, up = all_gather_linear(x, (self.gate.weight, self.up.weight), self.group)
-            return self.down(swiglu(gate, up))
+            return self.down(swiglu(gate, up, choice=self.kernels))
         x = enter_tp(x, self.group, self.sequence_parallel)
-        return self.down(swiglu(self.gate(x), self.up(x)))
+        return self.down(swiglu(self.gate(x), self.up(x), choice=self.kernels))
 
 
 class SequenceParallelRMSNorm(RMSNorm):
@@ -201,8 +204,8 @@ class SequenceParallelRMSNorm(RMSNorm):
 
     group: TPGroup
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, sp_norm_weight(self.weight, self.group), self.eps)
+    def norm_weight(self) -> torch.Tensor:
+        return sp_norm_weight(self.weight, self.group)
 
 
 def enter_tp(x: torch.Tensor, group: TPGroup, sequence_parallel: bool) -> torch.Tensor:

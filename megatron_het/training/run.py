@@ -24,6 +24,7 @@ from megatron_het.cluster.cluster import format_ranks
 from megatron_het.comm.faults import CommError, line_from_bytes, line_to_bytes
 from megatron_het.comm.pending import PENDING
 from megatron_het.errors import EXIT_PEER_FAILURE, PeerFailure, UserError
+from megatron_het.kernels.selection import FAMILIES, describe, implementation
 from megatron_het.launcher.failure_record import write_failure
 from megatron_het.launcher.launch_env import LaunchEnv
 from megatron_het.launcher.peer_watch import PeerWatch
@@ -45,7 +46,7 @@ from megatron_het.training.setup import RunSetup, predict_plan, prepare_run
 from megatron_het.training.state import Progress
 from megatron_het.training.stop import StopRequest
 from megatron_het.training.summary import closing_summary
-from megatron_het.training.trainer import Trainer, build_trainer, logging_rank
+from megatron_het.training.trainer import Trainer, build_trainer, kernel_choice, logging_rank
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_het.emulation import RankEmulation
@@ -359,6 +360,14 @@ def _world_rank() -> int:
     return dist.get_rank()
 
 
+def _describe_kernels(trainer: Trainer) -> str:
+    """Which implementation each fused op runs on the logging rank's device."""
+    device_type = next(trainer.stage.parameters()).device.type
+    choice = kernel_choice(trainer.setup)
+    found = [implementation(family, device_type, choice) for family in FAMILIES]
+    return f"> kernels on {device_type}: {describe(found)}"
+
+
 def _print_start(trainer: Trainer, emulation: RankEmulation, loaded: str | None) -> None:
     setup = trainer.setup
     if setup.load_dir is not None:
@@ -381,6 +390,7 @@ def _print_start(trainer: Trainer, emulation: RankEmulation, loaded: str | None)
     if setup.run.parallel.plan == "auto":
         trainer.print("> plan chosen by the planner (--plan auto)")
     lines = [describe_model(setup.model_config), describe_cluster(setup), describe_plan(setup)]
+    lines.append(_describe_kernels(trainer))
     if emulation.description:
         lines.append(emulation.description)
     lines.append(describe_iterations(setup, trainer.progress))

@@ -31,7 +31,9 @@ from torch import nn
 from megatron_het.comm import UnifiedCommunicator
 from megatron_het.data.mock_dataset import SampleDataset
 from megatron_het.errors import UserError
+from megatron_het.kernels.selection import KernelChoice
 from megatron_het.model.compile import compile_layers
+from megatron_het.model.llama import use_kernels
 from megatron_het.optim.loss_scaler import LossScaler
 from megatron_het.optim.lr_schedule import LRSchedule
 from megatron_het.optim.parallel_optimizer import ParallelOptimizer, build_parallel_optimizer
@@ -135,6 +137,7 @@ def build_trainer(setup: RunSetup, comm: UnifiedCommunicator, region_timer: Any 
     )
     seed_everything(run.train.seed)
     stage = build_stage(config, plan, groups, run.train.seed, comm.device)
+    use_kernels(stage, kernel_choice(setup))
     # Built in float32; the optimizer keeps those values as masters and casts the parameters.
     optimizer = build_parallel_optimizer(
         stage,
@@ -162,6 +165,18 @@ def build_trainer(setup: RunSetup, comm: UnifiedCommunicator, region_timer: Any 
     metrics = ThroughputMetrics(config, plan, setup.cluster, run.data.seq_length, options.dtype)
     schedule = LRSchedule.from_config(run.optimizer, setup.train.train_iters)
     return Trainer(setup, groups, stage, optimizer, executor, schedule, metrics)
+
+
+def kernel_choice(setup: RunSetup) -> KernelChoice:
+    """The fused kernels the run's flags allow."""
+    train = setup.train
+    return KernelChoice.from_flags(
+        rope=train.rope_fusion,
+        rms_norm=train.rms_norm_fusion,
+        cross_entropy=train.cross_entropy_loss_fusion,
+        swiglu=train.bias_swiglu_fusion,
+        reference=train.reference_kernels,
+    )
 
 
 TRAINING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -14,6 +14,7 @@ from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.config import model_preset
 from megatron_het.errors import UserError
 from megatron_het.model.llama import LlamaModel, build_model
+from megatron_het.model.rope import rope_table_dtype
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.plan_builders import interleave_plan
 from megatron_het.parallel.plan_validation import validate
@@ -222,7 +223,7 @@ def test_block_activations_are_the_tensors_the_block_saves(dtype, part, layers):
     model = build_model(TINY, 1, layers, has_embedding=False, has_head=False).to(torch_dtype)
     batch, seq = 2, 64
     x = torch.randn(batch, seq, TINY.hidden_size, dtype=torch_dtype, requires_grad=True)
-    cos, sin = model.rotary.cos_sin(seq, x.device, torch_dtype)
+    cos, sin = model.rotary.cos_sin(seq, x.device, rope_table_dtype(x))  # as the model's
     exclude = {t.untyped_storage().data_ptr() for t in (*model.parameters(), cos, sin)}
     storages: dict[int, int] = {}
 

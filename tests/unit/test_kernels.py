@@ -23,6 +23,7 @@ from megatron_het.kernels import (
     swiglu,
 )
 from megatron_het.kernels import attention as attention_mod
+from megatron_het.kernels.apex_norm import APEX_NORM_EXTENSION, load_apex_rms_norm
 from megatron_het.kernels.gemm import (
     addmm_fp32_out_,
     fp32_out_gemm_supported,
@@ -30,11 +31,7 @@ from megatron_het.kernels.gemm import (
     mm_fp32_out,
 )
 from megatron_het.kernels.liger import load_liger
-from megatron_het.kernels.norms import (
-    APEX_NORM_EXTENSION,
-    fused_rms_norm_kernel,
-    load_apex_rms_norm,
-)
+from megatron_het.kernels.norms import fused_rms_norm_kernel
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 

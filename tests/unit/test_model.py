@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from megatron_het.config import ModelConfig, RopeScaling, model_preset
 from megatron_het.errors import UserError
+from megatron_het.kernels.selection import KernelChoice
 from megatron_het.model.init import init_weights, initial_value
 from megatron_het.model.llama import LlamaModel, build_model
 from megatron_het.model.loss import linear_cross_entropy
@@ -263,8 +264,9 @@ def test_rope_matches_rotate_half_formula_and_gradcheck() -> None:
 
 
 def test_bf16_parameters_keep_bf16_activations_and_a_float32_loss() -> None:
-    """Megatron-style bf16: bf16 parameters, no autocast. Norms return bf16, RoPE tables and
-    attention run in bf16, the loss is float32."""
+    """Megatron-style bf16: bf16 parameters, no autocast. Norms return bf16, attention runs in
+    bf16, the loss is float32; RoPE's tables are bf16 for the torch reference (as Hugging
+    Face's) and float32 for the compiled kernel, which rotates in float32."""
     model = build_model(TINY, seed=5).to(torch.bfloat16)
     seen: dict[str, torch.dtype] = {}
 
@@ -282,10 +284,12 @@ def test_bf16_parameters_keep_bf16_activations_and_a_float32_loss() -> None:
     assert loss.dtype == torch.float32
     assert seen and set(seen.values()) == {torch.bfloat16}
     hidden = model.embedding(tokens)
-    assert rope_table_dtype(hidden) == torch.bfloat16
+    references = KernelChoice.references()
+    assert rope_table_dtype(hidden, references) == torch.bfloat16
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert rope_table_dtype(hidden.float()) == torch.bfloat16
-    assert rope_table_dtype(hidden.float()) == torch.float32
+        assert rope_table_dtype(hidden.float(), references) == torch.bfloat16
+    assert rope_table_dtype(hidden.float(), references) == torch.float32
+    assert rope_table_dtype(hidden) == torch.float32  # the compiled kernel's (CPU: always built)
 
 
 def test_block_recompute_checkpoints_the_first_layers_only(monkeypatch) -> None:

@@ -3,6 +3,7 @@
 import pytest
 
 from megatron_het.config import model_preset
+from megatron_het.model.rope import rope_table_dtype
 from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf.cost.memory import (
     MemoryBreakdown,
@@ -142,7 +143,7 @@ def test_activation_terms_are_the_tensors_the_model_saves(dtype):
     batch, seq = 2, 64
     tokens = torch.randint(0, config.vocab_size, (batch, seq))
     x = model.embedding(tokens).detach().requires_grad_()
-    cos, sin = model.rotary.cos_sin(seq, x.device, torch_dtype)
+    cos, sin = model.rotary.cos_sin(seq, x.device, rope_table_dtype(x))  # as the model's
     exclude = {t.untyped_storage().data_ptr() for t in (*model.parameters(), cos, sin)}
     shape = LayerShape.of(config, seq=seq, micro_batch=batch, tp=1)
     layer = _saved_bytes(lambda: model.layers["0"](x, cos, sin), exclude)

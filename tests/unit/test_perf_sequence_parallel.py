@@ -10,6 +10,7 @@ import pytest
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import RunOptions, model_preset
 from megatron_het.errors import UserError
+from megatron_het.model.rope import rope_table_dtype
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.parallel.stage_plan import PipelinePlan, StagePlan
 from megatron_het.perf import predict
@@ -410,7 +411,7 @@ def test_sequence_parallel_terms_are_the_tensors_the_model_saves(dtype, overlap)
         for param in model.parameters():
             param.main_grad = torch.zeros(param.shape)
     x = torch.randn(MB, SEQ // 2, TINY.hidden_size, dtype=torch_dtype, requires_grad=True)
-    cos, sin = model.rotary.cos_sin(SEQ, x.device, torch_dtype)
+    cos, sin = model.rotary.cos_sin(SEQ, x.device, rope_table_dtype(x))  # as the model's
     tokens = torch.randint(0, TINY.vocab_size, (MB, SEQ))
     shape = LayerShape.of(TINY, SEQ, MB, 2)
     with SavedActivations(model.parameters(), (cos, sin)) as layer:

@@ -23,6 +23,7 @@ import torch
 from megatron_het.comm.p2p import P2PHandle, P2POp
 from megatron_het.config import ModelConfig, OptimizerConfig
 from megatron_het.model.llama import LlamaModel, WeightedLayer, build_model
+from megatron_het.model.rope import rope_table_dtype
 from megatron_het.optim.clip_grad import clip_grad_norm
 from megatron_het.optim.optimizer import build_optimizer
 from megatron_het.perf.measure.profile_format import EndEntry, LayerEntry
@@ -123,7 +124,7 @@ def layer_case(
         micro_batch, seq, config.hidden_size, device=device, dtype=torch_dtype, requires_grad=True
     )
     grad = torch.randn_like(x)
-    cos, sin = stage.rotary.cos_sin(seq, device, torch_dtype)
+    cos, sin = stage.rotary.cos_sin(seq, device, rope_table_dtype(x, stage.kernels))
 
     def forward() -> torch.Tensor:
         return layer(x, cos, sin)

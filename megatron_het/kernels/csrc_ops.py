@@ -1,0 +1,232 @@
+"""Autograd functions over the compiled ops of ``csrc/`` (see ``csrc/ops.cpp`` for the contract).
+
+Callers check :func:`~megatron_het.kernels.selection.implementation` first: these functions
+assume the extension has the op for the tensors' device. Arguments are checked here, with one
+line naming the op and what it accepts (:func:`check_float`, :func:`check_shape`); the
+implementations' own checks are a second line.
+
+Shape legend: N rows (tokens), H hidden, B batch, S sequence, G head groups, R heads per group,
+D head dimension, P table positions, V vocabulary (shard) columns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_het.kernels.extension import ops
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT_NAMES = "float32, bfloat16 or float16"
+
+
+def check_float(op: str, name: str, tensor: torch.Tensor) -> None:
+    """TypeError naming ``op`` unless ``tensor`` is float32, bfloat16 or float16."""
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: {name} must be {_FLOAT_NAMES}, got {tensor.dtype}")
+
+
+def check_shape(op: str, ok: bool, what: str) -> None:
+    """ValueError ``"{op}: {what}"`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{op}: {what}")
+
+
+def csrc_dtypes_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the compiled norm takes these dtypes: weight in x's dtype or float32."""
+    return x.dtype in FLOAT_DTYPES and weight.dtype in (x.dtype, torch.float32)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+class CsrcRMSNorm(torch.autograd.Function):
+    """``rms_norm(x) * weight`` over the last dimension; saves ``x`` and float32 ``rstd[N]``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = _rows(x)
+        out, _, rstd = ops().rms_norm_fwd(rows, None, weight.contiguous(), eps)
+        ctx.save_for_backward(rows, weight, rstd)
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, weight, rstd = ctx.saved_tensors
+        grad_x, grad_w = ops().rms_norm_bwd(
+            _rows(grad), None, rows, weight, rstd, ctx.needs_input_grad[1]
+        )
+        grad_weight = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x.view(grad.shape), grad_weight, None
+
+
+class CsrcAddRMSNorm(torch.autograd.Function):
+    """``(normed, sum)`` with ``sum = x + residual`` and ``normed = rms_norm(sum) * weight``, in
+    one pass; backward adds the gradient reaching ``sum`` directly into the norm's backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, total, rstd = ops().rms_norm_fwd(_rows(x), _rows(residual), weight.contiguous(), eps)
+        ctx.save_for_backward(total, weight, rstd)
+        return out.view(x.shape), total.view(x.shape)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_out: torch.Tensor | None, grad_sum: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        total, weight, rstd = ctx.saved_tensors
+        if grad_out is None:  # only the sum is used: the norm adds nothing
+            return grad_sum, grad_sum, None, None
+        grad_x, grad_w = ops().rms_norm_bwd(
+            _rows(grad_out),
+            None if grad_sum is None else _rows(grad_sum),
+            total,
+            weight,
+            rstd,
+            ctx.needs_input_grad[2],
+        )
+        grad_x = grad_x.view(grad_out.shape)
+        grad_weight = grad_w.to(weight.dtype) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_x, grad_weight, None
+
+
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class CsrcRope(torch.autograd.Function):
+    """RoPE of ``q[B, S, G, R, D]`` and ``k[B, S, G2, R2, D]`` in one kernel from float32
+    ``cos``/``sin[P, D/2]`` at positions ``offset + s``; backward rotates back."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        offset: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q_out, k_out = ops().rope_fwd(
+            _last_dim_dense(q), _last_dim_dense(k), cos, sin, offset, False
+        )
+        ctx.save_for_backward(cos, sin)
+        ctx.offset = offset
+        return q_out, k_out
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        if grad_q is None or grad_k is None:  # one of the two unused: rotate back what is there
+            return _rotate_back_one(grad_q, cos, sin, ctx.offset) + (
+                _rotate_back_one(grad_k, cos, sin, ctx.offset)[0],
+                None,
+                None,
+                None,
+            )
+        back_q, back_k = ops().rope_fwd(
+            _last_dim_dense(grad_q), _last_dim_dense(grad_k), cos, sin, ctx.offset, True
+        )
+        return back_q, back_k, None, None, None
+
+
+def _rotate_back_one(
+    grad: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, offset: int
+) -> tuple[torch.Tensor | None]:
+    if grad is None:
+        return (None,)
+    return (ops().rope_fwd(_last_dim_dense(grad), None, cos, sin, offset, True)[0],)
+
+
+def check_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int
+) -> None:
+    """One-line errors for arguments no RoPE implementation takes."""
+    op = "rope"
+    check_float(op, "q", q)
+    check_float(op, "k", k)
+    check_shape(
+        op,
+        q.dim() == 5 and k.dim() == 5,
+        f"q and k must be [B, S, G, R, D], got {tuple(q.shape)} and {tuple(k.shape)}",
+    )
+    check_shape(
+        op,
+        q.shape[:2] == k.shape[:2] and q.shape[-1] == k.shape[-1] and q.dtype == k.dtype,
+        f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} "
+        "must share B, S, D and dtype",
+    )
+    half = q.shape[-1] // 2
+    check_shape(op, q.shape[-1] % 2 == 0, f"the head dimension must be even, got {q.shape[-1]}")
+    check_shape(
+        op,
+        cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == half,
+        f"cos and sin must be [P, D/2 = {half}], got {tuple(cos.shape)} and {tuple(sin.shape)}",
+    )
+    check_shape(
+        op,
+        offset >= 0 and offset + q.shape[1] <= cos.shape[0],
+        f"positions [{offset}, {offset + q.shape[1]}) must lie in the tables' {cos.shape[0]}",
+    )
+
+
+def check_logits(op: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """One-line errors for a cross-entropy chunk no implementation takes."""
+    check_float(op, "logits", logits)
+    check_shape(op, logits.dim() == 2, f"logits must be [N, V], got {tuple(logits.shape)}")
+    check_shape(
+        op,
+        labels.dtype == torch.int64 and labels.shape == logits.shape[:1],
+        f"labels must be int64 [N = {logits.shape[0]}], got {labels.dtype} {tuple(labels.shape)}",
+    )
+
+
+def cross_entropy_stats(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(max, sum_exp, target)`` float32 ``[N]`` of a logits chunk ``[N, V]`` whose columns are
+    token ids ``[vocab_start, vocab_start + V)`` (target 0 where the label is elsewhere)."""
+    check_logits("cross_entropy_stats", logits, labels)
+    return ops().cross_entropy_stats(_last_dim_dense(logits), labels.contiguous(), vocab_start)
+
+
+def cross_entropy_grad_(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    lse: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """In place: ``logits <- (softmax about lse - onehot) * scale``; returns ``logits``."""
+    check_logits("cross_entropy_grad_", logits, labels)
+    check_shape(
+        "cross_entropy_grad_", logits.stride(-1) == 1, "logits must have unit column stride"
+    )
+    ops().cross_entropy_grad_(
+        logits, labels.contiguous(), vocab_start, lse.float().contiguous(), _scale(scale)
+    )
+    return logits
+
+
+def cross_entropy_fused_(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int = 0,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float32 loss ``[N]`` of whole-vocabulary rows; the gradient is written into ``logits``."""
+    check_logits("cross_entropy_fused_", logits, labels)
+    check_shape(
+        "cross_entropy_fused_", logits.stride(-1) == 1, "logits must have unit column stride"
+    )
+    return ops().cross_entropy_fused_(logits, labels.contiguous(), vocab_start, _scale(scale))
+
+
+def _scale(scale: torch.Tensor | None) -> torch.Tensor | None:
+    return None if scale is None else scale.float().contiguous()

@@ -47,18 +47,28 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Ad
     """AdamW over ``model``'s trainable parameters (fp32 state on the parameters' device).
 
     The learning rate is set by the training loop before every step from the LR schedule; the
-    value here is only the initial one. Uses the fused kernel on CUDA, the multi-tensor
-    ("foreach") path elsewhere.
+    value here is only the initial one. Uses torch's fused kernel where it has one
+    (:func:`adamw_implementation`).
     """
-    on_cuda = any(p.is_cuda for p in model.parameters())
-    kind = {"fused": True} if on_cuda else {"foreach": True}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     return torch.optim.AdamW(
         param_groups(model, config.weight_decay),
         lr=config.lr,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_eps,
-        **kind,
+        **adamw_implementation(device),
     )
+
+
+# Device types torch's fused AdamW runs on (CUDA includes ROCm builds).
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
+def adamw_implementation(device: torch.device) -> dict[str, bool]:
+    """``{"fused": True}`` on the devices of :data:`FUSED_ADAMW_DEVICES`, else the multi-tensor
+    path. On a 2-core CPU host, one 7B layer's step (202M parameters) took 3-8x less time fused
+    than foreach (bench.kernels' adamw case), so no AdamW kernel of our own is needed."""
+    return {"fused": True} if device.type in FUSED_ADAMW_DEVICES else {"foreach": True}
 
 
 def _names_by_index(optimizer: torch.optim.Optimizer) -> list[str]:

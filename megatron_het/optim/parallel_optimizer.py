@@ -49,6 +49,7 @@ from megatron_het.optim.clip_grad import clip_coefficient, scale_, tensors_norm_
 from megatron_het.optim.data_parallel import GradBuckets
 from megatron_het.optim.flat_params import FlatParams
 from megatron_het.optim.loss_scaler import LossScaler
+from megatron_het.optim.optimizer import adamw_implementation
 from megatron_het.optim.replica_sync import ReplicaSync
 from megatron_het.parallel.buckets import DEFAULT_BUCKET_SIZE_MB
 from megatron_het.parallel.process_groups import ProcessGroups
@@ -65,15 +66,14 @@ def counts_in_norm(name: str, stage: LlamaModel, tp_size: int, tp_rank: int) -> 
 
 
 def _adamw(
-    groups: list[dict[str, Any]], config: OptimizerConfig, on_cuda: bool
+    groups: list[dict[str, Any]], config: OptimizerConfig, device: torch.device
 ) -> torch.optim.AdamW:
-    kind = {"fused": True} if on_cuda else {"foreach": True}
     return torch.optim.AdamW(
         groups,
         lr=config.lr,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_eps,
-        **kind,
+        **adamw_implementation(device),
     )
 
 
@@ -151,9 +151,7 @@ class ParallelOptimizer:
             if ps
         ]
         # AdamW refuses an empty parameter list; a rank owning nothing keeps no optimizer.
-        self.optimizer = (
-            _adamw(adam_groups, config, self.device.type == "cuda") if adam_groups else None
-        )
+        self.optimizer = _adamw(adam_groups, config, self.device) if adam_groups else None
         if overlap_grad_reduce:
             tied_across_stages = (
                 getattr(stage.config, "tie_embeddings", False)

@@ -13,12 +13,14 @@ from megatron_het.config import OptimizerConfig
 from megatron_het.errors import UserError
 from megatron_het.optim.clip_grad import clip_grad_norm
 from megatron_het.optim.optimizer import (
+    adamw_implementation,
     build_optimizer,
     load_optimizer_state_by_name,
     optimizer_state_by_name,
     param_groups,
 )
 
+CPU = torch.device("cpu")
 CONFIG = OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
 
 
@@ -96,7 +98,9 @@ def test_state_by_name_survives_a_different_parameter_order() -> None:
     clone = copy.deepcopy(model)
     # The clone's optimizer lists its groups (and so its positions) in the opposite order.
     groups = list(reversed(param_groups(clone, CONFIG.weight_decay)))
-    clone_optimizer = torch.optim.AdamW(groups, lr=CONFIG.lr, betas=(0.9, 0.95), eps=1e-8)
+    clone_optimizer = torch.optim.AdamW(
+        groups, lr=CONFIG.lr, betas=(0.9, 0.95), eps=1e-8, **adamw_implementation(CPU)
+    )
     load_optimizer_state_by_name(clone_optimizer, saved)
     train(model, optimizer, data[3:])
     train(clone, clone_optimizer, data[3:])

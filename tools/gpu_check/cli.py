@@ -2,10 +2,10 @@
 each in its own process and time budget, then a table and a JSON summary.
 
 Budgets (seconds; the whole run stops starting checks at :data:`DEADLINE_S`, under 8 minutes on
-one H200 host with 16 cores): probe 25, numerics 30, relay 35, mixed pair 115, MFU 105,
-profile 75, bench 65; the first six took 7, 8, 13, 33, 61 and 15 on one H200 (before the
-profile's compiled sweep; the bench had not run there), the mixed pair 101 on a 2-core host
-with a CPU pair.
+one H200 host with 16 cores): probe 25, numerics 20, kernels 30, relay 25, mixed pair 115,
+MFU 105, profile 75, bench 65; probe, numerics, relay, mixed pair, MFU and profile took 7, 8,
+13, 33, 61 and 15 on one H200 (before the profile's compiled sweep; the bench and the kernels
+check had not run there), the mixed pair 101 on a 2-core host with a CPU pair.
 ``--cpu-only`` hides the GPU from every check (``CUDA_VISIBLE_DEVICES=``), so each reports SKIP
 at once; it runs the same processes, for machines without a GPU and for the tests.
 
@@ -41,14 +41,15 @@ from tools.gpu_check.runner import Check, run_checks
 # name -> (budget seconds, "module:function" of the check)
 CHECKS: dict[str, tuple[float, str]] = {
     "probe": (25.0, "tools.gpu_check.device_checks:check_probe"),
-    "numerics": (30.0, "tools.gpu_check.device_checks:check_numerics"),
-    "relay": (35.0, "tools.gpu_check.relay_check:check_relay"),
+    "numerics": (20.0, "tools.gpu_check.device_checks:check_numerics"),
+    "kernels": (30.0, "tools.gpu_check.kernel_check:check_kernels"),
+    "relay": (25.0, "tools.gpu_check.relay_check:check_relay"),
     "mixed": (115.0, "tools.gpu_check.mixed_pair:check_mixed_pair"),
     "mfu": (105.0, "tools.gpu_check.mfu:check_mfu"),
     "profile": (75.0, "tools.gpu_check.profile_check:check_profile"),
     "bench": (65.0, "tools.gpu_check.bench_check:check_bench"),
 }
-DEADLINE_S = 450.0  # + a last check's grace and the script's start-up: under 8 minutes
+DEADLINE_S = 460.0  # + a last check's grace and the script's start-up: under 8 minutes
 _LOG_TAIL_LINES = 120
 
 

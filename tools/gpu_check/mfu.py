@@ -10,7 +10,9 @@ MFU is the metrics file's ``mfu`` (model FLOPs by Megatron's formula, full S x S
 over the kind's dense bf16 peak from the accelerator table), the median of the iterations after
 the first two. A micro-batch that runs out of memory is halved and the run tried again.
 
-Thresholds: MFU >= 40% for the compiled run (the eager run's is recorded); measured peak within
+Thresholds: MFU >= 40% for the compiled run, >= 45% for the eager one, whose RMSNorms, RoPE and
+loss run the fused kernels of ``csrc/`` (30.8% on one H200 before they existed, 49.4% compiled);
+measured peak within
 25% of the memory model's prediction (which leaves out the CUDA context and allocator
 fragmentation, as ``max_memory_allocated`` does); the measured iteration time (median after the
 first two) within 25% of the predictor's for the same run (its calibrated figures for the kind:
@@ -39,7 +41,7 @@ from tools.gpu_check.device_checks import rows_or_fail, skip_all
 from tools.gpu_check.metrics_file import median_field, train_records
 from tools.gpu_check.report import FAIL, status_of
 
-MFU_MIN = 0.40
+MFU_MIN = {"compile": 0.40, "eager": 0.45}
 MEMORY_RTOL = 0.25
 STEP_RTOL = 0.25
 MICRO_BATCHES = 4  # per iteration (gradient accumulation): global batch = 4 x micro-batch
@@ -185,20 +187,17 @@ def _report(
     tokens = median_field(records, "tokens_per_s", WARMUP_ITERS)
     tflops = median_field(records, "tflops_per_device", WARMUP_ITERS)
     predicted = result.get("predicted_mfu")
-    # the target is the compiled run's (fused elementwise work, as production runs have it);
-    # the eager run is recorded beside it
-    target = variant == "compile"
-    threshold = (
-        f">= {MFU_MIN:.0%} of {result['accelerator']} bf16 dense peak"
-        if target
-        else "recorded (eager: unfused elementwise kernels)"
+    # compiled: inductor fuses each layer's elementwise work; eager: the csrc kernels do
+    minimum = MFU_MIN[variant]
+    threshold = f">= {minimum:.0%} of {result['accelerator']} bf16 dense peak" + (
+        " (eager: csrc kernels)" if variant == "eager" else ""
     )
     if mfu is None:
         ctx.rows.add(mfu_row, FAIL, "the metrics file has no mfu", threshold)
     else:
         ctx.rows.add(
             mfu_row,
-            status_of(mfu >= MFU_MIN or not target),
+            status_of(mfu >= minimum),
             f"{mfu:.1%} ({tflops:.0f} TFLOP/s, {tokens:,.0f} tokens/s, micro-batch "
             f"{micro_batch} x {MICRO_BATCHES}; predicted "
             + (f"{predicted:.1%})" if predicted is not None else "n/a)"),

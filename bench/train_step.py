@@ -16,6 +16,14 @@ Each side's ``gemm_tflops`` (its matrix products' flops, from their shapes, over
 stands beside ``matmul_peak_tflops``, one large square matrix product of the run's dtype on the
 run's device: how far faster matrix products could still move the bound.
 
+``--kernels`` picks which fused kernels our model runs: ``auto`` (default) those the package
+picks (our compiled ``csrc/`` kernels where built, :mod:`megatron_het.kernels.selection`),
+``reference`` every op's torch reference (``KernelChoice.references()``, as
+``--reference-kernels`` trains), ``both`` two copies of our model, one each way, timed
+alternately with Hugging Face's: ``reference_tokens_per_s`` and ``ratio_kernels_vs_reference``
+(the median of the per-round ratios, reference step over kernels step) join the record, whose
+``ours_*`` fields and ``ratio_vs_hf`` stay those of our model with its kernels.
+
 ``--device cuda`` runs both on the GPU (CUDA or ROCm): every step ends in its loss's
 ``.item()``, queued after the optimizer's kernels, so the host clock around the steps times the
 device's work, one synchronisation per step on both sides; ``--breakdown`` then reads the
@@ -29,6 +37,7 @@ never enters the medians, nor do the ``--warmup`` steps.
     .venv/bin/python -m bench.train_step --model small --micro-batch-size 8 --seq-length 256
     .venv/bin/python -m bench.train_step --model small --micro-batch-size 8 --seq-length 256 \
         --compile --breakdown
+    .venv/bin/python -m bench.train_step --kernels both  # compiled kernels against references
     python3 bench/train_step.py --device cuda --dtype bf16 --compile --num-layers 4 \
         --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 \
         --num-query-groups 4 --vocab-size 32000 --micro-batch-size 4 --seq-length 2048  # GPU
@@ -54,13 +63,15 @@ from megatron_het.arguments.model_flags import add_model_shape_args, model_confi
 from megatron_het.arguments.parser import shape_overrides
 from megatron_het.checkpoint.hf import megatron_het_to_hf_state, model_config_to_hf_config
 from megatron_het.errors import UserError
+from megatron_het.kernels.selection import KernelChoice
 from megatron_het.model.compile import compile_layers
-from megatron_het.model.llama import build_model
+from megatron_het.model.llama import build_model, use_kernels
 from megatron_het.perf.measure.timed_cases import self_time_us
 from megatron_het.pipeline.timing import synchronize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MODEL = "small"
+KERNEL_MODES = ("auto", "reference", "both")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -102,6 +113,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="profile two more steps per model: matrix products, attention, the "
         "rest, and ratio_bound",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=KERNEL_MODES,
+        default="auto",
+        help="auto: our model with the fused kernels it picks; reference: with every op's "
+        "torch reference; both: one model each way, timed alternately with HF's",
     )
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
@@ -172,17 +190,29 @@ def timed(step: Callable[[], float], iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def build_pair(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
-    """Both models with identical weights and one batch: ``{"ours": step, "hf": step}``.
+def build_ours(args: argparse.Namespace, choice: KernelChoice | None) -> torch.nn.Module:
+    """Our model in training mode (weights from ``args.seed``), running the fused kernels
+    ``choice`` allows (None: the package's default); with ``args.compile`` its layers are
+    compiled (lazily: the first step compiles)."""
+    model = build_model(args.config, seed=args.seed, device=torch.device(args.device))
+    model = model.to(dtype=DTYPES[args.dtype]).train()
+    if choice is not None:
+        use_kernels(model, choice)
+    if args.compile:
+        compile_layers(model, mode=args.compile_mode)
+    return model
 
-    With ``args.compile`` our layers are compiled (lazily: the first step compiles)."""
+
+def build_pair(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
+    """The models with identical weights and one batch: ``{"ours": step, "hf": step}``, and
+    with ``--kernels both`` ``"reference"``: a second copy of ours on the torch references.
+    With ``--kernels reference`` "ours" itself runs the references."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     cfg = args.config
-    ours = build_model(cfg, seed=args.seed, device=device).to(dtype=dtype).train()
-    if args.compile:
-        compile_layers(ours, mode=args.compile_mode)
+    references = KernelChoice.references()
+    ours = build_ours(args, references if args.kernels == "reference" else None)
     hf_config = LlamaConfig.from_dict(
         model_config_to_hf_config(cfg), attn_implementation=args.hf_attn
     )
@@ -206,28 +236,41 @@ def build_pair(args: argparse.Namespace) -> dict[str, Callable[[], float]]:
     data = data.to(device)
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     ours_loss, hf_loss = loss_functions(ours, theirs, tokens, labels, args.loss)
-    return {"ours": make_step(ours, ours_loss), "hf": make_step(theirs, hf_loss)}
+    steps = {"ours": make_step(ours, ours_loss), "hf": make_step(theirs, hf_loss)}
+    if args.kernels == "both":
+        reference = build_ours(args, references)
+        reference_loss, _ = loss_functions(reference, theirs, tokens, labels, args.loss)
+        steps["reference"] = make_step(reference, reference_loss)
+    return steps
 
 
 def measure(
     steps: dict[str, Callable[[], float]], args: argparse.Namespace
-) -> tuple[dict[str, list[float]], list[float]]:
-    """Seconds per step per round for each model, and each round's paired ratio hf / ours.
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds per step per round for each model, and each round's paired ratio
+    ``other / ours`` for every other model (keyed by its name: "hf", and "reference").
 
-    The two run back to back in every round (order alternating), so a ratio of one round sees
-    nearly the same machine load on both sides; the median over rounds resists noise from
-    other processes better than a ratio of separate medians.
+    The models run back to back in every round (two alternate; more rotate, each taking each
+    place in turn), so a ratio of one round sees nearly the same machine load on both sides;
+    the median over rounds resists noise from other processes better than a ratio of
+    separate medians.
     """
     for _ in range(args.warmup):
         for step in steps.values():
             step()
-    seconds: dict[str, list[float]] = {name: [] for name in steps}
-    ratios = []
+    names = list(steps)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    ratios: dict[str, list[float]] = {name: [] for name in names if name != "ours"}
     for round_index in range(args.rounds):
-        order = list(steps) if round_index % 2 == 0 else list(reversed(list(steps)))
+        if len(names) == 2:
+            order = names if round_index % 2 == 0 else names[::-1]
+        else:
+            shift = round_index % len(names)
+            order = names[shift:] + names[:shift]
         for name in order:
             seconds[name].append(timed(steps[name], args.iters))
-        ratios.append(seconds["hf"][-1] / seconds["ours"][-1])
+        for name, per_round in ratios.items():
+            per_round.append(seconds[name][-1] / seconds["ours"][-1])
     return seconds, ratios
 
 
@@ -350,9 +393,11 @@ def report(
     ratios: list[float],
     first_loss: dict[str, float],
     first_seconds: dict[str, float],
+    reference_ratios: list[float] | None = None,
 ) -> dict[str, Any]:
     """The JSON record: figures (medians over rounds; first step and warm-up excluded) and the
-    conditions they were measured under."""
+    conditions they were measured under. ``ratios`` are the per-round hf / ours ratios,
+    ``reference_ratios`` (``--kernels both``) the per-round reference / ours ones."""
     cfg = args.config
     tokens_per_step = args.micro_batch_size * args.seq_length
     median_s = {name: statistics.median(s) for name, s in seconds.items()}
@@ -381,6 +426,12 @@ def report(
         "hf_tokens_per_s": round(tps["hf"], 1),
         "ratio_vs_hf": round(statistics.median(ratios), 3),
         "ratio_of_medians": round(tps["ours"] / tps["hf"], 3),
+        "kernels": args.kernels,
+        "reference_tokens_per_s": (round(tps["reference"], 1) if "reference" in tps else None),
+        "ratio_kernels_vs_reference": (
+            round(statistics.median(reference_ratios), 3) if reference_ratios else None
+        ),
+        "reference_round_ratios": [round(r, 3) for r in reference_ratios or []],
         "round_ratios": [round(r, 3) for r in ratios],
         "median_step_s": {k: round(v, 5) for k, v in median_s.items()},
         "first_step_s": {k: round(v, 3) for k, v in first_seconds.items()},
@@ -409,13 +460,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     steps = build_pair(args)
     first_loss, first_seconds = first_steps(steps)
     seconds, ratios = measure(steps, args)
-    record = report(args, seconds, ratios, first_loss, first_seconds)
+    record = report(args, seconds, ratios["hf"], first_loss, first_seconds, ratios.get("reference"))
     if args.breakdown:
         record.update(
             breakdown(
                 steps, {name: statistics.median(s) for name, s in seconds.items()}, args.device
             )
         )
+    if peak is not None:
         record["matmul_peak_tflops"] = round(peak, 5)
     print(json.dumps(record), flush=True)
     return record

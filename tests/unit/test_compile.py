@@ -1,4 +1,5 @@
-"""compile_layers (torch.compile per decoder layer) and the train-step benchmark's --compile.
+"""compile_layers (torch.compile per decoder layer) and the train-step benchmark's --compile
+(and its --kernels, which times our model with and without the fused kernels).
 
 Compiling costs seconds to tens of seconds per graph on a cold inductor cache, so every test
 that runs a compiled layer is marked slow; the fast ones check names, options and errors
@@ -283,6 +284,55 @@ def test_bench_report_shape() -> None:
     assert record["torch"] == torch.__version__
     args.compile = False
     assert bench.report(args, seconds, ratios, {}, {"ours": 1.0, "hf": 1.0})["compile_s"] is None
+
+
+def test_bench_kernels_option_rotates_three_models() -> None:
+    bench = load_bench()
+    assert bench.parse_args([]).kernels == "auto"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--kernels", "fused"])
+    calls: list[str] = []
+    names = ("ours", "hf", "reference")
+    steps = {name: (lambda name=name: calls.append(name) or 1.0) for name in names}
+    args = bench.parse_args(["--model", "tiny", "--rounds", "3", "--iters", "1", "--warmup", "0"])
+    seconds, ratios = bench.measure(steps, args)
+    rotations = ("ours hf reference", "hf reference ours", "reference ours hf")
+    assert calls == " ".join(rotations).split()  # each model first, between and last once
+    assert set(ratios) == {"hf", "reference"} and len(ratios["reference"]) == 3
+    assert all(len(s) == 3 for s in seconds.values())
+    args.kernels = "both"
+    seconds = {"ours": [0.2, 0.2, 0.2], "hf": [0.3, 0.3, 0.4], "reference": [0.3, 0.2, 0.25]}
+    record = bench.report(
+        args, seconds, [1.5, 1.5, 2.0], {}, {"ours": 1.0, "hf": 1.0}, [1.5, 1.0, 1.25]
+    )
+    assert record["kernels"] == "both" and record["ratio_kernels_vs_reference"] == 1.25
+    assert record["reference_tokens_per_s"] == round(args.micro_batch_size * 256 / 0.25, 1)
+    assert record["ratio_vs_hf"] == 1.5 and record["median_step_s"]["reference"] == 0.25
+
+
+def test_bench_reference_model_runs_every_torch_reference() -> None:
+    from megatron_het.kernels.selection import KernelChoice
+
+    bench = load_bench()
+    args = bench.parse_args(["--model", "tiny", "--kernels", "reference"])
+    model = bench.build_ours(args, KernelChoice.references())
+    choices = [vars(m)["kernels"] for m in model.modules() if "kernels" in vars(m)]
+    assert choices and all(c == KernelChoice.references() for c in choices)
+    assert not any("kernels" in vars(m) for m in bench.build_ours(args, None).modules())
+
+
+def test_bench_kernels_both_on_a_tiny_config(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    bench = load_bench()
+    flags = ["--model", "tiny", "--micro-batch-size", "1", "--seq-length", "8", "--threads", "1"]
+    flags += ["--rounds", "2", "--iters", "1", "--warmup", "0", "--kernels", "both"]
+    record = bench.main(flags)
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == record
+    assert set(record["median_step_s"]) == {"ours", "hf", "reference"}
+    assert len(record["reference_round_ratios"]) == 2 and record["ratio_kernels_vs_reference"] > 0
+    # the same weights and batch on both of ours: the first losses agree
+    losses = record["first_step_loss"]
+    assert losses["reference"] == pytest.approx(losses["ours"], rel=1e-4)
 
 
 def test_bench_gemm_rate_counts_the_products_flops() -> None:

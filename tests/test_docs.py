@@ -194,6 +194,10 @@ def classify(command: Command) -> tuple[str, str]:
         if "--evaluate" in args or "cpu_emulated" in _value(args, "--cluster"):
             return "RUN", "a prediction, or a search on the emulated cluster"
         return "LONG", "a search on a large cluster: tens of seconds"
+    if program == "megatron_het.kernels":
+        return "RUN", "prints which implementation each fused op has here"
+    if program == "tools/compile_kernels.py":
+        return "LONG", "compiles the device sources: tens of seconds where not cached"
     if program in ("tools/checkpoint_info.py", "tools/convert_checkpoint.py",
                    "tools/preprocess_data.py", "tools/profile_device.py"):  # fmt: skip
         return "RUN", "a tool on the small inputs this test prepares"

@@ -128,7 +128,7 @@ def _library(
 
 def _why_not_csrc(family: str, device_type: str, extension: KernelExtension) -> str:
     if family == "swiglu":
-        return "no csrc kernel (torch's two eager kernels are as fast: docs/kernels.md)"
+        return "no csrc kernel yet (docs/kernels.md)"
     if not extension.loaded:
         return extension.why
     if device_type == "cpu":

@@ -30,13 +30,13 @@ def run_quick(*flags: str) -> tuple[dict, list[str]]:
     return record, lines
 
 
-def check_record(record: dict, compiled: bool) -> None:
+def check_record(record: dict, compiled: bool, ops: tuple[str, ...] = OPS) -> None:
     cases = record["cases"]
     assert record["benchmark"] == "kernels" and record["quick"] is True
     assert len(record["summary"]) == len(cases)
     assert {(c["op"], c["pass"]) for c in cases} == {
-        *((op, p) for op in OPS if op != "adamw" for p in (FWD, FWD_BWD)),
-        ("adamw", STEP),
+        *((op, p) for op in ops if op != "adamw" for p in (FWD, FWD_BWD)),
+        *((("adamw", STEP),) if "adamw" in ops else ()),
     }
     for case in cases:
         assert "error" not in case, case
@@ -85,8 +85,9 @@ def test_every_implementation_matches_the_reference(dtype: str) -> None:
 
 @pytest.mark.slow
 def test_quick_run_with_torch_compile() -> None:
-    record, _ = run_quick("--dtypes", "fp32")
-    check_record(record, compiled=True)
+    # one op: the compiled contestant's plumbing, without a cold compile of every case
+    record, _ = run_quick("--dtypes", "fp32", "--ops", "rms_norm")
+    check_record(record, compiled=True, ops=("rms_norm",))
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@
 #include <initializer_list>
 
 #include "common/cpu_vec.h"
+#include "common/op_checks.h"
 
 namespace megatron_het::cpu {
 
@@ -122,22 +123,9 @@ inline void check_cpu(const at::Tensor& t, const char* op, const char* name) {
               " must be on the CPU like the other arguments, got ", t.device());
 }
 
-inline void check_contiguous(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.is_contiguous(), "megatron_het::", op, ": ", name,
-              " must be contiguous (call .contiguous() first)");
-}
-
-inline void check_dtype(const at::Tensor& t, at::ScalarType dtype, const char* op,
-                        const char* name) {
-  TORCH_CHECK(t.scalar_type() == dtype, "megatron_het::", op, ": ", name, " must be ", dtype,
-              ", got ", t.scalar_type());
-}
-
-inline void check_sizes(const at::Tensor& t, c10::IntArrayRef sizes, const char* op,
-                        const char* name) {
-  TORCH_CHECK(t.sizes() == sizes, "megatron_het::", op, ": ", name, " must have shape ", sizes,
-              ", got ", t.sizes());
-}
+using checks::check_contiguous;
+using checks::check_dtype;
+using checks::check_sizes;
 
 // A CPU tensor of `dtype`, contiguous, of the given shape: the common case of the checks.
 inline void check_plain(const at::Tensor& t, at::ScalarType dtype, c10::IntArrayRef sizes,

@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "common/device_types.h"
+#include "common/op_checks.h"
 
 namespace megatron_het::device_bindings {
 
@@ -41,22 +42,9 @@ inline void check_device(const at::Tensor& t, const char* op, const char* name,
   }
 }
 
-inline void check_contiguous(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.is_contiguous(), "megatron_het::", op, ": ", name,
-              " must be contiguous (call .contiguous() first)");
-}
-
-inline void check_dtype(const at::Tensor& t, at::ScalarType dtype, const char* op,
-                        const char* name) {
-  TORCH_CHECK(t.scalar_type() == dtype, "megatron_het::", op, ": ", name, " must be ", dtype,
-              ", got ", t.scalar_type());
-}
-
-inline void check_sizes(const at::Tensor& t, c10::IntArrayRef sizes, const char* op,
-                        const char* name) {
-  TORCH_CHECK(t.sizes() == sizes, "megatron_het::", op, ": ", name, " must have shape ", sizes,
-              ", got ", t.sizes());
-}
+using checks::check_contiguous;
+using checks::check_dtype;
+using checks::check_sizes;
 
 inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const char* name) {
   TORCH_CHECK(t.dim() == dim, "megatron_het::", op, ": ", name, " must have ", dim,

@@ -33,9 +33,9 @@ def check_shape(op: str, ok: bool, what: str) -> None:
         raise ValueError(f"{op}: {what}")
 
 
-def csrc_dtypes_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def csrc_dtypes_ok(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
     """Whether the compiled norm takes these dtypes: weight in x's dtype or float32."""
-    return x.dtype in FLOAT_DTYPES and weight.dtype in (x.dtype, torch.float32)
+    return x_dtype in FLOAT_DTYPES and weight_dtype in (x_dtype, torch.float32)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -123,25 +123,18 @@ class CsrcRope(torch.autograd.Function):
         ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         cos, sin = ctx.saved_tensors
-        if grad_q is None or grad_k is None:  # one of the two unused: rotate back what is there
-            return _rotate_back_one(grad_q, cos, sin, ctx.offset) + (
-                _rotate_back_one(grad_k, cos, sin, ctx.offset)[0],
-                None,
-                None,
-                None,
+        if grad_q is not None and grad_k is not None:
+            back_q, back_k = ops().rope_fwd(
+                _last_dim_dense(grad_q), _last_dim_dense(grad_k), cos, sin, ctx.offset, True
             )
-        back_q, back_k = ops().rope_fwd(
-            _last_dim_dense(grad_q), _last_dim_dense(grad_k), cos, sin, ctx.offset, True
-        )
+        else:  # one output unused: rotate back the other alone
+            back_q, back_k = (
+                None
+                if grad is None
+                else ops().rope_fwd(_last_dim_dense(grad), None, cos, sin, ctx.offset, True)[0]
+                for grad in (grad_q, grad_k)
+            )
         return back_q, back_k, None, None, None
-
-
-def _rotate_back_one(
-    grad: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, offset: int
-) -> tuple[torch.Tensor | None]:
-    if grad is None:
-        return (None,)
-    return (ops().rope_fwd(_last_dim_dense(grad), None, cos, sin, offset, True)[0],)
 
 
 def check_rope(

@@ -65,13 +65,15 @@ def use_csrc_norm(
     weight: torch.Tensor,
     choice: KernelChoice,
     extension: KernelExtension = EXTENSION,
+    dtype: torch.dtype | None = None,
 ) -> bool:
-    """Whether our compiled norm takes these tensors now (see the module docstring)."""
+    """Whether our compiled norm takes these tensors now (see the module docstring), ``x``
+    taken in ``dtype`` when given (the dtype it will be cast to first)."""
     return (
         choice.rms_norm
         and not torch.compiler.is_compiling()
         and extension.supports("rms_norm", x.device.type)
-        and csrc_dtypes_ok(x, weight)
+        and csrc_dtypes_ok(dtype or x.dtype, weight.dtype)
     )
 
 
@@ -137,7 +139,7 @@ def add_rms_norm(
         f"x and residual must have one shape, got {tuple(x.shape)} and {tuple(residual.shape)}",
     )
     dtype = torch.promote_types(x.dtype, residual.dtype)
-    if use_csrc_norm(x.to(dtype) if x.dtype != dtype else x, weight, choice):
+    if use_csrc_norm(x, weight, choice, dtype=dtype):
         with autocast_off(x.device.type):
             normed, total = CsrcAddRMSNorm.apply(x.to(dtype), residual.to(dtype), weight, eps)
         return normed, total

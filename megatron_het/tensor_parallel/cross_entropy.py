@@ -46,20 +46,14 @@ def _local_stats(
 ) -> tuple[torch.Tensor, ...]:
     """``(max, sumexp about max, target logit or 0, holds target, local label)`` per token;
     ``csrc``: the first three in one pass of our compiled kernel."""
-    if csrc:
-        local = labels_N - vocab_start
-        here = (local >= 0) & (local < logits_NV.shape[-1])
-        return (
-            *cross_entropy_stats(logits_NV, labels_N, vocab_start),
-            here,
-            torch.where(here, local, 0),
-        )
-    logits_NV = logits_NV.float()
-    local_max = logits_NV.max(dim=-1).values
-    sum_exp = torch.exp(logits_NV - local_max[:, None]).sum(dim=-1)
     local = labels_N - vocab_start
     here = (local >= 0) & (local < logits_NV.shape[-1])
     local = torch.where(here, local, 0)
+    if csrc:
+        return (*cross_entropy_stats(logits_NV, labels_N, vocab_start), here, local)
+    logits_NV = logits_NV.float()
+    local_max = logits_NV.max(dim=-1).values
+    sum_exp = torch.exp(logits_NV - local_max[:, None]).sum(dim=-1)
     target = logits_NV.gather(1, local[:, None]).squeeze(1) * here
     return local_max, sum_exp, target, here, local
 

@@ -4,9 +4,10 @@
 // Rows run in parallel. The statistics read a row once from memory: blocks of kStatsBlock
 // logits (in L1) give a block max, then the block's sum of exp(logit - block max), and the
 // running (max, sum) pair is rescaled to the larger max (the online softmax, per block rather
-// than per element, so one exp per logit). The gradient reads and writes each logit once. exp
-// is the vectorisable exp_f32 of common/cpu_vec.h; arithmetic is float32 and each written
-// logit is rounded once.
+// than per element, so one exp per logit). The gradient reads and writes each logit once,
+// evaluating exp again from the exchanged statistics; the fused op, which holds whole rows,
+// keeps its exps in a scratch row instead (one exp per logit in all). exp is the vectorisable
+// exp_f32 of common/cpu_vec.h; arithmetic is float32 and each written logit is rounded once.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -131,23 +132,52 @@ MH_CPU_ISA_VARIANTS(grad_rows, GradArgs)
 
 // ---- cross_entropy_fused_ ----
 
+// The fused op holds the whole row, so it evaluates exp once per logit: a max pass reads the
+// row from memory, a second pass writes exp(logit - max) to a float32 scratch row of the
+// thread's (the logit row and the scratch stay in L2 for vocabularies up to ~64k) and sums it,
+// and the third scales the scratch into the gradient, written over the logits.
 struct FusedArgs {
   Rows rows;
   const float* scale;  // may be null: 1
   float* loss;
+  float* scratch;      // [vocab] float32, the calling chunk's own
 };
+
+template <class T>
+MH_INLINE float row_max(const typename T::storage* __restrict x, int64_t vocab) {
+  float max = -kInf;
+#pragma omp simd reduction(max : max)
+  for (int64_t j = 0; j < vocab; ++j) {
+    const float v = T::load(x[j]);
+    max = v > max ? v : max;
+  }
+  return max;
+}
 
 template <class T>
 MH_INLINE void fused_rows(const FusedArgs& a, int64_t begin, int64_t end) {
   using S = typename T::storage;
+  const int64_t vocab = a.rows.vocab;
+  float* __restrict e = a.scratch;
   for (int64_t i = begin; i < end; ++i) {
-    S* x = static_cast<S*>(a.rows.logits) + i * a.rows.stride;
-    const RowStats st = row_stats<T>(x, a.rows.vocab);
+    S* __restrict x = static_cast<S*>(a.rows.logits) + i * a.rows.stride;
+    const float max = row_max<T>(x, vocab);
+    // A row of -inf only: shift by 0 so that its terms are exp(-inf) = 0 (the loss is then
+    // inf or NaN, as the reference's), not NaN from -inf - -inf.
+    const float shift = max == -kInf ? 0.0f : max;
+    const float sum = blocked_sum(vocab, [&](int64_t j) {
+      const float p = exp_f32(T::load(x[j]) - shift);
+      e[j] = p;
+      return p;
+    });
     const int64_t t = label_column(a.rows, i);
     const float target = t >= 0 ? T::load(x[t]) : 0.0f;
-    a.loss[i] = std::log(st.sum_exp) + st.max - target;
+    a.loss[i] = std::log(sum) + shift - target;
     const float scale = a.scale == nullptr ? 1.0f : a.scale[i];
-    write_grad_row<T>(x, a.rows.vocab, t, st.max, 1.0f / st.sum_exp, scale);
+    const float mul = scale / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < vocab; ++j) x[j] = T::store(e[j] * mul);
+    if (t >= 0) x[t] = T::store((e[t] / sum - 1.0f) * scale);
   }
 }
 MH_CPU_ISA_VARIANTS(fused_rows, FusedArgs)
@@ -215,12 +245,17 @@ at::Tensor cross_entropy_fused_cpu(const at::Tensor& logits, const at::Tensor& l
   const Rows rows = rows_of(logits, labels, vocab_start, kFused, true);
   const int64_t n = logits.size(0);
   const float* scale_ptr = optional_scale(scale, n, kFused);
-  at::Tensor loss = at::empty({n}, logits.options().dtype(at::kFloat));
+  const auto f32 = logits.options().dtype(at::kFloat);
+  at::Tensor loss = at::empty({n}, f32);
   with_float_type(logits, kFused, "logits", [&](auto tag) {
     using T = decltype(tag);
-    const FusedArgs args{rows, scale_ptr, loss.data_ptr<float>()};
     const auto run = fused_rows_for<T>(host_isa());
-    at::parallel_for(0, n, grain_items(rows.vocab), [&](int64_t b, int64_t e) { run(args, b, e); });
+    at::parallel_for(0, n, grain_items(rows.vocab), [&](int64_t b, int64_t e) {
+      // each chunk its own scratch row (chunks run one per thread at a time)
+      at::Tensor scratch = at::empty({rows.vocab}, f32);
+      FusedArgs args{rows, scale_ptr, loss.data_ptr<float>(), scratch.data_ptr<float>()};
+      run(args, b, e);
+    });
   });
   return loss;
 }

@@ -302,8 +302,9 @@ def rope_case(shape: BenchShape, dtype: str, passes: str, device: str, with_comp
 def swiglu_case(
     shape: BenchShape, dtype: str, passes: str, device: str, with_compile: bool
 ) -> Case:
-    """``silu(gate) * up`` of ``gate, up [N, F]`` (no compiled kernel of ours: see the module
-    ``megatron_het.kernels.swiglu``)."""
+    """``silu(gate) * up`` of ``gate, up [N, F]``: ours is :func:`megatron_het.kernels.swiglu`
+    (our compiled kernel where built), eager its torch reference (``F.silu(gate) * up``, whose
+    backward also runs torch's ops)."""
     cfg, torch_dtype = shape.config, DTYPES[dtype]
     n, f, e = shape.tokens, cfg.ffn_hidden_size, torch_dtype.itemsize
     grad = passes == FWD_BWD

@@ -1,8 +1,8 @@
 // The operator schemas of megatron_het's fused kernels, and the Python module that loads them.
 //
 // Each op family registers its implementations per device in its own folder (rms_norm/, rope/,
-// cross_entropy/): the CPU one always, the CUDA one (HIP on a ROCm torch, through hipify) where
-// the extension is built with a device toolchain. Python reaches them as
+// cross_entropy/, swiglu/): the CPU one always, the CUDA one (HIP on a ROCm torch, through
+// hipify) where the extension is built with a device toolchain. Python reaches them as
 // torch.ops.megatron_het.<name>; megatron_het/kernels/ wraps them in autograd functions and
 // checks their arguments first, so the TORCH_CHECKs in the implementations are a second line.
 //
@@ -48,6 +48,18 @@ TORCH_LIBRARY(megatron_het, m) {
   m.def(
       "cross_entropy_fused_(Tensor(a!) logits, Tensor labels, int vocab_start, Tensor? scale)"
       " -> Tensor loss");
+  // SwiGLU's gating product of gate and up, both [..., F] of one shape, dtype and device, each
+  // read as rows [N, F] with stride 1 along F and one stride between rows (the halves of a
+  // fused [N, 2F] projection qualify; other layouts must be made contiguous first). In float32,
+  // with s = sigmoid(g) (no overflow for any |g|):
+  //   out = silu(g) * u = g * s * u                  gate's dtype, contiguous, rounded once
+  m.def("swiglu_fwd(Tensor gate, Tensor up) -> Tensor out");
+  // Backward of swiglu_fwd given grad [..., F] (same layout rule); silu is recomputed from gate:
+  //   grad_up   = grad * g * s
+  //   grad_gate = grad * u * s * (1 + g * (1 - s))   both gate's dtype, contiguous, rounded once
+  // At g = +inf and -inf both take their limits (silu is +inf and -0 there, its slope 1 and
+  // 0); a NaN in gives NaN out.
+  m.def("swiglu_bwd(Tensor grad, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
 }
 
 static struct PyModuleDef kernels_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};

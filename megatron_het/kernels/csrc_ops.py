@@ -5,8 +5,8 @@ assume the extension has the op for the tensors' device. Arguments are checked h
 line naming the op and what it accepts (:func:`check_float`, :func:`check_shape`); the
 implementations' own checks are a second line.
 
-Shape legend: N rows (tokens), H hidden, B batch, S sequence, G head groups, R heads per group,
-D head dimension, P table positions, V vocabulary (shard) columns.
+Shape legend: N rows (tokens), H hidden, F FFN width, B batch, S sequence, G head groups, R heads
+per group, D head dimension, P table positions, V vocabulary (shard) columns.
 """
 
 from __future__ import annotations
@@ -166,6 +166,55 @@ def check_rope(
         op,
         offset >= 0 and offset + q.shape[1] <= cos.shape[0],
         f"positions [{offset}, {offset + q.shape[1]}) must lie in the tables' {cos.shape[0]}",
+    )
+
+
+def _readable_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., F]`` as rows ``[N, F]`` the swiglu ops read without a copy where they can: a
+    view when the rows are evenly spaced with stride 1 along ``F`` (a contiguous tensor, or a
+    column slice of one such as half of a fused ``[N, 2F]`` projection), else a contiguous
+    copy. Empty tensors pass as they are."""
+    if t.numel() == 0:
+        return t
+    rows = t.reshape(-1, t.shape[-1])  # a view where the leading dimensions collapse
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] == 1 else rows.contiguous()
+
+
+class CsrcSwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` for ``gate``, ``up [..., F]`` of one dtype; saves only ``gate`` and
+    ``up`` (backward recomputes silu inside ``swiglu_bwd``). Outputs and input gradients are
+    contiguous, in the inputs' dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        out = ops().swiglu_fwd(_readable_rows(gate), _readable_rows(up))
+        ctx.save_for_backward(gate, up)
+        return out.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        grad_gate, grad_up = ops().swiglu_bwd(
+            _readable_rows(grad), _readable_rows(gate), _readable_rows(up)
+        )
+        return grad_gate.view(gate.shape), grad_up.view(gate.shape)
+
+
+def check_swiglu(gate: torch.Tensor, up: torch.Tensor) -> None:
+    """One-line errors for arguments no SwiGLU implementation takes: float dtypes (they may
+    differ: the product promotes), one shape, one device."""
+    op = "swiglu"
+    check_float(op, "gate", gate)
+    check_float(op, "up", up)
+    check_shape(
+        op,
+        gate.shape == up.shape and gate.dim() >= 1,
+        f"gate and up must have one shape [..., F], got {tuple(gate.shape)} and {tuple(up.shape)}",
+    )
+    check_shape(
+        op,
+        gate.device == up.device,
+        f"gate and up must be on one device, got {gate.device} and {up.device}",
     )
 
 

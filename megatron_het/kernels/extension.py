@@ -25,6 +25,7 @@ FAMILY_OPS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("rms_norm_fwd", "rms_norm_bwd"),
     "rope": ("rope_fwd",),
     "cross_entropy": ("cross_entropy_stats", "cross_entropy_grad_", "cross_entropy_fused_"),
+    "swiglu": ("swiglu_fwd", "swiglu_bwd"),
 }
 # torch device type -> the dispatch key the implementations register under
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}

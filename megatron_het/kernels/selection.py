@@ -96,12 +96,12 @@ def implementation(
         raise ValueError(f"unknown op family {family!r}; one of {', '.join(FAMILIES)}")
     if not choice.allows(family):
         return Implementation(family, device_type, TORCH, "turned off by its flag")
-    if family != "swiglu" and extension.supports(family, device_type):
+    if extension.supports(family, device_type):
         return Implementation(family, device_type, csrc_name(device_type, extension))
     fallback = _library(family, device_type, choice, liger, apex_rms_norm)
     if fallback is not None:
         return Implementation(family, device_type, fallback)
-    return Implementation(family, device_type, TORCH, _why_not_csrc(family, device_type, extension))
+    return Implementation(family, device_type, TORCH, _why_not_csrc(device_type, extension))
 
 
 def _library(
@@ -126,9 +126,7 @@ def _library(
     return "liger" if kernel is not None else None
 
 
-def _why_not_csrc(family: str, device_type: str, extension: KernelExtension) -> str:
-    if family == "swiglu":
-        return "no csrc kernel yet (docs/kernels.md)"
+def _why_not_csrc(device_type: str, extension: KernelExtension) -> str:
     if not extension.loaded:
         return extension.why
     if device_type == "cpu":

@@ -1,5 +1,12 @@
-"""SwiGLU's gating product ``silu(gate) * up``: liger's fused kernel where available, torch's
-ops otherwise (the same result up to rounding; the output has the inputs' dtype)."""
+"""SwiGLU's gating product ``silu(gate) * up``: our compiled kernel (``csrc/swiglu``) where built
+for the device, else liger's fused kernel where installed (CUDA/ROCm), else torch's ops (the
+reference). All give the same result up to rounding; the output has the inputs' dtype.
+
+The order is :mod:`~megatron_het.kernels.selection`'s for every family: ours, then a library's,
+then torch's. Ours reads gate and up once and writes the output once (forward), reads grad,
+gate and up once and writes both input gradients once (backward), in float32 with one rounding
+of each output, and saves only gate and up (silu is recomputed in the backward).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,28 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_het.kernels.csrc_ops import FLOAT_DTYPES, CsrcSwiGLU, check_swiglu
+from megatron_het.kernels.extension import EXTENSION, KernelExtension
 from megatron_het.kernels.liger import LIGER, LigerKernels
 from megatron_het.kernels.selection import ALL_FUSED, KernelChoice
+
+
+def use_csrc_swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    choice: KernelChoice,
+    extension: KernelExtension = EXTENSION,
+) -> bool:
+    """Whether our compiled SwiGLU takes these tensors now: allowed by ``choice``, in eager
+    mode (under ``torch.compile`` inductor fuses torch's ops itself), one float dtype, and a
+    kernel for the device in ``extension``."""
+    return (
+        choice.swiglu
+        and not torch.compiler.is_compiling()
+        and gate.dtype == up.dtype
+        and gate.dtype in FLOAT_DTYPES
+        and extension.supports("swiglu", gate.device.type)
+    )
 
 
 def swiglu(
@@ -17,14 +44,20 @@ def swiglu(
     up: torch.Tensor,
     liger: LigerKernels | None = None,
     choice: KernelChoice = ALL_FUSED,
+    extension: KernelExtension = EXTENSION,
 ) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate``/``up`` of one shape ``[..., F]``.
+    """``silu(gate) * up`` for ``gate``/``up`` of one shape ``[..., F]`` and float dtypes.
 
-    liger's kernel (one pass forward and backward instead of three) runs on CUDA/ROCm tensors
-    of one dtype in eager mode when liger-kernel is installed and ``choice`` allows it;
-    ``liger`` replaces the installed kernels (tests inject fakes). With the fusion off
-    (``--no-bias-swiglu-fusion``) torch's two ops run as they are.
+    Our kernel runs where :func:`use_csrc_swiglu` says so; else liger's (one pass forward and
+    backward instead of three) on CUDA/ROCm tensors of one dtype in eager mode when
+    liger-kernel is installed and ``choice`` allows libraries. ``liger`` and ``extension``
+    replace the installed kernels (tests inject fakes). With the fusion off
+    (``--no-bias-swiglu-fusion``) torch's two ops run as they are. A bad dtype, shape or device
+    pair raises one line naming the op (TypeError or ValueError).
     """
+    check_swiglu(gate, up)
+    if use_csrc_swiglu(gate, up, choice, extension):
+        return CsrcSwiGLU.apply(gate, up)
     kernels = LIGER if liger is None else liger
     fused = kernels.swiglu
     allowed = choice.swiglu and choice.libraries

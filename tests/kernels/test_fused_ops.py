@@ -1,7 +1,7 @@
 """The package's fused ops with our compiled kernels against the same ops on their torch
 references (``KernelChoice.references()``), forward and backward, through the public functions
-the model calls: RMSNorm (alone and with the residual add), RoPE of q and k, the chunked head's
-cross-entropy (one rank and vocabulary-parallel), and a whole model.
+the model calls: RMSNorm (alone and with the residual add), RoPE of q and k, SwiGLU, the chunked
+head's cross-entropy (one rank and vocabulary-parallel), and a whole model.
 
 The raw ops against float64 formulas are in test_csrc_ops.py.
 """
@@ -14,7 +14,8 @@ import torch
 from megatron_het.config import ModelConfig
 from megatron_het.kernels.extension import EXTENSION
 from megatron_het.kernels.norms import add_rms_norm, rms_norm
-from megatron_het.kernels.selection import ALL_FUSED, KernelChoice, implementation
+from megatron_het.kernels.selection import ALL_FUSED, FAMILIES, KernelChoice, implementation
+from megatron_het.kernels.swiglu import swiglu
 from megatron_het.model.llama import LlamaModel, use_kernels
 from megatron_het.model.loss import linear_cross_entropy
 from megatron_het.model.rope import RotaryEmbedding, apply_rope_qk
@@ -26,7 +27,7 @@ REFERENCE = KernelChoice.references()
 
 @pytest.fixture(autouse=True, scope="module")
 def cpu_kernels_built() -> None:
-    for family in ("rms_norm", "rope", "cross_entropy"):
+    for family in FAMILIES:
         impl = implementation(family, "cpu")
         assert impl.compiled, (
             f"{family} has no compiled CPU kernel ({impl.why}); build them with `make setup` "
@@ -151,6 +152,23 @@ def test_rope_shard_rotates_by_its_own_positions():
         torch.testing.assert_close(shard_k, full_k[:, part], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [FP32, BF16, FP16])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-halves"])
+def test_swiglu_matches_reference(dtype, fused):
+    torch.manual_seed(0)
+    if fused:  # gate and up as the halves of one [B, S, 2F] projection
+        inputs = ((torch.randn(2, 7, 2 * 45) * 3).to(dtype),)
+        (got, got_grads), (want, want_grads) = both(
+            lambda c, x: swiglu(*x.chunk(2, dim=-1), choice=c), *inputs
+        )
+    else:
+        inputs = ((torch.randn(2, 7, 45) * 3).to(dtype), torch.randn(2, 7, 45).to(dtype))
+        (got, got_grads), (want, want_grads) = both(lambda c, g, u: swiglu(g, u, choice=c), *inputs)
+    close(got[0], want[0], dtype)
+    for g, h in zip(got_grads, want_grads):
+        close(g, h, dtype, scale=2)  # the reference rounds silu, then the products
+
+
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 def test_head_cross_entropy_matches_reference(dtype):
     torch.manual_seed(0)
@@ -256,6 +274,18 @@ def test_model_with_kernels_matches_references():
                 torch.ones(1, 4, 4), torch.ones(1, 4, 4), torch.ones(4, 2), torch.ones(4, 2)
             ),
             "rope: q and k must be [B, S, G, R, D]",
+        ),
+        (
+            lambda: swiglu(torch.ones(2, 4, dtype=torch.int32), torch.ones(2, 4)),
+            "swiglu: gate must be float32, bfloat16 or float16, got torch.int32",
+        ),
+        (
+            lambda: swiglu(torch.ones(2, 4), torch.ones(2, 5)),
+            "swiglu: gate and up must have one shape [..., F], got (2, 4) and (2, 5)",
+        ),
+        (
+            lambda: swiglu(torch.ones(2, 4), torch.ones(2, 4, device="meta")),
+            "swiglu: gate and up must be on one device, got cpu and meta",
         ),
     ],
 )

@@ -26,6 +26,7 @@ def small_shapes(monkeypatch):
     for name, value in {
         "ROWS": 64,
         "HIDDEN": 256,
+        "FFN": 200,
         "SEQ": 24,
         "Q_HEADS": 4,
         "KV_HEADS": 2,

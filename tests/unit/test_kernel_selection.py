@@ -25,15 +25,32 @@ def extension_with(*keys: str, missing: tuple[str, ...] = ()) -> KernelExtension
 
 
 NO_LIBRARIES = LigerKernels()
+
+
+def _fake_kernel(*tensors):
+    return tensors[0]
+
+
+EVERY_LIGER = LigerKernels(_fake_kernel, _fake_kernel, _fake_kernel)  # every kernel "installed"
 TINY_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"]
 
 
-@pytest.mark.parametrize("family", ["rms_norm", "rope", "cross_entropy"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_kernels_are_preferred_where_built(family):
     ext = extension_with("CPU", "CUDA")
     assert implementation(family, "cpu", extension=ext).name == "csrc C++"
     impl = implementation(family, "cuda", extension=ext, liger=NO_LIBRARIES, apex_rms_norm=True)
     assert impl.name in ("csrc CUDA", "csrc HIP") and impl.compiled
+    # before apex and liger alike, where they are installed
+    impl = implementation(family, "cuda", extension=ext, liger=EVERY_LIGER, apex_rms_norm=True)
+    assert impl.compiled
+
+
+def test_liger_runs_swiglu_on_the_device_where_ours_is_not_built():
+    impl = implementation("swiglu", "cuda", extension=extension_with("CPU"), liger=EVERY_LIGER)
+    assert impl.name == "liger"
+    off = KernelChoice.from_flags(swiglu=False)
+    assert implementation("swiglu", "cuda", off, extension_with("CPU"), EVERY_LIGER).name == "torch"
 
 
 def test_a_cpu_only_build_falls_back_on_the_device():

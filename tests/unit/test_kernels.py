@@ -24,6 +24,7 @@ from megatron_het.kernels import (
 )
 from megatron_het.kernels import attention as attention_mod
 from megatron_het.kernels.apex_norm import APEX_NORM_EXTENSION, load_apex_rms_norm
+from megatron_het.kernels.extension import EXTENSION, KernelExtension
 from megatron_het.kernels.gemm import (
     addmm_fp32_out_,
     fp32_out_gemm_supported,
@@ -190,10 +191,16 @@ def test_swiglu_dispatch():
         calls.append(a.shape)
         return a * 0
 
-    assert torch.equal(swiglu(gate, up, LigerKernels(swiglu=fake)), F.silu(gate) * up)
+    unbuilt = KernelExtension(False, "megatron_het._C is not built")
+    liger_on_cuda = LigerKernels(swiglu=fake)
+    assert torch.equal(swiglu(gate, up, liger_on_cuda, extension=unbuilt), F.silu(gate) * up)
     assert calls == []  # liger's kernels run on CUDA tensors only
     present = LigerKernels(swiglu=fake, device_types=frozenset({"cpu"}))
-    assert torch.equal(swiglu(gate, up, present), gate * 0) and calls == [(3, 8)]
+    assert torch.equal(swiglu(gate, up, present, extension=unbuilt), gate * 0)
+    assert calls == [(3, 8)]
+    if EXTENSION.supports("swiglu", "cpu"):  # our compiled kernel comes before liger's
+        torch.testing.assert_close(swiglu(gate, up, present), F.silu(gate) * up)
+        assert calls == [(3, 8)]
 
 
 # -- float32-output GEMMs -------------------------------------------------------------------------

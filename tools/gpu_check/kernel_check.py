@@ -5,7 +5,8 @@ GPU against float64 references of their contract, and the memory bandwidth each 
 (:mod:`tools.gpu_check.kernel_refs`): rms_norm_fwd (with and without a residual), rms_norm_bwd
 (with and without grad_sum and the weight gradient), rope_fwd (q and k as views of a fused qkv
 projection, forward and inverse), cross_entropy_stats, cross_entropy_grad_ and
-cross_entropy_fused_ (a vocabulary shard, labels outside it). The value is the worst output's
+cross_entropy_fused_ (a vocabulary shard, labels outside it), swiglu_fwd and swiglu_bwd (gate
+and up as the halves of a fused [N, 2F] projection, and contiguous). The value is the worst output's
 max |difference| over its max |reference|. Thresholds: fp32 1e-5 (float32 arithmetic, sums of
 4096 to 32000 terms in another order than float64's); bf16 1e-2 (one rounding of each output
 to bfloat16, at most 2^-9 of a value).
@@ -46,6 +47,8 @@ OPS = (
     "cross_entropy_stats",
     "cross_entropy_grad_",
     "cross_entropy_fused_",
+    "swiglu_fwd",
+    "swiglu_bwd",
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2}
@@ -209,6 +212,35 @@ def ce_fused_errors(device: torch.device, dtype: torch.dtype) -> Errors:
     return {"loss": err(loss, lse - target), "grad": err(grad, ref_grad)}
 
 
+def contiguous_error(*tensors: torch.Tensor) -> float:
+    return 0.0 if all(t.is_contiguous() for t in tensors) else 1.0
+
+
+def swiglu_fwd_errors(device: torch.device, dtype: torch.dtype) -> Errors:
+    gate, up, _ = refs.swiglu_inputs(device, dtype)
+    out = ops().swiglu_fwd(gate, up)
+    ref = refs.swiglu_ref(gate, up)
+    plain = ops().swiglu_fwd(gate.contiguous(), up.contiguous())
+    return {
+        "out": err(out, ref),
+        "out, contiguous inputs": err(plain, ref),
+        "out contiguous": contiguous_error(out),
+    }
+
+
+def swiglu_bwd_errors(device: torch.device, dtype: torch.dtype) -> Errors:
+    gate, up, grad = refs.swiglu_inputs(device, dtype)
+    grad_gate, grad_up = ops().swiglu_bwd(grad, gate, up)
+    ref_gate, ref_up = refs.swiglu_bwd_ref(grad, gate, up)
+    plain_gate, _ = ops().swiglu_bwd(grad, gate.contiguous(), up.contiguous())
+    return {
+        "grad_gate": err(grad_gate, ref_gate),
+        "grad_up": err(grad_up, ref_up),
+        "grad_gate, contiguous inputs": err(plain_gate, ref_gate),
+        "outputs contiguous": contiguous_error(grad_gate, grad_up),
+    }
+
+
 PARITY: dict[str, Callable[[torch.device, torch.dtype], Errors]] = {
     "rms_norm_fwd": rms_norm_fwd_errors,
     "rms_norm_bwd": rms_norm_bwd_errors,
@@ -216,6 +248,8 @@ PARITY: dict[str, Callable[[torch.device, torch.dtype], Errors]] = {
     "cross_entropy_stats": ce_stats_errors,
     "cross_entropy_grad_": ce_grad_errors,
     "cross_entropy_fused_": ce_fused_errors,
+    "swiglu_fwd": swiglu_fwd_errors,
+    "swiglu_bwd": swiglu_bwd_errors,
 }
 
 
@@ -250,6 +284,8 @@ def bandwidth_case(op: str, device: torch.device) -> tuple[Callable[[], Any], in
         nbytes = refs.bytes_moved(q, k, *outs) + refs.table_bytes(cos, q.shape[1], refs.ROPE_OFFSET)
         shape = f"q {list(q.shape)}, k {list(k.shape)}"
         return lambda: ops().rope_fwd(q, k, cos, sin, refs.ROPE_OFFSET, False), nbytes, shape
+    if op.startswith("swiglu"):
+        return swiglu_bandwidth_case(op, device, dtype)
     logits, labels, scale = refs.ce_inputs(device, dtype)
     shape = f"[{refs.CE_ROWS}, {refs.VOCAB}]"
     start = refs.VOCAB_START
@@ -265,6 +301,20 @@ def bandwidth_case(op: str, device: torch.device) -> tuple[Callable[[], Any], in
     loss = ops().cross_entropy_fused_(logits, labels, start, None)
     nbytes = refs.bytes_moved(logits, logits, labels, loss)
     return lambda: ops().cross_entropy_fused_(logits, labels, start, None), nbytes, shape
+
+
+def swiglu_bandwidth_case(
+    op: str, device: torch.device, dtype: torch.dtype
+) -> tuple[Callable[[], Any], int, str]:
+    """swiglu_fwd or swiglu_bwd on contiguous gate and up (the model's separate projections)."""
+    gate, up, grad = refs.swiglu_inputs(device, dtype)
+    gate, up = gate.contiguous(), up.contiguous()
+    shape = f"gate, up [{refs.ROWS}, {refs.FFN}]"
+    if op == "swiglu_fwd":
+        nbytes = refs.bytes_moved(gate, up, ops().swiglu_fwd(gate, up))
+        return lambda: ops().swiglu_fwd(gate, up), nbytes, shape
+    nbytes = refs.bytes_moved(grad, gate, up, *ops().swiglu_bwd(grad, gate, up))
+    return lambda: ops().swiglu_bwd(grad, gate, up), nbytes, shape
 
 
 def median_ms(fn: Callable[[], Any], device: torch.device) -> float:

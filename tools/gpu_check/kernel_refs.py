@@ -1,8 +1,8 @@
 """Pure-torch float64 references of the compiled ops' contract (``csrc/ops.cpp``) and the
 inputs the ``kernels`` check feeds both, at the 7B layer's shapes.
 
-Shape legend: N rows (tokens), H hidden, B batch, S sequence, G head groups, R heads per group,
-D head dimension, P table positions, V vocabulary (shard) columns.
+Shape legend: N rows (tokens), H hidden, F FFN width, B batch, S sequence, G head groups, R heads
+per group, D head dimension, P table positions, V vocabulary (shard) columns.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 F64 = torch.float64
 SEED = 1234
-# The 7B layer (Llama-2 7B, 8192 tokens of a micro-batch): H 4096, 32 query and 8 kv heads of
-# 128, a 32000-token vocabulary over 4096 rows.
-ROWS, HIDDEN = 8192, 4096
+# The 7B layer (Llama-2 7B, 8192 tokens of a micro-batch): H 4096, F 11008, 32 query and 8 kv
+# heads of 128, a 32000-token vocabulary over 4096 rows.
+ROWS, HIDDEN, FFN = 8192, 4096, 11008
 SEQ, Q_HEADS, KV_HEADS, HEAD_DIM = 8192, 32, 8, 128
 CE_ROWS, VOCAB = 4096, 32000
 EPS = 1e-5
@@ -97,6 +97,34 @@ def rope_ref(
     sign = -1.0 if inverse else 1.0
     x1, x2 = x.to(F64)[..., :half], x.to(F64)[..., half:]
     return torch.cat([x1 * c - sign * x2 * s, x2 * c + sign * x1 * s], dim=-1)
+
+
+def swiglu_inputs(
+    device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate and up [N, F] in ``dtype`` as the two halves of one fused [N, 2F] projection (rows
+    with a stride of 2F; gate at scale 3, so that silu's curved part and tails are both
+    crossed), and grad [N, F]."""
+    g = generator(device)
+    fused = torch.randn(ROWS, 2 * FFN, device=device, generator=g)
+    fused[:, :FFN] *= 3
+    gate, up = fused.to(dtype).chunk(2, dim=-1)
+    return gate, up, torch.randn(ROWS, FFN, device=device, generator=g).to(dtype)
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in float64."""
+    g = gate.to(F64)
+    return g * torch.sigmoid(g) * up.to(F64)
+
+
+def swiglu_bwd_ref(
+    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_gate, grad_up) in float64: grad * up * silu'(gate) and grad * silu(gate)."""
+    g, d = gate.to(F64), grad.to(F64)
+    s = torch.sigmoid(g)
+    return d * up.to(F64) * s * (1 + g * (1 - s)), d * g * s
 
 
 def ce_inputs(

@@ -291,6 +291,7 @@ class TrainConfig:
     rms_norm_fusion: bool = True
     cross_entropy_loss_fusion: bool = True
     bias_swiglu_fusion: bool = True
+    gradient_accumulation_fusion: bool = True
     reference_kernels: bool = False
     seed: int = 1234
     eval_interval: int = 1000

@@ -376,7 +376,14 @@ def _add_kernel_flags(p: argparse.ArgumentParser) -> None:
         "--no-bias-swiglu-fusion",
         dest="bias_swiglu_fusion",
         action="store_false",
-        help="SwiGLU by torch's two ops instead of liger's fused kernel (where installed)",
+        help="SwiGLU by torch's two ops instead of the fused kernel (ours, or liger's)",
+    )
+    g.add_argument(
+        "--no-gradient-accumulation-fusion",
+        dest="gradient_accumulation_fusion",
+        action="store_false",
+        help="linear layers hand their weight gradient to autograd instead of adding it into "
+        "the float32 main gradient (or .grad) in their backward GEMM",
     )
     g.add_argument(
         "--reference-kernels",

@@ -187,6 +187,7 @@ def parse_run_config(argv: Sequence[str]) -> RunConfig:
         rms_norm_fusion=args.rms_norm_fusion,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         bias_swiglu_fusion=args.bias_swiglu_fusion,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         reference_kernels=args.reference_kernels,
         seed=args.seed,
         eval_interval=args.eval_interval,

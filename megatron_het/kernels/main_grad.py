@@ -35,10 +35,16 @@ def add_to_main_grad(param: torch.Tensor, grad: torch.Tensor) -> bool:
     if main is None:
         return False
     main.add_(grad)
+    notify_main_grad_added(param)
+    return True
+
+
+def notify_main_grad_added(param: torch.Tensor) -> None:
+    """Tell the optimizer (its ``ON_MAIN_GRAD_ADDED`` callback, where set) that a kernel added
+    this backward pass's gradient of ``param`` into ``main_grad`` itself."""
     callback: Callable[[], None] | None = getattr(param, ON_MAIN_GRAD_ADDED, None)
     if callback is not None:
         callback()
-    return True
 
 
 def accumulated_grad(param: torch.Tensor) -> torch.Tensor | None:

@@ -2,8 +2,9 @@
 or the torch reference.
 
 :class:`KernelChoice` is what a run allows (Megatron's flags: ``--no-rope-fusion``,
-``--no-bias-swiglu-fusion``, and ours: ``--no-rms-norm-fusion``,
-``--no-cross-entropy-loss-fusion``, ``--reference-kernels`` for every op's torch reference);
+``--no-bias-swiglu-fusion``, ``--no-gradient-accumulation-fusion``, and ours:
+``--no-rms-norm-fusion``, ``--no-cross-entropy-loss-fusion``, ``--reference-kernels`` for every
+op's torch reference);
 :func:`implementation` is what then runs for one op family on one device type, in this order of
 preference: csrc (C++ on CPU, CUDA or HIP on an accelerator), apex, liger, torch. Under
 ``torch.compile`` every op runs its torch code, which inductor fuses with its neighbours.
@@ -26,6 +27,8 @@ class KernelChoice:
     """The fused kernels a run allows; every field off runs the torch references.
 
     ``libraries``: apex's and liger's kernels may run where installed (on CUDA/ROCm tensors).
+    ``gradient_accumulation_fusion``: linear layers add their weight gradient into ``main_grad``
+    or ``.grad`` in their backward GEMM (:mod:`megatron_het.kernels.wgrad_fusion`).
     """
 
     rms_norm: bool = True
@@ -33,11 +36,12 @@ class KernelChoice:
     cross_entropy: bool = True
     swiglu: bool = True
     libraries: bool = True
+    gradient_accumulation_fusion: bool = True
 
     @classmethod
     def references(cls) -> KernelChoice:
         """Every op on its torch reference (``--reference-kernels``), for comparisons."""
-        return cls(False, False, False, False, False)
+        return cls(*(False for _ in dataclasses.fields(cls)))
 
     @classmethod
     def from_flags(
@@ -47,13 +51,21 @@ class KernelChoice:
         cross_entropy: bool = True,
         swiglu: bool = True,
         reference: bool = False,
+        gradient_accumulation_fusion: bool = True,
     ) -> KernelChoice:
         """From the flags ``--no-rope-fusion``, ``--no-rms-norm-fusion``,
-        ``--no-cross-entropy-loss-fusion``, ``--no-bias-swiglu-fusion`` (each False when given)
-        and ``--reference-kernels`` (``reference``: all off)."""
+        ``--no-cross-entropy-loss-fusion``, ``--no-bias-swiglu-fusion``,
+        ``--no-gradient-accumulation-fusion`` (each False when given) and
+        ``--reference-kernels`` (``reference``: all off)."""
         if reference:
             return cls.references()
-        return cls(rms_norm=rms_norm, rope=rope, cross_entropy=cross_entropy, swiglu=swiglu)
+        return cls(
+            rms_norm=rms_norm,
+            rope=rope,
+            cross_entropy=cross_entropy,
+            swiglu=swiglu,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+        )
 
     def allows(self, family: str) -> bool:
         return bool(getattr(self, family))

@@ -7,7 +7,9 @@ GLOBAL and do not depend on the parallel plan; checkpoints, initialisation and t
 rely on them.
 
 Parameter names and layouts (nh query heads, ng kv groups, r = nh/ng, d head dim, H hidden,
-F ffn hidden, V vocabulary). All linear weights are ``[out, in]`` and there are no biases.
+F ffn hidden, V vocabulary). All linear weights are ``[out, in]`` and there are no biases; the
+decoder's linears accumulate their weight gradients in their backward GEMM
+(:class:`~megatron_het.kernels.wgrad_fusion.FusedWgradLinear`, an ``nn.Linear``).
 
     embedding.weight                          [V, H]
     layers.{i}.input_norm.weight              [H]
@@ -49,6 +51,7 @@ from megatron_het.errors import UserError
 from megatron_het.kernels import causal_attention, swiglu
 from megatron_het.kernels.norms import add_rms_norm, rms_norm
 from megatron_het.kernels.selection import ALL_FUSED, KernelChoice
+from megatron_het.kernels.wgrad_fusion import FusedWgradLinear
 from megatron_het.model.init import init_weights
 from megatron_het.model.loss import linear_cross_entropy
 from megatron_het.model.rope import RotaryEmbedding, apply_rope_qk, rope_table_dtype
@@ -114,9 +117,9 @@ class Attention(nn.Module):
         self.num_groups = config.num_query_groups
         self.head_dim = config.kv_channels
         rows = (self.num_heads + 2 * self.num_groups) * self.head_dim
-        self.qkv: WeightedLayer = nn.Linear(config.hidden_size, rows, bias=False)
-        self.proj: WeightedLayer = nn.Linear(
-            self.num_heads * self.head_dim, config.hidden_size, bias=False
+        self.qkv: WeightedLayer = FusedWgradLinear(config.hidden_size, rows)
+        self.proj: WeightedLayer = FusedWgradLinear(
+            self.num_heads * self.head_dim, config.hidden_size
         )
 
     def forward(self, x_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,9 +146,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
-        self.up = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
-        self.down = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+        self.gate = FusedWgradLinear(config.hidden_size, config.ffn_hidden_size)
+        self.up = FusedWgradLinear(config.hidden_size, config.ffn_hidden_size)
+        self.down = FusedWgradLinear(config.ffn_hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(swiglu(self.gate(x), self.up(x), choice=self.kernels))

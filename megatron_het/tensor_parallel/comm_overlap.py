@@ -20,8 +20,10 @@ product for block ``(r - 1 - k) mod tp`` to the sum arriving from rank r - 1 and
 so at the last step it holds the whole sum of its own block. Results equal the
 non-overlapped path up to the order of floating-point sums (the weight gradient is summed over
 blocks, in float32, and rounded to a low-precision weight's dtype once, or added straight into
-its float32 ``main_grad``). The bytes on the wire are the same as the collectives'; only the
-waiting is hidden.
+its float32 ``main_grad``). With ``fuse`` (gradient accumulation fusion,
+:mod:`megatron_het.kernels.wgrad_fusion`) each block's weight-gradient GEMM accumulates straight
+into the ``main_grad`` or the existing float32 ``.grad`` instead of a zeroed buffer. The bytes
+on the wire are the same as the collectives'; only the waiting is hidden.
 
 Tensors are ``[B, S, H]`` (batch first, the sequence on dim 1). Shape legend: B batch, S
 sequence, s = S/tp this rank's block, H input features, O output features.
@@ -40,6 +42,7 @@ from megatron_het.kernels.autocast import autocast_dtype, autocast_off
 from megatron_het.kernels.gemm import addmm_fp32_out_
 from megatron_het.kernels.graph_break import graph_break
 from megatron_het.kernels.main_grad import add_to_main_grad
+from megatron_het.kernels.wgrad_fusion import accumulation_target, added_in_place
 from megatron_het.tensor_parallel.tp_group import TPGroup
 
 SEQ_DIM = 1
@@ -158,9 +161,9 @@ class _AllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, group: TPGroup, *weights: torch.Tensor
+        ctx: Any, x: torch.Tensor, group: TPGroup, fuse: bool, *weights: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.params = group, weights
+        ctx.group, ctx.params, ctx.fuse = group, weights, fuse
         x, *operands = _as_autocast(x, *weights)
         ctx.save_for_backward(x, *operands)
         with autocast_off(x.device.type):
@@ -174,7 +177,8 @@ class _AllGatherLinear(torch.autograd.Function):
         ring = _Ring(ctx.group)
         B, s, H = x.shape
         grad_outs = [g.contiguous() for g in grads]
-        wgrads = [_accumulator(w) for w in weights]
+        targets = [_target(ctx, p) for p in ctx.params]
+        wgrads = [_accumulator(w, t) for w, t in zip(weights, targets)]
         blocks = _arriving_blocks(ring, x)
 
         def weight_gradients() -> None:
@@ -188,15 +192,18 @@ class _AllGatherLinear(torch.autograd.Function):
             return cast(torch.Tensor, sum(products))  # a tensor: there is at least one weight
 
         dx = _scattered_sum(ring, input_gradient, beside=weight_gradients)
-        return (dx, None, *(_weight_grad(p, g) for p, g in zip(ctx.params, wgrads)))
+        grads_w = (_weight_grad(p, g, t) for p, g, t in zip(ctx.params, wgrads, targets))
+        return (dx, None, None, *grads_w)
 
 
 class _LinearReduceScatter(torch.autograd.Function):
     """``reduce_scatter_seq(x @ W.T)`` with the reduce-scatter overlapped."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: TPGroup) -> torch.Tensor:
-        ctx.group, ctx.param = group, weight
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: TPGroup, fuse: bool
+    ) -> torch.Tensor:
+        ctx.group, ctx.param, ctx.fuse = group, weight, fuse
         x, weight = _as_autocast(x, weight)
         ctx.save_for_backward(x, weight)
         ring = _Ring(group)
@@ -215,42 +222,59 @@ class _LinearReduceScatter(torch.autograd.Function):
         B, S, H = x.shape
         s = S // ring.size
         dx = torch.empty_like(x)
-        wgrad = _accumulator(weight)
+        target = _target(ctx, ctx.param)
+        wgrad = _accumulator(weight, target)
         for index, here in _arriving_blocks(ring, grad):
             _product_into(_seq_block(dx, index, s), here, weight)
             addmm_fp32_out_(
                 wgrad, here.reshape(B * s, -1).t(), _seq_block(x, index, s).reshape(B * s, H)
             )
-        return dx, _weight_grad(ctx.param, wgrad), None
+        return dx, _weight_grad(ctx.param, wgrad, target), None, None
 
 
-def _accumulator(weight: torch.Tensor) -> torch.Tensor:
-    """A zero float32 (float64 stays) buffer for the weight gradient's per-block products: one
-    rounding to the weight's dtype at the end, as a single GEMM makes, not one per block."""
+def _target(ctx: Any, param: torch.Tensor) -> torch.Tensor | None:
+    """Where ``param``'s gradient accumulates in place (fused), or None."""
+    return accumulation_target(param) if ctx.fuse else None
+
+
+def _accumulator(weight: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    """Where the weight gradient's per-block products are summed: the fused ``target``, else a
+    zero float32 (float64 stays) buffer, rounded to the weight's dtype once at the end, as a
+    single GEMM makes, not once per block."""
+    if target is not None:
+        return target
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
     return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
 
 
-def _weight_grad(param: torch.Tensor, total: torch.Tensor) -> torch.Tensor | None:
-    """The gradient autograd gets for ``param``: None once ``total`` went into its float32
-    ``main_grad`` (:func:`~megatron_het.kernels.main_grad.add_to_main_grad`), else ``total``
-    in ``param``'s dtype."""
+def _weight_grad(
+    param: torch.Tensor, total: torch.Tensor, target: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The gradient autograd gets for ``param``: None when ``total`` is the fused ``target`` or
+    went into its float32 ``main_grad`` (:func:`~megatron_het.kernels.main_grad.
+    add_to_main_grad`), else ``total`` in ``param``'s dtype."""
+    if target is not None:
+        added_in_place(param, target)
+        return None
     return None if add_to_main_grad(param, total) else total.to(param.dtype)
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
 def all_gather_linear(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], group: TPGroup
+    x: torch.Tensor, weights: Sequence[torch.Tensor], group: TPGroup, fuse: bool = True
 ) -> tuple[torch.Tensor, ...]:
     """``[B, s, H]`` sequence block -> ``[all_gather_seq(x) @ W.T for W in weights]`` (each
     ``[B, S, O_W]``), the all-gather overlapped with the GEMMs; backward reduce-scatters the
-    input gradient the same way."""
-    return _AllGatherLinear.apply(x, group, *weights)
+    input gradient the same way (and, with ``fuse``, accumulates the weight gradients in
+    place)."""
+    return _AllGatherLinear.apply(x, group, fuse, *weights)
 
 
 @graph_break  # a compiled layer breaks its graph here: dynamo cannot trace groups
-def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: TPGroup) -> torch.Tensor:
+def linear_reduce_scatter(
+    x: torch.Tensor, weight: torch.Tensor, group: TPGroup, fuse: bool = True
+) -> torch.Tensor:
     """``[B, S, H]`` -> this rank's ``[B, s, O]`` block of ``sum over ranks (x @ W.T)``, the
     reduce-scatter overlapped with the GEMM; backward all-gathers the output gradient the
-    same way."""
-    return _LinearReduceScatter.apply(x, weight, group)
+    same way (and, with ``fuse``, accumulates the weight gradient in place)."""
+    return _LinearReduceScatter.apply(x, weight, group, fuse)

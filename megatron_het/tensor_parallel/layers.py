@@ -22,6 +22,7 @@ from torch import nn
 
 from megatron_het.kernels import swiglu
 from megatron_het.kernels.selection import ALL_FUSED, KernelChoice
+from megatron_het.kernels.wgrad_fusion import linear
 from megatron_het.model.llama import RMSNorm
 from megatron_het.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from megatron_het.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
@@ -48,7 +49,11 @@ class ColumnParallelLinear(nn.Module):
             the GEMM (:func:`~megatron_het.tensor_parallel.comm_overlap.all_gather_linear`).
 
     Input ``[..., H]`` replicated on every rank; output ``[..., O/tp]`` sharded, not gathered.
+    The weight gradient is accumulated in the backward GEMM as ``kernels`` allows
+    (:mod:`megatron_het.kernels.wgrad_fusion`).
     """
+
+    kernels: KernelChoice = ALL_FUSED
 
     def __init__(
         self,
@@ -66,11 +71,12 @@ class ColumnParallelLinear(nn.Module):
         self.tp_comm_overlap = tp_comm_overlap and sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fuse = self.kernels.gradient_accumulation_fusion
         if self.copy_input and self.tp_comm_overlap:
-            return all_gather_linear(x, (self.weight,), self.group)[0]
+            return all_gather_linear(x, (self.weight,), self.group, fuse)[0]
         if self.copy_input:
             x = enter_tp(x, self.group, self.sequence_parallel)
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, fuse)
 
     def extra_repr(self) -> str:
         rows, cols = self.weight.shape
@@ -90,8 +96,11 @@ class RowParallelLinear(nn.Module):
             linear_reduce_scatter`).
 
     Input ``[..., H/tp]`` sharded (the output of a column-parallel layer); output ``[..., O]``
-    replicated, after one all-reduce in forward (none in backward).
+    replicated, after one all-reduce in forward (none in backward). The weight gradient is
+    accumulated as in :class:`ColumnParallelLinear`.
     """
+
+    kernels: KernelChoice = ALL_FUSED
 
     def __init__(
         self,
@@ -107,9 +116,10 @@ class RowParallelLinear(nn.Module):
         self.tp_comm_overlap = tp_comm_overlap and sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fuse = self.kernels.gradient_accumulation_fusion
         if self.tp_comm_overlap:
-            return linear_reduce_scatter(x, self.weight, self.group)
-        return leave_tp(F.linear(x, self.weight), self.group, self.sequence_parallel)
+            return linear_reduce_scatter(x, self.weight, self.group, fuse)
+        return leave_tp(linear(x, self.weight, fuse), self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         rows, cols = self.weight.shape
@@ -191,7 +201,9 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_comm_overlap:
-            gate, up = all_gather_linear(x, (self.gate.weight, self.up.weight), self.group)
+            weights = (self.gate.weight, self.up.weight)
+            fuse = self.kernels.gradient_accumulation_fusion
+            gate, up = all_gather_linear(x, weights, self.group, fuse)
             return self.down(swiglu(gate, up, choice=self.kernels))
         x = enter_tp(x, self.group, self.sequence_parallel)
         return self.down(swiglu(self.gate(x), self.up(x), choice=self.kernels))

@@ -176,6 +176,7 @@ def kernel_choice(setup: RunSetup) -> KernelChoice:
         cross_entropy=train.cross_entropy_loss_fusion,
         swiglu=train.bias_swiglu_fusion,
         reference=train.reference_kernels,
+        gradient_accumulation_fusion=train.gradient_accumulation_fusion,
     )
 
 

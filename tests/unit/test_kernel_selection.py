@@ -102,6 +102,7 @@ def test_unknown_family_is_an_error():
         ("--no-rms-norm-fusion", "rms_norm_fusion"),
         ("--no-cross-entropy-loss-fusion", "cross_entropy_loss_fusion"),
         ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
+        ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
     ],
 )
 def test_megatron_style_flags_reach_the_run(flag, field):

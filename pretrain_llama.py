@@ -16,7 +16,9 @@ import os
 import sys
 
 from megatron_het.errors import run_cli
+from megatron_het.launcher.host_memory import prefer_huge_pages
 from megatron_het.training.entry import main
 
 if __name__ == "__main__":
+    prefer_huge_pages(os.environ)  # before torch allocates: see host_memory
     run_cli(lambda: main(sys.argv[1:], os.environ))

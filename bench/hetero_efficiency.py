@@ -446,4 +446,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from megatron_het.launcher.host_memory import prefer_huge_pages
+
+    prefer_huge_pages(os.environ)  # as the training runs it starts allocate
     main()

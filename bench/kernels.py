@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -56,6 +57,7 @@ from bench.kernel_cases import (
     build_cases,
 )
 from megatron_het.kernels.selection import implementation_table
+from megatron_het.launcher.host_memory import THP_VARIABLE
 from megatron_het.pipeline.timing import synchronize
 
 MIN_ROUNDS = 7
@@ -275,6 +277,7 @@ def main(argv: Sequence[str] | None = None, echo: Callable[[str], None] = print)
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "thp_mem_alloc_enable": os.environ.get(THP_VARIABLE, ""),
     }
     echo(json.dumps(record))
     return record
@@ -282,5 +285,7 @@ def main(argv: Sequence[str] | None = None, echo: Callable[[str], None] = print)
 
 if __name__ == "__main__":
     from megatron_het.errors import run_cli
+    from megatron_het.launcher.host_memory import prefer_huge_pages
 
+    prefer_huge_pages(os.environ)  # as training runs allocate (before torch does)
     run_cli(main)

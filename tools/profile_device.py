@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from megatron_het.cluster.accelerators import AcceleratorRegistry
 from megatron_het.config import ModelConfig
 from megatron_het.emulation.host_measure import measure_host_collective, measure_host_sharing
 from megatron_het.errors import UserError, run_cli
+from megatron_het.launcher.host_memory import prefer_huge_pages
 from megatron_het.model.llama import LlamaModel
 from megatron_het.parallel.plan_validation import valid_tp_sizes
 from megatron_het.perf.cost.calibration import layer_efficiency, resolve_efficiency
@@ -412,4 +414,5 @@ def main(argv: Sequence[str]) -> Path:
 
 
 if __name__ == "__main__":
+    prefer_huge_pages(os.environ)  # as training runs allocate (before torch does)
     run_cli(lambda: main(sys.argv[1:]))

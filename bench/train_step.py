@@ -68,6 +68,7 @@ from megatron_het.kernels.selection import KernelChoice
 from megatron_het.launcher.host_memory import THP_VARIABLE
 from megatron_het.model.compile import compile_layers
 from megatron_het.model.llama import build_model, use_kernels
+from megatron_het.optim.optimizer import adamw_implementation
 from megatron_het.perf.measure.timed_cases import self_time_us
 from megatron_het.pipeline.timing import synchronize
 
@@ -144,7 +145,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def make_step(model: torch.nn.Module, loss_of: Callable[[], torch.Tensor]) -> Callable[[], float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    """One training step of ``model``: forward, backward, AdamW, zero the gradients. Both
+    models step with the AdamW each library trains with by default: ours picks torch's fused
+    kernel where torch has one for the device (:func:`megatron_het.optim.optimizer.
+    adamw_implementation`), as transformers' Trainer does on torch >= 2.8
+    (``adamw_torch_fused``)."""
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, weight_decay=0.01, **adamw_implementation(device)
+    )
 
     def step() -> float:
         loss = loss_of()

@@ -49,6 +49,7 @@ OTHER_PROGRAM_FLAGS = {
     "pytest": {"--collect-only", "--durations", "--maxfail", "--last-failed", "--dist"},
     "pip": {"--no-deps", "--no-build-isolation", "--editable", "--upgrade", "--index-url"},
     "tensorboard": {"--logdir", "--port", "--bind_all"},
+    "pretrain_gpt.py": {"--use-checkpoint-args", "--finetune", "--no-load-optim", "--no-load-rng"},
 }  # fmt: skip
 # make variables whose value is another program's command line
 MAKE_ARGUMENT_VARIABLES = {

@@ -1,10 +1,16 @@
-"""Convert Llama checkpoints between Hugging Face and megatron_het formats, or reshard them.
+"""Convert Llama checkpoints between Hugging Face, Megatron-LM and megatron_het formats, or
+reshard them.
 
     python tools/convert_checkpoint.py --source-format hf --target-format megatron_het \\
         --load-dir HF_DIR --save-dir OUT [--dtype bf16]
     python tools/convert_checkpoint.py --source-format megatron_het --target-format hf \\
         --load-dir SAVE_DIR [--iteration N] --save-dir HF_OUT \\
         [--tokenizer-model M.model | --no-tokenizer]
+    python tools/convert_checkpoint.py --source-format megatron --target-format megatron_het \\
+        --load-dir MLM_SAVE [--iteration N] [--vocab-size V] --save-dir OUT
+    python tools/convert_checkpoint.py --source-format megatron_het --target-format megatron \\
+        --load-dir SAVE_DIR --save-dir MLM_OUT [--target-tensor-parallel-size T] \\
+        [--target-pipeline-parallel-size P] [--megatron-naming local|te]
     python tools/convert_checkpoint.py --mode reshard --load-dir SAVE_DIR [--iteration N] \\
         --save-dir OUT --target-plan plan.json
 
@@ -20,6 +26,14 @@ the checkpoint's run recorded in its metadata, or the one passed here (which tak
 a run without one (NullTokenizer, converted weights) gets the weights only, with a note, as does
 ``--no-tokenizer``. A tokenizer that transformers would not encode exactly as the SentencePiece
 model does is refused with one line, before anything is written.
+
+``megatron`` is Megatron-LM's legacy ``--ckpt-format torch`` layout (iter_NNNNNNN/mp_rank_TT[_PPP]/
+model_optim_rng.pt), read at any TP/PP degree and written for ``--target-tensor-parallel-size``
+and ``--target-pipeline-parallel-size``, with megatron-core's local-spec names or (``--megatron-
+naming te``) Transformer Engine's. Only the model weights are converted: optimizer state is not
+(yet), so an imported run starts as a model-only checkpoint at iteration 0 and an exported one
+loads in Megatron-LM with ``--finetune`` or ``--no-load-optim --no-load-rng``. ``torch_dist``
+checkpoints are not supported yet.
 
 ``--mode reshard`` rewrites a megatron_het checkpoint (of any plan) offline, in one process, as
 the target plan would have saved it: per-rank model and optimizer shards cut to that plan's
@@ -44,12 +58,18 @@ from megatron_het.checkpoint.hf import (
     write_hf_tokenizer,
 )
 from megatron_het.checkpoint.io import load_checkpoint_metadata, save_checkpoint
+from megatron_het.checkpoint.megatron_lm import (
+    read_megatron_checkpoint,
+    write_megatron_checkpoint,
+)
+from megatron_het.checkpoint.megatron_lm_names import NAMINGS
 from megatron_het.checkpoint.reader import load_model_state
 from megatron_het.checkpoint.sharded import reshard_checkpoint
 from megatron_het.errors import UserError, run_cli
 from megatron_het.parallel.plan import ParallelPlan
 
-FORMATS = ("hf", "megatron_het")
+FORMATS = ("hf", "megatron_het", "megatron")
+CKPT_FORMATS = ("torch", "torch_dist")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SAFETENSORS_FILE = "model.safetensors"
@@ -88,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--iteration",
         type=int,
         default=None,
-        help="megatron_het source: iteration to read (default: latest)",
+        help="megatron_het or megatron source: iteration to read (default: the tracker's)",
     )
     parser.add_argument(
         "--dtype",
@@ -109,7 +129,55 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--target-format hf: write the weights and config alone, no tokenizer",
     )
+    _add_megatron_flags(parser)
     return parser
+
+
+def _add_megatron_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of the Megatron-LM format (None: not given, so misuse can be refused)."""
+    parser.add_argument(
+        "--target-tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="T",
+        help="--target-format megatron: TP degree to write (default 1)",
+    )
+    parser.add_argument(
+        "--target-pipeline-parallel-size",
+        type=int,
+        default=None,
+        metavar="P",
+        help="--target-format megatron: PP degree to write, dividing the layers (default 1)",
+    )
+    parser.add_argument(
+        "--megatron-naming",
+        choices=NAMINGS,
+        default=None,
+        help="--target-format megatron: megatron-core's local-spec names (default) or "
+        "Transformer Engine's (te); a megatron source is read in either",
+    )
+    parser.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--target-format megatron: pad the vocabulary to a multiple of N * T (default 128)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="V",
+        help="--source-format megatron: the tokenizer's vocabulary size, to drop Megatron's "
+        "padding rows (default: the checkpoint's args.vocab_size, else keep them)",
+    )
+    parser.add_argument(
+        "--ckpt-format",
+        choices=CKPT_FORMATS,
+        default="torch",
+        help="Megatron-LM checkpoint format: only torch (legacy) is supported yet; model "
+        "weights only, no optimizer state",
+    )
 
 
 def read_hf_dir(load_dir: pathlib.Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -251,6 +319,61 @@ def megatron_het_to_hf(args: argparse.Namespace) -> pathlib.Path:
     return save_dir
 
 
+def megatron_to_megatron_het(args: argparse.Namespace) -> pathlib.Path:
+    loaded = read_megatron_checkpoint(args.load_dir, args.iteration, args.vocab_size)
+    if args.vocab_size is None and getattr(loaded.args, "vocab_size", None) is None:
+        print(
+            f"note: the checkpoint's args hold no vocab_size, so its {loaded.config.vocab_size} "
+            "padded vocabulary rows are kept; pass --vocab-size V to drop the padding",
+            file=sys.stderr,
+        )
+    return save_checkpoint(
+        args.save_dir,
+        0,
+        loaded.config,
+        cast(loaded.state, DTYPES.get(args.dtype)),
+        train_state=None,
+        metadata={
+            "converted_from": "megatron",
+            "source": str(loaded.directory),
+            "source_iteration": loaded.iteration,
+        },
+    )
+
+
+def megatron_het_to_megatron(args: argparse.Namespace) -> pathlib.Path:
+    cfg, state = load_model_state(args.load_dir, iteration=args.iteration)
+    iteration = int(load_checkpoint_metadata(args.load_dir, args.iteration)["iteration"])
+    return write_megatron_checkpoint(
+        args.save_dir,
+        cfg,
+        cast(state, DTYPES.get(args.dtype)),
+        iteration,
+        tp_size=args.target_tensor_parallel_size or 1,
+        pp_size=args.target_pipeline_parallel_size or 1,
+        naming=args.megatron_naming or "local",
+        divisible_by=args.make_vocab_size_divisible_by or 128,
+    )
+
+
+def _check_megatron_flags(args: argparse.Namespace, source: str, target: str) -> None:
+    """Refuse Megatron-only flags outside the conversions they apply to."""
+    if args.ckpt_format != "torch":
+        raise UserError(
+            f"--ckpt-format {args.ckpt_format} is not supported yet; save the Megatron-LM run "
+            "with --ckpt-format torch"
+        )
+    for flag, value, side, fmt in (
+        ("--target-tensor-parallel-size", args.target_tensor_parallel_size, "target", target),
+        ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size, "target", target),
+        ("--megatron-naming", args.megatron_naming, "target", target),
+        ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by, "target", target),
+        ("--vocab-size", args.vocab_size, "source", source),
+    ):
+        if value is not None and fmt != "megatron":
+            raise UserError(f"{flag} applies to --{side}-format megatron only; drop it")
+
+
 def reshard(args: argparse.Namespace) -> pathlib.Path:
     if args.target_plan is None:
         raise UserError(
@@ -268,9 +391,9 @@ def reshard(args: argparse.Namespace) -> pathlib.Path:
 def _formats(args: argparse.Namespace) -> tuple[str, str]:
     source, target = args.source_format, args.target_format
     if target is None:
-        raise UserError("--mode convert needs --target-format (hf or megatron_het)")
+        raise UserError("--mode convert needs --target-format (hf, megatron_het or megatron)")
     if source is None:
-        source = FORMATS[1 - FORMATS.index(target)]
+        source = "hf" if target == "megatron_het" else "megatron_het"
     return source, target
 
 
@@ -284,13 +407,21 @@ def main(argv: list[str] | None = None) -> None:
     conversions = {
         ("hf", "megatron_het"): hf_to_megatron_het,
         ("megatron_het", "hf"): megatron_het_to_hf,
+        ("megatron", "megatron_het"): megatron_to_megatron_het,
+        ("megatron_het", "megatron"): megatron_het_to_megatron,
     }
     conversion = conversions.get((source_format, target_format))
     if conversion is None:
+        if source_format == target_format:
+            raise UserError(
+                f"--source-format {source_format} and --target-format "
+                f"{target_format} are the same; pick two different formats"
+            )
         raise UserError(
-            f"--source-format {source_format} and --target-format "
-            f"{target_format} are the same; pick two different formats"
+            f"no direct conversion from {source_format} to {target_format}; convert to "
+            f"megatron_het first, then from it"
         )
+    _check_megatron_flags(args, source_format, target_format)
     for flag, given in (
         ("--tokenizer-model", args.tokenizer_model is not None),
         ("--no-tokenizer", args.no_tokenizer),

@@ -102,7 +102,7 @@ class OptimizerPiece:
 
 
 # ---- writing ---------------------------------------------------------------------------------
-def _fsync_dir(directory: pathlib.Path) -> None:
+def fsync_dir(directory: pathlib.Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -248,21 +248,21 @@ def commit_checkpoint(
     """
     root = pathlib.Path(save_dir)
     _write_json(metadata, staging / METADATA_FILE)
-    _fsync_dir(staging)
+    fsync_dir(staging)
     final = root / iteration_dir_name(iteration)
     trash = None
     if final.exists():
         trash = root / f"{_TRASH_PREFIX}{iteration:07d}_{os.getpid()}"
         os.replace(final, trash)
     os.replace(staging, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     tracker_tmp = root / f".{TRACKER_FILE}.tmp"
     with open(tracker_tmp, "w", encoding="utf-8") as handle:
         handle.write(f"{iteration}\n")
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tracker_tmp, root / TRACKER_FILE)
-    _fsync_dir(root)
+    fsync_dir(root)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
     return final

@@ -65,6 +65,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.distributed)
         if GPU in parents:  # everything under tests/gpu/ needs a device
             item.add_marker(pytest.mark.gpu)
+    # The modules holding slow tests (multi-process jobs, tens of seconds each) go first, whole,
+    # so that pytest-xdist's workers, which take their queues in collection order and steal
+    # from each other's ends, finish on short tests instead of one worker's last long one.
+    slow_files = {str(item.fspath) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: str(item.fspath) not in slow_files)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if GPU_SESSION:
         only_gpu = pytest.mark.skip(

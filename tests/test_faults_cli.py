@@ -106,17 +106,18 @@ def _running(pid: int) -> bool:
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_within_the_timeout(tmp_path: pathlib.Path) -> None:
     job, sent = start_and_fault(tmp_path, 3, signal.SIGSTOP)
-    others = [job.worker_pid(r) for r in (0, 1, 2)]
+    others, stopped = [job.worker_pid(r) for r in (0, 1, 2)], job.worker_pid(3)
     deadline = sent + TIMEOUT_MIN * 60 + 60
     while any(_running(pid) for pid in others):
         assert time.monotonic() < deadline, "the other ranks did not fail in time"
         time.sleep(0.1)
     assert time.monotonic() - sent < TIMEOUT_MIN * 60 + 60
-    # the job itself ends in time too: torchrun kills the stopped worker (it cannot take the
-    # SIGTERM) 30 s after the others failed, so it gets those 30 s on top
-    deadline += 30
+    # torchrun would kill the stopped worker, which cannot take its SIGTERM, 30 s later (a wait
+    # fixed in torch's process context whatever --shutdown-timeout says; bench/faults.py times
+    # it): kill it now, and the job ends
+    os.kill(stopped, signal.SIGKILL)
     status = job.wait(max(1.0, deadline - time.monotonic()))
-    assert time.monotonic() < deadline, "the job did not end within the timeout + 90 s"
+    assert time.monotonic() < deadline, "the job did not end within the timeout + 60 s"
     assert status != 0
     the_report(job, [3])
     assert_only_committed_checkpoints(tmp_path / "ckpt")

@@ -27,13 +27,16 @@ a run without one (NullTokenizer, converted weights) gets the weights only, with
 ``--no-tokenizer``. A tokenizer that transformers would not encode exactly as the SentencePiece
 model does is refused with one line, before anything is written.
 
-``megatron`` is Megatron-LM's legacy ``--ckpt-format torch`` layout (iter_NNNNNNN/mp_rank_TT[_PPP]/
-model_optim_rng.pt), read at any TP/PP degree and written for ``--target-tensor-parallel-size``
-and ``--target-pipeline-parallel-size``, with megatron-core's local-spec names or (``--megatron-
-naming te``) Transformer Engine's. Only the model weights are converted: optimizer state is not
-(yet), so an imported run starts as a model-only checkpoint at iteration 0 and an exported one
-loads in Megatron-LM with ``--finetune`` or ``--no-load-optim --no-load-rng``. ``torch_dist``
-checkpoints are not supported yet.
+``megatron`` is a Megatron-LM checkpoint in either format, told apart on reading: the legacy
+``--ckpt-format torch`` layout (iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt), read at any
+TP/PP degree and written for ``--target-tensor-parallel-size`` and
+``--target-pipeline-parallel-size`` with megatron-core's local-spec names or (``--megatron-naming
+te``) Transformer Engine's; or, with ``--ckpt-format torch_dist``, megatron-core's
+dist_checkpointing layout (iter_NNNNNNN/metadata.json, common.pt, .metadata, *.distcp), whose
+global tensors Megatron-LM loads at any TP/PP. Only the model weights are converted: optimizer
+state is not (yet), so an imported run starts as a model-only checkpoint at iteration 0; an
+exported legacy one loads in Megatron-LM with ``--finetune`` or ``--no-load-optim
+--no-load-rng``, a torch_dist one as it is (its args say no optimizer or RNG state was saved).
 
 ``--mode reshard`` rewrites a megatron_het checkpoint (of any plan) offline, in one process, as
 the target plan would have saved it: per-rank model and optimizer shards cut to that plan's
@@ -62,6 +65,7 @@ from megatron_het.checkpoint.megatron_lm import (
     read_megatron_checkpoint,
     write_megatron_checkpoint,
 )
+from megatron_het.checkpoint.megatron_lm_dist import write_dist_checkpoint
 from megatron_het.checkpoint.megatron_lm_names import NAMINGS
 from megatron_het.checkpoint.reader import load_model_state
 from megatron_het.checkpoint.sharded import reshard_checkpoint
@@ -174,9 +178,9 @@ def _add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ckpt-format",
         choices=CKPT_FORMATS,
-        default="torch",
-        help="Megatron-LM checkpoint format: only torch (legacy) is supported yet; model "
-        "weights only, no optimizer state",
+        default=None,
+        help="--target-format megatron: Megatron-LM's legacy torch layout (default) or "
+        "torch_dist (megatron-core dist_checkpointing); a megatron source's is detected",
     )
 
 
@@ -344,7 +348,8 @@ def megatron_to_megatron_het(args: argparse.Namespace) -> pathlib.Path:
 def megatron_het_to_megatron(args: argparse.Namespace) -> pathlib.Path:
     cfg, state = load_model_state(args.load_dir, iteration=args.iteration)
     iteration = int(load_checkpoint_metadata(args.load_dir, args.iteration)["iteration"])
-    return write_megatron_checkpoint(
+    write = write_dist_checkpoint if args.ckpt_format == "torch_dist" else write_megatron_checkpoint
+    return write(
         args.save_dir,
         cfg,
         cast(state, DTYPES.get(args.dtype)),
@@ -358,12 +363,8 @@ def megatron_het_to_megatron(args: argparse.Namespace) -> pathlib.Path:
 
 def _check_megatron_flags(args: argparse.Namespace, source: str, target: str) -> None:
     """Refuse Megatron-only flags outside the conversions they apply to."""
-    if args.ckpt_format != "torch":
-        raise UserError(
-            f"--ckpt-format {args.ckpt_format} is not supported yet; save the Megatron-LM run "
-            "with --ckpt-format torch"
-        )
     for flag, value, side, fmt in (
+        ("--ckpt-format", args.ckpt_format, "target", target),
         ("--target-tensor-parallel-size", args.target_tensor_parallel_size, "target", target),
         ("--target-pipeline-parallel-size", args.target_pipeline_parallel_size, "target", target),
         ("--megatron-naming", args.megatron_naming, "target", target),

@@ -53,12 +53,12 @@ EXTRA_STATE = "_extra_state"
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 # Per layer: Megatron suffix -> (our suffix, split dim or None for replicated).
-_LAYER_TENSORS = {
+LAYER_TENSORS = {
     "self_attention.linear_qkv.weight": ("attention.qkv.weight", 0),
     "self_attention.linear_proj.weight": ("attention.proj.weight", 1),
     "mlp.linear_fc2.weight": ("mlp.down.weight", 1),
 }
-_NORMS = {
+NORMS = {
     LOCAL: {
         "input_layernorm.weight": "input_norm.weight",
         "pre_mlp_layernorm.weight": "post_attention_norm.weight",
@@ -70,7 +70,7 @@ _NORMS = {
 }
 FC1 = "mlp.linear_fc1.weight"
 # Modules that carry an _extra_state entry, as megatron-core's state_dict() lists them.
-_EXTRA_STATE_MODULES = {
+EXTRA_STATE_MODULES = {
     LOCAL: (
         "self_attention.linear_proj",
         "self_attention.linear_qkv",
@@ -112,6 +112,32 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def stage_slices(num_layers: int, pp_size: int) -> list[StageSlice]:
+    """Even pipeline split of ``num_layers`` over ``pp_size`` ranks (UserError unless it
+    divides), as Megatron-LM splits without uneven-stage options."""
+    if pp_size < 1 or num_layers % pp_size:
+        raise UserError(
+            f"--target-pipeline-parallel-size {pp_size} does not divide the model's "
+            f"{num_layers} layers; use a divisor of {num_layers}"
+        )
+    per = num_layers // pp_size
+    return [StageSlice(p * per, (p + 1) * per, p == 0, p == pp_size - 1) for p in range(pp_size)]
+
+
+def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
+    """UserError unless ``tp_size`` divides the heads, the query groups and the FFN width."""
+    for what, count in (
+        ("attention heads", cfg.num_attention_heads),
+        ("query groups", cfg.num_query_groups),
+        ("FFN hidden size", cfg.ffn_hidden_size),
+    ):
+        if tp_size < 1 or count % tp_size:
+            raise UserError(
+                f"--target-tensor-parallel-size {tp_size} does not divide the model's "
+                f"{count} {what}; use a divisor of {count}"
+            )
+
+
 def unsupported_key(name: str) -> str | None:
     """What model feature tensor ``name`` belongs to that ours lacks, or None."""
     for pattern, what in _UNSUPPORTED_KEYS:
@@ -121,7 +147,8 @@ def unsupported_key(name: str) -> str | None:
 
 
 # ---- export ----------------------------------------------------------------------------------
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with zero rows appended up to ``rows`` (itself when it has them)."""
     if tensor.shape[0] == rows:
         return tensor
     return torch.cat((tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])))
@@ -150,10 +177,10 @@ def megatron_rank_state(
     that is not also the first writes its copy as ``output_layer.weight``, as megatron-core keeps
     one there under pipeline parallelism."""
     out: dict[str, torch.Tensor | None] = {}
-    norms = _NORMS[naming]
+    norms = NORMS[naming]
 
     def vocab_block(tensor: torch.Tensor) -> torch.Tensor:
-        return _block(_pad_rows(tensor, padded_vocab), 0, tp_rank, tp_size)
+        return _block(pad_rows(tensor, padded_vocab), 0, tp_rank, tp_size)
 
     if stage.first:
         out[EMBEDDING] = vocab_block(state["embedding.weight"])
@@ -161,12 +188,12 @@ def megatron_rank_state(
         src, dst = f"layers.{index}.", f"decoder.layers.{index - stage.layer_start}."
         for theirs, ours in norms.items():
             out[dst + theirs] = state[src + ours].clone()
-        for theirs, (ours, dim) in _LAYER_TENSORS.items():
+        for theirs, (ours, dim) in LAYER_TENSORS.items():
             out[dst + theirs] = _block(state[src + ours], dim, tp_rank, tp_size)
         gate = _block(state[src + "mlp.gate.weight"], 0, tp_rank, tp_size)
         up = _block(state[src + "mlp.up.weight"], 0, tp_rank, tp_size)
         out[dst + FC1] = torch.cat((gate, up))
-        for module in _EXTRA_STATE_MODULES[naming]:
+        for module in EXTRA_STATE_MODULES[naming]:
             out[f"{dst}{module}.{EXTRA_STATE}"] = None
     if stage.last:
         out[FINAL_NORM] = state["final_norm.weight"].clone()
@@ -209,7 +236,7 @@ def merge_stage(
                 f"{source}: TP rank {rank} holds other tensors than TP rank 0; the "
                 f"checkpoint's shards come from different models, re-save it"
             )
-    norms = _NORMS[_naming_of(keys)]
+    norms = NORMS[_naming_of(keys)]
 
     def pieces(key: str) -> list[torch.Tensor]:
         return [state[key] for state in tp_states]  # type: ignore[misc]
@@ -231,8 +258,8 @@ def merge_stage(
         dst = f"layers.{layer_offset + local}."
         if suffix in norms:
             out[dst + norms[suffix]] = pieces(key)[0]
-        elif suffix in _LAYER_TENSORS:
-            ours, dim = _LAYER_TENSORS[suffix]
+        elif suffix in LAYER_TENSORS:
+            ours, dim = LAYER_TENSORS[suffix]
             out[dst + ours] = torch.cat(pieces(key), dim=dim)
         elif suffix == FC1:
             halves = [piece.chunk(2) for piece in pieces(key)]

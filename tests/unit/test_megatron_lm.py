@@ -245,8 +245,8 @@ def test_missing_torn_and_dist_checkpoints_are_refused(tmp_path) -> None:
     with pytest.raises(UserError, match="is missing"):
         from_megatron(tmp_path / "mlm", tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    (iteration_dir / "metadata.json").write_text("{}")
-    with pytest.raises(UserError, match="torch_dist checkpoint, which is not supported yet"):
+    (iteration_dir / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    with pytest.raises(UserError, match="sharded_backend 'zarr'; only torch_dist is supported"):
         from_megatron(tmp_path / "mlm", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -256,7 +256,10 @@ def test_missing_torn_and_dist_checkpoints_are_refused(tmp_path) -> None:
     [
         (("--target-tensor-parallel-size", "3"), "does not divide the model's 4 attention heads"),
         (("--target-pipeline-parallel-size", "3"), "does not divide the model's 4 layers"),
-        (("--ckpt-format", "torch_dist"), "--ckpt-format torch_dist is not supported yet"),
+        (
+            ("--ckpt-format", "torch_dist", "--target-pipeline-parallel-size", "3"),
+            "does not divide the model's 4 layers",
+        ),
     ],
 )
 def test_export_refusals_write_nothing(tmp_path, flags: tuple[str, ...], words: str) -> None:

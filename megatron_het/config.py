@@ -299,6 +299,11 @@ class TrainConfig:
     log_interval: int = 10
     save: str | None = None
     load: str | None = None
+    # What --load restores, as Megatron-LM's flags of these names (training/checkpointing.py).
+    finetune: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    use_checkpoint_args: bool = False
     save_interval: int | None = None
     tensorboard_dir: str | None = None
     metrics_file: str | None = None

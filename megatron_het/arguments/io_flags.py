@@ -18,9 +18,37 @@ def add_io_flags(p: argparse.ArgumentParser) -> None:
         "--load",
         default=None,
         help="checkpoint to resume from: a --save directory (its latest iteration) "
-        "or one iter_XXXXXXX directory. A model-only checkpoint (e.g. converted "
-        "weights) starts a fresh optimizer at iteration 0. When --load equals "
-        "--save and holds no checkpoint yet, training starts from scratch",
+        "or one iter_XXXXXXX directory, of this trainer or of Megatron-LM "
+        "(--ckpt-format torch or torch_dist, converted onto this run's plan as it "
+        "loads). A "
+        "model-only checkpoint (e.g. converted weights) starts a fresh optimizer at "
+        "iteration 0, and so does a Megatron-LM one unless --no-load-optim "
+        "--no-load-rng are given. When --load equals --save and holds no checkpoint "
+        "yet, training starts from scratch",
+    )
+    g.add_argument(
+        "--finetune",
+        action="store_true",
+        help="load the model weights only: start at iteration 0 and sample 0 with a "
+        "fresh optimizer, LR schedule and loss scale, and the RNG of --seed",
+    )
+    g.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="do not load the optimizer state (Adam moments, loss scale) nor the LR "
+        "schedule's position: continue at the checkpoint's iteration and data "
+        "position with a fresh optimizer whose LR schedule starts over there",
+    )
+    g.add_argument(
+        "--no-load-rng",
+        action="store_true",
+        help="do not load the random generators' state; they start from --seed",
+    )
+    g.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="take the model's shape from the --load checkpoint; shape flags given "
+        "must agree with it",
     )
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument(

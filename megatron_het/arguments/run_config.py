@@ -115,6 +115,9 @@ def _validate(args: argparse.Namespace) -> None:
         raise UserError("--save-interval needs --save DIR")
     if args.async_save and not args.save:
         raise UserError("--async-save needs --save DIR")
+    for flag in ("finetune", "no_load_optim", "no_load_rng", "use_checkpoint_args"):
+        if getattr(args, flag) and not args.load:
+            raise UserError(f"--{flag.replace('_', '-')} needs --load DIR")
 
 
 def _model_spec(args: argparse.Namespace) -> ModelSpec:
@@ -146,7 +149,8 @@ def parse_run_config(argv: Sequence[str]) -> RunConfig:
     _validate(args)
     parallel = _parallel_spec(args, batch_given)
     spec = _model_spec(args)
-    resolve_model_config(spec, tokenizer_vocab_size=1, seq_length=args.seq_length)
+    if not args.use_checkpoint_args:  # else the checkpoint completes the shape, at start-up
+        resolve_model_config(spec, tokenizer_vocab_size=1, seq_length=args.seq_length)
     data = DataConfig(
         data_path=tuple(args.data_path or ()),
         split=args.split,
@@ -195,6 +199,10 @@ def parse_run_config(argv: Sequence[str]) -> RunConfig:
         log_interval=args.log_interval,
         save=args.save,
         load=args.load,
+        finetune=args.finetune,
+        no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng,
+        use_checkpoint_args=args.use_checkpoint_args,
         save_interval=args.save_interval,
         tensorboard_dir=args.tensorboard_dir,
         metrics_file=args.metrics_file,

@@ -270,6 +270,7 @@ def load_sharded(
     map_location: Any = "cpu",
     weights: dict[str, torch.Tensor] | None = None,
     stats: ReadStats | None = None,
+    with_optimizer: bool = True,
 ) -> tuple[OptimizerState | None, dict | None]:
     """Load this rank's slices from a checkpoint of any plan (or a single process) into ``stage``.
 
@@ -283,13 +284,14 @@ def load_sharded(
 
     Returns ``(optimizer_state, train_state)``: the optimizer state by global name for EVERY
     parameter of ``stage`` (TP-slice shaped, tensors on ``map_location``; a ZeRO-1 optimizer
-    keeps what it owns), or None for a checkpoint without one; and the training state this rank
-    saved when the checkpoint was written by the same plan, else rank 0's (None if absent).
+    keeps what it owns), or None for a checkpoint without one (and, unread, with
+    ``with_optimizer`` False); and the training state this rank saved when the checkpoint was
+    written by the same plan, else rank 0's (None if absent).
     Raises UserError when the checkpoint lacks a parameter or does not cover it.
     """
     reader = CheckpointReader(resolve_checkpoint_dir(load_dir, iteration), stats)
     role = groups.role
-    optimizer: OptimizerState | None = {} if reader.has_optimizer else None
+    optimizer: OptimizerState | None = {} if reader.has_optimizer and with_optimizer else None
     for name, param in stage.named_parameters():
         box = target_slice(name, model_config, role.stage_plan.tp, role.tp_rank)
         saved_shape = reader.model_index.get(name, (None,))[0]

@@ -256,6 +256,11 @@ def _stops(
     return False
 
 
+# Megatron-LM's load flags that leave part of a checkpoint behind: a relaunch that resumes from
+# the run's own checkpoints drops them, or it would reset the run's iteration or optimizer.
+FIRST_LOAD_ONLY_FLAGS = ("--finetune", "--no-load-optim", "--no-load-rng")
+
+
 def _relaunch(
     run: RunFlags, cluster: ClusterSpec, restarts: int
 ) -> tuple[tuple[str, ...], Path, bool]:
@@ -270,9 +275,12 @@ def _relaunch(
     # value of a flag given twice, so this cluster, --plan auto and --load bind whatever the
     # run's flags said.
     relaunch = ["--cluster", str(path), "--plan", "auto"]
+    flags = run.flags
     if resume:
         relaunch += ["--load", run.save]
-    return (*run.flags, *relaunch), path, resume
+        # They applied to the checkpoint the run started from; from its own, it resumes whole.
+        flags = tuple(flag for flag in flags if flag not in FIRST_LOAD_ONLY_FLAGS)
+    return (*flags, *relaunch), path, resume
 
 
 def _restart_line(

@@ -3,7 +3,9 @@
 Every rank writes its pieces and one rank commits (:mod:`megatron_het.checkpoint.sharded`); a
 load reads this rank's slices from a checkpoint of any plan, or of a single process in the
 format written before every run became a plan (full tensors, the optimizer state by name in the
-training state), and continues at its iteration, data position and RNG state.
+training state), or a Megatron-LM legacy save (:mod:`megatron_het.checkpoint.megatron_load`),
+and continues at its iteration, data position and RNG state, or restores less as Megatron-LM's
+``--finetune``, ``--no-load-optim`` and ``--no-load-rng`` say (:func:`load_choice`).
 
 :class:`CheckpointSaver` is the run's saver: synchronous saves (:func:`save`), or with
 ``--async-save`` a snapshot at the save point, a background write and a collective commit once
@@ -29,11 +31,18 @@ from megatron_het.checkpoint.async_save import (
     PendingCommit,
 )
 from megatron_het.checkpoint.integrity import files_total_bytes
-from megatron_het.checkpoint.io import iteration_dir_name
+from megatron_het.checkpoint.io import iteration_dir_name, load_checkpoint_metadata
+from megatron_het.checkpoint.megatron_load import (
+    MegatronHeader,
+    find_megatron_checkpoint,
+    load_megatron_slices,
+    read_megatron_header,
+)
 from megatron_het.checkpoint.reader import ReadStats
 from megatron_het.checkpoint.sharded import load_sharded, save_sharded, snapshot_sharded
 from megatron_het.checkpoint.verify import read_metadata_file
 from megatron_het.comm.faults import line_from_bytes, line_to_bytes
+from megatron_het.config import TrainConfig
 from megatron_het.errors import UserError
 from megatron_het.training.state import Progress, rng_state, set_rng_state
 
@@ -57,6 +66,7 @@ def _train_state(trainer: Trainer) -> dict[str, Any]:
         "lr_schedule": trainer.schedule.state_dict(),
         "rng": rng_state(trainer.device.type),
         "nonfinite_skipped_iterations": trainer.skipped_nonfinite,
+        "lr_schedule_start": trainer.lr_schedule_start,
     }
     scaler = trainer.optimizer.loss_scaler
     if scaler is not None:
@@ -242,70 +252,188 @@ def _agree_loaded(
     raise UserError(f"{line_from_bytes(wire)} (on rank {failed})")
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadChoice:
+    """What a load restores besides the model weights, as Megatron-LM's load flags decide.
+
+    ``progress``: the iteration, consumed samples and skip counters (else all 0, as
+    ``--finetune``); ``optimizer``: Adam's moments, the loss scale and the LR schedule's
+    position (else a fresh optimizer, whose LR schedule starts over at the loaded iteration);
+    ``rng``: the random generators (else those ``--seed`` set)."""
+
+    progress: bool
+    optimizer: bool
+    rng: bool
+
+
+def load_choice(train: TrainConfig, megatron: MegatronHeader | None) -> LoadChoice:
+    """Megatron-LM's meanings: ``--finetune`` restores nothing but the weights,
+    ``--no-load-optim`` keeps the optimizer (and LR schedule) fresh, ``--no-load-rng`` the
+    generators. A Megatron-LM checkpoint's optimizer and RNG states are not converted, so it
+    loads as ``--finetune`` unless both ``--no-load-optim`` and ``--no-load-rng`` say to go
+    on without them (and always for a ``release`` directory, as Megatron-LM loads one)."""
+    if train.finetune:
+        return LoadChoice(False, False, False)
+    if megatron is not None:
+        resume = train.no_load_optim and train.no_load_rng and not megatron.release
+        return LoadChoice(resume, False, False)
+    return LoadChoice(True, not train.no_load_optim, not train.no_load_rng)
+
+
+def resumed_metadata(load_dir: pathlib.Path, train: TrainConfig) -> dict[str, Any]:
+    """metadata.json of the checkpoint at ``load_dir`` when the run resumes it; empty when the
+    run only takes its weights (``--finetune``) or it is Megatron-LM's."""
+    if train.finetune or find_megatron_checkpoint(load_dir) is not None:
+        return {}
+    return load_checkpoint_metadata(load_dir)
+
+
 def load(trainer: Trainer) -> str:
-    """Load this rank's slices of ``setup.load_dir`` (any plan's checkpoint) and its training
-    state; a model-only checkpoint (e.g. converted weights) starts a fresh optimizer at 0.
+    """Load this rank's slices of ``setup.load_dir`` (any plan's checkpoint, or Megatron-LM's)
+    and what :func:`load_choice` keeps of its training state; a model-only checkpoint (e.g.
+    converted weights) starts a fresh optimizer at 0.
 
     The size of every file opened is checked and every piece read is sha256-verified; if any
     rank fails, every rank raises (one all-reduce over the world, plus one summing the bytes
-    read). Returns the log line with the load's
-    time and GB/s (also printed when the logger is already set).
+    read). Returns the log line naming the source format, the iteration and what was loaded,
+    with the load's time and GB/s (also printed when the logger is already set).
     """
     setup = trainer.setup
     assert setup.load_dir is not None
     start, stats = time.perf_counter(), ReadStats()
     try:
-        train_state = _load_into(trainer, stats)
+        loaded = _load_into(trainer, stats)
         error = None
     except Exception as exc:
-        train_state, error = None, exc
+        loaded, error = None, exc
     total, elapsed = _agree_loaded(trainer, error, stats, time.perf_counter() - start)
-    if train_state is not None:
-        _restore_progress(trainer, train_state)
+    assert loaded is not None  # else _agree_loaded raised
+    if loaded.train_state is not None:
+        _restore_progress(trainer, loaded.train_state, loaded.choice)
     line = (
-        f" loaded checkpoint {setup.load_dir} ({elapsed:.2f} s, {total / _GB:.3f} GB read "
-        f"by {setup.plan.world_size} rank(s), {total / _GB / max(elapsed, 1e-9):.2f} GB/s)"
+        f" loaded checkpoint {setup.load_dir} {loaded.description} ({elapsed:.2f} s, "
+        f"{total / _GB:.3f} GB read by {setup.plan.world_size} rank(s), "
+        f"{total / _GB / max(elapsed, 1e-9):.2f} GB/s)"
     )
     trainer.print(line)
     return line
 
 
-def _load_into(trainer: Trainer, stats: ReadStats) -> dict | None:
+@dataclasses.dataclass(frozen=True)
+class _Loaded:
+    """A load's outcome on this rank: the training state to restore (None: nothing), what of
+    it to restore (``choice``, narrowed to what the checkpoint has) and its log words."""
+
+    train_state: dict | None
+    choice: LoadChoice
+    description: str
+
+
+def _load_into(trainer: Trainer, stats: ReadStats) -> _Loaded:
     setup = trainer.setup
     assert setup.load_dir is not None  # as load() checks
     # Under mixed precision the parameters take the rounded values, the masters the exact
     # ones; in fp32 the parameters are the masters and nothing more is kept.
     weights: dict | None = {} if trainer.optimizer.flat.low_precision else None
-    # The optimizer state stays on the host: the optimizer moves only the ranges this rank
-    # owns (ZeRO-1) to its masters' device, so the stage's whole moments never sit there.
-    optimizer_state, train_state = load_sharded(
-        setup.load_dir,
-        setup.model_config,
-        setup.plan,
-        trainer.groups,
-        trainer.stage,
-        map_location="cpu",
-        weights=weights,
-        stats=stats,
-    )
+    header = None
+    if find_megatron_checkpoint(setup.load_dir) is not None:
+        header = read_megatron_header(setup.load_dir, setup.model_config.vocab_size)
+    choice = load_choice(setup.run.train, header)
+    if header is not None:
+        role = trainer.groups.role
+        load_megatron_slices(
+            header.directory,
+            setup.model_config,
+            trainer.stage,
+            role.stage_plan.tp,
+            role.tp_rank,
+            weights,
+            stats,
+        )
+        optimizer_state = None
+        train_state: dict | None = {
+            "iteration": header.iteration,
+            "consumed_samples": header.consumed_samples,
+        }
+        saved_iteration, source = header.iteration, header.source_format
+    else:
+        # The optimizer state stays on the host: the optimizer moves only the ranges this
+        # rank owns (ZeRO-1) to its masters' device, so the stage's whole moments never sit
+        # there.
+        optimizer_state, train_state = load_sharded(
+            setup.load_dir,
+            setup.model_config,
+            setup.plan,
+            trainer.groups,
+            trainer.stage,
+            map_location="cpu",
+            weights=weights,
+            stats=stats,
+            with_optimizer=choice.optimizer,
+        )
+        saved_iteration = int(load_checkpoint_metadata(setup.load_dir)["iteration"])
+        source = "megatron_het"
     if weights is not None:
         trainer.optimizer.load_master_weights(weights)
-    if train_state is not None and optimizer_state is not None:
+    choice = LoadChoice(
+        choice.progress and train_state is not None,
+        choice.optimizer and train_state is not None and optimizer_state is not None,
+        choice.rng and train_state is not None and train_state.get("rng") is not None,
+    )
+    if choice.optimizer:
+        assert optimizer_state is not None  # as choice.optimizer says
         trainer.optimizer.load_state_dict(optimizer_state)
-    return train_state
+    description = _describe_load(source, saved_iteration, choice, setup.run.train, header)
+    return _Loaded(train_state, choice, description)
 
 
-def _restore_progress(trainer: Trainer, train_state: dict) -> None:
+def _describe_load(
+    source: str,
+    saved_iteration: int,
+    choice: LoadChoice,
+    train: TrainConfig,
+    header: MegatronHeader | None,
+) -> str:
+    """``(SOURCE, iteration N): loaded model weights, ...; starts at iteration 0 ...``."""
+    kept = ["model weights"]
+    kept += ["optimizer state"] if choice.optimizer else []
+    kept += ["RNG state"] if choice.rng else []
+    kept += ["iteration and data position"] if choice.progress else []
+    text = f"({source}, iteration {saved_iteration}): loaded {', '.join(kept)}"
+    if not choice.progress:
+        text += "; starts at iteration 0 with a fresh optimizer"
+    elif not choice.optimizer:
+        text += f"; a fresh optimizer, its LR schedule starting over at {saved_iteration}"
+    if header is not None and not choice.progress and not train.finetune and not header.release:
+        text += (
+            " (as --finetune: its optimizer and RNG states are not converted; pass "
+            "--no-load-optim --no-load-rng to continue at its iteration)"
+        )
+    return text
+
+
+def _restore_progress(trainer: Trainer, train_state: dict, choice: LoadChoice) -> None:
+    """Restore what ``choice`` keeps of ``train_state``; the rest stays as a fresh run has
+    it (iteration 0, a fresh loss scale, the generators of --seed)."""
     scaler = trainer.optimizer.loss_scaler
-    if scaler is not None and train_state.get("loss_scaler") is not None:
+    if choice.optimizer and scaler is not None and train_state.get("loss_scaler") is not None:
         scaler.load_state_dict(train_state["loss_scaler"])
         trainer.optimizer.skipped_iterations = int(train_state.get("skipped_iterations", 0))
-    if train_state.get("rng") is not None:
+    if choice.rng:
         set_rng_state(train_state["rng"], trainer.device.type)
+    if not choice.progress:
+        return
     trainer.skipped_nonfinite = int(train_state.get("nonfinite_skipped_iterations", 0))
     trainer.progress = Progress(
         iteration=int(train_state["iteration"]),
         consumed_samples=int(train_state["consumed_samples"]),
+    )
+    # The LR schedule counts steps from where the (loaded) optimizer's schedule did; a fresh
+    # optimizer's starts over here, as Megatron-LM's scheduler does under --no-load-optim.
+    trainer.lr_schedule_start = (
+        int(train_state.get("lr_schedule_start", 0))
+        if choice.optimizer
+        else trainer.progress.iteration
     )
 
 

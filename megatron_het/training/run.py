@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, TextIO
 
 from megatron_het.arguments import RunConfig
-from megatron_het.checkpoint.io import load_checkpoint_metadata, remove_stale_staging
+from megatron_het.checkpoint.io import remove_stale_staging
 from megatron_het.cluster.cluster import format_ranks
 from megatron_het.comm.faults import CommError, line_from_bytes, line_to_bytes
 from megatron_het.comm.pending import PENDING
@@ -31,7 +31,7 @@ from megatron_het.launcher.peer_watch import PeerWatch
 from megatron_het.launcher.rank_device import device_problem, rank_device_index
 from megatron_het.launcher.start_agreement import connect_store, stop_together
 from megatron_het.launcher.world import init_world, shutdown_world
-from megatron_het.training.checkpointing import check_save_is_shared, load
+from megatron_het.training.checkpointing import check_save_is_shared, load, resumed_metadata
 from megatron_het.training.describe import (
     describe_cluster,
     describe_iterations,
@@ -380,7 +380,7 @@ def _print_start(trainer: Trainer, emulation: RankEmulation, loaded: str | None)
         if trainer.logger is not None:
             restart = describe_restart(
                 setup,
-                load_checkpoint_metadata(setup.load_dir),
+                resumed_metadata(setup.load_dir, setup.run.train),
                 lambda: predicted_iteration_s(setup),
             )
             if restart:

@@ -16,11 +16,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatron_het.arguments import RunConfig, resolve_model_config
+from megatron_het.arguments import ModelSpec, RunConfig, padded_vocab_size, resolve_model_config
 from megatron_het.checkpoint.io import (
     TRACKER_FILE,
     load_checkpoint_metadata,
     resolve_checkpoint_dir,
+)
+from megatron_het.checkpoint.megatron_load import (
+    check_megatron_model,
+    find_megatron_checkpoint,
+    read_megatron_header,
 )
 from megatron_het.cluster import AcceleratorSpec, ClusterSpec
 from megatron_het.config import ModelConfig, RunOptions, TrainConfig
@@ -110,10 +115,14 @@ def build_datasets(
 
 
 def checkpoint_to_load(train: TrainConfig) -> pathlib.Path | None:
-    """The iteration directory ``--load`` names (None: nothing to load yet)."""
+    """The iteration directory ``--load`` names, ours or Megatron-LM's (None: nothing to load
+    yet)."""
     if train.load is None:
         return None
     path = pathlib.Path(train.load)
+    megatron = find_megatron_checkpoint(path)
+    if megatron is not None:
+        return megatron
     same_as_save = train.save is not None and path.resolve() == pathlib.Path(train.save).resolve()
     if (
         same_as_save
@@ -148,6 +157,46 @@ def check_checkpoint_model(load_dir: pathlib.Path, model_config: ModelConfig) ->
     return model_config
 
 
+def model_to_load(
+    run: RunConfig, load_dir: pathlib.Path | None, tokenizer_vocab_size: int
+) -> ModelConfig:
+    """The run's model: the flags' (or, with ``--use-checkpoint-args``, the checkpoint's with
+    the shape flags given applied), checked against the checkpoint at ``load_dir`` (ours or
+    Megatron-LM's); UserError naming what differs."""
+    seq_length = run.data.seq_length
+    if load_dir is None:
+        return resolve_model_config(run.model, tokenizer_vocab_size, seq_length)
+    megatron = find_megatron_checkpoint(load_dir) is not None
+    if run.train.use_checkpoint_args:
+        if run.model.preset is not None:
+            raise UserError(
+                f"--model {run.model.preset} and --use-checkpoint-args both give the model; "
+                "drop one"
+            )
+        spec = run.model
+        run_vocab = spec.vocab_size or padded_vocab_size(
+            tokenizer_vocab_size, spec.make_vocab_size_divisible_by
+        )
+        saved = (
+            read_megatron_header(load_dir, run_vocab).config
+            if megatron
+            else ModelConfig.from_dict(load_checkpoint_metadata(load_dir)["model_config"])
+        )
+        spec = ModelSpec(
+            preset=None,
+            overrides={**saved.to_dict(), **spec.overrides},
+            vocab_size=spec.vocab_size or saved.vocab_size,
+            make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
+        )
+        configured = resolve_model_config(spec, tokenizer_vocab_size, seq_length)
+    else:
+        configured = resolve_model_config(run.model, tokenizer_vocab_size, seq_length)
+    if not megatron:
+        return check_checkpoint_model(load_dir, configured)
+    header = read_megatron_header(load_dir, configured.vocab_size)
+    return check_megatron_model(load_dir, header.config, configured)
+
+
 def keep_checkpoint_batch(run: RunConfig, load_dir: pathlib.Path) -> RunConfig:
     """``run`` with the checkpoint's global batch where ``--plan auto`` resumes it without
     ``--global-batch-size`` (an elastic restart continues at the same global batch)."""
@@ -173,10 +222,13 @@ def prepare_run(run: RunConfig, world_size: int | None = 1, accelerator: str = "
     """
     data = run.data
     tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size)
-    model_config = resolve_model_config(run.model, tokenizer.vocab_size, data.seq_length)
     load_dir = checkpoint_to_load(run.train)
-    if load_dir is not None:
-        model_config = check_checkpoint_model(load_dir, model_config)
+    model_config = model_to_load(run, load_dir, tokenizer.vocab_size)
+    if (
+        load_dir is not None
+        and not run.train.finetune
+        and find_megatron_checkpoint(load_dir) is None
+    ):
         run = keep_checkpoint_batch(run, load_dir)
     profiles = host_profiles(run.parallel)
     choice = choose_plan(run, model_config, world_size, profiles, accelerator)

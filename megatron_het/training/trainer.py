@@ -82,6 +82,9 @@ class Trainer:
     iteration_times: list[float] = field(default_factory=list)
     stragglers: StragglerMonitor | None = None
     skipped_nonfinite: int = 0
+    # The iteration after which the LR schedule counts its steps from 0: a load that keeps the
+    # iteration but not the optimizer (--no-load-optim) restarts the schedule, as Megatron-LM.
+    lr_schedule_start: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -260,7 +263,7 @@ def train_step(trainer: Trainer, stop_requested: bool) -> bool:
     loss, stopping, table = _run_global_batch(
         trainer, setup.train_data, progress.consumed_samples, False, stop_requested
     )
-    lr = trainer.schedule.lr_at(iteration)
+    lr = trainer.schedule.lr_at(iteration - trainer.lr_schedule_start)
     grad_norm, skipped = _sync_and_step(trainer, iteration, loss, lr)
     progress.iteration = iteration
     progress.consumed_samples += setup.train.global_batch_size

@@ -137,6 +137,38 @@ def test_the_supervisor_relaunches_on_the_devices_left(tmp_path: pathlib.Path) -
     assert len(said) == 1 and "ranks [1] lost" in said[0] and "3 devices left" in said[0]
 
 
+def test_a_resuming_relaunch_drops_the_first_loads_flags(tmp_path: pathlib.Path) -> None:
+    """--finetune / --no-load-optim / --no-load-rng applied to the checkpoint the run started
+    from; a relaunch resuming from the run's own checkpoint must not apply them again."""
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    launched: list[list[str]] = []
+
+    def launch(cmd: list[str], env=None) -> int:
+        launched.append(cmd)
+        if len(launched) < 3:  # each of the first two runs loses a rank
+            if len(launched) == 2:  # the second committed a checkpoint first
+                (save / "latest_checkpointed_iteration.txt").write_text("4")
+            write_failure(save, 7, 4, silent=[len(launched)], stuck=[], failed=[0], line="lost")
+            return 1
+        return 0
+
+    first_load = ["--finetune", "--no-load-optim", "--no-load-rng"]
+    flags = ["--cluster", str(EMULATED), "--save", str(save), "--load", "mlm", *first_load]
+    assert supervise(read_run_flags(flags), {}, launch=launch, say=lambda line: None) == 0
+    runs = [_run_args(cmd) for cmd in launched]
+    # no checkpoint of its own yet: the relaunch starts from the same checkpoint, the same way
+    assert [(r.load, r.finetune, r.no_load_optim, r.no_load_rng) for r in runs[:2]] == [
+        ("mlm", True, True, True)
+    ] * 2
+    assert (runs[2].load, runs[2].finetune, runs[2].no_load_optim, runs[2].no_load_rng) == (
+        str(save),
+        False,
+        False,
+        False,
+    )
+
+
 def test_the_supervisor_stops_without_a_lost_peer_or_restarts(tmp_path: pathlib.Path) -> None:
     save = tmp_path / "ckpt"
     flags = read_run_flags(["--cluster", str(EMULATED), "--save", str(save)])

@@ -1,6 +1,7 @@
 """``--load`` of a Megatron-LM TP 2 x PP 2 checkpoint onto a heterogeneous plan of the emulated
 cluster (stages of different kinds, TP degrees and layer counts): every rank reads the Megatron
-files itself and the first iteration's loss is that of the same weights converted to ours."""
+files itself; the first iteration's loss is that of the same weights converted to ours, and the
+run continues with the losses of the same continuation on one process."""
 
 from __future__ import annotations
 
@@ -29,25 +30,38 @@ def _train_worker(rank: int, world_size: int, argv: list[str]) -> str:
     return out.getvalue()
 
 
-def first_record(path: pathlib.Path) -> dict:
-    return json.loads(path.read_text().splitlines()[0])
+def records(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_megatron_checkpoint_onto_heterogeneous_plan(tmp_path: pathlib.Path) -> None:
     from megatron_het.training.run import pretrain
 
     paths = write_checkpoints(tmp_path)
-    continued = MEGATRON_ITERATION + 1
-    argv = [*TINY, *BATCH, "--cluster", CLUSTER, "--plan", PLAN, "--no-load-optim"]
-    argv += ["--no-load-rng", "--train-iters", str(continued), "--load", str(paths["megatron"])]
+    continued, last = MEGATRON_ITERATION + 1, MEGATRON_ITERATION + 4
+    flags = [*TINY, *BATCH, "--no-load-optim", "--no-load-rng", "--train-iters", str(last)]
+    argv = [*flags, "--cluster", CLUSTER, "--plan", PLAN, "--load", str(paths["megatron"])]
     logs = run_ranks(
         _train_worker, 4, [*argv, "--metrics-file", str(tmp_path / "plan.jsonl")], timeout=120
     )
+    # the same continuation on one process
+    single = [
+        *flags,
+        "--load",
+        str(paths["megatron"]),
+        "--metrics-file",
+        str(tmp_path / "one.jsonl"),
+    ]
+    pretrain(parse_run_config(single))
+    # the first iteration from our converted checkpoint of the same weights
     reference = [*TINY, *BATCH, "--train-iters", "1", "--load", str(paths["converted"])]
-    pretrain(parse_run_config([*reference, "--metrics-file", str(tmp_path / "one.jsonl")]))
-    got, expected = first_record(tmp_path / "plan.jsonl"), first_record(tmp_path / "one.jsonl")
-    assert got["iteration"] == continued and expected["iteration"] == 1
-    assert got["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+    pretrain(parse_run_config([*reference, "--metrics-file", str(tmp_path / "conv.jsonl")]))
+    got, one = records(tmp_path / "plan.jsonl"), records(tmp_path / "one.jsonl")
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in one]
+    assert [r["iteration"] for r in got] == list(range(continued, last + 1))
+    assert got[0]["loss"] == pytest.approx(records(tmp_path / "conv.jsonl")[0]["loss"], abs=1e-6)
+    for mine, theirs in zip(got, one, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=2e-4), mine["iteration"]
     text = "".join(logs)
     assert "(Megatron-LM, --ckpt-format torch, iteration 5)" in text
     assert "emu-slow (emulated)" in text

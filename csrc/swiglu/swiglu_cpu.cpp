@@ -6,13 +6,17 @@
 // once; silu is recomputed from gate in the backward, so the forward saves nothing. Operands
 // are read through their row strides (halves of a fused projection need no copy); outputs are
 // contiguous. The loops are plain code vectorised per ISA variant (common/cpu_dispatch.h); all
-// arithmetic is float32 and each output is rounded once.
+// arithmetic is float32 and each output is rounded once. The 16-bit types go through float32
+// copies of kScratch columns in L1: one loop widens the inputs, one computes, one rounds the
+// outputs. In a single loop, the conversions' constants and the silu arithmetic do not fit the
+// vector registers together (AVX2 has 16), and the spills cost more than the copies.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
 
 #include "common/cpu_dispatch.h"
 #include "swiglu/swiglu_rows.h"
@@ -26,6 +30,9 @@ constexpr const char* kBwd = "swiglu_bwd";
 // Columns per work item: a multiple of every vector width, small enough that a row of 11008
 // columns (7B) gives several items.
 constexpr int64_t kColumnBlock = 2048;
+
+// Columns per float32 copy of the 16-bit types: five copies (the backward's) take 10 KiB.
+constexpr int64_t kScratch = 512;
 
 MH_INLINE float pick(bool c, float a, float b) {
   return float_of(select_bits(c, bits_of(a), bits_of(b)));
@@ -75,18 +82,45 @@ struct FwdArgs {
 };
 
 template <class T>
+MH_INLINE void widen(const typename T::storage* __restrict x, float* __restrict y, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) y[j] = T::load(x[j]);
+}
+
+template <class T>
+MH_INLINE void narrow(const float* __restrict x, typename T::storage* __restrict y, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) y[j] = T::store(x[j]);
+}
+
+// out = silu(g) * u over n float32 columns.
+MH_INLINE void fwd_f32(const float* __restrict g, const float* __restrict u, float* __restrict out,
+                       int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] = silu_of(g[j]).value * u[j];
+}
+
+template <class T>
 MH_INLINE void fwd_items(const FwdArgs& a, int64_t item_begin, int64_t item_end) {
   using S = typename T::storage;
   const Layout& l = a.layout;
   for (int64_t item = item_begin; item < item_end; ++item) {
     int64_t begin, end;
     const int64_t i = item_columns(l, item, &begin, &end);
-    const S* __restrict g = static_cast<const S*>(a.gate) + i * l.gate_stride;
-    const S* __restrict u = static_cast<const S*>(a.up) + i * l.up_stride;
-    S* __restrict out = static_cast<S*>(a.out) + i * l.cols;
-#pragma omp simd
-    for (int64_t j = begin; j < end; ++j) {
-      out[j] = T::store(silu_of(T::load(g[j])).value * T::load(u[j]));
+    const S* g = static_cast<const S*>(a.gate) + i * l.gate_stride;
+    const S* u = static_cast<const S*>(a.up) + i * l.up_stride;
+    S* out = static_cast<S*>(a.out) + i * l.cols;
+    if constexpr (std::is_same_v<T, F32>) {
+      fwd_f32(g + begin, u + begin, out + begin, end - begin);
+    } else {
+      alignas(64) float gf[kScratch], uf[kScratch], outf[kScratch];
+      for (int64_t b = begin; b < end; b += kScratch) {
+        const int64_t n = std::min(kScratch, end - b);
+        widen<T>(g + b, gf, n);
+        widen<T>(u + b, uf, n);
+        fwd_f32(gf, uf, outf, n);
+        narrow<T>(outf, out + b, n);
+      }
     }
   }
 }
@@ -101,6 +135,18 @@ struct BwdArgs {
   void* grad_up;    // contiguous
 };
 
+// grad_gate = d * u * silu'(g) and grad_up = d * silu(g) over n float32 columns.
+MH_INLINE void bwd_f32(const float* __restrict d, const float* __restrict g,
+                       const float* __restrict u, float* __restrict grad_gate,
+                       float* __restrict grad_up, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const Silu s = silu_of(g[j]);
+    grad_gate[j] = d[j] * u[j] * s.slope;
+    grad_up[j] = d[j] * s.value;
+  }
+}
+
 template <class T>
 MH_INLINE void bwd_items(const BwdArgs& a, int64_t item_begin, int64_t item_end) {
   using S = typename T::storage;
@@ -108,17 +154,25 @@ MH_INLINE void bwd_items(const BwdArgs& a, int64_t item_begin, int64_t item_end)
   for (int64_t item = item_begin; item < item_end; ++item) {
     int64_t begin, end;
     const int64_t i = item_columns(l, item, &begin, &end);
-    const S* __restrict d = static_cast<const S*>(a.grad) + i * l.grad_stride;
-    const S* __restrict g = static_cast<const S*>(a.gate) + i * l.gate_stride;
-    const S* __restrict u = static_cast<const S*>(a.up) + i * l.up_stride;
-    S* __restrict grad_gate = static_cast<S*>(a.grad_gate) + i * l.cols;
-    S* __restrict grad_up = static_cast<S*>(a.grad_up) + i * l.cols;
-#pragma omp simd
-    for (int64_t j = begin; j < end; ++j) {
-      const Silu s = silu_of(T::load(g[j]));
-      const float dj = T::load(d[j]);
-      grad_gate[j] = T::store(dj * T::load(u[j]) * s.slope);
-      grad_up[j] = T::store(dj * s.value);
+    const S* d = static_cast<const S*>(a.grad) + i * l.grad_stride;
+    const S* g = static_cast<const S*>(a.gate) + i * l.gate_stride;
+    const S* u = static_cast<const S*>(a.up) + i * l.up_stride;
+    S* grad_gate = static_cast<S*>(a.grad_gate) + i * l.cols;
+    S* grad_up = static_cast<S*>(a.grad_up) + i * l.cols;
+    if constexpr (std::is_same_v<T, F32>) {
+      bwd_f32(d + begin, g + begin, u + begin, grad_gate + begin, grad_up + begin, end - begin);
+    } else {
+      alignas(64) float df[kScratch], gf[kScratch], uf[kScratch];
+      alignas(64) float grad_gate_f[kScratch], grad_up_f[kScratch];
+      for (int64_t b = begin; b < end; b += kScratch) {
+        const int64_t n = std::min(kScratch, end - b);
+        widen<T>(d + b, df, n);
+        widen<T>(g + b, gf, n);
+        widen<T>(u + b, uf, n);
+        bwd_f32(df, gf, uf, grad_gate_f, grad_up_f, n);
+        narrow<T>(grad_gate_f, grad_gate + b, n);
+        narrow<T>(grad_up_f, grad_up + b, n);
+      }
     }
   }
 }

@@ -410,3 +410,24 @@ def test_cross_entropy_empty(device):
     empty = torch.empty(0, 16, device=device)
     ops.cross_entropy_grad_(empty, none, 0, torch.empty(0, device=device), None)
     assert ops.cross_entropy_fused_(empty, none, 0, None).shape == (0,)
+
+
+def test_cross_entropy_grad_on_cpu_is_exp_within_its_contract():
+    """With lse = 0, scale 1 and no label in the chunk, the gradient is exp(logit) itself: the
+    CPU kernels' vectorised exp (csrc/common/cpu_vec.h) against float64 over its whole range:
+    1.2e-7 relative where the result is a normal float32, one subnormal unit below that, 0
+    from -104 down, inf where float64 exp rounds past float32's largest, NaN kept."""
+    ops = kernel_ops()
+    sweep = torch.linspace(-104.0, 89.0, 200_003, dtype=FP64).float()
+    special = [-math.inf, -1e30, -104.5, -104.0, -87.4, -0.0, 0.0, 88.72, 88.73, 88.8, 89.0]
+    x = torch.cat([sweep, torch.tensor([*special, 1e30, math.inf, math.nan, -math.nan])])
+    got = x[None, :].clone()
+    ops.cross_entropy_grad_(got, torch.tensor([-100]), 0, torch.zeros(1), None)
+    got, truth = got[0].double(), x.double().exp()
+    rounded = truth.float().double()
+    normal = (rounded >= torch.finfo(FP32).tiny) & rounded.isfinite()
+    assert ((got - truth).abs() <= 1.2e-7 * truth)[normal].all()
+    subnormal = rounded < torch.finfo(FP32).tiny
+    assert ((got - truth).abs() <= 2.0**-149)[subnormal].all()
+    assert (got[x <= -104.0] == 0.0).all()
+    assert torch.equal(got.isinf(), rounded.isinf()) and torch.equal(got.isnan(), x.isnan())

@@ -55,7 +55,7 @@ from megatron_het.model.compile import _register_traceable_rope
 from megatron_het.model.llama import DecoderLayer
 from megatron_het.model.loss import default_chunk_tokens, use_csrc_cross_entropy
 from megatron_het.model.rope import RotaryEmbedding, apply_rope_qk
-from megatron_het.optim.optimizer import build_optimizer, param_groups
+from megatron_het.optim.optimizer import adamw_implementation, build_optimizer, param_groups
 
 Tensors = tuple[torch.Tensor, ...]
 Call = Callable[[], Tensors]
@@ -393,9 +393,9 @@ def _plain_prepare(function: Callable[..., Tensors]) -> Callable[[Tensors], Call
 def adamw_case(shape: BenchShape, device: str) -> Case:
     """One AdamW step over one decoder layer's float32 parameters (the master weights of a
     bf16 run are float32 too): ours (:func:`~megatron_het.optim.optimizer.build_optimizer`,
-    which is torch's multi-tensor ``foreach`` AdamW on the CPU and its fused one on CUDA; the
-    distributed optimizer steps the same AdamW over its float32 masters) against
-    ``fused=True``. Repeated steps update the same tensors (the cost does not depend on the
+    torch's AdamW as :func:`~megatron_het.optim.optimizer.adamw_implementation` picks it for
+    the device; the distributed optimizer steps the same AdamW over its float32 masters)
+    against ``fused=True``. Repeated steps update the same tensors (the cost does not depend on the
     values)."""
     with torch.device("meta"):
         layer = DecoderLayer(shape.config)
@@ -437,7 +437,7 @@ def adamw_case(shape: BenchShape, device: str) -> Case:
             fused=True,
         )
 
-    kind = "foreach" if device == "cpu" else "fused"
+    kind = next(iter(adamw_implementation(torch.device(device))))
     variants = (
         Variant(
             "ours", f"build_optimizer: AdamW {kind}", stepper(lambda p: build_optimizer(p, config))

@@ -4,8 +4,8 @@ Per op, model shape, dtype and pass (forward, or forward + backward) it times th
 public function with the default kernel choice (``ours``), the same function on its torch
 reference (``eager``, ``KernelChoice.references()``), the plain torch a user would write
 (``formula``, where it differs) and ``torch.compile`` of the reference (``compiled``); also
-SwiGLU (no compiled kernel of ours: is one worth writing?) and one AdamW step over a decoder
-layer's parameters (``foreach``, ours, against ``fused=True``). The cases, their shapes and the
+one AdamW step over a decoder layer's parameters (ours: ``build_optimizer``'s choice, against
+``fused=True``). The cases, their shapes and the
 bytes behind each GB/s figure are listed in :mod:`bench.kernel_cases`.
 
 Method: each case first runs every implementation once on fresh, seeded inputs and checks its

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (requirements.txt)")
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -70,7 +71,10 @@ class SyncTorchDistSave(TorchDistSaveShardedStrategy):
 
 
 def mcore_save(state: dict, directory: pathlib.Path) -> pathlib.Path:
-    directory.mkdir(parents=True)
+    """``state`` saved by every rank of the world into ``directory`` (made by rank 0)."""
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True)
+    dist.barrier()
     dist_checkpointing.save(
         state,
         str(directory),

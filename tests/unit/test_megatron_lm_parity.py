@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import signal
 import types
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -39,26 +40,40 @@ H, F, NH, NG, LAYERS, VOCAB, PADDED, SEQ = 64, 96, 4, 2, 2, 100, 128, 12
 TOKENS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
 
+@contextlib.contextmanager
+def model_parallel(tp: int, pp: int) -> Iterator[None]:
+    """megatron-core's model-parallel state at TP ``tp`` x PP ``pp`` over the current world,
+    made ready for :func:`cpu_forward`, torn down after."""
+    parallel_state.initialize_model_parallel(tp, pp)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.fork = lambda name=None: contextlib.nullcontext()  # dropout is off in eval
+    buffers = parallel_state.get_global_memory_buffer().buffer
+    buffers[("mpu", torch.float32)] = torch.empty(4 * NH * SEQ * SEQ)
+    try:
+        yield
+    finally:
+        del tracker.fork
+        buffers.clear()
+        parallel_state.destroy_model_parallel()
+
+
 @pytest.fixture(scope="module")
 def megatron_world():
     """A one-rank gloo world with megatron-core's model-parallel state, torn down after."""
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    tracker.fork = lambda name=None: contextlib.nullcontext()  # dropout is off in eval
-    buffers = parallel_state.get_global_memory_buffer().buffer
-    buffers[("mpu", torch.float32)] = torch.empty(4 * NH * SEQ * SEQ)
-    yield
-    del tracker.fork
-    buffers.clear()
-    parallel_state.destroy_model_parallel()
+    with model_parallel(1, 1):
+        yield
     if owned:
         dist.destroy_process_group()
 
 
 def megatron_model(tied: bool) -> GPTModel:
+    """This rank's part of the GPTModel at megatron-core's current TP and PP degrees (the
+    vocabulary padded to ``PADDED`` x TP, as Megatron-LM pads it)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     config = TransformerConfig(
         num_layers=LAYERS,
         hidden_size=H,
@@ -74,15 +89,20 @@ def megatron_model(tied: bool) -> GPTModel:
         attention_dropout=0.0,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
     )
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=PADDED,
+        vocab_size=PADDED * tp,
         max_sequence_length=64,
         position_embedding_type="rope",
         rotary_base=10000,
         share_embeddings_and_output_weights=tied,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     return model.eval()
 

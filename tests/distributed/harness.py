@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import multiprocessing
 import os
 import pickle
 import time
@@ -130,6 +131,7 @@ def run_ranks(
     *args: Any,
     timeout: float = 60,
     backend: str | None = "gloo",
+    start_method: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` in ``world_size`` forked workers.
@@ -141,14 +143,17 @@ def run_ranks(
     in), except where a forked child could not run torch
     (:func:`~megatron_het.perf.measure.worker_processes.fork_is_safe`: CUDA initialised here, or a GPU
     visible to autograd): the workers are spawned then and ``fn`` and its arguments must be
-    picklable (RuntimeError before any worker starts otherwise). Its return value must be
+    picklable (RuntimeError before any worker starts otherwise). ``start_method="spawn"``
+    spawns them anyway, for code that cannot run in a fork of this process (megatron-core,
+    once this process has set up its model-parallel state). Its return value must be
     picklable.
 
     Returns the return values ordered by rank. Raises :class:`RankFailure` naming every rank that
     raised (with its traceback) or that had not finished after ``timeout`` seconds (those are
     killed).
     """
-    ctx = process_context()  # fork where it is safe (it initialises nothing), else spawn
+    # fork where it is safe (it initialises nothing), else spawn
+    ctx = multiprocessing.get_context(start_method) if start_method else process_context()
     if ctx.get_start_method() == "spawn":
         _check_spawnable(fn, args, kwargs)
     port = free_port()

@@ -173,7 +173,9 @@ def runs(tmp_path_factory) -> tuple[pathlib.Path, dict[str, torch.Tensor], torch
             convert(
                 "megatron_het", "megatron", root / "ours", target, "--ckpt-format", fmt, *degrees
             )
-    per_rank = run_ranks(_megatron_core_worker, 2, root, timeout=60)
+    # Spawned: megatron-core hangs or crashes setting up its model-parallel state in a fork of
+    # a process that set it up before (the unit tests' one-rank world, in the same worker).
+    per_rank = run_ranks(_megatron_core_worker, 2, root, timeout=60, start_method="spawn")
     logits = {key: value for held in per_rank for key, value in held.items()}
     return root, logits, ours
 

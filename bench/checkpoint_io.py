@@ -1,37 +1,51 @@
-"""Checkpoint I/O: write and read GB/s of sharded checkpoints, and what --async-save costs.
+"""Checkpoint I/O: write and read GB/s of sharded checkpoints, ours against
+torch.distributed.checkpoint (DCP), what background saves cost, and Megatron-LM conversion.
 
-Two measurements, printed as one JSON object (the last line) with the conditions:
+Three measurements, printed as one JSON object (the last line) with the conditions:
 
 * ``io``: a model of a few hundred MB (float32 weights, plus Adam moments: the checkpoint is about
-  3x the weights) saved with ``save_sharded`` and loaded back with ``load_sharded`` by a one-rank
-  plan and by a 2-rank plan (pp=2), each rank a forked gloo process. A load checks every opened
-  file's size and sha256-verifies each tensor piece it reads (not whole files), so it hashes
-  only what it reads: ``read_gb`` (tensor bytes read, all ranks) and ``verified_gb`` (bytes
-  hashed) say how much that was against ``checkpoint_gb``. Write GB/s = the checkpoint's bytes /
-  the slowest rank's time, read GB/s = ``read_gb`` / the slowest rank's time; medians over
-  ``--rounds``. The 2-rank plan also loads the one-rank plan's checkpoint (``resharded``: each
-  rank reads only its stage's pieces). The files were just written, so reads come from the page
-  cache (a figure for the code's own cost, not the disk's); ``sha256_gbps`` is one core's
-  hashing rate.
+  3x the weights) saved and loaded back by a one-rank plan and by a 2-rank plan (pp=2), each rank
+  a forked gloo process, in each format ``--format`` names, rounds alternating the formats:
+  ``ours`` (``save_sharded`` / ``load_sharded``) and ``dcp1``, ``dcp2`` (``dcp.save`` with a
+  ``FileSystemWriter`` of 1 and 2 threads, ``dcp.load`` into preallocated tensors; the same
+  tensors under global names, :mod:`bench.checkpoint_dcp`). Our load checks every opened file's
+  size and sha256-verifies each tensor piece it reads (not whole files), so it hashes only what
+  it reads: ``read_gb`` (tensor bytes read, all ranks) and ``verified_gb`` (bytes hashed) say how
+  much that was against ``checkpoint_gb``. DCP checks nothing; what our per-piece sha256 would
+  add on top of it is timed apart (``sha256_s_per_gb`` at save, ``verify_s_per_gb`` at load, in
+  core-seconds per GB; ``*_with_sha256``: GB/s with the hashing after the write or the read).
+  Write GB/s = the checkpoint's bytes / the slowest rank's time, read GB/s = ``read_gb`` / the
+  slowest rank's time; medians over ``--rounds``. The 2-rank plan also loads the one-rank
+  plan's checkpoints (``resharded``: each rank reads only its stage's pieces; DCP by names).
+  The files were just written, so reads come from the page cache (a figure for the code's own
+  cost, not the disk's); ``sha256_gbps`` is one core's hashing rate.
 * ``async_overhead``: the demo's model preset and save interval (``small``, every 100
   iterations, sequence 256, global batch 8), trained in this process for 2 save intervals with
-  synchronous saves, with ``--async-save`` and without saving (``--overhead-io-model``: the io
-  model instead, so that a save costs as much as several iterations). Iteration time = the loop's
-  time from the end of iteration 1 (the process warms up in it) to the last save point, over
-  the iterations in between: it holds one save (the final one, alike in every run, is left
-  out). Medians over ``--runs`` alternating runs; ``ratio_async_vs_sync`` < 1
-  means background saves cost training less than synchronous ones.
+  synchronous saves, with ``--async-save``, with ``dcp.async_save`` of the same state (a gloo
+  group of its own, the tracker written when its future is done) and without saving
+  (``--overhead-io-model``: the io model instead, so that a save costs as much as several
+  iterations). Iteration time = the loop's time from the end of iteration 1 (the process warms
+  up in it) to the last save point, over the iterations in between: it holds one save (the
+  final one, alike in every run, is left out). ``stall_s_per_save``: how long each save held
+  the training thread (the median of every save). Medians over ``--runs`` alternating runs;
+  ``ratio_async_vs_sync`` < 1 means background saves cost training less than synchronous ones.
+* ``megatron_conversion`` (:mod:`bench.checkpoint_conversion`): seconds and GB/s to convert a
+  Megatron-LM checkpoint (legacy TP 2 x PP 2, and torch_dist) of a ~1 GB bf16 state to ours
+  and back with ``tools/convert_checkpoint.py``'s functions.
 
-    .venv/bin/python -m bench.checkpoint_io                      # the full measurement
+    .venv/bin/python -m bench.checkpoint_io                      # everything (~15 minutes)
     .venv/bin/python -m bench.checkpoint_io --hidden-size 256 --vocab-size 4096 --rounds 1 \\
-        --save-interval 5 --runs 1                                # a smoke run (< 1 minute)
+        --save-interval 5 --runs 1 --conversion-hidden-size 256 --conversion-layers 2
+                                                                  # a smoke run (< 1 minute)
     .venv/bin/python -m bench.checkpoint_io --skip-io --overhead-io-model --save-interval 10
                                                                   # saves that weigh
+    .venv/bin/python -m bench.checkpoint_io --megatron-conversion # the conversion part only
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -47,6 +61,8 @@ from typing import Any
 
 import torch
 
+from bench import checkpoint_dcp
+from bench.checkpoint_conversion import measure_conversion
 from megatron_het.checkpoint.integrity import files_total_bytes
 from megatron_het.checkpoint.reader import ReadStats
 from megatron_het.checkpoint.verify import read_metadata_file
@@ -62,7 +78,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden-size", type=int, default=1024)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=16384)
-    p.add_argument("--rounds", type=int, default=3, help="save+load rounds per plan")
+    p.add_argument(
+        "--format",
+        choices=("ours", "dcp", "both"),
+        default="both",
+        help="io and overhead parts: our checkpoint format, torch.distributed.checkpoint "
+        "(DCP), or both, rounds alternating",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3, help="save+load rounds per plan (and conversion rounds)"
+    )
     p.add_argument(
         "--save-interval",
         type=int,
@@ -72,6 +97,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="overhead runs per mode")
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--skip-io", action="store_true")
+    p.add_argument("--skip-conversion", action="store_true")
+    p.add_argument(
+        "--megatron-conversion",
+        action="store_true",
+        help="run the megatron_conversion part only (a default run includes it)",
+    )
+    p.add_argument(
+        "--conversion-hidden-size",
+        type=int,
+        default=2048,
+        help="megatron_conversion: hidden size (TinyLlama-1.1B's proportions)",
+    )
+    p.add_argument("--conversion-layers", type=int, default=8, help="megatron_conversion: layers")
+    p.add_argument(
+        "--conversion-dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="megatron_conversion: the state's dtype (bf16: 8 layers make 0.97 GB)",
+    )
     p.add_argument(
         "--overhead-io-model",
         action="store_true",
@@ -128,6 +172,71 @@ def _timed_load(load: Any) -> dict[str, float]:
     }
 
 
+def formats_of(args: argparse.Namespace) -> list[str]:
+    """The io part's formats in round order: ``ours``, ``dcp1``, ``dcp2`` (DCP with 1 and 2
+    writer threads), as ``--format`` picks."""
+    dcp = [f"dcp{t}" for t in checkpoint_dcp.THREAD_COUNTS]
+    return {"ours": ["ours"], "dcp": dcp, "both": ["ours", *dcp]}[args.format]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankState:
+    """One io rank's state: its stage, plan, groups and the same tensors for both formats."""
+
+    config: ModelConfig
+    plan: ParallelPlan
+    groups: Any
+    stage: Any
+    optimizer: dict[str, dict[str, Any]]
+
+    def dcp(self, iteration: int) -> dict[str, Any]:
+        model = {n: p.detach() for n, p in self.stage.named_parameters()}
+        return checkpoint_dcp.dcp_state(
+            model, self.optimizer, {"iteration": iteration, "consumed_samples": 0}
+        )
+
+
+def _ours_round(
+    state: _RankState, root: pathlib.Path, iteration: int, reshard_from: str | None
+) -> dict[str, Any]:
+    """One save + load round of our format on this rank (collective)."""
+    from megatron_het.checkpoint.sharded import load_sharded, save_sharded
+
+    config, plan, groups, stage = state.config, state.plan, state.groups, state.stage
+    save_dir = root / "ours"
+    groups.world.barrier()
+    start = time.perf_counter()
+    path = save_sharded(
+        save_dir,
+        iteration,
+        config,
+        plan,
+        groups,
+        stage,
+        state.optimizer,
+        {"iteration": iteration, "consumed_samples": 0},
+    )
+    write_s = time.perf_counter() - start
+    groups.world.barrier()
+    row = {
+        "write_s": write_s,
+        "bytes": files_total_bytes(read_metadata_file(path) or {}),
+        "read": _timed_load(
+            lambda stats: load_sharded(save_dir, config, plan, groups, stage, stats=stats)
+        ),
+    }
+    groups.world.barrier()
+    if reshard_from is not None:
+        source = pathlib.Path(reshard_from) / "ours"
+        row["resharded"] = _timed_load(
+            lambda stats: load_sharded(source, config, plan, groups, stage, stats=stats)
+        )
+        groups.world.barrier()
+    if groups.world.rank == 0 and iteration > 1:
+        shutil.rmtree(save_dir / f"iter_{iteration - 1:07d}", ignore_errors=True)
+    return row
+
+
 def _io_rank(
     rank: int,
     world_size: int,
@@ -141,7 +250,6 @@ def _io_rank(
 
     import torch.distributed as dist
 
-    from megatron_het.checkpoint.sharded import load_sharded, save_sharded
     from megatron_het.comm import UnifiedCommunicator
     from megatron_het.parallel.process_groups import build_process_groups
     from megatron_het.pipeline.stage import build_stage
@@ -162,45 +270,36 @@ def _io_rank(
         n: {"step": 1, "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
         for n, p in stage.named_parameters()
     }
-    rows = []
+    state = _RankState(config, plan, groups, stage, optimizer)
+    formats, rows = formats_of(args), []
     for round_index in range(args.rounds):
-        comm.barrier()
-        start = time.perf_counter()
-        path = save_sharded(
-            root,
-            round_index + 1,
-            config,
-            plan,
-            groups,
-            stage,
-            optimizer,
-            {"iteration": round_index + 1, "consumed_samples": 0},
-        )
-        write_s = time.perf_counter() - start
-        comm.barrier()
-        row = {
-            "write_s": write_s,
-            "bytes": files_total_bytes(read_metadata_file(path) or {}),
-            "read": _timed_load(
-                lambda stats: load_sharded(root, config, plan, groups, stage, stats=stats)
-            ),
-        }
-        comm.barrier()
-        if reshard_from is not None:
-            row["resharded"] = _timed_load(
-                lambda stats: load_sharded(reshard_from, config, plan, groups, stage, stats=stats)
-            )
-            comm.barrier()
+        row = {}
+        # Rounds alternate the formats and rotate which goes first: the host's drift and the
+        # page cache's state hit every format alike.
+        shift = round_index % len(formats)
+        for fmt in formats[shift:] + formats[:shift]:
+            if fmt == "ours":
+                row[fmt] = _ours_round(state, pathlib.Path(root), round_index + 1, reshard_from)
+            else:
+                source = None
+                if reshard_from is not None:  # the other plan keeps its last round's save
+                    source = pathlib.Path(reshard_from) / fmt / f"iter_{args.rounds:07d}"
+                row[fmt] = checkpoint_dcp.plan_round(
+                    state.dcp(round_index + 1),
+                    pathlib.Path(root) / fmt,
+                    int(fmt.removeprefix("dcp")),
+                    round_index + 1,
+                    source,
+                    groups.world,
+                )
         rows.append(row)
-        if rank == 0 and round_index > 0:
-            shutil.rmtree(pathlib.Path(root) / f"iter_{round_index:07d}", ignore_errors=True)
     dist.destroy_process_group()
     queue.put((rank, rows))
 
 
 def _reads(rounds: list, key: str) -> dict[str, Any]:
     """Read GB/s (bytes read by all ranks / the slowest rank's time), GB read and GB verified
-    of the loads ``key`` (read | resharded), medians over the rounds."""
+    of our loads ``key`` (read | resharded), medians over the rounds."""
     gbps = [
         sum(row[key]["bytes"] for row in rows) / _GB / max(row[key]["s"] for row in rows)
         for rows in rounds
@@ -214,6 +313,21 @@ def _reads(rounds: list, key: str) -> dict[str, Any]:
     }
 
 
+def _ours_figures(rounds: list, resharded: bool) -> dict[str, Any]:
+    """Our format's figures from its rows (one tuple of ranks' rows per round)."""
+    nbytes = rounds[0][0]["bytes"]
+    write = [nbytes / _GB / max(row["write_s"] for row in rows) for rows in rounds]
+    out = {
+        "checkpoint_gb": round(nbytes / _GB, 3),
+        "write_gbps": round(statistics.median(write), 3),
+        **_reads(rounds, "read"),
+        "write_gbps_rounds": [round(v, 3) for v in write],
+    }
+    if resharded:
+        out["resharded"] = _reads(rounds, "resharded")
+    return out
+
+
 def measure_plan(
     world_size: int,
     args: argparse.Namespace,
@@ -221,9 +335,10 @@ def measure_plan(
     reshard_from: pathlib.Path | None = None,
     keep: bool = False,
 ) -> dict:
-    """Write/read GB/s of ``world_size`` forked ranks (pp plan), medians over the rounds; also
-    the load of the checkpoint in ``reshard_from`` (another plan's save directory) when given.
-    ``keep`` leaves this plan's save directory (``root/plan<world_size>``) in place."""
+    """Write/read GB/s of ``world_size`` forked ranks (pp plan) in each of :func:`formats_of`,
+    medians over the rounds; also the load of the checkpoints in ``reshard_from`` (another
+    plan's directory, its last round) when given. ``keep`` leaves this plan's directory
+    (``root/plan<world_size>``) in place."""
     port = free_loopback_port()
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
@@ -240,25 +355,16 @@ def measure_plan(
         proc.join()
     if not keep:
         shutil.rmtree(target, ignore_errors=True)
-    rounds = list(zip(*(results[r] for r in range(world_size))))
-    nbytes = rounds[0][0]["bytes"]
-    write = [nbytes / _GB / max(row["write_s"] for row in rows) for rows in rounds]
-    out = {
-        "ranks": world_size,
-        "checkpoint_gb": round(nbytes / _GB, 3),
-        "write_gbps": round(statistics.median(write), 3),
-        **_reads(rounds, "read"),
-        "write_gbps_rounds": [round(v, 3) for v in write],
-    }
+    out: dict[str, Any] = {"ranks": world_size}
     if reshard_from is not None:
-        source_bytes = files_total_bytes(
-            read_metadata_file(reshard_from / f"iter_{args.rounds:07d}") or {}
-        )
-        out["resharded"] = {
-            "from": reshard_from.name,
-            "source_checkpoint_gb": round((source_bytes or 0) / _GB, 3),
-            **_reads(rounds, "resharded"),
-        }
+        out["resharded_from"] = reshard_from.name
+    for fmt in formats_of(args):
+        rounds = [
+            tuple(row[fmt] for row in rows)
+            for rows in zip(*(results[r] for r in range(world_size)))
+        ]
+        figures = _ours_figures if fmt == "ours" else checkpoint_dcp.figures
+        out[fmt] = figures(rounds, reshard_from is not None)
     return out
 
 
@@ -296,11 +402,20 @@ DEMO_RUN = [
     "--log-interval",
     "100000",
 ]
-MODES = ("sync", "async", "none")
 
 
-def _overhead_run(mode: str, args: argparse.Namespace, root: pathlib.Path) -> float:
-    """Seconds per iteration of one run (see the module doc), in this process."""
+def overhead_modes(args: argparse.Namespace) -> tuple[str, ...]:
+    """The overhead runs' modes for ``--format``: our synchronous and background saves, DCP's
+    ``dcp.async_save`` (``dcp_async``) and no saves."""
+    ours, dcp = ("sync", "async"), ("dcp_async",)
+    return {"ours": ours, "dcp": dcp, "both": ours + dcp}[args.format] + ("none",)
+
+
+def _overhead_run(
+    mode: str, args: argparse.Namespace, root: pathlib.Path
+) -> tuple[float, list[float]]:
+    """Seconds per iteration of one run (see the module doc) and the seconds each save held
+    the training thread, in this process."""
     from megatron_het.arguments import parse_run_config
     from megatron_het.comm import UnifiedCommunicator
     from megatron_het.launcher.world import init_world, shutdown_world
@@ -311,17 +426,32 @@ def _overhead_run(mode: str, args: argparse.Namespace, root: pathlib.Path) -> fl
     from megatron_het.training.trainer import build_trainer
 
     class TimedSaver(CheckpointSaver):
+        """The run's saver, timed; in ``dcp_async`` mode DCP's background saves instead."""
+
         first_poll: float | None = None  # the end of iteration 1 (the process warms up)
         last_save_point = 0.0
+        dcp_saves: checkpoint_dcp.DcpAsyncSaves | None = None
 
         def poll(self) -> None:
             if self.first_poll is None:
                 self.first_poll = time.perf_counter()
-            super().poll()
+            self.dcp_saves.poll() if self.dcp_saves else super().poll()
 
         def save(self) -> pathlib.Path | None:
             self.last_save_point = time.perf_counter()
-            return super().save()
+            if self.dcp_saves is None:
+                path = super().save()
+            else:
+                state = checkpoint_dcp.trainer_state(self.trainer)
+                path = self.dcp_saves.start(state, self.trainer.progress.iteration)
+            stalls.append(time.perf_counter() - self.last_save_point)
+            return path
+
+        def finish(self) -> None:
+            self.dcp_saves.finish() if self.dcp_saves else super().finish()
+
+        def close(self) -> None:
+            self.dcp_saves.close() if self.dcp_saves else super().close()
 
     iterations, save = 2 * args.save_interval, root / f"overhead-{mode}"
     argv = [*DEMO_RUN, "--train-iters", str(iterations), *_overhead_model(args)]
@@ -331,14 +461,18 @@ def _overhead_run(mode: str, args: argparse.Namespace, root: pathlib.Path) -> fl
         argv.append("--async-save")
     setup = prepare_run(parse_run_config(argv), 1)
     init_world(None, device_type="cpu")
+    stalls: list[float] = []
     try:
         trainer = build_trainer(setup, UnifiedCommunicator.from_cluster(setup.cluster))
         saver = TimedSaver(trainer)
+        if mode == "dcp_async":
+            saver.dcp_saves = checkpoint_dcp.DcpAsyncSaves(save)
         try:
             train(trainer, StopRequest(), saver=saver)
         finally:
             trainer.optimizer.close()
-        return (saver.last_save_point - saver.first_poll) / (iterations - 1)
+        assert saver.first_poll is not None  # the loop polls after every iteration
+        return (saver.last_save_point - saver.first_poll) / (iterations - 1), stalls
     finally:
         shutdown_world()
         shutil.rmtree(save, ignore_errors=True)
@@ -364,63 +498,87 @@ def _overhead_model(args: argparse.Namespace) -> list[str]:
 
 
 def measure_overhead(args: argparse.Namespace, root: pathlib.Path) -> dict:
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    modes = overhead_modes(args)
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    stalls: dict[str, list[float]] = {mode: [] for mode in modes if mode != "none"}
     for _ in range(args.runs):
-        for mode in MODES:  # alternating, so drift of the host hits every mode alike
-            times[mode].append(_overhead_run(mode, args, root))
+        for mode in modes:  # alternating, so drift of the host hits every mode alike
+            seconds, held = _overhead_run(mode, args, root)
+            times[mode].append(seconds)
+            stalls.get(mode, []).extend(held)
     median = {mode: statistics.median(values) for mode, values in times.items()}
-    model = "io model" if args.overhead_io_model else "small"
+    ratios = {
+        f"ratio_{a}_vs_{b}": round(median[a] / median[b], 4)
+        for a, b in (
+            ("async", "sync"),
+            ("sync", "none"),
+            ("async", "none"),
+            ("dcp_async", "none"),
+            ("dcp_async", "async"),
+        )
+        if a in median and b in median
+    }
     return {
-        "model": model,
+        "model": "io model" if args.overhead_io_model else "small",
         "save_interval": args.save_interval,
         "iterations_per_run": 2 * args.save_interval,
         "runs": args.runs,
         "iteration_s": {m: round(v, 5) for m, v in median.items()},
         "iteration_s_runs": {m: [round(v, 5) for v in vs] for m, vs in times.items()},
-        "ratio_async_vs_sync": round(median["async"] / median["sync"], 4),
-        "ratio_sync_vs_none": round(median["sync"] / median["none"], 4),
-        "ratio_async_vs_none": round(median["async"] / median["none"], 4),
+        "stall_s_per_save": {m: round(statistics.median(v), 4) for m, v in stalls.items()},
+        "stall_s_saves": {m: [round(x, 4) for x in v] for m, v in stalls.items()},
+        **ratios,
+    }
+
+
+def _conditions(args: argparse.Namespace, root: pathlib.Path) -> dict[str, Any]:
+    config = io_model(args)
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_average": [round(v, 2) for v in os.getloadavg()],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dir": str(root),
+        "format": args.format,
+        "io_model_parameters": config.num_parameters(),
+        "io_model_weights_gb": round(config.num_parameters() * 4 / _GB, 3),
+        "io_model": {
+            "hidden_size": config.hidden_size,
+            "num_layers": config.num_layers,
+            "vocab_size": config.vocab_size,
+        },
+        "reads": "page cache (just written); ours: every opened file's size checked, every "
+        "tensor piece read sha256-verified (files are not hashed whole): see read_gb / "
+        "verified_gb; DCP: as DCP reads (no check), and *_with_sha256 with our digests",
+        "dcp_writer": "FileSystemWriter(sync_files=True, single_file_per_rank=True), "
+        "dcpN: thread_count N",
+        "overhead_run": "one process, mock data, "
+        + ("the io model" if args.overhead_io_model else "the demo's small preset"),
     }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    config = io_model(args)
     root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
+    only_conversion = args.megatron_conversion
     try:
         result: dict[str, Any] = {
             "benchmark": "checkpoint_io",
-            "conditions": {
-                "host": platform.node(),
-                "cpus": os.cpu_count(),
-                "torch": torch.__version__,
-                "threads": torch.get_num_threads(),
-                "dir": str(root),
-                "io_model_parameters": config.num_parameters(),
-                "io_model_weights_gb": round(config.num_parameters() * 4 / _GB, 3),
-                "io_model": {
-                    "hidden_size": config.hidden_size,
-                    "num_layers": config.num_layers,
-                    "vocab_size": config.vocab_size,
-                },
-                "reads": "page cache (just written); every opened file's size "
-                "checked, every tensor piece read sha256-verified (files "
-                "are not hashed whole): see read_gb / verified_gb",
-                "overhead_run": "one process, mock data, "
-                + ("the io model" if args.overhead_io_model else "the demo's small preset"),
-            },
+            "conditions": _conditions(args, root),
             "sha256_gbps": sha256_gbps(),
-            "io": []
-            if args.skip_io
-            else [
+        }
+        if not (args.skip_io or only_conversion):
+            result["io"] = [
                 measure_plan(1, args, root, keep=True),
                 measure_plan(2, args, root, reshard_from=root / "plan1"),
-            ],
-        }
-        shutil.rmtree(root / "plan1", ignore_errors=True)
-        if not args.skip_overhead:
+            ]
+            shutil.rmtree(root / "plan1", ignore_errors=True)
+        if not (args.skip_overhead or only_conversion):
             result["async_overhead"] = measure_overhead(args, root)
+        if not args.skip_conversion or only_conversion:
+            result["megatron_conversion"] = measure_conversion(args, root)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -246,9 +246,19 @@ def commit_checkpoint(
     Side effects: replaces an existing directory of the same iteration; the tracker file is
     replaced atomically last.
     """
-    root = pathlib.Path(save_dir)
     _write_json(metadata, staging / METADATA_FILE)
     fsync_dir(staging)
+    return publish_iteration(staging, save_dir, iteration)
+
+
+def publish_iteration(staging: pathlib.Path, save_dir: PathLike, iteration: int) -> pathlib.Path:
+    """Move the complete, fsync'ed ``staging`` directory to ``iter_XXXXXXX`` and point the
+    tracker at it; returns the directory.
+
+    Side effects: replaces an existing directory of the same iteration; the tracker file is
+    replaced atomically last.
+    """
+    root = pathlib.Path(save_dir)
     final = root / iteration_dir_name(iteration)
     trash = None
     if final.exists():

@@ -23,10 +23,8 @@ import argparse
 import collections
 import io
 import json
-import os
 import pathlib
 import pickle
-import shutil
 import signal
 import types
 from dataclasses import dataclass
@@ -38,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from megatron_het.checkpoint.io import fsync_dir
+from megatron_het.checkpoint.io import fsync_dir, publish_iteration
 from megatron_het.checkpoint.names import TRACKER_FILE, iteration_dir_name
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
@@ -252,25 +250,11 @@ def check_complete(state: dict[str, torch.Tensor], cfg: ModelConfig, source: str
 
 
 def commit_iteration(staging: pathlib.Path, root: pathlib.Path, iteration: int) -> pathlib.Path:
-    """Rename the finished (fsync'ed) ``staging`` directory to ``root``'s ``iter_XXXXXXX``
-    (replacing one of the same iteration), then write the tracker; returns the directory."""
-    final = root / iteration_dir_name(iteration)
-    old = None
-    if final.exists():
-        old = staging.with_name(staging.name + ".old")
-        os.replace(final, old)
-    os.replace(staging, final)
-    fsync_dir(root)
-    tracker_tmp = root / f".{TRACKER_FILE}.tmp"
-    with open(tracker_tmp, "w", encoding="utf-8") as handle:
-        handle.write(f"{iteration}\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tracker_tmp, root / TRACKER_FILE)
-    fsync_dir(root)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    """Rename the finished ``staging`` directory to ``root``'s ``iter_XXXXXXX`` (replacing one
+    of the same iteration), then write the tracker, as our own saves commit; returns the
+    directory."""
+    fsync_dir(staging)
+    return publish_iteration(staging, root, iteration)
 
 
 # ---- .metadata without running code ----------------------------------------------------------

@@ -3,7 +3,7 @@
 Every rank writes its pieces and one rank commits (:mod:`megatron_het.checkpoint.sharded`); a
 load reads this rank's slices from a checkpoint of any plan, or of a single process in the
 format written before every run became a plan (full tensors, the optimizer state by name in the
-training state), or a Megatron-LM legacy save (:mod:`megatron_het.checkpoint.megatron_load`),
+training state), or a Megatron-LM save (:mod:`megatron_het.checkpoint.megatron_load`),
 and continues at its iteration, data position and RNG state, or restores less as Megatron-LM's
 ``--finetune``, ``--no-load-optim`` and ``--no-load-rng`` say (:func:`load_choice`).
 

@@ -39,20 +39,16 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron_het import load_pretrained
 from megatron_het.checkpoint.io import save_checkpoint
 from megatron_het.checkpoint.reader import load_model_state
-from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 from megatron_het.model.llama import build_model
 from tests.unit.test_megatron_lm_parity import (
-    LAYERS,
-    NG,
-    NH,
     TOKENS,
     VOCAB,
-    F,
     H,
     cpu_forward,
     megatron_args,
     megatron_model,
+    our_config,
 )
 from tests.unit.test_megatron_lm_parity import megatron_world as megatron_world  # a fixture
 from tools import convert_checkpoint
@@ -113,21 +109,6 @@ def convert(source: str, target: str, load: pathlib.Path, save: pathlib.Path, *f
     convert_checkpoint.main(
         ["--source-format", source, "--target-format", target]
         + ["--load-dir", str(load), "--save-dir", str(save), *flags]
-    )
-
-
-def our_config(tied: bool) -> ModelConfig:
-    return ModelConfig(
-        num_layers=LAYERS,
-        hidden_size=H,
-        ffn_hidden_size=F,
-        num_attention_heads=NH,
-        num_query_groups=NG,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        norm_eps=1e-5,
-        tie_embeddings=tied,
     )
 
 

@@ -151,6 +151,22 @@ def megatron_args(tied: bool) -> argparse.Namespace:
     )
 
 
+def our_config(tied: bool) -> ModelConfig:
+    """Our model of the same shape as :func:`megatron_model`."""
+    return ModelConfig(
+        num_layers=LAYERS,
+        hidden_size=H,
+        ffn_hidden_size=F,
+        num_attention_heads=NH,
+        num_query_groups=NG,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_embeddings=tied,
+    )
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_megatron_core_to_ours(tmp_path, megatron_world, tied: bool) -> None:
     torch.manual_seed(5)
@@ -181,17 +197,7 @@ def test_megatron_core_to_ours(tmp_path, megatron_world, tied: bool) -> None:
 
 
 def test_ours_to_megatron_core(tmp_path, megatron_world) -> None:
-    cfg = ModelConfig(
-        num_layers=LAYERS,
-        hidden_size=H,
-        ffn_hidden_size=F,
-        num_attention_heads=NH,
-        num_query_groups=NG,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        norm_eps=1e-5,
-    )
+    cfg = our_config(tied=False)
     ours = build_model(cfg, seed=11).eval()
     save_checkpoint(tmp_path / "ours", 4, cfg, ours.state_dict())
     convert_checkpoint.main(

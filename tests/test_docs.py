@@ -49,7 +49,9 @@ OTHER_PROGRAM_FLAGS = {
     "pytest": {"--collect-only", "--durations", "--maxfail", "--last-failed", "--dist"},
     "pip": {"--no-deps", "--no-build-isolation", "--editable", "--upgrade", "--index-url"},
     "tensorboard": {"--logdir", "--port", "--bind_all"},
-    "pretrain_gpt.py": {"--use-checkpoint-args", "--finetune", "--no-load-optim", "--no-load-rng"},
+    "pretrain_gpt.py": {"--use-checkpoint-args", "--finetune", "--no-load-optim", "--no-load-rng",
+                        "--dist-ckpt-optim-fully-reshardable", "--ckpt-convert-format",
+                        "--override-opt_param-scheduler"},
 }  # fmt: skip
 # make variables whose value is another program's command line
 MAKE_ARGUMENT_VARIABLES = {

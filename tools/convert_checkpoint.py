@@ -7,10 +7,11 @@ reshard them.
         --load-dir SAVE_DIR [--iteration N] --save-dir HF_OUT \\
         [--tokenizer-model M.model | --no-tokenizer]
     python tools/convert_checkpoint.py --source-format megatron --target-format megatron_het \\
-        --load-dir MLM_SAVE [--iteration N] [--vocab-size V] --save-dir OUT
+        --load-dir MLM_SAVE [--iteration N] [--vocab-size V] --save-dir OUT [--with-optimizer]
     python tools/convert_checkpoint.py --source-format megatron_het --target-format megatron \\
         --load-dir SAVE_DIR --save-dir MLM_OUT [--target-tensor-parallel-size T] \\
-        [--target-pipeline-parallel-size P] [--megatron-naming local|te]
+        [--target-pipeline-parallel-size P] [--megatron-naming local|te] \\
+        [--ckpt-format torch_dist [--with-optimizer [--use-distributed-optimizer]]]
     python tools/convert_checkpoint.py --mode reshard --load-dir SAVE_DIR [--iteration N] \\
         --save-dir OUT --target-plan plan.json
 
@@ -33,10 +34,15 @@ TP/PP degree and written for ``--target-tensor-parallel-size`` and
 ``--target-pipeline-parallel-size`` with megatron-core's local-spec names or (``--megatron-naming
 te``) Transformer Engine's; or, with ``--ckpt-format torch_dist``, megatron-core's
 dist_checkpointing layout (iter_NNNNNNN/metadata.json, common.pt, .metadata, *.distcp), whose
-global tensors Megatron-LM loads at any TP/PP. Only the model weights are converted: optimizer
-state is not (yet), so an imported run starts as a model-only checkpoint at iteration 0; an
-exported legacy one loads in Megatron-LM with ``--finetune`` or ``--no-load-optim
---no-load-rng``, a torch_dist one as it is (its args say no optimizer or RNG state was saved).
+global tensors Megatron-LM loads at any TP/PP. By default only the model weights are converted:
+an imported run starts as a model-only checkpoint at iteration 0; an exported legacy one loads in
+Megatron-LM with ``--finetune`` or ``--no-load-optim --no-load-rng``, a torch_dist one as it is
+(its args say no optimizer or RNG state was saved). ``--with-optimizer`` (torch_dist only, whose
+optimizer state is kept by parameter) also carries Adam's moments and step, the float32 main
+weights, the iteration and the data position both ways, so the run continues; an export lays the
+state out for a non-distributed optimizer, or with ``--use-distributed-optimizer`` for
+Megatron-LM's distributed one (``fully_reshardable``), and holds no RNG state (load it with
+``--no-load-rng``). See :mod:`megatron_het.checkpoint.megatron_lm_optim`.
 
 ``--mode reshard`` rewrites a megatron_het checkpoint (of any plan) offline, in one process, as
 the target plan would have saved it: per-rank model and optimizer shards cut to that plan's
@@ -60,16 +66,28 @@ from megatron_het.checkpoint.hf import (
     model_config_to_hf_config,
     write_hf_tokenizer,
 )
-from megatron_het.checkpoint.io import load_checkpoint_metadata, save_checkpoint
+from megatron_het.checkpoint.io import (
+    load_checkpoint_metadata,
+    resolve_checkpoint_dir,
+    save_checkpoint,
+)
 from megatron_het.checkpoint.megatron_lm import (
     read_megatron_checkpoint,
     write_megatron_checkpoint,
 )
-from megatron_het.checkpoint.megatron_lm_dist import write_dist_checkpoint
-from megatron_het.checkpoint.megatron_lm_names import NAMINGS
+from megatron_het.checkpoint.megatron_lm_dist import DistExtras, write_dist_checkpoint
+from megatron_het.checkpoint.megatron_lm_names import NAMINGS, padded_vocab_size
+from megatron_het.checkpoint.megatron_lm_optim import (
+    TrainingRun,
+    dist_optimizer_extras,
+    optimizer_of_ours,
+    resume_train_state,
+)
 from megatron_het.checkpoint.reader import load_model_state
 from megatron_het.checkpoint.sharded import reshard_checkpoint
+from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError, run_cli
+from megatron_het.optim.lr_schedule import LRSchedule
 from megatron_het.parallel.plan import ParallelPlan
 
 FORMATS = ("hf", "megatron_het", "megatron")
@@ -174,6 +192,18 @@ def _add_megatron_flags(parser: argparse.ArgumentParser) -> None:
         metavar="V",
         help="--source-format megatron: the tokenizer's vocabulary size, to drop Megatron's "
         "padding rows (default: the checkpoint's args.vocab_size, else keep them)",
+    )
+    parser.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help="megatron <-> megatron_het: carry Adam's state, the float32 main weights, the "
+        "iteration and the data position, so the run continues (torch_dist only)",
+    )
+    parser.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="--target-format megatron --with-optimizer: lay the optimizer state out for a "
+        "Megatron-LM run with --use-distributed-optimizer (its fully_reshardable layout)",
     )
     parser.add_argument(
         "--ckpt-format",
@@ -324,40 +354,89 @@ def megatron_het_to_hf(args: argparse.Namespace) -> pathlib.Path:
 
 
 def megatron_to_megatron_het(args: argparse.Namespace) -> pathlib.Path:
-    loaded = read_megatron_checkpoint(args.load_dir, args.iteration, args.vocab_size)
+    loaded = read_megatron_checkpoint(
+        args.load_dir, args.iteration, args.vocab_size, with_optimizer=args.with_optimizer
+    )
     if args.vocab_size is None and getattr(loaded.args, "vocab_size", None) is None:
         print(
             f"note: the checkpoint's args hold no vocab_size, so its {loaded.config.vocab_size} "
             "padded vocabulary rows are kept; pass --vocab-size V to drop the padding",
             file=sys.stderr,
         )
+    metadata = {
+        "converted_from": "megatron",
+        "source": str(loaded.directory),
+        "source_iteration": loaded.iteration,
+    }
+    if loaded.optimizer is None:
+        state = cast(loaded.state, DTYPES.get(args.dtype))
+        return save_checkpoint(args.save_dir, 0, loaded.config, state, None, metadata)
+    # A resumable checkpoint of ours holds the float32 main weights as its model.
+    weights = loaded.optimizer.main_params or cast(loaded.state, torch.float32)
+    metadata["megatron_optimizer_layout"] = loaded.optimizer.layout
     return save_checkpoint(
         args.save_dir,
-        0,
+        loaded.iteration,
         loaded.config,
-        cast(loaded.state, DTYPES.get(args.dtype)),
-        train_state=None,
-        metadata={
-            "converted_from": "megatron",
-            "source": str(loaded.directory),
-            "source_iteration": loaded.iteration,
-        },
+        weights,
+        resume_train_state(loaded),
+        metadata,
     )
 
 
 def megatron_het_to_megatron(args: argparse.Namespace) -> pathlib.Path:
     cfg, state = load_model_state(args.load_dir, iteration=args.iteration)
-    iteration = int(load_checkpoint_metadata(args.load_dir, args.iteration)["iteration"])
+    metadata = load_checkpoint_metadata(args.load_dir, args.iteration)
+    iteration = int(metadata["iteration"])
+    tp_size = args.target_tensor_parallel_size or 1
+    divisible_by = args.make_vocab_size_divisible_by or 128
+    model_state = cast(state, DTYPES.get(args.dtype))
+    extras = None
+    if args.with_optimizer:
+        if args.ckpt_format != "torch_dist":
+            raise UserError(
+                "--with-optimizer writes Megatron-LM's torch_dist format only (the legacy one "
+                "indexes optimizer state by position); add --ckpt-format torch_dist"
+            )
+        extras = _megatron_optimizer(args, cfg, state, metadata, tp_size, divisible_by)
     write = write_dist_checkpoint if args.ckpt_format == "torch_dist" else write_megatron_checkpoint
     return write(
         args.save_dir,
         cfg,
-        cast(state, DTYPES.get(args.dtype)),
+        model_state,
         iteration,
-        tp_size=args.target_tensor_parallel_size or 1,
+        tp_size=tp_size,
         pp_size=args.target_pipeline_parallel_size or 1,
         naming=args.megatron_naming or "local",
-        divisible_by=args.make_vocab_size_divisible_by or 128,
+        divisible_by=divisible_by,
+        **({} if extras is None else {"extras": extras}),
+    )
+
+
+def _megatron_optimizer(
+    args: argparse.Namespace,
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    metadata: dict,
+    tp_size: int,
+    divisible_by: int,
+) -> DistExtras:
+    """The optimizer's part of a torch_dist export of our checkpoint (``weights``: its float32
+    main weights)."""
+    directory = resolve_checkpoint_dir(args.load_dir, args.iteration)
+    optimizer = optimizer_of_ours(directory)
+    run = TrainingRun.from_metadata(metadata, str(directory))
+    decay_iters = run.train_iters if run.lr_decay_iters is None else run.lr_decay_iters
+    schedule = LRSchedule(run.lr, run.min_lr, run.lr_warmup_iters, decay_iters, run.lr_decay_style)
+    return dist_optimizer_extras(
+        optimizer,
+        {n: t.float() for n, t in weights.items()},
+        cfg,
+        padded_vocab_size(cfg.vocab_size, divisible_by, tp_size),
+        DTYPES.get(args.dtype) or next(iter(weights.values())).dtype,
+        run,
+        schedule.lr_at(max(run.iteration, 1)),
+        args.use_distributed_optimizer,
     )
 
 
@@ -370,9 +449,24 @@ def _check_megatron_flags(args: argparse.Namespace, source: str, target: str) ->
         ("--megatron-naming", args.megatron_naming, "target", target),
         ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by, "target", target),
         ("--vocab-size", args.vocab_size, "source", source),
+        ("--use-distributed-optimizer", args.use_distributed_optimizer or None, "target", target),
     ):
         if value is not None and fmt != "megatron":
             raise UserError(f"{flag} applies to --{side}-format megatron only; drop it")
+    if args.with_optimizer and "megatron" not in (source, target):
+        raise UserError(
+            "--with-optimizer applies to conversions from or to Megatron-LM "
+            "(--source-format or --target-format megatron) only; drop it"
+        )
+    if args.use_distributed_optimizer and not args.with_optimizer:
+        raise UserError(
+            "--use-distributed-optimizer lays out optimizer state; add --with-optimizer"
+        )
+    if args.with_optimizer and args.dtype is not None and source == "megatron":
+        raise UserError(
+            "--with-optimizer keeps the float32 main weights, which --dtype would round; "
+            "drop --dtype"
+        )
 
 
 def reshard(args: argparse.Namespace) -> pathlib.Path:

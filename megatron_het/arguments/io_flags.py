@@ -20,10 +20,10 @@ def add_io_flags(p: argparse.ArgumentParser) -> None:
         help="checkpoint to resume from: a --save directory (its latest iteration) "
         "or one iter_XXXXXXX directory, of this trainer or of Megatron-LM "
         "(--ckpt-format torch or torch_dist, converted onto this run's plan as it "
-        "loads). A "
-        "model-only checkpoint (e.g. converted weights) starts a fresh optimizer at "
-        "iteration 0, and so does a Megatron-LM one unless --no-load-optim "
-        "--no-load-rng are given. When --load equals --save and holds no checkpoint "
+        "loads). A model-only checkpoint (e.g. converted weights) starts a fresh "
+        "optimizer at iteration 0, and so does a Megatron-LM one whose optimizer state "
+        "cannot be carried (only torch_dist saves keep it by parameter) unless "
+        "--no-load-optim is given. When --load equals --save and holds no checkpoint "
         "yet, training starts from scratch",
     )
     g.add_argument(

@@ -10,9 +10,10 @@ Layout of a Megatron-LM save directory::
 Each file is a ``torch.save``'d dict: ``model`` (that TP/PP rank's megatron-core state dict, see
 :mod:`megatron_het.checkpoint.megatron_lm_names`), ``args`` (the run's ``argparse.Namespace``),
 ``iteration``, ``checkpoint_version`` (3.0) and, from training runs, ``optimizer``,
-``opt_param_scheduler`` and ``rng_state``. Only the model is converted; optimizer state is not
-(yet). Files are read without running code (:func:`~megatron_het.checkpoint.megatron_lm_files.
-load_pickled`).
+``opt_param_scheduler`` and ``rng_state``. Only the model is converted: the optimizer state of
+this format is indexed by position, not by parameter (a torch_dist save's is read, see
+:mod:`megatron_het.checkpoint.megatron_lm_optim`). Files are read without running code
+(:func:`~megatron_het.checkpoint.megatron_lm_files.load_pickled`).
 
 :func:`read_megatron_checkpoint` reads either format: an iteration directory whose metadata.json
 names a ``sharded_backend`` goes to :mod:`megatron_het.checkpoint.megatron_lm_dist`.
@@ -25,6 +26,7 @@ place, then the tracker file (no metadata.json: Megatron-LM would take the direc
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -58,6 +60,7 @@ from megatron_het.checkpoint.megatron_lm_names import (
     padded_vocab_size,
     stage_slices,
 )
+from megatron_het.checkpoint.megatron_lm_optim import LEGACY_OPTIMIZER, read_dist_optimizer
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 
@@ -107,7 +110,10 @@ def _check_legacy_format(directory: pathlib.Path) -> None:
 
 
 def read_megatron_checkpoint(
-    load_dir: PathLike, iteration: int | None = None, vocab_size: int | None = None
+    load_dir: PathLike,
+    iteration: int | None = None,
+    vocab_size: int | None = None,
+    with_optimizer: bool = False,
 ) -> MegatronCheckpoint:
     """Read a Megatron-LM checkpoint, legacy (any TP/PP degree) or ``torch_dist`` (told by
     its metadata.json), into FULL tensors by our names.
@@ -116,11 +122,19 @@ def read_megatron_checkpoint(
     The true vocabulary is ``vocab_size``, else ``args.vocab_size``, else the padded one (rows
     kept). A legacy save: reads every rank file, merges TP blocks and numbers each pipeline
     rank's layers after the previous rank's. Raises UserError (one line, nothing written) for a
-    missing or damaged file, a model family we cannot hold, or shards that do not fit ``args``."""
+    missing or damaged file, a model family we cannot hold, or shards that do not fit ``args``.
+
+    ``with_optimizer`` also reads Adam's state (a torch_dist save that keeps it by parameter,
+    :mod:`~megatron_het.checkpoint.megatron_lm_optim`); UserError for any other save."""
     directory = iteration_dir(pathlib.Path(load_dir), iteration)
     backend = sharded_backend(directory)
     if backend is not None:
-        return read_dist_checkpoint(directory, backend, vocab_size)
+        loaded = read_dist_checkpoint(directory, backend, vocab_size)
+        if with_optimizer:
+            loaded = dataclasses.replace(loaded, optimizer=read_dist_optimizer(loaded))
+        return loaded
+    if with_optimizer:
+        raise UserError(LEGACY_OPTIMIZER.format(source=directory))
     _check_legacy_format(directory)
     first_path = directory / rank_dir_name(0, 0, 1) / RANK_FILE
     if not first_path.is_file():

@@ -29,7 +29,8 @@ padded vocabulary, ``F`` the FFN width; local and Transformer Engine specs use t
 also takes per-layer keys (``decoder.layers.5.…``, saved for non-homogeneous layers), fc1 as
 ``weight_w``/``weight_v`` halves and the older local-spec norm names. ``_extra_state`` entries
 are pickled objects (``<key>/shard_<layer>_<L>``): reading skips them, as it skips the optimizer
-(``optimizer.…``) and RNG state; writing writes None for each, as megatron-core would.
+(``optimizer.…``, read by :mod:`~megatron_het.checkpoint.megatron_lm_optim` when asked) and RNG
+state; writing writes None for each, as megatron-core would.
 
 Reading never runs code: ``common.pt`` is read as the legacy rank files are, ``.metadata`` by
 :func:`~megatron_het.checkpoint.megatron_lm_files.read_dcp_metadata` (torch's own reader would
@@ -40,6 +41,7 @@ per tensor). Only the model's tensors are read; no process group is used either 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -138,13 +140,22 @@ def _check_files(directory: pathlib.Path, metadata: dcp_metadata.Metadata, keys:
             raise UserError(f"{path} {state}; copy the whole iteration directory again")
 
 
-def _load_tensors(directory: pathlib.Path, source: str) -> dict[str, torch.Tensor]:
-    """The model tensors of ``directory`` at their global shapes and saved dtypes."""
-    metadata = read_dcp_metadata(directory)
+def load_tensors(
+    directory: pathlib.Path,
+    source: str,
+    prefix: str = "",
+    metadata: dcp_metadata.Metadata | None = None,
+) -> dict[str, torch.Tensor]:
+    """The model tensors of ``directory`` at their global shapes and saved dtypes, by
+    megatron-core key; with ``prefix`` (e.g. ``optimizer.state.exp_avg.``) the tensors stored
+    under ``prefix`` + a model key, by that model key."""
+    metadata = read_dcp_metadata(directory) if metadata is None else metadata
     targets = {
         key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         for key, entry in metadata.state_dict_metadata.items()
-        if isinstance(entry, dcp_metadata.TensorStorageMetadata) and _model_key(key, source)
+        if isinstance(entry, dcp_metadata.TensorStorageMetadata)
+        and key.startswith(prefix)
+        and _model_key(key[len(prefix) :], source)
     }
     _check_files(directory, metadata, set(targets))
     try:
@@ -156,10 +167,10 @@ def _load_tensors(directory: pathlib.Path, source: str) -> dict[str, torch.Tenso
         raise UserError(
             f"cannot read the tensors of {source} ({first_line}); it is damaged, copy it again"
         ) from None
-    return targets
+    return {key[len(prefix) :]: tensor for key, tensor in targets.items()}
 
 
-def _our_state(
+def our_state(
     tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str
 ) -> dict[str, torch.Tensor]:
     """Our per-layer names (new tensors) for the global Megatron ``tensors``, which are taken
@@ -218,7 +229,7 @@ def read_dist_checkpoint(
     # The tensors are global, so the degrees that wrote them (virtual pipeline too) do not matter.
     readable = argparse.Namespace(**{**vars(args), "virtual_pipeline_model_parallel_size": None})
     cfg, padded = model_config_from_args(readable, str(common_path), 1, vocab_size)
-    state = _our_state(_load_tensors(directory, str(directory)), cfg, str(directory))
+    state = our_state(load_tensors(directory, str(directory)), cfg, str(directory))
     state = trim_vocab(state, cfg, padded, str(directory))
     check_complete(state, cfg, str(directory))
     return MegatronCheckpoint(cfg, state, int(common.get("iteration", 0) or 0), directory, args)
@@ -262,6 +273,18 @@ def dist_state(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class DistExtras:
+    """What a torch_dist save holds besides the model: global ``tensors`` by megatron-core key,
+    ``common`` values for common.pt (merged over the model's), ``args`` fields to set and
+    ``content_metadata`` entries (e.g. the distributed optimizer's sharding type)."""
+
+    tensors: dict[str, torch.Tensor]
+    common: dict[str, Any]
+    args: dict[str, Any]
+    content_metadata: dict[str, Any]
+
+
 class _StoredBytesPlanner(dcp.DefaultSavePlanner):
     """Stores the objects' bytes as given (megatron-core's loader unpickles them once),
     instead of pickling the BytesIO again."""
@@ -289,9 +312,11 @@ def write_dist_checkpoint(
     pp_size: int = 1,
     naming: str = LOCAL,
     divisible_by: int = 128,
+    extras: DistExtras | None = None,
 ) -> pathlib.Path:
     """Write our FULL ``state`` as a Megatron-LM torch_dist checkpoint of ``iteration`` from
-    this one process (no process group used); returns the iteration directory.
+    this one process (no process group used); returns the iteration directory. ``extras``
+    adds the optimizer's part (:mod:`~megatron_het.checkpoint.megatron_lm_optim`).
 
     The tensors are global, so megatron-core loads them at any TP/PP; ``tp_size`` and
     ``pp_size`` are the degrees the ``args`` record (validated against the model) and ``tp_size``
@@ -306,6 +331,11 @@ def write_dist_checkpoint(
     args = rebuild_args(cfg, tp_size, pp_size, padded, divisible_by, dtype, iteration)
     args.ckpt_format, args.no_save_optim, args.no_save_rng = TORCH_DIST, True, True
     tensors = dist_state(state, cfg, padded, naming)
+    content_metadata = dict(_CONTENT_METADATA)
+    if extras is not None:
+        tensors.update(extras.tensors)
+        vars(args).update(extras.args)
+        content_metadata.update(extras.content_metadata)
     root = pathlib.Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(root)
@@ -316,7 +346,8 @@ def write_dist_checkpoint(
             "args": args,
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": int(iteration),
-            "content_metadata": dict(_CONTENT_METADATA),
+            "content_metadata": content_metadata,
+            **(extras.common if extras is not None else {}),
         }
         _fsync_file(staging / COMMON_FILE, obj=common)
         with warnings.catch_warnings():

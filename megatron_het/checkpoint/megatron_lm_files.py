@@ -70,13 +70,16 @@ class MegatronEnum:
 @dataclass(frozen=True)
 class MegatronCheckpoint:
     """A Megatron-LM checkpoint read into our single-process form: ``state`` holds FULL tensors
-    by our names, vocabulary padding removed; ``args`` is the run's Namespace (rank 0's)."""
+    by our names, vocabulary padding removed; ``args`` is the run's Namespace (rank 0's);
+    ``optimizer`` its Adam state when read
+    (:class:`~megatron_het.checkpoint.megatron_lm_optim.MegatronOptimizerState`)."""
 
     config: ModelConfig
     state: dict[str, torch.Tensor]
     iteration: int
     directory: pathlib.Path
     args: argparse.Namespace
+    optimizer: Any = None
 
 
 class _EnumReader:

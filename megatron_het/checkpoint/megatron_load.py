@@ -4,14 +4,17 @@
 torch`` (a tracker and ``iter_XXXXXXX/mp_rank_*`` folders, no metadata.json of ours) or
 ``torch_dist`` (``iter_XXXXXXX/metadata.json`` naming that sharded backend, ``common.pt``).
 :func:`read_megatron_header` reads what a run needs before it builds anything (the model config
-from the ``args``, the iteration, the data position) from ONE file, memory-mapped (the first rank
-file, or torch_dist's ``common.pt``), so no weight is read. :func:`check_megatron_model`
+from the ``args``, the iteration, the data position, whether its optimizer state can be carried)
+from ONE file, memory-mapped (the first rank file, or torch_dist's ``common.pt`` and index), so
+no weight is read. :func:`check_megatron_model`
 compares that model with the one the flags describe, naming each differing flag.
 :func:`load_megatron_slices` fills a stage of any plan: every rank reads the Megatron files
 itself (:func:`~megatron_het.checkpoint.megatron_lm.read_megatron_checkpoint`, full tensors by
 our names) and keeps its TP slice of the parameters its stage holds, the same boxes a load of a
-full-tensor checkpoint of ours cuts (:func:`~megatron_het.checkpoint.reshard.target_slice`).
-Nothing is broadcast; each rank holds the full model's tensors only while it cuts its slices.
+full-tensor checkpoint of ours cuts (:func:`~megatron_het.checkpoint.reshard.target_slice`),
+with Adam's state of those boxes when the run continues the checkpoint's optimizer
+(:mod:`~megatron_het.checkpoint.megatron_lm_optim`). Nothing is broadcast; each rank holds the
+full model's tensors only while it cuts its slices.
 """
 
 from __future__ import annotations
@@ -37,12 +40,18 @@ from megatron_het.checkpoint.megatron_lm_dist import COMMON_FILE
 from megatron_het.checkpoint.megatron_lm_files import (
     checkpoint_args,
     load_pickled,
+    read_dcp_metadata,
     sharded_backend,
 )
 from megatron_het.checkpoint.megatron_lm_names import padded_vocab_size
+from megatron_het.checkpoint.megatron_lm_optim import (
+    LEGACY_OPTIMIZER,
+    MegatronOptimizerState,
+    optimizer_problem,
+)
 from megatron_het.checkpoint.names import METADATA_FILE, TRACKER_FILE, iteration_dir_name
 from megatron_het.checkpoint.reader import ReadStats
-from megatron_het.checkpoint.reshard import assemble_slice, target_slice
+from megatron_het.checkpoint.reshard import Box, assemble_slice, target_slice
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 
@@ -75,7 +84,8 @@ class MegatronHeader:
     vocabulary: ``args.vocab_size``, else the run's, see :func:`read_megatron_header`);
     ``iteration`` the file's (0 for a ``release`` directory, as Megatron-LM loads one);
     ``consumed_samples`` ``args.consumed_train_samples`` (0 when absent); ``ckpt_format``
-    ``torch`` or ``torch_dist``."""
+    ``torch`` or ``torch_dist``; ``optimizer_problem`` why its optimizer state cannot be
+    carried (None: it can, a torch_dist save that keeps it by parameter)."""
 
     directory: pathlib.Path
     config: ModelConfig
@@ -83,6 +93,7 @@ class MegatronHeader:
     release: bool
     consumed_samples: int
     ckpt_format: str
+    optimizer_problem: str | None
 
     @property
     def source_format(self) -> str:
@@ -148,9 +159,11 @@ def read_megatron_header(directory: pathlib.Path, run_vocab_size: int) -> Megatr
     if ckpt_format == TORCH_DIST:
         path = directory / COMMON_FILE
         payload = load_pickled(path, "copy the whole iteration directory")
+        problem = optimizer_problem(read_dcp_metadata(directory), payload, str(directory))
     else:
         path = _first_rank_file(directory)
         payload = load_rank_file(path)
+        problem = LEGACY_OPTIMIZER.format(source=directory)
     args = checkpoint_args(payload, path)
     tp_size = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     recorded_vocab = getattr(args, "vocab_size", None)
@@ -172,6 +185,7 @@ def read_megatron_header(directory: pathlib.Path, run_vocab_size: int) -> Megatr
         release=release,
         consumed_samples=int(getattr(args, "consumed_train_samples", 0) or 0),
         ckpt_format=ckpt_format,
+        optimizer_problem=problem,
     )
 
 
@@ -218,15 +232,21 @@ def load_megatron_slices(
     tp_rank: int,
     weights: dict[str, torch.Tensor] | None = None,
     stats: ReadStats | None = None,
-) -> None:
+    optimizer: dict[str, dict[str, Any]] | None = None,
+) -> MegatronOptimizerState | None:
     """Overwrite every parameter of ``stage`` with its box (TP rank ``tp_rank`` of ``tp``) of
     the Megatron-LM checkpoint in ``directory``; no communication.
 
     Reads every rank file of the checkpoint (memory-mapped) into full tensors, which are
     dropped on return. ``weights``, when given, receives each box by name at the file's
     precision (for the optimizer's master weights); ``stats`` counts every file read whole.
+    ``optimizer``, when given, receives Adam's state of each box by name (``step``,
+    ``exp_avg``, ``exp_avg_sq``), and the weights come from the optimizer's float32 main
+    weights where it keeps them; the checkpoint's optimizer state is returned (None without).
     Raises UserError for a damaged or incomplete checkpoint or one of another model."""
-    loaded = read_megatron_checkpoint(directory, vocab_size=model_config.vocab_size)
+    loaded = read_megatron_checkpoint(
+        directory, vocab_size=model_config.vocab_size, with_optimizer=optimizer is not None
+    )
     if loaded.config.replace(**{k: getattr(model_config, k) for k in _FIELDS_FREE}) != (
         model_config
     ):
@@ -234,15 +254,26 @@ def load_megatron_slices(
             f"--load {directory}: its rank files describe another model than its first one; "
             "copy the whole iteration directory again"
         )
+    saved = loaded.optimizer
+    sources = loaded.state if saved is None or saved.main_params is None else saved.main_params
+
+    def cut(name: str, full: torch.Tensor, box: Box) -> torch.Tensor:
+        offsets, shape = box
+        return assemble_slice(name, tuple(full.shape), offsets, shape, [(full, (0,) * full.dim())])
+
     for name, param in stage.named_parameters():
-        full = loaded.state[name]
         box = target_slice(name, model_config, tp, tp_rank)
-        value = assemble_slice(name, tuple(full.shape), *box, [(full, (0,) * full.dim())])
+        value = cut(name, sources[name], box)
         param.copy_(value)
         if weights is not None:
             weights[name] = value
+        if optimizer is not None and saved is not None:
+            moments = saved.moments[name]
+            optimizer[name] = {"step": saved.step}
+            optimizer[name] |= {k: cut(f"{name} {k}", t, box) for k, t in moments.items()}
     if stats is not None:
         files = sorted(directory.glob(f"mp_rank_*/{RANK_FILE}"))
         files += sorted(directory.glob("*.distcp")) + sorted(directory.glob(COMMON_FILE))
         stats.files += len(files)
         stats.bytes += sum(os.stat(path).st_size for path in files)
+    return saved

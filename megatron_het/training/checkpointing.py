@@ -32,6 +32,7 @@ from megatron_het.checkpoint.async_save import (
 )
 from megatron_het.checkpoint.integrity import files_total_bytes
 from megatron_het.checkpoint.io import iteration_dir_name, load_checkpoint_metadata
+from megatron_het.checkpoint.megatron_lm_optim import loss_scaler_state
 from megatron_het.checkpoint.megatron_load import (
     MegatronHeader,
     find_megatron_checkpoint,
@@ -269,14 +270,16 @@ class LoadChoice:
 def load_choice(train: TrainConfig, megatron: MegatronHeader | None) -> LoadChoice:
     """Megatron-LM's meanings: ``--finetune`` restores nothing but the weights,
     ``--no-load-optim`` keeps the optimizer (and LR schedule) fresh, ``--no-load-rng`` the
-    generators. A Megatron-LM checkpoint's optimizer and RNG states are not converted, so it
-    loads as ``--finetune`` unless both ``--no-load-optim`` and ``--no-load-rng`` say to go
-    on without them (and always for a ``release`` directory, as Megatron-LM loads one)."""
-    if train.finetune:
+    generators. A Megatron-LM checkpoint's RNG state is never carried (its generators are not
+    ours); its optimizer state is when it can be (``optimizer_problem`` None), else it loads
+    as ``--finetune`` unless ``--no-load-optim`` says to go on without it (and a ``release``
+    directory always does, as Megatron-LM loads one)."""
+    if train.finetune or (megatron is not None and megatron.release):
         return LoadChoice(False, False, False)
     if megatron is not None:
-        resume = train.no_load_optim and train.no_load_rng and not megatron.release
-        return LoadChoice(resume, False, False)
+        if megatron.optimizer_problem is None:
+            return LoadChoice(True, not train.no_load_optim, False)
+        return LoadChoice(train.no_load_optim, False, False)
     return LoadChoice(True, not train.no_load_optim, not train.no_load_rng)
 
 
@@ -341,7 +344,8 @@ def _load_into(trainer: Trainer, stats: ReadStats) -> _Loaded:
     choice = load_choice(setup.run.train, header)
     if header is not None:
         role = trainer.groups.role
-        load_megatron_slices(
+        optimizer_state: dict | None = {} if choice.optimizer else None
+        saved = load_megatron_slices(
             header.directory,
             setup.model_config,
             trainer.stage,
@@ -349,12 +353,15 @@ def _load_into(trainer: Trainer, stats: ReadStats) -> _Loaded:
             role.tp_rank,
             weights,
             stats,
+            optimizer_state,
         )
-        optimizer_state = None
-        train_state: dict | None = {
+        progress: dict[str, Any] = {
             "iteration": header.iteration,
             "consumed_samples": header.consumed_samples,
         }
+        if saved is not None and saved.grad_scaler is not None:
+            progress["loss_scaler"] = loss_scaler_state(saved.grad_scaler)
+        train_state: dict | None = progress
         saved_iteration, source = header.iteration, header.source_format
     else:
         # The optimizer state stays on the host: the optimizer moves only the ranges this
@@ -404,10 +411,14 @@ def _describe_load(
         text += "; starts at iteration 0 with a fresh optimizer"
     elif not choice.optimizer:
         text += f"; a fresh optimizer, its LR schedule starting over at {saved_iteration}"
-    if header is not None and not choice.progress and not train.finetune and not header.release:
+    if header is None:
+        return text
+    if choice.progress:
+        text += "; the generators of --seed (Megatron-LM's RNG state is not carried)"
+    elif not train.finetune and not header.release:
         text += (
-            " (as --finetune: its optimizer and RNG states are not converted; pass "
-            "--no-load-optim --no-load-rng to continue at its iteration)"
+            f" (as --finetune: {header.optimizer_problem}; pass --no-load-optim to continue "
+            "at its iteration with a fresh optimizer)"
         )
     return text
 

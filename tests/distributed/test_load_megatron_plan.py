@@ -65,3 +65,32 @@ def test_megatron_checkpoint_onto_heterogeneous_plan(tmp_path: pathlib.Path) -> 
     text = "".join(logs)
     assert "(Megatron-LM, --ckpt-format torch, iteration 5)" in text
     assert "emu-slow (emulated)" in text
+
+
+def test_megatron_optimizer_state_onto_heterogeneous_plan(tmp_path: pathlib.Path) -> None:
+    """A Megatron-LM torch_dist checkpoint WITH its optimizer state (by parameter) continues on
+    the heterogeneous plan with the losses of the same continuation on one process."""
+    from megatron_het.training.run import pretrain
+    from tools import convert_checkpoint
+
+    saved = [*TINY, *BATCH, "--train-iters", "2", "--save", str(tmp_path / "ours")]
+    pretrain(parse_run_config(saved), out=io.StringIO())
+    convert_checkpoint.main(
+        ["--source-format", "megatron_het", "--target-format", "megatron", "--with-optimizer"]
+        + ["--load-dir", str(tmp_path / "ours"), "--save-dir", str(tmp_path / "mlm")]
+        + ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]
+    )
+    flags = [*TINY, *BATCH, "--train-iters", "5", "--load", str(tmp_path / "mlm")]
+    argv = [*flags, "--cluster", CLUSTER, "--plan", PLAN]
+    logs = run_ranks(
+        _train_worker, 4, [*argv, "--metrics-file", str(tmp_path / "plan.jsonl")], timeout=120
+    )
+    pretrain(parse_run_config([*flags, "--metrics-file", str(tmp_path / "one.jsonl")]))
+    got, one = records(tmp_path / "plan.jsonl"), records(tmp_path / "one.jsonl")
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in one] == [3, 4, 5]
+    assert [r["lr"] for r in got] == pytest.approx([r["lr"] for r in one])
+    for mine, theirs in zip(got, one, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=2e-4), mine["iteration"]
+    text = "".join(logs)
+    assert "(Megatron-LM, --ckpt-format torch_dist, iteration 2)" in text
+    assert "optimizer state, iteration and data position" in text

@@ -8,11 +8,18 @@ import json
 import pathlib
 
 import pytest
+import torch
 
 from megatron_het.arguments import parse_run_config
+from megatron_het.checkpoint.io import resolve_checkpoint_dir
 from megatron_het.checkpoint.megatron_lm import write_megatron_checkpoint
 from megatron_het.checkpoint.megatron_lm_dist import write_dist_checkpoint
-from megatron_het.checkpoint.reader import load_train_state
+from megatron_het.checkpoint.megatron_lm_files import load_pickled, read_dcp_metadata
+from megatron_het.checkpoint.reader import (
+    full_optimizer_state,
+    load_model_state,
+    load_train_state,
+)
 from megatron_het.config import model_preset
 from megatron_het.model.llama import build_model
 from megatron_het.optim.lr_schedule import LRSchedule
@@ -108,7 +115,8 @@ def test_megatron_checkpoint_loads_as_finetune(checkpoints, converted_run, tmp_p
     assert records[1]["loss"] == pytest.approx(converted_run[1]["loss"], abs=1e-6)
     (line,) = [text for text in log.splitlines() if "loaded checkpoint" in text]
     assert "(Megatron-LM, --ckpt-format torch, iteration 5)" in line
-    assert "starts at iteration 0" in line and "--no-load-optim --no-load-rng" in line
+    assert "starts at iteration 0" in line and "indexed by position" in line
+    assert "pass --no-load-optim to continue" in line
 
 
 def test_torch_dist_checkpoint_loads(checkpoints, converted_run, tmp_path) -> None:
@@ -124,7 +132,7 @@ def test_torch_dist_checkpoint_loads(checkpoints, converted_run, tmp_path) -> No
 def test_megatron_checkpoint_continues_without_optimizer_and_rng(
     checkpoints, converted_run, tmp_path
 ) -> None:
-    argv = [*TINY, "--train-iters", "7", "--no-load-optim", "--no-load-rng"]
+    argv = [*TINY, "--train-iters", "7", "--no-load-optim"]
     records, log = train([*argv, "--load", str(checkpoints["megatron"])], tmp_path / "m.jsonl")
     assert [r["iteration"] for r in records] == [6, 7]
     # Our exporter records no consumed samples: Megatron-LM then starts the data at 0 too.
@@ -177,3 +185,80 @@ def test_load_flags_on_our_checkpoint(flag: str, ours: pathlib.Path, tmp_path) -
     steps = {int(entry["step"]) for entry in saved["optimizer"]["state"].values()}
     assert steps == {adam_steps}
     assert (saved["rng"]["python"] == before["rng"]["python"]) == rng_loaded
+
+
+def test_megatron_optimizer_state_continues_the_run(ours: pathlib.Path, tmp_path) -> None:
+    """Our run exported to Megatron-LM's torch_dist with its optimizer and loaded back by
+    ``--load`` goes on exactly as the same run continued from our own checkpoint (whose RNG
+    state is left aside, as a Megatron-LM one's always is)."""
+    convert_checkpoint.main(
+        ["--source-format", "megatron_het", "--target-format", "megatron"]
+        + ["--load-dir", str(ours), "--save-dir", str(tmp_path / "mlm")]
+        + ["--ckpt-format", "torch_dist", "--with-optimizer"]
+    )
+    argv = [*TINY, "--train-iters", "4"]
+    want, _ = train([*argv, "--no-load-rng", "--load", str(ours)], tmp_path / "ours.jsonl")
+    argv += ["--save", str(tmp_path / "save"), "--load", str(tmp_path / "mlm")]
+    records, log = train(argv, tmp_path / "mlm.jsonl")
+    assert [r["iteration"] for r in records] == [3, 4]
+    assert [r["consumed_samples"] for r in records] == [6, 8]
+    assert [r["lr"] for r in records] == pytest.approx([lr_at(3), lr_at(4)])
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in want], abs=1e-6)
+    saved = load_train_state(tmp_path / "save")
+    assert saved is not None
+    assert {int(e["step"]) for e in saved["optimizer"]["state"].values()} == {4}
+    (line,) = [text for text in log.splitlines() if "loaded checkpoint" in text]
+    assert "(Megatron-LM, --ckpt-format torch_dist, iteration 2)" in line
+    assert "optimizer state, iteration and data position" in line
+    assert "Megatron-LM's RNG state is not carried" in line
+    # --no-load-optim: the weights and position, a fresh optimizer whose schedule restarts.
+    argv = [*TINY, "--train-iters", "4", "--no-load-optim", "--load", str(tmp_path / "mlm")]
+    fresh, _ = train(argv, tmp_path / "fresh.jsonl")
+    assert [r["lr"] for r in fresh] == pytest.approx([lr_at(1), lr_at(2)])
+    assert fresh[0]["loss"] == pytest.approx(records[0]["loss"], abs=1e-6)
+    assert fresh[1]["loss"] != pytest.approx(records[1]["loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "distributed", "main"),
+    [("bf16", False, "fp32_param"), ("fp32", True, "param"), ("bf16", True, "param")],
+)
+def test_optimizer_round_trip_is_bitwise(
+    ours: pathlib.Path, tmp_path, dtype: str, distributed: bool, main: str
+) -> None:
+    """Ours -> torch_dist with the optimizer (bf16 model weights or not, either optimizer
+    layout) -> ours: the float32 weights, Adam's moments and step, the iteration and the data
+    position come back bitwise, the float32 weights from the main weights, not the model's."""
+    flags = ["--ckpt-format", "torch_dist", "--with-optimizer", "--dtype", dtype]
+    flags += ["--use-distributed-optimizer"] if distributed else []
+    convert_checkpoint.main(
+        ["--source-format", "megatron_het", "--target-format", "megatron"]
+        + ["--load-dir", str(ours), "--save-dir", str(tmp_path / "mlm"), *flags]
+    )
+    directory = tmp_path / "mlm/iter_0000002"
+    keys = set(read_dcp_metadata(directory).state_dict_metadata)
+    assert f"optimizer.state.{main}.embedding.word_embeddings.weight" in keys
+    other = "fp32_param" if distributed else "param"
+    assert not any(k.startswith(f"optimizer.state.{other}.") for k in keys)
+    common = load_pickled(directory / "common.pt", "test")
+    sharding = common["content_metadata"].get("distrib_optim_sharding_type")
+    assert sharding == ("fully_reshardable" if distributed else None)
+    assert common["args"].bf16 == (dtype == "bf16")
+    convert_checkpoint.main(
+        ["--source-format", "megatron", "--target-format", "megatron_het", "--with-optimizer"]
+        + ["--load-dir", str(tmp_path / "mlm"), "--save-dir", str(tmp_path / "back")]
+    )
+    _, weights = load_model_state(ours)
+    _, back = load_model_state(tmp_path / "back")
+    assert set(back) == set(weights)
+    for name, tensor in weights.items():
+        assert back[name].dtype == torch.float32 and torch.equal(back[name], tensor), name
+    before = full_optimizer_state(resolve_checkpoint_dir(ours))["state"]
+    after = full_optimizer_state(resolve_checkpoint_dir(tmp_path / "back"))["state"]
+    assert set(after) == set(before)
+    for name, entry in before.items():
+        assert float(after[name]["step"]) == float(entry["step"]) == 2.0
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(after[name][moment], entry[moment]), (name, moment)
+    state = load_train_state(tmp_path / "back")
+    assert state is not None and (state["iteration"], state["consumed_samples"]) == (2, 4)

@@ -260,6 +260,9 @@ def test_missing_torn_and_dist_checkpoints_are_refused(tmp_path) -> None:
             ("--ckpt-format", "torch_dist", "--target-pipeline-parallel-size", "3"),
             "does not divide the model's 4 layers",
         ),
+        (("--with-optimizer",), "writes Megatron-LM's torch_dist format only"),
+        (("--ckpt-format", "torch_dist", "--with-optimizer"), "holds no optimizer state"),
+        (("--use-distributed-optimizer",), "lays out optimizer state; add --with-optimizer"),
     ],
 )
 def test_export_refusals_write_nothing(tmp_path, flags: tuple[str, ...], words: str) -> None:
@@ -267,6 +270,21 @@ def test_export_refusals_write_nothing(tmp_path, flags: tuple[str, ...], words: 
     with pytest.raises(UserError, match=words):
         to_megatron(ours, tmp_path / "mlm", *flags)
     assert not (tmp_path / "mlm").exists()
+
+
+def test_with_optimizer_refusals(tmp_path) -> None:
+    ours, _ = save_ours(tmp_path, tied=False)
+    to_megatron(ours, tmp_path / "mlm", "--ckpt-format", "torch_dist")
+    with pytest.raises(UserError, match="--with-optimizer keeps the float32 main weights"):
+        from_megatron(tmp_path / "mlm", tmp_path / "out", "--with-optimizer", "--dtype", "bf16")
+    with pytest.raises(UserError, match=r"holds no optimizer state \(saved with --no-save-optim"):
+        from_megatron(tmp_path / "mlm", tmp_path / "out", "--with-optimizer")
+    with pytest.raises(UserError, match="conversions from or to Megatron-LM"):
+        convert_checkpoint.main(
+            ["--source-format", "hf", "--target-format", "megatron_het", "--with-optimizer"]
+            + ["--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "out")]
+        )
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_refusal_is_one_line_exit_2(tmp_path) -> None:

@@ -103,7 +103,7 @@ _CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefi
 
 
 # ---- reading ---------------------------------------------------------------------------------
-def _model_key(key: str, source: str) -> bool:
+def model_key(key: str, source: str) -> bool:
     """Whether ``key`` is a model tensor to read; UserError for a model tensor we cannot hold."""
     if not key.startswith(_MODEL_PREFIXES):
         return False  # optimizer state, RNG state, ...
@@ -125,7 +125,7 @@ def _model_key(key: str, source: str) -> bool:
     return True
 
 
-def _check_files(directory: pathlib.Path, metadata: dcp_metadata.Metadata, keys: set[str]) -> None:
+def check_files(directory: pathlib.Path, metadata: dcp_metadata.Metadata, keys: set[str]) -> None:
     """UserError naming the first data file that ``keys`` need and that is missing or short."""
     needed: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
@@ -155,9 +155,9 @@ def load_tensors(
         for key, entry in metadata.state_dict_metadata.items()
         if isinstance(entry, dcp_metadata.TensorStorageMetadata)
         and key.startswith(prefix)
-        and _model_key(key[len(prefix) :], source)
+        and model_key(key[len(prefix) :], source)
     }
-    _check_files(directory, metadata, set(targets))
+    check_files(directory, metadata, set(targets))
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -193,7 +193,7 @@ def our_state(
             state[ours or "final_norm.weight"] = tensor
             continue
         match = _LAYER_KEY.fullmatch(key)
-        assert match is not None, key  # _model_key let only layer keys through
+        assert match is not None, key  # model_key let only layer keys through
         if match.group(1) is not None:
             put(int(match.group(1)), match.group(2), tensor)
             continue

@@ -24,7 +24,6 @@ values in ``common.pt``.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import re
 from collections.abc import Iterator
@@ -34,22 +33,15 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from megatron_het.checkpoint.megatron_lm_args import model_config_from_args
-from megatron_het.checkpoint.megatron_lm_dist import (
-    COMMON_FILE,
-    DistExtras,
-    dist_state,
-    load_tensors,
-    our_state,
-)
+from megatron_het.checkpoint.megatron_lm_boxes import read_boxes
+from megatron_het.checkpoint.megatron_lm_dist import COMMON_FILE, DistExtras, dist_state
 from megatron_het.checkpoint.megatron_lm_files import (
     MegatronCheckpoint,
-    check_complete,
     load_pickled,
     read_dcp_metadata,
-    trim_vocab,
 )
-from megatron_het.checkpoint.reader import CheckpointReader, full_optimizer_state
+from megatron_het.checkpoint.reader import CheckpointReader, full_box, full_optimizer_state
+from megatron_het.checkpoint.reshard import Box
 from megatron_het.config import ModelConfig
 from megatron_het.errors import UserError
 
@@ -152,42 +144,37 @@ def _step(common: dict[str, Any], iteration: int, source: str) -> int:
     return steps.pop() if steps else int(iteration)
 
 
-def _read(
-    directory: pathlib.Path,
-    name: str,
-    cfg: ModelConfig,
-    padded: int,
-    metadata: dcp_metadata.Metadata,
-) -> dict[str, torch.Tensor]:
-    source = f"{directory} (optimizer {name})"
-    tensors = load_tensors(directory, source, f"{STATE_PREFIX}{name}.", metadata)
-    state = trim_vocab(our_state(tensors, cfg, source), cfg, padded, source)
-    check_complete(state, cfg, source)
-    return {n: t.float() for n, t in state.items()}
-
-
-def read_optimizer_state(
+def read_optimizer_boxes(
     directory: pathlib.Path,
     cfg: ModelConfig,
-    padded: int,
+    boxes: dict[str, Box],
     common: dict[str, Any],
     metadata: dcp_metadata.Metadata,
     iteration: int,
-) -> MegatronOptimizerState:
-    """The Adam state of the torch_dist iteration ``directory`` by our names (``padded``: the
-    vocabulary rows the checkpoint holds). Raises UserError (one line) when it is not stored by
-    parameter (:func:`optimizer_problem`) or is damaged."""
+) -> tuple[MegatronOptimizerState, int]:
+    """Adam's state of the torch_dist iteration ``directory`` for the boxes of our parameters
+    in ``boxes`` (each a box of our global tensor, e.g. a rank's TP slice; moments and main
+    weights hold those boxes, float32), and the bytes read. Raises UserError (one line) when
+    the state is not stored by parameter (:func:`optimizer_problem`) or is damaged."""
     problem = optimizer_problem(metadata, common, str(directory))
     if problem is not None:
         raise UserError(problem)
     names = state_names(metadata)
-    exp_avg, exp_avg_sq = (_read(directory, m, cfg, padded, metadata) for m in MOMENTS)
+    total = 0
+
+    def read(name: str) -> dict[str, torch.Tensor]:
+        nonlocal total
+        values, nbytes = read_boxes(directory, cfg, boxes, metadata, f"{STATE_PREFIX}{name}.")
+        total += nbytes
+        return {n: t.float() for n, t in values.items()}
+
+    exp_avg, exp_avg_sq = (read(m) for m in MOMENTS)
     moments = {n: {"exp_avg": exp_avg[n], "exp_avg_sq": exp_avg_sq[n]} for n in exp_avg}
     main_name = next((m for m in MAIN_PARAMS if m in names), None)
-    main = None if main_name is None else _read(directory, main_name, cfg, padded, metadata)
+    main = None if main_name is None else read(main_name)
     scheduler = common.get("opt_param_scheduler")
     scalers = _found(common, "grad_scaler")
-    return MegatronOptimizerState(
+    state = MegatronOptimizerState(
         step=_step(common, iteration, str(directory)),
         moments=moments,
         main_params=main,
@@ -195,22 +182,20 @@ def read_optimizer_state(
         grad_scaler=dict(scalers[0]) if scalers and isinstance(scalers[0], dict) else None,
         layout=f"by parameter ({main_name or 'fp32 model weights'} as main weights)",
     )
+    return state, total
 
 
 def read_dist_optimizer(loaded: MegatronCheckpoint) -> MegatronOptimizerState:
-    """The Adam state of the torch_dist checkpoint ``loaded`` was read from (its model read
-    already); UserError as :func:`read_optimizer_state`."""
+    """The FULL Adam state of the torch_dist checkpoint ``loaded`` was read from (its model read
+    already); UserError as :func:`read_optimizer_boxes`."""
     directory = loaded.directory
     common = load_pickled(directory / COMMON_FILE, "copy the whole iteration directory")
-    # The tensors are global: the degrees that wrote them (virtual pipeline too) do not matter.
-    readable = argparse.Namespace(
-        **{**vars(loaded.args), "virtual_pipeline_model_parallel_size": None}
-    )
-    _, padded = model_config_from_args(readable, str(directory / COMMON_FILE), 1)
+    boxes = {n: full_box(tuple(t.shape)) for n, t in loaded.state.items()}
     metadata = read_dcp_metadata(directory)
-    return read_optimizer_state(
-        directory, loaded.config, padded, common, metadata, loaded.iteration
+    state, _ = read_optimizer_boxes(
+        directory, loaded.config, boxes, common, metadata, loaded.iteration
     )
+    return state
 
 
 def loss_scaler_state(grad_scaler: dict[str, Any]) -> dict[str, Any]:

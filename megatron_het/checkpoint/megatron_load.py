@@ -8,13 +8,14 @@ from the ``args``, the iteration, the data position, whether its optimizer state
 from ONE file, memory-mapped (the first rank file, or torch_dist's ``common.pt`` and index), so
 no weight is read. :func:`check_megatron_model`
 compares that model with the one the flags describe, naming each differing flag.
-:func:`load_megatron_slices` fills a stage of any plan: every rank reads the Megatron files
-itself (:func:`~megatron_het.checkpoint.megatron_lm.read_megatron_checkpoint`, full tensors by
-our names) and keeps its TP slice of the parameters its stage holds, the same boxes a load of a
-full-tensor checkpoint of ours cuts (:func:`~megatron_het.checkpoint.reshard.target_slice`),
-with Adam's state of those boxes when the run continues the checkpoint's optimizer
-(:mod:`~megatron_het.checkpoint.megatron_lm_optim`). Nothing is broadcast; each rank holds the
-full model's tensors only while it cuts its slices.
+:func:`load_megatron_slices` fills a stage of any plan with the TP slices of the parameters it
+holds, the same boxes a load of a full-tensor checkpoint of ours cuts
+(:func:`~megatron_het.checkpoint.reshard.target_slice`), with Adam's state of those boxes when the
+run continues the checkpoint's optimizer (:mod:`~megatron_het.checkpoint.megatron_lm_optim`).
+Every rank reads the files itself; nothing is broadcast. From a torch_dist save a rank reads only
+its boxes (:mod:`~megatron_het.checkpoint.megatron_lm_boxes`); a legacy save is read whole
+(:func:`~megatron_het.checkpoint.megatron_lm.read_megatron_checkpoint`), so each rank holds the
+full model's tensors while it cuts its slices.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from megatron_het.checkpoint.megatron_lm import (
     read_megatron_checkpoint,
 )
 from megatron_het.checkpoint.megatron_lm_args import model_config_from_args
+from megatron_het.checkpoint.megatron_lm_boxes import read_boxes
 from megatron_het.checkpoint.megatron_lm_dist import COMMON_FILE
 from megatron_het.checkpoint.megatron_lm_files import (
     checkpoint_args,
@@ -48,6 +50,7 @@ from megatron_het.checkpoint.megatron_lm_optim import (
     LEGACY_OPTIMIZER,
     MegatronOptimizerState,
     optimizer_problem,
+    read_optimizer_boxes,
 )
 from megatron_het.checkpoint.names import METADATA_FILE, TRACKER_FILE, iteration_dir_name
 from megatron_het.checkpoint.reader import ReadStats
@@ -223,6 +226,63 @@ def check_megatron_model(
     return model
 
 
+def _dist_boxes(
+    directory: pathlib.Path,
+    model_config: ModelConfig,
+    boxes: dict[str, Box],
+    with_optimizer: bool,
+    stats: ReadStats | None,
+) -> tuple[dict[str, torch.Tensor], MegatronOptimizerState | None]:
+    """This rank's ``boxes`` of a torch_dist save (the float32 main weights when carrying its
+    optimizer and it keeps them) and its Adam state of those boxes; reads nothing else."""
+    metadata = read_dcp_metadata(directory)
+    saved, nbytes = None, 0
+    if with_optimizer:
+        common = load_pickled(directory / COMMON_FILE, "copy the whole iteration directory")
+        iteration = int(common.get("iteration", 0) or 0)
+        saved, nbytes = read_optimizer_boxes(
+            directory, model_config, boxes, common, metadata, iteration
+        )
+    if saved is not None and saved.main_params is not None:
+        values = saved.main_params
+    else:
+        values, more = read_boxes(directory, model_config, boxes, metadata)
+        nbytes += more
+    if stats is not None:
+        stats.files += len(list(directory.glob("*.distcp")))
+        stats.bytes += nbytes
+    return values, saved
+
+
+def _legacy_boxes(
+    directory: pathlib.Path,
+    model_config: ModelConfig,
+    boxes: dict[str, Box],
+    stats: ReadStats | None,
+) -> dict[str, torch.Tensor]:
+    """``boxes`` cut from the whole legacy checkpoint, read into full tensors (dropped on
+    return)."""
+    loaded = read_megatron_checkpoint(directory, vocab_size=model_config.vocab_size)
+    if loaded.config.replace(**{k: getattr(model_config, k) for k in _FIELDS_FREE}) != (
+        model_config
+    ):
+        raise UserError(
+            f"--load {directory}: its rank files describe another model than its first one; "
+            "copy the whole iteration directory again"
+        )
+    if stats is not None:
+        files = sorted(directory.glob(f"mp_rank_*/{RANK_FILE}"))
+        stats.files += len(files)
+        stats.bytes += sum(os.stat(path).st_size for path in files)
+    out = {}
+    for name, (offsets, shape) in boxes.items():
+        full = loaded.state[name]
+        out[name] = assemble_slice(
+            name, tuple(full.shape), offsets, shape, [(full, (0,) * full.dim())]
+        )
+    return out
+
+
 @torch.no_grad()
 def load_megatron_slices(
     directory: pathlib.Path,
@@ -237,43 +297,29 @@ def load_megatron_slices(
     """Overwrite every parameter of ``stage`` with its box (TP rank ``tp_rank`` of ``tp``) of
     the Megatron-LM checkpoint in ``directory``; no communication.
 
-    Reads every rank file of the checkpoint (memory-mapped) into full tensors, which are
-    dropped on return. ``weights``, when given, receives each box by name at the file's
-    precision (for the optimizer's master weights); ``stats`` counts every file read whole.
-    ``optimizer``, when given, receives Adam's state of each box by name (``step``,
-    ``exp_avg``, ``exp_avg_sq``), and the weights come from the optimizer's float32 main
-    weights where it keeps them; the checkpoint's optimizer state is returned (None without).
-    Raises UserError for a damaged or incomplete checkpoint or one of another model."""
-    loaded = read_megatron_checkpoint(
-        directory, vocab_size=model_config.vocab_size, with_optimizer=optimizer is not None
-    )
-    if loaded.config.replace(**{k: getattr(model_config, k) for k in _FIELDS_FREE}) != (
-        model_config
-    ):
-        raise UserError(
-            f"--load {directory}: its rank files describe another model than its first one; "
-            "copy the whole iteration directory again"
-        )
-    saved = loaded.optimizer
-    sources = loaded.state if saved is None or saved.main_params is None else saved.main_params
-
-    def cut(name: str, full: torch.Tensor, box: Box) -> torch.Tensor:
-        offsets, shape = box
-        return assemble_slice(name, tuple(full.shape), offsets, shape, [(full, (0,) * full.dim())])
-
+    A torch_dist save is read box by box: this rank reads and holds only its slices
+    (:mod:`~megatron_het.checkpoint.megatron_lm_boxes`). A legacy one is read whole (every rank
+    file, memory-mapped) into full tensors, dropped on return. ``weights``, when given,
+    receives each box by name at the file's precision (for the optimizer's master weights);
+    ``stats`` counts the files and bytes read. ``optimizer``, when given (torch_dist only),
+    receives Adam's state of each box by name (``step``, ``exp_avg``, ``exp_avg_sq``), and
+    the weights come from the optimizer's float32 main weights where it keeps them; the
+    optimizer state read is returned (None without). Raises UserError for a damaged or
+    incomplete checkpoint or one of another model."""
+    boxes = {
+        name: target_slice(name, model_config, tp, tp_rank) for name, _ in stage.named_parameters()
+    }
+    saved = None
+    if sharded_backend(directory) is not None:
+        values, saved = _dist_boxes(directory, model_config, boxes, optimizer is not None, stats)
+    elif optimizer is not None:
+        raise UserError(LEGACY_OPTIMIZER.format(source=directory))
+    else:
+        values = _legacy_boxes(directory, model_config, boxes, stats)
     for name, param in stage.named_parameters():
-        box = target_slice(name, model_config, tp, tp_rank)
-        value = cut(name, sources[name], box)
-        param.copy_(value)
+        param.copy_(values[name])
         if weights is not None:
-            weights[name] = value
+            weights[name] = values[name]
         if optimizer is not None and saved is not None:
-            moments = saved.moments[name]
-            optimizer[name] = {"step": saved.step}
-            optimizer[name] |= {k: cut(f"{name} {k}", t, box) for k, t in moments.items()}
-    if stats is not None:
-        files = sorted(directory.glob(f"mp_rank_*/{RANK_FILE}"))
-        files += sorted(directory.glob("*.distcp")) + sorted(directory.glob(COMMON_FILE))
-        stats.files += len(files)
-        stats.bytes += sum(os.stat(path).st_size for path in files)
+            optimizer[name] = {"step": saved.step, **saved.moments[name]}
     return saved

@@ -249,7 +249,7 @@ def _parse_index(entries: dict, kind: str) -> dict[str, tuple[tuple[int, ...], l
     }
 
 
-def _full_box(global_shape: tuple[int, ...]) -> Box:
+def full_box(global_shape: tuple[int, ...]) -> Box:
     return ((0,) * len(global_shape), global_shape)
 
 
@@ -263,7 +263,7 @@ def load_model_state(
     """
     reader = CheckpointReader(resolve_checkpoint_dir(path, iteration))
     state = {
-        name: reader.model_slice(name, _full_box(shape)).to(map_location)
+        name: reader.model_slice(name, full_box(shape)).to(map_location)
         for name, (shape, _) in reader.model_index.items()
     }
     return reader.config, state
@@ -288,7 +288,7 @@ def full_optimizer_state(reader: CheckpointReader | PathLike) -> dict[str, Any]:
         reader = CheckpointReader(reader)
     state = {}
     for name, (global_shape, _) in reader.optimizer_index.items():
-        entry = reader.optimizer_slice(name, _full_box(global_shape))
+        entry = reader.optimizer_slice(name, full_box(global_shape))
         entry["step"] = torch.tensor(float(entry["step"]))  # torch.optim.AdamW's own form
         state[name] = entry
     return {"state": state, "param_groups": []}

@@ -4,7 +4,8 @@ torch.distributed.checkpoint (DCP), what background saves cost, and Megatron-LM 
 Three measurements, printed as one JSON object (the last line) with the conditions:
 
 * ``io``: a model of a few hundred MB (float32 weights, plus Adam moments: the checkpoint is about
-  3x the weights) saved and loaded back by a one-rank plan and by a 2-rank plan (pp=2), each rank
+  3x the weights) saved and loaded back by a one-rank plan and by a 2-rank plan (pp=2; ``--ranks``
+  for another size, ``--skip-single`` for that plan alone), each rank
   a forked gloo process, in each format ``--format`` names, rounds alternating the formats:
   ``ours`` (``save_sharded`` / ``load_sharded``) and ``dcp1``, ``dcp2`` (``dcp.save`` with a
   ``FileSystemWriter`` of 1 and 2 threads, ``dcp.load`` into preallocated tensors; the same
@@ -40,6 +41,9 @@ Three measurements, printed as one JSON object (the last line) with the conditio
     .venv/bin/python -m bench.checkpoint_io --skip-io --overhead-io-model --save-interval 10
                                                                   # saves that weigh
     .venv/bin/python -m bench.checkpoint_io --megatron-conversion # the conversion part only
+    .venv/bin/python -m bench.checkpoint_io --hidden-size 2048 --num-layers 16 \\
+        --vocab-size 32000 --ranks 4 --skip-single --skip-overhead --skip-conversion \\
+        --rounds 2                                  # a 0.9B model on 4 ranks (10.6 GB a save)
 """
 
 from __future__ import annotations
@@ -93,6 +97,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=100,
         help="iterations between saves in the overhead runs (the demo's: 100)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="io part: ranks of the multi-rank plan (pipeline stages, one rank each)",
+    )
+    p.add_argument(
+        "--skip-single",
+        action="store_true",
+        help="io part: measure the multi-rank plan alone (no one-rank plan, no reshard)",
     )
     p.add_argument("--runs", type=int, default=3, help="overhead runs per mode")
     p.add_argument("--skip-overhead", action="store_true")
@@ -570,10 +585,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             "sha256_gbps": sha256_gbps(),
         }
         if not (args.skip_io or only_conversion):
-            result["io"] = [
-                measure_plan(1, args, root, keep=True),
-                measure_plan(2, args, root, reshard_from=root / "plan1"),
-            ]
+            if args.skip_single:
+                result["io"] = [measure_plan(args.ranks, args, root)]
+            else:
+                result["io"] = [
+                    measure_plan(1, args, root, keep=True),
+                    measure_plan(args.ranks, args, root, reshard_from=root / "plan1"),
+                ]
             shutil.rmtree(root / "plan1", ignore_errors=True)
         if not (args.skip_overhead or only_conversion):
             result["async_overhead"] = measure_overhead(args, root)

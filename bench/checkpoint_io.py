@@ -19,7 +19,9 @@ Three measurements, printed as one JSON object (the last line) with the conditio
   slowest rank's time; medians over ``--rounds``. The 2-rank plan also loads the one-rank
   plan's checkpoints (``resharded``: each rank reads only its stage's pieces; DCP by names).
   The files were just written, so reads come from the page cache (a figure for the code's own
-  cost, not the disk's); ``sha256_gbps`` is one core's hashing rate.
+  cost, not the disk's); ``sha256_gbps`` is one core's hashing rate. ``async_stall_s``: how
+  long one asynchronous save holds a rank's training thread (the slowest rank's), ours (the
+  host copies ``--async-save`` takes before its background write) and ``dcp.async_save``'s.
 * ``async_overhead``: the demo's model preset and save interval (``small``, every 100
   iterations, sequence 256, global batch 8), trained in this process for 2 save intervals with
   synchronous saves, with ``--async-save``, with ``dcp.async_save`` of the same state (a gloo
@@ -211,6 +213,48 @@ class _RankState:
         )
 
 
+def _stalls(state: _RankState, root: pathlib.Path, iteration: int, dcp_saves: Any) -> dict:
+    """How long one asynchronous save holds this rank's training thread (collective): ours,
+    ``--async-save``'s part in it (fresh host copies of the optimizer state, as the optimizer's
+    ``state_dict()`` gives them, and :func:`snapshot_sharded`'s copies of the parameters; the
+    background write is not started), and ``dcp.async_save``'s return (its staging), whose
+    write is then waited for. Seconds by format."""
+    from megatron_het.checkpoint.io import remove_stale_staging
+    from megatron_het.checkpoint.sharded import snapshot_sharded
+
+    world, out = state.groups.world, {}
+    world.barrier()
+    start = time.perf_counter()
+    optimizer = {
+        n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        for n, entry in state.optimizer.items()
+    }
+    save_dir = root / "ours-async"
+    snapshot_sharded(
+        save_dir,
+        iteration,
+        state.config,
+        state.groups,
+        state.stage,
+        optimizer,
+        {"iteration": iteration, "consumed_samples": 0},
+    )
+    out["ours"] = time.perf_counter() - start
+    world.barrier()
+    if world.rank == 0:
+        remove_stale_staging(save_dir)
+    if dcp_saves is not None:
+        world.barrier()
+        start = time.perf_counter()
+        path = dcp_saves.start(state.dcp(iteration), iteration)
+        out["dcp"] = time.perf_counter() - start
+        dcp_saves.finish()
+        world.barrier()
+        if world.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
 def _ours_round(
     state: _RankState, root: pathlib.Path, iteration: int, reshard_from: str | None
 ) -> dict[str, Any]:
@@ -287,8 +331,11 @@ def _io_rank(
     }
     state = _RankState(config, plan, groups, stage, optimizer)
     formats, rows = formats_of(args), []
+    dcp_saves = None
+    if any(f.startswith("dcp") for f in formats):
+        dcp_saves = checkpoint_dcp.DcpAsyncSaves(pathlib.Path(root) / "dcp-async", 2)
     for round_index in range(args.rounds):
-        row = {}
+        row: dict[str, Any] = {}
         # Rounds alternate the formats and rotate which goes first: the host's drift and the
         # page cache's state hit every format alike.
         shift = round_index % len(formats)
@@ -307,6 +354,7 @@ def _io_rank(
                     source,
                     groups.world,
                 )
+        row["async_stall_s"] = _stalls(state, pathlib.Path(root), round_index + 1, dcp_saves)
         rows.append(row)
     dist.destroy_process_group()
     queue.put((rank, rows))
@@ -380,6 +428,15 @@ def measure_plan(
         ]
         figures = _ours_figures if fmt == "ours" else checkpoint_dcp.figures
         out[fmt] = figures(rounds, reshard_from is not None)
+    # The slowest rank's stall per round, medians over the rounds.
+    stalls: dict[str, list[float]] = {}
+    for rows in zip(*(results[r] for r in range(world_size))):
+        for fmt in rows[0]["async_stall_s"]:
+            stalls.setdefault(fmt, []).append(max(row["async_stall_s"][fmt] for row in rows))
+    out["async_stall_s"] = {
+        fmt: {"median": round(statistics.median(v), 3), "rounds": [round(x, 3) for x in v]}
+        for fmt, v in stalls.items()
+    }
     return out
 
 

@@ -14,9 +14,12 @@ tensor (see the key table in :mod:`~megatron_het.checkpoint.megatron_lm_dist`):
 * ``layers.i.mlp.gate`` / ``up``: rows ``r`` / ``F + r`` of ``linear_fc1`` (its global rows are
   the whole gate, then the whole up), or the box of the ``weight_w`` / ``weight_v`` halves.
 
-:func:`read_boxes` plans exactly those reads (:class:`_BoxPlanner`, torch's resharding reads
-for a chunk at given offsets) and reads them through the checked reader, so a rank reads and
-holds its own slices, not the model.
+:func:`read_boxes` plans those reads (:class:`_BoxPlanner`, torch's resharding reads for a
+chunk at given offsets; a stage's layers of a stacked key as one box, since torch's reader
+deserialises a saved chunk whole for every read inside it) and reads them through the checked
+reader, so a rank holds its own slices, not the model. What it reads from disk is the saved
+chunks its boxes overlap: megatron-core's multi-rank saves chunk each tensor by the writing
+ranks' shards; a single-process save (ours) has one chunk per tensor.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import dataclasses
 import pathlib
 import re
 import warnings
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -100,6 +102,14 @@ def _source(name: str, box: Box, cfg: ModelConfig, keys: set[str], prefix: str) 
     )
 
 
+def _bounding(reads: list[_Read]) -> _Read:
+    """The smallest box of their key holding every one of ``reads`` (boxes of one key)."""
+    starts = [min(r.offsets[d] for r in reads) for d in range(len(reads[0].offsets))]
+    stops = [max(r.offsets[d] + r.shape[d] for r in reads) for d in range(len(starts))]
+    shape = tuple(b - a for a, b in zip(starts, stops, strict=True))
+    return _Read(reads[0].key, tuple(starts), shape, False)
+
+
 class _BoxPlanner(dcp.DefaultLoadPlanner):
     """Reads each target tensor from its box of a saved global tensor: ``reads`` maps each
     target's name to its :class:`_Read` (several targets may read boxes of one key)."""
@@ -160,20 +170,37 @@ def read_boxes(
         if key.startswith(prefix):
             model_key(key[len(prefix) :], source)  # refuses a model we cannot hold
     reads = {name: _source(name, box, cfg, tensor_keys, prefix) for name, box in boxes.items()}
-    targets = {}
+    # torch's reader deserialises a saved chunk whole for every read of a box inside it, so
+    # the layers a stage needs of a stacked key (the same box in each layer) are read as one
+    # box spanning them, then cut apart.
+    groups: dict[tuple, list[str]] = {}
     for name, read in reads.items():
+        same = (read.key, read.offsets[1:], read.shape[1:]) if read.squeeze else (name,)
+        groups.setdefault(same, []).append(name)
+    bounds: dict[str, _Read] = {}  # target -> the box it reads
+    target_of: dict[str, str] = {}  # our name -> its target
+    for index, names in enumerate(groups.values()):
+        bound = _bounding([reads[n] for n in names])
+        target = f"{bound.key}#{index}"
+        bounds[target] = bound
+        target_of.update((n, target) for n in names)
+    for read in reads.values():
         saved = metadata.state_dict_metadata[read.key]
         assert isinstance(saved, dcp_metadata.TensorStorageMetadata)
         _check_box(read, saved, source)
-        targets[name] = torch.empty(read.shape, dtype=saved.properties.dtype)
-    check_files(directory, metadata, {read.key for read in reads.values()})
+    targets = {}
+    for target, bound in bounds.items():
+        saved = metadata.state_dict_metadata[bound.key]
+        assert isinstance(saved, dcp_metadata.TensorStorageMetadata)
+        targets[target] = torch.empty(bound.shape, dtype=saved.properties.dtype)
+    check_files(directory, metadata, {bound.key for bound in bounds.values()})
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(
                 targets,
                 storage_reader=CheckedReader(directory, metadata),
-                planner=_BoxPlanner(reads),
+                planner=_BoxPlanner(bounds),
                 no_dist=True,
             )
     except (CheckpointException, OSError, RuntimeError, ValueError, EOFError) as exc:
@@ -181,7 +208,13 @@ def read_boxes(
         raise UserError(
             f"cannot read the tensors of {source} ({first_line}); it is damaged, copy it again"
         ) from None
-    out: dict[str, Any] = {
-        name: targets[name][0] if read.squeeze else targets[name] for name, read in reads.items()
-    }
+    out: dict[str, torch.Tensor] = {}
+    for name, read in reads.items():
+        target = target_of[name]
+        start = bounds[target].offsets
+        cut = tuple(
+            slice(o - a, o - a + n) for o, a, n in zip(read.offsets, start, read.shape, strict=True)
+        )
+        box = targets[target][cut]
+        out[name] = (box[0] if read.squeeze else box).clone()
     return out, sum(t.numel() * t.element_size() for t in targets.values())

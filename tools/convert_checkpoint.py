@@ -52,6 +52,7 @@ stages and TP slices, the same iteration and training state, metadata recording 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -78,6 +79,7 @@ from megatron_het.checkpoint.megatron_lm import (
 from megatron_het.checkpoint.megatron_lm_dist import DistExtras, write_dist_checkpoint
 from megatron_het.checkpoint.megatron_lm_names import NAMINGS, padded_vocab_size
 from megatron_het.checkpoint.megatron_lm_optim import (
+    MEGATRON_RUN_KEY,
     TrainingRun,
     dist_optimizer_extras,
     optimizer_of_ours,
@@ -374,6 +376,10 @@ def megatron_to_megatron_het(args: argparse.Namespace) -> pathlib.Path:
     # A resumable checkpoint of ours holds the float32 main weights as its model.
     weights = loaded.optimizer.main_params or cast(loaded.state, torch.float32)
     metadata["megatron_optimizer_layout"] = loaded.optimizer.layout
+    consumed = int(getattr(loaded.args, "consumed_train_samples", 0) or 0)
+    run = TrainingRun.from_megatron_args(loaded.args, loaded.iteration, consumed)
+    if run is not None:
+        metadata[MEGATRON_RUN_KEY] = dataclasses.asdict(run)
     return save_checkpoint(
         args.save_dir,
         loaded.iteration,

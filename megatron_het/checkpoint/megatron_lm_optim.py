@@ -52,6 +52,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 MAIN_PARAMS = ("fp32_param", "param")
 _STATE_KEY = re.compile(r"optimizer\.state\.([A-Za-z0-9_]+)\.(.+)")
 FULLY_RESHARDABLE_FLAG = "--dist-ckpt-optim-fully-reshardable"
+# metadata.json key of a checkpoint converted with its optimizer: the Megatron-LM run's
+# schedule and Adam settings (a TrainingRun), for an export back without a run of ours.
+MEGATRON_RUN_KEY = "megatron_training_run"
 LEGACY_OPTIMIZER = (
     "{source} is a --ckpt-format torch save, whose optimizer state is indexed by position, not "
     "by parameter; re-save it from Megatron-LM as torch_dist (--ckpt-convert-format torch_dist "
@@ -282,8 +285,13 @@ class TrainingRun:
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any], source: str) -> TrainingRun:
-        """From our checkpoint's metadata.json (``run_config``, ``consumed_samples``)."""
+        """From our checkpoint's metadata.json: its run's ``run_config`` and
+        ``consumed_samples``, or (a checkpoint converted from Megatron-LM with its optimizer)
+        the run recorded from the Megatron-LM args under ``megatron_training_run``."""
         run = metadata.get("run_config")
+        recorded = metadata.get(MEGATRON_RUN_KEY)
+        if not isinstance(run, dict) and isinstance(recorded, dict):
+            return cls(**{**recorded, "betas": tuple(recorded["betas"])})
         if not isinstance(run, dict):
             raise UserError(
                 f"{source} records no run config, so its learning-rate schedule is unknown; "
@@ -305,6 +313,36 @@ class TrainingRun:
             weight_decay=float(optim["weight_decay"]),
             betas=(float(optim["adam_beta1"]), float(optim["adam_beta2"])),
             eps=float(optim["adam_eps"]),
+        )
+
+    @classmethod
+    def from_megatron_args(
+        cls, args: Any, iteration: int, consumed_samples: int
+    ) -> TrainingRun | None:
+        """The run a Megatron-LM checkpoint's ``args`` describe (Megatron-LM's defaults where a
+        field is absent); None without ``lr`` or ``global_batch_size``."""
+        lr, gbs = getattr(args, "lr", None), getattr(args, "global_batch_size", None)
+        if lr is None or not gbs:
+            return None
+
+        def field(name: str, default: Any) -> Any:
+            value = getattr(args, name, None)
+            return default if value is None else value
+
+        samples = int(field("train_samples", 0))
+        return cls(
+            iteration=int(iteration),
+            consumed_samples=int(consumed_samples),
+            global_batch_size=int(gbs),
+            train_iters=int(field("train_iters", samples // int(gbs) or iteration)),
+            lr=float(lr),
+            min_lr=float(field("min_lr", 0.0)),
+            lr_warmup_iters=int(field("lr_warmup_iters", 0)),
+            lr_decay_iters=getattr(args, "lr_decay_iters", None),
+            lr_decay_style=str(field("lr_decay_style", "linear")),
+            weight_decay=float(field("weight_decay", 0.01)),
+            betas=(float(field("adam_beta1", 0.9)), float(field("adam_beta2", 0.999))),
+            eps=float(field("adam_eps", 1e-8)),
         )
 
     def scheduler_state(self) -> dict[str, Any]:

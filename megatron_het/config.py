@@ -272,6 +272,20 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class ProfileConfig:
+    """Megatron-LM's profiling flags: ``--profile`` records iterations ``step_start`` to
+    ``step_end - 1`` (the log's iteration numbers) on the world ranks ``ranks``; with
+    ``use_pytorch_profiler``, torch.profiler's trace of each of those ranks goes into
+    ``--tensorboard-dir`` (:mod:`megatron_het.training.profiling`)."""
+
+    enabled: bool = False
+    step_start: int = 10
+    step_end: int = 12
+    ranks: tuple[int, ...] = (0,)
+    use_pytorch_profiler: bool = False
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     micro_batch_size: int = 1
     global_batch_size: int = 1
@@ -307,6 +321,7 @@ class TrainConfig:
     save_interval: int | None = None
     tensorboard_dir: str | None = None
     metrics_file: str | None = None
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_het.config import FaultConfig, TrainConfig
+from megatron_het.config import FaultConfig, ProfileConfig, TrainConfig
 from megatron_het.errors import UserError
 
 
@@ -76,6 +76,31 @@ def add_io_flags(p: argparse.ArgumentParser) -> None:
         "(split 'valid'). Truncated at a fresh start; on resume, lines past the "
         "loaded iteration are dropped and new ones appended",
     )
+    g = p.add_argument_group("profiling")
+    pc = ProfileConfig()
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="record iterations --profile-step-start to --profile-step-end - 1 on "
+        "--profile-ranks (with --use-pytorch-profiler: torch.profiler)",
+    )
+    g.add_argument("--profile-step-start", type=int, default=pc.step_start, metavar="N")
+    g.add_argument("--profile-step-end", type=int, default=pc.step_end, metavar="N")
+    g.add_argument(
+        "--profile-ranks",
+        type=int,
+        nargs="+",
+        default=list(pc.ranks),
+        metavar="R",
+        help="world ranks to profile (default: 0)",
+    )
+    g.add_argument(
+        "--use-pytorch-profiler",
+        action="store_true",
+        help="with --profile: torch.profiler's trace of each profiled rank (operators, "
+        "and kernels on a GPU) into --tensorboard-dir, which TensorBoard's profiler "
+        "plugin and Perfetto (ui.perfetto.dev) open",
+    )
     g = p.add_argument_group("faults")
     g.add_argument(
         "--distributed-timeout-minutes",
@@ -124,4 +149,45 @@ def fault_config(args: argparse.Namespace) -> FaultConfig:
         log_straggler=args.log_straggler,
         straggler_threshold=args.straggler_threshold,
         skip_nonfinite_steps=args.skip_nonfinite_steps,
+    )
+
+
+def profile_config(args: argparse.Namespace) -> ProfileConfig:
+    """The parsed profiling flags; UserError (one line) for a window that is empty or starts
+    after the run's last iteration, a negative rank, or a profiler flag without its partner.
+    Ranks beyond the world are refused once the world is known
+    (:func:`megatron_het.training.profiling.check_profile`)."""
+    start, end = args.profile_step_start, args.profile_step_end
+    if not args.profile:
+        if args.use_pytorch_profiler:
+            raise UserError("--use-pytorch-profiler applies with --profile; add --profile")
+        return ProfileConfig(step_start=start, step_end=end, ranks=tuple(args.profile_ranks))
+    if start < 1 or end <= start:
+        raise UserError(
+            f"--profile-step-start {start} and --profile-step-end {end} record no iteration: "
+            "the start must be at least 1 and the end after it"
+        )
+    if start > args.train_iters:
+        raise UserError(
+            f"--profile-step-start {start} is after the run's last iteration "
+            f"(--train-iters {args.train_iters})"
+        )
+    if any(rank < 0 for rank in args.profile_ranks):
+        raise UserError(f"--profile-ranks {args.profile_ranks} holds a negative rank")
+    if not args.use_pytorch_profiler:
+        raise UserError(
+            "--profile records torch.profiler's trace: add --use-pytorch-profiler (the "
+            "runtime's own merged timeline of every rank is not built yet)"
+        )
+    if args.tensorboard_dir is None:
+        raise UserError(
+            "--use-pytorch-profiler writes each profiled rank's trace into "
+            "--tensorboard-dir; pass one"
+        )
+    return ProfileConfig(
+        enabled=True,
+        step_start=start,
+        step_end=end,
+        ranks=tuple(sorted(set(args.profile_ranks))),
+        use_pytorch_profiler=True,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megatron_het.training.checkpointing import CheckpointSaver
+from megatron_het.training.profiling import IterationProfiler
 from megatron_het.training.stop import StopRequest
 from megatron_het.training.trainer import Trainer, evaluate, train_step
 
@@ -20,22 +21,44 @@ def train(trainer: Trainer, stop: StopRequest, saver: CheckpointSaver | None = N
     :class:`CheckpointSaver`; it is closed on the way out (an uncommitted save is abandoned).
     """
     saver = saver or CheckpointSaver(trainer)
+    profiler = _profiler(trainer)
     try:
-        reason = _iterate(trainer, stop, saver)
+        reason = _iterate(trainer, stop, saver, profiler)
         trainer.optimizer.params_ready()  # the last step's --overlap-param-gather
         saver.finish()
         if reason != "done":
             trainer.print(f" stopping after iteration {trainer.progress.iteration} ({reason})")
         return reason
     finally:
+        profiler.close(trainer.progress.iteration)
         saver.close()
 
 
-def _iterate(trainer: Trainer, stop: StopRequest, saver: CheckpointSaver) -> str:
+def _profiler(trainer: Trainer) -> IterationProfiler:
+    """``--profile``'s recorder on this rank; its lines go to the log (or, on a rank that
+    does not log, to standard output)."""
+    train = trainer.setup.train
+
+    def say(line: str) -> None:
+        if trainer.logger is not None:
+            trainer.print(line)
+        else:
+            print(line, flush=True)
+
+    return IterationProfiler(
+        train.profile, trainer.groups.rank, trainer.device, train.tensorboard_dir, say
+    )
+
+
+def _iterate(
+    trainer: Trainer, stop: StopRequest, saver: CheckpointSaver, profiler: IterationProfiler
+) -> str:
     train_config = trainer.setup.train
     evaluated = saved = -1
     while trainer.progress.iteration < train_config.train_iters:
+        profiler.begin(trainer.progress.iteration + 1)
         stopping = train_step(trainer, stop.requested)
+        profiler.end(trainer.progress.iteration)
         saver.poll()
         current = trainer.progress.iteration
         if current % train_config.eval_interval == 0:

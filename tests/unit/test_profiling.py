@@ -1,0 +1,82 @@
+"""``--profile --use-pytorch-profiler``: torch.profiler's Chrome trace of exactly the window's
+iterations on the profiled rank, in --tensorboard-dir; and each bad input one line before
+training starts."""
+
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+
+import pytest
+
+from megatron_het.arguments import parse_run_config
+from megatron_het.training.run import pretrain
+from tests.test_pretrain_cli import run_in_process
+
+TINY = [
+    "--model",
+    "tiny",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "300",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "2",
+    "--train-iters",
+    "5",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+]
+
+
+def test_the_window_is_traced(tmp_path: pathlib.Path) -> None:
+    board = tmp_path / "board"
+    argv = [*TINY, "--profile", "--use-pytorch-profiler", "--tensorboard-dir", str(board)]
+    argv += ["--profile-step-start", "2", "--profile-step-end", "4"]
+    out = io.StringIO()
+    pretrain(parse_run_config(argv), out=out)
+    (trace,) = board.glob("rank0.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = sorted(e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#"))
+    assert len(steps) == 2, steps  # iterations 2 and 3, one span each
+    assert any(e.get("name") == "aten::mm" for e in events)  # the model's own operators
+    assert "torch.profiler trace of iterations 2-3 written to" in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--profile-step-start", "4", "--profile-step-end", "4"], "record no iteration"),
+        (["--profile-step-start", "9", "--profile-step-end", "12"], "after the run's last"),
+        (["--profile-ranks", "0", "3"], "--profile-ranks 3 outside the world of 1 rank"),
+        (["--tensorboard-dir", "{file}/board"], "cannot write the profiler's trace there"),
+        (["--no-pytorch"], "add --use-pytorch-profiler"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path: pathlib.Path, capsys, flags: list[str], words: str):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    argv = [*TINY, "--profile", "--use-pytorch-profiler", "--tensorboard-dir", str(tmp_path)]
+    argv += ["--profile-step-start", "2", "--profile-step-end", "3"]
+    if flags == ["--no-pytorch"]:
+        argv.remove("--use-pytorch-profiler")
+        flags = []
+    argv += [f.replace("{file}", str(blocker)) for f in flags]
+    status, out, err = run_in_process(argv, capsys)
+    assert status != 0
+    (line,) = err.strip().splitlines()
+    assert words in line, line
+    assert "iteration 1" not in out  # nothing trained
+
+
+def test_pytorch_profiler_without_profile_is_refused(capsys) -> None:
+    status, _, err = run_in_process([*TINY, "--use-pytorch-profiler"], capsys)
+    assert status != 0 and "applies with --profile" in err

@@ -1,6 +1,7 @@
 import json
 import os
 import pathlib
+import re
 
 # (megatron_het.perf.measure.worker_processes.HIDING_VARIABLES, spelled out: the GPUs are hidden below
 # before anything of the package is imported; checked against it after)
@@ -55,6 +56,38 @@ torch.set_num_threads(
 
 TESTS = pathlib.Path(__file__).resolve().parent
 DISTRIBUTED, GPU = TESTS / "distributed", TESTS / "gpu"
+
+
+# A module whose every test is slow says so once, at module level.
+MODULE_SLOW = re.compile(r"^pytestmark = pytest\.mark\.slow\b", re.MULTILINE)
+
+
+def _excluded_markers(config) -> set[str]:
+    """The markers ``-m`` leaves out whole: for an expression that is only ``not A and not
+    B ...`` (the fast loop's), {A, B, ...}; anything else excludes nothing here."""
+    expression = (config.getoption("markexpr") or "").strip()
+    parts = [part.strip() for part in expression.split(" and ")] if expression else []
+    names = [re.fullmatch(r"not (\w+)", part) for part in parts]
+    return {m.group(1) for m in names if m} if names and all(names) else set()
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Do not even import a test module whose every test ``-m`` leaves out: the fast loop then
+    skips the imports of tests/distributed and of the modules marked slow whole (megatron-core
+    alone takes seconds to import)."""
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    excluded = _excluded_markers(config)
+    if not excluded:
+        return None
+    parents = collection_path.resolve().parents
+    if ("distributed" in excluded and DISTRIBUTED in parents) or (
+        "gpu" in excluded and GPU in parents
+    ):
+        return True
+    if "slow" in excluded and MODULE_SLOW.search(collection_path.read_text(encoding="utf-8")):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

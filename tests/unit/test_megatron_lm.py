@@ -287,6 +287,7 @@ def test_with_optimizer_refusals(tmp_path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: about 5 s
 def test_cli_refusal_is_one_line_exit_2(tmp_path) -> None:
     (tmp_path / "mlm").mkdir()
     result = subprocess.run(

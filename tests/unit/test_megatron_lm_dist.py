@@ -53,6 +53,8 @@ from tests.unit.test_megatron_lm_parity import (
 from tests.unit.test_megatron_lm_parity import megatron_world as megatron_world  # a fixture
 from tools import convert_checkpoint
 
+pytestmark = pytest.mark.slow  # megatron-core takes seconds to import
+
 
 class SyncTorchDistSave(TorchDistSaveShardedStrategy):
     """megatron-core's torch_dist saver with torch's synchronous file writer (see above)."""

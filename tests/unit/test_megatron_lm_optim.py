@@ -51,6 +51,8 @@ from tests.unit.test_megatron_lm_parity import (
 )
 from tests.unit.test_megatron_lm_parity import megatron_world as megatron_world  # a fixture
 
+pytestmark = pytest.mark.slow  # megatron-core takes seconds to import
+
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.95), 1e-8
 ITERATION = 2
 

@@ -36,6 +36,8 @@ from megatron_het.config import ModelConfig
 from megatron_het.model.llama import build_model
 from tools import convert_checkpoint
 
+pytestmark = pytest.mark.slow  # megatron-core takes seconds to import
+
 H, F, NH, NG, LAYERS, VOCAB, PADDED, SEQ = 64, 96, 4, 2, 2, 100, 128, 12
 TOKENS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 

@@ -13,28 +13,9 @@ import pytest
 from megatron_het.arguments import parse_run_config
 from megatron_het.training.run import pretrain
 from tests.test_pretrain_cli import run_in_process
+from tests.unit.test_load_megatron import TINY as TINY_RUN
 
-TINY = [
-    "--model",
-    "tiny",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "300",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "2",
-    "--train-iters",
-    "5",
-    "--eval-iters",
-    "0",
-    "--log-interval",
-    "1",
-]
+TINY = [*TINY_RUN, "--train-iters", "5"]
 
 
 def test_the_window_is_traced(tmp_path: pathlib.Path) -> None:

@@ -96,15 +96,10 @@ def _found(common: dict[str, Any], name: str) -> list[Any]:
     return [v for p, v in _walk(common.get("optimizer")) if p.rsplit(".", 1)[-1] == name]
 
 
-def state_names(metadata: dcp_metadata.Metadata) -> dict[str, int]:
-    """Per-parameter state names (``exp_avg``, ``param``, ...) stored by parameter, with how
-    many tensors each has."""
-    names: dict[str, int] = {}
-    for key in metadata.state_dict_metadata:
-        match = _STATE_KEY.fullmatch(key)
-        if match is not None:
-            names[match.group(1)] = names.get(match.group(1), 0) + 1
-    return names
+def state_names(metadata: dcp_metadata.Metadata) -> set[str]:
+    """Per-parameter state names (``exp_avg``, ``param``, ...) stored by parameter."""
+    matches = (_STATE_KEY.fullmatch(key) for key in metadata.state_dict_metadata)
+    return {match.group(1) for match in matches if match is not None}
 
 
 def optimizer_problem(
@@ -126,8 +121,8 @@ def optimizer_problem(
         args = common.get("args")
         why = " (saved with --no-save-optim)" if getattr(args, "no_save_optim", False) else ""
         return f"{source} holds no optimizer state{why}"
-    unknown = sorted(set(names) - set(MOMENTS) - set(MAIN_PARAMS))
-    if unknown or not set(MOMENTS) <= set(names):
+    unknown = names - set(MOMENTS) - set(MAIN_PARAMS)
+    if unknown or not set(MOMENTS) <= names:
         return (
             f"{source} holds optimizer state {sorted(names)}, not Adam's "
             f"({', '.join(MOMENTS)}); only Adam's state is carried"

@@ -274,9 +274,10 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class ProfileConfig:
     """Megatron-LM's profiling flags: ``--profile`` records iterations ``step_start`` to
-    ``step_end - 1`` (the log's iteration numbers) on the world ranks ``ranks``; with
-    ``use_pytorch_profiler``, torch.profiler's trace of each of those ranks goes into
-    ``--tensorboard-dir`` (:mod:`megatron_het.training.profiling`)."""
+    ``step_end - 1`` (the log's iteration numbers) on the world ranks ``ranks`` into
+    ``--tensorboard-dir``: the run's own merged timeline of those ranks
+    (:mod:`megatron_het.training.timeline`), or with ``use_pytorch_profiler`` torch.profiler's
+    trace of each (:mod:`megatron_het.training.profiling`)."""
 
     enabled: bool = False
     step_start: int = 10

@@ -82,7 +82,8 @@ def add_io_flags(p: argparse.ArgumentParser) -> None:
         "--profile",
         action="store_true",
         help="record iterations --profile-step-start to --profile-step-end - 1 on "
-        "--profile-ranks (with --use-pytorch-profiler: torch.profiler)",
+        "--profile-ranks: one merged Chrome trace of those ranks with the predicted schedule "
+        "beside (with --use-pytorch-profiler: torch.profiler's trace of each rank instead)",
     )
     g.add_argument("--profile-step-start", type=int, default=pc.step_start, metavar="N")
     g.add_argument("--profile-step-end", type=int, default=pc.step_end, metavar="N")
@@ -174,20 +175,17 @@ def profile_config(args: argparse.Namespace) -> ProfileConfig:
         )
     if any(rank < 0 for rank in args.profile_ranks):
         raise UserError(f"--profile-ranks {args.profile_ranks} holds a negative rank")
-    if not args.use_pytorch_profiler:
-        raise UserError(
-            "--profile records torch.profiler's trace: add --use-pytorch-profiler (the "
-            "runtime's own merged timeline of every rank is not built yet)"
-        )
     if args.tensorboard_dir is None:
-        raise UserError(
-            "--use-pytorch-profiler writes each profiled rank's trace into "
-            "--tensorboard-dir; pass one"
+        what = (
+            "each profiled rank's torch.profiler trace"
+            if args.use_pytorch_profiler
+            else "the merged timeline of the profiled ranks"
         )
+        raise UserError(f"--profile writes {what} into --tensorboard-dir; pass one")
     return ProfileConfig(
         enabled=True,
         step_start=start,
         step_end=end,
         ranks=tuple(sorted(set(args.profile_ranks))),
-        use_pytorch_profiler=True,
+        use_pytorch_profiler=args.use_pytorch_profiler,
     )

@@ -25,6 +25,7 @@ from megatron_het.comm.pending import device_timeout
 from megatron_het.comm.relay import Bridge
 from megatron_het.comm.wire import WireHooks
 from megatron_het.errors import UserError
+from megatron_het.trace.recorder import Recorder
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -109,6 +110,8 @@ class UnifiedCommunicator:
         self.debug = debug
         self._rank = dist.get_rank()
         self._count = 0
+        # Off until a profiled window switches it on; every group records into it.
+        self.recorder = Recorder()
         self.world = self.new_group(range(len(self.rank_kinds)), name="world")
 
     @classmethod
@@ -193,6 +196,7 @@ class UnifiedCommunicator:
             self.native_backends,
             self._new_backend_group,
             self.debug,
+            self.recorder,
         )
 
     def _backend_available(self, backend: str) -> bool:

@@ -25,8 +25,9 @@ rounding; integer results and max/min agree bitwise.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from megatron_het.comm.layout import GroupLayout
 from megatron_het.comm.links import Link, Work
 from megatron_het.comm.relay import Bridge
 from megatron_het.comm.ring import Scratch
+from megatron_het.trace.recorder import Recorder
 
 # Makes the backend group for ``ranks`` (sorted global ranks) with ``backend``; returns None on
 # ranks outside it. Called for every link on every rank that builds the group, in one order.
@@ -63,6 +65,35 @@ def reduce_op_name(op: Any) -> str:
     raise ValueError(f"unsupported reduce op {op!r}; use one of sum, avg, max, min")
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _traced(op: str) -> Callable[[_Method], _Method]:
+    """Record each call of a collective as a span of the group's recorder while it records
+    (the call's own time: for ``async_op`` its start; see :mod:`megatron_het.trace.recorder`)."""
+
+    def wrap(method: _Method) -> _Method:
+        @functools.wraps(method)
+        def traced(self: UnifiedGroup, *args: Any, **kwargs: Any) -> Any:
+            if not self.recorder.active:
+                return method(self, *args, **kwargs)
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            details = {
+                "group": self.name,
+                "size": self.size,
+                "path": "native" if not self.is_mixed else f"bridge ({self._path()})",
+                "bytes": max((t.numel() * t.element_size() for t in tensors), default=0),
+            }
+            if kwargs.get("async_op"):
+                details["async"] = True
+            with self.recorder.span(f"{op} {self.name}", "collective", **details):
+                return method(self, *args, **kwargs)
+
+        return traced  # type: ignore[return-value]
+
+    return wrap
+
+
 # Scratch sets a group keeps for its asynchronous hierarchical operations (see _phased).
 _SPARE_SCRATCH = 2
 
@@ -73,6 +104,8 @@ class UnifiedGroup:
     Made by :meth:`UnifiedCommunicator.new_group` (or by the "unified" torch.distributed
     backend); ``factory`` creates its backend links. A group keeps scratch buffers as large as
     its largest padded all-reduce or reduce-scatter, so repeated calls do not allocate.
+    ``recorder`` (the communicator's, shared by its groups) records each collective while it
+    records.
     """
 
     def __init__(
@@ -84,8 +117,10 @@ class UnifiedGroup:
         native_backends: dict[str, str],
         factory: LinkFactory,
         debug: bool,
+        recorder: Recorder | None = None,
     ) -> None:
         self.layout, self.me, self.name, self.bridge, self.debug = layout, me, name, bridge, debug
+        self.recorder = recorder if recorder is not None else Recorder()
         self.is_member = me in layout.ranks
         links: dict[tuple[str, tuple[int, ...]], Link] = {}
 
@@ -174,6 +209,7 @@ class UnifiedGroup:
         return "flat" if self.bridge.mode == "direct" else "hierarchical"
 
     # -- collectives -------------------------------------------------------------------------
+    @_traced("all_reduce")
     def all_reduce(
         self, tensor: torch.Tensor, op: Any = "sum", async_op: bool = False
     ) -> CollectiveHandle | None:
@@ -203,6 +239,7 @@ class UnifiedGroup:
         done()
         return DONE if async_op else None
 
+    @_traced("all_gather")
     def all_gather_into_tensor(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> CollectiveHandle | None:
@@ -242,6 +279,7 @@ class UnifiedGroup:
         for i, dst in enumerate(tensor_list):
             dst.copy_(out[i * tensor.numel() : (i + 1) * tensor.numel()].view(tensor.shape))
 
+    @_traced("reduce_scatter")
     def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, op: Any = "sum", async_op: bool = False
     ) -> CollectiveHandle | None:
@@ -328,6 +366,7 @@ class UnifiedGroup:
             raise ValueError(f"reduce_scatter needs {self.size} inputs, got {len(input_list)}")
         self.reduce_scatter_tensor(output, torch.cat([t.reshape(-1) for t in input_list]), op)
 
+    @_traced("broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """In-place broadcast from global rank ``src`` (a member of this group)."""
         self._check("broadcast", tensor, src, "src")
@@ -343,6 +382,7 @@ class UnifiedGroup:
             hier.broadcast(self, view.flat, src)
         view.write_back()
 
+    @_traced("all_to_all")
     def all_to_all(
         self, output_list: Sequence[torch.Tensor], input_list: Sequence[torch.Tensor]
     ) -> None:
@@ -351,6 +391,7 @@ class UnifiedGroup:
         self._check("all_to_all", input_list[0] if input_list else None, check_shape=False)
         p2p.all_to_all(self, output_list, input_list)
 
+    @_traced("barrier")
     def barrier(self) -> None:
         """Returns once every rank of the group has entered it."""
         self._check("barrier", None)

@@ -156,6 +156,7 @@ class _Posted:
     handles: list
     received: list[tuple[ActionKind, Key, torch.Tensor]]
     places: list[tuple[torch.Tensor, torch.Tensor]]
+    transfers: str = ""  # what the step moves, for the recorded spans' names
 
 
 class PipelineExecutor:
@@ -207,6 +208,7 @@ class PipelineExecutor:
         self.boundary_shape = (micro_batch_size, stop - start, model_config.hidden_size)
         self.pool = BufferPool(self.device)
         self.clock = RegionClock(self.device)
+        self.recorder = groups.comm.recorder  # records the steps while a profile records
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -287,10 +289,11 @@ class PipelineExecutor:
         sync_s = 0.0
         if not forward_only:
             sync_start = time.perf_counter()
-            sync_tied_embedding_grads(self.stage, self.groups, baseline)
-            # A device backend's wait only queues the reduction; the loss read below waits
-            # for the stream anyway, so waiting here costs nothing and times it.
-            synchronize_stream(self.device)
+            with self.recorder.span("tied-embedding sync", "step"):
+                sync_tied_embedding_grads(self.stage, self.groups, baseline)
+                # A device backend's wait only queues the reduction; the loss read below
+                # waits for the stream anyway, so waiting here costs nothing and times it.
+                synchronize_stream(self.device)
             sync_s = time.perf_counter() - sync_start
         loss = 0.0 if run.loss_sum is None else float(run.loss_sum)
         return StageStats(
@@ -322,13 +325,18 @@ class PipelineExecutor:
         return stage, action.micro_batch
 
     @contextlib.contextmanager
-    def _compute_region(self, run: _Run, kind: str, chunk: int) -> Iterator[None]:
+    def _compute_region(self, run: _Run, kind: str, key: Key) -> Iterator[None]:
+        stage, mb = key
+        chunk = self.chunks.index(stage)
+        name = ("eval " if run.forward_only else "") + f"{kind} mb{mb}"
+        name += f" c{chunk}" if self.num_chunks > 1 else ""
+        span = self.recorder.span(name, "compute", stage=stage, micro_batch=mb, chunk=chunk)
         if self.region_timer is None:
-            with self.clock.region("compute"):
+            with span, self.clock.region("compute"):
                 yield
             return
-        key = compute_region_key(kind, run.forward_only, chunk)
-        with self.clock.region("compute"), self.region_timer.timed_region(key):
+        timed = self.region_timer.timed_region(compute_region_key(kind, run.forward_only, chunk))
+        with span, self.clock.region("compute"), timed:
             yield
             synchronize_stream(self.device)  # the timer reads the host clock
 
@@ -337,7 +345,7 @@ class PipelineExecutor:
         first, last = stage == 0, stage == self.num_stages - 1
         chunk = self.chunks.index(stage)
         tokens, labels = run.micro_batches[mb]
-        with self._compute_region(run, "forward", chunk):
+        with self._compute_region(run, "forward", key):
             x = tokens.to(self.device) if first else self._stage_input(run, key)
             if last:
                 out = self.stage(x, labels=labels.to(self.device), chunk=chunk)
@@ -363,7 +371,7 @@ class PipelineExecutor:
 
     def _backward(self, run: _Run, key: Key) -> None:
         stage = key[0]
-        with self._compute_region(run, "backward", self.chunks.index(stage)):
+        with self._compute_region(run, "backward", key):
             out = run.outputs.pop(key)
             if stage == self.num_stages - 1:
                 torch.autograd.backward(out)
@@ -396,13 +404,15 @@ class PipelineExecutor:
             action_ops, action_places = transfer_ops(action, self.peers, payload, buffer)
             ops += action_ops
             places += action_places
-        with self.clock.region("p2p"):
-            handles = self.groups.pipeline.batch_isend_irecv(ops) if ops else []
-        return _Posted(handles, received, places)
+        transfers = self._describe(actions) if self.recorder.active else ""
+        with self.recorder.span(f"post {transfers}", "p2p", transfers=self._details(actions)):
+            with self.clock.region("p2p"):
+                handles = self.groups.pipeline.batch_isend_irecv(ops) if ops else []
+        return _Posted(handles, received, places, transfers)
 
     def _wait(self, run: _Run, posted: _Posted) -> None:
         """Wait for a posted batch and file what it received."""
-        with self.clock.region("p2p"):
+        with self.recorder.span(f"wait {posted.transfers}", "p2p"), self.clock.region("p2p"):
             for handle in posted.handles:
                 handle.wait()
             place_received(posted.places)
@@ -411,3 +421,35 @@ class PipelineExecutor:
                 run.input_buffers[key] = buffer
             else:
                 run.output_grads[key] = buffer
+
+    def _describe(self, actions: Sequence[Action]) -> str:
+        """A transfer step's short name: "send fwd mb3 + recv bwd mb1" (chunks named)."""
+        words = []
+        for action in actions:
+            stage, mb = self._key(action)
+            chunk = f" c{self.chunks.index(stage)}" if self.num_chunks > 1 else ""
+            words.append(f"{_SHORT[action.kind]} mb{mb}{chunk}")
+        return " + ".join(words)
+
+    def _details(self, actions: Sequence[Action]) -> list[dict]:
+        """A transfer step's actions for its recorded span: kind, global stage, micro-batch
+        and the peer ranks of its messages (empty while nothing records)."""
+        if not self.recorder.active:
+            return []
+        return [
+            {
+                "kind": action.kind.value,
+                "stage": self._key(action)[0],
+                "micro_batch": action.micro_batch,
+                "peers": [piece.peer for piece in self.peers.for_action(action)],
+            }
+            for action in actions
+        ]
+
+
+_SHORT = {
+    ActionKind.SEND_FORWARD: "send fwd",
+    ActionKind.RECV_FORWARD: "recv fwd",
+    ActionKind.SEND_BACKWARD: "send bwd",
+    ActionKind.RECV_BACKWARD: "recv bwd",
+}

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.perf import Prediction, StagePrediction
-from megatron_het.perf.schedule.simulator import simulate
-from megatron_het.pipeline.schedules import build_schedule
+from megatron_het.perf.predicted_timeline import slowest_pipeline
 from megatron_het.planner.report import efficiency_line
 from megatron_het.planner.result import SearchResult
 
@@ -107,26 +106,12 @@ def draw_timeline(
     ``title`` replaces :func:`timeline_title` (of ``result``'s figures where given)."""
     from matplotlib.patches import Patch
 
-    rows, micro_batches = _slowest_rows(prediction)
+    slowest = slowest_pipeline(prediction)
+    rows, micro_batches, sim = list(slowest.rows), slowest.micro_batches, slowest.simulation
     colors = _kind_colors(prediction)
     colors = {k: c for k, c in colors.items() if any(r.accelerator == k for r in rows)}
     # One bar per device group: an interleaved group runs several rows' chunks.
-    num_groups = len(dict.fromkeys(r.ranks for r in rows))
-    chunks = len(rows) // num_groups
-    schedule = build_schedule(
-        "1f1b",
-        num_groups,
-        micro_batches,
-        num_chunks=chunks,
-        overlap_p2p=prediction.overlap_p2p_comm,
-    )  # as predicted
-    sim = simulate(
-        schedule,
-        [r.forward_s for r in rows],
-        [r.backward_s for r in rows],
-        [r.p2p_forward_s for r in rows[:-1]],
-        [r.p2p_backward_s for r in rows[:-1]],
-    )
+    num_groups, chunks = slowest.num_groups, slowest.chunks
     total_s = sim.makespan_s + prediction.dp_sync_s + prediction.optimizer_s
     numbered = len(rows) * micro_batches <= MICRO_BATCH_LABELS
     labels = [

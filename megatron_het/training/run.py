@@ -335,7 +335,7 @@ def _train(
             )
         else:
             start = time.perf_counter()
-            train(trainer, stop)
+            train(trainer, stop, predict=lambda: predict_run(setup))
             warning = emulation.late_warning()
             if warning:
                 print(warning, file=sys.stderr, flush=True)

@@ -43,6 +43,7 @@ from megatron_het.parallel.process_groups import ProcessGroups, build_process_gr
 from megatron_het.pipeline.executor import PipelineExecutor
 from megatron_het.pipeline.stage import build_stage
 from megatron_het.pipeline.timing import synchronize_stream
+from megatron_het.trace.recorder import Recorder
 from megatron_het.training.batches import pipeline_micro_batches
 from megatron_het.training.metrics import TrainingLogger
 from megatron_het.training.setup import RunSetup
@@ -89,6 +90,11 @@ class Trainer:
     @property
     def device(self) -> torch.device:
         return self.groups.comm.device
+
+    @property
+    def recorder(self) -> Recorder:
+        """This rank's timeline recorder (the communicator's; off outside a profile)."""
+        return self.groups.comm.recorder
 
     def print(self, message: str) -> None:
         """A log line, printed by the logging rank only."""
@@ -223,17 +229,19 @@ def _run_global_batch(
         batches, loss_scale=scale / total, forward_only=forward_only, grads_zeroed=not forward_only
     )
     contributes = role.is_last_stage and role.tp_rank == 0
-    table = gather_rows(
-        trainer.groups.world,
-        {
-            "loss_sum": stats.loss_sum if contributes else 0.0,
-            "stop": float(stop),
-            "compute_s": stats.compute_s,
-            "p2p_wait_s": stats.p2p_wait_s,
-            "bubble_s": stats.bubble_s,
-        },
-        trainer.device,
-    )
+    # Every rank meets every other here: a fast rank waits for the slowest in this gather.
+    with trainer.recorder.span("metrics gather", "step"):
+        table = gather_rows(
+            trainer.groups.world,
+            {
+                "loss_sum": stats.loss_sum if contributes else 0.0,
+                "stop": float(stop),
+                "compute_s": stats.compute_s,
+                "p2p_wait_s": stats.p2p_wait_s,
+                "bubble_s": stats.bubble_s,
+            },
+            trainer.device,
+        )
     loss = float(column(table, "loss_sum").sum()) / total
     return loss, bool(column(table, "stop").max() > 0), table
 
@@ -257,17 +265,18 @@ def train_step(trainer: Trainer, stop_requested: bool) -> bool:
     # With --overlap-grad-reduce the optimizer counts this pipeline's backward passes to start
     # each bucket's DP reduction as soon as its gradients are final.
     pipeline = setup.plan.pipelines[trainer.groups.role.pipeline]
-    trainer.optimizer.zero_grad(
-        num_micro_batches=pipeline.micro_batches if setup.options.overlap_grad_reduce else None
-    )
-    loss, stopping, table = _run_global_batch(
-        trainer, setup.train_data, progress.consumed_samples, False, stop_requested
-    )
-    lr = trainer.schedule.lr_at(iteration - trainer.lr_schedule_start)
-    grad_norm, skipped = _sync_and_step(trainer, iteration, loss, lr)
-    progress.iteration = iteration
-    progress.consumed_samples += setup.train.global_batch_size
-    synchronize_stream(trainer.device)  # the optimizer's kernels, before reading the clock
+    with trainer.recorder.span(f"iteration {iteration}", "iteration", iteration=iteration):
+        trainer.optimizer.zero_grad(
+            num_micro_batches=pipeline.micro_batches if setup.options.overlap_grad_reduce else None
+        )
+        loss, stopping, table = _run_global_batch(
+            trainer, setup.train_data, progress.consumed_samples, False, stop_requested
+        )
+        lr = trainer.schedule.lr_at(iteration - trainer.lr_schedule_start)
+        grad_norm, skipped = _sync_and_step(trainer, iteration, loss, lr)
+        progress.iteration = iteration
+        progress.consumed_samples += setup.train.global_batch_size
+        synchronize_stream(trainer.device)  # the optimizer's kernels, before reading the clock
     elapsed = time.perf_counter() - start
     if not skipped:
         trainer.last_loss = loss
@@ -287,12 +296,14 @@ def _sync_and_step(trainer: Trainer, iteration: int, loss: float, lr: float) -> 
             "--clip-grad) and resume from the last checkpoint"
         )
     # Also when skipping: it completes the reductions --overlap-grad-reduce has started.
-    trainer.optimizer.sync_grads()
+    with trainer.recorder.span("DP gradient sync", "step"):
+        trainer.optimizer.sync_grads()
     if math.isfinite(loss):
         try:
-            grad_norm = trainer.optimizer.clip_and_step(
-                lr, trainer.setup.run.optimizer.clip_grad, skip_nonfinite=skip
-            )
+            with trainer.recorder.span("optimizer step", "step"):
+                grad_norm = trainer.optimizer.clip_and_step(
+                    lr, trainer.setup.run.optimizer.clip_grad, skip_nonfinite=skip
+                )
         except UserError as error:
             raise UserError(f"iteration {iteration}: {error}") from None
         # Under fp16 a non-finite norm is an overflow the loss scaler has already skipped.

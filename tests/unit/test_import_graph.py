@@ -115,6 +115,7 @@ COMPOSITION_ROOTS = {"megatron_het.training.run", "megatron_het.training.dry_run
         "checkpoint",
         "planner",
         "model",
+        "trace",
     ],
 )
 def test_product_packages_do_not_import_emulation(package: str) -> None:

@@ -202,7 +202,8 @@ def classify(command: Command) -> tuple[str, str]:
     if program == "tools/compile_kernels.py":
         return "LONG", "compiles the device sources: tens of seconds where not cached"
     if program in ("tools/checkpoint_info.py", "tools/convert_checkpoint.py",
-                   "tools/preprocess_data.py", "tools/profile_device.py"):  # fmt: skip
+                   "tools/preprocess_data.py", "tools/profile_device.py",
+                   "tools/trace_report.py"):  # fmt: skip
         return "RUN", "a tool on the small inputs this test prepares"
     return "UNCLASSIFIED", f"no rule for {program!r}: add one to classify()"
 
@@ -406,6 +407,18 @@ def _make_tiny_run(root: Path) -> None:
     _train_tiny(root / "runs/tiny", *mock_data)
 
 
+def _make_profiled_run(root: Path) -> None:
+    """The trace of the profiling example in docs/training.md."""
+    from megatron_het.errors import run_cli
+    from megatron_het.training.entry import main
+
+    argv = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer"]
+    argv += ["--vocab-size", "300", "--seq-length", "16", "--micro-batch-size", "2"]
+    argv += ["--global-batch-size", "4", "--train-iters", "4", "--eval-iters", "0", "--profile"]
+    argv += ["--profile-step-start", "2", "--profile-step-end", "4"]
+    run_cli(lambda: main([*argv, "--tensorboard-dir", str(root / "runs/profile")], {}))
+
+
 def _make_demo_output(root: Path) -> None:
     """A miniature of what ``make demo`` writes: corpus, tokenizer, data, a checkpoint."""
     import sentencepiece
@@ -432,6 +445,7 @@ def _make_demo_output(root: Path) -> None:
 # name -> what makes it (under a root directory); a command that names one gets a copy
 INPUTS: dict[str, Callable[[Path], None]] = {
     "runs/tiny": _make_tiny_run,
+    "runs/profile": _make_profiled_run,
     "demo_output": _make_demo_output,
 }
 
@@ -454,7 +468,7 @@ def inputs_read(tokens: list[str]) -> list[str]:
     named = [
         name for i, token in enumerate(tokens) for name in INPUTS
         if (token == name or token.startswith(name + "/"))
-        and tokens[i - 1] not in ("--save", "--save-dir", "--output-prefix")
+        and tokens[i - 1] not in ("--save", "--save-dir", "--output-prefix", "--tensorboard-dir")
     ]  # fmt: skip
     return sorted(set(named))
 

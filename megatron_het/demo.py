@@ -18,7 +18,9 @@ Steps, each skipped when its output already exists (so a second run resumes):
      (``scripts/plans/cpu_emulated_dp2_fast_heavy.json``: two pipelines, each emu-fast rank
      runs the embedding and 3 layers, each emu-slow rank 1 layer and the head), with sharded
      checkpoints, tensorboard and metrics;
-  8. charts: the loss curve and the plan's pipeline timeline (PNG).
+  8. charts: the loss curve and the plan's pipeline timeline (PNG); the run's own timeline of
+     two late iterations on every rank (``--profile``, a Chrome trace in tensorboard/), its
+     measured-against-predicted table per stage, and both timelines drawn (trace.png).
 
 Run with ``make demo`` or ``python -m megatron_het.demo [--workdir DIR] [--train-iters N]``.
 """
@@ -372,6 +374,14 @@ def train_argv(
         str(tb),
         "--metrics-file",
         str(metrics),
+        # the run's timeline of two late iterations on every rank, the prediction beside
+        "--profile",
+        "--profile-step-start",
+        str(max(1, args.train_iters - 2)),
+        "--profile-step-end",
+        str(max(1, args.train_iters - 2) + 2),
+        "--profile-ranks",
+        *map(str, range(args.nproc)),
     ]
     if (ckpt / "latest_checkpointed_iteration.txt").exists():
         argv += ["--load", str(ckpt)]
@@ -395,6 +405,22 @@ def draw_charts(workdir: Path, argv: list[str]) -> list[Path]:
         ),
         save_timeline_chart(prediction, workdir / "timeline.png"),
     ]
+
+
+def show_trace(workdir: Path) -> list[Path]:
+    """Print the measured-against-predicted table of the run's newest trace and draw it
+    (``trace.png``); nothing when the run recorded none (it resumed past the window)."""
+    from megatron_het.trace.chrome import read_trace
+    from megatron_het.trace.drawing import save_trace_picture
+    from megatron_het.trace.stage_compare import format_report
+
+    traces = sorted((workdir / "tensorboard").glob("timeline_iters*.json"), key=os.path.getmtime)
+    if not traces:
+        return []
+    trace = read_trace(traces[-1])
+    print(f"[demo] the run's timeline ({traces[-1]}; open it in ui.perfetto.dev):")
+    print(format_report(trace))
+    return [save_trace_picture(trace, workdir / "trace.png")]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -425,6 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
     )
     charts = draw_charts(workdir, run_argv)
+    charts += show_trace(workdir)
     print(f"[demo] charts: {', '.join(str(path) for path in charts)}")
     print(
         f"[demo] everything is under {workdir}; run again to train on from the checkpoint "

@@ -76,7 +76,7 @@ def predicted_spans(prediction: Prediction) -> dict[int, list[Span]]:
         for group in range(sim.num_groups):
             row = sim.rows[group]
             spans = [_span(e, sim) for e in sim.simulation.timeline[group]]
-            spans.append(Span("DP sync", "step", end, end + row.dp_sync_s))
+            spans.append(Span("DP gradient sync", "step", end, end + row.dp_sync_s))
             step_start = end + prediction.dp_sync_s
             spans.append(Span("optimizer step", "step", step_start, step_start + row.optimizer_s))
             for rank in row.ranks:

@@ -84,14 +84,35 @@ def _traced(op: str) -> Callable[[_Method], _Method]:
                 "path": "native" if not self.is_mixed else f"bridge ({self._path()})",
                 "bytes": max((t.numel() * t.element_size() for t in tensors), default=0),
             }
+            name = f"{op} {self.name}"
             if kwargs.get("async_op"):
                 details["async"] = True
-            with self.recorder.span(f"{op} {self.name}", "collective", **details):
+                with self.recorder.span(f"start {name}", "collective", **details):
+                    handle = method(self, *args, **kwargs)
+                return _TracedHandle(handle, self.recorder, f"wait {name}", details)
+            with self.recorder.span(name, "collective", **details):
                 return method(self, *args, **kwargs)
 
         return traced  # type: ignore[return-value]
 
     return wrap
+
+
+class _TracedHandle:
+    """An asynchronous collective's handle whose ``wait()`` is recorded as a span (the time
+    the caller blocks on the rest of the operation)."""
+
+    def __init__(
+        self, handle: CollectiveHandle, recorder: Recorder, name: str, details: dict[str, Any]
+    ) -> None:
+        self.handle, self.recorder, self.name, self.details = handle, recorder, name, details
+
+    def wait(self) -> None:
+        with self.recorder.span(self.name, "collective", **self.details):
+            self.handle.wait()
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
 
 
 # Scratch sets a group keeps for its asynchronous hierarchical operations (see _phased).

@@ -247,14 +247,18 @@ class ParallelOptimizer:
                 f"the gradient norm is {norm}; lower --lr (or use --clip-grad) and "
                 "resume from the last checkpoint"
             )
-        scale_([s.grad for s in self.flat.shards], clip_coefficient(norm, clip_grad))
-        self.flat.finish_param_gather()  # nothing may still write the parameters below
+        recorder = self.groups.comm.recorder
+        with recorder.span("clip", "step"):
+            scale_([s.grad for s in self.flat.shards], clip_coefficient(norm, clip_grad))
+            self.flat.finish_param_gather()  # nothing may still write the parameters below
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step()
+            with recorder.span("AdamW", "step"):
+                self.optimizer.step()
         self.steps += 1
-        self.flat.copy_masters_to_params()
+        with recorder.span("masters to parameters", "step"):
+            self.flat.copy_masters_to_params()
         self.flat.all_gather_params(overlap=self.overlap_param_gather)
         if self.replica is not None and self.flat.pieces is not None:
             self.replica.share_owned(

@@ -287,6 +287,18 @@ class ProfileConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """Megatron-LM's Weights & Biases flags: with ``project`` set, the logging rank logs the
+    run's scalars (the ones tensorboard gets) to a wandb run named ``exp_name`` whose files go
+    to ``save_dir`` (default ``<--save>/wandb``) (:mod:`megatron_het.training.wandb_log`)."""
+
+    project: str | None = None
+    exp_name: str | None = None
+    save_dir: str | None = None
+    entity: str | None = None
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     micro_batch_size: int = 1
     global_batch_size: int = 1
@@ -323,6 +335,7 @@ class TrainConfig:
     tensorboard_dir: str | None = None
     metrics_file: str | None = None
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

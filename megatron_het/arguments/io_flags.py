@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_het.config import FaultConfig, ProfileConfig, TrainConfig
+from megatron_het.config import FaultConfig, ProfileConfig, TrainConfig, WandbConfig
 from megatron_het.errors import UserError
 
 
@@ -76,6 +76,21 @@ def add_io_flags(p: argparse.ArgumentParser) -> None:
         "(split 'valid'). Truncated at a fresh start; on resume, lines past the "
         "loaded iteration are dropped and new ones appended",
     )
+    g = p.add_argument_group("weights & biases")
+    g.add_argument(
+        "--wandb-project",
+        default=None,
+        help="log the run's scalars (those tensorboard gets, per kind included) to this "
+        "wandb project from the logging rank (wandb must be installed; its own "
+        "WANDB_MODE=offline keeps the run on disk)",
+    )
+    g.add_argument("--wandb-exp-name", default=None, help="the wandb run's name")
+    g.add_argument(
+        "--wandb-save-dir",
+        default=None,
+        help="where wandb keeps the run's files (default: <--save>/wandb)",
+    )
+    g.add_argument("--wandb-entity", default=None, help="the wandb team or user")
     g = p.add_argument_group("profiling")
     pc = ProfileConfig()
     g.add_argument(
@@ -189,3 +204,30 @@ def profile_config(args: argparse.Namespace) -> ProfileConfig:
         ranks=tuple(sorted(set(args.profile_ranks))),
         use_pytorch_profiler=args.use_pytorch_profiler,
     )
+
+
+def wandb_config(args: argparse.Namespace) -> WandbConfig:
+    """The parsed wandb flags; UserError (one line) for a name or directory without a
+    project, or a project without a run name (as Megatron-LM)."""
+    config = WandbConfig(
+        project=args.wandb_project,
+        exp_name=args.wandb_exp_name,
+        save_dir=args.wandb_save_dir,
+        entity=args.wandb_entity,
+    )
+    if config.project is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--wandb-exp-name", config.exp_name),
+                ("--wandb-save-dir", config.save_dir),
+                ("--wandb-entity", config.entity),
+            )
+            if value is not None
+        ]
+        if given:
+            raise UserError(f"{', '.join(given)} applies with --wandb-project; add it")
+        return config
+    if not config.exp_name:
+        raise UserError("--wandb-project needs --wandb-exp-name: name the wandb run")
+    return config

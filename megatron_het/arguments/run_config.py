@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron_het.arguments.io_flags import fault_config, profile_config
+from megatron_het.arguments.io_flags import fault_config, profile_config, wandb_config
 from megatron_het.arguments.model_flags import ModelSpec, resolve_model_config
 from megatron_het.arguments.parser import integer_shape_dests, shape_overrides
 from megatron_het.arguments.pretrain_flags import build_parser
@@ -207,6 +207,7 @@ def parse_run_config(argv: Sequence[str]) -> RunConfig:
         tensorboard_dir=args.tensorboard_dir,
         metrics_file=args.metrics_file,
         profile=profile_config(args),
+        wandb=wandb_config(args),
     )
     return RunConfig(
         model=spec,

@@ -1,15 +1,15 @@
 """Training logs: Megatron-style lines on stdout, tensorboard scalars and a JSON-lines file.
 
-Every iteration goes to the metrics file and tensorboard; stdout gets one line per
-``--log-interval`` iterations with the interval's mean loss and time per iteration, and a compact
-second line with each stage's mean compute, p2p wait and bubble seconds (the trainer prints
-the ``--log-straggler`` lines after it). Iterations ``--skip-nonfinite-steps`` skipped are left
-out of the interval's mean loss and counted on its line. A run has one logger,
-on its logging rank. Every throughput figure of a printed line divides by the same mean
-iteration time: "throughput per device" is the model's FLOPs over all devices of the run, the
-figure per kind is the FLOPs of that kind's stages over the devices of that kind (so the
-device-weighted mean of the kinds' figures is the per-device figure), and MFU is the model's
-FLOP/s over the summed peak of all devices.
+Every iteration goes to the metrics file and tensorboard (and wandb with ``--wandb-project``);
+stdout gets one line per ``--log-interval`` iterations with the interval's mean loss and time
+per iteration, and a compact second line with each stage's mean compute, p2p wait and bubble
+seconds (the trainer prints the ``--log-straggler`` lines after it). Iterations
+``--skip-nonfinite-steps`` skipped are left out of the interval's mean loss and counted on its
+line. A run has one logger, on its logging rank. Every throughput figure of a printed line
+divides by the same mean iteration time: "throughput per device" is the model's FLOPs over all
+devices of the run, the figure per kind is the FLOPs of that kind's stages over the devices of
+that kind (so the device-weighted mean of the kinds' figures is the per-device figure), and MFU
+is the model's FLOP/s over the summed peak of all devices.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 from megatron_het.config import ModelConfig, TrainConfig
 from megatron_het.training.throughput import ThroughputMetrics
+from megatron_het.training.wandb_log import WandbLog
 
 
 def _rewrite_metrics_upto(path: pathlib.Path, last_iteration: int) -> None:
@@ -62,6 +63,7 @@ class TrainingLogger:
         num_devices: int = 1,
         out: TextIO | None = None,
         throughput: ThroughputMetrics | None = None,
+        run_record: dict[str, Any] | None = None,
     ) -> None:
         self.train = train
         self.out = out or sys.stdout
@@ -87,6 +89,9 @@ class TrainingLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=train.tensorboard_dir)
+        self._wandb: WandbLog | None = None
+        if train.wandb.project is not None:
+            self._wandb = WandbLog(train, run_record or {})
 
     def print(self, message: str) -> None:
         """One line (or block) of the run's log on ``out``, flushed at once."""
@@ -101,6 +106,8 @@ class TrainingLogger:
         if self._writer is not None:
             for tag, value in values.items():
                 self._writer.add_scalar(tag, value, iteration)
+        if self._wandb is not None:
+            self._wandb.log(iteration, values)
 
     def closes_interval(self, iteration: int) -> bool:
         """Whether ``iteration`` closes a log interval (its line is printed)."""
@@ -252,3 +259,6 @@ class TrainingLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

@@ -11,6 +11,7 @@ file and tensorboard; every rank writes its checkpoint pieces.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import pathlib
@@ -324,6 +325,7 @@ def _train(
             num_devices=setup.plan.world_size,
             out=out,
             throughput=trainer.metrics,
+            run_record=run_record(setup),
         )
     finished = False
     try:
@@ -352,6 +354,15 @@ def _train(
         if trainer.logger is not None:
             trainer.logger.close()
     return trainer.progress
+
+
+def run_record(setup: RunSetup) -> dict:
+    """The run's configuration as the experiment trackers record it: the flags as parsed,
+    the plan and the cluster."""
+    record = dataclasses.asdict(setup.run)
+    record["plan"] = setup.plan.to_dict()
+    record["cluster"] = setup.cluster.to_dict()
+    return record
 
 
 def _world_rank() -> int:

@@ -41,6 +41,7 @@ from megatron_het.errors import UserError
 from megatron_het.parallel.plan import ParallelPlan
 from megatron_het.training.plan_setup import choose_plan, host_profiles
 from megatron_het.training.profiling import check_profile
+from megatron_het.training.wandb_log import check_wandb
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron_het.perf.estimates import Prediction
@@ -223,6 +224,7 @@ def prepare_run(run: RunConfig, world_size: int | None = 1, accelerator: str = "
     """
     data = run.data
     check_profile(run.train.profile, world_size, run.train.tensorboard_dir)
+    check_wandb(run.train.wandb)
     tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size)
     load_dir = checkpoint_to_load(run.train)
     model_config = model_to_load(run, load_dir, tokenizer.vocab_size)

@@ -379,6 +379,8 @@ def summary(
         "iteration_time_s": {
             name: statistics.median(samples[name]["iteration_time_s"]) for name in args.configs
         },
+        "warmup_dropped": {name: samples[name]["warmup_dropped"] for name in args.configs},
+        "unsettled_runs": {name: samples[name]["unsettled_runs"] for name in args.configs},
         "late_regions": {
             name: {
                 "late": samples[name]["late"][0],

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.hetero_plans import BASE_CLUSTER
+from bench.settle import settle
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import ModelConfig
 
@@ -156,9 +157,18 @@ def measure(
     """Run the configurations in interleaved rounds, every other round in reverse order (a
     host speed drifting steadily then favours no configuration over two rounds); per
     configuration, the post-warm-up tokens/s and iteration times of every round, and the late
-    regions its ranks reported (summed over rounds)."""
+    regions its ranks reported (summed over rounds). Each run's warm-up lasts until its
+    iteration times settle (:mod:`bench.settle`, at least ``--warmup`` iterations dropped);
+    how many were dropped, and the runs that never settled, are kept too."""
     samples: dict[str, dict[str, Any]] = {
-        name: {"tokens_per_s": [], "iteration_time_s": [], "round_medians": [], "late": [0, 0]}
+        name: {
+            "tokens_per_s": [],
+            "iteration_time_s": [],
+            "round_medians": [],
+            "late": [0, 0],
+            "warmup_dropped": [],
+            "unsettled_runs": 0,
+        }
         for name in args.configs
     }
     batches = [("fast", "slow")] if args.baselines == "together" else [("fast",), ("slow",)]
@@ -188,7 +198,11 @@ def measure(
                 train, (late, of) = finish(name, proc, metrics, iterations(name, args), start, args)
                 samples[name]["late"][0] += late
                 samples[name]["late"][1] += of
-                kept = train[args.warmup :]
+                times = [line["iteration_time_s"] for line in train]
+                steady = settle(times, least=args.warmup, keep=min(3, len(times) - args.warmup))
+                samples[name]["warmup_dropped"].append(steady.dropped)
+                samples[name]["unsettled_runs"] += not steady.settled
+                kept = train[steady.dropped :]
                 tokens = [line["tokens_per_s"] for line in kept]
                 samples[name]["tokens_per_s"] += tokens
                 samples[name]["iteration_time_s"] += [line["iteration_time_s"] for line in kept]

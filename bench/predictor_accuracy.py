@@ -50,6 +50,7 @@ import torch
 import yaml
 
 from bench.emulated_cluster import dilated_cluster
+from bench.settle import settle
 from megatron_het.cluster import ClusterSpec
 from megatron_het.config import RunOptions, model_preset
 from megatron_het.emulation.host_measure import measure_host_collective, measure_host_sharing
@@ -226,7 +227,8 @@ def run_plan(
     cluster: Path,
     device_profile: Path | None,
 ) -> tuple[float, list[float]]:
-    """Median iteration time (s) after the warm-up iterations, and all of them; the emulated
+    """Median iteration time (s) after the warm-up (until the times settle,
+    :mod:`bench.settle`; at least ``--warmup`` iterations), and all of them; the emulated
     stages timed from ``device_profile`` (None: from their measured CPU time)."""
     metrics = work / f"{name}.metrics.jsonl"
     cmd = [
@@ -277,7 +279,8 @@ def run_plan(
         for r in map(json.loads, metrics.read_text().splitlines())
         if r.get("split") == "train"
     ]
-    return statistics.median(times[args.warmup :]), times
+    steady = settle(times, least=args.warmup, keep=min(3, len(times) - args.warmup))
+    return steady.median, times
 
 
 def main() -> None:

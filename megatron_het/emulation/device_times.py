@@ -73,7 +73,10 @@ def emulated_device_times(
                     f"--emulation-profile {profile_source}: no {dtype} figures for "
                     f"the stage on ranks {list(stage.ranks)} ({compute.source}); "
                     f"profile this model's shape with tools/profile_device.py "
-                    f"--threads 1 --dtype {dtype}"
+                    f"--threads 1 --dtype {dtype} --seq-lengths {seq_length} "
+                    f"--micro-batch-sizes {plan.micro_batch_size} --tp {stage.tp} (a plan "
+                    "chosen by --plan auto may use any TP degree and micro-batch size the "
+                    "profile does not hold: profile those it may pick)"
                 )
             for rank in stage.ranks:
                 times[rank] = times.get(rank, ()) + ((compute.forward_s, compute.backward_s),)

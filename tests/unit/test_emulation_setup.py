@@ -138,7 +138,8 @@ def test_profile_errors_are_one_line():
     with pytest.raises(
         UserError,
         match=r"--emulation-profile bf16.json: no fp32 figures for "
-        r"the stage on ranks \[0, 1\]",
+        r"the stage on ranks \[0, 1\] .*--threads 1 --dtype fp32 --seq-lengths \d+ "
+        r"--micro-batch-sizes \d+ --tp \d+ ",
     ):
         setup(0, profile=host_profile("bf16"), profile_source="bf16.json", threads=1)
     with pytest.raises(UserError, match="and cluster cpu has none; drop the flag"):

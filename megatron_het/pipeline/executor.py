@@ -404,8 +404,10 @@ class PipelineExecutor:
             action_ops, action_places = transfer_ops(action, self.peers, payload, buffer)
             ops += action_ops
             places += action_places
-        transfers = self._describe(actions) if self.recorder.active else ""
-        with self.recorder.span(f"post {transfers}", "p2p", transfers=self._details(actions)):
+        recording = self.recorder.active
+        transfers = self._describe(actions) if recording else ""
+        details = self._details(actions) if recording else []
+        with self.recorder.span(f"post {transfers}", "p2p", transfers=details):
             with self.clock.region("p2p"):
                 handles = self.groups.pipeline.batch_isend_irecv(ops) if ops else []
         return _Posted(handles, received, places, transfers)
@@ -433,9 +435,7 @@ class PipelineExecutor:
 
     def _details(self, actions: Sequence[Action]) -> list[dict]:
         """A transfer step's actions for its recorded span: kind, global stage, micro-batch
-        and the peer ranks of its messages (empty while nothing records)."""
-        if not self.recorder.active:
-            return []
+        and the peer ranks of its messages."""
         return [
             {
                 "kind": action.kind.value,

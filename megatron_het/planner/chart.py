@@ -21,13 +21,13 @@ from megatron_het.perf import Prediction, StagePrediction
 from megatron_het.perf.predicted_timeline import slowest_pipeline
 from megatron_het.planner.report import efficiency_line
 from megatron_het.planner.result import SearchResult
+from megatron_het.trace.drawing import KIND_COLORS, P2P, lighter
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 # Accelerator kinds (timeline bars, allocation strips) and stages (allocation cells).
-KIND_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 STAGE_COLORS = (
     "#4e79a7",
     "#f28e2b",
@@ -42,7 +42,7 @@ STAGE_COLORS = (
     "#86bcb6",
     "#d4a6c8",
 )
-P2P, SYNC, OPT, IDLE = "#9e9e9e", "#555555", "#000000", "#dddddd"
+SYNC, OPT, IDLE = "#555555", "#000000", "#dddddd"
 WIDTH_IN = 12.0
 CELLS_PER_LINE = 64  # allocation: device cells per line of nodes before wrapping
 MICRO_BATCH_LABELS = 400  # number the forward bars (wide enough ones) up to this many
@@ -62,13 +62,6 @@ def _save(fig: Figure, path: str | Path) -> Path:
     out = Path(path)
     fig.savefig(out, format="png")
     return out
-
-
-def _lighter(color: str, amount: float = 0.55) -> tuple[float, float, float]:
-    from matplotlib.colors import to_rgb
-
-    red, green, blue = (c + (1.0 - c) * amount for c in to_rgb(color))
-    return red, green, blue
 
 
 def _slowest_rows(prediction: Prediction) -> tuple[list[StagePrediction], int]:
@@ -135,7 +128,7 @@ def draw_timeline(
                     clip_on=True,
                 )
         base = colors[row.accelerator]
-        ax.broken_barh(spans["forward"], (s - 0.4, 0.8), facecolors=_lighter(base))
+        ax.broken_barh(spans["forward"], (s - 0.4, 0.8), facecolors=lighter(base))
         ax.broken_barh(spans["backward"], (s - 0.4, 0.8), facecolors=base)
         ax.broken_barh(spans["p2p"], (s + 0.25, 0.15), facecolors=P2P)
         ax.broken_barh(
@@ -152,7 +145,7 @@ def draw_timeline(
     ax.set_xlabel("time (s)")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title or timeline_title(prediction, result), fontsize=10)
-    handles = [Patch(color=_lighter(c), label=f"forward {k}") for k, c in colors.items()]
+    handles = [Patch(color=lighter(c), label=f"forward {k}") for k, c in colors.items()]
     handles += [Patch(color=c, label=f"backward {k}") for k, c in colors.items()]
     handles += [
         Patch(color=P2P, label="p2p"),

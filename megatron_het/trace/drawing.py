@@ -13,24 +13,28 @@ from typing import Any
 
 from megatron_het.trace.chrome import tracks_of
 
+# Kinds' colours as the planner's charts have them (their forwards lighter), so a kind keeps
+# its colour from the plan's chart to the run's trace.
 KIND_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 P2P, STEP, COLLECTIVE = "#9e9e9e", "#333333", "#f2b233"
 
 
-def _lighter(color: str, amount: float = 0.55) -> tuple[float, float, float]:
+def lighter(color: str, amount: float = 0.55) -> tuple[float, float, float]:
+    """``color`` mixed with white (``amount`` of white)."""
     from matplotlib.colors import to_rgb
 
     red, green, blue = (c + (1.0 - c) * amount for c in to_rgb(color))
     return red, green, blue
 
 
-def _bars(events: list[dict[str, Any]], origin: float) -> dict[str, list[tuple[float, float]]]:
+def _bars(events: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """(start, length) seconds of a track's events by what they draw as."""
     out: dict[str, list[tuple[float, float]]] = {}
     for e in events:
         kind = e["cat"]
         if kind == "compute":
             kind = "backward" if e["name"].split()[0] == "backward" else "forward"
-        out.setdefault(kind, []).append(((e["ts"] - origin) / 1e6, e["dur"] / 1e6))
+        out.setdefault(kind, []).append((e["ts"] / 1e6, e["dur"] / 1e6))
     return out
 
 
@@ -54,10 +58,10 @@ def save_trace_picture(trace: dict[str, Any], path: str | Path, title: str | Non
         sides = tracks.get(info["rank"], {"measured": [], "predicted": []})
         base = colors[info["kind"]]
         for side, y in (("measured", 2 * n), ("predicted", 2 * n + 1)):
-            bars = _bars(sides[side], 0.0)
+            bars = _bars(sides[side])
             alpha = 1.0 if side == "measured" else 0.6
             ax.broken_barh(
-                bars.get("forward", []), (y - 0.4, 0.8), facecolors=_lighter(base), alpha=alpha
+                bars.get("forward", []), (y - 0.4, 0.8), facecolors=lighter(base), alpha=alpha
             )
             ax.broken_barh(bars.get("backward", []), (y - 0.4, 0.8), facecolors=base, alpha=alpha)
             ax.broken_barh(bars.get("p2p", []), (y - 0.4, 0.8), facecolors=P2P, alpha=alpha)
@@ -66,7 +70,7 @@ def save_trace_picture(trace: dict[str, Any], path: str | Path, title: str | Non
             for start, width in (b for spans in bars.values() for b in spans):
                 end = max(end, start + width)
             labels.append(info["name"] if side == "measured" else f"rank {info['rank']} predicted")
-        for start, _ in _bars(sides["measured"], 0.0).get("iteration", []):
+        for start, _ in _bars(sides["measured"]).get("iteration", []):
             ax.axvline(start, color="#bbbbbb", linestyle=":", linewidth=0.8)
     ax.set_yticks(range(rows), labels, fontsize=7)
     ax.set_ylim(rows - 0.5, -0.5)
@@ -78,7 +82,7 @@ def save_trace_picture(trace: dict[str, Any], path: str | Path, title: str | Non
         title or f"measured and predicted timeline, iterations {iterations[0]}-{iterations[-1]}",
         fontsize=10,
     )
-    handles = [Patch(color=_lighter(c), label=f"forward {k}") for k, c in colors.items()]
+    handles = [Patch(color=lighter(c), label=f"forward {k}") for k, c in colors.items()]
     handles += [Patch(color=c, label=f"backward {k}") for k, c in colors.items()]
     handles += [
         Patch(color=P2P, label="transfer post / wait"),

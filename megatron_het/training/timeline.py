@@ -28,6 +28,7 @@ import pathlib
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -74,7 +75,8 @@ class TimelineProfiler:
         self.recording = self.enabled and self.rank in self.ranks
         self.directory = trainer.setup.train.tensorboard_dir
         self.iterations: list[int] = []
-        self.written: pathlib.Path | None = None
+        self.finished = False
+        self.written: pathlib.Path | None = None  # on the merging rank
 
     def begin(self, iteration: int) -> None:
         """Start the window at its first iteration (or at a resumed run's first inside it)."""
@@ -88,7 +90,7 @@ class TimelineProfiler:
 
     def end(self, iteration: int) -> None:
         """Count ``iteration``; after the window's last, :meth:`finish`."""
-        if not self.iterations or self.written is not None:
+        if not self.iterations or self.finished:
             return
         if iteration != self.iterations[-1]:
             self.iterations.append(iteration)
@@ -98,8 +100,9 @@ class TimelineProfiler:
     def finish(self) -> None:
         """Merge and write the window's trace (collective over the world; a no-op when the
         window never started or is written)."""
-        if not self.iterations or self.written is not None:
+        if not self.iterations or self.finished:
             return
+        self.finished = True
         spans = self.trainer.recorder.stop() if self.recording else []
         world = self.trainer.groups.world
         world.barrier()
@@ -114,8 +117,6 @@ class TimelineProfiler:
                 f" timeline of iterations {self.iterations[0]}-{self.iterations[-1]} "
                 f"(rank{'s' if len(self.ranks) > 1 else ''} {ranks}) written to {self.written}"
             )
-        else:
-            self.written = pathlib.Path()
 
     def stop(self) -> None:
         """Stop recording without merging (a run leaving on a failure: no collective)."""
@@ -207,8 +208,6 @@ def _track(setup: Any, rank: int, spans: list[Span]) -> RankTrack:
 def _with_predicted(tracks: list[RankTrack], prediction: Any) -> list[RankTrack]:
     """Each track with the predicted iteration placed at each measured iteration's start (the
     earliest rank's)."""
-    from dataclasses import replace
-
     from megatron_het.perf.predicted_timeline import predicted_spans
 
     predicted = predicted_spans(prediction)

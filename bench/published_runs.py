@@ -5,13 +5,15 @@
 
 For every row of the table (``bench/data/published_runs.yaml``: Narayanan et al. 2021 Table 1,
 A100's calibration set; the Megatron-LM README's H100 weak-scaling table, whose rows without a
-pipeline are H100's calibration set; its rows with one and the README's GPT-3 example, held
-out): the predicted iteration time at the row's kind's calibrated efficiencies
+pipeline are H100's calibration set; held out: its rows with one, the README's GPT-3 example,
+Narayanan et al. 2021 Table 2's PTD-P rows (175B and 530B at a fixed batch on 4x as many
+GPUs) and Megatron-Turing NLG 530B on 2,240-3,360 GPUs with full recompute): the predicted
+iteration time at the row's kind's calibrated efficiencies
 (:mod:`megatron_het.perf.cost.calibration`; ``--uncalibrated``: the cost model's defaults)
 with the attention kernel of the row's software (``unfused`` for Megatron-LM 2021, ``flash``
 for 2024), the published one, and the relative error ``predicted / published - 1``. The
 pipeline is simulated (:mod:`megatron_het.perf.schedule.simulator`) unless ``--pipeline-model
-closed_form``; about ten seconds either way (the memory figures of thousands of devices
+closed_form``; about fifteen seconds either way (the memory figures of thousands of devices
 dominate). ``--h100-plain-schedule``: the H100 rows with micro-batch 1 and no interleaving
 instead of the schedule inferred for them (:func:`schedule_of`). Prints one table row per run
 (stderr), then one JSON line last: median_abs_error and max_abs_error over all rows, the
@@ -211,7 +213,7 @@ NARAYANAN_RUNS = tuple(r for r in ALL_RUNS if r.study == "narayanan2021")
 (GPT3_README_RUN,) = (r for r in ALL_RUNS if r.study == "megatron-readme-gpt3")
 MEGATRON_CORE_H100_RUNS = tuple(r for r in ALL_RUNS if r.study == "megatron-core-h100")
 # Calibration: Table 1 (A100's GEMM) and the H100 rows without a pipeline (H100's GEMM);
-# held out: the GPT-3 example and the H100 rows with one.
+# held out: the GPT-3 example, the H100 rows with one, Table 2 and MT-NLG.
 CALIBRATION_RUNS = tuple(r for r in ALL_RUNS if r.split == "calibration")
 HELD_OUT_RUNS = tuple(r for r in ALL_RUNS if r.split == "held_out")
 
@@ -376,7 +378,7 @@ def fit_efficiency(
 
 
 HEADER = (
-    f"{'run':28s} {'split':11s} {'gpu':9s} {'GPUs':>5s} {'TPxPPxDP':>10s} {'v':>3s} "
+    f"{'run':32s} {'split':11s} {'gpu':9s} {'GPUs':>5s} {'TPxPPxDP':>10s} {'v':>3s} "
     f"{'mbs':>3s} {'published s':>11s} {'predicted s':>11s} {'error':>7s}"
 )
 
@@ -384,7 +386,7 @@ HEADER = (
 def row_line(run: PublishedRun, predicted: float, error: float) -> str:
     layout = f"{run.tp}x{run.pp}x{run.dp}"
     return (
-        f"{run.name:28s} {run.split:11s} {run.gpu:9s} {run.num_gpus:5d} {layout:>10s} "
+        f"{run.name:32s} {run.split:11s} {run.gpu:9s} {run.num_gpus:5d} {layout:>10s} "
         f"{run.virtual_stages:3d} {run.micro_batch:3d} "
         f"{run.published_iteration_s:11.3f} {predicted:11.3f} {error:+7.1%}"
     )

@@ -74,7 +74,9 @@ def kernel_build() -> tuple[list, dict]:
                 _log(f"build failed, the torch references will run: {exc}")
 
     sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/*/*_cpu.cpp"))]
-    cxx = ["-O3", "-fopenmp-simd"]
+    # -g0: the interpreter's build flags ask for debug information, which takes a quarter of
+    # the compile time of these template-heavy sources and is not shipped
+    cxx = ["-O3", "-g0", "-fopenmp-simd"]
     # at::parallel_for runs its threads only in code built with OpenMP (torch's own libgomp is
     # the one loaded at run time, so there is one OpenMP runtime in the process).
     openmp = sys.platform.startswith("linux")

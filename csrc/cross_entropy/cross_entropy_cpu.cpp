@@ -9,7 +9,8 @@
 // keeps its exps in a scratch row instead (one exp per logit in all). exp is the vectorisable
 // exp_f32 of common/cpu_vec.h; arithmetic is float32 and each written logit is rounded once.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cmath>

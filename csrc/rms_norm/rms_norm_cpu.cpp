@@ -9,7 +9,10 @@
 // depends only on N and H, each block adds its rows in order into its own float32 partial row,
 // and the partial rows are added in block order.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cmath>

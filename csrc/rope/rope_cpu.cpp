@@ -8,7 +8,8 @@
 // written contiguous. The row loop is plain code vectorised per ISA variant
 // (common/cpu_dispatch.h); arithmetic is float32 and each output is rounded once.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <optional>

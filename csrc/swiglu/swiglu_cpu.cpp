@@ -11,7 +11,8 @@
 // outputs. In a single loop, the conversions' constants and the silu arithmetic do not fit the
 // vector registers together (AVX2 has 16), and the spills cost more than the copies.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>

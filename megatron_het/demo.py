@@ -9,6 +9,7 @@ Steps, each skipped when its output already exists (so a second run resumes):
   5. a one-thread profile of this host for the model's shape (``tools/profile_device.py``, a
      few seconds): the emulated kinds' stages then last slowdown x the profile's figures
      (``--emulation-profile``), so each kind keeps one speed while the host's own drifts;
+     with the host's gloo figures (``--comm``), which price the data-parallel sync;
   6. the emulated cluster for this host: ``scripts/clusters/cpu_emulated.yaml`` (two emu-fast
      ranks, two emu-slow ranks at half the speed) with both kinds' slowdowns scaled by the
      number of ranks per host core (their ratio kept), so four ranks sharing a 2-core host
@@ -251,6 +252,8 @@ def profile_host(workdir: Path, args: argparse.Namespace) -> Path:
                 "1",
                 "--dtype",
                 "fp32",
+                # the host's gloo figures: the data-parallel sync's time on this host
+                "--comm",
                 "--out",
                 str(path.parent),
             ]

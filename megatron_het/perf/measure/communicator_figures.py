@@ -20,7 +20,11 @@ from megatron_het.perf.measure.worker_processes import (
     run_measurement_processes,
 )
 
-COMM_SIZES = tuple(4**k * 1024 for k in range(7))  # 1 KiB .. 4 MiB
+# 1 KiB .. 16 MiB. The bandwidth is fitted through the largest message, so it should be as
+# large as the buffers the figures price most: a DP gradient sync moves the whole model's
+# gradients, which outgrow the caches (on a 2-core host gloo moved 4 MiB at 2-3.5 GB/s but
+# 16-32 MiB at 1-1.3 GB/s, the figure a 20 MB ZeRO sync then ran at).
+COMM_SIZES = tuple(4**k * 1024 for k in range(8))
 
 
 def measure_comm(

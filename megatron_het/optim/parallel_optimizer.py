@@ -37,6 +37,7 @@ a tied embedding held by the last stage not at all. The squared sums are added o
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -259,11 +260,20 @@ class ParallelOptimizer:
         self.steps += 1
         with recorder.span("masters to parameters", "step"):
             self.flat.copy_masters_to_params()
-        self.flat.all_gather_params(overlap=self.overlap_param_gather)
-        if self.replica is not None and self.flat.pieces is not None:
-            self.replica.share_owned(
-                lambda name: self.slot_of[name].param.data, self.flat.param_dtype, self.device
-            )
+        # ZeRO-1's share of the DP sync: the updated parameters to every DP rank (with
+        # --overlap-param-gather its start; the waits fall in the next forward)
+        shared = self.replica is not None and self.flat.pieces is not None
+        with (
+            recorder.span("parameter all-gather", "step")
+            if self.flat.sharded or shared
+            else contextlib.nullcontext()
+        ):
+            self.flat.all_gather_params(overlap=self.overlap_param_gather)
+            if shared:
+                assert self.replica is not None  # (for mypy: shared says so)
+                self.replica.share_owned(
+                    lambda name: self.slot_of[name].param.data, self.flat.param_dtype, self.device
+                )
         return norm
 
     def params_ready(self) -> None:

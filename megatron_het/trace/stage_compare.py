@@ -6,7 +6,9 @@ For every profiled rank and every recorded iteration, the measured track is cut 
 - ``wait``: the rest of its pipeline schedule, from the iteration's first forward to its last
   backward (blocked in transfer posts and waits: slow links, and the fill-and-drain bubble a
   rank cannot tell from a slow peer), plus the tied-embedding sum;
-- ``dp_sync``: the DP gradient sync, and ``optimizer``: the optimizer step;
+- ``dp_sync``: the DP gradient sync and ZeRO-1's parameter all-gather (recorded inside the
+  optimizer step, counted here as the predictor counts it), and ``optimizer``: the rest of
+  the optimizer step;
 - ``iteration``: the whole iteration span (``other`` = what the four leave: batches, the
   metrics gather where a fast rank waits for the slowest, bookkeeping).
 
@@ -27,6 +29,7 @@ from megatron_het.trace.chrome import tracks_of
 
 PARTS = ("compute", "wait", "dp_sync", "optimizer", "other", "iteration")
 _STEP_PARTS = {"DP gradient sync": "dp_sync", "optimizer step": "optimizer"}
+_PARAMETER_GATHER = "parameter all-gather"
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,14 @@ def split_iteration(events: list[dict[str, Any]], iteration_us: float | None = N
         tied = _sum_us(e for e in events if e["name"] == "tied-embedding sync")
         parts["wait"] = max(0.0, last - first - _sum_us(compute) + tied) / 1e6
     for event in events:
+        if event["cat"] != "step":
+            continue
         part = _STEP_PARTS.get(event["name"])
-        if part is not None and event["cat"] == "step":
+        if part is not None:
             parts[part] += float(event["dur"]) / 1e6
+        elif event["name"] == _PARAMETER_GATHER:  # inside the optimizer step
+            parts["dp_sync"] += float(event["dur"]) / 1e6
+            parts["optimizer"] -= float(event["dur"]) / 1e6
     spans = _top_level(events, "iteration")
     if iteration_us is None:
         iteration_us = _sum_us(spans)

@@ -197,6 +197,10 @@ def classify(command: Command) -> tuple[str, str]:
         if "--evaluate" in args or "cpu_emulated" in _value(args, "--cluster"):
             return "RUN", "a prediction, or a search on the emulated cluster"
         return "LONG", "a search on a large cluster: tens of seconds"
+    if program == "tools/testnet.py":
+        if args[:1] == ["plan"]:
+            return "RUN", "prints a test network's plan"
+        return "LONG", "builds or removes network namespaces (root)"
     if program == "megatron_het.kernels":
         return "RUN", "prints which implementation each fused op has here"
     if program == "tools/compile_kernels.py":

@@ -1,0 +1,138 @@
+"""tools/testnet.py for real: namespaces on a bridge, shaped by tc, reachable from each other,
+and removed again, also when a run left them behind (root and iproute2; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from megatron_het.testnet import netns
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+THREE_NODES = REPO / "scripts" / "clusters" / "testnet_3nodes.yaml"
+TESTNET = [sys.executable, str(REPO / "tools" / "testnet.py")]
+
+
+def _netns_problem() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    name = f"mht-probe{secrets.token_hex(2)}"
+    try:
+        made = subprocess.run(["ip", "netns", "add", name], capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"iproute2 does not run here ({exc})"
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.decode().strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+    return None
+
+
+pytestmark = [pytest.mark.netns]
+_PROBLEM = _netns_problem()
+if _PROBLEM is not None:
+    pytestmark.append(pytest.mark.skip(reason=_PROBLEM))
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*TESTNET, *args], capture_output=True, text=True, timeout=120, cwd=REPO, check=False
+    )
+
+
+@pytest.fixture
+def run_id() -> Iterator[str]:
+    """A fresh run id ("pt" and 4 hex digits); its network is removed after the test."""
+    run = f"pt{secrets.token_hex(2)}"
+    try:
+        yield run
+    finally:
+        netns.down(run)
+
+
+def in_namespace(namespace: str, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["ip", "netns", "exec", namespace, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_up_connects_the_nodes_shapes_them_and_down_removes_everything(run_id: str) -> None:
+    up = run_tool("up", "--cluster", str(THREE_NODES), "--scale", "0.1", "--run-id", run_id)
+    assert up.returncode == 0, up.stderr
+    assert f"testnet {run_id}: 3 node(s) of testnet_3nodes" in up.stdout
+    status = run_tool("status")
+    assert f"{run_id}: testnet_3nodes, 3 node(s), 3 namespace(s) present" in status.stdout
+    # node 0 reaches node 2 over the bridge: a TCP connection between the namespaces
+    server = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            f"mht-{run_id}-n2",
+            sys.executable,
+            "-c",
+            "import socket; s = socket.create_server(('10.213.0.3', 5998)); s.settimeout(30); "
+            "c, _ = s.accept(); c.sendall(c.recv(5))",
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        client = in_namespace(
+            f"mht-{run_id}-n0",
+            "import socket, time\n"
+            "for _ in range(100):\n"
+            "    try:\n"
+            "        c = socket.create_connection(('10.213.0.3', 5998), timeout=5); break\n"
+            "    except ConnectionRefusedError:\n"
+            "        time.sleep(0.05)\n"
+            "c.sendall(b'hello'); print(c.recv(5).decode())",
+        )
+        assert client.stdout.strip() == "hello", client.stderr
+    finally:
+        server.kill()
+        server.wait(10)
+    # the link between the kinds: its own HTB class at 0.5 GB/s x 0.1, for node 2's address
+    classes = subprocess.run(
+        ["tc", "-n", f"mht-{run_id}-n0", "class", "show", "dev", "eth0"],
+        capture_output=True, text=True, timeout=20, check=True,
+    ).stdout  # fmt: skip
+    assert re.search(r"class htb 1:100 parent 1:1 .*rate 400Mbit", classes), classes
+    assert re.search(r"class htb 1:10 parent 1:1 .*rate 1Gbit", classes), classes
+    down = run_tool("down", "--run-id", run_id)
+    assert down.returncode == 0 and f"mht-{run_id}-n2" in down.stdout, down.stderr
+    assert not [ns for ns in netns._namespaces() if run_id in ns]
+    assert not netns.state_path(run_id).exists()
+
+
+def test_a_second_up_of_a_run_is_one_line(run_id: str) -> None:
+    assert run_tool("up", "--cluster", str(THREE_NODES), "--run-id", run_id).returncode == 0
+    again = run_tool("up", "--cluster", str(THREE_NODES), "--run-id", run_id)
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines() == [
+        f"error: testnet {run_id} is already up; run 'tools/testnet.py down --run-id {run_id}'"
+        " first"
+    ]
+
+
+def test_what_a_crashed_run_left_is_found_and_removed(run_id: str) -> None:
+    # a run whose up died before it recorded anything: a namespace and a bridge of its names
+    subprocess.run(["ip", "netns", "add", f"mht-{run_id}-n0"], check=True, timeout=20)
+    subprocess.run(["ip", "link", "add", f"mhtb{run_id}", "type", "bridge"], check=True, timeout=20)
+    namespaces, bridges = netns.leftovers()
+    assert f"mht-{run_id}-n0" in namespaces and f"mhtb{run_id}" in bridges
+    assert f"leftover mht-{run_id}-n0" in run_tool("status").stdout
+    removed = netns.down(run_id)
+    assert removed == [f"mht-{run_id}-n0", f"mhtb{run_id}"]
+    namespaces, bridges = netns.leftovers()
+    assert f"mht-{run_id}-n0" not in namespaces and f"mhtb{run_id}" not in bridges

@@ -1,0 +1,85 @@
+"""tools/testnet.py's plan: names, addresses and tc shapes from a cluster file, without root."""
+
+from __future__ import annotations
+
+import io
+import pathlib
+
+import pytest
+
+from megatron_het.cluster import ClusterSpec
+from megatron_het.errors import UserError
+from megatron_het.testnet import netns
+from megatron_het.testnet.topology import check_run_id, node_address, plan_testnet
+from tools import testnet
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+THREE_NODES = REPO / "scripts" / "clusters" / "testnet_3nodes.yaml"
+
+
+def test_every_node_gets_a_namespace_an_address_and_the_files_shapes() -> None:
+    plan = plan_testnet(ClusterSpec.load(THREE_NODES), "ab1", scale=0.1)
+    assert plan.bridge == "mhtbab1"
+    assert [n.namespace for n in plan.nodes] == ["mht-ab1-n0", "mht-ab1-n1", "mht-ab1-n2"]
+    assert [n.address for n in plan.nodes] == ["10.213.0.1", "10.213.0.2", "10.213.0.3"]
+    assert all(len(n.veth) <= 15 for n in plan.nodes)  # Linux's limit on interface names
+    fast, _, slow = plan.nodes
+    # 10 Gbit/s NICs at scale 0.1: 1 Gbit/s; 5 us of NIC latency / 0.1
+    assert (fast.nic.rate_bit, fast.nic.delay_us) == (10**9, pytest.approx(50.0))
+    # the two kinds' link (0.5 GB/s, 200 us) from each fast node to the slow one, and back
+    assert [(p.node, p.shape.rate_bit) for p in fast.peers] == [(2, 4 * 10**8)]
+    assert fast.peers[0].shape.delay_us == pytest.approx(2000.0)
+    assert [p.node for p in slow.peers] == [0, 1]
+    assert fast.peers[0].why == "link fast <-> slow"
+
+
+def test_groups_sharing_a_node_or_a_default_link_use_the_nic() -> None:
+    plan = plan_testnet(ClusterSpec.load(REPO / "scripts/clusters/cpu_emulated.yaml"), "x")
+    (node,) = plan.nodes  # two colocated groups: one host
+    assert node.groups == ("fast", "slow") and node.peers == ()
+
+
+def test_shaping_is_htb_per_destination_with_netem_where_the_kernel_has_it() -> None:
+    fast = plan_testnet(ClusterSpec.load(THREE_NODES), "ab1", scale=0.1).nodes[0]
+    with_netem = [" ".join(c) for c in netns.shaping_commands(fast, netem=True)]
+    assert with_netem[0].startswith("tc -n mht-ab1-n0 qdisc replace dev eth0 root handle 1: htb")
+    assert any("classid 1:100 htb rate 400000000bit" in c for c in with_netem)
+    assert any("match ip dst 10.213.0.3/32 flowid 1:100" in c for c in with_netem)
+    assert any("parent 1:100 handle 100: netem delay 2000us" in c for c in with_netem)
+    without = [" ".join(c) for c in netns.shaping_commands(fast, netem=False)]
+    assert not any("netem" in c for c in without)
+    assert len(without) == len(with_netem) - 2  # the NIC's and the link's delays
+
+
+def test_a_plan_survives_its_record() -> None:
+    plan = plan_testnet(ClusterSpec.load(THREE_NODES), "r2", scale=0.5)
+    assert netns.plan_from_dict({k: v for k, v in netns.plan_to_dict(plan).items()
+                                 if k != "format"}) == plan  # fmt: skip
+
+
+@pytest.mark.parametrize("run_id", ["", "ABC", "toolong7", "a-b"])
+def test_a_bad_run_id_is_one_line(run_id: str) -> None:
+    with pytest.raises(UserError, match="run id .* must be 1-6 lowercase letters or digits"):
+        check_run_id(run_id)
+
+
+def test_bad_scale_and_too_many_nodes_are_one_line() -> None:
+    with pytest.raises(UserError, match="--scale must be positive"):
+        plan_testnet(ClusterSpec.load(THREE_NODES), "a", scale=0)
+    with pytest.raises(UserError, match="at most 62500 nodes"):
+        node_address(62500)
+
+
+def test_without_root_it_says_so() -> None:
+    with pytest.raises(UserError, match="testnet needs root"):
+        netns.check_host(euid=1000)
+
+
+def test_the_plan_command_prints_without_root() -> None:
+    out = io.StringIO()
+    assert testnet.main(["plan", "--cluster", str(THREE_NODES), "--scale", "0.1",
+                         "--run-id", "p1"], out) == 0  # fmt: skip
+    text = out.getvalue()
+    assert "testnet p1: 3 node(s) of testnet_3nodes on bridge mhtbp1" in text
+    assert "node 2 (slow; 2 rank(s)): mht-p1-n2 10.213.0.3, NIC 125 MB/s, 50 us" in text
+    assert "to node 2 (link fast <-> slow): 50 MB/s, 2000 us" in text

@@ -1,0 +1,81 @@
+"""Hosts of a cluster file on this machine: one network namespace per node, shaped by tc.
+
+    sudo python tools/testnet.py up --cluster scripts/clusters/testnet_3nodes.yaml \\
+        --scale 0.01 --run-id demo
+    sudo python tools/testnet.py status
+    sudo python tools/testnet.py down --run-id demo      # or: down (every run and leftover)
+    python tools/testnet.py plan --cluster CLUSTER.yaml --scale 0.01   # no root: names, shapes
+
+``up`` makes one namespace per node of the cluster (``mht-<run>-n<node>``, interface
+``eth0``, address ``10.213.x.y/16``) on a private bridge, and shapes each node's egress with
+HTB and netem: the node's NIC (``nic_bandwidth_gbit_per_s``) and each explicit ``links:``
+entry between kinds (bandwidth and latency, per destination node), all at ``--scale``
+(bandwidths times it, latencies divided by it). Nothing is reachable from outside the
+namespaces. ``down`` removes a run (also one whose ``up`` or whose user crashed); ``status``
+lists the runs and any leftovers. See :mod:`megatron_het.testnet.topology` and
+:mod:`megatron_het.testnet.netns`, and docs/multi-node.md.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from megatron_het.arguments.parser import ArgParser
+from megatron_het.cluster import ClusterSpec
+from megatron_het.errors import UserError, run_cli
+from megatron_het.testnet import netns
+from megatron_het.testnet.topology import check_run_id, describe, plan_testnet
+
+
+def main(argv: Sequence[str], out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    parser = ArgParser(prog="testnet.py", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument(
+        "command",
+        choices=("up", "down", "status", "plan"),
+        help="up: make a cluster file's namespaces, bridge and shaping; down: remove a run "
+        "(without --run-id every run and leftover); status: list them; plan: print what up "
+        "would make (no root needed)",
+    )
+    parser.add_argument("--cluster", help="cluster YAML (up, plan)")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="links' time dilation: bandwidths x SCALE, latencies / SCALE (default 1)",
+    )
+    parser.add_argument("--run-id", help="1-6 lowercase letters or digits (up: default random)")
+    args = parser.parse_args(list(argv))
+    if args.command in ("up", "plan") and not args.cluster:
+        raise UserError(f"testnet.py {args.command} needs --cluster CLUSTER.yaml")
+
+    if args.command in ("up", "plan"):
+        run_id = check_run_id(args.run_id) if args.run_id else secrets.token_hex(3)
+        plan = plan_testnet(ClusterSpec.load(args.cluster), run_id, args.scale)
+        if args.command == "up":
+            record = netns.up(plan)
+            print(describe(plan), file=out)
+            if not netns.netem_of(plan.run_id):
+                print(
+                    "note: this kernel has no netem qdisc: the links keep their rates, "
+                    "without their latencies",
+                    file=out,
+                )
+            print(f"up; recorded in {record}", file=out)
+        else:
+            print(describe(plan), file=out)
+    elif args.command == "down":
+        run_id = check_run_id(args.run_id) if args.run_id else None
+        removed = netns.down(run_id)
+        print(f"removed {len(removed)}: {' '.join(removed) or 'nothing was up'}", file=out)
+    else:
+        lines = netns.status()
+        print("\n".join(lines) if lines else "no testnet is up", file=out)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(lambda: sys.exit(main(sys.argv[1:])))

@@ -326,6 +326,10 @@ def command_flags(call: Call) -> Iterator[tuple[str, str]]:
         split = args.index("--")
         yield from ((f, call.program) for f in _flags_of(args[:split]))
         yield from ((f, "pretrain") for f in _flags_of(args[split + 1 :]))
+    elif call.program == "tools/testnet.py" and "--" in args:  # its own, then a node's command
+        split = args.index("--")
+        yield from ((f, call.program) for f in _flags_of(args[:split]))
+        yield from command_flags(resolve(args[split + 1 :]))
     elif call.program == "make":
         for name, _, value in (arg.partition("=") for arg in args):
             if name in MAKE_ARGUMENT_VARIABLES:

@@ -3,6 +3,7 @@ and removed again, also when a run left them behind (root and iproute2; skipped 
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -136,3 +137,41 @@ def test_what_a_crashed_run_left_is_found_and_removed(run_id: str) -> None:
     assert removed == [f"mht-{run_id}-n0", f"mhtb{run_id}"]
     namespaces, bridges = netns.leftovers()
     assert f"mht-{run_id}-n0" not in namespaces and f"mhtb{run_id}" not in bridges
+
+
+@pytest.mark.slow
+def test_a_three_host_job_over_shaped_links_trains_as_one_process(
+    run_id: str, tmp_path: pathlib.Path
+) -> None:
+    """torchrun on each of 3 hosts (2 emu-fast, 1 emu-slow with 2 ranks; EMULATION of the kinds'
+    compute, real TCP between the namespaces), a 3-stage pipeline with a TP change: the
+    single-process losses."""
+    assert run_tool("up", "--cluster", str(THREE_NODES), "--scale", "0.1",
+                    "--run-id", run_id).returncode == 0  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    train = ["--model", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "300", "--seq-length", "32", "--lr", "1e-3", "--log-interval", "1",
+             "--eval-iters", "0", "--train-iters", "8", "--seed", "1234"]  # fmt: skip
+    job = run_tool(
+        "run", "--run-id", run_id, "--log-dir", str(tmp_path / "logs"), "--timeout-s", "240",
+        "--", sys.executable, "-m", "torch.distributed.run", "--nnodes", "{nnodes}",
+        "--node-rank", "{node}", "--nproc-per-node", "{nproc}", "--master-addr",
+        "{master_addr}", "--master-port", "29500", "pretrain_llama.py",
+        "--cluster", str(THREE_NODES), "--plan", str(REPO / "scripts/plans/testnet_3nodes_pp3.json"),
+        *train, "--metrics-file", str(metrics),
+    )  # fmt: skip
+    logs = "".join(p.read_text()[-2000:] for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert job.returncode == 0, logs
+    assert [f"node {n}: exit status 0" in job.stdout for n in range(3)] == [True] * 3
+    reference = tmp_path / "reference.jsonl"
+    alone = subprocess.run(
+        [sys.executable, "pretrain_llama.py", *train, "--global-batch-size", "8",
+         "--micro-batch-size", "2", "--metrics-file", str(reference)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    got = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    want = [json.loads(line)["loss"] for line in reference.read_text().splitlines()]
+    assert len(got) == len(want) == 8
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 2e-4 * abs(b), (got, want)

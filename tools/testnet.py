@@ -2,6 +2,9 @@
 
     sudo python tools/testnet.py up --cluster scripts/clusters/testnet_3nodes.yaml \\
         --scale 0.01 --run-id demo
+    sudo python tools/testnet.py run --run-id demo -- python -m torch.distributed.run \\
+        --nnodes {nnodes} --node-rank {node} --nproc-per-node {nproc} \\
+        --master-addr {master_addr} --master-port 29500 pretrain_llama.py ...
     sudo python tools/testnet.py status
     sudo python tools/testnet.py down --run-id demo      # or: down (every run and leftover)
     python tools/testnet.py plan --cluster CLUSTER.yaml --scale 0.01   # no root: names, shapes
@@ -18,6 +21,8 @@ lists the runs and any leftovers. See :mod:`megatron_het.testnet.topology` and
 
 from __future__ import annotations
 
+import argparse
+import pathlib
 import secrets
 import sys
 from collections.abc import Sequence
@@ -27,6 +32,7 @@ from megatron_het.arguments.parser import ArgParser
 from megatron_het.cluster import ClusterSpec
 from megatron_het.errors import UserError, run_cli
 from megatron_het.testnet import netns
+from megatron_het.testnet.launch import run_on_nodes
 from megatron_het.testnet.topology import check_run_id, describe, plan_testnet
 
 
@@ -35,8 +41,9 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
     parser = ArgParser(prog="testnet.py", description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "command",
-        choices=("up", "down", "status", "plan"),
-        help="up: make a cluster file's namespaces, bridge and shaping; down: remove a run "
+        choices=("up", "run", "down", "status", "plan"),
+        help="up: make a cluster file's namespaces, bridge and shaping; run: start the "
+        "command after '--' on every node of a run, each in its namespace; down: remove a run "
         "(without --run-id every run and leftover); status: list them; plan: print what up "
         "would make (no root needed)",
     )
@@ -48,7 +55,25 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         help="links' time dilation: bandwidths x SCALE, latencies / SCALE (default 1)",
     )
     parser.add_argument("--run-id", help="1-6 lowercase letters or digits (up: default random)")
-    args = parser.parse_args(list(argv))
+    parser.add_argument(
+        "--log-dir",
+        default="testnet_logs",
+        help="run: where node<K>.log goes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=1800.0,
+        help="run: stop every node's command after this many seconds (default %(default)s)",
+    )
+    argv = list(argv)
+    command: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, command = argv[:at], argv[at + 1 :]
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return run(args, command, out)
     if args.command in ("up", "plan") and not args.cluster:
         raise UserError(f"testnet.py {args.command} needs --cluster CLUSTER.yaml")
 
@@ -75,6 +100,23 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         lines = netns.status()
         print("\n".join(lines) if lines else "no testnet is up", file=out)
     return 0
+
+
+def run(args: argparse.Namespace, command: list[str], out: TextIO) -> int:
+    """``run``: the command on every node of the recorded run; the worst exit status."""
+    if not args.run_id:
+        raise UserError("testnet.py run needs --run-id (the run 'up' made)")
+    netns.check_host()
+    plan = netns.load_plan(check_run_id(args.run_id))
+    if plan is None:
+        raise UserError(f"testnet {args.run_id} is not up (tools/testnet.py status lists runs)")
+    results = run_on_nodes(plan, command, pathlib.Path(args.log_dir), args.timeout_s)
+    for result in results:
+        print(f"node {result.node}: exit status {result.returncode} ({result.log})", file=out)
+    failed = [r.returncode for r in results if r.returncode != 0]
+    if not failed:
+        return 0
+    return failed[0] if failed[0] > 0 else 128 - failed[0]  # killed by signal N: 128 + N
 
 
 if __name__ == "__main__":

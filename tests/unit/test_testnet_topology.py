@@ -10,6 +10,7 @@ import pytest
 from megatron_het.cluster import ClusterSpec
 from megatron_het.errors import UserError
 from megatron_het.testnet import netns
+from megatron_het.testnet.launch import node_command, run_on_nodes
 from megatron_het.testnet.topology import check_run_id, node_address, plan_testnet
 from tools import testnet
 
@@ -83,3 +84,21 @@ def test_the_plan_command_prints_without_root() -> None:
     assert "testnet p1: 3 node(s) of testnet_3nodes on bridge mhtbp1" in text
     assert "node 2 (slow; 2 rank(s)): mht-p1-n2 10.213.0.3, NIC 125 MB/s, 50 us" in text
     assert "to node 2 (link fast <-> slow): 50 MB/s, 2000 us" in text
+
+
+def test_a_nodes_command_gets_its_placeholders() -> None:
+    plan = plan_testnet(ClusterSpec.load(THREE_NODES), "c1")
+    template = ["torchrun", "--nnodes", "{nnodes}", "--node-rank", "{node}",
+                "--nproc-per-node", "{nproc}", "--master-addr={master_addr}", "{address}", "{x}"]  # fmt: skip
+    assert node_command(template, plan, plan.nodes[2]) == [
+        "torchrun", "--nnodes", "3", "--node-rank", "2", "--nproc-per-node", "2",
+        "--master-addr=10.213.0.1", "10.213.0.3", "{x}",
+    ]  # fmt: skip
+
+
+def test_run_without_a_run_or_a_command_is_one_line(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(UserError, match="run needs --run-id"):
+        testnet.main(["run", "--", "true"])
+    plan = plan_testnet(ClusterSpec.load(THREE_NODES), "c1")
+    with pytest.raises(UserError, match="needs a command after '--'"):
+        run_on_nodes(plan, [], tmp_path, 10.0)

@@ -175,3 +175,61 @@ def test_a_three_host_job_over_shaped_links_trains_as_one_process(
     assert len(got) == len(want) == 8
     for a, b in zip(got, want):
         assert abs(a - b) <= 2e-4 * abs(b), (got, want)
+
+
+def _reaches(run_id: str, src: int, dst: int, port: int) -> bool:
+    """Whether node ``src`` opens a TCP connection to node ``dst`` within 2 s."""
+    address = f"10.213.0.{dst + 1}"
+    server = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            f"mht-{run_id}-n{dst}",
+            sys.executable,
+            "-c",
+            f"import socket; s = socket.create_server(('{address}', {port})); s.settimeout(8); "
+            "c, _ = s.accept(); c.sendall(b'ok')",
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        client = in_namespace(
+            f"mht-{run_id}-n{src}",
+            "import socket, time\n"
+            "for _ in range(40):\n"
+            "    try:\n"
+            f"        c = socket.create_connection(('{address}', {port}), timeout=2); break\n"
+            "    except ConnectionRefusedError:\n"
+            "        time.sleep(0.05)\n"
+            "    except OSError:\n"
+            "        raise SystemExit(3)\n"
+            "print(c.recv(2).decode())",
+        )
+        return client.stdout.strip() == "ok"
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def test_faults_pull_a_cable_replug_it_and_cut_a_rate(run_id: str) -> None:
+    assert run_tool("up", "--cluster", str(THREE_NODES), "--scale", "0.1",
+                    "--run-id", run_id).returncode == 0  # fmt: skip
+    assert _reaches(run_id, 0, 2, 5997)
+    down = run_tool("fault", "--run-id", run_id, "--node", "2", "--link", "down")
+    assert down.returncode == 0 and "node 2: link down" in down.stdout, down.stderr
+    assert not _reaches(run_id, 0, 2, 5996)
+    assert run_tool("fault", "--run-id", run_id, "--node", "2", "--link", "up").returncode == 0
+    assert _reaches(run_id, 0, 2, 5995)
+    cut = run_tool("fault", "--run-id", run_id, "--node", "0", "--rate-fraction", "0.1")
+    assert cut.returncode == 0 and "node 0: rates x 0.1" in cut.stdout, cut.stderr
+    classes = subprocess.run(
+        ["tc", "-n", f"mht-{run_id}-n0", "class", "show", "dev", "eth0"],
+        capture_output=True, text=True, timeout=20, check=True,
+    ).stdout  # fmt: skip
+    assert re.search(r"class htb 1:10 parent 1:1 .*rate 100Mbit", classes), classes
+    assert re.search(r"class htb 1:100 parent 1:1 .*rate 40Mbit", classes), classes
+    bad = run_tool("fault", "--run-id", run_id, "--node", "7", "--link", "down")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == f"error: --node 7 is not a node of testnet {run_id} (0-2)"

@@ -25,15 +25,16 @@ import argparse
 import pathlib
 import secrets
 import sys
+import time
 from collections.abc import Sequence
 from typing import TextIO
 
 from megatron_het.arguments.parser import ArgParser
 from megatron_het.cluster import ClusterSpec
 from megatron_het.errors import UserError, run_cli
-from megatron_het.testnet import netns
+from megatron_het.testnet import faults, netns
 from megatron_het.testnet.launch import run_on_nodes
-from megatron_het.testnet.topology import check_run_id, describe, plan_testnet
+from megatron_het.testnet.topology import TestnetPlan, check_run_id, describe, plan_testnet
 
 
 def main(argv: Sequence[str], out: TextIO | None = None) -> int:
@@ -41,9 +42,10 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
     parser = ArgParser(prog="testnet.py", description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "command",
-        choices=("up", "run", "down", "status", "plan"),
+        choices=("up", "run", "fault", "down", "status", "plan"),
         help="up: make a cluster file's namespaces, bridge and shaping; run: start the "
-        "command after '--' on every node of a run, each in its namespace; down: remove a run "
+        "command after '--' on every node of a run, each in its namespace; fault: a network "
+        "fault on one node; down: remove a run "
         "(without --run-id every run and leftover); status: list them; plan: print what up "
         "would make (no root needed)",
     )
@@ -66,6 +68,19 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
         default=1800.0,
         help="run: stop every node's command after this many seconds (default %(default)s)",
     )
+    faults = parser.add_argument_group("fault")
+    faults.add_argument("--node", type=int, help="the node the fault hits")
+    faults.add_argument("--to-node", type=int, help="only its link to this node")
+    faults.add_argument("--link", choices=("down", "up"), help="pull or replug its cable")
+    faults.add_argument(
+        "--rate-fraction", type=float, help="its shaped rates times this (1: the planned ones)"
+    )
+    faults.add_argument("--loss", type=float, help="drop this %% of its sent packets (0: none)")
+    faults.add_argument("--at-s", type=float, default=0.0, help="wait this many seconds first")
+    faults.add_argument(
+        "--at-iteration", type=int, help="wait until --metrics-file has logged this iteration"
+    )
+    faults.add_argument("--metrics-file", help="the run's --metrics-file (--at-iteration)")
     argv = list(argv)
     command: list[str] = []
     if "--" in argv:
@@ -74,6 +89,8 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         return run(args, command, out)
+    if args.command == "fault":
+        return fault(args, out)
     if args.command in ("up", "plan") and not args.cluster:
         raise UserError(f"testnet.py {args.command} needs --cluster CLUSTER.yaml")
 
@@ -102,14 +119,61 @@ def main(argv: Sequence[str], out: TextIO | None = None) -> int:
     return 0
 
 
-def run(args: argparse.Namespace, command: list[str], out: TextIO) -> int:
-    """``run``: the command on every node of the recorded run; the worst exit status."""
+def _recorded(args: argparse.Namespace, what: str) -> TestnetPlan:
     if not args.run_id:
-        raise UserError("testnet.py run needs --run-id (the run 'up' made)")
+        raise UserError(f"testnet.py {what} needs --run-id (the run 'up' made)")
     netns.check_host()
     plan = netns.load_plan(check_run_id(args.run_id))
     if plan is None:
         raise UserError(f"testnet {args.run_id} is not up (tools/testnet.py status lists runs)")
+    return plan
+
+
+def fault(args: argparse.Namespace, out: TextIO) -> int:
+    """``fault``: one of --link, --rate-fraction, --loss on --node, when --at-s / --at-iteration
+    says."""
+    plan = _recorded(args, "fault")
+    chosen = [f for f in ("link", "rate_fraction", "loss") if getattr(args, f) is not None]
+    if len(chosen) != 1:
+        raise UserError("testnet.py fault needs exactly one of --link, --rate-fraction, --loss")
+    for flag, value in (("--node", args.node), ("--to-node", args.to_node)):
+        if value is not None and not 0 <= value < len(plan.nodes):
+            raise UserError(f"{flag} {value} is not a node of testnet {plan.run_id} "
+                            f"(0-{len(plan.nodes) - 1})")  # fmt: skip
+    if args.node is None:
+        raise UserError("testnet.py fault needs --node")
+    node = plan.node(args.node)
+    if args.link is not None:
+        commands = faults.link_state_commands(node, up=args.link == "up")
+    elif args.rate_fraction is not None:
+        commands = faults.rate_commands(node, args.rate_fraction, args.to_node)
+    else:
+        faults.check_nft()
+        commands = faults.loss_commands(plan, node, args.loss, args.to_node)
+    if args.at_iteration is not None:
+        if not args.metrics_file:
+            raise UserError("--at-iteration needs --metrics-file (the run's)")
+        faults.wait_for_iteration(pathlib.Path(args.metrics_file), args.at_iteration,
+                                  args.timeout_s)  # fmt: skip
+    if args.at_s > 0:
+        time.sleep(min(args.at_s, args.timeout_s))
+    for argv in commands:
+        tolerated = "delete" in argv  # removing a loss table that was never added
+        netns.run_command(argv, check=not tolerated)
+    if args.link is not None:
+        what = f"link {args.link}"
+    elif args.rate_fraction is not None:
+        what = f"rates x {args.rate_fraction:g}"
+    else:
+        what = f"{args.loss:g}% loss"
+    where = f"node {node.node}" + (f" -> node {args.to_node}" if args.to_node is not None else "")
+    print(f"{time.strftime('%H:%M:%S')} {where}: {what}", file=out, flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace, command: list[str], out: TextIO) -> int:
+    """``run``: the command on every node of the recorded run; the worst exit status."""
+    plan = _recorded(args, "run")
     results = run_on_nodes(plan, command, pathlib.Path(args.log_dir), args.timeout_s)
     for result in results:
         print(f"node {result.node}: exit status {result.returncode} ({result.log})", file=out)

@@ -50,7 +50,7 @@ def check_host(euid: int | None = None) -> None:
             raise UserError(f"testnet needs iproute2's {tool!r}, which is not on PATH")
 
 
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_command(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     try:
         done = subprocess.run(
             list(argv), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False
@@ -146,11 +146,11 @@ def up(plan: TestnetPlan) -> Path:
         )
     try:
         for argv in link_commands(plan):
-            _run(argv)
+            run_command(argv)
         netem = has_netem(plan.nodes[0].namespace)
         for node in plan.nodes:
             for argv in shaping_commands(node, netem):
-                _run(argv)
+                run_command(argv)
     except BaseException:
         _remove(plan.run_id, len(plan.nodes))
         raise
@@ -163,13 +163,13 @@ def up(plan: TestnetPlan) -> Path:
 def has_netem(namespace: str) -> bool:
     """Whether this kernel has the netem qdisc (tried on ``namespace``'s loopback); without
     it the links keep their rates but get no delay from tc."""
-    added = _run(
+    added = run_command(
         ["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1us"],
         check=False,
     )
     if added.returncode != 0:
         return False
-    _run(["tc", "-n", namespace, "qdisc", "del", "dev", "lo", "root"], check=False)
+    run_command(["tc", "-n", namespace, "qdisc", "del", "dev", "lo", "root"], check=False)
     return True
 
 
@@ -194,10 +194,10 @@ def down(run_id: str | None) -> list[str]:
     if run_id is None:
         namespaces, bridges = leftovers()
         for ns in namespaces:
-            _run(["ip", "netns", "del", ns], check=False)
+            run_command(["ip", "netns", "del", ns], check=False)
             removed.append(ns)
         for bridge in bridges:
-            _run(["ip", "link", "del", bridge], check=False)
+            run_command(["ip", "link", "del", bridge], check=False)
             removed.append(bridge)
     return removed
 
@@ -207,10 +207,10 @@ def _remove(run_id: str, count: int) -> list[str]:
     removed = []
     for node in range(count):
         ns = namespace_name(run_id, node)
-        if _run(["ip", "netns", "del", ns], check=False).returncode == 0:
+        if run_command(["ip", "netns", "del", ns], check=False).returncode == 0:
             removed.append(ns)
     bridge = bridge_name(run_id)
-    if _run(["ip", "link", "del", bridge], check=False).returncode == 0:
+    if run_command(["ip", "link", "del", bridge], check=False).returncode == 0:
         removed.append(bridge)
     state_path(run_id).unlink(missing_ok=True)
     return removed
@@ -221,7 +221,7 @@ def _records() -> list[Path]:
 
 
 def _namespaces() -> list[str]:
-    done = _run(["ip", "netns", "list"], check=False)
+    done = run_command(["ip", "netns", "list"], check=False)
     return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
 
 
@@ -245,7 +245,7 @@ def leftovers() -> tuple[list[str], list[str]]:
         return name.startswith(prefix) and run not in recorded
 
     namespaces = [ns for ns in _namespaces() if ours(ns, f"{PREFIX}-")]
-    done = _run(["ip", "-o", "link", "show", "type", "bridge"], check=False)
+    done = run_command(["ip", "-o", "link", "show", "type", "bridge"], check=False)
     bridges = [
         line.split(":")[1].strip()
         for line in done.stdout.splitlines()
@@ -317,6 +317,7 @@ __all__ = [
     "leftovers",
     "link_commands",
     "load_plan",
+    "run_command",
     "plan_from_dict",
     "plan_to_dict",
     "shaping_commands",

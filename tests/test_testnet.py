@@ -67,6 +67,14 @@ def in_namespace(namespace: str, code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def htb_classes(run_id: str, node: int) -> str:
+    """``tc class show`` of the node's eth0."""
+    return subprocess.run(
+        ["tc", "-n", f"mht-{run_id}-n{node}", "class", "show", "dev", "eth0"],
+        capture_output=True, text=True, timeout=20, check=True,
+    ).stdout  # fmt: skip
+
+
 def test_up_connects_the_nodes_shapes_them_and_down_removes_everything(run_id: str) -> None:
     up = run_tool("up", "--cluster", str(THREE_NODES), "--scale", "0.1", "--run-id", run_id)
     assert up.returncode == 0, up.stderr
@@ -74,40 +82,9 @@ def test_up_connects_the_nodes_shapes_them_and_down_removes_everything(run_id: s
     status = run_tool("status")
     assert f"{run_id}: testnet_3nodes, 3 node(s), 3 namespace(s) present" in status.stdout
     # node 0 reaches node 2 over the bridge: a TCP connection between the namespaces
-    server = subprocess.Popen(
-        [
-            "ip",
-            "netns",
-            "exec",
-            f"mht-{run_id}-n2",
-            sys.executable,
-            "-c",
-            "import socket; s = socket.create_server(('10.213.0.3', 5998)); s.settimeout(30); "
-            "c, _ = s.accept(); c.sendall(c.recv(5))",
-        ],  # fmt: skip
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        client = in_namespace(
-            f"mht-{run_id}-n0",
-            "import socket, time\n"
-            "for _ in range(100):\n"
-            "    try:\n"
-            "        c = socket.create_connection(('10.213.0.3', 5998), timeout=5); break\n"
-            "    except ConnectionRefusedError:\n"
-            "        time.sleep(0.05)\n"
-            "c.sendall(b'hello'); print(c.recv(5).decode())",
-        )
-        assert client.stdout.strip() == "hello", client.stderr
-    finally:
-        server.kill()
-        server.wait(10)
+    assert _reaches(run_id, 0, 2, 5998)
     # the link between the kinds: its own HTB class at 0.5 GB/s x 0.1, for node 2's address
-    classes = subprocess.run(
-        ["tc", "-n", f"mht-{run_id}-n0", "class", "show", "dev", "eth0"],
-        capture_output=True, text=True, timeout=20, check=True,
-    ).stdout  # fmt: skip
+    classes = htb_classes(run_id, 0)
     assert re.search(r"class htb 1:100 parent 1:1 .*rate 400Mbit", classes), classes
     assert re.search(r"class htb 1:10 parent 1:1 .*rate 1Gbit", classes), classes
     down = run_tool("down", "--run-id", run_id)
@@ -224,10 +201,7 @@ def test_faults_pull_a_cable_replug_it_and_cut_a_rate(run_id: str) -> None:
     assert _reaches(run_id, 0, 2, 5995)
     cut = run_tool("fault", "--run-id", run_id, "--node", "0", "--rate-fraction", "0.1")
     assert cut.returncode == 0 and "node 0: rates x 0.1" in cut.stdout, cut.stderr
-    classes = subprocess.run(
-        ["tc", "-n", f"mht-{run_id}-n0", "class", "show", "dev", "eth0"],
-        capture_output=True, text=True, timeout=20, check=True,
-    ).stdout  # fmt: skip
+    classes = htb_classes(run_id, 0)
     assert re.search(r"class htb 1:10 parent 1:1 .*rate 100Mbit", classes), classes
     assert re.search(r"class htb 1:100 parent 1:1 .*rate 40Mbit", classes), classes
     bad = run_tool("fault", "--run-id", run_id, "--node", "7", "--link", "down")

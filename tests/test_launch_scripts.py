@@ -28,9 +28,10 @@ from tests.unit.test_node_launch import launch, mix_file
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(REPO.glob("scripts/*/pretrain_llama_*.sh"))
-# Clusters that are not launched from here: the emulated one (make demo runs it) and the
-# 16,384-device one, an example for planning at scale.
-NOT_LAUNCHED = {"cpu_emulated", "h100_mi300x_a100_16k"}
+# Clusters that are not launched from here: the emulated one (make demo runs it), the
+# 16,384-device one, an example for planning at scale, and the test network's hosts
+# (tools/testnet.py run launches them).
+NOT_LAUNCHED = {"cpu_emulated", "h100_mi300x_a100_16k", "testnet_3nodes"}
 MIXES = sorted(
     p.stem for p in (REPO / "scripts" / "clusters").glob("*.yaml") if p.stem not in NOT_LAUNCHED
 )

@@ -32,7 +32,7 @@ from typing import TextIO
 from megatron_het.arguments.parser import ArgParser
 from megatron_het.cluster import ClusterSpec
 from megatron_het.errors import UserError, run_cli
-from megatron_het.testnet import faults, netns
+from megatron_het.testnet import netns, network_faults
 from megatron_het.testnet.launch import run_on_nodes
 from megatron_het.testnet.topology import TestnetPlan, check_run_id, describe, plan_testnet
 
@@ -144,16 +144,16 @@ def fault(args: argparse.Namespace, out: TextIO) -> int:
         raise UserError("testnet.py fault needs --node")
     node = plan.node(args.node)
     if args.link is not None:
-        commands = faults.link_state_commands(node, up=args.link == "up")
+        commands = network_faults.link_state_commands(node, up=args.link == "up")
     elif args.rate_fraction is not None:
-        commands = faults.rate_commands(node, args.rate_fraction, args.to_node)
+        commands = network_faults.rate_commands(node, args.rate_fraction, args.to_node)
     else:
-        faults.check_nft()
-        commands = faults.loss_commands(plan, node, args.loss, args.to_node)
+        network_faults.check_nft()
+        commands = network_faults.loss_commands(plan, node, args.loss, args.to_node)
     if args.at_iteration is not None:
         if not args.metrics_file:
             raise UserError("--at-iteration needs --metrics-file (the run's)")
-        faults.wait_for_iteration(pathlib.Path(args.metrics_file), args.at_iteration,
+        network_faults.wait_for_iteration(pathlib.Path(args.metrics_file), args.at_iteration,
                                   args.timeout_s)  # fmt: skip
     if args.at_s > 0:
         time.sleep(min(args.at_s, args.timeout_s))

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_het.cluster import ClusterSpec
 from megatron_het.errors import UserError
-from megatron_het.testnet import faults, netns
+from megatron_het.testnet import netns, network_faults
 from megatron_het.testnet.launch import node_command, run_on_nodes
 from megatron_het.testnet.topology import check_run_id, node_address, plan_testnet
 from tools import testnet
@@ -107,29 +107,31 @@ def test_run_without_a_run_or_a_command_is_one_line(tmp_path: pathlib.Path) -> N
 def test_faults_are_the_nodes_cable_rates_and_nftables_drops() -> None:
     plan = plan_testnet(ClusterSpec.load(THREE_NODES), "f1", scale=0.1)
     fast = plan.nodes[0]
-    assert faults.link_state_commands(fast, up=False) == [["ip", "link", "set", "mhtf1n0", "down"]]
-    cut = [" ".join(c) for c in faults.rate_commands(fast, 0.1)]
+    assert network_faults.link_state_commands(fast, up=False) == [
+        ["ip", "link", "set", "mhtf1n0", "down"]
+    ]
+    cut = [" ".join(c) for c in network_faults.rate_commands(fast, 0.1)]
     assert len(cut) == 3  # the NIC's total, its default class and the link to node 2
     assert "classid 1:10 htb rate 100000000bit" in cut[1]
     assert "classid 1:100 htb rate 40000000bit" in cut[2]
-    (only,) = faults.rate_commands(fast, 0.5, to_node=2)
+    (only,) = network_faults.rate_commands(fast, 0.5, to_node=2)
     assert "classid 1:100 htb rate 200000000bit" in " ".join(only)
     with pytest.raises(UserError, match="node 0 has no shaped link to node 1"):
-        faults.rate_commands(fast, 0.5, to_node=1)
-    loss = [" ".join(c) for c in faults.loss_commands(plan, fast, 1.0, to_node=2)]
+        network_faults.rate_commands(fast, 0.5, to_node=1)
+    loss = [" ".join(c) for c in network_faults.loss_commands(plan, fast, 1.0, to_node=2)]
     assert loss[0].endswith("nft delete table inet megatron_het_testnet")
     assert loss[-1].endswith("ip daddr 10.213.0.3 numgen random mod 10000 < 100 drop")
-    assert len(faults.loss_commands(plan, fast, 0)) == 1  # only the removal
+    assert len(network_faults.loss_commands(plan, fast, 0)) == 1  # only the removal
     with pytest.raises(UserError, match="--loss must be a percentage"):
-        faults.loss_commands(plan, fast, 120)
+        network_faults.loss_commands(plan, fast, 120)
 
 
 def test_a_fault_waits_for_its_iteration(tmp_path: pathlib.Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"iteration": 1}\n{"iteration": 2}\n{"iter')  # a line being written
-    faults.wait_for_iteration(metrics, 2, timeout_s=5)
+    network_faults.wait_for_iteration(metrics, 2, timeout_s=5)
     with pytest.raises(UserError, match="did not log iteration 3 within 0.2 s"):
-        faults.wait_for_iteration(metrics, 3, timeout_s=0.2)
+        network_faults.wait_for_iteration(metrics, 3, timeout_s=0.2)
 
 
 def test_a_fault_without_a_run_is_one_line() -> None:

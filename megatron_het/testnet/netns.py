@@ -23,6 +23,7 @@ from megatron_het.fileio import write_text_atomically
 from megatron_het.testnet.topology import (
     PREFIX,
     PREFIX_LEN,
+    PeerShape,
     Shape,
     TestnetNode,
     TestnetPlan,
@@ -97,7 +98,7 @@ def shaping_commands(
     out = [
         [*tc, "qdisc", "replace", "dev", device, "root", "handle", "1:", "htb", "default", "10"],
         [*tc, "class", "add", "dev", device, "parent", "1:", "classid", "1:1", "htb"]
-        + _htb(node.nic),
+        + htb_args(node.nic.rate_bit),
     ]
     classes = [(10, node.nic, None)] + [
         (100 + i, peer.shape, peer.address) for i, peer in enumerate(node.peers)
@@ -105,7 +106,7 @@ def shaping_commands(
     for minor, shape, address in classes:
         out.append(
             [*tc, "class", "add", "dev", device, "parent", "1:1", "classid", f"1:{minor}", "htb"]
-            + _htb(Shape(min(shape.rate_bit, node.nic.rate_bit), shape.delay_us))
+            + htb_args(shape.rate_bit)  # (a peer's rate is at most the NIC's: topology)
         )
         if netem:
             out.append(
@@ -121,8 +122,9 @@ def shaping_commands(
     return out
 
 
-def _htb(shape: Shape) -> list[str]:
-    rate = f"{shape.rate_bit}bit"
+def htb_args(rate_bit: float) -> list[str]:
+    """An HTB class's rate, ceiling and quantum at ``rate_bit`` bits per second."""
+    rate = f"{max(8, round(rate_bit))}bit"
     return ["rate", rate, "ceil", rate, "quantum", str(HTB_QUANTUM)]
 
 
@@ -281,8 +283,6 @@ def plan_to_dict(plan: TestnetPlan) -> dict[str, Any]:
 
 
 def plan_from_dict(data: dict[str, Any]) -> TestnetPlan:
-    from megatron_het.testnet.topology import PeerShape
-
     nodes = tuple(
         TestnetNode(
             **{
@@ -314,6 +314,7 @@ __all__ = [
     "STATE_DIR",
     "check_host",
     "down",
+    "htb_args",
     "leftovers",
     "link_commands",
     "load_plan",

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from megatron_het.errors import UserError
-from megatron_het.testnet.netns import HTB_QUANTUM
+from megatron_het.testnet.netns import htb_args
 from megatron_het.testnet.topology import TestnetNode, TestnetPlan
 
 NFT_TABLE = "megatron_het_testnet"
@@ -37,9 +37,9 @@ def rate_commands(
         raise UserError(f"--rate-fraction must be positive, got {fraction}")
     tc = ["tc", "-n", node.namespace, "class", "change", "dev", "eth0"]
 
-    def htb(rate_bit: int) -> list[str]:
-        rate = f"{max(8, round(rate_bit * fraction))}bit"
-        return ["htb", "rate", rate, "ceil", rate, "quantum", str(HTB_QUANTUM)]
+    def change(minor: int, parent: str, rate_bit: int) -> list[str]:
+        classid = f"1:{minor}"
+        return [*tc, "parent", parent, "classid", classid, "htb", *htb_args(rate_bit * fraction)]
 
     peers = [(100 + i, p) for i, p in enumerate(node.peers)]
     if to_node is not None:
@@ -49,26 +49,9 @@ def rate_commands(
                 f"node {node.node} has no shaped link to node {to_node} (only its NIC: leave "
                 "out --to-node)"
             )
-        return [
-            [
-                *tc,
-                "parent",
-                "1:1",
-                "classid",
-                f"1:{m}",
-                *htb(min(p.shape.rate_bit, node.nic.rate_bit)),
-            ]
-            for m, p in chosen
-        ]
-    out = [
-        [*tc, "parent", "1:", "classid", "1:1", *htb(node.nic.rate_bit)],
-        [*tc, "parent", "1:1", "classid", "1:10", *htb(node.nic.rate_bit)],
-    ]
-    out += [
-        [*tc, "parent", "1:1", "classid", f"1:{m}", *htb(min(p.shape.rate_bit, node.nic.rate_bit))]
-        for m, p in peers
-    ]
-    return out
+        return [change(m, "1:1", p.shape.rate_bit) for m, p in chosen]
+    out = [change(1, "1:", node.nic.rate_bit), change(10, "1:1", node.nic.rate_bit)]
+    return out + [change(m, "1:1", p.shape.rate_bit) for m, p in peers]
 
 
 def loss_commands(
